@@ -1,0 +1,1 @@
+"""ringpack.analysis"""

@@ -1,0 +1,200 @@
+"""The cost model shared by every strategy, the reports and the simulator (DESIGN.md section 2).
+
+A rank's work for one micro-batch costs ``token * tokens + pair * attention_pairs + segment *
+segments``. ``attention_pairs`` is the *exact* number of (query, key) pairs the rank computes under
+the causal document mask: a query at position ``q`` of its sample attends keys ``0..q`` of that
+sample wherever they live, so a piece ``[start, stop)`` contributes
+``sum_{q=start}^{stop-1} (q + 1) = (stop*(stop+1) - start*(start+1)) / 2`` pairs. That closed form
+is why the model is exact *and* vectorised: no loop over tokens or pairs, ever.
+
+Default coefficients are FLOPs of one forward+backward pass derived from a model shape; a
+calibrated profile (seconds measured on a GPU) can replace them without touching any caller.
+Integer solvers get costs through :func:`scale_to_int`, one place, so every solver rounds alike.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+
+__all__ = [
+    "ModelShape",
+    "CostModel",
+    "PRESETS",
+    "piece_pairs",
+    "rank_pairs",
+    "rank_costs",
+    "scale_to_int",
+]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The few numbers of a transformer that decide its FLOPs per token and per attention pair."""
+
+    name: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int = 0
+    head_dim: int = 0  # 0 means hidden // heads
+
+    def __post_init__(self) -> None:
+        for field in ("hidden", "layers", "heads", "kv_heads", "ffn"):
+            if getattr(self, field) <= 0:
+                raise ValueError(f"ModelShape {self.name!r}: {field} must be positive")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"ModelShape {self.name!r}: heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
+        if self.head_dim == 0:
+            if self.hidden % self.heads:
+                raise ValueError(f"ModelShape {self.name!r}: hidden not divisible by heads; give head_dim")
+            object.__setattr__(self, "head_dim", self.hidden // self.heads)
+
+    @property
+    def params_per_layer(self) -> int:
+        """Weights of one decoder layer: q, k, v, o projections and a gated (SwiGLU) MLP."""
+        q_and_o = 2 * self.hidden * self.heads * self.head_dim
+        k_and_v = 2 * self.hidden * self.kv_heads * self.head_dim
+        mlp = 3 * self.hidden * self.ffn
+        return q_and_o + k_and_v + mlp
+
+    @property
+    def params(self) -> int:
+        """All weights, embedding and (untied) output head included."""
+        return self.layers * self.params_per_layer + 2 * self.vocab * self.hidden
+
+
+PRESETS: dict[str, ModelShape] = {
+    shape.name: shape
+    for shape in (
+        ModelShape("llama3-8b", hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, vocab=128256),
+        ModelShape("llama-1b", hidden=2048, layers=16, heads=32, kv_heads=8, ffn=8192, vocab=128256),
+        ModelShape("tiny", hidden=256, layers=4, heads=4, kv_heads=2, ffn=688, vocab=32000),
+    )
+}
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Linear cost of a rank's work: ``token*tokens + pair*pairs + segment*segments``.
+
+    ``unit`` says what one cost unit is ("flop" for shape-derived models, "s" for a calibrated
+    profile); reports print it, and :meth:`seconds` converts with ``flops_per_second`` when the
+    model is in FLOPs.
+    """
+
+    token: float
+    pair: float
+    segment: float = 0.0
+    unit: str = "flop"
+    name: str = "custom"
+    flops_per_second: float = 4.0e14  # achieved fwd+bwd throughput used to predict times
+
+    def __post_init__(self) -> None:
+        if self.token < 0 or self.pair < 0 or self.segment < 0:
+            raise ValueError(f"CostModel {self.name!r}: coefficients must be non-negative")
+        if self.token == 0 and self.pair == 0:
+            raise ValueError(f"CostModel {self.name!r}: token and pair coefficients are both zero")
+        if self.unit not in ("flop", "s"):
+            raise ValueError(f"CostModel {self.name!r}: unit must be 'flop' or 's', got {self.unit!r}")
+
+    @classmethod
+    def from_shape(cls, shape: ModelShape, flops_per_second: float = 4.0e14) -> "CostModel":
+        """FLOPs of one forward+backward: 6 per weight per token; 4*d*H per pair forward, x3.5."""
+        token = 6.0 * shape.params
+        pair = 4.0 * shape.head_dim * shape.heads * 3.5 * shape.layers
+        return cls(token=token, pair=pair, unit="flop", name=shape.name, flops_per_second=flops_per_second)
+
+    @classmethod
+    def preset(cls, name: str) -> "CostModel":
+        if name not in PRESETS:
+            raise ValueError(f"unknown model preset {name!r}; known: {', '.join(sorted(PRESETS))}")
+        return cls.from_shape(PRESETS[name])
+
+    @classmethod
+    def load(cls, path: str | Path) -> "CostModel":
+        """Read a calibrated profile written by :meth:`save` (plain JSON)."""
+        data = json.loads(Path(path).read_text())
+        return cls.from_dict(data)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "CostModel":
+        return cls(**data)
+
+    def cost(self, tokens: Any, pairs: Any, segments: Any = 0) -> np.ndarray:
+        """Vectorised cost of arrays of (tokens, pairs, segments) in this model's unit."""
+        return (
+            self.token * np.asarray(tokens, dtype=np.float64)
+            + self.pair * np.asarray(pairs, dtype=np.float64)
+            + self.segment * np.asarray(segments, dtype=np.float64)
+        )
+
+    def sample_cost(self, lengths: Any) -> np.ndarray:
+        """Cost of whole samples processed on one rank (what packing balances)."""
+        lengths = np.asarray(lengths, dtype=np.int64)
+        return self.cost(lengths, piece_pairs(np.zeros_like(lengths), lengths), np.ones_like(lengths))
+
+    def seconds(self, cost: Any) -> np.ndarray:
+        """Predicted seconds for a cost (identity for calibrated profiles)."""
+        cost = np.asarray(cost, dtype=np.float64)
+        return cost if self.unit == "s" else cost / self.flops_per_second
+
+
+def piece_pairs(start: Any, stop: Any) -> np.ndarray:
+    """Exact causal (query, key) pairs of pieces ``[start, stop)``: queries attend keys ``0..q``.
+
+    Vectorised over arrays; int64 is exact for samples up to ~4e9 tokens.
+    """
+    start = np.asarray(start, dtype=np.int64)
+    stop = np.asarray(stop, dtype=np.int64)
+    return (stop * (stop + 1) - start * (start + 1)) // 2
+
+
+def rank_pairs(pieces: Iterable[Any]) -> int:
+    """Exact attention pairs of one rank shard, given objects with ``start``/``stop``."""
+    starts, stops = _bounds(pieces)
+    return int(piece_pairs(starts, stops).sum())
+
+
+def rank_costs(shards: Iterable[Any], model: CostModel) -> np.ndarray:
+    """Cost of every rank shard of a micro-batch (one entry per CP rank)."""
+    tokens, pairs, segments = [], [], []
+    for shard in shards:
+        starts, stops = _bounds(shard.pieces)
+        tokens.append(int((stops - starts).sum()))
+        pairs.append(int(piece_pairs(starts, stops).sum()))
+        segments.append(len(starts))
+    return model.cost(tokens, pairs, segments)
+
+
+def scale_to_int(costs: Any, max_value: int = 2**40) -> tuple[np.ndarray, float]:
+    """Integer costs for solvers: ``ceil(cost / scale)`` with the largest at most ``max_value``.
+
+    Returns ``(ints, scale)`` so callers can map solver objectives back (``ints * scale``).
+    Rounding up keeps every item's integer cost an upper bound of its true cost.
+    """
+    costs = np.asarray(costs, dtype=np.float64)
+    if costs.size and costs.min() < 0:
+        raise ValueError("costs must be non-negative")
+    top = float(costs.max()) if costs.size else 0.0
+    scale = top / max_value if top > 0 else 1.0
+    return np.ceil(costs / scale).astype(np.int64), scale
+
+
+def _bounds(pieces: Iterable[Any]) -> tuple[np.ndarray, np.ndarray]:
+    pieces = list(pieces)
+    starts = np.fromiter((p.start for p in pieces), dtype=np.int64, count=len(pieces))
+    stops = np.fromiter((p.stop for p in pieces), dtype=np.int64, count=len(pieces))
+    return starts, stops
