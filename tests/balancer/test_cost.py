@@ -1,0 +1,104 @@
+"""The cost model: exact pair counts against a brute-force dense mask, coefficients, integer scaling."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ringpack.balancer.cost import PRESETS, CostModel, ModelShape, piece_pairs, rank_costs, rank_pairs, scale_to_int
+from tests.balancer.plan_strategies import random_plan
+
+
+def dense_mask_pairs(mb, rank: int) -> int:
+    """Brute force: build every token of the micro-batch (sample, position) on all ranks, the full
+    [local queries x all keys] causal document mask, and count its ones."""
+    keys = [(p.sample, pos) for shard in mb.shards for p in shard.pieces for pos in range(p.start, p.stop)]
+    queries = [(p.sample, pos) for p in mb.shards[rank].pieces for pos in range(p.start, p.stop)]
+    if not queries:
+        return 0
+    k_sample = np.array([k[0] for k in keys])[None, :]
+    k_pos = np.array([k[1] for k in keys])[None, :]
+    q_sample = np.array([q[0] for q in queries])[:, None]
+    q_pos = np.array([q[1] for q in queries])[:, None]
+    mask = (q_sample == k_sample) & (k_pos <= q_pos)
+    return int(mask.sum())
+
+
+@given(random_plan(max_samples=10, max_len=30))
+def test_pairs_match_dense_mask(plan):
+    for _, _, _, mb in plan.iter_microbatches():
+        for rank, shard in enumerate(mb.shards):
+            assert rank_pairs(shard.pieces) == dense_mask_pairs(mb, rank)
+
+
+def test_piece_pairs_closed_form_and_vectorised():
+    assert piece_pairs(0, 1) == 1  # one token attends to itself
+    assert piece_pairs(0, 4) == 1 + 2 + 3 + 4
+    assert piece_pairs(2, 4) == 3 + 4
+    starts = np.array([0, 5, 100_000])
+    stops = np.array([5, 9, 131_072])
+    expected = [sum(q + 1 for q in range(a, b)) for a, b in zip(starts, stops)]
+    assert piece_pairs(starts, stops).tolist() == expected
+    # no overflow at the longest contexts people train on
+    assert piece_pairs(0, 10_000_000) == 10_000_000 * 10_000_001 // 2
+
+
+@given(st.lists(st.integers(1, 5000), min_size=1, max_size=50))
+def test_splitting_a_sample_conserves_pairs(lengths):
+    """However a sample is cut, its pieces' pairs sum to the whole sample's pairs."""
+    for length in lengths:
+        cuts = np.unique(np.linspace(0, length, 5).astype(np.int64))
+        assert piece_pairs(cuts[:-1], cuts[1:]).sum() == piece_pairs(0, length)
+
+
+@given(random_plan(max_samples=10, max_len=30))
+def test_rank_costs_combine_tokens_pairs_segments(plan):
+    model = CostModel(token=3.0, pair=0.5, segment=7.0)
+    for _, _, _, mb in plan.iter_microbatches():
+        costs = rank_costs(mb.shards, model)
+        for rank, shard in enumerate(mb.shards):
+            expect = 3.0 * shard.num_tokens + 0.5 * dense_mask_pairs(mb, rank) + 7.0 * len(shard.pieces)
+            assert costs[rank] == pytest.approx(expect)
+
+
+def test_shape_presets_give_flops():
+    llama = PRESETS["llama3-8b"]
+    assert llama.head_dim == 128
+    # ~8.0e9 parameters for Llama-3-8B (untied embeddings)
+    assert 7.5e9 < llama.params < 8.1e9
+    model = CostModel.from_shape(llama)
+    assert model.token == 6 * llama.params
+    assert model.pair == 4 * 128 * 32 * 3.5 * 32
+    assert set(PRESETS) >= {"llama3-8b", "tiny"}
+    # attention dominates past a few thousand tokens for an 8B model: the quadratic term matters
+    assert model.sample_cost([32768])[0] > 1.3 * model.token * 32768
+
+
+def test_sample_cost_matches_rank_cost_of_a_whole_sample():
+    model = CostModel.preset("tiny")
+    assert model.sample_cost([10])[0] == pytest.approx(model.cost(10, 55, 1))
+
+
+def test_scale_to_int_is_upper_bound_and_bounded():
+    costs = np.array([0.0, 1.5, 1e15, 3.3e14])
+    ints, scale = scale_to_int(costs, max_value=2**30)
+    assert ints.max() <= 2**30
+    assert np.all(ints * scale >= costs - 1e-6)
+    assert np.all(ints * scale - costs <= scale)
+    with pytest.raises(ValueError):
+        scale_to_int([-1.0])
+
+
+def test_bad_models_are_rejected(tmp_path):
+    with pytest.raises(ValueError, match="multiple of kv_heads"):
+        ModelShape("odd", hidden=64, layers=1, heads=6, kv_heads=4, ffn=128)
+    with pytest.raises(ValueError, match="both zero"):
+        CostModel(token=0, pair=0)
+    with pytest.raises(ValueError, match="unknown model preset"):
+        CostModel.preset("gpt-9")
+    model = CostModel(token=1e-9, pair=2e-12, segment=3e-6, unit="s", name="calibrated")
+    model.save(tmp_path / "profile.json")
+    assert CostModel.load(tmp_path / "profile.json") == model
+    assert model.seconds(5.0) == 5.0
