@@ -1,0 +1,305 @@
+"""Packing + DP balance: samples of one global batch into ``dp x m`` micro-batch bins.
+
+A bin is one micro-batch of one DP rank (``bin = dp_rank * m + index``). Every bin holds at most
+``capacity`` tokens (``cp * tokens_per_rank``); with the ``zigzag`` CP split each bin also keeps
+the tokens zigzag puts on every CP rank under ``tokens_per_rank`` (``rank_tokens``). A DP rank's
+load is the sum of its samples' weights: with a cost weight, ``sum / cp`` is exactly what a
+perfectly balanced CP split costs, so balancing loads balances the step.
+
+* :func:`pack_greedy` -- cost-descending, least-loaded DP rank that fits (LPT), inside a rank the
+  micro-batch with the most free tokens; a heap, O(n log dp).
+* :func:`improve` -- local search on the slowest DP rank: the best single move or pairwise swap
+  with a light rank, vectorised with numpy, until nothing improves or the lower bound is reached.
+* :func:`pack_first_fit` -- the common baseline: first fit in (shuffled) sample order into
+  micro-batches by token count, micro-batches dealt to DP ranks to even out token counts.
+
+Bins are never left empty: :func:`fill_empty_bins` moves the cheapest samples into empty bins.
+All functions are deterministic (ties broken by index).
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Optional
+
+import numpy as np
+
+__all__ = ["pack_greedy", "pack_first_fit", "fill_empty_bins", "improve", "dp_loads"]
+
+
+def dp_loads(bins: np.ndarray, weights: np.ndarray, dp: int, m: int) -> np.ndarray:
+    return np.bincount(bins // m, weights=weights, minlength=dp)
+
+
+def _fits(vec: list[int], add: np.ndarray, limit: int) -> bool:
+    return all(v + int(x) <= limit for v, x in zip(vec, add))
+
+
+def pack_greedy(
+    weights: np.ndarray,
+    tokens: np.ndarray,
+    dp: int,
+    m: int,
+    capacity: int,
+    rank_tokens: Optional[np.ndarray] = None,
+    rank_capacity: int = 0,
+) -> Optional[np.ndarray]:
+    """LPT: items by weight descending, each to the least-loaded DP rank with a micro-batch that fits.
+
+    Returns the bin of every item, or ``None`` when some item fits nowhere (the caller then tries
+    more micro-batches). Inside a DP rank the micro-batch with the most free tokens is chosen, so a
+    rank's first ``m`` items open its ``m`` micro-batches.
+    """
+    n = len(weights)
+    order = np.lexsort((np.arange(n), -weights))
+    w_list = weights.tolist()
+    t_list = tokens.tolist()
+    free = [[capacity] * m for _ in range(dp)]
+    vecs = [[[0] * rank_tokens.shape[1] for _ in range(m)] for _ in range(dp)] if rank_tokens is not None else None
+    heap = [(0.0, d) for d in range(dp)]
+    bins = np.empty(n, dtype=np.int64)
+    for i in order.tolist():
+        t = t_list[i]
+        popped = []
+        placed = False
+        while heap:
+            load, d = heapq.heappop(heap)
+            free_d = free[d]
+            best, best_free = -1, -1
+            for j in range(m):
+                fj = free_d[j]
+                if fj >= t and fj > best_free and (vecs is None or _fits(vecs[d][j], rank_tokens[i], rank_capacity)):
+                    best, best_free = j, fj
+            if best >= 0:
+                free_d[best] -= t
+                if vecs is not None:
+                    vj = vecs[d][best]
+                    for r, x in enumerate(rank_tokens[i].tolist()):
+                        vj[r] += x
+                bins[i] = d * m + best
+                heapq.heappush(heap, (load + w_list[i], d))
+                placed = True
+                break
+            popped.append((load, d))
+        for item in popped:
+            heapq.heappush(heap, item)
+        if not placed:
+            return None
+    return bins
+
+
+def fill_empty_bins(
+    bins: np.ndarray,
+    weights: np.ndarray,
+    tokens: np.ndarray,
+    dp: int,
+    m: int,
+    capacity: int,
+    rank_tokens: Optional[np.ndarray] = None,
+    rank_capacity: int = 0,
+) -> np.ndarray:
+    """Give every empty bin one sample, taken from bins holding two or more.
+
+    Prefers a donor bin of the same DP rank (DP loads unchanged); otherwise takes the cheapest
+    movable sample of the whole step. Needs ``len(bins) >= dp * m`` (the caller checks).
+    """
+    bins = bins.copy()
+    nbins = dp * m
+    counts = np.bincount(bins, minlength=nbins)
+    empty = np.flatnonzero(counts == 0)
+    if empty.size == 0:
+        return bins
+    assert len(bins) >= nbins, "fewer samples than micro-batches"
+    order = np.lexsort((np.arange(len(bins)), weights))  # cheapest first
+    for e in empty.tolist():
+        d = e // m
+        chosen = -1
+        for i in order.tolist():  # same rank first
+            if bins[i] // m == d and counts[bins[i]] >= 2:
+                chosen = i
+                break
+        if chosen < 0:
+            for i in order.tolist():
+                if counts[bins[i]] >= 2:
+                    chosen = i
+                    break
+        assert chosen >= 0
+        counts[bins[chosen]] -= 1
+        bins[chosen] = e
+        counts[e] += 1
+    return bins
+
+
+def _bin_vectors(bins: np.ndarray, rank_tokens: np.ndarray, nbins: int) -> np.ndarray:
+    out = np.zeros((nbins, rank_tokens.shape[1]), dtype=np.int64)
+    np.add.at(out, bins, rank_tokens)
+    return out
+
+
+def improve(
+    bins: np.ndarray,
+    weights: np.ndarray,
+    tokens: np.ndarray,
+    dp: int,
+    m: int,
+    capacity: int,
+    lower_bound: float,
+    rank_tokens: Optional[np.ndarray] = None,
+    rank_capacity: int = 0,
+    max_iters: int = 200,
+    neighbours: int = 8,
+) -> np.ndarray:
+    """Local search on the slowest DP rank: move one sample out, or swap two, while the max drops.
+
+    Each iteration looks at the heaviest DP rank ``h`` and the ``neighbours`` lightest ranks and
+    picks the move or swap that minimises the larger of the two new loads (strictly below ``h``'s
+    load; ties by index). Token capacities hold and no bin is emptied. Stops at the lower bound.
+    """
+    bins = bins.copy()
+    n = len(bins)
+    nbins = dp * m
+    if dp < 2 or n < 2:
+        return bins
+    w = weights.astype(np.float64)
+    t = tokens.astype(np.int64)
+    loads = np.bincount(bins // m, weights=w, minlength=dp)
+    bin_tok = np.bincount(bins, weights=t, minlength=nbins).astype(np.int64)
+    counts = np.bincount(bins, minlength=nbins)
+    vecs = _bin_vectors(bins, rank_tokens, nbins) if rank_tokens is not None else None
+    tol = 1e-12 * max(float(loads.max()), 1.0)
+    for _ in range(max_iters):
+        h = int(np.argmax(loads))
+        top = loads[h]
+        if top <= lower_bound * (1 + 1e-9):
+            break
+        ranks = bins // m
+        light = np.argsort(loads, kind="stable")[:neighbours]
+        light = light[light != h]
+        A = np.flatnonzero(ranks == h)
+        best = None  # (new_max, kind, a, b_or_bin)
+        # moves: a -> the bin with most free tokens of a light rank
+        if A.size:
+            for d in light.tolist():
+                d_bins = np.arange(d * m, (d + 1) * m)
+                j = d_bins[np.argmax(capacity - bin_tok[d_bins])]
+                ok = (counts[bins[A]] >= 2) & (bin_tok[j] + t[A] <= capacity)
+                if not ok.any():
+                    continue
+                new = np.maximum(top - w[A], loads[d] + w[A])
+                new = np.where(ok, new, np.inf)
+                k = int(np.argmin(new))
+                if new[k] < top - tol and (best is None or new[k] < best[0]):
+                    if vecs is None or np.all(vecs[j] + rank_tokens[A[k]] <= rank_capacity):
+                        best = (float(new[k]), "move", int(A[k]), int(j))
+        # swaps: a in h <-> b in a light rank, w[a] > w[b]
+        B = np.flatnonzero(np.isin(ranks, light))
+        if A.size and B.size:
+            delta = w[A][:, None] - w[B][None, :]
+            new = np.maximum(top - delta, loads[ranks[B]][None, :] + delta)
+            dt = t[A][:, None] - t[B][None, :]
+            ok = (delta > 0) & (bin_tok[bins[B]][None, :] + dt <= capacity) & (bin_tok[bins[A]][:, None] - dt <= capacity)
+            new = np.where(ok, new, np.inf)
+            flat_order = np.argsort(new, axis=None, kind="stable")[:16]
+            for flat in flat_order.tolist():
+                ka, kb = divmod(flat, B.size)
+                val = new[ka, kb]
+                if not (val < top - tol) or (best is not None and val >= best[0]):
+                    break
+                a, b = int(A[ka]), int(B[kb])
+                if vecs is not None:
+                    diff = rank_tokens[a] - rank_tokens[b]
+                    if np.any(vecs[bins[b]] + diff > rank_capacity) or np.any(vecs[bins[a]] - diff > rank_capacity):
+                        continue
+                best = (float(val), "swap", a, b)
+                break
+        if best is None:
+            break
+        _, kind, a, x = best
+        if kind == "move":
+            src, dst = bins[a], x
+            loads[src // m] -= w[a]
+            loads[dst // m] += w[a]
+            bin_tok[src] -= t[a]
+            bin_tok[dst] += t[a]
+            counts[src] -= 1
+            counts[dst] += 1
+            if vecs is not None:
+                vecs[src] -= rank_tokens[a]
+                vecs[dst] += rank_tokens[a]
+            bins[a] = dst
+        else:
+            b = x
+            ba, bb = bins[a], bins[b]
+            delta = w[a] - w[b]
+            loads[ba // m] -= delta
+            loads[bb // m] += delta
+            bin_tok[ba] += t[b] - t[a]
+            bin_tok[bb] += t[a] - t[b]
+            if vecs is not None:
+                diff = rank_tokens[a] - rank_tokens[b]
+                vecs[ba] -= diff
+                vecs[bb] += diff
+            bins[a], bins[b] = bb, ba
+    return bins
+
+
+def pack_first_fit(
+    tokens: np.ndarray,
+    dp: int,
+    m_min: int,
+    m_fixed: int,
+    capacity: int,
+    rank_tokens: Optional[np.ndarray] = None,
+    rank_capacity: int = 0,
+) -> tuple[Optional[np.ndarray], int]:
+    """The common baseline: balanced by token count only.
+
+    Samples in their (shuffled) order go to the first open micro-batch with room (first fit);
+    the micro-batches are then dealt to DP ranks, largest first, to the rank with the fewest
+    tokens that still has a free slot. When there are fewer than ``dp * m`` micro-batches, the
+    fullest ones give up their last sample to new ones. Returns ``(bins, m)``, ``bins`` ``None``
+    when ``m_fixed`` micro-batches per rank cannot hold the samples.
+    """
+    n = len(tokens)
+    t_list = tokens.tolist()
+    packs: list[list[int]] = []
+    free: list[int] = []
+    vecs: list[list[int]] = []
+    for i in range(n):
+        ti = t_list[i]
+        for p in range(len(packs)):
+            if free[p] >= ti and (rank_tokens is None or _fits(vecs[p], rank_tokens[i], rank_capacity)):
+                packs[p].append(i)
+                free[p] -= ti
+                if rank_tokens is not None:
+                    vecs[p] = [v + int(x) for v, x in zip(vecs[p], rank_tokens[i])]
+                break
+        else:
+            packs.append([i])
+            free.append(capacity - ti)
+            if rank_tokens is not None:
+                vecs.append([int(x) for x in rank_tokens[i]])
+    m = m_fixed if m_fixed else max(m_min, -(-len(packs) // dp))
+    if len(packs) > dp * m:
+        return None, m
+    while len(packs) < dp * m:  # split the pack with most samples (then most tokens)
+        p = max(range(len(packs)), key=lambda q: (len(packs[q]), -free[q], -q))
+        assert len(packs[p]) >= 2, "fewer samples than micro-batches"
+        moved = packs[p].pop()
+        free[p] += t_list[moved]
+        packs.append([moved])
+        free.append(capacity - t_list[moved])
+    # deal packs to DP ranks: most tokens first, to the rank with fewest tokens and a free slot
+    pack_tokens = [capacity - f for f in free]
+    order = sorted(range(len(packs)), key=lambda q: (-pack_tokens[q], q))
+    heap = [(0, d) for d in range(dp)]
+    slots = [0] * dp
+    bins = np.empty(n, dtype=np.int64)
+    for q in order:
+        load, d = heapq.heappop(heap)
+        for i in packs[q]:
+            bins[i] = d * m + slots[d]
+        slots[d] += 1
+        if slots[d] < m:
+            heapq.heappush(heap, (load + pack_tokens[q], d))
+    return bins, m

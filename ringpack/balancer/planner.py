@@ -1,0 +1,255 @@
+"""``make_plan``: sample lengths + :class:`PlanConfig` -> a validated :class:`Plan` (DESIGN.md sections 1-3).
+
+The plan is a pure function of ``(lengths, config)`` -- ``config`` carries ``seed`` and ``epoch`` --
+so every rank computes the same plan, with the same number of steps, without communicating:
+
+1. **Inputs.** Lengths must be integers >= 1 (else :class:`PlanError` naming the sample). A sample
+   longer than one CP group holds (``cp * tokens_per_rank`` tokens) follows ``config.overflow``:
+   ``"error"`` (default) raises naming the sample; ``"drop"`` lists it in ``Plan.dropped``;
+   ``"split"`` cuts it into ``ceil(length / capacity)`` near-equal consecutive *documents* that are
+   planned as independent samples -- attention does not cross a cut, and the plan's ``lengths``
+   are then those of the documents (see :func:`expand_overflow` for the mapping back).
+2. **Shuffled windows.** Samples are permuted by a keyed hash of ``(seed, epoch, index)``
+   (splitmix64; identical on every platform and NumPy version) and cut into global batches of
+   ``samples_per_step`` (``0``: one step with all). Balancing happens only *inside* a global batch:
+   the data order stays random, never sorted by length. A last global batch too small to give every
+   DP rank its micro-batches joins the one before it, so no sample is lost.
+3. **Packing + DP balance** (:mod:`ringpack.balancer.packing`): ``m`` micro-batches per DP rank
+   (``microbatches_per_rank``, or the fewest that hold the tokens), samples into the ``dp x m``
+   bins. ``packing="balanced"``: cost-descending greedy (least-loaded DP rank that fits), then local
+   search, then -- when ``solver_time_limit_s > 0`` and the gap to the lower bound is still above
+   0.1% -- a CP-SAT refinement warm-started from the heuristic (:mod:`ringpack.balancer.solver`);
+   the better answer is kept. ``packing="first_fit"``: the token-count baseline.
+4. **CP split** of every micro-batch by ``strategy`` (:mod:`ringpack.balancer.split`).
+5. **Lower bound** (:func:`step_lower_bound`) on every step.
+
+Step cost, the quantity balanced and bounded: a micro-batch costs the *max* over its CP ranks of
+``CostModel.cost(tokens, exact causal pairs, segments)`` (CP ranks wait on each other every layer);
+a DP rank's step cost is the *sum* over its micro-batches; the step costs the max over DP ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import numpy as np
+
+from ringpack.balancer.cost import CostModel
+from ringpack.balancer.plan import MicroBatch, Plan, PlanConfig, PlanError, Step
+from ringpack.balancer.split import split_balanced, split_contiguous, split_zigzag, zigzag_rank_tokens
+
+__all__ = ["make_plan", "as_lengths", "expand_overflow", "shuffle_order", "step_lower_bound", "split_microbatch"]
+
+#: Gap to the lower bound (relative) below which the CP-SAT refinement is not started.
+SOLVER_GAP_THRESHOLD = 1e-3
+
+
+# ----------------------------------------------------------------------------------------- inputs
+def as_lengths(lengths: Any) -> np.ndarray:
+    """Validate and convert lengths to a 1-D int64 array; :class:`PlanError` names the first bad sample."""
+    arr = np.asarray(lengths)
+    if arr.ndim != 1:
+        raise PlanError(f"lengths must be a 1-D sequence of integers, got shape {arr.shape}")
+    if arr.size == 0:
+        raise PlanError("no samples to plan: lengths is empty")
+    if arr.dtype.kind == "f":
+        bad = np.flatnonzero(~np.isfinite(arr) | (arr != np.round(arr)))
+        if bad.size:
+            raise PlanError(f"sample {int(bad[0])} has length {arr[bad[0]]!r}; lengths must be integers")
+    elif arr.dtype.kind not in "iub":
+        raise PlanError(f"lengths must be integers, got dtype {arr.dtype}")
+    out = arr.astype(np.int64)
+    bad = np.flatnonzero(out < 1)
+    if bad.size:
+        raise PlanError(f"sample {int(bad[0])} has length {int(out[bad[0]])}; lengths must be >= 1 ({bad.size} such samples)")
+    return out
+
+
+def expand_overflow(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Cut every sample longer than ``capacity`` into ``ceil(length / capacity)`` near-equal documents.
+
+    Returns ``(doc_lengths, doc_sample, doc_offset)``: document ``k`` is tokens
+    ``[doc_offset[k], doc_offset[k] + doc_lengths[k])`` of input sample ``doc_sample[k]``. Documents
+    keep input order (a cut sample's documents are consecutive). Identity when nothing is too long.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    pieces = -(-lengths // capacity)
+    doc_sample = np.repeat(np.arange(len(lengths), dtype=np.int64), pieces)
+    first = np.concatenate([[0], np.cumsum(pieces)[:-1]])
+    j = np.arange(len(doc_sample), dtype=np.int64) - np.repeat(first, pieces)
+    k = pieces[doc_sample]
+    L = lengths[doc_sample]
+    doc_offset = (j * L) // k
+    doc_end = ((j + 1) * L) // k
+    return doc_end - doc_offset, doc_sample, doc_offset
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64 finaliser on uint64 arrays (wrapping arithmetic)."""
+    x = x.astype(np.uint64, copy=True)
+    x ^= x >> np.uint64(30)
+    x *= np.uint64(0xBF58476D1CE4E5B9)
+    x ^= x >> np.uint64(27)
+    x *= np.uint64(0x94D049BB133111EB)
+    x ^= x >> np.uint64(31)
+    return x
+
+
+def shuffle_order(n: int, seed: int, epoch: int) -> np.ndarray:
+    """A permutation of ``range(n)`` that depends only on ``(n, seed, epoch)``, on every platform.
+
+    Sorts indices by a splitmix64 hash keyed with ``seed`` and ``epoch`` (no NumPy RNG stream,
+    whose output may change between NumPy versions).
+    """
+    with np.errstate(over="ignore"):
+        key = _mix64(np.array([(seed * 0x9E3779B97F4A7C15 + epoch * 0xD1B54A32D192ED03 + 1) % 2**64], dtype=np.uint64))
+        h = _mix64(np.arange(n, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15) + key)
+    return np.argsort(h, kind="stable")
+
+
+# ------------------------------------------------------------------------------------ lower bound
+def step_lower_bound(weights: np.ndarray, lengths: np.ndarray, dp: int, cp: int, cost: CostModel) -> float:
+    """A proven lower bound on the step cost (the slowest DP rank's sum of micro-batch costs).
+
+    ``weights`` are whole-sample costs (``CostModel.sample_cost``). A micro-batch costs at least
+    the mean of its CP ranks, and the CP ranks of a micro-batch together hold exactly its
+    samples' tokens and pairs and at least one segment per sample, so a DP rank costs at least
+    ``sum(weights of its samples) / cp``. Hence the step costs at least
+
+    * ``sum(weights) / (dp * cp)`` (some DP rank has at least the mean);
+    * ``(w[k*dp-k] + ... + w[k*dp]) / cp`` for every ``k >= 0`` with ``w`` sorted descending
+      (pigeonhole: some DP rank holds ``k+1`` of the ``k*dp+1`` costliest samples);
+    * ``token + pair*L + segment`` for every sample (the piece holding its last token).
+    """
+    w = np.sort(np.asarray(weights, dtype=np.float64))[::-1]
+    n = len(w)
+    bound = float(w.sum()) / (dp * cp)
+    cs = np.concatenate([[0.0], np.cumsum(w)])
+    k = np.arange(0, (n - 1) // dp + 1)
+    if k.size:
+        bound = max(bound, float((cs[k * dp + 1] - cs[k * dp - k]).max()) / cp)
+    last_token = cost.token + cost.pair * float(np.max(lengths)) + cost.segment
+    return max(bound, last_token)
+
+
+# -------------------------------------------------------------------------------------- CP split
+def split_microbatch(samples: Sequence[int], lengths: Sequence[int], config: PlanConfig) -> MicroBatch:
+    """Split one micro-batch's samples over the CP group by ``config.strategy``."""
+    if config.strategy == "balanced":
+        return split_balanced(samples, lengths, config.cp, config.tokens_per_rank, config.cost)
+    if config.strategy == "zigzag":
+        return split_zigzag(samples, lengths, config.cp)
+    return split_contiguous(samples, lengths, config.cp)
+
+
+# ------------------------------------------------------------------------------------------ steps
+def _windows(order: np.ndarray, per_step: int, min_samples: int) -> list[np.ndarray]:
+    if per_step == 0 or per_step >= len(order):
+        return [order]
+    windows = [order[i : i + per_step] for i in range(0, len(order), per_step)]
+    if len(windows) > 1 and len(windows[-1]) < max(min_samples, 1):
+        tail = windows.pop()
+        windows[-1] = np.concatenate([windows[-1], tail])
+    return windows
+
+
+def _plan_step(index: int, ids: np.ndarray, lengths: np.ndarray, config: PlanConfig) -> Step:
+    from ringpack.balancer import packing
+
+    dp, cp, budget = config.dp, config.cp, config.tokens_per_rank
+    capacity = config.group_capacity
+    L = lengths[ids]
+    n = len(ids)
+    W = config.cost.sample_cost(L)
+    rank_tokens = None
+    if config.strategy == "zigzag" and cp > 1:
+        rank_tokens = zigzag_rank_tokens(L, cp)
+        worst = rank_tokens.max(axis=1)
+        bad = np.flatnonzero(worst > budget)
+        if bad.size:
+            raise PlanError(
+                f"step {index}: zigzag puts {int(worst[bad[0]])} tokens of sample {int(ids[bad[0]])} "
+                f"(length {int(L[bad[0]])}) on one CP rank, over tokens_per_rank={budget}"
+            )
+    total = int(L.sum())
+    m_fixed = config.microbatches_per_rank
+    m_lo = m_fixed or max(1, -(-total // (dp * capacity)))
+    m_hi = m_fixed or max(m_lo, n // dp)
+    if n < dp * m_lo:
+        raise PlanError(
+            f"step {index}: {n} samples cannot fill dp={dp} x {m_lo} micro-batches "
+            f"({total} tokens, {capacity} tokens per micro-batch); every micro-batch needs a sample: "
+            "use more samples per step, a larger tokens_per_rank, or fewer micro-batches per rank"
+        )
+    bins = None
+    m = m_lo
+    if config.packing == "first_fit":
+        bins, m = packing.pack_first_fit(L, dp, m_lo, m_fixed, capacity, rank_tokens, budget)
+        if bins is not None and n < dp * m:
+            bins = None
+    else:
+        for m in range(m_lo, m_hi + 1):
+            bins = packing.pack_greedy(W, L, dp, m, capacity, rank_tokens, budget)
+            if bins is not None:
+                break
+    if bins is None:
+        raise PlanError(
+            f"step {index}: {n} samples ({total} tokens) do not fit dp={dp} x {m} micro-batches of "
+            f"cp*tokens_per_rank={capacity} tokens with {config.packing!r} packing; raise tokens_per_rank"
+            + (" or microbatches_per_rank (0 chooses it)" if m_fixed else "")
+        )
+    bins = packing.fill_empty_bins(bins, W, L, dp, m, capacity, rank_tokens, budget)
+    bound = step_lower_bound(W, L, dp, cp, config.cost)
+    if config.packing == "balanced":
+        bins = packing.improve(bins, W, L, dp, m, capacity, bound * cp, rank_tokens, budget)
+        if config.solver_time_limit_s > 0:
+            from ringpack.balancer import solver
+
+            bins = solver.refine(bins, W, L, dp, m, capacity, bound * cp, config.solver_time_limit_s, rank_tokens, budget)
+    # assemble: samples of a micro-batch keep their (shuffled) window order
+    order = np.argsort(bins, kind="stable")
+    sorted_bins = bins[order]
+    edges = np.searchsorted(sorted_bins, np.arange(dp * m + 1))
+    ids_sorted = ids[order].tolist()
+    ranks = []
+    for d in range(dp):
+        mbs = []
+        for j in range(m):
+            b = d * m + j
+            members = ids_sorted[edges[b] : edges[b + 1]]
+            assert members, "empty micro-batch"
+            mbs.append(split_microbatch(members, lengths, config))
+        ranks.append(tuple(mbs))
+    return Step(microbatches=tuple(ranks), lower_bound=bound)
+
+
+def make_plan(lengths: Any, config: PlanConfig) -> Plan:
+    """Plan ``lengths`` (one per sample) for ``config``; see the module docstring for the rules."""
+    lengths = as_lengths(lengths)
+    capacity = config.group_capacity
+    too_long = np.flatnonzero(lengths > capacity)
+    dropped: tuple[int, ...] = ()
+    if too_long.size:
+        if config.overflow == "error":
+            first = int(too_long[0])
+            raise PlanError(
+                f"sample {first} has {int(lengths[first])} tokens, more than one CP group holds "
+                f"(cp={config.cp} x tokens_per_rank={config.tokens_per_rank} = {capacity}); "
+                f"{too_long.size} sample(s) too long. Raise tokens_per_rank or cp, or set overflow='drop' or 'split'"
+            )
+        if config.overflow == "drop":
+            dropped = tuple(int(x) for x in too_long)
+        else:
+            lengths, _, _ = expand_overflow(lengths, capacity)
+    keep = np.ones(len(lengths), dtype=bool)
+    keep[list(dropped)] = False
+    order = shuffle_order(len(lengths), config.seed, config.epoch)
+    order = order[keep[order]]
+    if order.size == 0:
+        raise PlanError(f"no samples left to plan: all {len(lengths)} are longer than {capacity} tokens and were dropped")
+    min_samples = config.dp * max(config.microbatches_per_rank, 1)
+    steps = tuple(
+        _plan_step(s, ids, lengths, config) for s, ids in enumerate(_windows(order, config.samples_per_step, min_samples))
+    )
+    return Plan(config=config, lengths=tuple(lengths.tolist()), steps=steps, dropped=dropped)
