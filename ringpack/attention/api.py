@@ -1,0 +1,180 @@
+"""Public entry points: :func:`ring_attention` (shaped like ``flash_attn_varlen_func``) and :class:`RingAttention`.
+
+Before the first transfer of a schedule in a process group, the ranks all-gather one small row
+(schedule fingerprint, CP rank and size, mode, K/V shape and dtype, and whether the local inputs
+match the schedule) and every rank raises the same :class:`ScheduleMismatchError` naming the ranks
+that disagree. That is how ranks given different micro-batches fail fast instead of hanging in a
+send that is never received. The check runs once per schedule (one micro-batch), not per layer.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from ringpack.attention.allgather import AllGatherTransport
+from ringpack.attention.kernels import resolve_backend
+from ringpack.attention.ring import ContextParallelAttention, RingTransport
+from ringpack.attention.schedule import Schedule, ScheduleMismatchError
+
+__all__ = ["MODES", "RingAttention", "ring_attention", "verify_schedule"]
+
+MODES = ("ring", "allgather")
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_ROW = ("fingerprint", "cp_rank", "cp_size", "mode", "kv_heads", "head_dim", "dtype", "bad_input")
+
+
+def ring_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    schedule: Schedule,
+    group: dist.ProcessGroup | None = None,
+    mode: str = "ring",
+    *,
+    softmax_scale: float | None = None,
+    causal: bool = True,
+    backend: str = "auto",
+) -> Tensor:
+    """Causal attention of this CP rank's tokens to every earlier token of the same sample, wherever it lives.
+
+    ``q [T, H, D]``, ``k``/``v [T, H_kv, D]`` are the local tokens of ``schedule`` (pieces
+    concatenated in canonical order); returns ``out [T, H, D]`` equal to single-device causal
+    attention with a per-sample mask over the whole micro-batch, restricted to these tokens, and
+    differentiable w.r.t. q, k, v. ``group`` is the CP group (default: the world when
+    ``schedule.cp_size > 1``; unused when it is 1). ``mode`` is ``"ring"`` or ``"allgather"``.
+    ``backend``: ``"auto"``, ``"flash_attn"``, ``"torch_flash"`` or ``"reference"``.
+    """
+    if not causal:
+        raise NotImplementedError("ring_attention supports causal attention only")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    backend = resolve_backend(backend, q)
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    problem = _input_problem(q, k, v, schedule)
+    if schedule.cp_size > 1:
+        group = group if group is not None else dist.group.WORLD
+        verify_schedule(schedule, group, mode, k, problem)
+    if problem:
+        raise ValueError(problem)
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))  # kernels need unit-stride head_dim
+    transport = RingTransport if mode == "ring" else AllGatherTransport
+    make_transport = functools.partial(transport, group=group)
+    return ContextParallelAttention.apply(q, k, v, schedule, make_transport, scale, backend)
+
+
+class RingAttention(nn.Module):
+    """Module form of :func:`ring_attention` for model code: fix group, mode, scale and backend once."""
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        mode: str = "ring",
+        softmax_scale: float | None = None,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__()
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.group, self.mode, self.softmax_scale, self.backend = group, mode, softmax_scale, backend
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, schedule: Schedule) -> Tensor:
+        return ring_attention(
+            q, k, v, schedule, self.group, self.mode, softmax_scale=self.softmax_scale, backend=self.backend
+        )
+
+    def extra_repr(self) -> str:
+        return f"mode={self.mode!r}, backend={self.backend!r}"
+
+
+def _input_problem(q: Tensor, k: Tensor, v: Tensor, schedule: Schedule) -> str | None:
+    """Why this rank's inputs cannot run ``schedule`` (None if they can)."""
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        return f"q, k, v must be [tokens, heads, head_dim]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        return f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit together"
+    if q.shape[1] % k.shape[1]:
+        return f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})"
+    if q.shape[0] != schedule.num_tokens:
+        return f"cp rank {schedule.cp_rank}: q has {q.shape[0]} tokens but the schedule's rank shard has {schedule.num_tokens}"
+    if not (q.dtype == k.dtype == v.dtype):
+        return f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}"
+    if schedule.device != q.device:
+        return f"schedule is on {schedule.device} but q is on {q.device}; call schedule.to(device) once per micro-batch"
+    return None
+
+
+def verify_schedule(schedule: Schedule, group: dist.ProcessGroup, mode: str, k: Tensor, problem: str | None = None) -> None:
+    """Check once per (schedule, group, mode, K/V shape) that every rank runs the same plan; raise otherwise.
+
+    Collective over ``group``: every rank must call it (``ring_attention`` does). Raises
+    :class:`ScheduleMismatchError` on every rank, before any point-to-point transfer.
+    """
+    key = (id(group), mode, tuple(k.shape[1:]), k.dtype)
+    if key in schedule.verified and problem is None:
+        return
+    row = torch.tensor(
+        [
+            schedule.fingerprint,
+            schedule.cp_rank,
+            schedule.cp_size,
+            MODES.index(mode),
+            k.shape[1] if k.dim() == 3 else -1,
+            k.shape[-1],
+            _DTYPES.index(k.dtype) if k.dtype in _DTYPES else -1,
+            int(problem is not None),
+        ],
+        dtype=torch.int64,
+        device=k.device,
+    )
+    size = dist.get_world_size(group)
+    table = row.new_empty((size, row.numel()))
+    dist.all_gather_into_tensor(table, row, group=group)
+    message = _disagreement(table.tolist(), dist.get_rank(group), problem)
+    if message:
+        raise ScheduleMismatchError(message)
+    schedule.verified.add(key)
+
+
+def _disagreement(rows: list[list[int]], me: int, problem: str | None) -> str | None:
+    cols = {name: [row[j] for row in rows] for j, name in enumerate(_ROW)}
+    size = len(rows)
+    if cols["cp_size"][me] != size:
+        return f"rank {me}: schedule was compiled for cp_size={cols['cp_size'][me]} but the process group has {size} ranks"
+    wrong = [g for g in range(size) if cols["cp_rank"][g] != g]
+    if wrong:
+        pairs = ", ".join(f"group rank {g} holds cp rank {cols['cp_rank'][g]}" for g in wrong)
+        return f"ranks run the schedules of other cp ranks ({pairs}); compile_schedule(mb, cp_rank=group rank)"
+    for name, what in (
+        ("fingerprint", "micro-batches (plan fingerprints)"),
+        ("cp_size", "CP sizes"),
+        ("mode", "modes"),
+        ("kv_heads", "numbers of key/value heads"),
+        ("head_dim", "head dims"),
+        ("dtype", "dtypes"),
+    ):
+        values = cols[name]
+        if len(set(values)) > 1:
+            groups: dict[int, list[int]] = {}
+            for g, value in enumerate(values):
+                groups.setdefault(value, []).append(g)
+            shown = "; ".join(f"ranks {ranks}: {_show(name, value)}" for value, ranks in groups.items())
+            return f"CP ranks disagree on {what}: {shown}"
+    bad = [g for g in range(size) if cols["bad_input"][g]]
+    if bad:
+        mine = f" (this rank: {problem})" if problem else ""
+        return f"ranks {bad} got q/k/v that do not match their schedule{mine}"
+    return None
+
+
+def _show(name: str, value: int) -> str:
+    if name == "fingerprint":
+        return f"{value & 0xFFFFFFFFFFFFFFFF:016x}"
+    if name == "mode":
+        return MODES[value]
+    if name == "dtype":
+        return str(_DTYPES[value]) if 0 <= value < len(_DTYPES) else "other"
+    return str(value)

@@ -1,0 +1,276 @@
+"""Varlen attention kernels behind one contract (DESIGN.md section 4).
+
+Every ring step of the runtime is one call of::
+
+    varlen_attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                    softmax_scale, causal, backend) -> (out[Tq, H, D], lse[H, Tq])
+    varlen_attn_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                    max_seqlen_k, softmax_scale, causal, backend) -> (dq, dk, dv)
+
+``q`` is ``[Tq, H, D]``, ``k``/``v`` are ``[Tk, H_kv, D]`` with ``H % H_kv == 0`` (GQA: query head
+``h`` reads key/value head ``h // (H // H_kv)``). Segment ``b`` pairs queries
+``q[cu_q[b]:cu_q[b+1]]`` with keys ``k[cu_k[b]:cu_k[b+1]]``; with ``causal`` the mask is aligned
+bottom-right (query ``i`` sees key ``j`` iff ``j <= i + Lk - Lq``), as in flash-attn >= 2.1.
+``lse`` is float32 (float64 for float64 inputs). Two edge cases are part of the contract because
+the schedule relies on them and every backend agrees on them:
+
+* a segment with **no keys** gives ``out = 0`` and ``lse = +inf`` (what the flash kernels do;
+  the merge treats ``+inf`` as ``-inf``);
+* a segment with **no queries** is allowed and gives ``dk = dv = 0`` for its keys. The schedule
+  uses such segments to cover key rows a call does not need, because flash backends leave key rows
+  outside every segment uninitialised in ``dk``/``dv``.
+
+The backward takes the *final* (merged) ``out`` and ``lse``, as flash kernels do: with those,
+each call's gradients are exactly its share of the gradient of the whole softmax.
+
+Backends: ``flash_attn`` (the flash-attn package), ``torch_flash`` (PyTorch's built-in flash
+kernel, CUDA fp16/bf16) and ``reference`` (plain PyTorch, any device; computes in float32 or
+float64; O(Tq * Tk) memory, for tests). ``backend="auto"`` picks the first that applies.
+The two entry points are ``torch.library`` custom ops with fake implementations, so code that
+calls them can be traced by ``torch.compile``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "BACKENDS",
+    "accum_dtype",
+    "available_backends",
+    "resolve_backend",
+    "varlen_attn_bwd",
+    "varlen_attn_fwd",
+]
+
+BACKENDS = ("flash_attn", "torch_flash", "reference")
+
+
+def accum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """dtype of lse, of merged outputs and of gradient accumulators: float64 for float64 inputs, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@functools.cache
+def _flash_attn_module():
+    try:
+        import flash_attn.flash_attn_interface as fai  # type: ignore[import-not-found]
+    except Exception:  # not installed, or built for another torch/CUDA
+        return None
+    return fai
+
+
+def available_backends(device: torch.device | str, dtype: torch.dtype) -> list[str]:
+    """Backends usable for tensors of this device and dtype, best first."""
+    device = torch.device(device)
+    found = []
+    half = dtype in (torch.float16, torch.bfloat16)
+    if device.type == "cuda" and half and _flash_attn_module() is not None:
+        found.append("flash_attn")
+    if device.type == "cuda" and half:
+        found.append("torch_flash")
+    if dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        found.append("reference")
+    return found
+
+
+def resolve_backend(backend: str, q: Tensor) -> str:
+    """``"auto"`` -> flash_attn if importable on CUDA, else torch_flash on CUDA fp16/bf16, else reference."""
+    if backend == "auto":
+        usable = available_backends(q.device, q.dtype)
+        if not usable:
+            raise ValueError(f"no attention backend supports {q.dtype} on {q.device}")
+        return usable[0]
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; choose 'auto' or one of {BACKENDS}")
+    if backend != "reference" and (q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16)):
+        raise ValueError(f"backend {backend!r} needs CUDA fp16/bf16 tensors, got {q.dtype} on {q.device}")
+    if backend == "flash_attn" and _flash_attn_module() is None:
+        raise ValueError("backend 'flash_attn' requested but the flash-attn package is not importable")
+    return backend
+
+
+# --------------------------------------------------------------------------------------- reference
+
+
+def _segment_ids(cu: Tensor, total: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Per row: segment index, position in its segment, and whether any segment covers it (no host sync)."""
+    rows = torch.arange(total, device=cu.device, dtype=torch.int64)
+    cu64 = cu.to(torch.int64)
+    seg = torch.searchsorted(cu64[1:], rows, right=True)
+    covered = rows < cu64[-1]
+    seg = seg.clamp(max=cu64.numel() - 2)
+    return seg, rows - cu64[seg], covered
+
+
+def _segment_mask(cu_q: Tensor, cu_k: Tensor, tq: int, tk: int, causal: bool) -> Tensor:
+    seg_q, pos_q, cov_q = _segment_ids(cu_q, tq)
+    seg_k, pos_k, cov_k = _segment_ids(cu_k, tk)
+    mask = (seg_q[:, None] == seg_k[None, :]) & cov_q[:, None] & cov_k[None, :]
+    if causal:
+        len_q = (cu_q[1:] - cu_q[:-1]).to(torch.int64)
+        len_k = (cu_k[1:] - cu_k[:-1]).to(torch.int64)
+        shift = (len_k - len_q)[seg_q]  # bottom-right alignment
+        mask &= pos_k[None, :] <= (pos_q + shift)[:, None]
+    return mask
+
+
+def _expand_kv(x: Tensor, heads: int) -> Tensor:
+    groups = heads // x.shape[1]
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def _reduce_kv(dx: Tensor, kv_heads: int) -> Tensor:
+    t, heads, d = dx.shape
+    return dx if heads == kv_heads else dx.view(t, kv_heads, heads // kv_heads, d).sum(2)
+
+
+def _reference_fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
+    ct = torch.promote_types(q.dtype, torch.float32)
+    heads = q.shape[1]
+    qf, kf, vf = q.to(ct), _expand_kv(k, heads).to(ct), _expand_kv(v, heads).to(ct)
+    mask = _segment_mask(cu_q, cu_k, q.shape[0], k.shape[0], causal)
+    s = torch.einsum("qhd,khd->hqk", qf, kf) * scale
+    s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # [H, Tq]; -inf where a query has no key
+    p = torch.where(mask, torch.exp(s - lse[..., None]), 0.0)
+    out = torch.einsum("hqk,khd->qhd", p, vf)
+    lse = lse.masked_fill(torch.isneginf(lse), float("inf"))  # the flash kernels' convention
+    return out.to(q.dtype), lse.to(accum_dtype(q.dtype))
+
+
+def _reference_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal):
+    ct = torch.promote_types(q.dtype, torch.float32)
+    heads, kv_heads = q.shape[1], k.shape[1]
+    qf, kf, vf = q.to(ct), _expand_kv(k, heads).to(ct), _expand_kv(v, heads).to(ct)
+    do, of = dout.to(ct), out.to(ct)
+    mask = _segment_mask(cu_q, cu_k, q.shape[0], k.shape[0], causal)
+    s = torch.einsum("qhd,khd->hqk", qf, kf) * scale
+    p = torch.where(mask, torch.exp(s - lse.to(ct)[..., None]), 0.0)
+    dv = torch.einsum("hqk,qhd->khd", p, do)
+    dp = torch.einsum("qhd,khd->hqk", do, vf)
+    delta = (do * of).sum(-1).transpose(0, 1)  # [H, Tq]: rowsum(dO * O) with the final O
+    ds = p * (dp - delta[..., None])
+    dq = torch.einsum("hqk,khd->qhd", ds, kf) * scale
+    dk = torch.einsum("hqk,qhd->khd", ds, qf) * scale
+    return dq.to(q.dtype), _reduce_kv(dk, kv_heads).to(k.dtype), _reduce_kv(dv, kv_heads).to(v.dtype)
+
+
+# ------------------------------------------------------------------------------------- torch_flash
+
+_NO_DROPOUT = 0.0
+
+
+@functools.cache
+def _no_dropout_rng(device: torch.device) -> tuple[Tensor, Tensor]:
+    """Placeholder philox (seed, offset) for the backward: with dropout 0 the kernel never reads them."""
+    return torch.zeros(2, dtype=torch.uint64, device=device), torch.zeros((), dtype=torch.uint64, device=device)
+
+
+def _torch_flash_fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
+    out, lse, *_ = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_q, cu_k, max_q, max_k, _NO_DROPOUT, causal, False, scale=scale
+    )
+    return out, lse
+
+
+def _torch_flash_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal):
+    seed, offset = _no_dropout_rng(q.device)
+    dq, dk, dv = torch.ops.aten._flash_attention_backward(
+        dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, _NO_DROPOUT, causal, seed, offset, scale=scale
+    )
+    return dq, dk, dv
+
+
+# -------------------------------------------------------------------------------------- flash_attn
+
+
+def _window_kwargs(fn: Callable) -> dict:
+    """flash-attn >= 2.6 takes window_size_left/right; 2.4-2.5 take a window_size tuple."""
+    params = inspect.signature(fn).parameters
+    if "window_size_left" in params:
+        return {"window_size_left": -1, "window_size_right": -1}
+    return {"window_size": (-1, -1)}
+
+
+def _flash_attn_fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
+    fn = _flash_attn_module()._flash_attn_varlen_forward
+    res = fn(
+        q, k, v, cu_q, cu_k, max_q, max_k,
+        dropout_p=_NO_DROPOUT, softmax_scale=scale, causal=causal,
+        alibi_slopes=None, return_softmax=False, **_window_kwargs(fn),
+    )  # fmt: skip
+    # 2.6+: (out, lse, S_dmask, rng_state); 2.4-2.5: (out, q, k, v, out_padded, lse, S_dmask, rng_state)
+    return (res[0], res[1]) if len(res) == 4 else (res[0], res[5])
+
+
+def _flash_attn_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal):
+    fn = _flash_attn_module()._flash_attn_varlen_backward
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    fn(
+        dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k,
+        dropout_p=_NO_DROPOUT, softmax_scale=scale, causal=causal,
+        alibi_slopes=None, deterministic=False, rng_state=None, **_window_kwargs(fn),
+    )  # fmt: skip
+    return dq, dk, dv
+
+
+_FWD = {"reference": _reference_fwd, "torch_flash": _torch_flash_fwd, "flash_attn": _flash_attn_fwd}
+_BWD = {"reference": _reference_bwd, "torch_flash": _torch_flash_bwd, "flash_attn": _flash_attn_bwd}
+
+
+# ------------------------------------------------------------------------------------- custom ops
+
+
+@torch.library.custom_op("ringpack::varlen_attn_fwd", mutates_args=())
+def varlen_attn_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+    backend: str,
+) -> tuple[Tensor, Tensor]:
+    """One varlen attention forward (module docstring): returns ``(out[Tq,H,D], lse[H,Tq])``."""
+    return _FWD[backend](q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal)
+
+
+@varlen_attn_fwd.register_fake
+def _varlen_attn_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, backend):
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=accum_dtype(q.dtype))
+
+
+@torch.library.custom_op("ringpack::varlen_attn_bwd", mutates_args=())
+def varlen_attn_bwd(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One varlen attention backward given the final ``out``/``lse``: returns ``(dq, dk, dv)``."""
+    return _BWD[backend](
+        dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal
+    )
+
+
+@varlen_attn_bwd.register_fake
+def _varlen_attn_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, backend):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)

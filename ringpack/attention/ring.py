@@ -1,0 +1,280 @@
+"""The context-parallel attention engine: one autograd.Function, two ways to move K/V (DESIGN.md section 4).
+
+:class:`ContextParallelAttention` runs a :class:`~ringpack.attention.schedule.Schedule`: the local
+causal call, then one group of non-causal calls per remote step, merging partial outputs by
+log-sum-exp in float32 (float64 for float64 inputs). Where the remote K/V come from is the job of
+a :class:`KVTransport`:
+
+* :class:`RingTransport` (here): compact K/V buffers travel around the CP group with
+  ``batch_isend_irecv``, double-buffered so the transfer of step ``i+1`` is in flight while the
+  kernels of step ``i`` run. Distances nobody needs are jumped over (a hop of several ranks), so
+  they cost neither a transfer nor a kernel. In backward the K/V travel again together with an
+  accumulator of their dK/dV, which returns home after the last step.
+* :class:`~ringpack.attention.allgather.AllGatherTransport`: the Llama 3 form, one all-gather of
+  the compact buffers, dK/dV home by one reduce-scatter.
+
+The loops over steps, the merge and the gradient bookkeeping exist once, here; transports only
+move bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ringpack.attention.kernels import accum_dtype, varlen_attn_bwd, varlen_attn_fwd
+from ringpack.attention.schedule import KernelCall, Schedule
+
+__all__ = ["ContextParallelAttention", "KVTransport", "RingTransport", "merge_partial", "pack_kv"]
+
+
+# ------------------------------------------------------------------------------------------ merge
+
+
+def merge_partial(out: Tensor, lse: Tensor, part_out: Tensor, part_lse: Tensor, index: Tensor | None) -> None:
+    """Fold a partial attention result into the running one, in place, by log-sum-exp.
+
+    ``out [T, H, D]`` and ``lse [H, T]`` are the accumulators (float32/float64); ``part_out
+    [n, H, D]`` / ``part_lse [H, n]`` belong to rows ``index`` (``None``: all rows). A partial
+    ``lse`` of ``+inf`` (flash kernels' value for a query without keys) counts as ``-inf``. The
+    running ``lse`` is finite for every row (each query attends at least itself in the local step),
+    so the weights below never see ``inf - inf``.
+    """
+    part_lse = part_lse.to(lse.dtype)
+    part_lse = part_lse.masked_fill(torch.isposinf(part_lse), float("-inf"))
+    old_out = out if index is None else out.index_select(0, index)
+    old_lse = lse if index is None else lse.index_select(1, index)
+    new_lse = torch.logaddexp(old_lse, part_lse)
+    w_old = torch.exp(old_lse - new_lse).transpose(0, 1).unsqueeze(-1)
+    w_new = torch.exp(part_lse - new_lse).transpose(0, 1).unsqueeze(-1)
+    new_out = old_out * w_old + part_out.to(out.dtype) * w_new
+    if index is None:
+        out.copy_(new_out)
+        lse.copy_(new_lse)
+    else:
+        out.index_copy_(0, index, new_out)
+        lse.index_copy_(1, index, new_lse)
+
+
+def pack_kv(k: Tensor, v: Tensor, index: Tensor, capacity: int | None = None) -> Tensor:
+    """The compact send buffer ``[2, capacity, H_kv, D]``: rows ``index`` of k and v (zero padding after)."""
+    n = index.numel()
+    capacity = n if capacity is None else capacity
+    buf = (torch.empty if capacity == n else torch.zeros)((2, capacity, *k.shape[1:]), dtype=k.dtype, device=k.device)
+    torch.index_select(k, 0, index, out=buf[0, :n])
+    torch.index_select(v, 0, index, out=buf[1, :n])
+    return buf
+
+
+# -------------------------------------------------------------------------------------- transports
+
+
+class KVTransport(Protocol):
+    """Moves compact K/V buffers to where the schedule's remote steps need them, and dK/dV back.
+
+    Forward: ``begin(kv)`` then ``buffer(i)`` for each remote step ``i`` in order. Backward: the
+    same, plus ``push_grad(i, dkv)`` after each step's kernels and ``finish()`` for this rank's
+    own ``dkv`` (``[2, n, H_kv, D]`` in the accumulation dtype, ``None`` if this rank sends nothing).
+    ``begin`` should start the first transfer so it overlaps the local step.
+    """
+
+    def begin(self, kv: Tensor, grad_dtype: torch.dtype | None = None) -> None: ...
+
+    def buffer(self, i: int) -> Tensor: ...
+
+    def push_grad(self, i: int, dkv: Tensor | None) -> None: ...
+
+    def finish(self) -> Tensor | None: ...
+
+
+TransportFactory = Callable[[Schedule], KVTransport]
+
+
+class _P2P:
+    """Point-to-point exchange with peers named by their offset in the CP group (group ranks -> global ranks)."""
+
+    def __init__(self, schedule: Schedule, group: dist.ProcessGroup | None) -> None:
+        c, r = schedule.cp_size, schedule.cp_rank
+        self._global = [dist.get_global_rank(group, (r + d) % c) if group is not None else (r + d) % c for d in range(c)]
+        self._group = group
+
+    def exchange(self, send: Tensor | None, to: int, recv: Tensor | None, frm: int, tag: int) -> list:
+        """Post one send (to offset ``to``) and one receive (from offset ``frm``); empty sides are skipped."""
+        ops = []
+        if send is not None and send.numel():
+            ops.append(dist.P2POp(dist.isend, send, self._global[to], self._group, tag))
+        if recv is not None and recv.numel():
+            ops.append(dist.P2POp(dist.irecv, recv, self._global[frm], self._group, tag))
+        return dist.batch_isend_irecv(ops) if ops else []
+
+
+def _wait(works: list) -> None:
+    for work in works:
+        work.wait()
+
+
+class RingTransport:
+    """K/V around the ring, double-buffered; hops jump over distances that nobody needs.
+
+    At remote step ``i`` (distance ``t_i``) this rank holds the buffer of rank ``r - t_i``. Moving to
+    step ``i+1`` every rank passes what it holds ``t_{i+1} - t_i`` ranks forward, so bytes per step
+    match a plain ring while skipped distances cost nothing.
+    """
+
+    def __init__(self, schedule: Schedule, group: dist.ProcessGroup | None = None) -> None:
+        self._p2p = _P2P(schedule, group)
+        c, r = schedule.cp_size, schedule.cp_rank
+        dists = schedule.distances
+        self._hops = np.diff((0, *dists)).tolist()
+        self._home = c - dists[-1] if dists else 0
+        # tokens held at remote step i (index i+1; index 0 is this rank's own buffer)
+        self._held = [schedule.buffer_tokens[(r - t) % c] for t in (0, *dists)]
+        self._kv_pending: tuple[list, Tensor | None] | None = None
+        self._grad_pending: tuple[list, Tensor | None] | None = None
+
+    def begin(self, kv: Tensor, grad_dtype: torch.dtype | None = None) -> None:
+        self._shape, self._dtype, self._device = kv.shape[2:], kv.dtype, kv.device
+        self._grad_dtype = grad_dtype
+        self._launch_kv(0, kv)
+
+    def _empty(self, tokens: int, dtype: torch.dtype | None) -> Tensor:
+        return torch.empty((2, tokens, *self._shape), dtype=dtype, device=self._device)
+
+    def _launch_kv(self, i: int, send: Tensor) -> None:
+        hop = self._hops[i]
+        recv = self._empty(self._held[i + 1], self._dtype)
+        works = self._p2p.exchange(send, hop, recv, -hop, tag=2 * i)
+        self._kv_pending = (works, recv)
+
+    def buffer(self, i: int) -> Tensor:
+        works, kv = self._kv_pending
+        _wait(works)
+        if i + 1 < len(self._hops):
+            self._launch_kv(i + 1, kv)  # in flight while the caller runs step i's kernels
+        return kv
+
+    def push_grad(self, i: int, dkv: Tensor | None) -> None:
+        held = self._held[i + 1]
+        incoming = None
+        if i > 0:  # the sum of the ranks that held this buffer before
+            works, incoming = self._grad_pending
+            _wait(works)
+        if held and dkv is None:  # no query of this rank used the buffer: pass the sum on unchanged
+            dkv = incoming if incoming is not None else self._empty(held, self._grad_dtype).zero_()
+        elif held and incoming is not None:
+            dkv.add_(incoming)
+        last = i + 1 == len(self._hops)
+        to = self._home if last else self._hops[i + 1]
+        recv_tokens = self._held[0] if last else self._held[i + 2]
+        recv = self._empty(recv_tokens, self._grad_dtype)
+        works = self._p2p.exchange(dkv, to, recv, -to, tag=2 * i + 1)
+        self._grad_pending = (works, recv)
+
+    def finish(self) -> Tensor | None:
+        works, own = self._grad_pending
+        _wait(works)
+        return own if own.numel() else None
+
+
+# ----------------------------------------------------------------------------------------- engine
+
+
+def _take(x: Tensor, index: Tensor | None, dim: int = 0) -> Tensor:
+    return x if index is None else x.index_select(dim, index)
+
+
+def _fwd_call(q: Tensor, k: Tensor, v: Tensor, call: KernelCall, scale: float, backend: str) -> tuple[Tensor, Tensor]:
+    return varlen_attn_fwd(
+        _take(q, call.q_index), k, v, call.cu_seqlens_q, call.cu_seqlens_k,
+        call.max_seqlen_q, call.max_seqlen_k, scale, call.causal, backend,
+    )  # fmt: skip
+
+
+def _bwd_call(dout, q, k, v, out, lse, call: KernelCall, scale: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    idx = call.q_index
+    return varlen_attn_bwd(
+        _take(dout, idx), _take(q, idx), k, v, _take(out, idx), _take(lse, idx, dim=1),
+        call.cu_seqlens_q, call.cu_seqlens_k, call.max_seqlen_q, call.max_seqlen_k, scale, call.causal, backend,
+    )  # fmt: skip
+
+
+def _attention_forward(q, k, v, schedule: Schedule, make_transport: TransportFactory, scale: float, backend: str):
+    """Returns ``(out [T, H, D] in q's dtype, lse [H, T] in the accumulation dtype)``."""
+    acc = accum_dtype(q.dtype)
+    transport = None
+    if schedule.steps:
+        transport = make_transport(schedule)
+        transport.begin(pack_kv(k, v, schedule.send_index))  # first transfer overlaps the local call
+    if schedule.local is None:  # a rank without tokens still forwards buffers
+        out, lse = q.new_zeros(q.shape), q.new_zeros((q.shape[1], 0), dtype=acc)
+    else:
+        out, lse = _fwd_call(q, k, v, schedule.local, scale, backend)
+    if not schedule.steps:
+        return out, lse.to(acc)
+    out_acc, lse_acc = out.to(acc), lse.to(acc)
+    for i, step in enumerate(schedule.steps):
+        kv = transport.buffer(i)
+        for call in step.calls:
+            part_out, part_lse = _fwd_call(q, kv[0], kv[1], call, scale, backend)
+            merge_partial(out_acc, lse_acc, part_out, part_lse, call.q_index)
+    return out_acc.to(q.dtype), lse_acc
+
+
+def _attention_backward(dout, q, k, v, out, lse, schedule: Schedule, make_transport: TransportFactory, scale: float, backend: str):
+    if schedule.local is None:
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    else:
+        dq, dk, dv = _bwd_call(dout, q, k, v, out, lse, schedule.local, scale, backend)
+    if not schedule.steps:
+        return dq, dk, dv
+    acc = lse.dtype
+    dq_acc = dq.to(acc)
+    transport = make_transport(schedule)
+    transport.begin(pack_kv(k, v, schedule.send_index), grad_dtype=acc)
+    for i, step in enumerate(schedule.steps):
+        kv = transport.buffer(i)
+        dkv = None
+        for call in step.calls:
+            dq_c, dk_c, dv_c = _bwd_call(dout, q, kv[0], kv[1], out, lse, call, scale, backend)
+            if call.q_index is None:
+                dq_acc.add_(dq_c)
+            else:
+                dq_acc.index_add_(0, call.q_index, dq_c.to(acc))
+            part = torch.stack((dk_c, dv_c)).to(acc)
+            dkv = part if dkv is None else dkv.add_(part)
+        transport.push_grad(i, dkv)
+    home = transport.finish()
+    if home is None:
+        return dq_acc.to(q.dtype), dk, dv
+    dk_acc = dk.to(acc).index_add_(0, schedule.send_index, home[0])
+    dv_acc = dv.to(acc).index_add_(0, schedule.send_index, home[1])
+    return dq_acc.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
+
+
+class ContextParallelAttention(torch.autograd.Function):
+    """Exact causal per-sample attention over a CP group for one rank's tokens (forward and backward).
+
+    Inputs are this rank's ``q [T, H, D]``, ``k``/``v [T, H_kv, D]``; ``make_transport`` builds the
+    K/V mover (ring or all-gather) for one pass. Only ``out`` is returned; ``lse`` is kept for the
+    backward. Call through :func:`ringpack.attention.ring_attention`, which validates inputs and
+    checks that the group agrees on the schedule first.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, schedule: Schedule, make_transport: TransportFactory, softmax_scale: float, backend: str):
+        out, lse = _attention_forward(q, k, v, schedule, make_transport, softmax_scale, backend)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.schedule, ctx.make_transport, ctx.softmax_scale, ctx.backend = schedule, make_transport, softmax_scale, backend
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _attention_backward(
+            dout.contiguous(), q, k, v, out, lse, ctx.schedule, ctx.make_transport, ctx.softmax_scale, ctx.backend
+        )
+        return dq, dk, dv, None, None, None, None

@@ -1,0 +1,375 @@
+"""Compile a micro-batch's shard plan into the kernel arguments of every ring step (DESIGN.md section 4).
+
+A schedule is built once per micro-batch and CP rank, on the host (a DataLoader worker is the
+intended place), moved to the device once with :meth:`Schedule.to`, and then reused by every
+attention layer, forward and backward: the hot path does no host work besides launching kernels.
+
+How the plan becomes kernel calls. For a local piece ``q = [a, b)`` of sample X and a piece
+``k = [a', b')`` of X anywhere, exactly one holds: ``k`` is ``q`` (causal diagonal), ``b' <= a``
+(full block) or ``a' >= b`` (nothing). Hence:
+
+* **Local step** (distance 0): the local pieces of one sample, concatenated in canonical order,
+  form one causal segment; plain causal masking over the concatenation is exact because every key
+  of an earlier local piece precedes every query of a later one. One causal call covers all local
+  tokens, with ``Lq == Lk`` per segment (so the kernels' causal alignment never matters).
+* **Remote step** at distance ``t`` (source rank ``s = (r - t) mod C``): a query piece of X needs
+  the pieces of X on ``s`` that end at or before its start, a *prefix* of X's pieces on ``s``,
+  hence one contiguous key range; no mask inside it. Query rows that need keys from ``s`` are
+  gathered (``q_index``), so every kernel row has at least one key and work is proportional to
+  what is needed. Query pieces of X whose key prefixes coincide (zigzag's two chunks) share one
+  segment; distinct nested prefixes of the same sample go to separate calls ("levels"; a rank
+  holding several pieces of one sample interleaved with the source's pieces). Key rows a call does
+  not use are covered by zero-query segments (see the kernel contract in ``kernels.py``).
+
+Communication. Rank ``s`` only ever sends its *needed* pieces: piece ``p`` of X is needed iff
+another rank holds a piece of X that starts at or after ``p.stop``. Those pieces, concatenated in
+canonical order, are its compact send buffer (``send_index`` picks them from the local tokens);
+the key prefix a query needs is still contiguous there. Distances at which no rank needs
+anything are skipped by every rank (no transfer, no kernel); when no sample is split the schedule
+has no remote step at all and attention is one local kernel call.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field, replace
+from typing import Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ringpack.balancer.plan import MicroBatch
+
+__all__ = ["KernelCall", "RingStep", "Schedule", "ScheduleMismatchError", "compile_schedule"]
+
+
+class ScheduleMismatchError(ValueError):
+    """Ranks of one CP group hold schedules (or inputs) that do not belong together."""
+
+
+@dataclass(frozen=True)
+class KernelCall:
+    """One varlen kernel launch of a ring step.
+
+    ``q_index`` selects the local query rows (``None``: all local rows, in order); segment ``b``
+    pairs ``q[q_index][cu_seqlens_q[b]:cu_seqlens_q[b+1]]`` with rows ``cu_seqlens_k[b]:cu_seqlens_k[b+1]``
+    of the key/value buffer. ``max_seqlen_*`` are Python ints so launching needs no host sync.
+    """
+
+    q_index: Tensor | None
+    cu_seqlens_q: Tensor
+    cu_seqlens_k: Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    causal: bool
+
+    @property
+    def num_queries(self) -> int:
+        return int(self.cu_seqlens_q[-1])
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "KernelCall":
+        return replace(
+            self,
+            q_index=None if self.q_index is None else self.q_index.to(device, non_blocking=non_blocking),
+            cu_seqlens_q=self.cu_seqlens_q.to(device, non_blocking=non_blocking),
+            cu_seqlens_k=self.cu_seqlens_k.to(device, non_blocking=non_blocking),
+        )
+
+    def pin_memory(self) -> "KernelCall":
+        return replace(
+            self,
+            q_index=None if self.q_index is None else self.q_index.pin_memory(),
+            cu_seqlens_q=self.cu_seqlens_q.pin_memory(),
+            cu_seqlens_k=self.cu_seqlens_k.pin_memory(),
+        )
+
+
+@dataclass(frozen=True)
+class RingStep:
+    """Remote work at ring distance ``distance``: this rank attends to the buffer of ``(rank - distance) mod C``.
+
+    ``calls`` may be empty: the rank then only forwards the buffer. Every rank of the group has
+    the same distances in the same order (they come from the whole micro-batch).
+    """
+
+    distance: int
+    calls: tuple[KernelCall, ...]
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Everything one CP rank needs to run attention for one micro-batch; plain tensors and ints.
+
+    ``buffer_tokens[s]`` is the size of rank ``s``'s compact send buffer (every rank knows every
+    size, so receive buffers are allocated exactly and empty transfers are skipped on both sides).
+    ``fingerprint`` is a 64-bit hash of the micro-batch's piece table, identical on every rank that
+    compiled the same micro-batch; the runtime compares it across the group once per schedule.
+    """
+
+    cp_rank: int
+    cp_size: int
+    num_tokens: int
+    fingerprint: int
+    buffer_tokens: tuple[int, ...]
+    send_index: Tensor
+    local: KernelCall | None
+    steps: tuple[RingStep, ...]
+    verified: set = field(default_factory=set, compare=False, repr=False)  # (group, mode, shape) keys checked
+
+    @property
+    def distances(self) -> tuple[int, ...]:
+        return tuple(step.distance for step in self.steps)
+
+    def source(self, step: RingStep) -> int:
+        """The rank whose buffer this rank attends to at ``step``."""
+        return (self.cp_rank - step.distance) % self.cp_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.send_index.device
+
+    @property
+    def num_kernel_calls(self) -> int:
+        return (self.local is not None) + sum(len(step.calls) for step in self.steps)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "Schedule":
+        """A copy with every tensor on ``device`` (one transfer per micro-batch, then reused by all layers)."""
+        return replace(
+            self,
+            send_index=self.send_index.to(device, non_blocking=non_blocking),
+            local=None if self.local is None else self.local.to(device, non_blocking),
+            steps=tuple(replace(st, calls=tuple(c.to(device, non_blocking) for c in st.calls)) for st in self.steps),
+            verified=set(),
+        )
+
+    def pin_memory(self) -> "Schedule":
+        """Page-locked copy (``DataLoader(pin_memory=True)`` calls this), so ``to(cuda, non_blocking=True)`` is async."""
+        return replace(
+            self,
+            send_index=self.send_index.pin_memory(),
+            local=None if self.local is None else self.local.pin_memory(),
+            steps=tuple(replace(st, calls=tuple(c.pin_memory() for c in st.calls)) for st in self.steps),
+            verified=set(),
+        )
+
+    def __getstate__(self) -> dict:  # pickle (DataLoader worker -> main process) without the run-time cache
+        state = dict(self.__dict__)
+        state["verified"] = set()
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+
+
+# ------------------------------------------------------------------------------------ compilation
+
+
+@dataclass(frozen=True)
+class _PieceTable:
+    """All pieces of a micro-batch as int64 columns, rows in (rank, canonical) order."""
+
+    rank: np.ndarray
+    slot: np.ndarray
+    start: np.ndarray
+    stop: np.ndarray
+    offset: np.ndarray  # first row of the piece in its rank's local buffer
+    needed: np.ndarray  # bool: some other rank holds a later piece of the same sample
+    compact: np.ndarray  # first row in its rank's compact send buffer (-1 if not needed)
+    cp_size: int
+
+    @classmethod
+    def from_microbatch(cls, mb: MicroBatch) -> "_PieceTable":
+        cp = len(mb.shards)
+        slot_of = {sample: k for k, sample in enumerate(mb.samples)}
+        rows = []
+        for r, shard in enumerate(mb.shards):
+            for p in shard.pieces:
+                if p.sample not in slot_of:
+                    raise ValueError(f"cp rank {r}: piece of sample {p.sample}, which the micro-batch does not list")
+                rows.append((r, slot_of[p.sample], p.start, p.stop))
+        table = np.array(rows, dtype=np.int64).reshape(-1, 4)
+        rank, slot, start, stop = (np.ascontiguousarray(table[:, j]) for j in range(4))
+        _check_pieces(rank, slot, start, stop, mb.samples)
+        length = stop - start
+        offset = _exclusive_cumsum_by(rank, length)
+
+        # needed[p]: another rank holds a piece of p's sample starting at or after p.stop
+        latest = np.full((len(mb.samples), cp), -1, dtype=np.int64)
+        np.maximum.at(latest, (slot, rank), start)
+        others = latest[slot]
+        others[np.arange(len(rank)), rank] = -1
+        needed = others.max(axis=1, initial=-1) >= stop
+        compact = np.where(needed, _exclusive_cumsum_by(rank, np.where(needed, length, 0)), -1)
+        return cls(rank, slot, start, stop, offset, needed, compact, cp)
+
+    def buffer_tokens(self) -> tuple[int, ...]:
+        sizes = np.bincount(self.rank, weights=np.where(self.needed, self.stop - self.start, 0), minlength=self.cp_size)
+        return tuple(int(x) for x in sizes)
+
+    def need_matrix(self) -> np.ndarray:
+        """``need[r, s]``: rank r has a query piece that needs keys held by rank s != r."""
+        slots = int(self.slot.max(initial=-1)) + 1
+        first_stop = np.full((slots, self.cp_size), np.iinfo(np.int64).max, dtype=np.int64)
+        np.minimum.at(first_stop, (self.slot, self.rank), self.stop)
+        last_start = np.full((slots, self.cp_size), -1, dtype=np.int64)
+        np.maximum.at(last_start, (self.slot, self.rank), self.start)
+        need = (first_stop[:, None, :] <= last_start[:, :, None]).any(axis=0)
+        np.fill_diagonal(need, False)
+        return need
+
+    def fingerprint(self, samples: Sequence[int]) -> int:
+        h = hashlib.blake2b(digest_size=8, person=b"ringpack-sched")
+        h.update(np.int64(self.cp_size).tobytes())
+        h.update(np.asarray(samples, dtype="<i8").tobytes())
+        for col in (self.rank, self.slot, self.start, self.stop):
+            h.update(col.astype("<i8").tobytes())
+        return int.from_bytes(h.digest(), "little", signed=True)
+
+
+def compile_schedule(microbatch: MicroBatch, cp_rank: int) -> Schedule:
+    """Compile ``microbatch`` into the schedule of CP rank ``cp_rank`` (CPU tensors; see :meth:`Schedule.to`).
+
+    Works for any valid micro-batch: any number of pieces per sample and rank, uneven or
+    length-1 pieces, ranks with no tokens, any CP size. Every rank of the group must compile the
+    same micro-batch (checked at run time through :attr:`Schedule.fingerprint`).
+    """
+    cp = len(microbatch.shards)
+    if not 0 <= cp_rank < cp:
+        raise ValueError(f"cp_rank {cp_rank} is outside the micro-batch's {cp} rank shards")
+    table = _PieceTable.from_microbatch(microbatch)
+    mine = np.flatnonzero(table.rank == cp_rank)
+    num_tokens = int((table.stop[mine] - table.start[mine]).sum())
+
+    need = table.need_matrix()
+    ranks = np.arange(cp)
+    distances = [t for t in range(1, cp) if need[ranks, (ranks - t) % cp].any()]
+
+    mine_needed = mine[table.needed[mine]]
+    send_index = _concat_ranges(table.offset[mine_needed], table.stop[mine_needed] - table.start[mine_needed])
+    steps = tuple(
+        RingStep(distance=t, calls=_remote_calls(table, mine, np.flatnonzero(table.rank == (cp_rank - t) % cp), num_tokens))
+        for t in distances
+    )
+    return Schedule(
+        cp_rank=cp_rank,
+        cp_size=cp,
+        num_tokens=num_tokens,
+        fingerprint=table.fingerprint(microbatch.samples),
+        buffer_tokens=table.buffer_tokens(),
+        send_index=torch.from_numpy(send_index),
+        local=_local_call(table, mine) if num_tokens else None,
+        steps=steps,
+    )
+
+
+def _local_call(table: _PieceTable, mine: np.ndarray) -> KernelCall:
+    """One causal segment per run of same-sample local pieces (exact: see module docstring)."""
+    slot, length = table.slot[mine], table.stop[mine] - table.start[mine]
+    run_id = np.cumsum(np.r_[True, slot[1:] != slot[:-1]]) - 1
+    run_len = np.bincount(run_id, weights=length).astype(np.int64)
+    cu = _cu(run_len)
+    return KernelCall(None, cu, cu.clone(), int(run_len.max()), int(run_len.max()), causal=True)
+
+
+def _remote_calls(table: _PieceTable, mine: np.ndarray, theirs: np.ndarray, num_tokens: int) -> tuple[KernelCall, ...]:
+    """Non-causal calls of this rank's queries against source rank's compact buffer (usually one call)."""
+    src = theirs[table.needed[theirs]]
+    if src.size == 0 or mine.size == 0:
+        return ()
+    buffer_len = int((table.stop[src] - table.start[src]).sum())
+    # key prefix of each local piece: needed source pieces of the same sample with stop <= its start
+    scale = int(max(table.stop.max(), 1)) + 1
+    keys = table.slot[src] * scale + table.stop[src]  # sorted: canonical order on the source rank
+    first = np.searchsorted(keys, table.slot[mine] * scale, side="left")
+    last = np.searchsorted(keys, table.slot[mine] * scale + table.start[mine], side="right")
+    bounds = np.r_[table.compact[src], buffer_len]
+    has = last > first
+    k_lo, k_hi = bounds[first], bounds[np.minimum(last, src.size)]
+    if not has.any():
+        return ()
+
+    # merge consecutive local pieces of one sample that need the same key range into one segment
+    idx = np.flatnonzero(has)
+    slot, klo, khi = table.slot[mine][idx], k_lo[idx], k_hi[idx]
+    adjacent = np.r_[False, (np.diff(idx) == 1) & (slot[1:] == slot[:-1]) & (klo[1:] == klo[:-1]) & (khi[1:] == khi[:-1])]
+    group = np.cumsum(~adjacent) - 1
+    heads = np.flatnonzero(~adjacent)
+    tails = np.r_[heads[1:], idx.size] - 1
+    q_lo = table.offset[mine][idx[heads]]
+    q_hi = table.offset[mine][idx[tails]] + (table.stop - table.start)[mine][idx[tails]]
+    g_slot, g_klo, g_khi = slot[heads], klo[heads], khi[heads]
+    assert group[-1] + 1 == heads.size
+
+    # level = rank of the group among its sample's groups (nested prefixes cannot share a call)
+    new_sample = np.r_[True, g_slot[1:] != g_slot[:-1]]
+    level = np.arange(heads.size) - np.maximum.accumulate(np.where(new_sample, np.arange(heads.size), 0))
+    return tuple(
+        _noncausal_call(q_lo[sel], q_hi[sel], g_klo[sel], g_khi[sel], buffer_len, num_tokens)
+        for sel in (level == lv for lv in range(int(level.max()) + 1))
+    )
+
+
+def _noncausal_call(q_lo, q_hi, k_lo, k_hi, buffer_len: int, num_tokens: int) -> KernelCall:
+    """Segments (q rows [q_lo, q_hi) gathered) x (keys [k_lo, k_hi)); key gaps become zero-query segments."""
+    q_len, k_len = q_hi - q_lo, k_hi - k_lo
+    gap = k_lo - np.r_[0, k_hi[:-1]]
+    tail = buffer_len - int(k_hi[-1])
+    seg_q = np.r_[np.stack([np.zeros_like(q_len), q_len], 1).ravel(), 0]
+    seg_k = np.r_[np.stack([gap, k_len], 1).ravel(), tail]
+    keep = (seg_q > 0) | (seg_k > 0)
+    seg_q, seg_k = seg_q[keep], seg_k[keep]
+    q_index = _concat_ranges(q_lo, q_len)
+    all_rows = q_index.size == num_tokens and bool((q_index == np.arange(num_tokens)).all())
+    return KernelCall(
+        q_index=None if all_rows else torch.from_numpy(q_index),
+        cu_seqlens_q=_cu(seg_q),
+        cu_seqlens_k=_cu(seg_k),
+        max_seqlen_q=int(q_len.max()),
+        max_seqlen_k=int(seg_k.max()),
+        causal=False,
+    )
+
+
+# ---------------------------------------------------------------------------------------- helpers
+
+
+def _check_pieces(rank, slot, start, stop, samples) -> None:
+    bad = np.flatnonzero(start >= stop)
+    if bad.size:
+        i = bad[0]
+        raise ValueError(f"cp rank {rank[i]}: empty piece [{start[i]}, {stop[i]}) of sample {samples[slot[i]]}")
+    same_rank = rank[1:] == rank[:-1]
+    order = (slot[1:] > slot[:-1]) | ((slot[1:] == slot[:-1]) & (start[1:] > start[:-1]))
+    bad = np.flatnonzero(same_rank & ~order)
+    if bad.size:
+        i = bad[0] + 1
+        raise ValueError(f"cp rank {rank[i]}: pieces are not in canonical order at sample {samples[slot[i]]} [{start[i]}, {stop[i]})")
+    by_sample = np.lexsort((start, slot))
+    s_slot, s_start, s_stop = slot[by_sample], start[by_sample], stop[by_sample]
+    bad = np.flatnonzero((s_slot[1:] == s_slot[:-1]) & (s_start[1:] < s_stop[:-1]))
+    if bad.size:
+        i = by_sample[bad[0] + 1]
+        raise ValueError(f"sample {samples[slot[i]]}: piece [{start[i]}, {stop[i]}) on cp rank {rank[i]} overlaps another piece")
+
+
+def _exclusive_cumsum_by(group: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Exclusive running sum of ``values`` restarting whenever ``group`` changes (rows sorted by group)."""
+    total = np.cumsum(values) - values
+    starts = np.r_[True, group[1:] != group[:-1]] if group.size else np.zeros(0, dtype=bool)
+    base = np.maximum.accumulate(np.where(starts, np.arange(group.size), 0)) if group.size else group
+    return total - total[base]
+
+
+def _concat_ranges(lo: np.ndarray, length: np.ndarray) -> np.ndarray:
+    """``concat(arange(lo[i], lo[i] + length[i]))`` without a Python loop."""
+    length = np.asarray(length, dtype=np.int64)
+    total = int(length.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    seg_start = np.cumsum(length) - length
+    return np.arange(total, dtype=np.int64) + np.repeat(np.asarray(lo, dtype=np.int64) - seg_start, length)
+
+
+def _cu(lengths: np.ndarray) -> Tensor:
+    return torch.from_numpy(np.r_[0, np.cumsum(lengths)].astype(np.int32))

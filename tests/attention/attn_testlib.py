@@ -1,0 +1,223 @@
+"""Shared helpers for the attention tests: plans, inputs, an independent dense reference, a process harness.
+
+The dense reference is built from first principles (a full ``[N, N]`` mask from sample ids and
+positions, plain softmax, autograd for the gradients) and shares no code with the runtime.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from ringpack.balancer.plan import MicroBatch, Piece, microbatch_from_shards
+from ringpack.balancer.split import split_contiguous, split_zigzag
+
+# ------------------------------------------------------------------------------------------ plans
+
+
+def random_microbatch(rng: np.random.Generator, cp: int, num_samples: int = 5, max_len: int = 24, max_pieces: int = 5) -> tuple[MicroBatch, dict[int, int]]:
+    """An adversarial valid micro-batch: random cuts, random rank per piece (interleaved pieces of one
+    sample on one rank, non-contiguous rank subsets), length-1 samples, sometimes an idle rank, and
+    sample ids that differ from their slots."""
+    ids = rng.choice(1000, size=num_samples, replace=False).tolist()
+    lengths = {s: int(rng.integers(1, max_len + 1)) for s in ids}
+    lengths[ids[int(rng.integers(num_samples))]] = 1
+    usable = list(range(cp))
+    if cp > 1 and rng.random() < 0.3:
+        usable.remove(int(rng.integers(cp)))  # an idle rank
+    shards: list[list[Piece]] = [[] for _ in range(cp)]
+    for s in ids:
+        length = lengths[s]
+        k = int(rng.integers(1, min(length, max_pieces) + 1))
+        cuts = np.sort(rng.choice(np.arange(1, length), size=k - 1, replace=False)) if k > 1 else np.zeros(0, int)
+        bounds = [0, *cuts.tolist(), length]
+        for a, b in zip(bounds, bounds[1:]):
+            shards[int(rng.choice(usable))].append(Piece(s, a, b))
+    return microbatch_from_shards(ids, shards, lengths), lengths
+
+
+def strategy_microbatch(strategy: str, rng: np.random.Generator, cp: int, num_samples: int = 6, max_len: int = 40) -> tuple[MicroBatch, dict[int, int]]:
+    """A micro-batch cut by one of the balancer's split strategies (``balanced`` needs the planner)."""
+    lengths_arr = rng.integers(1, max_len + 1, size=num_samples)
+    lengths_arr[0] = 1
+    samples = list(range(num_samples))
+    if strategy == "contiguous":
+        mb = split_contiguous(samples, lengths_arr.tolist(), cp)
+    elif strategy == "zigzag":
+        mb = split_zigzag(samples, lengths_arr.tolist(), cp)
+    elif strategy == "balanced":
+        from ringpack.balancer.planner import split_microbatch
+        from ringpack.balancer.plan import PlanConfig
+
+        budget = int(np.ceil(lengths_arr.sum() / cp)) + int(rng.integers(0, 8))
+        mb = split_microbatch(samples, lengths_arr.tolist(), PlanConfig(dp=1, cp=cp, tokens_per_rank=budget))
+    else:
+        raise ValueError(strategy)
+    return mb, {s: int(lengths_arr[s]) for s in samples}
+
+
+def handmade_microbatches() -> list[tuple[str, MicroBatch, dict[int, int]]]:
+    """Named corner cases: (name, micro-batch, lengths by sample id)."""
+    P = Piece
+    cases = []
+
+    def add(name: str, samples: Sequence[int], lengths: dict[int, int], shards: list[list[Piece]]) -> None:
+        cases.append((name, microbatch_from_shards(samples, shards, lengths), lengths))
+
+    add("cp1", [7, 3], {7: 5, 3: 1}, [[P(7, 0, 5), P(3, 0, 1)]])
+    add("no-split", [0, 1, 2], {0: 4, 1: 1, 2: 6}, [[P(0, 0, 4)], [P(1, 0, 1), P(2, 0, 6)]])
+    add("empty-rank", [0, 1], {0: 9, 1: 3}, [[P(0, 0, 4)], [], [P(0, 4, 9), P(1, 0, 3)]])
+    add("all-on-last", [0], {0: 6}, [[], [], [P(0, 0, 6)]])
+    add("length-1-pieces", [0], {0: 4}, [[P(0, 0, 1), P(0, 2, 3)], [P(0, 1, 2), P(0, 3, 4)]])
+    # a sample longer than any rank's share, spread over a non-contiguous subset (ranks 0, 2, 3)
+    add("skip-rank", [5, 6], {5: 13, 6: 2}, [[P(5, 0, 3)], [P(6, 0, 2)], [P(5, 3, 10)], [P(5, 10, 13)]])
+    # interleaved pieces of one sample on two ranks: nested key prefixes -> several calls per step
+    add("interleaved", [0, 1], {0: 10, 1: 4}, [[P(0, 0, 2), P(0, 4, 5), P(0, 8, 10), P(1, 2, 4)], [P(0, 2, 4), P(0, 5, 8), P(1, 0, 2)]])
+    # reverse placement: early tokens on the last rank, so the ring goes "backwards"
+    add("reverse", [0], {0: 9}, [[P(0, 6, 9)], [P(0, 3, 6)], [P(0, 0, 3)]])
+    # 'balanced'-like: short samples whole, one long sample split unevenly over ranks 1 and 3 only
+    add("balanced-like", [0, 1, 2, 3], {0: 5, 1: 17, 2: 3, 3: 4}, [[P(0, 0, 5), P(2, 0, 3)], [P(1, 0, 11)], [P(3, 0, 4)], [P(1, 11, 17)]])
+    return cases
+
+
+def zigzag_case(cp: int, lengths: Sequence[int]) -> MicroBatch:
+    return split_zigzag(list(range(len(lengths))), list(lengths), cp)
+
+
+# ----------------------------------------------------------------------------------------- inputs
+
+
+@dataclass
+class Problem:
+    """Per-sample inputs of one micro-batch: q/k/v/dout ``[L, heads, head_dim]`` by sample id."""
+
+    mb: MicroBatch
+    lengths: dict[int, int]
+    q: dict[int, torch.Tensor]
+    k: dict[int, torch.Tensor]
+    v: dict[int, torch.Tensor]
+    dout: dict[int, torch.Tensor]
+
+    @classmethod
+    def make(cls, mb: MicroBatch, lengths: dict[int, int], heads: int, kv_heads: int, dim: int, seed: int, dtype=torch.float64, device="cpu") -> "Problem":
+        gen = torch.Generator().manual_seed(seed)
+        make = lambda n, h: torch.randn(n, h, dim, generator=gen, dtype=torch.float64).to(dtype=dtype, device=device)  # noqa: E731
+        q, k, v, dout = {}, {}, {}, {}
+        for s in mb.samples:
+            n = lengths[s]
+            q[s], k[s], v[s], dout[s] = make(n, heads), make(n, kv_heads), make(n, kv_heads), make(n, heads)
+        return cls(mb, lengths, q, k, v, dout)
+
+    def local(self, which: dict[int, torch.Tensor], rank: int) -> torch.Tensor:
+        """A rank's tokens: its pieces concatenated in canonical order."""
+        pieces = self.mb.shards[rank].pieces
+        any_t = next(iter(which.values()))
+        if not pieces:
+            return any_t.new_zeros((0, *any_t.shape[1:]))
+        return torch.cat([which[p.sample][p.start : p.stop] for p in pieces])
+
+
+def dense_reference(problem: Problem, scale: float | None = None) -> dict[str, dict[int, torch.Tensor]]:
+    """Single-process causal attention with a per-sample mask over the whole packed micro-batch (fp64, autograd)."""
+    samples = list(problem.mb.samples)
+    q = torch.cat([problem.q[s] for s in samples]).double().requires_grad_()
+    k = torch.cat([problem.k[s] for s in samples]).double().requires_grad_()
+    v = torch.cat([problem.v[s] for s in samples]).double().requires_grad_()
+    dout = torch.cat([problem.dout[s] for s in samples]).double()
+    sid = torch.cat([torch.full((problem.lengths[s],), j) for j, s in enumerate(samples)])
+    pos = torch.cat([torch.arange(problem.lengths[s]) for s in samples])
+    mask = (sid[:, None] == sid[None, :]) & (pos[None, :] <= pos[:, None])
+    heads, kv_heads = q.shape[1], k.shape[1]
+    kk = k.repeat_interleave(heads // kv_heads, dim=1)
+    vv = v.repeat_interleave(heads // kv_heads, dim=1)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = torch.einsum("ihd,jhd->hij", q, kk) * scale
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    out = torch.einsum("hij,jhd->ihd", probs, vv)
+    (out * dout).sum().backward()
+    bounds = np.cumsum([0] + [problem.lengths[s] for s in samples])
+    split = lambda t: {s: t[bounds[j] : bounds[j + 1]].detach() for j, s in enumerate(samples)}  # noqa: E731
+    return {"out": split(out), "dq": split(q.grad), "dk": split(k.grad), "dv": split(v.grad)}
+
+
+def max_errors(problem: Problem, rank: int, ref: dict[str, dict[int, torch.Tensor]], got: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Max abs error of a rank's out/dq/dk/dv against the dense reference's slices."""
+    errors = {}
+    for name, value in got.items():
+        expected = problem.local(ref[name], rank)
+        errors[name] = float((value.double().cpu() - expected).abs().max()) if expected.numel() else 0.0
+    return errors
+
+
+# ---------------------------------------------------------------------------------------- harness
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _child(rank: int, world: int, port: int, fn: Callable, args: tuple, out_dir: str, timeout_s: float) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    result: Any
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
+        )
+        result = ("ok", fn(rank, world, *args))
+    except BaseException:  # report everything to the parent
+        result = ("error", traceback.format_exc())
+    finally:
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+
+
+def run_processes(world: int, fn: Callable, *args: Any, timeout_s: float = 60.0, join_s: float = 240.0) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` in ``world`` spawned processes joined by a gloo group; return their results.
+
+    Every collective has ``timeout_s``; the whole run is killed after ``join_s`` (a hang fails the
+    test instead of stalling the suite). A child's exception is re-raised here with its traceback.
+    """
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    with tempfile.TemporaryDirectory() as out_dir:
+        procs = [ctx.Process(target=_child, args=(r, world, port, fn, args, out_dir, timeout_s)) for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(join_s)
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for r in hung:
+            procs[r].kill()
+            procs[r].join()
+        if hung:
+            raise TimeoutError(f"ranks {hung} did not finish within {join_s}s")
+        results = []
+        for r in range(world):
+            path = os.path.join(out_dir, f"rank{r}.pkl")
+            if not os.path.exists(path):
+                raise RuntimeError(f"rank {r} died without a result (exit code {procs[r].exitcode})")
+            with open(path, "rb") as f:
+                status, value = pickle.load(f)
+            if status == "error":
+                raise RuntimeError(f"rank {r} failed:\n{value}")
+            results.append(value)
+        return results

@@ -1,0 +1,206 @@
+"""Schedule compilation: exact coverage of the causal document mask, compact buffers, skipped steps.
+
+The coverage check is brute force: it expands every kernel call of every rank into the (query,
+key) token pairs it computes, maps both to (sample, position) and demands that the result is the
+causal per-sample mask with every pair exactly once. No numerics, so it runs hundreds of plans.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ringpack.attention import compile_schedule
+from ringpack.attention.schedule import Schedule
+from ringpack.balancer.plan import MicroBatch, Piece, microbatch_from_shards
+from tests.attention.attn_testlib import handmade_microbatches, random_microbatch, strategy_microbatch, zigzag_case
+
+
+def _tokens(mb: MicroBatch, rank: int) -> list[tuple[int, int]]:
+    return [(p.sample, pos) for p in mb.shards[rank].pieces for pos in range(p.start, p.stop)]
+
+
+def _segments(cu: torch.Tensor) -> list[tuple[int, int]]:
+    c = cu.tolist()
+    return list(zip(c[:-1], c[1:]))
+
+
+def _check_call_shape(call, n_queries: int, n_keys: int) -> None:
+    assert call.cu_seqlens_q.dtype == torch.int32 and call.cu_seqlens_k.dtype == torch.int32
+    assert call.cu_seqlens_q.numel() == call.cu_seqlens_k.numel()
+    assert int(call.cu_seqlens_q[-1]) == n_queries
+    assert int(call.cu_seqlens_k[-1]) == n_keys, "key segments must tile the whole buffer"
+    q_lens = [b - a for a, b in _segments(call.cu_seqlens_q)]
+    k_lens = [b - a for a, b in _segments(call.cu_seqlens_k)]
+    assert min(q_lens + [0]) >= 0 and min(k_lens + [0]) >= 0
+    assert call.max_seqlen_q == max(q_lens) and call.max_seqlen_k == max(k_lens)
+    assert all(k > 0 for q, k in zip(q_lens, k_lens) if q > 0), "a query segment without keys"
+
+
+def computed_pairs(mb: MicroBatch, schedules: list[Schedule], rank: int) -> Counter:
+    sched = schedules[rank]
+    local = _tokens(mb, rank)
+    assert sched.num_tokens == len(local)
+    pairs: Counter = Counter()
+    if sched.local is None:
+        assert not local
+    else:
+        call = sched.local
+        assert call.causal and call.q_index is None
+        _check_call_shape(call, len(local), len(local))
+        for (qa, qb), (ka, kb) in zip(_segments(call.cu_seqlens_q), _segments(call.cu_seqlens_k)):
+            shift = (kb - ka) - (qb - qa)
+            for i in range(qb - qa):
+                for j in range(kb - ka):
+                    if j <= i + shift:
+                        (xs, xp), (ys, yp) = local[qa + i], local[ka + j]
+                        if xs == ys:
+                            pairs[(xs, xp, yp)] += 1
+                        else:
+                            pairs[("cross-sample", xs, ys)] += 1
+    for step in sched.steps:
+        src = sched.source(step)
+        src_tokens = _tokens(mb, src)
+        buffer = [src_tokens[i] for i in schedules[src].send_index.tolist()]
+        used_rows: set[int] = set()
+        for call in step.calls:
+            assert not call.causal
+            rows = list(range(len(local))) if call.q_index is None else call.q_index.tolist()
+            assert not used_rows & set(rows), "a query row appears in two calls of one step"
+            used_rows |= set(rows)
+            _check_call_shape(call, len(rows), len(buffer))
+            for (qa, qb), (ka, kb) in zip(_segments(call.cu_seqlens_q), _segments(call.cu_seqlens_k)):
+                for i in rows[qa:qb]:
+                    for j in range(ka, kb):
+                        (xs, xp), (ys, yp) = local[i], buffer[j]
+                        pairs[(xs, xp, yp) if xs == ys else ("cross-sample", xs, ys)] += 1
+    return pairs
+
+
+def expected_pairs(mb: MicroBatch, rank: int) -> Counter:
+    return Counter((s, p, j) for s, p in _tokens(mb, rank) for j in range(p + 1))
+
+
+def needed_pieces(mb: MicroBatch, rank: int) -> list[Piece]:
+    """Brute force: pieces of ``rank`` that some other rank's query needs."""
+    return [
+        p
+        for p in mb.shards[rank].pieces
+        if any(o.sample == p.sample and o.start >= p.stop for r, sh in enumerate(mb.shards) if r != rank for o in sh.pieces)
+    ]
+
+
+def check_schedule(mb: MicroBatch) -> list[Schedule]:
+    cp = len(mb.shards)
+    schedules = [compile_schedule(mb, r) for r in range(cp)]
+    assert len({s.fingerprint for s in schedules}) == 1
+    assert len({s.distances for s in schedules}) == 1, "all ranks must run the same ring steps"
+    assert len({s.buffer_tokens for s in schedules}) == 1
+    for r, sched in enumerate(schedules):
+        got, want = computed_pairs(mb, schedules, r), expected_pairs(mb, r)
+        assert got == want, f"rank {r}: missing {list((want - got).items())[:5]}, extra {list((got - want).items())[:5]}"
+        # compact buffer = exactly the needed pieces, in canonical order
+        local = _tokens(mb, r)
+        buffer = [local[i] for i in sched.send_index.tolist()]
+        assert buffer == [(p.sample, x) for p in needed_pieces(mb, r) for x in range(p.start, p.stop)]
+        assert sched.buffer_tokens[r] == len(buffer)
+    # a distance is a step iff some rank needs something from that far back
+    for t in range(1, cp):
+        needs = any(
+            any(o.sample == p.sample and o.stop <= p.start for p in mb.shards[r].pieces for o in mb.shards[(r - t) % cp].pieces)
+            for r in range(cp)
+        )
+        assert needs == (t in schedules[0].distances), f"distance {t}"
+    return schedules
+
+
+@pytest.mark.parametrize("name,mb,lengths", handmade_microbatches(), ids=lambda x: x if isinstance(x, str) else "")
+def test_handmade_plans_cover_the_mask_exactly(name, mb, lengths):
+    check_schedule(mb)
+
+
+@pytest.mark.parametrize("strategy", ["contiguous", "zigzag", "balanced"])
+@pytest.mark.parametrize("cp", [1, 2, 3, 4, 5])
+def test_strategy_plans_cover_the_mask_exactly(strategy, cp):
+    if strategy == "balanced":
+        pytest.importorskip("ringpack.balancer.planner")
+    rng = np.random.default_rng(cp)
+    for _ in range(6):
+        check_schedule(strategy_microbatch(strategy, rng, cp, num_samples=int(rng.integers(1, 8)))[0])
+
+
+@settings(max_examples=150, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), cp=st.integers(1, 5), n=st.integers(1, 6))
+def test_random_plans_cover_the_mask_exactly(seed, cp, n):
+    check_schedule(random_microbatch(np.random.default_rng(seed), cp, num_samples=n)[0])
+
+
+def test_no_split_sample_means_no_communication():
+    mb = microbatch_from_shards([0, 1, 2, 3], [[Piece(0, 0, 7), Piece(3, 0, 2)], [Piece(1, 0, 9)], [Piece(2, 0, 1)]], {0: 7, 1: 9, 2: 1, 3: 2})
+    for r in range(3):
+        sched = compile_schedule(mb, r)
+        assert sched.steps == () and sched.buffer_tokens == (0, 0, 0) and sched.send_index.numel() == 0
+        assert sched.num_kernel_calls == 1
+
+
+def test_contiguous_split_talks_only_to_the_neighbour():
+    mb = microbatch_from_shards([0, 1], [[Piece(0, 0, 6)], [Piece(0, 6, 8), Piece(1, 0, 4)], [Piece(1, 4, 9)], []], {0: 8, 1: 9})
+    schedules = check_schedule(mb)
+    assert schedules[0].distances == (1,)
+    # rank 2 holds the last piece of sample 1: nobody needs it, so it sends nothing
+    assert schedules[0].buffer_tokens == (6, 4, 0, 0)
+
+
+def test_skipped_distance_is_jumped_over():
+    _, mb, _ = next(c for c in handmade_microbatches() if c[0] == "balanced-like")
+    schedules = check_schedule(mb)
+    assert schedules[0].distances == (2,)  # only rank 3 needs rank 1's piece
+    assert schedules[0].buffer_tokens == (0, 11, 0, 0)
+    assert [len(s.calls) for s in schedules[3].steps] == [1] and all(not s.steps[0].calls for s in schedules[:3])
+
+
+def test_zigzag_needs_one_call_per_step():
+    mb = zigzag_case(4, [37, 64, 5, 1])
+    for sched in check_schedule(mb):
+        assert len(sched.steps) == 3 and all(len(step.calls) == 1 for step in sched.steps)
+
+
+def test_interleaved_pieces_split_into_levels():
+    _, mb, _ = next(c for c in handmade_microbatches() if c[0] == "interleaved")
+    schedules = check_schedule(mb)
+    assert max(len(step.calls) for s in schedules for step in s.steps) >= 2
+
+
+def test_fingerprint_tracks_the_plan():
+    a = zigzag_case(2, [5, 9])
+    b = zigzag_case(2, [5, 10])
+    c = microbatch_from_shards([0, 1], [list(a.shards[1].pieces), list(a.shards[0].pieces)], {0: 5, 1: 9})
+    fps = {compile_schedule(mb, 0).fingerprint for mb in (a, b, c)}
+    assert len(fps) == 3
+
+
+def test_schedule_moves_pickles_and_pins():
+    sched = compile_schedule(zigzag_case(3, [11, 4]), 1)
+    again = pickle.loads(pickle.dumps(sched))
+    assert again.fingerprint == sched.fingerprint and torch.equal(again.send_index, sched.send_index)
+    moved = sched.to("cpu")
+    assert moved.device == torch.device("cpu") and moved.distances == sched.distances
+    if torch.cuda.is_available():
+        assert sched.pin_memory().send_index.is_pinned()
+
+
+def test_invalid_microbatches_are_rejected():
+    mb = MicroBatch(samples=(0,), shards=(type(zigzag_case(1, [3]).shards[0])((Piece(0, 2, 3), Piece(0, 0, 2))),), loss_tokens=2)
+    with pytest.raises(ValueError, match="canonical order"):
+        compile_schedule(mb, 0)
+    overlap = microbatch_from_shards([0], [[Piece(0, 0, 3)], [Piece(0, 2, 4)]], {0: 4})
+    with pytest.raises(ValueError, match="overlaps"):
+        compile_schedule(overlap, 0)
+    with pytest.raises(ValueError, match="cp_rank"):
+        compile_schedule(zigzag_case(2, [4]), 2)
