@@ -148,12 +148,15 @@ def improve(
     rank_capacity: int = 0,
     max_iters: int = 200,
     neighbours: int = 8,
+    stop_gap: float = 1e-4,
 ) -> np.ndarray:
     """Local search on the slowest DP rank: move one sample out, or swap two, while the max drops.
 
     Each iteration looks at the heaviest DP rank ``h`` and the ``neighbours`` lightest ranks and
     picks the move or swap that minimises the larger of the two new loads (strictly below ``h``'s
-    load; ties by index). Token capacities hold and no bin is emptied. Stops at the lower bound.
+    load; ties by index). Token capacities hold and no bin is emptied. Stops within ``stop_gap``
+    (relative) of ``lower_bound``, when nothing improves, or after ``max_iters`` iterations (an
+    iteration count, never a clock, so the result is the same on every machine).
     """
     bins = bins.copy()
     n = len(bins)
@@ -170,7 +173,7 @@ def improve(
     for _ in range(max_iters):
         h = int(np.argmax(loads))
         top = loads[h]
-        if top <= lower_bound * (1 + 1e-9):
+        if top <= lower_bound * (1 + stop_gap):
             break
         ranks = bins // m
         light = np.argsort(loads, kind="stable")[:neighbours]
@@ -192,14 +195,19 @@ def improve(
                     if vecs is None or np.all(vecs[j] + rank_tokens[A[k]] <= rank_capacity):
                         best = (float(new[k]), "move", int(A[k]), int(j))
         # swaps: a in h <-> b in a light rank, w[a] > w[b]
-        B = np.flatnonzero(np.isin(ranks, light))
+        is_light = np.zeros(dp, dtype=bool)
+        is_light[light] = True
+        B = np.flatnonzero(is_light[ranks])
         if A.size and B.size:
             delta = w[A][:, None] - w[B][None, :]
             new = np.maximum(top - delta, loads[ranks[B]][None, :] + delta)
             dt = t[A][:, None] - t[B][None, :]
             ok = (delta > 0) & (bin_tok[bins[B]][None, :] + dt <= capacity) & (bin_tok[bins[A]][:, None] - dt <= capacity)
             new = np.where(ok, new, np.inf)
-            flat_order = np.argsort(new, axis=None, kind="stable")[:16]
+            flat_new = new.ravel()
+            cand = min(16, flat_new.size)
+            part = np.argpartition(flat_new, cand - 1)[:cand] if cand < flat_new.size else np.arange(flat_new.size)
+            flat_order = part[np.lexsort((part, flat_new[part]))]
             for flat in flat_order.tolist():
                 ka, kb = divmod(flat, B.size)
                 val = new[ka, kb]

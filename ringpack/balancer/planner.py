@@ -41,8 +41,11 @@ from ringpack.balancer.split import split_balanced, split_contiguous, split_zigz
 
 __all__ = ["make_plan", "as_lengths", "expand_overflow", "shuffle_order", "step_lower_bound", "split_microbatch"]
 
-#: Gap to the lower bound (relative) below which the CP-SAT refinement is not started.
-SOLVER_GAP_THRESHOLD = 1e-3
+#: With ``microbatches_per_rank=0`` the planner uses the fewest micro-batches per DP rank that hold
+#: the tokens, ``m``; when the token budget then keeps the step more than this far above its lower
+#: bound (samples cannot move between DP ranks without overflowing a micro-batch), it also tries
+#: ``m + 1`` and keeps whichever balances better.
+AUTO_MICROBATCH_GAP = 0.01
 
 
 # ----------------------------------------------------------------------------------------- inputs
@@ -182,31 +185,44 @@ def _plan_step(index: int, ids: np.ndarray, lengths: np.ndarray, config: PlanCon
             f"({total} tokens, {capacity} tokens per micro-batch); every micro-batch needs a sample: "
             "use more samples per step, a larger tokens_per_rank, or fewer micro-batches per rank"
         )
-    bins = None
-    m = m_lo
+    bound = step_lower_bound(W, L, dp, cp, config.cost)
+    bins, m = None, m_lo
     if config.packing == "first_fit":
         bins, m = packing.pack_first_fit(L, dp, m_lo, m_fixed, capacity, rank_tokens, budget)
         if bins is not None and n < dp * m:
             bins = None
+        if bins is not None:
+            bins = packing.fill_empty_bins(bins, W, L, dp, m, capacity, rank_tokens, budget)
     else:
+        best = None  # (max load, m, bins)
         for m in range(m_lo, m_hi + 1):
             bins = packing.pack_greedy(W, L, dp, m, capacity, rank_tokens, budget)
-            if bins is not None:
+            if bins is None:
+                if best is not None:
+                    break
+                continue
+            if best is None:
+                first_ok = m
+            bins = packing.fill_empty_bins(bins, W, L, dp, m, capacity, rank_tokens, budget)
+            bins = packing.improve(bins, W, L, dp, m, capacity, bound * cp, rank_tokens, budget)
+            if config.solver_time_limit_s > 0:
+                from ringpack.balancer import solver
+
+                bins = solver.refine(bins, W, L, dp, m, capacity, bound * cp, config.solver_time_limit_s, rank_tokens, budget)
+            top = float(packing.dp_loads(bins, W, dp, m).max())
+            if best is None or top < best[0] * (1 - 1e-9):
+                best = (top, m, bins)
+            # auto: one more micro-batch per rank only when the token budget costs balance
+            if m_fixed or top <= bound * cp * (1 + AUTO_MICROBATCH_GAP) or m > first_ok:
                 break
+        if best is not None:
+            _, m, bins = best
     if bins is None:
         raise PlanError(
             f"step {index}: {n} samples ({total} tokens) do not fit dp={dp} x {m} micro-batches of "
             f"cp*tokens_per_rank={capacity} tokens with {config.packing!r} packing; raise tokens_per_rank"
             + (" or microbatches_per_rank (0 chooses it)" if m_fixed else "")
         )
-    bins = packing.fill_empty_bins(bins, W, L, dp, m, capacity, rank_tokens, budget)
-    bound = step_lower_bound(W, L, dp, cp, config.cost)
-    if config.packing == "balanced":
-        bins = packing.improve(bins, W, L, dp, m, capacity, bound * cp, rank_tokens, budget)
-        if config.solver_time_limit_s > 0:
-            from ringpack.balancer import solver
-
-            bins = solver.refine(bins, W, L, dp, m, capacity, bound * cp, config.solver_time_limit_s, rank_tokens, budget)
     # assemble: samples of a micro-batch keep their (shuffled) window order
     order = np.argsort(bins, kind="stable")
     sorted_bins = bins[order]

@@ -17,7 +17,7 @@ from ringpack.balancer.plan import MicroBatch, Piece, microbatch_from_shards
 if TYPE_CHECKING:
     from ringpack.balancer.cost import CostModel
 
-__all__ = ["split_contiguous", "split_zigzag", "split_balanced", "zigzag_rank_tokens", "CP_BALANCE_TOLERANCE"]
+__all__ = ["split_contiguous", "split_zigzag", "split_balanced", "split_zigzag_even", "zigzag_rank_tokens", "CP_BALANCE_TOLERANCE"]
 
 
 def split_contiguous(samples: Sequence[int], lengths: Sequence[int], cp: int) -> MicroBatch:
@@ -113,17 +113,21 @@ def split_balanced(
 
     1. Every CP rank gets a cost room of ``(1 + tolerance) * sum(sample costs) / cp`` and a token
        room of ``tokens_per_rank``.
-    2. Samples, most expensive first, go *whole* to the rank with the smallest room that still
-       holds them (best fit): ranks fill up one at a time, so what room is left ends up in few
-       ranks, in large blocks.
-    3. Samples that fit whole nowhere (too costly or too long for one rank, or left over) are cut
-       from the back: the largest suffix that fits goes to the rank with the most room left, then
-       the next suffix, and so on. The K/V a split sample sends is everything before its last
-       cut, so giving its expensive tail the largest room keeps the bytes crossing ranks small,
-       and a sample's earlier pieces fill the small gaps of other ranks at no extra traffic.
+    2. Samples, most expensive first, go *whole* to the rank with the smallest cost room that
+       still holds them (best fit), so ranks fill one at a time and the room left is in few ranks,
+       in large blocks. A placement is refused if it would leave a rank unable to reach its cost
+       with the tokens it has left (tokens of the micro-batch are at most ``density`` expensive).
+    3. Samples that fit whole nowhere are cut from the back: the densest remaining suffix goes to
+       the rank needing the densest content (highest cost room per free token), as long a suffix
+       as fits there, and so on. The K/V a split sample sends is what lies before its last cut, so
+       few split samples with long tails keep the bytes crossing ranks low.
 
-    The token room is never exceeded (the micro-batch must hold at most ``cp * tokens_per_rank``
-    tokens); the cost room only steers, so every micro-batch that fits gets a valid split.
+    When tokens are tight (little free token room), step 2 can leave ranks that cannot be
+    balanced; the split is then retried with a stricter density rule, and
+    :func:`split_zigzag_even` (every sample zigzagged, tokens even to one) is the last resort.
+    The first candidate within ``2 * tolerance`` of the ideal wins, else the one with the lowest
+    max rank cost (earlier candidates, which split less, win ties within ``tolerance``). The token room is never exceeded, so every micro-batch
+    of at most ``cp * tokens_per_rank`` tokens gets a valid split.
     """
     n = len(samples)
     lens = [int(lengths[s]) for s in samples]
@@ -134,18 +138,71 @@ def split_balanced(
         return microbatch_from_shards(samples, [[Piece(int(s), 0, l) for s, l in zip(samples, lens)]], lengths)
     a, b, seg = float(cost.token), float(cost.pair), float(cost.segment)
     w = [a * l + b * 0.5 * l * (l + 1) + seg for l in lens]
-    cap = (1.0 + tolerance) * sum(w) / cp
+    ideal = sum(w) / cp
+    accept = ideal * (1.0 + 2.0 * tolerance)
+    best = None  # (max rank cost, shards): the first candidate within the acceptance wins
+    for factor in (1.0, 0.5, 0.25):
+        shards, top = _balanced_shards(samples, lens, w, cp, tokens_per_rank, a, b, seg, ideal * (1.0 + tolerance), factor)
+        if best is None or top < best[0] * (1.0 - tolerance):
+            best = (top, shards)
+        if top <= accept:
+            return microbatch_from_shards(samples, best[1], lengths)
+    zz = split_zigzag_even(samples, lengths, cp)  # always within the token budget
+    top = max(a * sh.num_tokens + sum(b * 0.5 * (p.stop * (p.stop + 1) - p.start * (p.start + 1)) + seg for p in sh.pieces) for sh in zz.shards)
+    if top < best[0] * (1.0 - tolerance):
+        return zz
+    return microbatch_from_shards(samples, best[1], lengths)
+
+
+def split_zigzag_even(samples: Sequence[int], lengths: Sequence[int], cp: int) -> MicroBatch:
+    """Zigzag whose per-rank token counts differ by at most one over the whole micro-batch.
+
+    Each sample's ``L`` tokens are dealt as ``L // cp`` per rank plus one more to the ``L % cp``
+    ranks holding the fewest tokens so far; rank ``r``'s share is a front chunk (the ``r``-th from
+    the start) and a back chunk (the ``r``-th from the end), which pairs cheap early tokens with
+    expensive late ones as zigzag does. Every rank ends with ``floor`` or ``ceil`` of
+    ``total / cp`` tokens, so the split fits whenever the micro-batch does.
+    """
+    held = [0] * cp
+    shards: list[list[Piece]] = [[] for _ in range(cp)]
+    for sample in samples:
+        length = int(lengths[sample])
+        base, extra = divmod(length, cp)
+        quota = [base] * cp
+        for r in sorted(range(cp), key=lambda q: (held[q], q))[:extra]:
+            quota[r] += 1
+        lo, hi = 0, length
+        for r in range(cp):
+            front = quota[r] // 2
+            back = quota[r] - front
+            if front:
+                shards[r].append(Piece(int(sample), lo, lo + front))
+            if back:
+                shards[r].append(Piece(int(sample), hi - back, hi))
+            lo += front
+            hi -= back
+            held[r] += quota[r]
+        assert lo == hi
+    return microbatch_from_shards(samples, shards, lengths)
+
+
+def _balanced_shards(samples, lens, w, cp, tokens_per_rank, a, b, seg, cap, density_factor):
+    """One pass of :func:`split_balanced`; returns the shards and the largest rank cost."""
+    n = len(lens)
     room = [cap] * cp
     troom = [int(tokens_per_rank)] * cp
     shards: list[list[Piece]] = [[] for _ in range(cp)]
     order = sorted(range(n), key=lambda k: (-w[k], k))
+    # The densest tokens (cost per token) are the last ones of the longest sample; ``density_factor``
+    # below 1 assumes less dense content will be left to fill the ranks.
+    density = (a + b * max(lens)) * density_factor + seg
     leftovers = []
     for k in order:
         wk, lk = w[k], lens[k]
         best, best_room = -1, math.inf
         if wk <= cap and lk <= tokens_per_rank:
             for r in range(cp):
-                if wk <= room[r] < best_room and troom[r] >= lk:
+                if wk <= room[r] < best_room and troom[r] >= lk and room[r] - wk <= (troom[r] - lk) * density:
                     best, best_room = r, room[r]
         if best < 0:
             leftovers.append(k)
@@ -156,19 +213,21 @@ def split_balanced(
     for k in leftovers:
         sample = int(samples[k])
         stop = lens[k]
-        last_rank, last_start = -1, -1
+        last_rank = -1
         while stop > 0:
-            r, best_room = -1, -math.inf
+            # the densest remaining tokens (this suffix) go to the rank that needs the densest
+            # content to reach its cost: the highest cost room per free token
+            r, best_need = -1, -math.inf
             for q in range(cp):
-                if troom[q] > 0 and room[q] > best_room:
-                    r, best_room = q, room[q]
+                if troom[q] > 0 and room[q] / troom[q] > best_need:
+                    r, best_need = q, room[q] / troom[q]
             assert r >= 0, "token rooms exhausted although the micro-batch fits"
             start = _suffix_start(stop, room[r], a, b, seg)
             if start == stop:  # no cost room left anywhere: rounding remnant, place by tokens
                 start = 0
             start = max(start, stop - troom[r])
             piece_cost = a * (stop - start) + b * 0.5 * (stop * (stop + 1) - start * (start + 1)) + seg
-            if r == last_rank and last_start == stop:  # adjacent to this sample's previous piece: merge
+            if r == last_rank:  # adjacent to this sample's previous piece on the same rank: merge
                 old = shards[r].pop()
                 shards[r].append(Piece(sample, start, old.stop))
                 piece_cost -= seg
@@ -176,9 +235,9 @@ def split_balanced(
                 shards[r].append(Piece(sample, start, stop))
             room[r] -= piece_cost
             troom[r] -= stop - start
-            last_rank, last_start = r, start
+            last_rank = r
             stop = start
-    return microbatch_from_shards(samples, shards, lengths)
+    return shards, cap - min(room)
 
 
 def zigzag_rank_tokens(lengths: np.ndarray, cp: int) -> np.ndarray:
