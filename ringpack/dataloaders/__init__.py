@@ -1,1 +1,25 @@
-"""ringpack.dataloaders"""
+"""ringpack.dataloaders: lengths, the DataLoader sampler and collator, balanced Parquet shards (DESIGN.md section 5).
+
+Importing this package needs neither ``datasets`` nor ortools (both are imported lazily, where used).
+"""
+
+from ringpack.dataloaders.collator import IGNORE_INDEX, PackedCollator, PackedDataset, PackedSamples
+from ringpack.dataloaders.lengths import DataError, lengths_from_dataset, sample_lengths
+from ringpack.dataloaders.sampler import BalancedBatchSampler, MicroBatchTicket
+from ringpack.dataloaders.shards import ShardReader, load_source, tokenize_dataset, write_shards
+
+__all__ = [
+    "BalancedBatchSampler",
+    "DataError",
+    "IGNORE_INDEX",
+    "MicroBatchTicket",
+    "PackedCollator",
+    "PackedDataset",
+    "PackedSamples",
+    "ShardReader",
+    "lengths_from_dataset",
+    "load_source",
+    "sample_lengths",
+    "tokenize_dataset",
+    "write_shards",
+]

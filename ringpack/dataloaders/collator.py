@@ -1,0 +1,279 @@
+"""``PackedDataset`` + ``PackedCollator``: one CP rank's tensors for a planned micro-batch.
+
+Use with :class:`~ringpack.dataloaders.sampler.BalancedBatchSampler`::
+
+    sampler = BalancedBatchSampler(lengths, dp_rank, dp_size, cp_size, tokens_per_rank)
+    loader = DataLoader(PackedDataset(hf_dataset), batch_sampler=sampler,
+                        collate_fn=PackedCollator(cp_rank, cp_size), num_workers=2)
+
+The sampler yields a ticket per micro-batch (sample indices + the micro-batch's plan, see
+:mod:`ringpack.dataloaders.sampler`); ``PackedDataset.__getitems__`` fetches those samples' token
+ids and passes the ticket along; the collator cuts out this CP rank's pieces. Nothing re-plans in
+worker processes, so the tensors always follow the plan the main process iterates.
+
+A batch is a plain ``dict`` (``pin_memory`` and ``.to(device)`` loops work on it):
+
+``input_ids`` (int64 ``[T]``)
+    this CP rank's local tokens: its pieces concatenated in canonical order (DESIGN.md section 1).
+``labels`` (int64 ``[T]``)
+    **already shifted** next-token targets: ``labels[i]`` is the token that follows ``input_ids[i]``
+    *in the same sample* (it may live on another CP rank: the collator has the whole sample), and
+    ``-100`` (``ignore_index``) for the last token of every sample, so no loss crosses a sample
+    boundary. Compute the loss as ``cross_entropy(logits[T, V], labels, ignore_index=-100,
+    reduction="sum")`` *without* shifting again (for Hugging Face models pass ``shift_labels=``
+    / do not pass ``labels=``, which would shift a second time).
+``position_ids`` (int64 ``[T]``)
+    positions within each sample (``start..stop-1`` of every piece): RoPE needs no re-indexing.
+``cu_seqlens`` (int32 ``[P+1]``), ``max_seqlen`` (int)
+    offsets of the P local pieces in ``input_ids`` (the local view, for a plain varlen kernel; the
+    ring runtime uses ``schedule``, which knows the pieces on the other ranks).
+``sample_ids`` (int64 ``[P]``)
+    the sample of each local piece.
+``num_loss_tokens`` (int)
+    labels on this rank that are not ``-100``.
+``microbatch_loss_tokens`` (int)
+    ``sum(len - 1)`` over the micro-batch's samples (all CP ranks): ``MicroBatch.loss_tokens``.
+``step_loss_tokens`` (int)
+    loss tokens of the whole global batch of the step (every DP and CP rank): the denominator that
+    makes the per-token loss independent of how the step was packed
+    (``loss = sum_over_micro_batches(loss_sum) / step_loss_tokens`` on every rank, then all-reduce
+    gradients with SUM).
+``schedule``
+    ``ringpack.attention.compile_schedule(microbatch, cp_rank)`` (host tensors; ``.to(device)``),
+    or ``None`` where the runtime is not installed and ``schedule="auto"``.
+``microbatch``, ``epoch``, ``step``, ``microbatch_index``, ``microbatches_in_step``, ``cursor``, ``plan_hash``
+    where the batch sits; ``cursor`` feeds ``sampler.state_dict(cursor=...)`` for exact resume.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Sequence
+
+import numpy as np
+
+from ringpack.balancer.plan import MicroBatch
+from ringpack.dataloaders.lengths import DataError
+from ringpack.dataloaders.sampler import MicroBatchTicket
+
+__all__ = ["PackedDataset", "PackedSamples", "PackedCollator", "rank_arrays", "to_batch", "IGNORE_INDEX"]
+
+IGNORE_INDEX = -100
+
+try:
+    from torch.utils.data import Dataset as _DatasetBase
+except ImportError:  # pragma: no cover
+    _DatasetBase = object  # type: ignore[assignment,misc]
+
+
+class PackedSamples:
+    """What :class:`PackedDataset` returns for a ticket: the ticket and each sample's token ids."""
+
+    __slots__ = ("ticket", "tokens")
+
+    def __init__(self, ticket: MicroBatchTicket, tokens: list[np.ndarray]) -> None:
+        self.ticket = ticket
+        self.tokens = tokens
+
+    def __reduce__(self) -> tuple:
+        return (PackedSamples, (self.ticket, self.tokens))
+
+
+class PackedDataset(_DatasetBase):
+    """Wrap a map-style dataset so a ``DataLoader`` batch carries its micro-batch ticket.
+
+    ``dataset[i]`` may be a ``datasets.Dataset`` row (a dict with ``column``), a dict, or a sequence
+    / array / tensor of token ids. ``datasets.Dataset`` objects are read in one Arrow ``take`` per
+    micro-batch (no per-row Python dicts). Every sample's token count is checked against the plan:
+    a dataset that changed since its lengths were taken is an error naming the sample.
+    """
+
+    def __init__(self, dataset: Any, column: str = "input_ids") -> None:
+        self.dataset = dataset
+        self.column = column
+        self._arrow = None
+        if type(dataset).__module__.startswith("datasets."):
+            names = list(dataset.column_names)
+            if column not in names:
+                raise DataError(f"dataset has no column {column!r}; its columns are {names}")
+            self._arrow = dataset.with_format("arrow")
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        if self._arrow is not None:
+            return self._fetch([int(index)])[0]
+        return self._as_ids(self.dataset[index], index)
+
+    def _as_ids(self, item: Any, index: int) -> np.ndarray:
+        if isinstance(item, Mapping):
+            if self.column not in item:
+                raise DataError(f"sample {index} has no {self.column!r} field; it has {sorted(item)}")
+            item = item[self.column]
+        if hasattr(item, "detach"):
+            item = item.detach().cpu().numpy()
+        return np.asarray(item, dtype=np.int64).reshape(-1)
+
+    def _fetch(self, indices: list[int]) -> list[np.ndarray]:
+        import pyarrow as pa
+
+        table = self._arrow[indices]
+        column = table.column(self.column)
+        column = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+        if column.null_count:
+            raise DataError(f"sample {indices[column.is_null().to_numpy(zero_copy_only=False).argmax()]} has a null {self.column!r}")
+        offsets = column.offsets.to_numpy().astype(np.int64)
+        values = column.values.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+        return [values[offsets[k] : offsets[k + 1]] for k in range(len(indices))]
+
+    def __getitems__(self, ticket: Sequence[int]) -> Any:
+        indices = [int(i) for i in ticket]
+        if self._arrow is not None:
+            tokens = self._fetch(indices)
+        else:
+            tokens = [self._as_ids(self.dataset[i], i) for i in indices]
+        if not isinstance(ticket, MicroBatchTicket):
+            return tokens  # an ordinary batch sampler: behave like a plain dataset
+        return PackedSamples(ticket, tokens)
+
+
+def rank_arrays(starts: np.ndarray, piece_tokens: list[np.ndarray], next_tokens: np.ndarray, ignore_index: int = IGNORE_INDEX) -> dict[str, np.ndarray]:
+    """Local arrays of one CP rank from its pieces (the collator's and the shard reader's common core).
+
+    ``piece_tokens[k]`` are the token ids of piece ``k`` (positions ``starts[k]..``) and
+    ``next_tokens[k]`` the id of the token after the piece in its sample, or ``ignore_index`` when
+    the piece ends its sample.
+    """
+    lens = np.fromiter((len(t) for t in piece_tokens), dtype=np.int64, count=len(piece_tokens))
+    cu = np.zeros(len(lens) + 1, dtype=np.int64)
+    np.cumsum(lens, out=cu[1:])
+    total = int(cu[-1])
+    input_ids = np.concatenate(piece_tokens).astype(np.int64, copy=False) if piece_tokens else np.zeros(0, dtype=np.int64)
+    labels = np.empty(total, dtype=np.int64)
+    if total:
+        labels[:-1] = input_ids[1:]
+        labels[cu[1:] - 1] = next_tokens  # each piece's last label: the next token of its sample
+    position_ids = np.arange(total, dtype=np.int64) - np.repeat(cu[:-1] - np.asarray(starts, dtype=np.int64), lens)
+    return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids, "cu_seqlens": cu.astype(np.int32)}
+
+
+def _schedule(microbatch: MicroBatch, cp_rank: int, mode: Any) -> Any:
+    if mode is False or mode is None:
+        return None
+    try:
+        from ringpack.attention import compile_schedule
+    except ImportError as exc:
+        if mode == "auto":
+            return None
+        raise DataError("schedule=True needs ringpack.attention.compile_schedule, which is not available") from exc
+    return compile_schedule(microbatch, cp_rank)
+
+
+def to_batch(arrays: dict[str, np.ndarray], microbatch: MicroBatch, cp_rank: int, meta: dict[str, Any], schedule: Any, ignore_index: int = IGNORE_INDEX) -> dict[str, Any]:
+    """Turn :func:`rank_arrays` output into the batch dict (torch tensors + plan metadata)."""
+    import torch
+
+    shard = microbatch.shards[cp_rank]
+    cu = arrays["cu_seqlens"]
+    labels = torch.from_numpy(arrays["labels"])
+    batch = {
+        "input_ids": torch.from_numpy(arrays["input_ids"]),
+        "labels": labels,
+        "position_ids": torch.from_numpy(arrays["position_ids"]),
+        "cu_seqlens": torch.from_numpy(cu),
+        "max_seqlen": int(np.diff(cu).max()) if len(cu) > 1 else 0,
+        "sample_ids": torch.tensor([p.sample for p in shard.pieces], dtype=torch.int64),
+        "num_loss_tokens": int((arrays["labels"] != ignore_index).sum()),
+        "microbatch_loss_tokens": int(microbatch.loss_tokens),
+        "schedule": _schedule(microbatch, cp_rank, schedule),
+        "microbatch": microbatch,
+    }
+    batch.update(meta)
+    return batch
+
+
+def ticket_meta(ticket: MicroBatchTicket) -> dict[str, Any]:
+    return {
+        "step_loss_tokens": int(ticket.step_loss_tokens),
+        "epoch": ticket.epoch,
+        "step": ticket.step,
+        "microbatch_index": ticket.index,
+        "microbatches_in_step": ticket.microbatches_in_step,
+        "cursor": ticket.cursor,
+        "plan_hash": ticket.plan_hash,
+    }
+
+
+class PackedCollator:
+    """``collate_fn`` that builds CP rank ``cp_rank``'s tensors of a micro-batch (module docstring).
+
+    ``schedule``: ``"auto"`` (compile the attention schedule when ``ringpack.attention`` is
+    available, else ``None``), ``True`` (required), ``False`` (never). The collator holds no plan:
+    everything it needs arrives with the ticket, so it pickles into workers as a few integers.
+    """
+
+    def __init__(self, cp_rank: int, cp_size: int, *, schedule: Any = "auto", ignore_index: int = IGNORE_INDEX) -> None:
+        if not isinstance(cp_size, (int, np.integer)) or cp_size < 1:
+            raise DataError(f"cp_size must be a positive integer, got {cp_size!r}")
+        if not isinstance(cp_rank, (int, np.integer)) or not 0 <= cp_rank < cp_size:
+            raise DataError(f"cp_rank must be in [0, {cp_size}), got {cp_rank!r}")
+        if schedule not in ("auto", True, False, None):
+            raise DataError(f"schedule must be 'auto', True or False, got {schedule!r}")
+        self.cp_rank = int(cp_rank)
+        self.cp_size = int(cp_size)
+        self.schedule = schedule
+        self.ignore_index = ignore_index
+
+    def __call__(self, batch: Any) -> dict[str, Any]:
+        if not isinstance(batch, PackedSamples):
+            raise DataError(
+                "PackedCollator needs the micro-batch ticket: wrap the dataset in PackedDataset(dataset) and pass "
+                "batch_sampler=BalancedBatchSampler(...) to the DataLoader"
+            )
+        t = batch.ticket
+        return self.collate(t.microbatch, batch.tokens, ticket_meta(t), t.offsets, t.row_lengths)
+
+    def collate(
+        self,
+        microbatch: MicroBatch,
+        tokens: Sequence[Any],
+        meta: dict[str, Any] | None = None,
+        offsets: Sequence[int] | None = None,
+        row_lengths: Sequence[int] | None = None,
+    ) -> dict[str, Any]:
+        """Build the batch from a micro-batch and its samples' token ids (in ``microbatch.samples`` order).
+
+        ``offsets``/``row_lengths`` (from the ticket) locate plan documents inside longer dataset
+        rows when ``overflow="split"`` cut them; by default each token array is the whole sample.
+        """
+        if len(microbatch.shards) != self.cp_size:
+            raise DataError(f"micro-batch has {len(microbatch.shards)} CP shards but the collator is for cp_size={self.cp_size}")
+        if len(tokens) != len(microbatch.samples):
+            raise DataError(f"micro-batch lists {len(microbatch.samples)} samples, got {len(tokens)} token arrays")
+        shard = microbatch.shards[self.cp_rank]
+        extent: dict[int, int] = {}  # each plan sample's length: the stop of its last piece
+        for other in microbatch.shards:
+            for p in other.pieces:
+                extent[p.sample] = max(extent.get(p.sample, 0), p.stop)
+        offsets = [0] * len(tokens) if offsets is None else offsets
+        by_sample = {}
+        for k, (sample, ids) in enumerate(zip(microbatch.samples, tokens)):
+            ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+            want = extent.get(sample, -1) if row_lengths is None else row_lengths[k]
+            if len(ids) != want:
+                raise DataError(
+                    f"sample {sample} has {len(ids)} tokens but the plan has {want}: the dataset changed "
+                    "since its lengths were taken (re-create the sampler from the current dataset)"
+                )
+            by_sample[sample] = ids[offsets[k] : offsets[k] + extent[sample]]
+        starts = np.array([p.start for p in shard.pieces], dtype=np.int64)
+        pieces = [by_sample[p.sample][p.start : p.stop] for p in shard.pieces]
+        nexts = np.array(
+            [by_sample[p.sample][p.stop] if p.stop < len(by_sample[p.sample]) else self.ignore_index for p in shard.pieces],
+            dtype=np.int64,
+        )
+        arrays = rank_arrays(starts, pieces, nexts, self.ignore_index)
+        meta = dict(meta or {})
+        meta.setdefault("step_loss_tokens", None)
+        return to_batch(arrays, microbatch, self.cp_rank, meta, self.schedule, self.ignore_index)

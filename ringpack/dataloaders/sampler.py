@@ -1,0 +1,330 @@
+"""``BalancedBatchSampler``: this DP rank's micro-batches of a balanced plan, for ``DataLoader(batch_sampler=...)``.
+
+How the sampler and the collator talk (the handshake)
+-----------------------------------------------------
+``DataLoader`` hands a batch sampler's output only to the dataset, and the collate function only
+sees what the dataset returns. The collator needs the micro-batch's *plan* (which pieces each CP
+rank holds), not just sample ids. So:
+
+1. the sampler yields a :class:`MicroBatchTicket` per micro-batch: a ``list`` of sample indices (in
+   the micro-batch's canonical order, so any code that treats it as a list of indices still works)
+   that also carries the micro-batch's plan (its pieces on every CP rank) and where it sits
+   (epoch, step, index in the step, cursor, the step's global loss-token count, the plan hash);
+2. :class:`~ringpack.dataloaders.collator.PackedDataset` wraps the user's dataset; its
+   ``__getitems__`` (which ``DataLoader`` calls with the whole ticket) returns the ticket together
+   with the samples' token ids;
+3. :class:`~ringpack.dataloaders.collator.PackedCollator` cuts this CP rank's pieces out of them.
+
+The plan is computed once per epoch, in the process that iterates the sampler (the main process);
+workers never re-plan, so they cannot disagree with it. A ticket crossing into a worker is ordinary
+``DataLoader`` mechanics (the index queue); it pickles as plain integers (``__reduce__``), never as
+a pickled plan object. Plans themselves are only ever stored as JSON/Parquet.
+
+Determinism: the plan of an epoch is a pure function of ``(lengths, config, seed, epoch)``; every
+DP rank computes the same plan independently (no communication) and takes its own micro-batches.
+All DP ranks therefore run the same number of micro-batches in every step. ``plan_hash`` lets a
+trainer check agreement across ranks once (all-gather the hash).
+
+Resume semantics
+----------------
+``state_dict()`` is ``{"epoch", "cursor", ...}`` where ``cursor`` counts the micro-batches this
+sampler has *yielded* in the epoch — the StatefulDataLoader convention: ``torchdata``'s
+``StatefulDataLoader`` snapshots its batch sampler's state each time it hands out an index and
+restores the snapshot of the last batch delivered to the training loop, so prefetching by workers
+is accounted for. ``load_state_dict`` *seeks* (the next ``iter()`` starts at ``cursor``), it never
+replays. With a plain ``DataLoader`` and workers the sampler runs ahead of the training loop by the
+prefetch depth; use the ``cursor`` the collator puts in every batch: ``sampler.state_dict(cursor=
+batch["cursor"])`` is the state that resumes right after that batch. So N micro-batches consumed
+equal k consumed, save, restore, N-k consumed, bit for bit.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from ringpack.balancer.plan import MicroBatch, Piece, Plan, PlanConfig, RankShard
+from ringpack.dataloaders.lengths import DataError, sample_lengths
+
+__all__ = ["BalancedBatchSampler", "MicroBatchTicket", "STATE_VERSION"]
+
+STATE_VERSION = 1
+
+try:  # a real torch Sampler where torch is installed (it always is for DataLoader users)
+    from torch.utils.data import Sampler as _SamplerBase
+except ImportError:  # pragma: no cover
+    _SamplerBase = object  # type: ignore[assignment,misc]
+
+
+def _encode_microbatch(mb: MicroBatch) -> tuple:
+    return (mb.samples, tuple(tuple((p.sample, p.start, p.stop) for p in shard.pieces) for shard in mb.shards), mb.loss_tokens)
+
+
+def _decode_microbatch(data: tuple) -> MicroBatch:
+    samples, shards, loss_tokens = data
+    return MicroBatch(
+        samples=tuple(samples),
+        shards=tuple(RankShard(tuple(Piece(*p) for p in shard)) for shard in shards),
+        loss_tokens=loss_tokens,
+    )
+
+
+class MicroBatchTicket(list):
+    """A micro-batch's dataset rows (a ``list`` of indices) plus its plan and position.
+
+    The list holds the dataset row of each of ``microbatch.samples`` (the same numbers, except with
+    ``overflow="split"``, where the plan's samples are documents cut from long rows: document
+    ``microbatch.samples[k]`` is tokens ``[offsets[k], offsets[k] + its length)`` of row ``self[k]``;
+    ``row_lengths[k]`` is that row's full token count, checked by the collator).
+
+    Attributes: ``microbatch`` (:class:`MicroBatch`: samples and every CP rank's pieces),
+    ``epoch``, ``step``, ``index`` (its position among this DP rank's micro-batches of the step),
+    ``microbatches_in_step``, ``cursor`` (1-based position among this DP rank's micro-batches of
+    the epoch: the sampler state that resumes after it has ``cursor=ticket.cursor``),
+    ``step_loss_tokens`` (loss tokens of the whole global batch of the step, all DP ranks) and
+    ``plan_hash``.
+    """
+
+    def __init__(
+        self,
+        microbatch: MicroBatch,
+        *,
+        epoch: int,
+        step: int,
+        index: int,
+        microbatches_in_step: int,
+        cursor: int,
+        step_loss_tokens: int,
+        plan_hash: str,
+        rows: Sequence[int] | None = None,
+        offsets: Sequence[int] | None = None,
+        row_lengths: Sequence[int] | None = None,
+    ) -> None:
+        rows = tuple(microbatch.samples) if rows is None else tuple(int(r) for r in rows)
+        super().__init__(rows)
+        self.offsets = tuple(0 for _ in rows) if offsets is None else tuple(int(o) for o in offsets)
+        self.row_lengths = None if row_lengths is None else tuple(int(n) for n in row_lengths)
+        self.microbatch = microbatch
+        self.epoch = epoch
+        self.step = step
+        self.index = index
+        self.microbatches_in_step = microbatches_in_step
+        self.cursor = cursor
+        self.step_loss_tokens = step_loss_tokens
+        self.plan_hash = plan_hash
+
+    def __reduce__(self) -> tuple:
+        meta = (self.epoch, self.step, self.index, self.microbatches_in_step, self.cursor, self.step_loss_tokens, self.plan_hash)
+        return (_rebuild_ticket, (_encode_microbatch(self.microbatch), meta, tuple(self), self.offsets, self.row_lengths))
+
+    def __repr__(self) -> str:
+        return f"MicroBatchTicket(epoch={self.epoch}, step={self.step}, index={self.index}, samples={list(self)})"
+
+
+def _rebuild_ticket(mb: tuple, meta: tuple, rows: tuple, offsets: tuple, row_lengths: tuple | None) -> MicroBatchTicket:
+    epoch, step, index, n, cursor, loss, plan_hash = meta
+    return MicroBatchTicket(
+        _decode_microbatch(mb), epoch=epoch, step=step, index=index, microbatches_in_step=n, cursor=cursor,
+        step_loss_tokens=loss, plan_hash=plan_hash, rows=rows, offsets=offsets, row_lengths=row_lengths,
+    )
+
+
+class BalancedBatchSampler(_SamplerBase):
+    """Yield this DP rank's micro-batches (as :class:`MicroBatchTicket`), step after step.
+
+    Args:
+        lengths: token count per sample (array-like, a ``datasets.Dataset`` with ``input_ids``,
+            or a lengths file); sample ``i`` is row ``i`` of the dataset the loader reads.
+        dp_rank, dp_size, cp_size: this rank's DP coordinate and the mesh sizes.
+        tokens_per_rank: token budget of one CP rank in one micro-batch.
+        strategy: CP split (``"balanced"``, ``"zigzag"``, ``"contiguous"``).
+        seed: shuffling seed; the plan of epoch ``e`` uses ``(seed, e)``.
+        **plan_options: any other :class:`PlanConfig` field (``samples_per_step``,
+            ``microbatches_per_rank``, ``packing``, ``overflow``, ``cost``, ...).
+
+    ``len(sampler)`` is this rank's micro-batches in the current epoch (equal on every DP rank).
+    See the module docstring for the handshake with the collator and for resume semantics.
+    """
+
+    def __init__(
+        self,
+        lengths: Any,
+        dp_rank: int,
+        dp_size: int,
+        cp_size: int,
+        tokens_per_rank: int,
+        strategy: str = "balanced",
+        seed: int = 0,
+        **plan_options: Any,
+    ) -> None:
+        if "epoch" in plan_options:
+            raise DataError("set the epoch with sampler.set_epoch(e), not epoch=")
+        self.lengths = sample_lengths(lengths)
+        if not isinstance(dp_rank, (int, np.integer)) or not 0 <= dp_rank < dp_size:
+            raise DataError(f"dp_rank must be in [0, {dp_size}), got {dp_rank!r}")
+        # Validates every option (PlanError, a ValueError, names the bad field).
+        self.config = PlanConfig(
+            dp=dp_size, cp=cp_size, tokens_per_rank=tokens_per_rank, strategy=strategy, seed=seed, epoch=0, **plan_options
+        )
+        self.dp_rank = int(dp_rank)
+        self.epoch = 0
+        self._cursor = 0  # micro-batches yielded in this epoch (by the live iterator, or restored)
+        self._pending: int | None = None  # cursor the next __iter__ starts at (set by load_state_dict)
+        self._plans: dict[int, Plan] = {}
+        self._orders: dict[int, list[tuple[int, int]]] = {}
+        self._docs: tuple[np.ndarray, np.ndarray] | None = None  # (row, offset) of each plan sample
+
+    # ------------------------------------------------------------------ plan
+    def plan(self, epoch: int | None = None) -> Plan:
+        """The (cached) plan of ``epoch`` (default: the current one), identical on every rank."""
+        epoch = self.epoch if epoch is None else int(epoch)
+        if epoch not in self._plans:
+            from ringpack.balancer import make_plan
+
+            config = PlanConfig.from_dict({**self.config.to_dict(), "epoch": epoch})
+            if len(self._plans) >= 2:  # keep the current epoch's plan and this one
+                for old in [e for e in self._plans if e != self.epoch]:
+                    self._plans.pop(old)
+                    self._orders.pop(old, None)
+            self._plans[epoch] = make_plan(self.lengths, config)
+        return self._plans[epoch]
+
+    def _order(self, epoch: int) -> list[tuple[int, int]]:
+        """(step, index) of each of this rank's micro-batches of ``epoch``, in yield order."""
+        if epoch not in self._orders:
+            plan = self.plan(epoch)
+            self._orders[epoch] = [(s, i) for s, step in enumerate(plan.steps) for i in range(len(step.microbatches[self.dp_rank]))]
+        return self._orders[epoch]
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Copies (e.g. into worker processes) carry lengths + config and re-plan on demand: plan
+        # objects are never pickled.
+        state = dict(self.__dict__)
+        state["_plans"], state["_orders"], state["_docs"] = {}, {}, None
+        return state
+
+    def _doc_map(self, plan: Plan) -> tuple[np.ndarray, np.ndarray]:
+        """Dataset row and token offset of every plan sample (identity unless overflow="split" cut rows)."""
+        if self._docs is None:
+            n = len(self.lengths)
+            if len(plan.lengths) == n:
+                self._docs = (np.arange(n, dtype=np.int64), np.zeros(n, dtype=np.int64))
+            else:
+                from ringpack.balancer.planner import expand_overflow
+
+                doc_lengths, doc_row, doc_offset = expand_overflow(self.lengths, self.config.group_capacity)
+                assert np.array_equal(doc_lengths, np.asarray(plan.lengths)), "plan documents do not match expand_overflow"
+                self._docs = (doc_row, doc_offset)
+        return self._docs
+
+    @property
+    def plan_hash(self) -> str:
+        return self.plan().content_hash
+
+    @property
+    def num_steps(self) -> int:
+        """Optimizer steps in the current epoch (equal on every DP rank)."""
+        return self.plan().num_steps
+
+    @property
+    def dropped(self) -> tuple[int, ...]:
+        """Samples the plan leaves out (only with ``overflow="drop"``)."""
+        return self.plan().dropped
+
+    def __len__(self) -> int:
+        return len(self._order(self.epoch))
+
+    def ticket(self, position: int, epoch: int | None = None) -> MicroBatchTicket:
+        """The ticket at 0-based ``position`` of this rank's micro-batches in ``epoch``."""
+        epoch = self.epoch if epoch is None else epoch
+        plan = self.plan(epoch)
+        s, i = self._order(epoch)[position]
+        step = plan.steps[s]
+        mbs = step.microbatches[self.dp_rank]
+        doc_row, doc_offset = self._doc_map(plan)
+        samples = np.asarray(mbs[i].samples, dtype=np.int64)
+        rows = doc_row[samples]
+        return MicroBatchTicket(
+            mbs[i],
+            rows=rows.tolist(),
+            offsets=doc_offset[samples].tolist(),
+            row_lengths=self.lengths[rows].tolist(),
+            epoch=epoch,
+            step=s,
+            index=i,
+            microbatches_in_step=len(mbs),
+            cursor=position + 1,
+            step_loss_tokens=step.loss_tokens,
+            plan_hash=plan.content_hash,
+        )
+
+    # ------------------------------------------------------------- iterate
+    def set_epoch(self, epoch: int) -> None:
+        """Start epoch ``epoch`` (a new plan, from the top). Call before ``iter()``, as with DistributedSampler."""
+        if not isinstance(epoch, (int, np.integer)) or epoch < 0:
+            raise DataError(f"epoch must be a non-negative integer, got {epoch!r}")
+        self.epoch = int(epoch)
+        self._cursor = 0
+        self._pending = None
+
+    def __iter__(self) -> Iterator[MicroBatchTicket]:
+        epoch = self.epoch
+        total = len(self._order(epoch))
+        start = self._pending if self._pending is not None else 0
+        self._pending = None
+        self._cursor = start
+        for position in range(start, total):
+            ticket = self.ticket(position, epoch)
+            self._cursor = position + 1
+            yield ticket
+
+    # --------------------------------------------------------------- state
+    def state_dict(self, cursor: int | None = None) -> dict[str, Any]:
+        """Plain-data state. ``cursor`` (default: micro-batches yielded so far) overrides the
+        position, e.g. ``batch["cursor"]`` of the last batch the training loop consumed."""
+        if cursor is None:
+            cursor = self._pending if self._pending is not None else self._cursor
+        if not 0 <= cursor <= len(self):
+            raise DataError(f"cursor {cursor} outside [0, {len(self)}] for epoch {self.epoch}")
+        return {
+            "version": STATE_VERSION,
+            "epoch": self.epoch,
+            "cursor": int(cursor),
+            "seed": int(self.config.seed),
+            "dp_size": int(self.config.dp),
+            "cp_size": int(self.config.cp),
+            "tokens_per_rank": int(self.config.tokens_per_rank),
+            "num_samples": int(len(self.lengths)),
+            "plan_hash": self.plan_hash,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Seek to ``state``: the next ``iter()`` yields from its cursor on (no replay).
+
+        A state made for other DP/CP sizes, another token budget, seed or dataset, or a plan that
+        no longer matches (different lengths, config or planner version) is a clear error.
+        The DP rank may differ: cursors are equal on every DP rank (lockstep), so one rank's
+        state resumes any rank.
+        """
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            raise DataError(f"not a BalancedBatchSampler state (version {STATE_VERSION}): {state!r:.200}")
+        mine = {"seed": self.config.seed, "dp_size": self.config.dp, "cp_size": self.config.cp,
+                "tokens_per_rank": self.config.tokens_per_rank, "num_samples": len(self.lengths)}
+        for key, value in mine.items():
+            if state.get(key) != value:
+                raise DataError(f"sampler state was made for {key}={state.get(key)}, this sampler has {key}={value}")
+        epoch = int(state["epoch"])
+        plan_hash = self.plan(epoch).content_hash
+        if state.get("plan_hash") != plan_hash:
+            raise DataError(
+                f"sampler state was made for plan {str(state.get('plan_hash'))[:12]}... of epoch {epoch}, but this "
+                f"sampler plans {plan_hash[:12]}... (lengths, plan options or planner version changed)"
+            )
+        cursor = int(state["cursor"])
+        total = len(self._order(epoch))
+        if not 0 <= cursor <= total:
+            raise DataError(f"sampler state cursor {cursor} outside [0, {total}] for epoch {epoch}")
+        self.epoch = epoch
+        self._cursor = cursor
+        self._pending = cursor
