@@ -110,20 +110,14 @@ def fill_empty_bins(
     if empty.size == 0:
         return bins
     assert len(bins) >= nbins, "fewer samples than micro-batches"
-    order = np.lexsort((np.arange(len(bins)), weights))  # cheapest first
+    w = np.asarray(weights, dtype=np.float64)
     for e in empty.tolist():
         d = e // m
-        chosen = -1
-        for i in order.tolist():  # same rank first
-            if bins[i] // m == d and counts[bins[i]] >= 2:
-                chosen = i
-                break
-        if chosen < 0:
-            for i in order.tolist():
-                if counts[bins[i]] >= 2:
-                    chosen = i
-                    break
-        assert chosen >= 0
+        movable = counts[bins] >= 2
+        same = movable & (bins // m == d)
+        pool = same if same.any() else movable
+        cand = np.flatnonzero(pool)
+        chosen = int(cand[np.lexsort((cand, w[cand]))[0]])  # cheapest, then lowest index
         counts[bins[chosen]] -= 1
         bins[chosen] = e
         counts[e] += 1

@@ -197,13 +197,17 @@ def _balanced_shards(samples, lens, w, cp, tokens_per_rank, a, b, seg, cap, dens
     # below 1 assumes less dense content will be left to fill the ranks.
     density = (a + b * max(lens)) * density_factor + seg
     leftovers = []
+    ranks = range(cp)
     for k in order:
         wk, lk = w[k], lens[k]
         best, best_room = -1, math.inf
         if wk <= cap and lk <= tokens_per_rank:
-            for r in range(cp):
-                if wk <= room[r] < best_room and troom[r] >= lk and room[r] - wk <= (troom[r] - lk) * density:
-                    best, best_room = r, room[r]
+            for r in ranks:
+                rr = room[r]
+                if wk <= rr < best_room:
+                    tr = troom[r] - lk
+                    if tr >= 0 and rr - wk <= tr * density:
+                        best, best_room = r, rr
         if best < 0:
             leftovers.append(k)
             continue
