@@ -141,7 +141,7 @@ def _reference_fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
     p = torch.where(mask, torch.exp(s - lse[..., None]), 0.0)
     out = torch.einsum("hqk,khd->qhd", p, vf)
     lse = lse.masked_fill(torch.isneginf(lse), float("inf"))  # the flash kernels' convention
-    return out.to(q.dtype), lse.to(accum_dtype(q.dtype))
+    return out.to(q.dtype).contiguous(), lse.to(accum_dtype(q.dtype)).contiguous()
 
 
 def _reference_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal):
@@ -158,7 +158,8 @@ def _reference_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, cau
     ds = p * (dp - delta[..., None])
     dq = torch.einsum("hqk,khd->qhd", ds, kf) * scale
     dk = torch.einsum("hqk,qhd->khd", ds, qf) * scale
-    return dq.to(q.dtype), _reduce_kv(dk, kv_heads).to(k.dtype), _reduce_kv(dv, kv_heads).to(v.dtype)
+    grads = dq.to(q.dtype), _reduce_kv(dk, kv_heads).to(k.dtype), _reduce_kv(dv, kv_heads).to(v.dtype)
+    return tuple(g.contiguous() for g in grads)  # same layout as the flash kernels (and the fake impls)
 
 
 # ------------------------------------------------------------------------------------- torch_flash

@@ -1,0 +1,130 @@
+"""The kernel contract on the reference backend, checked against a naive per-segment loop, plus the custom ops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ringpack.attention import kernels
+from ringpack.attention.kernels import resolve_backend, varlen_attn_bwd, varlen_attn_fwd
+from ringpack.attention.ring import merge_partial
+
+
+def naive_segment_attention(q, k, v, cu_q, cu_k, causal, scale):
+    """Loop over segments, dense softmax per segment; bottom-right causal; empty rows -> out 0."""
+    outs = []
+    groups = q.shape[1] // k.shape[1]
+    for b in range(cu_q.numel() - 1):
+        qa, qb, ka, kb = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+        qs, ks, vs = q[qa:qb], k[ka:kb].repeat_interleave(groups, 1), v[ka:kb].repeat_interleave(groups, 1)
+        s = torch.einsum("ihd,jhd->hij", qs, ks) * scale
+        if causal:
+            i = torch.arange(qb - qa)[:, None]
+            j = torch.arange(kb - ka)[None, :]
+            s = s.masked_fill(j > i + (kb - ka) - (qb - qa), float("-inf"))
+        p = torch.softmax(s, -1).nan_to_num(0.0)
+        outs.append(torch.einsum("hij,jhd->ihd", p, vs))
+    return torch.cat(outs) if outs else q.new_zeros(q.shape)
+
+
+CASES = {
+    # name: (cu_q, cu_k, causal)
+    "plain-causal": ([0, 5, 6, 9], [0, 5, 6, 9], True),
+    "bottom-right": ([0, 2, 5], [0, 6, 9], True),  # Lk > Lq: the diagonal sits bottom-right
+    "more-queries-than-keys": ([0, 4], [0, 2], True),  # first rows see nothing: out 0, lse +inf
+    "non-causal-with-gaps": ([0, 0, 3, 3, 5, 5], [0, 2, 4, 7, 8, 10], False),  # zero-query segments
+    "empty-key-segment": ([0, 2, 4], [0, 0, 3], False),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (6, 1)])
+def test_reference_matches_naive_forward_and_backward(name, heads, kv_heads):
+    cu_q_list, cu_k_list, causal = CASES[name]
+    cu_q, cu_k = torch.tensor(cu_q_list, dtype=torch.int32), torch.tensor(cu_k_list, dtype=torch.int32)
+    gen = torch.Generator().manual_seed(0)
+    tq, tk, d = cu_q_list[-1], cu_k_list[-1], 8
+    q = torch.randn(tq, heads, d, generator=gen, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(tk, kv_heads, d, generator=gen, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(tk, kv_heads, d, generator=gen, dtype=torch.float64, requires_grad=True)
+    scale = 0.3
+    max_q = max(b - a for a, b in zip(cu_q_list, cu_q_list[1:]))
+    max_k = max(b - a for a, b in zip(cu_k_list, cu_k_list[1:]))
+    out, lse = varlen_attn_fwd(q.detach(), k.detach(), v.detach(), cu_q, cu_k, max_q, max_k, scale, causal, "reference")
+    want = naive_segment_attention(q, k, v, cu_q, cu_k, causal, scale)
+    assert lse.dtype == torch.float64 and lse.shape == (heads, tq)
+    torch.testing.assert_close(out, want.detach(), rtol=0, atol=1e-12)
+    empty_rows = (want.detach() == 0).all(-1).T  # [H, Tq]
+    assert torch.isposinf(lse[empty_rows]).all() and torch.isfinite(lse[~empty_rows]).all()
+
+    dout = torch.randn(tq, heads, d, generator=gen, dtype=torch.float64)
+    (want * dout).sum().backward()
+    dq, dk, dv = varlen_attn_bwd(dout, q.detach(), k.detach(), v.detach(), out, lse, cu_q, cu_k, max_q, max_k, scale, causal, "reference")
+    torch.testing.assert_close(dq, q.grad, rtol=0, atol=1e-12)
+    torch.testing.assert_close(dk, k.grad, rtol=0, atol=1e-12)
+    torch.testing.assert_close(dv, v.grad, rtol=0, atol=1e-12)
+
+
+def test_zero_query_segments_get_zero_key_gradients():
+    cu_q, cu_k = torch.tensor([0, 0, 2], dtype=torch.int32), torch.tensor([0, 3, 5], dtype=torch.int32)
+    q, k, v = torch.randn(2, 2, 4), torch.randn(5, 2, 4), torch.randn(5, 2, 4)
+    out, lse = varlen_attn_fwd(q, k, v, cu_q, cu_k, 2, 3, 0.5, False, "reference")
+    _, dk, dv = varlen_attn_bwd(torch.randn_like(q), q, k, v, out, lse, cu_q, cu_k, 2, 3, 0.5, False, "reference")
+    assert (dk[:3] == 0).all() and (dv[:3] == 0).all() and dk[3:].abs().sum() > 0
+
+
+def test_reference_upcasts_half_inputs():
+    cu = torch.tensor([0, 3], dtype=torch.int32)
+    q = torch.randn(3, 2, 4, dtype=torch.bfloat16)
+    out, lse = varlen_attn_fwd(q, q, q, cu, cu, 3, 3, 0.5, True, "reference")
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+
+
+def test_custom_ops_pass_opcheck():
+    cu_q, cu_k = torch.tensor([0, 2, 5], dtype=torch.int32), torch.tensor([0, 3, 6], dtype=torch.int32)
+    q, k, v = torch.randn(5, 4, 8), torch.randn(6, 2, 8), torch.randn(6, 2, 8)
+    torch.library.opcheck(varlen_attn_fwd, (q, k, v, cu_q, cu_k, 3, 3, 0.35, True, "reference"))
+    out, lse = varlen_attn_fwd(q, k, v, cu_q, cu_k, 3, 3, 0.35, True, "reference")
+    torch.library.opcheck(varlen_attn_bwd, (torch.randn_like(q), q, k, v, out, lse, cu_q, cu_k, 3, 3, 0.35, True, "reference"))
+
+
+def test_fake_implementations_give_contract_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q, k = torch.empty(7, 4, 16, dtype=torch.bfloat16), torch.empty(9, 2, 16, dtype=torch.bfloat16)
+        cu = torch.empty(3, dtype=torch.int32)
+        out, lse = varlen_attn_fwd(q, k, k, cu, cu, 4, 5, 0.25, False, "torch_flash")
+        dq, dk, dv = varlen_attn_bwd(out, q, k, k, out, lse, cu, cu, 4, 5, 0.25, False, "torch_flash")
+    assert out.shape == q.shape and lse.shape == (4, 7) and lse.dtype == torch.float32
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == k.shape
+
+
+def test_backend_resolution_on_cpu():
+    q = torch.zeros(1, 1, 8)
+    assert resolve_backend("auto", q) == "reference"
+    assert kernels.available_backends("cpu", torch.float32) == ["reference"]
+    with pytest.raises(ValueError, match="CUDA"):
+        resolve_backend("torch_flash", q)
+    with pytest.raises(ValueError, match="unknown"):
+        resolve_backend("cudnn", q)
+
+
+def test_merge_is_exact_and_ignores_empty_partials():
+    gen = torch.Generator().manual_seed(1)
+    s = torch.randn(3, 5, 7, generator=gen, dtype=torch.float64)  # [H, T, keys]
+    v = torch.randn(7, 3, 2, generator=gen, dtype=torch.float64)
+    full = torch.einsum("htk,khd->thd", torch.softmax(s, -1), v)
+
+    def part(lo, hi):
+        p = torch.softmax(s[..., lo:hi], -1)
+        return torch.einsum("htk,khd->thd", p, v[lo:hi]), torch.logsumexp(s[..., lo:hi], -1)
+
+    out, lse = part(0, 3)
+    rows = torch.tensor([0, 2, 4])
+    o2, l2 = part(3, 7)
+    merge_partial(out, lse, o2, l2, None)
+    torch.testing.assert_close(out, full, rtol=0, atol=1e-14)
+    before = out.clone()
+    merge_partial(out, lse, torch.zeros(3, 3, 2, dtype=torch.float64), torch.full((3, 3), float("inf"), dtype=torch.float64), rows)
+    torch.testing.assert_close(out, before, rtol=0, atol=0)
