@@ -126,8 +126,9 @@ def split_balanced(
     balanced; the split is then retried with a stricter density rule, and
     :func:`split_zigzag_even` (every sample zigzagged, tokens even to one) is the last resort.
     The first candidate within ``2 * tolerance`` of the ideal wins, else the one with the lowest
-    max rank cost (earlier candidates, which split less, win ties within ``tolerance``). The token room is never exceeded, so every micro-batch
-    of at most ``cp * tokens_per_rank`` tokens gets a valid split.
+    max rank cost (earlier candidates, which split less, win ties within ``tolerance``). The
+    token room is never exceeded, so every micro-batch of at most ``cp * tokens_per_rank`` tokens
+    gets a valid split.
     """
     n = len(samples)
     lens = [int(lengths[s]) for s in samples]
@@ -140,17 +141,20 @@ def split_balanced(
     w = [a * l + b * 0.5 * l * (l + 1) + seg for l in lens]
     ideal = sum(w) / cp
     accept = ideal * (1.0 + 2.0 * tolerance)
+    cap = ideal * (1.0 + tolerance)
     best = None  # (max rank cost, shards): the first candidate within the acceptance wins
-    for factor in (1.0, 0.5, 0.25):
-        shards, top = _balanced_shards(samples, lens, w, cp, tokens_per_rank, a, b, seg, ideal * (1.0 + tolerance), factor)
+    attempts = (
+        lambda: _balanced_shards(samples, lens, w, cp, tokens_per_rank, a, b, seg, cap, 1.0),
+        lambda: _hybrid_shards(samples, lens, w, cp, tokens_per_rank, a, b, seg, cap, 0.5),
+        lambda: _hybrid_shards(samples, lens, w, cp, tokens_per_rank, a, b, seg, cap, 0.1),
+        lambda: _hybrid_shards(samples, lens, w, cp, tokens_per_rank, a, b, seg, cap, 0.0),
+    )
+    for attempt in attempts:
+        shards, top = attempt()
         if best is None or top < best[0] * (1.0 - tolerance):
             best = (top, shards)
         if top <= accept:
-            return microbatch_from_shards(samples, best[1], lengths)
-    zz = split_zigzag_even(samples, lengths, cp)  # always within the token budget
-    top = max(a * sh.num_tokens + sum(b * 0.5 * (p.stop * (p.stop + 1) - p.start * (p.start + 1)) + seg for p in sh.pieces) for sh in zz.shards)
-    if top < best[0] * (1.0 - tolerance):
-        return zz
+            break
     return microbatch_from_shards(samples, best[1], lengths)
 
 
@@ -184,6 +188,157 @@ def split_zigzag_even(samples: Sequence[int], lengths: Sequence[int], cp: int) -
             held[r] += quota[r]
         assert lo == hi
     return microbatch_from_shards(samples, shards, lengths)
+
+
+def _piece_cost(start: int, stop: int, a: float, b: float, seg: float) -> float:
+    return a * (stop - start) + b * 0.5 * (stop * (stop + 1) - start * (start + 1)) + seg
+
+
+def _even_quotas(total: int, held: list[int], limit: int) -> list[int]:
+    """Split ``total`` tokens over ranks so held + quota is as even as possible, never over ``limit``."""
+    cp = len(held)
+    lo, hi = 0.0, float(limit)
+    for _ in range(60):  # water level: sum(clip(level - held, 0, limit - held)) == total
+        mid = 0.5 * (lo + hi)
+        if sum(min(max(mid - h, 0.0), limit - h) for h in held) < total:
+            lo = mid
+        else:
+            hi = mid
+    raw = [min(max(hi - h, 0.0), float(limit - h)) for h in held]
+    quota = [int(math.floor(x)) for x in raw]
+    left = total - sum(quota)
+    for r in sorted(range(cp), key=lambda q: (-(raw[q] - quota[q]), held[q], q)):
+        if left <= 0:
+            break
+        if held[r] + quota[r] < limit:
+            quota[r] += 1
+            left -= 1
+    r = 0
+    while left > 0:  # only when rounding left someone without room: fill any room
+        if held[r] + quota[r] < limit:
+            quota[r] += 1
+            left -= 1
+        else:
+            r += 1
+    return quota
+
+
+def _hybrid_shards(samples, lens, w, cp, tokens_per_rank, a, b, seg, cap, theta):
+    """Tight-budget split: samples costing over ``theta * ideal`` are zigzagged, the rest stay whole.
+
+    Whole samples go, most expensive first, to the cheapest rank whose tokens stay under an even
+    share. Then every zigzagged sample gives each rank a front and a back chunk: the chunk
+    *tokens* even out the ranks' token counts (never over ``tokens_per_rank``) and the split
+    between front (cheap) and back (dense) tokens makes up each rank's cost deficit. Returns the
+    shards and the largest rank cost.
+    """
+    n = len(lens)
+    ideal = sum(w) / cp
+    order = sorted(range(n), key=lambda k: (-w[k], k))
+    total_tokens = sum(lens)
+    even = -(-total_tokens // cp)
+    long = [k for k in order if w[k] > theta * ideal or lens[k] > tokens_per_rank or w[k] > cap]
+    if not long:
+        long = [order[0]]
+    is_long = set(long)
+    cost_r = [0.0] * cp
+    tok_r = [0] * cp
+    shards: list[list[Piece]] = [[] for _ in range(cp)]
+    for k in order:
+        if k in is_long:
+            continue
+        lk, wk = lens[k], w[k]
+        best = -1
+        for limit in (even, tokens_per_rank):
+            for r in range(cp):
+                if tok_r[r] + lk <= limit and cost_r[r] + wk <= cap and (best < 0 or cost_r[r] < cost_r[best]):
+                    best = r
+            if best >= 0:
+                break
+        if best < 0:
+            long.append(k)
+            is_long.add(k)
+            continue
+        shards[best].append(Piece(int(samples[k]), 0, lk))
+        cost_r[best] += wk
+        tok_r[best] += lk
+    long_tokens = sum(lens[k] for k in long)
+    long_cost = sum(w[k] for k in long)
+    quota = _even_quotas(long_tokens, tok_r, tokens_per_rank)
+    need = [max(0.0, cap - c) for c in cost_r]
+    need_total = sum(need) or 1.0
+    target = [long_cost * x / need_total for x in need]  # each rank's cost from zigzagged samples
+    quota_left = list(quota)
+    tokens_left = long_tokens
+    for idx, k in enumerate(long):
+        sample, length, wk = int(samples[k]), lens[k], w[k]
+        # this sample's tokens per rank, proportional to what each rank still takes
+        if idx == len(long) - 1:
+            take = list(quota_left)
+        else:
+            raw = [length * q / tokens_left if tokens_left else 0.0 for q in quota_left]
+            take = [min(int(x), q) for x, q in zip(raw, quota_left)]
+            left = length - sum(take)
+            for r in sorted(range(cp), key=lambda q: (-(raw[q] - take[q]), q)):
+                if left <= 0:
+                    break
+                if take[r] < quota_left[r]:
+                    take[r] += 1
+                    left -= 1
+            r = 0
+            while left > 0:
+                if take[r] < quota_left[r]:
+                    take[r] += 1
+                    left -= 1
+                else:
+                    r += 1
+        for r in range(cp):
+            quota_left[r] -= take[r]
+        tokens_left -= length
+        share = [wk * t / long_cost if long_cost else 0.0 for t in target]
+        # outer chunks span the widest range of densities: ranks with extreme needs go first
+        mean_density = wk / length
+        ranks = [r for r in range(cp) if take[r] > 0]
+        ranks.sort(key=lambda r: (-abs(share[r] / take[r] - mean_density), r))
+        lo, hi = 0, length
+        for i, r in enumerate(ranks):
+            t = take[r]
+            if i == len(ranks) - 1:
+                g = hi - lo - t  # everything left (t == hi - lo)
+                f_, g = t, 0
+                pieces = [(lo, hi)]
+            else:
+                # largest back chunk g with cost(front t-g) + cost(back g) <= share
+                def cost_of(g: int) -> float:
+                    f = t - g
+                    c = 0.0
+                    if f:
+                        c += _piece_cost(lo, lo + f, a, b, seg)
+                    if g:
+                        c += _piece_cost(hi - g, hi, a, b, seg)
+                    return c
+
+                glo, ghi = 0, t
+                while glo < ghi:
+                    mid = (glo + ghi + 1) // 2
+                    if cost_of(mid) <= share[r]:
+                        glo = mid
+                    else:
+                        ghi = mid - 1
+                g = glo
+                f_ = t - g
+                pieces = [(lo, lo + f_)] if f_ else []
+                if g:
+                    pieces.append((hi - g, hi))
+            for start, stop in pieces:
+                shards[r].append(Piece(sample, start, stop))
+                cost_r[r] += _piece_cost(start, stop, a, b, seg)
+                tok_r[r] += stop - start
+            lo += f_
+            hi -= g
+        assert lo == hi, "zigzag chunks must tile the sample"
+    assert max(tok_r) <= tokens_per_rank
+    return shards, max(cost_r)
 
 
 def _balanced_shards(samples, lens, w, cp, tokens_per_rank, a, b, seg, cap, density_factor):
