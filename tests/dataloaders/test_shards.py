@@ -170,3 +170,40 @@ def test_steps_per_file_and_bad_inputs(corpus, tmp_path, capsys):
     long.write_text(json.dumps({"input_ids": list(range(100))}) + "\n" + json.dumps({"input_ids": [1, 2]}) + "\n")
     assert main(["shard", str(long), *base]) == 1
     assert "sample 0" in capsys.readouterr().err
+
+
+def test_exactly_once_after_mid_epoch_resume_reader_and_loader(corpus):
+    """Interrupt every rank mid-epoch, restore in a fresh object, finish: still every token once,
+    both from the shards and from the live DataLoader (workers, prefetch) on the datasets source."""
+    from torch.utils.data import DataLoader
+
+    docs = plan_docs(corpus["tokens"])
+    from_shards, from_loader = Coverage(docs), Coverage(docs)
+    ds = corpus["ds"]
+    for d in range(DP):
+        for c in range(CP):
+            reader = ShardReader(corpus["out"], d, c, schedule=False)
+            k = len(reader) // 3
+            it = iter(reader)
+            for _ in range(k):
+                from_shards.add(next(it))
+            state = reader.state_dict()
+            resumed = ShardReader(corpus["out"], d, c, schedule=False)
+            resumed.load_state_dict(state)
+            assert from_shards.add_all(resumed) == len(reader) - k
+
+            sampler = BalancedBatchSampler(ds, d, DP, CP, T, **OPTS)
+            loader = DataLoader(PackedDataset(ds), batch_sampler=sampler, collate_fn=PackedCollator(c, CP, schedule=False), num_workers=1)
+            it = iter(loader)
+            last = None
+            for _ in range(k):
+                last = next(it)
+                from_loader.add(last)
+            state = sampler.state_dict(cursor=last["cursor"])
+            del it
+            fresh = BalancedBatchSampler(ds, d, DP, CP, T, **OPTS)
+            fresh.load_state_dict(state)
+            loader = DataLoader(PackedDataset(ds), batch_sampler=fresh, collate_fn=PackedCollator(c, CP, schedule=False), num_workers=1)
+            from_loader.add_all(loader)
+    from_shards.check_exactly_once()
+    from_loader.check_exactly_once()
