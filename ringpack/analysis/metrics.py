@@ -1,0 +1,270 @@
+"""Every figure a report prints, computed from a plan's piece table in a few numpy passes.
+
+One implementation of cost: per-piece tokens and exact causal pairs come from
+:func:`ringpack.balancer.cost.piece_pairs` and are priced by :meth:`CostModel.cost`, the same code
+the planner balances with (``rank_costs`` is that formula per shard object; this module applies it
+to :attr:`Plan.piece_arrays` columns, one row per piece, with no Python loop over pieces).
+
+Definitions (README "Analysis and reports" states them too):
+
+* a **rank's cost** in a micro-batch: ``token*tokens + pair*pairs + segment*pieces`` of its shard;
+* a **micro-batch's time** is the max over its CP ranks (they synchronise every attention layer);
+* a **DP rank's time** in a step is the sum over its micro-batches;
+* the **step time** is the max over DP ranks (DP ranks synchronise once a step);
+* a GPU (one ``(dp, cp)`` rank) is **busy** for the sum of its own costs over the step's
+  micro-batches; **idle fraction** = ``1 - sum(busy) / (dp*cp * step time)``, the share of GPU time
+  spent waiting on the slowest rank;
+* **max/mean** = the busiest GPU's busy cost over the mean GPU's (1.0 is perfect balance);
+  **CP max/mean** is the same inside each micro-batch (averaged over micro-batches) and **DP
+  max/mean** compares the DP ranks' times;
+* **padding**: ringpack plans need none (0). ``zigzag_rule_padding`` is what a zigzag
+  implementation that requires every sample length to be a multiple of ``2*cp`` (TransformerEngine,
+  ring-flash-attention) would add to the same micro-batches: ``(-L) mod 2cp`` tokens per sample;
+* **K/V bytes** crossing ranks: bytes of K and V (all layers, one forward) of the pieces some other
+  CP rank of the micro-batch needs, counted by the balancer's function
+  (see :func:`ringpack.analysis.comm_model.kv_cross_tokens`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import numpy as np
+
+from ringpack.balancer.cost import CostModel, piece_pairs
+
+__all__ = ["PlanMetrics", "evaluate", "evaluate_plan", "zigzag_rule_padding", "microbatch_index"]
+
+
+@dataclass
+class PlanMetrics:
+    """Per step / DP rank / micro-batch / CP rank figures of one plan (arrays, cost unit of ``model``).
+
+    Shapes: ``S`` steps, ``D`` DP ranks, ``M`` the most micro-batches any step gives a DP rank,
+    ``C`` CP ranks. Micro-batch slots a step does not use hold zeros (``mb_exists`` is False).
+    """
+
+    name: str
+    dp: int
+    cp: int
+    model: CostModel
+    mb_exists: np.ndarray  # (S, D, M) bool
+    tokens: np.ndarray  # (S, D, M, C) int64
+    pairs: np.ndarray  # (S, D, M, C) int64
+    segments: np.ndarray  # (S, D, M, C) int64
+    cost: np.ndarray  # (S, D, M, C) float64
+    kv_cross_tokens: np.ndarray  # (S, D, M, C) int64: tokens of this rank's K/V some other CP rank needs
+    zigzag_padding: np.ndarray  # (S, D, M, C) int64: tokens the 2*cp-rule zigzag would pad onto this rank
+    samples: np.ndarray  # (S,) samples planned per step
+    loss_tokens: np.ndarray  # (S,) int64
+
+    # ---------------------------------------------------------------- derived, all vectorised
+    @property
+    def num_steps(self) -> int:
+        return int(self.cost.shape[0])
+
+    @property
+    def mb_time(self) -> np.ndarray:
+        """(S, D, M): the slowest CP rank of each micro-batch."""
+        return self.cost.max(axis=3)
+
+    @property
+    def dp_time(self) -> np.ndarray:
+        """(S, D): each DP rank's time, the sum of its micro-batches' times."""
+        return self.mb_time.sum(axis=2)
+
+    @property
+    def step_cost(self) -> np.ndarray:
+        """(S,): the slowest DP rank's time."""
+        return self.dp_time.max(axis=1)
+
+    @property
+    def busy(self) -> np.ndarray:
+        """(S, D, C): each GPU's own work over the step."""
+        return self.cost.sum(axis=2)
+
+    @property
+    def step_tokens(self) -> np.ndarray:
+        return self.tokens.sum(axis=(1, 2, 3))
+
+    @property
+    def idle_fraction(self) -> np.ndarray:
+        """(S,): ``1 - sum(busy) / (D*C*step time)``."""
+        total = self.busy.sum(axis=(1, 2))
+        capacity = self.dp * self.cp * self.step_cost
+        return np.where(capacity > 0, 1.0 - total / np.where(capacity > 0, capacity, 1.0), 0.0)
+
+    @property
+    def max_mean(self) -> np.ndarray:
+        """(S,): busiest GPU over mean GPU busy cost."""
+        busy = self.busy.reshape(self.num_steps, -1)
+        mean = busy.mean(axis=1)
+        return np.where(mean > 0, busy.max(axis=1) / np.where(mean > 0, mean, 1.0), 1.0)
+
+    @property
+    def dp_max_mean(self) -> np.ndarray:
+        """(S,): slowest DP rank's time over the mean DP rank's."""
+        t = self.dp_time
+        mean = t.mean(axis=1)
+        return np.where(mean > 0, t.max(axis=1) / np.where(mean > 0, mean, 1.0), 1.0)
+
+    @property
+    def cp_max_mean(self) -> np.ndarray:
+        """(S,): mean over the step's micro-batches of (slowest CP rank / mean CP rank)."""
+        mean = self.cost.mean(axis=3)
+        ratio = np.where(mean > 0, self.cost.max(axis=3) / np.where(mean > 0, mean, 1.0), 1.0)
+        count = self.mb_exists.sum(axis=(1, 2))
+        return np.where(count > 0, (ratio * self.mb_exists).sum(axis=(1, 2)) / np.maximum(count, 1), 1.0)
+
+    @property
+    def step_seconds(self) -> np.ndarray:
+        """(S,): predicted compute time of each step (cost model; no communication)."""
+        return self.model.seconds(self.step_cost)
+
+    @property
+    def idle_cost(self) -> np.ndarray:
+        """(S,): GPU time spent waiting, summed over GPUs (cost unit)."""
+        return self.dp * self.cp * self.step_cost - self.busy.sum(axis=(1, 2))
+
+    def kv_bytes(self, bytes_per_token: float) -> np.ndarray:
+        """(S, D, M, C): K/V bytes each rank's pieces put on the wire (``bytes_per_token`` all layers)."""
+        return self.kv_cross_tokens * float(bytes_per_token)
+
+    def summary(self) -> dict[str, float]:
+        """Epoch-level figures (sums over steps; ratios of sums)."""
+        step_cost = self.step_cost
+        total_busy = float(self.busy.sum())
+        total_capacity = float(self.dp * self.cp * step_cost.sum())
+        tokens = int(self.tokens.sum())
+        seconds = float(self.model.seconds(step_cost.sum()))
+        return {
+            "steps": self.num_steps,
+            "microbatches": int(self.mb_exists.sum()),
+            "samples": int(self.samples.sum()),
+            "tokens": tokens,
+            "loss_tokens": int(self.loss_tokens.sum()),
+            "step_cost_total": float(step_cost.sum()),
+            "busy_cost_total": total_busy,
+            "idle_fraction": 1.0 - total_busy / total_capacity if total_capacity > 0 else 0.0,
+            "idle_gpu_seconds": float(self.model.seconds(total_capacity - total_busy)),
+            "max_mean_mean": float(self.max_mean.mean()) if self.num_steps else 1.0,
+            "max_mean_worst": float(self.max_mean.max()) if self.num_steps else 1.0,
+            "dp_max_mean_mean": float(self.dp_max_mean.mean()) if self.num_steps else 1.0,
+            "cp_max_mean_mean": float(self.cp_max_mean.mean()) if self.num_steps else 1.0,
+            "predicted_seconds": seconds,
+            "tokens_per_second": tokens / seconds if seconds > 0 else 0.0,
+            "padding_tokens": 0,
+            "zigzag_rule_padding_tokens": int(self.zigzag_padding.sum()),
+            "kv_cross_tokens": int(self.kv_cross_tokens.sum()),
+        }
+
+
+def microbatch_index(
+    arrays: Mapping[str, np.ndarray], dp: int, shape: tuple[int, int, int] | None = None
+) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """Map each piece row to its (step, dp, micro-batch) cell of a dense ``(S, D, M)`` grid."""
+    step, d, mb = (np.asarray(arrays[k], dtype=np.int64) for k in ("step", "dp", "microbatch"))
+    if shape is None:
+        shape = (int(step.max()) + 1, dp, int(mb.max()) + 1) if step.size else (0, dp, 0)
+    if d.size and (d.min() < 0 or d.max() >= dp):
+        raise ValueError(f"plan names DP rank {int(d.max())}, config has dp={dp}")
+    return (step * shape[1] + d) * shape[2] + mb, shape
+
+
+def zigzag_rule_padding(lengths: np.ndarray, cp: int) -> np.ndarray:
+    """(N, C) padding tokens each CP rank gets when each sample is padded to a multiple of ``2*cp``.
+
+    The padded sample (length ``P = L + ((-L) mod 2cp)``) is cut into ``2*cp`` chunks of ``P/2cp``
+    tokens, rank ``r`` takes chunks ``r`` and ``2cp-1-r``, and the padding is the tail ``[L, P)``.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    two_c = 2 * cp
+    padded = lengths + (-lengths) % two_c
+    chunk = padded // two_c
+    r = np.arange(cp, dtype=np.int64)[None, :]
+    out = np.zeros((lengths.size, cp), dtype=np.int64)
+    for first in (r, two_c - 1 - r):  # two chunks per rank: a loop of 2, vectorised over samples
+        lo = first * chunk[:, None]
+        hi = lo + chunk[:, None]
+        out += np.clip(hi - np.maximum(lo, lengths[:, None]), 0, None)
+    return out
+
+
+def evaluate(
+    arrays: Mapping[str, np.ndarray],
+    lengths: np.ndarray,
+    dp: int,
+    cp: int,
+    model: CostModel,
+    name: str = "plan",
+    kv_cross: np.ndarray | None = None,
+    shape: tuple[int, int, int] | None = None,
+) -> PlanMetrics:
+    """Metrics of a plan given as piece columns (``Plan.piece_arrays``) and its sample lengths.
+
+    ``kv_cross`` gives, per piece row, how many of its tokens' K/V some other CP rank needs
+    (``None``: computed with :func:`ringpack.analysis.comm_model.kv_cross_tokens`).
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    cell, grid = microbatch_index(arrays, dp=dp, shape=shape)
+    c = np.asarray(arrays["cp"], dtype=np.int64)
+    if c.size and (c.min() < 0 or c.max() >= cp):
+        raise ValueError(f"plan names CP rank {int(c.max())}, config has cp={cp}")
+    start = np.asarray(arrays["start"], dtype=np.int64)
+    stop = np.asarray(arrays["stop"], dtype=np.int64)
+    sample = np.asarray(arrays["sample"], dtype=np.int64)
+    S, D, M = grid
+    n_cells = S * D * M * cp
+    flat = cell * cp + c
+
+    def per_rank(weights: np.ndarray | None) -> np.ndarray:
+        # int64 accumulation keeps token and pair counts exact
+        out = np.zeros(n_cells, dtype=np.int64)
+        np.add.at(out, flat, 1 if weights is None else weights)
+        return out.reshape(S, D, M, cp)
+
+    tokens = per_rank(stop - start)
+    pairs = per_rank(piece_pairs(start, stop))
+    segments = per_rank(None)
+    cost = model.cost(tokens, pairs, segments)
+    exists = np.zeros(S * D * M, dtype=bool)
+    exists[cell] = True
+    exists = exists.reshape(S, D, M)
+
+    if kv_cross is None:
+        from ringpack.analysis.comm_model import kv_cross_tokens
+
+        kv_cross = kv_cross_tokens(arrays, shape=grid)
+    kv = per_rank(np.asarray(kv_cross, dtype=np.int64))
+
+    # one row per (micro-batch, sample): the piece with start == 0 is unique for each sample
+    first = start == 0
+    s_cell, s_sample = cell[first], sample[first]
+    pad = zigzag_rule_padding(lengths[s_sample], cp)  # (n, C)
+    zz = np.zeros((S * D * M, cp), dtype=np.int64)
+    np.add.at(zz, s_cell, pad)
+    zz = zz.reshape(S, D, M, cp)
+
+    step_of_sample = s_cell // (D * M)
+    samples = np.bincount(step_of_sample, minlength=S)
+    loss = np.bincount(step_of_sample, weights=(lengths[s_sample] - 1).astype(np.float64), minlength=S).astype(np.int64)
+    return PlanMetrics(
+        name=name, dp=dp, cp=cp, model=model, mb_exists=exists, tokens=tokens, pairs=pairs, segments=segments,
+        cost=cost, kv_cross_tokens=kv, zigzag_padding=zz, samples=samples, loss_tokens=loss,
+    )
+
+
+def evaluate_plan(plan, name: str | None = None) -> PlanMetrics:
+    """:func:`evaluate` of a :class:`~ringpack.balancer.plan.Plan` (its config's dp, cp and cost model)."""
+    cfg = plan.config
+    if name is None:
+        name = plan_label(cfg)
+    S = plan.num_steps
+    M = max((len(rank) for step in plan.steps for rank in step.microbatches), default=0)
+    return evaluate(plan.piece_arrays, np.asarray(plan.lengths), cfg.dp, cfg.cp, cfg.cost, name=name, shape=(S, cfg.dp, M))
+
+
+def plan_label(cfg) -> str:
+    """``strategy/packing``, the name reports give a plan."""
+    return f"{cfg.strategy}/{cfg.packing}"

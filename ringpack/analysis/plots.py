@@ -1,0 +1,236 @@
+"""PNG plots of a report document (``ringpack report`` / ``ringpack simulate`` JSON), with matplotlib.
+
+Every function takes the JSON document, so plots can be redrawn from a saved ``report.json``.
+Each plan keeps one colour across all figures; times are the cost model's predicted seconds.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["draw_all", "plot_lengths", "plot_rank_costs", "plot_imbalance", "plot_idle_saved", "default_rank_step"]
+
+DPI = 110
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    plt.rcParams.update({"font.size": 10, "axes.titlesize": 11, "axes.labelsize": 10, "figure.titlesize": 12,
+                         "axes.spines.top": False, "axes.spines.right": False})
+    return plt
+
+
+def _colors(doc: dict[str, Any]) -> dict[str, Any]:
+    import matplotlib
+
+    cmap = matplotlib.colormaps["tab10"]
+    return {p["name"]: cmap(i % 10) for i, p in enumerate(doc["plans"])}
+
+
+def _time_unit(seconds: float) -> tuple[str, float]:
+    """A unit that keeps the largest value readable: (name, divisor)."""
+    for name, scale in (("h", 3600.0), ("min", 60.0), ("s", 1.0), ("ms", 1e-3)):
+        if seconds >= 2 * scale:
+            return name, scale
+    return "us", 1e-6
+
+
+def _seconds_per_cost(doc: dict[str, Any]) -> float:
+    return 1.0 / doc["cost_model"]["flops_per_second"] if doc["cost_unit"] == "flop" else 1.0
+
+
+def _config(doc: dict[str, Any]) -> dict[str, Any]:
+    for p in doc["plans"]:
+        if p.get("config"):
+            return p["config"]
+    return {}
+
+
+def _save(fig, path: Path) -> Path:
+    fig.savefig(path, dpi=DPI, bbox_inches="tight")
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------------------------------- lengths
+def plot_lengths(doc: dict[str, Any], path: Path) -> Path:
+    plt = _plt()
+    hist = doc["lengths"]["histogram"]
+    edges, counts = np.asarray(hist["edges"], dtype=float), np.asarray(hist["counts"])
+    stats = doc["lengths"]
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    ax.bar(edges[:-1], counts, width=np.diff(edges), align="edge", color="#4c72b0", edgecolor="white", linewidth=0.5)
+    ax.set_xscale("log")
+    ax.set_yscale("symlog", linthresh=1)
+    ax.set_xlabel("sample length (tokens, log scale)")
+    ax.set_ylabel("number of samples")
+    cfg = _config(doc)
+    budget = cfg.get("tokens_per_rank")
+    if budget:
+        ax.axvline(budget, color="#c44e52", ls="--", lw=1.2, label=f"one CP rank's budget ({budget:,} tokens)")
+        cap = budget * doc["cp"]
+        ax.axvline(cap, color="#8c564b", ls=":", lw=1.5, label=f"one CP group (cp={doc['cp']}: {cap:,} tokens)")
+        ax.legend(loc="upper left", framealpha=0.95)
+    ax.set_title(
+        f"Sample lengths: {stats['samples']:,} samples, {stats['tokens']:,} tokens; median {stats['median']:,.0f}, "
+        f"p99 {stats['p99']:,.0f}, max {stats['max']:,}"
+    )
+    return _save(fig, path)
+
+
+# ------------------------------------------------------------------------------------- rank costs
+def default_rank_step(doc: dict[str, Any]) -> int:
+    """The baseline's most imbalanced step (every plan has at least that many steps), else 0."""
+    base = next((p for p in doc["plans"] if p["name"] == doc["baseline"]), doc["plans"][0])
+    n = min(len(p["steps"]) for p in doc["plans"])
+    if n == 0:
+        return 0
+    idle = [r["idle_fraction"] for r in base["steps"][:n]]
+    return int(np.argmax(idle))
+
+
+def plot_rank_costs(doc: dict[str, Any], path: Path, step: int | None = None) -> Path | None:
+    plans = [p for p in doc["plans"] if p["steps"] and p["steps"][0].get("rank_busy") is not None]
+    if not plans:
+        return None
+    plt = _plt()
+    step = default_rank_step(doc) if step is None else step
+    colors = _colors(doc)
+    to_s = _seconds_per_cost(doc)
+    rows_of = {p["name"]: p["steps"][min(step, len(p["steps"]) - 1)] for p in plans}
+    top = max(r["step_seconds"] for r in rows_of.values())
+    unit, scale = _time_unit(top)
+    n = len(plans)
+    ncols = min(3, n)
+    nrows = -(-n // ncols)
+    dp, cp = doc["dp"], doc["cp"]
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.3 * ncols, 3.4 * nrows), sharey=True, squeeze=False)
+    x = np.arange(dp * cp)
+    gpu_gap = x + np.repeat(np.arange(dp), cp) * 0.6  # a small gap between DP ranks
+    for ax, p in zip(axes.flat, plans):
+        row = rows_of[p["name"]]
+        busy = np.asarray(row["rank_busy"], dtype=float).reshape(-1) * to_s / scale
+        step_time = row["step_seconds"] / scale
+        shades = np.tile(np.linspace(1.0, 0.55, cp), dp) if cp > 1 else np.ones(dp)
+        base = np.asarray(colors[p["name"]])[:3]
+        ax.bar(gpu_gap, busy, width=0.9, color=[tuple(base * s + (1 - s)) for s in shades], edgecolor=base, linewidth=0.4)
+        ax.axhline(step_time, color="black", ls="--", lw=1)
+        ax.text(gpu_gap[-1] + 0.5, step_time, " step", va="bottom", ha="right", fontsize=8)
+        ax.set_title(f"{p['name']}: idle {100 * row['idle_fraction']:.1f}%", color=base)
+        if dp * cp <= 32:
+            centers = [gpu_gap[d * cp: (d + 1) * cp].mean() for d in range(dp)]
+            ax.set_xticks(centers, [f"DP {d}" for d in range(dp)], fontsize=8)
+        else:
+            ax.set_xticks([])
+        ax.set_xlabel(f"GPU (grouped by DP rank; {cp} CP ranks each)")
+    for ax in axes[:, 0]:
+        ax.set_ylabel(f"busy time ({unit})")
+    for ax in list(axes.flat)[n:]:
+        ax.set_visible(False)
+    ax0 = axes.flat[0]
+    ax0.set_ylim(0, top / scale * 1.12)
+    fig.suptitle(f"Per-GPU busy time in step {step} (compute, predicted); dashed: step time, the gap above a bar is idle")
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+# -------------------------------------------------------------------------------------- imbalance
+def plot_imbalance(doc: dict[str, Any], path: Path) -> Path:
+    plt = _plt()
+    colors = _colors(doc)
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    max_steps = max(len(p["steps"]) for p in doc["plans"])
+    marker = "o" if max_steps <= 40 else None
+    for p in doc["plans"]:
+        steps = np.array([r["step"] for r in p["steps"]])
+        imb = np.array([r["imbalance"] for r in p["steps"]])
+        idle = np.array([r["idle_fraction"] for r in p["steps"]]) * 100
+        style = dict(color=colors[p["name"]], lw=1.6 if p["name"] != doc["baseline"] else 2.2, marker=marker, ms=3,
+                     ls="-" if p["name"] != doc["baseline"] else "--")
+        ax1.plot(steps, imb, label=p["name"], **style)
+        ax2.plot(steps, idle, **style)
+    ax1.axhline(1.0, color="gray", lw=0.8)
+    ax1.set_ylabel("imbalance\n(step time / mean GPU busy)")
+    ax1.set_ylim(bottom=0.98)
+    ax2.set_ylabel("idle GPU time (%)")
+    ax2.set_ylim(bottom=0)
+    ax2.set_xlabel("step")
+    ax1.legend(fontsize=8, frameon=False, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="plan (strategy/packing)",
+               title_fontsize=8)
+    fig.suptitle(f"Imbalance over steps per plan (DP={doc['dp']} x CP={doc['cp']}; compute only; dashed: baseline)")
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+# ------------------------------------------------------------------------------------- idle saved
+def plot_idle_saved(doc: dict[str, Any], path: Path) -> Path:
+    plt = _plt()
+    colors = _colors(doc)
+    names = [p["name"] for p in doc["plans"]]
+    summaries = [p["summary"] for p in doc["plans"]]
+    idle = np.array([s["idle_gpu_seconds"] for s in summaries])
+    total = np.array([s["predicted_seconds"] for s in summaries]) * doc["gpus"]
+    busy = total - idle
+    unit, scale = _time_unit(float(total.max()) if total.size else 1.0)
+    base = next(s for p, s in zip(doc["plans"], summaries) if p["name"] == doc["baseline"])
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 0.55 * len(names) + 2.2), gridspec_kw={"width_ratios": [1.4, 1]})
+    y = np.arange(len(names))[::-1]
+    from matplotlib.patches import Patch
+
+    ax1.barh(y, busy / scale, color="#bbbbbb")
+    ax1.barh(y, idle / scale, left=busy / scale, color=[colors[n] for n in names])
+    for yi, s, b, i in zip(y, summaries, busy, idle):
+        saved = base["idle_gpu_seconds"] - s["idle_gpu_seconds"]
+        note = f"{100 * s['idle_fraction']:.1f}% idle"
+        if saved > 0 and base["idle_gpu_seconds"] > 0:
+            note += f", {100 * saved / base['idle_gpu_seconds']:.0f}% less idle than baseline"
+        ax1.text((b + i) / scale, yi, "  " + note, va="center", fontsize=8)
+    ax1.set_yticks(y, [n + (" (baseline)" if n == doc["baseline"] else "") for n in names])
+    ax1.set_xlabel(f"GPU time over all steps (GPU-{unit}), compute only")
+    ax1.set_xlim(0, total.max() / scale * 1.75)
+    ax1.legend(handles=[Patch(color="#bbbbbb", label="busy"), Patch(facecolor="white", edgecolor="#444444",
+               label="idle, waiting on the slowest rank (plan colour)")], loc="lower right", fontsize=8, frameon=False)
+    ax1.set_title("Busy and idle GPU time")
+    tps = np.array([s["tokens_per_second_comm"] for s in summaries])
+    tps_compute = np.array([s["tokens_per_second"] for s in summaries])
+    ax2.barh(y, tps_compute / 1e3, color="none", edgecolor="#888888", ls="--", label="compute only")
+    ax2.barh(y, tps / 1e3, color=[colors[n] for n in names], height=0.6, label="with communication")
+    for yi, v, s in zip(y, tps, summaries):
+        sp = s.get("speedup_vs_baseline")
+        ax2.text(v / 1e3, yi, f"  {sp:.2f}x" if sp else "", va="center", fontsize=8)
+    ax2.set_yticks(y, [])
+    ax2.set_xlabel("predicted throughput (thousand tokens/s, whole cluster)")
+    ax2.set_xlim(0, max(tps_compute.max(), tps.max()) / 1e3 * 1.25)
+    ax2.legend(loc="lower right", fontsize=8, frameon=False)
+    ax2.set_title(f"Throughput ({doc['comm_model']['mode']} comm model)")
+    fig.suptitle(f"Idle time saved vs the baseline ({doc['baseline']}), DP={doc['dp']} x CP={doc['cp']}")
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def draw_all(doc: dict[str, Any], out: Path, rank_step: int | None = None, progress: Any = None) -> dict[str, Path]:
+    """Every plot the document supports, as ``{key: path}``."""
+    out = Path(out)
+    figures: dict[str, Path] = {}
+    jobs = []
+    if doc.get("lengths"):
+        jobs.append(("lengths", lambda: plot_lengths(doc, out / "lengths.png")))
+    jobs.append(("rank_costs", lambda: plot_rank_costs(doc, out / "rank_costs.png", step=rank_step)))
+    jobs.append(("imbalance", lambda: plot_imbalance(doc, out / "imbalance.png")))
+    jobs.append(("idle_saved", lambda: plot_idle_saved(doc, out / "idle_saved.png")))
+    for key, job in jobs:
+        path = job()
+        if path is not None:
+            figures[key] = path
+        if progress is not None:
+            progress.update(1)
+    return figures

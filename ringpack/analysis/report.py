@@ -1,0 +1,510 @@
+"""``ringpack report``: imbalance reports of plans, as a terminal table, JSON, PNG plots and one HTML page.
+
+A report compares one or more plans of the same data (one per strategy, or any plan files). Every
+figure comes from :mod:`ringpack.analysis.metrics` (the planner's cost code applied to the piece
+table) and, for times that include communication, :mod:`ringpack.analysis.comm_model`.
+
+The JSON document (``format: "ringpack-report"``, ``version: 1``) is the source of everything else:
+the table and the plots are drawn from it, so ``ringpack report`` output can be re-plotted or
+compared without re-planning. Its keys are listed in :data:`SUMMARY_KEYS` and :data:`STEP_KEYS`
+(tests pin them: add keys, never rename).
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from ringpack.analysis.comm_model import CommModel, microbatch_seconds
+from ringpack.analysis.metrics import PlanMetrics, evaluate_plan, plan_label
+
+__all__ = [
+    "REPORT_FORMAT",
+    "REPORT_VERSION",
+    "DEFINITIONS",
+    "SUMMARY_KEYS",
+    "STEP_KEYS",
+    "StrategyResult",
+    "timed",
+    "build_report",
+    "length_summary",
+    "format_table",
+    "write_report",
+    "plan_strategies",
+    "DEFAULT_VARIANTS",
+]
+
+REPORT_FORMAT = "ringpack-report"
+REPORT_VERSION = 1
+
+#: The plans ``ringpack report --lengths`` makes: (CP strategy, packing). The status quo -- token
+#: count first-fit packing with a zigzag split -- is the baseline others are compared with.
+DEFAULT_VARIANTS: tuple[tuple[str, str], ...] = (
+    ("balanced", "balanced"),
+    ("zigzag", "balanced"),
+    ("contiguous", "balanced"),
+    ("balanced", "first_fit"),
+    ("zigzag", "first_fit"),
+    ("contiguous", "first_fit"),
+)
+BASELINE = "zigzag/first_fit"
+
+DEFINITIONS: dict[str, str] = {
+    "rank cost": "token*tokens + pair*exact causal (query, key) pairs + segment*pieces of one CP rank's shard "
+    "(CostModel.cost over piece_pairs: the planner's cost code)",
+    "micro-batch time": "max over its CP ranks (they synchronise every attention layer)",
+    "DP rank time": "sum over its micro-batches of the micro-batch times",
+    "step time": "max over DP ranks (DP ranks synchronise once a step); seconds = cost / the cost model's FLOP/s",
+    "busy": "a GPU's (dp, cp) own cost summed over the step's micro-batches",
+    "idle fraction": "1 - sum(busy) / (dp*cp * step time): the share of GPU time spent waiting on the slowest rank",
+    "imbalance": "step time / mean GPU busy (1.0 = perfect; 1 / (1 - idle fraction))",
+    "max/mean": "busiest GPU's busy / mean GPU busy",
+    "dp max/mean": "slowest DP rank time / mean DP rank time",
+    "cp max/mean": "per micro-batch, slowest CP rank / mean CP rank, averaged over the step's micro-batches",
+    "gap": "step time / the planner's proven lower bound - 1 (how far from the best any plan could do)",
+    "padding": "tokens the plan pads: always 0 for ringpack plans (no divisibility rule)",
+    "zigzag-rule padding": "tokens a zigzag implementation requiring every sample to be a multiple of 2*cp "
+    "(TransformerEngine, ring-flash-attention) would add to the same micro-batches: sum of (-L) mod 2cp",
+    "K/V bytes": "bytes of K and V (all layers, one forward) of pieces some other CP rank needs, each counted once "
+    "(ringpack.balancer.comm); a ring passes each through cp-1 ranks, the backward sends K/V and dK/dV again",
+    "step time with comm": "the same max/sum/max with each rank's time from the communication model "
+    "(ring: per layer max(compute, latency + bytes/bandwidth) per ring step; all-gather: gather + reduce-scatter, exposed)",
+    "idle saved": "idle GPU-seconds of the baseline minus this plan's, over the whole plan",
+}
+
+SUMMARY_KEYS = (
+    "steps", "microbatches", "samples", "tokens", "loss_tokens", "step_cost_total", "busy_cost_total",
+    "idle_fraction", "idle_gpu_seconds", "imbalance_mean", "imbalance_worst", "max_mean_mean", "max_mean_worst",
+    "dp_max_mean_mean", "cp_max_mean_mean", "gap_mean", "predicted_seconds", "tokens_per_second", "padding_tokens",
+    "zigzag_rule_padding_tokens", "kv_bytes", "kv_ring_bytes", "predicted_seconds_comm", "tokens_per_second_comm",
+    "idle_fraction_comm", "exposed_comm_seconds", "idle_gpu_seconds_saved", "speedup_vs_baseline",
+)
+STEP_KEYS = (
+    "step", "microbatches_per_rank", "samples", "tokens", "step_cost", "step_seconds", "step_seconds_comm",
+    "lower_bound", "gap", "imbalance", "max_mean", "dp_max_mean", "cp_max_mean", "idle_fraction",
+    "idle_fraction_comm", "padding_tokens", "zigzag_rule_padding_tokens", "kv_bytes", "rank_busy", "dp_time",
+    "microbatch_costs",
+)
+
+
+@dataclass
+class StrategyResult:
+    """One plan's metrics plus its times under a communication model (arrays over steps)."""
+
+    metrics: PlanMetrics
+    comm: CommModel
+    lower_bound: np.ndarray  # (S,) NaN where unknown
+    step_seconds_comm: np.ndarray  # (S,)
+    exposed_comm_seconds: np.ndarray  # (S,) summed over GPUs
+    config: dict[str, Any] | None = None
+    plan_hash: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.metrics.name
+
+    @property
+    def kv_bytes(self) -> np.ndarray:
+        """(S,) forward K/V bytes crossing ranks, each needed piece once."""
+        return self.metrics.kv_cross_tokens.sum(axis=(1, 2, 3)) * self.comm.kv_bytes_per_token
+
+    @property
+    def imbalance(self) -> np.ndarray:
+        m = self.metrics
+        mean = m.busy.reshape(m.num_steps, -1).mean(axis=1)
+        return np.where(mean > 0, m.step_cost / np.where(mean > 0, mean, 1.0), 1.0)
+
+    @property
+    def gap(self) -> np.ndarray:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return self.metrics.step_cost / self.lower_bound - 1.0
+
+    @property
+    def idle_fraction_comm(self) -> np.ndarray:
+        m = self.metrics
+        busy = m.model.seconds(m.busy.sum(axis=(1, 2)))
+        capacity = m.dp * m.cp * self.step_seconds_comm
+        return np.where(capacity > 0, 1.0 - busy / np.where(capacity > 0, capacity, 1.0), 0.0)
+
+
+def timed(metrics: PlanMetrics, comm: CommModel, lower_bound: Sequence[float | None] | None = None, **extra: Any) -> StrategyResult:
+    """Attach communication-model times (and the planner's lower bounds) to a plan's metrics."""
+    m = metrics
+    seconds, exposed = microbatch_seconds(m.tokens, m.pairs, m.segments, m.kv_cross_tokens, m.model, comm)
+    seconds = np.where(m.mb_exists[..., None], seconds, 0.0)
+    exposed = np.where(m.mb_exists[..., None], exposed, 0.0)
+    step_seconds = seconds.max(axis=3).sum(axis=2).max(axis=1) if m.num_steps else np.zeros(0)
+    if lower_bound is None:
+        lb = np.full(m.num_steps, np.nan)
+    else:
+        lb = np.array([np.nan if x is None else float(x) for x in lower_bound], dtype=np.float64)
+    return StrategyResult(metrics=m, comm=comm, lower_bound=lb, step_seconds_comm=step_seconds,
+                          exposed_comm_seconds=exposed.sum(axis=(1, 2, 3)), **extra)
+
+
+def result_of_plan(plan, comm: CommModel, name: str | None = None) -> StrategyResult:
+    """:func:`timed` metrics of a :class:`~ringpack.balancer.plan.Plan`."""
+    metrics = evaluate_plan(plan, name=name)
+    return timed(metrics, comm, [s.lower_bound for s in plan.steps], config=plan.config.to_dict(), plan_hash=plan.content_hash)
+
+
+# ----------------------------------------------------------------------------------------- summary
+def length_summary(lengths: np.ndarray, bins: int = 40) -> dict[str, Any]:
+    """Statistics and a log-spaced histogram of sample lengths (tokens)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    q = np.percentile(lengths, [50, 90, 99]) if lengths.size else np.zeros(3)
+    hi = max(int(lengths.max()) if lengths.size else 1, 2)
+    edges = np.unique(np.round(np.logspace(0, np.log10(hi + 1), bins + 1)).astype(np.int64))
+    counts, _ = np.histogram(lengths, bins=edges)
+    return {
+        "samples": int(lengths.size),
+        "tokens": int(lengths.sum()),
+        "min": int(lengths.min()) if lengths.size else 0,
+        "median": float(q[0]),
+        "mean": float(lengths.mean()) if lengths.size else 0.0,
+        "p90": float(q[1]),
+        "p99": float(q[2]),
+        "max": int(lengths.max()) if lengths.size else 0,
+        "histogram": {"edges": edges.tolist(), "counts": counts.tolist()},
+    }
+
+
+def _f(x: Any) -> float | None:
+    """JSON-safe float (NaN -> None)."""
+    x = float(x)
+    return None if not np.isfinite(x) else x
+
+
+def summarise(result: StrategyResult) -> dict[str, Any]:
+    m = result.metrics
+    base = m.summary()
+    seconds_comm = float(result.step_seconds_comm.sum())
+    busy_seconds = float(m.model.seconds(base["busy_cost_total"]))
+    gpus = m.dp * m.cp
+    kv = result.kv_bytes
+    out = dict(base)
+    imbalance = result.imbalance
+    gap = result.gap
+    out.update(
+        imbalance_mean=float(imbalance.mean()) if imbalance.size else 1.0,
+        imbalance_worst=float(imbalance.max()) if imbalance.size else 1.0,
+        gap_mean=_f(np.nanmean(gap)) if np.isfinite(gap).any() else None,
+        kv_bytes=float(kv.sum()),
+        kv_ring_bytes=float(kv.sum() * (m.cp - 1)),
+        predicted_seconds_comm=seconds_comm,
+        tokens_per_second_comm=base["tokens"] / seconds_comm if seconds_comm > 0 else 0.0,
+        idle_fraction_comm=1.0 - busy_seconds / (gpus * seconds_comm) if seconds_comm > 0 else 0.0,
+        exposed_comm_seconds=float(result.exposed_comm_seconds.sum()),
+        idle_gpu_seconds_saved=0.0,
+        speedup_vs_baseline=1.0,
+    )
+    return {k: out[k] for k in SUMMARY_KEYS}
+
+
+def step_rows(result: StrategyResult, detail: bool = True) -> list[dict[str, Any]]:
+    """One JSON row per step; ``detail`` adds per-GPU busy, per-DP-rank time and per-micro-batch costs."""
+    m = result.metrics
+    rows = []
+    imbalance, gap, idle_comm, kv = result.imbalance, result.gap, result.idle_fraction_comm, result.kv_bytes
+    max_mean, dp_mm, cp_mm, idle = m.max_mean, m.dp_max_mean, m.cp_max_mean, m.idle_fraction
+    step_cost, step_seconds, tokens = m.step_cost, m.step_seconds, m.step_tokens
+    zz = m.zigzag_padding.sum(axis=(1, 2, 3))
+    busy, dp_time = m.busy, m.dp_time
+    per_rank = m.mb_exists.any(axis=1).sum(axis=1)
+    for s in range(m.num_steps):
+        row = {
+            "step": s,
+            "microbatches_per_rank": int(per_rank[s]),
+            "samples": int(m.samples[s]),
+            "tokens": int(tokens[s]),
+            "step_cost": float(step_cost[s]),
+            "step_seconds": float(step_seconds[s]),
+            "step_seconds_comm": float(result.step_seconds_comm[s]),
+            "lower_bound": _f(result.lower_bound[s]),
+            "gap": _f(gap[s]),
+            "imbalance": float(imbalance[s]),
+            "max_mean": float(max_mean[s]),
+            "dp_max_mean": float(dp_mm[s]),
+            "cp_max_mean": float(cp_mm[s]),
+            "idle_fraction": float(idle[s]),
+            "idle_fraction_comm": float(idle_comm[s]),
+            "padding_tokens": 0,
+            "zigzag_rule_padding_tokens": int(zz[s]),
+            "kv_bytes": float(kv[s]),
+            "rank_busy": busy[s].tolist() if detail else None,
+            "dp_time": dp_time[s].tolist() if detail else None,
+            "microbatch_costs": (
+                [[m.cost[s, d, i].tolist() for i in range(int(per_rank[s]))] for d in range(m.dp)] if detail else None
+            ),
+        }
+        rows.append(row)
+    return rows
+
+
+def build_report(
+    results: Sequence[StrategyResult],
+    lengths: np.ndarray | None = None,
+    baseline: str | None = None,
+    detail: bool = True,
+    title: str = "ringpack imbalance report",
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The report document (JSON-able): definitions, models, length statistics, and per plan its summary and steps."""
+    if not results:
+        raise ValueError("a report needs at least one plan")
+    names = [r.name for r in results]
+    if len(set(names)) != len(names):
+        raise ValueError(f"plan names must be unique, got {names}")
+    if baseline is None:
+        baseline = BASELINE if BASELINE in names else names[0]
+    if baseline not in names:
+        raise ValueError(f"baseline {baseline!r} is not one of the plans {names}")
+    first = results[0].metrics
+    plans = []
+    summaries = {r.name: summarise(r) for r in results}
+    base = summaries[baseline]
+    for r in results:
+        summary = summaries[r.name]
+        summary["idle_gpu_seconds_saved"] = base["idle_gpu_seconds"] - summary["idle_gpu_seconds"]
+        if summary["predicted_seconds_comm"] > 0 and summary["tokens"] == base["tokens"]:
+            summary["speedup_vs_baseline"] = base["predicted_seconds_comm"] / summary["predicted_seconds_comm"]
+        else:
+            summary["speedup_vs_baseline"] = None
+        plans.append(
+            {
+                "name": r.name,
+                "hash": r.plan_hash,
+                "config": r.config,
+                "summary": summary,
+                "steps": step_rows(r, detail=detail),
+            }
+        )
+    doc = {
+        "format": REPORT_FORMAT,
+        "version": REPORT_VERSION,
+        "title": title,
+        "dp": first.dp,
+        "cp": first.cp,
+        "gpus": first.dp * first.cp,
+        "cost_model": first.model.to_dict(),
+        "cost_unit": first.model.unit,
+        "comm_model": {**results[0].comm.__dict__, "kv_bytes_per_token": results[0].comm.kv_bytes_per_token,
+                       "description": results[0].comm.describe()},
+        "baseline": baseline,
+        "definitions": DEFINITIONS,
+        "lengths": length_summary(lengths) if lengths is not None else None,
+        "plans": plans,
+    }
+    if extra:
+        doc.update(extra)
+    return doc
+
+
+# ------------------------------------------------------------------------------------------ table
+def _fmt_seconds(x: float) -> str:
+    if x >= 3600:
+        return f"{x / 3600:.2f} h"
+    if x >= 60:
+        return f"{x / 60:.1f} min"
+    if x >= 1:
+        return f"{x:.2f} s"
+    return f"{x * 1e3:.1f} ms"
+
+
+def _fmt_bytes(x: float) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if x >= scale:
+            return f"{x / scale:.1f} {unit}"
+    return f"{x:.0f} B"
+
+
+def _fmt_count(x: float) -> str:
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.2f}{unit}"
+    return f"{x:.0f}"
+
+
+def text_table(header: Sequence[str], rows: Sequence[Sequence[str]], align: str | None = None) -> str:
+    """A plain-text table: first column left-aligned, the rest right-aligned."""
+    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) if rows else len(str(h)) for i, h in enumerate(header)]
+    align = align or "l" + "r" * (len(header) - 1)
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(str(c).ljust(w) if a == "l" else str(c).rjust(w) for c, w, a in zip(cells, widths, align)).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(header), rule, *(line(r) for r in rows)])
+
+
+def format_table(doc: dict[str, Any], steps_shown: int = 0) -> str:
+    """The terminal view: one summary row per plan, then (``steps_shown > 0``) the first steps of each plan."""
+    out = []
+    lengths = doc.get("lengths")
+    if lengths:
+        out.append(
+            "lengths (tokens): {samples:,} samples, {tokens:,} tokens, median {median:.0f}, mean {mean:.0f}, "
+            "p99 {p99:.0f}, max {max:,}".format(**lengths)
+        )
+    cm = doc["cost_model"]
+    out.append(
+        f"DP={doc['dp']} x CP={doc['cp']} ({doc['gpus']} GPUs); cost model {cm['name']} "
+        f"({cm['flops_per_second'] / 1e12:.0f} TFLOP/s achieved); comm {doc['comm_model']['description']}"
+    )
+    header = ["plan", "steps", "imbal", "idle", "idle+comm", "dp m/m", "cp m/m", "gap",
+              "epoch time", "+comm", "tok/s", "speedup", "K/V moved", "pad", "2cp-pad"]
+    rows = []
+    for p in doc["plans"]:
+        s = p["summary"]
+        mark = " *" if p["name"] == doc["baseline"] else ""
+        rows.append([
+            p["name"] + mark,
+            str(s["steps"]),
+            f"{s['imbalance_mean']:.3f}",
+            f"{100 * s['idle_fraction']:.1f}%",
+            f"{100 * s['idle_fraction_comm']:.1f}%",
+            f"{s['dp_max_mean_mean']:.3f}",
+            f"{s['cp_max_mean_mean']:.3f}",
+            "-" if s["gap_mean"] is None else f"{100 * s['gap_mean']:.1f}%",
+            _fmt_seconds(s["predicted_seconds"]),
+            _fmt_seconds(s["predicted_seconds_comm"]),
+            _fmt_count(s["tokens_per_second_comm"]),
+            "-" if s["speedup_vs_baseline"] is None else f"{s['speedup_vs_baseline']:.2f}x",
+            _fmt_bytes(s["kv_bytes"]),
+            str(s["padding_tokens"]),
+            _fmt_count(s["zigzag_rule_padding_tokens"]),
+        ])
+    out.append("")
+    out.append(text_table(header, rows))
+    out.append(
+        f"(* baseline; imbal = step time / mean GPU busy, averaged over steps; idle = share of GPU time waiting "
+        f"on the slowest rank; gap = above the planner's lower bound; +comm = with the communication model; "
+        f"pad = padding the plan needs; 2cp-pad = padding a zigzag with the 2*CP rule would add)"
+    )
+    if steps_shown > 0:
+        for p in doc["plans"]:
+            out.append("")
+            out.append(f"{p['name']}: first {min(steps_shown, len(p['steps']))} of {len(p['steps'])} steps")
+            header = ["step", "mb/rank", "samples", "tokens", "step time", "+comm", "imbal", "idle", "dp m/m", "cp m/m",
+                      "K/V moved", "2cp-pad"]
+            rows = []
+            for r in p["steps"][:steps_shown]:
+                rows.append([
+                    str(r["step"]), str(r["microbatches_per_rank"]), str(r["samples"]), _fmt_count(r["tokens"]),
+                    _fmt_seconds(r["step_seconds"]), _fmt_seconds(r["step_seconds_comm"]), f"{r['imbalance']:.3f}",
+                    f"{100 * r['idle_fraction']:.1f}%", f"{r['dp_max_mean']:.3f}", f"{r['cp_max_mean']:.3f}",
+                    _fmt_bytes(r["kv_bytes"]), str(r["zigzag_rule_padding_tokens"]),
+                ])
+            out.append(text_table(header, rows, align="r" * len(header)))
+    return "\n".join(out)
+
+
+def format_ranks(doc: dict[str, Any], plan: str, step: int) -> str:
+    """Per-GPU busy time (ms) of one step of one plan: a DP x CP grid."""
+    p = next(x for x in doc["plans"] if x["name"] == plan)
+    row = p["steps"][step]
+    if row["rank_busy"] is None:
+        return ""
+    seconds = 1.0 / doc["cost_model"]["flops_per_second"] if doc["cost_unit"] == "flop" else 1.0
+    header = ["dp \\ cp", *(str(c) for c in range(doc["cp"])), "DP time"]
+    rows = []
+    for d, busy in enumerate(row["rank_busy"]):
+        rows.append([str(d), *(f"{b * seconds * 1e3:.1f}" for b in busy), f"{row['dp_time'][d] * seconds * 1e3:.1f}"])
+    return (f"{plan}, step {step}: busy time per GPU (ms, compute); step time {row['step_seconds'] * 1e3:.1f} ms, "
+            f"idle {100 * row['idle_fraction']:.1f}%\n" + text_table(header, rows, align="r" * len(header)))
+
+
+# ----------------------------------------------------------------------------------------- writing
+def write_report(doc: dict[str, Any], out_dir: str | Path, plots: bool = True, rank_step: int | None = None,
+                 progress: Any = None) -> dict[str, Path]:
+    """Write ``report.json``, the PNG plots, ``report.html`` (plots embedded) and ``report.md`` into ``out_dir``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths: dict[str, Path] = {}
+    paths["json"] = out / "report.json"
+    paths["json"].write_text(json.dumps(doc, indent=1) + "\n")
+    figures: dict[str, Path] = {}
+    if plots:
+        from ringpack.analysis import plots as plotting
+
+        figures = plotting.draw_all(doc, out, rank_step=rank_step, progress=progress)
+        paths.update(figures)
+    paths["html"] = out / "report.html"
+    paths["html"].write_text(render_html(doc, figures))
+    paths["md"] = out / "report.md"
+    paths["md"].write_text(render_markdown(doc, figures))
+    return paths
+
+
+FIGURE_CAPTIONS = {
+    "lengths": "Sample lengths: how many samples of each length (log-log). Dashed lines: one rank's and one CP group's token budget.",
+    "rank_costs": "Busy time of every GPU in one step, per plan; the dashed line is the step time, so the gap above each bar is idle time.",
+    "imbalance": "Per step: imbalance (step time / mean GPU busy) and the share of GPU time spent idle, per plan.",
+    "idle_saved": "Idle GPU time per plan over all steps, and predicted throughput with communication.",
+    "throughput": "Predicted tokens/s and idle share per strategy.",
+}
+
+
+def render_markdown(doc: dict[str, Any], figures: dict[str, Path]) -> str:
+    lines = [f"# {doc['title']}", "", "```", format_table(doc), "```", ""]
+    for key, path in figures.items():
+        lines += [f"![{key}]({path.name})", "", FIGURE_CAPTIONS.get(key, ""), ""]
+    lines += ["## Definitions", ""]
+    lines += [f"- **{k}**: {v}" for k, v in doc["definitions"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def render_html(doc: dict[str, Any], figures: dict[str, Path]) -> str:
+    """One self-contained page: the table, the plots as base64 PNGs, the definitions."""
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'>",
+        f"<title>{html.escape(doc['title'])}</title>",
+        "<style>body{font-family:system-ui,sans-serif;max-width:1200px;margin:2em auto;padding:0 1em;color:#222}"
+        "pre{background:#f6f6f6;padding:1em;overflow-x:auto;font-size:13px}img{max-width:100%;border:1px solid #ddd}"
+        "figcaption{color:#555;margin:.3em 0 2em}dt{font-weight:600;margin-top:.5em}</style></head><body>",
+        f"<h1>{html.escape(doc['title'])}</h1>",
+        f"<pre>{html.escape(format_table(doc, steps_shown=0))}</pre>",
+    ]
+    for key, path in figures.items():
+        data = base64.b64encode(path.read_bytes()).decode()
+        parts.append(f"<figure><img alt='{key}' src='data:image/png;base64,{data}'>"
+                     f"<figcaption>{html.escape(FIGURE_CAPTIONS.get(key, ''))}</figcaption></figure>")
+    parts.append("<h2>Definitions</h2><dl>")
+    for k, v in doc["definitions"].items():
+        parts.append(f"<dt>{html.escape(k)}</dt><dd>{html.escape(v)}</dd>")
+    parts.append("</dl></body></html>")
+    return "\n".join(parts)
+
+
+# ------------------------------------------------------------------------------------- planning
+def plan_strategies(lengths: np.ndarray, config, variants: Sequence[tuple[str, str]] = DEFAULT_VARIANTS,
+                    progress: Any = None) -> list:
+    """Plan ``lengths`` once per (strategy, packing) variant of ``config`` with the balancer's ``make_plan``."""
+    import dataclasses
+
+    from ringpack.balancer import make_plan
+
+    plans = []
+    for strategy, packing in variants:
+        cfg = dataclasses.replace(config, strategy=strategy, packing=packing)
+        plans.append(make_plan(lengths, cfg))
+        if progress is not None:
+            progress.update(1)
+    return plans
+
+
+def variant_name(strategy: str, packing: str) -> str:
+    return f"{strategy}/{packing}"
+
+
+def label(plan) -> str:
+    return variant_name(plan.config.strategy, plan.config.packing)
+
+
+_ = plan_label  # re-exported name kept for callers of metrics

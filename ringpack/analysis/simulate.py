@@ -1,0 +1,224 @@
+"""``ringpack simulate``: plan a whole epoch for a cluster this machine is not, and predict its speed.
+
+For a cluster shape (``dp x cp`` GPUs), a length distribution and a model, every strategy plans the
+full epoch with the balancer's :func:`~ringpack.balancer.make_plan`; every step is priced with the
+planner's cost code (:mod:`ringpack.analysis.metrics`) and timed under the communication model
+(:mod:`ringpack.analysis.comm_model`, ring and all-gather). Output: predicted tokens/s, epoch time,
+idle fraction, K/V bytes and padding per strategy, as the same report document ``ringpack report``
+writes (terminal table, JSON, plots, HTML).
+
+Scale: the epoch is planned in chunks of ``chunk_steps`` global batches (the planner's shuffle
+first, so chunks are random windows of the epoch, exactly as ``make_plan`` would cut them), chunks
+run in ``jobs`` worker processes, and each worker returns only its dense per-rank arrays, so memory
+stays flat and a 1M-sample epoch is minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from typing import Any, Sequence
+
+import numpy as np
+
+from ringpack.analysis.comm_model import CommModel
+from ringpack.analysis.metrics import PlanMetrics, evaluate_plan
+from ringpack.analysis.report import DEFAULT_VARIANTS, StrategyResult, build_report, timed
+
+__all__ = ["simulate", "synthetic_lengths", "concat_metrics", "SIM_VARIANTS"]
+
+#: What ``simulate`` compares by default: ringpack, zigzag with ringpack's DP packing, the status
+#: quo (token first-fit + zigzag) and the naive contiguous split.
+SIM_VARIANTS: tuple[tuple[str, str], ...] = (
+    ("balanced", "balanced"),
+    ("zigzag", "balanced"),
+    ("zigzag", "first_fit"),
+    ("contiguous", "first_fit"),
+)
+
+
+def synthetic_lengths(n: int, source: str = "stdlib", seed: int = 0, median: float = 2048, sigma: float = 1.3,
+                      max_len: int | None = None) -> np.ndarray:
+    """``n`` sample lengths: resampled from the standard-library corpus, or log-normal.
+
+    ``source="stdlib"`` draws with replacement from the embedded corpus (a real heavy tail);
+    ``"lognormal"`` draws ``median * exp(sigma * N(0, 1))`` tokens, clipped to ``[1, max_len]``.
+    """
+    rng = np.random.default_rng(seed)
+    if source == "stdlib":
+        from ringpack.dataloaders.corpus import stdlib_corpus
+
+        pool = stdlib_corpus().lengths
+        out = rng.choice(pool, size=n)
+    elif source == "lognormal":
+        out = np.round(median * np.exp(sigma * rng.standard_normal(n))).astype(np.int64)
+    else:
+        raise ValueError(f"unknown length source {source!r}; use 'stdlib', 'lognormal' or a lengths file")
+    out = np.maximum(out, 1)
+    if max_len:
+        out = np.minimum(out, max_len)
+    return out.astype(np.int64)
+
+
+def concat_metrics(parts: Sequence[PlanMetrics], name: str) -> PlanMetrics:
+    """Stack the steps of several metrics of one strategy (micro-batch axis padded to the widest)."""
+    M = max(p.cost.shape[2] for p in parts)
+
+    def pad(a: np.ndarray) -> np.ndarray:
+        if a.shape[2] == M:
+            return a
+        width = [(0, 0)] * a.ndim
+        width[2] = (0, M - a.shape[2])
+        return np.pad(a, width)
+
+    first = parts[0]
+    fields = ("mb_exists", "tokens", "pairs", "segments", "cost", "kv_cross_tokens", "zigzag_padding")
+    stacked = {f: np.concatenate([pad(getattr(p, f)) for p in parts], axis=0) for f in fields}
+    return PlanMetrics(
+        name=name, dp=first.dp, cp=first.cp, model=first.model,
+        samples=np.concatenate([p.samples for p in parts]), loss_tokens=np.concatenate([p.loss_tokens for p in parts]),
+        **stacked,
+    )
+
+
+def _plan_chunk(task: tuple[int, int, np.ndarray, Any]) -> tuple[int, int, PlanMetrics, list, float]:
+    """Worker: plan one chunk of the epoch for one variant; return its metrics and lower bounds."""
+    from ringpack.balancer import make_plan
+
+    variant, chunk, lengths, config = task
+    t0 = time.perf_counter()
+    plan = make_plan(lengths, config)
+    metrics = evaluate_plan(plan)
+    return variant, chunk, metrics, [s.lower_bound for s in plan.steps], time.perf_counter() - t0
+
+
+def _chunks(order: np.ndarray, per_step: int, chunk_steps: int, min_samples: int) -> list[np.ndarray]:
+    size = per_step * chunk_steps
+    chunks = [order[i: i + size] for i in range(0, len(order), size)]
+    if len(chunks) > 1 and len(chunks[-1]) < max(per_step, min_samples):
+        tail = chunks.pop()
+        chunks[-1] = np.concatenate([chunks[-1], tail])
+    return chunks
+
+
+def simulate(
+    lengths: np.ndarray,
+    config,
+    variants: Sequence[tuple[str, str]] = SIM_VARIANTS,
+    comms: Sequence[CommModel] | None = None,
+    chunk_steps: int = 8,
+    jobs: int | None = None,
+    progress: bool = True,
+    baseline: str | None = None,
+) -> dict[str, Any]:
+    """Plan an epoch of ``lengths`` for every variant of ``config`` and return the report document.
+
+    ``config.samples_per_step`` must be set (a global batch). ``comms``: the first is the headline
+    model (its times fill each plan's summary); every model's totals land in ``plan["modes"]``.
+    """
+    from ringpack.balancer.planner import expand_overflow, shuffle_order
+
+    if config.samples_per_step <= 0:
+        raise ValueError("simulate needs a global batch: set samples_per_step (or --global-batch-tokens)")
+    lengths = np.asarray(lengths, dtype=np.int64)
+    comms = list(comms or [CommModel.for_model(config.cost, mode="ring"), CommModel.for_model(config.cost, mode="allgather")])
+    capacity = config.group_capacity
+    if (lengths > capacity).any():
+        if config.overflow == "error":
+            raise ValueError(f"{int((lengths > capacity).sum())} samples exceed one CP group ({capacity} tokens); "
+                             "use overflow 'split' or 'drop'")
+        if config.overflow == "drop":
+            lengths = lengths[lengths <= capacity]
+        else:
+            lengths, _, _ = expand_overflow(lengths, capacity)
+    order = shuffle_order(len(lengths), config.seed, config.epoch)
+    chunks = _chunks(order, config.samples_per_step, chunk_steps, config.dp * max(config.microbatches_per_rank, 1))
+    tasks = []
+    for v, (strategy, packing) in enumerate(variants):
+        cfg = dataclasses.replace(config, strategy=strategy, packing=packing)
+        for c, ids in enumerate(chunks):
+            # make_plan re-shuffles within the chunk: still a uniformly random window of the epoch
+            tasks.append((v, c, lengths[ids], cfg))
+    jobs = jobs or min(len(tasks), os.cpu_count() or 1)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(tasks), desc=f"planning {len(lengths):,} samples x {len(variants)} strategies", unit="chunk")
+    parts: dict[int, dict[int, tuple[PlanMetrics, list]]] = {v: {} for v in range(len(variants))}
+    busy = 0.0
+    t0 = time.perf_counter()
+    if jobs <= 1:
+        for task in tasks:
+            v, c, m, lb, dt = _plan_chunk(task)
+            parts[v][c] = (m, lb)
+            busy += dt
+            if bar:
+                bar.update(1)
+    else:
+        with ProcessPoolExecutor(max_workers=jobs) as pool:
+            futures = [pool.submit(_plan_chunk, t) for t in tasks]
+            for fut in as_completed(futures):
+                v, c, m, lb, dt = fut.result()
+                parts[v][c] = (m, lb)
+                busy += dt
+                if bar:
+                    bar.update(1)
+    if bar:
+        bar.close()
+    wall = time.perf_counter() - t0
+    results_by_mode: dict[str, list[StrategyResult]] = {comm.mode: [] for comm in comms}
+    for v, (strategy, packing) in enumerate(variants):
+        name = f"{strategy}/{packing}"
+        ordered = [parts[v][c] for c in range(len(chunks))]
+        metrics = concat_metrics([m for m, _ in ordered], name)
+        bounds = [b for _, lb in ordered for b in lb]
+        cfg = dataclasses.replace(config, strategy=strategy, packing=packing).to_dict()
+        for comm in comms:
+            results_by_mode[comm.mode].append(timed(metrics, comm, bounds, config=cfg))
+    head = comms[0].mode
+    doc = build_report(
+        results_by_mode[head], lengths=lengths, baseline=baseline, detail=False,
+        title=f"ringpack simulation: DP={config.dp} x CP={config.cp} ({config.dp * config.cp:,} GPUs), "
+        f"{len(lengths):,} samples",
+        extra={"format": "ringpack-simulation", "planning": {"wall_seconds": wall, "worker_seconds": busy,
+                                                              "jobs": jobs, "chunks": len(chunks), "chunk_steps": chunk_steps}},
+    )
+    for mode, results in results_by_mode.items():
+        other = build_report(results, baseline=doc["baseline"], detail=False)
+        for plan, again in zip(doc["plans"], other["plans"]):
+            s = again["summary"]
+            plan.setdefault("modes", {})[mode] = {
+                "comm_model": other["comm_model"]["description"],
+                "predicted_seconds": s["predicted_seconds_comm"],
+                "tokens_per_second": s["tokens_per_second_comm"],
+                "idle_fraction": s["idle_fraction_comm"],
+                "exposed_comm_seconds": s["exposed_comm_seconds"],
+                "speedup_vs_baseline": s["speedup_vs_baseline"],
+            }
+    return doc
+
+
+def format_modes(doc: dict[str, Any]) -> str:
+    """Per strategy and communication mode: predicted tokens/s, epoch time and idle share."""
+    from ringpack.analysis.report import _fmt_count, _fmt_seconds, text_table
+
+    modes = list(doc["plans"][0].get("modes", {}))
+    header = ["plan"]
+    for mode in modes:
+        header += [f"{mode} tok/s", f"{mode} epoch", f"{mode} idle", f"{mode} speedup"]
+    rows = []
+    for p in doc["plans"]:
+        row = [p["name"] + (" *" if p["name"] == doc["baseline"] else "")]
+        for mode in modes:
+            m = p["modes"][mode]
+            sp = m["speedup_vs_baseline"]
+            row += [_fmt_count(m["tokens_per_second"]), _fmt_seconds(m["predicted_seconds"]),
+                    f"{100 * m['idle_fraction']:.1f}%", "-" if sp is None else f"{sp:.2f}x"]
+        rows.append(row)
+    return text_table(header, rows)
+
+
+__all__ += ["format_modes", "DEFAULT_VARIANTS"]
