@@ -207,3 +207,26 @@ def test_exactly_once_after_mid_epoch_resume_reader_and_loader(corpus):
             from_loader.add_all(loader)
     from_shards.check_exactly_once()
     from_loader.check_exactly_once()
+
+
+def test_tokenizer_json_with_num_proc(tmp_path, corpus):
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, "def": 1, "return": 2, "x": 3, "(": 4, ")": 5, ":": 6}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    jsonl = tmp_path / "t.jsonl"
+    texts = ["def f(x): return x", "x y z", "return (x)"] * 10
+    jsonl.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    out = tmp_path / "out"
+    args = ["shard", str(jsonl), "--out", str(out), "--dp", "1", "--cp", "2", "--tokens-per-rank", "16", "--samples-per-step", "8",
+            "--tokenizer", str(tmp_path), "--num-proc", "2", "--cache-dir", corpus["cache"], "--no-progress"]
+    assert main(args) == 0
+    ids = [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
+    cov = Coverage([np.asarray(x) for x in ids])
+    for c in range(2):
+        cov.add_all(ShardReader(out, 0, c, schedule=False))
+    cov.check_exactly_once()
+    assert json.loads((out / "manifest.json").read_text())["source"]["tokenized_from"]["tokenizer"] == tmp_path.name
