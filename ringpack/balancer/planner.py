@@ -59,7 +59,7 @@ def as_lengths(lengths: Any) -> np.ndarray:
     if arr.dtype.kind == "f":
         bad = np.flatnonzero(~np.isfinite(arr) | (arr != np.round(arr)))
         if bad.size:
-            raise PlanError(f"sample {int(bad[0])} has length {arr[bad[0]]!r}; lengths must be integers")
+            raise PlanError(f"sample {int(bad[0])} has length {float(arr[bad[0]])!r}; lengths must be integers")
     elif arr.dtype.kind not in "iub":
         raise PlanError(f"lengths must be integers, got dtype {arr.dtype}")
     out = arr.astype(np.int64)
