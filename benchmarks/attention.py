@@ -1,0 +1,237 @@
+"""GPU benchmark of ringpack's ring and all-gather attention against ideal scaling and PyTorch's CP.
+
+Run on a machine with 2 GPUs (one process per GPU):
+
+    torchrun --nproc_per_node=2 benchmarks/attention.py --out attention.json
+
+Cases (per-sample causal mask, bf16): (a) one sample, (b) a heavy-tailed mix, (c) many 1K-token
+samples, at several tokens per GPU, for two head shapes (32 q / 8 kv heads, Llama-3-8B; 32 / 32).
+Rows per case:
+
+* ``ideal``: the fastest single-GPU kernel over the whole packed micro-batch, time / world size;
+* ``ringpack <mode> <strategy>``: ringpack's runtime, mode ring or allgather, on the plan the
+  strategy makes for this micro-batch (contiguous, zigzag, balanced);
+* ``torch-cp sdpa-cudnn`` (case a) and ``torch-cp flex-ptrr`` (cases b, c): PyTorch's context
+  parallel on the same data.
+
+Times are medians over iterations of the slowest rank (every rank starts together after a
+barrier); ``busy`` lists each rank's own time. Useful TFLOP/s per GPU count only the causal pairs
+the mask keeps: ``4 * head_dim * q_heads * pairs`` forward, x3.5 for forward+backward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import peers  # noqa: E402
+
+from ringpack.balancer.cost import piece_pairs  # noqa: E402
+from ringpack.balancer.plan import MicroBatch  # noqa: E402
+
+
+# ----------------------------------------------------------------------------- data
+def case_lengths(case: str, total: int, seed: int) -> list[int]:
+    """Sample lengths that fill exactly ``total`` tokens for one benchmark case."""
+    if case == "single":
+        return [total]
+    if case == "short":
+        n, rest = divmod(total, 1024)
+        return [1024] * n + ([rest] if rest else [])
+    if case == "mix":  # heavy tail: Pareto lengths from 128 tokens up to half the micro-batch
+        rng = np.random.default_rng(seed)
+        lengths, used = [], 0
+        cap = max(total // 2, 1)
+        while used < total:
+            length = int(min(cap, 128 * (1 + rng.pareto(1.1))))
+            length = min(length, total - used)
+            lengths.append(length)
+            used += length
+        return lengths
+    raise ValueError(f"unknown case {case!r}")
+
+
+def split_for(strategy: str, lengths: list[int], cp: int) -> MicroBatch:
+    """The micro-batch's CP split by one strategy (no ortools needed)."""
+    from ringpack.balancer import split
+
+    samples = list(range(len(lengths)))
+    fn = getattr(split, f"split_{strategy}")
+    try:
+        return fn(samples, lengths, cp)
+    except TypeError:  # strategies that take a budget / cost model
+        return fn(samples, lengths, cp, tokens_per_rank=-(-sum(lengths) // cp) + max(64, sum(lengths) // (8 * cp)))
+
+
+def local_index(mb: MicroBatch, rank: int, lengths: list[int]) -> torch.Tensor:
+    """Positions in the packed (global) batch of this rank's tokens, in its canonical order."""
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    parts = [np.arange(offsets[p.sample] + p.start, offsets[p.sample] + p.stop) for p in mb.shards[rank].pieces]
+    return torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64))
+
+
+# ----------------------------------------------------------------------------- timing
+def timed(thunk, backward: bool, iters: int, warmup: int) -> tuple[float, list[float]]:
+    """Median slowest-rank time (ms) and this case's per-rank medians."""
+    times = []
+    for i in range(warmup + iters):
+        grad = None
+        dist.barrier()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = thunk()
+        if isinstance(out, tuple):
+            out = out[0]
+        if backward:
+            grad = torch.ones_like(out) if grad is None else grad
+            out.backward(grad)
+        torch.cuda.synchronize()
+        elapsed = (time.perf_counter() - start) * 1e3
+        if i >= warmup:
+            times.append(elapsed)
+        del out
+    mine = statistics.median(times)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return max(gathered), gathered
+
+
+def useful_tflops(pairs: int, head_dim: int, heads: int, backward: bool, ms: float, gpus: int) -> float:
+    flops = 4 * head_dim * heads * pairs * (3.5 if backward else 1.0)
+    return flops / (ms * 1e-3) / gpus / 1e12
+
+
+# ----------------------------------------------------------------------------- main
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", default="16384,65536", help="tokens per GPU, comma separated")
+    parser.add_argument("--cases", default="single,mix,short")
+    parser.add_argument("--shapes", default="32x8,32x32", help="q_heads x kv_heads, comma separated")
+    parser.add_argument("--strategies", default="contiguous,zigzag,balanced")
+    parser.add_argument("--modes", default="ring,allgather")
+    parser.add_argument("--passes", default="fwd,fwdbwd")
+    parser.add_argument("--peers", default="ideal,torch", help="which comparisons to run")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--backend", default="auto", help="ringpack kernel backend")
+    parser.add_argument("--out", default="attention.json")
+    args = parser.parse_args()
+
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    torch.cuda.set_device(device)
+    from ringpack.attention import compile_schedule, ring_attention
+
+    rows = []
+
+    def record(row: dict) -> None:
+        rows.append(row)
+        if rank == 0:
+            busy = " ".join(f"{b:.1f}" for b in row.get("busy_ms", []))
+            err = f"  ERROR {row['error']}" if row.get("error") else ""
+            print(
+                f"{row['case']:6s} {row['tokens_per_gpu']:>6d} {row['shape']:>5s} {row['pass']:6s} "
+                f"{row['impl']:28s} {row.get('ms', float('nan')):9.2f} ms {row.get('tflops', float('nan')):7.1f} TF/s "
+                f"{row.get('ideal_frac', float('nan')):6.1%}  busy [{busy}]{err}",
+                flush=True,
+            )
+
+    for tokens in [int(t) for t in args.tokens.split(",")]:
+        for case in args.cases.split(","):
+            lengths = case_lengths(case, tokens * world, args.seed)
+            pairs = int(piece_pairs(np.zeros(len(lengths)), np.array(lengths)).sum())
+            for shape in args.shapes.split(","):
+                heads, kv_heads = (int(x) for x in shape.split("x"))
+                gen = torch.Generator(device=device).manual_seed(args.seed)
+                total = sum(lengths)
+                q = torch.randn(total, heads, args.head_dim, device=device, dtype=torch.bfloat16, generator=gen)
+                k = torch.randn(total, kv_heads, args.head_dim, device=device, dtype=torch.bfloat16, generator=gen)
+                v = torch.randn(total, kv_heads, args.head_dim, device=device, dtype=torch.bfloat16, generator=gen)
+                for pass_name in args.passes.split(","):
+                    backward = pass_name == "fwdbwd"
+                    base = dict(case=case, tokens_per_gpu=tokens, shape=shape, samples=len(lengths), **{"pass": pass_name})
+                    ideal_ms = None
+
+                    def run_row(impl: str, make, gpus: int) -> None:
+                        nonlocal ideal_ms
+                        row = dict(base, impl=impl)
+                        thunk = None
+                        try:
+                            thunk = make()
+                            ms, busy = timed(thunk, backward, args.iters, args.warmup)
+                            if impl.startswith("ideal"):
+                                ms, busy = ms / world, [b / world for b in busy]
+                            row.update(ms=ms, busy_ms=busy, tflops=useful_tflops(pairs, args.head_dim, heads, backward, ms, world))
+                            if impl.startswith("ideal"):
+                                ideal_ms = ms if ideal_ms is None else min(ideal_ms, ms)
+                        except Exception as exc:  # a failing peer must not sink the whole table
+                            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+                            if os.environ.get("RINGPACK_BENCH_TRACE"):
+                                traceback.print_exc()
+                        finally:
+                            close = getattr(thunk, "close", None)
+                            if close:
+                                close()
+                        if ideal_ms and "ms" in row:
+                            row["ideal_frac"] = ideal_ms / row["ms"]
+                        record(row)
+                        torch.cuda.empty_cache()
+
+                    def leaf(t: torch.Tensor) -> torch.Tensor:
+                        return t.detach().clone().requires_grad_(backward)
+
+                    if "ideal" in args.peers:
+                        run_row("ideal flash-varlen (1 GPU)/2", lambda: peers.ideal_flash_varlen(leaf(q), leaf(k), leaf(v), lengths), 1)
+                        if case == "single":
+                            run_row("ideal cudnn-dense (1 GPU)/2", lambda: peers.ideal_cudnn_dense(leaf(q), leaf(k), leaf(v)), 1)
+                        run_row("ideal flex (1 GPU)/2", lambda: peers.ideal_flex(leaf(q), leaf(k), leaf(v), lengths), 1)
+                    for strategy in args.strategies.split(","):
+                        mb = split_for(strategy, lengths, world)
+                        index = local_index(mb, rank, lengths).to(device)
+                        schedule = compile_schedule(mb, rank).to(device)
+                        for mode in args.modes.split(","):
+                            def make(mode=mode, schedule=schedule, index=index):
+                                ql, kl, vl = (leaf(t.index_select(0, index)) for t in (q, k, v))
+                                return lambda: ring_attention(ql, kl, vl, schedule, mode=mode, backend=args.backend)
+
+                            run_row(f"ringpack {mode} {strategy}", make, world)
+                    if "torch" in args.peers:
+                        if case == "single":
+                            run_row("torch-cp sdpa-cudnn headtail", lambda: peers.torch_cp_sdpa(q, k, v, "cudnn"), world)
+                        else:
+                            run_row("torch-cp flex ptrr", lambda: peers.torch_cp_flex(q, k, v, lengths), world)
+                del q, k, v
+                torch.cuda.empty_cache()
+
+    if rank == 0:
+        meta = dict(
+            torch=torch.__version__,
+            device=torch.cuda.get_device_name(device),
+            world=world,
+            date=time.strftime("%Y-%m-%d"),
+            argv=sys.argv,
+        )
+        Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+        print(f"wrote {args.out}")
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

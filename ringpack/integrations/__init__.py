@@ -1,0 +1,1 @@
+"""Integrations of ringpack's attention runtime with model libraries."""

@@ -1,0 +1,83 @@
+"""Run Hugging Face causal LMs context-parallel on packed data: ``attn_implementation="ringpack"``.
+
+:func:`register` adds ringpack to transformers' ``AttentionInterface``. The name is deliberately
+absent from transformers' mask interface, which makes the model skip mask construction (no dense
+``[T, T]`` mask is ever built; the schedule is the mask). Any model whose attention modules call
+the standard interface (Llama, Qwen2/3, Mistral, Gemma, ...) then runs each layer's attention
+through :func:`ringpack.attention.ring_attention`; no model code is copied or patched.
+
+Per forward, pass what the collator produced for this CP rank::
+
+    register()
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="ringpack")
+    out = model(input_ids=batch["input_ids"][None], position_ids=batch["position_ids"][None],
+                ringpack_schedule=batch["schedule"], ringpack_group=cp_group)
+
+``position_ids`` are positions within each sample, so RoPE is exact; the schedule tells every
+layer which keys each local query needs, wherever they live. Extra forward kwargs reach the
+attention function through transformers' ``**kwargs`` plumbing. Labels are *not* passed to the
+model: ringpack's labels are already shifted per sample (see :func:`causal_lm_loss_sum`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+ATTENTION_NAME = "ringpack"
+
+
+def ringpack_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    ringpack_schedule: Any = None,
+    ringpack_group: Any = None,
+    ringpack_mode: str = "ring",
+    ringpack_backend: str = "auto",
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: ``[1, H, T, D]`` in, ``[1, T, H, D]`` out."""
+    from ringpack.attention import ring_attention
+
+    if ringpack_schedule is None:
+        raise ValueError(
+            "attn_implementation='ringpack' needs ringpack_schedule=... in the model's forward call "
+            "(the schedule PackedCollator builds for this CP rank)"
+        )
+    if query.shape[0] != 1:
+        raise ValueError(f"ringpack attention takes one packed sequence per CP rank (batch 1), got batch {query.shape[0]}")
+    if dropout:
+        raise ValueError("ringpack attention does not implement attention dropout; set attention_dropout=0")
+    if attention_mask is not None:
+        raise ValueError("ringpack attention builds its own per-sample causal mask; do not pass attention_mask")
+    q = query[0].transpose(0, 1)  # [T, H, D]
+    k = key[0].transpose(0, 1)
+    v = value[0].transpose(0, 1)
+    out = ring_attention(
+        q, k, v, ringpack_schedule, group=ringpack_group, mode=ringpack_mode, softmax_scale=scaling, backend=ringpack_backend
+    )
+    return out.unsqueeze(0), None
+
+
+def register() -> str:
+    """Register ringpack with transformers (idempotent); returns the ``attn_implementation`` name."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, ringpack_attention_forward)
+    return ATTENTION_NAME
+
+
+def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of next-token cross-entropy over already-shifted labels (``-100`` ignored), in fp32.
+
+    Divide by the global batch's loss tokens (``Step.loss_tokens``) and all-reduce the gradient
+    (sum) over DP x CP to get exactly the single-device per-token mean.
+    """
+    logits = logits.reshape(-1, logits.shape[-1]).float()
+    return torch.nn.functional.cross_entropy(logits, labels.reshape(-1), ignore_index=-100, reduction="sum")
