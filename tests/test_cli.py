@@ -31,10 +31,12 @@ def test_no_command_prints_help_and_exits_2(capsys):
     assert "COMMAND" in capsys.readouterr().out
 
 
-def test_console_script_runs_demo():
+def test_console_script_runs_demo(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "ringpack.cli", "demo", "--microbatches", "2", "--cp", "2"],
-        capture_output=True, text=True, check=True, timeout=120,
+        [sys.executable, "-m", "ringpack.cli", "demo", "--quick", "--no-ring-check", "--quiet", "--out", str(tmp_path / "demo")],
+        capture_output=True, text=True, check=True, timeout=300,
     ).stdout
     assert "standard-library files" in out
-    assert "zigzag" in out and "contiguous" in out
+    assert "zigzag/first_fit" in out and "contiguous/first_fit" in out and "balanced/balanced" in out
+    assert "report.html" in out
+    assert (tmp_path / "demo" / "report.html").is_file() and (tmp_path / "demo" / "rank_costs.png").is_file()

@@ -26,7 +26,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "a shard manifest's plan, or sample lengths planned with every strategy.",
     )
     p.add_argument("plans", nargs="*", metavar="PLAN", help="plan files (.parquet or .json) to compare")
-    p.add_argument("--manifest", help="a shard manifest (ringpack shard); reports the plan it was written from")
+    p.add_argument("--manifest", help="a `ringpack shard` output (manifest.json or its folder): reports its plan")
     p.add_argument("--lengths", help="sample lengths file (.npy, .parquet, .json, .txt); planned with every strategy")
     p.add_argument("--corpus", choices=["stdlib"], help="use the embedded standard-library corpus as the lengths")
     add_plan_arguments(p, dp=4, cp=4)
@@ -158,24 +158,17 @@ def read_lengths_file(path: str) -> np.ndarray:
 
 
 def plan_from_manifest(path: str):
-    """The plan a shard manifest was written from (its ``plan`` entry: a path or an embedded plan)."""
-    from ringpack.balancer.plan import Plan
+    """The plan a ``ringpack shard`` directory was written from (``manifest.json`` or its folder).
 
-    manifest_path = Path(path)
-    data = json.loads(manifest_path.read_text())
-    entry = data.get("plan") or data.get("plan_path") or data.get("plan_file")
-    if isinstance(entry, dict) and entry.get("format") == "ringpack-plan":
-        plan = Plan.from_dict(entry)
-    elif isinstance(entry, dict) and "path" in entry:
-        plan = Plan.load(manifest_path.parent / entry["path"])
-    elif isinstance(entry, str):
-        plan = Plan.load(manifest_path.parent / entry)
-    else:
-        raise ValueError(f"manifest {path} names no plan (want a 'plan' entry: a path or an embedded plan)")
-    want = data.get("plan_hash") or (entry.get("hash") if isinstance(entry, dict) else None)
-    if want and want != plan.content_hash:
-        raise ValueError(f"manifest {path} is for plan {want[:12]}..., its plan file hashes to {plan.content_hash[:12]}...")
-    return plan
+    Read through :class:`~ringpack.dataloaders.shards.ShardReader`, which checks the plan file's
+    checksum and hash against the manifest.
+    """
+    from ringpack.dataloaders.shards import ShardReader
+
+    folder = Path(path)
+    if folder.is_file():
+        folder = folder.parent
+    return ShardReader(folder, 0, 0).plan
 
 
 def _emit(doc: dict[str, Any], args: argparse.Namespace, table: str, progress: Any = None, rank_step: int | None = None) -> None:
@@ -203,6 +196,7 @@ def run_report(args: argparse.Namespace) -> int:
     sources = sum(bool(x) for x in (args.plans, args.manifest, args.lengths, args.corpus))
     if sources != 1:
         raise ValueError("give exactly one input: plan files, --manifest, --lengths or --corpus stdlib")
+    wanted = variants(args)  # validate options before any slow work
     progress = _bar(args, total=2 + (0 if args.no_plots else 4), desc="report")
     if args.plans or args.manifest:
         plans = [Plan.load(p) for p in args.plans] if args.plans else [plan_from_manifest(args.manifest)]
@@ -218,7 +212,7 @@ def run_report(args: argparse.Namespace) -> int:
         per_step = args.samples_per_step or max(args.dp, int(args.dp * args.cp * args.tokens_per_rank / mean))
         config = PlanConfig(dp=args.dp, cp=args.cp, tokens_per_rank=args.tokens_per_rank, samples_per_step=per_step,
                             microbatches_per_rank=args.microbatches_per_rank, seed=args.seed, overflow=args.overflow, cost=model)
-        plans = plan_strategies(lengths, config, variants(args))
+        plans = plan_strategies(lengths, config, wanted)
     if progress:
         progress.update(1)
     comms = comm_models(args, model)

@@ -1,19 +1,27 @@
-"""``ringpack demo``: the embedded default corpus through packing and CP splitting, with exact costs.
+"""``ringpack demo`` (= ``make demo``): the embedded default corpus through every strategy, with the report.
 
-Runs anywhere Python runs (the corpus is the interpreter's own standard library) and prints what
-the planner sees: the corpus's length statistics, then for a few packed micro-batches the exact
-cost of every CP rank under a contiguous and a zigzag split.
+Runs anywhere Python runs (the corpus is the interpreter's own standard library):
+
+1. corpus lengths (one document per ``.py`` file, regex token counts, or ``--tokenizer``);
+2. plans for every CP strategy x packing with the balancer (``make_plan``), DP=4 x CP=4 by default;
+3. the imbalance report: terminal table, ``report.json``, PNG plots, ``report.html`` / ``report.md``
+   in the output folder (``demo-out/``);
+4. on a machine without a GPU, a check that the ring runtime on 2 CPU processes (gloo) gives the
+   same attention outputs and gradients as single-process attention on one planned micro-batch.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 
-from ringpack.balancer.cost import CostModel, rank_costs
-from ringpack.balancer.split import split_contiguous, split_zigzag
-from ringpack.dataloaders.corpus import stdlib_corpus
+from ringpack.analysis.report import DEFAULT_VARIANTS
+
+__all__ = ["run", "add_arguments", "length_stats"]
 
 
 def length_stats(lengths: np.ndarray) -> dict[str, float]:
@@ -31,58 +39,119 @@ def length_stats(lengths: np.ndarray) -> dict[str, float]:
     }
 
 
-def pack_in_order(order: np.ndarray, lengths: np.ndarray, capacity: int, count: int) -> list[list[int]]:
-    """Fill micro-batches in the given order up to ``capacity`` tokens (no balancing: the baseline)."""
-    batches: list[list[int]] = [[]]
-    used = 0
-    for sample in order:
-        length = int(lengths[sample])
-        if length > capacity:
-            continue
-        if used + length > capacity:
-            if len(batches) == count:
-                break
-            batches.append([])
-            used = 0
-        batches[-1].append(int(sample))
-        used += length
-    return batches
-
-
 def run(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from tqdm.auto import tqdm
+
+    from ringpack.analysis import plots
+    from ringpack.analysis.comm_model import CommModel
+    from ringpack.analysis.report import build_report, format_ranks, format_table, result_of_plan, write_report
+    from ringpack.balancer import make_plan
+    from ringpack.balancer.cost import CostModel
+    from ringpack.balancer.plan import PlanConfig
+    from ringpack.dataloaders.corpus import stdlib_corpus
+
+    t0 = time.perf_counter()
+    out = Path(args.out)
+    check = not args.no_ring_check
+    stages = 1 + len(DEFAULT_VARIANTS) + 1 + 4 + int(check)
+    bar = tqdm(total=stages, desc="demo", unit="stage", file=sys.stderr, disable=args.quiet,
+               bar_format="{desc:<34} {bar} {n_fmt}/{total_fmt} [{elapsed}]")
+
+    bar.set_description("corpus: tokenizing the stdlib")
     corpus = stdlib_corpus(tokenizer=args.tokenizer)
     lengths = corpus.lengths
+    if args.quick:  # a seeded subset: same pipeline, a few seconds
+        lengths = lengths[np.random.default_rng(args.seed).permutation(lengths.size)[:300]]
+    bar.update(1)
+
+    model = dataclasses.replace(CostModel.preset(args.model), flops_per_second=args.tflops * 1e12)
+    per_step = args.samples_per_step or max(args.dp, int(args.dp * args.cp * args.tokens_per_rank / lengths.mean()))
+    config = PlanConfig(dp=args.dp, cp=args.cp, tokens_per_rank=args.tokens_per_rank, samples_per_step=per_step,
+                        seed=args.seed, overflow="split", cost=model)
+    comm = CommModel.for_model(model, link=args.link)
+    results = []
+    for strategy, packing in DEFAULT_VARIANTS:
+        bar.set_description(f"plan: {strategy}/{packing}")
+        plan = make_plan(lengths, dataclasses.replace(config, strategy=strategy, packing=packing))
+        results.append(result_of_plan(plan, comm))
+        bar.update(1)
+
+    bar.set_description("report: exact costs per rank")
+    doc = build_report(results, lengths=lengths, title="ringpack demo: the standard-library corpus, every strategy",
+                       extra={"corpus": {"root": str(corpus.root), "counter": corpus.counter, "quick": bool(args.quick)}})
+    step = plots.default_rank_step(doc)
+    bar.update(1)
+
+    class _PlotProgress:  # write_report ticks once per plot
+        def update(self, n: int) -> None:
+            bar.set_description("plots: rendering PNGs")
+            bar.update(n)
+
+    paths = write_report(doc, out, rank_step=step, progress=_PlotProgress())
+
+    ring = None
+    ring_note = ""
+    if check:
+        bar.set_description("ring check: 2 CPU processes")
+        ring, ring_note = _ring_check(corpus.lengths, args.seed)
+        bar.update(1)
+    bar.close()
+
     stats = length_stats(lengths)
-    print(f"corpus: {stats['samples']} standard-library files under {corpus.root} ({corpus.counter})")
-    print(
-        "lengths (tokens): total {tokens:,}  min {min}  median {median:.0f}  mean {mean:.0f}  "
-        "p90 {p90:.0f}  p99 {p99:.0f}  max {max:,}".format(**stats)
-    )
-    model = CostModel.preset(args.model)
-    capacity = args.cp * args.tokens_per_rank
-    too_long = int((lengths > capacity).sum())
-    if too_long:
-        print(f"note: {too_long} files exceed one micro-batch ({capacity:,} tokens) and are left out of this demo")
-    order = np.random.default_rng(args.seed).permutation(lengths.size)
-    batches = pack_in_order(order, lengths, capacity, args.microbatches)
-    print(
-        f"\n{len(batches)} micro-batches packed in shuffled order, CP={args.cp}, {args.tokens_per_rank:,} tokens/rank, "
-        f"cost model {model.name} (fwd+bwd TFLOPs per rank)"
-    )
-    for split_name, split in (("contiguous", split_contiguous), ("zigzag", split_zigzag)):
-        print(f"\n  {split_name}")
-        for i, samples in enumerate(batches):
-            mb = split(samples, lengths, args.cp)
-            costs = rank_costs(mb.shards, model) / 1e12
-            ranks = "  ".join(f"r{r}={c:8.1f}" for r, c in enumerate(costs))
-            print(f"    mb{i} ({len(samples):3d} samples): {ranks}   max/mean {costs.max() / costs.mean():.3f}")
-    return 0
+    print(f"corpus: {stats['samples']} standard-library files under {corpus.root} ({corpus.counter})"
+          + (" [--quick: a 300-file subset]" if args.quick else ""))
+    print(f"plans: {len(results)} (CP strategy/packing), DP={args.dp} x CP={args.cp}, {args.tokens_per_rank:,} tokens per "
+          f"rank, {per_step} samples per step, cost model {model.name} at {args.tflops:.0f} TFLOP/s\n")
+    print(format_table(doc))
+    print()
+    print(format_ranks(doc, doc["baseline"], step))
+    print()
+    print(format_ranks(doc, doc["plans"][0]["name"], step))
+    print()
+    if ring is not None:
+        verdict = "matches" if ring.ok else "DOES NOT MATCH"
+        print(f"ring check: ring_attention on 2 CPU processes (gloo, fp64) {verdict} single-process attention on one "
+              f"planned micro-batch ({ring.samples} samples, {ring.tokens:,} tokens, {ring.split_samples} split across "
+              f"ranks, {ring.kv_cross_tokens:,} K/V tokens crossing, {ring.ring_steps} ring step(s)): max |error| "
+              f"{ring.max_error:.1e} over outputs and dq/dk/dv ({ring.seconds:.1f} s)")
+    elif ring_note:
+        print(f"ring check: {ring_note}")
+    print(f"\nwrote {out}/: " + ", ".join(p.name for p in paths.values()))
+    print(f"open {out / 'report.html'} for the report with its plots; done in {time.perf_counter() - t0:.1f} s")
+    return 0 if ring is None or ring.ok else 1
+
+
+def _ring_check(lengths: np.ndarray, seed: int):
+    """(result, note): the 2-process check, or why it did not run."""
+    from ringpack.analysis import ringcheck
+
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return None, "skipped: a GPU is present (the GPU test suite checks the runtime there)"
+    except ImportError:
+        return None, "skipped: torch is not installed"
+    if not ringcheck.ring_runtime_available():
+        return None, "pending: the ring runtime (ringpack.attention) is not in this build yet"
+    mb, sub = ringcheck.pick_microbatch(lengths, cp=2, seed=seed)
+    return ringcheck.run_ring_check(mb, sub, seed=seed), ""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default="demo-out", help="folder for the report, JSON and plots (default demo-out/)")
     p.add_argument("--tokenizer", help="Hugging Face tokenizer.json (or its folder) for exact token counts")
+    p.add_argument("--dp", type=int, default=4, help="data-parallel ranks (default 4)")
     p.add_argument("--cp", type=int, default=4, help="context-parallel ranks per micro-batch (default 4)")
-    p.add_argument("--tokens-per-rank", type=int, default=16384, help="token budget per CP rank (default 16384)")
-    p.add_argument("--microbatches", type=int, default=4, help="micro-batches to show (default 4)")
+    p.add_argument("--tokens-per-rank", type=int, default=32768, help="token budget per CP rank (default 32768)")
+    p.add_argument("--samples-per-step", type=int, default=0,
+                   help="global batch in samples (default: about one full micro-batch per DP rank)")
     p.add_argument("--model", default="llama3-8b", help="cost-model preset (default llama3-8b)")
+    p.add_argument("--tflops", type=float, default=400.0, help="achieved fwd+bwd TFLOP/s per GPU (default 400)")
+    p.add_argument("--link", default="nvlink", help="CP link preset for the communication model (default nvlink)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="a 300-file subset of the corpus (for tests)")
+    p.add_argument("--no-ring-check", action="store_true", help="skip the 2-process ring runtime check")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")

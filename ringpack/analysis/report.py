@@ -122,8 +122,11 @@ class StrategyResult:
 
     @property
     def gap(self) -> np.ndarray:
-        with np.errstate(divide="ignore", invalid="ignore"):
-            return self.metrics.step_cost / self.lower_bound - 1.0
+        lb = self.lower_bound
+        ok = np.isfinite(lb) & (lb > 0)
+        with np.errstate(over="ignore", divide="ignore"):
+            gap = np.where(ok, self.metrics.step_cost / np.where(ok, lb, 1.0) - 1.0, np.nan)
+        return np.where(np.isfinite(gap), gap, np.nan)
 
     @property
     def idle_fraction_comm(self) -> np.ndarray:
@@ -406,18 +409,20 @@ def format_table(doc: dict[str, Any], steps_shown: int = 0) -> str:
 
 
 def format_ranks(doc: dict[str, Any], plan: str, step: int) -> str:
-    """Per-GPU busy time (ms) of one step of one plan: a DP x CP grid."""
+    """Per-GPU busy time of one step of one plan: a DP x CP grid (compute, predicted)."""
     p = next(x for x in doc["plans"] if x["name"] == plan)
-    row = p["steps"][step]
+    row = p["steps"][min(step, len(p["steps"]) - 1)]
     if row["rank_busy"] is None:
         return ""
-    seconds = 1.0 / doc["cost_model"]["flops_per_second"] if doc["cost_unit"] == "flop" else 1.0
+    to_s = 1.0 / doc["cost_model"]["flops_per_second"] if doc["cost_unit"] == "flop" else 1.0
+    unit, scale = ("s", 1.0) if row["step_seconds"] >= 2 else ("ms", 1e-3)
     header = ["dp \\ cp", *(str(c) for c in range(doc["cp"])), "DP time"]
     rows = []
     for d, busy in enumerate(row["rank_busy"]):
-        rows.append([str(d), *(f"{b * seconds * 1e3:.1f}" for b in busy), f"{row['dp_time'][d] * seconds * 1e3:.1f}"])
-    return (f"{plan}, step {step}: busy time per GPU (ms, compute); step time {row['step_seconds'] * 1e3:.1f} ms, "
-            f"idle {100 * row['idle_fraction']:.1f}%\n" + text_table(header, rows, align="r" * len(header)))
+        rows.append([str(d), *(f"{b * to_s / scale:.2f}" for b in busy), f"{row['dp_time'][d] * to_s / scale:.2f}"])
+    return (f"{plan}, step {row['step']}: busy time per GPU ({unit}, compute); step time "
+            f"{row['step_seconds'] / scale:.2f} {unit}, idle {100 * row['idle_fraction']:.1f}%\n"
+            + text_table(header, rows, align="r" * len(header)))
 
 
 # ----------------------------------------------------------------------------------------- writing
