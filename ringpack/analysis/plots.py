@@ -78,7 +78,8 @@ def plot_lengths(doc: dict[str, Any], path: Path) -> Path:
     if budget:
         ax.axvline(budget, color="#c44e52", ls="--", lw=1.2, label=f"one CP rank's budget ({budget:,} tokens)")
         cap = budget * doc["cp"]
-        ax.axvline(cap, color="#8c564b", ls=":", lw=1.5, label=f"one CP group (cp={doc['cp']}: {cap:,} tokens)")
+        note = "; longer samples are cut into documents" if stats["max"] > cap else ""
+        ax.axvline(cap, color="#8c564b", ls=":", lw=1.5, label=f"one CP group (cp={doc['cp']}: {cap:,} tokens{note})")
         ax.legend(loc="upper left", framealpha=0.95)
     ax.set_title(
         f"Sample lengths: {stats['samples']:,} samples, {stats['tokens']:,} tokens; median {stats['median']:,.0f}, "
@@ -150,12 +151,12 @@ def plot_imbalance(doc: dict[str, Any], path: Path) -> Path:
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
     max_steps = max(len(p["steps"]) for p in doc["plans"])
     marker = "o" if max_steps <= 40 else None
-    for p in doc["plans"]:
+    for k, p in enumerate(doc["plans"]):
         steps = np.array([r["step"] for r in p["steps"]])
         imb = np.array([r["imbalance"] for r in p["steps"]])
         idle = np.array([r["idle_fraction"] for r in p["steps"]]) * 100
         style = dict(color=colors[p["name"]], lw=1.6 if p["name"] != doc["baseline"] else 2.2, marker=marker, ms=3,
-                     ls="-" if p["name"] != doc["baseline"] else "--")
+                     ls="-" if p["name"] != doc["baseline"] else "--", zorder=10 - k)  # first plan on top
         ax1.plot(steps, imb, label=p["name"], **style)
         ax2.plot(steps, idle, **style)
     ax1.axhline(1.0, color="gray", lw=0.8)
@@ -198,7 +199,8 @@ def plot_idle_saved(doc: dict[str, Any], path: Path) -> Path:
     ax1.set_xlabel(f"GPU time over all steps (GPU-{unit}), compute only")
     ax1.set_xlim(0, total.max() / scale * 1.75)
     ax1.legend(handles=[Patch(color="#bbbbbb", label="busy"), Patch(facecolor="white", edgecolor="#444444",
-               label="idle, waiting on the slowest rank (plan colour)")], loc="lower right", fontsize=8, frameon=False)
+               label="idle, waiting on the slowest rank (plan colour)")], loc="upper center", bbox_to_anchor=(0.5, -0.14),
+               ncol=2, fontsize=8, frameon=False)
     ax1.set_title("Busy and idle GPU time")
     tps = np.array([s["tokens_per_second_comm"] for s in summaries])
     tps_compute = np.array([s["tokens_per_second"] for s in summaries])
@@ -210,7 +212,7 @@ def plot_idle_saved(doc: dict[str, Any], path: Path) -> Path:
     ax2.set_yticks(y, [])
     ax2.set_xlabel("predicted throughput (thousand tokens/s, whole cluster)")
     ax2.set_xlim(0, max(tps_compute.max(), tps.max()) / 1e3 * 1.25)
-    ax2.legend(loc="lower right", fontsize=8, frameon=False)
+    ax2.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, fontsize=8, frameon=False)
     ax2.set_title(f"Throughput ({doc['comm_model']['mode']} comm model)")
     fig.suptitle(f"Idle time saved vs the baseline ({doc['baseline']}), DP={doc['dp']} x CP={doc['cp']}")
     fig.tight_layout()
