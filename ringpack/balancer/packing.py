@@ -58,18 +58,27 @@ def pack_greedy(
     vecs = [[[0] * rank_tokens.shape[1] for _ in range(m)] for _ in range(dp)] if rank_tokens is not None else None
     heap = [(0.0, d) for d in range(dp)]
     bins = np.empty(n, dtype=np.int64)
+    rank_free = [capacity] * dp  # most free tokens of any bin of each rank: fail fast when full
     for i in order.tolist():
         t = t_list[i]
+        if t > max(rank_free):
+            return None
         popped = []
         placed = False
         while heap:
             load, d = heapq.heappop(heap)
             free_d = free[d]
-            best, best_free = -1, -1
-            for j in range(m):
-                fj = free_d[j]
-                if fj >= t and fj > best_free and (vecs is None or _fits(vecs[d][j], rank_tokens[i], rank_capacity)):
-                    best, best_free = j, fj
+            best = -1
+            if vecs is None:  # the bin with most free tokens (first on ties) fits, or none does
+                fj = max(free_d)
+                if fj >= t:
+                    best = free_d.index(fj)
+            else:
+                best_free = -1
+                for j in range(m):
+                    fj = free_d[j]
+                    if fj >= t and fj > best_free and _fits(vecs[d][j], rank_tokens[i], rank_capacity):
+                        best, best_free = j, fj
             if best >= 0:
                 free_d[best] -= t
                 if vecs is not None:
@@ -77,6 +86,7 @@ def pack_greedy(
                     for r, x in enumerate(rank_tokens[i].tolist()):
                         vj[r] += x
                 bins[i] = d * m + best
+                rank_free[d] = max(free_d)
                 heapq.heappush(heap, (load + w_list[i], d))
                 placed = True
                 break

@@ -145,6 +145,8 @@ def split_balanced(
     best = None  # (max rank cost, shards): the first candidate within the acceptance wins
     attempts = (
         lambda: _balanced_shards(samples, lens, w, cp, tokens_per_rank, a, b, seg, cap, 1.0),
+        lambda: _balanced_shards(samples, lens, w, cp, tokens_per_rank, a, b, seg, cap, 1.0, 2.0 * ideal),
+        lambda: _balanced_shards(samples, lens, w, cp, tokens_per_rank, a, b, seg, cap, 1.0, ideal),
         lambda: _hybrid_shards(samples, lens, w, cp, tokens_per_rank, a, b, seg, cap, 0.5),
         lambda: _hybrid_shards(samples, lens, w, cp, tokens_per_rank, a, b, seg, cap, 0.1),
         lambda: _hybrid_shards(samples, lens, w, cp, tokens_per_rank, a, b, seg, cap, 0.0),
@@ -341,16 +343,45 @@ def _hybrid_shards(samples, lens, w, cp, tokens_per_rank, a, b, seg, cap, theta)
     return shards, max(cost_r)
 
 
-def _balanced_shards(samples, lens, w, cp, tokens_per_rank, a, b, seg, cap, density_factor):
-    """One pass of :func:`split_balanced`; returns the shards and the largest rank cost."""
+def _balanced_shards(samples, lens, w, cp, tokens_per_rank, a, b, seg, cap, density_factor, zigzag_over=math.inf):
+    """One pass of :func:`split_balanced`; returns the shards and the largest rank cost.
+
+    Samples costing more than ``zigzag_over`` are zigzagged over all ranks first (token-even, like
+    :func:`split_zigzag_even`): a sample much costlier than a rank sends nearly all its K/V
+    whichever way it is cut, and its even spread leaves every rank the same room for the rest.
+    """
     n = len(lens)
     room = [cap] * cp
     troom = [int(tokens_per_rank)] * cp
     shards: list[list[Piece]] = [[] for _ in range(cp)]
     order = sorted(range(n), key=lambda k: (-w[k], k))
+    zig = [k for k in order if w[k] > zigzag_over]
+    for k in zig:
+        length = lens[k]
+        base, extra = divmod(length, cp)
+        quota = [base] * cp
+        for r in sorted(range(cp), key=lambda q: (-troom[q], q))[:extra]:
+            quota[r] += 1
+        lo, hi = 0, length
+        for r in range(cp):
+            front = quota[r] // 2
+            back = quota[r] - front
+            for start, stop in ((lo, lo + front), (hi - back, hi)):
+                if stop > start:
+                    shards[r].append(Piece(int(samples[k]), start, stop))
+                    room[r] -= _piece_cost(start, stop, a, b, seg)
+                    troom[r] -= stop - start
+            lo += front
+            hi -= back
+    if min(troom) < 0:
+        return shards, math.inf
+    zig_set = set(zig)
+    order = [k for k in order if k not in zig_set]
+    if not order:
+        return shards, cap - min(room)
     # The densest tokens (cost per token) are the last ones of the longest sample; ``density_factor``
     # below 1 assumes less dense content will be left to fill the ranks.
-    density = (a + b * max(lens)) * density_factor + seg
+    density = (a + b * max(lens[k] for k in order)) * density_factor + seg
     leftovers = []
     ranks = range(cp)
     for k in order:

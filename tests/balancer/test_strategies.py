@@ -12,7 +12,7 @@ from ringpack.balancer.comm import kv_traffic, plan_kv_traffic
 from ringpack.balancer.cost import CostModel, rank_costs
 from ringpack.balancer.metrics import plan_costs
 from ringpack.balancer.plan import PlanConfig, PlanError
-from ringpack.balancer.planner import step_lower_bound
+from ringpack.balancer.planner import AUTO_MICROBATCH_GAP, step_lower_bound
 from ringpack.balancer.split import split_balanced, split_zigzag, split_zigzag_even
 
 STRATEGIES = ("balanced", "zigzag", "contiguous")
@@ -168,3 +168,42 @@ def test_first_fit_baseline_is_token_balanced_not_cost_balanced():
     ff = check_plan(make_plan(lengths, PlanConfig(packing="first_fit", **common)), lengths)
     bal = check_plan(make_plan(lengths, PlanConfig(**common)), lengths)
     assert np.median(bal["gap"]) < np.median(ff["gap"])
+
+
+def test_solver_improves_a_hard_small_batch_deterministically():
+    rng = np.random.default_rng(5)
+    for _ in range(5):  # the 6th draw of this generator is a case the heuristics leave 1.5% above the bound
+        rng.integers(20000, 60000, size=7), rng.integers(100, 3000, size=rng.integers(5, 20))
+    lengths = np.concatenate([rng.integers(20000, 60000, size=7), rng.integers(100, 3000, size=rng.integers(5, 20))])
+    base = dict(dp=4, cp=2, tokens_per_rank=65536)
+    heuristic = plan_costs(make_plan(lengths, PlanConfig(**base)))["gap"][0]
+    solved_plan = make_plan(lengths, PlanConfig(solver_time_limit_s=1.0, **base))
+    solved = check_plan(solved_plan, lengths)["gap"][0]
+    assert solved <= heuristic
+    assert heuristic > 0.01 and solved < 0.005
+    assert make_plan(lengths, PlanConfig(solver_time_limit_s=1.0, **base)).content_hash == solved_plan.content_hash
+
+
+@settings(max_examples=15, deadline=None)
+@given(planning_case())
+def test_solver_plans_are_valid_and_never_worse(case):
+    lengths, config = case
+    if config.packing != "balanced":
+        return
+    try:
+        heuristic = make_plan(lengths, config)
+    except PlanError:
+        return
+    solved = make_plan(lengths, PlanConfig(**{**config.__dict__, "solver_time_limit_s": 0.05}))
+    check_plan(heuristic, lengths)
+    check_plan(solved, lengths)
+    # the solver only ever replaces a packing by one with a lighter heaviest DP rank (sample costs),
+    # unless the heuristic's packing was already within AUTO_MICROBATCH_GAP of the bound
+    for h_step, s_step in zip(heuristic.steps, solved.steps):
+        h, s = dp_weight(heuristic, h_step), dp_weight(solved, s_step)
+        assert s <= max(h, s_step.lower_bound * config.cp * (1 + AUTO_MICROBATCH_GAP)) * (1 + 1e-9)
+
+
+def dp_weight(plan, step):
+    cost = plan.config.cost
+    return max(float(cost.sample_cost([plan.lengths[x] for mb in rank for x in mb.samples]).sum()) for rank in step.microbatches)

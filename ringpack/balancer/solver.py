@@ -1,0 +1,90 @@
+"""CP-SAT refinement of the DP packing: exact-ish answers for small or hard global batches.
+
+Used by the planner when ``PlanConfig.solver_time_limit_s > 0`` and the heuristic packing is more
+than :data:`GAP_THRESHOLD` above the step's lower bound (few dominant samples, tight budgets).
+The model is the packing problem itself: every sample in exactly one ``(DP rank, micro-batch)``
+bin, bins within the token budget (and, for zigzag, within every CP rank's budget), no bin
+empty, minimise the largest DP-rank load (sum of integer-scaled sample costs). It is warm-started
+with the heuristic answer (``AddHint``) and the better of the two is kept, judged on the exact
+float costs.
+
+Determinism: a plan must be identical on every rank, so the solver runs with one worker, a fixed
+seed and a *deterministic* time limit (``max_deterministic_time`` = ``solver_time_limit_s``; CP-SAT's
+deterministic time is an operation count calibrated to roughly seconds) and no wall-clock limit:
+the same inputs give the same answer on every machine with the same OR-Tools version, however
+loaded. (Pin OR-Tools across a job, as for any library that computes the plan.)
+
+``ortools`` is imported here only, lazily: the rest of ringpack imports without it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from ringpack.balancer.cost import scale_to_int
+
+__all__ = ["refine", "GAP_THRESHOLD", "MAX_BOOLEANS"]
+
+#: Relative gap to the lower bound under which the heuristic answer is kept without solving.
+GAP_THRESHOLD = 1e-3
+#: Largest model (samples x bins) handed to CP-SAT; larger steps keep the heuristic answer.
+MAX_BOOLEANS = 40_000
+#: Integer resolution of costs in the model (largest sample cost maps to this).
+COST_RESOLUTION = 1_000_000
+
+
+def refine(
+    bins: np.ndarray,
+    weights: np.ndarray,
+    tokens: np.ndarray,
+    dp: int,
+    m: int,
+    capacity: int,
+    lower_bound: float,
+    time_limit_s: float,
+    rank_tokens: Optional[np.ndarray] = None,
+    rank_capacity: int = 0,
+) -> np.ndarray:
+    """Improve ``bins`` with CP-SAT under a deterministic time limit; never returns a worse packing."""
+    n = len(bins)
+    nbins = dp * m
+    w = np.asarray(weights, dtype=np.float64)
+    loads = np.bincount(bins // m, weights=w, minlength=dp)
+    best = float(loads.max())
+    if time_limit_s <= 0 or dp * m < 2 or best <= lower_bound * (1 + GAP_THRESHOLD) or n * nbins > MAX_BOOLEANS:
+        return bins
+    from ortools.sat.python import cp_model
+
+    wi, _ = scale_to_int(w, COST_RESOLUTION)
+    t = np.asarray(tokens, dtype=np.int64)
+    model = cp_model.CpModel()
+    x = [[model.NewBoolVar(f"x{i}_{b}") for b in range(nbins)] for i in range(n)]
+    for i in range(n):
+        model.AddExactlyOne(x[i])
+    for b in range(nbins):
+        column = [x[i][b] for i in range(n)]
+        model.Add(sum(int(t[i]) * column[i] for i in range(n)) <= capacity)
+        model.AddBoolOr(column)  # no empty micro-batch
+        if rank_tokens is not None:
+            for c in range(rank_tokens.shape[1]):
+                model.Add(sum(int(rank_tokens[i, c]) * column[i] for i in range(n)) <= rank_capacity)
+    top = model.NewIntVar(0, int(wi.sum()), "top")
+    for d in range(dp):
+        model.Add(sum(int(wi[i]) * x[i][b] for i in range(n) for b in range(d * m, (d + 1) * m)) <= top)
+    model.Minimize(top)
+    for i in range(n):
+        for b in range(nbins):
+            model.AddHint(x[i][b], int(bins[i]) == b)
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = 1
+    solver.parameters.random_seed = 0
+    solver.parameters.max_deterministic_time = float(time_limit_s)
+    solver.parameters.log_search_progress = False
+    status = solver.Solve(model)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return bins
+    new = np.array([next(b for b in range(nbins) if solver.BooleanValue(x[i][b])) for i in range(n)], dtype=np.int64)
+    new_top = float(np.bincount(new // m, weights=w, minlength=dp).max())
+    return new if new_top < best * (1 - 1e-12) else bins
