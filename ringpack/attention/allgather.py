@@ -19,7 +19,21 @@ from torch import Tensor
 
 from ringpack.attention.schedule import Schedule
 
-__all__ = ["AllGatherTransport"]
+__all__ = ["AllGatherTransport", "all_gather_flat", "reduce_scatter_flat"]
+
+# torch >= 2.13 renamed the tensor collectives (the old names warn); older releases only have the old ones
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather_flat(out: Tensor, inp: Tensor, group: dist.ProcessGroup | None, async_op: bool = False):
+    """All-gather concatenating along dim 0 (``out`` is ``[world * inp.shape[0], ...]``; every backend accepts that form)."""
+    return _all_gather_single(out, inp, group=group, async_op=async_op)
+
+
+def reduce_scatter_flat(out: Tensor, inp: Tensor, group: dist.ProcessGroup | None) -> None:
+    """Sum-reduce ``inp [world * out.shape[0], ...]`` and keep this rank's slice of dim 0 in ``out``."""
+    _reduce_scatter_single(out, inp, op=dist.ReduceOp.SUM, group=group)
 
 
 class AllGatherTransport:
@@ -41,8 +55,10 @@ class AllGatherTransport:
         if kv.shape[1] != self._capacity:
             padded = kv.new_zeros((2, self._capacity, *kv.shape[2:]))
             padded[:, : kv.shape[1]] = kv
-        self._gathered = kv.new_empty((len(self._sizes), *padded.shape))
-        self._work = dist.all_gather_into_tensor(self._gathered, padded, group=self._group, async_op=True)
+        world = len(self._sizes)
+        flat = kv.new_empty((world * 2, *padded.shape[1:]))
+        self._work = all_gather_flat(flat, padded, self._group, async_op=True)
+        self._gathered = flat.view(world, *padded.shape)
         if grad_dtype is not None:
             self._grads = torch.zeros(self._gathered.shape, dtype=grad_dtype, device=kv.device)
 
@@ -60,6 +76,6 @@ class AllGatherTransport:
 
     def finish(self) -> Tensor | None:
         own = self._grads.new_empty(self._grads.shape[1:])
-        dist.reduce_scatter_tensor(own, self._grads, op=dist.ReduceOp.SUM, group=self._group)
+        reduce_scatter_flat(own, self._grads.flatten(0, 1), self._group)
         n = self._sizes[self._rank]
         return own[:, :n] if n else None

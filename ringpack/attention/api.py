@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ringpack.attention.allgather import AllGatherTransport
+from ringpack.attention.allgather import AllGatherTransport, all_gather_flat
 from ringpack.attention.kernels import resolve_backend
 from ringpack.attention.ring import ContextParallelAttention, RingTransport
 from ringpack.attention.schedule import Schedule, ScheduleMismatchError
@@ -131,9 +131,9 @@ def verify_schedule(schedule: Schedule, group: dist.ProcessGroup, mode: str, k: 
         device=k.device,
     )
     size = dist.get_world_size(group)
-    table = row.new_empty((size, row.numel()))
-    dist.all_gather_into_tensor(table, row, group=group)
-    message = _disagreement(table.tolist(), dist.get_rank(group), problem)
+    table = row.new_empty(size * row.numel())
+    all_gather_flat(table, row, group)
+    message = _disagreement(table.view(size, -1).tolist(), dist.get_rank(group), problem)
     if message:
         raise ScheduleMismatchError(message)
     schedule.verified.add(key)

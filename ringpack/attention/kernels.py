@@ -47,6 +47,7 @@ __all__ = [
     "varlen_attn_bwd",
     "varlen_attn_fwd",
 ]
+# torch.ops.ringpack.varlen_attn_fwd / varlen_attn_bwd are the traceable custom-op forms (defined below)
 
 BACKENDS = ("flash_attn", "torch_flash", "reference")
 
@@ -226,9 +227,12 @@ _BWD = {"reference": _reference_bwd, "torch_flash": _torch_flash_bwd, "flash_att
 
 
 # ------------------------------------------------------------------------------------- custom ops
+#
+# Eager calls go straight to the backend: the custom-op dispatcher adds ~20 us per call and its
+# first call imports torch._dynamo (seconds). Code being traced by torch.compile/export sees the
+# custom ops instead, whose fake implementations give it shapes without running a kernel.
 
 
-@torch.library.custom_op("ringpack::varlen_attn_fwd", mutates_args=())
 def varlen_attn_fwd(
     q: Tensor,
     k: Tensor,
@@ -242,15 +246,12 @@ def varlen_attn_fwd(
     backend: str,
 ) -> tuple[Tensor, Tensor]:
     """One varlen attention forward (module docstring): returns ``(out[Tq,H,D], lse[H,Tq])``."""
-    return _FWD[backend](q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal)
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal)
+    if torch.compiler.is_compiling():
+        return _varlen_attn_fwd_op(*args, backend)
+    return _FWD[backend](*args)
 
 
-@varlen_attn_fwd.register_fake
-def _varlen_attn_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, backend):
-    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=accum_dtype(q.dtype))
-
-
-@torch.library.custom_op("ringpack::varlen_attn_bwd", mutates_args=())
 def varlen_attn_bwd(
     dout: Tensor,
     q: Tensor,
@@ -267,11 +268,54 @@ def varlen_attn_bwd(
     backend: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One varlen attention backward given the final ``out``/``lse``: returns ``(dq, dk, dv)``."""
+    args = (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal)
+    if torch.compiler.is_compiling():
+        return _varlen_attn_bwd_op(*args, backend)
+    return _BWD[backend](*args)
+
+
+@torch.library.custom_op("ringpack::varlen_attn_fwd", mutates_args=())
+def _varlen_attn_fwd_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+    backend: str,
+) -> tuple[Tensor, Tensor]:
+    return _FWD[backend](q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal)
+
+
+@_varlen_attn_fwd_op.register_fake
+def _varlen_attn_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, backend):
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=accum_dtype(q.dtype))
+
+
+@torch.library.custom_op("ringpack::varlen_attn_bwd", mutates_args=())
+def _varlen_attn_bwd_op(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor]:
     return _BWD[backend](
         dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal
     )
 
 
-@varlen_attn_bwd.register_fake
+@_varlen_attn_bwd_op.register_fake
 def _varlen_attn_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, backend):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)

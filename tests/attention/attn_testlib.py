@@ -189,14 +189,17 @@ def _child(rank: int, world: int, port: int, fn: Callable, args: tuple, out_dir:
 
 
 def run_processes(world: int, fn: Callable, *args: Any, timeout_s: float = 60.0, join_s: float = 240.0) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` in ``world`` spawned processes joined by a gloo group; return their results.
+    """Run ``fn(rank, world, *args)`` in ``world`` fresh processes joined by a gloo group; return their results.
 
     Every collective has ``timeout_s``; the whole run is killed after ``join_s`` (a hang fails the
     test instead of stalling the suite). A child's exception is re-raised here with its traceback.
     """
     import torch.multiprocessing as mp
 
-    ctx = mp.get_context("spawn")
+    # forkserver: one fresh server process imports torch and ringpack once, then forks each rank
+    # (spawn would import them once per rank; plain fork would inherit the parent's thread pools)
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "numpy", "ringpack.attention", __name__])
     port = _free_port()
     with tempfile.TemporaryDirectory() as out_dir:
         procs = [ctx.Process(target=_child, args=(r, world, port, fn, args, out_dir, timeout_s)) for r in range(world)]
@@ -210,14 +213,17 @@ def run_processes(world: int, fn: Callable, *args: Any, timeout_s: float = 60.0,
             procs[r].join()
         if hung:
             raise TimeoutError(f"ranks {hung} did not finish within {join_s}s")
-        results = []
+        results, failures = [], []
         for r in range(world):
             path = os.path.join(out_dir, f"rank{r}.pkl")
             if not os.path.exists(path):
-                raise RuntimeError(f"rank {r} died without a result (exit code {procs[r].exitcode})")
+                failures.append(f"rank {r} died without a result (exit code {procs[r].exitcode})")
+                continue
             with open(path, "rb") as f:
                 status, value = pickle.load(f)
             if status == "error":
-                raise RuntimeError(f"rank {r} failed:\n{value}")
+                failures.append(f"rank {r} failed:\n{value}")
             results.append(value)
+        if failures:  # all of them: the first rank to fail is not always the one that reports first
+            raise RuntimeError("\n\n".join(failures))
         return results

@@ -81,11 +81,23 @@ def test_reference_upcasts_half_inputs():
 
 
 def test_custom_ops_pass_opcheck():
+    fwd_op, bwd_op = torch.ops.ringpack.varlen_attn_fwd.default, torch.ops.ringpack.varlen_attn_bwd.default
     cu_q, cu_k = torch.tensor([0, 2, 5], dtype=torch.int32), torch.tensor([0, 3, 6], dtype=torch.int32)
     q, k, v = torch.randn(5, 4, 8), torch.randn(6, 2, 8), torch.randn(6, 2, 8)
-    torch.library.opcheck(varlen_attn_fwd, (q, k, v, cu_q, cu_k, 3, 3, 0.35, True, "reference"))
-    out, lse = varlen_attn_fwd(q, k, v, cu_q, cu_k, 3, 3, 0.35, True, "reference")
-    torch.library.opcheck(varlen_attn_bwd, (torch.randn_like(q), q, k, v, out, lse, cu_q, cu_k, 3, 3, 0.35, True, "reference"))
+    torch.library.opcheck(fwd_op, (q, k, v, cu_q, cu_k, 3, 3, 0.35, True, "reference"))
+    out, lse = fwd_op(q, k, v, cu_q, cu_k, 3, 3, 0.35, True, "reference")
+    torch.testing.assert_close((out, lse), varlen_attn_fwd(q, k, v, cu_q, cu_k, 3, 3, 0.35, True, "reference"))
+    torch.library.opcheck(bwd_op, (torch.randn_like(q), q, k, v, out, lse, cu_q, cu_k, 3, 3, 0.35, True, "reference"))
+
+
+def test_compiled_function_traces_the_custom_op():
+    cu = torch.tensor([0, 3, 5], dtype=torch.int32)
+
+    def f(q):
+        return varlen_attn_fwd(q, q, q, cu, cu, 3, 3, 0.5, True, "reference")[0].sum()
+
+    q = torch.randn(5, 2, 4)
+    torch.testing.assert_close(torch.compile(f, backend="eager", fullgraph=True)(q), f(q))
 
 
 def test_fake_implementations_give_contract_shapes():
@@ -94,8 +106,8 @@ def test_fake_implementations_give_contract_shapes():
     with FakeTensorMode():
         q, k = torch.empty(7, 4, 16, dtype=torch.bfloat16), torch.empty(9, 2, 16, dtype=torch.bfloat16)
         cu = torch.empty(3, dtype=torch.int32)
-        out, lse = varlen_attn_fwd(q, k, k, cu, cu, 4, 5, 0.25, False, "torch_flash")
-        dq, dk, dv = varlen_attn_bwd(out, q, k, k, out, lse, cu, cu, 4, 5, 0.25, False, "torch_flash")
+        out, lse = torch.ops.ringpack.varlen_attn_fwd(q, k, k, cu, cu, 4, 5, 0.25, False, "torch_flash")
+        dq, dk, dv = torch.ops.ringpack.varlen_attn_bwd(out, q, k, k, out, lse, cu, cu, 4, 5, 0.25, False, "torch_flash")
     assert out.shape == q.shape and lse.shape == (4, 7) and lse.dtype == torch.float32
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == k.shape
 

@@ -1,0 +1,155 @@
+"""The public API over real process groups (gloo, CPU, fp64, reference backend).
+
+One spawn of 4 processes serves every world size: sub-groups ``[2]`` (CP=1 on a non-zero global
+rank), ``[1, 3]`` (CP=2 on non-adjacent global ranks), ``[1, 2, 3]`` (CP=3) and the world (CP=4).
+Every rank walks the same case list and runs the cases of the groups it belongs to, so a group's
+cases run in the same order on all its ranks. Each case runs ring and all-gather mode, checks
+out/dq/dk/dv against the dense reference to 1e-10 and the two modes against each other. The
+mismatch cases check that ranks given different plans (or inputs) all raise instead of hanging,
+and that the group is still usable afterwards. Every collective has a 60 s timeout.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from ringpack.attention import ScheduleMismatchError, compile_schedule, ring_attention
+from ringpack.attention.schedule import Schedule
+from tests.attention.attn_testlib import Problem, dense_reference, handmade_microbatches, max_errors, random_microbatch, run_processes, strategy_microbatch
+
+TOL = 1e-10
+GROUPS = {1: [2], 2: [1, 3], 3: [1, 2, 3], 4: [0, 1, 2, 3]}
+
+
+def build_cases(have_planner: bool) -> list[tuple[str, int, object, dict, int, int]]:
+    """(name, cp, micro-batch, lengths, heads, kv_heads), identical on every rank."""
+    rng = np.random.default_rng(1234)
+    cases = []
+    for name, mb, lengths in handmade_microbatches():
+        cases.append((f"hand:{name}", len(mb.shards), mb, lengths, 4, 2))
+    strategies = ["contiguous", "zigzag"] + (["balanced"] if have_planner else [])
+    for cp in (1, 2, 3, 4):
+        for strategy in strategies:
+            for j in range(2):
+                mb, lengths = strategy_microbatch(strategy, rng, cp, num_samples=int(rng.integers(1, 7)))
+                cases.append((f"{strategy}:cp{cp}:{j}", cp, mb, lengths, 4, (1, 2, 4)[j % 3]))
+        for j in range(4):
+            mb, lengths = random_microbatch(rng, cp, num_samples=int(rng.integers(1, 6)))
+            cases.append((f"random:cp{cp}:{j}", cp, mb, lengths, 3 if j % 2 else 2, 1))
+    return [c for c in cases if c[1] in GROUPS]
+
+
+def _run_case(problem: Problem, sched: Schedule, rank: int, group, mode: str) -> dict[str, torch.Tensor]:
+    q = problem.local(problem.q, rank).requires_grad_()
+    k = problem.local(problem.k, rank).requires_grad_()
+    v = problem.local(problem.v, rank).requires_grad_()
+    out = ring_attention(q, k, v, sched, group=group, mode=mode, backend="reference")
+    out.backward(problem.local(problem.dout, rank))
+    return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+
+def suite_worker(rank: int, world: int, have_planner: bool) -> list[tuple]:
+    groups = {cp: dist.new_group(ranks) for cp, ranks in GROUPS.items()}  # collective: same order everywhere
+    report = []
+    for name, cp, mb, lengths, heads, kv_heads in build_cases(have_planner):
+        if rank not in GROUPS[cp]:
+            continue
+        group = groups[cp]
+        cp_rank = dist.get_rank(group)
+        problem = Problem.make(mb, lengths, heads, kv_heads, 8, seed=zlib.crc32(name.encode()) % 10_000)
+        sched = compile_schedule(mb, cp_rank)
+        ref = dense_reference(problem)
+        got = {mode: _run_case(problem, sched, cp_rank, group, mode) for mode in ("ring", "allgather")}
+        errors = {mode: max_errors(problem, cp_rank, ref, got[mode]) for mode in got}
+        agree = max(float((got["ring"][x] - got["allgather"][x]).abs().sum()) for x in got["ring"])
+        report.append((name, cp, cp_rank, errors, agree, len(sched.steps)))
+    return report
+
+
+MISMATCH_RANKS = [0, 2]
+
+
+def mismatch_checks(rank: int, group) -> list[str]:
+    """Four broken set-ups on a 2-rank group, each followed by a healthy call on the same group."""
+    cp_rank = dist.get_rank(group)
+    _, a, lengths = next(c for c in handmade_microbatches() if c[0] == "interleaved")  # cp=2
+    b = microbatch_swap(a)
+    problem = Problem.make(a, lengths, 2, 2, 4, seed=0)
+    q0 = problem.local(problem.q, cp_rank)
+    k0 = problem.local(problem.k, cp_rank)
+    messages = []
+
+    def attempt(sched: Schedule, mode: str = "ring", q=q0, k=k0) -> None:
+        try:
+            ring_attention(q, k, k, sched, group=group, mode=mode, backend="reference")
+            messages.append("no error")
+        except (ScheduleMismatchError, ValueError) as exc:
+            messages.append(f"{type(exc).__name__}: {exc}")
+        # the group must still work: a correct call right after
+        ring_attention(q0, k0, k0, compile_schedule(a, cp_rank), group=group, backend="reference")
+
+    attempt(compile_schedule(a if cp_rank == 0 else b, cp_rank))  # different micro-batches
+    attempt(compile_schedule(a, 1 - cp_rank))  # schedules of the wrong CP ranks
+    attempt(compile_schedule(a, cp_rank), mode="ring" if cp_rank == 0 else "allgather")  # different modes
+    short = slice(None) if cp_rank == 0 else slice(0, -1)
+    attempt(compile_schedule(a, cp_rank), q=q0[short], k=k0[short])  # one rank's tokens do not fit its schedule
+    return messages
+
+
+def worker(rank: int, world: int, have_planner: bool) -> dict:
+    suite = suite_worker(rank, world, have_planner)
+    mismatch_group = dist.new_group(MISMATCH_RANKS)
+    mismatch = mismatch_checks(rank, mismatch_group) if rank in MISMATCH_RANKS else None
+    return {"suite": suite, "mismatch": mismatch}
+
+
+def microbatch_swap(mb):
+    """The same samples with rank shards exchanged: a different plan for the same data."""
+    return type(mb)(samples=mb.samples, shards=tuple(reversed(mb.shards)), loss_tokens=mb.loss_tokens)
+
+
+def _have_planner() -> bool:
+    try:
+        import ringpack.balancer.planner  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def spawned():
+    """One 4-process run serves every test of this module (spawning costs seconds per process)."""
+    have_planner = _have_planner()
+    return have_planner, run_processes(4, worker, have_planner)
+
+
+@pytest.mark.slow
+def test_ring_and_allgather_match_dense_reference_on_1_to_4_ranks(spawned):
+    have_planner, results = spawned
+    rows = [row for result in results for row in result["suite"]]
+    expected = sum(cp for _, cp, *_ in build_cases(have_planner))
+    assert len(rows) == expected, "every rank of every case reported"
+    bad = [(name, cp_rank, errors) for name, cp, cp_rank, errors, agree, _ in rows if max(max(e.values()) for e in errors.values()) >= TOL]
+    assert not bad, f"errors above {TOL}: {bad[:5]}"
+    disagree = [(name, cp_rank, agree) for name, _, cp_rank, _, agree, _ in rows if agree >= TOL]
+    assert not disagree, disagree[:5]
+    assert any(steps > 0 for *_, steps in rows) and any(steps == 0 for *_, steps in rows)
+
+
+@pytest.mark.slow
+def test_mismatched_plans_raise_on_every_rank_instead_of_hanging(spawned):
+    _, results = spawned
+    checked = [results[r]["mismatch"] for r in MISMATCH_RANKS]
+    for messages in checked:
+        assert len(messages) == 4
+        assert all(m.startswith("ScheduleMismatchError") for m in messages), messages
+        assert "micro-batches" in messages[0] and "ranks [0]" in messages[0] and "ranks [1]" in messages[0]
+        assert "cp rank" in messages[1]
+        assert "modes" in messages[2]
+        assert "ranks [1] got q/k/v" in messages[3]
+    assert "q has" in checked[1][3]  # the rank with the bad input says what is wrong
