@@ -15,11 +15,17 @@ so every rank computes the same plan, with the same number of steps, without com
    the data order stays random, never sorted by length. A last global batch too small to give every
    DP rank its micro-batches joins the one before it, so no sample is lost.
 3. **Packing + DP balance** (:mod:`ringpack.balancer.packing`): ``m`` micro-batches per DP rank
-   (``microbatches_per_rank``, or the fewest that hold the tokens), samples into the ``dp x m``
-   bins. ``packing="balanced"``: cost-descending greedy (least-loaded DP rank that fits), then local
-   search, then -- when ``solver_time_limit_s > 0`` and the gap to the lower bound is still above
-   0.1% -- a CP-SAT refinement warm-started from the heuristic (:mod:`ringpack.balancer.solver`);
-   the better answer is kept. ``packing="first_fit"``: the token-count baseline.
+   and samples into the ``dp x m`` bins, every bin non-empty and within ``cp * tokens_per_rank``
+   tokens. ``packing="balanced"``: cost-descending greedy (least-loaded DP rank that fits), then
+   local search (moves and swaps off the heaviest rank), then -- only when
+   ``solver_time_limit_s > 0`` and the gap to the lower bound is still above 0.1% -- CP-SAT
+   warm-started from the heuristic, with a deterministic time limit (:mod:`ringpack.balancer.solver`);
+   the better answer is kept. ``solver_time_limit_s=0`` (the default) is heuristics only.
+   ``packing="first_fit"``: the token-count baseline. ``microbatches_per_rank=0`` picks the fewest
+   micro-batches that hold the tokens; if the token budget then keeps the step more than
+   :data:`AUTO_MICROBATCH_GAP` above its bound, one more is tried and the better kept.
+   A step with fewer samples than ``dp * m`` bins raises :class:`PlanError` naming the step and the
+   counts (except the last global batch, which joins the one before it).
 4. **CP split** of every micro-batch by ``strategy`` (:mod:`ringpack.balancer.split`).
 5. **Lower bound** (:func:`step_lower_bound`) on every step.
 
@@ -157,7 +163,7 @@ def _windows(order: np.ndarray, per_step: int, min_samples: int) -> list[np.ndar
     return windows
 
 
-def _plan_step(index: int, ids: np.ndarray, lengths: np.ndarray, config: PlanConfig) -> Step:
+def _plan_step(index: int, ids: np.ndarray, lengths: np.ndarray, config: PlanConfig, length_list: list[int]) -> Step:
     from ringpack.balancer import packing
 
     dp, cp, budget = config.dp, config.cp, config.tokens_per_rank
@@ -235,7 +241,7 @@ def _plan_step(index: int, ids: np.ndarray, lengths: np.ndarray, config: PlanCon
             b = d * m + j
             members = ids_sorted[edges[b] : edges[b + 1]]
             assert members, "empty micro-batch"
-            mbs.append(split_microbatch(members, lengths, config))
+            mbs.append(split_microbatch(members, length_list, config))
         ranks.append(tuple(mbs))
     return Step(microbatches=tuple(ranks), lower_bound=bound)
 
@@ -265,7 +271,9 @@ def make_plan(lengths: Any, config: PlanConfig) -> Plan:
     if order.size == 0:
         raise PlanError(f"no samples left to plan: all {len(lengths)} are longer than {capacity} tokens and were dropped")
     min_samples = config.dp * max(config.microbatches_per_rank, 1)
+    length_list = lengths.tolist()
     steps = tuple(
-        _plan_step(s, ids, lengths, config) for s, ids in enumerate(_windows(order, config.samples_per_step, min_samples))
+        _plan_step(s, ids, lengths, config, length_list)
+        for s, ids in enumerate(_windows(order, config.samples_per_step, min_samples))
     )
     return Plan(config=config, lengths=tuple(lengths.tolist()), steps=steps, dropped=dropped)
