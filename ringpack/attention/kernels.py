@@ -171,12 +171,19 @@ _NO_DROPOUT = 0.0
 @functools.cache
 def _no_dropout_rng(device: torch.device) -> tuple[Tensor, Tensor]:
     """Placeholder philox (seed, offset) for the backward: with dropout 0 the kernel never reads them."""
-    return torch.zeros(2, dtype=torch.uint64, device=device), torch.zeros((), dtype=torch.uint64, device=device)
+    return torch.empty(2, dtype=torch.uint64, device=device), torch.empty((), dtype=torch.uint64, device=device)
+
+
+def _flash_max_q(max_q: int) -> int:
+    """With ``max_seqlen_q == 1`` and GQA, FA2's varlen forward switches to a decoding layout that
+    assumes exactly one query per segment; the schedule's zero-query segments break that. An upper
+    bound of 2 is still valid (it only sizes the launch grid) and keeps the general path."""
+    return max(max_q, 2)
 
 
 def _torch_flash_fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
     out, lse, *_ = torch.ops.aten._flash_attention_forward(
-        q, k, v, cu_q, cu_k, max_q, max_k, _NO_DROPOUT, causal, False, scale=scale
+        q, k, v, cu_q, cu_k, _flash_max_q(max_q), max_k, _NO_DROPOUT, causal, False, scale=scale
     )
     return out, lse
 
@@ -184,7 +191,7 @@ def _torch_flash_fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
 def _torch_flash_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal):
     seed, offset = _no_dropout_rng(q.device)
     dq, dk, dv = torch.ops.aten._flash_attention_backward(
-        dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, _NO_DROPOUT, causal, seed, offset, scale=scale
+        dout, q, k, v, out, lse, cu_q, cu_k, _flash_max_q(max_q), max_k, _NO_DROPOUT, causal, seed, offset, scale=scale
     )
     return dq, dk, dv
 
@@ -203,7 +210,7 @@ def _window_kwargs(fn: Callable) -> dict:
 def _flash_attn_fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
     fn = _flash_attn_module()._flash_attn_varlen_forward
     res = fn(
-        q, k, v, cu_q, cu_k, max_q, max_k,
+        q, k, v, cu_q, cu_k, _flash_max_q(max_q), max_k,
         dropout_p=_NO_DROPOUT, softmax_scale=scale, causal=causal,
         alibi_slopes=None, return_softmax=False, **_window_kwargs(fn),
     )  # fmt: skip
@@ -215,7 +222,7 @@ def _flash_attn_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, ca
     fn = _flash_attn_module()._flash_attn_varlen_backward
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     fn(
-        dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k,
+        dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, _flash_max_q(max_q), max_k,
         dropout_p=_NO_DROPOUT, softmax_scale=scale, causal=causal,
         alibi_slopes=None, deterministic=False, rng_state=None, **_window_kwargs(fn),
     )  # fmt: skip

@@ -158,6 +158,65 @@ def max_errors(problem: Problem, rank: int, ref: dict[str, dict[int, torch.Tenso
     return errors
 
 
+# --------------------------------------------------------------------------------------- loopback
+
+
+class LoopbackWorld:
+    """All CP ranks in one process: hands each rank the others' compact K/V, collects their dK/dV."""
+
+    def __init__(self, schedules: list, k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
+        from ringpack.attention.kernels import accum_dtype
+        from ringpack.attention.ring import pack_kv
+
+        self.kv = [pack_kv(k[r], v[r], s.send_index) for r, s in enumerate(schedules)]
+        self.dkv = [torch.zeros(buf.shape, dtype=accum_dtype(buf.dtype), device=buf.device) for buf in self.kv]
+
+    def transport(self, schedule) -> "LoopbackTransport":
+        return LoopbackTransport(schedule, self)
+
+
+class LoopbackTransport:
+    """A KVTransport without a process group (see ringpack.attention.ring.KVTransport)."""
+
+    def __init__(self, schedule, world: LoopbackWorld) -> None:
+        self.origins = [schedule.source(step) for step in schedule.steps]
+        self.world = world
+
+    def begin(self, kv, grad_dtype=None):
+        pass
+
+    def buffer(self, i):
+        return self.world.kv[self.origins[i]]
+
+    def push_grad(self, i, dkv):
+        if dkv is not None:
+            self.world.dkv[self.origins[i]] += dkv
+
+    def finish(self):
+        return None
+
+
+def run_all_ranks(problem: "Problem", scale: float | None = None, backend: str = "reference", device: str | torch.device = "cpu") -> list[dict[str, torch.Tensor]]:
+    """Forward and backward of every CP rank of ``problem`` in this process, through the real engine."""
+    from ringpack.attention import compile_schedule
+    from ringpack.attention.ring import _attention_backward, _attention_forward
+
+    cp = len(problem.mb.shards)
+    schedules = [compile_schedule(problem.mb, r).to(device) for r in range(cp)]
+    q, k, v, dout = ([problem.local(t, r) for r in range(cp)] for t in (problem.q, problem.k, problem.v, problem.dout))
+    world = LoopbackWorld(schedules, k, v)
+    scale = q[0].shape[-1] ** -0.5 if scale is None else scale
+    results = []
+    for r in range(cp):
+        out, lse = _attention_forward(q[r], k[r], v[r], schedules[r], world.transport, scale, backend)
+        dq, dk, dv = _attention_backward(dout[r], q[r], k[r], v[r], out, lse, schedules[r], world.transport, scale, backend)
+        results.append({"out": out, "dq": dq, "dk": dk.float() if dk.dtype != torch.float64 else dk.clone(), "dv": dv.float() if dv.dtype != torch.float64 else dv.clone()})
+    for r, sched in enumerate(schedules):  # what the transport's finish() would bring home
+        results[r]["dk"].index_add_(0, sched.send_index, world.dkv[r][0].to(results[r]["dk"].dtype))
+        results[r]["dv"].index_add_(0, sched.send_index, world.dkv[r][1].to(results[r]["dv"].dtype))
+    return results
+
+
 # ---------------------------------------------------------------------------------------- harness
 
 

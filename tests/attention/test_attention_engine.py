@@ -15,63 +15,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ringpack.attention import compile_schedule
-from ringpack.attention.ring import _attention_backward, _attention_forward, pack_kv
-from ringpack.attention.schedule import Schedule
-from tests.attention.attn_testlib import Problem, dense_reference, handmade_microbatches, max_errors, random_microbatch, strategy_microbatch
+from tests.attention.attn_testlib import Problem, dense_reference, handmade_microbatches, max_errors, random_microbatch, run_all_ranks, strategy_microbatch
 
 TOL = 1e-10
-
-
-class LoopbackWorld:
-    """Shared state of all simulated ranks: compact K/V buffers in, dK/dV contributions out."""
-
-    def __init__(self, schedules: list[Schedule], k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
-        self.kv = [pack_kv(k[r], v[r], s.send_index) for r, s in enumerate(schedules)]
-        self.dkv = [torch.zeros(buf.shape, dtype=torch.float64) for buf in self.kv]
-
-    def transport(self, schedule: Schedule) -> "LoopbackTransport":
-        return LoopbackTransport(schedule, self)
-
-
-class LoopbackTransport:
-    def __init__(self, schedule: Schedule, world: LoopbackWorld) -> None:
-        self.origins = [schedule.source(step) for step in schedule.steps]
-        self.world = world
-
-    def begin(self, kv, grad_dtype=None):
-        pass
-
-    def buffer(self, i):
-        return self.world.kv[self.origins[i]]
-
-    def push_grad(self, i, dkv):
-        if dkv is not None:
-            self.world.dkv[self.origins[i]] += dkv
-
-    def finish(self):
-        return None
-
-
-def run_all_ranks(problem: Problem, heads_scale: float | None = None) -> list[dict[str, torch.Tensor]]:
-    mb = problem.mb
-    cp = len(mb.shards)
-    schedules = [compile_schedule(mb, r) for r in range(cp)]
-    q = [problem.local(problem.q, r) for r in range(cp)]
-    k = [problem.local(problem.k, r) for r in range(cp)]
-    v = [problem.local(problem.v, r) for r in range(cp)]
-    dout = [problem.local(problem.dout, r) for r in range(cp)]
-    world = LoopbackWorld(schedules, k, v)
-    scale = q[0].shape[-1] ** -0.5 if heads_scale is None else heads_scale
-    results = []
-    for r in range(cp):
-        out, lse = _attention_forward(q[r], k[r], v[r], schedules[r], world.transport, scale, "reference")
-        dq, dk, dv = _attention_backward(dout[r], q[r], k[r], v[r], out, lse, schedules[r], world.transport, scale, "reference")
-        results.append({"out": out, "dq": dq, "dk": dk.clone(), "dv": dv.clone()})
-    for r, sched in enumerate(schedules):  # what the transport's finish() would bring home
-        results[r]["dk"].index_add_(0, sched.send_index, world.dkv[r][0])
-        results[r]["dv"].index_add_(0, sched.send_index, world.dkv[r][1])
-    return results
 
 
 def assert_exact(problem: Problem, scale: float | None = None) -> None:

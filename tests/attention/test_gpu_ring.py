@@ -1,0 +1,281 @@
+"""GPU checks of the attention runtime: bf16, ``torch_flash`` backend, NCCL.
+
+Two ways to run it on a machine with 2 GPUs::
+
+    torchrun --nproc_per_node=2 tests/attention/test_gpu_ring.py      # prints an error table
+    pytest -m "gpu or multigpu" tests/attention/test_gpu_ring.py -v     # also the 1-GPU checks
+
+The bound: bf16 flash attention is not exact, so ringpack cannot be held to a fixed tolerance.
+For every plan and tensor (out, dq, dk, dv) it is held to the error that single-GPU flash over
+the whole packed batch has against an fp32 reference: ``err_ringpack <= 2 * err_flash + eps``
+with ``eps = 2**-10 * max|reference|``, errors being max-abs over all tokens of all ranks.
+Everything here skips cleanly without CUDA (pytest) and needs neither ortools nor datasets.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+if __name__ == "__main__":  # torchrun runs this file as a script: make the repo importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ringpack.attention import compile_schedule, ring_attention
+from ringpack.balancer.plan import Piece, microbatch_from_shards
+from ringpack.balancer.split import split_contiguous, split_zigzag
+
+try:
+    import pytest
+except ImportError:  # torchrun on a bare machine
+    pytest = None
+
+HEADS, KV_HEADS, HEAD_DIM = 16, 4, 128
+DTYPE = torch.bfloat16
+BOUND_FACTOR, EPS_REL = 2.0, 2.0**-10
+NAMES = ("out", "dq", "dk", "dv")
+
+# ------------------------------------------------------------------------------------------ plans
+
+LENGTHS = [3001, 1500, 700, 333, 129, 64, 33, 17, 5, 1, 1, 1200]
+if os.environ.get("RINGPACK_TINY"):  # CPU dry run of the script (gloo + reference backend)
+    LENGTHS = [max(1, n // 25) for n in LENGTHS]
+
+
+def gpu_plans(cp: int) -> list[tuple[str, object, dict[int, int]]]:
+    """Plans for a CP group of ``cp`` ranks built without the planner (no ortools on GPU machines)."""
+    lengths = {s: n for s, n in enumerate(LENGTHS)}
+    samples = list(lengths)
+    plans = [
+        ("contiguous", split_contiguous(samples, LENGTHS, cp)),
+        ("zigzag", split_zigzag(samples, LENGTHS, cp)),
+    ]
+    # balanced-like: short samples whole, round-robin over ranks; the long one cut unevenly over all ranks
+    shards: list[list[Piece]] = [[] for _ in range(cp)]
+    for j, s in enumerate(samples[1:]):
+        shards[j % cp].append(Piece(s, 0, lengths[s]))
+    cuts = [0] + [int(lengths[0] * (r + 1) * (r + 2) / (cp * (cp + 1))) for r in range(cp)]
+    for r in range(cp):
+        shards[cp - 1 - r].append(Piece(0, cuts[r], cuts[r + 1]))
+    plans.append(("balanced-like", microbatch_from_shards(samples, shards, lengths)))
+    # interleaved: one sample in 7 uneven pieces alternating over ranks (several calls per step)
+    bounds = sorted({int(f * lengths[0]) for f in (0, 0.0017, 0.133, 0.1336, 0.366, 0.633, 0.866, 1.0)})
+    shards = [[] for _ in range(cp)]
+    for j, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        shards[j % cp].append(Piece(0, a, b))
+    for j, s in enumerate(samples[1:]):
+        shards[(j + 1) % cp].append(Piece(s, 0, lengths[s]))
+    plans.append(("interleaved", microbatch_from_shards(samples, shards, lengths)))
+    # no split sample at all: no communication; and rank 0 holds nothing
+    shards = [[] for _ in range(cp)]
+    for j, s in enumerate(samples):
+        shards[1 + j % (cp - 1) if cp > 1 else 0].append(Piece(s, 0, lengths[s]))
+    plans.append(("no-split+empty-rank", microbatch_from_shards(samples, shards, lengths)))
+    return [(name, mb, lengths) for name, mb in plans]
+
+
+# ----------------------------------------------------------------------------------------- inputs
+
+
+def make_inputs(lengths: dict[int, int], device: torch.device, seed: int = 0) -> dict[str, dict[int, torch.Tensor]]:
+    """fp32 per-sample q/k/v/dout, identical on every rank (seeded on the host)."""
+    gen = torch.Generator().manual_seed(seed)
+    out: dict[str, dict[int, torch.Tensor]] = {name: {} for name in ("q", "k", "v", "dout")}
+    for s, n in lengths.items():
+        for name, heads in (("q", HEADS), ("k", KV_HEADS), ("v", KV_HEADS), ("dout", HEADS)):
+            out[name][s] = torch.randn(n, heads, HEAD_DIM, generator=gen).to(device)
+    return out
+
+
+def fp32_reference(x: dict[str, dict[int, torch.Tensor]], scale: float) -> dict[str, dict[int, torch.Tensor]]:
+    """Per-sample causal SDPA in fp32 with autograd (inputs rounded to bf16 first, like the kernels see them)."""
+    ref: dict[str, dict[int, torch.Tensor]] = {name: {} for name in NAMES}
+    groups = HEADS // KV_HEADS
+    for s in x["q"]:
+        q, k, v = (x[n][s].to(DTYPE).float().requires_grad_() for n in ("q", "k", "v"))
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k.repeat_interleave(groups, 1).transpose(0, 1)[None],
+            v.repeat_interleave(groups, 1).transpose(0, 1)[None], is_causal=True, scale=scale,
+        )[0].transpose(0, 1)  # fmt: skip
+        o.backward(x["dout"][s].to(DTYPE).float())
+        for name, t in zip(NAMES, (o.detach(), q.grad, k.grad, v.grad)):
+            ref[name][s] = t
+    return ref
+
+
+def flash_whole_batch(x: dict[str, dict[int, torch.Tensor]], scale: float) -> dict[str, dict[int, torch.Tensor]]:
+    """Single-GPU flash over the whole packed batch, calling the aten kernels directly (no ringpack code)."""
+    samples = list(x["q"])
+    q, k, v, dout = (torch.cat([x[n][s] for s in samples]).to(DTYPE) for n in ("q", "k", "v", "dout"))
+    sizes = torch.tensor([x["q"][s].shape[0] for s in samples])
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), sizes.cumsum(0)]).to(torch.int32).to(q.device)
+    m = int(sizes.max())
+    if q.is_cuda:
+        out, lse, seed, offset, _ = torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, m, m, 0.0, True, False, scale=scale)
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(dout, q, k, v, out, lse, cu, cu, m, m, 0.0, True, seed, offset, scale=scale)
+    else:  # CPU dry run of the script: the reference backend stands in for flash
+        from ringpack.attention.kernels import varlen_attn_bwd, varlen_attn_fwd
+
+        out, lse = varlen_attn_fwd(q, k, v, cu, cu, m, m, scale, True, "reference")
+        dq, dk, dv = varlen_attn_bwd(dout, q, k, v, out, lse, cu, cu, m, m, scale, True, "reference")
+    bounds = [0, *sizes.cumsum(0).tolist()]
+    return {
+        name: {s: t[bounds[j] : bounds[j + 1]] for j, s in enumerate(samples)}
+        for name, t in zip(NAMES, (out, dq, dk, dv))
+    }
+
+
+def local(per_sample: dict[int, torch.Tensor], mb, rank: int) -> torch.Tensor:
+    pieces = mb.shards[rank].pieces
+    any_t = next(iter(per_sample.values()))
+    if not pieces:
+        return any_t.new_zeros((0, *any_t.shape[1:]))
+    return torch.cat([per_sample[p.sample][p.start : p.stop] for p in pieces])
+
+
+def max_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((got.float() - ref.float()).abs().max()) if ref.numel() else 0.0
+
+
+# ------------------------------------------------------------------------------------ 2-GPU check
+
+
+def run_distributed_check(backend: str = "torch_flash") -> list[str]:
+    """Every plan x mode on this process group; returns failure lines (empty = pass). Prints the table on rank 0."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    scale = HEAD_DIM**-0.5
+    failures, rows = [], []
+    for name, mb, lengths in gpu_plans(world):
+        x = make_inputs(lengths, device)
+        ref = fp32_reference(x, scale)
+        flash = flash_whole_batch(x, scale)
+        sched = compile_schedule(mb, rank).to(device)
+        for mode in ("ring", "allgather"):
+            q, k, v = (local(x[n], mb, rank).to(DTYPE).requires_grad_() for n in ("q", "k", "v"))
+            out = ring_attention(q, k, v, sched, mode=mode, backend=backend)
+            out.backward(local(x["dout"], mb, rank).to(DTYPE))
+            got = dict(zip(NAMES, (out.detach(), q.grad, k.grad, v.grad)))
+            stats = []
+            for t in NAMES:
+                r = local(ref[t], mb, rank)
+                f = local(flash[t], mb, rank)
+                stats += [max_err(got[t], r), max_err(f, r), float(r.abs().max()) if r.numel() else 0.0, max_err(got[t], f)]
+            stats_t = torch.tensor(stats, dtype=torch.float64, device=device)
+            dist.all_reduce(stats_t, op=dist.ReduceOp.MAX)
+            stats = stats_t.view(len(NAMES), 4).tolist()
+            for t, (ring_err, flash_err, ref_max, vs_flash) in zip(NAMES, stats):
+                limit = BOUND_FACTOR * flash_err + EPS_REL * ref_max
+                ok = ring_err <= limit
+                rows.append(f"{name:<20} {mode:<9} {t:<3} {ring_err:11.3e} {flash_err:11.3e} {vs_flash:11.3e} {limit:11.3e}  {'ok' if ok else 'FAIL'}")
+                if not ok:
+                    failures.append(f"{name}/{mode}/{t}: ringpack err {ring_err:.3e} > {limit:.3e} (flash err {flash_err:.3e})")
+    if rank == 0:
+        print(f"\nringpack {backend} bf16, CP={world}, H={HEADS}, H_kv={KV_HEADS}, D={HEAD_DIM}, tokens={sum(LENGTHS)}")
+        print(f"{'plan':<20} {'mode':<9} {'t':<3} {'ringpack':>11} {'flash':>11} {'rp-flash':>11} {'limit':>11}   (max abs err vs fp32)")
+        print("\n".join(rows), flush=True)
+    return failures
+
+
+def main() -> int:
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend, timeout=timedelta(seconds=120))
+    try:
+        attn_backend = "torch_flash" if torch.cuda.is_available() else "reference"
+        failures = run_distributed_check(attn_backend)
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+    if failures:
+        print("FAILED:\n" + "\n".join(failures), file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+# ------------------------------------------------------------------------------------- pytest side
+
+if pytest is not None:
+    needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+    needs_2_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+
+    def _backends() -> list[str]:
+        from ringpack.attention.kernels import available_backends
+
+        return [b for b in available_backends("cuda", DTYPE) if b != "reference"] if torch.cuda.is_available() else []
+
+    @pytest.mark.gpu
+    @needs_cuda
+    @pytest.mark.parametrize("backend", _backends() or ["torch_flash"])
+    @pytest.mark.parametrize(
+        "cu_q,cu_k,causal,heads,kv_heads",
+        [
+            ([0, 70, 300], [0, 70, 300], True, 8, 8),  # the local step: Lq == Lk
+            ([0, 0, 64, 64, 200, 200], [0, 50, 180, 190, 260, 300], False, 8, 2),  # zero-query segments, GQA
+            ([0, 0, 1, 1, 2, 2], [0, 9, 30, 40, 41, 45], False, 8, 2),  # max_seqlen_q == 1 with GQA
+            ([0, 40, 300], [0, 100, 400], True, 4, 4),  # bottom-right causal (Lk > Lq): contract only
+        ],
+    )
+    def test_flash_kernel_contract(backend, cu_q, cu_k, causal, heads, kv_heads):
+        """Each flash backend against the reference backend on the same bf16 inputs, incl. the edge cases the schedule relies on."""
+        from ringpack.attention.kernels import varlen_attn_bwd, varlen_attn_fwd
+
+        dev = torch.device("cuda")
+        gen = torch.Generator(device=dev).manual_seed(0)
+        cq, ck = torch.tensor(cu_q, dtype=torch.int32, device=dev), torch.tensor(cu_k, dtype=torch.int32, device=dev)
+        mq, mk = max(b - a for a, b in zip(cu_q, cu_q[1:])), max(b - a for a, b in zip(cu_k, cu_k[1:]))
+        q = torch.randn(cu_q[-1], heads, 64, device=dev, generator=gen).to(DTYPE)
+        k, v = (torch.randn(cu_k[-1], kv_heads, 64, device=dev, generator=gen).to(DTYPE) for _ in range(2))
+        dout = torch.randn_like(q)
+        res = {}
+        for b in (backend, "reference"):
+            out, lse = varlen_attn_fwd(q, k, v, cq, ck, mq, mk, 0.125, causal, b)
+            res[b] = (out, lse, *varlen_attn_bwd(dout, q, k, v, out, lse, cq, ck, mq, mk, 0.125, causal, b))
+        for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), res[backend], res["reference"]):
+            err, size = max_err(got, want), float(want.float().abs().max())
+            assert err <= 2e-2 * max(size, 1.0), f"{backend} {name}: max err {err:.3e} (max |ref| {size:.3e})"
+        covered = torch.zeros(cu_k[-1], dtype=torch.bool, device=dev)
+        for (qa, qb), (ka, kb) in zip(zip(cu_q, cu_q[1:]), zip(cu_k, cu_k[1:])):
+            covered[ka:kb] |= qb > qa
+        assert (res[backend][3][~covered] == 0).all() and (res[backend][4][~covered] == 0).all(), "zero-query keys need dk = dv = 0"
+
+    @pytest.mark.gpu
+    @needs_cuda
+    @pytest.mark.parametrize("cp", [1, 2, 3, 4])
+    def test_engine_bf16_on_one_gpu(cp):
+        """All CP ranks simulated on one GPU (loopback transport): torch_flash bf16 within the flash bound."""
+        from tests.attention.attn_testlib import Problem, run_all_ranks
+
+        dev = torch.device("cuda")
+        scale = HEAD_DIM**-0.5
+        for name, mb, lengths in gpu_plans(cp):
+            x = make_inputs(lengths, dev, seed=cp)
+            ref, flash = fp32_reference(x, scale), flash_whole_batch(x, scale)
+            problem = Problem(mb, lengths, *({s: t.to(DTYPE) for s, t in x[n].items()} for n in ("q", "k", "v", "dout")))
+            for rank, got in enumerate(run_all_ranks(problem, scale, backend="torch_flash", device=dev)):
+                for t in NAMES:
+                    r, f = local(ref[t], mb, rank), local(flash[t], mb, rank)
+                    if not r.numel():
+                        continue
+                    limit = BOUND_FACTOR * max_err(f, r) + EPS_REL * float(r.abs().max())
+                    assert max_err(got[t], r) <= limit, f"{name} cp={cp} rank {rank} {t}: {max_err(got[t], r):.3e} > {limit:.3e}"
+
+    @pytest.mark.multigpu
+    @needs_2_gpus
+    def test_two_gpus_with_torchrun():
+        """The __main__ check over NCCL on 2 GPUs (ring and all-gather, every plan)."""
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        print(proc.stdout)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
