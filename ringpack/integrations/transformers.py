@@ -74,10 +74,12 @@ def register() -> str:
 
 
 def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of next-token cross-entropy over already-shifted labels (``-100`` ignored), in fp32.
+    """Sum of next-token cross-entropy over already-shifted labels (``-100`` ignored), in >= fp32.
 
     Divide by the global batch's loss tokens (``Step.loss_tokens``) and all-reduce the gradient
     (sum) over DP x CP to get exactly the single-device per-token mean.
     """
-    logits = logits.reshape(-1, logits.shape[-1]).float()
+    logits = logits.reshape(-1, logits.shape[-1])
+    if logits.dtype in (torch.float16, torch.bfloat16):  # low-precision logits: reduce in fp32
+        logits = logits.float()
     return torch.nn.functional.cross_entropy(logits, labels.reshape(-1), ignore_index=-100, reduction="sum")

@@ -1,0 +1,259 @@
+"""Train a Llama-style model with DP x CP on packed data planned by ringpack.
+
+    torchrun --nproc_per_node=4 examples/train.py --cp 2 --model tiny --steps 5          # CPU (gloo) or GPU
+    torchrun --nproc_per_node=2 examples/train.py --cp 2 --model llama-1b --tokens-per-rank 65536 \
+        --dtype bf16 --steps 6 --strategy balanced                                        # 2 GPUs as CP=2
+
+What each part does:
+
+* ranks form a DP x CP grid (CP groups are consecutive ranks); every rank builds the same plan
+  from (lengths, config, seed, epoch) through :class:`BalancedBatchSampler` for its DP rank;
+* :class:`PackedCollator` cuts each micro-batch into this CP rank's tokens, already-shifted labels,
+  positions within each sample, and the compiled attention schedule;
+* the model is a randomly initialised transformers ``LlamaForCausalLM`` with
+  ``attn_implementation="ringpack"``: every layer's attention runs through ringpack's runtime;
+* the loss is a *sum* of token losses divided by the global batch's loss tokens
+  (``step_loss_tokens``), and gradients are summed over all ranks (DP x CP), which makes each
+  step exactly the single-device per-token mean over the global batch, however the samples were
+  packed, split or distributed.
+
+The functions here are imported by ``tests/integrations/test_train_exact.py``, which checks losses
+and gradients against single-process training, so the example is the tested code path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from ringpack.dataloaders import BalancedBatchSampler, PackedCollator, PackedDataset  # noqa: E402
+from ringpack.integrations.transformers import causal_lm_loss_sum, register  # noqa: E402
+
+MODELS = {
+    # name: (hidden, layers, heads, kv_heads, ffn, vocab)
+    "tiny": (32, 2, 4, 2, 64, 97),
+    "small": (256, 4, 8, 2, 688, 4096),
+    "llama-1b": (2048, 16, 32, 8, 8192, 32000),
+}
+DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass
+class Grid:
+    """This process's place in the DP x CP grid and its process groups."""
+
+    rank: int
+    world: int
+    dp_rank: int
+    dp_size: int
+    cp_rank: int
+    cp_size: int
+    cp_group: Any = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+
+def make_grid(cp: int) -> Grid:
+    """CP groups of ``cp`` consecutive ranks (they share NVLink on one host); DP across them."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world % cp:
+        raise ValueError(f"world size {world} is not a multiple of cp={cp}")
+    groups = [dist.new_group(list(range(start, start + cp))) for start in range(0, world, cp)]
+    device = torch.device("cpu")
+    if torch.cuda.is_available() and dist.get_backend() == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+        torch.cuda.set_device(device)
+    return Grid(rank, world, rank // cp, world // cp, rank % cp, cp, groups[rank // cp], device)
+
+
+def heavy_tailed_samples(n: int, max_len: int, vocab: int, seed: int) -> list[np.ndarray]:
+    """Random token ids with Pareto lengths (many short samples, a few up to ``max_len``)."""
+    rng = np.random.default_rng(seed)
+    lengths = np.minimum(max_len, (16 * (1 + rng.pareto(1.2, n))).astype(np.int64))
+    return [rng.integers(0, vocab, int(length)) for length in lengths]
+
+
+def build_model(name: str, dtype: torch.dtype, seed: int, attn: str = "ringpack", device: torch.device | None = None):
+    """A randomly initialised Llama of a named size (no weight download)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hidden, layers, heads, kv_heads, ffn, vocab = MODELS[name]
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=1 << 20,
+        attention_dropout=0.0,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    if attn == "ringpack":
+        register()
+    model = LlamaForCausalLM._from_config(config, attn_implementation=attn, dtype=dtype)
+    return model.to(device or torch.device("cpu"))
+
+
+def microbatch_loss(model, batch: dict[str, Any], grid: Grid, mode: str, backend: str) -> torch.Tensor:
+    """Sum of this CP rank's token losses for one micro-batch (the caller divides and backprops)."""
+    device = grid.device
+    logits = model(
+        input_ids=batch["input_ids"].to(device)[None],
+        position_ids=batch["position_ids"].to(device)[None],
+        ringpack_schedule=batch["schedule"].to(device),
+        ringpack_group=grid.cp_group,
+        ringpack_mode=mode,
+        ringpack_backend=backend,
+        use_cache=False,
+    ).logits
+    return causal_lm_loss_sum(logits[0], batch["labels"].to(device))
+
+
+def all_reduce_grads(model, group=None) -> None:
+    """Sum gradients over every rank (DP and CP alike): each rank's loss is its share of one mean."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def steps_of(loader) -> Iterator[list[dict[str, Any]]]:
+    """Group the loader's micro-batches into optimizer steps (the plan says where a step ends)."""
+    current: list[dict[str, Any]] = []
+    for batch in loader:
+        current.append(batch)
+        if batch["microbatch_index"] + 1 == batch["microbatches_in_step"]:
+            yield current
+            current = []
+    assert not current, "the last step ended early"
+
+
+def train(args: argparse.Namespace, grid: Grid, samples: list[np.ndarray], on_step=None) -> list[dict[str, Any]]:
+    """The training loop; returns per-step records (loss, tokens, times). ``on_step(step, model)``
+    lets tests inspect gradients before the optimizer runs."""
+    dtype = DTYPES[args.dtype]
+    model = build_model(args.model, dtype, args.seed, device=grid.device)
+    if args.grad_ckpt:
+        model.gradient_checkpointing_enable()
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=False)
+    sampler = BalancedBatchSampler(
+        [len(s) for s in samples],
+        grid.dp_rank,
+        grid.dp_size,
+        grid.cp_size,
+        args.tokens_per_rank,
+        strategy=args.strategy,
+        packing=args.packing,
+        samples_per_step=args.samples_per_step,
+        seed=args.seed,
+        cost=_cost_model(args.model),
+    )
+    loader = torch.utils.data.DataLoader(
+        PackedDataset(samples),
+        batch_sampler=sampler,
+        collate_fn=PackedCollator(grid.cp_rank, grid.cp_size),
+        num_workers=args.workers,
+    )
+    records = []
+    for step, batches in enumerate(steps_of(loader)):
+        if args.steps and step >= args.steps:
+            break
+        _sync(grid)
+        start = time.perf_counter()
+        total = torch.zeros((), dtype=torch.float64, device=grid.device)
+        tokens = 0
+        for batch in batches:
+            loss = microbatch_loss(model, batch, grid, args.mode, args.backend) / batch["step_loss_tokens"]
+            loss.backward()
+            total += loss.detach().double()
+            tokens += int(batch["input_ids"].numel())
+        _sync(grid)
+        busy = time.perf_counter() - start
+        all_reduce_grads(model)
+        dist.all_reduce(total)
+        _sync(grid)
+        step_time = time.perf_counter() - start
+        if on_step is not None:
+            on_step(step, model)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        record = dict(step=step, loss=float(total), local_tokens=tokens, busy_s=busy, step_s=step_time)
+        records.append(record)
+        if grid.rank == 0 and args.verbose:
+            print(f"step {step:3d}  loss {record['loss']:.6f}  step {step_time * 1e3:8.1f} ms", flush=True)
+    return records
+
+
+def _cost_model(name: str):
+    from ringpack.balancer.cost import CostModel, ModelShape
+
+    hidden, layers, heads, kv_heads, ffn, vocab = MODELS[name]
+    return CostModel.from_shape(ModelShape(name, hidden, layers, heads, kv_heads, ffn, vocab))
+
+
+def _sync(grid: Grid) -> None:
+    if grid.device.type == "cuda":
+        torch.cuda.synchronize(grid.device)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cp", type=int, default=1, help="context-parallel size (DP = world / cp)")
+    p.add_argument("--model", choices=sorted(MODELS), default="tiny")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    p.add_argument("--strategy", choices=["balanced", "zigzag", "contiguous"], default="balanced")
+    p.add_argument("--packing", choices=["balanced", "first_fit"], default="balanced")
+    p.add_argument("--mode", choices=["ring", "allgather"], default="ring")
+    p.add_argument("--backend", default="auto", help="ringpack kernel backend")
+    p.add_argument("--tokens-per-rank", type=int, default=512)
+    p.add_argument("--samples", type=int, default=256, help="synthetic heavy-tailed samples")
+    p.add_argument("--max-len", type=int, default=0, help="longest sample (default: cp * tokens-per-rank)")
+    p.add_argument("--samples-per-step", type=int, default=64)
+    p.add_argument("--steps", type=int, default=0, help="stop after this many steps (0: one epoch)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workers", type=int, default=0)
+    p.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing per layer")
+    p.add_argument("--json", help="write per-step records here (rank 0)")
+    p.add_argument("--quiet", dest="verbose", action="store_false")
+    return p
+
+
+def main() -> int:
+    args = parser().parse_args()
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend)
+    grid = make_grid(args.cp)
+    vocab = MODELS[args.model][5]
+    samples = heavy_tailed_samples(args.samples, args.max_len or args.cp * args.tokens_per_rank, vocab, args.seed)
+    records = train(args, grid, samples)
+    if grid.rank == 0:
+        tokens = np.array([r["local_tokens"] for r in records])
+        step_s = np.array([r["step_s"] for r in records])
+        print(f"dp={grid.dp_size} cp={grid.cp_size} {args.strategy}/{args.packing}: {len(records)} steps", flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps(dict(args=vars(args), records=records), indent=1))
+        del tokens, step_s
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
