@@ -32,7 +32,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_plan_arguments(p, dp=4, cp=4)
     add_comm_arguments(p)
     add_output_arguments(p, default_out="ringpack-report")
-    p.add_argument("--step", type=int, help="step whose per-GPU costs are plotted and tabled (default: the baseline's worst)")
+    p.add_argument("--step", type=int, help="step whose per-GPU costs are plotted and tabled (default: the baseline's median-idle step)")
     p.add_argument("--steps-shown", type=int, default=5, help="steps per plan in the terminal table (default 5)")
     p.set_defaults(handler=run_report)
 

@@ -80,7 +80,7 @@ def plot_lengths(doc: dict[str, Any], path: Path) -> Path:
         cap = budget * doc["cp"]
         note = "; longer samples are cut into documents" if stats["max"] > cap else ""
         ax.axvline(cap, color="#8c564b", ls=":", lw=1.5, label=f"one CP group (cp={doc['cp']}: {cap:,} tokens{note})")
-        ax.legend(loc="upper left", framealpha=0.95)
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=1, frameon=False)
     ax.set_title(
         f"Sample lengths: {stats['samples']:,} samples, {stats['tokens']:,} tokens; median {stats['median']:,.0f}, "
         f"p99 {stats['p99']:,.0f}, max {stats['max']:,}"
@@ -90,13 +90,13 @@ def plot_lengths(doc: dict[str, Any], path: Path) -> Path:
 
 # ------------------------------------------------------------------------------------- rank costs
 def default_rank_step(doc: dict[str, Any]) -> int:
-    """The baseline's most imbalanced step (every plan has at least that many steps), else 0."""
+    """A typical step: the one whose baseline idle share is the median (every plan has that many steps)."""
     base = next((p for p in doc["plans"] if p["name"] == doc["baseline"]), doc["plans"][0])
     n = min(len(p["steps"]) for p in doc["plans"])
     if n == 0:
         return 0
-    idle = [r["idle_fraction"] for r in base["steps"][:n]]
-    return int(np.argmax(idle))
+    idle = np.array([r["idle_fraction"] for r in base["steps"][:n]])
+    return int(np.argsort(idle, kind="stable")[(n - 1) // 2])
 
 
 def plot_rank_costs(doc: dict[str, Any], path: Path, step: int | None = None) -> Path | None:
@@ -156,7 +156,8 @@ def plot_imbalance(doc: dict[str, Any], path: Path) -> Path:
         imb = np.array([r["imbalance"] for r in p["steps"]])
         idle = np.array([r["idle_fraction"] for r in p["steps"]]) * 100
         style = dict(color=colors[p["name"]], lw=1.6 if p["name"] != doc["baseline"] else 2.2, marker=marker, ms=3,
-                     ls="-" if p["name"] != doc["baseline"] else "--", zorder=10 - k)  # first plan on top
+                     ls="-" if p["name"] != doc["baseline"] else "--",
+                     zorder=20 if p["name"] == doc["baseline"] else 10 - k)  # dashed baseline on top, then the first plan
         ax1.plot(steps, imb, label=p["name"], **style)
         ax2.plot(steps, idle, **style)
     ax1.axhline(1.0, color="gray", lw=0.8)
