@@ -116,15 +116,16 @@ def split_balanced(
     2. Samples, most expensive first, go *whole* to the rank with the smallest cost room that
        still holds them (best fit), so ranks fill one at a time and the room left is in few ranks,
        in large blocks. A placement is refused if it would leave a rank unable to reach its cost
-       with the tokens it has left (tokens of the micro-batch are at most ``density`` expensive).
+       with the tokens it has left (no token costs more than the last one of the longest sample).
     3. Samples that fit whole nowhere are cut from the back: the densest remaining suffix goes to
        the rank needing the densest content (highest cost room per free token), as long a suffix
        as fits there, and so on. The K/V a split sample sends is what lies before its last cut, so
        few split samples with long tails keep the bytes crossing ranks low.
 
     When tokens are tight (little free token room), step 2 can leave ranks that cannot be
-    balanced; the split is then retried with a stricter density rule, and
-    :func:`split_zigzag_even` (every sample zigzagged, tokens even to one) is the last resort.
+    balanced; the split is then retried with the costliest samples zigzagged first, then with
+    whole short samples around deficit-driven zigzag of the long ones (:func:`_hybrid_shards`),
+    and :func:`split_zigzag_even` (every sample zigzagged, tokens even to one) is the last resort.
     The first candidate within ``2 * tolerance`` of the ideal wins, else the one with the lowest
     max rank cost (earlier candidates, which split less, win ties within ``tolerance``). The
     token room is never exceeded, so every micro-batch of at most ``cp * tokens_per_rank`` tokens
@@ -150,6 +151,7 @@ def split_balanced(
         lambda: _hybrid_shards(samples, lens, w, cp, tokens_per_rank, a, b, seg, cap, 0.5),
         lambda: _hybrid_shards(samples, lens, w, cp, tokens_per_rank, a, b, seg, cap, 0.1),
         lambda: _hybrid_shards(samples, lens, w, cp, tokens_per_rank, a, b, seg, cap, 0.0),
+        lambda: _zigzag_even_shards(samples, lens, cp, a, b, seg),
     )
     for attempt in attempts:
         shards, top = attempt()
@@ -169,10 +171,16 @@ def split_zigzag_even(samples: Sequence[int], lengths: Sequence[int], cp: int) -
     expensive late ones as zigzag does. Every rank ends with ``floor`` or ``ceil`` of
     ``total / cp`` tokens, so the split fits whenever the micro-batch does.
     """
+    shards, _ = _zigzag_even_shards(samples, [int(lengths[s]) for s in samples], cp, 1.0, 0.0, 0.0)
+    return microbatch_from_shards(samples, shards, lengths)
+
+
+def _zigzag_even_shards(samples, lens, cp, a, b, seg):
+    """Shards of :func:`split_zigzag_even` and their largest cost."""
     held = [0] * cp
+    cost_r = [0.0] * cp
     shards: list[list[Piece]] = [[] for _ in range(cp)]
-    for sample in samples:
-        length = int(lengths[sample])
+    for sample, length in zip(samples, lens):
         base, extra = divmod(length, cp)
         quota = [base] * cp
         for r in sorted(range(cp), key=lambda q: (held[q], q))[:extra]:
@@ -181,15 +189,15 @@ def split_zigzag_even(samples: Sequence[int], lengths: Sequence[int], cp: int) -
         for r in range(cp):
             front = quota[r] // 2
             back = quota[r] - front
-            if front:
-                shards[r].append(Piece(int(sample), lo, lo + front))
-            if back:
-                shards[r].append(Piece(int(sample), hi - back, hi))
+            for start, stop in ((lo, lo + front), (hi - back, hi)):
+                if stop > start:
+                    shards[r].append(Piece(int(sample), start, stop))
+                    cost_r[r] += _piece_cost(start, stop, a, b, seg)
             lo += front
             hi -= back
             held[r] += quota[r]
         assert lo == hi
-    return microbatch_from_shards(samples, shards, lengths)
+    return shards, max(cost_r)
 
 
 def _piece_cost(start: int, stop: int, a: float, b: float, seg: float) -> float:

@@ -207,3 +207,24 @@ def test_solver_plans_are_valid_and_never_worse(case):
 def dp_weight(plan, step):
     cost = plan.config.cost
     return max(float(cost.sample_cost([plan.lengths[x] for mb in rank for x in mb.samples]).sum()) for rank in step.microbatches)
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    st.lists(st.integers(1, 5000), min_size=1, max_size=30),
+    st.integers(1, 8),
+    st.integers(0, 50),
+    st.sampled_from(sorted(MODELS)),
+)
+def test_balanced_split_is_valid_for_any_budget_that_fits(lengths, cp, slack, model):
+    from ringpack.balancer.plan import Plan, Step
+
+    budget = -(-sum(lengths) // cp) + slack  # from "every rank full" upwards
+    mb = split_balanced(list(range(len(lengths))), lengths, cp, budget, MODELS[model])
+    config = PlanConfig(dp=1, cp=cp, tokens_per_rank=budget, cost=MODELS[model])
+    Plan(config=config, lengths=tuple(lengths), steps=(Step(((mb,),)),)).validate()
+    costs = rank_costs(mb.shards, MODELS[model])
+    ideal = costs.sum() / cp
+    # never worse than the token-even zigzag fallback (up to the 0.1% tolerance)
+    zz = rank_costs(split_zigzag_even(list(range(len(lengths))), lengths, cp).shards, MODELS[model])
+    assert costs.max() <= max(zz.max(), ideal) * (1 + 2e-3) + 1e-6
