@@ -133,8 +133,8 @@ class RingTransport:
         self._home = c - dists[-1] if dists else 0
         # tokens held at remote step i (index i+1; index 0 is this rank's own buffer)
         self._held = [schedule.buffer_tokens[(r - t) % c] for t in (0, *dists)]
-        self._kv_pending: tuple[list, Tensor | None] | None = None
-        self._grad_pending: tuple[list, Tensor | None] | None = None
+        self._kv_pending: tuple[list, Tensor, Tensor] | None = None  # (works, received, sent)
+        self._grad_pending: tuple[list, Tensor, Tensor | None] | None = None
 
     def begin(self, kv: Tensor, grad_dtype: torch.dtype | None = None) -> None:
         self._shape, self._dtype, self._device = kv.shape[2:], kv.dtype, kv.device
@@ -148,10 +148,10 @@ class RingTransport:
         hop = self._hops[i]
         recv = self._empty(self._held[i + 1], self._dtype)
         works = self._p2p.exchange(send, hop, recv, -hop, tag=2 * i)
-        self._kv_pending = (works, recv)
+        self._kv_pending = (works, recv, send)  # keep the send buffer alive until the transfer is waited on
 
     def buffer(self, i: int) -> Tensor:
-        works, kv = self._kv_pending
+        works, kv, _ = self._kv_pending
         _wait(works)
         if i + 1 < len(self._hops):
             self._launch_kv(i + 1, kv)  # in flight while the caller runs step i's kernels
@@ -161,7 +161,7 @@ class RingTransport:
         held = self._held[i + 1]
         incoming = None
         if i > 0:  # the sum of the ranks that held this buffer before
-            works, incoming = self._grad_pending
+            works, incoming, _ = self._grad_pending
             _wait(works)
         if held and dkv is None:  # no query of this rank used the buffer: pass the sum on unchanged
             dkv = incoming if incoming is not None else self._empty(held, self._grad_dtype).zero_()
@@ -172,10 +172,10 @@ class RingTransport:
         recv_tokens = self._held[0] if last else self._held[i + 2]
         recv = self._empty(recv_tokens, self._grad_dtype)
         works = self._p2p.exchange(dkv, to, recv, -to, tag=2 * i + 1)
-        self._grad_pending = (works, recv)
+        self._grad_pending = (works, recv, dkv)
 
     def finish(self) -> Tensor | None:
-        works, own = self._grad_pending
+        works, own, _ = self._grad_pending
         _wait(works)
         return own if own.numel() else None
 
