@@ -133,7 +133,7 @@ def step_lower_bound(weights: np.ndarray, lengths: np.ndarray, dp: int, cp: int,
     """
     w = np.sort(np.asarray(weights, dtype=np.float64))[::-1]
     n = len(w)
-    bound = float(w.sum()) / (dp * cp)
+    bound = math.fsum(w.tolist()) / (dp * cp)  # exactly rounded: identical on every CPU and NumPy build
     cs = np.concatenate([[0.0], np.cumsum(w)])
     k = np.arange(0, (n - 1) // dp + 1)
     if k.size:
