@@ -199,12 +199,14 @@ def _torch_flash_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, c
 # -------------------------------------------------------------------------------------- flash_attn
 
 
-def _window_kwargs(fn: Callable) -> dict:
-    """flash-attn >= 2.6 takes window_size_left/right; 2.4-2.5 take a window_size tuple."""
+@functools.cache
+def _version_kwargs(fn: Callable) -> dict:
+    """Arguments whose spelling changed across flash-attn 2.x: no sliding window, no softcap."""
     params = inspect.signature(fn).parameters
-    if "window_size_left" in params:
-        return {"window_size_left": -1, "window_size_right": -1}
-    return {"window_size": (-1, -1)}
+    kwargs: dict = {"window_size_left": -1, "window_size_right": -1} if "window_size_left" in params else {"window_size": (-1, -1)}
+    if "softcap" in params:
+        kwargs["softcap"] = 0.0
+    return kwargs
 
 
 def _flash_attn_fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
@@ -212,7 +214,7 @@ def _flash_attn_fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
     res = fn(
         q, k, v, cu_q, cu_k, _flash_max_q(max_q), max_k,
         dropout_p=_NO_DROPOUT, softmax_scale=scale, causal=causal,
-        alibi_slopes=None, return_softmax=False, **_window_kwargs(fn),
+        alibi_slopes=None, return_softmax=False, **_version_kwargs(fn),
     )  # fmt: skip
     # 2.6+: (out, lse, S_dmask, rng_state); 2.4-2.5: (out, q, k, v, out_padded, lse, S_dmask, rng_state)
     return (res[0], res[1]) if len(res) == 4 else (res[0], res[5])
@@ -224,7 +226,7 @@ def _flash_attn_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, ca
     fn(
         dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, _flash_max_q(max_q), max_k,
         dropout_p=_NO_DROPOUT, softmax_scale=scale, causal=causal,
-        alibi_slopes=None, deterministic=False, rng_state=None, **_window_kwargs(fn),
+        alibi_slopes=None, deterministic=False, rng_state=None, **_version_kwargs(fn),
     )  # fmt: skip
     return dq, dk, dv
 

@@ -64,10 +64,6 @@ class KernelCall:
     max_seqlen_k: int
     causal: bool
 
-    @property
-    def num_queries(self) -> int:
-        return int(self.cu_seqlens_q[-1])
-
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "KernelCall":
         return replace(
             self,
@@ -285,21 +281,19 @@ def _remote_calls(table: _PieceTable, mine: np.ndarray, theirs: np.ndarray, num_
     last = np.searchsorted(keys, table.slot[mine] * scale + table.start[mine], side="right")
     bounds = np.r_[table.compact[src], buffer_len]
     has = last > first
-    k_lo, k_hi = bounds[first], bounds[np.minimum(last, src.size)]
     if not has.any():
         return ()
+    k_lo, k_hi = bounds[first], bounds[last]
 
     # merge consecutive local pieces of one sample that need the same key range into one segment
     idx = np.flatnonzero(has)
     slot, klo, khi = table.slot[mine][idx], k_lo[idx], k_hi[idx]
     adjacent = np.r_[False, (np.diff(idx) == 1) & (slot[1:] == slot[:-1]) & (klo[1:] == klo[:-1]) & (khi[1:] == khi[:-1])]
-    group = np.cumsum(~adjacent) - 1
     heads = np.flatnonzero(~adjacent)
     tails = np.r_[heads[1:], idx.size] - 1
     q_lo = table.offset[mine][idx[heads]]
     q_hi = table.offset[mine][idx[tails]] + (table.stop - table.start)[mine][idx[tails]]
     g_slot, g_klo, g_khi = slot[heads], klo[heads], khi[heads]
-    assert group[-1] + 1 == heads.size
 
     # level = rank of the group among its sample's groups (nested prefixes cannot share a call)
     new_sample = np.r_[True, g_slot[1:] != g_slot[:-1]]
