@@ -64,16 +64,20 @@ def case_lengths(case: str, total: int, seed: int) -> list[int]:
     raise ValueError(f"unknown case {case!r}")
 
 
-def split_for(strategy: str, lengths: list[int], cp: int) -> MicroBatch:
-    """The micro-batch's CP split by one strategy (no ortools needed)."""
+def split_for(strategy: str, lengths: list[int], cp: int, slack: float) -> MicroBatch:
+    """The micro-batch's CP split by one strategy (no ortools needed).
+
+    ``balanced`` balances attention pairs alone (an attention-only cost model) under a per-rank
+    token budget of ``(1 + slack) * T / cp``; the other two ignore costs by construction.
+    """
     from ringpack.balancer import split
+    from ringpack.balancer.cost import CostModel
 
     samples = list(range(len(lengths)))
-    fn = getattr(split, f"split_{strategy}")
-    try:
-        return fn(samples, lengths, cp)
-    except TypeError:  # strategies that take a budget / cost model
-        return fn(samples, lengths, cp, tokens_per_rank=-(-sum(lengths) // cp) + max(64, sum(lengths) // (8 * cp)))
+    if strategy == "balanced":
+        budget = int(-(-sum(lengths) // cp) * (1 + slack))
+        return split.split_balanced(samples, lengths, cp, tokens_per_rank=budget, cost=CostModel(token=0.0, pair=1.0, name="attention-pairs"))
+    return getattr(split, f"split_{strategy}")(samples, lengths, cp)
 
 
 def local_index(mb: MicroBatch, rank: int, lengths: list[int]) -> torch.Tensor:
@@ -129,6 +133,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--backend", default="auto", help="ringpack kernel backend")
+    parser.add_argument("--slack", type=float, default=0.125, help="balanced: per-rank token budget above T/cp")
     parser.add_argument("--out", default="attention.json")
     args = parser.parse_args()
 
@@ -202,7 +207,7 @@ def main() -> int:
                             run_row("ideal cudnn-dense (1 GPU)/2", lambda: peers.ideal_cudnn_dense(leaf(q), leaf(k), leaf(v)), 1)
                         run_row("ideal flex (1 GPU)/2", lambda: peers.ideal_flex(leaf(q), leaf(k), leaf(v), lengths), 1)
                     for strategy in args.strategies.split(","):
-                        mb = split_for(strategy, lengths, world)
+                        mb = split_for(strategy, lengths, world, args.slack)
                         index = local_index(mb, rank, lengths).to(device)
                         schedule = compile_schedule(mb, rank).to(device)
                         for mode in args.modes.split(","):
@@ -213,9 +218,9 @@ def main() -> int:
                             run_row(f"ringpack {mode} {strategy}", make, world)
                     if "torch" in args.peers:
                         if case == "single":
-                            run_row("torch-cp sdpa-cudnn headtail", lambda: peers.torch_cp_sdpa(q, k, v, "cudnn"), world)
+                            run_row("torch-cp sdpa-cudnn headtail", lambda: peers.torch_cp_sdpa(leaf(q), k, v, "cudnn"), world)
                         else:
-                            run_row("torch-cp flex ptrr", lambda: peers.torch_cp_flex(q, k, v, lengths), world)
+                            run_row("torch-cp flex ptrr", lambda: peers.torch_cp_flex(leaf(q), k, v, lengths), world)
                 del q, k, v
                 torch.cuda.empty_cache()
 

@@ -123,12 +123,13 @@ def torch_cp_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: st
     kernel = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[backend]
     context = context_parallel(mesh, buffers=[q4, k4, v4], buffer_seq_dims=[2, 2, 2])
     context.__enter__()  # shards q4/k4/v4 in place and installs the dispatcher for the run
-    for t in (q4, k4, v4):
-        t.requires_grad_(True)
+    grad = q.requires_grad
 
     def run() -> torch.Tensor:
+        # fresh leaves per call: the context must resize the (grad-free) buffers back on exit
+        leaves = [t.detach().requires_grad_(grad) for t in (q4, k4, v4)]
         with sdpa_kernel([kernel]):
-            return F.scaled_dot_product_attention(q4, k4, v4, is_causal=True)
+            return F.scaled_dot_product_attention(*leaves, is_causal=True)
 
     run.close = lambda: context.__exit__(None, None, None)  # type: ignore[attr-defined]
     return run
@@ -160,6 +161,6 @@ def torch_cp_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: li
     q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0).detach().contiguous() for t in (q, k, v))
     *local, local_mask = _context_parallel_shard(mesh, [q4, k4, v4, mask], [2, 2, 2, 2], load_balancer=balancer)
     for t in local:
-        t.requires_grad_(True)
+        t.requires_grad_(q.requires_grad)
     gqa = q.shape[1] != k.shape[1]
     return lambda: module(*local, block_mask=local_mask, enable_gqa=gqa)
