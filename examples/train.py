@@ -77,11 +77,18 @@ def make_grid(cp: int) -> Grid:
     return Grid(rank, world, rank // cp, world // cp, rank % cp, cp, groups[rank // cp], device)
 
 
-def heavy_tailed_samples(n: int, max_len: int, vocab: int, seed: int) -> list[np.ndarray]:
+def heavy_tailed_samples(n: int, max_len: int, vocab: int, seed: int, scale: int = 16) -> list[np.ndarray]:
     """Random token ids with Pareto lengths (many short samples, a few up to ``max_len``)."""
     rng = np.random.default_rng(seed)
-    lengths = np.minimum(max_len, (16 * (1 + rng.pareto(1.2, n))).astype(np.int64))
+    lengths = np.minimum(max_len, (scale * (1 + rng.pareto(1.2, n))).astype(np.int64))
     return [rng.integers(0, vocab, int(length)) for length in lengths]
+
+
+def samples_for(args: argparse.Namespace) -> list[np.ndarray]:
+    """The run's synthetic data: heavy-tailed lengths up to one CP group's capacity."""
+    vocab = MODELS[args.model][5]
+    max_len = args.max_len or args.cp * args.tokens_per_rank
+    return heavy_tailed_samples(args.samples, max_len, vocab, args.seed, args.len_scale)
 
 
 def build_model(name: str, dtype: torch.dtype, seed: int, attn: str = "ringpack", device: torch.device | None = None):
@@ -194,10 +201,26 @@ def train(args: argparse.Namespace, grid: Grid, samples: list[np.ndarray], on_st
             on_step(step, model)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        record = dict(step=step, loss=float(total), local_tokens=tokens, busy_s=busy, step_s=step_time)
+        per_rank = [None] * grid.world
+        dist.all_gather_object(per_rank, (tokens, busy))
+        global_tokens = sum(t for t, _ in per_rank)
+        record = dict(
+            step=step,
+            loss=float(total),
+            local_tokens=tokens,
+            global_tokens=global_tokens,
+            busy_s=[b for _, b in per_rank],  # forward+backward of each rank, before the gradient all-reduce
+            step_s=step_time,
+            tokens_per_s=global_tokens / step_time,
+        )
         records.append(record)
         if grid.rank == 0 and args.verbose:
-            print(f"step {step:3d}  loss {record['loss']:.6f}  step {step_time * 1e3:8.1f} ms", flush=True)
+            busy_ms = " ".join(f"{b * 1e3:.0f}" for b in record["busy_s"])
+            print(
+                f"step {step:3d}  loss {record['loss']:.6f}  step {step_time * 1e3:8.1f} ms  "
+                f"{record['tokens_per_s']:,.0f} tok/s  busy/rank [{busy_ms}] ms",
+                flush=True,
+            )
     return records
 
 
@@ -225,6 +248,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens-per-rank", type=int, default=512)
     p.add_argument("--samples", type=int, default=256, help="synthetic heavy-tailed samples")
     p.add_argument("--max-len", type=int, default=0, help="longest sample (default: cp * tokens-per-rank)")
+    p.add_argument("--len-scale", type=int, default=16, help="Pareto scale of sample lengths (tokens)")
     p.add_argument("--samples-per-step", type=int, default=64)
     p.add_argument("--steps", type=int, default=0, help="stop after this many steps (0: one epoch)")
     p.add_argument("--lr", type=float, default=1e-3)
@@ -241,16 +265,11 @@ def main() -> int:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend)
     grid = make_grid(args.cp)
-    vocab = MODELS[args.model][5]
-    samples = heavy_tailed_samples(args.samples, args.max_len or args.cp * args.tokens_per_rank, vocab, args.seed)
-    records = train(args, grid, samples)
+    records = train(args, grid, samples_for(args))
     if grid.rank == 0:
-        tokens = np.array([r["local_tokens"] for r in records])
-        step_s = np.array([r["step_s"] for r in records])
         print(f"dp={grid.dp_size} cp={grid.cp_size} {args.strategy}/{args.packing}: {len(records)} steps", flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps(dict(args=vars(args), records=records), indent=1))
-        del tokens, step_s
     dist.destroy_process_group()
     return 0
 

@@ -51,11 +51,6 @@ def example_args(example, cp: int, strategy: str, packing: str) -> argparse.Name
     )
 
 
-def samples_for(example, args):
-    vocab = example.MODELS[args.model][5]
-    return example.heavy_tailed_samples(args.samples, args.max_len or args.cp * args.tokens_per_rank, vocab, args.seed)
-
-
 def worker(rank: int, port: int, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
                             timeout=__import__("datetime").timedelta(seconds=120))
@@ -67,7 +62,7 @@ def worker(rank: int, port: int, out_dir: str) -> None:
         grid = example.make_grid(cp)
         grads = []
         records = example.train(
-            args, grid, samples_for(example, args),
+            args, grid, example.samples_for(args),
             on_step=lambda step, model: grads.append({n: p.grad.clone() for n, p in model.named_parameters()}),
         )
         results[(cp, strategy, packing)] = dict(losses=[r["loss"] for r in records], grads=grads)
@@ -81,7 +76,7 @@ def reference(example, args):
     """Per-sample eager training on one process, over the same global batches."""
     from ringpack.dataloaders import BalancedBatchSampler
 
-    samples = samples_for(example, args)
+    samples = example.samples_for(args)
     sampler = BalancedBatchSampler([len(s) for s in samples], 0, WORLD // args.cp, args.cp, args.tokens_per_rank,
                                    strategy=args.strategy, packing=args.packing, samples_per_step=args.samples_per_step,
                                    seed=args.seed, cost=example._cost_model(args.model))

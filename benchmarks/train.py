@@ -1,0 +1,122 @@
+"""End-to-end training throughput: ringpack's plans vs zigzag, contiguous and first-fit packing.
+
+    torchrun --nproc_per_node=2 benchmarks/train.py --out train.json
+
+Runs the real training example (``examples/train.py``: a randomly initialised Llama, bf16,
+ringpack attention inside transformers) on the same heavy-tailed packed data under several
+(DP x CP, packing, CP split) variants, one after another in one process group, and reports per
+variant the median step time, tokens/s over all GPUs and each rank's busy time (forward+backward
+before the gradient all-reduce; the rest of the step is waiting for the slowest rank plus the
+all-reduce). The first step of each variant is a warm-up and is not counted.
+
+Variants on 2 GPUs (``--cp`` decides DP = world / cp):
+
+* CP=2: ringpack ``balanced`` (cost packing + balanced split), ``zigzag`` and ``contiguous`` splits
+  on ringpack's packing, and ``first_fit + zigzag`` (token-count first-fit packing with per-sample
+  zigzag: what common samplers plus the usual CP split do);
+* DP=2: ringpack's cost-balanced packing vs token-count first-fit packing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parent.parent
+VARIANTS = {
+    # name: (cp, packing, strategy)
+    "cp2 balanced": (2, "balanced", "balanced"),
+    "cp2 zigzag": (2, "balanced", "zigzag"),
+    "cp2 contiguous": (2, "balanced", "contiguous"),
+    "cp2 first-fit+zigzag": (2, "first_fit", "zigzag"),
+    "dp2 balanced": (1, "balanced", "balanced"),
+    "dp2 first-fit": (1, "first_fit", "balanced"),
+}
+
+
+def load_example():
+    spec = importlib.util.spec_from_file_location("ringpack_train_example", ROOT / "examples" / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--model", default="llama-1b")
+    p.add_argument("--tokens-per-gpu", type=int, default=65536)
+    p.add_argument("--steps", type=int, default=4, help="steps per variant (the first is warm-up)")
+    p.add_argument("--samples", type=int, default=400)
+    p.add_argument("--samples-per-step", type=int, default=48)
+    p.add_argument("--len-scale", type=int, default=768, help="Pareto scale of sample lengths")
+    p.add_argument("--max-len", type=int, default=65536, help="longest sample (fits one GPU, so DP=2 runs the same data)")
+    p.add_argument("--grad-ckpt", action="store_true")
+    p.add_argument("--out", default="train.json")
+    args = p.parse_args()
+
+    example = load_example()
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    world = dist.get_world_size()
+    results = []
+    for name in args.variants.split(","):
+        cp, packing, strategy = VARIANTS[name]
+        grid = example.make_grid(cp)
+        run_args = example.parser().parse_args(
+            [
+                "--cp", str(cp), "--model", args.model, "--dtype", "bf16" if torch.cuda.is_available() else "fp32",
+                "--strategy", strategy, "--packing", packing,
+                "--tokens-per-rank", str(args.tokens_per_gpu), "--samples", str(args.samples),
+                "--samples-per-step", str(args.samples_per_step), "--steps", str(args.steps),
+                "--len-scale", str(args.len_scale), "--max-len", str(args.max_len), "--quiet",
+            ]
+            + (["--grad-ckpt"] if args.grad_ckpt else [])
+        )
+        started = time.perf_counter()
+        records = example.train(run_args, grid, example.samples_for(run_args))
+        timed = records[1:] or records
+        row = dict(
+            variant=name,
+            dp=world // cp,
+            cp=cp,
+            packing=packing,
+            strategy=strategy,
+            steps=len(timed),
+            step_ms=1e3 * statistics.median(r["step_s"] for r in timed),
+            tokens_per_s=sum(r["global_tokens"] for r in timed) / sum(r["step_s"] for r in timed),
+            busy_ms=[1e3 * statistics.median(r["busy_s"][k] for r in timed) for k in range(world)],
+            loss=[r["loss"] for r in records],
+            wall_s=time.perf_counter() - started,
+        )
+        row["idle_frac"] = 1 - sum(row["busy_ms"]) / (world * row["step_ms"])
+        results.append(row)
+        if dist.get_rank() == 0:
+            busy = " ".join(f"{b:7.1f}" for b in row["busy_ms"])
+            print(
+                f"{name:22s} step {row['step_ms']:8.1f} ms  {row['tokens_per_s']:10,.0f} tok/s  "
+                f"busy/rank [{busy}] ms  idle {row['idle_frac']:6.1%}",
+                flush=True,
+            )
+        del records
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    if dist.get_rank() == 0:
+        meta = dict(torch=torch.__version__, world=world, date=time.strftime("%Y-%m-%d"), argv=sys.argv,
+                    device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+        Path(args.out).write_text(json.dumps(dict(meta=meta, rows=results), indent=1))
+        print(f"wrote {args.out}")
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
