@@ -299,7 +299,7 @@ def run_simulate(args: argparse.Namespace) -> int:
             print(format_modes(doc))
             plan = doc["planning"]
             print(f"\nplanned {len(doc['plans'])} strategies in {plan['wall_seconds']:.1f} s wall "
-                  f"({plan['worker_seconds']:.1f} s in {plan['jobs']} workers); wrote {out}/: "
+                  f"({plan['worker_cpu_seconds']:.1f} CPU s in {plan['jobs']} workers); wrote {out}/: "
                   + ", ".join(p.name for p in paths.values()))
     if args.json == "-":
         json.dump(docs[0] if len(docs) == 1 else docs, sys.stdout, indent=1)

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ringpack.analysis.comm_model import CommModel, microbatch_seconds
-from ringpack.analysis.metrics import PlanMetrics, evaluate_plan, plan_label
+from ringpack.analysis.metrics import PlanMetrics, evaluate_plan
 
 __all__ = [
     "REPORT_FORMAT",
@@ -502,14 +502,3 @@ def plan_strategies(lengths: np.ndarray, config, variants: Sequence[tuple[str, s
         if progress is not None:
             progress.update(1)
     return plans
-
-
-def variant_name(strategy: str, packing: str) -> str:
-    return f"{strategy}/{packing}"
-
-
-def label(plan) -> str:
-    return variant_name(plan.config.strategy, plan.config.packing)
-
-
-_ = plan_label  # re-exported name kept for callers of metrics

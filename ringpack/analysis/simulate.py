@@ -25,7 +25,7 @@ import numpy as np
 
 from ringpack.analysis.comm_model import CommModel
 from ringpack.analysis.metrics import PlanMetrics, evaluate_plan
-from ringpack.analysis.report import DEFAULT_VARIANTS, StrategyResult, build_report, timed
+from ringpack.analysis.report import StrategyResult, build_report, timed
 
 __all__ = ["simulate", "synthetic_lengths", "concat_metrics", "SIM_VARIANTS"]
 
@@ -88,10 +88,10 @@ def _plan_chunk(task: tuple[int, int, np.ndarray, Any]) -> tuple[int, int, PlanM
     from ringpack.balancer import make_plan
 
     variant, chunk, lengths, config = task
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     plan = make_plan(lengths, config)
     metrics = evaluate_plan(plan)
-    return variant, chunk, metrics, [s.lower_bound for s in plan.steps], time.perf_counter() - t0
+    return variant, chunk, metrics, [s.lower_bound for s in plan.steps], time.process_time() - t0
 
 
 def _chunks(order: np.ndarray, per_step: int, chunk_steps: int, min_samples: int) -> list[np.ndarray]:
@@ -183,7 +183,7 @@ def simulate(
         results_by_mode[head], lengths=lengths, baseline=baseline, detail=False,
         title=f"ringpack simulation: DP={config.dp} x CP={config.cp} ({config.dp * config.cp:,} GPUs), "
         f"{len(lengths):,} samples",
-        extra={"format": "ringpack-simulation", "planning": {"wall_seconds": wall, "worker_seconds": busy,
+        extra={"format": "ringpack-simulation", "planning": {"wall_seconds": wall, "worker_cpu_seconds": busy,
                                                               "jobs": jobs, "chunks": len(chunks), "chunk_steps": chunk_steps}},
     )
     for mode, results in results_by_mode.items():
@@ -221,4 +221,4 @@ def format_modes(doc: dict[str, Any]) -> str:
     return text_table(header, rows)
 
 
-__all__ += ["format_modes", "DEFAULT_VARIANTS"]
+__all__ += ["format_modes"]
