@@ -19,7 +19,9 @@ CP rank or sample):
 * every sample of the plan is in exactly one micro-batch, except those listed in ``dropped``,
   which are in none;
 * ``loss_tokens`` of a micro-batch is ``sum(length - 1)`` over its samples (next-token targets
-  never cross a sample boundary).
+  never cross a sample boundary);
+* ``origins`` is empty (planned sample ``k`` is input sample ``k``) or gives, for every planned
+  sample, the input sample and token offset it was cut from (``overflow="split"``), in order.
 """
 
 from __future__ import annotations
@@ -95,8 +97,10 @@ class MicroBatch:
 class Step:
     """One optimizer step: ``microbatches[d]`` is the list DP rank ``d`` runs, in order.
 
-    ``lower_bound`` is a proven lower bound on the slowest DP rank's cost for this step's samples
-    (in the plan's cost unit), or ``None`` when the planner computed none.
+    ``lower_bound`` is a proven lower bound, in the plan's cost unit, on this step's cost as the
+    planner defines it: a micro-batch costs the max over its CP ranks, a DP rank the sum over its
+    micro-batches, the step the max over DP ranks (``ringpack.balancer.metrics``). ``None`` when
+    the planner computed none.
     """
 
     microbatches: tuple[tuple[MicroBatch, ...], ...]
@@ -114,7 +118,8 @@ class PlanConfig:
 
     ``samples_per_step`` is the global batch in samples (``0``: all samples in one step);
     ``microbatches_per_rank`` fixes how many micro-batches each DP rank runs per step (``0``:
-    the fewest that fit the token budget). ``packing`` is ``"balanced"`` (cost-driven) or
+    the fewest that hold the tokens, plus one when the token budget would otherwise keep the step
+    more than 1% above its lower bound). ``packing`` is ``"balanced"`` (cost-driven) or
     ``"first_fit"`` (token-count first fit, the common baseline).
     """
 
@@ -173,12 +178,25 @@ class PlanConfig:
 
 @dataclass(frozen=True)
 class Plan:
-    """A whole shard plan: the config, the input lengths, the steps, and the samples dropped."""
+    """A whole shard plan: the config, the planned sample lengths, the steps, the samples dropped.
+
+    With ``overflow="split"`` the planned samples are documents cut from over-long input samples;
+    ``origins[k] = (input_sample, offset)`` says where document ``k`` starts. Empty otherwise.
+    """
 
     config: PlanConfig
     lengths: tuple[int, ...]
     steps: tuple[Step, ...]
     dropped: tuple[int, ...] = ()
+    origins: tuple[tuple[int, int], ...] = ()
+
+    def origin_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(input_sample, offset)`` of every planned sample as int64 arrays (identity when no cuts)."""
+        if not self.origins:
+            n = len(self.lengths)
+            return np.arange(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+        table = np.asarray(self.origins, dtype=np.int64).reshape(-1, 2)
+        return table[:, 0].copy(), table[:, 1].copy()
 
     # ------------------------------------------------------------------ views
     @property
@@ -224,6 +242,7 @@ class Plan:
         h.update(json.dumps(self.config.to_dict(), sort_keys=True, separators=(",", ":")).encode())
         h.update(np.asarray(self.lengths, dtype="<i8").tobytes())
         h.update(b"|dropped|" + np.asarray(self.dropped, dtype="<i8").tobytes())
+        h.update(b"|origins|" + np.asarray(self.origins, dtype="<i8").tobytes())
         arrays = self.piece_arrays
         for name in TABLE_COLUMNS:
             h.update(f"|{name}|".encode() + arrays[name].astype("<i8").tobytes())
@@ -245,6 +264,12 @@ class Plan:
         for d_sample in self.dropped:
             if not 0 <= d_sample < n:
                 raise PlanError(f"dropped sample {d_sample} is out of range [0, {n})")
+        if self.origins:
+            if len(self.origins) != n:
+                raise PlanError(f"origins has {len(self.origins)} entries for {n} planned samples")
+            for k, (source, offset) in enumerate(self.origins):
+                if source < 0 or offset < 0:
+                    raise PlanError(f"sample {k} has origin ({source}, {offset}); both must be >= 0")
         mb_id = 0
         for s, step in enumerate(self.steps):
             if len(step.microbatches) != cfg.dp:
@@ -354,6 +379,7 @@ class Plan:
             "config": self.config.to_dict(),
             "lengths": [int(x) for x in self.lengths],
             "dropped": [int(x) for x in self.dropped],
+            "origins": [[int(a), int(b)] for a, b in self.origins],
             "steps": steps,
         }
 
@@ -385,6 +411,7 @@ class Plan:
             lengths=tuple(int(x) for x in data["lengths"]),
             steps=steps,
             dropped=tuple(int(x) for x in data.get("dropped", ())),
+            origins=tuple((int(a), int(b)) for a, b in data.get("origins", ())),
         )
         _check_hash(plan, data.get("hash"))
         return plan
@@ -422,12 +449,14 @@ class Plan:
             "lower_bounds": [step.lower_bound for step in self.steps],
             "dropped": [int(x) for x in self.dropped],
         }
+        metadata = {
+            b"ringpack.plan": json.dumps(meta, sort_keys=True).encode(),
+            b"ringpack.lengths": np.asarray(self.lengths, dtype="<i8").tobytes(),
+            b"ringpack.origins": np.asarray(self.origins, dtype="<i8").tobytes(),
+        }
         schema = pa.schema(
             [pa.field(name, pa.int64()) for name in TABLE_COLUMNS],
-            metadata={
-                b"ringpack.plan": json.dumps(meta, sort_keys=True).encode(),
-                b"ringpack.lengths": np.asarray(self.lengths, dtype="<i8").tobytes(),
-            },
+            metadata=metadata,
         )
         return pa.table({name: arrays[name] for name in TABLE_COLUMNS}, schema=schema)
 
@@ -446,7 +475,14 @@ class Plan:
         lengths = np.frombuffer(metadata[b"ringpack.lengths"], dtype="<i8")
         cols = {name: table.column(name).to_numpy().astype(np.int64) for name in TABLE_COLUMNS}
         steps = _steps_from_columns(cols, config, meta["num_steps"], meta["lower_bounds"], lengths)
-        plan = cls(config=config, lengths=tuple(int(x) for x in lengths), steps=steps, dropped=tuple(meta["dropped"]))
+        origins = np.frombuffer(metadata.get(b"ringpack.origins", b""), dtype="<i8").reshape(-1, 2)
+        plan = cls(
+            config=config,
+            lengths=tuple(int(x) for x in lengths),
+            steps=steps,
+            dropped=tuple(meta["dropped"]),
+            origins=tuple((int(a), int(b)) for a, b in origins),
+        )
         _check_hash(plan, meta.get("hash"))
         return plan
 

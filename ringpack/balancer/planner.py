@@ -252,6 +252,7 @@ def make_plan(lengths: Any, config: PlanConfig) -> Plan:
     capacity = config.group_capacity
     too_long = np.flatnonzero(lengths > capacity)
     dropped: tuple[int, ...] = ()
+    origins: tuple[tuple[int, int], ...] = ()
     if too_long.size:
         if config.overflow == "error":
             first = int(too_long[0])
@@ -263,7 +264,8 @@ def make_plan(lengths: Any, config: PlanConfig) -> Plan:
         if config.overflow == "drop":
             dropped = tuple(int(x) for x in too_long)
         else:
-            lengths, _, _ = expand_overflow(lengths, capacity)
+            lengths, doc_sample, doc_offset = expand_overflow(lengths, capacity)
+            origins = tuple(zip(doc_sample.tolist(), doc_offset.tolist()))
     keep = np.ones(len(lengths), dtype=bool)
     keep[list(dropped)] = False
     order = shuffle_order(len(lengths), config.seed, config.epoch)
@@ -276,4 +278,4 @@ def make_plan(lengths: Any, config: PlanConfig) -> Plan:
         _plan_step(s, ids, lengths, config, length_list)
         for s, ids in enumerate(_windows(order, config.samples_per_step, min_samples))
     )
-    return Plan(config=config, lengths=tuple(lengths.tolist()), steps=steps, dropped=dropped)
+    return Plan(config=config, lengths=tuple(lengths.tolist()), steps=steps, dropped=dropped, origins=origins)

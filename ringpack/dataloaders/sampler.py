@@ -207,15 +207,7 @@ class BalancedBatchSampler(_SamplerBase):
     def _doc_map(self, plan: Plan) -> tuple[np.ndarray, np.ndarray]:
         """Dataset row and token offset of every plan sample (identity unless overflow="split" cut rows)."""
         if self._docs is None:
-            n = len(self.lengths)
-            if len(plan.lengths) == n:
-                self._docs = (np.arange(n, dtype=np.int64), np.zeros(n, dtype=np.int64))
-            else:
-                from ringpack.balancer.planner import expand_overflow
-
-                doc_lengths, doc_row, doc_offset = expand_overflow(self.lengths, self.config.group_capacity)
-                assert np.array_equal(doc_lengths, np.asarray(plan.lengths)), "plan documents do not match expand_overflow"
-                self._docs = (doc_row, doc_offset)
+            self._docs = plan.origin_arrays()
         return self._docs
 
     @property

@@ -256,15 +256,11 @@ def write_shards(
     from tqdm.auto import tqdm
 
     from ringpack.balancer import make_plan
-    from ringpack.balancer.planner import expand_overflow
 
     out = Path(out_dir)
     lengths = lengths_from_dataset(dataset, column)
     plan = make_plan(lengths, config)
-    if len(plan.lengths) == len(lengths):
-        doc_row, doc_offset = np.arange(len(lengths)), np.zeros(len(lengths), dtype=np.int64)
-    else:
-        _, doc_row, doc_offset = expand_overflow(lengths, config.group_capacity)
+    doc_row, doc_offset = plan.origin_arrays()
     fingerprint = _content_fingerprint(dataset, column, lengths)
     dp = config.dp
     ranges = _file_ranges(plan.num_steps, steps_per_file)

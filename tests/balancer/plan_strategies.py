@@ -58,4 +58,7 @@ def random_plan(draw, max_samples: int = 24, max_len: int = 40) -> Plan:
         seed=draw(st.integers(0, 2**31)),
         cost=CostModel.preset(draw(st.sampled_from(["llama3-8b", "tiny"]))),
     )
-    return Plan(config=config, lengths=tuple(lengths), steps=tuple(steps), dropped=tuple(dropped))
+    origins: tuple[tuple[int, int], ...] = ()
+    if draw(st.booleans()):  # documents cut from input samples (overflow="split")
+        origins = tuple((k // 2, (k % 2) * 1000) for k in range(n))
+    return Plan(config=config, lengths=tuple(lengths), steps=tuple(steps), dropped=tuple(dropped), origins=origins)

@@ -77,6 +77,9 @@ def test_hash_is_identical_across_processes(tmp_path):
 def test_hash_changes_with_content():
     plan = small_plan()
     assert small_plan(seed=1).content_hash != plan.content_hash
+    cut = dataclasses.replace(plan, origins=((0, 0), (0, 5), (1, 0), (2, 0)))
+    assert cut.validate().content_hash != plan.content_hash
+    assert Plan.from_table(cut.to_table()).origins == cut.origins
     moved = microbatch_from_shards([1], [[Piece(1, 0, 2)], [Piece(1, 2, 3)]], LENGTHS)
     assert replace_mb(plan, moved, 1).content_hash != plan.content_hash
 
@@ -123,6 +126,8 @@ def broken_plans():
     uneven = PlanConfig(dp=2, cp=2, tokens_per_rank=8)
     yield "uneven dp", Plan(uneven, LENGTHS, (Step(((mb0, mb1), ())),), (3,)), r"DP ranks run \[2, 0\] micro-batches"
     yield "dropped out of range", dataclasses.replace(plan, dropped=(3, 4)), r"dropped sample 4 is out of range"
+    yield "origins length", dataclasses.replace(plan, origins=((0, 0), (0, 5))), r"origins has 2 entries for 4 planned samples"
+    yield "origin negative", dataclasses.replace(plan, origins=((0, 0), (1, 0), (2, -1), (3, 0))), r"sample 2 has origin \(2, -1\)"
 
 
 @pytest.mark.parametrize("name, plan, message", list(broken_plans()), ids=[b[0] for b in broken_plans()])

@@ -64,6 +64,9 @@ def test_overflow_split_plans_independent_documents():
     doc_lengths, doc_sample, doc_offset = expand_overflow(np.array([10, 20, 4500, 30]), 2000)
     assert doc_lengths.tolist() == list(plan.lengths)
     assert doc_sample.tolist() == [0, 1, 2, 2, 2, 3] and doc_offset.tolist() == [0, 0, 0, 1500, 3000, 0]
+    # the plan itself records where each document came from
+    assert plan.origins == ((0, 0), (1, 0), (2, 0), (2, 1500), (2, 3000), (3, 0))
+    assert make_plan([10, 20, 30], cfg()).origins == ()
 
 
 def test_too_few_samples_for_the_bins():
