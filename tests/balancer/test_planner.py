@@ -238,3 +238,12 @@ def test_cli_reports_overflow_as_an_error(tmp_path, capsys):
     assert "sample 1 has 99999 tokens" in capsys.readouterr().err
     code = main(["plan", "--lengths", str(tmp_path / "l.npy"), "--dp", "1", "--cp", "2", "--tokens-per-rank", "100", "--overflow", "drop", "--out", str(tmp_path / "p.json")])
     assert code == 0 and Plan.load(tmp_path / "p.json").dropped == (1,)
+
+
+def test_zigzag_fits_a_tight_budget_that_floor_cuts_overflow():
+    """Floor cuts of two 14-token samples over cp=4 put 8 tokens on rank 1; the budget is 7."""
+    from ringpack.balancer.split import split_zigzag
+
+    assert max(s.num_tokens for s in split_zigzag([0, 1], [14, 14], 4).shards) == 8
+    plan = make_plan([14, 14], PlanConfig(dp=1, cp=4, tokens_per_rank=7, strategy="zigzag", microbatches_per_rank=1)).validate()
+    assert [s.num_tokens for s in plan.steps[0].microbatches[0][0].shards] == [7, 7, 7, 7]
