@@ -1,0 +1,209 @@
+"""``ringpack calibrate`` on the CPU: features against brute force, the NNLS fit, the dry run, the no-GPU exit."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from ringpack.analysis import calibrate as cal
+from ringpack.attention.schedule import compile_schedule
+from ringpack.balancer.cost import CostModel
+from ringpack.balancer.plan import PlanConfig
+from ringpack.balancer.split import split_balanced, split_contiguous, split_zigzag
+
+
+# ------------------------------------------------------------------------------------ brute force
+def brute_segment(lq: int, lk: int, causal: bool, bq: int, bk: int) -> tuple[int, int]:
+    """(pairs, tiles touched) of one segment by enumerating its mask (bottom-right causal alignment)."""
+    qi = np.arange(lq)[:, None]
+    kj = np.arange(lk)[None, :]
+    mask = (kj <= qi + lk - lq) if causal else np.ones((lq, lk), dtype=bool)
+    tiles = {(int(i) // bq, int(j) // bk) for i, j in zip(*np.nonzero(mask))}
+    return int(mask.sum()), len(tiles)
+
+
+def brute_rank_pairs(case: cal.Case) -> int:
+    """(query, key) pairs of one rank: same sample, key position <= query position, keys anywhere."""
+    total = 0
+    for p in case.pieces:
+        for q in range(p.start, p.stop):
+            total += q + 1
+    return total
+
+
+def brute_call_tiles(case: cal.Case, bq: int, bk: int) -> int:
+    schedule = compile_schedule(case.microbatch, case.rank)
+    total = 0
+    for call in cal._calls(schedule):
+        cq, ck = call.cu_seqlens_q.tolist(), call.cu_seqlens_k.tolist()
+        for b in range(len(cq) - 1):
+            lq, lk = cq[b + 1] - cq[b], ck[b + 1] - ck[b]
+            if lq and lk:
+                total += brute_segment(lq, lk, call.causal, bq, bk)[1]
+    return total
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_segment_pairs_and_tiles_match_brute_force(causal):
+    rng = np.random.default_rng(0)
+    for _ in range(150):
+        lq = int(rng.integers(1, 70))
+        lk = int(rng.integers(1, 70)) if not causal or rng.random() < 0.5 else lq
+        bq, bk = (int(x) for x in rng.choice([4, 8, 16, 64], size=2))
+        pairs, tiles = brute_segment(lq, lk, causal, bq, bk)
+        assert cal.segment_pairs([lq], [lk], causal)[0] == pairs, (lq, lk)
+        assert cal.segment_tiles([lq], [lk], causal, bq, bk)[0] == tiles, (lq, lk, bq, bk)
+
+
+def test_segment_tiles_vectorised_over_segments():
+    lq = np.array([1, 128, 129, 1000, 256])
+    lk = lq.copy()
+    got = cal.segment_tiles(lq, lk, True, 128, 64)
+    assert got.tolist() == [brute_segment(int(a), int(a), True, 128, 64)[1] for a in lq]
+    # a multiple of the block: n(n+1)/2 tiles of 128x128 on the diagonal and below
+    assert cal.segment_tiles([1024], [1024], True, 128, 128)[0] == 8 * 9 // 2
+
+
+def small_cases() -> list[cal.Case]:
+    lengths = [37, 5, 90, 1, 64, 23]
+    samples = list(range(len(lengths)))
+    cases = cal.grid_cases("tiny")
+    for cp in (2, 3, 4):
+        for mb in (split_contiguous(samples, lengths, cp), split_zigzag(samples, lengths, cp),
+                   split_balanced(samples, lengths, cp, -(-sum(lengths) // cp) + 10, CostModel(token=1.0, pair=0.05, segment=3.0))):
+            cases += cal._ranks("t", mb, lengths, f"cp{cp}")
+    return cases
+
+
+def test_kernel_features_match_brute_force_on_small_shards():
+    for case in small_cases():
+        f = cal.kernel_features(case, 16, 8)
+        planner = cal.planner_features(case)
+        pairs = brute_rank_pairs(case)
+        assert planner[2] == pairs  # the cost model's exact pairs
+        assert f["kernel_pairs"] == pairs  # what the schedule's kernel calls compute, exactly
+        assert f["tiles"] == brute_call_tiles(case, 16, 8)
+        assert f["tile_pairs"] == 16 * 8 * f["tiles"] >= pairs
+        assert f["tokens"] == planner[1] and f["calls"] >= 1
+
+
+# ---------------------------------------------------------------------------------------------- fit
+TRUE = np.array([30e-6, 2.0e-9, 1.7e-13, 3.0e-6])  # overhead, per token, per pair, per piece (s)
+
+
+def grid_features() -> np.ndarray:
+    return np.stack([cal.planner_features(c) for c in cal.grid_cases("quick")])
+
+
+def test_nnls_matches_lstsq_when_unconstrained_and_clamps_otherwise():
+    rng = np.random.default_rng(1)
+    a = rng.random((40, 4))
+    x = np.array([1.0, 0.5, 2.0, 0.25])
+    assert np.allclose(cal.nnls(a, a @ x), x, rtol=1e-10)
+    b = a @ np.array([1.0, -0.5, 2.0, 0.0]) + 0.01 * rng.standard_normal(40)
+    got = cal.nnls(a, b)
+    assert (got >= 0).all() and got[1] == 0.0
+    # KKT: the gradient vanishes on free coefficients and points outward on clamped ones
+    grad = a.T @ (a @ got - b)
+    assert np.allclose(grad[got > 0], 0.0, atol=1e-9) and (grad[got == 0] >= -1e-9).all()
+
+
+def test_fit_recovers_exact_coefficients():
+    x = grid_features()
+    for relative in (True, False):
+        got = cal.fit_nnls(x, x @ TRUE, relative=relative)
+        assert np.allclose(got, TRUE, rtol=1e-6), (relative, got)
+
+
+def test_fit_with_noise_is_close_and_never_negative():
+    x = grid_features()
+    rng = np.random.default_rng(2)
+    times = (x @ TRUE) * (1 + 0.02 * rng.standard_normal(len(x)))
+    got = cal.fit_nnls(x, times)
+    assert (got >= 0).all()
+    assert abs(got[2] / TRUE[2] - 1) < 0.05  # the pair cost is what the planner needs most
+    q = cal.quality(x @ TRUE, x @ got)
+    assert q["r"] > 0.999 and q["max_rel_err"] < 0.06
+    # a negative truth (a feature that makes things cheaper) is clamped to zero
+    truth = TRUE * np.array([1, 1, 1, 0]) - np.array([0, 0, 0, 1e-6])
+    got = cal.fit_nnls(x, np.maximum(x @ truth, 1e-6))
+    assert (got >= 0).all() and got[3] == 0.0
+
+
+def test_quality_and_pearson():
+    q = cal.quality([1.0, 2.0, 4.0], [1.1, 2.0, 3.0])
+    assert q["n"] == 3 and q["max_rel_err"] == pytest.approx(0.25) and q["mean_rel_err"] == pytest.approx(0.35 / 3)
+    assert cal.pearson([1, 2, 3], [2, 4, 6]) == pytest.approx(1.0)
+    assert np.isnan(cal.pearson([1.0], [1.0]))
+
+
+# --------------------------------------------------------------------------------------------- grid
+def test_default_grid_covers_the_shapes_and_fits_the_time_budget():
+    cases = cal.grid_cases("full")
+    held = cal.eval_cases("full", CostModel.preset("llama3-8b"))
+    f = np.stack([cal.planner_features(c) for c in cases])
+    assert f[:, 1].max() == 65536 and f[:, 1].min() <= 128  # single samples 128 .. 64K
+    assert {c.family for c in cases} == {"single", "pack", "mix", "split", "zigzag"}
+    assert any(c.family == "pack" and len(c.pieces) >= 256 for c in cases)  # many short samples
+    assert any(c.family == "split" and c.pieces[0].start > 0 for c in cases)  # suffix pieces: full blocks
+    assert {c.family for c in held} == set(cal.EVAL_STRATEGIES) and len(held) >= 36
+    assert all(len(c.microbatch.shards) == 2 for c in held)
+    shape = cal.AttentionShape(32, 8, 128)
+    # whole tiles at 250 TFLOP/s (H200 torch_flash measured 290-330) plus 0.3 ms per run: well under a minute
+    assert cal.estimate_seconds(cases, shape) + cal.estimate_seconds(held, shape) < 40
+
+
+def test_compute_only_timer_runs_multi_step_schedules():
+    case = cal._ranks("zigzag", split_zigzag([0, 1], [40, 13], 4), [40, 13], "z")[1]
+    assert len(compile_schedule(case.microbatch, case.rank).steps) >= 2
+    clock = cal._Clock("cpu")
+    t = cal.time_case(case, cal.AttentionShape(2, 1, 8), "reference", torch.device("cpu"), torch.float32, clock, reps=2, warmup=0)
+    assert t > 0
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+def parse(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    cal.add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_cpu_dry_run_writes_a_loadable_profile(tmp_path, capsys):
+    out = tmp_path / "prof" / "profile.json"
+    args = parse("--device", "cpu", "--backend", "reference", "--model", "tiny", "--heads", "2", "--kv-heads", "1",
+                 "--head-dim", "16", "--reps", "1", "--warmup", "0", "--quiet", "--out", str(out))
+    assert cal.run(args) == 0
+    text = capsys.readouterr().out
+    assert "held-out" in text and "r=" in text and "max error" in text
+    profile = CostModel.load(out)
+    assert profile.unit == "s" and profile.token > 0 and profile.pair >= 0 and profile.segment >= 0
+    assert profile.name == "tiny-h2kv1d16"
+    report = json.loads((tmp_path / "prof" / "profile.report.json").read_text())
+    assert report["format"] == "ringpack-calibration" and report["meta"]["backend"] == "reference"
+    assert report["linear"]["layer_token_s"] > 0  # mode linear (default) timed the tiny preset's GEMMs
+    assert report["profile"] == profile.to_dict()
+    assert len(report["eval_rows"]) == report["held_out"]["n"] >= 4
+    assert {"r", "max_rel_err", "mean_rel_err"} <= set(report["held_out"])
+    # the planner takes it as any cost model
+    cfg = PlanConfig(dp=1, cp=2, tokens_per_rank=512, cost=CostModel.load(out))
+    mb = split_balanced([0, 1, 2], [300, 200, 100], 2, cfg.tokens_per_rank, cfg.cost)
+    assert sum(s.num_tokens for s in mb.shards) == 600
+
+
+def test_no_cuda_exits_2_with_a_clear_message(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cal.run(parse("--out", str(tmp_path / "p.json"))) == 2
+    err = capsys.readouterr().err
+    assert "needs a CUDA device" in err and "--device cpu --backend reference" in err
+    assert not (tmp_path / "p.json").exists()
+    assert cal.run(parse("--device", "cpu", "--backend", "torch_flash")) == 2
+    assert "reference" in capsys.readouterr().err
+
+
+def test_unknown_model_is_a_user_error():
+    with pytest.raises(ValueError, match="not a preset"):
+        cal.run(parse("--device", "cpu", "--model", "gpt-5"))
