@@ -26,7 +26,20 @@ each call's gradients are exactly its share of the gradient of the whole softmax
 Backends: ``flash_attn`` (the flash-attn package), ``torch_flash`` (PyTorch's built-in flash
 kernel, CUDA fp16/bf16) and ``reference`` (plain PyTorch, any device; computes in float32 or
 float64; O(Tq * Tk) memory, for tests). ``backend="auto"`` picks the first that applies.
-The two entry points are ``torch.library`` custom ops with fake implementations, so code that
+
+**Hybrid backends** pair a varlen kernel with a *dense* one-segment kernel::
+
+    dense_attn_fwd(q, k, v, softmax_scale, causal, backend) -> (out[Lq, H, D], lse[H, Lq])
+    dense_attn_bwd(dout, q, k, v, out, lse, softmax_scale, causal, backend) -> (dq, dk, dv)
+
+(one segment, same conventions; ``causal`` needs ``Lq == Lk``). The engine sends the long
+segments the schedule marked (:attr:`KernelCall.dense`) to the dense kernel one by one and the
+rest of the call to the varlen kernel. ``cudnn_hybrid``: cuDNN dense SDPA
+(``aten._scaled_dot_product_cudnn_attention``, ~1.8x flash on long causal segments on H200) +
+``torch_flash``; ``reference_hybrid``: ``reference`` for both, to test the splitting on CPU.
+Given to :func:`varlen_attn_fwd`/``bwd``, a hybrid name means its varlen kernel.
+
+The entry points are ``torch.library`` custom ops with fake implementations, so code that
 calls them can be traced by ``torch.compile``.
 """
 
@@ -40,16 +53,45 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "AUTO_CUDNN_HYBRID",
     "BACKENDS",
+    "HYBRID_BACKENDS",
     "accum_dtype",
     "available_backends",
+    "dense_attn_bwd",
+    "dense_attn_fwd",
+    "dense_backend",
     "resolve_backend",
     "varlen_attn_bwd",
     "varlen_attn_fwd",
+    "varlen_backend",
 ]
-# torch.ops.ringpack.varlen_attn_fwd / varlen_attn_bwd are the traceable custom-op forms (defined below)
+# torch.ops.ringpack.{varlen,dense}_attn_{fwd,bwd} are the traceable custom-op forms (defined below)
 
-BACKENDS = ("flash_attn", "torch_flash", "reference")
+BACKENDS = ("flash_attn", "torch_flash", "cudnn_hybrid", "reference", "reference_hybrid")
+
+# hybrid backend -> (varlen kernel, dense kernel)
+HYBRID_BACKENDS = {"cudnn_hybrid": ("torch_flash", "cudnn"), "reference_hybrid": ("reference", "reference")}
+
+# Whether backend="auto" picks cudnn_hybrid on CUDA fp16/bf16 (ahead of flash_attn / torch_flash).
+# Off until the GPU benchmark shows it faster end to end (cuDNN builds one graph per new segment
+# length, so very varied lengths pay graph builds); flip to True to make it the default.
+AUTO_CUDNN_HYBRID = False
+
+# Whether cuDNN dense SDPA is given K/V with fewer heads than Q as they are (GQA). False: K/V heads
+# of a dense segment are repeated to H and dK/dV summed back over each group (extra copies of one
+# segment's K/V). tests/attention/test_gpu_cudnn_probe.py reports whether native GQA is exact.
+CUDNN_NATIVE_GQA = False
+
+
+def varlen_backend(backend: str) -> str:
+    """The varlen kernel a backend runs (itself, or a hybrid's varlen half)."""
+    return HYBRID_BACKENDS[backend][0] if backend in HYBRID_BACKENDS else backend
+
+
+def dense_backend(backend: str) -> str | None:
+    """The dense one-segment kernel of a hybrid backend (None: the backend splits nothing)."""
+    return HYBRID_BACKENDS[backend][1] if backend in HYBRID_BACKENDS else None
 
 
 def accum_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -67,21 +109,29 @@ def _flash_attn_module():
 
 
 def available_backends(device: torch.device | str, dtype: torch.dtype) -> list[str]:
-    """Backends usable for tensors of this device and dtype, best first."""
+    """Backends usable for tensors of this device and dtype, best first (``reference_hybrid`` is for tests, never listed)."""
     device = torch.device(device)
     found = []
     half = dtype in (torch.float16, torch.bfloat16)
-    if device.type == "cuda" and half and _flash_attn_module() is not None:
-        found.append("flash_attn")
     if device.type == "cuda" and half:
+        if _flash_attn_module() is not None:
+            found.append("flash_attn")
         found.append("torch_flash")
+        if _cudnn_usable():
+            found.insert(0 if AUTO_CUDNN_HYBRID else len(found), "cudnn_hybrid")
     if dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
         found.append("reference")
     return found
 
 
+@functools.cache
+def _cudnn_usable() -> bool:
+    return torch.backends.cudnn.is_available()
+
+
 def resolve_backend(backend: str, q: Tensor) -> str:
-    """``"auto"`` -> flash_attn if importable on CUDA, else torch_flash on CUDA fp16/bf16, else reference."""
+    """``"auto"`` -> flash_attn if importable on CUDA, else torch_flash on CUDA fp16/bf16, else reference
+    (cudnn_hybrid first on CUDA fp16/bf16 when :data:`AUTO_CUDNN_HYBRID` is set)."""
     if backend == "auto":
         usable = available_backends(q.device, q.dtype)
         if not usable:
@@ -89,10 +139,12 @@ def resolve_backend(backend: str, q: Tensor) -> str:
         return usable[0]
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose 'auto' or one of {BACKENDS}")
-    if backend != "reference" and (q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16)):
+    if backend not in ("reference", "reference_hybrid") and (q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16)):
         raise ValueError(f"backend {backend!r} needs CUDA fp16/bf16 tensors, got {q.dtype} on {q.device}")
     if backend == "flash_attn" and _flash_attn_module() is None:
         raise ValueError("backend 'flash_attn' requested but the flash-attn package is not importable")
+    if backend == "cudnn_hybrid" and not _cudnn_usable():
+        raise ValueError("backend 'cudnn_hybrid' requested but cuDNN is not available")
     return backend
 
 
@@ -233,6 +285,91 @@ def _flash_attn_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, ca
 
 _FWD = {"reference": _reference_fwd, "torch_flash": _torch_flash_fwd, "flash_attn": _flash_attn_fwd}
 _BWD = {"reference": _reference_bwd, "torch_flash": _torch_flash_bwd, "flash_attn": _flash_attn_bwd}
+for _name in HYBRID_BACKENDS:
+    _FWD[_name], _BWD[_name] = _FWD[varlen_backend(_name)], _BWD[varlen_backend(_name)]
+
+
+# ------------------------------------------------------------------------------ dense, one segment
+#
+# cuDNN's dense SDPA ops take [B, H, S, D]; a [S, H, D] row range seen through transpose(0, 1) is
+# the "BSHD" layout (unit-stride head_dim, rows H*D apart) every SDPA kernel accepts, so q/k/v and
+# out/dout go in as views, and cuDNN allocates out/dq/dk/dv in the layout of q/k/v. The ops return
+# lse as fp32 [B, H, S, 1] (or [B, H, S] in some releases; natural log, like flash): we read it by
+# logical index, so its layout does not matter, and hand the backward the same rank it returned.
+
+
+def _bhsd(x: Tensor) -> Tensor:
+    """``[S, H, D]`` -> ``[1, H, S, D]`` view (no copy)."""
+    return x.transpose(0, 1).unsqueeze(0)
+
+
+def _shd(x: Tensor) -> Tensor:
+    """``[1, H, S, D]`` -> ``[S, H, D]``, contiguous (a view when cuDNN wrote BSHD, as it does for BSHD inputs)."""
+    return x[0].transpose(0, 1).contiguous()
+
+
+_cudnn_lse_rank = [4]  # rank of the lse the forward op returned last (the backward wants the same)
+
+
+def _cudnn_kv(x: Tensor, heads: int) -> Tensor:
+    return x if CUDNN_NATIVE_GQA else _expand_kv(x, heads)
+
+
+def _cudnn_dense_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+    heads, lq = q.shape[1], q.shape[0]
+    res = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        _bhsd(q), _bhsd(_cudnn_kv(k, heads)), _bhsd(_cudnn_kv(v, heads)), None, True, _NO_DROPOUT, causal, False, scale=scale
+    )
+    out4, lse = res[0], res[1]
+    if tuple(out4.shape) != (1, heads, lq, v.shape[-1]) or lse.numel() != heads * lq or tuple(lse.shape[:3]) != (1, heads, lq):
+        raise RuntimeError(f"cuDNN SDPA returned out {tuple(out4.shape)} / lse {tuple(lse.shape)} for q {tuple(q.shape)}: unknown layout")
+    _cudnn_lse_rank[0] = lse.dim()
+    return _shd(out4), lse.reshape(heads, lq).float()
+
+
+def _cudnn_dense_bwd(dout, q, k, v, out, lse, scale: float, causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+    heads, kv_heads, lq, lk = q.shape[1], k.shape[1], q.shape[0], k.shape[0]
+    lse4 = lse.float().reshape(1, heads, lq, 1) if _cudnn_lse_rank[0] == 4 else lse.float().reshape(1, heads, lq)
+    seed, offset = _cudnn_no_dropout_rng(q.device)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        _bhsd(dout), _bhsd(q), _bhsd(_cudnn_kv(k, heads)), _bhsd(_cudnn_kv(v, heads)), _bhsd(out), lse4.contiguous(),
+        seed, offset, None, None, None, lq, lk, _NO_DROPOUT, causal, scale=scale,
+    )  # fmt: skip
+    return _shd(dq), _reduce_kv(_shd(dk), kv_heads), _reduce_kv(_shd(dv), kv_heads)
+
+
+@functools.cache
+def _cudnn_no_dropout_rng(device: torch.device) -> tuple[Tensor, Tensor]:
+    """Placeholder philox (seed, offset): with dropout 0 the cuDNN graph has no dropout node and never reads them."""
+    return torch.zeros((), dtype=torch.int64, device=device), torch.zeros((), dtype=torch.int64, device=device)
+
+
+def _one_segment(q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+    return (
+        torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device),
+        torch.tensor([0, k.shape[0]], dtype=torch.int32, device=q.device),
+    )
+
+
+def _reference_dense_fwd(q, k, v, scale, causal):
+    cu_q, cu_k = _one_segment(q, k)
+    return _reference_fwd(q, k, v, cu_q, cu_k, q.shape[0], k.shape[0], scale, causal)
+
+
+def _reference_dense_bwd(dout, q, k, v, out, lse, scale, causal):
+    cu_q, cu_k = _one_segment(q, k)
+    return _reference_bwd(dout, q, k, v, out, lse, cu_q, cu_k, q.shape[0], k.shape[0], scale, causal)
+
+
+_DENSE_FWD = {"cudnn": _cudnn_dense_fwd, "reference": _reference_dense_fwd}
+_DENSE_BWD = {"cudnn": _cudnn_dense_bwd, "reference": _reference_dense_bwd}
+
+
+def _dense_kernel(backend: str, table: dict) -> Callable:
+    dense = dense_backend(backend)
+    if dense is None:
+        raise ValueError(f"backend {backend!r} has no dense kernel; hybrid backends: {tuple(HYBRID_BACKENDS)}")
+    return table[dense]
 
 
 # ------------------------------------------------------------------------------------- custom ops
@@ -283,6 +420,25 @@ def varlen_attn_bwd(
     return _BWD[backend](*args)
 
 
+def dense_attn_fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, backend: str) -> tuple[Tensor, Tensor]:
+    """Attention of one whole segment, ``q [Lq, H, D]`` x ``k/v [Lk, H_kv, D]`` (``causal`` needs ``Lq == Lk``),
+    with a hybrid backend's dense kernel: returns ``(out [Lq, H, D], lse [H, Lq])`` as :func:`varlen_attn_fwd` would."""
+    if causal and q.shape[0] != k.shape[0]:
+        raise ValueError(f"dense causal attention needs as many queries as keys, got {q.shape[0]} and {k.shape[0]}")
+    if torch.compiler.is_compiling():
+        return _dense_attn_fwd_op(q, k, v, softmax_scale, causal, backend)
+    return _dense_kernel(backend, _DENSE_FWD)(q, k, v, softmax_scale, causal)
+
+
+def dense_attn_bwd(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, softmax_scale: float, causal: bool, backend: str
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Backward of :func:`dense_attn_fwd` given the final (merged) ``out [Lq, H, D]`` and ``lse [H, Lq]``."""
+    if torch.compiler.is_compiling():
+        return _dense_attn_bwd_op(dout, q, k, v, out, lse, softmax_scale, causal, backend)
+    return _dense_kernel(backend, _DENSE_BWD)(dout, q, k, v, out, lse, softmax_scale, causal)
+
+
 @torch.library.custom_op("ringpack::varlen_attn_fwd", mutates_args=())
 def _varlen_attn_fwd_op(
     q: Tensor,
@@ -327,4 +483,26 @@ def _varlen_attn_bwd_op(
 
 @_varlen_attn_bwd_op.register_fake
 def _varlen_attn_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, backend):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+@torch.library.custom_op("ringpack::dense_attn_fwd", mutates_args=())
+def _dense_attn_fwd_op(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, backend: str) -> tuple[Tensor, Tensor]:
+    return _dense_kernel(backend, _DENSE_FWD)(q, k, v, softmax_scale, causal)
+
+
+@_dense_attn_fwd_op.register_fake
+def _dense_attn_fwd_fake(q, k, v, softmax_scale, causal, backend):
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=accum_dtype(q.dtype))
+
+
+@torch.library.custom_op("ringpack::dense_attn_bwd", mutates_args=())
+def _dense_attn_bwd_op(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, softmax_scale: float, causal: bool, backend: str
+) -> tuple[Tensor, Tensor, Tensor]:
+    return _dense_kernel(backend, _DENSE_BWD)(dout, q, k, v, out, lse, softmax_scale, causal)
+
+
+@_dense_attn_bwd_op.register_fake
+def _dense_attn_bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, backend):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ringpack.attention.kernels import accum_dtype, varlen_attn_bwd, varlen_attn_fwd
+from ringpack.attention.kernels import accum_dtype, dense_attn_bwd, dense_attn_fwd, dense_backend, varlen_attn_bwd, varlen_attn_fwd
 from ringpack.attention.schedule import KernelCall, Schedule
 
 __all__ = ["ContextParallelAttention", "KVTransport", "RingTransport", "merge_partial", "pack_kv"]
@@ -35,29 +35,52 @@ __all__ = ["ContextParallelAttention", "KVTransport", "RingTransport", "merge_pa
 # ------------------------------------------------------------------------------------------ merge
 
 
-def merge_partial(out: Tensor, lse: Tensor, part_out: Tensor, part_lse: Tensor, index: Tensor | None) -> None:
+Rows = Tensor | slice | None  # which rows of the local tokens a partial result covers (None: all)
+
+
+def merge_partial(out: Tensor, lse: Tensor, part_out: Tensor, part_lse: Tensor, index: Rows) -> None:
     """Fold a partial attention result into the running one, in place, by log-sum-exp.
 
     ``out [T, H, D]`` and ``lse [H, T]`` are the accumulators (float32/float64); ``part_out
-    [n, H, D]`` / ``part_lse [H, n]`` belong to rows ``index`` (``None``: all rows). A partial
-    ``lse`` of ``+inf`` (flash kernels' value for a query without keys) counts as ``-inf``. The
-    running ``lse`` is finite for every row (each query attends at least itself in the local step),
-    so the weights below never see ``inf - inf``.
+    [n, H, D]`` / ``part_lse [H, n]`` belong to rows ``index`` (an index tensor, a slice, or
+    ``None`` for all rows). A partial ``lse`` of ``+inf`` (flash kernels' value for a query
+    without keys) counts as ``-inf``. The running ``lse`` is finite for every row (each query
+    attends at least itself in the local step), so the weights below never see ``inf - inf``.
     """
     part_lse = part_lse.to(lse.dtype)
     part_lse = part_lse.masked_fill(torch.isposinf(part_lse), float("-inf"))
-    old_out = out if index is None else out.index_select(0, index)
-    old_lse = lse if index is None else lse.index_select(1, index)
+    if isinstance(index, Tensor):
+        old_out, old_lse = out.index_select(0, index), lse.index_select(1, index)
+    else:
+        old_out, old_lse = (out, lse) if index is None else (out[index], lse[:, index])
     new_lse = torch.logaddexp(old_lse, part_lse)
     w_old = torch.exp(old_lse - new_lse).transpose(0, 1).unsqueeze(-1)
     w_new = torch.exp(part_lse - new_lse).transpose(0, 1).unsqueeze(-1)
     new_out = old_out * w_old + part_out.to(out.dtype) * w_new
-    if index is None:
-        out.copy_(new_out)
-        lse.copy_(new_lse)
-    else:
+    if isinstance(index, Tensor):
         out.index_copy_(0, index, new_out)
         lse.index_copy_(1, index, new_lse)
+    else:
+        old_out.copy_(new_out)  # views of out/lse
+        old_lse.copy_(new_lse)
+
+
+def _put_rows(dst: Tensor, rows: Rows, src: Tensor, dim: int = 0) -> None:
+    """``dst[rows] = src`` along ``dim`` (rows: index tensor, slice or None)."""
+    if isinstance(rows, Tensor):
+        dst.index_copy_(dim, rows, src.to(dst.dtype))
+    elif rows is None:
+        dst.copy_(src)
+    else:
+        (dst[rows] if dim == 0 else dst[:, rows]).copy_(src)
+
+
+def _add_rows(dst: Tensor, rows: Rows, src: Tensor) -> None:
+    """``dst[rows] += src`` along dim 0."""
+    if isinstance(rows, Tensor):
+        dst.index_add_(0, rows, src.to(dst.dtype))
+    else:
+        (dst if rows is None else dst[rows]).add_(src)
 
 
 def pack_kv(k: Tensor, v: Tensor, index: Tensor, capacity: int | None = None) -> Tensor:
@@ -202,6 +225,40 @@ def _bwd_call(dout, q, k, v, out, lse, call: KernelCall, scale: float, backend: 
     )  # fmt: skip
 
 
+def _splits(call: KernelCall, backend: str) -> bool:
+    return bool(call.dense) and dense_backend(backend) is not None
+
+
+def _fwd_parts(q: Tensor, k: Tensor, v: Tensor, call: KernelCall, scale: float, backend: str) -> list[tuple[Rows, Tensor, Tensor]]:
+    """One call's partial results as ``(local query rows, out, lse)``: one part, or with a hybrid
+    backend the varlen ``rest`` and one part per dense segment (disjoint rows)."""
+    if not _splits(call, backend):
+        return [(call.q_index, *_fwd_call(q, k, v, call, scale, backend))]
+    parts = [] if call.rest is None else [(call.rest.q_index, *_fwd_call(q, k, v, call.rest, scale, backend))]
+    for q0, nq, k0, nk in call.dense:
+        rows, keys = slice(q0, q0 + nq), slice(k0, k0 + nk)
+        parts.append((rows, *dense_attn_fwd(q[rows], k[keys], v[keys], scale, call.causal, backend)))
+    return parts
+
+
+def _bwd_parts(dout, q, k, v, out, lse, call: KernelCall, scale: float, backend: str) -> list[tuple[Rows, Tensor, Rows, Tensor, Tensor]]:
+    """One call's gradients as ``(query rows, dq, key rows, dk, dv)``; key rows ``None``: the whole
+    buffer. With a split, the varlen ``rest`` (if any) comes first, then one part per dense segment."""
+    if not _splits(call, backend):
+        return [(call.q_index, *_bwd_call_parts(dout, q, k, v, out, lse, call, scale, backend))]
+    parts = [] if call.rest is None else [(call.rest.q_index, *_bwd_call_parts(dout, q, k, v, out, lse, call.rest, scale, backend))]
+    for q0, nq, k0, nk in call.dense:
+        rows, keys = slice(q0, q0 + nq), slice(k0, k0 + nk)
+        dq, dk, dv = dense_attn_bwd(dout[rows], q[rows], k[keys], v[keys], out[rows], lse[:, rows], scale, call.causal, backend)
+        parts.append((rows, dq, keys, dk, dv))
+    return parts
+
+
+def _bwd_call_parts(dout, q, k, v, out, lse, call: KernelCall, scale: float, backend: str) -> tuple[Tensor, None, Tensor, Tensor]:
+    dq, dk, dv = _bwd_call(dout, q, k, v, out, lse, call, scale, backend)
+    return dq, None, dk, dv
+
+
 def _attention_forward(q, k, v, schedule: Schedule, make_transport: TransportFactory, scale: float, backend: str):
     """Returns ``(out [T, H, D] in q's dtype, lse [H, T] in the accumulation dtype)``."""
     acc = accum_dtype(q.dtype)
@@ -212,40 +269,63 @@ def _attention_forward(q, k, v, schedule: Schedule, make_transport: TransportFac
     if schedule.local is None:  # a rank without tokens still forwards buffers
         out, lse = q.new_zeros(q.shape), q.new_zeros((q.shape[1], 0), dtype=acc)
     else:
-        out, lse = _fwd_call(q, k, v, schedule.local, scale, backend)
+        parts = _fwd_parts(q, k, v, schedule.local, scale, backend)
+        if len(parts) == 1 and parts[0][0] is None:
+            _, out, lse = parts[0]
+        else:  # split local call: its parts tile the local rows
+            out = q.new_empty(q.shape, dtype=acc if schedule.steps else q.dtype)
+            lse = q.new_empty((q.shape[1], q.shape[0]), dtype=acc)
+            for rows, part_out, part_lse in parts:
+                _put_rows(out, rows, part_out)
+                _put_rows(lse, rows, part_lse, dim=1)
     if not schedule.steps:
         return out, lse.to(acc)
     out_acc, lse_acc = out.to(acc), lse.to(acc)
     for i, step in enumerate(schedule.steps):
         kv = transport.buffer(i)
         for call in step.calls:
-            part_out, part_lse = _fwd_call(q, kv[0], kv[1], call, scale, backend)
-            merge_partial(out_acc, lse_acc, part_out, part_lse, call.q_index)
+            for rows, part_out, part_lse in _fwd_parts(q, kv[0], kv[1], call, scale, backend):
+                merge_partial(out_acc, lse_acc, part_out, part_lse, rows)
     return out_acc.to(q.dtype), lse_acc
 
 
 def _attention_backward(dout, q, k, v, out, lse, schedule: Schedule, make_transport: TransportFactory, scale: float, backend: str):
+    transport = None
+    if schedule.steps:  # start the first K/V transfer before the local kernel, so the two overlap
+        transport = make_transport(schedule)
+        transport.begin(pack_kv(k, v, schedule.send_index), grad_dtype=lse.dtype)
     if schedule.local is None:
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     else:
-        dq, dk, dv = _bwd_call(dout, q, k, v, out, lse, schedule.local, scale, backend)
+        parts = _bwd_parts(dout, q, k, v, out, lse, schedule.local, scale, backend)
+        if len(parts) == 1 and parts[0][0] is None:
+            _, dq, _, dk, dv = parts[0]
+        else:  # split local call: query rows tiled by the parts, dense key rows zero in the rest's dK/dV
+            dq = torch.zeros_like(q)
+            dk, dv = (torch.zeros_like(k), torch.zeros_like(v)) if parts[0][2] is not None else parts[0][3:]
+            for q_rows, dq_c, k_rows, dk_c, dv_c in parts:
+                _put_rows(dq, q_rows, dq_c)
+                if k_rows is not None:
+                    dk[k_rows].add_(dk_c)
+                    dv[k_rows].add_(dv_c)
     if not schedule.steps:
         return dq, dk, dv
     acc = lse.dtype
     dq_acc = dq.to(acc)
-    transport = make_transport(schedule)
-    transport.begin(pack_kv(k, v, schedule.send_index), grad_dtype=acc)
     for i, step in enumerate(schedule.steps):
         kv = transport.buffer(i)
         dkv = None
         for call in step.calls:
-            dq_c, dk_c, dv_c = _bwd_call(dout, q, kv[0], kv[1], out, lse, call, scale, backend)
-            if call.q_index is None:
-                dq_acc.add_(dq_c)
-            else:
-                dq_acc.index_add_(0, call.q_index, dq_c.to(acc))
-            part = torch.stack((dk_c, dv_c)).to(acc)
-            dkv = part if dkv is None else dkv.add_(part)
+            for q_rows, dq_c, k_rows, dk_c, dv_c in _bwd_parts(dout, q, kv[0], kv[1], out, lse, call, scale, backend):
+                _add_rows(dq_acc, q_rows, dq_c)
+                if k_rows is None:  # the whole buffer (zeros where the call has no queries)
+                    part = torch.stack((dk_c, dv_c)).to(acc)
+                    dkv = part if dkv is None else dkv.add_(part)
+                else:
+                    if dkv is None:
+                        dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
+                    dkv[0, k_rows] += dk_c
+                    dkv[1, k_rows] += dv_c
         transport.push_grad(i, dkv)
     home = transport.finish()
     if home is None:

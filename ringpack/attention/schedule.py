@@ -21,6 +21,14 @@ How the plan becomes kernel calls. For a local piece ``q = [a, b)`` of sample X 
   holding several pieces of one sample interleaved with the source's pieces). Key rows a call does
   not use are covered by zero-query segments (see the kernel contract in ``kernels.py``).
 
+Dense split (for hybrid kernel backends). With ``dense_threshold=n`` every call also records its
+*long* segments (at least ``n`` queries and ``n`` keys: the causal segments of the local step and
+the full blocks of remote steps) as ``dense`` tuples ``(q_start, q_len, k_start, k_len)`` of
+Python ints, and the call minus those segments as ``rest``: the same key segments with the long
+segments' query counts set to zero (so the varlen kernel still zeroes their dK/dV rows) and its
+own ``q_index``. A segment's query rows are always one contiguous range of local rows, so a dense
+segment's q/k/v/out are plain slices. Backends without a dense kernel ignore the split.
+
 Communication. Rank ``s`` only ever sends its *needed* pieces: piece ``p`` of X is needed iff
 another rank holds a piece of X that starts at or after ``p.stop``. Those pieces, concatenated in
 canonical order, are its compact send buffer (``send_index`` picks them from the local tokens);
@@ -41,7 +49,10 @@ from torch import Tensor
 
 from ringpack.balancer.plan import MicroBatch
 
-__all__ = ["KernelCall", "RingStep", "Schedule", "ScheduleMismatchError", "compile_schedule"]
+__all__ = ["DEFAULT_DENSE_THRESHOLD", "KernelCall", "RingStep", "Schedule", "ScheduleMismatchError", "compile_schedule"]
+
+# Segments with at least this many queries and keys are marked for a hybrid backend's dense kernel.
+DEFAULT_DENSE_THRESHOLD = 4096
 
 
 class ScheduleMismatchError(ValueError):
@@ -55,6 +66,11 @@ class KernelCall:
     ``q_index`` selects the local query rows (``None``: all local rows, in order); segment ``b``
     pairs ``q[q_index][cu_seqlens_q[b]:cu_seqlens_q[b+1]]`` with rows ``cu_seqlens_k[b]:cu_seqlens_k[b+1]``
     of the key/value buffer. ``max_seqlen_*`` are Python ints so launching needs no host sync.
+
+    The dense split (module docstring), used only by hybrid backends: ``dense`` lists the long
+    segments as ``(q_start, q_len, k_start, k_len)`` (local query rows ``q_start:q_start+q_len``,
+    buffer rows ``k_start:k_start+k_len``, this call's ``causal``); ``rest`` is the call without
+    them (``None`` if nothing is left). Empty ``dense``: no split.
     """
 
     q_index: Tensor | None
@@ -63,6 +79,8 @@ class KernelCall:
     max_seqlen_q: int
     max_seqlen_k: int
     causal: bool
+    dense: tuple[tuple[int, int, int, int], ...] = ()
+    rest: "KernelCall | None" = None
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "KernelCall":
         return replace(
@@ -70,6 +88,7 @@ class KernelCall:
             q_index=None if self.q_index is None else self.q_index.to(device, non_blocking=non_blocking),
             cu_seqlens_q=self.cu_seqlens_q.to(device, non_blocking=non_blocking),
             cu_seqlens_k=self.cu_seqlens_k.to(device, non_blocking=non_blocking),
+            rest=None if self.rest is None else self.rest.to(device, non_blocking),
         )
 
     def pin_memory(self) -> "KernelCall":
@@ -78,6 +97,7 @@ class KernelCall:
             q_index=None if self.q_index is None else self.q_index.pin_memory(),
             cu_seqlens_q=self.cu_seqlens_q.pin_memory(),
             cu_seqlens_k=self.cu_seqlens_k.pin_memory(),
+            rest=None if self.rest is None else self.rest.pin_memory(),
         )
 
 
@@ -223,16 +243,21 @@ class _PieceTable:
         return int.from_bytes(h.digest(), "little", signed=True)
 
 
-def compile_schedule(microbatch: MicroBatch, cp_rank: int) -> Schedule:
+def compile_schedule(microbatch: MicroBatch, cp_rank: int, dense_threshold: int | None = DEFAULT_DENSE_THRESHOLD) -> Schedule:
     """Compile ``microbatch`` into the schedule of CP rank ``cp_rank`` (CPU tensors; see :meth:`Schedule.to`).
 
     Works for any valid micro-batch: any number of pieces per sample and rank, uneven or
     length-1 pieces, ranks with no tokens, any CP size. Every rank of the group must compile the
     same micro-batch (checked at run time through :attr:`Schedule.fingerprint`).
+    ``dense_threshold``: segments with at least this many queries and keys are marked for a hybrid
+    backend's dense kernel (``None``: mark none). It only changes which kernel computes what, so
+    ranks may differ in it.
     """
     cp = len(microbatch.shards)
     if not 0 <= cp_rank < cp:
         raise ValueError(f"cp_rank {cp_rank} is outside the micro-batch's {cp} rank shards")
+    if dense_threshold is not None and dense_threshold < 1:
+        raise ValueError(f"dense_threshold must be >= 1 or None, got {dense_threshold}")
     table = _PieceTable.from_microbatch(microbatch)
     mine = np.flatnonzero(table.rank == cp_rank)
     num_tokens = int((table.stop[mine] - table.start[mine]).sum())
@@ -244,7 +269,7 @@ def compile_schedule(microbatch: MicroBatch, cp_rank: int) -> Schedule:
     mine_needed = mine[table.needed[mine]]
     send_index = _concat_ranges(table.offset[mine_needed], table.stop[mine_needed] - table.start[mine_needed])
     steps = tuple(
-        RingStep(distance=t, calls=_remote_calls(table, mine, np.flatnonzero(table.rank == (cp_rank - t) % cp), num_tokens))
+        RingStep(distance=t, calls=_remote_calls(table, mine, np.flatnonzero(table.rank == (cp_rank - t) % cp), num_tokens, dense_threshold))
         for t in distances
     )
     return Schedule(
@@ -254,21 +279,20 @@ def compile_schedule(microbatch: MicroBatch, cp_rank: int) -> Schedule:
         fingerprint=table.fingerprint(microbatch.samples),
         buffer_tokens=table.buffer_tokens(),
         send_index=torch.from_numpy(send_index),
-        local=_local_call(table, mine) if num_tokens else None,
+        local=_local_call(table, mine, dense_threshold) if num_tokens else None,
         steps=steps,
     )
 
 
-def _local_call(table: _PieceTable, mine: np.ndarray) -> KernelCall:
+def _local_call(table: _PieceTable, mine: np.ndarray, dense_threshold: int | None) -> KernelCall:
     """One causal segment per run of same-sample local pieces (exact: see module docstring)."""
     slot, length = table.slot[mine], table.stop[mine] - table.start[mine]
     run_id = np.cumsum(np.r_[True, slot[1:] != slot[:-1]]) - 1
     run_len = np.bincount(run_id, weights=length).astype(np.int64)
-    cu = _cu(run_len)
-    return KernelCall(None, cu, cu.clone(), int(run_len.max()), int(run_len.max()), causal=True)
+    return _make_call(run_len, run_len, np.cumsum(run_len) - run_len, True, int(run_len.sum()), dense_threshold)
 
 
-def _remote_calls(table: _PieceTable, mine: np.ndarray, theirs: np.ndarray, num_tokens: int) -> tuple[KernelCall, ...]:
+def _remote_calls(table: _PieceTable, mine: np.ndarray, theirs: np.ndarray, num_tokens: int, dense_threshold: int | None) -> tuple[KernelCall, ...]:
     """Non-causal calls of this rank's queries against source rank's compact buffer (usually one call)."""
     src = theirs[table.needed[theirs]]
     if src.size == 0 or mine.size == 0:
@@ -299,30 +323,58 @@ def _remote_calls(table: _PieceTable, mine: np.ndarray, theirs: np.ndarray, num_
     new_sample = np.r_[True, g_slot[1:] != g_slot[:-1]]
     level = np.arange(heads.size) - np.maximum.accumulate(np.where(new_sample, np.arange(heads.size), 0))
     return tuple(
-        _noncausal_call(q_lo[sel], q_hi[sel], g_klo[sel], g_khi[sel], buffer_len, num_tokens)
+        _noncausal_call(q_lo[sel], q_hi[sel], g_klo[sel], g_khi[sel], buffer_len, num_tokens, dense_threshold)
         for sel in (level == lv for lv in range(int(level.max()) + 1))
     )
 
 
-def _noncausal_call(q_lo, q_hi, k_lo, k_hi, buffer_len: int, num_tokens: int) -> KernelCall:
+def _noncausal_call(q_lo, q_hi, k_lo, k_hi, buffer_len: int, num_tokens: int, dense_threshold: int | None) -> KernelCall:
     """Segments (q rows [q_lo, q_hi) gathered) x (keys [k_lo, k_hi)); key gaps become zero-query segments."""
     q_len, k_len = q_hi - q_lo, k_hi - k_lo
     gap = k_lo - np.r_[0, k_hi[:-1]]
     tail = buffer_len - int(k_hi[-1])
     seg_q = np.r_[np.stack([np.zeros_like(q_len), q_len], 1).ravel(), 0]
     seg_k = np.r_[np.stack([gap, k_len], 1).ravel(), tail]
+    seg_q_start = np.r_[np.stack([np.zeros_like(q_lo), q_lo], 1).ravel(), 0]
     keep = (seg_q > 0) | (seg_k > 0)
-    seg_q, seg_k = seg_q[keep], seg_k[keep]
-    q_index = _concat_ranges(q_lo, q_len)
+    return _make_call(seg_q[keep], seg_k[keep], seg_q_start[keep], False, num_tokens, dense_threshold)
+
+
+def _make_call(seg_q, seg_k, seg_q_start, causal: bool, num_tokens: int, dense_threshold: int | None) -> KernelCall:
+    """The call of segments ``seg_q[b]`` queries (local rows ``seg_q_start[b]`` on) x ``seg_k[b]`` keys, plus its dense split."""
+    q_index = _concat_ranges(seg_q_start, seg_q)
     all_rows = q_index.size == num_tokens and bool((q_index == np.arange(num_tokens)).all())
-    return KernelCall(
+    cu_k = _cu(seg_k)
+    call = KernelCall(
         q_index=None if all_rows else torch.from_numpy(q_index),
         cu_seqlens_q=_cu(seg_q),
-        cu_seqlens_k=_cu(seg_k),
-        max_seqlen_q=int(q_len.max()),
+        cu_seqlens_k=cu_k,
+        max_seqlen_q=int(seg_q.max()),
         max_seqlen_k=int(seg_k.max()),
-        causal=False,
+        causal=causal,
     )
+    if dense_threshold is None:
+        return call
+    long = (seg_q >= dense_threshold) & (seg_k >= dense_threshold)
+    if not long.any():
+        return call
+    seg_k_start = np.cumsum(seg_k) - seg_k
+    dense = tuple(
+        (int(a), int(n), int(b), int(m)) for a, n, b, m in zip(seg_q_start[long], seg_q[long], seg_k_start[long], seg_k[long])
+    )
+    assert not causal or all(n == m and a == b for a, n, b, m in dense), "dense causal segments are diagonal blocks"
+    rest_q = np.where(long, 0, seg_q)
+    rest = None
+    if rest_q.any():  # same key segments (the long ones keep their keys with no queries: dK/dV rows zeroed)
+        rest = KernelCall(
+            q_index=torch.from_numpy(_concat_ranges(seg_q_start, rest_q)),
+            cu_seqlens_q=_cu(rest_q),
+            cu_seqlens_k=cu_k,
+            max_seqlen_q=int(rest_q.max()),
+            max_seqlen_k=int(seg_k.max()),
+            causal=causal,
+        )
+    return replace(call, dense=dense, rest=rest)
 
 
 # ---------------------------------------------------------------------------------------- helpers

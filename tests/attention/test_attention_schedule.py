@@ -204,3 +204,56 @@ def test_invalid_microbatches_are_rejected():
         compile_schedule(overlap, 0)
     with pytest.raises(ValueError, match="cp_rank"):
         compile_schedule(zigzag_case(2, [4]), 2)
+
+
+# ------------------------------------------------------------------------------------ dense split
+
+
+def _expanded_segments(call) -> list[tuple[tuple[int, ...], int, int]]:
+    """A call's non-empty segments as (local query rows, first key row, key count)."""
+    rows = None if call.q_index is None else call.q_index.tolist()
+    out = []
+    for (qa, qb), (ka, kb) in zip(_segments(call.cu_seqlens_q), _segments(call.cu_seqlens_k)):
+        if qb > qa:
+            out.append((tuple(range(qa, qb)) if rows is None else tuple(rows[qa:qb]), ka, kb - ka))
+    return out
+
+
+def check_dense_split(call, threshold: int) -> None:
+    """``dense`` + ``rest`` compute exactly the call's segments; long ones dense, others in rest; rest keeps every key segment."""
+    whole = _expanded_segments(call)
+    long = [seg for seg in whole if len(seg[0]) >= threshold and seg[2] >= threshold]
+    if not long:
+        assert call.dense == () and call.rest is None
+        return
+    dense = [(tuple(range(q0, q0 + nq)), k0, nk) for q0, nq, k0, nk in call.dense]
+    assert dense == long and all(isinstance(x, int) for d in call.dense for x in d)
+    rest = [] if call.rest is None else _expanded_segments(call.rest)
+    assert sorted(rest + dense) == sorted(whole)
+    if call.rest is not None:
+        assert call.rest.causal == call.causal and not call.rest.dense
+        assert torch.equal(call.rest.cu_seqlens_k, call.cu_seqlens_k), "rest must keep every key segment (dK/dV rows zeroed)"
+        q_lens = [b - a for a, b in _segments(call.rest.cu_seqlens_q)]
+        assert call.rest.max_seqlen_q == max(q_lens) and call.rest.max_seqlen_k == call.max_seqlen_k
+        assert call.rest.q_index.numel() == sum(q_lens)
+
+
+@settings(max_examples=100, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), cp=st.integers(1, 5), n=st.integers(1, 6), threshold=st.integers(1, 10))
+def test_dense_split_partitions_every_call(seed, cp, n, threshold):
+    mb = random_microbatch(np.random.default_rng(seed), cp, num_samples=n)[0]
+    for r in range(cp):
+        sched = compile_schedule(mb, r, dense_threshold=threshold)
+        plain = compile_schedule(mb, r, dense_threshold=None)
+        for call, base in zip((sched.local, *(c for s in sched.steps for c in s.calls)), (plain.local, *(c for s in plain.steps for c in s.calls))):
+            if call is None:
+                continue
+            assert torch.equal(call.cu_seqlens_q, base.cu_seqlens_q) and base.dense == () and base.rest is None
+            check_dense_split(call, threshold)
+        moved = sched.to("cpu")
+        assert moved.local is None or (moved.local.dense == (sched.local.dense) and (moved.local.rest is None) == (sched.local.rest is None))
+
+
+def test_dense_threshold_is_validated():
+    with pytest.raises(ValueError, match="dense_threshold"):
+        compile_schedule(zigzag_case(2, [4]), 0, dense_threshold=0)
