@@ -702,7 +702,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, help="layers the profile covers (default: the preset's)")
     p.add_argument("--mode", default="linear", choices=["linear", "attention"],
                    help="linear: also time the linear layers' GEMMs per token (default); attention: attention-only profile")
-    p.add_argument("--backend", default="auto", help="attention kernel backend: auto, flash_attn, torch_flash, reference")
+    p.add_argument("--backend", default="auto", help="attention kernel backend timed: auto (what training picks), or one of ringpack.attention.BACKENDS")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cuda (default); cpu only for a dry run with --backend reference")
     p.add_argument("--grid", choices=GRIDS, help="shape grid (default full; quick with --quick; tiny on cpu)")
     p.add_argument("--quick", action="store_true", help="a smaller grid (about a third of the time)")
@@ -720,8 +720,9 @@ def run(args: argparse.Namespace) -> int:
         print("ringpack calibrate: error: calibration times GPU kernels and needs a CUDA device, and none is visible. "
               "Run it on the training GPU (or `--device cpu --backend reference` for a tiny dry run).", file=sys.stderr)
         return 2
-    if args.device == "cpu" and args.backend not in ("reference", "auto"):
-        print(f"ringpack calibrate: error: --device cpu runs only --backend reference, not {args.backend!r}", file=sys.stderr)
+    if args.device == "cpu" and args.backend not in ("reference", "reference_hybrid", "auto"):
+        print(f"ringpack calibrate: error: --device cpu runs only --backend reference (a dry run), not {args.backend!r}",
+              file=sys.stderr)
         return 2
     if args.model not in PRESETS:
         raise ValueError(f"--model {args.model!r} is not a preset ({', '.join(PRESETS)})")

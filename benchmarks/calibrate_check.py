@@ -1,0 +1,81 @@
+"""GPU check of ``ringpack calibrate``: fit the cost model on one GPU and report how well it predicts.
+
+Run on one GPU (about a minute: the default grid is ~80 rank shards, the held-out set 54):
+
+    python benchmarks/calibrate_check.py --out calibration/profile.json
+
+It times ringpack's attention (forward+backward, ``--backend``, default auto) on the default shape
+grid, fits ``time = token*tokens + pair*pairs + segment*pieces`` (+ a per-rank overhead), times the
+model's linear layers, and evaluates the fit on held-out heavy-tailed micro-batches split by
+contiguous / zigzag / balanced over 2 CP ranks (each rank timed on its own, compute only). It
+prints the per-rank table and the fit quality (Pearson r and max relative error, in-sample and
+held-out, with the tile-model diagnostic and a pairs-only baseline), writes the profile
+(``CostModel.save``) and the report JSON next to it, and exits 1 when the held-out fit misses
+``--min-r`` or ``--max-err``. Several backends: ``--backends torch_flash,cudnn_hybrid`` runs one
+calibration per backend (``<out stem>.<backend>.json``) and a side-by-side line at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from ringpack.analysis import calibrate as cal  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="calibration/profile.json")
+    parser.add_argument("--backends", default="auto", help="comma-separated backends, one calibration each (default auto)")
+    parser.add_argument("--model", default="llama3-8b")
+    parser.add_argument("--mode", default="linear", choices=["linear", "attention"])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--min-r", type=float, default=0.98, help="fail below this held-out Pearson r (default 0.98)")
+    parser.add_argument("--max-err", type=float, default=0.15, help="fail above this held-out max relative error (default 0.15)")
+    args = parser.parse_args()
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("calibrate_check: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    out = Path(args.out)
+    summary = []
+    ok = True
+    for backend in backends:
+        path = out if len(backends) == 1 else out.with_name(f"{out.stem}.{backend}{out.suffix}")
+        argv = ["--out", str(path), "--backend", backend, "--model", args.model, "--mode", args.mode, "--reps", str(args.reps)]
+        if args.quick:
+            argv.append("--quick")
+        sub = argparse.ArgumentParser()
+        cal.add_arguments(sub)
+        started = time.perf_counter()
+        code = cal.run(sub.parse_args(argv))
+        if code:
+            return code
+        report = json.loads(path.with_name(path.stem + ".report.json").read_text())
+        held = report["held_out"]
+        passed = held["r"] >= args.min_r and held["max_rel_err"] <= args.max_err
+        ok &= passed
+        summary.append(
+            f"{report['meta']['backend']:14s} held-out r={held['r']:.4f} max err {100 * held['max_rel_err']:5.1f}% "
+            f"mean {100 * held['mean_rel_err']:4.1f}% | grid r={report['train']['r']:.4f} max err "
+            f"{100 * report['train']['max_rel_err']:5.1f}% | tile model max err {100 * report['tile_model']['held_out']['max_rel_err']:5.1f}% "
+            f"| pairs-only max err {100 * report['baseline']['held_out']['max_rel_err']:5.1f}% | "
+            f"{time.perf_counter() - started:.0f} s {'ok' if passed else 'FAIL'}"
+        )
+        print()
+    print("\n".join(summary))
+    print(f"thresholds: held-out r >= {args.min_r}, max relative error <= {args.max_err:.0%}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
