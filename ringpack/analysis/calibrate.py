@@ -88,6 +88,7 @@ GRIDS = ("full", "quick", "tiny")
 PLANNER_FEATURES = ("const", "tokens", "pairs", "pieces")
 KERNEL_FEATURES = ("const", "calls", "tokens", "tile_pairs", "kernel_segments")
 BLOCKS = ((64, 64), (64, 128), (128, 64), (128, 128))
+ROUNDING_TILES = (16, 32, 64, 128)
 EVAL_STRATEGIES = ("contiguous", "zigzag", "balanced")
 
 
@@ -126,11 +127,17 @@ class Case:
 # ------------------------------------------------------------------------------------------ features
 
 
-def planner_features(case: Case) -> np.ndarray:
-    """``[1, tokens, exact causal pairs, pieces]`` of the rank shard: what the cost model sees."""
+def planner_features(case: Case, tile: int = 1) -> np.ndarray:
+    """``[1, tokens, exact causal pairs, pieces]`` of the rank shard: what the cost model sees.
+
+    ``tile > 1`` is a diagnostic variant: each piece's pairs are counted as if its length were
+    rounded up to a multiple of ``tile`` (``piece_pairs(start, start + ceil(len/tile)*tile)``),
+    a cheap stand-in for partial kernel tiles that the cost model could adopt.
+    """
     starts = np.array([p.start for p in case.pieces], dtype=np.int64)
     stops = np.array([p.stop for p in case.pieces], dtype=np.int64)
-    return np.array([1.0, (stops - starts).sum(), piece_pairs(starts, stops).sum(), len(starts)], dtype=np.float64)
+    rounded = starts + -(-(stops - starts) // tile) * tile
+    return np.array([1.0, (stops - starts).sum(), piece_pairs(starts, rounded).sum(), len(starts)], dtype=np.float64)
 
 
 def segment_pairs(len_q: Any, len_k: Any, causal: bool) -> np.ndarray:
@@ -172,6 +179,21 @@ def segment_tiles(len_q: Any, len_k: Any, causal: bool, block_q: int, block_k: i
     return np.bincount(seg, weights=n_k, minlength=lq.size).astype(np.int64)
 
 
+_SCHEDULES: dict[int, tuple[Case, Any]] = {}
+
+
+def _schedule(case: Case):
+    """The case's compiled schedule (CPU), compiled once per case object."""
+    from ringpack.attention.schedule import compile_schedule
+
+    hit = _SCHEDULES.get(id(case))
+    if hit is None or hit[0] is not case:
+        if len(_SCHEDULES) > 4096:
+            _SCHEDULES.clear()
+        hit = _SCHEDULES[id(case)] = (case, compile_schedule(case.microbatch, case.rank))
+    return hit[1]
+
+
 def _calls(schedule) -> list:
     calls = [] if schedule.local is None else [schedule.local]
     return calls + [c for step in schedule.steps for c in step.calls]
@@ -179,9 +201,7 @@ def _calls(schedule) -> list:
 
 def kernel_features(case: Case, block_q: int = 128, block_k: int = 128, schedule=None) -> dict[str, float]:
     """What the kernels of this rank actually run: calls, segments, exact pairs and whole-tile pairs."""
-    from ringpack.attention.schedule import compile_schedule
-
-    schedule = compile_schedule(case.microbatch, case.rank) if schedule is None else schedule
+    schedule = _schedule(case) if schedule is None else schedule
     out = dict(calls=0.0, kernel_segments=0.0, kernel_pairs=0.0, tiles=0.0, tile_pairs=0.0, tokens=float(schedule.num_tokens))
     for call in _calls(schedule):
         lq = np.diff(call.cu_seqlens_q.cpu().numpy().astype(np.int64))
@@ -252,6 +272,7 @@ _GRID_SPEC: dict[str, dict[str, Any]] = {
         splits=((4096, 16384, 32768), (0.25, 0.5, 0.75)),
         zigzag=(([8192], [32768], [12000, 3000, 700]), 2),
         zigzag4=[32768],
+        plans=((16384, 32768, 65536), (1, 2), 2, 1.0),
         eval=((16384, 32768, 65536), (101, 102, 103), 2, 1.0),
     ),
     "quick": dict(
@@ -263,6 +284,7 @@ _GRID_SPEC: dict[str, dict[str, Any]] = {
         splits=((4096, 16384), (0.25, 0.5)),
         zigzag=(([8192], [4000, 3000, 700]), 2),
         zigzag4=[16384],
+        plans=((16384, 32768), (1,), 2, 1.0),
         eval=((16384, 32768), (101,), 2, 1.0),
     ),
     "tiny": dict(  # CPU dry run with the reference backend: O(T^2) memory, so a few hundred tokens
@@ -274,6 +296,7 @@ _GRID_SPEC: dict[str, dict[str, Any]] = {
         splits=((256,), (0.5,)),
         zigzag=(([200],), 2),
         zigzag4=[],
+        plans=((), (), 2, 1 / 16),
         eval=((256,), (101,), 2, 1 / 16),
     ),
 }
@@ -317,12 +340,22 @@ def grid_cases(grid: str = "full", seed: int = 0) -> list[Case]:
     for length in spec["zigzag4"]:
         mb = split_zigzag([0], [length], 4)
         cases += _ranks("zigzag", mb, [length], f"zigzag cp=4 L={length}")
+    for case in _plan_cases(spec["plans"], CostModel.preset("llama3-8b")):
+        cases.append(dataclasses.replace(case, family="plan", label=f"{case.family} {case.label}"))
     return cases
 
 
 def eval_cases(grid: str, cost: CostModel) -> list[Case]:
-    """Held-out rank shards: Pareto mixes split by every strategy over 2 CP ranks (``balanced`` with ``cost``)."""
-    totals, seeds, cp, scale = _GRID_SPEC[grid]["eval"]
+    """Held-out rank shards: Pareto mixes split by every strategy over 2 CP ranks (``balanced`` with ``cost``).
+
+    The grid holds the same kind of micro-batches (``plan`` family) with other seeds: what plans
+    produce is what the fit must get right, and these seeds are never seen by it.
+    """
+    return _plan_cases(_GRID_SPEC[grid]["eval"], cost)
+
+
+def _plan_cases(spec: tuple, cost: CostModel) -> list[Case]:
+    totals, seeds, cp, scale = spec
     cases = []
     for total in totals:
         for seed in seeds:
@@ -409,11 +442,10 @@ def time_case(case: Case, shape: AttentionShape, backend: str, device, dtype, cl
     """Median seconds of one forward+backward of this rank's attention (compute only, no communication)."""
     import torch
 
-    from ringpack.attention.ring import ContextParallelAttention
     from ringpack.attention.kernels import accum_dtype
-    from ringpack.attention.schedule import compile_schedule
+    from ringpack.attention.ring import ContextParallelAttention
 
-    schedule = compile_schedule(case.microbatch, case.rank).to(device)
+    schedule = _schedule(case).to(device)
     t = schedule.num_tokens
     kw = dict(device=device, dtype=dtype, generator=generator)
     q = torch.randn(t, shape.heads, shape.head_dim, **kw).requires_grad_()
@@ -531,6 +563,26 @@ def quality(measured: Sequence[float], predicted: Sequence[float]) -> dict[str, 
     m, p = np.asarray(measured, dtype=np.float64), np.asarray(predicted, dtype=np.float64)
     rel = np.abs(p - m) / m
     return dict(n=int(m.size), r=pearson(m, p), max_rel_err=float(rel.max(initial=0.0)), mean_rel_err=float(rel.mean()) if m.size else 0.0)
+
+
+def imbalance(cases: Sequence[tuple[Case, float]], measured: np.ndarray, predicted: np.ndarray) -> dict[str, float]:
+    """Per micro-batch slowest-rank ratio (max / mean over its ranks), measured against predicted.
+
+    What the planner acts on: ``imbalance_err`` is the largest ``|predicted - measured|`` of that
+    ratio, ``slowest_rank_hit`` the fraction of micro-batches whose slowest rank is predicted right.
+    """
+    groups: dict[int, list[int]] = {}
+    for i, (case, _) in enumerate(cases):
+        groups.setdefault(id(case.microbatch), []).append(i)
+    errs, hits = [], []
+    for rows in groups.values():
+        if len(rows) < 2:
+            continue
+        mm, pp = measured[rows], predicted[rows]
+        errs.append(abs(pp.max() / pp.mean() - mm.max() / mm.mean()))
+        hits.append(int(np.argmax(mm)) == int(np.argmax(pp)) or abs(mm.max() - np.sort(mm)[-2]) <= 0.01 * mm.max())
+    return dict(microbatches=len(errs), imbalance_err=float(max(errs, default=0.0)),
+                slowest_rank_hit=float(np.mean(hits)) if hits else float("nan"))
 
 
 # ------------------------------------------------------------------------------------------- driver
@@ -657,12 +709,21 @@ def calibrate(
     xe = np.stack([planner_features(c) for c, _ in held])
     pred = xe @ coef
     held_out = quality(m, pred)
+    held_out.update(imbalance(held, m, pred))
     bq, bk = best_tile["block"]
     xke = _kernel_matrix([kernel_features(c, bq, bk) for c, _ in held])
     ck = np.array([best_tile["coef"][n] for n in KERNEL_FEATURES])
     tile_model = dict(best_tile, held_out=quality(m, xke @ ck), scan=scan)
     baseline = dict(pair_s=float(base_coef[0]), train=quality(times, x[:, 2] * base_coef[0]),
                     held_out=quality(m, xe[:, 2] * base_coef[0]))
+    rounded = []  # would rounding pieces up to a tile in the cost model's pair count pay off?
+    for tile in ROUNDING_TILES:
+        xr = np.stack([planner_features(c, tile) for c, _ in grid_timed])
+        cr = fit_nnls(xr, times)
+        xre = np.stack([planner_features(c, tile) for c, _ in held])
+        rounded.append(dict(tile=tile, coef=dict(zip(PLANNER_FEATURES, map(float, cr))), train=quality(times, xr @ cr),
+                            held_out=quality(m, xre @ cr)))
+    tile_model["rounded_pieces"] = rounded
 
     grid_rows = [dict(_row(c, t, kfeat[id(c)]), predicted_s=float(p)) for (c, t), p in zip(grid_timed, x @ coef)]
     eval_rows = []
@@ -777,9 +838,14 @@ def format_summary(result: Calibration, verbose: bool = True) -> str:
         f"per layer: {pl['token_s'] * 1e9:.3f} ns/token + {pl['pair_s'] * 1e12:.4f} ps/pair + {pl['segment_s'] * 1e6:.2f} us/piece "
         f"(+ {pl['overhead_s'] * 1e6:.1f} us per rank, not in the profile); pairs at {_pair_tflops(result):.0f} TFLOP/s",
         f"fit      (grid, n={t['n']:3d}):  r={t['r']:.4f}  max error {_pct(t['max_rel_err'])}  mean {_pct(t['mean_rel_err'])}",
-        f"held-out (n={h['n']:3d}):        r={h['r']:.4f}  max error {_pct(h['max_rel_err'])}  mean {_pct(h['mean_rel_err'])}",
+        f"held-out (n={h['n']:3d}):        r={h['r']:.4f}  max error {_pct(h['max_rel_err'])}  mean {_pct(h['mean_rel_err'])}"
+        f"  | per micro-batch max/mean off by <= {h['imbalance_err']:.3f}, slowest rank right in "
+        f"{_pct(h['slowest_rank_hit']).strip()} (ties within 1% count)",
         f"  tile model {tm['block'][0]}x{tm['block'][1]} held-out: r={tm['held_out']['r']:.4f}  "
         f"max error {_pct(tm['held_out']['max_rel_err'])}  mean {_pct(tm['held_out']['mean_rel_err'])}",
+        *(f"  pieces rounded up to {x['tile']:3d} (a cost.py option) held-out: r={x['held_out']['r']:.4f}  "
+          f"max error {_pct(x['held_out']['max_rel_err'])}  mean {_pct(x['held_out']['mean_rel_err'])}"
+          for x in tm.get("rounded_pieces", ())),
         f"  pairs-only baseline held-out:  r={base['held_out']['r']:.4f}  max error {_pct(base['held_out']['max_rel_err'])}  "
         f"mean {_pct(base['held_out']['mean_rel_err'])}",
         f"profile ({result.profile.name}, {result.meta['layers']} layers, mode {result.meta['mode']}): "

@@ -147,7 +147,7 @@ def test_default_grid_covers_the_shapes_and_fits_the_time_budget():
     held = cal.eval_cases("full", CostModel.preset("llama3-8b"))
     f = np.stack([cal.planner_features(c) for c in cases])
     assert f[:, 1].max() == 65536 and f[:, 1].min() <= 128  # single samples 128 .. 64K
-    assert {c.family for c in cases} == {"single", "pack", "mix", "split", "zigzag"}
+    assert {c.family for c in cases} == {"single", "pack", "mix", "split", "zigzag", "plan"}
     assert any(c.family == "pack" and len(c.pieces) >= 256 for c in cases)  # many short samples
     assert any(c.family == "split" and c.pieces[0].start > 0 for c in cases)  # suffix pieces: full blocks
     assert {c.family for c in held} == set(cal.EVAL_STRATEGIES) and len(held) >= 36
