@@ -324,12 +324,13 @@ def _cudnn_dense_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool
     if tuple(out4.shape) != (1, heads, lq, v.shape[-1]) or lse.numel() != heads * lq or tuple(lse.shape[:3]) != (1, heads, lq):
         raise RuntimeError(f"cuDNN SDPA returned out {tuple(out4.shape)} / lse {tuple(lse.shape)} for q {tuple(q.shape)}: unknown layout")
     _cudnn_lse_rank[0] = lse.dim()
-    return _shd(out4), lse.reshape(heads, lq).float()
+    return _shd(out4), lse.reshape(heads, lq).to(accum_dtype(q.dtype))
 
 
 def _cudnn_dense_bwd(dout, q, k, v, out, lse, scale: float, causal: bool) -> tuple[Tensor, Tensor, Tensor]:
     heads, kv_heads, lq, lk = q.shape[1], k.shape[1], q.shape[0], k.shape[0]
-    lse4 = lse.float().reshape(1, heads, lq, 1) if _cudnn_lse_rank[0] == 4 else lse.float().reshape(1, heads, lq)
+    lse = lse.to(accum_dtype(q.dtype))  # fp32 for fp16/bf16, what cuDNN takes
+    lse4 = lse.reshape(1, heads, lq, 1) if _cudnn_lse_rank[0] == 4 else lse.reshape(1, heads, lq)
     seed, offset = _cudnn_no_dropout_rng(q.device)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
         _bhsd(dout), _bhsd(q), _bhsd(_cudnn_kv(k, heads)), _bhsd(_cudnn_kv(v, heads)), _bhsd(out), lse4.contiguous(),

@@ -1,9 +1,15 @@
-"""GPU checks of the attention runtime: bf16, ``torch_flash`` backend, NCCL.
+"""GPU checks of the attention runtime: bf16, ``torch_flash`` and ``cudnn_hybrid`` backends, NCCL.
 
 Two ways to run it on a machine with 2 GPUs::
 
-    torchrun --nproc_per_node=2 tests/attention/test_gpu_ring.py      # prints an error table
+    torchrun --nproc_per_node=2 tests/attention/test_gpu_ring.py      # prints error tables
     pytest -m "gpu or multigpu" tests/attention/test_gpu_ring.py -v     # also the 1-GPU checks
+
+The torchrun check runs every plan x mode with ``torch_flash``, then with ``cudnn_hybrid`` twice:
+on the same plans with ``dense_threshold=256`` (many dense segments of odd lengths next to short
+ones in one call) and on plans with 9000/4100-token samples at the default threshold (4096; long
+causal-local and remote-full segments). It asserts that the hybrid runs really had dense
+segments, local and remote, sharing calls with varlen ones.
 
 The bound: bf16 flash attention is not exact, so ringpack cannot be held to a fixed tolerance.
 For every plan and tensor (out, dq, dk, dv) it is held to the error that single-GPU flash over
@@ -80,6 +86,36 @@ def gpu_plans(cp: int) -> list[tuple[str, object, dict[int, int]]]:
     return [(name, mb, lengths) for name, mb in plans]
 
 
+LONG_LENGTHS = [9000, 4100, 700, 333, 1, 2]
+if os.environ.get("RINGPACK_TINY"):
+    LONG_LENGTHS = [90, 41, 7, 3, 1, 2]
+
+
+def long_plans(cp: int) -> list[tuple[str, object, dict[int, int]]]:
+    """Plans whose calls hold segments above the default dense threshold (4096) next to short ones:
+    sample 0 (9000) and sample 2 (700) cut into ``cp`` contiguous pieces, so every rank > 0 has a remote
+    call with a 9000/cp x >= 9000/cp full block and a short one; the rest whole, round-robin."""
+    lengths = {s: n for s, n in enumerate(LONG_LENGTHS)}
+    shards: list[list[Piece]] = [[] for _ in range(cp)]
+    for s, n in lengths.items():
+        if s in (0, 2):
+            cuts = [n * r // cp for r in range(cp + 1)]
+            for r in range(cp):
+                shards[r].append(Piece(s, cuts[r], cuts[r + 1]))
+        else:
+            shards[s % cp].append(Piece(s, 0, n))
+    plans = [("long-contiguous", microbatch_from_shards(list(lengths), shards, lengths))]
+    plans.append(("long-zigzag", split_zigzag(list(lengths), LONG_LENGTHS, cp)))
+    return [(name, mb, lengths) for name, mb in plans]
+
+
+def split_coverage(schedule) -> torch.Tensor:
+    """[local dense segments, remote dense segments, calls with dense segments and a varlen rest]."""
+    calls = [c for c in (schedule.local, *(c for st in schedule.steps for c in st.calls)) if c is not None]
+    local = len(schedule.local.dense) if schedule.local is not None else 0
+    return torch.tensor([local, sum(len(c.dense) for c in calls) - local, sum(bool(c.dense) and c.rest is not None for c in calls)], dtype=torch.float64)
+
+
 # ----------------------------------------------------------------------------------------- inputs
 
 
@@ -146,17 +182,26 @@ def max_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 # ------------------------------------------------------------------------------------ 2-GPU check
 
 
-def run_distributed_check(backend: str = "torch_flash") -> list[str]:
-    """Every plan x mode on this process group; returns failure lines (empty = pass). Prints the table on rank 0."""
+def run_distributed_check(backend: str = "torch_flash", dense_threshold: int | None = None, plans=gpu_plans) -> list[str]:
+    """Every plan x mode on this process group; returns failure lines (empty = pass). Prints the table on rank 0.
+
+    ``dense_threshold`` (default: compile_schedule's) matters for hybrid backends only; for them the
+    check also fails unless the plans had dense segments, local and remote, next to varlen rests."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     scale = HEAD_DIM**-0.5
     failures, rows = [], []
-    for name, mb, lengths in gpu_plans(world):
+    coverage = torch.zeros(3, dtype=torch.float64)
+    threshold_kw = {} if dense_threshold is None else {"dense_threshold": dense_threshold}
+    all_lengths: list[int] = []
+    for name, mb, lengths in plans(world):
+        all_lengths = list(lengths.values())
         x = make_inputs(lengths, device)
         ref = fp32_reference(x, scale)
         flash = flash_whole_batch(x, scale)
-        sched = compile_schedule(mb, rank).to(device)
+        sched = compile_schedule(mb, rank, **threshold_kw)
+        coverage += split_coverage(sched)
+        sched = sched.to(device)
         for mode in ("ring", "allgather"):
             q, k, v = (local(x[n], mb, rank).to(DTYPE).requires_grad_() for n in ("q", "k", "v"))
             out = ring_attention(q, k, v, sched, mode=mode, backend=backend)
@@ -176,8 +221,18 @@ def run_distributed_check(backend: str = "torch_flash") -> list[str]:
                 rows.append(f"{name:<20} {mode:<9} {t:<3} {ring_err:11.3e} {flash_err:11.3e} {vs_flash:11.3e} {limit:11.3e}  {'ok' if ok else 'FAIL'}")
                 if not ok:
                     failures.append(f"{name}/{mode}/{t}: ringpack err {ring_err:.3e} > {limit:.3e} (flash err {flash_err:.3e})")
+    from ringpack.attention.kernels import dense_backend
+
+    coverage_t = coverage.to(device)
+    dist.all_reduce(coverage_t)
+    local_dense, remote_dense, mixed = (int(c) for c in coverage_t.tolist())
+    split_line = ""
+    if dense_backend(backend) is not None:
+        split_line = f", dense_threshold={dense_threshold or 'default'}: {local_dense} local + {remote_dense} remote dense segments, {mixed} calls dense+varlen"
+        if not (local_dense and remote_dense and mixed):
+            failures.append(f"{backend}: the plans did not exercise the split ({split_line.strip(', ')})")
     if rank == 0:
-        print(f"\nringpack {backend} bf16, CP={world}, H={HEADS}, H_kv={KV_HEADS}, D={HEAD_DIM}, tokens={sum(LENGTHS)}")
+        print(f"\nringpack {backend} bf16, CP={world}, H={HEADS}, H_kv={KV_HEADS}, D={HEAD_DIM}, sample lengths={all_lengths}{split_line}")
         print(f"{'plan':<20} {'mode':<9} {'t':<3} {'ringpack':>11} {'flash':>11} {'rp-flash':>11} {'limit':>11}   (max abs err vs fp32)")
         print("\n".join(rows), flush=True)
     return failures
@@ -189,8 +244,12 @@ def main() -> int:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(backend, timeout=timedelta(seconds=120))
     try:
-        attn_backend = "torch_flash" if torch.cuda.is_available() else "reference"
-        failures = run_distributed_check(attn_backend)
+        cuda = torch.cuda.is_available()
+        failures = run_distributed_check("torch_flash" if cuda else "reference")
+        hybrid = "cudnn_hybrid" if cuda else "reference_hybrid"
+        tiny = bool(os.environ.get("RINGPACK_TINY"))
+        failures += run_distributed_check(hybrid, dense_threshold=8 if tiny else 256)
+        failures += run_distributed_check(hybrid, dense_threshold=40 if tiny else None, plans=long_plans)
     finally:
         dist.barrier()
         dist.destroy_process_group()
@@ -209,7 +268,10 @@ if pytest is not None:
     def _backends() -> list[str]:
         from ringpack.attention.kernels import available_backends
 
-        return [b for b in available_backends("cuda", DTYPE) if b != "reference"] if torch.cuda.is_available() else []
+        from ringpack.attention.kernels import HYBRID_BACKENDS
+
+        usable = available_backends("cuda", DTYPE) if torch.cuda.is_available() else []
+        return [b for b in usable if b != "reference" and b not in HYBRID_BACKENDS]  # a hybrid's varlen half is one of these
 
     @pytest.mark.gpu
     @needs_cuda
@@ -221,6 +283,7 @@ if pytest is not None:
             ([0, 0, 64, 64, 200, 200], [0, 50, 180, 190, 260, 300], False, 8, 2),  # zero-query segments, GQA
             ([0, 0, 1, 1, 2, 2], [0, 9, 30, 40, 41, 45], False, 8, 2),  # max_seqlen_q == 1 with GQA
             ([0, 40, 300], [0, 100, 400], True, 4, 4),  # bottom-right causal (Lk > Lq): contract only
+            ([0, 0, 70, 70, 300], [0, 100, 170, 200, 430], True, 8, 2),  # causal with zero-query segments: a split local call's rest
         ],
     )
     def test_flash_kernel_contract(backend, cu_q, cu_k, causal, heads, kv_heads):
@@ -248,9 +311,37 @@ if pytest is not None:
 
     @pytest.mark.gpu
     @needs_cuda
+    @pytest.mark.parametrize(
+        "causal,lq,lk,heads,kv_heads",
+        [(True, 333, 333, 8, 8), (True, 3001, 3001, 16, 4), (False, 700, 1500, 16, 4), (False, 2049, 257, 8, 1)],
+    )
+    def test_cudnn_dense_kernel_contract(causal, lq, lk, heads, kv_heads):
+        """dense_attn_fwd/bwd of cudnn_hybrid against the reference on the same bf16 inputs (odd lengths, GQA, strided row slices)."""
+        from ringpack.attention.kernels import dense_attn_bwd, dense_attn_fwd
+
+        dev = torch.device("cuda")
+        gen = torch.Generator(device=dev).manual_seed(1)
+        pad = 5  # the segment is a row slice of a bigger [T, H, D] tensor, as in the engine
+        q_all = torch.randn(lq + 2 * pad, heads, 128, device=dev, generator=gen).to(DTYPE)
+        k_all, v_all = (torch.randn(lk + 2 * pad, kv_heads, 128, device=dev, generator=gen).to(DTYPE) for _ in range(2))
+        q, k, v = q_all[pad : pad + lq], k_all[pad : pad + lk], v_all[pad : pad + lk]
+        dout = torch.randn_like(q)
+        res = {}
+        for b in ("cudnn_hybrid", "reference_hybrid"):
+            out, lse = dense_attn_fwd(q, k, v, 0.09, causal, b)
+            assert out.shape == q.shape and lse.shape == (heads, lq) and lse.dtype == torch.float32
+            res[b] = (out, lse, *dense_attn_bwd(dout, q, k, v, out, lse, 0.09, causal, b))
+        for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), res["cudnn_hybrid"], res["reference_hybrid"]):
+            err, size = max_err(got, want), float(want.float().abs().max())
+            assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+            assert err <= 2e-2 * max(size, 1.0), f"cudnn {name}: max err {err:.3e} (max |ref| {size:.3e})"
+
+    @pytest.mark.gpu
+    @needs_cuda
+    @pytest.mark.parametrize("backend,dense_threshold", [("torch_flash", None), ("cudnn_hybrid", 256)])
     @pytest.mark.parametrize("cp", [1, 2, 3, 4])
-    def test_engine_bf16_on_one_gpu(cp):
-        """All CP ranks simulated on one GPU (loopback transport): torch_flash bf16 within the flash bound."""
+    def test_engine_bf16_on_one_gpu(cp, backend, dense_threshold):
+        """All CP ranks simulated on one GPU (loopback transport): bf16 within the flash bound."""
         from tests.attention.attn_testlib import Problem, run_all_ranks
 
         dev = torch.device("cuda")
@@ -259,13 +350,13 @@ if pytest is not None:
             x = make_inputs(lengths, dev, seed=cp)
             ref, flash = fp32_reference(x, scale), flash_whole_batch(x, scale)
             problem = Problem(mb, lengths, *({s: t.to(DTYPE) for s, t in x[n].items()} for n in ("q", "k", "v", "dout")))
-            for rank, got in enumerate(run_all_ranks(problem, scale, backend="torch_flash", device=dev)):
+            for rank, got in enumerate(run_all_ranks(problem, scale, backend=backend, device=dev, dense_threshold=dense_threshold)):
                 for t in NAMES:
                     r, f = local(ref[t], mb, rank), local(flash[t], mb, rank)
                     if not r.numel():
                         continue
                     limit = BOUND_FACTOR * max_err(f, r) + EPS_REL * float(r.abs().max())
-                    assert max_err(got[t], r) <= limit, f"{name} cp={cp} rank {rank} {t}: {max_err(got[t], r):.3e} > {limit:.3e}"
+                    assert max_err(got[t], r) <= limit, f"{backend} {name} cp={cp} rank {rank} {t}: {max_err(got[t], r):.3e} > {limit:.3e}"
 
     @pytest.mark.multigpu
     @needs_2_gpus
