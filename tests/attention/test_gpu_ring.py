@@ -193,6 +193,7 @@ def run_distributed_check(backend: str = "torch_flash", dense_threshold: int | N
     failures, rows = [], []
     coverage = torch.zeros(3, dtype=torch.float64)
     threshold_kw = {} if dense_threshold is None else {"dense_threshold": dense_threshold}
+    worst, checked = (0.0, ""), 0
     all_lengths: list[int] = []
     for name, mb, lengths in plans(world):
         all_lengths = list(lengths.values())
@@ -218,6 +219,8 @@ def run_distributed_check(backend: str = "torch_flash", dense_threshold: int | N
             for t, (ring_err, flash_err, ref_max, vs_flash) in zip(NAMES, stats):
                 limit = BOUND_FACTOR * flash_err + EPS_REL * ref_max
                 ok = ring_err <= limit
+                worst = max(worst, (ring_err / limit if limit else float("inf"), f"{name}/{mode}/{t}"))
+                checked += 1
                 rows.append(f"{name:<20} {mode:<9} {t:<3} {ring_err:11.3e} {flash_err:11.3e} {vs_flash:11.3e} {limit:11.3e}  {'ok' if ok else 'FAIL'}")
                 if not ok:
                     failures.append(f"{name}/{mode}/{t}: ringpack err {ring_err:.3e} > {limit:.3e} (flash err {flash_err:.3e})")
@@ -235,7 +238,15 @@ def run_distributed_check(backend: str = "torch_flash", dense_threshold: int | N
         print(f"\nringpack {backend} bf16, CP={world}, H={HEADS}, H_kv={KV_HEADS}, D={HEAD_DIM}, sample lengths={all_lengths}{split_line}")
         print(f"{'plan':<20} {'mode':<9} {'t':<3} {'ringpack':>11} {'flash':>11} {'rp-flash':>11} {'limit':>11}   (max abs err vs fp32)")
         print("\n".join(rows), flush=True)
+        SUMMARY.append(
+            f"SUMMARY {backend:<16} threshold={str(dense_threshold or 'default'):<7} plans={plans.__name__:<9} "
+            f"{checked - sum(r.endswith('FAIL') for r in rows)}/{checked} within bound, worst err/limit {worst[0]:.2f} ({worst[1]})"
+            + (f", dense: {local_dense} local / {remote_dense} remote / {mixed} mixed calls" if split_line else "")
+        )
     return failures
+
+
+SUMMARY: list[str] = []  # one line per run_distributed_check, printed last by main()
 
 
 def main() -> int:
@@ -253,6 +264,8 @@ def main() -> int:
     finally:
         dist.barrier()
         dist.destroy_process_group()
+    if SUMMARY:
+        print("\n" + "\n".join(SUMMARY), flush=True)
     if failures:
         print("FAILED:\n" + "\n".join(failures), file=sys.stderr, flush=True)
         return 1
