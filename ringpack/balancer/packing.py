@@ -1,10 +1,10 @@
 """Packing + DP balance: samples of one global batch into ``dp x m`` micro-batch bins.
 
 A bin is one micro-batch of one DP rank (``bin = dp_rank * m + index``). Every bin holds at most
-``capacity`` tokens (``cp * tokens_per_rank``); with the ``zigzag`` CP split each bin also keeps
-the tokens zigzag puts on every CP rank under ``tokens_per_rank`` (``rank_tokens``). A DP rank's
-load is the sum of its samples' weights: with a cost weight, ``sum / cp`` is exactly what a
-perfectly balanced CP split costs, so balancing loads balances the step.
+``capacity`` tokens (``cp * tokens_per_rank``), which every CP split strategy spreads over the
+CP ranks within ``tokens_per_rank`` each. A DP rank's load is the sum of its samples' weights:
+with a cost weight, ``sum / cp`` is exactly what a perfectly balanced CP split costs, so
+balancing loads balances the step.
 
 * :func:`pack_greedy` -- cost-descending, least-loaded DP rank that fits (LPT), inside a rank the
   micro-batch with the most free tokens; a heap, O(n log dp).
@@ -31,18 +31,12 @@ def dp_loads(bins: np.ndarray, weights: np.ndarray, dp: int, m: int) -> np.ndarr
     return np.bincount(bins // m, weights=weights, minlength=dp)
 
 
-def _fits(vec: list[int], add: np.ndarray, limit: int) -> bool:
-    return all(v + int(x) <= limit for v, x in zip(vec, add))
-
-
 def pack_greedy(
     weights: np.ndarray,
     tokens: np.ndarray,
     dp: int,
     m: int,
     capacity: int,
-    rank_tokens: Optional[np.ndarray] = None,
-    rank_capacity: int = 0,
 ) -> Optional[np.ndarray]:
     """LPT: items by weight descending, each to the least-loaded DP rank with a micro-batch that fits.
 
@@ -55,7 +49,6 @@ def pack_greedy(
     w_list = weights.tolist()
     t_list = tokens.tolist()
     free = [[capacity] * m for _ in range(dp)]
-    vecs = [[[0] * rank_tokens.shape[1] for _ in range(m)] for _ in range(dp)] if rank_tokens is not None else None
     heap = [(0.0, d) for d in range(dp)]
     bins = np.empty(n, dtype=np.int64)
     rank_free = [capacity] * dp  # most free tokens of any bin of each rank: fail fast when full
@@ -68,23 +61,10 @@ def pack_greedy(
         while heap:
             load, d = heapq.heappop(heap)
             free_d = free[d]
-            best = -1
-            if vecs is None:  # the bin with most free tokens (first on ties) fits, or none does
-                fj = max(free_d)
-                if fj >= t:
-                    best = free_d.index(fj)
-            else:
-                best_free = -1
-                for j in range(m):
-                    fj = free_d[j]
-                    if fj >= t and fj > best_free and _fits(vecs[d][j], rank_tokens[i], rank_capacity):
-                        best, best_free = j, fj
-            if best >= 0:
+            fj = max(free_d)  # the bin with most free tokens (first on ties) fits, or none does
+            if fj >= t:
+                best = free_d.index(fj)
                 free_d[best] -= t
-                if vecs is not None:
-                    vj = vecs[d][best]
-                    for r, x in enumerate(rank_tokens[i].tolist()):
-                        vj[r] += x
                 bins[i] = d * m + best
                 rank_free[d] = max(free_d)
                 heapq.heappush(heap, (load + w_list[i], d))
@@ -105,8 +85,6 @@ def fill_empty_bins(
     dp: int,
     m: int,
     capacity: int,
-    rank_tokens: Optional[np.ndarray] = None,
-    rank_capacity: int = 0,
 ) -> np.ndarray:
     """Give every empty bin one sample, taken from bins holding two or more.
 
@@ -134,12 +112,6 @@ def fill_empty_bins(
     return bins
 
 
-def _bin_vectors(bins: np.ndarray, rank_tokens: np.ndarray, nbins: int) -> np.ndarray:
-    out = np.zeros((nbins, rank_tokens.shape[1]), dtype=np.int64)
-    np.add.at(out, bins, rank_tokens)
-    return out
-
-
 def improve(
     bins: np.ndarray,
     weights: np.ndarray,
@@ -148,8 +120,6 @@ def improve(
     m: int,
     capacity: int,
     lower_bound: float,
-    rank_tokens: Optional[np.ndarray] = None,
-    rank_capacity: int = 0,
     max_iters: int = 200,
     neighbours: int = 8,
     stop_gap: float = 1e-4,
@@ -172,7 +142,6 @@ def improve(
     loads = np.bincount(bins // m, weights=w, minlength=dp)
     bin_tok = np.bincount(bins, weights=t, minlength=nbins).astype(np.int64)
     counts = np.bincount(bins, minlength=nbins)
-    vecs = _bin_vectors(bins, rank_tokens, nbins) if rank_tokens is not None else None
     tol = 1e-12 * max(float(loads.max()), 1.0)
     for _ in range(max_iters):
         h = int(np.argmax(loads))
@@ -196,8 +165,7 @@ def improve(
                 new = np.where(ok, new, np.inf)
                 k = int(np.argmin(new))
                 if new[k] < top - tol and (best is None or new[k] < best[0]):
-                    if vecs is None or np.all(vecs[j] + rank_tokens[A[k]] <= rank_capacity):
-                        best = (float(new[k]), "move", int(A[k]), int(j))
+                    best = (float(new[k]), "move", int(A[k]), int(j))
         # swaps: a in h <-> b in a light rank, w[a] > w[b]
         is_light = np.zeros(dp, dtype=bool)
         is_light[light] = True
@@ -217,12 +185,7 @@ def improve(
                 val = new[ka, kb]
                 if not (val < top - tol) or (best is not None and val >= best[0]):
                     break
-                a, b = int(A[ka]), int(B[kb])
-                if vecs is not None:
-                    diff = rank_tokens[a] - rank_tokens[b]
-                    if np.any(vecs[bins[b]] + diff > rank_capacity) or np.any(vecs[bins[a]] - diff > rank_capacity):
-                        continue
-                best = (float(val), "swap", a, b)
+                best = (float(val), "swap", int(A[ka]), int(B[kb]))
                 break
         if best is None:
             break
@@ -235,9 +198,6 @@ def improve(
             bin_tok[dst] += t[a]
             counts[src] -= 1
             counts[dst] += 1
-            if vecs is not None:
-                vecs[src] -= rank_tokens[a]
-                vecs[dst] += rank_tokens[a]
             bins[a] = dst
         else:
             b = x
@@ -247,10 +207,6 @@ def improve(
             loads[bb // m] += delta
             bin_tok[ba] += t[b] - t[a]
             bin_tok[bb] += t[a] - t[b]
-            if vecs is not None:
-                diff = rank_tokens[a] - rank_tokens[b]
-                vecs[ba] -= diff
-                vecs[bb] += diff
             bins[a], bins[b] = bb, ba
     return bins
 
@@ -261,8 +217,6 @@ def pack_first_fit(
     m_min: int,
     m_fixed: int,
     capacity: int,
-    rank_tokens: Optional[np.ndarray] = None,
-    rank_capacity: int = 0,
 ) -> tuple[Optional[np.ndarray], int]:
     """The common baseline: balanced by token count only.
 
@@ -276,21 +230,16 @@ def pack_first_fit(
     t_list = tokens.tolist()
     packs: list[list[int]] = []
     free: list[int] = []
-    vecs: list[list[int]] = []
     for i in range(n):
         ti = t_list[i]
         for p in range(len(packs)):
-            if free[p] >= ti and (rank_tokens is None or _fits(vecs[p], rank_tokens[i], rank_capacity)):
+            if free[p] >= ti:
                 packs[p].append(i)
                 free[p] -= ti
-                if rank_tokens is not None:
-                    vecs[p] = [v + int(x) for v, x in zip(vecs[p], rank_tokens[i])]
                 break
         else:
             packs.append([i])
             free.append(capacity - ti)
-            if rank_tokens is not None:
-                vecs.append([int(x) for x in rank_tokens[i]])
     m = m_fixed if m_fixed else max(m_min, -(-len(packs) // dp))
     if len(packs) > dp * m:
         return None, m

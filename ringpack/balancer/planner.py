@@ -43,7 +43,7 @@ import numpy as np
 
 from ringpack.balancer.cost import CostModel
 from ringpack.balancer.plan import MicroBatch, Plan, PlanConfig, PlanError, Step
-from ringpack.balancer.split import split_balanced, split_contiguous, split_zigzag, split_zigzag_even, zigzag_rank_tokens
+from ringpack.balancer.split import split_balanced, split_contiguous, split_zigzag, split_zigzag_even
 
 __all__ = ["make_plan", "as_lengths", "expand_overflow", "shuffle_order", "step_lower_bound", "split_microbatch"]
 
@@ -171,14 +171,13 @@ def _windows(order: np.ndarray, per_step: int, min_samples: int) -> list[np.ndar
 def _plan_step(index: int, ids: np.ndarray, lengths: np.ndarray, config: PlanConfig, length_list: list[int]) -> Step:
     from ringpack.balancer import packing
 
-    dp, cp, budget = config.dp, config.cp, config.tokens_per_rank
+    dp, cp = config.dp, config.cp
     capacity = config.group_capacity
     L = lengths[ids]
     n = len(ids)
     W = config.cost.sample_cost(L)
     # Every strategy fits any micro-batch of at most cp * tokens_per_rank tokens (zigzag falls back
     # to its token-even form, see split_microbatch), so packing only needs the group capacity.
-    rank_tokens = None
     total = int(L.sum())
     m_fixed = config.microbatches_per_rank
     m_lo = m_fixed or max(1, -(-total // (dp * capacity)))
@@ -192,27 +191,27 @@ def _plan_step(index: int, ids: np.ndarray, lengths: np.ndarray, config: PlanCon
     bound = step_lower_bound(W, L, dp, cp, config.cost)
     bins, m = None, m_lo
     if config.packing == "first_fit":
-        bins, m = packing.pack_first_fit(L, dp, m_lo, m_fixed, capacity, rank_tokens, budget)
+        bins, m = packing.pack_first_fit(L, dp, m_lo, m_fixed, capacity)
         if bins is not None and n < dp * m:
             bins = None
         if bins is not None:
-            bins = packing.fill_empty_bins(bins, W, L, dp, m, capacity, rank_tokens, budget)
+            bins = packing.fill_empty_bins(bins, W, L, dp, m, capacity)
     else:
         best = None  # (max load, m, bins)
         for m in range(m_lo, m_hi + 1):
-            bins = packing.pack_greedy(W, L, dp, m, capacity, rank_tokens, budget)
+            bins = packing.pack_greedy(W, L, dp, m, capacity)
             if bins is None:
                 if best is not None:
                     break
                 continue
             if best is None:
                 first_ok = m
-            bins = packing.fill_empty_bins(bins, W, L, dp, m, capacity, rank_tokens, budget)
-            bins = packing.improve(bins, W, L, dp, m, capacity, bound * cp, rank_tokens, budget)
+            bins = packing.fill_empty_bins(bins, W, L, dp, m, capacity)
+            bins = packing.improve(bins, W, L, dp, m, capacity, bound * cp)
             if config.solver_time_limit_s > 0:
                 from ringpack.balancer import solver
 
-                bins = solver.refine(bins, W, L, dp, m, capacity, bound * cp, config.solver_time_limit_s, rank_tokens, budget)
+                bins = solver.refine(bins, W, L, dp, m, capacity, bound * cp, config.solver_time_limit_s)
             top = float(packing.dp_loads(bins, W, dp, m).max())
             if best is None or top < best[0] * (1 - 1e-9):
                 best = (top, m, bins)

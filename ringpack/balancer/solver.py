@@ -3,10 +3,9 @@
 Used by the planner when ``PlanConfig.solver_time_limit_s > 0`` and the heuristic packing is more
 than :data:`GAP_THRESHOLD` above the step's lower bound (few dominant samples, tight budgets).
 The model is the packing problem itself: every sample in exactly one ``(DP rank, micro-batch)``
-bin, bins within the token budget (and, for zigzag, within every CP rank's budget), no bin
-empty, minimise the largest DP-rank load (sum of integer-scaled sample costs). It is warm-started
-with the heuristic answer (``AddHint``) and the better of the two is kept, judged on the exact
-float costs.
+bin, bins within the group's token budget (``cp * tokens_per_rank``), no bin empty, minimise the
+largest DP-rank load (sum of integer-scaled sample costs). It is warm-started with the heuristic
+answer (``AddHint``) and the better of the two is kept, judged on the exact float costs.
 
 Determinism: a plan must be identical on every rank, so the solver runs with one worker, a fixed
 seed and a *deterministic* time limit (``max_deterministic_time`` = ``solver_time_limit_s``; CP-SAT's
@@ -18,8 +17,6 @@ loaded. (Pin OR-Tools across a job, as for any library that computes the plan.)
 """
 
 from __future__ import annotations
-
-from typing import Optional
 
 import numpy as np
 
@@ -44,8 +41,6 @@ def refine(
     capacity: int,
     lower_bound: float,
     time_limit_s: float,
-    rank_tokens: Optional[np.ndarray] = None,
-    rank_capacity: int = 0,
 ) -> np.ndarray:
     """Improve ``bins`` with CP-SAT under a deterministic time limit; never returns a worse packing."""
     n = len(bins)
@@ -67,9 +62,6 @@ def refine(
         column = [x[i][b] for i in range(n)]
         model.Add(sum(int(t[i]) * column[i] for i in range(n)) <= capacity)
         model.AddBoolOr(column)  # no empty micro-batch
-        if rank_tokens is not None:
-            for c in range(rank_tokens.shape[1]):
-                model.Add(sum(int(rank_tokens[i, c]) * column[i] for i in range(n)) <= rank_capacity)
     top = model.NewIntVar(0, int(wi.sum()), "top")
     for d in range(dp):
         model.Add(sum(int(wi[i]) * x[i][b] for i in range(n) for b in range(d * m, (d + 1) * m)) <= top)

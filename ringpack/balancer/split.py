@@ -17,7 +17,7 @@ from ringpack.balancer.plan import MicroBatch, Piece, microbatch_from_shards
 if TYPE_CHECKING:
     from ringpack.balancer.cost import CostModel
 
-__all__ = ["split_contiguous", "split_zigzag", "split_balanced", "split_zigzag_even", "zigzag_rank_tokens", "CP_BALANCE_TOLERANCE"]
+__all__ = ["split_contiguous", "split_zigzag", "split_balanced", "split_zigzag_even", "CP_BALANCE_TOLERANCE"]
 
 
 def split_contiguous(samples: Sequence[int], lengths: Sequence[int], cp: int) -> MicroBatch:
@@ -436,11 +436,3 @@ def _balanced_shards(samples, lens, w, cp, tokens_per_rank, a, b, seg, cap, dens
             last_rank = r
             stop = start
     return shards, cap - min(room)
-
-
-def zigzag_rank_tokens(lengths: np.ndarray, cp: int) -> np.ndarray:
-    """Tokens :func:`split_zigzag` puts on each CP rank, per sample: an ``[n, cp]`` int64 array."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    cuts = (lengths[:, None] * np.arange(2 * cp + 1, dtype=np.int64)[None, :]) // (2 * cp)
-    chunks = np.diff(cuts, axis=1)
-    return chunks[:, :cp] + chunks[:, ::-1][:, :cp]
