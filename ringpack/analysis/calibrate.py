@@ -6,7 +6,8 @@ the FLOP-derived coefficients by seconds measured on the GPU that will train, in
 1. **Grid.** Rank shards built to span what plans produce: single samples of 128 to 64K tokens,
    packs of many short samples (64 to 2K, round and odd lengths), long samples split at several
    offsets over 2 CP ranks (so ranks hold suffix pieces: a causal diagonal *plus* full blocks), and
-   zigzag splits over 2 and 4 ranks (several pieces per sample, several remote steps).
+   zigzag splits over 2 and 4 ranks (several pieces per sample, several remote steps), and
+   plan-shaped micro-batches (heavy-tailed mixes split by every strategy, seeds 1-2).
 2. **Timer.** Each shard runs ringpack's own attention engine (:class:`ContextParallelAttention`
    on its compiled schedule, the chosen kernel backend) forward and backward, timed with CUDA
    events, median of a few repetitions. CP ranks are timed one at a time on one GPU: a transport
@@ -30,7 +31,9 @@ the FLOP-derived coefficients by seconds measured on the GPU that will train, in
    ``[1, kernel calls, tokens, tile_pairs, kernel segments]`` where ``tile_pairs`` counts every
    tile a call touches as full (:func:`segment_tiles`); the block size is chosen from 64/128 by
    fit. Both models' held-out errors are reported; if the tile model were much better, the cost
-   model would need a tile feature.
+   model would need a tile feature. A third diagnostic counts each piece's pairs with its length
+   rounded up to a tile (16..128): the one-line change to ``cost.py`` that would capture most of
+   the partial-tile waste, reported so the GPU numbers decide whether it is worth making.
 4. **Evaluation.** Held-out micro-batches (heavy-tailed Pareto mixes, split by ``contiguous``,
    ``zigzag`` and ``balanced`` over 2 CP ranks, with lengths and seeds the grid never saw): every
    rank's measured time against the profile's prediction; Pearson correlation and largest
