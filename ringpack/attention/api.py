@@ -46,7 +46,9 @@ def ring_attention(
     attention with a per-sample mask over the whole micro-batch, restricted to these tokens, and
     differentiable w.r.t. q, k, v. ``group`` is the CP group (default: the world when
     ``schedule.cp_size > 1``; unused when it is 1). ``mode`` is ``"ring"`` or ``"allgather"``.
-    ``backend``: ``"auto"``, ``"flash_attn"``, ``"torch_flash"`` or ``"reference"``.
+    ``backend``: ``"auto"``, ``"flash_attn"``, ``"torch_flash"``, ``"cudnn_hybrid"`` (long segments,
+    as marked by ``compile_schedule(..., dense_threshold=...)``, through cuDNN dense attention; the
+    rest through torch flash), ``"reference"`` or ``"reference_hybrid"`` (tests).
     """
     if not causal:
         raise NotImplementedError("ring_attention supports causal attention only")
