@@ -140,3 +140,19 @@ def test_merge_is_exact_and_ignores_empty_partials():
     before = out.clone()
     merge_partial(out, lse, torch.zeros(3, 3, 2, dtype=torch.float64), torch.full((3, 3), float("inf"), dtype=torch.float64), rows)
     torch.testing.assert_close(out, before, rtol=0, atol=0)
+
+
+def test_hybrid_backends_resolve_and_their_dense_ops_trace():
+    q = torch.zeros(1, 1, 8)
+    assert resolve_backend("reference_hybrid", q) == "reference_hybrid"
+    with pytest.raises(ValueError, match="CUDA"):
+        resolve_backend("cudnn_hybrid", q)
+    assert kernels.varlen_backend("cudnn_hybrid") == "torch_flash" and kernels.dense_backend("torch_flash") is None
+    q, k = torch.randn(5, 4, 8), torch.randn(5, 2, 8)
+    torch.library.opcheck(torch.ops.ringpack.dense_attn_fwd.default, (q, k, k, 0.3, True, "reference_hybrid"))
+    out, lse = kernels.dense_attn_fwd(q, k, k, 0.3, True, "reference_hybrid")
+    torch.library.opcheck(torch.ops.ringpack.dense_attn_bwd.default, (torch.randn_like(q), q, k, k, out, lse, 0.3, True, "reference_hybrid"))
+    with pytest.raises(ValueError, match="as many queries as keys"):
+        kernels.dense_attn_fwd(q, k[:3], k[:3], 0.3, True, "reference_hybrid")
+    with pytest.raises(ValueError, match="no dense kernel"):
+        kernels.dense_attn_fwd(q, k, k, 0.3, True, "reference")
