@@ -22,6 +22,7 @@ the mask keeps: ``4 * head_dim * q_heads * pairs`` forward, x3.5 for forward+bac
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -127,12 +128,13 @@ def main() -> int:
     parser.add_argument("--strategies", default="contiguous,zigzag,balanced")
     parser.add_argument("--modes", default="ring,allgather")
     parser.add_argument("--passes", default="fwd,fwdbwd")
-    parser.add_argument("--peers", default="ideal,torch", help="which comparisons to run")
+    parser.add_argument("--peers", default="ideal,torch,flex", help="comparisons to run: ideal kernels, torch CP, flex (compiled; slow to build)")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--backend", default="auto", help="ringpack kernel backend")
+    parser.add_argument("--backends", default="auto", help="ringpack kernel backends, comma separated (a row each)")
+    parser.add_argument("--dense-threshold", type=int, default=4096, help="hybrid backends: segments this long go to the dense kernel")
     parser.add_argument("--slack", type=float, default=0.125, help="balanced: per-rank token budget above T/cp")
     parser.add_argument("--out", default="attention.json")
     args = parser.parse_args()
@@ -205,21 +207,23 @@ def main() -> int:
                         run_row("ideal flash-varlen (1 GPU)/2", lambda: peers.ideal_flash_varlen(leaf(q), leaf(k), leaf(v), lengths), 1)
                         if case == "single":
                             run_row("ideal cudnn-dense (1 GPU)/2", lambda: peers.ideal_cudnn_dense(leaf(q), leaf(k), leaf(v)), 1)
-                        run_row("ideal flex (1 GPU)/2", lambda: peers.ideal_flex(leaf(q), leaf(k), leaf(v), lengths), 1)
+                        if "flex" in args.peers:
+                            run_row("ideal flex (1 GPU)/2", lambda: peers.ideal_flex(leaf(q), leaf(k), leaf(v), lengths), 1)
                     for strategy in args.strategies.split(","):
                         mb = split_for(strategy, lengths, world, args.slack)
                         index = local_index(mb, rank, lengths).to(device)
-                        schedule = compile_schedule(mb, rank).to(device)
-                        for mode in args.modes.split(","):
-                            def make(mode=mode, schedule=schedule, index=index):
+                        schedule = compile_schedule(mb, rank, dense_threshold=args.dense_threshold).to(device)
+                        for backend, mode in itertools.product(args.backends.split(","), args.modes.split(",")):
+                            def make(mode=mode, backend=backend, schedule=schedule, index=index):
                                 ql, kl, vl = (leaf(t.index_select(0, index)) for t in (q, k, v))
-                                return lambda: ring_attention(ql, kl, vl, schedule, mode=mode, backend=args.backend)
+                                return lambda: ring_attention(ql, kl, vl, schedule, mode=mode, backend=backend)
 
-                            run_row(f"ringpack {mode} {strategy}", make, world)
+                            tag = "" if backend == "auto" else f" [{backend}]"
+                            run_row(f"ringpack {mode} {strategy}{tag}", make, world)
                     if "torch" in args.peers:
                         if case == "single":
                             run_row("torch-cp sdpa-cudnn headtail", lambda: peers.torch_cp_sdpa(leaf(q), k, v, "cudnn"), world)
-                        else:
+                        elif "flex" in args.peers:
                             run_row("torch-cp flex ptrr", lambda: peers.torch_cp_flex(leaf(q), k, v, lengths), world)
                 del q, k, v
                 torch.cuda.empty_cache()

@@ -61,6 +61,8 @@ def main() -> int:
     p.add_argument("--len-scale", type=int, default=768, help="Pareto scale of sample lengths")
     p.add_argument("--max-len", type=int, default=65536, help="longest sample (fits one GPU, so DP=2 runs the same data)")
     p.add_argument("--grad-ckpt", action="store_true")
+    p.add_argument("--cost-profile", help="calibrated profile for the planner (ringpack calibrate); default: FLOPs")
+    p.add_argument("--backend", default="auto", help="ringpack kernel backend")
     p.add_argument("--out", default="train.json")
     args = p.parse_args()
 
@@ -80,6 +82,8 @@ def main() -> int:
                 "--len-scale", str(args.len_scale), "--max-len", str(args.max_len), "--quiet",
             ]
             + (["--grad-ckpt"] if args.grad_ckpt else [])
+            + (["--cost-profile", args.cost_profile] if args.cost_profile else [])
+            + ["--backend", args.backend]
         )
         started = time.perf_counter()
         records = example.train(run_args, grid, example.samples_for(run_args))

@@ -38,14 +38,15 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from ringpack.balancer.cost import PRESETS, CostModel, ModelShape  # noqa: E402
 from ringpack.dataloaders import BalancedBatchSampler, PackedCollator, PackedDataset  # noqa: E402
 from ringpack.integrations.transformers import causal_lm_loss_sum, register  # noqa: E402
 
 MODELS = {
-    # name: (hidden, layers, heads, kv_heads, ffn, vocab)
+    # name: (hidden, layers, heads, kv_heads, ffn, vocab); llama-1b is the cost model's preset
     "tiny": (32, 2, 4, 2, 64, 97),
     "small": (256, 4, 8, 2, 688, 4096),
-    "llama-1b": (2048, 16, 32, 8, 8192, 32000),
+    "llama-1b": tuple(getattr(PRESETS["llama-1b"], f) for f in ("hidden", "layers", "heads", "kv_heads", "ffn", "vocab")),
 }
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -170,7 +171,7 @@ def train(args: argparse.Namespace, grid: Grid, samples: list[np.ndarray], on_st
         packing=args.packing,
         samples_per_step=args.samples_per_step,
         seed=args.seed,
-        cost=_cost_model(args.model),
+        cost=_cost_model(args.model, args.cost_profile),
     )
     loader = torch.utils.data.DataLoader(
         PackedDataset(samples),
@@ -224,9 +225,10 @@ def train(args: argparse.Namespace, grid: Grid, samples: list[np.ndarray], on_st
     return records
 
 
-def _cost_model(name: str):
-    from ringpack.balancer.cost import CostModel, ModelShape
-
+def _cost_model(name: str, profile: str | None = None) -> CostModel:
+    """The planner's cost model: a calibrated profile if given, else FLOPs of the model's shape."""
+    if profile:
+        return CostModel.load(profile)
     hidden, layers, heads, kv_heads, ffn, vocab = MODELS[name]
     return CostModel.from_shape(ModelShape(name, hidden, layers, heads, kv_heads, ffn, vocab))
 
@@ -245,6 +247,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--packing", choices=["balanced", "first_fit"], default="balanced")
     p.add_argument("--mode", choices=["ring", "allgather"], default="ring")
     p.add_argument("--backend", default="auto", help="ringpack kernel backend")
+    p.add_argument("--cost-profile", help="calibrated cost profile for the planner (ringpack calibrate)")
     p.add_argument("--tokens-per-rank", type=int, default=512)
     p.add_argument("--samples", type=int, default=256, help="synthetic heavy-tailed samples")
     p.add_argument("--max-len", type=int, default=0, help="longest sample (default: cp * tokens-per-rank)")

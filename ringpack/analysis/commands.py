@@ -10,7 +10,6 @@ from typing import Any
 
 import numpy as np
 
-from ringpack._commands import not_done
 
 STRATEGIES = ("balanced", "zigzag", "contiguous")
 PACKINGS = ("balanced", "first_fit")
@@ -58,8 +57,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--chunk-steps", type=int, default=8, help="global batches planned per worker task (default 8)")
     p.set_defaults(handler=run_simulate)
 
-    p = subparsers.add_parser("calibrate", help="fit the cost model to measured GPU kernel times")
-    p.set_defaults(handler=not_done("issue 8, GPU performance"))
+    from ringpack.analysis import calibrate
+
+    p = subparsers.add_parser(
+        "calibrate",
+        help="fit the cost model to measured GPU kernel times",
+        description="Time ringpack's attention kernels (and the model's linear layers) on one GPU, "
+        "fit the cost model's coefficients and write a profile the planner loads.",
+    )
+    calibrate.add_arguments(p)
+    p.set_defaults(handler=calibrate.run)
     p = subparsers.add_parser("demo", help="the embedded standard-library corpus through every strategy: report, plots, ring check")
     demo.add_arguments(p)
     p.set_defaults(handler=demo.run)

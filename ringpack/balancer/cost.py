@@ -74,7 +74,8 @@ PRESETS: dict[str, ModelShape] = {
     shape.name: shape
     for shape in (
         ModelShape("llama3-8b", hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, vocab=128256),
-        ModelShape("llama-1b", hidden=2048, layers=16, heads=32, kv_heads=8, ffn=8192, vocab=128256),
+        # Llama-3.2-1B's layers with a 32K vocabulary: the end-to-end training benchmark's model
+        ModelShape("llama-1b", hidden=2048, layers=16, heads=32, kv_heads=8, ffn=8192, vocab=32000),
         ModelShape("tiny", hidden=256, layers=4, heads=4, kv_heads=2, ffn=688, vocab=32000),
     )
 }
