@@ -209,7 +209,15 @@ def main() -> int:
                             run_row("ideal cudnn-dense (1 GPU)/2", lambda: peers.ideal_cudnn_dense(leaf(q), leaf(k), leaf(v)), 1)
                         if "flex" in args.peers:
                             run_row("ideal flex (1 GPU)/2", lambda: peers.ideal_flex(leaf(q), leaf(k), leaf(v), lengths), 1)
-                    for strategy in args.strategies.split(","):
+                        whole = split_for("contiguous", lengths, 1, args.slack)  # cp=1: every sample whole
+                        solo = compile_schedule(whole, 0, dense_threshold=args.dense_threshold).to(device)
+                        for backend in args.backends.split(","):
+                            run_row(
+                                f"ideal ringpack {backend} (1 GPU)/2",
+                                lambda backend=backend: (lambda ql=leaf(q), kl=leaf(k), vl=leaf(v): ring_attention(ql, kl, vl, solo, backend=backend)),
+                                1,
+                            )
+                    for strategy in filter(None, args.strategies.split(",")):
                         mb = split_for(strategy, lengths, world, args.slack)
                         index = local_index(mb, rank, lengths).to(device)
                         schedule = compile_schedule(mb, rank, dense_threshold=args.dense_threshold).to(device)

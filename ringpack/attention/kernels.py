@@ -74,14 +74,16 @@ BACKENDS = ("flash_attn", "torch_flash", "cudnn_hybrid", "reference", "reference
 HYBRID_BACKENDS = {"cudnn_hybrid": ("torch_flash", "cudnn"), "reference_hybrid": ("reference", "reference")}
 
 # Whether backend="auto" picks cudnn_hybrid on CUDA fp16/bf16 (ahead of flash_attn / torch_flash).
-# Off until the GPU benchmark shows it faster end to end (cuDNN builds one graph per new segment
-# length, so very varied lengths pay graph builds); flip to True to make it the default.
-AUTO_CUDNN_HYBRID = False
+# Measured on 2 x H200 (BENCHMARKS.md, attention): as fast as torch_flash on short samples and up
+# to 1.7x faster where segments reach the dense threshold, so it is the default. cuDNN builds one
+# graph per new segment length (~90 ms, then cached), a cost that very varied lengths pay once each.
+AUTO_CUDNN_HYBRID = True
 
 # Whether cuDNN dense SDPA is given K/V with fewer heads than Q as they are (GQA). False: K/V heads
 # of a dense segment are repeated to H and dK/dV summed back over each group (extra copies of one
-# segment's K/V). tests/attention/test_gpu_cudnn_probe.py reports whether native GQA is exact.
-CUDNN_NATIVE_GQA = False
+# segment's K/V). tests/attention/test_gpu_cudnn_probe.py reports whether native GQA is exact: it
+# was on torch 2.11 / cuDNN 9.19 / H200 (errors at bf16 level) and faster (543-585 vs 537-548 TF/s).
+CUDNN_NATIVE_GQA = True
 
 
 def varlen_backend(backend: str) -> str:
