@@ -11,7 +11,8 @@ all-reduce). The first step of each variant is a warm-up and is not counted.
 
 Variants on 2 GPUs (``--cp`` decides DP = world / cp):
 
-* CP=2: ringpack ``balanced`` (cost packing + balanced split), ``zigzag`` and ``contiguous`` splits
+* CP=2: ringpack ``balanced`` (cost packing + balanced split; ``+guard`` with the token guard
+  ``cp_token_slack=0.02``), ``zigzag`` and ``contiguous`` splits
   on ringpack's packing, and ``first_fit + zigzag`` (token-count first-fit packing with per-sample
   zigzag: what common samplers plus the usual CP split do);
 * DP=2: ringpack's cost-balanced packing vs token-count first-fit packing.
@@ -32,8 +33,9 @@ import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = {
-    # name: (cp, packing, strategy)
+    # name: (cp, packing, strategy[, cp_token_slack])
     "cp2 balanced": (2, "balanced", "balanced"),
+    "cp2 balanced+guard": (2, "balanced", "balanced", 0.02),
     "cp2 zigzag": (2, "balanced", "zigzag"),
     "cp2 contiguous": (2, "balanced", "contiguous"),
     "cp2 first-fit+zigzag": (2, "first_fit", "zigzag"),
@@ -71,7 +73,7 @@ def main() -> int:
     world = dist.get_world_size()
     results = []
     for name in args.variants.split(","):
-        cp, packing, strategy = VARIANTS[name]
+        cp, packing, strategy, *slack = VARIANTS[name]
         grid = example.make_grid(cp)
         run_args = example.parser().parse_args(
             [
@@ -84,6 +86,7 @@ def main() -> int:
             + (["--grad-ckpt"] if args.grad_ckpt else [])
             + (["--cost-profile", args.cost_profile] if args.cost_profile else [])
             + ["--backend", args.backend]
+            + (["--cp-token-slack", str(slack[0])] if slack else [])
         )
         started = time.perf_counter()
         records = example.train(run_args, grid, example.samples_for(run_args))

@@ -172,6 +172,7 @@ def train(args: argparse.Namespace, grid: Grid, samples: list[np.ndarray], on_st
         samples_per_step=args.samples_per_step,
         seed=args.seed,
         cost=_cost_model(args.model, args.cost_profile),
+        cp_token_slack=args.cp_token_slack,
     )
     loader = torch.utils.data.DataLoader(
         PackedDataset(samples),
@@ -248,6 +249,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=["ring", "allgather"], default="ring")
     p.add_argument("--backend", default="auto", help="ringpack kernel backend")
     p.add_argument("--cost-profile", help="calibrated cost profile for the planner (ringpack calibrate)")
+    p.add_argument("--cp-token-slack", type=float, default=None, help="balanced split: token guard (PlanConfig.cp_token_slack)")
     p.add_argument("--tokens-per-rank", type=int, default=512)
     p.add_argument("--samples", type=int, default=256, help="synthetic heavy-tailed samples")
     p.add_argument("--max-len", type=int, default=0, help="longest sample (default: cp * tokens-per-rank)")

@@ -74,10 +74,13 @@ BACKENDS = ("flash_attn", "torch_flash", "cudnn_hybrid", "reference", "reference
 HYBRID_BACKENDS = {"cudnn_hybrid": ("torch_flash", "cudnn"), "reference_hybrid": ("reference", "reference")}
 
 # Whether backend="auto" picks cudnn_hybrid on CUDA fp16/bf16 (ahead of flash_attn / torch_flash).
-# Measured on 2 x H200 (BENCHMARKS.md, attention): as fast as torch_flash on short samples and up
-# to 1.7x faster where segments reach the dense threshold, so it is the default. cuDNN builds one
-# graph per new segment length (~90 ms, then cached), a cost that very varied lengths pay once each.
-AUTO_CUDNN_HYBRID = True
+# Measured on 2 x H200 (BENCHMARKS.md): with shapes seen before it is as fast as torch_flash on
+# short samples and up to 1.7x faster where segments reach the dense threshold; but cuDNN builds
+# one graph per new segment shape (~90 ms each, forward and backward), and in training every
+# micro-batch brings new sample lengths, so step times depended on which shapes earlier steps had
+# cached. Off by default until long segments are bucketed to a few shapes; opt in with
+# backend="cudnn_hybrid" for data of repeating lengths.
+AUTO_CUDNN_HYBRID = False
 
 # Whether cuDNN dense SDPA is given K/V with fewer heads than Q as they are (GQA). False: K/V heads
 # of a dense segment are repeated to H and dK/dV summed back over each group (extra copies of one

@@ -35,6 +35,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--epoch", type=int, default=0)
     p.add_argument("--overflow", choices=("error", "split", "drop"), default="error", help="samples longer than cp*tokens_per_rank (default: error)")
     p.add_argument("--solver-time-limit", type=float, default=0.0, help="CP-SAT refinement per step, deterministic seconds (0: heuristics only)")
+    p.add_argument(
+        "--cp-token-slack", type=float, default=None,
+        help="balanced CP split: hold every rank within 1+SLACK of the mean tokens, a guard against a mispriced "
+        "(uncalibrated) cost model; 0.02 recommended with FLOP models (default: tokens free)",
+    )
     p.add_argument("--model", default="llama3-8b", help="cost model preset (default: llama3-8b)")
     p.add_argument("--cost-profile", default=None, help="calibrated cost model JSON (overrides --model)")
     p.add_argument("--out", required=True, help="output plan: .parquet (default) or .json")
@@ -86,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
         epoch=args.epoch,
         overflow=args.overflow,
         solver_time_limit_s=args.solver_time_limit,
+        cp_token_slack=args.cp_token_slack,
         cost=cost,
     )
     t0 = time.perf_counter()

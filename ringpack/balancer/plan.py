@@ -120,7 +120,10 @@ class PlanConfig:
     ``microbatches_per_rank`` fixes how many micro-batches each DP rank runs per step (``0``:
     the fewest that hold the tokens, plus one when the token budget would otherwise keep the step
     more than 1% above its lower bound). ``packing`` is ``"balanced"`` (cost-driven) or
-    ``"first_fit"`` (token-count first fit, the common baseline).
+    ``"first_fit"`` (token-count first fit, the common baseline). ``cp_token_slack``: the
+    ``balanced`` CP split holds every rank within ``1 + slack`` of the micro-batch's mean tokens
+    (``None``: tokens are free; see ``ringpack.balancer.split.RECOMMENDED_TOKEN_SLACK`` for when
+    a guard against a mispriced cost model pays).
     """
 
     dp: int
@@ -134,6 +137,7 @@ class PlanConfig:
     epoch: int = 0
     overflow: str = "error"
     solver_time_limit_s: float = 0.0
+    cp_token_slack: float | None = None
     cost: CostModel = field(default_factory=lambda: CostModel.preset("llama3-8b"))
 
     def __post_init__(self) -> None:
@@ -153,6 +157,8 @@ class PlanConfig:
             raise PlanError(f"PlanConfig.overflow must be one of {OVERFLOW_POLICIES}, got {self.overflow!r}")
         if self.solver_time_limit_s < 0:
             raise PlanError("PlanConfig.solver_time_limit_s must be >= 0")
+        if self.cp_token_slack is not None and not self.cp_token_slack >= 0:
+            raise PlanError(f"PlanConfig.cp_token_slack must be None or >= 0, got {self.cp_token_slack!r}")
 
     @property
     def group_capacity(self) -> int:

@@ -146,7 +146,7 @@ def step_lower_bound(weights: np.ndarray, lengths: np.ndarray, dp: int, cp: int,
 def split_microbatch(samples: Sequence[int], lengths: Sequence[int], config: PlanConfig) -> MicroBatch:
     """Split one micro-batch's samples over the CP group by ``config.strategy``."""
     if config.strategy == "balanced":
-        return split_balanced(samples, lengths, config.cp, config.tokens_per_rank, config.cost)
+        return split_balanced(samples, lengths, config.cp, config.tokens_per_rank, config.cost, token_slack=config.cp_token_slack)
     if config.strategy == "zigzag":
         mb = split_zigzag(samples, lengths, config.cp)
         if max(shard.num_tokens for shard in mb.shards) > config.tokens_per_rank:

@@ -17,7 +17,7 @@ from ringpack.balancer.plan import MicroBatch, Piece, microbatch_from_shards
 if TYPE_CHECKING:
     from ringpack.balancer.cost import CostModel
 
-__all__ = ["split_contiguous", "split_zigzag", "split_balanced", "split_zigzag_even", "CP_BALANCE_TOLERANCE"]
+__all__ = ["split_contiguous", "split_zigzag", "split_balanced", "split_zigzag_even", "CP_BALANCE_TOLERANCE", "RECOMMENDED_TOKEN_SLACK"]
 
 
 def split_contiguous(samples: Sequence[int], lengths: Sequence[int], cp: int) -> MicroBatch:
@@ -72,6 +72,18 @@ def split_zigzag(samples: Sequence[int], lengths: Sequence[int], cp: int) -> Mic
 #: balance; 0.1% of imbalance is far below run-to-run noise and saves most splits.
 CP_BALANCE_TOLERANCE = 1e-3
 
+#: A ``token_slack`` that makes ``balanced`` robust to a mispriced cost model (opt-in through
+#: ``PlanConfig.cp_token_slack``). Why: a rank's time is ``token*tokens + pair*pairs`` with
+#: coefficients a FLOP model misprices by up to 2x (attention kernels run at about half the FLOP
+#: rate of the linear layers; norms, activations and the loss are per-token work FLOPs ignore).
+#: With tokens free, the split trades one rank's tokens for another's attention pairs at the
+#: model's price; holding every rank within ``1 + slack`` of the mean tokens makes equal cost mean
+#: (nearly) equal pairs too, balanced under *any* coefficients. The price, measured by
+#: benchmarks/planner.py (BENCHMARKS.md): more samples cut, so more K/V crossing ranks (at CP=8,
+#: 0.47-0.80 of zigzag's instead of 0.22-0.53) and slower planning. A calibrated profile
+#: (``ringpack calibrate``) is the other cure.
+RECOMMENDED_TOKEN_SLACK = 0.02
+
 
 def _suffix_start(stop: int, room: float, a: float, b: float, seg: float) -> int:
     """Smallest ``start`` with ``cost([start, stop)) <= room`` (``stop`` when not one token fits).
@@ -108,11 +120,14 @@ def split_balanced(
     tokens_per_rank: int,
     cost: "CostModel",
     tolerance: float = CP_BALANCE_TOLERANCE,
+    token_slack: float | None = None,
 ) -> MicroBatch:
     """Cost-balanced CP split: short samples stay whole, only samples that must be split are split.
 
     1. Every CP rank gets a cost room of ``(1 + tolerance) * sum(sample costs) / cp`` and a token
-       room of ``tokens_per_rank``.
+       room of ``tokens_per_rank``, tightened to ``(1 + token_slack)`` times the mean tokens per
+       rank when ``token_slack`` is given (see :data:`RECOMMENDED_TOKEN_SLACK`; ``None`` leaves
+       tokens free for the cost model to trade).
     2. Samples, most expensive first, go *whole* to the rank with the smallest cost room that
        still holds them (best fit), so ranks fill one at a time and the room left is in few ranks,
        in large blocks. A placement is refused if it would leave a rank unable to reach its cost
@@ -138,6 +153,8 @@ def split_balanced(
         raise ValueError(f"micro-batch holds {total_tokens} tokens, more than cp*tokens_per_rank={cp * tokens_per_rank}")
     if cp == 1:
         return microbatch_from_shards(samples, [[Piece(int(s), 0, l) for s, l in zip(samples, lens)]], lengths)
+    if token_slack is not None:
+        tokens_per_rank = min(tokens_per_rank, math.ceil(total_tokens / cp * (1.0 + token_slack)))
     a, b, seg = float(cost.token), float(cost.pair), float(cost.segment)
     w = [a * l + b * 0.5 * l * (l + 1) + seg for l in lens]
     ideal = sum(w) / cp

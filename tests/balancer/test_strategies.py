@@ -228,3 +228,25 @@ def test_balanced_split_is_valid_for_any_budget_that_fits(lengths, cp, slack, mo
     # never worse than the token-even zigzag fallback (up to the 0.1% tolerance)
     zz = rank_costs(split_zigzag_even(list(range(len(lengths))), lengths, cp).shards, MODELS[model])
     assert costs.max() <= max(zz.max(), ideal) * (1 + 2e-3) + 1e-6
+
+
+def test_balanced_split_is_robust_to_a_mispriced_cost_model():
+    """With the token guard, a split planned with FLOP costs stays balanced when attention really
+    costs 2x more (or tokens do): equal cost with near-equal tokens means near-equal pairs. Without
+    the guard the same data is off by up to ~19%, which is what the guard is for."""
+    from ringpack.balancer.cost import CostModel, rank_costs
+    from ringpack.balancer.split import RECOMMENDED_TOKEN_SLACK, split_balanced
+
+    rng = np.random.default_rng(7)
+    flops = CostModel.preset("llama-1b")
+    for trial in range(20):
+        lengths = np.minimum(32768, (512 * (1 + rng.pareto(1.2, 40))).astype(np.int64)).tolist()
+        samples = list(range(len(lengths)))
+        mb = split_balanced(samples, lengths, 2, 1 << 20, flops, token_slack=RECOMMENDED_TOKEN_SLACK)
+        tokens = np.array([s.num_tokens for s in mb.shards])
+        assert tokens.max() <= np.ceil(tokens.sum() / 2 * (1 + RECOMMENDED_TOKEN_SLACK)), trial
+        for truth in (CostModel(token=flops.token, pair=2 * flops.pair), CostModel(token=2 * flops.token, pair=flops.pair)):
+            costs = rank_costs(mb.shards, truth)
+            assert costs.max() / costs.mean() < 1.02, (trial, costs)
+    free = split_balanced(list(range(40)), lengths, 2, 1 << 20, flops)
+    assert free == split_balanced(list(range(40)), lengths, 2, 1 << 20, flops, token_slack=None)

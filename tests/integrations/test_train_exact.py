@@ -79,7 +79,8 @@ def reference(example, args):
     samples = example.samples_for(args)
     sampler = BalancedBatchSampler([len(s) for s in samples], 0, WORLD // args.cp, args.cp, args.tokens_per_rank,
                                    strategy=args.strategy, packing=args.packing, samples_per_step=args.samples_per_step,
-                                   seed=args.seed, cost=example._cost_model(args.model, args.cost_profile))
+                                   seed=args.seed, cost=example._cost_model(args.model, args.cost_profile),
+                                   cp_token_slack=args.cp_token_slack)
     plan = sampler.plan()
     model = example.build_model(args.model, torch.float64, args.seed, attn="sdpa")
     model.train()
