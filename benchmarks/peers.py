@@ -83,7 +83,8 @@ def document_block_mask(lengths: list[int], heads: int, device: torch.device):
     def document_causal(b, h, q_idx, kv_idx):
         return (doc[q_idx] == doc[kv_idx]) & (kv_idx <= q_idx)
 
-    return create_block_mask(document_causal, B=1, H=1, Q_LEN=total, KV_LEN=total, device=device)
+    # _compile=True: evaluated blockwise; the eager path materialises a dense [T, T] mask (OOM at 128K)
+    return create_block_mask(document_causal, B=1, H=1, Q_LEN=total, KV_LEN=total, device=device, _compile=True)
 
 
 def ideal_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]) -> Thunk:
