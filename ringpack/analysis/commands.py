@@ -10,9 +10,7 @@ from typing import Any
 
 import numpy as np
 
-
-STRATEGIES = ("balanced", "zigzag", "contiguous")
-PACKINGS = ("balanced", "first_fit")
+from ringpack._commands import PACKINGS, STRATEGIES, add_plan_arguments, cost_model_from_args, plan_config_from_args
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -28,7 +26,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--manifest", help="a `ringpack shard` output (manifest.json or its folder): reports its plan")
     p.add_argument("--lengths", help="sample lengths file (.npy, .parquet, .json, .txt); planned with every strategy")
     p.add_argument("--corpus", choices=["stdlib"], help="use the embedded standard-library corpus as the lengths")
-    add_plan_arguments(p, dp=4, cp=4)
+    add_variant_plan_arguments(p, dp=4, cp=4)
     add_comm_arguments(p)
     add_output_arguments(p, default_out="ringpack-report")
     p.add_argument("--step", type=int, help="step whose per-GPU costs are plotted and tabled (default: the baseline's median-idle step)")
@@ -50,7 +48,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--sigma", type=float, default=1.3, help="log-normal sigma")
     p.add_argument("--global-batch-tokens", type=int, default=0,
                    help="tokens per optimizer step (default: dp * cp * tokens-per-rank, one full micro-batch per DP rank)")
-    add_plan_arguments(p, dp=None, cp=8, tokens_per_rank=16384, strategies=None)
+    add_variant_plan_arguments(p, dp=None, cp=8, tokens_per_rank=16384, strategies=None)
     add_comm_arguments(p, modes="ring,allgather")
     add_output_arguments(p, default_out="ringpack-simulation")
     p.add_argument("--jobs", type=int, default=0, help="worker processes (default: all cores)")
@@ -73,18 +71,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 # ------------------------------------------------------------------------------------------ options
-def add_plan_arguments(p: argparse.ArgumentParser, dp: int | None, cp: int, tokens_per_rank: int = 32768,
-                       strategies: str | None = ",".join(STRATEGIES)) -> None:
+def add_variant_plan_arguments(p: argparse.ArgumentParser, dp: int | None, cp: int, tokens_per_rank: int = 32768,
+                               strategies: str | None = ",".join(STRATEGIES)) -> None:
+    """The planner's flags (:func:`ringpack._commands.add_plan_arguments`) and the variants to plan and compare."""
     g = p.add_argument_group("planning (for lengths)")
-    if dp is not None:
-        g.add_argument("--dp", type=int, default=dp, help=f"data-parallel ranks (default {dp})")
-    g.add_argument("--cp", type=int, default=cp, help=f"context-parallel ranks per micro-batch (default {cp})")
-    g.add_argument("--tokens-per-rank", type=int, default=tokens_per_rank, help=f"token budget per CP rank (default {tokens_per_rank})")
-    g.add_argument("--samples-per-step", type=int, default=0, help="global batch in samples (default: derived)")
-    g.add_argument("--microbatches-per-rank", type=int, default=0, help="micro-batches per DP rank (default: fewest that fit)")
-    g.add_argument("--model", default="llama3-8b", help="cost-model preset (llama3-8b, llama-1b, tiny) or a calibrated profile JSON")
+    add_plan_arguments(g, dp=dp, cp=cp, tokens_per_rank=tokens_per_rank, overflow="split", strategy=False,
+                       samples_per_step_zero="derived")
     g.add_argument("--tflops", type=float, default=400.0, help="achieved fwd+bwd TFLOP/s per GPU for predicted times (default 400)")
-    g.add_argument("--overflow", default="split", choices=["error", "split", "drop"], help="samples longer than a CP group (default split)")
     if strategies is None:  # simulate: a curated default set of (strategy, packing) pairs
         g.add_argument("--strategies", help="CP strategies to plan (default: balanced/balanced, zigzag/balanced, "
                        "zigzag/first_fit, contiguous/first_fit)")
@@ -93,7 +86,6 @@ def add_plan_arguments(p: argparse.ArgumentParser, dp: int | None, cp: int, toke
         g.add_argument("--strategies", default=strategies, help=f"CP strategies to plan (default {strategies})")
         g.add_argument("--packings", default=",".join(PACKINGS), help="packings to plan (default balanced,first_fit)")
     g.add_argument("--baseline", help="plan the others are compared with (default zigzag/first_fit when present)")
-    g.add_argument("--seed", type=int, default=0)
 
 
 def add_comm_arguments(p: argparse.ArgumentParser, modes: str = "ring") -> None:
@@ -123,16 +115,10 @@ def _list(text: str, allowed: tuple[str, ...], what: str) -> list[str]:
 
 
 def cost_model(args: argparse.Namespace):
+    """The planner's cost model (:func:`ringpack._commands.cost_model_from_args`), a FLOP one at ``--tflops``."""
     import dataclasses
 
-    from ringpack.balancer.cost import PRESETS, CostModel
-
-    if args.model in PRESETS:
-        model = CostModel.preset(args.model)
-    elif Path(args.model).is_file():
-        model = CostModel.load(args.model)
-    else:
-        raise ValueError(f"--model {args.model!r} is neither a preset ({', '.join(PRESETS)}) nor a profile file")
+    model = cost_model_from_args(args)
     if model.unit == "flop":
         model = dataclasses.replace(model, flops_per_second=args.tflops * 1e12)
     return model
@@ -198,7 +184,7 @@ def _emit(doc: dict[str, Any], args: argparse.Namespace, table: str, progress: A
 # ------------------------------------------------------------------------------------------ report
 def run_report(args: argparse.Namespace) -> int:
     from ringpack.analysis.report import build_report, format_ranks, format_table, plan_strategies, result_of_plan
-    from ringpack.balancer.plan import Plan, PlanConfig
+    from ringpack.balancer.plan import Plan
 
     sources = sum(bool(x) for x in (args.plans, args.manifest, args.lengths, args.corpus))
     if sources != 1:
@@ -217,8 +203,7 @@ def run_report(args: argparse.Namespace) -> int:
         model = cost_model(args)
         mean = float(lengths.mean())
         per_step = args.samples_per_step or max(args.dp, int(args.dp * args.cp * args.tokens_per_rank / mean))
-        config = PlanConfig(dp=args.dp, cp=args.cp, tokens_per_rank=args.tokens_per_rank, samples_per_step=per_step,
-                            microbatches_per_rank=args.microbatches_per_rank, seed=args.seed, overflow=args.overflow, cost=model)
+        config = plan_config_from_args(args, samples_per_step=per_step, cost=model)
         plans = plan_strategies(lengths, config, wanted)
     if progress:
         progress.update(1)
@@ -275,7 +260,6 @@ def run_simulate(args: argparse.Namespace) -> int:
 
     from ringpack.analysis.report import format_table, write_report
     from ringpack.analysis.simulate import format_modes, simulate, synthetic_lengths
-    from ringpack.balancer.plan import PlanConfig
 
     t0 = time.perf_counter()
     model = cost_model(args)
@@ -292,8 +276,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         dp = gpus // args.cp
         batch_tokens = args.global_batch_tokens or dp * args.cp * args.tokens_per_rank
         per_step = args.samples_per_step or max(dp, int(batch_tokens / float(lengths.mean())))
-        config = PlanConfig(dp=dp, cp=args.cp, tokens_per_rank=args.tokens_per_rank, samples_per_step=per_step,
-                            microbatches_per_rank=args.microbatches_per_rank, seed=args.seed, overflow=args.overflow, cost=model)
+        config = plan_config_from_args(args, dp=dp, samples_per_step=per_step, cost=model)
         doc = simulate(lengths, config, variants(args), comms, chunk_steps=args.chunk_steps, jobs=args.jobs or None,
                        progress=not args.quiet and args.json != "-", baseline=args.baseline)
         docs.append(doc)

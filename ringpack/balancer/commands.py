@@ -15,6 +15,8 @@ import json
 import sys
 import time
 
+from ringpack._commands import add_plan_arguments, plan_config_from_args
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -24,24 +26,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--lengths", required=True, help="file of sample lengths: .parquet, .arrow/.feather, .json/.jsonl or .npy")
     p.add_argument("--column", default=None, help="column holding lengths or token lists (default: guessed)")
-    p.add_argument("--dp", type=int, required=True, help="data-parallel size")
-    p.add_argument("--cp", type=int, required=True, help="context-parallel size")
-    p.add_argument("--tokens-per-rank", type=int, required=True, help="token budget of one GPU per micro-batch")
-    p.add_argument("--strategy", choices=("balanced", "zigzag", "contiguous"), default="balanced", help="CP split (default: balanced)")
-    p.add_argument("--packing", choices=("balanced", "first_fit"), default="balanced", help="packing + DP balance (default: balanced)")
-    p.add_argument("--samples-per-step", type=int, default=0, help="global batch in samples (0: all in one step)")
-    p.add_argument("--microbatches-per-rank", type=int, default=0, help="micro-batches per DP rank and step (0: automatic)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--epoch", type=int, default=0)
-    p.add_argument("--overflow", choices=("error", "split", "drop"), default="error", help="samples longer than cp*tokens_per_rank (default: error)")
-    p.add_argument("--solver-time-limit", type=float, default=0.0, help="CP-SAT refinement per step, deterministic seconds (0: heuristics only)")
-    p.add_argument(
-        "--cp-token-slack", type=float, default=None,
-        help="balanced CP split: hold every rank within 1+SLACK of the mean tokens, a guard against a mispriced "
-        "(uncalibrated) cost model; 0.02 recommended with FLOP models (default: tokens free)",
-    )
-    p.add_argument("--model", default="llama3-8b", help="cost model preset (default: llama3-8b)")
-    p.add_argument("--cost-profile", default=None, help="calibrated cost model JSON (overrides --model)")
+    add_plan_arguments(p)
     p.add_argument("--out", required=True, help="output plan: .parquet (default) or .json")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(handler=run)
@@ -72,28 +57,11 @@ def summarize(plan) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ringpack.balancer.cost import CostModel
     from ringpack.balancer.lengths import read_lengths
-    from ringpack.balancer.plan import PlanConfig
     from ringpack.balancer.planner import make_plan
 
     lengths = read_lengths(args.lengths, args.column)
-    cost = CostModel.load(args.cost_profile) if args.cost_profile else CostModel.preset(args.model)
-    config = PlanConfig(
-        dp=args.dp,
-        cp=args.cp,
-        tokens_per_rank=args.tokens_per_rank,
-        strategy=args.strategy,
-        packing=args.packing,
-        samples_per_step=args.samples_per_step,
-        microbatches_per_rank=args.microbatches_per_rank,
-        seed=args.seed,
-        epoch=args.epoch,
-        overflow=args.overflow,
-        solver_time_limit_s=args.solver_time_limit,
-        cp_token_slack=args.cp_token_slack,
-        cost=cost,
-    )
+    config = plan_config_from_args(args)
     t0 = time.perf_counter()
     plan = make_plan(lengths, config).validate()
     seconds = time.perf_counter() - t0

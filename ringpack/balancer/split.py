@@ -90,11 +90,7 @@ def _suffix_start(stop: int, room: float, a: float, b: float, seg: float) -> int
 
     ``cost([s, e)) = a*(e-s) + b*(P(e)-P(s)) + seg`` with ``P(x) = x(x+1)/2`` (exact causal pairs).
     """
-
-    def cost(s: int) -> float:
-        return a * (stop - s) + b * 0.5 * (stop * (stop + 1) - s * (s + 1)) + seg
-
-    if stop <= 0 or cost(stop - 1) > room:
+    if stop <= 0 or _piece_cost(stop - 1, stop, a, b, seg) > room:
         return stop
     # b/2 (s^2 + s) + a s >= a*stop + b*P(stop) + seg - room  =: q
     q = a * stop + b * 0.5 * stop * (stop + 1) + seg - room
@@ -106,9 +102,9 @@ def _suffix_start(stop: int, room: float, a: float, b: float, seg: float) -> int
     else:
         s = int(math.ceil(q / a))
     s = min(max(s, 0), stop - 1)
-    while s > 0 and cost(s - 1) <= room:
+    while s > 0 and _piece_cost(s - 1, stop, a, b, seg) <= room:
         s -= 1
-    while cost(s) > room:
+    while _piece_cost(s, stop, a, b, seg) > room:
         s += 1
     return s
 
@@ -198,23 +194,37 @@ def _zigzag_even_shards(samples, lens, cp, a, b, seg):
     cost_r = [0.0] * cp
     shards: list[list[Piece]] = [[] for _ in range(cp)]
     for sample, length in zip(samples, lens):
-        base, extra = divmod(length, cp)
-        quota = [base] * cp
-        for r in sorted(range(cp), key=lambda q: (held[q], q))[:extra]:
-            quota[r] += 1
-        lo, hi = 0, length
-        for r in range(cp):
-            front = quota[r] // 2
-            back = quota[r] - front
-            for start, stop in ((lo, lo + front), (hi - back, hi)):
-                if stop > start:
-                    shards[r].append(Piece(int(sample), start, stop))
-                    cost_r[r] += _piece_cost(start, stop, a, b, seg)
-            lo += front
-            hi -= back
-            held[r] += quota[r]
-        assert lo == hi
+        for r, start, stop in _zigzag_even_chunks(length, held):
+            shards[r].append(Piece(int(sample), start, stop))
+            cost_r[r] += _piece_cost(start, stop, a, b, seg)
+            held[r] += stop - start
     return shards, max(cost_r)
+
+
+def _zigzag_even_chunks(length: int, held: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``(rank, start, stop)`` chunks of one sample dealt token-evenly over ``len(held)`` ranks.
+
+    Every rank gets ``length // cp`` tokens, one more for the ``length % cp`` ranks holding the
+    fewest tokens so far (``held``; ties by rank); rank ``r``'s share is a front chunk (the
+    ``r``-th from the start) and a back chunk (the ``r``-th from the end). Empty chunks are left out.
+    """
+    cp = len(held)
+    base, extra = divmod(length, cp)
+    quota = [base] * cp
+    for r in sorted(range(cp), key=lambda q: (held[q], q))[:extra]:
+        quota[r] += 1
+    chunks = []
+    lo, hi = 0, length
+    for r in range(cp):
+        front = quota[r] // 2
+        back = quota[r] - front
+        for start, stop in ((lo, lo + front), (hi - back, hi)):
+            if stop > start:
+                chunks.append((r, start, stop))
+        lo += front
+        hi -= back
+    assert lo == hi
+    return chunks
 
 
 def _piece_cost(start: int, stop: int, a: float, b: float, seg: float) -> float:
@@ -382,22 +392,11 @@ def _balanced_shards(samples, lens, w, cp, tokens_per_rank, a, b, seg, cap, dens
     order = sorted(range(n), key=lambda k: (-w[k], k))
     zig = [k for k in order if w[k] > zigzag_over]
     for k in zig:
-        length = lens[k]
-        base, extra = divmod(length, cp)
-        quota = [base] * cp
-        for r in sorted(range(cp), key=lambda q: (-troom[q], q))[:extra]:
-            quota[r] += 1
-        lo, hi = 0, length
-        for r in range(cp):
-            front = quota[r] // 2
-            back = quota[r] - front
-            for start, stop in ((lo, lo + front), (hi - back, hi)):
-                if stop > start:
-                    shards[r].append(Piece(int(samples[k]), start, stop))
-                    room[r] -= _piece_cost(start, stop, a, b, seg)
-                    troom[r] -= stop - start
-            lo += front
-            hi -= back
+        # most token room first is fewest tokens held first
+        for r, start, stop in _zigzag_even_chunks(lens[k], [-t for t in troom]):
+            shards[r].append(Piece(int(samples[k]), start, stop))
+            room[r] -= _piece_cost(start, stop, a, b, seg)
+            troom[r] -= stop - start
     if min(troom) < 0:
         return shards, math.inf
     zig_set = set(zig)
@@ -441,7 +440,7 @@ def _balanced_shards(samples, lens, w, cp, tokens_per_rank, a, b, seg, cap, dens
             if start == stop:  # no cost room left anywhere: rounding remnant, place by tokens
                 start = 0
             start = max(start, stop - troom[r])
-            piece_cost = a * (stop - start) + b * 0.5 * (stop * (stop + 1) - start * (start + 1)) + seg
+            piece_cost = _piece_cost(start, stop, a, b, seg)
             if r == last_rank:  # adjacent to this sample's previous piece on the same rank: merge
                 old = shards[r].pop()
                 shards[r].append(Piece(sample, start, old.stop))

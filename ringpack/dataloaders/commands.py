@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from ringpack._commands import add_plan_arguments, plan_config_from_args
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -20,17 +22,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("dataset", metavar="DATASET", help="local Parquet / JSON lines / Arrow / CSV file or folder, a saved `datasets` directory, or a Hub name")
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--dp", type=int, required=True, help="data-parallel size")
-    p.add_argument("--cp", type=int, required=True, help="context-parallel size")
-    p.add_argument("--tokens-per-rank", type=int, required=True, help="token budget of one CP rank per micro-batch")
-    p.add_argument("--strategy", default="balanced", choices=("balanced", "zigzag", "contiguous"), help="CP split (default: balanced)")
-    p.add_argument("--packing", default="balanced", choices=("balanced", "first_fit"))
-    p.add_argument("--samples-per-step", type=int, default=0, help="global batch in samples (0: one step with all)")
-    p.add_argument("--microbatches-per-rank", type=int, default=0, help="micro-batches per DP rank per step (0: fewest that fit)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--epoch", type=int, default=0, help="which epoch's plan to write (one directory per epoch)")
-    p.add_argument("--overflow", default="error", choices=("error", "split", "drop"), help="samples longer than cp*tokens-per-rank (default: error)")
-    p.add_argument("--model", default="llama3-8b", help="cost-model preset (llama3-8b, llama-1b, tiny) or a calibrated profile JSON")
+    add_plan_arguments(p)
     p.add_argument("--split", default="train", help="split of a saved DatasetDict or a Hub dataset (default: train)")
     p.add_argument("--column", default="input_ids", help="token-id column (default: input_ids)")
     p.add_argument("--text-column", default=None, help="tokenize this text column when the dataset has no token-id column")
@@ -47,26 +39,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from ringpack.balancer.cost import CostModel
-    from ringpack.balancer.plan import PlanConfig
     from ringpack.dataloaders.shards import load_source, tokenize_dataset, write_shards
 
     if args.steps_per_file < 0:
         raise ValueError("--steps-per-file must be >= 0")
-    cost = CostModel.load(args.model) if args.model.endswith(".json") else CostModel.preset(args.model)
-    config = PlanConfig(
-        dp=args.dp,
-        cp=args.cp,
-        tokens_per_rank=args.tokens_per_rank,
-        strategy=args.strategy,
-        packing=args.packing,
-        samples_per_step=args.samples_per_step,
-        microbatches_per_rank=args.microbatches_per_rank,
-        seed=args.seed,
-        epoch=args.epoch,
-        overflow=args.overflow,
-        cost=cost,
-    )
+    config = plan_config_from_args(args)
     ds = load_source(args.dataset, split=args.split, cache_dir=args.cache_dir)
     tokenized = None
     if args.column not in ds.column_names:
