@@ -9,9 +9,8 @@ its own flags. Only the standard library is imported here: the heavy parts load 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 #: CP strategies, packings and overflow policies the planner accepts (as in ``ringpack.balancer.plan``).
 STRATEGIES = ("balanced", "zigzag", "contiguous")
@@ -34,16 +33,6 @@ _CONFIG_FLAGS = (
     ("solver_time_limit_s", "solver_time_limit"),
     ("cp_token_slack", "cp_token_slack"),
 )
-
-
-def not_done(issue: str) -> Callable[[argparse.Namespace], int]:
-    """Handler for a subcommand whose issue has not landed: exit code 2 and a clear message."""
-
-    def handler(args: argparse.Namespace) -> int:
-        print(f"ringpack {args.command}: not implemented yet ({issue})", file=sys.stderr)
-        return 2
-
-    return handler
 
 
 def add_plan_arguments(
@@ -103,6 +92,8 @@ def cost_model_from_arg(value: str, flag: str = "--model"):
         return CostModel.preset(value)
     if Path(value).is_file():
         return CostModel.load(value)
+    if value.endswith(".json") or "/" in value:
+        raise FileNotFoundError(f"{flag}: no profile file at {value}")
     raise ValueError(f"{flag} {value!r} is neither a preset ({', '.join(PRESETS)}) nor a profile file")
 
 
