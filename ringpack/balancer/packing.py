@@ -50,11 +50,12 @@ def pack_greedy(
     t_list = tokens.tolist()
     free = [[capacity] * m for _ in range(dp)]
     heap = [(0.0, d) for d in range(dp)]
-    bins = np.empty(n, dtype=np.int64)
+    bins = [0] * n
     rank_free = [capacity] * dp  # most free tokens of any bin of each rank: fail fast when full
+    most_free = capacity  # max(rank_free), kept current: rank_free only ever shrinks
     for i in order.tolist():
         t = t_list[i]
-        if t > max(rank_free):
+        if t > most_free:
             return None
         popped = []
         placed = False
@@ -66,7 +67,10 @@ def pack_greedy(
                 best = free_d.index(fj)
                 free_d[best] -= t
                 bins[i] = d * m + best
+                was = rank_free[d]
                 rank_free[d] = max(free_d)
+                if was == most_free and rank_free[d] < was:
+                    most_free = max(rank_free)
                 heapq.heappush(heap, (load + w_list[i], d))
                 placed = True
                 break
@@ -75,7 +79,7 @@ def pack_greedy(
             heapq.heappush(heap, item)
         if not placed:
             return None
-    return bins
+    return np.array(bins, dtype=np.int64)
 
 
 def fill_empty_bins(

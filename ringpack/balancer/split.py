@@ -231,16 +231,28 @@ def _piece_cost(start: int, stop: int, a: float, b: float, seg: float) -> float:
     return a * (stop - start) + b * 0.5 * (stop * (stop + 1) - start * (start + 1)) + seg
 
 
+def _water_level(total: int, held: list[int], limit: int) -> float:
+    """The level L with ``sum(clip(L - h, 0, limit - h) for h in held) == total`` (exact, no search).
+
+    Filling from the lowest rank up, the first ``k`` ranks (by tokens held) are under water at
+    level ``(total + sum of their holdings) / k``; ``k`` grows while the next rank sits below it.
+    Every rank shares ``limit``, so the level never passes it when ``total`` fits.
+    """
+    ordered = sorted(held)
+    filled = 0.0
+    level = float(ordered[0])
+    for k, h in enumerate(ordered, start=1):
+        if k > 1 and h >= level:
+            break
+        filled += h
+        level = (total + filled) / k
+    return min(level, float(limit))
+
+
 def _even_quotas(total: int, held: list[int], limit: int) -> list[int]:
     """Split ``total`` tokens over ranks so held + quota is as even as possible, never over ``limit``."""
     cp = len(held)
-    lo, hi = 0.0, float(limit)
-    for _ in range(60):  # water level: sum(clip(level - held, 0, limit - held)) == total
-        mid = 0.5 * (lo + hi)
-        if sum(min(max(mid - h, 0.0), limit - h) for h in held) < total:
-            lo = mid
-        else:
-            hi = mid
+    hi = _water_level(total, held, limit)
     raw = [min(max(hi - h, 0.0), float(limit - h)) for h in held]
     quota = [int(math.floor(x)) for x in raw]
     left = total - sum(quota)
