@@ -33,6 +33,7 @@ from typing import Mapping
 import numpy as np
 
 from ringpack.balancer.cost import CostModel, piece_pairs
+from ringpack.balancer.metrics import cell_index, critical_path, rank_grid
 
 __all__ = ["PlanMetrics", "evaluate", "evaluate_plan", "zigzag_rule_padding", "microbatch_index"]
 
@@ -71,13 +72,13 @@ class PlanMetrics:
 
     @property
     def dp_time(self) -> np.ndarray:
-        """(S, D): each DP rank's time, the sum of its micro-batches' times."""
-        return self.mb_time.sum(axis=2)
+        """(S, D): each DP rank's time, the sum of its micro-batches' times (the planner's definition)."""
+        return critical_path(self.cost)[0]
 
     @property
     def step_cost(self) -> np.ndarray:
         """(S,): the slowest DP rank's time."""
-        return self.dp_time.max(axis=1)
+        return critical_path(self.cost)[1]
 
     @property
     def busy(self) -> np.ndarray:
@@ -160,16 +161,8 @@ class PlanMetrics:
         }
 
 
-def microbatch_index(
-    arrays: Mapping[str, np.ndarray], dp: int, shape: tuple[int, int, int] | None = None
-) -> tuple[np.ndarray, tuple[int, int, int]]:
-    """Map each piece row to its (step, dp, micro-batch) cell of a dense ``(S, D, M)`` grid."""
-    step, d, mb = (np.asarray(arrays[k], dtype=np.int64) for k in ("step", "dp", "microbatch"))
-    if shape is None:
-        shape = (int(step.max()) + 1, dp, int(mb.max()) + 1) if step.size else (0, dp, 0)
-    if d.size and (d.min() < 0 or d.max() >= dp):
-        raise ValueError(f"plan names DP rank {int(d.max())}, config has dp={dp}")
-    return (step * shape[1] + d) * shape[2] + mb, shape
+#: The (step, dp, micro-batch) cell of every piece row: the balancer's one implementation.
+microbatch_index = cell_index
 
 
 def zigzag_rule_padding(lengths: np.ndarray, cp: int) -> np.ndarray:
@@ -207,22 +200,11 @@ def evaluate(
     (``None``: computed with :func:`ringpack.analysis.comm_model.kv_cross_tokens`).
     """
     lengths = np.asarray(lengths, dtype=np.int64)
-    cell, grid = microbatch_index(arrays, dp=dp, shape=shape)
-    c = np.asarray(arrays["cp"], dtype=np.int64)
-    if c.size and (c.min() < 0 or c.max() >= cp):
-        raise ValueError(f"plan names CP rank {int(c.max())}, config has cp={cp}")
+    per_rank, cell, grid = rank_grid(arrays, dp, cp, shape)
     start = np.asarray(arrays["start"], dtype=np.int64)
     stop = np.asarray(arrays["stop"], dtype=np.int64)
     sample = np.asarray(arrays["sample"], dtype=np.int64)
     S, D, M = grid
-    n_cells = S * D * M * cp
-    flat = cell * cp + c
-
-    def per_rank(weights: np.ndarray | None) -> np.ndarray:
-        # int64 accumulation keeps token and pair counts exact
-        out = np.zeros(n_cells, dtype=np.int64)
-        np.add.at(out, flat, 1 if weights is None else weights)
-        return out.reshape(S, D, M, cp)
 
     tokens = per_rank(stop - start)
     pairs = per_rank(piece_pairs(start, stop))

@@ -245,7 +245,7 @@ def pack_first_fit(
             packs.append([i])
             free.append(capacity - ti)
     m = m_fixed if m_fixed else max(m_min, -(-len(packs) // dp))
-    if len(packs) > dp * m:
+    if len(packs) > dp * m or n < dp * m:  # too many packs, or too few samples to fill every slot
         return None, m
     while len(packs) < dp * m:  # split the pack with most samples (then most tokens)
         p = max(range(len(packs)), key=lambda q: (len(packs[q]), -free[q], -q))

@@ -247,3 +247,9 @@ def test_zigzag_fits_a_tight_budget_that_floor_cuts_overflow():
     assert max(s.num_tokens for s in split_zigzag([0, 1], [14, 14], 4).shards) == 8
     plan = make_plan([14, 14], PlanConfig(dp=1, cp=4, tokens_per_rank=7, strategy="zigzag", microbatches_per_rank=1)).validate()
     assert [s.num_tokens for s in plan.steps[0].microbatches[0][0].shards] == [7, 7, 7, 7]
+
+
+def test_first_fit_with_too_few_samples_for_its_micro_batches_is_a_plan_error():
+    """Four samples that need four micro-batches cannot fill dp=3 x 2 lockstep slots."""
+    with pytest.raises(PlanError, match=r"step 0: 4 samples .* do not fit dp=3 x 2 micro-batches"):
+        make_plan([2, 40, 40, 40], PlanConfig(dp=3, cp=1, tokens_per_rank=41, packing="first_fit"))
