@@ -1,6 +1,18 @@
-"""Shared pytest setup: hypothesis profiles sized for a 2-core CI machine."""
+"""Shared pytest setup: hypothesis profiles sized for a 2-core CI machine.
+
+Under CI (``CI`` set, as ``.ci/run`` runs) examples are derandomized, so a CI verdict is
+reproducible; local runs explore fresh random examples each time (that is how bugs get found).
+"""
+
+import os
 
 from hypothesis import HealthCheck, settings
 
-settings.register_profile("ci", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile(
+    "ci",
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    derandomize=bool(os.environ.get("CI")),
+)
 settings.load_profile("ci")
