@@ -9,12 +9,7 @@ gradients are compared token by token.
 
 from __future__ import annotations
 
-import os
-import pickle
-import socket
-import tempfile
 import time
-import traceback
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,72 +112,30 @@ def _local(t: dict, shard) -> Any:
     return torch.cat([t[p.sample][p.start: p.stop] for p in shard.pieces]) if shard.pieces else None
 
 
-def _worker(rank: int, world: int, port: int, mb, lengths: list[int], seed: int, out_dir: str) -> None:
-    try:
-        import torch
-        import torch.distributed as dist
-        from datetime import timedelta
+def _worker(rank: int, world: int, mb, lengths: list[int], seed: int) -> dict:
+    """One CP rank (in a process of its own, gloo group joined by :func:`ringpack._spawn.run_ranks`)."""
+    from ringpack.attention import compile_schedule, ring_attention
 
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=60))
-        from ringpack.attention import compile_schedule, ring_attention
-
-        q_all, k_all, v_all, d_all = _inputs(mb, lengths, seed)
-        shard = mb.shards[rank]
-        sched = compile_schedule(mb, rank)
-        q = _local(q_all, shard).requires_grad_()
-        k = _local(k_all, shard).requires_grad_()
-        v = _local(v_all, shard).requires_grad_()
-        out = ring_attention(q, k, v, sched, mode="ring", backend="reference")
-        out.backward(_local(d_all, shard))
-        result = ("ok", {"out": out.detach().numpy(), "dq": q.grad.numpy(), "dk": k.grad.numpy(),
-                         "dv": v.grad.numpy(), "steps": len(sched.steps)})
-        dist.destroy_process_group()
-    except Exception:  # reported to the parent, never swallowed
-        result = ("error", traceback.format_exc())
-    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
-        pickle.dump(result, f)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    q_all, k_all, v_all, d_all = _inputs(mb, lengths, seed)
+    shard = mb.shards[rank]
+    sched = compile_schedule(mb, rank)
+    q = _local(q_all, shard).requires_grad_()
+    k = _local(k_all, shard).requires_grad_()
+    v = _local(v_all, shard).requires_grad_()
+    out = ring_attention(q, k, v, sched, mode="ring", backend="reference")
+    out.backward(_local(d_all, shard))
+    return {"out": out.detach().numpy(), "dq": q.grad.numpy(), "dk": k.grad.numpy(), "dv": v.grad.numpy(),
+            "steps": len(sched.steps)}
 
 
 def run_ring_check(mb, lengths: list[int], seed: int = 0, timeout_s: float = 120.0, tol: float = 1e-9) -> RingCheck:
     """Run ``mb`` on ``len(mb.shards)`` gloo processes and compare with :func:`_dense_reference`."""
-    import torch
-    import torch.multiprocessing as mp
-
+    from ringpack._spawn import run_ranks
     from ringpack.balancer.comm import needed_pieces
 
     t0 = time.perf_counter()
-    world = len(mb.shards)
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    with tempfile.TemporaryDirectory() as out_dir:
-        procs = [ctx.Process(target=_worker, args=(r, world, port, mb, lengths, seed, out_dir)) for r in range(world)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout_s)
-        for r, p in enumerate(procs):
-            if p.is_alive():
-                p.kill()
-                p.join()
-                raise TimeoutError(f"ring check: CP rank {r} did not finish within {timeout_s:.0f} s")
-        results = []
-        for r in range(world):
-            path = os.path.join(out_dir, f"rank{r}.pkl")
-            if not os.path.exists(path):
-                raise RuntimeError(f"ring check: CP rank {r} died without a result (exit code {procs[r].exitcode})")
-            with open(path, "rb") as f:
-                status, value = pickle.load(f)
-            if status == "error":
-                raise RuntimeError(f"ring check: CP rank {r} failed:\n{value}")
-            results.append(value)
+    results = run_ranks(_worker, len(mb.shards), (mb, lengths, seed), timeout_s=60.0, join_s=timeout_s,
+                        start_method="spawn", name="ring check")
     ref = _dense_reference(mb, lengths, seed)
     worst = 0.0
     for r, shard in enumerate(mb.shards):
@@ -195,7 +148,6 @@ def run_ring_check(mb, lengths: list[int], seed: int = 0, timeout_s: float = 120
     arr = np.array(rows, dtype=np.int64)
     need = needed_pieces(np.zeros(len(arr), dtype=np.int64), arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 3])
     split = len({p.sample for sh in mb.shards for p in sh.pieces if p.start > 0})
-    del torch
     return RingCheck(
         samples=len(mb.samples), tokens=mb.num_tokens, split_samples=split,
         kv_cross_tokens=int(((arr[:, 3] - arr[:, 2]) * (need > 0)).sum()),

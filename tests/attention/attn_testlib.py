@@ -6,13 +6,7 @@ positions, plain softmax, autograd for the gradients) and shares no code with th
 
 from __future__ import annotations
 
-import os
-import pickle
-import socket
-import tempfile
-import traceback
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -222,69 +216,15 @@ def run_all_ranks(
 # ---------------------------------------------------------------------------------------- harness
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _child(rank: int, world: int, port: int, fn: Callable, args: tuple, out_dir: str, timeout_s: float) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    result: Any
-    try:
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
-        )
-        result = ("ok", fn(rank, world, *args))
-    except BaseException:  # report everything to the parent
-        result = ("error", traceback.format_exc())
-    finally:
-        try:
-            dist.destroy_process_group()
-        except Exception:
-            pass
-    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
-        pickle.dump(result, f)
-
-
 def run_processes(world: int, fn: Callable, *args: Any, timeout_s: float = 60.0, join_s: float = 240.0) -> list[Any]:
     """Run ``fn(rank, world, *args)`` in ``world`` fresh processes joined by a gloo group; return their results.
 
     Every collective has ``timeout_s``; the whole run is killed after ``join_s`` (a hang fails the
     test instead of stalling the suite). A child's exception is re-raised here with its traceback.
     """
-    import torch.multiprocessing as mp
+    from ringpack._spawn import run_ranks
 
     # forkserver: one fresh server process imports torch and ringpack once, then forks each rank
     # (spawn would import them once per rank; plain fork would inherit the parent's thread pools)
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "numpy", "ringpack.attention", __name__])
-    port = _free_port()
-    with tempfile.TemporaryDirectory() as out_dir:
-        procs = [ctx.Process(target=_child, args=(r, world, port, fn, args, out_dir, timeout_s)) for r in range(world)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(join_s)
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for r in hung:
-            procs[r].kill()
-            procs[r].join()
-        if hung:
-            raise TimeoutError(f"ranks {hung} did not finish within {join_s}s")
-        results, failures = [], []
-        for r in range(world):
-            path = os.path.join(out_dir, f"rank{r}.pkl")
-            if not os.path.exists(path):
-                failures.append(f"rank {r} died without a result (exit code {procs[r].exitcode})")
-                continue
-            with open(path, "rb") as f:
-                status, value = pickle.load(f)
-            if status == "error":
-                failures.append(f"rank {r} failed:\n{value}")
-            results.append(value)
-        if failures:  # all of them: the first rank to fail is not always the one that reports first
-            raise RuntimeError("\n\n".join(failures))
-        return results
+    return run_ranks(fn, world, args, timeout_s=timeout_s, join_s=join_s, start_method="forkserver",
+                     preload=["torch", "torch.distributed", "numpy", "ringpack.attention", __name__])

@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
-import socket
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from ringpack._spawn import run_ranks
 
 pytest.importorskip("transformers")
 
@@ -51,10 +50,8 @@ def example_args(example, cp: int, strategy: str, packing: str) -> argparse.Name
     )
 
 
-def worker(rank: int, port: int, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=__import__("datetime").timedelta(seconds=120))
-    torch.set_num_threads(1)
+def worker(rank: int, world: int) -> dict | None:
+    """One rank of the DP x CP run (gloo group and one intra-op thread set up by ringpack._spawn.run_ranks)."""
     example = load_example()
     results = {}
     for cp, strategy, packing in CONFIGS:
@@ -66,10 +63,8 @@ def worker(rank: int, port: int, out_dir: str) -> None:
             on_step=lambda step, model: grads.append({n: p.grad.clone() for n, p in model.named_parameters()}),
         )
         results[(cp, strategy, packing)] = dict(losses=[r["loss"] for r in records], grads=grads)
-    if rank == 0:
-        torch.save(results, os.path.join(out_dir, "results.pt"))
     dist.barrier()
-    dist.destroy_process_group()
+    return results if rank == 0 else None
 
 
 def reference(example, args):
@@ -105,13 +100,11 @@ def reference(example, args):
 
 
 @pytest.fixture(scope="module")
-def distributed_results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("train")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(worker, args=(port, str(out)), nprocs=WORLD, join=True, start_method="spawn")
-    return torch.load(out / "results.pt")
+def distributed_results():
+    # forkserver: torch is imported once by the server, not once per rank (the server is shared with the
+    # attention tests' harness when both run in one session: its preload then counts)
+    return run_ranks(worker, WORLD, timeout_s=120.0, join_s=280.0, start_method="forkserver",
+                     preload=["torch", "torch.distributed", __name__])[0]
 
 
 @pytest.mark.slow
