@@ -56,12 +56,11 @@ def merge_partial(out: Tensor, lse: Tensor, part_out: Tensor, part_lse: Tensor, 
     new_lse = torch.logaddexp(old_lse, part_lse)
     w_old = torch.exp(old_lse - new_lse).transpose(0, 1).unsqueeze(-1)
     w_new = torch.exp(part_lse - new_lse).transpose(0, 1).unsqueeze(-1)
-    new_out = old_out * w_old + part_out.to(out.dtype) * w_new
+    old_out.mul_(w_old).addcmul_(part_out, w_new)  # in place: a view of out, or the gathered copy
     if isinstance(index, Tensor):
-        out.index_copy_(0, index, new_out)
+        out.index_copy_(0, index, old_out)
         lse.index_copy_(1, index, new_lse)
     else:
-        old_out.copy_(new_out)  # views of out/lse
         old_lse.copy_(new_lse)
 
 
@@ -206,19 +205,24 @@ class RingTransport:
 # ----------------------------------------------------------------------------------------- engine
 
 
-def _take(x: Tensor, index: Tensor | None, dim: int = 0) -> Tensor:
-    return x if index is None else x.index_select(dim, index)
+def _take(x: Tensor, rows: Rows, dim: int = 0) -> Tensor:
+    """Rows ``rows`` of ``x`` along ``dim``: a gather for an index, a view for a range (contiguous for the kernels)."""
+    if rows is None:
+        return x
+    if isinstance(rows, Tensor):
+        return x.index_select(dim, rows)
+    return x[rows] if dim == 0 else x[:, rows].contiguous()
 
 
 def _fwd_call(q: Tensor, k: Tensor, v: Tensor, call: KernelCall, scale: float, backend: str) -> tuple[Tensor, Tensor]:
     return varlen_attn_fwd(
-        _take(q, call.q_index), k, v, call.cu_seqlens_q, call.cu_seqlens_k,
+        _take(q, call.rows), k, v, call.cu_seqlens_q, call.cu_seqlens_k,
         call.max_seqlen_q, call.max_seqlen_k, scale, call.causal, backend,
     )  # fmt: skip
 
 
 def _bwd_call(dout, q, k, v, out, lse, call: KernelCall, scale: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
-    idx = call.q_index
+    idx = call.rows
     return varlen_attn_bwd(
         _take(dout, idx), _take(q, idx), k, v, _take(out, idx), _take(lse, idx, dim=1),
         call.cu_seqlens_q, call.cu_seqlens_k, call.max_seqlen_q, call.max_seqlen_k, scale, call.causal, backend,
@@ -233,8 +237,8 @@ def _fwd_parts(q: Tensor, k: Tensor, v: Tensor, call: KernelCall, scale: float, 
     """One call's partial results as ``(local query rows, out, lse)``: one part, or with a hybrid
     backend the varlen ``rest`` and one part per dense segment (disjoint rows)."""
     if not _splits(call, backend):
-        return [(call.q_index, *_fwd_call(q, k, v, call, scale, backend))]
-    parts = [] if call.rest is None else [(call.rest.q_index, *_fwd_call(q, k, v, call.rest, scale, backend))]
+        return [(call.rows, *_fwd_call(q, k, v, call, scale, backend))]
+    parts = [] if call.rest is None else [(call.rest.rows, *_fwd_call(q, k, v, call.rest, scale, backend))]
     for q0, nq, k0, nk in call.dense:
         rows, keys = slice(q0, q0 + nq), slice(k0, k0 + nk)
         parts.append((rows, *dense_attn_fwd(q[rows], k[keys], v[keys], scale, call.causal, backend)))
@@ -245,8 +249,8 @@ def _bwd_parts(dout, q, k, v, out, lse, call: KernelCall, scale: float, backend:
     """One call's gradients as ``(query rows, dq, key rows, dk, dv)``; key rows ``None``: the whole
     buffer. With a split, the varlen ``rest`` (if any) comes first, then one part per dense segment."""
     if not _splits(call, backend):
-        return [(call.q_index, *_bwd_call_parts(dout, q, k, v, out, lse, call, scale, backend))]
-    parts = [] if call.rest is None else [(call.rest.q_index, *_bwd_call_parts(dout, q, k, v, out, lse, call.rest, scale, backend))]
+        return [(call.rows, *_bwd_call_parts(dout, q, k, v, out, lse, call, scale, backend))]
+    parts = [] if call.rest is None else [(call.rest.rows, *_bwd_call_parts(dout, q, k, v, out, lse, call.rest, scale, backend))]
     for q0, nq, k0, nk in call.dense:
         rows, keys = slice(q0, q0 + nq), slice(k0, k0 + nk)
         dq, dk, dv = dense_attn_bwd(dout[rows], q[rows], k[keys], v[keys], out[rows], lse[:, rows], scale, call.causal, backend)

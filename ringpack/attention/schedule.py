@@ -22,8 +22,9 @@ How the plan becomes kernel calls. For a local piece ``q = [a, b)`` of sample X 
   not use are covered by zero-query segments (see the kernel contract in ``kernels.py``).
 
 Dense split (for hybrid kernel backends). With ``dense_threshold=n`` every call also records its
-*long* segments (at least ``n`` queries and ``n`` keys: the causal segments of the local step and
-the full blocks of remote steps) as ``dense`` tuples ``(q_start, q_len, k_start, k_len)`` of
+*long* segments (at least ``n * n`` query-key products with both sides at least ``n // 4``: the
+long causal segments of the local step and the large full blocks of remote steps; see
+:func:`is_dense_segment`) as ``dense`` tuples ``(q_start, q_len, k_start, k_len)`` of
 Python ints, and the call minus those segments as ``rest``: the same key segments with the long
 segments' query counts set to zero (so the varlen kernel still zeroes their dK/dV rows) and its
 own ``q_index``. A segment's query rows are always one contiguous range of local rows, so a dense
@@ -49,9 +50,9 @@ from torch import Tensor
 
 from ringpack.balancer.plan import MicroBatch
 
-__all__ = ["DEFAULT_DENSE_THRESHOLD", "KernelCall", "RingStep", "Schedule", "ScheduleMismatchError", "compile_schedule"]
+__all__ = ["DEFAULT_DENSE_THRESHOLD", "KernelCall", "RingStep", "Schedule", "ScheduleMismatchError", "compile_schedule", "is_dense_segment"]
 
-# Segments with at least this many queries and keys are marked for a hybrid backend's dense kernel.
+# Segments of at least this many queries and keys (by area, is_dense_segment) go to a hybrid backend's dense kernel.
 DEFAULT_DENSE_THRESHOLD = 4096
 
 
@@ -63,8 +64,10 @@ class ScheduleMismatchError(ValueError):
 class KernelCall:
     """One varlen kernel launch of a ring step.
 
-    ``q_index`` selects the local query rows (``None``: all local rows, in order); segment ``b``
-    pairs ``q[q_index][cu_seqlens_q[b]:cu_seqlens_q[b+1]]`` with rows ``cu_seqlens_k[b]:cu_seqlens_k[b+1]``
+    ``q_index`` selects the local query rows (``None``: all local rows, in order, unless
+    ``q_range = (a, b)`` says they are the contiguous rows ``a:b``, which the engine reads as views
+    instead of gathering); :attr:`rows` gives either form. Segment ``b``
+    pairs ``q[rows][cu_seqlens_q[b]:cu_seqlens_q[b+1]]`` with rows ``cu_seqlens_k[b]:cu_seqlens_k[b+1]``
     of the key/value buffer. ``max_seqlen_*`` are Python ints so launching needs no host sync.
 
     The dense split (module docstring), used only by hybrid backends: ``dense`` lists the long
@@ -81,6 +84,12 @@ class KernelCall:
     causal: bool
     dense: tuple[tuple[int, int, int, int], ...] = ()
     rest: "KernelCall | None" = None
+    q_range: tuple[int, int] | None = None  # the query rows when they are one contiguous range (then q_index is None)
+
+    @property
+    def rows(self) -> Tensor | slice | None:
+        """The local query rows: an index tensor, a slice (one contiguous range: views, no gathers), or None (all rows)."""
+        return slice(*self.q_range) if self.q_range is not None else self.q_index
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "KernelCall":
         return replace(
@@ -249,8 +258,8 @@ def compile_schedule(microbatch: MicroBatch, cp_rank: int, dense_threshold: int 
     Works for any valid micro-batch: any number of pieces per sample and rank, uneven or
     length-1 pieces, ranks with no tokens, any CP size. Every rank of the group must compile the
     same micro-batch (checked at run time through :attr:`Schedule.fingerprint`).
-    ``dense_threshold``: segments with at least this many queries and keys are marked for a hybrid
-    backend's dense kernel (``None``: mark none). It only changes which kernel computes what, so
+    ``dense_threshold``: segments of at least this many queries and keys (in area; see
+    :func:`is_dense_segment`) are marked for a hybrid backend's dense kernel (``None``: mark none). It only changes which kernel computes what, so
     ranks may differ in it.
     """
     cp = len(microbatch.shards)
@@ -340,22 +349,40 @@ def _noncausal_call(q_lo, q_hi, k_lo, k_hi, buffer_len: int, num_tokens: int, de
     return _make_call(seg_q[keep], seg_k[keep], seg_q_start[keep], False, num_tokens, dense_threshold)
 
 
+def _query_rows(seg_q_start, seg_q, num_tokens: int) -> dict:
+    """``q_index``/``q_range`` of a call: None/None for all local rows in order, a range when contiguous, else an index."""
+    q_index = _concat_ranges(seg_q_start, seg_q)
+    contiguous = q_index.size > 0 and int(q_index[-1]) - int(q_index[0]) + 1 == q_index.size and bool((np.diff(q_index) == 1).all())
+    if contiguous and q_index.size == num_tokens:
+        return dict(q_index=None)
+    if contiguous:
+        return dict(q_index=None, q_range=(int(q_index[0]), int(q_index[-1]) + 1))
+    return dict(q_index=torch.from_numpy(q_index))
+
+
+def is_dense_segment(len_q, len_k, dense_threshold: int):
+    """Which segments a hybrid backend's dense kernel takes: at least ``dense_threshold**2`` query-key
+    products and both sides at least ``dense_threshold // 4`` (a long causal segment: length >= the
+    threshold; a remote full block such as 8K queries x 4K keys qualifies too). Vectorised over arrays."""
+    len_q, len_k = np.asarray(len_q, dtype=np.int64), np.asarray(len_k, dtype=np.int64)
+    side = max(dense_threshold // 4, 1)
+    return (len_q * len_k >= dense_threshold * dense_threshold) & (len_q >= side) & (len_k >= side)
+
+
 def _make_call(seg_q, seg_k, seg_q_start, causal: bool, num_tokens: int, dense_threshold: int | None) -> KernelCall:
     """The call of segments ``seg_q[b]`` queries (local rows ``seg_q_start[b]`` on) x ``seg_k[b]`` keys, plus its dense split."""
-    q_index = _concat_ranges(seg_q_start, seg_q)
-    all_rows = q_index.size == num_tokens and bool((q_index == np.arange(num_tokens)).all())
     cu_k = _cu(seg_k)
     call = KernelCall(
-        q_index=None if all_rows else torch.from_numpy(q_index),
         cu_seqlens_q=_cu(seg_q),
         cu_seqlens_k=cu_k,
         max_seqlen_q=int(seg_q.max()),
         max_seqlen_k=int(seg_k.max()),
         causal=causal,
+        **_query_rows(seg_q_start, seg_q, num_tokens),
     )
     if dense_threshold is None:
         return call
-    long = (seg_q >= dense_threshold) & (seg_k >= dense_threshold)
+    long = is_dense_segment(seg_q, seg_k, dense_threshold)
     if not long.any():
         return call
     seg_k_start = np.cumsum(seg_k) - seg_k
@@ -367,7 +394,7 @@ def _make_call(seg_q, seg_k, seg_q_start, causal: bool, num_tokens: int, dense_t
     rest = None
     if rest_q.any():  # same key segments (the long ones keep their keys with no queries: dK/dV rows zeroed)
         rest = KernelCall(
-            q_index=torch.from_numpy(_concat_ranges(seg_q_start, rest_q)),
+            **_query_rows(seg_q_start, rest_q, -1),
             cu_seqlens_q=_cu(rest_q),
             cu_seqlens_k=cu_k,
             max_seqlen_q=int(rest_q.max()),

@@ -52,7 +52,7 @@ def computed_pairs(mb: MicroBatch, schedules: list[Schedule], rank: int) -> Coun
         assert not local
     else:
         call = sched.local
-        assert call.causal and call.q_index is None
+        assert call.causal and call.rows is None
         _check_call_shape(call, len(local), len(local))
         for (qa, qb), (ka, kb) in zip(_segments(call.cu_seqlens_q), _segments(call.cu_seqlens_k)):
             shift = (kb - ka) - (qb - qa)
@@ -71,7 +71,7 @@ def computed_pairs(mb: MicroBatch, schedules: list[Schedule], rank: int) -> Coun
         used_rows: set[int] = set()
         for call in step.calls:
             assert not call.causal
-            rows = list(range(len(local))) if call.q_index is None else call.q_index.tolist()
+            rows = row_list(call, len(local))
             assert not used_rows & set(rows), "a query row appears in two calls of one step"
             used_rows |= set(rows)
             _check_call_shape(call, len(rows), len(buffer))
@@ -209,9 +209,23 @@ def test_invalid_microbatches_are_rejected():
 # ------------------------------------------------------------------------------------ dense split
 
 
+def row_list(call, num_tokens: int) -> list[int]:
+    """A call's local query rows as a list, from whichever form it stores (all rows, a range, an index)."""
+    rows = call.rows
+    if rows is None:
+        assert call.q_index is None and call.q_range is None
+        return list(range(num_tokens))
+    if isinstance(rows, slice):
+        assert call.q_index is None and 0 <= rows.start < rows.stop
+        return list(range(rows.start, rows.stop))
+    index = rows.tolist()
+    assert index != list(range(index[0], index[0] + len(index))), "contiguous rows must be stored as a range"
+    return index
+
+
 def _expanded_segments(call) -> list[tuple[tuple[int, ...], int, int]]:
     """A call's non-empty segments as (local query rows, first key row, key count)."""
-    rows = None if call.q_index is None else call.q_index.tolist()
+    rows = None if call.rows is None else row_list(call, -1)
     out = []
     for (qa, qb), (ka, kb) in zip(_segments(call.cu_seqlens_q), _segments(call.cu_seqlens_k)):
         if qb > qa:
@@ -222,7 +236,8 @@ def _expanded_segments(call) -> list[tuple[tuple[int, ...], int, int]]:
 def check_dense_split(call, threshold: int) -> None:
     """``dense`` + ``rest`` compute exactly the call's segments; long ones dense, others in rest; rest keeps every key segment."""
     whole = _expanded_segments(call)
-    long = [seg for seg in whole if len(seg[0]) >= threshold and seg[2] >= threshold]
+    # the area rule: >= threshold**2 query-key products, both sides >= threshold // 4
+    long = [seg for seg in whole if len(seg[0]) * seg[2] >= threshold**2 and min(len(seg[0]), seg[2]) >= max(threshold // 4, 1)]
     if not long:
         assert call.dense == () and call.rest is None
         return
@@ -235,7 +250,7 @@ def check_dense_split(call, threshold: int) -> None:
         assert torch.equal(call.rest.cu_seqlens_k, call.cu_seqlens_k), "rest must keep every key segment (dK/dV rows zeroed)"
         q_lens = [b - a for a, b in _segments(call.rest.cu_seqlens_q)]
         assert call.rest.max_seqlen_q == max(q_lens) and call.rest.max_seqlen_k == call.max_seqlen_k
-        assert call.rest.q_index.numel() == sum(q_lens)
+        assert len(row_list(call.rest, -1)) == sum(q_lens)
 
 
 @settings(max_examples=100, deadline=None)
