@@ -15,7 +15,9 @@ Rows per case:
   parallel on the same data.
 
 Times are medians over iterations of the slowest rank (every rank starts together after a
-barrier); ``busy`` lists each rank's own time. Useful TFLOP/s per GPU count only the causal pairs
+barrier); ``busy`` lists each rank's own time. ``MiB`` is each rank's peak memory above its inputs
+during the calls, and for ringpack rows ``of`` the allowance: single-GPU flash attention over the
+rank's own tokens (measured) plus two K/V buffers of the largest compact buffer. Useful TFLOP/s per GPU count only the causal pairs
 the mask keeps: ``4 * head_dim * q_heads * pairs`` forward, x3.5 for forward+backward.
 """
 
@@ -89,9 +91,13 @@ def local_index(mb: MicroBatch, rank: int, lengths: list[int]) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- timing
-def timed(thunk, backward: bool, iters: int, warmup: int) -> tuple[float, list[float]]:
-    """Median slowest-rank time (ms) and this case's per-rank medians."""
+def timed(thunk, backward: bool, iters: int, warmup: int) -> tuple[float, list[float], list[float]]:
+    """Median slowest-rank time (ms), this case's per-rank medians and per-rank peak memory (MiB)
+    allocated by the calls above what was allocated before them (inputs are not counted)."""
     times = []
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
     for i in range(warmup + iters):
         grad = None
         dist.barrier()
@@ -108,10 +114,28 @@ def timed(thunk, backward: bool, iters: int, warmup: int) -> tuple[float, list[f
         if i >= warmup:
             times.append(elapsed)
         del out
-    mine = statistics.median(times)
+    mine = (statistics.median(times), (torch.cuda.max_memory_allocated() - base) / 2**20)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
-    return max(gathered), gathered
+    return max(g[0] for g in gathered), [g[0] for g in gathered], [g[1] for g in gathered]
+
+
+def budget_mib(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pieces: list[int], buffer_tokens: int, backward: bool) -> float:
+    """The issue's memory allowance for one rank: single-GPU attention over its own tokens (flash
+    varlen, its pieces as segments, measured) plus two K/V buffers of the largest compact buffer."""
+    peak = 0
+    if q.shape[0]:
+        thunk = peers.ideal_flash_varlen(*(t.detach().clone().requires_grad_(backward) for t in (q, k, v)), pieces)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        out = thunk()
+        if backward:
+            out.backward(torch.ones_like(out))
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+    kv_buffer = 2 * buffer_tokens * k.shape[1] * k.shape[2] * k.element_size()
+    return (peak + 2 * kv_buffer) / 2**20
 
 
 def useful_tflops(pairs: int, head_dim: int, heads: int, backward: bool, ms: float, gpus: int) -> float:
@@ -151,11 +175,14 @@ def main() -> int:
         rows.append(row)
         if rank == 0:
             busy = " ".join(f"{b:.1f}" for b in row.get("busy_ms", []))
+            mem = " ".join(f"{m:.0f}" for m in row.get("peak_mib", []))
+            if row.get("budget_mib"):
+                mem += " of " + " ".join(f"{m:.0f}" for m in row["budget_mib"])
             err = f"  ERROR {row['error']}" if row.get("error") else ""
             print(
                 f"{row['case']:6s} {row['tokens_per_gpu']:>6d} {row['shape']:>5s} {row['pass']:6s} "
                 f"{row['impl']:28s} {row.get('ms', float('nan')):9.2f} ms {row.get('tflops', float('nan')):7.1f} TF/s "
-                f"{row.get('ideal_frac', float('nan')):6.1%}  busy [{busy}]{err}",
+                f"{row.get('ideal_frac', float('nan')):6.1%}  busy [{busy}]  MiB [{mem}]{err}",
                 flush=True,
             )
 
@@ -175,16 +202,18 @@ def main() -> int:
                     base = dict(case=case, tokens_per_gpu=tokens, shape=shape, samples=len(lengths), **{"pass": pass_name})
                     ideal_ms = None
 
-                    def run_row(impl: str, make, gpus: int) -> None:
+                    def run_row(impl: str, make, gpus: int, budget: list[float] | None = None) -> None:
                         nonlocal ideal_ms
                         row = dict(base, impl=impl)
                         thunk = None
                         try:
                             thunk = make()
-                            ms, busy = timed(thunk, backward, args.iters, args.warmup)
+                            ms, busy, peak = timed(thunk, backward, args.iters, args.warmup)
                             if impl.startswith("ideal"):
                                 ms, busy = ms / world, [b / world for b in busy]
-                            row.update(ms=ms, busy_ms=busy, tflops=useful_tflops(pairs, args.head_dim, heads, backward, ms, world))
+                            row.update(ms=ms, busy_ms=busy, peak_mib=peak, tflops=useful_tflops(pairs, args.head_dim, heads, backward, ms, world))
+                            if budget is not None and not impl.startswith("ideal"):
+                                row["budget_mib"] = budget
                             if impl.startswith("ideal"):
                                 ideal_ms = ms if ideal_ms is None else min(ideal_ms, ms)
                         except Exception as exc:  # a failing peer must not sink the whole table
@@ -221,13 +250,17 @@ def main() -> int:
                         mb = split_for(strategy, lengths, world, args.slack)
                         index = local_index(mb, rank, lengths).to(device)
                         schedule = compile_schedule(mb, rank, dense_threshold=args.dense_threshold).to(device)
+                        mine = [p.stop - p.start for p in mb.shards[rank].pieces] or [0]
+                        allowance = budget_mib(*(t.index_select(0, index) for t in (q, k, v)), mine, max(schedule.buffer_tokens), backward)
+                        budgets = [None] * world
+                        dist.all_gather_object(budgets, allowance)
                         for backend, mode in itertools.product(args.backends.split(","), args.modes.split(",")):
                             def make(mode=mode, backend=backend, schedule=schedule, index=index):
                                 ql, kl, vl = (leaf(t.index_select(0, index)) for t in (q, k, v))
                                 return lambda: ring_attention(ql, kl, vl, schedule, mode=mode, backend=backend)
 
                             tag = "" if backend == "auto" else f" [{backend}]"
-                            run_row(f"ringpack {mode} {strategy}{tag}", make, world)
+                            run_row(f"ringpack {mode} {strategy}{tag}", make, world, budgets)
                     if "torch" in args.peers:
                         if case == "single":
                             run_row("torch-cp sdpa-cudnn headtail", lambda: peers.torch_cp_sdpa(leaf(q), k, v, "cudnn"), world)

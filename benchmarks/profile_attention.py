@@ -1,0 +1,108 @@
+"""Where the time of one ringpack attention configuration goes, per rank (torch.profiler, GPU kernels).
+
+Run by torchrun like ``benchmarks/attention.py`` and with the same case definitions:
+
+    torchrun --nproc_per_node=2 benchmarks/profile_attention.py --tokens 16384 --case mix \
+        --strategy balanced --backend cudnn_hybrid --out profile.txt
+
+Prints (and writes) each rank's wall time per iteration and its GPU kernels grouped by name,
+plus the same for the whole micro-batch on one GPU (``--solo``), so the gap to ideal scaling
+can be attributed to kernels (slower kernel choice, extra gathers/merges) or to idle GPU time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from attention import case_lengths, local_index, split_for  # noqa: E402
+
+
+def profiled(thunk, backward: bool, iters: int) -> tuple[float, str]:
+    """Mean wall ms per iteration and the profiler's kernel table (after one warm-up call)."""
+    for _ in range(2):
+        out = thunk()
+        if backward:
+            out.backward(torch.ones_like(out))
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(iters):
+            out = thunk()
+            if backward:
+                out.backward(torch.ones_like(out))
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) * 1e3 / iters
+    table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=70)
+    return wall, table
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--case", default="mix")
+    parser.add_argument("--shape", default="32x8")
+    parser.add_argument("--strategies", default="balanced,zigzag")
+    parser.add_argument("--backend", default="cudnn_hybrid")
+    parser.add_argument("--mode", default="ring")
+    parser.add_argument("--pass", dest="pass_name", default="fwdbwd")
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--slack", type=float, default=0.125)
+    parser.add_argument("--dense-threshold", type=int, default=4096)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--solo", action="store_true", help="also profile the whole micro-batch on one GPU")
+    parser.add_argument("--out", default="profile.txt")
+    args = parser.parse_args()
+
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    torch.cuda.set_device(device)
+    from ringpack.attention import compile_schedule, ring_attention
+
+    backward = args.pass_name == "fwdbwd"
+    lengths = case_lengths(args.case, args.tokens * world, args.seed)
+    heads, kv_heads = (int(x) for x in args.shape.split("x"))
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    total = sum(lengths)
+    q, k, v = (torch.randn(total, h, 128, device=device, dtype=torch.bfloat16, generator=gen) for h in (heads, kv_heads, kv_heads))
+    report = []
+
+    def leaf(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().clone().requires_grad_(backward)
+
+    if args.solo:
+        solo = compile_schedule(split_for("contiguous", lengths, 1, args.slack), 0, dense_threshold=args.dense_threshold).to(device)
+        ql, kl, vl = leaf(q), leaf(k), leaf(v)
+        wall, table = profiled(lambda: ring_attention(ql, kl, vl, solo, backend=args.backend), backward, args.iters)
+        report.append(f"### rank {rank}: whole micro-batch on one GPU: {wall:.2f} ms/iter\n{table}")
+    for strategy in args.strategies.split(","):
+        mb = split_for(strategy, lengths, world, args.slack)
+        index = local_index(mb, rank, lengths).to(device)
+        schedule = compile_schedule(mb, rank, dense_threshold=args.dense_threshold).to(device)
+        ql, kl, vl = (leaf(t.index_select(0, index)) for t in (q, k, v))
+        dist.barrier()
+        wall, table = profiled(lambda: ring_attention(ql, kl, vl, schedule, mode=args.mode, backend=args.backend), backward, args.iters)
+        report.append(f"### rank {rank}: {args.mode} {strategy}: {wall:.2f} ms/iter, calls {schedule.num_kernel_calls}\n{table}")
+    text = f"lengths ({len(lengths)}): {sorted(lengths, reverse=True)[:8]}...\n" + "\n".join(report)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, text)
+    if rank == 0:
+        Path(args.out).write_text("\n\n".join(gathered))
+        print("\n\n".join(gathered))
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
