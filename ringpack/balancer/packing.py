@@ -49,36 +49,46 @@ def pack_greedy(
     w_list = weights.tolist()
     t_list = tokens.tolist()
     free = [[capacity] * m for _ in range(dp)]
+    # (load, rank) pairs are distinct (one per rank), so which rank is least loaded never depends
+    # on the heap's internal layout: heapreplace is pop + push in one sift.
     heap = [(0.0, d) for d in range(dp)]
     bins = [0] * n
-    rank_free = [capacity] * dp  # most free tokens of any bin of each rank: fail fast when full
-    most_free = capacity  # max(rank_free), kept current: rank_free only ever shrinks
+    rank_free = [capacity] * dp  # most free tokens of any bin of each rank (== max(free[d]))
+    most_free = capacity  # an upper bound on max(rank_free), refreshed when a sample exceeds it
+    heappop, heappush, heapreplace = heapq.heappop, heapq.heappush, heapq.heapreplace
     for i in order.tolist():
         t = t_list[i]
         if t > most_free:
-            return None
-        popped = []
-        placed = False
-        while heap:
-            load, d = heapq.heappop(heap)
+            most_free = max(rank_free)  # rank_free only shrinks: fail fast once no bin fits
+            if t > most_free:
+                return None
+        load, d = heap[0]
+        fj = rank_free[d]
+        if fj >= t:  # the least-loaded rank fits (the common case)
             free_d = free[d]
-            fj = max(free_d)  # the bin with most free tokens (first on ties) fits, or none does
+            best = free_d.index(fj)  # the bin with most free tokens, first on ties
+            free_d[best] = fj - t
+            bins[i] = d * m + best
+            rank_free[d] = max(free_d)
+            heapreplace(heap, (load + w_list[i], d))
+            continue
+        popped = [heappop(heap)]
+        while heap:
+            load, d = heappop(heap)
+            fj = rank_free[d]
             if fj >= t:
+                free_d = free[d]
                 best = free_d.index(fj)
-                free_d[best] -= t
+                free_d[best] = fj - t
                 bins[i] = d * m + best
-                was = rank_free[d]
                 rank_free[d] = max(free_d)
-                if was == most_free and rank_free[d] < was:
-                    most_free = max(rank_free)
-                heapq.heappush(heap, (load + w_list[i], d))
-                placed = True
+                heappush(heap, (load + w_list[i], d))
                 break
             popped.append((load, d))
-        for item in popped:
-            heapq.heappush(heap, item)
-        if not placed:
+        else:  # no rank fits (most_free was a stale upper bound)
             return None
+        for item in popped:
+            heappush(heap, item)
     return np.array(bins, dtype=np.int64)
 
 
@@ -108,8 +118,8 @@ def fill_empty_bins(
         movable = counts[bins] >= 2
         same = movable & (bins // m == d)
         pool = same if same.any() else movable
-        cand = np.flatnonzero(pool)
-        chosen = int(cand[np.lexsort((cand, w[cand]))[0]])  # cheapest, then lowest index
+        cand = np.flatnonzero(pool)  # ascending, so argmin's first minimum is the lowest index
+        chosen = int(cand[np.argmin(w[cand])])  # cheapest, then lowest index
         counts[bins[chosen]] -= 1
         bins[chosen] = e
         counts[e] += 1

@@ -8,11 +8,12 @@ a sample of any length >= 1 may be cut anywhere, and chunks that come out empty 
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from ringpack.balancer.plan import MicroBatch, Piece, microbatch_from_shards
+from ringpack.balancer.plan import MicroBatch, Piece, RankShard, microbatch_from_shards, new_piece
 
 if TYPE_CHECKING:
     from ringpack.balancer.cost import CostModel
@@ -90,10 +91,16 @@ def _suffix_start(stop: int, room: float, a: float, b: float, seg: float) -> int
 
     ``cost([s, e)) = a*(e-s) + b*(P(e)-P(s)) + seg`` with ``P(x) = x(x+1)/2`` (exact causal pairs).
     """
-    if stop <= 0 or _piece_cost(stop - 1, stop, a, b, seg) > room:
+    # _piece_cost inlined (same operations in the same order, so the same floats): this runs once
+    # per cut of every split sample
+    if stop <= 0:
+        return stop
+    hb = b * 0.5
+    pe = stop * (stop + 1)
+    if a * 1 + hb * (pe - (stop - 1) * stop) + seg > room:
         return stop
     # b/2 (s^2 + s) + a s >= a*stop + b*P(stop) + seg - room  =: q
-    q = a * stop + b * 0.5 * stop * (stop + 1) + seg - room
+    q = a * stop + hb * stop * (stop + 1) + seg - room
     if q <= 0:
         return 0
     if b > 0:
@@ -102,9 +109,9 @@ def _suffix_start(stop: int, room: float, a: float, b: float, seg: float) -> int
     else:
         s = int(math.ceil(q / a))
     s = min(max(s, 0), stop - 1)
-    while s > 0 and _piece_cost(s - 1, stop, a, b, seg) <= room:
+    while s > 0 and a * (stop - s + 1) + hb * (pe - (s - 1) * s) + seg <= room:
         s -= 1
-    while _piece_cost(s, stop, a, b, seg) > room:
+    while a * (stop - s) + hb * (pe - s * (s + 1)) + seg > room:
         s += 1
     return s
 
@@ -148,7 +155,7 @@ def split_balanced(
     if total_tokens > cp * tokens_per_rank:
         raise ValueError(f"micro-batch holds {total_tokens} tokens, more than cp*tokens_per_rank={cp * tokens_per_rank}")
     if cp == 1:
-        return microbatch_from_shards(samples, [[Piece(int(s), 0, l) for s, l in zip(samples, lens)]], lengths)
+        return _microbatch_from_slots(samples, [[(k, 0, l) for k, l in enumerate(lens)]], lengths, total_tokens)
     if token_slack is not None:
         tokens_per_rank = min(tokens_per_rank, math.ceil(total_tokens / cp * (1.0 + token_slack)))
     a, b, seg = float(cost.token), float(cost.pair), float(cost.segment)
@@ -156,15 +163,17 @@ def split_balanced(
     ideal = sum(w) / cp
     accept = ideal * (1.0 + 2.0 * tolerance)
     cap = ideal * (1.0 + tolerance)
+    # most expensive first, ties by position (a stable sort keeps equal costs in micro-batch order)
+    order = sorted(range(n), key=w.__getitem__, reverse=True)
     best = None  # (max rank cost, shards): the first candidate within the acceptance wins
     attempts = (
-        lambda: _balanced_shards(samples, lens, w, cp, tokens_per_rank, a, b, seg, cap, 1.0),
-        lambda: _balanced_shards(samples, lens, w, cp, tokens_per_rank, a, b, seg, cap, 1.0, 2.0 * ideal),
-        lambda: _balanced_shards(samples, lens, w, cp, tokens_per_rank, a, b, seg, cap, 1.0, ideal),
-        lambda: _hybrid_shards(samples, lens, w, cp, tokens_per_rank, a, b, seg, cap, 0.5),
-        lambda: _hybrid_shards(samples, lens, w, cp, tokens_per_rank, a, b, seg, cap, 0.1),
-        lambda: _hybrid_shards(samples, lens, w, cp, tokens_per_rank, a, b, seg, cap, 0.0),
-        lambda: _zigzag_even_shards(samples, lens, cp, a, b, seg),
+        lambda: _balanced_shards(lens, w, order, cp, tokens_per_rank, a, b, seg, cap, 1.0),
+        lambda: _balanced_shards(lens, w, order, cp, tokens_per_rank, a, b, seg, cap, 1.0, 2.0 * ideal),
+        lambda: _balanced_shards(lens, w, order, cp, tokens_per_rank, a, b, seg, cap, 1.0, ideal),
+        lambda: _hybrid_shards(lens, w, order, cp, tokens_per_rank, a, b, seg, cap, 0.5),
+        lambda: _hybrid_shards(lens, w, order, cp, tokens_per_rank, a, b, seg, cap, 0.1),
+        lambda: _hybrid_shards(lens, w, order, cp, tokens_per_rank, a, b, seg, cap, 0.0),
+        lambda: _zigzag_even_shards(lens, cp, a, b, seg),
     )
     for attempt in attempts:
         shards, top = attempt()
@@ -172,7 +181,27 @@ def split_balanced(
             best = (top, shards)
         if top <= accept:
             break
-    return microbatch_from_shards(samples, best[1], lengths)
+    return _microbatch_from_slots(samples, best[1], lengths, total_tokens)
+
+
+def _microbatch_from_slots(
+    samples: Sequence[int], shards: list[list[tuple[int, int, int]]], lengths: Sequence[int], total_tokens: int
+) -> MicroBatch:
+    """The MicroBatch of shards given as ``(slot, start, stop)`` triples (``slot``: position in ``samples``).
+
+    Equal to ``microbatch_from_shards`` on the same pieces: with distinct samples, sorting the
+    triples sorts by (slot, start), the canonical order, and ``loss_tokens`` is ``total_tokens``
+    (the samples' summed lengths) minus one per sample. Samples listed twice (not a valid micro-batch,
+    but callers may pass them) take the general path.
+    """
+    ids = tuple([int(s) for s in samples])
+    if len(set(ids)) != len(ids):
+        return microbatch_from_shards(samples, [[Piece(ids[k], start, stop) for k, start, stop in shard] for shard in shards], lengths)
+    out = []
+    for shard in shards:
+        shard.sort()
+        out.append(RankShard(tuple([new_piece(ids[k], start, stop) for k, start, stop in shard])))
+    return MicroBatch(samples=ids, shards=tuple(out), loss_tokens=total_tokens - len(ids))
 
 
 def split_zigzag_even(samples: Sequence[int], lengths: Sequence[int], cp: int) -> MicroBatch:
@@ -184,18 +213,19 @@ def split_zigzag_even(samples: Sequence[int], lengths: Sequence[int], cp: int) -
     expensive late ones as zigzag does. Every rank ends with ``floor`` or ``ceil`` of
     ``total / cp`` tokens, so the split fits whenever the micro-batch does.
     """
-    shards, _ = _zigzag_even_shards(samples, [int(lengths[s]) for s in samples], cp, 1.0, 0.0, 0.0)
-    return microbatch_from_shards(samples, shards, lengths)
+    lens = [int(lengths[s]) for s in samples]
+    shards, _ = _zigzag_even_shards(lens, cp, 1.0, 0.0, 0.0)
+    return _microbatch_from_slots(samples, shards, lengths, sum(lens))
 
 
-def _zigzag_even_shards(samples, lens, cp, a, b, seg):
-    """Shards of :func:`split_zigzag_even` and their largest cost."""
+def _zigzag_even_shards(lens, cp, a, b, seg):
+    """Shards of :func:`split_zigzag_even` (``(slot, start, stop)`` triples) and their largest cost."""
     held = [0] * cp
     cost_r = [0.0] * cp
-    shards: list[list[Piece]] = [[] for _ in range(cp)]
-    for sample, length in zip(samples, lens):
+    shards: list[list[tuple[int, int, int]]] = [[] for _ in range(cp)]
+    for k, length in enumerate(lens):
         for r, start, stop in _zigzag_even_chunks(length, held):
-            shards[r].append(Piece(int(sample), start, stop))
+            shards[r].append((k, start, stop))
             cost_r[r] += _piece_cost(start, stop, a, b, seg)
             held[r] += stop - start
     return shards, max(cost_r)
@@ -272,7 +302,7 @@ def _even_quotas(total: int, held: list[int], limit: int) -> list[int]:
     return quota
 
 
-def _hybrid_shards(samples, lens, w, cp, tokens_per_rank, a, b, seg, cap, theta):
+def _hybrid_shards(lens, w, order, cp, tokens_per_rank, a, b, seg, cap, theta):
     """Tight-budget split: samples costing over ``theta * ideal`` are zigzagged, the rest stay whole.
 
     Whole samples go, most expensive first, to the cheapest rank whose tokens stay under an even
@@ -281,9 +311,7 @@ def _hybrid_shards(samples, lens, w, cp, tokens_per_rank, a, b, seg, cap, theta)
     between front (cheap) and back (dense) tokens makes up each rank's cost deficit. Returns the
     shards and the largest rank cost.
     """
-    n = len(lens)
     ideal = sum(w) / cp
-    order = sorted(range(n), key=lambda k: (-w[k], k))
     total_tokens = sum(lens)
     even = -(-total_tokens // cp)
     long = [k for k in order if w[k] > theta * ideal or lens[k] > tokens_per_rank or w[k] > cap]
@@ -292,7 +320,7 @@ def _hybrid_shards(samples, lens, w, cp, tokens_per_rank, a, b, seg, cap, theta)
     is_long = set(long)
     cost_r = [0.0] * cp
     tok_r = [0] * cp
-    shards: list[list[Piece]] = [[] for _ in range(cp)]
+    shards: list[list[tuple[int, int, int]]] = [[] for _ in range(cp)]
     for k in order:
         if k in is_long:
             continue
@@ -308,7 +336,7 @@ def _hybrid_shards(samples, lens, w, cp, tokens_per_rank, a, b, seg, cap, theta)
             long.append(k)
             is_long.add(k)
             continue
-        shards[best].append(Piece(int(samples[k]), 0, lk))
+        shards[best].append((k, 0, lk))
         cost_r[best] += wk
         tok_r[best] += lk
     long_tokens = sum(lens[k] for k in long)
@@ -320,7 +348,7 @@ def _hybrid_shards(samples, lens, w, cp, tokens_per_rank, a, b, seg, cap, theta)
     quota_left = list(quota)
     tokens_left = long_tokens
     for idx, k in enumerate(long):
-        sample, length, wk = int(samples[k]), lens[k], w[k]
+        length, wk = lens[k], w[k]
         # this sample's tokens per rank, proportional to what each rank still takes
         if idx == len(long) - 1:
             take = list(quota_left)
@@ -380,7 +408,7 @@ def _hybrid_shards(samples, lens, w, cp, tokens_per_rank, a, b, seg, cap, theta)
                 if g:
                     pieces.append((hi - g, hi))
             for start, stop in pieces:
-                shards[r].append(Piece(sample, start, stop))
+                shards[r].append((k, start, stop))
                 cost_r[r] += _piece_cost(start, stop, a, b, seg)
                 tok_r[r] += stop - start
             lo += f_
@@ -390,54 +418,71 @@ def _hybrid_shards(samples, lens, w, cp, tokens_per_rank, a, b, seg, cap, theta)
     return shards, max(cost_r)
 
 
-def _balanced_shards(samples, lens, w, cp, tokens_per_rank, a, b, seg, cap, density_factor, zigzag_over=math.inf):
+def _balanced_shards(lens, w, order, cp, tokens_per_rank, a, b, seg, cap, density_factor, zigzag_over=math.inf):
     """One pass of :func:`split_balanced`; returns the shards and the largest rank cost.
 
-    Samples costing more than ``zigzag_over`` are zigzagged over all ranks first (token-even, like
-    :func:`split_zigzag_even`): a sample much costlier than a rank sends nearly all its K/V
-    whichever way it is cut, and its even spread leaves every rank the same room for the rest.
+    ``order`` lists the samples' positions most expensive first; shards hold ``(slot, start, stop)``
+    triples. Samples costing more than ``zigzag_over`` are zigzagged over all ranks first
+    (token-even, like :func:`split_zigzag_even`): a sample much costlier than a rank sends nearly
+    all its K/V whichever way it is cut, and its even spread leaves every rank the same room for
+    the rest.
     """
-    n = len(lens)
     room = [cap] * cp
     troom = [int(tokens_per_rank)] * cp
-    shards: list[list[Piece]] = [[] for _ in range(cp)]
-    order = sorted(range(n), key=lambda k: (-w[k], k))
-    zig = [k for k in order if w[k] > zigzag_over]
-    for k in zig:
-        # most token room first is fewest tokens held first
-        for r, start, stop in _zigzag_even_chunks(lens[k], [-t for t in troom]):
-            shards[r].append(Piece(int(samples[k]), start, stop))
-            room[r] -= _piece_cost(start, stop, a, b, seg)
-            troom[r] -= stop - start
-    if min(troom) < 0:
-        return shards, math.inf
-    zig_set = set(zig)
-    order = [k for k in order if k not in zig_set]
+    shards: list[list[tuple[int, int, int]]] = [[] for _ in range(cp)]
+    if zigzag_over < math.inf:
+        zig = [k for k in order if w[k] > zigzag_over]
+        for k in zig:
+            # most token room first is fewest tokens held first
+            for r, start, stop in _zigzag_even_chunks(lens[k], [-t for t in troom]):
+                shards[r].append((k, start, stop))
+                room[r] -= _piece_cost(start, stop, a, b, seg)
+                troom[r] -= stop - start
+        if min(troom) < 0:
+            return shards, math.inf
+        if zig:
+            zig_set = set(zig)
+            order = [k for k in order if k not in zig_set]
     if not order:
         return shards, cap - min(room)
     # The densest tokens (cost per token) are the last ones of the longest sample; ``density_factor``
     # below 1 assumes less dense content will be left to fill the ranks.
-    density = (a + b * max(lens[k] for k in order)) * density_factor + seg
+    density = (a + b * max([lens[k] for k in order])) * density_factor + seg
     leftovers = []
-    ranks = range(cp)
+    # Best fit: the rank with the smallest cost room that holds the sample (first rank on ties),
+    # found by walking the ranks in (room, rank) order up from the first room >= the sample's cost.
+    # ``rooms``/``rks`` hold that order (parallel lists: cheaper than a list of pairs).
+    rks = sorted(range(cp), key=lambda r: (room[r], r))
+    rooms = [room[r] for r in rks]
+    last = cp - 1
     for k in order:
-        wk, lk = w[k], lens[k]
-        best, best_room = -1, math.inf
-        if wk <= cap and lk <= tokens_per_rank:
-            for r in ranks:
-                rr = room[r]
-                if wk <= rr < best_room:
-                    tr = troom[r] - lk
-                    if tr >= 0 and rr - wk <= tr * density:
-                        best, best_room = r, rr
-        if best < 0:
+        wk = w[k]
+        lk = lens[k]
+        if wk > cap or lk > tokens_per_rank:
             leftovers.append(k)
             continue
-        room[best] -= wk
-        troom[best] -= lk
-        shards[best].append(Piece(int(samples[k]), 0, lk))
+        j = bisect_left(rooms, wk)
+        while j < cp:
+            r = rks[j]
+            tr = troom[r] - lk
+            if tr >= 0 and rooms[j] - wk <= tr * density:
+                break
+            j += 1
+        else:
+            leftovers.append(k)
+            continue
+        rr = rooms[j] - wk
+        del rooms[j]
+        del rks[j]
+        i = bisect_left(rooms, rr)
+        while i < last and rooms[i] == rr and rks[i] < r:
+            i += 1
+        rooms.insert(i, rr)
+        rks.insert(i, r)
+        room[r] = rr
+        troom[r] = tr
+        shards[r].append((k, 0, lk))
     for k in leftovers:
-        sample = int(samples[k])
         stop = lens[k]
         last_rank = -1
         while stop > 0:
@@ -445,8 +490,11 @@ def _balanced_shards(samples, lens, w, cp, tokens_per_rank, a, b, seg, cap, dens
             # content to reach its cost: the highest cost room per free token
             r, best_need = -1, -math.inf
             for q in range(cp):
-                if troom[q] > 0 and room[q] / troom[q] > best_need:
-                    r, best_need = q, room[q] / troom[q]
+                tq = troom[q]
+                if tq > 0:
+                    need = room[q] / tq
+                    if need > best_need:
+                        r, best_need = q, need
             assert r >= 0, "token rooms exhausted although the micro-batch fits"
             start = _suffix_start(stop, room[r], a, b, seg)
             if start == stop:  # no cost room left anywhere: rounding remnant, place by tokens
@@ -455,10 +503,10 @@ def _balanced_shards(samples, lens, w, cp, tokens_per_rank, a, b, seg, cap, dens
             piece_cost = _piece_cost(start, stop, a, b, seg)
             if r == last_rank:  # adjacent to this sample's previous piece on the same rank: merge
                 old = shards[r].pop()
-                shards[r].append(Piece(sample, start, old.stop))
+                shards[r].append((k, start, old[2]))
                 piece_cost -= seg
             else:
-                shards[r].append(Piece(sample, start, stop))
+                shards[r].append((k, start, stop))
             room[r] -= piece_cost
             troom[r] -= stop - start
             last_rank = r

@@ -10,7 +10,7 @@ import sys
 import pytest
 from hypothesis import given
 
-from ringpack.balancer.plan import MicroBatch, Piece, Plan, PlanConfig, PlanError, RankShard, Step, microbatch_from_shards
+from ringpack.balancer.plan import MicroBatch, Piece, Plan, PlanConfig, PlanError, RankShard, Step, microbatch_from_shards, new_piece
 from tests.balancer.plan_strategies import random_plan
 
 LENGTHS = (5, 3, 7, 1)
@@ -34,6 +34,15 @@ def test_small_plan_is_valid():
     plan = small_plan()
     assert plan.validate() is plan
     assert plan.steps[0].loss_tokens == (5 - 1) + (7 - 1) + (3 - 1)
+
+
+def test_fast_piece_constructor_builds_ordinary_pieces():
+    fast, slow = new_piece(4, 2, 9), Piece(4, 2, 9)
+    assert type(fast) is Piece and fast == slow and hash(fast) == hash(slow) and repr(fast) == repr(slow)
+    assert vars(fast) == vars(slow) and dataclasses.asdict(fast) == dataclasses.asdict(slow)
+    assert fast.length == 7 and fast != new_piece(4, 2, 8)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.start = 0
 
 
 @given(random_plan())
