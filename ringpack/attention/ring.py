@@ -19,7 +19,7 @@ move bytes.
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import Callable, Iterator, Protocol
 
 import numpy as np
 import torch
@@ -233,34 +233,73 @@ def _splits(call: KernelCall, backend: str) -> bool:
     return bool(call.dense) and dense_backend(backend) is not None
 
 
-def _fwd_parts(q: Tensor, k: Tensor, v: Tensor, call: KernelCall, scale: float, backend: str) -> list[tuple[Rows, Tensor, Tensor]]:
+def _fwd_parts(q: Tensor, k: Tensor, v: Tensor, call: KernelCall, scale: float, backend: str) -> Iterator[tuple[Rows, Tensor, Tensor]]:
     """One call's partial results as ``(local query rows, out, lse)``: one part, or with a hybrid
-    backend the varlen ``rest`` and one part per dense segment (disjoint rows)."""
+    backend the varlen ``rest`` and one part per dense segment (disjoint rows). A generator: each
+    kernel runs when its part is asked for, so a caller that folds a part in before asking for the
+    next holds one part's tensors at a time (peak memory)."""
     if not _splits(call, backend):
-        return [(call.rows, *_fwd_call(q, k, v, call, scale, backend))]
-    parts = [] if call.rest is None else [(call.rest.rows, *_fwd_call(q, k, v, call.rest, scale, backend))]
+        yield (call.rows, *_fwd_call(q, k, v, call, scale, backend))
+        return
+    if call.rest is not None:
+        yield (call.rest.rows, *_fwd_call(q, k, v, call.rest, scale, backend))
     for q0, nq, k0, nk in call.dense:
         rows, keys = slice(q0, q0 + nq), slice(k0, k0 + nk)
-        parts.append((rows, *dense_attn_fwd(q[rows], k[keys], v[keys], scale, call.causal, backend)))
-    return parts
+        yield (rows, *dense_attn_fwd(q[rows], k[keys], v[keys], scale, call.causal, backend))
 
 
-def _bwd_parts(dout, q, k, v, out, lse, call: KernelCall, scale: float, backend: str) -> list[tuple[Rows, Tensor, Rows, Tensor, Tensor]]:
+def _bwd_parts(dout, q, k, v, out, lse, call: KernelCall, scale: float, backend: str) -> Iterator[tuple[Rows, Tensor, Rows, Tensor, Tensor]]:
     """One call's gradients as ``(query rows, dq, key rows, dk, dv)``; key rows ``None``: the whole
-    buffer. With a split, the varlen ``rest`` (if any) comes first, then one part per dense segment."""
+    buffer. With a split, the varlen ``rest`` (if any) comes first, then one part per dense segment.
+    A generator, like :func:`_fwd_parts`."""
     if not _splits(call, backend):
-        return [(call.rows, *_bwd_call_parts(dout, q, k, v, out, lse, call, scale, backend))]
-    parts = [] if call.rest is None else [(call.rest.rows, *_bwd_call_parts(dout, q, k, v, out, lse, call.rest, scale, backend))]
-    for q0, nq, k0, nk in call.dense:
-        rows, keys = slice(q0, q0 + nq), slice(k0, k0 + nk)
-        dq, dk, dv = dense_attn_bwd(dout[rows], q[rows], k[keys], v[keys], out[rows], lse[:, rows], scale, call.causal, backend)
-        parts.append((rows, dq, keys, dk, dv))
-    return parts
+        yield (call.rows, *_bwd_call_parts(dout, q, k, v, out, lse, call, scale, backend))
+        return
+    if call.rest is not None:
+        yield (call.rest.rows, *_bwd_call_parts(dout, q, k, v, out, lse, call.rest, scale, backend))
+    for segment in call.dense:  # (a helper builds each part, so this frame keeps no reference to the last one)
+        yield _dense_bwd_part(dout, q, k, v, out, lse, segment, call.causal, scale, backend)
+
+
+def _dense_bwd_part(dout, q, k, v, out, lse, segment: tuple[int, int, int, int], causal: bool, scale: float, backend: str):
+    q0, nq, k0, nk = segment
+    rows, keys = slice(q0, q0 + nq), slice(k0, k0 + nk)
+    dq, dk, dv = dense_attn_bwd(dout[rows], q[rows], k[keys], v[keys], out[rows], lse[:, rows], scale, causal, backend)
+    return rows, dq, keys, dk, dv
 
 
 def _bwd_call_parts(dout, q, k, v, out, lse, call: KernelCall, scale: float, backend: str) -> tuple[Tensor, None, Tensor, Tensor]:
     dq, dk, dv = _bwd_call(dout, q, k, v, out, lse, call, scale, backend)
     return dq, None, dk, dv
+
+
+def _local_forward(q: Tensor, k: Tensor, v: Tensor, call: KernelCall, out_dtype: torch.dtype, scale: float, backend: str) -> tuple[Tensor, Tensor]:
+    """The local causal call: ``(out, lse)`` over all local rows (``out`` in ``out_dtype`` when split)."""
+    if not _splits(call, backend):
+        return _fwd_call(q, k, v, call, scale, backend)
+    out = q.new_empty(q.shape, dtype=out_dtype)
+    lse = q.new_empty((q.shape[1], q.shape[0]), dtype=accum_dtype(q.dtype))
+    for rows, part_out, part_lse in _fwd_parts(q, k, v, call, scale, backend):  # the parts tile the local rows
+        _put_rows(out, rows, part_out)
+        _put_rows(lse, rows, part_lse, dim=1)
+    return out, lse
+
+
+def _local_backward(dout, q, k, v, out, lse, call: KernelCall, scale: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of the local causal call; split: query rows tiled by the parts, dK/dV summed over them."""
+    if not _splits(call, backend):
+        return _bwd_call(dout, q, k, v, out, lse, call, scale, backend)
+    dq, dk, dv = torch.zeros_like(q), None, None
+    for q_rows, dq_c, k_rows, dk_c, dv_c in _bwd_parts(dout, q, k, v, out, lse, call, scale, backend):
+        _put_rows(dq, q_rows, dq_c)
+        if dk is None and k_rows is None:  # the rest: every key row (zero where it has no queries)
+            dk, dv = dk_c, dv_c
+            continue
+        if dk is None:
+            dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+        (dk if k_rows is None else dk[k_rows]).add_(dk_c)
+        (dv if k_rows is None else dv[k_rows]).add_(dv_c)
+    return dq, dk, dv
 
 
 def _attention_forward(q, k, v, schedule: Schedule, make_transport: TransportFactory, scale: float, backend: str):
@@ -273,23 +312,17 @@ def _attention_forward(q, k, v, schedule: Schedule, make_transport: TransportFac
     if schedule.local is None:  # a rank without tokens still forwards buffers
         out, lse = q.new_zeros(q.shape), q.new_zeros((q.shape[1], 0), dtype=acc)
     else:
-        parts = _fwd_parts(q, k, v, schedule.local, scale, backend)
-        if len(parts) == 1 and parts[0][0] is None:
-            _, out, lse = parts[0]
-        else:  # split local call: its parts tile the local rows
-            out = q.new_empty(q.shape, dtype=acc if schedule.steps else q.dtype)
-            lse = q.new_empty((q.shape[1], q.shape[0]), dtype=acc)
-            for rows, part_out, part_lse in parts:
-                _put_rows(out, rows, part_out)
-                _put_rows(lse, rows, part_lse, dim=1)
+        out, lse = _local_forward(q, k, v, schedule.local, acc if schedule.steps else q.dtype, scale, backend)
     if not schedule.steps:
         return out, lse.to(acc)
     out_acc, lse_acc = out.to(acc), lse.to(acc)
+    del out, lse  # the local result lives on in the accumulators only
     for i, step in enumerate(schedule.steps):
         kv = transport.buffer(i)
         for call in step.calls:
             for rows, part_out, part_lse in _fwd_parts(q, kv[0], kv[1], call, scale, backend):
                 merge_partial(out_acc, lse_acc, part_out, part_lse, rows)
+                del part_out, part_lse
     return out_acc.to(q.dtype), lse_acc
 
 
@@ -301,21 +334,12 @@ def _attention_backward(dout, q, k, v, out, lse, schedule: Schedule, make_transp
     if schedule.local is None:
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     else:
-        parts = _bwd_parts(dout, q, k, v, out, lse, schedule.local, scale, backend)
-        if len(parts) == 1 and parts[0][0] is None:
-            _, dq, _, dk, dv = parts[0]
-        else:  # split local call: query rows tiled by the parts, dense key rows zero in the rest's dK/dV
-            dq = torch.zeros_like(q)
-            dk, dv = (torch.zeros_like(k), torch.zeros_like(v)) if parts[0][2] is not None else parts[0][3:]
-            for q_rows, dq_c, k_rows, dk_c, dv_c in parts:
-                _put_rows(dq, q_rows, dq_c)
-                if k_rows is not None:
-                    dk[k_rows].add_(dk_c)
-                    dv[k_rows].add_(dv_c)
+        dq, dk, dv = _local_backward(dout, q, k, v, out, lse, schedule.local, scale, backend)
     if not schedule.steps:
         return dq, dk, dv
     acc = lse.dtype
     dq_acc = dq.to(acc)
+    del dq
     for i, step in enumerate(schedule.steps):
         kv = transport.buffer(i)
         dkv = None
@@ -330,13 +354,17 @@ def _attention_backward(dout, q, k, v, out, lse, schedule: Schedule, make_transp
                         dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
                     dkv[0, k_rows] += dk_c
                     dkv[1, k_rows] += dv_c
+                del dq_c, dk_c, dv_c
         transport.push_grad(i, dkv)
+        del dkv
     home = transport.finish()
+    dq = dq_acc.to(q.dtype)
+    del dq_acc
     if home is None:
-        return dq_acc.to(q.dtype), dk, dv
+        return dq, dk, dv
     dk_acc = dk.to(acc).index_add_(0, schedule.send_index, home[0])
     dv_acc = dv.to(acc).index_add_(0, schedule.send_index, home[1])
-    return dq_acc.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
+    return dq, dk_acc.to(k.dtype), dv_acc.to(v.dtype)
 
 
 class ContextParallelAttention(torch.autograd.Function):
