@@ -10,34 +10,38 @@ the FLOP-derived coefficients by seconds measured on the GPU that will train, in
    plan-shaped micro-batches (heavy-tailed mixes split by every strategy, seeds 1-2).
 2. **Timer.** Each shard runs ringpack's own attention engine (:class:`ContextParallelAttention`
    on its compiled schedule, the chosen kernel backend) forward and backward, timed with CUDA
-   events, median of a few repetitions. CP ranks are timed one at a time on one GPU: a transport
+   events, median of a few repetitions; with ``timer="gpu"`` (default) the repetitions are queued
+   behind a GPU sleep, so the events see the GPU's execution and not the host's launch pace. CP ranks are timed one at a time on one GPU: a transport
    without communication serves the remote K/V buffers from memory, so a rank's time is its
    compute (kernels, gathers, log-sum-exp merges); communication is the comm model's business.
    With ``mode="linear"`` (the default) the model's linear layers are timed too: the GEMMs of one
    decoder layer (q/k/v, o, gate/up, down) and the output head, forward (``x @ W``) and backward
    (``dY @ W^T``, ``X^T @ dY``), per token. Norms, activations and RoPE are not timed (they are
    memory-bound and small next to the GEMMs).
-3. **Fit.** Non-negative least squares (Lawson-Hanson, numpy only) of the per-layer attention time
-   on ``[1, tokens, pairs, pieces]``, weighted by ``1 / measured`` so every shard counts by its
-   *relative* error (the planner compares ranks by ratios). The constant is a per-rank launch
-   overhead that does not change which rank is slowest; it is reported, not put in the profile.
+3. **Fit.** Non-negative least squares (Lawson-Hanson, numpy only), weighted by ``1 / measured`` so
+   every shard counts by its *relative* error, of two models of the per-layer attention time:
 
-   *Tile effects.* Flash kernels compute whole ``Bq x Bk`` tiles: a causal segment of ``L``
-   tokens costs about ``L^2/2 + L*Bk/2`` pairs on its diagonal tiles, plus ``(Bq - L mod Bq) * L``
-   for a partial last query tile (about ``Bq/2`` per token on average), plus ``O(Bq*Bk)`` per
-   segment. These are per-token and per-segment terms, so a fit on ``[tokens, pairs, pieces]``
-   absorbs them in the token and segment coefficients: no new cost-model field is needed. To
-   check that folding is good enough, a second, kernel-level model is fitted as a diagnostic on
-   ``[1, kernel calls, tokens, tile_pairs, kernel segments]`` where ``tile_pairs`` counts every
-   tile a call touches as full (:func:`segment_tiles`); the block size is chosen from 64/128 by
-   fit. Both models' held-out errors are reported; if the tile model were much better, the cost
-   model would need a tile feature. A third diagnostic counts each piece's pairs with its length
-   rounded up to a tile (16..128): the one-line change to ``cost.py`` that would capture most of
-   the partial-tile waste, reported so the GPU numbers decide whether it is worth making.
+   * the **profile model**, ``overhead + ring*[a sample of the micro-batch is split] + token*tokens
+     + pair*pairs + segment*pieces``: the planner's three terms plus two constants that are equal
+     on every rank of a micro-batch (the engine's fixed cost, and the ring path every rank runs
+     once any sample is split), so they never change which rank is slowest. The constants are
+     reported (``per_layer``), not put in the profile; ``predicted_s`` includes them.
+   * the **kernel model** (:func:`rank_features`), a diagnostic on what the schedule launches:
+     varlen calls, ``Bq x Bk`` tiles computed, the varlen *launch grid* (flash kernels launch
+     ``ceil(max_seqlen / block)`` tiles for every segment of a call, so a call of many short
+     segments and one long one pays ``segments x longest``), remote query rows and K/V rows (gather,
+     merge, dK/dV accumulation) and, for hybrid backends, dense (cuDNN) calls and tiles at their own
+     rate. The block size is chosen from 64/128 by fit. Its terms are per rank, not per piece,
+     so the planner's additive cost cannot hold them; the gap between the two models' held-out
+     errors is what per-piece pricing leaves on the table (on the first H200 runs: mostly zigzag
+     ranks of many short pieces next to a long one, whose empty launched tiles cost milliseconds).
+
 4. **Evaluation.** Held-out micro-batches (heavy-tailed Pareto mixes, split by ``contiguous``,
    ``zigzag`` and ``balanced`` over 2 CP ranks, with lengths and seeds the grid never saw): every
-   rank's measured time against the profile's prediction; Pearson correlation and largest
-   relative error, as a table and in the JSON report.
+   rank's measured time against both models' predictions; Pearson correlation, largest and mean
+   relative error and how often the slowest rank is predicted right, as a table and in the JSON
+   report. ``ringpack calibrate --refit REPORT.json`` redoes steps 3-4 from a stored report's
+   measurements without a GPU (the report stores every micro-batch's geometry).
 
 The profile is a :class:`CostModel` in seconds for one forward+backward of the *whole model*
 (attention coefficients x layers, plus the linear layers' per-token time in ``token``), saved with
@@ -81,6 +85,8 @@ __all__ = [
     "nnls",
     "pearson",
     "planner_features",
+    "rank_features",
+    "refit",
     "run",
     "segment_pairs",
     "segment_tiles",
@@ -88,10 +94,15 @@ __all__ = [
 
 GRIDS = ("full", "quick", "tiny")
 PLANNER_FEATURES = ("const", "tokens", "pairs", "pieces")
-KERNEL_FEATURES = ("const", "calls", "tokens", "tile_pairs", "kernel_segments")
+# the profile model: what the planner's CostModel prices (tokens, pairs, pieces) plus two constants
+# that are the same for every rank of a micro-batch (see the module docstring)
+PROFILE_FEATURES = ("overhead", "ring", "tokens", "pairs", "pieces")
+# the kernel model: what the schedule's kernel launches do (a diagnostic; not expressible per piece)
+KERNEL_FEATURES = ("overhead", "ring", "calls", "tokens", "tiles", "grid_q", "grid_k", "remote_rows", "buffer_tokens",
+                   "dense_calls", "dense_tiles")
 BLOCKS = ((64, 64), (64, 128), (128, 64), (128, 128))
-ROUNDING_TILES = (16, 32, 64, 128)
 EVAL_STRATEGIES = ("contiguous", "zigzag", "balanced")
+TIMERS = ("gpu", "wall")
 
 
 @dataclass(frozen=True)
@@ -219,8 +230,55 @@ def kernel_features(case: Case, block_q: int = 128, block_k: int = 128, schedule
     return out
 
 
-def _kernel_matrix(feats: Sequence[dict[str, float]]) -> np.ndarray:
-    return np.array([[1.0] + [f[name] for name in KERNEL_FEATURES[1:]] for f in feats], dtype=np.float64)
+def rank_features(case: Case, hybrid: bool = False, block_q: int = 128, block_k: int = 128, schedule=None) -> dict[str, float]:
+    """Every feature of a rank shard the profile and kernel models use (:data:`PROFILE_FEATURES`, :data:`KERNEL_FEATURES`).
+
+    * ``ring``: 1 when the micro-batch has remote steps (some sample is split). Every rank of the
+      micro-batch then runs the ring path (K/V packing, float32 accumulators, merges), so it is a
+      constant of the micro-batch, like ``overhead``.
+    * ``calls``: varlen kernel calls (each is a forward and a backward launch, plus their prologues).
+    * ``tiles``: ``block_q x block_k`` tiles the varlen calls compute (partial and masked tiles whole).
+    * ``grid_q`` / ``grid_k``: the launch grid of the varlen calls. Flash-attention's varlen kernels
+      launch ``ceil(max_seqlen / block)`` tiles for *every* segment of a call (forward and the
+      backward's pre/post-processing over queries, the backward's main kernel over keys); tiles past
+      a segment's end exit at once but still cost a block launch. A call of many short segments and
+      one long one pays ``segments x longest`` of them.
+    * ``remote_rows``: query rows of the remote steps (gathered, merged by log-sum-exp, their dQ
+      scattered back); ``buffer_tokens``: remote K/V rows a rank reads and accumulates dK/dV for.
+    * ``dense_calls`` / ``dense_tiles``: with a hybrid backend (``hybrid=True``) the long segments the
+      schedule marked run one by one on the dense kernel (cuDNN): a launch each and their own tile rate.
+    """
+    schedule = _schedule(case) if schedule is None else schedule
+    f = planner_features(case)
+    out = dict(overhead=1.0, ring=float(bool(schedule.steps)), tokens=float(f[1]), pairs=float(f[2]), pieces=float(f[3]),
+               calls=0.0, segments=0.0, tiles=0.0, grid_q=0.0, grid_k=0.0, remote_rows=0.0,
+               buffer_tokens=float(sum(schedule.buffer_tokens[schedule.source(step)] for step in schedule.steps)),
+               dense_calls=0.0, dense_tiles=0.0, dense_pairs=0.0)
+    local = [] if schedule.local is None else [(False, schedule.local)]
+    for remote, call in local + [(True, c) for step in schedule.steps for c in step.calls]:
+        if remote:
+            out["remote_rows"] += float(call.cu_seqlens_q[-1])
+        if hybrid and call.dense:
+            for _, nq, _, nk in call.dense:
+                out["dense_calls"] += 1
+                out["dense_tiles"] += float(segment_tiles([nq], [nk], call.causal, block_q, block_k)[0])
+                out["dense_pairs"] += float(segment_pairs([nq], [nk], call.causal)[0])
+            call = call.rest
+            if call is None:
+                continue
+        lq = np.diff(call.cu_seqlens_q.cpu().numpy().astype(np.int64))
+        lk = np.diff(call.cu_seqlens_k.cpu().numpy().astype(np.int64))
+        work = (lq > 0) & (lk > 0)
+        out["calls"] += 1
+        out["segments"] += float(work.sum())
+        out["tiles"] += float(segment_tiles(lq[work], lk[work], call.causal, block_q, block_k).sum())
+        out["grid_q"] += float(lq.size * -(-max(call.max_seqlen_q, 2) // block_q))
+        out["grid_k"] += float(lk.size * -(-call.max_seqlen_k // block_k))
+    return out
+
+
+def _matrix(feats: Sequence[dict[str, float]], names: Sequence[str]) -> np.ndarray:
+    return np.array([[f[name] for name in names] for f in feats], dtype=np.float64).reshape(len(feats), len(names))
 
 
 # ---------------------------------------------------------------------------------------------- grid
@@ -409,13 +467,42 @@ class _ComputeOnlyTransport:
 
 
 class _Clock:
-    """CUDA events on a GPU, ``perf_counter`` (after nothing to sync) on the CPU."""
+    """CUDA events on a GPU, ``perf_counter`` (after nothing to sync) on the CPU.
 
-    def __init__(self, device) -> None:
+    ``queued=True`` (the ``gpu`` timer): before a batch of repetitions the GPU is put to sleep
+    (``torch.cuda._sleep``) for longer than the host needs to launch them, so every repetition's
+    kernels are already queued when its start event fires and the events measure the GPU's
+    execution alone. Without it (the ``wall`` timer) a shard whose kernels finish before the host
+    has launched the next ones is timed at the host's pace (~0.4 ms for one attention layer's
+    forward+backward with ringpack's engine, ~1 ms with a ring step): a floor that the linear
+    cost model cannot fit and that a training step, whose GPU queue the host keeps ahead of, does
+    not see.
+    """
+
+    def __init__(self, device, queued: bool = True) -> None:
         import torch
 
         self.cuda = torch.device(device).type == "cuda"
         self._torch = torch
+        self.queued = self.cuda and queued and hasattr(torch.cuda, "_sleep")
+        self._hz = 0.0
+
+    @property
+    def kind(self) -> str:
+        return "gpu" if self.queued else "wall" if self.cuda else "host"
+
+    def _sleep(self, seconds: float) -> None:
+        torch = self._torch
+        if not self._hz:  # cycles per second of torch.cuda._sleep, measured once
+            for _ in range(2):
+                start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize()
+                start.record()
+                torch.cuda._sleep(1_000_000)
+                stop.record()
+                stop.synchronize()
+                self._hz = 1e6 / max(start.elapsed_time(stop) * 1e-3, 1e-6)
+        torch.cuda._sleep(int(min(seconds, 2.0) * self._hz))
 
     def measure(self, fn: Callable[[], None], warmup: int, reps: int) -> list[float]:
         torch = self._torch
@@ -425,6 +512,12 @@ class _Clock:
         if self.cuda:
             events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
             torch.cuda.synchronize()
+            if self.queued:
+                t0 = time.perf_counter()
+                fn()  # the host's launch time of one repetition (its kernels run meanwhile)
+                host = time.perf_counter() - t0
+                torch.cuda.synchronize()
+                self._sleep(1.5 * host * reps + 2e-4)
             for start, stop in events:
                 start.record()
                 fn()
@@ -592,7 +685,13 @@ def imbalance(cases: Sequence[tuple[Case, float]], measured: np.ndarray, predict
 
 @dataclass
 class Calibration:
-    """Everything one calibration measured and fitted; :meth:`to_dict` is the JSON report."""
+    """Everything one calibration measured and fitted; :meth:`to_dict` is the JSON report.
+
+    ``per_layer``, ``train`` and ``held_out`` belong to the *profile model* (what the planner
+    loads, plus the per-micro-batch constants ``overhead_s`` and ``ring_overhead_s``);
+    ``kernel_model`` is the schedule-level diagnostic. ``microbatches`` holds the geometry of
+    every timed micro-batch (rows point into it), so a report can be refitted without a GPU.
+    """
 
     profile: CostModel
     meta: dict[str, Any]
@@ -600,8 +699,9 @@ class Calibration:
     linear: dict[str, float]
     train: dict[str, float]
     held_out: dict[str, float]
-    tile_model: dict[str, Any]
+    kernel_model: dict[str, Any]
     baseline: dict[str, Any]
+    microbatches: list[dict[str, Any]] = field(default_factory=list)
     grid_rows: list[dict[str, Any]] = field(default_factory=list)
     eval_rows: list[dict[str, Any]] = field(default_factory=list)
 
@@ -609,13 +709,124 @@ class Calibration:
         out = dataclasses.asdict(self)
         out["profile"] = self.profile.to_dict()
         out["format"] = "ringpack-calibration"
+        out["version"] = 2
         return out
 
 
-def _row(case: Case, measured: float, kfeat: dict[str, float]) -> dict[str, Any]:
-    f = planner_features(case)
-    return dict(family=case.family, label=case.label, rank=case.rank, tokens=int(f[1]), pairs=int(f[2]), pieces=int(f[3]),
-                calls=int(kfeat["calls"]), kernel_segments=int(kfeat["kernel_segments"]), measured_s=measured)
+def _geometry(case: Case) -> dict[str, Any]:
+    return dict(lengths=[int(x) for x in case.lengths],
+                shards=[[[int(p.sample), int(p.start), int(p.stop)] for p in shard.pieces] for shard in case.microbatch.shards])
+
+
+def _cases_from_geometry(mbs: Sequence[dict[str, Any]], rows: Sequence[dict[str, Any]]) -> list[Case]:
+    built = {}
+    out = []
+    for row in rows:
+        k = int(row["microbatch"])
+        if k not in built:
+            g = mbs[k]
+            lengths = tuple(int(x) for x in g["lengths"])
+            built[k] = (microbatch_from_shards(list(range(len(lengths))), [[Piece(*p) for p in shard] for shard in g["shards"]], lengths), lengths)
+        mb, lengths = built[k]
+        out.append(Case(row["family"], row["label"], mb, int(row["rank"]), lengths))
+    return out
+
+
+def _predict(feats: Sequence[dict[str, float]], names: Sequence[str], coef: np.ndarray) -> np.ndarray:
+    return _matrix(feats, names) @ coef
+
+
+def analyse(
+    grid: Sequence[tuple[Case, float]],
+    held: Sequence[tuple[Case, float]],
+    *,
+    hybrid: bool,
+    layers: int,
+    linear: dict[str, Any],
+    name: str,
+    meta: dict[str, Any],
+    eval_strategy: Callable[[Case], str] = lambda c: c.family,
+) -> Calibration:
+    """Fit the profile and kernel models on the ``grid`` (case, seconds) pairs and evaluate both on ``held``.
+
+    Pure numpy on measured times: :func:`calibrate` calls it after timing on the GPU, :func:`refit`
+    on the rows of a stored report. The held-out rows are never fitted on.
+    """
+    if len(grid) < len(PROFILE_FEATURES) + 1:
+        raise ValueError(f"calibration needs at least {len(PROFILE_FEATURES) + 1} grid rows, got {len(grid)}")
+    times = np.array([t for _, t in grid], dtype=np.float64)
+    m = np.array([t for _, t in held], dtype=np.float64)
+    feats = {b: ([rank_features(c, hybrid, *b) for c, _ in grid], [rank_features(c, hybrid, *b) for c, _ in held]) for b in BLOCKS}
+    fg, fe = feats[(128, 128)]
+
+    # profile model: the planner's terms plus the per-micro-batch constants
+    coef = fit_nnls(_matrix(fg, PROFILE_FEATURES), times)
+    if coef[2] == 0 and coef[3] == 0:
+        raise ValueError("calibration fit found neither a token nor a pair cost; the timings carry no signal")
+    per_layer = dict(zip(("overhead_s", "ring_overhead_s", "token_s", "pair_s", "segment_s"), map(float, coef)))
+    pred_g, pred = _predict(fg, PROFILE_FEATURES, coef), _predict(fe, PROFILE_FEATURES, coef)
+    train = quality(times, pred_g)
+    held_out = quality(m, pred)
+    held_out.update(imbalance(held, m, pred))
+    held_out["by_strategy"] = _by_group(held, m, pred, eval_strategy)
+    profile = CostModel(
+        token=layers * (per_layer["token_s"] + linear["layer_token_s"]) + linear["head_token_s"],
+        pair=layers * per_layer["pair_s"],
+        segment=layers * per_layer["segment_s"],
+        unit="s",
+        name=name,
+    )
+
+    # kernel model (diagnostic): the block size that fits the grid best
+    scan = []
+    for b in BLOCKS:
+        ck = fit_nnls(_matrix(feats[b][0], KERNEL_FEATURES), times)
+        scan.append(dict(block=list(b), coef=dict(zip(KERNEL_FEATURES, map(float, ck))),
+                         train=quality(times, _predict(feats[b][0], KERNEL_FEATURES, ck))))
+    best = min(scan, key=lambda x: (x["train"]["mean_rel_err"], x["train"]["max_rel_err"]))
+    bk = tuple(best["block"])
+    ck = np.array([best["coef"][n] for n in KERNEL_FEATURES])
+    kpred_g, kpred = _predict(feats[bk][0], KERNEL_FEATURES, ck), _predict(feats[bk][1], KERNEL_FEATURES, ck)
+    k_held = quality(m, kpred)
+    k_held.update(imbalance(held, m, kpred))
+    k_held["by_strategy"] = _by_group(held, m, kpred, eval_strategy)
+    kernel_model = dict(best, held_out=k_held, scan=[dict(block=x["block"], train=x["train"]) for x in scan])
+
+    # pairs-only baseline (the FLOP model's shape, best scalar): what calibration buys
+    xp = _matrix(fg, ("pairs",))
+    base_coef = fit_nnls(xp, times)
+    baseline = dict(pair_s=float(base_coef[0]), train=quality(times, xp[:, 0] * base_coef[0]),
+                    held_out=quality(m, _matrix(fe, ("pairs",))[:, 0] * base_coef[0]))
+
+    mbs: list[dict[str, Any]] = []
+    index: dict[int, int] = {}
+
+    def row(case: Case, t: float, f: dict[str, float], p: float, kp: float) -> dict[str, Any]:
+        k = index.get(id(case.microbatch))
+        if k is None:
+            k = index[id(case.microbatch)] = len(mbs)
+            mbs.append(_geometry(case))
+        return dict(family=case.family, label=case.label, rank=case.rank, microbatch=k, tokens=int(f["tokens"]),
+                    pairs=int(f["pairs"]), pieces=int(f["pieces"]), calls=int(f["calls"]), kernel_segments=int(f["segments"]),
+                    dense_calls=int(f["dense_calls"]), ring=int(f["ring"]), measured_s=float(t), predicted_s=float(p),
+                    kernel_predicted_s=float(kp), rel_err=float((p - t) / t), kernel_rel_err=float((kp - t) / t))
+
+    grid_rows = [row(c, t, f, p, kp) for (c, t), f, p, kp in zip(grid, fg, pred_g, kpred_g)]
+    eval_rows = [dict(row(c, t, f, p, kp), strategy=eval_strategy(c)) for (c, t), f, p, kp in zip(held, fe, pred, kpred)]
+    meta = dict(meta, layers=layers, note=(
+        "per_layer and the rows are one attention layer's forward+backward, compute only. predicted_s is the profile "
+        "model: token*tokens + pair*pairs + segment*pieces (what the planner's CostModel prices) plus overhead_s and, "
+        "when the micro-batch splits a sample, ring_overhead_s; both constants are equal for every rank of a "
+        "micro-batch, so they never change which rank is slowest, and the profile leaves them out. The profile is "
+        "layers x per_layer (+ linear layers per token). kernel_predicted_s is the kernel model (a diagnostic)."))
+    return Calibration(profile, meta, per_layer, linear, train, held_out, kernel_model, baseline, mbs, grid_rows, eval_rows)
+
+
+def _by_group(held: Sequence[tuple[Case, float]], m: np.ndarray, p: np.ndarray, key: Callable[[Case], str]) -> dict[str, Any]:
+    groups: dict[str, list[int]] = {}
+    for i, (case, _) in enumerate(held):
+        groups.setdefault(key(case), []).append(i)
+    return {g: quality(m[rows], p[rows]) for g, rows in groups.items()}
 
 
 def calibrate(
@@ -632,27 +843,33 @@ def calibrate(
     warmup: int = 1,
     seed: int = 0,
     name: str = "calibrated",
+    timer: str = "gpu",
     log: Callable[[str], None] = print,
 ) -> Calibration:
     """Time the grid, fit the per-layer attention model, time the linear layers, evaluate on held-out plans.
 
     ``mode="linear"`` adds the timed per-token cost of ``model``'s linear layers to the profile's
     token term; ``mode="attention"`` makes an attention-only profile. Returns a :class:`Calibration`
-    whose ``profile`` covers ``layers`` layers' forward+backward.
+    whose ``profile`` covers ``layers`` layers' forward+backward. ``timer``: ``"gpu"`` (default)
+    queues each shard's repetitions behind a GPU sleep so the host's launch time is hidden and
+    the GPU's execution time is measured (what a training step that keeps the GPU busy sees);
+    ``"wall"`` times from the first launch, host overhead included (the first reports' timer).
     """
     import torch
 
-    from ringpack.attention.kernels import resolve_backend
+    from ringpack.attention.kernels import HYBRID_BACKENDS, resolve_backend
 
     if mode not in ("linear", "attention"):
         raise ValueError(f"mode must be 'linear' or 'attention', got {mode!r}")
     if mode == "linear" and model is None:
         raise ValueError("mode 'linear' needs a model shape for the linear layers' GEMMs")
+    if timer not in TIMERS:
+        raise ValueError(f"timer must be one of {TIMERS}, got {timer!r}")
     device = torch.device(device)
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     backend = resolve_backend(backend, torch.empty(1, 1, 1, device=device, dtype=dtype))
-    clock = _Clock(device)
+    clock = _Clock(device, queued=timer == "gpu")
     started = time.perf_counter()
     gen = torch.Generator(device=device).manual_seed(seed)
 
@@ -670,27 +887,12 @@ def calibrate(
         warm = max(cases, key=lambda c: planner_features(c)[1] if planner_features(c)[1] <= 8192 else 0)
         time_case(warm, shape, backend, device, dtype, clock, reps=3, warmup=2, generator=gen)
     log(f"calibrating {backend} attention, {shape.heads} heads / {shape.kv_heads} kv / d={shape.head_dim}, "
-        f"{dtype}, on {_device_name(device)} (grid {grid}, {len(cases)} shards)")
+        f"{dtype}, on {_device_name(device)} (grid {grid}, {len(cases)} shards, timer {clock.kind})")
     grid_timed = measure(cases, "grid")
-    kfeat = {(id(c)): kernel_features(c, 128, 128) for c, _ in grid_timed}
+    hybrid = backend in HYBRID_BACKENDS
+    # the profile cuts the held-out micro-batches' balanced splits, so fit it first (same fit as analyse)
     times = np.array([t for _, t in grid_timed])
-    x = np.stack([planner_features(c) for c, _ in grid_timed])
-    coef = fit_nnls(x, times)
-    if coef[1] == 0 and coef[2] == 0:
-        raise ValueError("calibration fit found neither a token nor a pair cost; the timings carry no signal")
-    per_layer = dict(zip(("overhead_s", "token_s", "pair_s", "segment_s"), map(float, coef)))
-    train = quality(times, x @ coef)
-
-    # tile model (diagnostic): choose the block size that fits the grid best
-    scan = []
-    for bq, bk in BLOCKS:
-        feats = [kernel_features(c, bq, bk) for c, _ in grid_timed]
-        xk = _kernel_matrix(feats)
-        ck = fit_nnls(xk, times)
-        scan.append(dict(block=[bq, bk], coef=dict(zip(KERNEL_FEATURES, map(float, ck))), train=quality(times, xk @ ck)))
-    best_tile = min(scan, key=lambda s: (s["train"]["mean_rel_err"], s["train"]["max_rel_err"]))
-    # pairs-only baseline (the FLOP model's shape, best scalar): what calibration buys
-    base_coef = fit_nnls(x[:, 2:3], times)
+    coef = fit_nnls(_matrix([rank_features(c, hybrid) for c, _ in grid_timed], PROFILE_FEATURES), times)
 
     linear = dict(layer_token_s=0.0, head_token_s=0.0, gemm_tflops=0.0, tokens=0)
     if mode == "linear":
@@ -698,49 +900,66 @@ def calibrate(
         linear = time_linear(model, gemm_tokens, device, dtype, clock, reps, warmup)
         log(f"  linear layers: {linear['layer_token_s'] * 1e9:.2f} ns/token/layer, head {linear['head_token_s'] * 1e9:.2f} "
             f"ns/token ({linear['gemm_tflops']:.0f} TFLOP/s)")
-    profile = CostModel(
-        token=layers * (per_layer["token_s"] + linear["layer_token_s"]) + linear["head_token_s"],
-        pair=layers * per_layer["pair_s"],
-        segment=layers * per_layer["segment_s"],
-        unit="s",
-        name=name,
-    )
-
-    # held-out evaluation
-    held = measure(eval_cases(grid, profile), "held-out")
-    m = np.array([t for _, t in held])
-    xe = np.stack([planner_features(c) for c, _ in held])
-    pred = xe @ coef
-    held_out = quality(m, pred)
-    held_out.update(imbalance(held, m, pred))
-    bq, bk = best_tile["block"]
-    xke = _kernel_matrix([kernel_features(c, bq, bk) for c, _ in held])
-    ck = np.array([best_tile["coef"][n] for n in KERNEL_FEATURES])
-    tile_model = dict(best_tile, held_out=quality(m, xke @ ck), scan=scan)
-    baseline = dict(pair_s=float(base_coef[0]), train=quality(times, x[:, 2] * base_coef[0]),
-                    held_out=quality(m, xe[:, 2] * base_coef[0]))
-    rounded = []  # would rounding pieces up to a tile in the cost model's pair count pay off?
-    for tile in ROUNDING_TILES:
-        xr = np.stack([planner_features(c, tile) for c, _ in grid_timed])
-        cr = fit_nnls(xr, times)
-        xre = np.stack([planner_features(c, tile) for c, _ in held])
-        rounded.append(dict(tile=tile, coef=dict(zip(PLANNER_FEATURES, map(float, cr))), train=quality(times, xr @ cr),
-                            held_out=quality(m, xre @ cr)))
-    tile_model["rounded_pieces"] = rounded
-
-    grid_rows = [dict(_row(c, t, kfeat[id(c)]), predicted_s=float(p)) for (c, t), p in zip(grid_timed, x @ coef)]
-    eval_rows = []
-    for (c, t), p in zip(held, pred):
-        eval_rows.append(dict(_row(c, t, kernel_features(c)), strategy=c.family, predicted_s=float(p), rel_err=float((p - t) / t)))
+    cut_with = CostModel(token=layers * (coef[2] + linear["layer_token_s"]) + linear["head_token_s"],
+                         pair=layers * coef[3], segment=layers * coef[4], unit="s", name=name)
+    held = measure(eval_cases(grid, cut_with), "held-out")
     meta = dict(
         device=_device_name(device), backend=backend, dtype=str(dtype).replace("torch.", ""), torch=torch.__version__,
-        grid=grid, reps=reps, warmup=warmup, seed=seed, mode=mode, layers=layers,
+        grid=grid, reps=reps, warmup=warmup, seed=seed, mode=mode, timer=clock.kind,
         shape=dataclasses.asdict(shape), model=None if model is None else dataclasses.asdict(model),
         date=time.strftime("%Y-%m-%d %H:%M:%S"), wall_s=time.perf_counter() - started,
-        note="per_layer and the rows are one attention layer's forward+backward, compute only; "
-        "the profile is layers x per_layer (+ linear layers per token), without the per-rank overhead",
     )
-    return Calibration(profile, meta, per_layer, linear, train, held_out, tile_model, baseline, grid_rows, eval_rows)
+    return analyse(grid_timed, held, hybrid=hybrid, layers=layers, linear=linear, name=name, meta=meta)
+
+
+def refit(report: dict[str, Any], log: Callable[[str], None] = print) -> Calibration:
+    """Refit a stored calibration report from its measured rows, without a GPU.
+
+    Reports from this version carry the geometry of every micro-batch (``microbatches``). Older
+    reports (``tile_model`` instead of ``kernel_model``) do not: their grid and held-out shards are
+    rebuilt from ``meta`` (grid, seed; the held-out balanced splits with the report's profile,
+    which cut them) and matched to the rows by label, tokens, pairs and pieces; a row without a
+    match (the planner changed since) is dropped and listed in ``meta["refit"]["dropped"]``.
+    """
+    from ringpack.attention.kernels import HYBRID_BACKENDS
+
+    meta = dict(report["meta"])
+    rows_g, rows_e = report["grid_rows"], report["eval_rows"]
+    dropped: list[str] = []
+    if report.get("microbatches"):
+        cg = _cases_from_geometry(report["microbatches"], rows_g)
+        ce = _cases_from_geometry(report["microbatches"], rows_e)
+        grid = [(c, float(r["measured_s"])) for c, r in zip(cg, rows_g)]
+        held = [(c, float(r["measured_s"])) for c, r in zip(ce, rows_e)]
+    else:
+        grid = _match(rows_g, grid_cases(meta["grid"], int(meta.get("seed", 0))), dropped)
+        held = _match(rows_e, eval_cases(meta["grid"], CostModel.from_dict(report["profile"])), dropped)
+        if dropped:
+            log(f"refit: {len(dropped)} stored rows have no matching shard in this version's grid and were dropped: "
+                + ", ".join(dropped))
+    meta["refit"] = dict(source_date=meta.get("date"), date=time.strftime("%Y-%m-%d %H:%M:%S"), dropped=dropped,
+                         source_format=report.get("version", 1))
+    meta.setdefault("timer", "wall")  # reports before version 2 were timed from the first launch
+    layers = int(meta.get("layers", 1))
+    linear = report.get("linear") or dict(layer_token_s=0.0, head_token_s=0.0, gemm_tflops=0.0, tokens=0)
+    name = report["profile"]["name"]
+    return analyse(grid, held, hybrid=meta.get("backend") in HYBRID_BACKENDS, layers=layers, linear=linear, name=name, meta=meta)
+
+
+def _match(rows: Sequence[dict[str, Any]], cases: Sequence[Case], dropped: list[str]) -> list[tuple[Case, float]]:
+    """Pair stored rows with rebuilt shards: same micro-batch label, tokens, pairs and pieces (ranks may be permuted)."""
+    pool: dict[tuple, list[Case]] = {}
+    for c in cases:
+        f = planner_features(c)
+        pool.setdefault((c.label.rsplit(" r", 1)[0], int(f[1]), int(f[2]), int(f[3])), []).append(c)
+    out = []
+    for r in rows:
+        hit = pool.get((r["label"].rsplit(" r", 1)[0], int(r["tokens"]), int(r["pairs"]), int(r["pieces"])))
+        if hit:
+            out.append((hit.pop(0), float(r["measured_s"])))
+        else:
+            dropped.append(f"{r.get('strategy', r['family'])} {r['label']}")
+    return out
 
 
 def _device_name(device) -> str:
@@ -773,6 +992,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reps", type=int, default=5, help="timed repetitions per shard, median taken (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs per shard first (default 1)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timer", default="gpu", choices=TIMERS,
+                   help="gpu: each shard's GPU execution, host launch time hidden (default); wall: from the first launch, host overhead included")
+    p.add_argument("--refit", metavar="REPORT",
+                   help="no GPU: refit the models on the measurements of a stored calibration report and write a new profile and report")
     p.add_argument("--quiet", action="store_true", help="only the summary")
 
 
@@ -780,6 +1003,8 @@ def run(args: argparse.Namespace) -> int:
     """``ringpack calibrate``: exit 0 with the profile written, 2 when no usable device."""
     import torch
 
+    if getattr(args, "refit", None):
+        return _run_refit(args)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("ringpack calibrate: error: calibration times GPU kernels and needs a CUDA device, and none is visible. "
               "Run it on the training GPU (or `--device cpu --backend reference` for a tiny dry run).", file=sys.stderr)
@@ -798,7 +1023,27 @@ def run(args: argparse.Namespace) -> int:
     grid = args.grid or ("tiny" if args.device == "cpu" else "quick" if args.quick else "full")
     log = (lambda _: None) if args.quiet else (lambda s: print(s, flush=True))
     result = calibrate(shape, preset, layers=layers, mode=args.mode, backend=args.backend, device=args.device,
-                       grid=grid, reps=args.reps, warmup=args.warmup, seed=args.seed, name=name, log=log)
+                       grid=grid, reps=args.reps, warmup=args.warmup, seed=args.seed, name=name, timer=args.timer, log=log)
+    _write(result, args)
+    return 0
+
+
+def _run_refit(args: argparse.Namespace) -> int:
+    """``ringpack calibrate --refit REPORT``: the fit and the report again from stored measurements (CPU only)."""
+    source = Path(args.refit)
+    report = json.loads(source.read_text())
+    if report.get("format") != "ringpack-calibration":
+        raise ValueError(f"{source} is not a ringpack calibration report")
+    result = refit(report, log=(lambda _: None) if args.quiet else print)
+    out = Path(args.out)
+    written = {out.resolve(), (Path(args.report) if args.report else out.with_name(out.stem + ".report.json")).resolve()}
+    if source.resolve() in written:
+        raise ValueError("--refit: --out/--report must not overwrite the measured report")
+    _write(result, args)
+    return 0
+
+
+def _write(result: Calibration, args: argparse.Namespace) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     result.profile.save(out)
@@ -806,7 +1051,6 @@ def run(args: argparse.Namespace) -> int:
     report.write_text(json.dumps(result.to_dict(), indent=1, default=_json_default) + "\n")
     print(format_summary(result, verbose=not args.quiet))
     print(f"wrote {out} (load with CostModel.load / `ringpack plan --cost-profile {out}`) and {report}")
-    return 0
 
 
 def _json_default(x: Any) -> Any:
@@ -824,37 +1068,53 @@ def _pair_tflops(result: Calibration) -> float:
     return AttentionShape(**result.meta["shape"]).flops_per_pair() / pair_s / 1e12 if pair_s else float("nan")
 
 
+def _fit_line(label: str, q: dict[str, Any]) -> str:
+    line = f"{label}r={q['r']:.4f}  max error {_pct(q['max_rel_err'])}  mean {_pct(q['mean_rel_err'])}"
+    if "slowest_rank_hit" in q:
+        line += (f"  | slowest rank right in {_pct(q['slowest_rank_hit']).strip()} of {q['microbatches']} micro-batches, "
+                 f"max/mean off by <= {q['imbalance_err']:.3f}")
+    return line
+
+
 def format_summary(result: Calibration, verbose: bool = True) -> str:
     """The held-out table (one row per CP rank) and the fit-quality lines."""
     lines = []
     if verbose:
-        lines.append("held-out rank shards (cp=2), one attention layer forward+backward, compute only:")
+        lines.append("held-out rank shards (cp=2), one attention layer forward+backward, compute only "
+                     f"(timer {result.meta.get('timer', 'wall')}); predicted: profile model, kernel model:")
         lines.append(f"{'strategy':10s} {'micro-batch':22s} {'rank':>4s} {'tokens':>7s} {'pieces':>6s} {'pairs':>13s} "
-                     f"{'measured':>11s} {'predicted':>11s} {'error':>7s}")
+                     f"{'measured':>11s} {'profile':>11s} {'error':>7s} {'kernel':>11s} {'error':>7s}")
         for r in result.eval_rows:
             mb = r["label"].rsplit(" r", 1)[0]
             lines.append(f"{r['strategy']:10s} {mb:22s} {r['rank']:>4d} {r['tokens']:>7d} {r['pieces']:>6d} {r['pairs']:>13,d} "
-                         f"{r['measured_s'] * 1e3:>8.3f} ms {r['predicted_s'] * 1e3:>8.3f} ms {100 * r['rel_err']:>+6.1f}%")
+                         f"{r['measured_s'] * 1e3:>8.3f} ms {r['predicted_s'] * 1e3:>8.3f} ms {100 * r['rel_err']:>+6.1f}% "
+                         f"{r['kernel_predicted_s'] * 1e3:>8.3f} ms {100 * r['kernel_rel_err']:>+6.1f}%")
     pl, t, h = result.per_layer, result.train, result.held_out
-    tm, base = result.tile_model, result.baseline
+    km, base = result.kernel_model, result.baseline
+    kc = km["coef"]
     lines += [
-        f"per layer: {pl['token_s'] * 1e9:.3f} ns/token + {pl['pair_s'] * 1e12:.4f} ps/pair + {pl['segment_s'] * 1e6:.2f} us/piece "
-        f"(+ {pl['overhead_s'] * 1e6:.1f} us per rank, not in the profile); pairs at {_pair_tflops(result):.0f} TFLOP/s",
-        f"fit      (grid, n={t['n']:3d}):  r={t['r']:.4f}  max error {_pct(t['max_rel_err'])}  mean {_pct(t['mean_rel_err'])}",
-        f"held-out (n={h['n']:3d}):        r={h['r']:.4f}  max error {_pct(h['max_rel_err'])}  mean {_pct(h['mean_rel_err'])}"
-        f"  | per micro-batch max/mean off by <= {h['imbalance_err']:.3f}, slowest rank right in "
-        f"{_pct(h['slowest_rank_hit']).strip()} (ties within 1% count)",
-        f"  tile model {tm['block'][0]}x{tm['block'][1]} held-out: r={tm['held_out']['r']:.4f}  "
-        f"max error {_pct(tm['held_out']['max_rel_err'])}  mean {_pct(tm['held_out']['mean_rel_err'])}",
-        *(f"  pieces rounded up to {x['tile']:3d} (a cost.py option) held-out: r={x['held_out']['r']:.4f}  "
-          f"max error {_pct(x['held_out']['max_rel_err'])}  mean {_pct(x['held_out']['mean_rel_err'])}"
-          for x in tm.get("rounded_pieces", ())),
-        f"  pairs-only baseline held-out:  r={base['held_out']['r']:.4f}  max error {_pct(base['held_out']['max_rel_err'])}  "
+        f"profile model, per layer: {pl['token_s'] * 1e9:.3f} ns/token + {pl['pair_s'] * 1e12:.4f} ps/pair + "
+        f"{pl['segment_s'] * 1e6:.2f} us/piece; pairs at {_pair_tflops(result):.0f} TFLOP/s",
+        f"  + per micro-batch constants, the same on every rank (not in the profile: they never change which rank is "
+        f"slowest): {pl['overhead_s'] * 1e6:.1f} us, + {pl['ring_overhead_s'] * 1e6:.1f} us when a sample is split (ring path)",
+        _fit_line(f"  fit      (grid, n={t['n']:3d}):  ", t),
+        _fit_line(f"  held-out (n={h['n']:3d}):        ", h),
+        "  held-out by strategy: " + ", ".join(f"{g} max {_pct(q['max_rel_err']).strip()} mean {_pct(q['mean_rel_err']).strip()}"
+                                              for g, q in h.get("by_strategy", {}).items()),
+        f"kernel model {km['block'][0]}x{km['block'][1]} tiles (diagnostic, per schedule; not expressible per piece): "
+        f"{kc['calls'] * 1e6:.1f} us/call, {kc['tiles'] * 1e6:.3f} us/tile, {kc['grid_q'] * 1e9:.0f}+{kc['grid_k'] * 1e9:.0f} ns "
+        f"per launched q/k tile-row, {kc['dense_calls'] * 1e6:.1f} us/dense call, {kc['dense_tiles'] * 1e6:.3f} us/dense tile",
+        _fit_line(f"  fit      (grid, n={km['train']['n']:3d}):  ", km["train"]),
+        _fit_line(f"  held-out (n={km['held_out']['n']:3d}):        ", km["held_out"]),
+        f"pairs-only baseline held-out:   r={base['held_out']['r']:.4f}  max error {_pct(base['held_out']['max_rel_err'])}  "
         f"mean {_pct(base['held_out']['mean_rel_err'])}",
-        f"profile ({result.profile.name}, {result.meta['layers']} layers, mode {result.meta['mode']}): "
+        f"profile ({result.profile.name}, {result.meta['layers']} layers, mode {result.meta.get('mode')}): "
         f"token={result.profile.token:.4g} s, pair={result.profile.pair:.4g} s, segment={result.profile.segment:.4g} s; "
-        f"wall {result.meta['wall_s']:.1f} s",
+        f"wall {result.meta.get('wall_s', float('nan')):.1f} s",
     ]
+    dropped = result.meta.get("refit", {}).get("dropped")
+    if dropped:
+        lines.append(f"refit: {len(dropped)} stored rows dropped (no matching shard in this version's grid)")
     return "\n".join(lines)
 
 
