@@ -92,16 +92,16 @@ def local_index(mb: MicroBatch, rank: int, lengths: list[int]) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- timing
 def timed(thunk, backward: bool, iters: int, warmup: int) -> tuple[float, list[float], list[float]]:
-    """Median slowest-rank time (ms), this case's per-rank medians and per-rank peak memory (MiB)
-    allocated by the calls above what was allocated before them (inputs are not counted)."""
-    times = []
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
+    """Median slowest-rank time (ms), this case's per-rank medians and per-rank peak memory (MiB):
+    the most any timed iteration allocated above what was allocated when it began (inputs, and
+    the .grad a previous iteration left on the leaves, are not counted; the new gradients are)."""
+    times, peaks = [], []
     for i in range(warmup + iters):
         grad = None
         dist.barrier()
         torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
         start = time.perf_counter()
         out = thunk()
         if isinstance(out, tuple):
@@ -113,8 +113,9 @@ def timed(thunk, backward: bool, iters: int, warmup: int) -> tuple[float, list[f
         elapsed = (time.perf_counter() - start) * 1e3
         if i >= warmup:
             times.append(elapsed)
+            peaks.append((torch.cuda.max_memory_allocated() - base) / 2**20)
         del out
-    mine = (statistics.median(times), (torch.cuda.max_memory_allocated() - base) / 2**20)
+    mine = (statistics.median(times), max(peaks))
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     return max(g[0] for g in gathered), [g[0] for g in gathered], [g[1] for g in gathered]
