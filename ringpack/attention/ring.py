@@ -289,7 +289,7 @@ def _local_backward(dout, q, k, v, out, lse, call: KernelCall, scale: float, bac
     """Gradients of the local causal call; split: query rows tiled by the parts, dK/dV summed over them."""
     if not _splits(call, backend):
         return _bwd_call(dout, q, k, v, out, lse, call, scale, backend)
-    dq, dk, dv = torch.zeros_like(q), None, None
+    dq, dk, dv = torch.empty_like(q), None, None  # every row is written: the parts tile the local rows
     for q_rows, dq_c, k_rows, dk_c, dv_c in _bwd_parts(dout, q, k, v, out, lse, call, scale, backend):
         _put_rows(dq, q_rows, dq_c)
         if dk is None and k_rows is None:  # the rest: every key row (zero where it has no queries)
@@ -346,14 +346,15 @@ def _attention_backward(dout, q, k, v, out, lse, schedule: Schedule, make_transp
         for call in step.calls:
             for q_rows, dq_c, k_rows, dk_c, dv_c in _bwd_parts(dout, q, kv[0], kv[1], out, lse, call, scale, backend):
                 _add_rows(dq_acc, q_rows, dq_c)
-                if k_rows is None:  # the whole buffer (zeros where the call has no queries)
-                    part = torch.stack((dk_c, dv_c)).to(acc)
-                    dkv = part if dkv is None else dkv.add_(part)
-                else:
-                    if dkv is None:
-                        dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
-                    dkv[0, k_rows] += dk_c
-                    dkv[1, k_rows] += dv_c
+                if dkv is None:  # a part over the whole buffer is copied in (zeros where it has no queries)
+                    dkv = (torch.empty if k_rows is None else torch.zeros)(kv.shape, dtype=acc, device=kv.device)
+                    if k_rows is None:
+                        dkv[0].copy_(dk_c)
+                        dkv[1].copy_(dv_c)
+                        continue
+                rows = slice(None) if k_rows is None else k_rows
+                dkv[0, rows] += dk_c
+                dkv[1, rows] += dv_c
                 del dq_c, dk_c, dv_c
         transport.push_grad(i, dkv)
         del dkv
@@ -362,9 +363,11 @@ def _attention_backward(dout, q, k, v, out, lse, schedule: Schedule, make_transp
     del dq_acc
     if home is None:
         return dq, dk, dv
-    dk_acc = dk.to(acc).index_add_(0, schedule.send_index, home[0])
-    dv_acc = dv.to(acc).index_add_(0, schedule.send_index, home[1])
-    return dq, dk_acc.to(k.dtype), dv_acc.to(v.dtype)
+    for grad, remote in zip((dk, dv), home):  # only the rows this rank sent: sum in float, round once
+        mine = grad.index_select(0, schedule.send_index).to(acc).add_(remote)
+        grad.index_copy_(0, schedule.send_index, mine.to(grad.dtype))
+        del mine
+    return dq, dk, dv
 
 
 class ContextParallelAttention(torch.autograd.Function):
