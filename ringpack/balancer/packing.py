@@ -46,8 +46,6 @@ def pack_greedy(
     """
     n = len(weights)
     order = np.lexsort((np.arange(n), -weights))
-    w_list = weights.tolist()
-    t_list = tokens.tolist()
     free = [[capacity] * m for _ in range(dp)]
     # (load, rank) pairs are distinct (one per rank), so which rank is least loaded never depends
     # on the heap's internal layout: heapreplace is pop + push in one sift.
@@ -56,8 +54,7 @@ def pack_greedy(
     rank_free = [capacity] * dp  # most free tokens of any bin of each rank (== max(free[d]))
     most_free = capacity  # an upper bound on max(rank_free), refreshed when a sample exceeds it
     heappop, heappush, heapreplace = heapq.heappop, heapq.heappush, heapq.heapreplace
-    for i in order.tolist():
-        t = t_list[i]
+    for i, t, wi in zip(order.tolist(), tokens[order].tolist(), weights[order].tolist()):
         if t > most_free:
             most_free = max(rank_free)  # rank_free only shrinks: fail fast once no bin fits
             if t > most_free:
@@ -70,7 +67,7 @@ def pack_greedy(
             free_d[best] = fj - t
             bins[i] = d * m + best
             rank_free[d] = max(free_d)
-            heapreplace(heap, (load + w_list[i], d))
+            heapreplace(heap, (load + wi, d))
             continue
         popped = [heappop(heap)]
         while heap:
@@ -82,7 +79,7 @@ def pack_greedy(
                 free_d[best] = fj - t
                 bins[i] = d * m + best
                 rank_free[d] = max(free_d)
-                heappush(heap, (load + w_list[i], d))
+                heappush(heap, (load + wi, d))
                 break
             popped.append((load, d))
         else:  # no rank fits (most_free was a stale upper bound)

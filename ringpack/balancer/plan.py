@@ -524,7 +524,7 @@ def new_piece(sample: int, start: int, stop: int, _new=object.__new__, _cls=Piec
 
     The frozen dataclass ``__init__`` sets each field through ``object.__setattr__``; this fills the
     instance dict directly. The result is an ordinary :class:`Piece` (same fields, equality, hash,
-    repr); ``tests/balancer/test_plan.py`` checks the two constructors agree.
+    repr); ``tests/balancer/test_plan.py`` checks the constructors agree.
     """
     piece = _new(_cls)
     d = piece.__dict__
@@ -532,6 +532,25 @@ def new_piece(sample: int, start: int, stop: int, _new=object.__new__, _cls=Piec
     d["start"] = start
     d["stop"] = stop
     return piece
+
+
+def new_rank_shard(slot_pieces: Sequence[tuple[int, int, int]], samples: Sequence[int], _new=object.__new__) -> RankShard:
+    """``RankShard(tuple(Piece(samples[k], start, stop) for k, start, stop in slot_pieces)))``, faster.
+
+    The fast path of :func:`new_piece`, inlined for a whole shard (the planner's hot loop).
+    """
+    pieces = []
+    append = pieces.append
+    for k, start, stop in slot_pieces:
+        piece = _new(Piece)
+        d = piece.__dict__
+        d["sample"] = samples[k]
+        d["start"] = start
+        d["stop"] = stop
+        append(piece)
+    shard = _new(RankShard)
+    shard.__dict__["pieces"] = tuple(pieces)
+    return shard
 
 
 def microbatch_from_shards(samples: Sequence[int], shards: Sequence[Sequence[Piece]], lengths: Sequence[int]) -> MicroBatch:

@@ -43,7 +43,7 @@ import numpy as np
 
 from ringpack.balancer.cost import CostModel
 from ringpack.balancer.plan import MicroBatch, Plan, PlanConfig, PlanError, Step
-from ringpack.balancer.split import split_balanced, split_contiguous, split_zigzag, split_zigzag_even
+from ringpack.balancer.split import split_balanced, split_balanced_many, split_contiguous, split_zigzag, split_zigzag_even
 
 __all__ = ["make_plan", "as_lengths", "expand_overflow", "shuffle_order", "step_lower_bound", "split_microbatch"]
 
@@ -231,16 +231,15 @@ def _plan_step(index: int, ids: np.ndarray, lengths: np.ndarray, config: PlanCon
     sorted_bins = bins[order]
     edges = np.searchsorted(sorted_bins, np.arange(dp * m + 1))
     ids_sorted = ids[order].tolist()
-    ranks = []
-    for d in range(dp):
-        mbs = []
-        for j in range(m):
-            b = d * m + j
-            members = ids_sorted[edges[b] : edges[b + 1]]
-            assert members, "empty micro-batch"
-            mbs.append(split_microbatch(members, length_list, config))
-        ranks.append(tuple(mbs))
-    return Step(microbatches=tuple(ranks), lower_bound=bound)
+    edges = edges.tolist()
+    groups = [ids_sorted[edges[b] : edges[b + 1]] for b in range(dp * m)]
+    assert all(groups), "empty micro-batch"
+    if config.strategy == "balanced":  # all micro-batches of the step at once (the same splits, faster)
+        mbs = split_balanced_many(groups, lengths, cp, config.tokens_per_rank, config.cost, token_slack=config.cp_token_slack)
+    else:
+        mbs = [split_microbatch(members, length_list, config) for members in groups]
+    ranks = tuple(tuple(mbs[d * m : (d + 1) * m]) for d in range(dp))
+    return Step(microbatches=ranks, lower_bound=bound)
 
 
 def make_plan(lengths: Any, config: PlanConfig) -> Plan:

@@ -7,13 +7,14 @@ a sample of any length >= 1 may be cut anywhere, and chunks that come out empty 
 
 from __future__ import annotations
 
+import itertools
 import math
 from bisect import bisect_left
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from ringpack.balancer.plan import MicroBatch, Piece, RankShard, microbatch_from_shards, new_piece
+from ringpack.balancer.plan import MicroBatch, Piece, microbatch_from_shards, new_rank_shard
 
 if TYPE_CHECKING:
     from ringpack.balancer.cost import CostModel
@@ -149,39 +150,170 @@ def split_balanced(
     token room is never exceeded, so every micro-batch of at most ``cp * tokens_per_rank`` tokens
     gets a valid split.
     """
-    n = len(samples)
-    lens = [int(lengths[s]) for s in samples]
-    total_tokens = sum(lens)
-    if total_tokens > cp * tokens_per_rank:
-        raise ValueError(f"micro-batch holds {total_tokens} tokens, more than cp*tokens_per_rank={cp * tokens_per_rank}")
-    if cp == 1:
-        return _microbatch_from_slots(samples, [[(k, 0, l) for k, l in enumerate(lens)]], lengths, total_tokens)
-    if token_slack is not None:
-        tokens_per_rank = min(tokens_per_rank, math.ceil(total_tokens / cp * (1.0 + token_slack)))
+    return split_balanced_many([samples], lengths, cp, tokens_per_rank, cost, tolerance, token_slack)[0]
+
+
+#: From this many micro-batches on, :func:`split_balanced_many` runs the best-fit pass of all of
+#: them in lockstep with numpy (one array operation per sample position instead of per sample).
+LOCKSTEP_MIN_GROUPS = 8
+
+
+def split_balanced_many(
+    groups: Sequence[Sequence[int]],
+    lengths: Sequence[int],
+    cp: int,
+    tokens_per_rank: int,
+    cost: "CostModel",
+    tolerance: float = CP_BALANCE_TOLERANCE,
+    token_slack: float | None = None,
+    lockstep: bool | None = None,
+) -> list[MicroBatch]:
+    """:func:`split_balanced` of every micro-batch in ``groups`` (lists of samples), in order.
+
+    The result is the same as one :func:`split_balanced` call per group; only the work is shared.
+    Sample costs and orders are computed for all groups at once, and the best-fit pass (step 2),
+    which runs once per sample in each group, runs in lockstep over the groups: the ``i``-th
+    costliest sample of every group is placed by one vectorised best fit over a (group, rank)
+    table of rooms. ``lockstep=None`` does so from :data:`LOCKSTEP_MIN_GROUPS` groups on (the
+    per-group loop is faster for a few); ``True``/``False`` force either path (the tests check
+    that both give the same pieces). Cuts of samples that fit whole nowhere (step 3) and the
+    retries of tight micro-batches run per group.
+    """
     a, b, seg = float(cost.token), float(cost.pair), float(cost.segment)
-    w = [a * l + b * 0.5 * l * (l + 1) + seg for l in lens]
-    ideal = sum(w) / cp
-    accept = ideal * (1.0 + 2.0 * tolerance)
-    cap = ideal * (1.0 + tolerance)
-    # most expensive first, ties by position (a stable sort keeps equal costs in micro-batch order)
-    order = sorted(range(n), key=w.__getitem__, reverse=True)
-    best = None  # (max rank cost, shards): the first candidate within the acceptance wins
-    attempts = (
-        lambda: _balanced_shards(lens, w, order, cp, tokens_per_rank, a, b, seg, cap, 1.0),
-        lambda: _balanced_shards(lens, w, order, cp, tokens_per_rank, a, b, seg, cap, 1.0, 2.0 * ideal),
-        lambda: _balanced_shards(lens, w, order, cp, tokens_per_rank, a, b, seg, cap, 1.0, ideal),
-        lambda: _hybrid_shards(lens, w, order, cp, tokens_per_rank, a, b, seg, cap, 0.5),
-        lambda: _hybrid_shards(lens, w, order, cp, tokens_per_rank, a, b, seg, cap, 0.1),
-        lambda: _hybrid_shards(lens, w, order, cp, tokens_per_rank, a, b, seg, cap, 0.0),
-        lambda: _zigzag_even_shards(lens, cp, a, b, seg),
-    )
-    for attempt in attempts:
-        shards, top = attempt()
-        if best is None or top < best[0] * (1.0 - tolerance):
-            best = (top, shards)
+    G = len(groups)
+    if G == 0:
+        return []
+    sizes = np.fromiter((len(g) for g in groups), dtype=np.int64, count=G)
+    N = int(sizes.sum())
+    starts = np.zeros(G + 1, dtype=np.int64)
+    np.cumsum(sizes, out=starts[1:])
+    bounds = starts.tolist()
+    if isinstance(lengths, np.ndarray):
+        flat = lengths[np.fromiter(itertools.chain.from_iterable(groups), dtype=np.int64, count=N)].astype(np.int64, copy=False)
+        flat_list = flat.tolist()
+        lens_of = [flat_list[bounds[g] : bounds[g + 1]] for g in range(G)]
+    else:
+        lens_of = [[int(lengths[x]) for x in samples] for samples in groups]
+        flat = np.fromiter(itertools.chain.from_iterable(lens_of), dtype=np.int64, count=N)
+    totals = [sum(l) for l in lens_of]
+    for total in totals:
+        if total > cp * tokens_per_rank:
+            raise ValueError(f"micro-batch holds {total} tokens, more than cp*tokens_per_rank={cp * tokens_per_rank}")
+    if cp == 1:
+        return [
+            _microbatch_from_slots(samples, [[(k, 0, l) for k, l in enumerate(lens)]], lengths, total)
+            for samples, lens, total in zip(groups, lens_of, totals)
+        ]
+    if token_slack is None:
+        tprs = [int(tokens_per_rank)] * G
+    else:
+        tprs = [min(tokens_per_rank, math.ceil(total / cp * (1.0 + token_slack))) for total in totals]
+    # the same operations, in the same order, as a*l + b*0.5*l*(l+1) + seg on Python numbers
+    W = a * flat + b * 0.5 * flat * (flat + 1) + seg
+    gid = np.repeat(np.arange(G, dtype=np.int64), sizes)
+    slot = np.arange(N, dtype=np.int64) - starts[gid]
+    # most expensive first, ties by position in the micro-batch
+    ordered = np.lexsort((slot, -W, gid))
+    w_all, ord_slot = W.tolist(), slot[ordered].tolist()
+    ws = [w_all[bounds[g] : bounds[g + 1]] for g in range(G)]
+    orders = [ord_slot[bounds[g] : bounds[g + 1]] for g in range(G)]
+    ideals = [sum(w) / cp for w in ws]  # Python's left-to-right float sum, as in a per-group loop
+    caps = [ideal * (1.0 + tolerance) for ideal in ideals]
+    if lockstep is None:
+        lockstep = G >= LOCKSTEP_MIN_GROUPS
+    if lockstep and int(sizes.min()) > 0:
+        first = _best_fit_lockstep(lens_of, sizes, flat, W, ordered, gid, starts, ord_slot, caps, tprs, cp, a, b, seg)
+    else:
+        first = [_balanced_shards(lens_of[g], ws[g], orders[g], cp, tprs[g], a, b, seg, caps[g], 1.0) for g in range(G)]
+    out = []
+    for g, samples in enumerate(groups):
+        shards, top = first[g]
+        accept = ideals[g] * (1.0 + 2.0 * tolerance)
         if top <= accept:
-            break
-    return _microbatch_from_slots(samples, best[1], lengths, total_tokens)
+            out.append(_microbatch_from_slots(samples, shards, lengths, totals[g]))
+            continue
+        best = (top, shards)  # the first candidate within the acceptance wins
+        lens, w, order, tpr, cap, ideal = lens_of[g], ws[g], orders[g], tprs[g], caps[g], ideals[g]
+        retries = (
+            (_balanced_shards, (lens, w, order, cp, tpr, a, b, seg, cap, 1.0, 2.0 * ideal)),
+            (_balanced_shards, (lens, w, order, cp, tpr, a, b, seg, cap, 1.0, ideal)),
+            (_hybrid_shards, (lens, w, order, cp, tpr, a, b, seg, cap, 0.5)),
+            (_hybrid_shards, (lens, w, order, cp, tpr, a, b, seg, cap, 0.1)),
+            (_hybrid_shards, (lens, w, order, cp, tpr, a, b, seg, cap, 0.0)),
+            (_zigzag_even_shards, (lens, cp, a, b, seg)),
+        )
+        for attempt, args in retries:
+            shards, top = attempt(*args)
+            if top < best[0] * (1.0 - tolerance):
+                best = (top, shards)
+            if top <= accept:
+                break
+        out.append(_microbatch_from_slots(samples, best[1], lengths, totals[g]))
+    return out
+
+
+def _best_fit_lockstep(lens_of, sizes, flat, W, ordered, gid, starts, ord_slot, caps, tprs, cp, a, b, seg):
+    """The first pass of :func:`_balanced_shards` (no zigzag) for every group at once.
+
+    Row ``g`` of the (group, rank) tables holds group ``g``'s cost and token rooms; step ``i``
+    offers every group its ``i``-th costliest sample and places it by best fit, exactly as the
+    per-group loop does: among the ranks whose room holds its cost, whose tokens hold it and that
+    can still reach their cost with the tokens left, the smallest room, then the lowest rank.
+    Returns ``(shards, max rank cost)`` per group, after the per-group suffix cuts.
+    """
+    G = len(lens_of)
+    width = int(sizes.max())
+    pos = np.arange(len(ordered), dtype=np.int64) - starts[gid]  # rank in cost order (gid is sorted)
+    cap = np.array(caps, dtype=np.float64)
+    tpr = np.array(tprs, dtype=np.int64)
+    w_ord, l_ord = W[ordered], flat[ordered]
+    # Samples a rank cannot hold whole (cost over the room, tokens over the budget) and padding
+    # cost +inf: their room left, room - inf, is negative everywhere.
+    Wt = np.full((width, G), np.inf)
+    Lt = np.zeros((width, G), dtype=np.int64)
+    Wt[pos, gid] = np.where((w_ord <= cap[gid]) & (l_ord <= tpr[gid]), w_ord, np.inf)
+    Lt[pos, gid] = l_ord
+    Wt, Lt = Wt[:, :, None], Lt[:, :, None]
+    # the densest tokens are the last ones of the longest sample (density_factor 1)
+    density = ((a + b * np.maximum.reduceat(l_ord, starts[:-1])) * 1.0 + seg)[:, None]
+    # Column 0 is a rank that never fits (room -inf): the pick when no real rank does; real rank r
+    # is column r + 1, so ties still go to the lowest rank.
+    R = np.empty((G, cp + 1))
+    R[:, 0] = -np.inf
+    R[:, 1:] = cap[:, None]
+    TR = np.zeros((G, cp + 1), dtype=np.int64)
+    TR[:, 1:] = tpr[:, None]
+    Rf, TRf = R.reshape(-1), TR.reshape(-1)
+    base = np.arange(G, dtype=np.int64) * (cp + 1)
+    place = np.empty((width, G), dtype=np.int64)
+    for i in range(width):
+        left = R - Wt[i]  # the room each rank would keep
+        tr = TR - Lt[i]
+        # left >= 0 is room >= cost (exact in floating point); with density > 0 it also rules
+        # out tr < 0, as left <= tr * density < 0 then fails
+        fits = (left >= 0) & (left <= tr * density)
+        best = np.where(fits, R, np.inf).argmin(axis=1)  # smallest room, then lowest rank
+        place[i] = best
+        at = base + best
+        Rf[at] = left.reshape(-1)[at]
+        TRf[at] = tr.reshape(-1)[at]
+    R_list, TR_list, place_list = R[:, 1:].tolist(), TR[:, 1:].tolist(), (place.T - 1).tolist()
+    bounds = starts.tolist()
+    out = []
+    for g in range(G):
+        lens = lens_of[g]
+        room, troom = R_list[g], TR_list[g]
+        shards: list[list[tuple[int, int, int]]] = [[] for _ in range(cp)]
+        leftovers = []
+        for k, r in zip(ord_slot[bounds[g] : bounds[g + 1]], place_list[g]):
+            if r >= 0:
+                shards[r].append((k, 0, lens[k]))
+            else:
+                leftovers.append(k)
+        if leftovers:
+            _cut_suffixes(leftovers, lens, room, troom, shards, cp, a, b, seg)
+        out.append((shards, caps[g] - min(room)))
+    return out
 
 
 def _microbatch_from_slots(
@@ -191,17 +323,15 @@ def _microbatch_from_slots(
 
     Equal to ``microbatch_from_shards`` on the same pieces: with distinct samples, sorting the
     triples sorts by (slot, start), the canonical order, and ``loss_tokens`` is ``total_tokens``
-    (the samples' summed lengths) minus one per sample. Samples listed twice (not a valid micro-batch,
-    but callers may pass them) take the general path.
+    (the samples' summed lengths) minus one per sample. Samples listed twice (not a valid
+    micro-batch, but callers may pass them) take the general path.
     """
-    ids = tuple([int(s) for s in samples])
+    ids = tuple(map(int, samples))
     if len(set(ids)) != len(ids):
         return microbatch_from_shards(samples, [[Piece(ids[k], start, stop) for k, start, stop in shard] for shard in shards], lengths)
-    out = []
     for shard in shards:
         shard.sort()
-        out.append(RankShard(tuple([new_piece(ids[k], start, stop) for k, start, stop in shard])))
-    return MicroBatch(samples=ids, shards=tuple(out), loss_tokens=total_tokens - len(ids))
+    return MicroBatch(samples=ids, shards=tuple([new_rank_shard(shard, ids) for shard in shards]), loss_tokens=total_tokens - len(ids))
 
 
 def split_zigzag_even(samples: Sequence[int], lengths: Sequence[int], cp: int) -> MicroBatch:
@@ -447,7 +577,7 @@ def _balanced_shards(lens, w, order, cp, tokens_per_rank, a, b, seg, cap, densit
         return shards, cap - min(room)
     # The densest tokens (cost per token) are the last ones of the longest sample; ``density_factor``
     # below 1 assumes less dense content will be left to fill the ranks.
-    density = (a + b * max([lens[k] for k in order])) * density_factor + seg
+    density = (a + b * max([lens[k] for k in order] if zigzag_over < math.inf else lens)) * density_factor + seg
     leftovers = []
     # Best fit: the rank with the smallest cost room that holds the sample (first rank on ties),
     # found by walking the ranks in (room, rank) order up from the first room >= the sample's cost.
@@ -482,6 +612,15 @@ def _balanced_shards(lens, w, order, cp, tokens_per_rank, a, b, seg, cap, densit
         room[r] = rr
         troom[r] = tr
         shards[r].append((k, 0, lk))
+    _cut_suffixes(leftovers, lens, room, troom, shards, cp, a, b, seg)
+    return shards, cap - min(room)
+
+
+def _cut_suffixes(leftovers, lens, room, troom, shards, cp, a, b, seg) -> None:
+    """Step 3 of :func:`split_balanced`: cut the samples that fit whole nowhere from the back.
+
+    Updates ``room``, ``troom`` and ``shards`` (``(slot, start, stop)`` triples) in place.
+    """
     for k in leftovers:
         stop = lens[k]
         last_rank = -1
@@ -511,4 +650,3 @@ def _balanced_shards(lens, w, order, cp, tokens_per_rank, a, b, seg, cap, densit
             troom[r] -= stop - start
             last_rank = r
             stop = start
-    return shards, cap - min(room)

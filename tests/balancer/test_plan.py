@@ -10,7 +10,7 @@ import sys
 import pytest
 from hypothesis import given
 
-from ringpack.balancer.plan import MicroBatch, Piece, Plan, PlanConfig, PlanError, RankShard, Step, microbatch_from_shards, new_piece
+from ringpack.balancer.plan import MicroBatch, Piece, Plan, PlanConfig, PlanError, RankShard, Step, microbatch_from_shards, new_piece, new_rank_shard
 from tests.balancer.plan_strategies import random_plan
 
 LENGTHS = (5, 3, 7, 1)
@@ -43,6 +43,12 @@ def test_fast_piece_constructor_builds_ordinary_pieces():
     assert fast.length == 7 and fast != new_piece(4, 2, 8)
     with pytest.raises(dataclasses.FrozenInstanceError):
         fast.start = 0
+    shard = new_rank_shard([(1, 0, 3), (0, 2, 5)], (7, 4))
+    assert type(shard) is RankShard and shard == RankShard((Piece(4, 0, 3), Piece(7, 2, 5)))
+    assert hash(shard) == hash(RankShard((Piece(4, 0, 3), Piece(7, 2, 5)))) and shard.num_tokens == 6
+    assert new_rank_shard([], (1,)) == RankShard()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        shard.pieces = ()
 
 
 @given(random_plan())

@@ -13,7 +13,7 @@ from ringpack.balancer.cost import CostModel, rank_costs
 from ringpack.balancer.metrics import plan_costs
 from ringpack.balancer.plan import PlanConfig, PlanError
 from ringpack.balancer.planner import AUTO_MICROBATCH_GAP, step_lower_bound
-from ringpack.balancer.split import split_balanced, split_zigzag, split_zigzag_even
+from ringpack.balancer.split import split_balanced, split_balanced_many, split_zigzag, split_zigzag_even
 
 STRATEGIES = ("balanced", "zigzag", "contiguous")
 MODELS = {name: CostModel.preset(name) for name in ("llama3-8b", "tiny")}
@@ -228,6 +228,30 @@ def test_balanced_split_is_valid_for_any_budget_that_fits(lengths, cp, slack, mo
     # never worse than the token-even zigzag fallback (up to the 0.1% tolerance)
     zz = rank_costs(split_zigzag_even(list(range(len(lengths))), lengths, cp).shards, MODELS[model])
     assert costs.max() <= max(zz.max(), ideal) * (1 + 2e-3) + 1e-6
+
+
+@pytest.mark.parametrize("slack", [None, 0.0, 0.02])
+def test_splitting_many_micro_batches_at_once_equals_one_at_a_time(slack):
+    """The planner splits all micro-batches of a step with one call (the best-fit pass vectorised
+    over them); the pieces are the same as splitting each alone."""
+    rng = np.random.default_rng(3)
+    for cp in (2, 3, 8):
+        lengths = {}
+        groups = []
+        for g in range(12):
+            n = int(rng.integers(1, 30))
+            lens = rng.integers(1, 40, size=n) if g % 3 == 0 else np.minimum((300 * (1 + rng.pareto(1.0, n))).astype(np.int64), 60000)
+            ids = [int(x) for x in rng.permutation(n) + 1000 * g]  # shuffled, not in micro-batch order
+            lengths.update(zip(ids, (int(x) for x in lens)))
+            groups.append(ids)
+        budget = -(-max(sum(lengths[x] for x in g) for g in groups) // cp)  # the fullest group fills its ranks
+        for model in MODELS.values():
+            one_by_one = [split_balanced(g, lengths, cp, budget, model, token_slack=slack) for g in groups]
+            for lockstep in (True, False):  # vectorised over the micro-batches, or a loop per micro-batch
+                assert split_balanced_many(groups, lengths, cp, budget, model, token_slack=slack, lockstep=lockstep) == one_by_one
+            as_array = np.zeros(max(lengths) + 1, dtype=np.int64)
+            as_array[list(lengths)] = list(lengths.values())
+            assert split_balanced_many(groups, as_array, cp, budget, model, token_slack=slack) == one_by_one
 
 
 def test_balanced_split_is_robust_to_a_mispriced_cost_model():
