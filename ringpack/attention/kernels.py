@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 from typing import Callable
 
 import torch
@@ -131,7 +132,26 @@ def available_backends(device: torch.device | str, dtype: torch.dtype) -> list[s
 
 @functools.cache
 def _cudnn_usable() -> bool:
-    return torch.backends.cudnn.is_available()
+    return torch.backends.cudnn.is_available() and _cudnn_ragged_dense() is None
+
+
+def _cudnn_ragged_dense() -> str | None:
+    """Why cuDNN dense SDPA cannot be trusted in this process, or None.
+
+    ``TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1`` makes PyTorch run dense cuDNN attention through its
+    ragged path, with one graph per power-of-two length bucket. Measured on torch 2.11 / cuDNN 9.19
+    / H200 (``benchmarks/cudnn_shapes.py``, BENCHMARKS.md): the forward stays exact, but the
+    backward of every length after the first in a bucket returns wrong dQ (errors of 10^2-10^3
+    relative to the largest value). PyTorch reads the variable once per process, so it is refused
+    here rather than silently producing wrong gradients.
+    """
+    value = os.environ.get("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", "").strip().lower()
+    if value in ("1", "true", "yes", "on", "y"):
+        return (
+            "TORCH_CUDNN_SDPA_AVOID_RECOMPILE is set: PyTorch's ragged cuDNN path returned wrong dQ in "
+            "ringpack's GPU tests (torch 2.11); unset it to use 'cudnn_hybrid'"
+        )
+    return None
 
 
 def resolve_backend(backend: str, q: Tensor) -> str:
@@ -149,7 +169,7 @@ def resolve_backend(backend: str, q: Tensor) -> str:
     if backend == "flash_attn" and _flash_attn_module() is None:
         raise ValueError("backend 'flash_attn' requested but the flash-attn package is not importable")
     if backend == "cudnn_hybrid" and not _cudnn_usable():
-        raise ValueError("backend 'cudnn_hybrid' requested but cuDNN is not available")
+        raise ValueError(_cudnn_ragged_dense() or "backend 'cudnn_hybrid' requested but cuDNN is not available")
     return backend
 
 

@@ -75,7 +75,7 @@ def _put_rows(dst: Tensor, rows: Rows, src: Tensor, dim: int = 0) -> None:
 
 
 def _add_rows(dst: Tensor, rows: Rows, src: Tensor) -> None:
-    """``dst[rows] += src`` along dim 0."""
+    """``dst[rows] += src`` along dim 0 (computed in float for half-precision ``dst``, rounded once)."""
     if isinstance(rows, Tensor):
         dst.index_add_(0, rows, src.to(dst.dtype))
     else:
@@ -338,7 +338,10 @@ def _attention_backward(dout, q, k, v, out, lse, schedule: Schedule, make_transp
     if not schedule.steps:
         return dq, dk, dv
     acc = lse.dtype
-    dq_acc = dq.to(acc)
+    # With one remote step a query row gets at most one remote dQ part, and adding it to the
+    # kernel's dQ in place (computed in float, rounded once) gives exactly what a float
+    # accumulator rounded at the end would: no T x H x D float buffer. More steps: accumulate in float.
+    dq_acc = dq if len(schedule.steps) == 1 else dq.to(acc)
     del dq
     for i, step in enumerate(schedule.steps):
         kv = transport.buffer(i)
@@ -359,7 +362,7 @@ def _attention_backward(dout, q, k, v, out, lse, schedule: Schedule, make_transp
         transport.push_grad(i, dkv)
         del dkv
     home = transport.finish()
-    dq = dq_acc.to(q.dtype)
+    dq = dq_acc.to(q.dtype)  # no copy when it already is
     del dq_acc
     if home is None:
         return dq, dk, dv

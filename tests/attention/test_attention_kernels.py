@@ -156,3 +156,15 @@ def test_hybrid_backends_resolve_and_their_dense_ops_trace():
         kernels.dense_attn_fwd(q, k[:3], k[:3], 0.3, True, "reference_hybrid")
     with pytest.raises(ValueError, match="no dense kernel"):
         kernels.dense_attn_fwd(q, k, k, 0.3, True, "reference")
+
+
+@pytest.mark.parametrize("value,refused", [("1", True), ("TRUE", True), ("on", True), ("0", False), ("", False)])
+def test_cudnn_ragged_path_is_refused(monkeypatch, value, refused):
+    """TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 gave wrong cuDNN dQ on torch 2.11 (BENCHMARKS.md): cudnn_hybrid must refuse it."""
+    from ringpack.attention.kernels import _cudnn_ragged_dense
+
+    monkeypatch.setenv("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", value)
+    reason = _cudnn_ragged_dense()
+    assert (reason is not None) == refused
+    if refused:
+        assert "TORCH_CUDNN_SDPA_AVOID_RECOMPILE" in reason and "cudnn_hybrid" in reason
