@@ -221,13 +221,27 @@ def split_balanced_many(
     caps = [ideal * (1.0 + tolerance) for ideal in ideals]
     if lockstep is None:
         lockstep = G >= LOCKSTEP_MIN_GROUPS
+    placed = None
     if lockstep and int(sizes.min()) > 0:
-        first = _best_fit_lockstep(lens_of, sizes, flat, W, ordered, gid, starts, ord_slot, caps, tprs, cp, a, b, seg)
-    else:
-        first = [_balanced_shards(lens_of[g], ws[g], orders[g], cp, tprs[g], a, b, seg, caps[g], 1.0) for g in range(G)]
+        placed = _best_fit_lockstep(lens_of, sizes, flat, W, ordered, gid, starts, caps, tprs, cp, a, b, seg)
     out = []
     for g, samples in enumerate(groups):
-        shards, top = first[g]
+        # one group at a time from here on: its temporary pieces are freed before the next group's
+        if placed is None:
+            shards, top = _balanced_shards(lens_of[g], ws[g], orders[g], cp, tprs[g], a, b, seg, caps[g], 1.0)
+        else:
+            room, troom, place = placed[g]
+            lens = lens_of[g]
+            shards = [[] for _ in range(cp)]
+            leftovers = []
+            for k, r in zip(orders[g], place):
+                if r >= 0:
+                    shards[r].append((k, 0, lens[k]))
+                else:
+                    leftovers.append(k)
+            if leftovers:
+                _cut_suffixes(leftovers, lens, room, troom, shards, cp, a, b, seg)
+            top = caps[g] - min(room)
         accept = ideals[g] * (1.0 + 2.0 * tolerance)
         if top <= accept:
             out.append(_microbatch_from_slots(samples, shards, lengths, totals[g]))
@@ -252,14 +266,15 @@ def split_balanced_many(
     return out
 
 
-def _best_fit_lockstep(lens_of, sizes, flat, W, ordered, gid, starts, ord_slot, caps, tprs, cp, a, b, seg):
+def _best_fit_lockstep(lens_of, sizes, flat, W, ordered, gid, starts, caps, tprs, cp, a, b, seg):
     """The first pass of :func:`_balanced_shards` (no zigzag) for every group at once.
 
     Row ``g`` of the (group, rank) tables holds group ``g``'s cost and token rooms; step ``i``
     offers every group its ``i``-th costliest sample and places it by best fit, exactly as the
     per-group loop does: among the ranks whose room holds its cost, whose tokens hold it and that
     can still reach their cost with the tokens left, the smallest room, then the lowest rank.
-    Returns ``(shards, max rank cost)`` per group, after the per-group suffix cuts.
+    Returns, per group, the rooms and token rooms left and the rank of each sample in cost order
+    (-1: fits whole nowhere, to be cut).
     """
     G = len(lens_of)
     width = int(sizes.max())
@@ -297,23 +312,7 @@ def _best_fit_lockstep(lens_of, sizes, flat, W, ordered, gid, starts, ord_slot, 
         at = base + best
         Rf[at] = left.reshape(-1)[at]
         TRf[at] = tr.reshape(-1)[at]
-    R_list, TR_list, place_list = R[:, 1:].tolist(), TR[:, 1:].tolist(), (place.T - 1).tolist()
-    bounds = starts.tolist()
-    out = []
-    for g in range(G):
-        lens = lens_of[g]
-        room, troom = R_list[g], TR_list[g]
-        shards: list[list[tuple[int, int, int]]] = [[] for _ in range(cp)]
-        leftovers = []
-        for k, r in zip(ord_slot[bounds[g] : bounds[g + 1]], place_list[g]):
-            if r >= 0:
-                shards[r].append((k, 0, lens[k]))
-            else:
-                leftovers.append(k)
-        if leftovers:
-            _cut_suffixes(leftovers, lens, room, troom, shards, cp, a, b, seg)
-        out.append((shards, caps[g] - min(room)))
-    return out
+    return list(zip(R[:, 1:].tolist(), TR[:, 1:].tolist(), (place.T - 1).tolist()))
 
 
 def _microbatch_from_slots(
