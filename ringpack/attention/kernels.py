@@ -36,7 +36,10 @@ float64; O(Tq * Tk) memory, for tests). ``backend="auto"`` picks the first that 
 segments the schedule marked (:attr:`KernelCall.dense`) to the dense kernel one by one and the
 rest of the call to the varlen kernel. ``cudnn_hybrid``: cuDNN dense SDPA
 (``aten._scaled_dot_product_cudnn_attention``, ~1.8x flash on long causal segments on H200) +
-``torch_flash``; ``reference_hybrid``: ``reference`` for both, to test the splitting on CPU.
+``torch_flash``; ``flash_split``: ``torch_flash`` for both, each long segment in a launch of its
+own (a varlen launch runs ``ceil(longest segment / 128)`` blocks for *every* segment of the call,
+so short segments next to a long one pay for its length in empty blocks; no graph builds, unlike
+cuDNN); ``reference_hybrid``: ``reference`` for both, to test the splitting on CPU.
 Given to :func:`varlen_attn_fwd`/``bwd``, a hybrid name means its varlen kernel.
 
 The entry points are ``torch.library`` custom ops with fake implementations, so code that
@@ -55,6 +58,7 @@ from torch import Tensor
 
 __all__ = [
     "AUTO_CUDNN_HYBRID",
+    "AUTO_FLASH_SPLIT",
     "BACKENDS",
     "HYBRID_BACKENDS",
     "accum_dtype",
@@ -69,10 +73,14 @@ __all__ = [
 ]
 # torch.ops.ringpack.{varlen,dense}_attn_{fwd,bwd} are the traceable custom-op forms (defined below)
 
-BACKENDS = ("flash_attn", "torch_flash", "cudnn_hybrid", "reference", "reference_hybrid")
+BACKENDS = ("flash_attn", "torch_flash", "flash_split", "cudnn_hybrid", "reference", "reference_hybrid")
 
 # hybrid backend -> (varlen kernel, dense kernel)
-HYBRID_BACKENDS = {"cudnn_hybrid": ("torch_flash", "cudnn"), "reference_hybrid": ("reference", "reference")}
+HYBRID_BACKENDS = {
+    "cudnn_hybrid": ("torch_flash", "cudnn"),
+    "flash_split": ("torch_flash", "flash"),
+    "reference_hybrid": ("reference", "reference"),
+}
 
 # Whether backend="auto" picks cudnn_hybrid on CUDA fp16/bf16 (ahead of flash_attn / torch_flash).
 # Measured on 2 x H200 (BENCHMARKS.md): with shapes seen before it is as fast as torch_flash on
@@ -82,6 +90,9 @@ HYBRID_BACKENDS = {"cudnn_hybrid": ("torch_flash", "cudnn"), "reference_hybrid":
 # cached. Off by default until long segments are bucketed to a few shapes; opt in with
 # backend="cudnn_hybrid" for data of repeating lengths.
 AUTO_CUDNN_HYBRID = False
+
+# Whether backend="auto" picks flash_split ahead of torch_flash (set from the benchmark, BENCHMARKS.md).
+AUTO_FLASH_SPLIT = False
 
 # Whether cuDNN dense SDPA is given K/V with fewer heads than Q as they are (GQA). False: K/V heads
 # of a dense segment are repeated to H and dK/dV summed back over each group (extra copies of one
@@ -120,9 +131,8 @@ def available_backends(device: torch.device | str, dtype: torch.dtype) -> list[s
     found = []
     half = dtype in (torch.float16, torch.bfloat16)
     if device.type == "cuda" and half:
-        if _flash_attn_module() is not None:
-            found.append("flash_attn")
-        found.append("torch_flash")
+        flash = (["flash_attn"] if _flash_attn_module() is not None else []) + ["torch_flash"]
+        found = ["flash_split", *flash] if AUTO_FLASH_SPLIT else [*flash, "flash_split"]
         if _cudnn_usable():
             found.insert(0 if AUTO_CUDNN_HYBRID else len(found), "cudnn_hybrid")
     if dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
@@ -377,6 +387,24 @@ def _one_segment(q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
     )
 
 
+def _device_segment(q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+    """``cu_seqlens`` ``[0, Lq]`` / ``[0, Lk]`` made on the device (an arange kernel: no host-to-device copy, no sync)."""
+    return (
+        torch.arange(0, 2 * q.shape[0], max(q.shape[0], 1), dtype=torch.int32, device=q.device)[:2],
+        torch.arange(0, 2 * k.shape[0], max(k.shape[0], 1), dtype=torch.int32, device=q.device)[:2],
+    )
+
+
+def _flash_dense_fwd(q, k, v, scale, causal):
+    cu_q, cu_k = _device_segment(q, k)
+    return _torch_flash_fwd(q, k, v, cu_q, cu_k, q.shape[0], k.shape[0], scale, causal)
+
+
+def _flash_dense_bwd(dout, q, k, v, out, lse, scale, causal):
+    cu_q, cu_k = _device_segment(q, k)
+    return _torch_flash_bwd(dout.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), cu_q, cu_k, q.shape[0], k.shape[0], scale, causal)
+
+
 def _reference_dense_fwd(q, k, v, scale, causal):
     cu_q, cu_k = _one_segment(q, k)
     return _reference_fwd(q, k, v, cu_q, cu_k, q.shape[0], k.shape[0], scale, causal)
@@ -387,8 +415,8 @@ def _reference_dense_bwd(dout, q, k, v, out, lse, scale, causal):
     return _reference_bwd(dout, q, k, v, out, lse, cu_q, cu_k, q.shape[0], k.shape[0], scale, causal)
 
 
-_DENSE_FWD = {"cudnn": _cudnn_dense_fwd, "reference": _reference_dense_fwd}
-_DENSE_BWD = {"cudnn": _cudnn_dense_bwd, "reference": _reference_dense_bwd}
+_DENSE_FWD = {"cudnn": _cudnn_dense_fwd, "flash": _flash_dense_fwd, "reference": _reference_dense_fwd}
+_DENSE_BWD = {"cudnn": _cudnn_dense_bwd, "flash": _flash_dense_bwd, "reference": _reference_dense_bwd}
 
 
 def _dense_kernel(backend: str, table: dict) -> Callable:

@@ -1,4 +1,4 @@
-"""GPU checks of the attention runtime: bf16, ``torch_flash`` and ``cudnn_hybrid`` backends, NCCL.
+"""GPU checks of the attention runtime: bf16, ``torch_flash``, ``cudnn_hybrid`` and ``flash_split`` backends, NCCL.
 
 Two ways to run it on a machine with 2 GPUs::
 
@@ -9,7 +9,8 @@ The torchrun check runs every plan x mode with ``torch_flash``, then with ``cudn
 on the same plans with ``dense_threshold=256`` (many dense segments of odd lengths next to short
 ones in one call) and on plans with 9000/4100-token samples at the default threshold (4096; long
 causal-local and remote-full segments). It asserts that the hybrid runs really had dense
-segments, local and remote, sharing calls with varlen ones.
+segments, local and remote, sharing calls with varlen ones. Last, ``flash_split`` (flash for
+both halves) on the same plans with ``dense_threshold=256``.
 
 The bound: bf16 flash attention is not exact, so ringpack cannot be held to a fixed tolerance.
 For every plan and tensor (out, dq, dk, dv) it is held to the error that single-GPU flash over
@@ -261,6 +262,8 @@ def main() -> int:
         tiny = bool(os.environ.get("RINGPACK_TINY"))
         failures += run_distributed_check(hybrid, dense_threshold=8 if tiny else 256)
         failures += run_distributed_check(hybrid, dense_threshold=40 if tiny else None, plans=long_plans)
+        if cuda:  # flash for both halves: long segments in launches of their own
+            failures += run_distributed_check("flash_split", dense_threshold=256)
     finally:
         dist.barrier()
         dist.destroy_process_group()
@@ -351,7 +354,7 @@ if pytest is not None:
 
     @pytest.mark.gpu
     @needs_cuda
-    @pytest.mark.parametrize("backend,dense_threshold", [("torch_flash", None), ("cudnn_hybrid", 256)])
+    @pytest.mark.parametrize("backend,dense_threshold", [("torch_flash", None), ("cudnn_hybrid", 256), ("flash_split", 256)])
     @pytest.mark.parametrize("cp", [1, 2, 3, 4])
     def test_engine_bf16_on_one_gpu(cp, backend, dense_threshold):
         """All CP ranks simulated on one GPU (loopback transport): bf16 within the flash bound."""
