@@ -82,7 +82,8 @@ CP_BALANCE_TOLERANCE = 1e-3
 #: model's price; holding every rank within ``1 + slack`` of the mean tokens makes equal cost mean
 #: (nearly) equal pairs too, balanced under *any* coefficients. The price, measured by
 #: benchmarks/planner.py (BENCHMARKS.md): more samples cut, so more K/V crossing ranks (at CP=8,
-#: 0.47-0.80 of zigzag's instead of 0.22-0.53) and slower planning. A calibrated profile
+#: 0.47-0.80 of zigzag's instead of 0.22-0.53, measured before last pieces were carved) and slower
+#: planning. A calibrated profile
 #: (``ringpack calibrate``) is the other cure.
 RECOMMENDED_TOKEN_SLACK = 0.02
 
@@ -132,14 +133,20 @@ def split_balanced(
        room of ``tokens_per_rank``, tightened to ``(1 + token_slack)`` times the mean tokens per
        rank when ``token_slack`` is given (see :data:`RECOMMENDED_TOKEN_SLACK`; ``None`` leaves
        tokens free for the cost model to trade).
-    2. Samples, most expensive first, go *whole* to the rank with the smallest cost room that
-       still holds them (best fit), so ranks fill one at a time and the room left is in few ranks,
-       in large blocks. A placement is refused if it would leave a rank unable to reach its cost
-       with the tokens it has left (no token costs more than the last one of the longest sample).
+    2. Samples that fit whole on no rank, most expensive first, each put their longest suffix an
+       untouched rank holds on a rank of its own (:func:`_carve`): the K/V a split sample sends
+       is everything before its last piece, least when that piece fills a rank. Then samples
+       (and what is left of the carved ones), most expensive first, go *whole* to the rank with
+       the smallest cost room that still holds them (best fit), so ranks fill one at a time and
+       the room left is in few ranks, in large blocks. A placement is refused if it would leave a
+       rank unable to reach its cost with the tokens it has left (no token costs more than the
+       last one of the longest sample).
     3. Samples that fit whole nowhere are cut from the back: the densest remaining suffix goes to
        the rank needing the densest content (highest cost room per free token), as long a suffix
-       as fits there, and so on. The K/V a split sample sends is what lies before its last cut, so
-       few split samples with long tails keep the bytes crossing ranks low.
+       as fits there, and so on. If carving left some rank unable to reach its cost (the tokens
+       left for it too cheap), the micro-batch is planned again without step 2's carving, and
+       step 3 is tried both by density and with each sample's last piece on the rank where it is
+       longest; the balanced one sending less K/V is kept (:func:`_cut_choosing`).
 
     When tokens are tight (little free token room), step 2 can leave ranks that cannot be
     balanced; the split is then retried with the costliest samples zigzagged first, then with
@@ -221,75 +228,187 @@ def split_balanced_many(
     caps = [ideal * (1.0 + tolerance) for ideal in ideals]
     if lockstep is None:
         lockstep = G >= LOCKSTEP_MIN_GROUPS
+    # Step 2a: samples too big for any rank give their last pieces ranks of their own (carve)
+    cap_arr, tpr_arr = np.array(caps), np.array(tprs, dtype=np.int64)
+    nbig = np.bincount(gid, weights=(W > cap_arr[gid]) | (flat > tpr_arr[gid]), minlength=G).astype(np.int64)
+    big = np.flatnonzero(nbig)
+    carved = [None] * G
+    items, item_w, item_order = lens_of, ws, orders  # what the best fit places, per group
+    W2, F2, ordered2, counts = W, flat, ordered, sizes
+    if big.size:
+        items, item_w, item_order = list(lens_of), list(ws), list(orders)
+        at, new_w, new_l = [], [], []
+        for g in big.tolist():
+            carved[g] = _carve(lens_of[g], ws[g], orders[g], cp, tprs[g], a, b, seg, caps[g], int(nbig[g]))
+            if carved[g] is None:
+                continue
+            stops, costs = items[g], item_w[g] = list(lens_of[g]), list(ws[g])
+            for k, start in carved[g][3]:
+                stops[k] = start
+                costs[k] = _piece_cost(0, start, a, b, seg) if start else 0.0
+                # what is left is placed in cost order; nothing left: after the group's items
+                at.append(bounds[g] + k)
+                new_w.append(costs[k] if start else -math.inf)
+                new_l.append(start)
+        W2, F2 = W.copy(), flat.copy()
+        W2[at], F2[at] = new_w, new_l
+        ordered2 = np.lexsort((slot, -W2, gid))
+        counts = sizes - np.bincount(gid[at], weights=F2[at] == 0, minlength=G).astype(np.int64)
+        ord_slot2 = slot[ordered2].tolist()
+        for g in big.tolist():
+            if carved[g] is not None:
+                item_order[g] = ord_slot2[bounds[g] : bounds[g] + int(counts[g])]
     placed = None
     if lockstep and int(sizes.min()) > 0:
-        placed = _best_fit_lockstep(lens_of, sizes, flat, W, ordered, gid, starts, caps, tprs, cp, a, b, seg)
+        init = [None if c is None else c[:2] for c in carved]
+        placed = _best_fit_lockstep(W2[ordered2], F2[ordered2], gid, starts, counts, init, caps, tprs, cp, a, b, seg)
     out = []
     for g, samples in enumerate(groups):
         # one group at a time from here on: its temporary pieces are freed before the next group's
+        lens, cap, tpr = lens_of[g], caps[g], tprs[g]
+        accept = ideals[g] * (1.0 + 2.0 * tolerance)
+        stops, carving, carved[g] = items[g], carved[g], None  # (dropped: updated in place below)
         if placed is None:
-            shards, top = _balanced_shards(lens_of[g], ws[g], orders[g], cp, tprs[g], a, b, seg, caps[g], 1.0)
+            state = None if carving is None else carving[:3]
+            shards, room, troom, leftovers = _best_fit(stops, item_w[g], item_order[g], cp, tpr, a, b, seg, cap, 1.0, state=state)
         else:
             room, troom, place = placed[g]
-            lens = lens_of[g]
-            shards = [[] for _ in range(cp)]
+            placed[g] = None
+            shards = [[] for _ in range(cp)] if carving is None else carving[2]
             leftovers = []
-            for k, r in zip(orders[g], place):
+            for k, r in zip(item_order[g], place):
                 if r >= 0:
-                    shards[r].append((k, 0, lens[k]))
+                    shards[r].append((k, 0, stops[k]))
                 else:
                     leftovers.append(k)
-            if leftovers:
-                _cut_suffixes(leftovers, lens, room, troom, shards, cp, a, b, seg)
-            top = caps[g] - min(room)
-        accept = ideals[g] * (1.0 + 2.0 * tolerance)
-        if top <= accept:
-            out.append(_microbatch_from_slots(samples, shards, lengths, totals[g]))
-            continue
-        best = (top, shards)  # the first candidate within the acceptance wins
-        lens, w, order, tpr, cap, ideal = lens_of[g], ws[g], orders[g], tprs[g], caps[g], ideals[g]
-        retries = (
-            (_balanced_shards, (lens, w, order, cp, tpr, a, b, seg, cap, 1.0, 2.0 * ideal)),
-            (_balanced_shards, (lens, w, order, cp, tpr, a, b, seg, cap, 1.0, ideal)),
-            (_hybrid_shards, (lens, w, order, cp, tpr, a, b, seg, cap, 0.5)),
-            (_hybrid_shards, (lens, w, order, cp, tpr, a, b, seg, cap, 0.1)),
-            (_hybrid_shards, (lens, w, order, cp, tpr, a, b, seg, cap, 0.0)),
-            (_zigzag_even_shards, (lens, cp, a, b, seg)),
-        )
-        for attempt, args in retries:
-            shards, top = attempt(*args)
-            if top < best[0] * (1.0 - tolerance):
-                best = (top, shards)
-            if top <= accept:
-                break
+        if carving is not None:
+            # step 3 by density; when that leaves a rank unbalanced (the tokens left for it too
+            # cheap to reach its cost), the micro-batch is planned without carving
+            _cut_suffixes(leftovers, stops, room, troom, shards, cp, a, b, seg)
+            if cap - min(room) <= accept:
+                out.append(_microbatch_from_slots(samples, shards, lengths, totals[g]))
+                continue
+            shards, room, troom, leftovers = _best_fit(lens, ws[g], orders[g], cp, tpr, a, b, seg, cap, 1.0)
+        best = _cut_choosing(leftovers, lens, room, troom, shards, cp, a, b, seg, cap, accept)
+        if best[0] > accept:
+            best = _retry(best, lens, ws[g], orders[g], cp, tpr, a, b, seg, cap, ideals[g], accept, tolerance)
         out.append(_microbatch_from_slots(samples, best[1], lengths, totals[g]))
     return out
 
 
-def _best_fit_lockstep(lens_of, sizes, flat, W, ordered, gid, starts, caps, tprs, cp, a, b, seg):
-    """The first pass of :func:`_balanced_shards` (no zigzag) for every group at once.
+def _carve(lens, w, order, cp, tpr, a, b, seg, cap, count=-1):
+    """Step 2a of :func:`split_balanced`: split samples' last pieces get ranks of their own.
 
-    Row ``g`` of the (group, rank) tables holds group ``g``'s cost and token rooms; step ``i``
-    offers every group its ``i``-th costliest sample and places it by best fit, exactly as the
-    per-group loop does: among the ranks whose room holds its cost, whose tokens hold it and that
-    can still reach their cost with the tokens left, the smallest room, then the lowest rank.
-    Returns, per group, the rooms and token rooms left and the rank of each sample in cost order
-    (-1: fits whole nowhere, to be cut).
+    Samples that fit whole on no rank (cost over ``cap`` or tokens over ``tpr``), most expensive
+    first, each put their longest suffix that an untouched rank holds on the next untouched rank,
+    while untouched ranks last: the K/V a split sample sends is everything before its last piece,
+    least when that piece fills a rank. What is left of them (a prefix, sent to the other ranks
+    in any case) is placed like a whole sample. Returns ``None`` when no sample is carved, else
+    ``(room, troom, shards, [(slot, start of its carved piece), ...])``. ``count``: how many
+    samples are too big (the scan stops there), -1 if not known.
     """
-    G = len(lens_of)
-    width = int(sizes.max())
-    pos = np.arange(len(ordered), dtype=np.int64) - starts[gid]  # rank in cost order (gid is sorted)
+    room = [cap] * cp
+    troom = [int(tpr)] * cp
+    shards: list[list[tuple[int, int, int]]] = [[] for _ in range(cp)]
+    cuts = []
+    count = cp if count < 0 else min(count, cp)
+    for k in order:
+        if len(cuts) == count:
+            break
+        lk = lens[k]
+        if w[k] <= cap and lk <= tpr:
+            continue
+        r = len(cuts)
+        start = max(_suffix_start(lk, cap, a, b, seg), lk - int(tpr))
+        shards[r].append((k, start, lk))
+        room[r] -= _piece_cost(start, lk, a, b, seg)
+        troom[r] -= lk - start
+        cuts.append((k, start))
+    return (room, troom, shards, cuts) if cuts else None
+
+
+def _cut_choosing(leftovers, lens, room, troom, shards, cp, a, b, seg, cap, accept):
+    """Step 3 both ways (by density; longest last piece), the balanced one sending less K/V.
+
+    Returns ``(max rank cost, shards, K/V tokens)``. Cutting by density keeps every rank able to
+    reach its cost within its tokens; giving each split sample's last piece the rank where it is
+    longest sends less K/V but can strand a rank with tokens too cheap to reach its cost. Both are
+    tried from the same best fit (the second only when the rules pick different ranks), and the
+    longest-last cut wins when it is balanced (within ``accept``) and sends fewer tokens.
+    """
+    if not leftovers:
+        return cap - min(room), shards, 0
+    kept = [len(shard) for shard in shards]
+    room0, troom0 = list(room), list(troom)
+    kv, differs = _cut_suffixes(leftovers, lens, room, troom, shards, cp, a, b, seg, probe=True)
+    by_density = (cap - min(room), shards, kv)
+    if not differs:
+        return by_density
+    added = [shard[n:] for shard, n in zip(shards, kept)]
+    for shard, n in zip(shards, kept):
+        del shard[n:]
+    kv, _ = _cut_suffixes(leftovers, lens, room0, troom0, shards, cp, a, b, seg, longest_last=True)
+    top = cap - min(room0)
+    if top <= accept and (kv < by_density[2] or by_density[0] > accept):
+        return top, shards, kv
+    if by_density[0] <= accept or by_density[0] <= top:
+        for shard, n, extra in zip(shards, kept, added):
+            del shard[n:]
+            shard.extend(extra)
+        return by_density
+    return top, shards, kv
+
+
+def _retry(best, lens, w, order, cp, tpr, a, b, seg, cap, ideal, accept, tolerance):
+    """The fallbacks of :func:`split_balanced` for a micro-batch the first pass leaves unbalanced.
+
+    The first candidate within ``accept`` wins; without one, the lowest max rank cost (earlier
+    candidates, which split less, win ties within ``tolerance``). Returns ``(max rank cost, shards)``.
+    """
+    best = best[:2]
+    retries = (
+        (_balanced_shards, (lens, w, order, cp, tpr, a, b, seg, cap, 1.0, 2.0 * ideal)),
+        (_balanced_shards, (lens, w, order, cp, tpr, a, b, seg, cap, 1.0, ideal)),
+        (_hybrid_shards, (lens, w, order, cp, tpr, a, b, seg, cap, 0.5)),
+        (_hybrid_shards, (lens, w, order, cp, tpr, a, b, seg, cap, 0.1)),
+        (_hybrid_shards, (lens, w, order, cp, tpr, a, b, seg, cap, 0.0)),
+        (_zigzag_even_shards, (lens, cp, a, b, seg)),
+    )
+    for attempt, args in retries:
+        shards, top = attempt(*args)
+        if top <= accept or top < best[0] * (1.0 - tolerance):
+            best = (top, shards)
+        if top <= accept:
+            break
+    return best
+
+
+def _best_fit_lockstep(w_ord, l_ord, gid, starts, counts, init, caps, tprs, cp, a, b, seg):
+    """The best fit of :func:`_best_fit` (no zigzag) for every group at once.
+
+    ``w_ord``/``l_ord``: the items' costs and tokens, group after group (``gid``, segments at
+    ``starts``), each group's first ``counts[g]`` in the order to place (the rest are skipped);
+    ``init[g]``: ``(room, troom)`` to start from (:func:`_carve`), ``None`` for empty ranks.
+    Row ``g`` of the (group, rank) tables holds group ``g``'s cost and token rooms; step ``i``
+    offers every group its ``i``-th item and places it by best fit, exactly as the per-group loop
+    does: among the ranks whose room holds its cost, whose tokens hold it and that can still
+    reach their cost with the tokens left, the smallest room, then the lowest rank. Returns, per
+    group, the rooms and token rooms left and the rank of each item (-1: fits whole nowhere,
+    to be cut).
+    """
+    G = len(caps)
+    width = int((starts[1:] - starts[:-1]).max())
+    pos = np.arange(len(gid), dtype=np.int64) - starts[gid]  # place in the group's order (gid is sorted)
     cap = np.array(caps, dtype=np.float64)
     tpr = np.array(tprs, dtype=np.int64)
-    w_ord, l_ord = W[ordered], flat[ordered]
-    # Samples a rank cannot hold whole (cost over the room, tokens over the budget) and padding
-    # cost +inf: their room left, room - inf, is negative everywhere.
+    # Items a rank cannot hold whole (cost over the room, tokens over the budget), skipped items
+    # and padding cost +inf: their room left, room - inf, is negative everywhere.
     Wt = np.full((width, G), np.inf)
     Lt = np.zeros((width, G), dtype=np.int64)
-    Wt[pos, gid] = np.where((w_ord <= cap[gid]) & (l_ord <= tpr[gid]), w_ord, np.inf)
+    Wt[pos, gid] = np.where((w_ord <= cap[gid]) & (l_ord <= tpr[gid]) & (pos < counts[gid]), w_ord, np.inf)
     Lt[pos, gid] = l_ord
     Wt, Lt = Wt[:, :, None], Lt[:, :, None]
-    # the densest tokens are the last ones of the longest sample (density_factor 1)
+    # the densest tokens are the last ones of the longest item (density_factor 1)
     density = ((a + b * np.maximum.reduceat(l_ord, starts[:-1])) * 1.0 + seg)[:, None]
     # Column 0 is a rank that never fits (room -inf): the pick when no real rank does; real rank r
     # is column r + 1, so ties still go to the lowest rank.
@@ -298,6 +417,9 @@ def _best_fit_lockstep(lens_of, sizes, flat, W, ordered, gid, starts, caps, tprs
     R[:, 1:] = cap[:, None]
     TR = np.zeros((G, cp + 1), dtype=np.int64)
     TR[:, 1:] = tpr[:, None]
+    for g, state in enumerate(init):
+        if state is not None:
+            R[g, 1:], TR[g, 1:] = state
     Rf, TRf = R.reshape(-1), TR.reshape(-1)
     base = np.arange(G, dtype=np.int64) * (cp + 1)
     place = np.empty((width, G), dtype=np.int64)
@@ -547,18 +669,22 @@ def _hybrid_shards(lens, w, order, cp, tokens_per_rank, a, b, seg, cap, theta):
     return shards, max(cost_r)
 
 
-def _balanced_shards(lens, w, order, cp, tokens_per_rank, a, b, seg, cap, density_factor, zigzag_over=math.inf):
-    """One pass of :func:`split_balanced`; returns the shards and the largest rank cost.
+def _best_fit(lens, w, order, cp, tokens_per_rank, a, b, seg, cap, density_factor, zigzag_over=math.inf, state=None):
+    """Steps 1-2 of :func:`split_balanced`: ``(shards, room, troom, leftovers)``, ``leftovers`` the
+    samples to cut (step 3), ``None`` when the zigzagged samples alone overflow a rank's tokens.
 
     ``order`` lists the samples' positions most expensive first; shards hold ``(slot, start, stop)``
     triples. Samples costing more than ``zigzag_over`` are zigzagged over all ranks first
     (token-even, like :func:`split_zigzag_even`): a sample much costlier than a rank sends nearly
     all its K/V whichever way it is cut, and its even spread leaves every rank the same room for
-    the rest.
+    the rest. ``state``: ``(room, troom, shards)`` to start from instead of empty ranks.
     """
-    room = [cap] * cp
-    troom = [int(tokens_per_rank)] * cp
-    shards: list[list[tuple[int, int, int]]] = [[] for _ in range(cp)]
+    if state is None:
+        room = [cap] * cp
+        troom = [int(tokens_per_rank)] * cp
+        shards: list[list[tuple[int, int, int]]] = [[] for _ in range(cp)]
+    else:
+        room, troom, shards = state
     if zigzag_over < math.inf:
         zig = [k for k in order if w[k] > zigzag_over]
         for k in zig:
@@ -568,15 +694,15 @@ def _balanced_shards(lens, w, order, cp, tokens_per_rank, a, b, seg, cap, densit
                 room[r] -= _piece_cost(start, stop, a, b, seg)
                 troom[r] -= stop - start
         if min(troom) < 0:
-            return shards, math.inf
+            return shards, room, troom, None
         if zig:
             zig_set = set(zig)
             order = [k for k in order if k not in zig_set]
     if not order:
-        return shards, cap - min(room)
+        return shards, room, troom, []
     # The densest tokens (cost per token) are the last ones of the longest sample; ``density_factor``
     # below 1 assumes less dense content will be left to fill the ranks.
-    density = (a + b * max([lens[k] for k in order] if zigzag_over < math.inf else lens)) * density_factor + seg
+    density = (a + b * max([lens[k] for k in order] if zigzag_over < math.inf or state is not None else lens)) * density_factor + seg
     leftovers = []
     # Best fit: the rank with the smallest cost room that holds the sample (first rank on ties),
     # found by walking the ranks in (room, rank) order up from the first room >= the sample's cost.
@@ -611,28 +737,52 @@ def _balanced_shards(lens, w, order, cp, tokens_per_rank, a, b, seg, cap, densit
         room[r] = rr
         troom[r] = tr
         shards[r].append((k, 0, lk))
+    return shards, room, troom, leftovers
+
+
+def _balanced_shards(lens, w, order, cp, tokens_per_rank, a, b, seg, cap, density_factor, zigzag_over=math.inf):
+    """One pass of :func:`split_balanced` (cuts by density); returns the shards and the largest rank cost."""
+    shards, room, troom, leftovers = _best_fit(lens, w, order, cp, tokens_per_rank, a, b, seg, cap, density_factor, zigzag_over)
+    if leftovers is None:
+        return shards, math.inf
     _cut_suffixes(leftovers, lens, room, troom, shards, cp, a, b, seg)
     return shards, cap - min(room)
 
 
-def _cut_suffixes(leftovers, lens, room, troom, shards, cp, a, b, seg) -> None:
+def _cut_suffixes(leftovers, lens, room, troom, shards, cp, a, b, seg, longest_last=False, probe=False):
     """Step 3 of :func:`split_balanced`: cut the samples that fit whole nowhere from the back.
 
-    Updates ``room``, ``troom`` and ``shards`` (``(slot, start, stop)`` triples) in place.
+    Each suffix goes to the rank needing the densest content (highest cost room per free token),
+    as long a suffix as fits there. With ``longest_last`` a sample's first suffix (its last piece)
+    goes instead to the rank where it can be longest (:func:`_longest_suffix_rank`): the K/V a
+    split sample sends is everything before its last piece. Updates ``room``, ``troom`` and
+    ``shards`` (``(slot, start, stop)`` triples) in place. Returns the tokens of the new pieces
+    other ranks need (the K/V sent) and, with ``probe``, whether some last piece went to another
+    rank than the longest-last rule picks (else both rules give the same cuts).
     """
+    kv = 0
+    differs = False
     for k in leftovers:
         stop = lens[k]
         last_rank = -1
+        used = -1  # the first rank given a piece of this sample (a later piece than any to come)
+        several = False  # whether two ranks hold later pieces
+        needed = False
         while stop > 0:
-            # the densest remaining tokens (this suffix) go to the rank that needs the densest
-            # content to reach its cost: the highest cost room per free token
-            r, best_need = -1, -math.inf
-            for q in range(cp):
-                tq = troom[q]
-                if tq > 0:
-                    need = room[q] / tq
-                    if need > best_need:
-                        r, best_need = q, need
+            r = _longest_suffix_rank(stop, room, troom, cp, a, b, seg) if longest_last and last_rank < 0 else -1
+            if r < 0:  # (also when no rank holds a token of the suffix by cost: rounding remnants)
+                # the densest remaining tokens (this suffix) go to the rank that needs the densest
+                # content to reach its cost: the highest cost room per free token
+                r, best_need = -1, -math.inf
+                for q in range(cp):
+                    tq = troom[q]
+                    if tq > 0:
+                        need = room[q] / tq
+                        if need > best_need:
+                            r, best_need = q, need
+                if probe and last_rank < 0 and not differs:
+                    longest = _longest_suffix_rank(stop, room, troom, cp, a, b, seg)
+                    differs = longest >= 0 and longest != r
             assert r >= 0, "token rooms exhausted although the micro-batch fits"
             start = _suffix_start(stop, room[r], a, b, seg)
             if start == stop:  # no cost room left anywhere: rounding remnant, place by tokens
@@ -645,7 +795,37 @@ def _cut_suffixes(leftovers, lens, room, troom, shards, cp, a, b, seg) -> None:
                 piece_cost -= seg
             else:
                 shards[r].append((k, start, stop))
+                # needed iff another rank holds a later piece of this sample
+                needed = several or (used >= 0 and used != r)
+                if used < 0:
+                    used = r
+                elif used != r:
+                    several = True
+            if needed:
+                kv += stop - start
             room[r] -= piece_cost
             troom[r] -= stop - start
             last_rank = r
             stop = start
+    return kv, differs
+
+
+def _longest_suffix_rank(stop, room, troom, cp, a, b, seg) -> int:
+    """The rank where the suffix ending at ``stop`` can be longest (cost room, then free tokens).
+
+    The suffix a room holds grows with the room, so the roomiest rank wins unless its free tokens
+    cut the suffix short; only then are all ranks compared (first rank on ties). -1: no rank
+    holds a token of it.
+    """
+    r = max(range(cp), key=room.__getitem__)
+    tr = troom[r]
+    if tr > 0 and tr >= stop - _suffix_start(stop, room[r], a, b, seg):
+        return r
+    r, best = -1, 0
+    for q in range(cp):
+        tq = troom[q]
+        if tq > 0:
+            length = stop - max(_suffix_start(stop, room[q], a, b, seg), stop - tq)
+            if length > best:
+                r, best = q, length
+    return r

@@ -254,6 +254,35 @@ def test_splitting_many_micro_batches_at_once_equals_one_at_a_time(slack):
             assert split_balanced_many(groups, as_array, cp, budget, model, token_slack=slack) == one_by_one
 
 
+def test_split_samples_last_pieces_fill_a_rank():
+    """A sample too costly for one GPU sends everything before its last piece; carving gives that
+    piece a rank of its own, so it is as long as a whole rank's cost allows."""
+    from ringpack.balancer.split import _suffix_start
+
+    cost = MODELS["llama3-8b"]
+    rng = np.random.default_rng(7)
+    lengths = [57796] + rng.integers(200, 6000, size=41).tolist()  # without carving: 12% more K/V
+    cp = 8
+    mb = split_balanced(list(range(len(lengths))), lengths, cp, 32768, cost)
+    w = cost.sample_cost(lengths)
+    cap = w.sum() / cp * (1 + 1e-3)
+    assert w[0] > 3 * cap  # needs four ranks at least
+    floor = _suffix_start(lengths[0], cap, cost.token, cost.pair, cost.segment)
+    assert kv_traffic(mb).unique == floor  # only the big sample is split, and at the floor
+    costs = rank_costs(mb.shards, cost)
+    assert costs.max() / costs.mean() < 1 + 2e-3
+
+
+def test_a_balanced_fallback_wins_over_an_unbalanced_first_pass():
+    """Regression (found by hypothesis): a fallback within the acceptance must be taken even when
+    it is not 0.1% better than an unbalanced earlier candidate."""
+    lengths, cp = [186, 454, 590], 5
+    budget = -(-sum(lengths) // cp) + 1
+    mb = split_balanced([0, 1, 2], lengths, cp, budget, MODELS["tiny"])
+    costs = rank_costs(mb.shards, MODELS["tiny"])
+    assert costs.max() <= costs.sum() / cp * (1 + 2e-3)
+
+
 def test_balanced_split_is_robust_to_a_mispriced_cost_model():
     """With the token guard, a split planned with FLOP costs stays balanced when attention really
     costs 2x more (or tokens do): equal cost with near-equal tokens means near-equal pairs. Without
