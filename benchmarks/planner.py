@@ -94,6 +94,7 @@ def evaluate(data: dict, scheme: str, cost: CostModel, kv_bpt: int) -> dict:
     config = PlanConfig(
         dp=data["dp"], cp=data["cp"], tokens_per_rank=data["tokens_per_rank"], samples_per_step=data["samples_per_step"], cost=cost, **SCHEMES[scheme]
     )
+    gc.collect()  # a clean heap for every scheme: else a full collection of earlier garbage lands in one
     t0 = time.process_time()
     plan = make_plan(data["lengths"], config)
     seconds = time.process_time() - t0
