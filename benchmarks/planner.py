@@ -90,10 +90,12 @@ def datasets(quick: bool) -> list[dict]:
     return out
 
 
-def evaluate(data: dict, scheme: str, cost: CostModel, kv_bpt: int) -> dict:
+def evaluate(data: dict, scheme: str, cost: CostModel, kv_bpt: int, slack: float | None = None) -> dict:
+    guard = {"cp_token_slack": slack} if slack is not None and SCHEMES[scheme]["strategy"] == "balanced" else {}
     config = PlanConfig(
-        dp=data["dp"], cp=data["cp"], tokens_per_rank=data["tokens_per_rank"], samples_per_step=data["samples_per_step"], cost=cost, **SCHEMES[scheme]
-    )
+        dp=data["dp"], cp=data["cp"], tokens_per_rank=data["tokens_per_rank"], samples_per_step=data["samples_per_step"], cost=cost,
+        **SCHEMES[scheme], **guard,
+    )  # fmt: skip
     gc.collect()  # a clean heap for every scheme: else a full collection of earlier garbage lands in one
     t0 = time.process_time()
     plan = make_plan(data["lengths"], config)
@@ -119,12 +121,13 @@ def evaluate(data: dict, scheme: str, cost: CostModel, kv_bpt: int) -> dict:
     }
 
 
-def timing_case(cost: CostModel, repeats: int = 7) -> dict:
+def timing_case(cost: CostModel, repeats: int = 7, slack: float | None = None) -> dict:
     """4,096 samples, DP=64 x CP=8: the greedy path (heuristics only), one core."""
     lengths = synthetic("lognormal", 4096, 3)
     out = {}
     for strategy in ("balanced", "contiguous"):
-        config = PlanConfig(dp=64, cp=8, tokens_per_rank=32768, strategy=strategy, cost=cost)
+        guard = {"cp_token_slack": slack} if slack is not None and strategy == "balanced" else {}
+        config = PlanConfig(dp=64, cp=8, tokens_per_rank=32768, strategy=strategy, cost=cost, **guard)
         make_plan(lengths, config)  # warm-up: imports, caches
         times = []
         for _ in range(repeats):
@@ -172,6 +175,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="write results as JSON here")
     parser.add_argument("--quick", action="store_true", help="smaller synthetic sets (CI smoke run)")
     parser.add_argument("--model", default="llama3-8b", choices=sorted(PRESETS))
+    parser.add_argument("--slack", type=float, default=None, help="cp_token_slack for the balanced split's schemes (default: none)")
     args = parser.parse_args(argv)
     cost = CostModel.preset(args.model)
     kv_bpt = kv_bytes_per_token(PRESETS[args.model])
@@ -179,6 +183,7 @@ def main(argv=None) -> int:
         "machine": f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cores, Python {platform.python_version()}".strip(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "model": args.model,
+        "cp_token_slack": args.slack,
         "kv_bytes_per_token": kv_bpt,
         "datasets": {},
     }
@@ -186,7 +191,7 @@ def main(argv=None) -> int:
     print(header)
     print("-" * len(header))
     for data in datasets(args.quick):
-        rows = {scheme: evaluate(data, scheme, cost, kv_bpt) for scheme in SCHEMES if data.get("sat") or scheme != "ringpack+sat"}
+        rows = {scheme: evaluate(data, scheme, cost, kv_bpt, args.slack) for scheme in SCHEMES if data.get("sat") or scheme != "ringpack+sat"}
         zz = rows["bal+zigzag"]["kv_mib_per_step"] or 1.0
         for scheme, r in rows.items():
             r["kv_vs_bal_zigzag"] = r["kv_mib_per_step"] / zz
@@ -197,7 +202,7 @@ def main(argv=None) -> int:
             )
         config = {k: data[k] for k in ("dp", "cp", "tokens_per_rank", "samples_per_step")}
         results["datasets"][data["name"]] = {"samples": int(len(data["lengths"])), "config": config, "schemes": rows}
-    timing = timing_case(cost)
+    timing = timing_case(cost, slack=args.slack)
     results["timing_4096_dp64_cp8"] = timing
     print(
         f"\nplan 4,096 samples, DP=64 x CP=8 ({timing['microbatches_per_rank']} micro-batch/rank): "
