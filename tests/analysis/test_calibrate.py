@@ -38,7 +38,7 @@ def brute_rank_pairs(case: cal.Case) -> int:
 def brute_call_tiles(case: cal.Case, bq: int, bk: int) -> int:
     schedule = compile_schedule(case.microbatch, case.rank)
     total = 0
-    for call in cal._calls(schedule):
+    for call in cal.schedule_calls(schedule):
         cq, ck = call.cu_seqlens_q.tolist(), call.cu_seqlens_k.tolist()
         for b in range(len(cq) - 1):
             lq, lk = cq[b + 1] - cq[b], ck[b + 1] - ck[b]
@@ -75,7 +75,7 @@ def small_cases() -> list[cal.Case]:
     for cp in (2, 3, 4):
         for mb in (split_contiguous(samples, lengths, cp), split_zigzag(samples, lengths, cp),
                    split_balanced(samples, lengths, cp, -(-sum(lengths) // cp) + 10, CostModel(token=1.0, pair=0.05, segment=3.0))):
-            cases += cal._ranks("t", mb, lengths, f"cp{cp}")
+            cases += cal.rank_cases("t", mb, lengths, f"cp{cp}")
     return cases
 
 
@@ -158,9 +158,9 @@ def test_default_grid_covers_the_shapes_and_fits_the_time_budget():
 
 
 def test_compute_only_timer_runs_multi_step_schedules():
-    case = cal._ranks("zigzag", split_zigzag([0, 1], [40, 13], 4), [40, 13], "z")[1]
+    case = cal.rank_cases("zigzag", split_zigzag([0, 1], [40, 13], 4), [40, 13], "z")[1]
     assert len(compile_schedule(case.microbatch, case.rank).steps) >= 2
-    clock = cal._Clock("cpu")
+    clock = cal.Clock("cpu")
     t = cal.time_case(case, cal.AttentionShape(2, 1, 8), "reference", torch.device("cpu"), torch.float32, clock, reps=2, warmup=0)
     assert t > 0
 

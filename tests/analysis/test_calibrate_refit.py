@@ -98,9 +98,9 @@ def test_analyse_recovers_a_known_kernel_model():
 def test_launch_grid_counts_every_segment_times_the_longest():
     lengths = [3000, 40, 50, 60]
     mb = split_zigzag(list(range(4)), lengths, 2)
-    case = cal._ranks("z", mb, lengths, "z")[0]
+    case = cal.rank_cases("z", mb, lengths, "z")[0]
     f = cal.rank_features(case)
-    sched = cal._schedule(case)
+    sched = cal.compiled_schedule(case)
     local = sched.local
     nseg = local.cu_seqlens_q.numel() - 1
     assert nseg == 4 and local.max_seqlen_q == 1500

@@ -1,0 +1,168 @@
+"""What the calibration's cost models see of a rank shard: planner terms and kernel launches.
+
+The profile model uses the planner's own terms (tokens, causal pairs, pieces); the kernel model
+uses what the compiled schedule launches (varlen calls, tiles, the launch grid, remote rows,
+dense calls). Both are computed on the CPU from a :class:`~ringpack.analysis.calibration_cases.Case`,
+so a stored report can be refitted without a GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from ringpack.analysis.calibration_cases import Case
+from ringpack.balancer.cost import piece_pairs
+
+PLANNER_FEATURES = ("const", "tokens", "pairs", "pieces")
+# the profile model: what the planner's CostModel prices (tokens, pairs, pieces) plus two constants
+# that are the same for every rank of a micro-batch (see :mod:`ringpack.analysis.calibrate`)
+PROFILE_FEATURES = ("overhead", "ring", "tokens", "pairs", "pieces")
+# the kernel model: what the schedule's kernel launches do (a diagnostic; not expressible per piece)
+KERNEL_FEATURES = ("overhead", "ring", "calls", "tokens", "tiles", "grid_q", "grid_k", "remote_rows", "buffer_tokens",
+                   "dense_calls", "dense_tiles")
+BLOCKS = ((64, 64), (64, 128), (128, 64), (128, 128))
+
+
+def planner_features(case: Case, tile: int = 1) -> np.ndarray:
+    """``[1, tokens, exact causal pairs, pieces]`` of the rank shard: what the cost model sees.
+
+    ``tile > 1`` is a diagnostic variant: each piece's pairs are counted as if its length were
+    rounded up to a multiple of ``tile`` (``piece_pairs(start, start + ceil(len/tile)*tile)``),
+    a cheap stand-in for partial kernel tiles that the cost model could adopt.
+    """
+    starts = np.array([p.start for p in case.pieces], dtype=np.int64)
+    stops = np.array([p.stop for p in case.pieces], dtype=np.int64)
+    rounded = starts + -(-(stops - starts) // tile) * tile
+    return np.array([1.0, (stops - starts).sum(), piece_pairs(starts, rounded).sum(), len(starts)], dtype=np.float64)
+
+
+def segment_pairs(len_q: Any, len_k: Any, causal: bool) -> np.ndarray:
+    """Exact (query, key) pairs of varlen segments; causal masks align bottom-right (flash-attn >= 2.1).
+
+    Query row ``i`` of a causal segment sees keys ``0 .. i + len_k - len_q`` (clipped to the segment).
+    """
+    lq = np.asarray(len_q, dtype=np.int64)
+    lk = np.asarray(len_k, dtype=np.int64)
+    if not causal:
+        return lq * lk
+    s = lk - lq
+    # rows i in [i0, i1) see i + 1 + s keys (0 < that < lk); rows from max(i0, i1) on see all lk keys
+    i0 = np.clip(-s, 0, lq)
+    i1 = np.clip(lk - 1 - s, i0, lq)
+    n = i1 - i0
+    partial = n * (i0 + 1 + s) + n * (n - 1) // 2
+    return partial + (lq - i1) * lk
+
+
+def segment_tiles(len_q: Any, len_k: Any, causal: bool, block_q: int, block_k: int) -> np.ndarray:
+    """Tiles of ``block_q x block_k`` a flash kernel computes per segment (partial or masked tiles count whole).
+
+    Query tile ``i`` (rows ``i*block_q ..`` up to the segment's end) runs key tiles ``0 ..`` the tile
+    of the last key its last row sees; non-causal segments run every tile.
+    """
+    lq = np.asarray(len_q, dtype=np.int64).ravel()
+    lk = np.asarray(len_k, dtype=np.int64).ravel()
+    q_tiles = -(-lq // block_q)
+    k_tiles = -(-lk // block_k)
+    if not causal:
+        return q_tiles * k_tiles
+    seg = np.repeat(np.arange(lq.size), q_tiles)
+    first = np.cumsum(q_tiles) - q_tiles
+    i = np.arange(seg.size) - first[seg]
+    last_row = np.minimum((i + 1) * block_q, lq[seg]) - 1
+    last_key = last_row + (lk - lq)[seg]
+    n_k = np.clip(np.floor_divide(last_key, block_k) + 1, 0, k_tiles[seg])
+    return np.bincount(seg, weights=n_k, minlength=lq.size).astype(np.int64)
+
+
+_SCHEDULES: dict[int, tuple[Case, Any]] = {}
+
+
+def compiled_schedule(case: Case):
+    """The case's compiled schedule (CPU), compiled once per case object."""
+    from ringpack.attention.schedule import compile_schedule
+
+    hit = _SCHEDULES.get(id(case))
+    if hit is None or hit[0] is not case:
+        if len(_SCHEDULES) > 4096:
+            _SCHEDULES.clear()
+        hit = _SCHEDULES[id(case)] = (case, compile_schedule(case.microbatch, case.rank))
+    return hit[1]
+
+
+def schedule_calls(schedule) -> list:
+    """The schedule's kernel calls in launch order: the local call (if any), then every remote step's."""
+    calls = [] if schedule.local is None else [schedule.local]
+    return calls + [c for step in schedule.steps for c in step.calls]
+
+
+def kernel_features(case: Case, block_q: int = 128, block_k: int = 128, schedule=None) -> dict[str, float]:
+    """What the kernels of this rank actually run: calls, segments, exact pairs and whole-tile pairs."""
+    schedule = compiled_schedule(case) if schedule is None else schedule
+    out = dict(calls=0.0, kernel_segments=0.0, kernel_pairs=0.0, tiles=0.0, tile_pairs=0.0, tokens=float(schedule.num_tokens))
+    for call in schedule_calls(schedule):
+        lq = np.diff(call.cu_seqlens_q.cpu().numpy().astype(np.int64))
+        lk = np.diff(call.cu_seqlens_k.cpu().numpy().astype(np.int64))
+        work = (lq > 0) & (lk > 0)
+        lq, lk = lq[work], lk[work]
+        tiles = int(segment_tiles(lq, lk, call.causal, block_q, block_k).sum())
+        out["calls"] += 1
+        out["kernel_segments"] += lq.size
+        out["kernel_pairs"] += float(segment_pairs(lq, lk, call.causal).sum())
+        out["tiles"] += tiles
+        out["tile_pairs"] += float(tiles * block_q * block_k)
+    return out
+
+
+def rank_features(case: Case, hybrid: bool = False, block_q: int = 128, block_k: int = 128, schedule=None) -> dict[str, float]:
+    """Every feature of a rank shard the profile and kernel models use (:data:`PROFILE_FEATURES`, :data:`KERNEL_FEATURES`).
+
+    * ``ring``: 1 when the micro-batch has remote steps (some sample is split). Every rank of the
+      micro-batch then runs the ring path (K/V packing, float32 accumulators, merges), so it is a
+      constant of the micro-batch, like ``overhead``.
+    * ``calls``: varlen kernel calls (each is a forward and a backward launch, plus their prologues).
+    * ``tiles``: ``block_q x block_k`` tiles the varlen calls compute (partial and masked tiles whole).
+    * ``grid_q`` / ``grid_k``: the launch grid of the varlen calls. Flash-attention's varlen kernels
+      launch ``ceil(max_seqlen / block)`` tiles for *every* segment of a call (forward and the
+      backward's pre/post-processing over queries, the backward's main kernel over keys); tiles past
+      a segment's end exit at once but still cost a block launch. A call of many short segments and
+      one long one pays ``segments x longest`` of them.
+    * ``remote_rows``: query rows of the remote steps (gathered, merged by log-sum-exp, their dQ
+      scattered back); ``buffer_tokens``: remote K/V rows a rank reads and accumulates dK/dV for.
+    * ``dense_calls`` / ``dense_tiles``: with a hybrid backend (``hybrid=True``) the long segments the
+      schedule marked run one by one on the dense kernel (cuDNN): a launch each and their own tile rate.
+    """
+    schedule = compiled_schedule(case) if schedule is None else schedule
+    f = planner_features(case)
+    out = dict(overhead=1.0, ring=float(bool(schedule.steps)), tokens=float(f[1]), pairs=float(f[2]), pieces=float(f[3]),
+               calls=0.0, segments=0.0, tiles=0.0, grid_q=0.0, grid_k=0.0, remote_rows=0.0,
+               buffer_tokens=float(sum(schedule.buffer_tokens[schedule.source(step)] for step in schedule.steps)),
+               dense_calls=0.0, dense_tiles=0.0, dense_pairs=0.0)
+    local = [] if schedule.local is None else [(False, schedule.local)]
+    for remote, call in local + [(True, c) for step in schedule.steps for c in step.calls]:
+        if remote:
+            out["remote_rows"] += float(call.cu_seqlens_q[-1])
+        if hybrid and call.dense:
+            for _, nq, _, nk in call.dense:
+                out["dense_calls"] += 1
+                out["dense_tiles"] += float(segment_tiles([nq], [nk], call.causal, block_q, block_k)[0])
+                out["dense_pairs"] += float(segment_pairs([nq], [nk], call.causal)[0])
+            call = call.rest
+            if call is None:
+                continue
+        lq = np.diff(call.cu_seqlens_q.cpu().numpy().astype(np.int64))
+        lk = np.diff(call.cu_seqlens_k.cpu().numpy().astype(np.int64))
+        work = (lq > 0) & (lk > 0)
+        out["calls"] += 1
+        out["segments"] += float(work.sum())
+        out["tiles"] += float(segment_tiles(lq[work], lk[work], call.causal, block_q, block_k).sum())
+        out["grid_q"] += float(lq.size * -(-max(call.max_seqlen_q, 2) // block_q))
+        out["grid_k"] += float(lk.size * -(-call.max_seqlen_k // block_k))
+    return out
+
+
+def feature_matrix(feats: Sequence[dict[str, float]], names: Sequence[str]) -> np.ndarray:
+    """Rows of ``feats`` as a ``len(feats) x len(names)`` matrix of the named features (the fit's design matrix)."""
+    return np.array([[f[name] for name in names] for f in feats], dtype=np.float64).reshape(len(feats), len(names))

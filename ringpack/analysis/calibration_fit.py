@@ -1,0 +1,224 @@
+"""The calibration's fit: NNLS, the profile and kernel models, and how well they predict.
+
+Pure numpy on measured times: :func:`analyse` is shared by a fresh calibration (after timing on
+the GPU) and by a refit of a stored report, so both produce the same :class:`Calibration`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from ringpack.analysis.calibration_cases import Case, microbatch_geometry
+from ringpack.analysis.calibration_features import BLOCKS, KERNEL_FEATURES, PROFILE_FEATURES, feature_matrix, rank_features
+from ringpack.balancer.cost import CostModel
+
+
+def nnls(a: np.ndarray, b: np.ndarray, max_iter: int | None = None) -> np.ndarray:
+    """Non-negative least squares ``min ||a x - b||, x >= 0`` (Lawson-Hanson active set; small problems)."""
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    m, n = a.shape
+    x = np.zeros(n)
+    passive = np.zeros(n, dtype=bool)
+    tol = 10 * np.finfo(np.float64).eps * np.abs(a).sum(axis=0).max(initial=0.0) * max(m, n)
+    w = a.T @ (b - a @ x)
+    for _ in range(max_iter or 3 * n + 10):
+        if passive.all() or np.max(np.where(passive, -np.inf, w)) <= tol:
+            break
+        passive[int(np.argmax(np.where(passive, -np.inf, w)))] = True
+        while True:
+            z = np.zeros(n)
+            z[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
+            if z[passive].min() > 0:
+                x = z
+                break
+            neg = passive & (z <= 0)
+            alpha = np.min(x[neg] / (x[neg] - z[neg]))
+            x = x + alpha * (z - x)
+            passive &= x > tol
+            x[~passive] = 0.0
+            if not passive.any():
+                break
+        w = a.T @ (b - a @ x)
+    return x
+
+
+def fit_nnls(features: np.ndarray, times: np.ndarray, relative: bool = True) -> np.ndarray:
+    """Non-negative coefficients ``c`` with ``features @ c ~ times``; ``relative`` weights rows by ``1/times``.
+
+    Columns are scaled to unit norm first (pairs are ~1e9, the constant is 1), then unscaled.
+    """
+    a = np.asarray(features, dtype=np.float64)
+    b = np.asarray(times, dtype=np.float64)
+    if relative:
+        if (b <= 0).any():
+            raise ValueError("relative fit needs positive times")
+        a, b = a / b[:, None], np.ones_like(b)
+    norms = np.linalg.norm(a, axis=0)
+    norms[norms == 0] = 1.0
+    return nnls(a / norms, b) / norms
+
+
+def pearson(x: Sequence[float], y: Sequence[float]) -> float:
+    x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    if x.size < 2 or x.std() == 0 or y.std() == 0:
+        return float("nan")
+    return float(np.corrcoef(x, y)[0, 1])
+
+
+def quality(measured: Sequence[float], predicted: Sequence[float]) -> dict[str, float]:
+    """Pearson r, largest and mean relative error of predictions against measurements."""
+    m, p = np.asarray(measured, dtype=np.float64), np.asarray(predicted, dtype=np.float64)
+    rel = np.abs(p - m) / m
+    return dict(n=int(m.size), r=pearson(m, p), max_rel_err=float(rel.max(initial=0.0)), mean_rel_err=float(rel.mean()) if m.size else 0.0)
+
+
+def imbalance(cases: Sequence[tuple[Case, float]], measured: np.ndarray, predicted: np.ndarray) -> dict[str, float]:
+    """Per micro-batch slowest-rank ratio (max / mean over its ranks), measured against predicted.
+
+    What the planner acts on: ``imbalance_err`` is the largest ``|predicted - measured|`` of that
+    ratio, ``slowest_rank_hit`` the fraction of micro-batches whose slowest rank is predicted right.
+    """
+    groups: dict[int, list[int]] = {}
+    for i, (case, _) in enumerate(cases):
+        groups.setdefault(id(case.microbatch), []).append(i)
+    errs, hits = [], []
+    for rows in groups.values():
+        if len(rows) < 2:
+            continue
+        mm, pp = measured[rows], predicted[rows]
+        errs.append(abs(pp.max() / pp.mean() - mm.max() / mm.mean()))
+        hits.append(int(np.argmax(mm)) == int(np.argmax(pp)) or abs(mm.max() - np.sort(mm)[-2]) <= 0.01 * mm.max())
+    return dict(microbatches=len(errs), imbalance_err=float(max(errs, default=0.0)),
+                slowest_rank_hit=float(np.mean(hits)) if hits else float("nan"))
+
+
+@dataclass
+class Calibration:
+    """Everything one calibration measured and fitted; :meth:`to_dict` is the JSON report.
+
+    ``per_layer``, ``train`` and ``held_out`` belong to the *profile model* (what the planner
+    loads, plus the per-micro-batch constants ``overhead_s`` and ``ring_overhead_s``);
+    ``kernel_model`` is the schedule-level diagnostic. ``microbatches`` holds the geometry of
+    every timed micro-batch (rows point into it), so a report can be refitted without a GPU.
+    """
+
+    profile: CostModel
+    meta: dict[str, Any]
+    per_layer: dict[str, float]  # fitted attention coefficients of one layer (seconds)
+    linear: dict[str, float]
+    train: dict[str, float]
+    held_out: dict[str, float]
+    kernel_model: dict[str, Any]
+    baseline: dict[str, Any]
+    microbatches: list[dict[str, Any]] = field(default_factory=list)
+    grid_rows: list[dict[str, Any]] = field(default_factory=list)
+    eval_rows: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["profile"] = self.profile.to_dict()
+        out["format"] = "ringpack-calibration"
+        out["version"] = 2
+        return out
+
+
+def _predict(feats: Sequence[dict[str, float]], names: Sequence[str], coef: np.ndarray) -> np.ndarray:
+    return feature_matrix(feats, names) @ coef
+
+
+def analyse(
+    grid: Sequence[tuple[Case, float]],
+    held: Sequence[tuple[Case, float]],
+    *,
+    hybrid: bool,
+    layers: int,
+    linear: dict[str, Any],
+    name: str,
+    meta: dict[str, Any],
+    eval_strategy: Callable[[Case], str] = lambda c: c.family,
+) -> Calibration:
+    """Fit the profile and kernel models on the ``grid`` (case, seconds) pairs and evaluate both on ``held``.
+
+    Pure numpy on measured times: :func:`calibrate` calls it after timing on the GPU, :func:`refit`
+    on the rows of a stored report. The held-out rows are never fitted on.
+    """
+    if len(grid) < len(PROFILE_FEATURES) + 1:
+        raise ValueError(f"calibration needs at least {len(PROFILE_FEATURES) + 1} grid rows, got {len(grid)}")
+    times = np.array([t for _, t in grid], dtype=np.float64)
+    m = np.array([t for _, t in held], dtype=np.float64)
+    feats = {b: ([rank_features(c, hybrid, *b) for c, _ in grid], [rank_features(c, hybrid, *b) for c, _ in held]) for b in BLOCKS}
+    fg, fe = feats[(128, 128)]
+
+    # profile model: the planner's terms plus the per-micro-batch constants
+    coef = fit_nnls(feature_matrix(fg, PROFILE_FEATURES), times)
+    if coef[2] == 0 and coef[3] == 0:
+        raise ValueError("calibration fit found neither a token nor a pair cost; the timings carry no signal")
+    per_layer = dict(zip(("overhead_s", "ring_overhead_s", "token_s", "pair_s", "segment_s"), map(float, coef)))
+    pred_g, pred = _predict(fg, PROFILE_FEATURES, coef), _predict(fe, PROFILE_FEATURES, coef)
+    train = quality(times, pred_g)
+    held_out = quality(m, pred)
+    held_out.update(imbalance(held, m, pred))
+    held_out["by_strategy"] = _by_group(held, m, pred, eval_strategy)
+    profile = CostModel(
+        token=layers * (per_layer["token_s"] + linear["layer_token_s"]) + linear["head_token_s"],
+        pair=layers * per_layer["pair_s"],
+        segment=layers * per_layer["segment_s"],
+        unit="s",
+        name=name,
+    )
+
+    # kernel model (diagnostic): the block size that fits the grid best
+    scan = []
+    for b in BLOCKS:
+        ck = fit_nnls(feature_matrix(feats[b][0], KERNEL_FEATURES), times)
+        scan.append(dict(block=list(b), coef=dict(zip(KERNEL_FEATURES, map(float, ck))),
+                         train=quality(times, _predict(feats[b][0], KERNEL_FEATURES, ck))))
+    best = min(scan, key=lambda x: (x["train"]["mean_rel_err"], x["train"]["max_rel_err"]))
+    bk = tuple(best["block"])
+    ck = np.array([best["coef"][n] for n in KERNEL_FEATURES])
+    kpred_g, kpred = _predict(feats[bk][0], KERNEL_FEATURES, ck), _predict(feats[bk][1], KERNEL_FEATURES, ck)
+    k_held = quality(m, kpred)
+    k_held.update(imbalance(held, m, kpred))
+    k_held["by_strategy"] = _by_group(held, m, kpred, eval_strategy)
+    kernel_model = dict(best, held_out=k_held, scan=[dict(block=x["block"], train=x["train"]) for x in scan])
+
+    # pairs-only baseline (the FLOP model's shape, best scalar): what calibration buys
+    xp = feature_matrix(fg, ("pairs",))
+    base_coef = fit_nnls(xp, times)
+    baseline = dict(pair_s=float(base_coef[0]), train=quality(times, xp[:, 0] * base_coef[0]),
+                    held_out=quality(m, feature_matrix(fe, ("pairs",))[:, 0] * base_coef[0]))
+
+    mbs: list[dict[str, Any]] = []
+    index: dict[int, int] = {}
+
+    def row(case: Case, t: float, f: dict[str, float], p: float, kp: float) -> dict[str, Any]:
+        k = index.get(id(case.microbatch))
+        if k is None:
+            k = index[id(case.microbatch)] = len(mbs)
+            mbs.append(microbatch_geometry(case))
+        return dict(family=case.family, label=case.label, rank=case.rank, microbatch=k, tokens=int(f["tokens"]),
+                    pairs=int(f["pairs"]), pieces=int(f["pieces"]), calls=int(f["calls"]), kernel_segments=int(f["segments"]),
+                    dense_calls=int(f["dense_calls"]), ring=int(f["ring"]), measured_s=float(t), predicted_s=float(p),
+                    kernel_predicted_s=float(kp), rel_err=float((p - t) / t), kernel_rel_err=float((kp - t) / t))
+
+    grid_rows = [row(c, t, f, p, kp) for (c, t), f, p, kp in zip(grid, fg, pred_g, kpred_g)]
+    eval_rows = [dict(row(c, t, f, p, kp), strategy=eval_strategy(c)) for (c, t), f, p, kp in zip(held, fe, pred, kpred)]
+    meta = dict(meta, layers=layers, note=(
+        "per_layer and the rows are one attention layer's forward+backward, compute only. predicted_s is the profile "
+        "model: token*tokens + pair*pairs + segment*pieces (what the planner's CostModel prices) plus overhead_s and, "
+        "when the micro-batch splits a sample, ring_overhead_s; both constants are equal for every rank of a "
+        "micro-batch, so they never change which rank is slowest, and the profile leaves them out. The profile is "
+        "layers x per_layer (+ linear layers per token). kernel_predicted_s is the kernel model (a diagnostic)."))
+    return Calibration(profile, meta, per_layer, linear, train, held_out, kernel_model, baseline, mbs, grid_rows, eval_rows)
+
+
+def _by_group(held: Sequence[tuple[Case, float]], m: np.ndarray, p: np.ndarray, key: Callable[[Case], str]) -> dict[str, Any]:
+    groups: dict[str, list[int]] = {}
+    for i, (case, _) in enumerate(held):
+        groups.setdefault(key(case), []).append(i)
+    return {g: quality(m[rows], p[rows]) for g, rows in groups.items()}

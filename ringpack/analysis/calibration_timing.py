@@ -1,0 +1,208 @@
+"""GPU timing for ``ringpack calibrate``: the attention shape timed, one rank shard's attention, the linear layers' GEMMs.
+
+Ranks are timed one at a time on one GPU with a transport that serves remote K/V from memory, so
+a rank's time is its compute; communication is the comm model's business. torch is imported
+inside the functions, so the analysis package stays importable without it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ringpack.analysis.calibration_cases import Case
+from ringpack.analysis.calibration_features import compiled_schedule, kernel_features
+from ringpack.balancer.cost import ModelShape
+
+TIMERS = ("gpu", "wall")
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """Heads of one attention layer: ``heads`` query heads, ``kv_heads`` key/value heads of ``head_dim``."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+    def __post_init__(self) -> None:
+        if min(self.heads, self.kv_heads, self.head_dim) < 1 or self.heads % self.kv_heads:
+            raise ValueError(f"attention shape {self}: need positive sizes and heads a multiple of kv_heads")
+
+    def flops_per_pair(self) -> float:
+        """Forward+backward FLOPs of one (query, key) pair over all heads (DESIGN.md section 2)."""
+        return 4.0 * self.head_dim * self.heads * 3.5
+
+
+class _ComputeOnlyTransport:
+    """A :class:`~ringpack.attention.ring.KVTransport` without communication: remote K/V come from memory."""
+
+    def __init__(self, buffers: list, home) -> None:
+        self._buffers, self._home = buffers, home
+
+    def begin(self, kv, grad_dtype=None) -> None:
+        pass
+
+    def buffer(self, i: int):
+        return self._buffers[i]
+
+    def push_grad(self, i: int, dkv) -> None:
+        pass
+
+    def finish(self):
+        return self._home
+
+
+class Clock:
+    """CUDA events on a GPU, ``perf_counter`` (after nothing to sync) on the CPU.
+
+    ``queued=True`` (the ``gpu`` timer): before a batch of repetitions the GPU is put to sleep
+    (``torch.cuda._sleep``) for longer than the host needs to launch them, so every repetition's
+    kernels are already queued when its start event fires and the events measure the GPU's
+    execution alone. Without it (the ``wall`` timer) a shard whose kernels finish before the host
+    has launched the next ones is timed at the host's pace (~0.4 ms for one attention layer's
+    forward+backward with ringpack's engine, ~1 ms with a ring step): a floor that the linear
+    cost model cannot fit and that a training step, whose GPU queue the host keeps ahead of, does
+    not see.
+    """
+
+    def __init__(self, device, queued: bool = True) -> None:
+        import torch
+
+        self.cuda = torch.device(device).type == "cuda"
+        self._torch = torch
+        self.queued = self.cuda and queued and hasattr(torch.cuda, "_sleep")
+        self._hz = 0.0
+
+    @property
+    def kind(self) -> str:
+        return "gpu" if self.queued else "wall" if self.cuda else "host"
+
+    def _sleep(self, seconds: float) -> None:
+        torch = self._torch
+        if not self._hz:  # cycles per second of torch.cuda._sleep, measured once
+            for _ in range(2):
+                start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize()
+                start.record()
+                torch.cuda._sleep(1_000_000)
+                stop.record()
+                stop.synchronize()
+                self._hz = 1e6 / max(start.elapsed_time(stop) * 1e-3, 1e-6)
+        torch.cuda._sleep(int(min(seconds, 2.0) * self._hz))
+
+    def measure(self, fn: Callable[[], None], warmup: int, reps: int) -> list[float]:
+        torch = self._torch
+        for _ in range(warmup):
+            fn()
+        times = []
+        if self.cuda:
+            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+            torch.cuda.synchronize()
+            if self.queued:
+                t0 = time.perf_counter()
+                fn()  # the host's launch time of one repetition (its kernels run meanwhile)
+                host = time.perf_counter() - t0
+                torch.cuda.synchronize()
+                self._sleep(1.5 * host * reps + 2e-4)
+            for start, stop in events:
+                start.record()
+                fn()
+                stop.record()
+            torch.cuda.synchronize()
+            times = [start.elapsed_time(stop) * 1e-3 for start, stop in events]
+        else:
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+        return times
+
+
+def time_case(case: Case, shape: AttentionShape, backend: str, device, dtype, clock: Clock, reps: int, warmup: int,
+              generator=None) -> float:
+    """Median seconds of one forward+backward of this rank's attention (compute only, no communication)."""
+    import torch
+
+    from ringpack.attention.kernels import accum_dtype
+    from ringpack.attention.ring import ContextParallelAttention
+
+    schedule = compiled_schedule(case).to(device)
+    t = schedule.num_tokens
+    kw = dict(device=device, dtype=dtype, generator=generator)
+    q = torch.randn(t, shape.heads, shape.head_dim, **kw).requires_grad_()
+    k = torch.randn(t, shape.kv_heads, shape.head_dim, **kw).requires_grad_()
+    v = torch.randn(t, shape.kv_heads, shape.head_dim, **kw).requires_grad_()
+    dout = torch.randn(t, shape.heads, shape.head_dim, **kw)
+    buffers = [torch.randn(2, schedule.buffer_tokens[schedule.source(step)], shape.kv_heads, shape.head_dim, **kw)
+               for step in schedule.steps]
+    own = schedule.buffer_tokens[schedule.cp_rank]
+    home = torch.zeros(2, own, shape.kv_heads, shape.head_dim, device=device, dtype=accum_dtype(dtype)) if own else None
+    transport = _ComputeOnlyTransport(buffers, home)
+    scale = shape.head_dim ** -0.5
+
+    def step() -> None:
+        q.grad = k.grad = v.grad = None
+        out = ContextParallelAttention.apply(q, k, v, schedule, lambda _: transport, scale, backend)
+        out.backward(dout)
+
+    first = clock.measure(step, warmup=warmup, reps=1)[0]
+    more = (reps if first < 0.05 else min(reps, 3)) - 1  # long shards: 3 repetitions are plenty
+    times = [first] + (clock.measure(step, warmup=0, reps=more) if more > 0 else [])
+    return float(np.median(times))
+
+
+def time_linear(model: ModelShape, tokens: int, device, dtype, clock: Clock, reps: int, warmup: int) -> dict[str, float]:
+    """Seconds per token of one decoder layer's GEMMs and of the output head, forward+backward.
+
+    Each weight ``W [in, out]`` costs ``Y = X @ W``, ``dX = dY @ W^T`` and ``dW = X^T @ dY``.
+    """
+    import torch
+
+    h, hd = model.hidden, model.head_dim
+    layer = ((h, (model.heads + 2 * model.kv_heads) * hd), (model.heads * hd, h), (h, 2 * model.ffn), (model.ffn, h))
+    head = ((h, model.vocab),) if model.vocab else ()
+
+    def gemms(shapes) -> tuple[float, float]:
+        if not shapes:
+            return 0.0, 0.0
+        mats = [(torch.randn(tokens, i, device=device, dtype=dtype), torch.randn(i, o, device=device, dtype=dtype),
+                 torch.randn(tokens, o, device=device, dtype=dtype)) for i, o in shapes]
+
+        def step() -> None:
+            for x, w, dy in mats:
+                torch.mm(x, w)
+                torch.mm(dy, w.t())
+                torch.mm(x.t(), dy)
+
+        seconds = float(np.median(clock.measure(step, warmup, reps)))
+        flops = sum(6.0 * tokens * i * o for i, o in shapes)
+        return seconds / tokens, flops / seconds
+
+    layer_s, layer_flops = gemms(layer)
+    head_s, _ = gemms(head)
+    return dict(layer_token_s=layer_s, head_token_s=head_s, gemm_tflops=layer_flops / 1e12, tokens=tokens)
+
+
+def estimate_seconds(cases: Sequence[Case], shape: AttentionShape, reps: int = 5, warmup: int = 1,
+                     flops: float = 2.5e14, overhead: float = 3e-4) -> float:
+    """Rough GPU time of timing ``cases`` (FLOPs of whole tiles at ``flops`` plus a per-run overhead)."""
+    total = 0.0
+    for case in cases:
+        pairs = kernel_features(case)["tile_pairs"]
+        one = pairs * shape.flops_per_pair() / flops + overhead
+        total += one * (warmup + max(1, reps if one < 0.05 else min(reps, 3)))
+    return total
+
+
+def device_name(device) -> str:
+    """The GPU's name as CUDA reports it, or ``"cpu"``: what a report records as its device."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "cpu"
