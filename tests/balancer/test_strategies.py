@@ -257,7 +257,7 @@ def test_splitting_many_micro_batches_at_once_equals_one_at_a_time(slack):
 def test_split_samples_last_pieces_fill_a_rank():
     """A sample too costly for one GPU sends everything before its last piece; carving gives that
     piece a rank of its own, so it is as long as a whole rank's cost allows."""
-    from ringpack.balancer.split import _suffix_start
+    from ringpack.balancer.split_pieces import suffix_start
 
     cost = MODELS["llama3-8b"]
     rng = np.random.default_rng(7)
@@ -267,7 +267,7 @@ def test_split_samples_last_pieces_fill_a_rank():
     w = cost.sample_cost(lengths)
     cap = w.sum() / cp * (1 + 1e-3)
     assert w[0] > 3 * cap  # needs four ranks at least
-    floor = _suffix_start(lengths[0], cap, cost.token, cost.pair, cost.segment)
+    floor = suffix_start(lengths[0], cap, cost.token, cost.pair, cost.segment)
     assert kv_traffic(mb).unique == floor  # only the big sample is split, and at the floor
     costs = rank_costs(mb.shards, cost)
     assert costs.max() / costs.mean() < 1 + 2e-3

@@ -1,0 +1,131 @@
+"""Step 3 of the balanced split: cut the samples that fit whole on no rank, from the back.
+
+Why from the back: a split sample sends the K/V of everything before its last piece to the ranks
+holding later pieces, so its last piece should be long, and the last tokens are the densest (each
+attends to all before it), which is what a rank with much cost room and few free tokens needs.
+:func:`cut_suffixes` cuts by one rule; :func:`choose_suffix_cuts` tries both rules and keeps the
+balanced cut that sends less K/V.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ringpack.balancer.split_pieces import piece_cost, suffix_start
+
+__all__ = ["cut_suffixes", "choose_suffix_cuts"]
+
+
+def cut_suffixes(leftovers, lens, room, troom, shards, cp, a, b, seg, longest_last=False, probe=False):
+    """Step 3 of :func:`~ringpack.balancer.split_balanced.split_balanced`: cut the samples that fit whole
+    nowhere from the back.
+
+    Each suffix goes to the rank needing the densest content (highest cost room per free token),
+    as long a suffix as fits there. With ``longest_last`` a sample's first suffix (its last piece)
+    goes instead to the rank where it can be longest (:func:`_longest_suffix_rank`): the K/V a
+    split sample sends is everything before its last piece. Updates ``room``, ``troom`` and
+    ``shards`` (``(slot, start, stop)`` triples) in place. Returns the tokens of the new pieces
+    other ranks need (the K/V sent) and, with ``probe``, whether some last piece went to another
+    rank than the longest-last rule picks (else both rules give the same cuts).
+    """
+    kv = 0
+    differs = False
+    for k in leftovers:
+        stop = lens[k]
+        last_rank = -1
+        used = -1  # the first rank given a piece of this sample (a later piece than any to come)
+        several = False  # whether two ranks hold later pieces
+        needed = False
+        while stop > 0:
+            r = _longest_suffix_rank(stop, room, troom, cp, a, b, seg) if longest_last and last_rank < 0 else -1
+            if r < 0:  # (also when no rank holds a token of the suffix by cost: rounding remnants)
+                # the densest remaining tokens (this suffix) go to the rank that needs the densest
+                # content to reach its cost: the highest cost room per free token
+                r, best_need = -1, -math.inf
+                for q in range(cp):
+                    tq = troom[q]
+                    if tq > 0:
+                        need = room[q] / tq
+                        if need > best_need:
+                            r, best_need = q, need
+                if probe and last_rank < 0 and not differs:
+                    longest = _longest_suffix_rank(stop, room, troom, cp, a, b, seg)
+                    differs = longest >= 0 and longest != r
+            assert r >= 0, "token rooms exhausted although the micro-batch fits"
+            start = suffix_start(stop, room[r], a, b, seg)
+            if start == stop:  # no cost room left anywhere: rounding remnant, place by tokens
+                start = 0
+            start = max(start, stop - troom[r])
+            added_cost = piece_cost(start, stop, a, b, seg)
+            if r == last_rank:  # adjacent to this sample's previous piece on the same rank: merge
+                old = shards[r].pop()
+                shards[r].append((k, start, old[2]))
+                added_cost -= seg
+            else:
+                shards[r].append((k, start, stop))
+                # needed iff another rank holds a later piece of this sample
+                needed = several or (used >= 0 and used != r)
+                if used < 0:
+                    used = r
+                elif used != r:
+                    several = True
+            if needed:
+                kv += stop - start
+            room[r] -= added_cost
+            troom[r] -= stop - start
+            last_rank = r
+            stop = start
+    return kv, differs
+
+
+def _longest_suffix_rank(stop, room, troom, cp, a, b, seg) -> int:
+    """The rank where the suffix ending at ``stop`` can be longest (cost room, then free tokens).
+
+    The suffix a room holds grows with the room, so the roomiest rank wins unless its free tokens
+    cut the suffix short; only then are all ranks compared (first rank on ties). -1: no rank
+    holds a token of it.
+    """
+    r = max(range(cp), key=room.__getitem__)
+    tr = troom[r]
+    if tr > 0 and tr >= stop - suffix_start(stop, room[r], a, b, seg):
+        return r
+    r, best = -1, 0
+    for q in range(cp):
+        tq = troom[q]
+        if tq > 0:
+            length = stop - max(suffix_start(stop, room[q], a, b, seg), stop - tq)
+            if length > best:
+                r, best = q, length
+    return r
+
+
+def choose_suffix_cuts(leftovers, lens, room, troom, shards, cp, a, b, seg, cap, accept):
+    """Step 3 both ways (by density; longest last piece), the balanced one sending less K/V.
+
+    Returns ``(max rank cost, shards, K/V tokens)``. Cutting by density keeps every rank able to
+    reach its cost within its tokens; giving each split sample's last piece the rank where it is
+    longest sends less K/V but can strand a rank with tokens too cheap to reach its cost. Both are
+    tried from the same best fit (the second only when the rules pick different ranks), and the
+    longest-last cut wins when it is balanced (within ``accept``) and sends fewer tokens.
+    """
+    if not leftovers:
+        return cap - min(room), shards, 0
+    kept = [len(shard) for shard in shards]
+    room0, troom0 = list(room), list(troom)
+    kv, differs = cut_suffixes(leftovers, lens, room, troom, shards, cp, a, b, seg, probe=True)
+    by_density = (cap - min(room), shards, kv)
+    if not differs:
+        return by_density
+    added = [shard[n:] for shard, n in zip(shards, kept)]
+    for shard, n in zip(shards, kept):
+        del shard[n:]
+    kv, _ = cut_suffixes(leftovers, lens, room0, troom0, shards, cp, a, b, seg, longest_last=True)
+    top = cap - min(room0)
+    if top <= accept and (kv < by_density[2] or by_density[0] > accept):
+        return top, shards, kv
+    if by_density[0] <= accept or by_density[0] <= top:
+        for shard, n, extra in zip(shards, kept, added):
+            del shard[n:]
+            shard.extend(extra)
+        return by_density
+    return top, shards, kv
