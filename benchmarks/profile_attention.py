@@ -13,14 +13,16 @@ can be attributed to kernels (slower kernel choice, extra gathers/merges) or to 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -28,8 +30,49 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attention import case_lengths, local_index, split_for  # noqa: E402
 
 
+def timeline(prof, min_gap_us: float = 15.0) -> str:
+    """The GPU kernels of the last profiled iteration in launch order, one line per run of equal names.
+
+    Shows where a rank sits idle (``gap`` lines: the compute stream has no kernel for at least
+    ``min_gap_us``) and which transfers overlap which kernels (NCCL kernels run on their own stream).
+    """
+    with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+        prof.export_chrome_trace(tmp.name)
+        events = json.load(open(tmp.name))["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+    marks = sorted(e["ts"] for e in events if e.get("name") == ITERATION_MARK)
+    if marks:
+        kernels = [e for e in kernels if e["ts"] >= marks[-1]]
+    if not kernels:
+        return "(no kernels)"
+    t0, lines, run, ends = kernels[0]["ts"], [], None, {}
+
+    def flush() -> None:
+        if run is not None:
+            lines.append(f"{run[2] - t0:9.0f} {run[3]:7.0f} s{run[1]} x{run[4]} {run[0]}")
+
+    for e in kernels:
+        name, stream = e["name"][:70], e.get("tid")
+        nccl = "nccl" in name.lower()
+        last_end = ends.get(nccl)
+        if run is not None and run[0] == name and run[1] == stream and not (e["ts"] - last_end >= min_gap_us):
+            run[3] += e["dur"]
+            run[4] += 1
+        else:
+            flush()
+            if not nccl and last_end is not None and e["ts"] - last_end >= min_gap_us:
+                lines.append(f"{last_end - t0:9.0f} {'':>7} gap {e['ts'] - last_end:.0f} us")
+            run = [name, stream, e["ts"], e["dur"], 1]
+        ends[nccl] = max(ends.get(nccl, 0), e["ts"] + e["dur"])
+    flush()
+    return "  start_us  dur_us stream count kernel\n" + "\n".join(lines)
+
+
+ITERATION_MARK = "ringpack-iteration"
+
+
 def profiled(thunk, backward: bool, iters: int) -> tuple[float, str]:
-    """Mean wall ms per iteration and the profiler's kernel table (after one warm-up call)."""
+    """Mean wall ms per iteration, the profiler's kernel table and the last iteration's timeline (after warm-up)."""
     for _ in range(2):
         out = thunk()
         if backward:
@@ -38,13 +81,15 @@ def profiled(thunk, backward: bool, iters: int) -> tuple[float, str]:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
         for _ in range(iters):
-            out = thunk()
-            if backward:
-                out.backward(torch.ones_like(out))
+            torch.cuda.synchronize()  # the last iteration's timeline starts from an idle GPU
+            with record_function(ITERATION_MARK):
+                out = thunk()
+                if backward:
+                    out.backward(torch.ones_like(out))
         torch.cuda.synchronize()
         wall = (time.perf_counter() - start) * 1e3 / iters
     table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=70)
-    return wall, table
+    return wall, table + "\n" + timeline(prof)
 
 
 def main() -> int:
