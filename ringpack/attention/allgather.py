@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ringpack.attention.schedule import Schedule
+from ringpack.attention.streams import issued_after, mark
 
 __all__ = ["AllGatherTransport", "all_gather_flat", "reduce_scatter_flat"]
 
@@ -45,19 +46,22 @@ class AllGatherTransport:
         self._rank = r
         self._sizes = schedule.buffer_tokens
         self._capacity = max(self._sizes)
+        self.send_capacity = self._capacity  # every rank's buffer is padded to the largest (one collective)
         self._origin = [(r - t) % c for t in schedule.distances]
         self._gathered: Tensor | None = None
         self._work = None
         self._grads: Tensor | None = None
 
-    def begin(self, kv: Tensor, grad_dtype: torch.dtype | None = None) -> None:
+    def begin(self, kv: Tensor, grad_dtype: torch.dtype | None = None, after: "torch.cuda.Event | None" = None) -> None:
         padded = kv
-        if kv.shape[1] != self._capacity:
+        if kv.shape[1] != self._capacity:  # the engine packs to send_capacity; this is for other callers
             padded = kv.new_zeros((2, self._capacity, *kv.shape[2:]))
             padded[:, : kv.shape[1]] = kv
+            after = mark(kv)
         world = len(self._sizes)
         flat = kv.new_empty((world * 2, *padded.shape[1:]))
-        self._work = all_gather_flat(flat, padded, self._group, async_op=True)
+        with issued_after(after, kv.device):
+            self._work = all_gather_flat(flat, padded, self._group, async_op=True)
         self._gathered = flat.view(world, *padded.shape)
         if grad_dtype is not None:
             self._grads = torch.zeros(self._gathered.shape, dtype=grad_dtype, device=kv.device)

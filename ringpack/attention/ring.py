@@ -19,6 +19,7 @@ move bytes.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable, Iterator, Protocol
 
 import numpy as np
@@ -28,6 +29,7 @@ from torch import Tensor
 
 from ringpack.attention.kernels import accum_dtype, dense_attn_bwd, dense_attn_fwd, dense_backend, varlen_attn_bwd, varlen_attn_fwd
 from ringpack.attention.schedule import KernelCall, Schedule
+from ringpack.attention.streams import issued_after, mark
 
 __all__ = ["ContextParallelAttention", "KVTransport", "RingTransport", "merge_partial", "pack_kv"]
 
@@ -41,11 +43,15 @@ Rows = Tensor | slice | None  # which rows of the local tokens a partial result 
 def merge_partial(out: Tensor, lse: Tensor, part_out: Tensor, part_lse: Tensor, index: Rows) -> None:
     """Fold a partial attention result into the running one, in place, by log-sum-exp.
 
-    ``out [T, H, D]`` and ``lse [H, T]`` are the accumulators (float32/float64); ``part_out
-    [n, H, D]`` / ``part_lse [H, n]`` belong to rows ``index`` (an index tensor, a slice, or
-    ``None`` for all rows). A partial ``lse`` of ``+inf`` (flash kernels' value for a query
-    without keys) counts as ``-inf``. The running ``lse`` is finite for every row (each query
-    attends at least itself in the local step), so the weights below never see ``inf - inf``.
+    ``lse [H, T]`` is the running log-sum-exp (float32/float64); ``out [T, H, D]`` the running
+    output, in that dtype too, or in the input dtype when every row receives at most one partial
+    result (one remote step): the merge is then computed in ``lse``'s dtype and rounded once, which
+    is exactly what a float accumulator rounded at the end would give, because the local part it
+    starts from was already rounded by its kernel. ``part_out [n, H, D]`` / ``part_lse [H, n]``
+    belong to rows ``index`` (an index tensor, a slice, or ``None`` for all rows). A partial
+    ``lse`` of ``+inf`` (flash kernels' value for a query without keys) counts as ``-inf``. The
+    running ``lse`` is finite for every row (each query attends at least itself in the local
+    step), so the weights below never see ``inf - inf``.
     """
     part_lse = part_lse.to(lse.dtype)
     part_lse = part_lse.masked_fill(torch.isposinf(part_lse), float("-inf"))
@@ -56,7 +62,10 @@ def merge_partial(out: Tensor, lse: Tensor, part_out: Tensor, part_lse: Tensor, 
     new_lse = torch.logaddexp(old_lse, part_lse)
     w_old = torch.exp(old_lse - new_lse).transpose(0, 1).unsqueeze(-1)
     w_new = torch.exp(part_lse - new_lse).transpose(0, 1).unsqueeze(-1)
-    old_out.mul_(w_old).addcmul_(part_out, w_new)  # in place: a view of out, or the gathered copy
+    if old_out.dtype == lse.dtype:
+        old_out.mul_(w_old).addcmul_(part_out, w_new)  # in place: a view of out, or the gathered copy
+    else:  # input-dtype accumulator: compute in float, round once
+        old_out.copy_(torch.addcmul(old_out * w_old, part_out, w_new))
     if isinstance(index, Tensor):
         out.index_copy_(0, index, old_out)
         lse.index_copy_(1, index, new_lse)
@@ -75,11 +84,14 @@ def _put_rows(dst: Tensor, rows: Rows, src: Tensor, dim: int = 0) -> None:
 
 
 def _add_rows(dst: Tensor, rows: Rows, src: Tensor) -> None:
-    """``dst[rows] += src`` along dim 0 (computed in float for half-precision ``dst``, rounded once)."""
-    if isinstance(rows, Tensor):
+    """``dst[rows] += src`` along dim 0, rounded once to ``dst``'s dtype (a float ``src`` is not
+    rounded before the sum)."""
+    if not isinstance(rows, Tensor):
+        (dst if rows is None else dst[rows]).add_(src)  # mixed dtypes: computed in the wider one
+    elif src.dtype == dst.dtype or src.dtype.itemsize < dst.dtype.itemsize:
         dst.index_add_(0, rows, src.to(dst.dtype))
     else:
-        (dst if rows is None else dst[rows]).add_(src)
+        dst.index_copy_(0, rows, dst.index_select(0, rows).to(src.dtype).add_(src).to(dst.dtype))
 
 
 def pack_kv(k: Tensor, v: Tensor, index: Tensor, capacity: int | None = None) -> Tensor:
@@ -100,11 +112,16 @@ class KVTransport(Protocol):
 
     Forward: ``begin(kv)`` then ``buffer(i)`` for each remote step ``i`` in order. Backward: the
     same, plus ``push_grad(i, dkv)`` after each step's kernels and ``finish()`` for this rank's
-    own ``dkv`` (``[2, n, H_kv, D]`` in the accumulation dtype, ``None`` if this rank sends nothing).
-    ``begin`` should start the first transfer so it overlaps the local step.
+    own ``dkv`` (``[2, n, H_kv, D]`` in ``grad_dtype``, ``None`` if this rank sends nothing).
+    ``send_capacity``: the row count ``kv`` is packed to (zero padded; ``None``: exactly the rows
+    sent). ``begin`` starts the first transfer; the engine calls it after queueing the local kernel, with
+    ``after`` marking the end of the packing (see :mod:`ringpack.attention.streams`), so the
+    transfer waits for the packing only and overlaps the local kernel.
     """
 
-    def begin(self, kv: Tensor, grad_dtype: torch.dtype | None = None) -> None: ...
+    send_capacity: int | None
+
+    def begin(self, kv: Tensor, grad_dtype: torch.dtype | None = None, after: "torch.cuda.Event | None" = None) -> None: ...
 
     def buffer(self, i: int) -> Tensor: ...
 
@@ -124,14 +141,18 @@ class _P2P:
         self._global = [dist.get_global_rank(group, (r + d) % c) if group is not None else (r + d) % c for d in range(c)]
         self._group = group
 
-    def exchange(self, send: Tensor | None, to: int, recv: Tensor | None, frm: int, tag: int) -> list:
-        """Post one send (to offset ``to``) and one receive (from offset ``frm``); empty sides are skipped."""
+    def exchange(self, send: Tensor | None, to: int, recv: Tensor | None, frm: int, tag: int, after=None) -> list:
+        """Post one send (to offset ``to``) and one receive (from offset ``frm``); empty sides are
+        skipped. ``after``: an event the transfer waits for instead of the whole current stream."""
         ops = []
         if send is not None and send.numel():
             ops.append(dist.P2POp(dist.isend, send, self._global[to], self._group, tag))
         if recv is not None and recv.numel():
             ops.append(dist.P2POp(dist.irecv, recv, self._global[frm], self._group, tag))
-        return dist.batch_isend_irecv(ops) if ops else []
+        if not ops:
+            return []
+        with issued_after(after, ops[0].tensor.device):
+            return dist.batch_isend_irecv(ops)
 
 
 def _wait(works: list) -> None:
@@ -147,6 +168,8 @@ class RingTransport:
     match a plain ring while skipped distances cost nothing.
     """
 
+    send_capacity = None
+
     def __init__(self, schedule: Schedule, group: dist.ProcessGroup | None = None) -> None:
         self._p2p = _P2P(schedule, group)
         c, r = schedule.cp_size, schedule.cp_rank
@@ -158,18 +181,18 @@ class RingTransport:
         self._kv_pending: tuple[list, Tensor, Tensor] | None = None  # (works, received, sent)
         self._grad_pending: tuple[list, Tensor, Tensor | None] | None = None
 
-    def begin(self, kv: Tensor, grad_dtype: torch.dtype | None = None) -> None:
+    def begin(self, kv: Tensor, grad_dtype: torch.dtype | None = None, after: "torch.cuda.Event | None" = None) -> None:
         self._shape, self._dtype, self._device = kv.shape[2:], kv.dtype, kv.device
         self._grad_dtype = grad_dtype
-        self._launch_kv(0, kv)
+        self._launch_kv(0, kv, after)
 
     def _empty(self, tokens: int, dtype: torch.dtype | None) -> Tensor:
         return torch.empty((2, tokens, *self._shape), dtype=dtype, device=self._device)
 
-    def _launch_kv(self, i: int, send: Tensor) -> None:
+    def _launch_kv(self, i: int, send: Tensor, after=None) -> None:
         hop = self._hops[i]
         recv = self._empty(self._held[i + 1], self._dtype)
-        works = self._p2p.exchange(send, hop, recv, -hop, tag=2 * i)
+        works = self._p2p.exchange(send, hop, recv, -hop, tag=2 * i, after=after)
         self._kv_pending = (works, recv, send)  # keep the send buffer alive until the transfer is waited on
 
     def buffer(self, i: int) -> Tensor:
@@ -285,72 +308,111 @@ def _local_forward(q: Tensor, k: Tensor, v: Tensor, call: KernelCall, out_dtype:
     return out, lse
 
 
-def _local_backward(dout, q, k, v, out, lse, call: KernelCall, scale: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of the local causal call; split: query rows tiled by the parts, dK/dV summed over them."""
-    if not _splits(call, backend):
-        return _bwd_call(dout, q, k, v, out, lse, call, scale, backend)
-    dq, dk, dv = torch.empty_like(q), None, None  # every row is written: the parts tile the local rows
-    for q_rows, dq_c, k_rows, dk_c, dv_c in _bwd_parts(dout, q, k, v, out, lse, call, scale, backend):
-        _put_rows(dq, q_rows, dq_c)
-        if dk is None and k_rows is None:  # the rest: every key row (zero where it has no queries)
-            dk, dv = dk_c, dv_c
-            continue
-        if dk is None:
-            dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-        (dk if k_rows is None else dk[k_rows]).add_(dk_c)
-        (dv if k_rows is None else dv[k_rows]).add_(dv_c)
-    return dq, dk, dv
+def _local_backward(dout, q, k, v, out, lse, calls, scale: float, backend: str, grads: list | None = None) -> list | None:
+    """Fold the gradients of local ``calls`` into ``grads = [dq, dk, dv]`` (created by the first part).
+
+    Local parts never overlap (query rows tile the local rows, dense segments own their keys), so
+    each element receives one local value: adding it to zeros, or to one remote value, rounds once.
+    A first part over every row is adopted as is: the common one-kernel case copies nothing.
+    """
+    for call in calls:
+        for q_rows, dq_c, k_rows, dk_c, dv_c in _bwd_parts(dout, q, k, v, out, lse, call, scale, backend):
+            if grads is None:
+                grads = [dq_c if q_rows is None else torch.zeros_like(q), *((dk_c, dv_c) if k_rows is None else (torch.zeros_like(k), torch.zeros_like(v)))]
+                if q_rows is not None:
+                    _add_rows(grads[0], q_rows, dq_c)
+                if k_rows is not None:
+                    _add_rows(grads[1], k_rows, dk_c)
+                    _add_rows(grads[2], k_rows, dv_c)
+                continue
+            _add_rows(grads[0], q_rows, dq_c)
+            _add_rows(grads[1], k_rows, dk_c)
+            _add_rows(grads[2], k_rows, dv_c)
+            del dq_c, dk_c, dv_c
+    return grads
+
+
+def _overlap_split(call: KernelCall | None, backend: str) -> tuple[list[KernelCall], list[KernelCall]]:
+    """The local backward as ``(before, after)`` the remote steps.
+
+    The dK/dV of the last remote step travel home after its kernels; local work queued after them
+    hides that transfer (and local work queued before the remote steps hides the first K/V
+    transfer). With a hybrid backend's split the largest dense segment goes after and the rest
+    before; a local call that is one kernel runs before, as the first transfer needs cover most.
+    """
+    if call is None:
+        return [], []
+    if not _splits(call, backend) or (call.rest is None and len(call.dense) == 1):
+        return [call], []
+    big = max(range(len(call.dense)), key=lambda i: call.dense[i][1] * call.dense[i][3])
+    others = call.dense[:big] + call.dense[big + 1 :]
+    before = replace(call, dense=others) if others else call.rest
+    return [before], [replace(call, dense=(call.dense[big],), rest=None)]
 
 
 def _attention_forward(q, k, v, schedule: Schedule, make_transport: TransportFactory, scale: float, backend: str):
     """Returns ``(out [T, H, D] in q's dtype, lse [H, T] in the accumulation dtype)``."""
     acc = accum_dtype(q.dtype)
-    transport = None
-    if schedule.steps:
-        transport = make_transport(schedule)
-        transport.begin(pack_kv(k, v, schedule.send_index))  # first transfer overlaps the local call
-    if schedule.local is None:  # a rank without tokens still forwards buffers
-        out, lse = q.new_zeros(q.shape), q.new_zeros((q.shape[1], 0), dtype=acc)
-    else:
-        out, lse = _local_forward(q, k, v, schedule.local, acc if schedule.steps else q.dtype, scale, backend)
     if not schedule.steps:
+        if schedule.local is None:
+            return q.new_zeros(q.shape), q.new_zeros((q.shape[1], 0), dtype=acc)
+        out, lse = _local_forward(q, k, v, schedule.local, q.dtype, scale, backend)
         return out, lse.to(acc)
-    out_acc, lse_acc = out.to(acc), lse.to(acc)
-    del out, lse  # the local result lives on in the accumulators only
+    transport = make_transport(schedule)
+    kv = pack_kv(k, v, schedule.send_index, transport.send_capacity)
+    packed = mark(kv)
+    # With one remote step every row gets at most one remote part, so the running output stays in
+    # q's dtype (merge_partial computes in float and rounds once); more steps accumulate in float.
+    out_dtype = q.dtype if len(schedule.steps) == 1 else acc
+    if schedule.local is None:  # a rank without tokens still forwards buffers
+        out, lse = q.new_zeros(q.shape, dtype=out_dtype), q.new_zeros((q.shape[1], 0), dtype=acc)
+    else:
+        out, lse = _local_forward(q, k, v, schedule.local, out_dtype, scale, backend)
+        out, lse = out.to(out_dtype), lse.to(acc)
+    transport.begin(kv, after=packed)  # issued after the local kernel is queued; waits for the packing only
+    del kv
     for i, step in enumerate(schedule.steps):
-        kv = transport.buffer(i)
+        buf = transport.buffer(i)
         for call in step.calls:
-            for rows, part_out, part_lse in _fwd_parts(q, kv[0], kv[1], call, scale, backend):
-                merge_partial(out_acc, lse_acc, part_out, part_lse, rows)
+            for rows, part_out, part_lse in _fwd_parts(q, buf[0], buf[1], call, scale, backend):
+                merge_partial(out, lse, part_out, part_lse, rows)
                 del part_out, part_lse
-    return out_acc.to(q.dtype), lse_acc
+    return out.to(q.dtype), lse
 
 
 def _attention_backward(dout, q, k, v, out, lse, schedule: Schedule, make_transport: TransportFactory, scale: float, backend: str):
-    transport = None
-    if schedule.steps:  # start the first K/V transfer before the local kernel, so the two overlap
-        transport = make_transport(schedule)
-        transport.begin(pack_kv(k, v, schedule.send_index), grad_dtype=lse.dtype)
-    if schedule.local is None:
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    else:
-        dq, dk, dv = _local_backward(dout, q, k, v, out, lse, schedule.local, scale, backend)
     if not schedule.steps:
-        return dq, dk, dv
+        if schedule.local is None:
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        return tuple(_local_backward(dout, q, k, v, out, lse, [schedule.local], scale, backend))
     acc = lse.dtype
-    # With one remote step a query row gets at most one remote dQ part, and adding it to the
-    # kernel's dQ in place (computed in float, rounded once) gives exactly what a float
-    # accumulator rounded at the end would: no T x H x D float buffer. More steps: accumulate in float.
-    dq_acc = dq if len(schedule.steps) == 1 else dq.to(acc)
-    del dq
+    # With one remote step, a query row gets at most one remote dQ part and a sent key row its
+    # dK/dV from one rank: the kernels' outputs are already rounded to q's dtype, so keeping dQ and
+    # the dK/dV in transit in that dtype and summing each element once (in float, rounded once)
+    # equals a float accumulator rounded at the end, with half the bytes on the wire and no
+    # T x H x D float buffer. More steps accumulate (and pass around) float sums.
+    one_step = len(schedule.steps) == 1
+    grad_dtype = q.dtype if one_step else acc
+    transport = make_transport(schedule)
+    kv = pack_kv(k, v, schedule.send_index, transport.send_capacity)
+    packed = mark(kv)
+    before, after = _overlap_split(schedule.local, backend)
+    grads = _local_backward(dout, q, k, v, out, lse, before, scale, backend)
+    transport.begin(kv, grad_dtype=grad_dtype, after=packed)  # overlaps the local kernels queued above
+    del kv
+    if grads is None:  # a rank without tokens
+        grads = [torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)]
+    if not one_step:
+        grads[0] = grads[0].to(acc)
     for i, step in enumerate(schedule.steps):
-        kv = transport.buffer(i)
+        buf = transport.buffer(i)
         dkv = None
+        sum_dtype = grad_dtype if len(step.calls) <= 1 else acc  # calls (levels) may share key rows
         for call in step.calls:
-            for q_rows, dq_c, k_rows, dk_c, dv_c in _bwd_parts(dout, q, kv[0], kv[1], out, lse, call, scale, backend):
-                _add_rows(dq_acc, q_rows, dq_c)
+            for q_rows, dq_c, k_rows, dk_c, dv_c in _bwd_parts(dout, q, buf[0], buf[1], out, lse, call, scale, backend):
+                _add_rows(grads[0], q_rows, dq_c)
                 if dkv is None:  # a part over the whole buffer is copied in (zeros where it has no queries)
-                    dkv = (torch.empty if k_rows is None else torch.zeros)(kv.shape, dtype=acc, device=kv.device)
+                    dkv = (torch.empty if k_rows is None else torch.zeros)(buf.shape, dtype=sum_dtype, device=buf.device)
                     if k_rows is None:
                         dkv[0].copy_(dk_c)
                         dkv[1].copy_(dv_c)
@@ -359,17 +421,17 @@ def _attention_backward(dout, q, k, v, out, lse, schedule: Schedule, make_transp
                 dkv[0, rows] += dk_c
                 dkv[1, rows] += dv_c
                 del dq_c, dk_c, dv_c
-        transport.push_grad(i, dkv)
+        transport.push_grad(i, None if dkv is None else dkv.to(grad_dtype))
         del dkv
+    grads = _local_backward(dout, q, k, v, out, lse, after, scale, backend, grads)  # hides the dK/dV transfer home
     home = transport.finish()
-    dq = dq_acc.to(q.dtype)  # no copy when it already is
-    del dq_acc
-    if home is None:
-        return dq, dk, dv
-    for grad, remote in zip((dk, dv), home):  # only the rows this rank sent: sum in float, round once
-        mine = grad.index_select(0, schedule.send_index).to(acc).add_(remote)
-        grad.index_copy_(0, schedule.send_index, mine.to(grad.dtype))
-        del mine
+    dq, dk, dv = grads
+    del grads
+    dq = dq.to(q.dtype)  # no copy when it already is
+    if home is not None:  # only the rows this rank sent, each summed once and rounded once
+        rows = schedule.send_rows
+        _add_rows(dk, rows, home[0])
+        _add_rows(dv, rows, home[1])
     return dq, dk, dv
 
 

@@ -140,7 +140,13 @@ class Schedule:
     send_index: Tensor
     local: KernelCall | None
     steps: tuple[RingStep, ...]
+    send_range: tuple[int, int] | None = None  # send_index as one contiguous range of local rows, when it is one
     verified: set = field(default_factory=set, compare=False, repr=False)  # (group, mode, shape) keys checked
+
+    @property
+    def send_rows(self) -> Tensor | slice:
+        """The local rows this rank sends: a slice when contiguous (views instead of gathers), else ``send_index``."""
+        return slice(*self.send_range) if self.send_range is not None else self.send_index
 
     @property
     def distances(self) -> tuple[int, ...]:
@@ -288,6 +294,7 @@ def compile_schedule(microbatch: MicroBatch, cp_rank: int, dense_threshold: int 
         fingerprint=table.fingerprint(microbatch.samples),
         buffer_tokens=table.buffer_tokens(),
         send_index=torch.from_numpy(send_index),
+        send_range=_as_range(send_index),
         local=_local_call(table, mine, dense_threshold) if num_tokens else None,
         steps=steps,
     )
@@ -349,14 +356,21 @@ def _noncausal_call(q_lo, q_hi, k_lo, k_hi, buffer_len: int, num_tokens: int, de
     return _make_call(seg_q[keep], seg_k[keep], seg_q_start[keep], False, num_tokens, dense_threshold)
 
 
+def _as_range(index: np.ndarray) -> tuple[int, int] | None:
+    """``(a, b)`` if ``index`` is exactly ``a, a+1, ..., b-1`` (non-empty), else None."""
+    if index.size == 0 or int(index[-1]) - int(index[0]) + 1 != index.size or not bool((np.diff(index) == 1).all()):
+        return None
+    return int(index[0]), int(index[-1]) + 1
+
+
 def _query_rows(seg_q_start, seg_q, num_tokens: int) -> dict:
     """``q_index``/``q_range`` of a call: None/None for all local rows in order, a range when contiguous, else an index."""
     q_index = _concat_ranges(seg_q_start, seg_q)
-    contiguous = q_index.size > 0 and int(q_index[-1]) - int(q_index[0]) + 1 == q_index.size and bool((np.diff(q_index) == 1).all())
-    if contiguous and q_index.size == num_tokens:
+    q_range = _as_range(q_index)
+    if q_range is not None and q_index.size == num_tokens:
         return dict(q_index=None)
-    if contiguous:
-        return dict(q_index=None, q_range=(int(q_index[0]), int(q_index[-1]) + 1))
+    if q_range is not None:
+        return dict(q_index=None, q_range=q_range)
     return dict(q_index=torch.from_numpy(q_index))
 
 

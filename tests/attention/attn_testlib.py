@@ -172,11 +172,13 @@ class LoopbackWorld:
 class LoopbackTransport:
     """A KVTransport without a process group (see ringpack.attention.ring.KVTransport)."""
 
+    send_capacity = None
+
     def __init__(self, schedule, world: LoopbackWorld) -> None:
         self.origins = [schedule.source(step) for step in schedule.steps]
         self.world = world
 
-    def begin(self, kv, grad_dtype=None):
+    def begin(self, kv, grad_dtype=None, after=None):
         pass
 
     def buffer(self, i):

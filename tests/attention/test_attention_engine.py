@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -92,3 +93,36 @@ def test_split_schedules_do_split():
     assert any(c.causal and c.dense and c.rest is not None for c in calls)
     assert any(not c.causal and c.dense and c.rest is not None for c in calls)
     assert all(not c.dense for r in range(2) for c in [compile_schedule(mb, r, dense_threshold=None).local])
+
+
+def test_backward_holds_the_largest_dense_segment_back_to_hide_the_dkv_transfer():
+    """_overlap_split moves the largest local dense segment after the remote steps; the two halves
+    cover the local call's parts exactly once, and the engine stays exact with them (fp64)."""
+    from ringpack.attention import compile_schedule
+    from ringpack.attention.ring import _overlap_split
+    from tests.attention.attn_testlib import zigzag_case
+
+    mb = zigzag_case(2, [40, 3, 1, 17])
+    local = compile_schedule(mb, 0, dense_threshold=5).local
+    assert local.dense and local.rest is not None
+    before, after = _overlap_split(local, "reference_hybrid")
+    assert [c.dense for c in after] == [(max(local.dense, key=lambda d: d[1] * d[3]),)] and after[0].rest is None
+    moved = set(local.dense) - set(after[0].dense)
+    assert set(before[0].dense) == moved if moved else before[0] is local.rest
+    assert _overlap_split(local, "reference") == ([local], [])  # no dense kernel: nothing to split
+    assert_exact(Problem.make(mb, [40, 3, 1, 17], 4, 2, 8, seed=5), backend="reference_hybrid", dense_threshold=5)
+
+
+def test_send_rows_are_a_slice_when_contiguous():
+    from ringpack.attention import compile_schedule
+    from tests.attention.attn_testlib import zigzag_case
+
+    mb = zigzag_case(2, [40, 3, 1, 17])
+    for r in range(2):
+        s = compile_schedule(mb, r)
+        idx = s.send_index.numpy()
+        contiguous = idx.size > 0 and (np.diff(idx) == 1).all()
+        assert (s.send_range is not None) == bool(contiguous)
+        rows = s.send_rows
+        got = torch.arange(s.num_tokens)[rows]
+        assert torch.equal(got, s.send_index)

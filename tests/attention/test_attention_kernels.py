@@ -168,3 +168,33 @@ def test_cudnn_ragged_path_is_refused(monkeypatch, value, refused):
     assert (reason is not None) == refused
     if refused:
         assert "TORCH_CUDNN_SDPA_AVOID_RECOMPILE" in reason and "cudnn_hybrid" in reason
+
+
+@pytest.mark.parametrize("rows", [None, slice(1, 4), torch.tensor([4, 0, 2])])
+@pytest.mark.parametrize("src_dtype", [torch.bfloat16, torch.float32])
+def test_add_rows_rounds_once(rows, src_dtype):
+    """dst[rows] += src for every row form, summed in float and rounded to dst's dtype once."""
+    from ringpack.attention.ring import _add_rows
+
+    gen = torch.Generator().manual_seed(3)
+    dst = torch.randn(5, 2, 3, generator=gen).to(torch.bfloat16)
+    n = 5 if rows is None else len(range(5)[rows]) if isinstance(rows, slice) else rows.numel()
+    src = torch.randn(n, 2, 3, generator=gen).to(src_dtype)
+    want = dst.float().clone()
+    sel = slice(None) if rows is None else rows
+    want[sel] += src.float()
+    _add_rows(dst, rows, src)
+    assert torch.equal(dst, want.to(torch.bfloat16))
+
+
+def test_merge_into_an_input_dtype_output_rounds_once():
+    """One remote step keeps out in bf16: the merge equals the float merge rounded once at the end."""
+    gen = torch.Generator().manual_seed(2)
+    out = torch.randn(6, 2, 4, generator=gen).to(torch.bfloat16)
+    lse = torch.randn(2, 6, generator=gen)
+    part, part_lse = torch.randn(3, 2, 4, generator=gen).to(torch.bfloat16), torch.randn(2, 3, generator=gen)
+    for rows in (slice(2, 5), torch.tensor([5, 1, 3])):
+        out_f, lse_f, out_b, lse_b = out.float(), lse.clone(), out.clone(), lse.clone()
+        merge_partial(out_f, lse_f, part, part_lse, rows)
+        merge_partial(out_b, lse_b, part, part_lse, rows)
+        assert torch.equal(out_b, out_f.to(torch.bfloat16)) and torch.equal(lse_b, lse_f)
