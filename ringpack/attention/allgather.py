@@ -52,24 +52,28 @@ class AllGatherTransport:
         self._work = None
         self._grads: Tensor | None = None
 
-    def begin(self, kv: Tensor, grad_dtype: torch.dtype | None = None, after: "torch.cuda.Event | None" = None) -> None:
+    def begin(self, kv: Tensor, grad_dtype: torch.dtype | None = None) -> None:
         padded = kv
         if kv.shape[1] != self._capacity:  # the engine packs to send_capacity; this is for other callers
             padded = kv.new_zeros((2, self._capacity, *kv.shape[2:]))
             padded[:, : kv.shape[1]] = kv
-            after = mark(kv)
         world = len(self._sizes)
         flat = kv.new_empty((world * 2, *padded.shape[1:]))
-        with issued_after(after, kv.device):
-            self._work = all_gather_flat(flat, padded, self._group, async_op=True)
         self._gathered = flat.view(world, *padded.shape)
+        self._first = (padded, flat, mark(padded))
         if grad_dtype is not None:
             self._grads = torch.zeros(self._gathered.shape, dtype=grad_dtype, device=kv.device)
+
+    def start(self) -> None:
+        self._send, flat, packed = self._first  # the send buffer lives until the gather is waited on
+        del self._first
+        with issued_after(packed, flat.device):
+            self._work = all_gather_flat(flat, self._send, self._group, async_op=True)
 
     def buffer(self, i: int) -> Tensor:
         if self._work is not None:
             self._work.wait()
-            self._work = None
+            self._work = self._send = None
         origin = self._origin[i]
         return self._gathered[origin, :, : self._sizes[origin]]
 

@@ -110,18 +110,23 @@ def pack_kv(k: Tensor, v: Tensor, index: Tensor, capacity: int | None = None) ->
 class KVTransport(Protocol):
     """Moves compact K/V buffers to where the schedule's remote steps need them, and dK/dV back.
 
-    Forward: ``begin(kv)`` then ``buffer(i)`` for each remote step ``i`` in order. Backward: the
-    same, plus ``push_grad(i, dkv)`` after each step's kernels and ``finish()`` for this rank's
-    own ``dkv`` (``[2, n, H_kv, D]`` in ``grad_dtype``, ``None`` if this rank sends nothing).
-    ``send_capacity``: the row count ``kv`` is packed to (zero padded; ``None``: exactly the rows
-    sent). ``begin`` starts the first transfer; the engine calls it after queueing the local kernel, with
-    ``after`` marking the end of the packing (see :mod:`ringpack.attention.streams`), so the
-    transfer waits for the packing only and overlaps the local kernel.
+    Forward: ``begin(kv)``, ``start()``, then ``buffer(i)`` for each remote step ``i`` in order.
+    Backward: the same, plus ``push_grad(i, dkv)`` after each step's kernels and ``finish()`` for
+    this rank's own ``dkv`` (``[2, n, H_kv, D]`` in ``grad_dtype``, ``None`` if this rank sends
+    nothing). ``send_capacity``: the row count ``kv`` is packed to (zero padded; ``None``: exactly
+    the rows sent).
+
+    ``begin`` allocates what the first transfer writes and marks the end of the packing; ``start``
+    issues that transfer, waiting for the mark only (:mod:`ringpack.attention.streams`). The
+    engine queues the local kernel in between, so the transfer overlaps it and the host time of
+    issuing it does not leave the GPU idle.
     """
 
     send_capacity: int | None
 
-    def begin(self, kv: Tensor, grad_dtype: torch.dtype | None = None, after: "torch.cuda.Event | None" = None) -> None: ...
+    def begin(self, kv: Tensor, grad_dtype: torch.dtype | None = None) -> None: ...
+
+    def start(self) -> None: ...
 
     def buffer(self, i: int) -> Tensor: ...
 
@@ -181,17 +186,22 @@ class RingTransport:
         self._kv_pending: tuple[list, Tensor, Tensor] | None = None  # (works, received, sent)
         self._grad_pending: tuple[list, Tensor, Tensor | None] | None = None
 
-    def begin(self, kv: Tensor, grad_dtype: torch.dtype | None = None, after: "torch.cuda.Event | None" = None) -> None:
+    def begin(self, kv: Tensor, grad_dtype: torch.dtype | None = None) -> None:
         self._shape, self._dtype, self._device = kv.shape[2:], kv.dtype, kv.device
         self._grad_dtype = grad_dtype
-        self._launch_kv(0, kv, after)
+        self._first = (kv, self._empty(self._held[1], self._dtype), mark(kv))
+
+    def start(self) -> None:
+        send, recv, packed = self._first
+        del self._first
+        self._launch_kv(0, send, recv, packed)
 
     def _empty(self, tokens: int, dtype: torch.dtype | None) -> Tensor:
         return torch.empty((2, tokens, *self._shape), dtype=dtype, device=self._device)
 
-    def _launch_kv(self, i: int, send: Tensor, after=None) -> None:
+    def _launch_kv(self, i: int, send: Tensor, recv: Tensor | None = None, after=None) -> None:
         hop = self._hops[i]
-        recv = self._empty(self._held[i + 1], self._dtype)
+        recv = self._empty(self._held[i + 1], self._dtype) if recv is None else recv
         works = self._p2p.exchange(send, hop, recv, -hop, tag=2 * i, after=after)
         self._kv_pending = (works, recv, send)  # keep the send buffer alive until the transfer is waited on
 
@@ -296,39 +306,57 @@ def _bwd_call_parts(dout, q, k, v, out, lse, call: KernelCall, scale: float, bac
     return dq, None, dk, dv
 
 
-def _local_forward(q: Tensor, k: Tensor, v: Tensor, call: KernelCall, out_dtype: torch.dtype, scale: float, backend: str) -> tuple[Tensor, Tensor]:
-    """The local causal call: ``(out, lse)`` over all local rows (``out`` in ``out_dtype`` when split)."""
+def _after_first(parts: Iterator, hook: Callable[[], None] | None) -> Iterator:
+    """Yield ``parts``, calling ``hook`` once as soon as the first part's kernel is queued (or at
+    the end if there is none). The engine issues its first transfer there: the GPU runs that
+    kernel while the host spends its time issuing the transfer, and the remaining local kernels
+    are queued after it, so the transfer starts early and overlaps them."""
+    for part in parts:
+        if hook is not None:
+            hook()
+            hook = None
+        yield part
+    if hook is not None:
+        hook()
+
+
+def _local_forward(q: Tensor, k: Tensor, v: Tensor, call: KernelCall, out_dtype: torch.dtype, scale: float, backend: str, then=None) -> tuple[Tensor, Tensor]:
+    """The local causal call: ``(out, lse)`` over all local rows (``out`` in ``out_dtype`` when split).
+    ``then``: called once the first local kernel is queued (see :func:`_after_first`)."""
+    parts = _after_first(_fwd_parts(q, k, v, call, scale, backend), then)
     if not _splits(call, backend):
-        return _fwd_call(q, k, v, call, scale, backend)
+        ((_, out, lse),) = parts
+        return out, lse
     out = q.new_empty(q.shape, dtype=out_dtype)
     lse = q.new_empty((q.shape[1], q.shape[0]), dtype=accum_dtype(q.dtype))
-    for rows, part_out, part_lse in _fwd_parts(q, k, v, call, scale, backend):  # the parts tile the local rows
+    for rows, part_out, part_lse in parts:  # the parts tile the local rows
         _put_rows(out, rows, part_out)
         _put_rows(lse, rows, part_lse, dim=1)
     return out, lse
 
 
-def _local_backward(dout, q, k, v, out, lse, calls, scale: float, backend: str, grads: list | None = None) -> list | None:
+def _local_backward(dout, q, k, v, out, lse, calls, scale: float, backend: str, grads: list | None = None, then=None) -> list | None:
     """Fold the gradients of local ``calls`` into ``grads = [dq, dk, dv]`` (created by the first part).
 
     Local parts never overlap (query rows tile the local rows, dense segments own their keys), so
     each element receives one local value: adding it to zeros, or to one remote value, rounds once.
-    A first part over every row is adopted as is: the common one-kernel case copies nothing.
+    The first part is adopted where it covers every row (the common one-kernel case copies
+    nothing) and copied into zeros elsewhere. ``then``: see :func:`_local_forward`.
     """
-    for call in calls:
-        for q_rows, dq_c, k_rows, dk_c, dv_c in _bwd_parts(dout, q, k, v, out, lse, call, scale, backend):
-            if grads is None:
-                grads = [dq_c if q_rows is None else torch.zeros_like(q), *((dk_c, dv_c) if k_rows is None else (torch.zeros_like(k), torch.zeros_like(v)))]
-                if q_rows is not None:
-                    _add_rows(grads[0], q_rows, dq_c)
-                if k_rows is not None:
-                    _add_rows(grads[1], k_rows, dk_c)
-                    _add_rows(grads[2], k_rows, dv_c)
-                continue
-            _add_rows(grads[0], q_rows, dq_c)
-            _add_rows(grads[1], k_rows, dk_c)
-            _add_rows(grads[2], k_rows, dv_c)
-            del dq_c, dk_c, dv_c
+    parts = (part for call in calls for part in _bwd_parts(dout, q, k, v, out, lse, call, scale, backend))
+    for q_rows, dq_c, k_rows, dk_c, dv_c in _after_first(parts, then):
+        if grads is None:
+            grads = [dq_c if q_rows is None else torch.zeros_like(q), *((dk_c, dv_c) if k_rows is None else (torch.zeros_like(k), torch.zeros_like(v)))]
+            if q_rows is not None:
+                _put_rows(grads[0], q_rows, dq_c)
+            if k_rows is not None:
+                _put_rows(grads[1], k_rows, dk_c)
+                _put_rows(grads[2], k_rows, dv_c)
+            continue
+        _add_rows(grads[0], q_rows, dq_c)
+        _add_rows(grads[1], k_rows, dk_c)
+        _add_rows(grads[2], k_rows, dv_c)
+        del dq_c, dk_c, dv_c
     return grads
 
 
@@ -359,18 +387,16 @@ def _attention_forward(q, k, v, schedule: Schedule, make_transport: TransportFac
         out, lse = _local_forward(q, k, v, schedule.local, q.dtype, scale, backend)
         return out, lse.to(acc)
     transport = make_transport(schedule)
-    kv = pack_kv(k, v, schedule.send_index, transport.send_capacity)
-    packed = mark(kv)
+    transport.begin(pack_kv(k, v, schedule.send_index, transport.send_capacity))
     # With one remote step every row gets at most one remote part, so the running output stays in
     # q's dtype (merge_partial computes in float and rounds once); more steps accumulate in float.
     out_dtype = q.dtype if len(schedule.steps) == 1 else acc
     if schedule.local is None:  # a rank without tokens still forwards buffers
+        transport.start()
         out, lse = q.new_zeros(q.shape, dtype=out_dtype), q.new_zeros((q.shape[1], 0), dtype=acc)
-    else:
-        out, lse = _local_forward(q, k, v, schedule.local, out_dtype, scale, backend)
+    else:  # the first transfer is issued once the first local kernel is queued; it waits for the packing only
+        out, lse = _local_forward(q, k, v, schedule.local, out_dtype, scale, backend, then=transport.start)
         out, lse = out.to(out_dtype), lse.to(acc)
-    transport.begin(kv, after=packed)  # issued after the local kernel is queued; waits for the packing only
-    del kv
     for i, step in enumerate(schedule.steps):
         buf = transport.buffer(i)
         for call in step.calls:
@@ -394,12 +420,9 @@ def _attention_backward(dout, q, k, v, out, lse, schedule: Schedule, make_transp
     one_step = len(schedule.steps) == 1
     grad_dtype = q.dtype if one_step else acc
     transport = make_transport(schedule)
-    kv = pack_kv(k, v, schedule.send_index, transport.send_capacity)
-    packed = mark(kv)
+    transport.begin(pack_kv(k, v, schedule.send_index, transport.send_capacity), grad_dtype=grad_dtype)
     before, after = _overlap_split(schedule.local, backend)
-    grads = _local_backward(dout, q, k, v, out, lse, before, scale, backend)
-    transport.begin(kv, grad_dtype=grad_dtype, after=packed)  # overlaps the local kernels queued above
-    del kv
+    grads = _local_backward(dout, q, k, v, out, lse, before, scale, backend, then=transport.start)
     if grads is None:  # a rank without tokens
         grads = [torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)]
     if not one_step:

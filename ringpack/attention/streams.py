@@ -8,9 +8,14 @@ the GPU would otherwise sit idle (measured at 0.4-0.5 ms per forward on H200; BE
 Issuing the transfer from a side stream that waits on an event recorded right after the packing
 keeps the transfer independent of the local kernel, so both run at once.
 
-Buffers stay allocated on the compute stream (the caller keeps them alive until the transfer is
-waited on, and ``work.wait()`` makes the compute stream wait), so the caching allocator never
-reuses them early. On CPU (gloo) there are no streams and every helper is a no-op.
+Memory safety with PyTorch's caching allocator, which recycles a block for the next allocation
+on the same stream without waiting for the kernels that used it before: every buffer the
+transfer reads or writes is allocated on the compute stream *before* the mark is recorded, so any
+earlier user of its memory was queued before the mark and the transfer waits for it; the caller
+keeps the buffers alive until the compute stream has waited for the transfer (``work.wait()``).
+(Allocating the receive buffer after queueing the local kernel broke exactly this: on H200 the
+transfer overwrote a block still in use by the local backward, and dK/dV came out wrong.)
+On CPU (gloo) there are no streams and every helper is a no-op.
 """
 
 from __future__ import annotations

@@ -178,7 +178,10 @@ class LoopbackTransport:
         self.origins = [schedule.source(step) for step in schedule.steps]
         self.world = world
 
-    def begin(self, kv, grad_dtype=None, after=None):
+    def begin(self, kv, grad_dtype=None):
+        pass
+
+    def start(self):
         pass
 
     def buffer(self, i):
