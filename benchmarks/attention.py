@@ -171,9 +171,24 @@ def main() -> int:
     from ringpack.attention import compile_schedule, ring_attention
 
     rows = []
+    started = time.time()
+
+    def save() -> None:
+        """Rewrite the JSON (rank 0) after every row: a run cut short by a time limit keeps what it measured."""
+        if rank == 0:
+            meta = dict(
+                torch=torch.__version__,
+                device=torch.cuda.get_device_name(device),
+                world=world,
+                date=time.strftime("%Y-%m-%d"),
+                argv=sys.argv,
+                elapsed_s=round(time.time() - started, 1),
+            )
+            Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
 
     def record(row: dict) -> None:
         rows.append(row)
+        save()
         if rank == 0:
             busy = " ".join(f"{b:.1f}" for b in row.get("busy_ms", []))
             mem = " ".join(f"{m:.0f}" for m in row.get("peak_mib", []))
@@ -270,15 +285,8 @@ def main() -> int:
                 del q, k, v
                 torch.cuda.empty_cache()
 
+    save()
     if rank == 0:
-        meta = dict(
-            torch=torch.__version__,
-            device=torch.cuda.get_device_name(device),
-            world=world,
-            date=time.strftime("%Y-%m-%d"),
-            argv=sys.argv,
-        )
-        Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
         print(f"wrote {args.out}")
     dist.destroy_process_group()
     return 0

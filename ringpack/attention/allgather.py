@@ -13,6 +13,8 @@ bookkeeping are the ring's (:mod:`ringpack.attention.ring`).
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -77,10 +79,11 @@ class AllGatherTransport:
         origin = self._origin[i]
         return self._gathered[origin, :, : self._sizes[origin]]
 
-    def push_grad(self, i: int, dkv: Tensor | None) -> None:
+    def push_grad(self, i: int, dkv: Sequence[Tensor] | None) -> None:
         if dkv is not None:
             origin = self._origin[i]
-            self._grads[origin, :, : self._sizes[origin]] += dkv
+            for j, grad in enumerate(dkv):
+                self._grads[origin, j, : self._sizes[origin]] += grad
 
     def finish(self) -> Tensor | None:
         own = self._grads.new_empty(self._grads.shape[1:])

@@ -20,7 +20,7 @@ move bytes.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Callable, Iterator, Protocol
+from typing import Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -111,9 +111,10 @@ class KVTransport(Protocol):
     """Moves compact K/V buffers to where the schedule's remote steps need them, and dK/dV back.
 
     Forward: ``begin(kv)``, ``start()``, then ``buffer(i)`` for each remote step ``i`` in order.
-    Backward: the same, plus ``push_grad(i, dkv)`` after each step's kernels and ``finish()`` for
-    this rank's own ``dkv`` (``[2, n, H_kv, D]`` in ``grad_dtype``, ``None`` if this rank sends
-    nothing). ``send_capacity``: the row count ``kv`` is packed to (zero padded; ``None``: exactly
+    Backward: the same, plus ``push_grad(i, dkv)`` after each step's kernels (``dkv``: the
+    buffer's dK and dV, two ``[n, H_kv, D]`` tensors in ``grad_dtype``, or ``None`` if no query of
+    this rank used it) and ``finish()`` for this rank's own (``[2, n, H_kv, D]``, ``None`` if this
+    rank sends nothing). ``send_capacity``: the row count ``kv`` is packed to (zero padded; ``None``: exactly
     the rows sent).
 
     ``begin`` allocates what the first transfer writes and marks the end of the packing; ``start``
@@ -130,7 +131,7 @@ class KVTransport(Protocol):
 
     def buffer(self, i: int) -> Tensor: ...
 
-    def push_grad(self, i: int, dkv: Tensor | None) -> None: ...
+    def push_grad(self, i: int, dkv: Sequence[Tensor] | None) -> None: ...
 
     def finish(self) -> Tensor | None: ...
 
@@ -146,14 +147,12 @@ class _P2P:
         self._global = [dist.get_global_rank(group, (r + d) % c) if group is not None else (r + d) % c for d in range(c)]
         self._group = group
 
-    def exchange(self, send: Tensor | None, to: int, recv: Tensor | None, frm: int, tag: int, after=None) -> list:
-        """Post one send (to offset ``to``) and one receive (from offset ``frm``); empty sides are
-        skipped. ``after``: an event the transfer waits for instead of the whole current stream."""
-        ops = []
-        if send is not None and send.numel():
-            ops.append(dist.P2POp(dist.isend, send, self._global[to], self._group, tag))
-        if recv is not None and recv.numel():
-            ops.append(dist.P2POp(dist.irecv, recv, self._global[frm], self._group, tag))
+    def exchange(self, send: Sequence[Tensor], to: int, recv: Sequence[Tensor], frm: int, tag: int, after=None) -> list:
+        """Post the sends (to offset ``to``) and the receives (from offset ``frm``), in order, as one
+        batch; empty tensors are skipped (both sides know every size, so they skip alike).
+        ``after``: an event the transfer waits for instead of the whole current stream."""
+        ops = [dist.P2POp(dist.isend, t, self._global[to], self._group, 2 * tag + j) for j, t in enumerate(send) if t.numel()]
+        ops += [dist.P2POp(dist.irecv, t, self._global[frm], self._group, 2 * tag + j) for j, t in enumerate(recv) if t.numel()]
         if not ops:
             return []
         with issued_after(after, ops[0].tensor.device):
@@ -202,31 +201,33 @@ class RingTransport:
     def _launch_kv(self, i: int, send: Tensor, recv: Tensor | None = None, after=None) -> None:
         hop = self._hops[i]
         recv = self._empty(self._held[i + 1], self._dtype) if recv is None else recv
-        works = self._p2p.exchange(send, hop, recv, -hop, tag=2 * i, after=after)
+        works = self._p2p.exchange((send,), hop, (recv,), -hop, tag=2 * i, after=after)
         self._kv_pending = (works, recv, send)  # keep the send buffer alive until the transfer is waited on
 
     def buffer(self, i: int) -> Tensor:
         works, kv, _ = self._kv_pending
         _wait(works)
+        self._kv_pending = None  # the compute stream waited: the sent buffer may go
         if i + 1 < len(self._hops):
             self._launch_kv(i + 1, kv)  # in flight while the caller runs step i's kernels
         return kv
 
-    def push_grad(self, i: int, dkv: Tensor | None) -> None:
+    def push_grad(self, i: int, dkv: Sequence[Tensor] | None) -> None:
         held = self._held[i + 1]
         incoming = None
         if i > 0:  # the sum of the ranks that held this buffer before
             works, incoming, _ = self._grad_pending
             _wait(works)
-        if held and dkv is None:  # no query of this rank used the buffer: pass the sum on unchanged
+        if dkv is None:  # no query of this rank used the buffer: pass the sum on unchanged
             dkv = incoming if incoming is not None else self._empty(held, self._grad_dtype).zero_()
         elif held and incoming is not None:
-            dkv.add_(incoming)
+            for grad, more in zip(dkv, incoming):
+                grad.add_(more)
         last = i + 1 == len(self._hops)
         to = self._home if last else self._hops[i + 1]
         recv_tokens = self._held[0] if last else self._held[i + 2]
         recv = self._empty(recv_tokens, self._grad_dtype)
-        works = self._p2p.exchange(dkv, to, recv, -to, tag=2 * i + 1)
+        works = self._p2p.exchange(tuple(dkv), to, tuple(recv), -to, tag=2 * i + 1)
         self._grad_pending = (works, recv, dkv)
 
     def finish(self) -> Tensor | None:
@@ -434,17 +435,17 @@ def _attention_backward(dout, q, k, v, out, lse, schedule: Schedule, make_transp
         for call in step.calls:
             for q_rows, dq_c, k_rows, dk_c, dv_c in _bwd_parts(dout, q, buf[0], buf[1], out, lse, call, scale, backend):
                 _add_rows(grads[0], q_rows, dq_c)
-                if dkv is None:  # a part over the whole buffer is copied in (zeros where it has no queries)
-                    dkv = (torch.empty if k_rows is None else torch.zeros)(buf.shape, dtype=sum_dtype, device=buf.device)
-                    if k_rows is None:
-                        dkv[0].copy_(dk_c)
-                        dkv[1].copy_(dv_c)
-                        continue
+                if dkv is None and k_rows is None and dk_c.dtype == sum_dtype:
+                    dkv = [dk_c, dv_c]  # a part over the whole buffer (zeros where it has no queries) is the sum so far
+                    continue
+                if dkv is None:
+                    dkv = [torch.zeros(buf.shape[1:], dtype=sum_dtype, device=buf.device) for _ in range(2)]
                 rows = slice(None) if k_rows is None else k_rows
-                dkv[0, rows] += dk_c
-                dkv[1, rows] += dv_c
+                dkv[0][rows] += dk_c
+                dkv[1][rows] += dv_c
                 del dq_c, dk_c, dv_c
-        transport.push_grad(i, None if dkv is None else dkv.to(grad_dtype))
+        del buf  # the received K/V are not needed any more (peak memory)
+        transport.push_grad(i, None if dkv is None else [g.to(grad_dtype) for g in dkv])
         del dkv
     grads = _local_backward(dout, q, k, v, out, lse, after, scale, backend, grads)  # hides the dK/dV transfer home
     home = transport.finish()

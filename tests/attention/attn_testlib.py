@@ -189,7 +189,8 @@ class LoopbackTransport:
 
     def push_grad(self, i, dkv):
         if dkv is not None:
-            self.world.dkv[self.origins[i]] += dkv
+            for j, grad in enumerate(dkv):
+                self.world.dkv[self.origins[i]][j] += grad
 
     def finish(self):
         return None
