@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ringpack.attention.fused_merge import fused_merge, fused_merge_applies
 from ringpack.attention.kernels import accum_dtype, dense_attn_bwd, dense_attn_fwd, dense_backend, varlen_attn_bwd, varlen_attn_fwd
 from ringpack.attention.schedule import KernelCall, Schedule
 from ringpack.attention.streams import issued_after, mark
@@ -54,6 +55,9 @@ def merge_partial(out: Tensor, lse: Tensor, part_out: Tensor, part_lse: Tensor, 
     step), so the weights below never see ``inf - inf``.
     """
     part_lse = part_lse.to(lse.dtype)
+    if fused_merge_applies(out, lse, part_out, part_lse, index):  # CUDA: one kernel, same arithmetic
+        fused_merge(out, lse, part_out, part_lse, index)
+        return
     part_lse = part_lse.masked_fill(torch.isposinf(part_lse), float("-inf"))
     if isinstance(index, Tensor):
         old_out, old_lse = out.index_select(0, index), lse.index_select(1, index)
@@ -94,6 +98,15 @@ def _add_rows(dst: Tensor, rows: Rows, src: Tensor) -> None:
         dst.index_copy_(0, rows, dst.index_select(0, rows).to(src.dtype).add_(src).to(dst.dtype))
 
 
+def _send_kv(k: Tensor, v: Tensor, schedule: Schedule, capacity: int | None) -> Tensor | tuple[Tensor, Tensor]:
+    """What this rank sends: views of k and v when its sent rows are one range and the transport
+    takes them as they are (no copy), else the packed buffer (:func:`pack_kv`)."""
+    if capacity is None and schedule.send_range is not None:
+        rows = schedule.send_rows
+        return k[rows], v[rows]
+    return pack_kv(k, v, schedule.send_index, capacity)
+
+
 def pack_kv(k: Tensor, v: Tensor, index: Tensor, capacity: int | None = None) -> Tensor:
     """The compact send buffer ``[2, capacity, H_kv, D]``: rows ``index`` of k and v (zero padding after)."""
     n = index.numel()
@@ -117,6 +130,8 @@ class KVTransport(Protocol):
     rank sends nothing). ``send_capacity``: the row count ``kv`` is packed to (zero padded; ``None``: exactly
     the rows sent).
 
+    ``kv`` is what this rank sends: ``[2, n, H_kv, D]`` packed to ``send_capacity``, or (with
+    ``send_capacity = None``) possibly the pair of K and V row views when the rows are one range.
     ``begin`` allocates what the first transfer writes and marks the end of the packing; ``start``
     issues that transfer, waiting for the mark only (:mod:`ringpack.attention.streams`). The
     engine queues the local kernel in between, so the transfer overlaps it and the host time of
@@ -125,7 +140,7 @@ class KVTransport(Protocol):
 
     send_capacity: int | None
 
-    def begin(self, kv: Tensor, grad_dtype: torch.dtype | None = None) -> None: ...
+    def begin(self, kv: Tensor | Sequence[Tensor], grad_dtype: torch.dtype | None = None) -> None: ...
 
     def start(self) -> None: ...
 
@@ -185,10 +200,10 @@ class RingTransport:
         self._kv_pending: tuple[list, Tensor, Tensor] | None = None  # (works, received, sent)
         self._grad_pending: tuple[list, Tensor, Tensor | None] | None = None
 
-    def begin(self, kv: Tensor, grad_dtype: torch.dtype | None = None) -> None:
-        self._shape, self._dtype, self._device = kv.shape[2:], kv.dtype, kv.device
+    def begin(self, kv: Tensor | Sequence[Tensor], grad_dtype: torch.dtype | None = None) -> None:
+        self._shape, self._dtype, self._device = kv[0].shape[1:], kv[0].dtype, kv[0].device
         self._grad_dtype = grad_dtype
-        self._first = (kv, self._empty(self._held[1], self._dtype), mark(kv))
+        self._first = (kv, self._empty(self._held[1], self._dtype), mark(kv[0]))
 
     def start(self) -> None:
         send, recv, packed = self._first
@@ -198,10 +213,10 @@ class RingTransport:
     def _empty(self, tokens: int, dtype: torch.dtype | None) -> Tensor:
         return torch.empty((2, tokens, *self._shape), dtype=dtype, device=self._device)
 
-    def _launch_kv(self, i: int, send: Tensor, recv: Tensor | None = None, after=None) -> None:
+    def _launch_kv(self, i: int, send: Tensor | Sequence[Tensor], recv: Tensor | None = None, after=None) -> None:
         hop = self._hops[i]
         recv = self._empty(self._held[i + 1], self._dtype) if recv is None else recv
-        works = self._p2p.exchange((send,), hop, (recv,), -hop, tag=2 * i, after=after)
+        works = self._p2p.exchange(tuple(send), hop, tuple(recv), -hop, tag=2 * i, after=after)
         self._kv_pending = (works, recv, send)  # keep the send buffer alive until the transfer is waited on
 
     def buffer(self, i: int) -> Tensor:
@@ -388,7 +403,7 @@ def _attention_forward(q, k, v, schedule: Schedule, make_transport: TransportFac
         out, lse = _local_forward(q, k, v, schedule.local, q.dtype, scale, backend)
         return out, lse.to(acc)
     transport = make_transport(schedule)
-    transport.begin(pack_kv(k, v, schedule.send_index, transport.send_capacity))
+    transport.begin(_send_kv(k, v, schedule, transport.send_capacity))
     # With one remote step every row gets at most one remote part, so the running output stays in
     # q's dtype (merge_partial computes in float and rounds once); more steps accumulate in float.
     out_dtype = q.dtype if len(schedule.steps) == 1 else acc
@@ -421,7 +436,7 @@ def _attention_backward(dout, q, k, v, out, lse, schedule: Schedule, make_transp
     one_step = len(schedule.steps) == 1
     grad_dtype = q.dtype if one_step else acc
     transport = make_transport(schedule)
-    transport.begin(pack_kv(k, v, schedule.send_index, transport.send_capacity), grad_dtype=grad_dtype)
+    transport.begin(_send_kv(k, v, schedule, transport.send_capacity), grad_dtype=grad_dtype)
     before, after = _overlap_split(schedule.local, backend)
     grads = _local_backward(dout, q, k, v, out, lse, before, scale, backend, then=transport.start)
     if grads is None:  # a rank without tokens

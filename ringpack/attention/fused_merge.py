@@ -1,0 +1,96 @@
+"""One-kernel log-sum-exp merge on CUDA (Triton), for the merges whose rows are a range.
+
+:func:`ringpack.attention.ring.merge_partial` in plain torch runs about eight kernels: two passes
+over ``[n, H, D]`` with broadcast weights plus a float temporary when the running output is in the
+input dtype. The forward of a remote step is short, so on H200 those passes cost 0.35 ms of a
+3.5 ms forward for 8K query rows with 32 heads (16K mix, BENCHMARKS.md). This kernel reads the
+running output and the partial once, writes the merged output and lse once, and computes in
+float32 like the torch path (its log-sum-exp is the textbook ``m + log(e^(a-m) + e^(b-m))``, which
+agrees with ``torch.logaddexp`` to float32 rounding; outputs round once to the output dtype).
+
+It is used only where it applies: CUDA tensors, Triton importable, rows given as a slice or all
+rows, float32/float16/bfloat16 outputs with an float32 lse. Everything else (CPU, float64 tests,
+gathered rows) takes the torch path, which is the reference the GPU tests compare this against.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+__all__ = ["fused_merge", "fused_merge_applies"]
+
+
+@functools.cache
+def _kernel():
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:  # CPU-only installs
+        return None
+
+    @triton.jit
+    def merge_kernel(
+        out_ptr, lse_ptr, part_ptr, plse_ptr,
+        n_rows, heads, head_dim,
+        out_s_t, out_s_h, part_s_t, part_s_h, lse_s_h, plse_s_h,
+        BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):  # fmt: skip
+        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # flattened (token, head)
+        live = r < n_rows * heads
+        t, h = (r // heads).to(tl.int64), r % heads  # 64-bit offsets: T x H x D may pass 2^31
+        old_lse = tl.load(lse_ptr + h * lse_s_h + t, mask=live, other=0.0)
+        part_lse = tl.load(plse_ptr + h * plse_s_h + t, mask=live, other=float("-inf"))
+        part_lse = tl.where(part_lse == float("inf"), float("-inf"), part_lse)  # flash: no keys -> +inf
+        top = tl.maximum(old_lse, part_lse)  # finite: every row attends itself in the local step
+        new_lse = top + tl.log(tl.exp(old_lse - top) + tl.exp(part_lse - top))
+        w_old, w_new = tl.exp(old_lse - new_lse), tl.exp(part_lse - new_lse)
+        d = tl.arange(0, BLOCK_D)
+        both = live[:, None] & (d[None, :] < head_dim)
+        out_at = out_ptr + (t * out_s_t + h * out_s_h)[:, None] + d[None, :]
+        part_at = part_ptr + (t * part_s_t + h * part_s_h)[:, None] + d[None, :]
+        old = tl.load(out_at, mask=both, other=0.0).to(tl.float32)
+        new = tl.load(part_at, mask=both, other=0.0).to(tl.float32)
+        merged = old * w_old[:, None] + new * w_new[:, None]
+        tl.store(out_at, merged.to(out_ptr.dtype.element_ty), mask=both)
+        tl.store(lse_ptr + h * lse_s_h + t, new_lse, mask=live)
+
+    return merge_kernel
+
+
+def fused_merge_applies(out: Tensor, lse: Tensor, part_out: Tensor, part_lse: Tensor, index) -> bool:
+    """Whether :func:`fused_merge` can do this merge (otherwise the caller uses the torch path)."""
+    return (
+        out.is_cuda
+        and (index is None or isinstance(index, slice))
+        and out.dtype in (torch.float32, torch.float16, torch.bfloat16)
+        and lse.dtype == torch.float32
+        and part_lse.dtype == torch.float32
+        and out.stride(-1) == 1
+        and part_out.stride(-1) == 1
+        and lse.stride(-1) == 1
+        and part_lse.stride(-1) == 1
+        and out.shape[-1] <= 256
+        and _kernel() is not None
+    )
+
+
+def fused_merge(out: Tensor, lse: Tensor, part_out: Tensor, part_lse: Tensor, index: slice | None) -> None:
+    """In place: rows ``index`` of ``out [T, H, D]`` / ``lse [H, T]`` merged with ``part_out [n, H, D]``
+    / ``part_lse [H, n]`` (see :func:`ringpack.attention.ring.merge_partial` for the contract)."""
+    rows_out = out if index is None else out[index]
+    rows_lse = lse if index is None else lse[:, index]
+    n, heads, head_dim = rows_out.shape
+    if n == 0:
+        return
+    block_d = max(16, 1 << (head_dim - 1).bit_length())
+    block_r = max(1, 4096 // block_d)  # about 4K elements per program
+    grid = (-(-n * heads // block_r),)
+    _kernel()[grid](
+        rows_out, rows_lse, part_out, part_lse,
+        n, heads, head_dim,
+        rows_out.stride(0), rows_out.stride(1), part_out.stride(0), part_out.stride(1), rows_lse.stride(0), part_lse.stride(0),
+        BLOCK_R=block_r, BLOCK_D=block_d,
+    )  # fmt: skip
