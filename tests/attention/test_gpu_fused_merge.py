@@ -2,7 +2,8 @@
 
 The torch path is the reference: it runs here on CPU copies of the same inputs, so both sides
 compute in float32 from identical values; outputs may differ by float32 rounding in the
-log-sum-exp, hence by at most one unit in the last place of the output dtype.
+log-sum-exp: at most one unit in the last place of a half-precision output, about 1e-6 relative
+for a float32 one.
 """
 
 from __future__ import annotations
@@ -37,8 +38,10 @@ def test_fused_merge_matches_the_torch_merge(dtype, head_dim, rows):
     untouched = out.clone()
     merge_partial(out, lse, part, part_lse, rows)
     torch.testing.assert_close(lse.cpu(), want_lse, rtol=1e-6, atol=1e-6)
-    ulp = {torch.bfloat16: 2**-7, torch.float16: 2**-10, torch.float32: 2**-22}[dtype]
-    torch.testing.assert_close(out.cpu().float(), want_out.float(), rtol=ulp, atol=ulp)
+    # one unit in the last place of a half-precision output; for float32 outputs the weights' own
+    # float32 rounding (exp of lse differences that agree to ~1e-6) dominates (measured: <= 3.4e-6)
+    tol = {torch.bfloat16: 2**-7, torch.float16: 2**-10, torch.float32: 1e-5}[dtype]
+    torch.testing.assert_close(out.cpu().float(), want_out.float(), rtol=tol, atol=tol)
     sel = slice(None) if rows is None else rows
     kept = torch.zeros(t, dtype=torch.bool)
     kept[sel] = True
