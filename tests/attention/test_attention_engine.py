@@ -126,3 +126,31 @@ def test_send_rows_are_a_slice_when_contiguous():
         rows = s.send_rows
         got = torch.arange(s.num_tokens)[rows]
         assert torch.equal(got, s.send_index)
+
+
+def test_first_transfer_hook_runs_once_after_the_first_local_kernel():
+    """_after_first calls the hook (the engine's first transfer) right after the first part is
+    produced, before the rest are computed, and exactly once; with no parts, at the end."""
+    from ringpack.attention.ring import _after_first
+
+    events = []
+
+    def parts():
+        for i in range(3):
+            events.append(f"kernel {i}")
+            yield i
+
+    assert list(_after_first(parts(), lambda: events.append("transfer"))) == [0, 1, 2]
+    assert events == ["kernel 0", "transfer", "kernel 1", "kernel 2"]
+    events.clear()
+    assert list(_after_first(iter(()), lambda: events.append("transfer"))) == [] and events == ["transfer"]
+
+
+def test_stream_helpers_are_no_ops_off_cuda():
+    from ringpack.attention.streams import issued_after, mark
+
+    t = torch.zeros(2)
+    assert mark(t) is None
+    with issued_after(None, t.device):
+        t.add_(1)
+    assert t.tolist() == [1.0, 1.0]
