@@ -23,6 +23,10 @@ PROFILE_FEATURES = ("overhead", "ring", "tokens", "pairs", "pieces")
 KERNEL_FEATURES = ("overhead", "ring", "calls", "tokens", "tiles", "grid_q", "grid_k", "remote_rows", "buffer_tokens",
                    "dense_calls", "dense_tiles")
 BLOCKS = ((64, 64), (64, 128), (128, 64), (128, 128))
+# How this version's schedules run a split local call's short segments: "runs" (one varlen call per
+# run between long segments, rows read as views). Reports record it; older reports, timed when they
+# ran as one gathered call, have none and are refitted as "single".
+LOCAL_REST = "runs"
 
 
 def planner_features(case: Case, tile: int = 1) -> np.ndarray:
@@ -116,7 +120,8 @@ def kernel_features(case: Case, block_q: int = 128, block_k: int = 128, schedule
     return out
 
 
-def rank_features(case: Case, hybrid: bool = False, block_q: int = 128, block_k: int = 128, schedule=None) -> dict[str, float]:
+def rank_features(case: Case, hybrid: bool = False, block_q: int = 128, block_k: int = 128, schedule=None,
+                  local_rest: str = LOCAL_REST) -> dict[str, float]:
     """Every feature of a rank shard the profile and kernel models use (:data:`PROFILE_FEATURES`, :data:`KERNEL_FEATURES`).
 
     * ``ring``: 1 when the micro-batch has remote steps (some sample is split). Every rank of the
@@ -133,6 +138,9 @@ def rank_features(case: Case, hybrid: bool = False, block_q: int = 128, block_k:
       scattered back); ``buffer_tokens``: remote K/V rows a rank reads and accumulates dK/dV for.
     * ``dense_calls`` / ``dense_tiles``: with a hybrid backend (``hybrid=True``) the long segments the
       schedule marked run one by one on the dense kernel (cuDNN): a launch each and their own tile rate.
+      ``local_rest="single"`` counts a split local call's short segments as the one varlen call
+      (over all of the call's segments, long ones without queries) that engines before
+      :data:`LOCAL_REST` launched, so timings of that engine refit against what it ran.
     """
     schedule = compiled_schedule(case) if schedule is None else schedule
     f = planner_features(case)
@@ -144,23 +152,39 @@ def rank_features(case: Case, hybrid: bool = False, block_q: int = 128, block_k:
     for remote, call in local + [(True, c) for step in schedule.steps for c in step.calls]:
         if remote:
             out["remote_rows"] += float(call.cu_seqlens_q[-1])
+        varlen = (call,)
         if hybrid and call.dense:
             for _, nq, _, nk in call.dense:
                 out["dense_calls"] += 1
                 out["dense_tiles"] += float(segment_tiles([nq], [nk], call.causal, block_q, block_k)[0])
                 out["dense_pairs"] += float(segment_pairs([nq], [nk], call.causal)[0])
-            call = call.rest
-            if call is None:
+            varlen = call.rest
+            if local_rest == "single" and call.causal and varlen:
+                _add_single_rest(out, call, block_q, block_k)
                 continue
-        lq = np.diff(call.cu_seqlens_q.cpu().numpy().astype(np.int64))
-        lk = np.diff(call.cu_seqlens_k.cpu().numpy().astype(np.int64))
-        work = (lq > 0) & (lk > 0)
-        out["calls"] += 1
-        out["segments"] += float(work.sum())
-        out["tiles"] += float(segment_tiles(lq[work], lk[work], call.causal, block_q, block_k).sum())
-        out["grid_q"] += float(lq.size * -(-max(call.max_seqlen_q, 2) // block_q))
-        out["grid_k"] += float(lk.size * -(-call.max_seqlen_k // block_k))
+        for part in varlen:
+            lq = np.diff(part.cu_seqlens_q.cpu().numpy().astype(np.int64))
+            lk = np.diff(part.cu_seqlens_k.cpu().numpy().astype(np.int64))
+            work = (lq > 0) & (lk > 0)
+            out["calls"] += 1
+            out["segments"] += float(work.sum())
+            out["tiles"] += float(segment_tiles(lq[work], lk[work], part.causal, block_q, block_k).sum())
+            out["grid_q"] += float(lq.size * -(-max(part.max_seqlen_q, 2) // block_q))
+            out["grid_k"] += float(lk.size * -(-part.max_seqlen_k // block_k))
     return out
+
+
+def _add_single_rest(out: dict[str, float], call, block_q: int, block_k: int) -> None:
+    """A split local call's short segments as the single varlen call of engines before
+    :data:`LOCAL_REST`: every segment of the call in its grid, the long ones without queries."""
+    segments = call.cu_seqlens_q.numel() - 1
+    for part in call.rest:
+        lq = np.diff(part.cu_seqlens_q.cpu().numpy().astype(np.int64))
+        out["segments"] += float(lq.size)
+        out["tiles"] += float(segment_tiles(lq, lq, True, block_q, block_k).sum())
+    out["calls"] += 1
+    out["grid_q"] += float(segments * -(-max(max(p.max_seqlen_q for p in call.rest), 2) // block_q))
+    out["grid_k"] += float(segments * -(-call.max_seqlen_k // block_k))
 
 
 def feature_matrix(feats: Sequence[dict[str, float]], names: Sequence[str]) -> np.ndarray:

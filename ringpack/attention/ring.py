@@ -265,15 +265,15 @@ def _take(x: Tensor, rows: Rows, dim: int = 0) -> Tensor:
 
 def _fwd_call(q: Tensor, k: Tensor, v: Tensor, call: KernelCall, scale: float, backend: str) -> tuple[Tensor, Tensor]:
     return varlen_attn_fwd(
-        _take(q, call.rows), k, v, call.cu_seqlens_q, call.cu_seqlens_k,
+        _take(q, call.rows), _take(k, call.keys), _take(v, call.keys), call.cu_seqlens_q, call.cu_seqlens_k,
         call.max_seqlen_q, call.max_seqlen_k, scale, call.causal, backend,
     )  # fmt: skip
 
 
 def _bwd_call(dout, q, k, v, out, lse, call: KernelCall, scale: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
-    idx = call.rows
+    idx, keys = call.rows, call.keys
     return varlen_attn_bwd(
-        _take(dout, idx), _take(q, idx), k, v, _take(out, idx), _take(lse, idx, dim=1),
+        _take(dout, idx), _take(q, idx), _take(k, keys), _take(v, keys), _take(out, idx), _take(lse, idx, dim=1),
         call.cu_seqlens_q, call.cu_seqlens_k, call.max_seqlen_q, call.max_seqlen_k, scale, call.causal, backend,
     )  # fmt: skip
 
@@ -290,8 +290,8 @@ def _fwd_parts(q: Tensor, k: Tensor, v: Tensor, call: KernelCall, scale: float, 
     if not _splits(call, backend):
         yield (call.rows, *_fwd_call(q, k, v, call, scale, backend))
         return
-    if call.rest is not None:
-        yield (call.rest.rows, *_fwd_call(q, k, v, call.rest, scale, backend))
+    for rest in call.rest:
+        yield (rest.rows, *_fwd_call(q, k, v, rest, scale, backend))
     for q0, nq, k0, nk in call.dense:
         rows, keys = slice(q0, q0 + nq), slice(k0, k0 + nk)
         yield (rows, *dense_attn_fwd(q[rows], k[keys], v[keys], scale, call.causal, backend))
@@ -304,8 +304,8 @@ def _bwd_parts(dout, q, k, v, out, lse, call: KernelCall, scale: float, backend:
     if not _splits(call, backend):
         yield (call.rows, *_bwd_call_parts(dout, q, k, v, out, lse, call, scale, backend))
         return
-    if call.rest is not None:
-        yield (call.rest.rows, *_bwd_call_parts(dout, q, k, v, out, lse, call.rest, scale, backend))
+    for rest in call.rest:
+        yield (rest.rows, *_bwd_call_parts(dout, q, k, v, out, lse, rest, scale, backend))
     for segment in call.dense:  # (a helper builds each part, so this frame keeps no reference to the last one)
         yield _dense_bwd_part(dout, q, k, v, out, lse, segment, call.causal, scale, backend)
 
@@ -317,9 +317,9 @@ def _dense_bwd_part(dout, q, k, v, out, lse, segment: tuple[int, int, int, int],
     return rows, dq, keys, dk, dv
 
 
-def _bwd_call_parts(dout, q, k, v, out, lse, call: KernelCall, scale: float, backend: str) -> tuple[Tensor, None, Tensor, Tensor]:
+def _bwd_call_parts(dout, q, k, v, out, lse, call: KernelCall, scale: float, backend: str) -> tuple[Tensor, slice | None, Tensor, Tensor]:
     dq, dk, dv = _bwd_call(dout, q, k, v, out, lse, call, scale, backend)
-    return dq, None, dk, dv
+    return dq, call.keys, dk, dv
 
 
 def _after_first(parts: Iterator, hook: Callable[[], None] | None) -> Iterator:
@@ -386,12 +386,12 @@ def _overlap_split(call: KernelCall | None, backend: str) -> tuple[list[KernelCa
     """
     if call is None:
         return [], []
-    if not _splits(call, backend) or (call.rest is None and len(call.dense) == 1):
+    if not _splits(call, backend) or (not call.rest and len(call.dense) == 1):
         return [call], []
     big = max(range(len(call.dense)), key=lambda i: call.dense[i][1] * call.dense[i][3])
     others = call.dense[:big] + call.dense[big + 1 :]
-    before = replace(call, dense=others) if others else call.rest
-    return [before], [replace(call, dense=(call.dense[big],), rest=None)]
+    before = [replace(call, dense=others)] if others else list(call.rest)
+    return before, [replace(call, dense=(call.dense[big],), rest=())]
 
 
 def _attention_forward(q, k, v, schedule: Schedule, make_transport: TransportFactory, scale: float, backend: str):

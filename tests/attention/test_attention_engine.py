@@ -90,8 +90,8 @@ def test_split_schedules_do_split():
 
     mb = zigzag_case(2, [40, 3, 1, 17])
     calls = [c for r in range(2) for s in [compile_schedule(mb, r, dense_threshold=5)] for c in (s.local, *(c for st_ in s.steps for c in st_.calls))]
-    assert any(c.causal and c.dense and c.rest is not None for c in calls)
-    assert any(not c.causal and c.dense and c.rest is not None for c in calls)
+    assert any(c.causal and c.dense and c.rest for c in calls)
+    assert any(not c.causal and c.dense and c.rest for c in calls)
     assert all(not c.dense for r in range(2) for c in [compile_schedule(mb, r, dense_threshold=None).local])
 
 
@@ -104,11 +104,11 @@ def test_backward_holds_the_largest_dense_segment_back_to_hide_the_dkv_transfer(
 
     mb = zigzag_case(2, [40, 3, 1, 17])
     local = compile_schedule(mb, 0, dense_threshold=5).local
-    assert local.dense and local.rest is not None
+    assert local.dense and local.rest
     before, after = _overlap_split(local, "reference_hybrid")
-    assert [c.dense for c in after] == [(max(local.dense, key=lambda d: d[1] * d[3]),)] and after[0].rest is None
+    assert [c.dense for c in after] == [(max(local.dense, key=lambda d: d[1] * d[3]),)] and after[0].rest == ()
     moved = set(local.dense) - set(after[0].dense)
-    assert set(before[0].dense) == moved if moved else before[0] is local.rest
+    assert set(before[0].dense) == moved if moved else before == list(local.rest)
     assert _overlap_split(local, "reference") == ([local], [])  # no dense kernel: nothing to split
     assert_exact(Problem.make(mb, [40, 3, 1, 17], 4, 2, 8, seed=5), backend="reference_hybrid", dense_threshold=5)
 

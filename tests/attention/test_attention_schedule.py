@@ -224,12 +224,13 @@ def row_list(call, num_tokens: int) -> list[int]:
 
 
 def _expanded_segments(call) -> list[tuple[tuple[int, ...], int, int]]:
-    """A call's non-empty segments as (local query rows, first key row, key count)."""
+    """A call's non-empty segments as (local query rows, first key row of the buffer, key count)."""
     rows = None if call.rows is None else row_list(call, -1)
+    k0 = 0 if call.k_range is None else call.k_range[0]
     out = []
     for (qa, qb), (ka, kb) in zip(_segments(call.cu_seqlens_q), _segments(call.cu_seqlens_k)):
         if qb > qa:
-            out.append((tuple(range(qa, qb)) if rows is None else tuple(rows[qa:qb]), ka, kb - ka))
+            out.append((tuple(range(qa, qb)) if rows is None else tuple(rows[qa:qb]), k0 + ka, kb - ka))
     return out
 
 
@@ -239,18 +240,26 @@ def check_dense_split(call, threshold: int) -> None:
     # the area rule: >= threshold**2 query-key products, both sides >= threshold // 4
     long = [seg for seg in whole if len(seg[0]) * seg[2] >= threshold**2 and min(len(seg[0]), seg[2]) >= max(threshold // 4, 1)]
     if not long:
-        assert call.dense == () and call.rest is None
+        assert call.dense == () and call.rest == ()
         return
     dense = [(tuple(range(q0, q0 + nq)), k0, nk) for q0, nq, k0, nk in call.dense]
     assert dense == long and all(isinstance(x, int) for d in call.dense for x in d)
-    rest = [] if call.rest is None else _expanded_segments(call.rest)
+    rest = [seg for part in call.rest for seg in _expanded_segments(part)]
     assert sorted(rest + dense) == sorted(whole)
-    if call.rest is not None:
-        assert call.rest.causal == call.causal and not call.rest.dense
-        assert torch.equal(call.rest.cu_seqlens_k, call.cu_seqlens_k), "rest must keep every key segment (dK/dV rows zeroed)"
-        q_lens = [b - a for a, b in _segments(call.rest.cu_seqlens_q)]
-        assert call.rest.max_seqlen_q == max(q_lens) and call.rest.max_seqlen_k == call.max_seqlen_k
-        assert len(row_list(call.rest, -1)) == sum(q_lens)
+    for part in call.rest:
+        assert part.causal == call.causal and not part.dense and not part.rest
+        q_lens = [b - a for a, b in _segments(part.cu_seqlens_q)]
+        assert part.max_seqlen_q == max(q_lens) and len(row_list(part, -1)) == sum(q_lens)
+        if call.causal:  # local: a run of short segments, its rows and keys one range read as views
+            assert part.q_range == part.k_range and part.q_index is None
+            assert torch.equal(part.cu_seqlens_q, part.cu_seqlens_k) and part.max_seqlen_k == part.max_seqlen_q
+        else:
+            assert len(call.rest) == 1 and part.k_range is None
+            assert torch.equal(part.cu_seqlens_k, call.cu_seqlens_k), "rest must keep every key segment (dK/dV rows zeroed)"
+            assert part.max_seqlen_k == call.max_seqlen_k
+    if call.causal and call.rest:  # every local key row is covered once: by a dense segment or a rest run
+        covered = sorted(r for part in call.rest for r in range(*part.k_range)) + sorted(r for _, _, k0, nk in call.dense for r in range(k0, k0 + nk))
+        assert sorted(covered) == list(range(int(call.cu_seqlens_k[-1])))
 
 
 @settings(max_examples=100, deadline=None)
@@ -263,10 +272,10 @@ def test_dense_split_partitions_every_call(seed, cp, n, threshold):
         for call, base in zip((sched.local, *(c for s in sched.steps for c in s.calls)), (plain.local, *(c for s in plain.steps for c in s.calls))):
             if call is None:
                 continue
-            assert torch.equal(call.cu_seqlens_q, base.cu_seqlens_q) and base.dense == () and base.rest is None
+            assert torch.equal(call.cu_seqlens_q, base.cu_seqlens_q) and base.dense == () and base.rest == ()
             check_dense_split(call, threshold)
         moved = sched.to("cpu")
-        assert moved.local is None or (moved.local.dense == (sched.local.dense) and (moved.local.rest is None) == (sched.local.rest is None))
+        assert moved.local is None or (moved.local.dense == sched.local.dense and len(moved.local.rest) == len(sched.local.rest))
 
 
 def test_dense_threshold_is_validated():

@@ -114,7 +114,7 @@ def split_coverage(schedule) -> torch.Tensor:
     """[local dense segments, remote dense segments, calls with dense segments and a varlen rest]."""
     calls = [c for c in (schedule.local, *(c for st in schedule.steps for c in st.calls)) if c is not None]
     local = len(schedule.local.dense) if schedule.local is not None else 0
-    return torch.tensor([local, sum(len(c.dense) for c in calls) - local, sum(bool(c.dense) and c.rest is not None for c in calls)], dtype=torch.float64)
+    return torch.tensor([local, sum(len(c.dense) for c in calls) - local, sum(bool(c.dense) and bool(c.rest) for c in calls)], dtype=torch.float64)
 
 
 # ----------------------------------------------------------------------------------------- inputs
