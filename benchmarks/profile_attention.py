@@ -5,9 +5,11 @@ Run by torchrun like ``benchmarks/attention.py`` and with the same case definiti
     torchrun --nproc_per_node=2 benchmarks/profile_attention.py --tokens 16384 --case mix \
         --strategy balanced --backend cudnn_hybrid --out profile.txt
 
-Prints (and writes) each rank's wall time per iteration and its GPU kernels grouped by name,
-plus the same for the whole micro-batch on one GPU (``--solo``), so the gap to ideal scaling
-can be attributed to kernels (slower kernel choice, extra gathers/merges) or to idle GPU time.
+Prints (and writes) each rank's wall time per iteration, its GPU kernels grouped by name and the
+last iteration's timeline (kernels in launch order, idle gaps of the compute stream, NCCL kernels
+beside them), plus the same for the whole micro-batch on one GPU (``--solo``), so the gap to ideal
+scaling can be attributed to kernels (slower kernel choice, extra gathers/merges), to exposed
+transfers or to idle GPU time.
 """
 
 from __future__ import annotations

@@ -52,6 +52,7 @@ class AllGatherTransport:
         self._origin = [(r - t) % c for t in schedule.distances]
         self._gathered: Tensor | None = None
         self._work = None
+        self._send: Tensor | None = None  # this rank's buffer, alive until the gather is waited on
         self._grads: Tensor | None = None
 
     def begin(self, kv: Tensor, grad_dtype: torch.dtype | None = None) -> None:
@@ -67,7 +68,7 @@ class AllGatherTransport:
             self._grads = torch.zeros(self._gathered.shape, dtype=grad_dtype, device=kv.device)
 
     def start(self) -> None:
-        self._send, flat, packed = self._first  # the send buffer lives until the gather is waited on
+        self._send, flat, packed = self._first
         del self._first
         with issued_after(packed, flat.device):
             self._work = all_gather_flat(flat, self._send, self._group, async_op=True)
