@@ -160,6 +160,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--backends", default="auto", help="ringpack kernel backends, comma separated (a row each)")
     parser.add_argument("--dense-threshold", type=int, default=4096, help="hybrid backends: segments this long go to the dense kernel")
+    parser.add_argument("--dense-buckets", type=lambda x: None if x == "none" else int(x), default=8,
+                        help="hybrid backends: dense lengths per octave (compile_schedule's dense_buckets; 'none': exact shapes)")
     parser.add_argument("--slack", type=float, default=0.125, help="balanced: per-rank token budget above T/cp")
     parser.add_argument("--out", default="attention.json")
     args = parser.parse_args()
@@ -255,7 +257,7 @@ def main() -> int:
                         if "flex" in args.peers:
                             run_row("ideal flex (1 GPU)/2", lambda: peers.ideal_flex(leaf(q), leaf(k), leaf(v), lengths), 1)
                         whole = split_for("contiguous", lengths, 1, args.slack)  # cp=1: every sample whole
-                        solo = compile_schedule(whole, 0, dense_threshold=args.dense_threshold).to(device)
+                        solo = compile_schedule(whole, 0, dense_threshold=args.dense_threshold, dense_buckets=args.dense_buckets).to(device)
                         for backend in args.backends.split(","):
                             run_row(
                                 f"ideal ringpack {backend} (1 GPU)/2",
@@ -265,7 +267,7 @@ def main() -> int:
                     for strategy in filter(None, args.strategies.split(",")):
                         mb = split_for(strategy, lengths, world, args.slack)
                         index = local_index(mb, rank, lengths).to(device)
-                        schedule = compile_schedule(mb, rank, dense_threshold=args.dense_threshold).to(device)
+                        schedule = compile_schedule(mb, rank, dense_threshold=args.dense_threshold, dense_buckets=args.dense_buckets).to(device)
                         mine = [p.stop - p.start for p in mb.shards[rank].pieces] or [0]
                         allowance = budget_mib(*(t.index_select(0, index) for t in (q, k, v)), mine, max(schedule.buffer_tokens), backward)
                         budgets = [None] * world

@@ -106,6 +106,8 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--slack", type=float, default=0.125)
     parser.add_argument("--dense-threshold", type=int, default=4096)
+    parser.add_argument("--dense-buckets", type=lambda x: None if x == "none" else int(x), default=8,
+                        help="hybrid backends: dense lengths per octave (compile_schedule's dense_buckets; 'none': exact shapes)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--solo", action="store_true", help="also profile the whole micro-batch on one GPU")
     parser.add_argument("--out", default="profile.txt")
@@ -129,14 +131,14 @@ def main() -> int:
         return t.detach().clone().requires_grad_(backward)
 
     if args.solo:
-        solo = compile_schedule(split_for("contiguous", lengths, 1, args.slack), 0, dense_threshold=args.dense_threshold).to(device)
+        solo = compile_schedule(split_for("contiguous", lengths, 1, args.slack), 0, dense_threshold=args.dense_threshold, dense_buckets=args.dense_buckets).to(device)
         ql, kl, vl = leaf(q), leaf(k), leaf(v)
         wall, table = profiled(lambda: ring_attention(ql, kl, vl, solo, backend=args.backend), backward, args.iters)
         report.append(f"### rank {rank}: whole micro-batch on one GPU: {wall:.2f} ms/iter\n{table}")
     for strategy in args.strategies.split(","):
         mb = split_for(strategy, lengths, world, args.slack)
         index = local_index(mb, rank, lengths).to(device)
-        schedule = compile_schedule(mb, rank, dense_threshold=args.dense_threshold).to(device)
+        schedule = compile_schedule(mb, rank, dense_threshold=args.dense_threshold, dense_buckets=args.dense_buckets).to(device)
         ql, kl, vl = (leaf(t.index_select(0, index)) for t in (q, k, v))
         dist.barrier()
         wall, table = profiled(lambda: ring_attention(ql, kl, vl, schedule, mode=args.mode, backend=args.backend), backward, args.iters)

@@ -27,6 +27,10 @@ BLOCKS = ((64, 64), (64, 128), (128, 64), (128, 128))
 # run between long segments, rows read as views). Reports record it; older reports, timed when they
 # ran as one gathered call, have none and are refitted as "single".
 LOCAL_REST = "runs"
+# The dense shape buckets of this version's schedules (compile_schedule's default dense_buckets,
+# repeated here so this module does not import torch; a test checks they agree). Reports record
+# it; older reports, timed on exact dense shapes, have none and are refitted with None.
+DENSE_BUCKETS = 8
 
 
 def planner_features(case: Case, tile: int = 1) -> np.ndarray:
@@ -81,18 +85,19 @@ def segment_tiles(len_q: Any, len_k: Any, causal: bool, block_q: int, block_k: i
     return np.bincount(seg, weights=n_k, minlength=lq.size).astype(np.int64)
 
 
-_SCHEDULES: dict[int, tuple[Case, Any]] = {}
+_SCHEDULES: dict[tuple[int, int | None], tuple[Case, Any]] = {}
 
 
-def compiled_schedule(case: Case):
-    """The case's compiled schedule (CPU), compiled once per case object."""
+def compiled_schedule(case: Case, dense_buckets: int | None = DENSE_BUCKETS):
+    """The case's compiled schedule (CPU), compiled once per case object and bucket setting."""
     from ringpack.attention.schedule import compile_schedule
 
-    hit = _SCHEDULES.get(id(case))
+    key = (id(case), dense_buckets)
+    hit = _SCHEDULES.get(key)
     if hit is None or hit[0] is not case:
         if len(_SCHEDULES) > 4096:
             _SCHEDULES.clear()
-        hit = _SCHEDULES[id(case)] = (case, compile_schedule(case.microbatch, case.rank))
+        hit = _SCHEDULES[key] = (case, compile_schedule(case.microbatch, case.rank, dense_buckets=dense_buckets))
     return hit[1]
 
 
@@ -121,7 +126,7 @@ def kernel_features(case: Case, block_q: int = 128, block_k: int = 128, schedule
 
 
 def rank_features(case: Case, hybrid: bool = False, block_q: int = 128, block_k: int = 128, schedule=None,
-                  local_rest: str = LOCAL_REST) -> dict[str, float]:
+                  local_rest: str = LOCAL_REST, dense_buckets: int | None = DENSE_BUCKETS) -> dict[str, float]:
     """Every feature of a rank shard the profile and kernel models use (:data:`PROFILE_FEATURES`, :data:`KERNEL_FEATURES`).
 
     * ``ring``: 1 when the micro-batch has remote steps (some sample is split). Every rank of the
@@ -141,8 +146,10 @@ def rank_features(case: Case, hybrid: bool = False, block_q: int = 128, block_k:
       ``local_rest="single"`` counts a split local call's short segments as the one varlen call
       (over all of the call's segments, long ones without queries) that engines before
       :data:`LOCAL_REST` launched, so timings of that engine refit against what it ran.
+      ``dense_buckets``: the schedule's shape buckets (:data:`DENSE_BUCKETS`; ``None`` for reports
+      timed on exact dense shapes). A dense part's keys past its ``k_dense`` count as a varlen call.
     """
-    schedule = compiled_schedule(case) if schedule is None else schedule
+    schedule = compiled_schedule(case, dense_buckets) if schedule is None else schedule
     f = planner_features(case)
     out = dict(overhead=1.0, ring=float(bool(schedule.steps)), tokens=float(f[1]), pairs=float(f[2]), pieces=float(f[3]),
                calls=0.0, segments=0.0, tiles=0.0, grid_q=0.0, grid_k=0.0, remote_rows=0.0,
@@ -152,25 +159,26 @@ def rank_features(case: Case, hybrid: bool = False, block_q: int = 128, block_k:
     for remote, call in local + [(True, c) for step in schedule.steps for c in step.calls]:
         if remote:
             out["remote_rows"] += float(call.cu_seqlens_q[-1])
-        varlen = (call,)
+        varlen = [(call.cu_seqlens_q, call.cu_seqlens_k, call.causal)]
         if hybrid and call.dense:
-            for _, nq, _, nk in call.dense:
+            for _, nq, _, nk, nd in call.dense:
                 out["dense_calls"] += 1
-                out["dense_tiles"] += float(segment_tiles([nq], [nk], call.causal, block_q, block_k)[0])
-                out["dense_pairs"] += float(segment_pairs([nq], [nk], call.causal)[0])
-            varlen = call.rest
-            if local_rest == "single" and call.causal and varlen:
+                out["dense_tiles"] += float(segment_tiles([nq], [nd], call.causal, block_q, block_k)[0])
+                out["dense_pairs"] += float(segment_pairs([nq], [nd], call.causal)[0])
+            varlen = [(p.cu_seqlens_q, p.cu_seqlens_k, p.causal) for p in call.rest]
+            varlen += [(np.array([0, nq]), np.array([0, nk - nd]), False) for _, nq, _, nk, nd in call.dense if nd < nk]
+            if local_rest == "single" and call.causal and call.rest:
                 _add_single_rest(out, call, block_q, block_k)
                 continue
-        for part in varlen:
-            lq = np.diff(part.cu_seqlens_q.cpu().numpy().astype(np.int64))
-            lk = np.diff(part.cu_seqlens_k.cpu().numpy().astype(np.int64))
+        for cu_q, cu_k, causal in varlen:
+            lq = np.diff(np.asarray(cu_q, dtype=np.int64))
+            lk = np.diff(np.asarray(cu_k, dtype=np.int64))
             work = (lq > 0) & (lk > 0)
             out["calls"] += 1
             out["segments"] += float(work.sum())
-            out["tiles"] += float(segment_tiles(lq[work], lk[work], part.causal, block_q, block_k).sum())
-            out["grid_q"] += float(lq.size * -(-max(part.max_seqlen_q, 2) // block_q))
-            out["grid_k"] += float(lk.size * -(-part.max_seqlen_k // block_k))
+            out["tiles"] += float(segment_tiles(lq[work], lk[work], causal, block_q, block_k).sum())
+            out["grid_q"] += float(lq.size * -(-max(int(lq.max()), 2) // block_q))
+            out["grid_k"] += float(lk.size * -(-int(lk.max()) // block_k))
     return out
 
 

@@ -1,6 +1,6 @@
 """One-kernel log-sum-exp merge on CUDA (Triton), for the merges whose rows are a range.
 
-:func:`ringpack.attention.ring.merge_partial` in plain torch runs about eight kernels: two passes
+:func:`ringpack.attention.merge.merge_partial` in plain torch runs about eight kernels: two passes
 over ``[n, H, D]`` with broadcast weights plus a float temporary when the running output is in the
 input dtype. The forward of a remote step is short, so on H200 those passes cost 0.35 ms of a
 3.5 ms forward for 8K query rows with 32 heads (16K mix, BENCHMARKS.md). This kernel reads the
@@ -79,7 +79,7 @@ def fused_merge_applies(out: Tensor, lse: Tensor, part_out: Tensor, part_lse: Te
 
 def fused_merge(out: Tensor, lse: Tensor, part_out: Tensor, part_lse: Tensor, index: slice | None) -> None:
     """In place: rows ``index`` of ``out [T, H, D]`` / ``lse [H, T]`` merged with ``part_out [n, H, D]``
-    / ``part_lse [H, n]`` (see :func:`ringpack.attention.ring.merge_partial` for the contract)."""
+    / ``part_lse [H, n]`` (see :func:`ringpack.attention.merge.merge_partial` for the contract)."""
     rows_out = out if index is None else out[index]
     rows_lse = lse if index is None else lse[:, index]
     n, heads, head_dim = rows_out.shape

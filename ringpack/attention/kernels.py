@@ -56,6 +56,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from ringpack.attention.merge import merge_partial
+
 __all__ = [
     "AUTO_CUDNN_HYBRID",
     "AUTO_FLASH_SPLIT",
@@ -474,23 +476,79 @@ def varlen_attn_bwd(
     return _BWD[backend](*args)
 
 
-def dense_attn_fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, backend: str) -> tuple[Tensor, Tensor]:
+def dense_attn_fwd(
+    q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, backend: str, dense_keys: int | None = None
+) -> tuple[Tensor, Tensor]:
     """Attention of one whole segment, ``q [Lq, H, D]`` x ``k/v [Lk, H_kv, D]`` (``causal`` needs ``Lq == Lk``),
-    with a hybrid backend's dense kernel: returns ``(out [Lq, H, D], lse [H, Lq])`` as :func:`varlen_attn_fwd` would."""
+    with a hybrid backend's dense kernel: returns ``(out [Lq, H, D], lse [H, Lq])`` as :func:`varlen_attn_fwd` would.
+
+    ``dense_keys = n < Lk`` (non-causal only): the dense kernel takes keys ``:n`` and the hybrid's
+    varlen kernel the rest, merged by log-sum-exp; ``out`` is then float32 (float64 for float64
+    inputs), so the caller's merge still rounds once. The schedule uses it to keep the dense
+    kernel's key counts to a few lengths (:func:`~ringpack.attention.schedule.dense_bucket`):
+    cuDNN builds a graph for every new shape.
+    """
     if causal and q.shape[0] != k.shape[0]:
         raise ValueError(f"dense causal attention needs as many queries as keys, got {q.shape[0]} and {k.shape[0]}")
+    _check_dense_keys(dense_keys, k.shape[0], causal)
     if torch.compiler.is_compiling():
-        return _dense_attn_fwd_op(q, k, v, softmax_scale, causal, backend)
-    return _dense_kernel(backend, _DENSE_FWD)(q, k, v, softmax_scale, causal)
+        return _dense_attn_fwd_op(q, k, v, softmax_scale, causal, backend, dense_keys)
+    return _dense_fwd(q, k, v, softmax_scale, causal, backend, dense_keys)
 
 
 def dense_attn_bwd(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, softmax_scale: float, causal: bool, backend: str
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    softmax_scale: float,
+    causal: bool,
+    backend: str,
+    dense_keys: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Backward of :func:`dense_attn_fwd` given the final (merged) ``out [Lq, H, D]`` and ``lse [H, Lq]``."""
+    """Backward of :func:`dense_attn_fwd` given the final (merged) ``out [Lq, H, D]`` and ``lse [H, Lq]``
+    (``dq``/``dk``/``dv`` in the input dtype; with ``dense_keys``, dq is the sum of both kernels' parts, rounded once)."""
+    _check_dense_keys(dense_keys, k.shape[0], causal)
     if torch.compiler.is_compiling():
-        return _dense_attn_bwd_op(dout, q, k, v, out, lse, softmax_scale, causal, backend)
-    return _dense_kernel(backend, _DENSE_BWD)(dout, q, k, v, out, lse, softmax_scale, causal)
+        return _dense_attn_bwd_op(dout, q, k, v, out, lse, softmax_scale, causal, backend, dense_keys)
+    return _dense_bwd(dout, q, k, v, out, lse, softmax_scale, causal, backend, dense_keys)
+
+
+def _check_dense_keys(dense_keys: int | None, num_keys: int, causal: bool) -> None:
+    if dense_keys is None or dense_keys >= num_keys:
+        return
+    if causal or dense_keys < 1:
+        raise ValueError(f"dense_keys={dense_keys} of {num_keys} keys: a key split needs a non-causal segment and at least one dense key")
+
+
+def _tail_segment(q: Tensor, k: Tensor) -> tuple[Tensor, Tensor, int, int]:
+    cu_q, cu_k = _device_segment(q, k)
+    return cu_q, cu_k, q.shape[0], k.shape[0]
+
+
+def _dense_fwd(q, k, v, scale, causal, backend, dense_keys):
+    fwd = _dense_kernel(backend, _DENSE_FWD)
+    n = k.shape[0] if dense_keys is None else min(dense_keys, k.shape[0])
+    if n == k.shape[0]:
+        return fwd(q, k, v, scale, causal)
+    out, lse = fwd(q, k[:n], v[:n], scale, False)
+    out = out.to(lse.dtype)  # the two parts are summed in float; the caller's merge rounds once
+    tail_out, tail_lse = _FWD[backend](q, k[n:], v[n:], *_tail_segment(q, k[n:]), scale, False)
+    merge_partial(out, lse, tail_out, tail_lse, None)
+    return out, lse
+
+
+def _dense_bwd(dout, q, k, v, out, lse, scale, causal, backend, dense_keys):
+    bwd = _dense_kernel(backend, _DENSE_BWD)
+    n = k.shape[0] if dense_keys is None else min(dense_keys, k.shape[0])
+    if n == k.shape[0]:
+        return bwd(dout, q, k, v, out, lse, scale, causal)
+    dq, dk, dv = bwd(dout, q, k[:n], v[:n], out, lse, scale, False)
+    dout, out, lse = dout.contiguous(), out.contiguous(), lse.contiguous()  # row views; the varlen kernels want them dense
+    dq_tail, dk_tail, dv_tail = _BWD[backend](dout, q, k[n:], v[n:], out, lse, *_tail_segment(q, k[n:]), scale, False)
+    return dq.add_(dq_tail), torch.cat((dk, dk_tail)), torch.cat((dv, dv_tail))
 
 
 @torch.library.custom_op("ringpack::varlen_attn_fwd", mutates_args=())
@@ -541,22 +599,27 @@ def _varlen_attn_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, m
 
 
 @torch.library.custom_op("ringpack::dense_attn_fwd", mutates_args=())
-def _dense_attn_fwd_op(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, backend: str) -> tuple[Tensor, Tensor]:
-    return _dense_kernel(backend, _DENSE_FWD)(q, k, v, softmax_scale, causal)
+def _dense_attn_fwd_op(
+    q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, backend: str, dense_keys: int | None = None
+) -> tuple[Tensor, Tensor]:
+    return _dense_fwd(q, k, v, softmax_scale, causal, backend, dense_keys)
 
 
 @_dense_attn_fwd_op.register_fake
-def _dense_attn_fwd_fake(q, k, v, softmax_scale, causal, backend):
-    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=accum_dtype(q.dtype))
+def _dense_attn_fwd_fake(q, k, v, softmax_scale, causal, backend, dense_keys=None):
+    split = dense_keys is not None and dense_keys < k.shape[0]
+    out = q.new_empty(q.shape, dtype=accum_dtype(q.dtype)) if split else torch.empty_like(q)
+    return out, q.new_empty((q.shape[1], q.shape[0]), dtype=accum_dtype(q.dtype))
 
 
 @torch.library.custom_op("ringpack::dense_attn_bwd", mutates_args=())
 def _dense_attn_bwd_op(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, softmax_scale: float, causal: bool, backend: str
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, softmax_scale: float, causal: bool, backend: str,
+    dense_keys: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    return _dense_kernel(backend, _DENSE_BWD)(dout, q, k, v, out, lse, softmax_scale, causal)
+    return _dense_bwd(dout, q, k, v, out, lse, softmax_scale, causal, backend, dense_keys)
 
 
 @_dense_attn_bwd_op.register_fake
-def _dense_attn_bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, backend):
+def _dense_attn_bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, backend, dense_keys=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)

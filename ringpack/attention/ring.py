@@ -27,54 +27,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ringpack.attention.fused_merge import fused_merge, fused_merge_applies
 from ringpack.attention.kernels import accum_dtype, dense_attn_bwd, dense_attn_fwd, dense_backend, varlen_attn_bwd, varlen_attn_fwd
+from ringpack.attention.merge import Rows, merge_partial
 from ringpack.attention.schedule import KernelCall, Schedule
 from ringpack.attention.streams import issued_after, mark
 
 __all__ = ["ContextParallelAttention", "KVTransport", "RingTransport", "merge_partial", "pack_kv"]
-
-
-# ------------------------------------------------------------------------------------------ merge
-
-
-Rows = Tensor | slice | None  # which rows of the local tokens a partial result covers (None: all)
-
-
-def merge_partial(out: Tensor, lse: Tensor, part_out: Tensor, part_lse: Tensor, index: Rows) -> None:
-    """Fold a partial attention result into the running one, in place, by log-sum-exp.
-
-    ``lse [H, T]`` is the running log-sum-exp (float32/float64); ``out [T, H, D]`` the running
-    output, in that dtype too, or in the input dtype when every row receives at most one partial
-    result (one remote step): the merge is then computed in ``lse``'s dtype and rounded once, which
-    is exactly what a float accumulator rounded at the end would give, because the local part it
-    starts from was already rounded by its kernel. ``part_out [n, H, D]`` / ``part_lse [H, n]``
-    belong to rows ``index`` (an index tensor, a slice, or ``None`` for all rows). A partial
-    ``lse`` of ``+inf`` (flash kernels' value for a query without keys) counts as ``-inf``. The
-    running ``lse`` is finite for every row (each query attends at least itself in the local
-    step), so the weights below never see ``inf - inf``.
-    """
-    part_lse = part_lse.to(lse.dtype)
-    if fused_merge_applies(out, lse, part_out, part_lse, index):  # CUDA: one kernel, same arithmetic
-        fused_merge(out, lse, part_out, part_lse, index)
-        return
-    part_lse = part_lse.masked_fill(torch.isposinf(part_lse), float("-inf"))
-    if isinstance(index, Tensor):
-        old_out, old_lse = out.index_select(0, index), lse.index_select(1, index)
-    else:
-        old_out, old_lse = (out, lse) if index is None else (out[index], lse[:, index])
-    new_lse = torch.logaddexp(old_lse, part_lse)
-    w_old = torch.exp(old_lse - new_lse).transpose(0, 1).unsqueeze(-1)
-    w_new = torch.exp(part_lse - new_lse).transpose(0, 1).unsqueeze(-1)
-    if old_out.dtype == lse.dtype:
-        old_out.mul_(w_old).addcmul_(part_out, w_new)  # in place: a view of out, or the gathered copy
-    else:  # input-dtype accumulator: compute in float, round once
-        old_out.copy_(torch.addcmul(old_out * w_old, part_out, w_new))
-    if isinstance(index, Tensor):
-        out.index_copy_(0, index, old_out)
-        lse.index_copy_(1, index, new_lse)
-    else:
-        old_lse.copy_(new_lse)
 
 
 def _put_rows(dst: Tensor, rows: Rows, src: Tensor, dim: int = 0) -> None:
@@ -292,9 +250,9 @@ def _fwd_parts(q: Tensor, k: Tensor, v: Tensor, call: KernelCall, scale: float, 
         return
     for rest in call.rest:
         yield (rest.rows, *_fwd_call(q, k, v, rest, scale, backend))
-    for q0, nq, k0, nk in call.dense:
+    for q0, nq, k0, nk, n_dense in call.dense:
         rows, keys = slice(q0, q0 + nq), slice(k0, k0 + nk)
-        yield (rows, *dense_attn_fwd(q[rows], k[keys], v[keys], scale, call.causal, backend))
+        yield (rows, *dense_attn_fwd(q[rows], k[keys], v[keys], scale, call.causal, backend, dense_keys=n_dense))
 
 
 def _bwd_parts(dout, q, k, v, out, lse, call: KernelCall, scale: float, backend: str) -> Iterator[tuple[Rows, Tensor, Rows, Tensor, Tensor]]:
@@ -310,10 +268,10 @@ def _bwd_parts(dout, q, k, v, out, lse, call: KernelCall, scale: float, backend:
         yield _dense_bwd_part(dout, q, k, v, out, lse, segment, call.causal, scale, backend)
 
 
-def _dense_bwd_part(dout, q, k, v, out, lse, segment: tuple[int, int, int, int], causal: bool, scale: float, backend: str):
-    q0, nq, k0, nk = segment
+def _dense_bwd_part(dout, q, k, v, out, lse, segment: tuple[int, int, int, int, int], causal: bool, scale: float, backend: str):
+    q0, nq, k0, nk, n_dense = segment
     rows, keys = slice(q0, q0 + nq), slice(k0, k0 + nk)
-    dq, dk, dv = dense_attn_bwd(dout[rows], q[rows], k[keys], v[keys], out[rows], lse[:, rows], scale, causal, backend)
+    dq, dk, dv = dense_attn_bwd(dout[rows], q[rows], k[keys], v[keys], out[rows], lse[:, rows], scale, causal, backend, dense_keys=n_dense)
     return rows, dq, keys, dk, dv
 
 
@@ -354,8 +312,9 @@ def _local_forward(q: Tensor, k: Tensor, v: Tensor, call: KernelCall, out_dtype:
 def _local_backward(dout, q, k, v, out, lse, calls, scale: float, backend: str, grads: list | None = None, then=None) -> list | None:
     """Fold the gradients of local ``calls`` into ``grads = [dq, dk, dv]`` (created by the first part).
 
-    Local parts never overlap (query rows tile the local rows, dense segments own their keys), so
-    each element receives one local value: adding it to zeros, or to one remote value, rounds once.
+    Local parts' query rows tile the local rows, so each dQ element receives one local value. Key
+    rows overlap only where a long segment's leftover rows (schedule "shape buckets") see the keys
+    of its dense square too: those dK/dV elements get two local values, each sum rounded once.
     The first part is adopted where it covers every row (the common one-kernel case copies
     nothing) and copied into zeros elsewhere. ``then``: see :func:`_local_forward`.
     """

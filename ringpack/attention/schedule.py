@@ -24,15 +24,28 @@ How the plan becomes kernel calls. For a local piece ``q = [a, b)`` of sample X 
 Dense split (for hybrid kernel backends). With ``dense_threshold=n`` every call also records its
 *long* segments (at least ``n * n`` query-key products with both sides at least ``n // 4``: the
 long causal segments of the local step and the large full blocks of remote steps; see
-:func:`is_dense_segment`) as ``dense`` tuples ``(q_start, q_len, k_start, k_len)`` of
+:func:`is_dense_segment`) as ``dense`` tuples ``(q_start, q_len, k_start, k_len, k_dense)`` of
 Python ints, and the call minus those segments as ``rest``, a tuple of varlen calls. Remote: one
-call, the same key segments with the long segments' query counts set to zero (so the varlen
-kernel still zeroes their dK/dV rows) and its own ``q_index``. Local: one causal call per run of
-short segments between long ones, whose query and key rows are that run's range of local rows
-(``q_range == k_range``), so q/k/v/out/dout are read as views instead of gathered (at 64K tokens
-per GPU the gathers of a 48K-row rest took 1.1 GB in backward). A segment's query rows are always
-one contiguous range of local rows, so a dense segment's q/k/v/out are plain slices. Backends
-without a dense kernel ignore the split.
+call, the same key segments with the long segments' query counts set to what the dense part
+leaves (zero rows still keep their keys, so the varlen kernel zeroes their dK/dV rows) and its own
+``q_index``. Local: one causal call per run of rows between dense parts, whose query and key rows
+are ranges of local rows (``q_range``, ``k_range``), so q/k/v/out/dout are read as views instead
+of gathered (at 64K tokens per GPU the gathers of a 48K-row rest took 1.1 GB in backward). A
+segment's query rows are always one contiguous range of local rows, so a dense segment's
+q/k/v/out are plain slices. Backends without a dense kernel ignore the split.
+
+Shape buckets (``dense_buckets=b``, default 8). cuDNN builds a graph, about 0.1 s, for every new
+shape it sees, and training brings new sample lengths every step. So the dense part of a long
+segment is cut to lengths of the form ``m * 2**e`` with ``b <= m < 2b`` (:func:`dense_bucket`: b
+lengths per octave, at most 1/b of a side left over): a causal segment of length ``L`` gives the
+dense kernel its first ``Lb = dense_bucket(L)`` rows as a causal square, and its last ``L - Lb``
+rows (against all ``L`` keys, causal bottom-right) join the local varlen runs; a full block gives
+the dense kernel its first ``dense_bucket(Lq)`` query rows (the remaining rows join the remote
+varlen call) and, within the dense kernel, its first ``k_dense = dense_bucket(Lk)`` keys, the
+other keys going to the hybrid's varlen kernel merged in float
+(:func:`~ringpack.attention.kernels.dense_attn_fwd`). The dense kernel then sees at most about
+``5 b`` square shapes and ``(7 b)**2`` block shapes between 1K and 128K tokens, whatever the data.
+``dense_buckets=None`` keeps exact shapes (``k_dense == k_len``).
 
 Communication. Rank ``s`` only ever sends its *needed* pieces: piece ``p`` of X is needed iff
 another rank holds a piece of X that starts at or after ``p.stop``. Those pieces, concatenated in
@@ -54,10 +67,14 @@ from torch import Tensor
 
 from ringpack.balancer.plan import MicroBatch
 
-__all__ = ["DEFAULT_DENSE_THRESHOLD", "KernelCall", "RingStep", "Schedule", "ScheduleMismatchError", "compile_schedule", "is_dense_segment"]
+__all__ = ["DEFAULT_DENSE_BUCKETS", "DEFAULT_DENSE_THRESHOLD", "KernelCall", "RingStep", "Schedule", "ScheduleMismatchError", "compile_schedule", "dense_bucket", "is_dense_segment"]
 
 # Segments of at least this many queries and keys (by area, is_dense_segment) go to a hybrid backend's dense kernel.
 DEFAULT_DENSE_THRESHOLD = 4096
+
+# Dense lengths per octave (module docstring, "Shape buckets"): at most 1/8 of a long segment's
+# rows (and of a full block's keys) goes to the varlen kernel, and cuDNN sees a bounded set of shapes.
+DEFAULT_DENSE_BUCKETS = 8
 
 
 class ScheduleMismatchError(ValueError):
@@ -74,11 +91,12 @@ class KernelCall:
     pairs ``q[rows][cu_seqlens_q[b]:cu_seqlens_q[b+1]]`` with rows ``cu_seqlens_k[b]:cu_seqlens_k[b+1]``
     of the key/value buffer. ``max_seqlen_*`` are Python ints so launching needs no host sync.
 
-    The dense split (module docstring), used only by hybrid backends: ``dense`` lists the long
-    segments as ``(q_start, q_len, k_start, k_len)`` (local query rows ``q_start:q_start+q_len``,
-    buffer rows ``k_start:k_start+k_len``, this call's ``causal``); ``rest`` is the call without
-    them, as varlen calls (empty if nothing is left). Empty ``dense``: no split. ``k_range = (a, b)``:
-    the call reads only key/value rows ``a:b`` of its buffer (a local rest call), and its
+    The dense split (module docstring), used only by hybrid backends: ``dense`` lists the dense
+    parts of long segments as ``(q_start, q_len, k_start, k_len, k_dense)`` (local query rows
+    ``q_start:q_start+q_len``, buffer rows ``k_start:k_start+k_len``, this call's ``causal``, the
+    dense kernel itself taking the first ``k_dense`` keys); ``rest`` is the call without them, as
+    varlen calls (empty if nothing is left). Empty ``dense``: no split. ``k_range = (a, b)``: the
+    call reads only key/value rows ``a:b`` of its buffer (a local rest call), and its
     ``cu_seqlens_k`` count from ``a``; ``None``: the whole buffer.
     """
 
@@ -88,7 +106,7 @@ class KernelCall:
     max_seqlen_q: int
     max_seqlen_k: int
     causal: bool
-    dense: tuple[tuple[int, int, int, int], ...] = ()
+    dense: tuple[tuple[int, int, int, int, int], ...] = ()
     rest: tuple["KernelCall", ...] = ()
     q_range: tuple[int, int] | None = None  # the query rows when they are one contiguous range (then q_index is None)
     k_range: tuple[int, int] | None = None  # the key rows read when only a range of the buffer (see above)
@@ -270,21 +288,30 @@ class _PieceTable:
         return int.from_bytes(h.digest(), "little", signed=True)
 
 
-def compile_schedule(microbatch: MicroBatch, cp_rank: int, dense_threshold: int | None = DEFAULT_DENSE_THRESHOLD) -> Schedule:
+def compile_schedule(
+    microbatch: MicroBatch,
+    cp_rank: int,
+    dense_threshold: int | None = DEFAULT_DENSE_THRESHOLD,
+    dense_buckets: int | None = DEFAULT_DENSE_BUCKETS,
+) -> Schedule:
     """Compile ``microbatch`` into the schedule of CP rank ``cp_rank`` (CPU tensors; see :meth:`Schedule.to`).
 
     Works for any valid micro-batch: any number of pieces per sample and rank, uneven or
     length-1 pieces, ranks with no tokens, any CP size. Every rank of the group must compile the
     same micro-batch (checked at run time through :attr:`Schedule.fingerprint`).
     ``dense_threshold``: segments of at least this many queries and keys (in area; see
-    :func:`is_dense_segment`) are marked for a hybrid backend's dense kernel (``None``: mark none). It only changes which kernel computes what, so
-    ranks may differ in it.
+    :func:`is_dense_segment`) are marked for a hybrid backend's dense kernel (``None``: mark none);
+    ``dense_buckets``: the dense parts' lengths per octave (module docstring; ``None``: exact
+    shapes). Both only change which kernel computes what, so ranks may differ in them.
     """
     cp = len(microbatch.shards)
     if not 0 <= cp_rank < cp:
         raise ValueError(f"cp_rank {cp_rank} is outside the micro-batch's {cp} rank shards")
     if dense_threshold is not None and dense_threshold < 1:
         raise ValueError(f"dense_threshold must be >= 1 or None, got {dense_threshold}")
+    if dense_buckets is not None and (dense_buckets < 1 or dense_buckets & (dense_buckets - 1)):
+        raise ValueError(f"dense_buckets must be a power of two or None, got {dense_buckets}")
+    dense = None if dense_threshold is None else (dense_threshold, dense_buckets)
     table = _PieceTable.from_microbatch(microbatch)
     mine = np.flatnonzero(table.rank == cp_rank)
     num_tokens = int((table.stop[mine] - table.start[mine]).sum())
@@ -296,7 +323,7 @@ def compile_schedule(microbatch: MicroBatch, cp_rank: int, dense_threshold: int 
     mine_needed = mine[table.needed[mine]]
     send_index = _concat_ranges(table.offset[mine_needed], table.stop[mine_needed] - table.start[mine_needed])
     steps = tuple(
-        RingStep(distance=t, calls=_remote_calls(table, mine, np.flatnonzero(table.rank == (cp_rank - t) % cp), num_tokens, dense_threshold))
+        RingStep(distance=t, calls=_remote_calls(table, mine, np.flatnonzero(table.rank == (cp_rank - t) % cp), num_tokens, dense))
         for t in distances
     )
     return Schedule(
@@ -307,20 +334,20 @@ def compile_schedule(microbatch: MicroBatch, cp_rank: int, dense_threshold: int 
         buffer_tokens=table.buffer_tokens(),
         send_index=torch.from_numpy(send_index),
         send_range=_as_range(send_index),
-        local=_local_call(table, mine, dense_threshold) if num_tokens else None,
+        local=_local_call(table, mine, dense) if num_tokens else None,
         steps=steps,
     )
 
 
-def _local_call(table: _PieceTable, mine: np.ndarray, dense_threshold: int | None) -> KernelCall:
+def _local_call(table: _PieceTable, mine: np.ndarray, dense: tuple | None) -> KernelCall:
     """One causal segment per run of same-sample local pieces (exact: see module docstring)."""
     slot, length = table.slot[mine], table.stop[mine] - table.start[mine]
     run_id = np.cumsum(np.r_[True, slot[1:] != slot[:-1]]) - 1
     run_len = np.bincount(run_id, weights=length).astype(np.int64)
-    return _make_call(run_len, run_len, np.cumsum(run_len) - run_len, True, int(run_len.sum()), dense_threshold)
+    return _make_call(run_len, run_len, np.cumsum(run_len) - run_len, True, int(run_len.sum()), dense)
 
 
-def _remote_calls(table: _PieceTable, mine: np.ndarray, theirs: np.ndarray, num_tokens: int, dense_threshold: int | None) -> tuple[KernelCall, ...]:
+def _remote_calls(table: _PieceTable, mine: np.ndarray, theirs: np.ndarray, num_tokens: int, dense: tuple | None) -> tuple[KernelCall, ...]:
     """Non-causal calls of this rank's queries against source rank's compact buffer (usually one call)."""
     src = theirs[table.needed[theirs]]
     if src.size == 0 or mine.size == 0:
@@ -351,12 +378,12 @@ def _remote_calls(table: _PieceTable, mine: np.ndarray, theirs: np.ndarray, num_
     new_sample = np.r_[True, g_slot[1:] != g_slot[:-1]]
     level = np.arange(heads.size) - np.maximum.accumulate(np.where(new_sample, np.arange(heads.size), 0))
     return tuple(
-        _noncausal_call(q_lo[sel], q_hi[sel], g_klo[sel], g_khi[sel], buffer_len, num_tokens, dense_threshold)
+        _noncausal_call(q_lo[sel], q_hi[sel], g_klo[sel], g_khi[sel], buffer_len, num_tokens, dense)
         for sel in (level == lv for lv in range(int(level.max()) + 1))
     )
 
 
-def _noncausal_call(q_lo, q_hi, k_lo, k_hi, buffer_len: int, num_tokens: int, dense_threshold: int | None) -> KernelCall:
+def _noncausal_call(q_lo, q_hi, k_lo, k_hi, buffer_len: int, num_tokens: int, dense: tuple | None) -> KernelCall:
     """Segments (q rows [q_lo, q_hi) gathered) x (keys [k_lo, k_hi)); key gaps become zero-query segments."""
     q_len, k_len = q_hi - q_lo, k_hi - k_lo
     gap = k_lo - np.r_[0, k_hi[:-1]]
@@ -365,7 +392,7 @@ def _noncausal_call(q_lo, q_hi, k_lo, k_hi, buffer_len: int, num_tokens: int, de
     seg_k = np.r_[np.stack([gap, k_len], 1).ravel(), tail]
     seg_q_start = np.r_[np.stack([np.zeros_like(q_lo), q_lo], 1).ravel(), 0]
     keep = (seg_q > 0) | (seg_k > 0)
-    return _make_call(seg_q[keep], seg_k[keep], seg_q_start[keep], False, num_tokens, dense_threshold)
+    return _make_call(seg_q[keep], seg_k[keep], seg_q_start[keep], False, num_tokens, dense)
 
 
 def _as_range(index: np.ndarray) -> tuple[int, int] | None:
@@ -395,8 +422,21 @@ def is_dense_segment(len_q, len_k, dense_threshold: int):
     return (len_q * len_k >= dense_threshold * dense_threshold) & (len_q >= side) & (len_k >= side)
 
 
-def _make_call(seg_q, seg_k, seg_q_start, causal: bool, num_tokens: int, dense_threshold: int | None) -> KernelCall:
-    """The call of segments ``seg_q[b]`` queries (local rows ``seg_q_start[b]`` on) x ``seg_k[b]`` keys, plus its dense split."""
+def dense_bucket(length, buckets: int | None):
+    """The dense part of a side of ``length``: the largest ``m * 2**e <= length`` with
+    ``buckets <= m < 2 * buckets`` (``buckets`` lengths per octave; lengths below ``buckets`` stay
+    as they are); ``buckets=None``: ``length`` itself. Vectorised over arrays."""
+    length = np.asarray(length, dtype=np.int64)
+    if buckets is None:
+        return length
+    octave = np.frexp(np.maximum(length, 1).astype(np.float64))[1] - 1  # floor(log2 length), exact below 2**53
+    step = np.left_shift(1, np.maximum(octave - (int(buckets).bit_length() - 1), 0))
+    return length // step * step
+
+
+def _make_call(seg_q, seg_k, seg_q_start, causal: bool, num_tokens: int, dense: tuple | None) -> KernelCall:
+    """The call of segments ``seg_q[b]`` queries (local rows ``seg_q_start[b]`` on) x ``seg_k[b]`` keys,
+    plus its dense split (``dense = (threshold, buckets)``)."""
     cu_k = _cu(seg_k)
     call = KernelCall(
         cu_seqlens_q=_cu(seg_q),
@@ -406,25 +446,30 @@ def _make_call(seg_q, seg_k, seg_q_start, causal: bool, num_tokens: int, dense_t
         causal=causal,
         **_query_rows(seg_q_start, seg_q, num_tokens),
     )
-    if dense_threshold is None:
+    if dense is None:
         return call
-    long = is_dense_segment(seg_q, seg_k, dense_threshold)
+    threshold, buckets = dense
+    long = is_dense_segment(seg_q, seg_k, threshold)
     if not long.any():
         return call
     seg_k_start = np.cumsum(seg_k) - seg_k
-    dense = tuple(
-        (int(a), int(n), int(b), int(m)) for a, n, b, m in zip(seg_q_start[long], seg_q[long], seg_k_start[long], seg_k[long])
+    core_q = np.where(long, dense_bucket(seg_q, buckets), 0)  # the dense part's query rows (a causal one's keys too)
+    core_k = np.where(long, core_q if causal else seg_k, 0)
+    k_dense = core_q if causal else dense_bucket(seg_k, buckets)
+    dense_parts = tuple(
+        (int(a), int(n), int(b), int(m), int(d))
+        for a, n, b, m, d in zip(seg_q_start[long], core_q[long], seg_k_start[long], core_k[long], k_dense[long])
     )
-    assert not causal or all(n == m and a == b for a, n, b, m in dense), "dense causal segments are diagonal blocks"
-    rest_q = np.where(long, 0, seg_q)
+    assert not causal or all(n == m == d and a == b for a, n, b, m, d in dense_parts), "dense causal parts are diagonal squares"
+    rest_q = seg_q - core_q
     if not rest_q.any():
         rest = ()
-    elif causal:  # the local call: a run of short segments at a time, rows and keys read as views
-        rest = _local_runs(seg_q, seg_q_start, long)
-    else:  # same key segments (the long ones keep their keys with no queries: dK/dV rows zeroed)
+    elif causal:  # the local call: rows between dense parts, rows and keys read as views
+        rest = _local_runs(seg_q, seg_q_start, core_q, long)
+    else:  # same key segments (rows the dense part took keep their keys: dK/dV rows zeroed)
         rest = (
             KernelCall(
-                **_query_rows(seg_q_start, rest_q, -1),
+                **_query_rows(seg_q_start + core_q, rest_q, -1),
                 cu_seqlens_q=_cu(rest_q),
                 cu_seqlens_k=cu_k,
                 max_seqlen_q=int(rest_q.max()),
@@ -432,22 +477,25 @@ def _make_call(seg_q, seg_k, seg_q_start, causal: bool, num_tokens: int, dense_t
                 causal=causal,
             ),
         )
-    return replace(call, dense=dense, rest=rest)
+    return replace(call, dense=dense_parts, rest=rest)
 
 
-def _local_runs(seg_len: np.ndarray, seg_start: np.ndarray, long: np.ndarray) -> tuple[KernelCall, ...]:
-    """The short segments of the local causal call (queries = keys = local rows, in order) as one
-    call per maximal run between long segments; each reads its range of rows as views."""
-    short = np.flatnonzero(~long)
-    runs = np.split(short, np.flatnonzero(np.diff(short) != 1) + 1)
+def _local_runs(seg_len: np.ndarray, seg_start: np.ndarray, core: np.ndarray, long: np.ndarray) -> tuple[KernelCall, ...]:
+    """What the dense parts leave of the local causal call (queries = keys = local rows, in order)
+    as one call per maximal run of rows between dense parts; each reads its ranges as views.
+
+    A long segment's leftover rows (after its dense square of ``core`` rows) see all its keys, so
+    they open a run whose first segment has ``len - core`` queries and ``len`` keys (the kernels'
+    causal mask is aligned bottom-right); short segments join whole."""
+    left = seg_len - core
+    todo = np.flatnonzero(left > 0)
+    runs = np.split(todo, np.flatnonzero((np.diff(todo) != 1) | long[todo[1:]]) + 1)
     calls = []
     for run in runs:
-        lengths = seg_len[run]
+        q_len, k_len = left[run], seg_len[run]
         a, b = int(seg_start[run[0]]), int(seg_start[run[-1]] + seg_len[run[-1]])
-        cu = _cu(lengths)
-        top = int(lengths.max())
-        calls.append(KernelCall(q_index=None, cu_seqlens_q=cu, cu_seqlens_k=cu.clone(), max_seqlen_q=top, max_seqlen_k=top,
-                                causal=True, q_range=(a, b), k_range=(a, b)))
+        calls.append(KernelCall(q_index=None, cu_seqlens_q=_cu(q_len), cu_seqlens_k=_cu(k_len), max_seqlen_q=int(q_len.max()),
+                                max_seqlen_k=int(k_len.max()), causal=True, q_range=(a + int(core[run[0]]), b), k_range=(a, b)))
     return tuple(calls)
 
 

@@ -136,3 +136,21 @@ def test_cli_refit_writes_a_loadable_profile_and_never_overwrites_the_source(tmp
     assert np.isfinite(report["kernel_model"]["held_out"]["r"])
     with pytest.raises(ValueError, match="overwrite"):
         cal.run(p.parse_args(["--refit", str(src), "--out", str(tmp_path / "x.json"), "--report", str(src)]))
+
+
+def test_hybrid_features_follow_the_dense_shape_buckets():
+    """Reports record the schedule's dense buckets; features count a dense part's key tail as a varlen call."""
+    from ringpack.analysis.calibration_features import DENSE_BUCKETS
+    from ringpack.attention.schedule import DEFAULT_DENSE_BUCKETS
+
+    assert DENSE_BUCKETS == DEFAULT_DENSE_BUCKETS
+    lengths = [30000, 21000]  # split over 2 ranks: long local squares and a full remote block, none on a bucket length
+    mb = split_zigzag(list(range(2)), lengths, 2)
+    case = cal.rank_cases("z", mb, lengths, "z")[1]
+    exact = cal.rank_features(case, hybrid=True, dense_buckets=None)
+    cut = cal.rank_features(case, hybrid=True, dense_buckets=8)
+    sched = cal.compiled_schedule(case, 8)
+    tails = sum(1 for c in cal.schedule_calls(sched) for d in c.dense if d[4] < d[3])
+    assert tails > 0 and cut["dense_calls"] == exact["dense_calls"]
+    assert cut["dense_pairs"] < exact["dense_pairs"] and cut["calls"] >= exact["calls"] + tails
+    assert cal.rank_features(case, hybrid=True) == cut  # the default is this version's buckets

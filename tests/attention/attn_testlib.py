@@ -197,14 +197,15 @@ class LoopbackTransport:
 
 
 def run_all_ranks(
-    problem: "Problem", scale: float | None = None, backend: str = "reference", device: str | torch.device = "cpu", dense_threshold: int | None = 4096
+    problem: "Problem", scale: float | None = None, backend: str = "reference", device: str | torch.device = "cpu", dense_threshold: int | None = 4096,
+    dense_buckets: int | None = 8,
 ) -> list[dict[str, torch.Tensor]]:
     """Forward and backward of every CP rank of ``problem`` in this process, through the real engine."""
     from ringpack.attention import compile_schedule
     from ringpack.attention.ring import _attention_backward, _attention_forward
 
     cp = len(problem.mb.shards)
-    schedules = [compile_schedule(problem.mb, r, dense_threshold=dense_threshold).to(device) for r in range(cp)]
+    schedules = [compile_schedule(problem.mb, r, dense_threshold=dense_threshold, dense_buckets=dense_buckets).to(device) for r in range(cp)]
     q, k, v, dout = ([problem.local(t, r) for r in range(cp)] for t in (problem.q, problem.k, problem.v, problem.dout))
     world = LoopbackWorld(schedules, k, v)
     scale = q[0].shape[-1] ** -0.5 if scale is None else scale

@@ -78,19 +78,19 @@ def cudnn_hybrid_on_cpu(emulated_cudnn, monkeypatch):
 
 
 @pytest.mark.parametrize("native_gqa", [False, True])
-@pytest.mark.parametrize("causal,lq,lk", [(True, 7, 7), (False, 5, 9)])
-def test_dense_wrapper_matches_the_reference(cudnn_hybrid_on_cpu, monkeypatch, native_gqa, causal, lq, lk):
+@pytest.mark.parametrize("causal,lq,lk,dense_keys", [(True, 7, 7, None), (False, 5, 9, None), (False, 5, 9, 4)])
+def test_dense_wrapper_matches_the_reference(cudnn_hybrid_on_cpu, monkeypatch, native_gqa, causal, lq, lk, dense_keys):
     monkeypatch.setattr(kernels, "CUDNN_NATIVE_GQA", native_gqa)
     gen = torch.Generator().manual_seed(0)
     q_all = torch.randn(lq + 4, 4, 8, generator=gen, dtype=torch.float64)
     k_all, v_all = (torch.randn(lk + 4, 2, 8, generator=gen, dtype=torch.float64) for _ in range(2))
     q, k, v = q_all[2 : 2 + lq], k_all[1 : 1 + lk], v_all[3 : 3 + lk]  # row slices, as the engine passes them
     dout = torch.randn_like(q)
-    got_out, got_lse = kernels.dense_attn_fwd(q, k, v, 0.3, causal, "cudnn_hybrid")
+    got_out, got_lse = kernels.dense_attn_fwd(q, k, v, 0.3, causal, "cudnn_hybrid", dense_keys=dense_keys)
     want_out, want_lse = kernels.dense_attn_fwd(q, k, v, 0.3, causal, "reference_hybrid")
     torch.testing.assert_close((got_out, got_lse), (want_out, want_lse), rtol=0, atol=1e-12)
     assert got_out.is_contiguous() and got_lse.shape == (4, lq)
-    got = kernels.dense_attn_bwd(dout, q, k, v, got_out, got_lse, 0.3, causal, "cudnn_hybrid")
+    got = kernels.dense_attn_bwd(dout, q, k, v, got_out, got_lse, 0.3, causal, "cudnn_hybrid", dense_keys=dense_keys)
     want = kernels.dense_attn_bwd(dout, q, k, v, want_out, want_lse, 0.3, causal, "reference_hybrid")
     for g, w in zip(got, want):
         assert g.shape == w.shape and g.is_contiguous()
@@ -98,10 +98,11 @@ def test_dense_wrapper_matches_the_reference(cudnn_hybrid_on_cpu, monkeypatch, n
 
 
 @pytest.mark.parametrize("name,mb,lengths", handmade_microbatches()[:6], ids=lambda x: x if isinstance(x, str) else "")
-def test_engine_with_cudnn_hybrid_is_exact(cudnn_hybrid_on_cpu, name, mb, lengths):
+@pytest.mark.parametrize("buckets", [None, 1])
+def test_engine_with_cudnn_hybrid_is_exact(cudnn_hybrid_on_cpu, name, mb, lengths, buckets):
     problem = Problem.make(mb, lengths, 4, 2, 8, seed=9)
     ref = dense_reference(problem)
-    for r, got in enumerate(run_all_ranks(problem, backend="cudnn_hybrid", dense_threshold=2)):
+    for r, got in enumerate(run_all_ranks(problem, backend="cudnn_hybrid", dense_threshold=2, dense_buckets=buckets)):
         errors = max_errors(problem, r, ref, got)
         assert max(errors.values()) < 1e-10, f"rank {r}: {errors}"
 
@@ -112,6 +113,7 @@ def test_random_plans_with_cudnn_hybrid_are_exact(cudnn_hybrid_on_cpu, seed):
     mb, lengths = random_microbatch(rng, int(rng.integers(1, 5)), num_samples=4, max_len=16)
     problem = Problem.make(mb, lengths, 4, 1, 8, seed=seed)
     ref = dense_reference(problem, 0.6)
-    for r, got in enumerate(run_all_ranks(problem, 0.6, backend="cudnn_hybrid", dense_threshold=int(rng.integers(1, 6)))):
+    buckets = (None, 1, 2, 8)[seed % 4]
+    for r, got in enumerate(run_all_ranks(problem, 0.6, backend="cudnn_hybrid", dense_threshold=int(rng.integers(1, 6)), dense_buckets=buckets)):
         errors = max_errors(problem, r, ref, got)
         assert max(errors.values()) < 1e-10, f"rank {r}: {errors}"

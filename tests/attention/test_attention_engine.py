@@ -20,9 +20,9 @@ from tests.attention.attn_testlib import Problem, dense_reference, handmade_micr
 TOL = 1e-10
 
 
-def assert_exact(problem: Problem, scale: float | None = None, backend: str = "reference", dense_threshold: int | None = 4096) -> None:
+def assert_exact(problem: Problem, scale: float | None = None, backend: str = "reference", dense_threshold: int | None = 4096, dense_buckets: int | None = 8) -> None:
     ref = dense_reference(problem, scale)
-    for r, got in enumerate(run_all_ranks(problem, scale, backend=backend, dense_threshold=dense_threshold)):
+    for r, got in enumerate(run_all_ranks(problem, scale, backend=backend, dense_threshold=dense_threshold, dense_buckets=dense_buckets)):
         errors = max_errors(problem, r, ref, got)
         assert max(errors.values()) < TOL, f"rank {r}: {errors}"
 
@@ -55,13 +55,15 @@ def test_random_plans_are_exact(seed, cp, n, gqa):
 # ------------------------------------------------------------------ hybrid backends: the dense split
 # reference_hybrid runs the split path of cudnn_hybrid (long segments one by one through the dense
 # kernel, the rest through one varlen call, results scattered/merged) with reference kernels, so
-# any mistake in the split, the row bookkeeping or the gradient scatter shows up in fp64.
+# any mistake in the split, the row bookkeeping or the gradient scatter shows up in fp64. Shape
+# buckets of 1 per octave (dense parts cut to powers of two: leftovers up to half a side, rows and
+# keys) stress the leftover paths; 8 is the default, None exact shapes.
 
 
 @pytest.mark.parametrize("name,mb,lengths", handmade_microbatches(), ids=lambda x: x if isinstance(x, str) else "")
-@pytest.mark.parametrize("threshold", [1, 2, 3])
-def test_handmade_plans_are_exact_with_the_dense_split(name, mb, lengths, threshold):
-    assert_exact(Problem.make(mb, lengths, 4, 2, 8, seed=4), backend="reference_hybrid", dense_threshold=threshold)
+@pytest.mark.parametrize("threshold,buckets", [(1, 1), (2, None), (3, 8), (2, 1)])
+def test_handmade_plans_are_exact_with_the_dense_split(name, mb, lengths, threshold, buckets):
+    assert_exact(Problem.make(mb, lengths, 4, 2, 8, seed=4), backend="reference_hybrid", dense_threshold=threshold, dense_buckets=buckets)
 
 
 @pytest.mark.parametrize("strategy", ["contiguous", "zigzag", "balanced"])
@@ -70,28 +72,38 @@ def test_strategy_plans_are_exact_with_the_dense_split(strategy, cp):
     if strategy == "balanced":
         pytest.importorskip("ringpack.balancer.planner")
     rng = np.random.default_rng(20 + cp)
-    for threshold in (1, 4, 9):
+    for threshold, buckets in ((1, 1), (4, 8), (9, None), (4, 2)):
         mb, lengths = strategy_microbatch(strategy, rng, cp, num_samples=int(rng.integers(1, 7)))
-        assert_exact(Problem.make(mb, lengths, 4, 2, 8, seed=int(rng.integers(1 << 30))), backend="reference_hybrid", dense_threshold=threshold)
+        problem = Problem.make(mb, lengths, 4, 2, 8, seed=int(rng.integers(1 << 30)))
+        assert_exact(problem, backend="reference_hybrid", dense_threshold=threshold, dense_buckets=buckets)
 
 
 @settings(max_examples=50, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), cp=st.integers(1, 4), n=st.integers(1, 5), gqa=st.sampled_from([(2, 2), (4, 2), (3, 1)]), threshold=st.integers(1, 8))
-def test_random_plans_are_exact_with_the_dense_split(seed, cp, n, gqa, threshold):
+@given(seed=st.integers(0, 2**32 - 1), cp=st.integers(1, 4), n=st.integers(1, 5), gqa=st.sampled_from([(2, 2), (4, 2), (3, 1)]), threshold=st.integers(1, 8),
+       buckets=st.sampled_from([None, 1, 2, 8]))
+def test_random_plans_are_exact_with_the_dense_split(seed, cp, n, gqa, threshold, buckets):
     rng = np.random.default_rng(seed)
     mb, lengths = random_microbatch(rng, cp, num_samples=n, max_len=20)
-    assert_exact(Problem.make(mb, lengths, gqa[0], gqa[1], 4, seed=seed % 1000), scale=0.7, backend="reference_hybrid", dense_threshold=threshold)
+    problem = Problem.make(mb, lengths, gqa[0], gqa[1], 4, seed=seed % 1000)
+    assert_exact(problem, scale=0.7, backend="reference_hybrid", dense_threshold=threshold, dense_buckets=buckets)
 
 
 def test_split_schedules_do_split():
     """The plans above really exercise dense segments next to a rest in one call, local and remote."""
     from ringpack.attention import compile_schedule
     from tests.attention.attn_testlib import zigzag_case
+    from tests.attention.test_attention_schedule import row_list
 
     mb = zigzag_case(2, [40, 3, 1, 17])
     calls = [c for r in range(2) for s in [compile_schedule(mb, r, dense_threshold=5)] for c in (s.local, *(c for st_ in s.steps for c in st_.calls))]
     assert any(c.causal and c.dense and c.rest for c in calls)
     assert any(not c.causal and c.dense and c.rest for c in calls)
+    # with power-of-two buckets: the leftover rows of a long local segment open a varlen run (fewer
+    # queries than keys), a full block's leftover rows go to the remote varlen call, and its keys are split
+    calls = [c for r in range(2) for s in [compile_schedule(mb, r, dense_threshold=5, dense_buckets=1)] for c in (s.local, *(c for st_ in s.steps for c in st_.calls))]
+    assert any(c.causal and any(p.q_range[0] > p.k_range[0] for p in c.rest) for c in calls)
+    assert any(not c.causal and any(d[4] < d[3] for d in c.dense) for c in calls)
+    assert any(not c.causal and any(d[0] + d[1] in row_list(c.rest[0], -1) for d in c.dense) for c in calls)
     assert all(not c.dense for r in range(2) for c in [compile_schedule(mb, r, dense_threshold=None).local])
 
 

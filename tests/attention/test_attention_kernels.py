@@ -156,6 +156,31 @@ def test_hybrid_backends_resolve_and_their_dense_ops_trace():
         kernels.dense_attn_fwd(q, k[:3], k[:3], 0.3, True, "reference_hybrid")
     with pytest.raises(ValueError, match="no dense kernel"):
         kernels.dense_attn_fwd(q, k, k, 0.3, True, "reference")
+    with pytest.raises(ValueError, match="key split needs a non-causal"):
+        kernels.dense_attn_fwd(q, k, k, 0.3, True, "reference_hybrid", dense_keys=3)
+    torch.library.opcheck(torch.ops.ringpack.dense_attn_fwd.default, (q, k, k, 0.3, False, "reference_hybrid", 3))
+    out, lse = kernels.dense_attn_fwd(q, k, k, 0.3, False, "reference_hybrid", dense_keys=3)
+    torch.library.opcheck(torch.ops.ringpack.dense_attn_bwd.default, (torch.randn_like(q), q, k, k, out.to(q.dtype), lse, 0.3, False, "reference_hybrid", 3))
+
+
+@pytest.mark.parametrize("dense_keys", [1, 4, 8, 9, None])
+def test_dense_key_split_is_exact(dense_keys):
+    """Keys past ``dense_keys`` go to the varlen kernel and are merged in float: the same result
+    (fp64) as one dense call, forward and backward, and a float output to keep the caller's rounding single."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(7, 4, 8, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(9, 2, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    dout = torch.randn_like(q)
+    want_out, want_lse = kernels.dense_attn_fwd(q, k, v, 0.4, False, "reference_hybrid")
+    out, lse = kernels.dense_attn_fwd(q, k, v, 0.4, False, "reference_hybrid", dense_keys=dense_keys)
+    torch.testing.assert_close((out, lse), (want_out, want_lse), rtol=0, atol=1e-12)
+    want = kernels.dense_attn_bwd(dout, q, k, v, want_out, want_lse, 0.4, False, "reference_hybrid")
+    got = kernels.dense_attn_bwd(dout, q, k, v, want_out, want_lse, 0.4, False, "reference_hybrid", dense_keys=dense_keys)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
+    half = kernels.dense_attn_fwd(q.float(), k.float(), v.float(), 0.4, False, "reference_hybrid", dense_keys=4)[0]
+    assert half.dtype == torch.float32
 
 
 @pytest.mark.parametrize("value,refused", [("1", True), ("TRUE", True), ("on", True), ("0", False), ("", False)])

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ringpack.attention import compile_schedule
-from ringpack.attention.schedule import Schedule
+from ringpack.attention.schedule import Schedule, dense_bucket
 from ringpack.balancer.plan import MicroBatch, Piece, microbatch_from_shards
 from tests.attention.attn_testlib import handmade_microbatches, random_microbatch, strategy_microbatch, zigzag_case
 
@@ -234,48 +234,75 @@ def _expanded_segments(call) -> list[tuple[tuple[int, ...], int, int]]:
     return out
 
 
-def check_dense_split(call, threshold: int) -> None:
-    """``dense`` + ``rest`` compute exactly the call's segments; long ones dense, others in rest; rest keeps every key segment."""
+def _pairs(segments, causal: bool) -> Counter:
+    """(query row, key row) pairs of segments given as (query rows, first key row, key count), causal bottom-right."""
+    pairs = Counter()
+    for rows, k0, nk in segments:
+        shift = nk - len(rows)
+        for i, row in enumerate(rows):
+            pairs.update((row, k0 + j) for j in range(nk if not causal else min(nk, i + shift + 1)))
+    return pairs
+
+
+def check_dense_split(call, threshold: int, buckets: int | None) -> None:
+    """``dense`` + ``rest`` compute exactly the call's (query, key) pairs, each once; the dense parts are the
+    leading rows of the long segments cut to bucket lengths; rest keeps every key segment."""
     whole = _expanded_segments(call)
     # the area rule: >= threshold**2 query-key products, both sides >= threshold // 4
     long = [seg for seg in whole if len(seg[0]) * seg[2] >= threshold**2 and min(len(seg[0]), seg[2]) >= max(threshold // 4, 1)]
     if not long:
         assert call.dense == () and call.rest == ()
         return
-    dense = [(tuple(range(q0, q0 + nq)), k0, nk) for q0, nq, k0, nk in call.dense]
-    assert dense == long and all(isinstance(x, int) for d in call.dense for x in d)
+    assert all(isinstance(x, int) for d in call.dense for x in d)
+    want = []
+    for rows, k0, nk in long:
+        nq = int(dense_bucket(len(rows), buckets))
+        want.append((rows[0], nq, k0, nq if call.causal else nk, nq if call.causal else int(dense_bucket(nk, buckets))))
+        assert list(rows[:nq]) == list(range(rows[0], rows[0] + nq))
+        assert buckets is None or (nq > len(rows) * (1 - 1 / buckets) and nq.bit_count() <= buckets.bit_length())
+    assert list(call.dense) == want
+    dense = [(tuple(range(q0, q0 + nq)), k0, nk) for q0, nq, k0, nk, _ in call.dense]
     rest = [seg for part in call.rest for seg in _expanded_segments(part)]
-    assert sorted(rest + dense) == sorted(whole)
+    assert _pairs(dense, call.causal) + _pairs(rest, call.causal) == _pairs(whole, call.causal)
+    assert max((_pairs(dense + rest, call.causal)).values()) == 1
     for part in call.rest:
         assert part.causal == call.causal and not part.dense and not part.rest
         q_lens = [b - a for a, b in _segments(part.cu_seqlens_q)]
         assert part.max_seqlen_q == max(q_lens) and len(row_list(part, -1)) == sum(q_lens)
-        if call.causal:  # local: a run of short segments, its rows and keys one range read as views
-            assert part.q_range == part.k_range and part.q_index is None
-            assert torch.equal(part.cu_seqlens_q, part.cu_seqlens_k) and part.max_seqlen_k == part.max_seqlen_q
+        assert part.max_seqlen_k == max(b - a for a, b in _segments(part.cu_seqlens_k))
+        if call.causal:  # local: a run of rows between dense parts, its rows and keys ranges read as views
+            assert part.q_index is None and part.q_range[1] == part.k_range[1] and part.q_range[0] >= part.k_range[0]
         else:
             assert len(call.rest) == 1 and part.k_range is None
             assert torch.equal(part.cu_seqlens_k, call.cu_seqlens_k), "rest must keep every key segment (dK/dV rows zeroed)"
-            assert part.max_seqlen_k == call.max_seqlen_k
-    if call.causal and call.rest:  # every local key row is covered once: by a dense segment or a rest run
-        covered = sorted(r for part in call.rest for r in range(*part.k_range)) + sorted(r for _, _, k0, nk in call.dense for r in range(k0, k0 + nk))
-        assert sorted(covered) == list(range(int(call.cu_seqlens_k[-1])))
 
 
 @settings(max_examples=100, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), cp=st.integers(1, 5), n=st.integers(1, 6), threshold=st.integers(1, 10))
-def test_dense_split_partitions_every_call(seed, cp, n, threshold):
+@given(seed=st.integers(0, 2**32 - 1), cp=st.integers(1, 5), n=st.integers(1, 6), threshold=st.integers(1, 10),
+       buckets=st.sampled_from([None, 1, 2, 4, 8]))
+def test_dense_split_partitions_every_call(seed, cp, n, threshold, buckets):
     mb = random_microbatch(np.random.default_rng(seed), cp, num_samples=n)[0]
     for r in range(cp):
-        sched = compile_schedule(mb, r, dense_threshold=threshold)
+        sched = compile_schedule(mb, r, dense_threshold=threshold, dense_buckets=buckets)
         plain = compile_schedule(mb, r, dense_threshold=None)
         for call, base in zip((sched.local, *(c for s in sched.steps for c in s.calls)), (plain.local, *(c for s in plain.steps for c in s.calls))):
             if call is None:
                 continue
             assert torch.equal(call.cu_seqlens_q, base.cu_seqlens_q) and base.dense == () and base.rest == ()
-            check_dense_split(call, threshold)
+            check_dense_split(call, threshold, buckets)
         moved = sched.to("cpu")
         assert moved.local is None or (moved.local.dense == sched.local.dense and len(moved.local.rest) == len(sched.local.rest))
+
+
+def test_dense_bucket_lengths():
+    lengths = np.arange(1, 5000)
+    cut = dense_bucket(lengths, 8)
+    assert (cut <= lengths).all() and (lengths - cut < np.maximum(lengths / 8, 1)).all()
+    assert (dense_bucket(cut, 8) == cut).all(), "bucket lengths are fixed points"
+    assert len(set(cut[cut >= 1024].tolist())) == 8 + 8 + 2  # 1024..4999: octaves 1K-2K and 2K-4K, then 4096, 4608
+    assert (dense_bucket(lengths, None) == lengths).all()
+    with pytest.raises(ValueError, match="dense_buckets"):
+        compile_schedule(zigzag_case(2, [4]), 0, dense_buckets=3)
 
 
 def test_dense_threshold_is_validated():

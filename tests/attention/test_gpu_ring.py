@@ -111,10 +111,14 @@ def long_plans(cp: int) -> list[tuple[str, object, dict[int, int]]]:
 
 
 def split_coverage(schedule) -> torch.Tensor:
-    """[local dense segments, remote dense segments, calls with dense segments and a varlen rest]."""
+    """[local dense segments, remote dense segments, calls with dense segments and a varlen rest,
+    dense parts with a key split, local varlen runs opened by a long segment's leftover rows]."""
     calls = [c for c in (schedule.local, *(c for st in schedule.steps for c in st.calls)) if c is not None]
     local = len(schedule.local.dense) if schedule.local is not None else 0
-    return torch.tensor([local, sum(len(c.dense) for c in calls) - local, sum(bool(c.dense) and bool(c.rest) for c in calls)], dtype=torch.float64)
+    key_split = sum(d[4] < d[3] for c in calls for d in c.dense)
+    leftover = sum(p.q_range[0] > p.k_range[0] for c in calls if c.causal for p in c.rest)
+    return torch.tensor([local, sum(len(c.dense) for c in calls) - local, sum(bool(c.dense) and bool(c.rest) for c in calls), key_split, leftover],
+                        dtype=torch.float64)
 
 
 # ----------------------------------------------------------------------------------------- inputs
@@ -192,7 +196,7 @@ def run_distributed_check(backend: str = "torch_flash", dense_threshold: int | N
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     scale = HEAD_DIM**-0.5
     failures, rows = [], []
-    coverage = torch.zeros(3, dtype=torch.float64)
+    coverage = torch.zeros(5, dtype=torch.float64)
     threshold_kw = {} if dense_threshold is None else {"dense_threshold": dense_threshold}
     worst, checked = (0.0, ""), 0
     all_lengths: list[int] = []
@@ -229,11 +233,12 @@ def run_distributed_check(backend: str = "torch_flash", dense_threshold: int | N
 
     coverage_t = coverage.to(device)
     dist.all_reduce(coverage_t)
-    local_dense, remote_dense, mixed = (int(c) for c in coverage_t.tolist())
+    local_dense, remote_dense, mixed, key_split, leftover = (int(c) for c in coverage_t.tolist())
     split_line = ""
     if dense_backend(backend) is not None:
-        split_line = f", dense_threshold={dense_threshold or 'default'}: {local_dense} local + {remote_dense} remote dense segments, {mixed} calls dense+varlen"
-        if not (local_dense and remote_dense and mixed):
+        split_line = (f", dense_threshold={dense_threshold or 'default'}: {local_dense} local + {remote_dense} remote dense segments, {mixed} calls dense+varlen, "
+                      f"{key_split} key splits, {leftover} leftover runs (shape buckets)")
+        if not (local_dense and remote_dense and mixed and key_split and leftover):
             failures.append(f"{backend}: the plans did not exercise the split ({split_line.strip(', ')})")
     if rank == 0:
         print(f"\nringpack {backend} bf16, CP={world}, H={HEADS}, H_kv={KV_HEADS}, D={HEAD_DIM}, sample lengths={all_lengths}{split_line}")
@@ -242,7 +247,8 @@ def run_distributed_check(backend: str = "torch_flash", dense_threshold: int | N
         SUMMARY.append(
             f"SUMMARY {backend:<16} threshold={str(dense_threshold or 'default'):<7} plans={plans.__name__:<9} "
             f"{checked - sum(r.endswith('FAIL') for r in rows)}/{checked} within bound, worst err/limit {worst[0]:.2f} ({worst[1]})"
-            + (f", dense: {local_dense} local / {remote_dense} remote / {mixed} mixed calls" if split_line else "")
+            + (f", dense: {local_dense} local / {remote_dense} remote / {mixed} mixed calls / {key_split} key splits / {leftover} leftover runs"
+               if split_line else "")
         )
     return failures
 

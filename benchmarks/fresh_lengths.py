@@ -1,0 +1,137 @@
+"""Training on fresh sample lengths: what cuDNN's per-shape graph builds cost ring attention, with
+and without the schedule's dense shape buckets.
+
+Run on a machine with 2 GPUs (one process per GPU):
+
+    torchrun --nproc_per_node=2 benchmarks/fresh_lengths.py --out fresh_lengths.json
+
+Every step draws a new heavy-tailed mix (``attention.py``'s benchmark mix, seed = step), splits it
+with ``balanced``, compiles the schedules (not timed: a DataLoader worker's job) and times one
+forward+backward of ring attention over it, the way each attention layer meets a new micro-batch
+in training. Each configuration runs the same steps twice, in this order: ``torch_flash``;
+``cudnn_hybrid`` with the default buckets (8 dense lengths per octave); ``cudnn_hybrid`` with exact
+dense shapes (``dense_buckets=None``, the behaviour before buckets). The first pass meets every
+shape for the first time ("fresh"); the second repeats the steps with every graph built ("warm").
+
+Columns: total seconds of each pass, the mean step of the fresh pass's second half, and the new
+dense shapes per step (cuDNN builds a forward and a backward graph for each) in the first and the
+second half of the fresh pass: with buckets that count falls towards zero as training goes on;
+with exact shapes it does not. Prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from attention import case_lengths, local_index, split_for  # noqa: E402
+
+CONFIGS = (("torch_flash", 8), ("cudnn_hybrid", 8), ("cudnn_hybrid", None))
+
+
+def dense_shapes(schedule) -> set[tuple[int, int, bool]]:
+    """The dense kernel's shapes a schedule runs: (queries, dense keys, causal) per dense part."""
+    calls = ([schedule.local] if schedule.local is not None else []) + [c for step in schedule.steps for c in step.calls]
+    return {(nq, nd, call.causal) for call in calls for _, nq, _, _, nd in call.dense}
+
+
+def step_ms(run) -> float:
+    """Slowest rank's milliseconds for one forward+backward (all ranks start together)."""
+    dist.barrier()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    run()
+    torch.cuda.synchronize()
+    mine = (time.perf_counter() - start) * 1e3
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return max(gathered)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", default="16384,65536", help="tokens per GPU, comma separated")
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--shape", default="32x8", help="q_heads x kv_heads")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--slack", type=float, default=0.125)
+    parser.add_argument("--out", default="fresh_lengths.json")
+    args = parser.parse_args()
+
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    torch.cuda.set_device(device)
+    from ringpack.attention import compile_schedule, ring_attention
+    from ringpack.attention.kernels import dense_attn_bwd, dense_attn_fwd
+
+    heads, kv_heads = (int(x) for x in args.shape.split("x"))
+    gen = torch.Generator(device=device).manual_seed(0)
+    # cuDNN's library and first graph once, on a shape no step uses
+    warm = [torch.randn(333, h, args.head_dim, device=device, dtype=torch.bfloat16, generator=gen) for h in (heads, kv_heads, kv_heads)]
+    out, lse = dense_attn_fwd(*warm, 1.0, True, "cudnn_hybrid")
+    dense_attn_bwd(torch.ones_like(out), *warm, out, lse, 1.0, True, "cudnn_hybrid")
+    rows = []
+    for tokens in [int(t) for t in args.tokens.split(",")]:
+        steps = []
+        for s in range(args.steps):
+            lengths = case_lengths("mix", tokens * world, 1000 + s)
+            mb = split_for("balanced", lengths, world, args.slack)
+            steps.append((mb, local_index(mb, rank, lengths).to(device), len(lengths)))
+        for backend, buckets in CONFIGS:
+            seen: set = set()
+            row = dict(tokens_per_gpu=tokens, shape=args.shape, backend=backend, dense_buckets=buckets, steps=args.steps)
+            for pass_name in ("fresh", "warm"):
+                times, new = [], []
+                for mb, index, _ in steps:
+                    schedule = compile_schedule(mb, rank, dense_buckets=buckets).to(device)
+                    shapes = dense_shapes(schedule) if backend == "cudnn_hybrid" else set()
+                    counts = [None] * world
+                    dist.all_gather_object(counts, len(shapes - seen))
+                    seen |= shapes
+                    n = index.numel()
+                    q = torch.randn(n, heads, args.head_dim, device=device, dtype=torch.bfloat16, generator=gen, requires_grad=True)
+                    k, v = (torch.randn(n, kv_heads, args.head_dim, device=device, dtype=torch.bfloat16, generator=gen, requires_grad=True) for _ in range(2))
+
+                    def run() -> None:
+                        ring_attention(q, k, v, schedule, backend=backend).backward(torch.ones(n, heads, args.head_dim, device=device, dtype=torch.bfloat16))
+
+                    times.append(step_ms(run))
+                    new.append(max(counts))
+                    del q, k, v
+                half = len(times) // 2
+                row[f"{pass_name}_total_s"] = sum(times) / 1e3
+                row[f"{pass_name}_step_ms"] = times
+                row[f"{pass_name}_late_mean_ms"] = statistics.fmean(times[half:])
+                if pass_name == "fresh":
+                    row["new_shapes_per_step"] = new
+            rows.append(row)
+            if rank == 0:
+                new = row["new_shapes_per_step"]
+                half = len(new) // 2
+                print(f"{tokens:>6d} {args.shape:>5s} {backend:13s} buckets={str(buckets):5s} "
+                      f"fresh {row['fresh_total_s']:7.2f} s  warm {row['warm_total_s']:7.2f} s  "
+                      f"late fresh step {row['fresh_late_mean_ms']:8.1f} ms  warm step {row['warm_late_mean_ms']:8.1f} ms  "
+                      f"new shapes/step {statistics.fmean(new[:half]):5.1f} -> {statistics.fmean(new[half:]):5.1f}", flush=True)
+                meta = dict(torch=torch.__version__, device=torch.cuda.get_device_name(device), world=world, date=time.strftime("%Y-%m-%d"), argv=sys.argv)
+                Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+            torch.cuda.empty_cache()
+    if rank == 0:
+        print(f"wrote {args.out}")
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
