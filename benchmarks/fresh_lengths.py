@@ -8,15 +8,19 @@ Run on a machine with 2 GPUs (one process per GPU):
 Every step draws a new heavy-tailed mix (``attention.py``'s benchmark mix, seed = step), splits it
 with ``balanced``, compiles the schedules (not timed: a DataLoader worker's job) and times one
 forward+backward of ring attention over it, the way each attention layer meets a new micro-batch
-in training. Each configuration runs the same steps twice, in this order: ``torch_flash``;
+in training (``--layers`` forward+backward calls per step: a model's layers share the cached
+graphs, so one layer per step overstates what builds cost). Each configuration runs the same
+steps twice, in this order: ``torch_flash``;
 ``cudnn_hybrid`` with the default buckets (8 dense lengths per octave); ``cudnn_hybrid`` with exact
 dense shapes (``dense_buckets=None``, the behaviour before buckets). The first pass meets every
 shape for the first time ("fresh"); the second repeats the steps with every graph built ("warm").
 
-Columns: total seconds of each pass, the mean step of the fresh pass's second half, and the new
-dense shapes per step (cuDNN builds a forward and a backward graph for each) in the first and the
-second half of the fresh pass: with buckets that count falls towards zero as training goes on;
-with exact shapes it does not. Prints a table and writes JSON.
+Columns: total seconds of each pass, the fresh pass's total after 1/8, 1/4 and 1/2 of the steps,
+the mean step of the fresh pass's last quarter and of the warm pass, and the new dense shapes per
+step (cuDNN builds a forward and a backward graph for each) in the first and the last quarter of
+the fresh pass: with buckets that count falls towards zero as training goes on; with exact shapes
+it does not. Before the first configuration, one untimed ring step on short samples warms NCCL and
+the flash kernels, and one cuDNN call on an unused shape loads cuDNN. Prints a table and writes JSON.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="16384,65536", help="tokens per GPU, comma separated")
     parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--layers", type=int, default=1, help="attention calls (forward+backward) per step, on the step's schedule")
     parser.add_argument("--shape", default="32x8", help="q_heads x kv_heads")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--slack", type=float, default=0.125)
@@ -82,6 +87,10 @@ def main() -> int:
     warm = [torch.randn(333, h, args.head_dim, device=device, dtype=torch.bfloat16, generator=gen) for h in (heads, kv_heads, kv_heads)]
     out, lse = dense_attn_fwd(*warm, 1.0, True, "cudnn_hybrid")
     dense_attn_bwd(torch.ones_like(out), *warm, out, lse, 1.0, True, "cudnn_hybrid")
+    short = split_for("balanced", case_lengths("short", 2048 * world, 0), world, args.slack)  # no dense segment
+    n = local_index(short, rank, case_lengths("short", 2048 * world, 0)).numel()
+    qkv = [torch.randn(n, h, args.head_dim, device=device, dtype=torch.bfloat16, requires_grad=True) for h in (heads, kv_heads, kv_heads)]
+    ring_attention(*qkv, compile_schedule(short, rank).to(device), backend="torch_flash").sum().backward()
     rows = []
     for tokens in [int(t) for t in args.tokens.split(",")]:
         steps = []
@@ -91,7 +100,7 @@ def main() -> int:
             steps.append((mb, local_index(mb, rank, lengths).to(device), len(lengths)))
         for backend, buckets in CONFIGS:
             seen: set = set()
-            row = dict(tokens_per_gpu=tokens, shape=args.shape, backend=backend, dense_buckets=buckets, steps=args.steps)
+            row = dict(tokens_per_gpu=tokens, shape=args.shape, backend=backend, dense_buckets=buckets, steps=args.steps, layers=args.layers)
             for pass_name in ("fresh", "warm"):
                 times, new = [], []
                 for mb, index, _ in steps:
@@ -105,25 +114,26 @@ def main() -> int:
                     k, v = (torch.randn(n, kv_heads, args.head_dim, device=device, dtype=torch.bfloat16, generator=gen, requires_grad=True) for _ in range(2))
 
                     def run() -> None:
-                        ring_attention(q, k, v, schedule, backend=backend).backward(torch.ones(n, heads, args.head_dim, device=device, dtype=torch.bfloat16))
+                        for _ in range(args.layers):
+                            ring_attention(q, k, v, schedule, backend=backend).backward(torch.ones(n, heads, args.head_dim, device=device, dtype=torch.bfloat16))
 
                     times.append(step_ms(run))
                     new.append(max(counts))
                     del q, k, v
-                half = len(times) // 2
                 row[f"{pass_name}_total_s"] = sum(times) / 1e3
                 row[f"{pass_name}_step_ms"] = times
-                row[f"{pass_name}_late_mean_ms"] = statistics.fmean(times[half:])
+                row[f"{pass_name}_late_mean_ms"] = statistics.fmean(times[-max(len(times) // 4, 1):])
                 if pass_name == "fresh":
                     row["new_shapes_per_step"] = new
             rows.append(row)
             if rank == 0:
-                new = row["new_shapes_per_step"]
-                half = len(new) // 2
-                print(f"{tokens:>6d} {args.shape:>5s} {backend:13s} buckets={str(buckets):5s} "
-                      f"fresh {row['fresh_total_s']:7.2f} s  warm {row['warm_total_s']:7.2f} s  "
-                      f"late fresh step {row['fresh_late_mean_ms']:8.1f} ms  warm step {row['warm_late_mean_ms']:8.1f} ms  "
-                      f"new shapes/step {statistics.fmean(new[:half]):5.1f} -> {statistics.fmean(new[half:]):5.1f}", flush=True)
+                new, fresh = row["new_shapes_per_step"], row["fresh_step_ms"]
+                quarter = max(len(new) // 4, 1)
+                marks = " ".join(f"{sum(fresh[: max(len(fresh) // d, 1)]) / 1e3:6.2f}" for d in (8, 4, 2))
+                print(f"{tokens:>6d} {args.shape:>5s} x{args.layers} {backend:13s} buckets={str(buckets):5s} "
+                      f"fresh {row['fresh_total_s']:7.2f} s (1/8 1/4 1/2: {marks})  warm {row['warm_total_s']:7.2f} s  "
+                      f"last-quarter step fresh {row['fresh_late_mean_ms']:7.1f} / warm {row['warm_late_mean_ms']:7.1f} ms  "
+                      f"new shapes/step {statistics.fmean(new[:quarter]):4.1f} -> {statistics.fmean(new[-quarter:]):4.1f}", flush=True)
                 meta = dict(torch=torch.__version__, device=torch.cuda.get_device_name(device), world=world, date=time.strftime("%Y-%m-%d"), argv=sys.argv)
                 Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
             torch.cuda.empty_cache()

@@ -153,7 +153,7 @@ def calibrate(
     device = torch.device(device)
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    backend = resolve_backend(backend, torch.empty(1, 1, 1, device=device, dtype=dtype))
+    backend = resolve_backend(backend, torch.empty(1, shape.heads, shape.head_dim, device=device, dtype=dtype))
     clock = Clock(device, queued=timer == "gpu")
     started = time.perf_counter()
     gen = torch.Generator(device=device).manual_seed(seed)

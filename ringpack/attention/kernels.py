@@ -84,14 +84,17 @@ HYBRID_BACKENDS = {
     "reference_hybrid": ("reference", "reference"),
 }
 
-# Whether backend="auto" picks cudnn_hybrid on CUDA fp16/bf16 (ahead of flash_attn / torch_flash).
-# Measured on 2 x H200 (BENCHMARKS.md): with shapes seen before it is as fast as torch_flash on
-# short samples and up to 1.7x faster where segments reach the dense threshold; but cuDNN builds
-# one graph per new segment shape (~90 ms each, forward and backward), and in training every
-# micro-batch brings new sample lengths, so step times depended on which shapes earlier steps had
-# cached. Off by default until long segments are bucketed to a few shapes; opt in with
-# backend="cudnn_hybrid" for data of repeating lengths.
-AUTO_CUDNN_HYBRID = False
+# Whether backend="auto" picks cudnn_hybrid (ahead of flash_attn / torch_flash) where it was
+# measured: CUDA bf16/fp16 on compute capability 9.x (H100/H200) with head_dim 128. Measured on
+# 2 x H200 (BENCHMARKS.md): as fast as torch_flash where no segment reaches the dense threshold (it
+# then runs the same varlen calls) and 1.5-1.8x faster where segments do. cuDNN builds a graph
+# (~0.1 s) for every new shape; the schedule's shape buckets bound those shapes (a few hundred per
+# process over thousands of steps of heavy-tailed mixes at 64K tokens per GPU), so training pays
+# them in its first steps, and benchmarks/fresh_lengths.py measures when the faster steps have
+# paid them back. Elsewhere (other GPUs, head dims) it was not measured, so auto keeps flash.
+AUTO_CUDNN_HYBRID = True
+AUTO_CUDNN_HEAD_DIMS = (128,)
+AUTO_CUDNN_CAPABILITY = 9
 
 # Whether backend="auto" picks flash_split ahead of torch_flash (set from the benchmark, BENCHMARKS.md).
 AUTO_FLASH_SPLIT = False
@@ -127,8 +130,10 @@ def _flash_attn_module():
     return fai
 
 
-def available_backends(device: torch.device | str, dtype: torch.dtype) -> list[str]:
-    """Backends usable for tensors of this device and dtype, best first (``reference_hybrid`` is for tests, never listed)."""
+def available_backends(device: torch.device | str, dtype: torch.dtype, head_dim: int | None = None) -> list[str]:
+    """Backends usable for tensors of this device and dtype, best first (``reference_hybrid`` is for
+    tests, never listed). ``cudnn_hybrid`` comes first only where it was measured faster
+    (:data:`AUTO_CUDNN_HYBRID`: capability 9.x and a head_dim it was measured with), else last."""
     device = torch.device(device)
     found = []
     half = dtype in (torch.float16, torch.bfloat16)
@@ -136,10 +141,19 @@ def available_backends(device: torch.device | str, dtype: torch.dtype) -> list[s
         flash = (["flash_attn"] if _flash_attn_module() is not None else []) + ["torch_flash"]
         found = ["flash_split", *flash] if AUTO_FLASH_SPLIT else [*flash, "flash_split"]
         if _cudnn_usable():
-            found.insert(0 if AUTO_CUDNN_HYBRID else len(found), "cudnn_hybrid")
+            first = AUTO_CUDNN_HYBRID and head_dim in AUTO_CUDNN_HEAD_DIMS and _capability(device) == AUTO_CUDNN_CAPABILITY
+            found.insert(0 if first else len(found), "cudnn_hybrid")
     if dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
         found.append("reference")
     return found
+
+
+def _capability(device: torch.device) -> int:
+    """Major compute capability of a CUDA device (0 if it cannot be read)."""
+    try:
+        return torch.cuda.get_device_capability(device)[0]
+    except Exception:  # no driver in this process
+        return 0
 
 
 @functools.cache
@@ -167,10 +181,10 @@ def _cudnn_ragged_dense() -> str | None:
 
 
 def resolve_backend(backend: str, q: Tensor) -> str:
-    """``"auto"`` -> flash_attn if importable on CUDA, else torch_flash on CUDA fp16/bf16, else reference
-    (cudnn_hybrid first on CUDA fp16/bf16 when :data:`AUTO_CUDNN_HYBRID` is set)."""
+    """``"auto"`` -> cudnn_hybrid where it was measured faster (:func:`available_backends`), else
+    flash_attn if importable on CUDA, else torch_flash on CUDA fp16/bf16, else reference."""
     if backend == "auto":
-        usable = available_backends(q.device, q.dtype)
+        usable = available_backends(q.device, q.dtype, q.shape[-1])
         if not usable:
             raise ValueError(f"no attention backend supports {q.dtype} on {q.device}")
         return usable[0]

@@ -287,6 +287,17 @@ if pytest is not None:
     needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
     needs_2_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 
+    @pytest.mark.gpu
+    @needs_cuda
+    def test_auto_backend_on_this_gpu():
+        """auto resolves to cudnn_hybrid on Hopper with head_dim 128 (where it was measured faster), else to a flash kernel."""
+        from ringpack.attention import kernels
+
+        q = torch.zeros(3, 4, 128, device="cuda", dtype=DTYPE)
+        hopper = torch.cuda.get_device_capability()[0] == 9 and kernels._cudnn_usable()
+        assert kernels.resolve_backend("auto", q) == ("cudnn_hybrid" if hopper else kernels.available_backends("cuda", DTYPE)[0])
+        assert kernels.resolve_backend("auto", q[..., :64].contiguous()) in ("flash_attn", "torch_flash")
+
     def _backends() -> list[str]:
         from ringpack.attention.kernels import available_backends
 
