@@ -160,7 +160,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--backends", default="auto", help="ringpack kernel backends, comma separated (a row each)")
     parser.add_argument("--dense-threshold", type=int, default=4096, help="hybrid backends: segments this long go to the dense kernel")
-    parser.add_argument("--dense-buckets", type=lambda x: None if x == "none" else int(x), default=8,
+    parser.add_argument("--dense-buckets", type=lambda x: None if x == "none" else int(x), default=16,
                         help="hybrid backends: dense lengths per octave (compile_schedule's dense_buckets; 'none': exact shapes)")
     parser.add_argument("--slack", type=float, default=0.125, help="balanced: per-rank token budget above T/cp")
     parser.add_argument("--out", default="attention.json")

@@ -11,7 +11,7 @@ forward+backward of ring attention over it, the way each attention layer meets a
 in training (``--layers`` forward+backward calls per step: a model's layers share the cached
 graphs, so one layer per step overstates what builds cost). Each configuration runs the same
 steps twice, in this order: ``torch_flash``;
-``cudnn_hybrid`` with the default buckets (8 dense lengths per octave); ``cudnn_hybrid`` with exact
+``cudnn_hybrid`` with the default buckets (16 dense lengths per octave); ``cudnn_hybrid`` with exact
 dense shapes (``dense_buckets=None``, the behaviour before buckets). The first pass meets every
 shape for the first time ("fresh"); the second repeats the steps with every graph built ("warm").
 
@@ -41,7 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from attention import case_lengths, local_index, split_for  # noqa: E402
 
-CONFIGS = (("torch_flash", 8), ("cudnn_hybrid", 8), ("cudnn_hybrid", None))
+from ringpack.attention.schedule import DEFAULT_DENSE_BUCKETS  # noqa: E402
+
+CONFIGS = (("torch_flash", None), ("cudnn_hybrid", DEFAULT_DENSE_BUCKETS), ("cudnn_hybrid", None))
 
 
 def dense_shapes(schedule) -> set[tuple[int, int, bool]]:

@@ -106,7 +106,7 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--slack", type=float, default=0.125)
     parser.add_argument("--dense-threshold", type=int, default=4096)
-    parser.add_argument("--dense-buckets", type=lambda x: None if x == "none" else int(x), default=8,
+    parser.add_argument("--dense-buckets", type=lambda x: None if x == "none" else int(x), default=16,
                         help="hybrid backends: dense lengths per octave (compile_schedule's dense_buckets; 'none': exact shapes)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--solo", action="store_true", help="also profile the whole micro-batch on one GPU")

@@ -34,7 +34,7 @@ of gathered (at 64K tokens per GPU the gathers of a 48K-row rest took 1.1 GB in 
 segment's query rows are always one contiguous range of local rows, so a dense segment's
 q/k/v/out are plain slices. Backends without a dense kernel ignore the split.
 
-Shape buckets (``dense_buckets=b``, default 8). cuDNN builds a graph, about 0.1 s, for every new
+Shape buckets (``dense_buckets=b``, default 16). cuDNN builds a graph, about 0.1 s, for every new
 shape it sees, and training brings new sample lengths every step. So the dense part of a long
 segment is cut to lengths of the form ``m * 2**e`` with ``b <= m < 2b`` (:func:`dense_bucket`: b
 lengths per octave, at most 1/b of a side left over): a causal segment of length ``L`` gives the
@@ -45,7 +45,14 @@ varlen call) and, within the dense kernel, its first ``k_dense = dense_bucket(Lk
 other keys going to the hybrid's varlen kernel merged in float
 (:func:`~ringpack.attention.kernels.dense_attn_fwd`). The dense kernel then sees at most about
 ``5 b`` square shapes and ``(7 b)**2`` block shapes between 1K and 128K tokens, whatever the data.
-``dense_buckets=None`` keeps exact shapes (``k_dense == k_len``).
+``dense_buckets=None`` keeps exact shapes (``k_dense == k_len``), for data whose lengths repeat.
+
+What buckets cost (2 x H200, BENCHMARKS.md): the leftover rows of a causal square cost little (a
+thin slab of rows is efficient for flash), but a full block's key tail is a second pass over its
+query rows (flash's backward on a thin slab of keys is latency-bound), so with every shape cached
+the heavy-tailed mix runs 6% (64K tokens per GPU) to 15% (16K) slower than with exact shapes, and
+still 1.3-1.5x faster than ``torch_flash``. On fresh lengths, exact shapes keep building graphs
+every step while bucketed ones stop (``benchmarks/fresh_lengths.py``).
 
 Communication. Rank ``s`` only ever sends its *needed* pieces: piece ``p`` of X is needed iff
 another rank holds a piece of X that starts at or after ``p.stop``. Those pieces, concatenated in
@@ -72,9 +79,10 @@ __all__ = ["DEFAULT_DENSE_BUCKETS", "DEFAULT_DENSE_THRESHOLD", "KernelCall", "Ri
 # Segments of at least this many queries and keys (by area, is_dense_segment) go to a hybrid backend's dense kernel.
 DEFAULT_DENSE_THRESHOLD = 4096
 
-# Dense lengths per octave (module docstring, "Shape buckets"): at most 1/8 of a long segment's
-# rows (and of a full block's keys) goes to the varlen kernel, and cuDNN sees a bounded set of shapes.
-DEFAULT_DENSE_BUCKETS = 8
+# Dense lengths per octave (module docstring, "Shape buckets"): at most 1/16 of a long segment's
+# rows (and of a full block's keys) goes to the varlen kernel, and cuDNN sees a bounded set of
+# shapes. 16 measured 3-4% faster than 8 with all shapes built (BENCHMARKS.md); 32 no faster than 16.
+DEFAULT_DENSE_BUCKETS = 16
 
 
 class ScheduleMismatchError(ValueError):

@@ -148,8 +148,8 @@ def test_hybrid_features_follow_the_dense_shape_buckets():
     mb = split_zigzag(list(range(2)), lengths, 2)
     case = cal.rank_cases("z", mb, lengths, "z")[1]
     exact = cal.rank_features(case, hybrid=True, dense_buckets=None)
-    cut = cal.rank_features(case, hybrid=True, dense_buckets=8)
-    sched = cal.compiled_schedule(case, 8)
+    cut = cal.rank_features(case, hybrid=True, dense_buckets=DENSE_BUCKETS)
+    sched = cal.compiled_schedule(case, DENSE_BUCKETS)
     tails = sum(1 for c in cal.schedule_calls(sched) for d in c.dense if d[4] < d[3])
     assert tails > 0 and cut["dense_calls"] == exact["dense_calls"]
     assert cut["dense_pairs"] < exact["dense_pairs"] and cut["calls"] >= exact["calls"] + tails
