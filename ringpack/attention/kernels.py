@@ -560,9 +560,36 @@ def _dense_bwd(dout, q, k, v, out, lse, scale, causal, backend, dense_keys):
     if n == k.shape[0]:
         return bwd(dout, q, k, v, out, lse, scale, causal)
     dq, dk, dv = bwd(dout, q, k[:n], v[:n], out, lse, scale, False)
-    dout, out, lse = dout.contiguous(), out.contiguous(), lse.contiguous()  # row views; the varlen kernels want them dense
-    dq_tail, dk_tail, dv_tail = _BWD[backend](dout, q, k[n:], v[n:], out, lse, *_tail_segment(q, k[n:]), scale, False)
+    dq_tail, dk_tail, dv_tail = _key_tail_bwd(dout, q, k[n:], v[n:], out, lse, scale, backend)
     return dq.add_(dq_tail), torch.cat((dk, dk_tail)), torch.cat((dv, dv_tail))
+
+
+# Rows per segment when the backward of a key tail is cut into segments (see _key_tail_bwd), and
+# the most key rows the copies may take.
+TAIL_CHUNK_ROWS = 512
+TAIL_COPY_ROWS = 8192
+
+
+def _key_tail_bwd(dout, q, k, v, out, lse, scale: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    """Backward of all of a dense segment's queries against its few tail keys, with the varlen kernel.
+
+    Flash's backward parallelises over key blocks, so one segment of a few hundred keys against
+    thousands of queries runs a few dozen blocks that each walk every query row: on H200 the tail
+    of an 8K x 5K block took a quarter of the dense kernel's time. Cutting the queries into
+    segments of :data:`TAIL_CHUNK_ROWS`, each paired with its own copy of the tail keys (at most
+    :data:`TAIL_COPY_ROWS` copied key rows), multiplies the blocks; the copies' dK/dV are summed.
+    """
+    n_q, n_k = q.shape[0], k.shape[0]
+    chunks = max(1, min(-(-n_q // TAIL_CHUNK_ROWS), TAIL_COPY_ROWS // max(n_k, 1)))
+    dout, out, lse = dout.contiguous(), out.contiguous(), lse.contiguous()  # row views; the varlen kernels want them dense
+    if chunks == 1:
+        return _BWD[backend](dout, q, k, v, out, lse, *_tail_segment(q, k), scale, False)
+    rows = -(-n_q // chunks)
+    chunks = -(-n_q // rows)  # no empty segment
+    steps = torch.arange(chunks + 1, dtype=torch.int32, device=q.device)
+    cu_q, cu_k = (steps * rows).clamp_(max=n_q), steps * n_k
+    dq, dk, dv = _BWD[backend](dout, q, k.repeat(chunks, 1, 1), v.repeat(chunks, 1, 1), out, lse, cu_q, cu_k, rows, n_k, scale, False)
+    return dq, *(g.view(chunks, *k.shape).sum(0, dtype=accum_dtype(k.dtype)).to(k.dtype) for g in (dk, dv))
 
 
 @torch.library.custom_op("ringpack::varlen_attn_fwd", mutates_args=())

@@ -180,10 +180,13 @@ def test_hybrid_backends_resolve_and_their_dense_ops_trace():
     torch.library.opcheck(torch.ops.ringpack.dense_attn_bwd.default, (torch.randn_like(q), q, k, k, out.to(q.dtype), lse, 0.3, False, "reference_hybrid", 3))
 
 
+@pytest.mark.parametrize("chunk_rows", [512, 2, 3])
 @pytest.mark.parametrize("dense_keys", [1, 4, 8, 9, None])
-def test_dense_key_split_is_exact(dense_keys):
+def test_dense_key_split_is_exact(dense_keys, chunk_rows, monkeypatch):
     """Keys past ``dense_keys`` go to the varlen kernel and are merged in float: the same result
-    (fp64) as one dense call, forward and backward, and a float output to keep the caller's rounding single."""
+    (fp64) as one dense call, forward and backward, and a float output to keep the caller's rounding
+    single. ``chunk_rows`` < 7 cuts the tail's backward into segments with copies of the tail keys."""
+    monkeypatch.setattr(kernels, "TAIL_CHUNK_ROWS", chunk_rows)
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(7, 4, 8, generator=gen, dtype=torch.float64)
     k, v = (torch.randn(9, 2, 8, generator=gen, dtype=torch.float64) for _ in range(2))
