@@ -19,7 +19,9 @@ Columns: total seconds of each pass, the fresh pass's total after 1/8, 1/4 and 1
 the mean step of the fresh pass's last quarter and of the warm pass, and the new dense shapes per
 step (cuDNN builds a forward and a backward graph for each) in the first and the last quarter of
 the fresh pass: with buckets that count falls towards zero as training goes on; with exact shapes
-it does not. Before the first configuration, one untimed ring step on short samples warms NCCL and
+it does not. ``--count-shapes N`` (no GPU) instead compiles the schedules of N such steps and
+prints how many distinct dense shapes each bucket setting has met by step 16, 100, 300, 1000 and
+3000 (summed over the ranks, each of which builds its own), i.e. how far the builds go. Before the first configuration, one untimed ring step on short samples warms NCCL and
 the flash kernels, and one cuDNN call on an unused shape loads cuDNN. Prints a table and writes JSON.
 """
 
@@ -52,6 +54,23 @@ def dense_shapes(schedule) -> set[tuple[int, int, bool]]:
     return {(nq, nd, call.causal) for call in calls for _, nq, _, _, nd in call.dense}
 
 
+def count_shapes(tokens: int, steps: int, world: int, slack: float, settings=(8, 16, 32, None)) -> dict:
+    """Distinct dense shapes (rank, queries, dense keys, causal) met by each step mark, per bucket setting (CPU only)."""
+    from ringpack.attention import compile_schedule
+
+    seen: dict = {b: set() for b in settings}
+    marks: dict = {}
+    for s in range(steps):
+        lengths = case_lengths("mix", tokens * world, 1000 + s)
+        mb = split_for("balanced", lengths, world, slack)
+        for b in settings:
+            for rank in range(world):
+                seen[b] |= {(rank, *shape) for shape in dense_shapes(compile_schedule(mb, rank, dense_buckets=b))}
+        if s + 1 in (16, 100, 300, 1000, 3000, 10000) or s + 1 == steps:
+            marks[s + 1] = {str(b): len(v) for b, v in seen.items()}
+    return marks
+
+
 def step_ms(run) -> float:
     """Slowest rank's milliseconds for one forward+backward (all ranks start together)."""
     dist.barrier()
@@ -73,8 +92,19 @@ def main() -> int:
     parser.add_argument("--shape", default="32x8", help="q_heads x kv_heads")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--slack", type=float, default=0.125)
+    parser.add_argument("--world", type=int, default=2, help="--count-shapes: CP ranks")
+    parser.add_argument("--count-shapes", type=int, default=0, metavar="N", help="no GPU: count dense shapes over N steps")
     parser.add_argument("--out", default="fresh_lengths.json")
     args = parser.parse_args()
+    if args.count_shapes:
+        result = {}
+        for tokens in [int(t) for t in args.tokens.split(",")]:
+            result[tokens] = count_shapes(tokens, args.count_shapes, args.world, args.slack)
+            for step, counts in result[tokens].items():
+                print(f"{tokens:>6d} tokens/GPU, step {step:>5d}: distinct dense shapes " + "  ".join(f"buckets={b}: {n}" for b, n in counts.items()), flush=True)
+        meta = dict(date=time.strftime("%Y-%m-%d"), argv=sys.argv, world=args.world)
+        Path(args.out).write_text(json.dumps(dict(meta=meta, shapes=result), indent=1))
+        return 0
 
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
