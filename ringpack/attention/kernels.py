@@ -85,7 +85,7 @@ HYBRID_BACKENDS = {
 }
 
 # Whether backend="auto" picks cudnn_hybrid (ahead of flash_attn / torch_flash) where it was
-# measured: CUDA bf16/fp16 on compute capability 9.x (H100/H200) with head_dim 128. Measured on
+# measured: CUDA bf16 on compute capability 9.x (H100/H200) with head_dim 128. Measured on
 # 2 x H200 (BENCHMARKS.md): as fast as torch_flash where no segment reaches the dense threshold (it
 # then runs the same varlen calls) and 1.5-1.8x faster where segments do. cuDNN builds a graph
 # (~0.1 s) for every new shape; the schedule's shape buckets bound those shapes (a few hundred per
@@ -95,6 +95,7 @@ HYBRID_BACKENDS = {
 AUTO_CUDNN_HYBRID = True
 AUTO_CUDNN_HEAD_DIMS = (128,)
 AUTO_CUDNN_CAPABILITY = 9
+AUTO_CUDNN_DTYPES = (torch.bfloat16,)
 
 # Whether backend="auto" picks flash_split ahead of torch_flash (set from the benchmark, BENCHMARKS.md).
 AUTO_FLASH_SPLIT = False
@@ -133,7 +134,7 @@ def _flash_attn_module():
 def available_backends(device: torch.device | str, dtype: torch.dtype, head_dim: int | None = None) -> list[str]:
     """Backends usable for tensors of this device and dtype, best first (``reference_hybrid`` is for
     tests, never listed). ``cudnn_hybrid`` comes first only where it was measured faster
-    (:data:`AUTO_CUDNN_HYBRID`: capability 9.x and a head_dim it was measured with), else last."""
+    (:data:`AUTO_CUDNN_HYBRID`: bf16, capability 9.x and a head_dim it was measured with), else last."""
     device = torch.device(device)
     found = []
     half = dtype in (torch.float16, torch.bfloat16)
@@ -141,7 +142,8 @@ def available_backends(device: torch.device | str, dtype: torch.dtype, head_dim:
         flash = (["flash_attn"] if _flash_attn_module() is not None else []) + ["torch_flash"]
         found = ["flash_split", *flash] if AUTO_FLASH_SPLIT else [*flash, "flash_split"]
         if _cudnn_usable():
-            first = AUTO_CUDNN_HYBRID and head_dim in AUTO_CUDNN_HEAD_DIMS and _capability(device) == AUTO_CUDNN_CAPABILITY
+            first = (AUTO_CUDNN_HYBRID and dtype in AUTO_CUDNN_DTYPES and head_dim in AUTO_CUDNN_HEAD_DIMS
+                     and _capability(device) == AUTO_CUDNN_CAPABILITY)
             found.insert(0 if first else len(found), "cudnn_hybrid")
     if dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
         found.append("reference")

@@ -123,7 +123,7 @@ def test_backend_resolution_on_cpu():
 
 
 def test_auto_puts_cudnn_hybrid_first_only_where_it_was_measured(monkeypatch):
-    """cudnn_hybrid leads the CUDA list on capability 9.x with head_dim 128 (H200 measurements); elsewhere it comes last."""
+    """cudnn_hybrid leads the CUDA list for bf16 on capability 9.x with head_dim 128 (H200 measurements); elsewhere it comes last."""
     monkeypatch.setattr(kernels, "_cudnn_usable", lambda: True)
     monkeypatch.setattr(kernels, "_flash_attn_module", lambda: None)
     monkeypatch.setattr(kernels, "_capability", lambda device: 9)
@@ -131,8 +131,9 @@ def test_auto_puts_cudnn_hybrid_first_only_where_it_was_measured(monkeypatch):
     for head_dim in (64, None):
         assert kernels.available_backends("cuda", torch.bfloat16, head_dim)[:1] == ["torch_flash"]
         assert kernels.available_backends("cuda", torch.bfloat16, head_dim)[-2:] == ["cudnn_hybrid", "reference"]
+    assert kernels.available_backends("cuda", torch.float16, 128)[0] == "torch_flash"  # measured in bf16 only
     monkeypatch.setattr(kernels, "_capability", lambda device: 8)
-    assert kernels.available_backends("cuda", torch.float16, 128)[0] == "torch_flash"
+    assert kernels.available_backends("cuda", torch.bfloat16, 128)[0] == "torch_flash"
     monkeypatch.setattr(kernels, "_capability", lambda device: 9)
     monkeypatch.setattr(kernels, "AUTO_CUDNN_HYBRID", False)
     assert kernels.available_backends("cuda", torch.bfloat16, 128)[0] == "torch_flash"
