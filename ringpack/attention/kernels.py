@@ -25,14 +25,16 @@ each call's gradients are exactly its share of the gradient of the whole softmax
 
 Backends: ``flash_attn`` (the flash-attn package), ``torch_flash`` (PyTorch's built-in flash
 kernel, CUDA fp16/bf16) and ``reference`` (plain PyTorch, any device; computes in float32 or
-float64; O(Tq * Tk) memory, for tests). ``backend="auto"`` picks the first that applies.
+float64; O(Tq * Tk) memory, for tests). ``backend="auto"`` picks the first that applies, after
+``cudnn_hybrid`` where that was measured faster (:func:`available_backends`).
 
 **Hybrid backends** pair a varlen kernel with a *dense* one-segment kernel::
 
     dense_attn_fwd(q, k, v, softmax_scale, causal, backend) -> (out[Lq, H, D], lse[H, Lq])
     dense_attn_bwd(dout, q, k, v, out, lse, softmax_scale, causal, backend) -> (dq, dk, dv)
 
-(one segment, same conventions; ``causal`` needs ``Lq == Lk``). The engine sends the long
+(one segment, same conventions; ``causal`` needs ``Lq == Lk``; ``dense_keys=n`` hands keys past
+``n`` of a non-causal segment to the varlen kernel, see :func:`dense_attn_fwd`). The engine sends the long
 segments the schedule marked (:attr:`KernelCall.dense`) to the dense kernel one by one and the
 rest of the call to the varlen kernel. ``cudnn_hybrid``: cuDNN dense SDPA
 (``aten._scaled_dot_product_cudnn_attention``, ~1.8x flash on long causal segments on H200) +
@@ -85,13 +87,13 @@ HYBRID_BACKENDS = {
 }
 
 # Whether backend="auto" picks cudnn_hybrid (ahead of flash_attn / torch_flash) where it was
-# measured: CUDA bf16 on compute capability 9.x (H100/H200) with head_dim 128. Measured on
-# 2 x H200 (BENCHMARKS.md): as fast as torch_flash where no segment reaches the dense threshold (it
-# then runs the same varlen calls) and 1.5-1.8x faster where segments do. cuDNN builds a graph
-# (~0.1 s) for every new shape; the schedule's shape buckets bound those shapes (a few hundred per
-# process over thousands of steps of heavy-tailed mixes at 64K tokens per GPU), so training pays
-# them in its first steps, and benchmarks/fresh_lengths.py measures when the faster steps have
-# paid them back. Elsewhere (other GPUs, head dims) it was not measured, so auto keeps flash.
+# measured: CUDA bf16 on compute capability 9.x (Hopper; measured on H200) with head_dim 128.
+# Measured on 2 x H200 (BENCHMARKS.md): as fast as torch_flash where no segment reaches the dense
+# threshold (it then runs the same varlen calls) and 1.5-1.8x faster where segments do. cuDNN
+# builds a graph (~0.1 s) for every new shape; the schedule's shape buckets bound those shapes
+# (about 800 per process in 3,000 steps of heavy-tailed mixes at 64K tokens per GPU, most of them
+# early), and benchmarks/fresh_lengths.py measures what the builds cost against the faster steps.
+# Elsewhere (other GPUs, dtypes, head dims) it was not measured, so auto keeps flash.
 AUTO_CUDNN_HYBRID = True
 AUTO_CUDNN_HEAD_DIMS = (128,)
 AUTO_CUDNN_CAPABILITY = 9

@@ -392,8 +392,10 @@ def _attention_backward(dout, q, k, v, out, lse, schedule: Schedule, make_transp
     # the dK/dV in transit in that dtype and summing each element once (in float, rounded once)
     # equals a float accumulator rounded at the end, with half the bytes on the wire and no
     # T x H x D float buffer. (A rank whose step has several calls, nested levels of one sample,
-    # sums their dK/dV in float and rounds that sum once for the trip.) More steps accumulate, and
-    # pass around, float sums.
+    # sums their dK/dV in float and rounds that sum once for the trip. With shape buckets, the
+    # dense part of a long block and its leftover rows or key tail are separate kernels: their dQ
+    # rows and dK/dV keys take a second term, one more rounding.) More steps accumulate, and pass
+    # around, float sums.
     one_step = len(schedule.steps) == 1
     grad_dtype = q.dtype if one_step else acc
     transport = make_transport(schedule)
