@@ -571,7 +571,7 @@ def _dense_bwd(dout, q, k, v, out, lse, scale, causal, backend, dense_keys):
 # Rows per segment when the backward of a key tail is cut into segments (see _key_tail_bwd), and
 # the most key rows the copies may take.
 TAIL_CHUNK_ROWS = 512
-TAIL_COPY_ROWS = 8192
+TAIL_COPY_ROWS = 2048
 
 
 def _key_tail_bwd(dout, q, k, v, out, lse, scale: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
