@@ -69,6 +69,7 @@ __all__ = [
     "available_backends",
     "dense_attn_bwd",
     "dense_attn_fwd",
+    "dense_attn_fwd_parts",
     "dense_backend",
     "resolve_backend",
     "varlen_attn_bwd",
@@ -544,6 +545,23 @@ def _check_dense_keys(dense_keys: int | None, num_keys: int, causal: bool) -> No
 def _tail_segment(q: Tensor, k: Tensor) -> tuple[Tensor, Tensor, int, int]:
     cu_q, cu_k = _device_segment(q, k)
     return cu_q, cu_k, q.shape[0], k.shape[0]
+
+
+def dense_attn_fwd_parts(
+    q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, backend: str, dense_keys: int | None = None
+) -> tuple[tuple[Tensor, Tensor], ...]:
+    """:func:`dense_attn_fwd` as partial results of the same query rows, for a caller that folds
+    them into its own accumulator (the engine, with ``merge_partial(..., part2=...)``): one
+    ``(out, lse)``, or with a key split the dense kernel's over keys ``:dense_keys`` and the varlen
+    kernel's over the rest, each in the input dtype. Merging them here would need a float copy of
+    the rows (memory and a pass); the caller's merge takes both in one pass, rounding once."""
+    n = k.shape[0] if dense_keys is None else dense_keys
+    if n >= k.shape[0]:
+        return (dense_attn_fwd(q, k, v, softmax_scale, causal, backend),)
+    _check_dense_keys(dense_keys, k.shape[0], causal)
+    core = dense_attn_fwd(q, k[:n], v[:n], softmax_scale, False, backend)
+    tail = varlen_attn_fwd(q, k[n:], v[n:], *_tail_segment(q, k[n:]), softmax_scale, False, backend)
+    return core, tail
 
 
 def _dense_fwd(q, k, v, scale, causal, backend, dense_keys):

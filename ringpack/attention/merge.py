@@ -1,5 +1,5 @@
 """The log-sum-exp merge of partial attention results: one implementation for the engine's steps
-and for a dense kernel call whose keys are split (``kernels.dense_attn_fwd(dense_keys=...)``)."""
+and for a dense call whose keys are split between two kernels (``kernels.dense_attn_fwd_parts``)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ __all__ = ["Rows", "merge_partial"]
 Rows = Tensor | slice | None  # which rows of the running result a partial covers (None: all)
 
 
-def merge_partial(out: Tensor, lse: Tensor, part_out: Tensor, part_lse: Tensor, index: Rows) -> None:
+def merge_partial(
+    out: Tensor, lse: Tensor, part_out: Tensor, part_lse: Tensor, index: Rows, part2: tuple[Tensor, Tensor] | None = None
+) -> None:
     """Fold a partial attention result into the running one, in place, by log-sum-exp.
 
     ``lse [H, T]`` is the running log-sum-exp (float32/float64); ``out [T, H, D]`` the running
@@ -21,28 +23,31 @@ def merge_partial(out: Tensor, lse: Tensor, part_out: Tensor, part_lse: Tensor, 
     result (one remote step): the merge is then computed in ``lse``'s dtype and rounded once, which
     is exactly what a float accumulator rounded at the end would give, because the local part it
     starts from was already rounded by its kernel. ``part_out [n, H, D]`` / ``part_lse [H, n]``
-    belong to rows ``index`` (an index tensor, a slice, or ``None`` for all rows). A partial
-    ``lse`` of ``+inf`` (flash kernels' value for a query without keys) counts as ``-inf``. The
-    running ``lse`` must be finite for every row (in the engine each query attends at least itself
-    in the local step; in a split dense call the first part has keys), so the weights below never
-    see ``inf - inf``.
+    belong to rows ``index`` (an index tensor, a slice, or ``None`` for all rows). ``part2``: a
+    second ``(out, lse)`` partial of the same rows (a dense call whose keys were split between two
+    kernels), folded in the same pass, so the rows are still rounded once and no float copy of
+    them is made. A partial ``lse`` of ``+inf`` (flash kernels' value for a query without keys)
+    counts as ``-inf``. The running ``lse`` must be finite for every row (in the engine each query
+    attends at least itself in the local step), so the weights below never see ``inf - inf``.
     """
-    part_lse = part_lse.to(lse.dtype)
-    if fused_merge_applies(out, lse, part_out, part_lse, index):  # CUDA: one kernel, same arithmetic
-        fused_merge(out, lse, part_out, part_lse, index)
+    parts = [(part_out, part_lse.to(lse.dtype))] + ([] if part2 is None else [(part2[0], part2[1].to(lse.dtype))])
+    if all(fused_merge_applies(out, lse, o, l, index) for o, l in parts):  # CUDA: one kernel, same arithmetic
+        fused_merge(out, lse, *parts[0], index, part2=parts[1] if len(parts) > 1 else None)
         return
-    part_lse = part_lse.masked_fill(torch.isposinf(part_lse), float("-inf"))
+    parts = [(o, l.masked_fill(torch.isposinf(l), float("-inf"))) for o, l in parts]
     if isinstance(index, Tensor):
         old_out, old_lse = out.index_select(0, index), lse.index_select(1, index)
     else:
         old_out, old_lse = (out, lse) if index is None else (out[index], lse[:, index])
-    new_lse = torch.logaddexp(old_lse, part_lse)
+    new_lse = old_lse
+    for _, part_lse in parts:
+        new_lse = torch.logaddexp(new_lse, part_lse)
     w_old = torch.exp(old_lse - new_lse).transpose(0, 1).unsqueeze(-1)
-    w_new = torch.exp(part_lse - new_lse).transpose(0, 1).unsqueeze(-1)
-    if old_out.dtype == lse.dtype:
-        old_out.mul_(w_old).addcmul_(part_out, w_new)  # in place: a view of out, or the gathered copy
-    else:  # input-dtype accumulator: compute in float, round once
-        old_out.copy_(torch.addcmul(old_out * w_old, part_out, w_new))
+    merged = old_out.mul_(w_old) if old_out.dtype == lse.dtype else old_out * w_old  # in place when out is float
+    for part_out, part_lse in parts:
+        merged.addcmul_(part_out, torch.exp(part_lse - new_lse).transpose(0, 1).unsqueeze(-1))
+    if merged is not old_out:  # input-dtype accumulator: computed in float, rounded once
+        old_out.copy_(merged)
     if isinstance(index, Tensor):
         out.index_copy_(0, index, old_out)
         lse.index_copy_(1, index, new_lse)

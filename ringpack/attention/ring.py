@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ringpack.attention.kernels import accum_dtype, dense_attn_bwd, dense_attn_fwd, dense_backend, varlen_attn_bwd, varlen_attn_fwd
+from ringpack.attention.kernels import accum_dtype, dense_attn_bwd, dense_attn_fwd_parts, dense_backend, varlen_attn_bwd, varlen_attn_fwd
 from ringpack.attention.merge import Rows, merge_partial
 from ringpack.attention.schedule import KernelCall, Schedule
 from ringpack.attention.streams import issued_after, mark
@@ -240,19 +240,27 @@ def _splits(call: KernelCall, backend: str) -> bool:
     return bool(call.dense) and dense_backend(backend) is not None
 
 
-def _fwd_parts(q: Tensor, k: Tensor, v: Tensor, call: KernelCall, scale: float, backend: str) -> Iterator[tuple[Rows, Tensor, Tensor]]:
-    """One call's partial results as ``(local query rows, out, lse)``: one part, or with a hybrid
-    backend the varlen ``rest`` and one part per dense segment (disjoint rows). A generator: each
-    kernel runs when its part is asked for, so a caller that folds a part in before asking for the
-    next holds one part's tensors at a time (peak memory)."""
+def _fwd_parts(q: Tensor, k: Tensor, v: Tensor, call: KernelCall, scale: float, backend: str) -> Iterator[tuple[Rows, Tensor, Tensor, tuple | None]]:
+    """One call's partial results as ``(local query rows, out, lse, second)``: one part, or with a
+    hybrid backend the varlen ``rest`` and one part per dense segment (disjoint rows). ``second``
+    is ``None`` or a second ``(out, lse)`` of the same rows (a dense part whose key tail went
+    through the varlen kernel), to be merged in the same pass. A generator: each kernel runs when
+    its part is asked for, so a caller that folds a part in before asking for the next holds one
+    part's tensors at a time (peak memory)."""
     if not _splits(call, backend):
-        yield (call.rows, *_fwd_call(q, k, v, call, scale, backend))
+        yield (call.rows, *_fwd_call(q, k, v, call, scale, backend), None)
         return
     for rest in call.rest:
-        yield (rest.rows, *_fwd_call(q, k, v, rest, scale, backend))
-    for q0, nq, k0, nk, n_dense in call.dense:
-        rows, keys = slice(q0, q0 + nq), slice(k0, k0 + nk)
-        yield (rows, *dense_attn_fwd(q[rows], k[keys], v[keys], scale, call.causal, backend, dense_keys=n_dense))
+        yield (rest.rows, *_fwd_call(q, k, v, rest, scale, backend), None)
+    for segment in call.dense:  # (a helper builds each part, so this frame keeps no reference to the last one)
+        yield _dense_fwd_part(q, k, v, segment, call.causal, scale, backend)
+
+
+def _dense_fwd_part(q, k, v, segment: tuple[int, int, int, int, int], causal: bool, scale: float, backend: str):
+    q0, nq, k0, nk, n_dense = segment
+    rows, keys = slice(q0, q0 + nq), slice(k0, k0 + nk)
+    first, *second = dense_attn_fwd_parts(q[rows], k[keys], v[keys], scale, causal, backend, dense_keys=n_dense)
+    return (rows, *first, second[0] if second else None)
 
 
 def _bwd_parts(dout, q, k, v, out, lse, call: KernelCall, scale: float, backend: str) -> Iterator[tuple[Rows, Tensor, Rows, Tensor, Tensor]]:
@@ -299,11 +307,12 @@ def _local_forward(q: Tensor, k: Tensor, v: Tensor, call: KernelCall, out_dtype:
     ``then``: called once the first local kernel is queued (see :func:`_after_first`)."""
     parts = _after_first(_fwd_parts(q, k, v, call, scale, backend), then)
     if not _splits(call, backend):
-        ((_, out, lse),) = parts
+        ((_, out, lse, _),) = parts
         return out, lse
     out = q.new_empty(q.shape, dtype=out_dtype)
     lse = q.new_empty((q.shape[1], q.shape[0]), dtype=accum_dtype(q.dtype))
-    for rows, part_out, part_lse in parts:  # the parts tile the local rows
+    for rows, part_out, part_lse, second in parts:  # the parts tile the local rows (causal: no key split)
+        assert second is None, "a causal dense part is never split by keys"
         _put_rows(out, rows, part_out)
         _put_rows(lse, rows, part_lse, dim=1)
     return out, lse
@@ -375,9 +384,9 @@ def _attention_forward(q, k, v, schedule: Schedule, make_transport: TransportFac
     for i, step in enumerate(schedule.steps):
         buf = transport.buffer(i)
         for call in step.calls:
-            for rows, part_out, part_lse in _fwd_parts(q, buf[0], buf[1], call, scale, backend):
-                merge_partial(out, lse, part_out, part_lse, rows)
-                del part_out, part_lse
+            for rows, part_out, part_lse, second in _fwd_parts(q, buf[0], buf[1], call, scale, backend):
+                merge_partial(out, lse, part_out, part_lse, rows, part2=second)
+                del part_out, part_lse, second
     return out.to(q.dtype), lse
 
 

@@ -233,6 +233,49 @@ def test_add_rows_rounds_once(rows, src_dtype):
     assert torch.equal(dst, want.to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("rows", [None, slice(1, 5), torch.tensor([0, 2, 5])])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_merge_of_two_partials_equals_two_merges(rows, dtype):
+    """merge_partial(part2=...) folds two partials of the same rows in one pass: in float64 the same
+    as two merges; into a bf16 output, the float merge rounded once."""
+    gen = torch.Generator().manual_seed(4)
+    n = 6 if rows is None else (rows.stop - rows.start if isinstance(rows, slice) else rows.numel())
+    out = torch.randn(6, 3, 4, generator=gen, dtype=torch.float64)
+    lse = torch.randn(3, 6, generator=gen, dtype=torch.float64)
+    parts = [(torch.randn(n, 3, 4, generator=gen, dtype=torch.float64), torch.randn(3, n, generator=gen, dtype=torch.float64)) for _ in range(2)]
+    parts[1][1][:, 0] = float("inf")  # a partial without keys
+    want_out, want_lse = out.clone(), lse.clone()
+    for part in parts:
+        merge_partial(want_out, want_lse, *part, rows)
+    got_out, got_lse = out.to(dtype), lse.clone()
+    merge_partial(got_out, got_lse, *((p.to(dtype) if p.dim() == 3 else p) for p in parts[0]), rows,
+                  part2=tuple(p.to(dtype) if p.dim() == 3 else p for p in parts[1]))
+    torch.testing.assert_close(got_lse, want_lse, rtol=0, atol=1e-12)
+    if dtype == torch.float64:
+        torch.testing.assert_close(got_out, want_out, rtol=0, atol=1e-12)
+    else:  # exact float merge of the bf16 inputs, rounded once
+        ref_out, ref_lse = out.to(dtype).double(), lse.clone()
+        for o, l in parts:
+            merge_partial(ref_out, ref_lse, o.to(dtype).double(), l, rows)
+        assert torch.equal(got_out, ref_out.to(dtype))
+
+
+def test_dense_parts_merge_to_the_dense_call():
+    """dense_attn_fwd_parts: one part without a key split; with one, the dense and the varlen part, which merged give dense_attn_fwd."""
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(7, 4, 8, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(9, 2, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    want_out, want_lse = kernels.dense_attn_fwd(q, k, v, 0.4, False, "reference_hybrid")
+    (whole,) = kernels.dense_attn_fwd_parts(q, k, v, 0.4, False, "reference_hybrid", dense_keys=9)
+    torch.testing.assert_close(whole, (want_out, want_lse), rtol=0, atol=0)
+    core, tail = kernels.dense_attn_fwd_parts(q, k, v, 0.4, False, "reference_hybrid", dense_keys=5)
+    out, lse = core[0].clone(), core[1].clone()
+    merge_partial(out, lse, *tail, None)
+    torch.testing.assert_close((out, lse), (want_out, want_lse), rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="key split"):
+        kernels.dense_attn_fwd_parts(q, k[:7], v[:7], 0.4, True, "reference_hybrid", dense_keys=3)
+
+
 def test_merge_into_an_input_dtype_output_rounds_once():
     """One remote step keeps out in bf16: the merge equals the float merge rounded once at the end."""
     gen = torch.Generator().manual_seed(2)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ringpack.attention.fused_merge import fused_merge_applies
-from ringpack.attention.ring import merge_partial
+from ringpack.attention.merge import merge_partial
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -22,7 +22,8 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("head_dim", [128, 80])
 @pytest.mark.parametrize("rows", [None, slice(3, 900)])
-def test_fused_merge_matches_the_torch_merge(dtype, head_dim, rows):
+@pytest.mark.parametrize("two", [False, True])
+def test_fused_merge_matches_the_torch_merge(dtype, head_dim, rows, two):
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(head_dim)
     t, h = 1000, 6
@@ -32,11 +33,15 @@ def test_fused_merge_matches_the_torch_merge(dtype, head_dim, rows):
     part = torch.randn(h, n, head_dim, device=dev, generator=gen).to(dtype).transpose(0, 1)  # strided, like cuDNN's BHSD
     part_lse = torch.randn(h, n, device=dev, generator=gen) * 4
     part_lse[:, ::7] = float("inf")  # flash kernels' "no keys" rows: must leave the row unchanged
+    part2 = None
+    if two:  # a second partial of the same rows (a dense call's key tail), contiguous, with its own empty rows
+        part2 = (torch.randn(n, h, head_dim, device=dev, generator=gen).to(dtype), torch.randn(h, n, device=dev, generator=gen) * 4)
+        part2[1][:, ::7] = float("inf")
     assert fused_merge_applies(out, lse, part, part_lse, rows)
     want_out, want_lse = out.cpu(), lse.cpu()
-    merge_partial(want_out, want_lse, part.cpu(), part_lse.cpu(), rows)
+    merge_partial(want_out, want_lse, part.cpu(), part_lse.cpu(), rows, part2=None if part2 is None else tuple(x.cpu() for x in part2))
     untouched = out.clone()
-    merge_partial(out, lse, part, part_lse, rows)
+    merge_partial(out, lse, part, part_lse, rows, part2=part2)
     torch.testing.assert_close(lse.cpu(), want_lse, rtol=1e-6, atol=1e-6)
     # one unit in the last place of a half-precision output; for float32 outputs the weights' own
     # float32 rounding (exp of lse differences that agree to ~1e-6) dominates (measured: <= 3.4e-6)
