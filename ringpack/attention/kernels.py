@@ -565,14 +565,11 @@ def dense_attn_fwd_parts(
 
 
 def _dense_fwd(q, k, v, scale, causal, backend, dense_keys):
-    fwd = _dense_kernel(backend, _DENSE_FWD)
-    n = k.shape[0] if dense_keys is None else min(dense_keys, k.shape[0])
-    if n == k.shape[0]:
-        return fwd(q, k, v, scale, causal)
-    out, lse = fwd(q, k[:n], v[:n], scale, False)
+    if dense_keys is None or dense_keys >= k.shape[0]:
+        return _dense_kernel(backend, _DENSE_FWD)(q, k, v, scale, causal)
+    (out, lse), tail = dense_attn_fwd_parts(q, k, v, scale, causal, backend, dense_keys)  # its dense part is unsplit
     out = out.to(lse.dtype)  # the two parts are summed in float; the caller's merge rounds once
-    tail_out, tail_lse = _FWD[backend](q, k[n:], v[n:], *_tail_segment(q, k[n:]), scale, False)
-    merge_partial(out, lse, tail_out, tail_lse, None)
+    merge_partial(out, lse, *tail, None)
     return out, lse
 
 
