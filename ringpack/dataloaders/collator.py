@@ -39,8 +39,8 @@ A batch is a plain ``dict`` (``pin_memory`` and ``.to(device)`` loops work on it
     (``loss = sum_over_micro_batches(loss_sum) / step_loss_tokens`` on every rank, then all-reduce
     gradients with SUM).
 ``schedule``
-    ``ringpack.attention.compile_schedule(microbatch, cp_rank)`` (host tensors; ``.to(device)``),
-    or ``None`` where the runtime is not installed and ``schedule="auto"``.
+    ``ringpack.attention.compile_schedule(microbatch, cp_rank, **schedule_options)`` (host tensors;
+    ``.to(device)``), or ``None`` where the runtime is not installed and ``schedule="auto"``.
 ``microbatch``, ``epoch``, ``step``, ``microbatch_index``, ``microbatches_in_step``, ``cursor``, ``plan_hash``
     where the batch sits; ``cursor`` feeds ``sampler.state_dict(cursor=...)`` for exact resume.
 """
@@ -56,7 +56,7 @@ from ringpack.balancer.plan import MicroBatch
 from ringpack.dataloaders.lengths import DataError
 from ringpack.dataloaders.sampler import MicroBatchTicket
 
-__all__ = ["PackedDataset", "PackedSamples", "PackedCollator", "rank_arrays", "to_batch", "IGNORE_INDEX"]
+__all__ = ["PackedDataset", "PackedSamples", "PackedCollator", "SCHEDULE_OPTIONS", "check_schedule_options", "rank_arrays", "to_batch", "IGNORE_INDEX"]
 
 IGNORE_INDEX = -100
 
@@ -158,7 +158,21 @@ def rank_arrays(starts: np.ndarray, piece_tokens: list[np.ndarray], next_tokens:
     return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids, "cu_seqlens": cu.astype(np.int32)}
 
 
-def _schedule(microbatch: MicroBatch, cp_rank: int, mode: Any) -> Any:
+# compile_schedule's keyword options a collator or shard reader passes through (the kernel split only)
+SCHEDULE_OPTIONS = ("dense_threshold", "dense_buckets")
+
+
+def check_schedule_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Validated ``compile_schedule`` options: e.g. ``{"dense_buckets": None}`` for data whose lengths
+    repeat (exact cuDNN shapes, see the README's "Shape buckets")."""
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(SCHEDULE_OPTIONS))
+    if unknown:
+        raise DataError(f"unknown schedule option(s) {unknown}; choose from {list(SCHEDULE_OPTIONS)}")
+    return options
+
+
+def _schedule(microbatch: MicroBatch, cp_rank: int, mode: Any, options: Mapping[str, Any] | None = None) -> Any:
     if mode is False or mode is None:
         return None
     try:
@@ -167,10 +181,18 @@ def _schedule(microbatch: MicroBatch, cp_rank: int, mode: Any) -> Any:
         if mode == "auto":
             return None
         raise DataError("schedule=True needs ringpack.attention.compile_schedule, which is not available") from exc
-    return compile_schedule(microbatch, cp_rank)
+    return compile_schedule(microbatch, cp_rank, **(options or {}))
 
 
-def to_batch(arrays: dict[str, np.ndarray], microbatch: MicroBatch, cp_rank: int, meta: dict[str, Any], schedule: Any, ignore_index: int = IGNORE_INDEX) -> dict[str, Any]:
+def to_batch(
+    arrays: dict[str, np.ndarray],
+    microbatch: MicroBatch,
+    cp_rank: int,
+    meta: dict[str, Any],
+    schedule: Any,
+    ignore_index: int = IGNORE_INDEX,
+    options: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
     """Turn :func:`rank_arrays` output into the batch dict (torch tensors + plan metadata)."""
     import torch
 
@@ -186,7 +208,7 @@ def to_batch(arrays: dict[str, np.ndarray], microbatch: MicroBatch, cp_rank: int
         "sample_ids": torch.tensor([p.sample for p in shard.pieces], dtype=torch.int64),
         "num_loss_tokens": int((arrays["labels"] != ignore_index).sum()),
         "microbatch_loss_tokens": int(microbatch.loss_tokens),
-        "schedule": _schedule(microbatch, cp_rank, schedule),
+        "schedule": _schedule(microbatch, cp_rank, schedule, options),
         "microbatch": microbatch,
     }
     batch.update(meta)
@@ -209,11 +231,20 @@ class PackedCollator:
     """``collate_fn`` that builds CP rank ``cp_rank``'s tensors of a micro-batch (module docstring).
 
     ``schedule``: ``"auto"`` (compile the attention schedule when ``ringpack.attention`` is
-    available, else ``None``), ``True`` (required), ``False`` (never). The collator holds no plan:
+    available, else ``None``), ``True`` (required), ``False`` (never); ``schedule_options``: keyword
+    options of ``compile_schedule`` (:data:`SCHEDULE_OPTIONS`). The collator holds no plan:
     everything it needs arrives with the ticket, so it pickles into workers as a few integers.
     """
 
-    def __init__(self, cp_rank: int, cp_size: int, *, schedule: Any = "auto", ignore_index: int = IGNORE_INDEX) -> None:
+    def __init__(
+        self,
+        cp_rank: int,
+        cp_size: int,
+        *,
+        schedule: Any = "auto",
+        ignore_index: int = IGNORE_INDEX,
+        schedule_options: Mapping[str, Any] | None = None,
+    ) -> None:
         if not isinstance(cp_size, (int, np.integer)) or cp_size < 1:
             raise DataError(f"cp_size must be a positive integer, got {cp_size!r}")
         if not isinstance(cp_rank, (int, np.integer)) or not 0 <= cp_rank < cp_size:
@@ -223,6 +254,7 @@ class PackedCollator:
         self.cp_rank = int(cp_rank)
         self.cp_size = int(cp_size)
         self.schedule = schedule
+        self.schedule_options = check_schedule_options(schedule_options)
         self.ignore_index = ignore_index
 
     def __call__(self, batch: Any) -> dict[str, Any]:
@@ -276,4 +308,4 @@ class PackedCollator:
         arrays = rank_arrays(starts, pieces, nexts, self.ignore_index)
         meta = dict(meta or {})
         meta.setdefault("step_loss_tokens", None)
-        return to_batch(arrays, microbatch, self.cp_rank, meta, self.schedule, self.ignore_index)
+        return to_batch(arrays, microbatch, self.cp_rank, meta, self.schedule, self.ignore_index, self.schedule_options)

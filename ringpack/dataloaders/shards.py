@@ -28,12 +28,13 @@ import hashlib
 import json
 import os
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, Iterator
 
 import numpy as np
 
 from ringpack.balancer.plan import MicroBatch, Plan, PlanConfig
-from ringpack.dataloaders.collator import IGNORE_INDEX, rank_arrays, to_batch
+from ringpack.dataloaders.collator import IGNORE_INDEX, check_schedule_options, rank_arrays, to_batch
 from ringpack.dataloaders.lengths import DataError, lengths_from_dataset
 
 __all__ = [
@@ -411,7 +412,8 @@ class ShardReader:
     Yields exactly the dicts :class:`~ringpack.dataloaders.collator.PackedCollator` makes for the
     same plan (same keys, same tensors). ``dp_size``/``cp_size``, when given, must match the
     manifest. ``verify`` checks each file's sha256 against the manifest before reading it (a
-    mismatch names the file). ``state_dict``/``load_state_dict`` resume mid-epoch by seeking.
+    mismatch names the file). ``schedule``/``schedule_options``: as for ``PackedCollator``.
+    ``state_dict``/``load_state_dict`` resume mid-epoch by seeking.
     """
 
     def __init__(
@@ -424,8 +426,10 @@ class ShardReader:
         cp_size: int | None = None,
         verify: bool = True,
         schedule: Any = "auto",
+        schedule_options: Mapping[str, Any] | None = None,
     ) -> None:
         self.path = Path(path)
+        self.schedule_options = check_schedule_options(schedule_options)
         manifest_path = self.path / MANIFEST
         if not manifest_path.is_file():
             hint = " (an interrupted `ringpack shard` run: re-run it to resume)" if (self.path / PROGRESS).exists() else ""
@@ -554,7 +558,7 @@ class ShardReader:
             "cursor": position + 1,
             "plan_hash": self.plan_hash,
         }
-        return to_batch(arrays, mb, self.cp_rank, meta, self.schedule)
+        return to_batch(arrays, mb, self.cp_rank, meta, self.schedule, options=self.schedule_options)
 
     # -------------------------------------------------------------- state
     def state_dict(self, cursor: int | None = None) -> dict[str, Any]:

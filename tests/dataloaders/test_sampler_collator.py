@@ -247,6 +247,23 @@ def test_schedule_compiled_when_runtime_present(samples):
     assert type(batch["schedule"]) is type(ref)
 
 
+def test_schedule_options_reach_compile_schedule(samples):
+    """schedule_options pass compile_schedule's kernel-split options through (exact shapes, a low
+    threshold); unknown options are refused when the collator is built."""
+    attention = pytest.importorskip("ringpack.attention")
+    sampler, ds, _ = make(samples)
+    ticket = next(iter(sampler))
+    options = {"dense_threshold": 2, "dense_buckets": None}
+    for rank in range(CP):
+        got = PackedCollator(rank, CP, schedule_options=options)(ds.__getitems__(ticket))["schedule"]
+        want = attention.compile_schedule(ticket.microbatch, rank, **options)
+        calls = lambda s: [c for c in (s.local, *(c for st in s.steps for c in st.calls)) if c is not None]  # noqa: E731
+        assert [c.dense for c in calls(got)] == [c.dense for c in calls(want)]
+        assert any(c.dense for c in calls(got)), "threshold 2 makes dense parts in these plans"
+    with pytest.raises(DataError, match="unknown schedule option"):
+        PackedCollator(0, CP, schedule_options={"dense_bucket": 8})
+
+
 def test_hf_dataset_source(samples):
     datasets = pytest.importorskip("datasets")
     hf = datasets.Dataset.from_dict({"input_ids": [s.tolist() for s in samples], "meta": list(range(len(samples)))})

@@ -230,3 +230,14 @@ def test_tokenizer_json_with_num_proc(tmp_path, corpus):
         cov.add_all(ShardReader(out, 0, c, schedule=False))
     cov.check_exactly_once()
     assert json.loads((out / "manifest.json").read_text())["source"]["tokenized_from"]["tokenizer"] == tmp_path.name
+
+
+def test_reader_passes_schedule_options(corpus):
+    """ShardReader(schedule_options=...) compiles the same schedule as compile_schedule with those options."""
+    attention = pytest.importorskip("ringpack.attention")
+    options = {"dense_threshold": 2, "dense_buckets": None}
+    batch = next(iter(ShardReader(corpus["out"], 0, 1, schedule=True, schedule_options=options)))
+    want = attention.compile_schedule(batch["microbatch"], 1, **options)
+    assert batch["schedule"].local.dense == want.local.dense and batch["schedule"].local.dense
+    with pytest.raises(DataError, match="unknown schedule option"):
+        ShardReader(corpus["out"], 0, 1, schedule_options={"threshold": 2})
