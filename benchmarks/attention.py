@@ -145,6 +145,15 @@ def useful_tflops(pairs: int, head_dim: int, heads: int, backward: bool, ms: flo
 
 
 # ----------------------------------------------------------------------------- main
+def add_schedule_args(parser: argparse.ArgumentParser) -> None:
+    """``--dense-threshold`` / ``--dense-buckets``: compile_schedule's kernel-split options (defaults: the library's)."""
+    from ringpack.attention.schedule import DEFAULT_DENSE_BUCKETS, DEFAULT_DENSE_THRESHOLD
+
+    parser.add_argument("--dense-threshold", type=int, default=DEFAULT_DENSE_THRESHOLD, help="hybrid backends: segments this long go to the dense kernel")
+    parser.add_argument("--dense-buckets", type=lambda x: None if x == "none" else int(x), default=DEFAULT_DENSE_BUCKETS,
+                        help="hybrid backends: dense lengths per octave (compile_schedule's dense_buckets; 'none': exact shapes)")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", default="16384,65536", help="tokens per GPU, comma separated")
@@ -159,9 +168,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--backends", default="auto", help="ringpack kernel backends, comma separated (a row each)")
-    parser.add_argument("--dense-threshold", type=int, default=4096, help="hybrid backends: segments this long go to the dense kernel")
-    parser.add_argument("--dense-buckets", type=lambda x: None if x == "none" else int(x), default=16,
-                        help="hybrid backends: dense lengths per octave (compile_schedule's dense_buckets; 'none': exact shapes)")
+    add_schedule_args(parser)
     parser.add_argument("--slack", type=float, default=0.125, help="balanced: per-rank token budget above T/cp")
     parser.add_argument("--out", default="attention.json")
     args = parser.parse_args()

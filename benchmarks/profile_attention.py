@@ -29,7 +29,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from attention import case_lengths, local_index, split_for  # noqa: E402
+from attention import add_schedule_args, case_lengths, local_index, split_for  # noqa: E402
 
 
 def timeline(prof, min_gap_us: float = 15.0) -> str:
@@ -105,9 +105,7 @@ def main() -> int:
     parser.add_argument("--pass", dest="pass_name", default="fwdbwd")
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--slack", type=float, default=0.125)
-    parser.add_argument("--dense-threshold", type=int, default=4096)
-    parser.add_argument("--dense-buckets", type=lambda x: None if x == "none" else int(x), default=16,
-                        help="hybrid backends: dense lengths per octave (compile_schedule's dense_buckets; 'none': exact shapes)")
+    add_schedule_args(parser)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--solo", action="store_true", help="also profile the whole micro-batch on one GPU")
     parser.add_argument("--out", default="profile.txt")

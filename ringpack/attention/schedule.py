@@ -41,16 +41,16 @@ lengths per octave, at most 1/b of a side left over): a causal segment of length
 dense kernel its first ``Lb = dense_bucket(L)`` rows as a causal square, and its last ``L - Lb``
 rows (against all ``L`` keys, causal bottom-right) join the local varlen runs; a full block gives
 the dense kernel its first ``dense_bucket(Lq)`` query rows (the remaining rows join the remote
-varlen call) and, within the dense kernel, its first ``k_dense = dense_bucket(Lk)`` keys, the
-other keys going to the hybrid's varlen kernel merged in float
-(:func:`~ringpack.attention.kernels.dense_attn_fwd`). The dense kernel then sees at most about
+varlen call) and its first ``k_dense = dense_bucket(Lk)`` keys, the other keys going to the
+hybrid's varlen kernel beside it (:func:`~ringpack.attention.kernels.dense_attn_fwd_parts`; the
+engine folds both partials in one pass). The dense kernel then sees at most about
 ``5 b`` square shapes and ``(7 b)**2`` block shapes between 1K and 128K tokens, whatever the data.
 ``dense_buckets=None`` keeps exact shapes (``k_dense == k_len``), for data whose lengths repeat.
 
 What buckets cost (2 x H200, BENCHMARKS.md): the leftover rows of a causal square cost little (a
 thin slab of rows is efficient for flash), but a full block's key tail is a second pass over its
 query rows (flash's backward on a thin slab of keys is latency-bound), so with every shape cached
-the heavy-tailed mix runs 6% (64K tokens per GPU) to 15% (16K) slower than with exact shapes, and
+the heavy-tailed mix runs 4% (64K tokens per GPU) to 12% (16K) slower than with exact shapes, and
 still 1.3-1.5x faster than ``torch_flash``. On fresh lengths, exact shapes keep building graphs
 every step while bucketed ones stop (``benchmarks/fresh_lengths.py``).
 
