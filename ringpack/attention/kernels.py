@@ -137,7 +137,9 @@ def _flash_attn_module():
 def available_backends(device: torch.device | str, dtype: torch.dtype, head_dim: int | None = None) -> list[str]:
     """Backends usable for tensors of this device and dtype, best first (``reference_hybrid`` is for
     tests, never listed). ``cudnn_hybrid`` comes first only where it was measured faster
-    (:data:`AUTO_CUDNN_HYBRID`: bf16, capability 9.x and a head_dim it was measured with), else last."""
+    (:data:`AUTO_CUDNN_HYBRID`: bf16, capability 9.x and a head_dim it was measured with) and
+    PyTorch's cuDNN attention is enabled (``torch.backends.cuda.enable_cudnn_sdp(False)``, a common
+    workaround for cuDNN trouble, keeps ``auto`` on flash), else last."""
     device = torch.device(device)
     found = []
     half = dtype in (torch.float16, torch.bfloat16)
@@ -146,7 +148,7 @@ def available_backends(device: torch.device | str, dtype: torch.dtype, head_dim:
         found = ["flash_split", *flash] if AUTO_FLASH_SPLIT else [*flash, "flash_split"]
         if _cudnn_usable():
             first = (AUTO_CUDNN_HYBRID and dtype in AUTO_CUDNN_DTYPES and head_dim in AUTO_CUDNN_HEAD_DIMS
-                     and _capability(device) == AUTO_CUDNN_CAPABILITY)
+                     and _capability(device) == AUTO_CUDNN_CAPABILITY and torch.backends.cuda.cudnn_sdp_enabled())
             found.insert(0 if first else len(found), "cudnn_hybrid")
     if dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
         found.append("reference")

@@ -135,6 +135,10 @@ def test_auto_puts_cudnn_hybrid_first_only_where_it_was_measured(monkeypatch):
     monkeypatch.setattr(kernels, "_capability", lambda device: 8)
     assert kernels.available_backends("cuda", torch.bfloat16, 128)[0] == "torch_flash"
     monkeypatch.setattr(kernels, "_capability", lambda device: 9)
+    monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: False)  # the user turned cuDNN attention off
+    assert kernels.available_backends("cuda", torch.bfloat16, 128)[0] == "torch_flash"
+    monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: True)
+    assert kernels.available_backends("cuda", torch.bfloat16, 128)[0] == "cudnn_hybrid"
     monkeypatch.setattr(kernels, "AUTO_CUDNN_HYBRID", False)
     assert kernels.available_backends("cuda", torch.bfloat16, 128)[0] == "torch_flash"
     assert kernels.available_backends("cuda", torch.float32, 128) == ["reference"]
