@@ -254,12 +254,14 @@ def test_schedule_options_reach_compile_schedule(samples):
     sampler, ds, _ = make(samples)
     ticket = next(iter(sampler))
     options = {"dense_threshold": 2, "dense_buckets": None}
+    def dense_parts(schedule) -> list:
+        return [c.dense for c in (schedule.local, *(c for st in schedule.steps for c in st.calls)) if c is not None]
+
     for rank in range(CP):
         got = PackedCollator(rank, CP, schedule_options=options)(ds.__getitems__(ticket))["schedule"]
         want = attention.compile_schedule(ticket.microbatch, rank, **options)
-        calls = lambda s: [c for c in (s.local, *(c for st in s.steps for c in st.calls)) if c is not None]  # noqa: E731
-        assert [c.dense for c in calls(got)] == [c.dense for c in calls(want)]
-        assert any(c.dense for c in calls(got)), "threshold 2 makes dense parts in these plans"
+        assert dense_parts(got) == dense_parts(want)
+        assert any(dense_parts(got)), "threshold 2 makes dense parts in these plans"
     with pytest.raises(DataError, match="unknown schedule option"):
         PackedCollator(0, CP, schedule_options={"dense_bucket": 8})
 
