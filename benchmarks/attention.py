@@ -145,6 +145,15 @@ def useful_tflops(pairs: int, head_dim: int, heads: int, backward: bool, ms: flo
 
 
 # ----------------------------------------------------------------------------- main
+def init_distributed() -> tuple[int, int, torch.device]:
+    """One process per GPU under torchrun: NCCL group, this rank's GPU as the current device."""
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    torch.cuda.set_device(device)
+    return rank, world, device
+
+
 def add_schedule_args(parser: argparse.ArgumentParser) -> None:
     """``--dense-threshold`` / ``--dense-buckets``: compile_schedule's kernel-split options (defaults: the library's)."""
     from ringpack.attention.schedule import DEFAULT_DENSE_BUCKETS, DEFAULT_DENSE_THRESHOLD
@@ -173,10 +182,7 @@ def main() -> int:
     parser.add_argument("--out", default="attention.json")
     args = parser.parse_args()
 
-    dist.init_process_group("nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-    torch.cuda.set_device(device)
+    rank, world, device = init_distributed()
     from ringpack.attention import compile_schedule, ring_attention
 
     rows = []

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -41,7 +40,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from attention import case_lengths, local_index, split_for  # noqa: E402
+from attention import case_lengths, init_distributed, local_index, split_for  # noqa: E402
 
 from ringpack.attention.schedule import DEFAULT_DENSE_BUCKETS  # noqa: E402
 
@@ -106,10 +105,7 @@ def main() -> int:
         Path(args.out).write_text(json.dumps(dict(meta=meta, shapes=result), indent=1))
         return 0
 
-    dist.init_process_group("nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-    torch.cuda.set_device(device)
+    rank, world, device = init_distributed()
     from ringpack.attention import compile_schedule, ring_attention
     from ringpack.attention.kernels import dense_attn_bwd, dense_attn_fwd
 

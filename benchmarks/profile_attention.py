@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
@@ -29,7 +28,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from attention import add_schedule_args, case_lengths, local_index, split_for  # noqa: E402
+from attention import add_schedule_args, case_lengths, init_distributed, local_index, split_for  # noqa: E402
 
 
 def timeline(prof, min_gap_us: float = 15.0) -> str:
@@ -111,10 +110,7 @@ def main() -> int:
     parser.add_argument("--out", default="profile.txt")
     args = parser.parse_args()
 
-    dist.init_process_group("nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-    torch.cuda.set_device(device)
+    rank, world, device = init_distributed()
     from ringpack.attention import compile_schedule, ring_attention
 
     backward = args.pass_name == "fwdbwd"
