@@ -48,9 +48,9 @@ CONFIGS = (("torch_flash", None), ("cudnn_hybrid", DEFAULT_DENSE_BUCKETS), ("cud
 
 
 def dense_shapes(schedule) -> set[tuple[int, int, bool]]:
-    """The dense kernel's shapes a schedule runs: (queries, dense keys, causal) per dense part."""
+    """The dense kernel's shapes a schedule runs: (queries, keys, causal) per dense part, padding included."""
     calls = ([schedule.local] if schedule.local is not None else []) + [c for step in schedule.steps for c in step.calls]
-    return {(nq, nd, call.causal) for call in calls for _, nq, _, _, nd in call.dense}
+    return {(q_run, k_run, call.causal) for call in calls for *_, q_run, k_run in call.dense}
 
 
 def count_shapes(tokens: int, steps: int, world: int, slack: float, settings=(8, 16, 32, None)) -> dict:

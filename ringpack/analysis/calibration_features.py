@@ -147,7 +147,8 @@ def rank_features(case: Case, hybrid: bool = False, block_q: int = 128, block_k:
       (over all of the call's segments, long ones without queries) that engines before
       :data:`LOCAL_REST` launched, so timings of that engine refit against what it ran.
       ``dense_buckets``: the schedule's shape buckets (:data:`DENSE_BUCKETS`; ``None`` for reports
-      timed on exact dense shapes). A dense part's keys past its ``k_dense`` count as a varlen call.
+      timed on exact dense shapes). Dense parts count at their kernel shape (``q_run`` x ``k_run``,
+      padding included); a block's keys past ``k_run`` count as a varlen call over the padded rows.
     """
     schedule = compiled_schedule(case, dense_buckets) if schedule is None else schedule
     f = planner_features(case)
@@ -161,12 +162,12 @@ def rank_features(case: Case, hybrid: bool = False, block_q: int = 128, block_k:
             out["remote_rows"] += float(call.cu_seqlens_q[-1])
         varlen = [(call.cu_seqlens_q, call.cu_seqlens_k, call.causal)]
         if hybrid and call.dense:
-            for _, nq, _, nk, nd in call.dense:
+            for *_, q_run, k_run in call.dense:  # the kernel's (padded / cut) shape is what it computes
                 out["dense_calls"] += 1
-                out["dense_tiles"] += float(segment_tiles([nq], [nd], call.causal, block_q, block_k)[0])
-                out["dense_pairs"] += float(segment_pairs([nq], [nd], call.causal)[0])
+                out["dense_tiles"] += float(segment_tiles([q_run], [k_run], call.causal, block_q, block_k)[0])
+                out["dense_pairs"] += float(segment_pairs([q_run], [k_run], call.causal)[0])
             varlen = [(p.cu_seqlens_q, p.cu_seqlens_k, p.causal) for p in call.rest]
-            varlen += [(np.array([0, nq]), np.array([0, nk - nd]), False) for _, nq, _, nk, nd in call.dense if nd < nk]
+            varlen += [(np.array([0, q_run]), np.array([0, nk - k_run]), False) for _, _, _, nk, q_run, k_run in call.dense if k_run < nk]
             if local_rest == "single" and call.causal and call.rest:
                 _add_single_rest(out, call, block_q, block_k)
                 continue

@@ -256,7 +256,7 @@ def _fwd_parts(q: Tensor, k: Tensor, v: Tensor, call: KernelCall, scale: float, 
         yield (rest.rows, *_fwd_call(q, k, v, rest, scale, backend), None)
 
 
-def _largest_first(dense: tuple[tuple[int, int, int, int, int], ...]) -> list[tuple[int, int, int, int, int]]:
+def _largest_first(dense: tuple[tuple[int, ...], ...]) -> list[tuple[int, ...]]:
     """Dense segments, the most query x key rows first. The engine issues its first transfer once
     the first local kernel is queued (:func:`_after_first`): a long kernel there covers the host
     time of issuing it, where a short varlen run left the GPU idle (H200, 16K mix forward: a
@@ -264,11 +264,39 @@ def _largest_first(dense: tuple[tuple[int, int, int, int, int], ...]) -> list[tu
     return sorted(dense, key=lambda seg: -seg[1] * seg[3])
 
 
-def _dense_fwd_part(q, k, v, segment: tuple[int, int, int, int, int], causal: bool, scale: float, backend: str):
-    q0, nq, k0, nk, n_dense = segment
-    rows, keys = slice(q0, q0 + nq), slice(k0, k0 + nk)
-    first, *second = dense_attn_fwd_parts(q[rows], k[keys], v[keys], scale, causal, backend, dense_keys=n_dense)
-    return (rows, *first, second[0] if second else None)
+def _padded(x: Tensor, start: int, n: int, run: int) -> Tensor:
+    """Rows ``start:start+run`` of ``x`` for a dense kernel padded past its ``n`` real rows to a
+    bucket shape (schedule "shape buckets"): a view where ``x`` has those rows (the extra rows are
+    other tokens' data: finite, unseen by the real rows, their results dropped), else the real rows
+    followed by zeros."""
+    if start + run <= x.shape[0]:
+        return x[start : start + run]
+    return torch.cat((x[start : start + n], x.new_zeros((run - n, *x.shape[1:]))))
+
+
+def _padded_lse(lse: Tensor, start: int, n: int, run: int) -> Tensor:
+    """``lse [H, T]`` columns ``start:start+n`` followed by ``+inf`` for the ``run - n`` padding rows:
+    a backward then gives them ``P = exp(s - lse) = 0``, so whatever their dO and O hold, they add
+    nothing to dK/dV (and their dQ is dropped)."""
+    cols = lse[:, start : start + n]
+    return cols if run == n else torch.cat((cols, cols.new_full((cols.shape[0], run - n), float("inf"))), dim=1)
+
+
+def _dense_inputs(q, k, v, segment: tuple[int, ...], causal: bool):
+    """A dense segment's padded query rows, its keys/values and the dense kernel's key count: a
+    causal square is padded on both sides (its real rows never see the padding keys), a full
+    block's keys are exact and the kernel takes the first ``k_run`` (the rest: a key tail)."""
+    q0, nq, k0, nk, q_run, k_run = segment
+    if causal:
+        return _padded(q, q0, nq, q_run), _padded(k, k0, nk, k_run), _padded(v, k0, nk, k_run), None
+    return _padded(q, q0, nq, q_run), k[k0 : k0 + nk], v[k0 : k0 + nk], k_run
+
+
+def _dense_fwd_part(q, k, v, segment: tuple[int, ...], causal: bool, scale: float, backend: str):
+    q0, nq = segment[:2]
+    qp, kp, vp, dense_keys = _dense_inputs(q, k, v, segment, causal)
+    first, *second = ((o[:nq], l[:, :nq]) for o, l in dense_attn_fwd_parts(qp, kp, vp, scale, causal, backend, dense_keys=dense_keys))
+    return (slice(q0, q0 + nq), *first, second[0] if second else None)
 
 
 def _bwd_parts(dout, q, k, v, out, lse, call: KernelCall, scale: float, backend: str) -> Iterator[tuple[Rows, Tensor, Rows, Tensor, Tensor]]:
@@ -284,11 +312,12 @@ def _bwd_parts(dout, q, k, v, out, lse, call: KernelCall, scale: float, backend:
         yield (rest.rows, *_bwd_call_parts(dout, q, k, v, out, lse, rest, scale, backend))
 
 
-def _dense_bwd_part(dout, q, k, v, out, lse, segment: tuple[int, int, int, int, int], causal: bool, scale: float, backend: str):
-    q0, nq, k0, nk, n_dense = segment
-    rows, keys = slice(q0, q0 + nq), slice(k0, k0 + nk)
-    dq, dk, dv = dense_attn_bwd(dout[rows], q[rows], k[keys], v[keys], out[rows], lse[:, rows], scale, causal, backend, dense_keys=n_dense)
-    return rows, dq, keys, dk, dv
+def _dense_bwd_part(dout, q, k, v, out, lse, segment: tuple[int, ...], causal: bool, scale: float, backend: str):
+    q0, nq, k0, nk, q_run, _ = segment
+    qp, kp, vp, dense_keys = _dense_inputs(q, k, v, segment, causal)
+    dop, outp, lsep = _padded(dout, q0, nq, q_run), _padded(out, q0, nq, q_run), _padded_lse(lse, q0, nq, q_run)
+    dq, dk, dv = dense_attn_bwd(dop, qp, kp, vp, outp, lsep, scale, causal, backend, dense_keys=dense_keys)
+    return slice(q0, q0 + nq), dq[:nq], slice(k0, k0 + nk), dk[:nk], dv[:nk]
 
 
 def _bwd_call_parts(dout, q, k, v, out, lse, call: KernelCall, scale: float, backend: str) -> tuple[Tensor, slice | None, Tensor, Tensor]:
@@ -329,10 +358,8 @@ def _local_forward(q: Tensor, k: Tensor, v: Tensor, call: KernelCall, out_dtype:
 def _local_backward(dout, q, k, v, out, lse, calls, scale: float, backend: str, grads: list | None = None, then=None) -> list | None:
     """Fold the gradients of local ``calls`` into ``grads = [dq, dk, dv]`` (created by the first part).
 
-    Local parts' query rows tile the local rows, so each dQ element receives one local value. Key
-    rows overlap only where a long segment's leftover rows (schedule "shape buckets") see the keys
-    of its dense square too: those dK/dV elements get two local values, each sum rounded once.
-    The first part is adopted where it covers every row (the common one-kernel case copies
+    Local parts' query rows and key rows tile the local rows (causal squares and runs of them), so
+    each element receives one local value. The first part is adopted where it covers every row (the common one-kernel case copies
     nothing) and copied into zeros elsewhere. ``then``: see :func:`_local_forward`.
     """
     parts = (part for call in calls for part in _bwd_parts(dout, q, k, v, out, lse, call, scale, backend))
@@ -409,10 +436,9 @@ def _attention_backward(dout, q, k, v, out, lse, schedule: Schedule, make_transp
     # the dK/dV in transit in that dtype and summing each element once (in float, rounded once)
     # equals a float accumulator rounded at the end, with half the bytes on the wire and no
     # T x H x D float buffer. (A rank whose step has several calls, nested levels of one sample,
-    # sums their dK/dV in float and rounds that sum once for the trip. With shape buckets, the
-    # dense part of a long block and its leftover rows or key tail are separate kernels: their dQ
-    # rows and dK/dV keys take a second term, one more rounding.) More steps accumulate, and pass
-    # around, float sums.
+    # sums their dK/dV in float and rounds that sum once for the trip. With shape buckets, a long
+    # block's key tail is a second kernel over its rows: their dQ takes a second term, one more
+    # rounding.) More steps accumulate, and pass around, float sums.
     one_step = len(schedule.steps) == 1
     grad_dtype = q.dtype if one_step else acc
     transport = make_transport(schedule)

@@ -24,35 +24,40 @@ How the plan becomes kernel calls. For a local piece ``q = [a, b)`` of sample X 
 Dense split (for hybrid kernel backends). With ``dense_threshold=n`` every call also records its
 *long* segments (at least ``n * n`` query-key products with both sides at least ``n // 4``: the
 long causal segments of the local step and the large full blocks of remote steps; see
-:func:`is_dense_segment`) as ``dense`` tuples ``(q_start, q_len, k_start, k_len, k_dense)`` of
-Python ints, and the call minus those segments as ``rest``, a tuple of varlen calls. Remote: one
-call, the same key segments with the long segments' query counts set to what the dense part
-leaves (zero rows still keep their keys, so the varlen kernel zeroes their dK/dV rows) and its own
-``q_index``. Local: one causal call per run of rows between dense parts, whose query and key rows
-are ranges of local rows (``q_range``, ``k_range``), so q/k/v/out/dout are read as views instead
-of gathered (at 64K tokens per GPU the gathers of a 48K-row rest took 1.1 GB in backward). A
-segment's query rows are always one contiguous range of local rows, so a dense segment's
-q/k/v/out are plain slices. Backends without a dense kernel ignore the split.
+:func:`is_dense_segment`) as ``dense`` tuples of Python ints (:class:`KernelCall`), and the call
+minus those segments as ``rest``, a tuple of varlen calls. Remote: one call, the same key segments
+with the long segments' query counts set to zero (zero rows still keep their keys, so the varlen
+kernel zeroes their dK/dV rows) and its own ``q_index``. Local: one causal call per run of short
+segments between long ones, whose query and key rows are ranges of local rows (``q_range``,
+``k_range``), so q/k/v/out/dout are read as views instead of gathered (at 64K tokens per GPU the
+gathers of a 48K-row rest took 1.1 GB in backward). A segment's query rows are always one
+contiguous range of local rows, so a dense segment's q/k/v/out are plain slices. Backends without
+a dense kernel ignore the split.
 
 Shape buckets (``dense_buckets=b``, default 16). cuDNN builds a graph, about 0.1 s, for every new
-shape it sees, and training brings new sample lengths every step. So the dense part of a long
-segment is cut to lengths of the form ``m * 2**e`` with ``b <= m < 2b`` (:func:`dense_bucket`: b
-lengths per octave, at most 1/b of a side left over): a causal segment of length ``L`` gives the
-dense kernel its first ``Lb = dense_bucket(L)`` rows as a causal square, and its last ``L - Lb``
-rows (against all ``L`` keys, causal bottom-right) join the local varlen runs; a full block gives
-the dense kernel its first ``dense_bucket(Lq)`` query rows (the remaining rows join the remote
-varlen call) and its first ``k_dense = dense_bucket(Lk)`` keys, the other keys going to the
-hybrid's varlen kernel beside it (:func:`~ringpack.attention.kernels.dense_attn_fwd_parts`; the
-engine folds both partials in one pass). The dense kernel then sees at most about
-``5 b`` square shapes and ``(7 b)**2`` block shapes between 1K and 128K tokens, whatever the data.
-``dense_buckets=None`` keeps exact shapes (``k_dense == k_len``), for data whose lengths repeat.
+shape it sees, and training brings new sample lengths every step. So the dense kernel runs on
+lengths of the form ``m * 2**e`` with ``b <= m < 2b`` (b lengths per octave):
 
-What buckets cost (2 x H200, BENCHMARKS.md): the leftover rows of a causal square cost little (a
-thin slab of rows is efficient for flash), but a full block's key tail is a second pass over its
-query rows (flash's backward on a thin slab of keys is latency-bound), so with every shape cached
-the heavy-tailed mix runs 4% (64K tokens per GPU) to 12% (16K) slower than with exact shapes, and
-still 1.3-1.5x faster than ``torch_flash``. On fresh lengths, exact shapes keep building graphs
-every step while bucketed ones stop (``benchmarks/fresh_lengths.py``).
+* queries are padded *up* (:func:`dense_bucket_up`, at most 1/b more rows): the engine hands the
+  kernel the segment's rows and the local rows after them (a view; zeros past the end of the
+  buffer) and drops the extra rows' results; in backward their log-sum-exp is ``+inf``, so they
+  add nothing to dK/dV;
+* a causal square is padded the same way on its keys, which only the padding rows can see;
+* a full block's keys are cut *down* (:func:`dense_bucket`): the dense kernel takes the first
+  ``k_run``, the others go through the hybrid's varlen kernel beside it
+  (:func:`~ringpack.attention.kernels.dense_attn_fwd_parts`; the engine folds both partials in
+  one pass). Padding keys would need a mask, which made cuDNN 1.4-1.5x slower
+  (``benchmarks/cudnn_key_padding.py``).
+
+The dense kernel then sees at most about ``5 b`` square shapes and ``(7 b)**2`` block shapes
+between 1K and 128K tokens, whatever the data. ``dense_buckets=None`` keeps exact shapes.
+
+What buckets cost (2 x H200, BENCHMARKS.md): padding adds up to ``2/b`` of a causal square's
+work and ``1/b`` of a block's rows; the key tail is a second, thin pass over a block's query rows.
+An earlier form cut the queries down too and sent the leftover rows (a thin slab against every
+key) to the varlen kernel: on the 16K-token mix that slab alone cost more than the whole padding.
+On fresh lengths, exact shapes keep building graphs every step while bucketed ones stop
+(``benchmarks/fresh_lengths.py``).
 
 Communication. Rank ``s`` only ever sends its *needed* pieces: piece ``p`` of X is needed iff
 another rank holds a piece of X that starts at or after ``p.stop``. Those pieces, concatenated in
@@ -74,7 +79,10 @@ from torch import Tensor
 
 from ringpack.balancer.plan import MicroBatch
 
-__all__ = ["DEFAULT_DENSE_BUCKETS", "DEFAULT_DENSE_THRESHOLD", "KernelCall", "RingStep", "Schedule", "ScheduleMismatchError", "compile_schedule", "dense_bucket", "is_dense_segment"]
+__all__ = [
+    "DEFAULT_DENSE_BUCKETS", "DEFAULT_DENSE_THRESHOLD", "KernelCall", "RingStep", "Schedule", "ScheduleMismatchError", "compile_schedule",
+    "dense_bucket", "dense_bucket_up", "is_dense_segment",
+]  # fmt: skip
 
 # Segments of at least this many queries and keys (by area, is_dense_segment) go to a hybrid backend's dense kernel.
 DEFAULT_DENSE_THRESHOLD = 4096
@@ -99,11 +107,13 @@ class KernelCall:
     pairs ``q[rows][cu_seqlens_q[b]:cu_seqlens_q[b+1]]`` with rows ``cu_seqlens_k[b]:cu_seqlens_k[b+1]``
     of the key/value buffer. ``max_seqlen_*`` are Python ints so launching needs no host sync.
 
-    The dense split (module docstring), used only by hybrid backends: ``dense`` lists the dense
-    parts of long segments as ``(q_start, q_len, k_start, k_len, k_dense)`` (local query rows
-    ``q_start:q_start+q_len``, buffer rows ``k_start:k_start+k_len``, this call's ``causal``, the
-    dense kernel itself taking the first ``k_dense`` keys); ``rest`` is the call without them, as
-    varlen calls (empty if nothing is left). Empty ``dense``: no split. ``k_range = (a, b)``: the
+    The dense split (module docstring), used only by hybrid backends: ``dense`` lists the long
+    segments as ``(q_start, q_len, k_start, k_len, q_run, k_run)``: local query rows
+    ``q_start:q_start+q_len`` against buffer rows ``k_start:k_start+k_len`` with this call's
+    ``causal``, run by the dense kernel on ``q_run >= q_len`` query rows (padding to a bucket
+    shape) and ``k_run`` keys (causal: ``k_run == q_run``, the padded square; otherwise
+    ``k_run <= k_len``, the other keys going to the varlen kernel beside it); ``rest`` is the
+    call without them, as varlen calls (empty if nothing is left). Empty ``dense``: no split. ``k_range = (a, b)``: the
     call reads only key/value rows ``a:b`` of its buffer (a local rest call), and its
     ``cu_seqlens_k`` count from ``a``; ``None``: the whole buffer.
     """
@@ -114,7 +124,7 @@ class KernelCall:
     max_seqlen_q: int
     max_seqlen_k: int
     causal: bool
-    dense: tuple[tuple[int, int, int, int, int], ...] = ()
+    dense: tuple[tuple[int, int, int, int, int, int], ...] = ()
     rest: tuple["KernelCall", ...] = ()
     q_range: tuple[int, int] | None = None  # the query rows when they are one contiguous range (then q_index is None)
     k_range: tuple[int, int] | None = None  # the key rows read when only a range of the buffer (see above)
@@ -437,9 +447,24 @@ def dense_bucket(length, buckets: int | None):
     length = np.asarray(length, dtype=np.int64)
     if buckets is None:
         return length
-    octave = np.frexp(np.maximum(length, 1).astype(np.float64))[1] - 1  # floor(log2 length), exact below 2**53
-    step = np.left_shift(1, np.maximum(octave - (int(buckets).bit_length() - 1), 0))
+    step = _bucket_step(length, buckets)
     return length // step * step
+
+
+def dense_bucket_up(length, buckets: int | None):
+    """The smallest bucket length at least ``length`` (the next one after :func:`dense_bucket`'s
+    unless ``length`` is one): the padded side of a dense part. Vectorised over arrays."""
+    length = np.asarray(length, dtype=np.int64)
+    if buckets is None:
+        return length
+    step = _bucket_step(length, buckets)
+    return -(-length // step) * step  # (2**(e+1) itself when rounding up leaves the octave: a bucket too)
+
+
+def _bucket_step(length: np.ndarray, buckets: int) -> np.ndarray:
+    """The spacing of the bucket lengths in ``length``'s octave: ``2**e`` / ``buckets``, at least 1."""
+    octave = np.frexp(np.maximum(length, 1).astype(np.float64))[1] - 1  # floor(log2 length), exact below 2**53
+    return np.left_shift(1, np.maximum(octave - (int(buckets).bit_length() - 1), 0))
 
 
 def _make_call(seg_q, seg_k, seg_q_start, causal: bool, num_tokens: int, dense: tuple | None) -> KernelCall:
@@ -461,23 +486,22 @@ def _make_call(seg_q, seg_k, seg_q_start, causal: bool, num_tokens: int, dense: 
     if not long.any():
         return call
     seg_k_start = np.cumsum(seg_k) - seg_k
-    core_q = np.where(long, dense_bucket(seg_q, buckets), 0)  # the dense part's query rows (a causal one's keys too)
-    core_k = np.where(long, core_q if causal else seg_k, 0)
-    k_dense = core_q if causal else dense_bucket(seg_k, buckets)
+    q_run = dense_bucket_up(seg_q, buckets)  # the dense kernel's query rows: every row, padded up to a bucket
+    k_run = q_run if causal else dense_bucket(seg_k, buckets)  # causal: the padded square; else keys cut down
     dense_parts = tuple(
-        (int(a), int(n), int(b), int(m), int(d))
-        for a, n, b, m, d in zip(seg_q_start[long], core_q[long], seg_k_start[long], core_k[long], k_dense[long])
+        (int(a), int(n), int(b), int(m), int(qr), int(kr))
+        for a, n, b, m, qr, kr in zip(seg_q_start[long], seg_q[long], seg_k_start[long], seg_k[long], q_run[long], k_run[long])
     )
-    assert not causal or all(n == m == d and a == b for a, n, b, m, d in dense_parts), "dense causal parts are diagonal squares"
-    rest_q = seg_q - core_q
+    assert not causal or all(n == m and a == b for a, n, b, m, _, _ in dense_parts), "dense causal parts are diagonal squares"
+    rest_q = np.where(long, 0, seg_q)
     if not rest_q.any():
         rest = ()
     elif causal:  # the local call: rows between dense parts, rows and keys read as views
-        rest = _local_runs(seg_q, seg_q_start, core_q, long)
-    else:  # same key segments (rows the dense part took keep their keys: dK/dV rows zeroed)
+        rest = _local_runs(seg_q, seg_q_start, long)
+    else:  # same key segments (the long segments keep their keys with no query: dK/dV rows zeroed)
         rest = (
             KernelCall(
-                **_query_rows(seg_q_start + core_q, rest_q, -1),
+                **_query_rows(seg_q_start, rest_q, -1),
                 cu_seqlens_q=_cu(rest_q),
                 cu_seqlens_k=cu_k,
                 max_seqlen_q=int(rest_q.max()),
@@ -488,22 +512,17 @@ def _make_call(seg_q, seg_k, seg_q_start, causal: bool, num_tokens: int, dense: 
     return replace(call, dense=dense_parts, rest=rest)
 
 
-def _local_runs(seg_len: np.ndarray, seg_start: np.ndarray, core: np.ndarray, long: np.ndarray) -> tuple[KernelCall, ...]:
-    """What the dense parts leave of the local causal call (queries = keys = local rows, in order)
-    as one call per maximal run of rows between dense parts; each reads its ranges as views.
-
-    A long segment's leftover rows (after its dense square of ``core`` rows) see all its keys, so
-    they open a run whose first segment has ``len - core`` queries and ``len`` keys (the kernels'
-    causal mask is aligned bottom-right); short segments join whole."""
-    left = seg_len - core
-    todo = np.flatnonzero(left > 0)
-    runs = np.split(todo, np.flatnonzero((np.diff(todo) != 1) | long[todo[1:]]) + 1)
+def _local_runs(seg_len: np.ndarray, seg_start: np.ndarray, long: np.ndarray) -> tuple[KernelCall, ...]:
+    """What the dense parts leave of the local causal call (queries = keys = local rows, in order):
+    one call per maximal run of short segments between long ones; each reads its range as views."""
+    todo = np.flatnonzero(~long & (seg_len > 0))
+    runs = np.split(todo, np.flatnonzero(np.diff(todo) != 1) + 1) if todo.size else []
     calls = []
     for run in runs:
-        q_len, k_len = left[run], seg_len[run]
+        lengths = seg_len[run]
         a, b = int(seg_start[run[0]]), int(seg_start[run[-1]] + seg_len[run[-1]])
-        calls.append(KernelCall(q_index=None, cu_seqlens_q=_cu(q_len), cu_seqlens_k=_cu(k_len), max_seqlen_q=int(q_len.max()),
-                                max_seqlen_k=int(k_len.max()), causal=True, q_range=(a + int(core[run[0]]), b), k_range=(a, b)))
+        calls.append(KernelCall(q_index=None, cu_seqlens_q=_cu(lengths), cu_seqlens_k=_cu(lengths), max_seqlen_q=int(lengths.max()),
+                                max_seqlen_k=int(lengths.max()), causal=True, q_range=(a, b), k_range=(a, b)))
     return tuple(calls)
 
 

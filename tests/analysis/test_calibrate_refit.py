@@ -150,7 +150,8 @@ def test_hybrid_features_follow_the_dense_shape_buckets():
     exact = cal.rank_features(case, hybrid=True, dense_buckets=None)
     cut = cal.rank_features(case, hybrid=True, dense_buckets=DENSE_BUCKETS)
     sched = cal.compiled_schedule(case, DENSE_BUCKETS)
-    tails = sum(1 for c in cal.schedule_calls(sched) for d in c.dense if d[4] < d[3])
-    assert tails > 0 and cut["dense_calls"] == exact["dense_calls"]
-    assert cut["dense_pairs"] < exact["dense_pairs"] and cut["calls"] >= exact["calls"] + tails
+    tails = sum(1 for c in cal.schedule_calls(sched) for d in c.dense if d[5] < d[3])
+    padded = sum(1 for c in cal.schedule_calls(sched) for d in c.dense if d[4] > d[1])
+    assert tails > 0 and padded > 0 and cut["dense_calls"] == exact["dense_calls"]
+    assert cut["dense_pairs"] != exact["dense_pairs"] and cut["calls"] == exact["calls"] + tails
     assert cal.rank_features(case, hybrid=True) == cut  # the default is this version's buckets

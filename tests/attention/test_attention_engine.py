@@ -56,8 +56,9 @@ def test_random_plans_are_exact(seed, cp, n, gqa):
 # reference_hybrid runs the split path of cudnn_hybrid (long segments one by one through the dense
 # kernel, the rest through one varlen call, results scattered/merged) with reference kernels, so
 # any mistake in the split, the row bookkeeping or the gradient scatter shows up in fp64. Shape
-# buckets of 1 per octave (dense parts cut to powers of two: leftovers up to half a side, rows and
-# keys) stress the leftover paths; 8 is the default, None exact shapes.
+# buckets of 1 per octave (dense parts padded up to powers of two, up to twice a side, over local
+# rows or past their end; block keys cut down to one) stress the padding and key-tail paths; None
+# keeps exact shapes.
 
 
 @pytest.mark.parametrize("name,mb,lengths", handmade_microbatches(), ids=lambda x: x if isinstance(x, str) else "")
@@ -108,12 +109,14 @@ def test_split_schedules_do_split():
     calls = [c for r in range(2) for s in [compile_schedule(mb, r, dense_threshold=5)] for c in (s.local, *(c for st_ in s.steps for c in st_.calls))]
     assert any(c.causal and c.dense and c.rest for c in calls)
     assert any(not c.causal and c.dense and c.rest for c in calls)
-    # with power-of-two buckets: the leftover rows of a long local segment open a varlen run (fewer
-    # queries than keys), a full block's leftover rows go to the remote varlen call, and its keys are split
-    calls = [c for r in range(2) for s in [compile_schedule(mb, r, dense_threshold=5, dense_buckets=1)] for c in (s.local, *(c for st_ in s.steps for c in st_.calls))]
-    assert any(c.causal and any(p.q_range[0] > p.k_range[0] for p in c.rest) for c in calls)
-    assert any(not c.causal and any(d[4] < d[3] for d in c.dense) for c in calls)
-    assert any(not c.causal and any(d[0] + d[1] in row_list(c.rest[0], -1) for d in c.dense) for c in calls)
+    # with power-of-two buckets: dense parts are padded up to a bucket, over the following local rows
+    # (views) or past the end of the local rows (copies with zeros), and a full block's keys are split
+    scheds = [compile_schedule(zigzag_case(2, [20, 3, 33, 5]), r, dense_threshold=5, dense_buckets=1) for r in range(2)]
+    parts = [(s.num_tokens, c.causal, d) for s in scheds for c in (s.local, *(c for st_ in s.steps for c in st_.calls)) for d in c.dense]
+    assert any(causal and d[4] > d[1] and d[0] + d[4] <= n for n, causal, d in parts), "a causal square padded over local rows"
+    assert any(causal and d[0] + d[4] > n for n, causal, d in parts), "a causal square padded past the local rows"
+    assert any(not causal and d[4] > d[1] for n, causal, d in parts), "a full block's rows padded"
+    assert any(not causal and d[5] < d[3] for n, causal, d in parts), "a full block's keys split"
     assert all(not c.dense for r in range(2) for c in [compile_schedule(mb, r, dense_threshold=None).local])
 
 

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ringpack.attention import compile_schedule
-from ringpack.attention.schedule import Schedule, dense_bucket
+from ringpack.attention.schedule import Schedule, dense_bucket, dense_bucket_up
 from ringpack.balancer.plan import MicroBatch, Piece, microbatch_from_shards
 from tests.attention.attn_testlib import handmade_microbatches, random_microbatch, strategy_microbatch, zigzag_case
 
@@ -246,7 +246,8 @@ def _pairs(segments, causal: bool) -> Counter:
 
 def check_dense_split(call, threshold: int, buckets: int | None) -> None:
     """``dense`` + ``rest`` compute exactly the call's (query, key) pairs, each once; the dense parts are the
-    leading rows of the long segments cut to bucket lengths; rest keeps every key segment."""
+    long segments whole, their kernel shapes padded up (queries; a causal square's keys too) or cut down
+    (a block's keys) to bucket lengths; rest keeps every key segment."""
     whole = _expanded_segments(call)
     # the area rule: >= threshold**2 query-key products, both sides >= threshold // 4
     long = [seg for seg in whole if len(seg[0]) * seg[2] >= threshold**2 and min(len(seg[0]), seg[2]) >= max(threshold // 4, 1)]
@@ -256,12 +257,13 @@ def check_dense_split(call, threshold: int, buckets: int | None) -> None:
     assert all(isinstance(x, int) for d in call.dense for x in d)
     want = []
     for rows, k0, nk in long:
-        nq = int(dense_bucket(len(rows), buckets))
-        want.append((rows[0], nq, k0, nq if call.causal else nk, nq if call.causal else int(dense_bucket(nk, buckets))))
-        assert list(rows[:nq]) == list(range(rows[0], rows[0] + nq))
-        assert buckets is None or (nq > len(rows) * (1 - 1 / buckets) and nq.bit_count() <= buckets.bit_length())
+        nq = len(rows)
+        q_run = int(dense_bucket_up(nq, buckets))
+        want.append((rows[0], nq, k0, nk, q_run, q_run if call.causal else int(dense_bucket(nk, buckets))))
+        assert list(rows) == list(range(rows[0], rows[0] + nq))
+        assert buckets is None or (nq <= q_run < nq * (1 + 1 / buckets) + 1 and q_run == dense_bucket(q_run, buckets))
     assert list(call.dense) == want
-    dense = [(tuple(range(q0, q0 + nq)), k0, nk) for q0, nq, k0, nk, _ in call.dense]
+    dense = [(tuple(range(q0, q0 + nq)), k0, nk) for q0, nq, k0, nk, _, _ in call.dense]
     rest = [seg for part in call.rest for seg in _expanded_segments(part)]
     assert _pairs(dense, call.causal) + _pairs(rest, call.causal) == _pairs(whole, call.causal)
     assert max((_pairs(dense + rest, call.causal)).values()) == 1
@@ -270,8 +272,8 @@ def check_dense_split(call, threshold: int, buckets: int | None) -> None:
         q_lens = [b - a for a, b in _segments(part.cu_seqlens_q)]
         assert part.max_seqlen_q == max(q_lens) and len(row_list(part, -1)) == sum(q_lens)
         assert part.max_seqlen_k == max(b - a for a, b in _segments(part.cu_seqlens_k))
-        if call.causal:  # local: a run of rows between dense parts, its rows and keys ranges read as views
-            assert part.q_index is None and part.q_range[1] == part.k_range[1] and part.q_range[0] >= part.k_range[0]
+        if call.causal:  # local: a run of short segments between dense parts, its rows and keys ranges read as views
+            assert part.q_index is None and part.q_range == part.k_range
         else:
             assert len(call.rest) == 1 and part.k_range is None
             assert torch.equal(part.cu_seqlens_k, call.cu_seqlens_k), "rest must keep every key segment (dK/dV rows zeroed)"
@@ -301,6 +303,10 @@ def test_dense_bucket_lengths():
     assert (dense_bucket(cut, 8) == cut).all(), "bucket lengths are fixed points"
     assert len(set(cut[cut >= 1024].tolist())) == 8 + 8 + 2  # 1024..4999: octaves 1K-2K and 2K-4K, then 4096, 4608
     assert (dense_bucket(lengths, None) == lengths).all()
+    up = dense_bucket_up(lengths, 8)
+    buckets = np.unique(dense_bucket(np.arange(1, 10000), 8))
+    assert (up == buckets[np.searchsorted(buckets, lengths)]).all(), "the smallest bucket length >= the length"
+    assert ((up == lengths) == (cut == lengths)).all() and (dense_bucket_up(lengths, None) == lengths).all()
     with pytest.raises(ValueError, match="dense_buckets"):
         compile_schedule(zigzag_case(2, [4]), 0, dense_buckets=3)
 
