@@ -109,14 +109,17 @@ def test_split_schedules_do_split():
     calls = [c for r in range(2) for s in [compile_schedule(mb, r, dense_threshold=5)] for c in (s.local, *(c for st_ in s.steps for c in st_.calls))]
     assert any(c.causal and c.dense and c.rest for c in calls)
     assert any(not c.causal and c.dense and c.rest for c in calls)
-    # with power-of-two buckets: dense parts are padded up to a bucket, over the following local rows
-    # (views) or past the end of the local rows (copies with zeros), and a full block's keys are split
-    scheds = [compile_schedule(zigzag_case(2, [20, 3, 33, 5]), r, dense_threshold=5, dense_buckets=1) for r in range(2)]
+    # with power-of-two buckets: causal squares padded up over the following local rows (views) or past
+    # their end (copies with zeros); full blocks' rows padded, keys split
+    mb2 = zigzag_case(2, [20, 3, 12, 27])
+    scheds = [compile_schedule(mb2, r, dense_threshold=5, dense_buckets=1) for r in range(2)]
     parts = [(s.num_tokens, c.causal, d) for s in scheds for c in (s.local, *(c for st_ in s.steps for c in st_.calls)) for d in c.dense]
     assert any(causal and d[4] > d[1] and d[0] + d[4] <= n for n, causal, d in parts), "a causal square padded over local rows"
     assert any(causal and d[0] + d[4] > n for n, causal, d in parts), "a causal square padded past the local rows"
     assert any(not causal and d[4] > d[1] for n, causal, d in parts), "a full block's rows padded"
     assert any(not causal and d[5] < d[3] for n, causal, d in parts), "a full block's keys split"
+    problem = Problem.make(mb2, dict(enumerate([20, 3, 12, 27])), 4, 2, 8, seed=6)  # and the engine is exact on it (fp64)
+    assert_exact(problem, backend="reference_hybrid", dense_threshold=5, dense_buckets=1)
     assert all(not c.dense for r in range(2) for c in [compile_schedule(mb, r, dense_threshold=None).local])
 
 
