@@ -10,9 +10,9 @@ with ``balanced``, compiles the schedules (not timed: a DataLoader worker's job)
 forward+backward of ring attention over it, the way each attention layer meets a new micro-batch
 in training (``--layers`` forward+backward calls per step: a model's layers share the cached
 graphs, so one layer per step overstates what builds cost). Each configuration runs the same
-steps twice, in this order: ``torch_flash``;
-``cudnn_hybrid`` with the default buckets (16 dense lengths per octave); ``cudnn_hybrid`` with exact
-dense shapes (``dense_buckets=None``, the behaviour before buckets). The first pass meets every
+steps twice, in the order of ``--configs`` (default: ``torch_flash``; ``cudnn_hybrid`` with the
+default buckets; ``cudnn_hybrid`` with exact dense shapes, ``dense_buckets=None``, the behaviour
+before buckets). The first pass meets every
 shape for the first time ("fresh"); the second repeats the steps with every graph built ("warm").
 
 Columns: total seconds of each pass, the fresh pass's total after 1/8, 1/4 and 1/2 of the steps,
@@ -44,7 +44,16 @@ from attention import case_lengths, init_distributed, local_index, split_for  # 
 
 from ringpack.attention.schedule import DEFAULT_DENSE_BUCKETS  # noqa: E402
 
-CONFIGS = (("torch_flash", None), ("cudnn_hybrid", DEFAULT_DENSE_BUCKETS), ("cudnn_hybrid", None))
+CONFIGS = f"torch_flash,cudnn_hybrid:{DEFAULT_DENSE_BUCKETS},cudnn_hybrid:none"
+
+
+def parse_configs(text: str) -> list[tuple[str, int | None]]:
+    """``backend[:buckets],...`` -> ``[(backend, dense_buckets)]`` (buckets ``none``: exact shapes; torch_flash has none)."""
+    configs = []
+    for item in text.split(","):
+        backend, _, buckets = item.partition(":")
+        configs.append((backend, None if buckets in ("", "none") else int(buckets)))
+    return configs
 
 
 def dense_shapes(schedule) -> set[tuple[int, int, bool]]:
@@ -93,6 +102,7 @@ def main() -> int:
     parser.add_argument("--slack", type=float, default=0.125)
     parser.add_argument("--world", type=int, default=2, help="--count-shapes: CP ranks")
     parser.add_argument("--count-shapes", type=int, default=0, metavar="N", help="no GPU: count dense shapes over N steps")
+    parser.add_argument("--configs", default=CONFIGS, help="backend[:dense buckets|none],... in the order run (default %(default)s)")
     parser.add_argument("--out", default="fresh_lengths.json")
     args = parser.parse_args()
     if args.count_shapes:
@@ -126,7 +136,7 @@ def main() -> int:
             lengths = case_lengths("mix", tokens * world, 1000 + s)
             mb = split_for("balanced", lengths, world, args.slack)
             steps.append((mb, local_index(mb, rank, lengths).to(device), len(lengths)))
-        for backend, buckets in CONFIGS:
+        for backend, buckets in parse_configs(args.configs):
             seen: set = set()
             row = dict(tokens_per_gpu=tokens, shape=args.shape, backend=backend, dense_buckets=buckets, steps=args.steps, layers=args.layers)
             for pass_name in ("fresh", "warm"):

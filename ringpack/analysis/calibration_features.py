@@ -30,7 +30,7 @@ LOCAL_REST = "runs"
 # The dense shape buckets of this version's schedules (compile_schedule's default dense_buckets,
 # repeated here so this module does not import torch; a test checks they agree). Reports record
 # it; older reports, timed on exact dense shapes, have none and are refitted with None.
-DENSE_BUCKETS = 16
+DENSE_BUCKETS = 32
 
 
 def planner_features(case: Case, tile: int = 1) -> np.ndarray:

@@ -34,7 +34,7 @@ gathers of a 48K-row rest took 1.1 GB in backward). A segment's query rows are a
 contiguous range of local rows, so a dense segment's q/k/v/out are plain slices. Backends without
 a dense kernel ignore the split.
 
-Shape buckets (``dense_buckets=b``, default 16). cuDNN builds a graph, about 0.1 s, for every new
+Shape buckets (``dense_buckets=b``, default 32). cuDNN builds a graph, about 0.1 s, for every new
 shape it sees, and training brings new sample lengths every step. So the dense kernel runs on
 lengths of the form ``m * 2**e`` with ``b <= m < 2b`` (b lengths per octave):
 
@@ -87,10 +87,11 @@ __all__ = [
 # Segments of at least this many queries and keys (by area, is_dense_segment) go to a hybrid backend's dense kernel.
 DEFAULT_DENSE_THRESHOLD = 4096
 
-# Dense lengths per octave (module docstring, "Shape buckets"): at most 1/16 of a long segment's
-# rows (and of a full block's keys) goes to the varlen kernel, and cuDNN sees a bounded set of
-# shapes. 16 measured 3-4% faster than 8 with all shapes built (BENCHMARKS.md); 32 no faster than 16.
-DEFAULT_DENSE_BUCKETS = 16
+# Dense lengths per octave (module docstring, "Shape buckets"): a dense part is padded by less than
+# 1/32 of a side (and a full block's key tail is under 1/32 of its keys), and cuDNN sees a bounded
+# set of shapes. With padding, 32 measured 2-5% faster than 16 on the heavy-tailed mix, with all
+# shapes built, for 1.7x the shapes over 3,000 fresh steps (BENCHMARKS.md, fifth session).
+DEFAULT_DENSE_BUCKETS = 32
 
 
 class ScheduleMismatchError(ValueError):
