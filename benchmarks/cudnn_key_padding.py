@@ -36,7 +36,8 @@ def _bucket_up(n: int, buckets: int) -> int:
     return down + step
 
 
-def _time(fn, iters: int) -> float:
+def event_ms(fn, iters: int) -> float:
+    """Mean milliseconds of `fn()` over `iters` calls after two untimed ones (CUDA events)."""
     import torch
 
     for _ in range(2):
@@ -110,8 +111,8 @@ def run(shapes: list[tuple[int, int]], heads: int, kv_heads: int, buckets: int, 
                     key: float((got[key].float() - ref[key].float().reshape(got[key].shape)).abs().max() / ref[key].float().abs().max())
                     for key in ref
                 }
-                row["fwd_ms"] = _time(fwd, iters)
-                row["bwd_ms"] = _time(lambda: bwd(out, lse), iters)
+                row["fwd_ms"] = event_ms(fwd, iters)
+                row["bwd_ms"] = event_ms(lambda: bwd(out, lse), iters)
             except Exception as exc:  # a refused layout is a result here, not a crash
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             rows.append(row)
