@@ -155,12 +155,19 @@ def init_distributed() -> tuple[int, int, torch.device]:
 
 
 def add_schedule_args(parser: argparse.ArgumentParser) -> None:
-    """``--dense-threshold`` / ``--dense-buckets``: compile_schedule's kernel-split options (defaults: the library's)."""
+    """``--dense-threshold`` / ``--dense-buckets`` / ``--no-dense-batches``: compile_schedule's kernel-split options (defaults: the library's)."""
     from ringpack.attention.schedule import DEFAULT_DENSE_BUCKETS, DEFAULT_DENSE_THRESHOLD
 
     parser.add_argument("--dense-threshold", type=int, default=DEFAULT_DENSE_THRESHOLD, help="hybrid backends: segments this long go to the dense kernel")
     parser.add_argument("--dense-buckets", type=lambda x: None if x == "none" else int(x), default=DEFAULT_DENSE_BUCKETS,
                         help="hybrid backends: dense lengths per octave (compile_schedule's dense_buckets; 'none': exact shapes)")
+    parser.add_argument("--no-dense-batches", dest="dense_batches", action="store_false",
+                        help="hybrid backends: leave runs of equal short samples to the varlen kernel (compile_schedule's dense_batches)")
+
+
+def schedule_options(args: argparse.Namespace) -> dict:
+    """compile_schedule's keyword arguments from :func:`add_schedule_args`' options."""
+    return dict(dense_threshold=args.dense_threshold, dense_buckets=args.dense_buckets, dense_batches=args.dense_batches)
 
 
 def main() -> int:
@@ -270,7 +277,7 @@ def main() -> int:
                         if "flex" in args.peers:
                             run_row("ideal flex (1 GPU)/2", lambda: peers.ideal_flex(leaf(q), leaf(k), leaf(v), lengths), 1)
                         whole = split_for("contiguous", lengths, 1, args.slack)  # cp=1: every sample whole
-                        solo = compile_schedule(whole, 0, dense_threshold=args.dense_threshold, dense_buckets=args.dense_buckets).to(device)
+                        solo = compile_schedule(whole, 0, **schedule_options(args)).to(device)
                         for backend in args.backends.split(","):
                             run_row(
                                 f"ideal ringpack {backend} (1 GPU)/2",
@@ -280,7 +287,7 @@ def main() -> int:
                     for strategy in filter(None, args.strategies.split(",")):
                         mb = split_for(strategy, lengths, world, args.slack)
                         index = local_index(mb, rank, lengths).to(device)
-                        schedule = compile_schedule(mb, rank, dense_threshold=args.dense_threshold, dense_buckets=args.dense_buckets).to(device)
+                        schedule = compile_schedule(mb, rank, **schedule_options(args)).to(device)
                         mine = [p.stop - p.start for p in mb.shards[rank].pieces] or [0]
                         allowance = budget_mib(*(t.index_select(0, index) for t in (q, k, v)), mine, max(schedule.buffer_tokens), backward)
                         budgets = [None] * world

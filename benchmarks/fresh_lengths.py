@@ -56,10 +56,10 @@ def parse_configs(text: str) -> list[tuple[str, int | None]]:
     return configs
 
 
-def dense_shapes(schedule) -> set[tuple[int, int, bool]]:
-    """The dense kernel's shapes a schedule runs: (queries, keys, causal) per dense part, padding included."""
+def dense_shapes(schedule) -> set[tuple[int, int, int, bool]]:
+    """The dense kernel's shapes a schedule runs: (batch, queries, keys, causal) per dense part, padding included."""
     calls = ([schedule.local] if schedule.local is not None else []) + [c for step in schedule.steps for c in step.calls]
-    return {(q_run, k_run, call.causal) for call in calls for *_, q_run, k_run in call.dense}
+    return {(d.batch, d.q_run, d.k_run, call.causal) for call in calls for d in call.dense}
 
 
 def count_shapes(tokens: int, steps: int, world: int, slack: float, settings=(8, 16, 32, None)) -> dict:

@@ -28,7 +28,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from attention import add_schedule_args, case_lengths, init_distributed, local_index, split_for  # noqa: E402
+from attention import add_schedule_args, case_lengths, init_distributed, local_index, schedule_options, split_for  # noqa: E402
 
 
 def timeline(prof, min_gap_us: float = 15.0) -> str:
@@ -125,14 +125,14 @@ def main() -> int:
         return t.detach().clone().requires_grad_(backward)
 
     if args.solo:
-        solo = compile_schedule(split_for("contiguous", lengths, 1, args.slack), 0, dense_threshold=args.dense_threshold, dense_buckets=args.dense_buckets).to(device)
+        solo = compile_schedule(split_for("contiguous", lengths, 1, args.slack), 0, **schedule_options(args)).to(device)
         ql, kl, vl = leaf(q), leaf(k), leaf(v)
         wall, table = profiled(lambda: ring_attention(ql, kl, vl, solo, backend=args.backend), backward, args.iters)
         report.append(f"### rank {rank}: whole micro-batch on one GPU: {wall:.2f} ms/iter\n{table}")
     for strategy in args.strategies.split(","):
         mb = split_for(strategy, lengths, world, args.slack)
         index = local_index(mb, rank, lengths).to(device)
-        schedule = compile_schedule(mb, rank, dense_threshold=args.dense_threshold, dense_buckets=args.dense_buckets).to(device)
+        schedule = compile_schedule(mb, rank, **schedule_options(args)).to(device)
         ql, kl, vl = (leaf(t.index_select(0, index)) for t in (q, k, v))
         dist.barrier()
         wall, table = profiled(lambda: ring_attention(ql, kl, vl, schedule, mode=args.mode, backend=args.backend), backward, args.iters)

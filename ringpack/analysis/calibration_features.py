@@ -31,6 +31,10 @@ LOCAL_REST = "runs"
 # repeated here so this module does not import torch; a test checks they agree). Reports record
 # it; older reports, timed on exact dense shapes, have none and are refitted with None.
 DENSE_BUCKETS = 32
+# Whether this version's schedules batch runs of equal short local segments into dense calls
+# (compile_schedule's dense_batches). Reports record it; older ones, timed before batching, are
+# refitted without.
+DENSE_BATCHES = True
 
 
 def planner_features(case: Case, tile: int = 1) -> np.ndarray:
@@ -85,19 +89,19 @@ def segment_tiles(len_q: Any, len_k: Any, causal: bool, block_q: int, block_k: i
     return np.bincount(seg, weights=n_k, minlength=lq.size).astype(np.int64)
 
 
-_SCHEDULES: dict[tuple[int, int | None], tuple[Case, Any]] = {}
+_SCHEDULES: dict[tuple[int, int | None, bool], tuple[Case, Any]] = {}
 
 
-def compiled_schedule(case: Case, dense_buckets: int | None = DENSE_BUCKETS):
-    """The case's compiled schedule (CPU), compiled once per case object and bucket setting."""
+def compiled_schedule(case: Case, dense_buckets: int | None = DENSE_BUCKETS, dense_batches: bool = DENSE_BATCHES):
+    """The case's compiled schedule (CPU), compiled once per case object and setting."""
     from ringpack.attention.schedule import compile_schedule
 
-    key = (id(case), dense_buckets)
+    key = (id(case), dense_buckets, dense_batches)
     hit = _SCHEDULES.get(key)
     if hit is None or hit[0] is not case:
         if len(_SCHEDULES) > 4096:
             _SCHEDULES.clear()
-        hit = _SCHEDULES[key] = (case, compile_schedule(case.microbatch, case.rank, dense_buckets=dense_buckets))
+        hit = _SCHEDULES[key] = (case, compile_schedule(case.microbatch, case.rank, dense_buckets=dense_buckets, dense_batches=dense_batches))
     return hit[1]
 
 
@@ -126,7 +130,7 @@ def kernel_features(case: Case, block_q: int = 128, block_k: int = 128, schedule
 
 
 def rank_features(case: Case, hybrid: bool = False, block_q: int = 128, block_k: int = 128, schedule=None,
-                  local_rest: str = LOCAL_REST, dense_buckets: int | None = DENSE_BUCKETS) -> dict[str, float]:
+                  local_rest: str = LOCAL_REST, dense_buckets: int | None = DENSE_BUCKETS, dense_batches: bool = DENSE_BATCHES) -> dict[str, float]:
     """Every feature of a rank shard the profile and kernel models use (:data:`PROFILE_FEATURES`, :data:`KERNEL_FEATURES`).
 
     * ``ring``: 1 when the micro-batch has remote steps (some sample is split). Every rank of the
@@ -148,9 +152,10 @@ def rank_features(case: Case, hybrid: bool = False, block_q: int = 128, block_k:
       :data:`LOCAL_REST` launched, so timings of that engine refit against what it ran.
       ``dense_buckets``: the schedule's shape buckets (:data:`DENSE_BUCKETS`; ``None`` for reports
       timed on exact dense shapes). Dense parts count at their kernel shape (``q_run`` x ``k_run``,
-      padding included); a block's keys past ``k_run`` count as a varlen call over the padded rows.
+      padding included, times ``batch``); a block's keys past ``k_run`` count as a varlen call over
+      the padded rows.
     """
-    schedule = compiled_schedule(case, dense_buckets) if schedule is None else schedule
+    schedule = compiled_schedule(case, dense_buckets, dense_batches) if schedule is None else schedule
     f = planner_features(case)
     out = dict(overhead=1.0, ring=float(bool(schedule.steps)), tokens=float(f[1]), pairs=float(f[2]), pieces=float(f[3]),
                calls=0.0, segments=0.0, tiles=0.0, grid_q=0.0, grid_k=0.0, remote_rows=0.0,
@@ -162,12 +167,12 @@ def rank_features(case: Case, hybrid: bool = False, block_q: int = 128, block_k:
             out["remote_rows"] += float(call.cu_seqlens_q[-1])
         varlen = [(call.cu_seqlens_q, call.cu_seqlens_k, call.causal)]
         if hybrid and call.dense:
-            for *_, q_run, k_run in call.dense:  # the kernel's (padded / cut) shape is what it computes
+            for d in call.dense:  # the kernel's (padded / cut / batched) shape is what it computes
                 out["dense_calls"] += 1
-                out["dense_tiles"] += float(segment_tiles([q_run], [k_run], call.causal, block_q, block_k)[0])
-                out["dense_pairs"] += float(segment_pairs([q_run], [k_run], call.causal)[0])
+                out["dense_tiles"] += d.batch * float(segment_tiles([d.q_run], [d.k_run], call.causal, block_q, block_k)[0])
+                out["dense_pairs"] += d.batch * float(segment_pairs([d.q_run], [d.k_run], call.causal)[0])
             varlen = [(p.cu_seqlens_q, p.cu_seqlens_k, p.causal) for p in call.rest]
-            varlen += [(np.array([0, q_run]), np.array([0, nk - k_run]), False) for _, _, _, nk, q_run, k_run in call.dense if k_run < nk]
+            varlen += [(np.array([0, d.q_run]), np.array([0, d.k_len - d.k_run]), False) for d in call.dense if d.k_run < d.k_len]
             if local_rest == "single" and call.causal and call.rest:
                 _add_single_rest(out, call, block_q, block_k)
                 continue

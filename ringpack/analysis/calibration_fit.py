@@ -151,7 +151,8 @@ def analyse(
         raise ValueError(f"calibration needs at least {len(PROFILE_FEATURES) + 1} grid rows, got {len(grid)}")
     times = np.array([t for _, t in grid], dtype=np.float64)
     m = np.array([t for _, t in held], dtype=np.float64)
-    kw = dict(local_rest=meta.get("local_rest", "single"), dense_buckets=meta.get("dense_buckets"))  # the engine the timings came from
+    kw = dict(local_rest=meta.get("local_rest", "single"), dense_buckets=meta.get("dense_buckets"),
+              dense_batches=meta.get("dense_batches", False))  # the engine the timings came from
     feats = {b: ([rank_features(c, hybrid, *b, **kw) for c, _ in grid],
                  [rank_features(c, hybrid, *b, **kw) for c, _ in held]) for b in BLOCKS}
     fg, fe = feats[(128, 128)]

@@ -356,14 +356,20 @@ for _name in HYBRID_BACKENDS:
 # logical index, so its layout does not matter, and hand the backward the same rank it returned.
 
 
-def _bhsd(x: Tensor) -> Tensor:
-    """``[S, H, D]`` -> ``[1, H, S, D]`` view (no copy)."""
-    return x.transpose(0, 1).unsqueeze(0)
+def _bhsd(x: Tensor, batch: int = 1) -> Tensor:
+    """``[B*S, H, D]`` (rows contiguous) -> ``[B, H, S, D]`` view (no copy)."""
+    return x.view(batch, x.shape[0] // batch, *x.shape[1:]).transpose(1, 2)
 
 
 def _shd(x: Tensor) -> Tensor:
-    """``[1, H, S, D]`` -> ``[S, H, D]``, contiguous (a view when cuDNN wrote BSHD, as it does for BSHD inputs)."""
-    return x[0].transpose(0, 1).contiguous()
+    """``[B, H, S, D]`` -> ``[B*S, H, D]``, contiguous (a view when cuDNN wrote BSHD, as it does for BSHD inputs)."""
+    return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])
+
+
+def _lse_rows(lse: Tensor, batch: int) -> Tensor:
+    """cuDNN's ``[B, H, S(, 1)]`` log-sum-exp -> ``[H, B*S]`` (a view for one batch)."""
+    heads = lse.shape[1]
+    return lse.reshape(batch, heads, -1).transpose(0, 1).reshape(heads, -1)
 
 
 _cudnn_lse_rank = [4]  # rank of the lse the forward op returned last (the backward wants the same)
@@ -373,25 +379,25 @@ def _cudnn_kv(x: Tensor, heads: int) -> Tensor:
     return x if CUDNN_NATIVE_GQA else _expand_kv(x, heads)
 
 
-def _cudnn_dense_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
-    heads, lq = q.shape[1], q.shape[0]
+def _cudnn_dense_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, batch: int = 1) -> tuple[Tensor, Tensor]:
+    heads, lq = q.shape[1], q.shape[0] // batch
     res = torch.ops.aten._scaled_dot_product_cudnn_attention(
-        _bhsd(q), _bhsd(_cudnn_kv(k, heads)), _bhsd(_cudnn_kv(v, heads)), None, True, _NO_DROPOUT, causal, False, scale=scale
-    )
+        _bhsd(q, batch), _bhsd(_cudnn_kv(k, heads), batch), _bhsd(_cudnn_kv(v, heads), batch), None, True, _NO_DROPOUT, causal, False, scale=scale
+    )  # fmt: skip
     out4, lse = res[0], res[1]
-    if tuple(out4.shape) != (1, heads, lq, v.shape[-1]) or lse.numel() != heads * lq or tuple(lse.shape[:3]) != (1, heads, lq):
+    if tuple(out4.shape) != (batch, heads, lq, v.shape[-1]) or lse.numel() != heads * lq * batch or tuple(lse.shape[:3]) != (batch, heads, lq):
         raise RuntimeError(f"cuDNN SDPA returned out {tuple(out4.shape)} / lse {tuple(lse.shape)} for q {tuple(q.shape)}: unknown layout")
     _cudnn_lse_rank[0] = lse.dim()
-    return _shd(out4), lse.reshape(heads, lq).to(accum_dtype(q.dtype))
+    return _shd(out4), _lse_rows(lse, batch).to(accum_dtype(q.dtype))
 
 
-def _cudnn_dense_bwd(dout, q, k, v, out, lse, scale: float, causal: bool) -> tuple[Tensor, Tensor, Tensor]:
-    heads, kv_heads, lq, lk = q.shape[1], k.shape[1], q.shape[0], k.shape[0]
-    lse = lse.to(accum_dtype(q.dtype))  # fp32 for fp16/bf16, what cuDNN takes
-    lse4 = lse.reshape(1, heads, lq, 1) if _cudnn_lse_rank[0] == 4 else lse.reshape(1, heads, lq)
+def _cudnn_dense_bwd(dout, q, k, v, out, lse, scale: float, causal: bool, batch: int = 1) -> tuple[Tensor, Tensor, Tensor]:
+    heads, kv_heads, lq, lk = q.shape[1], k.shape[1], q.shape[0] // batch, k.shape[0] // batch
+    lse = lse.to(accum_dtype(q.dtype)).reshape(heads, batch, lq).transpose(0, 1)  # fp32 for fp16/bf16, what cuDNN takes
+    lse4 = (lse.unsqueeze(-1) if _cudnn_lse_rank[0] == 4 else lse).contiguous()
     seed, offset = _cudnn_no_dropout_rng(q.device)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-        _bhsd(dout), _bhsd(q), _bhsd(_cudnn_kv(k, heads)), _bhsd(_cudnn_kv(v, heads)), _bhsd(out), lse4.contiguous(),
+        _bhsd(dout, batch), _bhsd(q, batch), _bhsd(_cudnn_kv(k, heads), batch), _bhsd(_cudnn_kv(v, heads), batch), _bhsd(out, batch), lse4,
         seed, offset, None, None, None, lq, lk, _NO_DROPOUT, causal, scale=scale,
     )  # fmt: skip
     return _shd(dq), _reduce_kv(_shd(dk), kv_heads), _reduce_kv(_shd(dv), kv_heads)
@@ -403,39 +409,36 @@ def _cudnn_no_dropout_rng(device: torch.device) -> tuple[Tensor, Tensor]:
     return torch.zeros((), dtype=torch.int64, device=device), torch.zeros((), dtype=torch.int64, device=device)
 
 
-def _one_segment(q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
-    return (
-        torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device),
-        torch.tensor([0, k.shape[0]], dtype=torch.int32, device=q.device),
-    )
+def _even_cu(rows: int, batch: int, device) -> Tensor:
+    """``cu_seqlens`` of ``batch`` equal segments over ``rows`` rows, made on the device (one arange
+    kernel: no host-to-device copy, no sync)."""
+    step = max(rows // batch, 1)
+    return torch.arange(0, (batch + 1) * step, step, dtype=torch.int32, device=device)[: batch + 1]
 
 
-def _device_segment(q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
-    """``cu_seqlens`` ``[0, Lq]`` / ``[0, Lk]`` made on the device (an arange kernel: no host-to-device copy, no sync)."""
-    return (
-        torch.arange(0, 2 * q.shape[0], max(q.shape[0], 1), dtype=torch.int32, device=q.device)[:2],
-        torch.arange(0, 2 * k.shape[0], max(k.shape[0], 1), dtype=torch.int32, device=q.device)[:2],
-    )
+def _device_segment(q: Tensor, k: Tensor, batch: int = 1) -> tuple[Tensor, Tensor]:
+    """``cu_seqlens`` of ``batch`` equal segments of q and of k (``[0, Lq]`` / ``[0, Lk]`` for one)."""
+    return _even_cu(q.shape[0], batch, q.device), _even_cu(k.shape[0], batch, q.device)
 
 
-def _flash_dense_fwd(q, k, v, scale, causal):
-    cu_q, cu_k = _device_segment(q, k)
-    return _torch_flash_fwd(q, k, v, cu_q, cu_k, q.shape[0], k.shape[0], scale, causal)
+def _flash_dense_fwd(q, k, v, scale, causal, batch=1):
+    cu_q, cu_k = _device_segment(q, k, batch)
+    return _torch_flash_fwd(q, k, v, cu_q, cu_k, q.shape[0] // batch, k.shape[0] // batch, scale, causal)
 
 
-def _flash_dense_bwd(dout, q, k, v, out, lse, scale, causal):
-    cu_q, cu_k = _device_segment(q, k)
-    return _torch_flash_bwd(dout.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), cu_q, cu_k, q.shape[0], k.shape[0], scale, causal)
+def _flash_dense_bwd(dout, q, k, v, out, lse, scale, causal, batch=1):
+    cu_q, cu_k = _device_segment(q, k, batch)
+    return _torch_flash_bwd(dout.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), cu_q, cu_k, q.shape[0] // batch, k.shape[0] // batch, scale, causal)
 
 
-def _reference_dense_fwd(q, k, v, scale, causal):
-    cu_q, cu_k = _one_segment(q, k)
-    return _reference_fwd(q, k, v, cu_q, cu_k, q.shape[0], k.shape[0], scale, causal)
+def _reference_dense_fwd(q, k, v, scale, causal, batch=1):
+    cu_q, cu_k = _device_segment(q, k, batch)
+    return _reference_fwd(q, k, v, cu_q, cu_k, q.shape[0] // batch, k.shape[0] // batch, scale, causal)
 
 
-def _reference_dense_bwd(dout, q, k, v, out, lse, scale, causal):
-    cu_q, cu_k = _one_segment(q, k)
-    return _reference_bwd(dout, q, k, v, out, lse, cu_q, cu_k, q.shape[0], k.shape[0], scale, causal)
+def _reference_dense_bwd(dout, q, k, v, out, lse, scale, causal, batch=1):
+    cu_q, cu_k = _device_segment(q, k, batch)
+    return _reference_bwd(dout, q, k, v, out, lse, cu_q, cu_k, q.shape[0] // batch, k.shape[0] // batch, scale, causal)
 
 
 _DENSE_FWD = {"cudnn": _cudnn_dense_fwd, "flash": _flash_dense_fwd, "reference": _reference_dense_fwd}
@@ -498,7 +501,7 @@ def varlen_attn_bwd(
 
 
 def dense_attn_fwd(
-    q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, backend: str, dense_keys: int | None = None
+    q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, backend: str, dense_keys: int | None = None, batch: int = 1
 ) -> tuple[Tensor, Tensor]:
     """Attention of one whole segment, ``q [Lq, H, D]`` x ``k/v [Lk, H_kv, D]`` (``causal`` needs ``Lq == Lk``),
     with a hybrid backend's dense kernel: returns ``(out [Lq, H, D], lse [H, Lq])`` as :func:`varlen_attn_fwd` would.
@@ -508,13 +511,17 @@ def dense_attn_fwd(
     inputs), so the caller's merge still rounds once. The schedule uses it to keep the dense
     kernel's key counts to a few lengths (:func:`~ringpack.attention.schedule.dense_bucket`):
     cuDNN builds a graph for every new shape.
+
+    ``batch = b > 1``: q/k/v hold ``b`` equal segments one after another (``Lq / b`` queries and
+    ``Lk / b`` keys each), attended separately by one batched call (no key split).
     """
     if causal and q.shape[0] != k.shape[0]:
         raise ValueError(f"dense causal attention needs as many queries as keys, got {q.shape[0]} and {k.shape[0]}")
     _check_dense_keys(dense_keys, k.shape[0], causal)
+    _check_batch(batch, q.shape[0], k.shape[0], dense_keys)
     if torch.compiler.is_compiling():
-        return _dense_attn_fwd_op(q, k, v, softmax_scale, causal, backend, dense_keys)
-    return _dense_fwd(q, k, v, softmax_scale, causal, backend, dense_keys)
+        return _dense_attn_fwd_op(q, k, v, softmax_scale, causal, backend, dense_keys, batch)
+    return _dense_fwd(q, k, v, softmax_scale, causal, backend, dense_keys, batch)
 
 
 def dense_attn_bwd(
@@ -528,13 +535,15 @@ def dense_attn_bwd(
     causal: bool,
     backend: str,
     dense_keys: int | None = None,
+    batch: int = 1,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Backward of :func:`dense_attn_fwd` given the final (merged) ``out [Lq, H, D]`` and ``lse [H, Lq]``
     (``dq``/``dk``/``dv`` in the input dtype; with ``dense_keys``, dq is the sum of both kernels' parts, rounded once)."""
     _check_dense_keys(dense_keys, k.shape[0], causal)
+    _check_batch(batch, q.shape[0], k.shape[0], dense_keys)
     if torch.compiler.is_compiling():
-        return _dense_attn_bwd_op(dout, q, k, v, out, lse, softmax_scale, causal, backend, dense_keys)
-    return _dense_bwd(dout, q, k, v, out, lse, softmax_scale, causal, backend, dense_keys)
+        return _dense_attn_bwd_op(dout, q, k, v, out, lse, softmax_scale, causal, backend, dense_keys, batch)
+    return _dense_bwd(dout, q, k, v, out, lse, softmax_scale, causal, backend, dense_keys, batch)
 
 
 def _check_dense_keys(dense_keys: int | None, num_keys: int, causal: bool) -> None:
@@ -544,42 +553,50 @@ def _check_dense_keys(dense_keys: int | None, num_keys: int, causal: bool) -> No
         raise ValueError(f"dense_keys={dense_keys} of {num_keys} keys: a key split needs a non-causal segment and at least one dense key")
 
 
+def _check_batch(batch: int, num_q: int, num_keys: int, dense_keys: int | None) -> None:
+    if batch < 1 or num_q % batch or num_keys % batch:
+        raise ValueError(f"batch={batch} does not divide {num_q} queries and {num_keys} keys into equal segments")
+    if batch > 1 and dense_keys is not None and dense_keys < num_keys:
+        raise ValueError("a batched dense call has no key split")
+
+
 def _tail_segment(q: Tensor, k: Tensor) -> tuple[Tensor, Tensor, int, int]:
     cu_q, cu_k = _device_segment(q, k)
     return cu_q, cu_k, q.shape[0], k.shape[0]
 
 
 def dense_attn_fwd_parts(
-    q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, backend: str, dense_keys: int | None = None
+    q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, backend: str, dense_keys: int | None = None, batch: int = 1
 ) -> tuple[tuple[Tensor, Tensor], ...]:
     """:func:`dense_attn_fwd` as partial results of the same query rows, for a caller that folds
     them into its own accumulator (the engine, with ``merge_partial(..., part2=...)``): one
     ``(out, lse)``, or with a key split the dense kernel's over keys ``:dense_keys`` and the varlen
     kernel's over the rest, each in the input dtype. Merging them here would need a float copy of
-    the rows (memory and a pass); the caller's merge takes both in one pass, rounding once."""
+    the rows (memory and a pass); the caller's merge takes both in one pass, rounding once.
+    ``batch``: as in :func:`dense_attn_fwd` (one part)."""
     n = k.shape[0] if dense_keys is None else dense_keys
     if n >= k.shape[0]:
-        return (dense_attn_fwd(q, k, v, softmax_scale, causal, backend),)
+        return (dense_attn_fwd(q, k, v, softmax_scale, causal, backend, batch=batch),)
     _check_dense_keys(dense_keys, k.shape[0], causal)
     core = dense_attn_fwd(q, k[:n], v[:n], softmax_scale, False, backend)
     tail = varlen_attn_fwd(q, k[n:], v[n:], *_tail_segment(q, k[n:]), softmax_scale, False, backend)
     return core, tail
 
 
-def _dense_fwd(q, k, v, scale, causal, backend, dense_keys):
+def _dense_fwd(q, k, v, scale, causal, backend, dense_keys, batch=1):
     if dense_keys is None or dense_keys >= k.shape[0]:
-        return _dense_kernel(backend, _DENSE_FWD)(q, k, v, scale, causal)
+        return _dense_kernel(backend, _DENSE_FWD)(q, k, v, scale, causal, batch)
     (out, lse), tail = dense_attn_fwd_parts(q, k, v, scale, causal, backend, dense_keys)  # its dense part is unsplit
     out = out.to(lse.dtype)  # the two parts are summed in float; the caller's merge rounds once
     merge_partial(out, lse, *tail, None)
     return out, lse
 
 
-def _dense_bwd(dout, q, k, v, out, lse, scale, causal, backend, dense_keys):
+def _dense_bwd(dout, q, k, v, out, lse, scale, causal, backend, dense_keys, batch=1):
     bwd = _dense_kernel(backend, _DENSE_BWD)
     n = k.shape[0] if dense_keys is None else min(dense_keys, k.shape[0])
     if n == k.shape[0]:
-        return bwd(dout, q, k, v, out, lse, scale, causal)
+        return bwd(dout, q, k, v, out, lse, scale, causal, batch)
     dq, dk, dv = bwd(dout, q, k[:n], v[:n], out, lse, scale, False)
     dq_tail, dk_tail, dv_tail = _key_tail_bwd(dout, q, k[n:], v[n:], out, lse, scale, backend)
     return dq.add_(dq_tail), torch.cat((dk, dk_tail)), torch.cat((dv, dv_tail))
@@ -662,13 +679,13 @@ def _varlen_attn_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, m
 
 @torch.library.custom_op("ringpack::dense_attn_fwd", mutates_args=())
 def _dense_attn_fwd_op(
-    q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, backend: str, dense_keys: int | None = None
+    q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, backend: str, dense_keys: int | None = None, batch: int = 1
 ) -> tuple[Tensor, Tensor]:
-    return _dense_fwd(q, k, v, softmax_scale, causal, backend, dense_keys)
+    return _dense_fwd(q, k, v, softmax_scale, causal, backend, dense_keys, batch)
 
 
 @_dense_attn_fwd_op.register_fake
-def _dense_attn_fwd_fake(q, k, v, softmax_scale, causal, backend, dense_keys=None):
+def _dense_attn_fwd_fake(q, k, v, softmax_scale, causal, backend, dense_keys=None, batch=1):
     split = dense_keys is not None and dense_keys < k.shape[0]
     out = q.new_empty(q.shape, dtype=accum_dtype(q.dtype)) if split else torch.empty_like(q)
     return out, q.new_empty((q.shape[1], q.shape[0]), dtype=accum_dtype(q.dtype))
@@ -678,10 +695,11 @@ def _dense_attn_fwd_fake(q, k, v, softmax_scale, causal, backend, dense_keys=Non
 def _dense_attn_bwd_op(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, softmax_scale: float, causal: bool, backend: str,
     dense_keys: int | None = None,
+    batch: int = 1,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    return _dense_bwd(dout, q, k, v, out, lse, softmax_scale, causal, backend, dense_keys)
+    return _dense_bwd(dout, q, k, v, out, lse, softmax_scale, causal, backend, dense_keys, batch)
 
 
 @_dense_attn_bwd_op.register_fake
-def _dense_attn_bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, backend, dense_keys=None):
+def _dense_attn_bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, backend, dense_keys=None, batch=1):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from ringpack.attention.kernels import accum_dtype, dense_attn_bwd, dense_attn_fwd_parts, dense_backend, varlen_attn_bwd, varlen_attn_fwd
 from ringpack.attention.merge import Rows, merge_partial
-from ringpack.attention.schedule import KernelCall, Schedule
+from ringpack.attention.schedule import DenseSegment, KernelCall, Schedule
 from ringpack.attention.streams import issued_after, mark
 
 __all__ = ["ContextParallelAttention", "KVTransport", "RingTransport", "merge_partial", "pack_kv"]
@@ -256,12 +256,17 @@ def _fwd_parts(q: Tensor, k: Tensor, v: Tensor, call: KernelCall, scale: float, 
         yield (rest.rows, *_fwd_call(q, k, v, rest, scale, backend), None)
 
 
-def _largest_first(dense: tuple[tuple[int, ...], ...]) -> list[tuple[int, ...]]:
+def _work(segment: DenseSegment) -> int:
+    """Query x key rows of a dense segment (all of a batch's segments)."""
+    return segment.batch * segment.q_len * segment.k_len
+
+
+def _largest_first(dense: tuple[DenseSegment, ...]) -> list[DenseSegment]:
     """Dense segments, the most query x key rows first. The engine issues its first transfer once
     the first local kernel is queued (:func:`_after_first`): a long kernel there covers the host
     time of issuing it, where a short varlen run left the GPU idle (H200, 16K mix forward: a
     39 us kernel, then 0.5 ms without work)."""
-    return sorted(dense, key=lambda seg: -seg[1] * seg[3])
+    return sorted(dense, key=lambda seg: -_work(seg))
 
 
 def _padded(x: Tensor, start: int, n: int, run: int) -> Tensor:
@@ -282,21 +287,25 @@ def _padded_lse(lse: Tensor, start: int, n: int, run: int) -> Tensor:
     return cols if run == n else torch.cat((cols, cols.new_full((cols.shape[0], run - n), float("inf"))), dim=1)
 
 
-def _dense_inputs(q, k, v, segment: tuple[int, ...], causal: bool):
-    """A dense segment's padded query rows, its keys/values and the dense kernel's key count: a
-    causal square is padded on both sides (its real rows never see the padding keys), a full
-    block's keys are exact and the kernel takes the first ``k_run`` (the rest: a key tail)."""
-    q0, nq, k0, nk, q_run, k_run = segment
+def _dense_inputs(q, k, v, segment: DenseSegment, causal: bool):
+    """A dense segment's kernel inputs ``(q, k, v, dense keys)``: a causal square padded on both
+    sides (its real rows never see the padding keys), a batch of equal causal squares as they are,
+    or a full block with its rows padded and its keys exact, the dense kernel taking the first
+    ``k_run`` (the rest: a key tail)."""
+    q0, nq, k0, nk, q_run, k_run, batch = segment
+    if batch > 1:
+        return q[q0 : q0 + batch * nq], k[k0 : k0 + batch * nk], v[k0 : k0 + batch * nk], None
     if causal:
         return _padded(q, q0, nq, q_run), _padded(k, k0, nk, k_run), _padded(v, k0, nk, k_run), None
     return _padded(q, q0, nq, q_run), k[k0 : k0 + nk], v[k0 : k0 + nk], k_run
 
 
-def _dense_fwd_part(q, k, v, segment: tuple[int, ...], causal: bool, scale: float, backend: str):
-    q0, nq = segment[:2]
+def _dense_fwd_part(q, k, v, segment: DenseSegment, causal: bool, scale: float, backend: str):
+    n = segment.batch * segment.q_len  # the real rows (padding after them)
     qp, kp, vp, dense_keys = _dense_inputs(q, k, v, segment, causal)
-    first, *second = ((o[:nq], l[:, :nq]) for o, l in dense_attn_fwd_parts(qp, kp, vp, scale, causal, backend, dense_keys=dense_keys))
-    return (slice(q0, q0 + nq), *first, second[0] if second else None)
+    parts = dense_attn_fwd_parts(qp, kp, vp, scale, causal, backend, dense_keys=dense_keys, batch=segment.batch)
+    first, *second = ((o[:n], l[:, :n]) for o, l in parts)
+    return (slice(segment.q_start, segment.q_start + n), *first, second[0] if second else None)
 
 
 def _bwd_parts(dout, q, k, v, out, lse, call: KernelCall, scale: float, backend: str) -> Iterator[tuple[Rows, Tensor, Rows, Tensor, Tensor]]:
@@ -312,12 +321,13 @@ def _bwd_parts(dout, q, k, v, out, lse, call: KernelCall, scale: float, backend:
         yield (rest.rows, *_bwd_call_parts(dout, q, k, v, out, lse, rest, scale, backend))
 
 
-def _dense_bwd_part(dout, q, k, v, out, lse, segment: tuple[int, ...], causal: bool, scale: float, backend: str):
-    q0, nq, k0, nk, q_run, _ = segment
+def _dense_bwd_part(dout, q, k, v, out, lse, segment: DenseSegment, causal: bool, scale: float, backend: str):
+    q0, k0, batch = segment.q_start, segment.k_start, segment.batch
+    n, nk, run = batch * segment.q_len, batch * segment.k_len, batch * segment.q_run
     qp, kp, vp, dense_keys = _dense_inputs(q, k, v, segment, causal)
-    dop, outp, lsep = _padded(dout, q0, nq, q_run), _padded(out, q0, nq, q_run), _padded_lse(lse, q0, nq, q_run)
-    dq, dk, dv = dense_attn_bwd(dop, qp, kp, vp, outp, lsep, scale, causal, backend, dense_keys=dense_keys)
-    return slice(q0, q0 + nq), dq[:nq], slice(k0, k0 + nk), dk[:nk], dv[:nk]
+    dop, outp, lsep = _padded(dout, q0, n, run), _padded(out, q0, n, run), _padded_lse(lse, q0, n, run)
+    dq, dk, dv = dense_attn_bwd(dop, qp, kp, vp, outp, lsep, scale, causal, backend, dense_keys=dense_keys, batch=batch)
+    return slice(q0, q0 + n), dq[:n], slice(k0, k0 + nk), dk[:nk], dv[:nk]
 
 
 def _bwd_call_parts(dout, q, k, v, out, lse, call: KernelCall, scale: float, backend: str) -> tuple[Tensor, slice | None, Tensor, Tensor]:
@@ -391,7 +401,7 @@ def _overlap_split(call: KernelCall | None, backend: str) -> tuple[list[KernelCa
         return [], []
     if not _splits(call, backend) or (not call.rest and len(call.dense) == 1):
         return [call], []
-    big = max(range(len(call.dense)), key=lambda i: call.dense[i][1] * call.dense[i][3])
+    big = max(range(len(call.dense)), key=lambda i: _work(call.dense[i]))
     others = call.dense[:big] + call.dense[big + 1 :]
     before = [replace(call, dense=others)] if others else list(call.rest)
     return before, [replace(call, dense=(call.dense[big],), rest=())]

@@ -52,6 +52,11 @@ lengths of the form ``m * 2**e`` with ``b <= m < 2b`` (b lengths per octave):
 The dense kernel then sees at most about ``5 b`` square shapes and ``(7 b)**2`` block shapes
 between 1K and 128K tokens, whatever the data. ``dense_buckets=None`` keeps exact shapes.
 
+Batches (``dense_batches=True``, the default). A run of equal short samples one after another in
+the local call (fixed-length packing) is, in memory, a ``[n, L, H, D]`` tensor: the dense kernel
+takes it as one batched call, a view, in power-of-two groups (graph shapes ``(2**i, L)``), when
+``L >= dense_threshold / 16`` and the run holds at least ``dense_threshold`` rows (``_equal_batches``).
+
 What buckets cost (2 x H200, BENCHMARKS.md): padding adds up to ``2/b`` of a causal square's
 work and ``1/b`` of a block's rows; the key tail is a second, thin pass over a block's query rows.
 An earlier form cut the queries down too and sent the leftover rows (a thin slab against every
@@ -71,7 +76,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field, replace
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -80,7 +85,7 @@ from torch import Tensor
 from ringpack.balancer.plan import MicroBatch
 
 __all__ = [
-    "DEFAULT_DENSE_BUCKETS", "DEFAULT_DENSE_THRESHOLD", "KernelCall", "RingStep", "Schedule", "ScheduleMismatchError", "compile_schedule",
+    "DEFAULT_DENSE_BUCKETS", "DEFAULT_DENSE_THRESHOLD", "DenseSegment", "KernelCall", "RingStep", "Schedule", "ScheduleMismatchError", "compile_schedule",
     "dense_bucket", "dense_bucket_up", "is_dense_segment",
 ]  # fmt: skip
 
@@ -98,6 +103,23 @@ class ScheduleMismatchError(ValueError):
     """Ranks of one CP group hold schedules (or inputs) that do not belong together."""
 
 
+class DenseSegment(NamedTuple):
+    """A segment of a call that a hybrid backend's dense kernel runs (:class:`KernelCall`): local
+    query rows ``q_start:q_start+q_len`` against buffer rows ``k_start:k_start+k_len``, with the
+    call's ``causal``, run on ``q_run >= q_len`` query rows (padding to a bucket shape) and
+    ``k_run`` keys (causal: ``k_run == q_run``, the padded square; otherwise ``k_run <= k_len``, the
+    other keys going to the varlen kernel beside it). ``batch > 1``: that many equal causal
+    segments one after another (``q_len`` rows each, unpadded), one batched call. Plain ints."""
+
+    q_start: int
+    q_len: int
+    k_start: int
+    k_len: int
+    q_run: int
+    k_run: int
+    batch: int = 1
+
+
 @dataclass(frozen=True)
 class KernelCall:
     """One varlen kernel launch of a ring step.
@@ -109,12 +131,8 @@ class KernelCall:
     of the key/value buffer. ``max_seqlen_*`` are Python ints so launching needs no host sync.
 
     The dense split (module docstring), used only by hybrid backends: ``dense`` lists the long
-    segments as ``(q_start, q_len, k_start, k_len, q_run, k_run)``: local query rows
-    ``q_start:q_start+q_len`` against buffer rows ``k_start:k_start+k_len`` with this call's
-    ``causal``, run by the dense kernel on ``q_run >= q_len`` query rows (padding to a bucket
-    shape) and ``k_run`` keys (causal: ``k_run == q_run``, the padded square; otherwise
-    ``k_run <= k_len``, the other keys going to the varlen kernel beside it); ``rest`` is the
-    call without them, as varlen calls (empty if nothing is left). Empty ``dense``: no split. ``k_range = (a, b)``: the
+    segments (and batches of equal short ones) as :class:`DenseSegment`; ``rest`` is the call
+    without them, as varlen calls (empty if nothing is left). Empty ``dense``: no split. ``k_range = (a, b)``: the
     call reads only key/value rows ``a:b`` of its buffer (a local rest call), and its
     ``cu_seqlens_k`` count from ``a``; ``None``: the whole buffer.
     """
@@ -125,7 +143,7 @@ class KernelCall:
     max_seqlen_q: int
     max_seqlen_k: int
     causal: bool
-    dense: tuple[tuple[int, int, int, int, int, int], ...] = ()
+    dense: tuple[DenseSegment, ...] = ()
     rest: tuple["KernelCall", ...] = ()
     q_range: tuple[int, int] | None = None  # the query rows when they are one contiguous range (then q_index is None)
     k_range: tuple[int, int] | None = None  # the key rows read when only a range of the buffer (see above)
@@ -312,6 +330,7 @@ def compile_schedule(
     cp_rank: int,
     dense_threshold: int | None = DEFAULT_DENSE_THRESHOLD,
     dense_buckets: int | None = DEFAULT_DENSE_BUCKETS,
+    dense_batches: bool = True,
 ) -> Schedule:
     """Compile ``microbatch`` into the schedule of CP rank ``cp_rank`` (CPU tensors; see :meth:`Schedule.to`).
 
@@ -321,7 +340,8 @@ def compile_schedule(
     ``dense_threshold``: segments of at least this many queries and keys (in area; see
     :func:`is_dense_segment`) are marked for a hybrid backend's dense kernel (``None``: mark none);
     ``dense_buckets``: the dense parts' lengths per octave (module docstring; ``None``: exact
-    shapes). Both only change which kernel computes what, so ranks may differ in them.
+    shapes); ``dense_batches``: batch runs of equal short local segments into dense calls. These
+    only change which kernel computes what, so ranks may differ in them.
     """
     cp = len(microbatch.shards)
     if not 0 <= cp_rank < cp:
@@ -330,7 +350,7 @@ def compile_schedule(
         raise ValueError(f"dense_threshold must be >= 1 or None, got {dense_threshold}")
     if dense_buckets is not None and (dense_buckets < 1 or dense_buckets & (dense_buckets - 1)):
         raise ValueError(f"dense_buckets must be a power of two or None, got {dense_buckets}")
-    dense = None if dense_threshold is None else (dense_threshold, dense_buckets)
+    dense = None if dense_threshold is None else (dense_threshold, dense_buckets, dense_batches)
     table = _PieceTable.from_microbatch(microbatch)
     mine = np.flatnonzero(table.rank == cp_rank)
     num_tokens = int((table.stop[mine] - table.start[mine]).sum())
@@ -470,7 +490,7 @@ def _bucket_step(length: np.ndarray, buckets: int) -> np.ndarray:
 
 def _make_call(seg_q, seg_k, seg_q_start, causal: bool, num_tokens: int, dense: tuple | None) -> KernelCall:
     """The call of segments ``seg_q[b]`` queries (local rows ``seg_q_start[b]`` on) x ``seg_k[b]`` keys,
-    plus its dense split (``dense = (threshold, buckets)``)."""
+    plus its dense split (``dense = (threshold, buckets, batches)``)."""
     cu_k = _cu(seg_k)
     call = KernelCall(
         cu_seqlens_q=_cu(seg_q),
@@ -482,18 +502,23 @@ def _make_call(seg_q, seg_k, seg_q_start, causal: bool, num_tokens: int, dense: 
     )
     if dense is None:
         return call
-    threshold, buckets = dense
+    threshold, buckets, batched = dense
     long = is_dense_segment(seg_q, seg_k, threshold)
-    if not long.any():
+    batches = _equal_batches(seg_q, ~long, threshold) if causal and batched else []
+    if not long.any() and not batches:
         return call
     seg_k_start = np.cumsum(seg_k) - seg_k
     q_run = dense_bucket_up(seg_q, buckets)  # the dense kernel's query rows: every row, padded up to a bucket
     k_run = q_run if causal else dense_bucket(seg_k, buckets)  # causal: the padded square; else keys cut down
     dense_parts = tuple(
-        (int(a), int(n), int(b), int(m), int(qr), int(kr))
+        DenseSegment(int(a), int(n), int(b), int(m), int(qr), int(kr))
         for a, n, b, m, qr, kr in zip(seg_q_start[long], seg_q[long], seg_k_start[long], seg_k[long], q_run[long], k_run[long])
     )
-    assert not causal or all(n == m and a == b for a, n, b, m, _, _ in dense_parts), "dense causal parts are diagonal squares"
+    for first, count in batches:  # equal-length short segments, one batched dense call per power-of-two group
+        a, n = int(seg_q_start[first]), int(seg_q[first])
+        dense_parts += (DenseSegment(a, n, a, n, n, n, count),)
+        long[first : first + count] = True
+    assert not causal or all(d.q_len == d.k_len and d.q_start == d.k_start for d in dense_parts), "dense causal parts are diagonal squares"
     rest_q = np.where(long, 0, seg_q)
     if not rest_q.any():
         rest = ()
@@ -511,6 +536,29 @@ def _make_call(seg_q, seg_k, seg_q_start, causal: bool, num_tokens: int, dense: 
             ),
         )
     return replace(call, dense=dense_parts, rest=rest)
+
+
+def _equal_batches(seg_len: np.ndarray, eligible: np.ndarray, threshold: int) -> list[tuple[int, int]]:
+    """``(first segment, count)`` of the batched dense calls of a causal call: maximal runs of
+    consecutive ``eligible`` segments of one length ``L >= threshold // 16`` holding at least
+    ``threshold`` rows, cut into power-of-two groups (bounded graph shapes ``(2**i, L)``; a group
+    of one stays in the varlen runs). In memory such a run is a ``[count, L, H, D]`` batch, which
+    cuDNN takes as a view; on H200 it ran 1.5-1.7x faster than flash varlen for ``L`` of 256-4096
+    (BENCHMARKS.md, ``benchmarks/cudnn_batched.py``)."""
+    idx = np.flatnonzero(eligible & (seg_len >= max(threshold // 16, 1)))
+    if idx.size < 2:
+        return []
+    breaks = np.flatnonzero((np.diff(idx) != 1) | (seg_len[idx[1:]] != seg_len[idx[:-1]])) + 1
+    out = []
+    for run in np.split(idx, breaks):
+        count, first = run.size, int(run[0])
+        if count < 2 or count * int(seg_len[first]) < threshold:
+            continue
+        for bit in reversed(range(count.bit_length())):
+            if count >> bit & 1 and bit:
+                out.append((first, 1 << bit))
+            first += (count >> bit & 1) << bit
+    return out
 
 
 def _local_runs(seg_len: np.ndarray, seg_start: np.ndarray, long: np.ndarray) -> tuple[KernelCall, ...]:

@@ -159,7 +159,7 @@ def rank_arrays(starts: np.ndarray, piece_tokens: list[np.ndarray], next_tokens:
 
 
 # compile_schedule's keyword options a collator or shard reader passes through (the kernel split only)
-SCHEDULE_OPTIONS = ("dense_threshold", "dense_buckets")
+SCHEDULE_OPTIONS = ("dense_threshold", "dense_buckets", "dense_batches")
 
 
 def check_schedule_options(options: Mapping[str, Any] | None) -> dict[str, Any]:

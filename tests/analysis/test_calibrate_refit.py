@@ -140,10 +140,14 @@ def test_cli_refit_writes_a_loadable_profile_and_never_overwrites_the_source(tmp
 
 def test_hybrid_features_follow_the_dense_shape_buckets():
     """Reports record the schedule's dense buckets; features count a dense part's key tail as a varlen call."""
-    from ringpack.analysis.calibration_features import DENSE_BUCKETS
+    import inspect
+
+    from ringpack.analysis.calibration_features import DENSE_BATCHES, DENSE_BUCKETS
+    from ringpack.attention import compile_schedule
     from ringpack.attention.schedule import DEFAULT_DENSE_BUCKETS
 
     assert DENSE_BUCKETS == DEFAULT_DENSE_BUCKETS
+    assert DENSE_BATCHES == inspect.signature(compile_schedule).parameters["dense_batches"].default
     lengths = [30000, 21000]  # split over 2 ranks: long local squares and a full remote block, none on a bucket length
     mb = split_zigzag(list(range(2)), lengths, 2)
     case = cal.rank_cases("z", mb, lengths, "z")[1]

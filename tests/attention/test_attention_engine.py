@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.attention.attn_testlib import Problem, dense_reference, handmade_microbatches, max_errors, random_microbatch, run_all_ranks, strategy_microbatch
+from tests.attention.attn_testlib import Problem, dense_reference, handmade_microbatches, max_errors, random_microbatch, run_all_ranks, strategy_microbatch, zigzag_case
 
 TOL = 1e-10
 
@@ -121,6 +121,20 @@ def test_split_schedules_do_split():
     problem = Problem.make(mb2, dict(enumerate([20, 3, 12, 27])), 4, 2, 8, seed=6)  # and the engine is exact on it (fp64)
     assert_exact(problem, backend="reference_hybrid", dense_threshold=5, dense_buckets=1)
     assert all(not c.dense for r in range(2) for c in [compile_schedule(mb, r, dense_threshold=None).local])
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3])
+def test_equal_length_runs_are_batched_and_exact(cp):
+    """Runs of equal short samples (fixed-length packing) go to one batched dense call per
+    power-of-two group, next to long segments and odd ones; the engine stays exact (fp64)."""
+    from ringpack.attention import compile_schedule
+
+    lengths = [6] * 7 + [3, 40] + [5] * 4 + [6, 6]
+    mb = zigzag_case(cp, lengths)
+    batched = [d for r in range(cp) for s in [compile_schedule(mb, r, dense_threshold=8)] if s.local is not None for d in s.local.dense if d.batch > 1]
+    assert batched and all(d.batch in (2, 4) for d in batched)
+    assert not any(d.batch > 1 for r in range(cp) for s in [compile_schedule(mb, r, dense_threshold=8, dense_batches=False)] if s.local for d in s.local.dense)
+    assert_exact(Problem.make(mb, dict(enumerate(lengths)), 4, 2, 8, seed=cp), backend="reference_hybrid", dense_threshold=8)
 
 
 def test_backward_holds_the_largest_dense_segment_back_to_hide_the_dkv_transfer():

@@ -234,6 +234,21 @@ def _expanded_segments(call) -> list[tuple[tuple[int, ...], int, int]]:
     return out
 
 
+def _equal_runs(whole, is_long, threshold: int) -> list[int]:
+    """Counts of the maximal runs of consecutive short segments of one length >= threshold // 16 that
+    hold at least ``threshold`` rows in all (those a causal call batches)."""
+    runs, prev = [], None
+    for (rows, _, _), flag in zip(whole, is_long):
+        n = len(rows)
+        key = None if flag or n < max(threshold // 16, 1) else n
+        if key is not None and key == prev:
+            runs[-1][1] += 1
+        elif key is not None:
+            runs.append([n, 1])
+        prev = key
+    return [count for n, count in runs if count >= 2 and count * n >= threshold]
+
+
 def _pairs(segments, causal: bool) -> Counter:
     """(query row, key row) pairs of segments given as (query rows, first key row, key count), causal bottom-right."""
     pairs = Counter()
@@ -247,11 +262,14 @@ def _pairs(segments, causal: bool) -> Counter:
 def check_dense_split(call, threshold: int, buckets: int | None) -> None:
     """``dense`` + ``rest`` compute exactly the call's (query, key) pairs, each once; the dense parts are the
     long segments whole, their kernel shapes padded up (queries; a causal square's keys too) or cut down
-    (a block's keys) to bucket lengths; rest keeps every key segment."""
+    (a block's keys) to bucket lengths, and (causal) runs of equal short segments batched in power-of-two
+    groups, all but at most one segment of each run; rest keeps every key segment."""
     whole = _expanded_segments(call)
     # the area rule: >= threshold**2 query-key products, both sides >= threshold // 4
-    long = [seg for seg in whole if len(seg[0]) * seg[2] >= threshold**2 and min(len(seg[0]), seg[2]) >= max(threshold // 4, 1)]
-    if not long:
+    is_long = [len(seg[0]) * seg[2] >= threshold**2 and min(len(seg[0]), seg[2]) >= max(threshold // 4, 1) for seg in whole]
+    long = [seg for seg, flag in zip(whole, is_long) if flag]
+    runs = _equal_runs(whole, is_long, threshold) if call.causal else []
+    if not long and not runs:
         assert call.dense == () and call.rest == ()
         return
     assert all(isinstance(x, int) for d in call.dense for x in d)
@@ -259,11 +277,18 @@ def check_dense_split(call, threshold: int, buckets: int | None) -> None:
     for rows, k0, nk in long:
         nq = len(rows)
         q_run = int(dense_bucket_up(nq, buckets))
-        want.append((rows[0], nq, k0, nk, q_run, q_run if call.causal else int(dense_bucket(nk, buckets))))
+        want.append((rows[0], nq, k0, nk, q_run, q_run if call.causal else int(dense_bucket(nk, buckets)), 1))
         assert list(rows) == list(range(rows[0], rows[0] + nq))
         assert buckets is None or (nq <= q_run < nq * (1 + 1 / buckets) + 1 and q_run == dense_bucket(q_run, buckets))
-    assert list(call.dense) == want
-    dense = [(tuple(range(q0, q0 + nq)), k0, nk) for q0, nq, k0, nk, _, _ in call.dense]
+    assert [d for d in call.dense if d.batch == 1] == want
+    batched = [d for d in call.dense if d.batch > 1]
+    starts = {seg[0][0]: i for i, seg in enumerate(whole)}
+    for d in batched:  # consecutive whole segments of one length, unpadded, a power-of-two group
+        assert call.causal and d.batch & (d.batch - 1) == 0 and d.q_len == d.k_len == d.q_run == d.k_run and d.q_start == d.k_start
+        first = starts[d.q_start]
+        assert all(len(whole[first + j][0]) == d.q_len and not is_long[first + j] for j in range(d.batch))
+    assert sum(d.batch for d in batched) == sum(count - count % 2 for count in runs)
+    dense = [(tuple(range(d.q_start + j * d.q_len, d.q_start + (j + 1) * d.q_len)), d.k_start + j * d.k_len, d.k_len) for d in call.dense for j in range(d.batch)]
     rest = [seg for part in call.rest for seg in _expanded_segments(part)]
     assert _pairs(dense, call.causal) + _pairs(rest, call.causal) == _pairs(whole, call.causal)
     assert max((_pairs(dense + rest, call.causal)).values()) == 1

@@ -9,8 +9,8 @@ The torchrun check runs every plan x mode with ``torch_flash``, then with ``cudn
 on the same plans with ``dense_threshold=256`` (many dense segments of odd lengths next to short
 ones in one call) and on plans with 8300/4300-token samples at the default threshold (4096; long
 causal-local and remote-full segments). It asserts that the hybrid runs really had dense
-segments, local and remote, sharing calls with varlen ones, and every form of shape bucket
-(padded over local rows and past their end, key-split). Last, ``flash_split`` (flash for
+segments, local and remote, sharing calls with varlen ones, every form of shape bucket (padded
+over local rows and past their end, key-split) and batched runs of equal short samples. Last, ``flash_split`` (flash for
 both halves) on the same plans with ``dense_threshold=256``.
 
 The bound: bf16 flash attention is not exact, so ringpack cannot be held to a fixed tolerance.
@@ -51,9 +51,9 @@ NAMES = ("out", "dq", "dk", "dv")
 
 # ------------------------------------------------------------------------------------------ plans
 
-LENGTHS = [3001, 1500, 700, 333, 129, 64, 33, 17, 5, 1, 1, 1200]
-if os.environ.get("RINGPACK_TINY"):  # CPU dry run of the script (gloo + reference backend)
-    LENGTHS = [max(1, n // 25) for n in LENGTHS]
+LENGTHS = [3001, 1500, 700, 333] + [100] * 6 + [129, 64, 33, 17, 5, 1, 1, 1200]  # six equal ones: batched dense calls
+if os.environ.get("RINGPACK_TINY"):  # CPU dry run of the script (gloo + reference backend), about 1/25 the size
+    LENGTHS = [120, 60, 28, 13] + [4] * 6 + [5, 2, 1, 1, 1, 1, 1, 45]
 
 
 def gpu_plans(cp: int) -> list[tuple[str, object, dict[int, int]]]:
@@ -88,9 +88,9 @@ def gpu_plans(cp: int) -> list[tuple[str, object, dict[int, int]]]:
     return [(name, mb, lengths) for name, mb in plans]
 
 
-LONG_LENGTHS = [8300, 4300, 700, 333, 1, 2]  # no bucket lengths: their dense parts are padded
+LONG_LENGTHS = [8300, 4300, 700, 333, 1, 2] + [512] * 8  # no bucket lengths: their dense parts are padded; 8 x 512: a batch
 if os.environ.get("RINGPACK_TINY"):
-    LONG_LENGTHS = [100, 43, 7, 3, 1, 2]
+    LONG_LENGTHS = [100, 43, 7, 3, 1, 2] + [20] * 8
 
 
 def long_plans(cp: int) -> list[tuple[str, object, dict[int, int]]]:
@@ -120,15 +120,16 @@ def long_plans(cp: int) -> list[tuple[str, object, dict[int, int]]]:
 
 def split_coverage(schedule) -> torch.Tensor:
     """[local dense segments, remote dense segments, calls with dense segments and a varlen rest,
-    dense parts with a key split, dense parts padded over
-    the following local rows, dense parts padded past the end of the local rows (copies)]."""
+    dense parts with a key split, dense parts padded over the following local rows, dense parts
+    padded past the end of the local rows (copies), batched dense calls]."""
     calls = [c for c in (schedule.local, *(c for st in schedule.steps for c in st.calls)) if c is not None]
     local = len(schedule.local.dense) if schedule.local is not None else 0
     dense = [d for c in calls for d in c.dense]
     key_split = sum(d[5] < d[3] for d in dense)
     padded_view = sum(d[1] < d[4] and d[0] + d[4] <= schedule.num_tokens for d in dense)
     padded_copy = sum(d[0] + d[4] > schedule.num_tokens for d in dense)
-    return torch.tensor([local, len(dense) - local, sum(bool(c.dense) and bool(c.rest) for c in calls), key_split, padded_view, padded_copy],
+    batched = sum(d.batch > 1 for d in dense)
+    return torch.tensor([local, len(dense) - local, sum(bool(c.dense) and bool(c.rest) for c in calls), key_split, padded_view, padded_copy, batched],
                         dtype=torch.float64)
 
 
@@ -207,7 +208,7 @@ def run_distributed_check(backend: str = "torch_flash", dense_threshold: int | N
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     scale = HEAD_DIM**-0.5
     failures, rows = [], []
-    coverage = torch.zeros(6, dtype=torch.float64)
+    coverage = torch.zeros(7, dtype=torch.float64)
     threshold_kw = {} if dense_threshold is None else {"dense_threshold": dense_threshold}
     if os.environ.get("RINGPACK_TINY"):  # tiny lengths sit below the default buckets' first octave: coarser ones pad them
         threshold_kw["dense_buckets"] = 2
@@ -246,12 +247,12 @@ def run_distributed_check(backend: str = "torch_flash", dense_threshold: int | N
 
     coverage_t = coverage.to(device)
     dist.all_reduce(coverage_t)
-    local_dense, remote_dense, mixed, key_split, padded_view, padded_copy = (int(c) for c in coverage_t.tolist())
+    local_dense, remote_dense, mixed, key_split, padded_view, padded_copy, batched = (int(c) for c in coverage_t.tolist())
     split_line = ""
     if dense_backend(backend) is not None:
         split_line = (f", dense_threshold={dense_threshold or 'default'}: {local_dense} local + {remote_dense} remote dense segments, {mixed} calls dense+varlen, "
-                      f"{key_split} key splits, {padded_view}+{padded_copy} padded over local rows+past their end (shape buckets)")
-        if not (local_dense and remote_dense and mixed and key_split and padded_view and padded_copy):
+                      f"{key_split} key splits, {padded_view}+{padded_copy} padded over local rows+past their end (shape buckets), {batched} batched")
+        if not (local_dense and remote_dense and mixed and key_split and padded_view and padded_copy and batched):
             failures.append(f"{backend}: the plans did not exercise the split ({split_line.strip(', ')})")
     if rank == 0:
         print(f"\nringpack {backend} bf16, CP={world}, H={HEADS}, H_kv={KV_HEADS}, D={HEAD_DIM}, sample lengths={all_lengths}{split_line}")
@@ -261,7 +262,7 @@ def run_distributed_check(backend: str = "torch_flash", dense_threshold: int | N
             f"SUMMARY {backend:<16} threshold={str(dense_threshold or 'default'):<7} plans={plans.__name__:<9} "
             f"{checked - sum(r.endswith('FAIL') for r in rows)}/{checked} within bound, worst err/limit {worst[0]:.2f} ({worst[1]})"
             + (f", dense: {local_dense} local / {remote_dense} remote / {mixed} mixed calls / {key_split} key splits / "
-               f"{padded_view}+{padded_copy} padded (views+copies)"
+               f"{padded_view}+{padded_copy} padded (views+copies) / {batched} batched"
                if split_line else "")
         )
     return failures
