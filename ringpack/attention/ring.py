@@ -305,7 +305,7 @@ def _dense_fwd_part(q, k, v, segment: DenseSegment, causal: bool, scale: float, 
     qp, kp, vp, dense_keys = _dense_inputs(q, k, v, segment, causal)
     parts = dense_attn_fwd_parts(qp, kp, vp, scale, causal, backend, dense_keys=dense_keys, batch=segment.batch)
     first, *second = ((o[:n], l[:, :n]) for o, l in parts)
-    return (slice(segment.q_start, segment.q_start + n), *first, second[0] if second else None)
+    return (_rows(segment.q_start, n, q.shape[0]), *first, second[0] if second else None)
 
 
 def _bwd_parts(dout, q, k, v, out, lse, call: KernelCall, scale: float, backend: str) -> Iterator[tuple[Rows, Tensor, Rows, Tensor, Tensor]]:
@@ -327,7 +327,13 @@ def _dense_bwd_part(dout, q, k, v, out, lse, segment: DenseSegment, causal: bool
     qp, kp, vp, dense_keys = _dense_inputs(q, k, v, segment, causal)
     dop, outp, lsep = _padded(dout, q0, n, run), _padded(out, q0, n, run), _padded_lse(lse, q0, n, run)
     dq, dk, dv = dense_attn_bwd(dop, qp, kp, vp, outp, lsep, scale, causal, backend, dense_keys=dense_keys, batch=batch)
-    return slice(q0, q0 + n), dq[:n], slice(k0, k0 + nk), dk[:nk], dv[:nk]
+    return _rows(q0, n, q.shape[0]), dq[:n], _rows(k0, nk, k.shape[0]), dk[:nk], dv[:nk]
+
+
+def _rows(start: int, n: int, total: int) -> slice | None:
+    """Rows ``start:start+n`` of ``total``: None when that is all of them (the caller then adopts
+    the part instead of copying it into zeros, as for a lone batch of equal samples)."""
+    return None if start == 0 and n == total else slice(start, start + n)
 
 
 def _bwd_call_parts(dout, q, k, v, out, lse, call: KernelCall, scale: float, backend: str) -> tuple[Tensor, slice | None, Tensor, Tensor]:
@@ -356,10 +362,14 @@ def _local_forward(q: Tensor, k: Tensor, v: Tensor, call: KernelCall, out_dtype:
     if not _splits(call, backend):
         ((_, out, lse, _),) = parts
         return out, lse
-    out = q.new_empty(q.shape, dtype=out_dtype)
-    lse = q.new_empty((q.shape[1], q.shape[0]), dtype=accum_dtype(q.dtype))
+    out = lse = None
     for rows, part_out, part_lse, second in parts:  # the parts tile the local rows (causal: no key split)
         assert second is None, "a causal dense part is never split by keys"
+        if rows is None:  # one part over every row (a lone dense segment or batch): adopted, no copy
+            return part_out, part_lse
+        if out is None:
+            out = q.new_empty(q.shape, dtype=out_dtype)
+            lse = q.new_empty((q.shape[1], q.shape[0]), dtype=accum_dtype(q.dtype))
         _put_rows(out, rows, part_out)
         _put_rows(lse, rows, part_lse, dim=1)
     return out, lse

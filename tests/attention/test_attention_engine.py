@@ -135,6 +135,10 @@ def test_equal_length_runs_are_batched_and_exact(cp):
     assert batched and all(d.batch in (2, 4) for d in batched)
     assert not any(d.batch > 1 for r in range(cp) for s in [compile_schedule(mb, r, dense_threshold=8, dense_batches=False)] if s.local for d in s.local.dense)
     assert_exact(Problem.make(mb, dict(enumerate(lengths)), 4, 2, 8, seed=cp), backend="reference_hybrid", dense_threshold=8)
+    # one batch over every local row: the engine adopts its results instead of copying them
+    whole = zigzag_case(1, [4] * 8)
+    assert [d.batch for d in compile_schedule(whole, 0, dense_threshold=8).local.dense] == [8]
+    assert_exact(Problem.make(whole, dict(enumerate([4] * 8)), 4, 2, 8, seed=9), backend="reference_hybrid", dense_threshold=8)
 
 
 def test_backward_holds_the_largest_dense_segment_back_to_hide_the_dkv_transfer():
