@@ -85,7 +85,7 @@ def run(shapes: list[tuple[int, int]], heads: int, kv_heads: int, buckets: int, 
             "exact": (exact_fwd, lambda o, l: K._cudnn_dense_bwd(dout, q, k, v, o, l, scale, False)),
             "tail": (
                 lambda: K.dense_attn_fwd(q, k, v, scale, False, "cudnn_hybrid", dense_keys=down),
-                lambda o, l: K.dense_attn_bwd(dout, q, k, v, o, l, scale, False, "cudnn_hybrid", dense_keys=down),
+                lambda o, l: K.dense_attn_bwd(dout, q, k, v, o.to(q.dtype), l, scale, False, "cudnn_hybrid", dense_keys=down),  # its out is float
             ),
         }
         for name, bias in biases.items():

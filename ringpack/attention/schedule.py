@@ -46,7 +46,7 @@ lengths of the form ``m * 2**e`` with ``b <= m < 2b`` (b lengths per octave):
 * a full block's keys are cut *down* (:func:`dense_bucket`): the dense kernel takes the first
   ``k_run``, the others go through the hybrid's varlen kernel beside it
   (:func:`~ringpack.attention.kernels.dense_attn_fwd_parts`; the engine folds both partials in
-  one pass). Padding keys would need a mask, which made cuDNN 1.4-1.5x slower
+  one pass). Padding keys would need a mask, which made cuDNN 1.4-1.7x slower
   (``benchmarks/cudnn_key_padding.py``).
 
 The dense kernel then sees at most about ``5 b`` square shapes and ``(7 b)**2`` block shapes
@@ -94,7 +94,7 @@ DEFAULT_DENSE_THRESHOLD = 4096
 
 # Dense lengths per octave (module docstring, "Shape buckets"): a dense part is padded by less than
 # 1/32 of a side (and a full block's key tail is under 1/32 of its keys), and cuDNN sees a bounded
-# set of shapes. With padding, 32 measured 2-5% faster than 16 on the heavy-tailed mix, with all
+# set of shapes. With padding, 32 measured 3-7% faster than 16 on the heavy-tailed mix, with all
 # shapes built, for 1.7x the shapes over 3,000 fresh steps (BENCHMARKS.md, fifth session).
 DEFAULT_DENSE_BUCKETS = 32
 
