@@ -379,8 +379,9 @@ def _local_backward(dout, q, k, v, out, lse, calls, scale: float, backend: str, 
     """Fold the gradients of local ``calls`` into ``grads = [dq, dk, dv]`` (created by the first part).
 
     Local parts' query rows and key rows tile the local rows (causal squares and runs of them), so
-    each element receives one local value. The first part is adopted where it covers every row (the common one-kernel case copies
-    nothing) and copied into zeros elsewhere. ``then``: see :func:`_local_forward`.
+    each element receives one local value. The first part is adopted where it covers every row (the
+    common one-kernel case, or one dense batch, copies nothing) and copied into zeros elsewhere.
+    ``then``: see :func:`_local_forward`.
     """
     parts = (part for call in calls for part in _bwd_parts(dout, q, k, v, out, lse, call, scale, backend))
     for q_rows, dq_c, k_rows, dk_c, dv_c in _after_first(parts, then):

@@ -24,7 +24,7 @@ How the plan becomes kernel calls. For a local piece ``q = [a, b)`` of sample X 
 Dense split (for hybrid kernel backends). With ``dense_threshold=n`` every call also records its
 *long* segments (at least ``n * n`` query-key products with both sides at least ``n // 4``: the
 long causal segments of the local step and the large full blocks of remote steps; see
-:func:`is_dense_segment`) as ``dense`` tuples of Python ints (:class:`KernelCall`), and the call
+:func:`is_dense_segment`) as ``dense`` entries (:class:`DenseSegment`, Python ints), and the call
 minus those segments as ``rest``, a tuple of varlen calls. Remote: one call, the same key segments
 with the long segments' query counts set to zero (zero rows still keep their keys, so the varlen
 kernel zeroes their dK/dV rows) and its own ``q_index``. Local: one causal call per run of short
