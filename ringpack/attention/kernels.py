@@ -574,6 +574,7 @@ def dense_attn_fwd_parts(
     kernel's over the rest, each in the input dtype. Merging them here would need a float copy of
     the rows (memory and a pass); the caller's merge takes both in one pass, rounding once.
     ``batch``: as in :func:`dense_attn_fwd` (one part)."""
+    _check_batch(batch, q.shape[0], k.shape[0], dense_keys)
     n = k.shape[0] if dense_keys is None else dense_keys
     if n >= k.shape[0]:
         return (dense_attn_fwd(q, k, v, softmax_scale, causal, backend, batch=batch),)
