@@ -15,7 +15,10 @@ Rows per case:
   parallel on the same data.
 
 Times are medians over iterations of the slowest rank (every rank starts together after a
-barrier); ``busy`` lists each rank's own time. ``MiB`` is each rank's peak memory above its inputs
+barrier, from an idle GPU, and the clock stops at a synchronise); ``busy`` lists each rank's own
+time. That wall time charges the host's launch latency to every call, which training hides (the
+host queues later layers while the GPU works), so each row also gets ``gpu_ms``: the GPU time of
+the same call with the host ahead (:func:`queued`), and ``host_ms``, the host time to queue it. ``MiB`` is each rank's peak memory above its inputs
 during the calls, and for ringpack rows ``of`` the allowance: single-GPU flash attention over the
 rank's own tokens (measured) plus two K/V buffers of the largest compact buffer. Useful TFLOP/s per GPU count only the causal pairs
 the mask keeps: ``4 * head_dim * q_heads * pairs`` forward, x3.5 for forward+backward.
@@ -121,6 +124,42 @@ def timed(thunk, backward: bool, iters: int, warmup: int) -> tuple[float, list[f
     return max(g[0] for g in gathered), [g[0] for g in gathered], [g[1] for g in gathered]
 
 
+#: The GPU's clock while it waits in ``torch.cuda._sleep`` (cycles per ms; H200 runs at up to 1.98 GHz,
+#: so a lower clock only makes the wait longer, which is harmless).
+SLEEP_CYCLES_PER_MS = 2_000_000
+
+
+def queued(thunk, backward: bool, iters: int, hold_ms: float) -> tuple[float | None, float]:
+    """Median ``(gpu_ms, host_ms)`` of the call with the host ahead of the GPU, as in training.
+
+    Every iteration first parks the GPU in a spin of ``hold_ms`` (``torch.cuda._sleep``), then
+    queues the call (forward, and backward); CUDA events around the call time the GPU alone, so
+    the host's launch latency is hidden as it is behind earlier layers in a real step. ``gpu_ms``
+    is None if the GPU reached the call before the host had queued it all (``hold_ms`` too short):
+    the figure would then include host time.
+    """
+    gpu, host, ahead = [], [], True
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(iters):
+        dist.barrier()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(hold_ms * SLEEP_CYCLES_PER_MS))
+        start.record()
+        began = time.perf_counter()
+        out = thunk()
+        if isinstance(out, tuple):
+            out = out[0]
+        if backward:
+            out.backward(torch.ones_like(out))
+        end.record()
+        host.append((time.perf_counter() - began) * 1e3)
+        ahead = ahead and not start.query()  # still spinning: everything was queued before the GPU got there
+        torch.cuda.synchronize()
+        gpu.append(start.elapsed_time(end))
+        del out
+    return (statistics.median(gpu) if ahead else None), statistics.median(host)
+
+
 def budget_mib(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pieces: list[int], buffer_tokens: int, backward: bool) -> float:
     """The issue's memory allowance for one rank: single-GPU attention over its own tokens (flash
     varlen, its pieces as segments, measured) plus two K/V buffers of the largest compact buffer."""
@@ -186,6 +225,8 @@ def main() -> int:
     parser.add_argument("--backends", default="auto", help="ringpack kernel backends, comma separated (a row each)")
     add_schedule_args(parser)
     parser.add_argument("--slack", type=float, default=0.125, help="balanced: per-rank token budget above T/cp")
+    parser.add_argument("--gpu-time-max-ms", type=float, default=100.0,
+                        help="also time rows up to this wall time with the host ahead (gpu_ms; longer calls hide launch latency anyway)")
     parser.add_argument("--out", default="attention.json")
     args = parser.parse_args()
 
@@ -220,7 +261,8 @@ def main() -> int:
             print(
                 f"{row['case']:6s} {row['tokens_per_gpu']:>6d} {row['shape']:>5s} {row['pass']:6s} "
                 f"{row['impl']:28s} {row.get('ms', float('nan')):9.2f} ms {row.get('tflops', float('nan')):7.1f} TF/s "
-                f"{row.get('ideal_frac', float('nan')):6.1%}  busy [{busy}]  MiB [{mem}]{err}",
+                f"{row.get('ideal_frac', float('nan')):6.1%}  busy [{busy}]  MiB [{mem}]  "
+                f"gpu {row.get('gpu_ms') or float('nan'):.2f} ms {row.get('gpu_ideal_frac', float('nan')):6.1%}{err}",
                 flush=True,
             )
 
@@ -238,15 +280,23 @@ def main() -> int:
                 for pass_name in args.passes.split(","):
                     backward = pass_name == "fwdbwd"
                     base = dict(case=case, tokens_per_gpu=tokens, shape=shape, samples=len(lengths), **{"pass": pass_name})
-                    ideal_ms = None
+                    ideal_ms = ideal_gpu_ms = None
 
                     def run_row(impl: str, make, gpus: int, budget: list[float] | None = None) -> None:
-                        nonlocal ideal_ms
+                        nonlocal ideal_ms, ideal_gpu_ms
                         row = dict(base, impl=impl)
                         thunk = None
                         try:
                             thunk = make()
                             ms, busy, peak = timed(thunk, backward, args.iters, args.warmup)
+                            if ms <= args.gpu_time_max_ms:
+                                gpu, host = queued(thunk, backward, args.iters, hold_ms=max(busy) + 5.0)
+                                ranks = [None] * world
+                                dist.all_gather_object(ranks, (gpu, host))
+                                gpu_busy = [None if g is None else g / (world if impl.startswith("ideal") else 1) for g, _ in ranks]
+                                row.update(host_ms=[h for _, h in ranks], gpu_busy_ms=gpu_busy, gpu_ms=None if None in gpu_busy else max(gpu_busy))
+                                if impl.startswith("ideal") and row["gpu_ms"] is not None:
+                                    ideal_gpu_ms = row["gpu_ms"] if ideal_gpu_ms is None else min(ideal_gpu_ms, row["gpu_ms"])
                             if impl.startswith("ideal"):
                                 ms, busy = ms / world, [b / world for b in busy]
                             row.update(ms=ms, busy_ms=busy, peak_mib=peak, tflops=useful_tflops(pairs, args.head_dim, heads, backward, ms, world))
@@ -264,6 +314,8 @@ def main() -> int:
                                 close()
                         if ideal_ms and "ms" in row:
                             row["ideal_frac"] = ideal_ms / row["ms"]
+                        if ideal_gpu_ms and row.get("gpu_ms"):
+                            row["gpu_ideal_frac"] = ideal_gpu_ms / row["gpu_ms"]
                         record(row)
                         torch.cuda.empty_cache()
 

@@ -3,8 +3,9 @@
     python benchmarks/attention_table.py benchmarks/results/attention-*.json [--filter fwdbwd]
 
 One row per measured implementation: case, tokens per GPU, heads, pass, implementation, slowest
-rank's median ms, useful TFLOP/s per GPU, fraction of ideal scaling, and peak memory per rank
-(MiB above the inputs) with the allowance where the benchmark computed one.
+rank's median ms, useful TFLOP/s per GPU, fraction of ideal scaling, the same two with the host
+ahead of the GPU (``gpu_ms``, where measured), and peak memory per rank (MiB above the inputs)
+with the allowance where the benchmark computed one.
 """
 
 from __future__ import annotations
@@ -16,15 +17,15 @@ from pathlib import Path
 
 
 def rows_markdown(rows: list[dict], needle: str = "") -> str:
-    head = "| case | tok/GPU | heads q/kv | pass | implementation | ms | useful TF/s/GPU | % of ideal | peak MiB/rank (allowance) |"
-    lines = [head, "|" + "---|" * 9]
+    head = "| case | tok/GPU | heads q/kv | pass | implementation | ms | useful TF/s/GPU | % of ideal | GPU ms, host ahead | % of ideal (GPU) | peak MiB/rank (allowance) |"
+    lines = [head, "|" + "---|" * 11]
     for row in rows:
         text = " ".join(str(row.get(k, "")) for k in ("case", "shape", "pass", "impl"))
         if needle and not all(part in text for part in needle.split(",")):
             continue
         heads = row["shape"].replace("x", "/")
         if "ms" not in row:
-            lines.append(f"| {row['case']} | {row['tokens_per_gpu']} | {heads} | {row['pass']} | {row['impl']} | error: {row.get('error', '')[:60]} | | | |")
+            lines.append(f"| {row['case']} | {row['tokens_per_gpu']} | {heads} | {row['pass']} | {row['impl']} | error: {row.get('error', '')[:60]} | | | | | |")
             continue
         mem = ""
         if row.get("peak_mib"):
@@ -32,8 +33,10 @@ def rows_markdown(rows: list[dict], needle: str = "") -> str:
             if row.get("budget_mib"):
                 mem += " (" + " / ".join(f"{m:.0f}" for m in row["budget_mib"]) + ")"
         frac = f"{row['ideal_frac']:.1%}" if "ideal_frac" in row else ""
+        gpu = f"{row['gpu_ms']:.2f}" if row.get("gpu_ms") else ""
+        gpu_frac = f"{row['gpu_ideal_frac']:.1%}" if "gpu_ideal_frac" in row else ""
         lines.append(
-            f"| {row['case']} | {row['tokens_per_gpu']} | {heads} | {row['pass']} | {row['impl']} | {row['ms']:.2f} | {row['tflops']:.0f} | {frac} | {mem} |"
+            f"| {row['case']} | {row['tokens_per_gpu']} | {heads} | {row['pass']} | {row['impl']} | {row['ms']:.2f} | {row['tflops']:.0f} | {frac} | {gpu} | {gpu_frac} | {mem} |"
         )
     return "\n".join(lines)
 
