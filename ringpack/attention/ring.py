@@ -19,6 +19,8 @@ move bytes.
 
 from __future__ import annotations
 
+import itertools
+
 from dataclasses import replace
 from typing import Callable, Iterator, Protocol, Sequence
 
@@ -351,6 +353,7 @@ def _after_first(parts: Iterator, hook: Callable[[], None] | None) -> Iterator:
             hook()
             hook = None
         yield part
+        del part  # not kept alive through the next part's kernel (peak memory)
     if hook is not None:
         hook()
 
@@ -372,6 +375,7 @@ def _local_forward(q: Tensor, k: Tensor, v: Tensor, call: KernelCall, out_dtype:
             lse = q.new_empty((q.shape[1], q.shape[0]), dtype=accum_dtype(q.dtype))
         _put_rows(out, rows, part_out)
         _put_rows(lse, rows, part_lse, dim=1)
+        del part_out, part_lse  # before the next part's kernel allocates its output (peak memory)
     return out, lse
 
 
@@ -383,7 +387,8 @@ def _local_backward(dout, q, k, v, out, lse, calls, scale: float, backend: str, 
     common one-kernel case, or one dense batch, copies nothing) and copied into zeros elsewhere.
     ``then``: see :func:`_local_forward`.
     """
-    parts = (part for call in calls for part in _bwd_parts(dout, q, k, v, out, lse, call, scale, backend))
+    # chain keeps no reference to a part it passed on (a generator's loop variable would, through the next kernel)
+    parts = itertools.chain.from_iterable(_bwd_parts(dout, q, k, v, out, lse, call, scale, backend) for call in calls)
     for q_rows, dq_c, k_rows, dk_c, dv_c in _after_first(parts, then):
         if grads is None:
             grads = [dq_c if q_rows is None else torch.zeros_like(q), *((dk_c, dv_c) if k_rows is None else (torch.zeros_like(k), torch.zeros_like(v)))]
@@ -392,6 +397,7 @@ def _local_backward(dout, q, k, v, out, lse, calls, scale: float, backend: str, 
             if k_rows is not None:
                 _put_rows(grads[1], k_rows, dk_c)
                 _put_rows(grads[2], k_rows, dv_c)
+            del dq_c, dk_c, dv_c  # before the next part's kernel (peak memory)
             continue
         _add_rows(grads[0], q_rows, dq_c)
         _add_rows(grads[1], k_rows, dk_c)

@@ -561,11 +561,22 @@ def _equal_batches(seg_len: np.ndarray, eligible: np.ndarray, threshold: int) ->
     return out
 
 
-def _local_runs(seg_len: np.ndarray, seg_start: np.ndarray, long: np.ndarray) -> tuple[KernelCall, ...]:
+#: The most rows one varlen call of the local step's short segments takes (longer runs are cut at
+#: segment boundaries). Each call's output (and dQ/dK/dV) is a new tensor that the engine copies
+#: into the rank's result, so it is held beside the full result: uncut, a 40K-row run on a 64K
+#: rank put the forward's peak at 1.4x single-GPU attention. At this size a call still fills the
+#: GPU (64 row blocks per head) and the extra launches are a few per layer.
+LOCAL_RUN_ROWS = 8192
+
+
+def _local_runs(seg_len: np.ndarray, seg_start: np.ndarray, long: np.ndarray, max_rows: int | None = None) -> tuple[KernelCall, ...]:
     """What the dense parts leave of the local causal call (queries = keys = local rows, in order):
-    one call per maximal run of short segments between long ones; each reads its range as views."""
+    one call per run of short segments between long ones, cut at segment boundaries into calls of
+    at most ``max_rows`` rows (a longer segment alone); each reads its range as views."""
     todo = np.flatnonzero(~long & (seg_len > 0))
     runs = np.split(todo, np.flatnonzero(np.diff(todo) != 1) + 1) if todo.size else []
+    cap = LOCAL_RUN_ROWS if max_rows is None else max_rows
+    runs = [piece for run in runs for piece in _cut_run(run, seg_len[run], cap)]
     calls = []
     for run in runs:
         lengths = seg_len[run]
@@ -573,6 +584,19 @@ def _local_runs(seg_len: np.ndarray, seg_start: np.ndarray, long: np.ndarray) ->
         calls.append(KernelCall(q_index=None, cu_seqlens_q=_cu(lengths), cu_seqlens_k=_cu(lengths), max_seqlen_q=int(lengths.max()),
                                 max_seqlen_k=int(lengths.max()), causal=True, q_range=(a, b), k_range=(a, b)))
     return tuple(calls)
+
+
+def _cut_run(run: np.ndarray, lengths: np.ndarray, max_rows: int) -> list[np.ndarray]:
+    """``run`` (segment ids with ``lengths``) cut greedily into consecutive groups of at most
+    ``max_rows`` rows (a segment longer than that forms a group of its own)."""
+    groups, first, rows = [], 0, 0
+    for i, n in enumerate(lengths.tolist()):
+        if rows and rows + n > max_rows:
+            groups.append(run[first:i])
+            first, rows = i, 0
+        rows += n
+    groups.append(run[first:])
+    return groups
 
 
 # ---------------------------------------------------------------------------------------- helpers

@@ -85,11 +85,14 @@ def test_strategy_plans_are_exact_with_the_dense_split(strategy, cp):
 def test_random_plans_are_exact_with_the_dense_split(seed, cp, n, gqa, threshold, buckets):
     from ringpack.attention import kernels
 
+    from ringpack.attention import schedule
+
     kernels.TAIL_CHUNK_ROWS, saved = 1 + seed % 3, kernels.TAIL_CHUNK_ROWS  # key tails' backward cut into small segments
+    schedule.LOCAL_RUN_ROWS, saved_rows = 1 + seed % 7, schedule.LOCAL_RUN_ROWS  # the local rest cut into several calls
     try:
         _random_plan_with_the_dense_split(seed, cp, n, gqa, threshold, buckets)
     finally:
-        kernels.TAIL_CHUNK_ROWS = saved
+        kernels.TAIL_CHUNK_ROWS, schedule.LOCAL_RUN_ROWS = saved, saved_rows
 
 
 def _random_plan_with_the_dense_split(seed, cp, n, gqa, threshold, buckets):

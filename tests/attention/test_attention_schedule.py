@@ -259,11 +259,12 @@ def _pairs(segments, causal: bool) -> Counter:
     return pairs
 
 
-def check_dense_split(call, threshold: int, buckets: int | None) -> None:
+def check_dense_split(call, threshold: int, buckets: int | None, run_rows: int | None = None) -> None:
     """``dense`` + ``rest`` compute exactly the call's (query, key) pairs, each once; the dense parts are the
     long segments whole, their kernel shapes padded up (queries; a causal square's keys too) or cut down
     (a block's keys) to bucket lengths, and (causal) runs of equal short segments batched in power-of-two
-    groups, all but at most one segment of each run; rest keeps every key segment."""
+    groups, all but at most one segment of each run; rest keeps every key segment. ``run_rows``: the
+    local rest calls hold at most that many rows (or one segment), and two adjacent ones would not fit."""
     whole = _expanded_segments(call)
     # the area rule: >= threshold**2 query-key products, both sides >= threshold // 4
     is_long = [len(seg[0]) * seg[2] >= threshold**2 and min(len(seg[0]), seg[2]) >= max(threshold // 4, 1) for seg in whole]
@@ -299,15 +300,31 @@ def check_dense_split(call, threshold: int, buckets: int | None) -> None:
         assert part.max_seqlen_k == max(b - a for a, b in _segments(part.cu_seqlens_k))
         if call.causal:  # local: a run of short segments between dense parts, its rows and keys ranges read as views
             assert part.q_index is None and part.q_range == part.k_range
+            if run_rows is not None:
+                assert sum(q_lens) <= run_rows or len(q_lens) == 1
         else:
             assert len(call.rest) == 1 and part.k_range is None
             assert torch.equal(part.cu_seqlens_k, call.cu_seqlens_k), "rest must keep every key segment (dK/dV rows zeroed)"
+    if call.causal and run_rows is not None:  # cut greedily: a call ends only where the next segment would not fit
+        for a, b in zip(call.rest, call.rest[1:]):
+            if a.q_range[1] == b.q_range[0]:
+                assert (a.q_range[1] - a.q_range[0]) + int(b.cu_seqlens_q[1]) > run_rows
 
 
 @settings(max_examples=100, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), cp=st.integers(1, 5), n=st.integers(1, 6), threshold=st.integers(1, 10),
-       buckets=st.sampled_from([None, 1, 2, 4, 8]))
-def test_dense_split_partitions_every_call(seed, cp, n, threshold, buckets):
+       buckets=st.sampled_from([None, 1, 2, 4, 8]), run_rows=st.sampled_from([1, 5, 16, 8192]))
+def test_dense_split_partitions_every_call(seed, cp, n, threshold, buckets, run_rows):
+    from ringpack.attention import schedule
+
+    schedule.LOCAL_RUN_ROWS, saved = run_rows, schedule.LOCAL_RUN_ROWS  # the local rest cut into calls of at most this many rows
+    try:
+        _dense_split_partitions_every_call(seed, cp, n, threshold, buckets, run_rows)
+    finally:
+        schedule.LOCAL_RUN_ROWS = saved
+
+
+def _dense_split_partitions_every_call(seed, cp, n, threshold, buckets, run_rows):
     mb = random_microbatch(np.random.default_rng(seed), cp, num_samples=n)[0]
     for r in range(cp):
         sched = compile_schedule(mb, r, dense_threshold=threshold, dense_buckets=buckets)
@@ -316,7 +333,7 @@ def test_dense_split_partitions_every_call(seed, cp, n, threshold, buckets):
             if call is None:
                 continue
             assert torch.equal(call.cu_seqlens_q, base.cu_seqlens_q) and base.dense == () and base.rest == ()
-            check_dense_split(call, threshold, buckets)
+            check_dense_split(call, threshold, buckets, run_rows)
         moved = sched.to("cpu")
         assert moved.local is None or (moved.local.dense == sched.local.dense and len(moved.local.rest) == len(sched.local.rest))
 
