@@ -53,7 +53,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -68,6 +68,7 @@ __all__ = [
     "accum_dtype",
     "available_backends",
     "dense_attn_bwd",
+    "dense_attn_bwd_parts",
     "dense_attn_fwd",
     "dense_attn_fwd_parts",
     "dense_backend",
@@ -593,13 +594,30 @@ def _dense_fwd(q, k, v, scale, causal, backend, dense_keys, batch=1):
     return out, lse
 
 
-def _dense_bwd(dout, q, k, v, out, lse, scale, causal, backend, dense_keys, batch=1):
-    bwd = _dense_kernel(backend, _DENSE_BWD)
+def dense_attn_bwd_parts(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, softmax_scale: float, causal: bool, backend: str,
+    dense_keys: int | None = None, batch: int = 1,
+) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
+    """:func:`dense_attn_bwd` as the gradients of its kernels, one ``(dq, dk, dv)`` at a time, for a
+    caller that adds them into its own sums: one triple, or with a key split the dense kernel's
+    (``dk``/``dv`` of keys ``:dense_keys``) and then the varlen tail's (keys ``dense_keys:``); both
+    ``dq`` cover every query row. Adding them one by one rounds as often as summing them here, and
+    never holds both triples, or their concatenation, at once (peak memory). A generator: the tail's
+    kernel runs when its part is asked for."""
+    _check_dense_keys(dense_keys, k.shape[0], causal)
+    _check_batch(batch, q.shape[0], k.shape[0], dense_keys)
     n = k.shape[0] if dense_keys is None else min(dense_keys, k.shape[0])
-    if n == k.shape[0]:
-        return bwd(dout, q, k, v, out, lse, scale, causal, batch)
-    dq, dk, dv = bwd(dout, q, k[:n], v[:n], out, lse, scale, False)
-    dq_tail, dk_tail, dv_tail = _key_tail_bwd(dout, q, k[n:], v[n:], out, lse, scale, backend)
+    if n == k.shape[0] or torch.compiler.is_compiling():  # (traced code sees the one custom op)
+        yield dense_attn_bwd(dout, q, k, v, out, lse, softmax_scale, causal, backend, dense_keys=dense_keys, batch=batch)
+        return
+    yield dense_attn_bwd(dout, q, k[:n], v[:n], out, lse, softmax_scale, False, backend)
+    yield _key_tail_bwd(dout, q, k[n:], v[n:], out, lse, softmax_scale, backend)
+
+
+def _dense_bwd(dout, q, k, v, out, lse, scale, causal, backend, dense_keys, batch=1):
+    if dense_keys is None or dense_keys >= k.shape[0]:
+        return _dense_kernel(backend, _DENSE_BWD)(dout, q, k, v, out, lse, scale, causal, batch)
+    (dq, dk, dv), (dq_tail, dk_tail, dv_tail) = dense_attn_bwd_parts(dout, q, k, v, out, lse, scale, causal, backend, dense_keys)
     return dq.add_(dq_tail), torch.cat((dk, dk_tail)), torch.cat((dv, dv_tail))
 
 

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ringpack.attention.kernels import accum_dtype, dense_attn_bwd, dense_attn_fwd_parts, dense_backend, varlen_attn_bwd, varlen_attn_fwd
+from ringpack.attention.kernels import accum_dtype, dense_attn_bwd_parts, dense_attn_fwd_parts, dense_backend, varlen_attn_bwd, varlen_attn_fwd
 from ringpack.attention.merge import Rows, merge_partial
 from ringpack.attention.schedule import DenseSegment, KernelCall, Schedule
 from ringpack.attention.streams import issued_after, mark
@@ -317,19 +317,25 @@ def _bwd_parts(dout, q, k, v, out, lse, call: KernelCall, scale: float, backend:
     if not _splits(call, backend):
         yield (call.rows, *_bwd_call_parts(dout, q, k, v, out, lse, call, scale, backend))
         return
-    for segment in _largest_first(call.dense):  # (a helper builds each part, so this frame keeps no reference to the last one)
-        yield _dense_bwd_part(dout, q, k, v, out, lse, segment, call.causal, scale, backend)
+    for segment in _largest_first(call.dense):  # (helpers build each part, so this frame keeps no reference to the last one)
+        yield from _dense_bwd_parts(dout, q, k, v, out, lse, segment, call.causal, scale, backend)
     for rest in call.rest:
         yield (rest.rows, *_bwd_call_parts(dout, q, k, v, out, lse, rest, scale, backend))
 
 
-def _dense_bwd_part(dout, q, k, v, out, lse, segment: DenseSegment, causal: bool, scale: float, backend: str):
+def _dense_bwd_parts(dout, q, k, v, out, lse, segment: DenseSegment, causal: bool, scale: float, backend: str) -> Iterator[tuple[Rows, Tensor, Rows, Tensor, Tensor]]:
+    """A dense segment's gradients as :func:`_bwd_parts` yields them: one part, or with a key split
+    the dense kernel's (its first ``k_run`` keys) and then the key tail's (the rest), each added
+    on its own (:func:`~ringpack.attention.kernels.dense_attn_bwd_parts`)."""
     q0, k0, batch = segment.q_start, segment.k_start, segment.batch
     n, nk, run = batch * segment.q_len, batch * segment.k_len, batch * segment.q_run
     qp, kp, vp, dense_keys = _dense_inputs(q, k, v, segment, causal)
     dop, outp, lsep = _padded(dout, q0, n, run), _padded(out, q0, n, run), _padded_lse(lse, q0, n, run)
-    dq, dk, dv = dense_attn_bwd(dop, qp, kp, vp, outp, lsep, scale, causal, backend, dense_keys=dense_keys, batch=batch)
-    return _rows(q0, n, q.shape[0]), dq[:n], _rows(k0, nk, k.shape[0]), dk[:nk], dv[:nk]
+    for dq, dk, dv in dense_attn_bwd_parts(dop, qp, kp, vp, outp, lsep, scale, causal, backend, dense_keys=dense_keys, batch=batch):
+        keys = min(dk.shape[0], nk)  # this part's real key rows (a padded causal square's extra rows dropped)
+        yield _rows(q0, n, q.shape[0]), dq[:n], _rows(k0, keys, k.shape[0]), dk[:keys], dv[:keys]
+        k0, nk = k0 + keys, nk - keys
+        del dq, dk, dv
 
 
 def _rows(start: int, n: int, total: int) -> slice | None:

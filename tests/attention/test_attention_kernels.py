@@ -204,6 +204,13 @@ def test_dense_key_split_is_exact(dense_keys, chunk_rows, monkeypatch):
     for g, w in zip(got, want):
         assert g.shape == w.shape and g.dtype == w.dtype
         torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
+    # the same gradients as the kernels' parts: dq summed, dk/dv of keys :dense_keys then the rest
+    parts = list(kernels.dense_attn_bwd_parts(dout, q, k, v, want_out, want_lse, 0.4, False, "reference_hybrid", dense_keys=dense_keys))
+    split = dense_keys is not None and dense_keys < k.shape[0]
+    assert [p[1].shape[0] for p in parts] == ([dense_keys, k.shape[0] - dense_keys] if split else [k.shape[0]])
+    torch.testing.assert_close(sum(p[0] for p in parts), want[0], rtol=0, atol=1e-12)
+    for i in (1, 2):
+        torch.testing.assert_close(torch.cat([p[i] for p in parts]), want[i], rtol=0, atol=1e-12)
     half = kernels.dense_attn_fwd(q.float(), k.float(), v.float(), 0.4, False, "reference_hybrid", dense_keys=4)[0]
     assert half.dtype == torch.float32
 
