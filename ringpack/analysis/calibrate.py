@@ -71,7 +71,7 @@ import numpy as np
 
 from ringpack.analysis.calibration_cases import (EVAL_STRATEGIES, GRIDS, Case, cases_from_geometry, eval_cases, grid_cases,
                                                  rank_cases)
-from ringpack.analysis.calibration_features import (DENSE_BATCHES, DENSE_BUCKETS, KERNEL_FEATURES, LOCAL_REST, PROFILE_FEATURES, compiled_schedule, feature_matrix,
+from ringpack.analysis.calibration_features import (DENSE_BATCHES, DENSE_BUCKETS, DENSE_THRESHOLD, KERNEL_FEATURES, LOCAL_REST, PROFILE_FEATURES, compiled_schedule, feature_matrix,
                                                     kernel_features, planner_features, rank_features, schedule_calls,
                                                     segment_pairs, segment_tiles)
 from ringpack.analysis.calibration_fit import Calibration, analyse, fit_nnls, nnls, pearson, quality
@@ -193,7 +193,7 @@ def calibrate(
         grid=grid, reps=reps, warmup=warmup, seed=seed, mode=mode, timer=clock.kind,
         shape=dataclasses.asdict(shape), model=None if model is None else dataclasses.asdict(model),
         date=time.strftime("%Y-%m-%d %H:%M:%S"), wall_s=time.perf_counter() - started, local_rest=LOCAL_REST,
-        dense_buckets=DENSE_BUCKETS, dense_batches=DENSE_BATCHES,
+        dense_buckets=DENSE_BUCKETS, dense_batches=DENSE_BATCHES, dense_threshold=DENSE_THRESHOLD,
     )
     return analyse(grid_timed, held, hybrid=hybrid, layers=layers, linear=linear, name=name, meta=meta)
 

@@ -35,6 +35,9 @@ DENSE_BUCKETS = 32
 # (compile_schedule's dense_batches). Reports record it; older ones, timed before batching, are
 # refitted without.
 DENSE_BATCHES = True
+# The dense threshold of this version's schedules (compile_schedule's default dense_threshold; a test
+# checks they agree). Reports record it; older ones, timed at 4096, are refitted with 4096.
+DENSE_THRESHOLD = 2048
 
 
 def planner_features(case: Case, tile: int = 1) -> np.ndarray:
@@ -92,16 +95,18 @@ def segment_tiles(len_q: Any, len_k: Any, causal: bool, block_q: int, block_k: i
 _SCHEDULES: dict[tuple[int, int | None, bool], tuple[Case, Any]] = {}
 
 
-def compiled_schedule(case: Case, dense_buckets: int | None = DENSE_BUCKETS, dense_batches: bool = DENSE_BATCHES):
+def compiled_schedule(case: Case, dense_buckets: int | None = DENSE_BUCKETS, dense_batches: bool = DENSE_BATCHES,
+                      dense_threshold: int = DENSE_THRESHOLD):
     """The case's compiled schedule (CPU), compiled once per case object and setting."""
     from ringpack.attention.schedule import compile_schedule
 
-    key = (id(case), dense_buckets, dense_batches)
+    key = (id(case), dense_buckets, dense_batches, dense_threshold)
     hit = _SCHEDULES.get(key)
     if hit is None or hit[0] is not case:
         if len(_SCHEDULES) > 4096:
             _SCHEDULES.clear()
-        hit = _SCHEDULES[key] = (case, compile_schedule(case.microbatch, case.rank, dense_buckets=dense_buckets, dense_batches=dense_batches))
+        hit = _SCHEDULES[key] = (case, compile_schedule(case.microbatch, case.rank, dense_buckets=dense_buckets, dense_batches=dense_batches,
+                                                                dense_threshold=dense_threshold))
     return hit[1]
 
 
@@ -130,7 +135,8 @@ def kernel_features(case: Case, block_q: int = 128, block_k: int = 128, schedule
 
 
 def rank_features(case: Case, hybrid: bool = False, block_q: int = 128, block_k: int = 128, schedule=None,
-                  local_rest: str = LOCAL_REST, dense_buckets: int | None = DENSE_BUCKETS, dense_batches: bool = DENSE_BATCHES) -> dict[str, float]:
+                  local_rest: str = LOCAL_REST, dense_buckets: int | None = DENSE_BUCKETS, dense_batches: bool = DENSE_BATCHES,
+                  dense_threshold: int = DENSE_THRESHOLD) -> dict[str, float]:
     """Every feature of a rank shard the profile and kernel models use (:data:`PROFILE_FEATURES`, :data:`KERNEL_FEATURES`).
 
     * ``ring``: 1 when the micro-batch has remote steps (some sample is split). Every rank of the
@@ -155,7 +161,7 @@ def rank_features(case: Case, hybrid: bool = False, block_q: int = 128, block_k:
       padding included, times ``batch``); a block's keys past ``k_run`` count as a varlen call over
       the padded rows.
     """
-    schedule = compiled_schedule(case, dense_buckets, dense_batches) if schedule is None else schedule
+    schedule = compiled_schedule(case, dense_buckets, dense_batches, dense_threshold) if schedule is None else schedule
     f = planner_features(case)
     out = dict(overhead=1.0, ring=float(bool(schedule.steps)), tokens=float(f[1]), pairs=float(f[2]), pieces=float(f[3]),
                calls=0.0, segments=0.0, tiles=0.0, grid_q=0.0, grid_k=0.0, remote_rows=0.0,

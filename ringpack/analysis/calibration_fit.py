@@ -152,7 +152,7 @@ def analyse(
     times = np.array([t for _, t in grid], dtype=np.float64)
     m = np.array([t for _, t in held], dtype=np.float64)
     kw = dict(local_rest=meta.get("local_rest", "single"), dense_buckets=meta.get("dense_buckets"),
-              dense_batches=meta.get("dense_batches", False))  # the engine the timings came from
+              dense_batches=meta.get("dense_batches", False), dense_threshold=meta.get("dense_threshold", 4096))  # the engine the timings came from
     feats = {b: ([rank_features(c, hybrid, *b, **kw) for c, _ in grid],
                  [rank_features(c, hybrid, *b, **kw) for c, _ in held]) for b in BLOCKS}
     fg, fe = feats[(128, 128)]

@@ -89,8 +89,11 @@ __all__ = [
     "dense_bucket", "dense_bucket_up", "is_dense_segment",
 ]  # fmt: skip
 
-# Segments of at least this many queries and keys (by area, is_dense_segment) go to a hybrid backend's dense kernel.
-DEFAULT_DENSE_THRESHOLD = 4096
+# Segments of at least this many queries and keys (by area, is_dense_segment) go to a hybrid backend's
+# dense kernel. With shape buckets and batches, 2048 ran the heavy-tailed mix 2.6-3.9% faster than
+# 4096 at 64K tokens per GPU (2 x H200; 1024 was within 1% of 2048), for about 1.5x the distinct
+# cuDNN shapes over 1,000 fresh steps (each built once per process, ~0.1 s; BENCHMARKS.md, sixth session).
+DEFAULT_DENSE_THRESHOLD = 2048
 
 # Dense lengths per octave (module docstring, "Shape buckets"): a dense part is padded by less than
 # 1/32 of a side (and a full block's key tail is under 1/32 of its keys), and cuDNN sees a bounded

@@ -142,11 +142,11 @@ def test_hybrid_features_follow_the_dense_shape_buckets():
     """Reports record the schedule's dense buckets; features count a dense part's key tail as a varlen call."""
     import inspect
 
-    from ringpack.analysis.calibration_features import DENSE_BATCHES, DENSE_BUCKETS
+    from ringpack.analysis.calibration_features import DENSE_BATCHES, DENSE_BUCKETS, DENSE_THRESHOLD
     from ringpack.attention import compile_schedule
-    from ringpack.attention.schedule import DEFAULT_DENSE_BUCKETS
+    from ringpack.attention.schedule import DEFAULT_DENSE_BUCKETS, DEFAULT_DENSE_THRESHOLD
 
-    assert DENSE_BUCKETS == DEFAULT_DENSE_BUCKETS
+    assert DENSE_BUCKETS == DEFAULT_DENSE_BUCKETS and DENSE_THRESHOLD == DEFAULT_DENSE_THRESHOLD
     assert DENSE_BATCHES == inspect.signature(compile_schedule).parameters["dense_batches"].default
     lengths = [30000, 21000]  # split over 2 ranks: long local squares and a full remote block, none on a bucket length
     mb = split_zigzag(list(range(2)), lengths, 2)

@@ -7,7 +7,7 @@ Two ways to run it on a machine with 2 GPUs::
 
 The torchrun check runs every plan x mode with ``torch_flash``, then with ``cudnn_hybrid`` twice:
 on the same plans with ``dense_threshold=256`` (many dense segments of odd lengths next to short
-ones in one call) and on plans with 8300/4300-token samples at the default threshold (4096; long
+ones in one call) and on plans with 8300/4300-token samples at the default threshold (2048; long
 causal-local and remote-full segments). It asserts that the hybrid runs really had dense
 segments, local and remote, sharing calls with varlen ones, every form of shape bucket (padded
 over local rows and past their end, key-split) and batched runs of equal short samples. Last, ``flash_split`` (flash for
@@ -94,7 +94,7 @@ if os.environ.get("RINGPACK_TINY"):
 
 
 def long_plans(cp: int) -> list[tuple[str, object, dict[int, int]]]:
-    """Plans whose calls hold segments above the default dense threshold (4096) next to short ones:
+    """Plans whose calls hold segments above the default dense threshold (2048) next to short ones:
     sample 0 (8300) and sample 2 (700) cut into ``cp`` contiguous pieces, so every rank > 0 has a remote
     call with a 8300/cp x >= 8300/cp full block and a short one; the rest whole, round-robin."""
     lengths = {s: n for s, n in enumerate(LONG_LENGTHS)}
