@@ -62,8 +62,9 @@ def dense_shapes(schedule) -> set[tuple[int, int, int, bool]]:
     return {(d.batch, d.q_run, d.k_run, call.causal) for call in calls for d in call.dense}
 
 
-def count_shapes(tokens: int, steps: int, world: int, slack: float, settings=(8, 16, 32, None)) -> dict:
-    """Distinct dense shapes (rank, queries, dense keys, causal) met by each step mark, per bucket setting (CPU only)."""
+def count_shapes(tokens: int, steps: int, world: int, slack: float, settings=(8, 16, 32, None), dense_threshold: int | None = None) -> dict:
+    """Distinct dense shapes (rank, queries, dense keys, causal) met by each step mark, per bucket setting (CPU only);
+    ``dense_threshold``: compile_schedule's (None: its default)."""
     from ringpack.attention import compile_schedule
 
     seen: dict = {b: set() for b in settings}
@@ -73,7 +74,8 @@ def count_shapes(tokens: int, steps: int, world: int, slack: float, settings=(8,
         mb = split_for("balanced", lengths, world, slack)
         for b in settings:
             for rank in range(world):
-                seen[b] |= {(rank, *shape) for shape in dense_shapes(compile_schedule(mb, rank, dense_buckets=b))}
+                options = dict(dense_buckets=b) if dense_threshold is None else dict(dense_buckets=b, dense_threshold=dense_threshold)
+                seen[b] |= {(rank, *shape) for shape in dense_shapes(compile_schedule(mb, rank, **options))}
         if s + 1 in (16, 100, 300, 1000, 3000, 10000) or s + 1 == steps:
             marks[s + 1] = {str(b): len(v) for b, v in seen.items()}
     return marks
@@ -103,12 +105,13 @@ def main() -> int:
     parser.add_argument("--world", type=int, default=2, help="--count-shapes: CP ranks")
     parser.add_argument("--count-shapes", type=int, default=0, metavar="N", help="no GPU: count dense shapes over N steps")
     parser.add_argument("--configs", default=CONFIGS, help="backend[:dense buckets|none],... in the order run (default %(default)s)")
+    parser.add_argument("--dense-threshold", type=int, default=None, help="--count-shapes: compile_schedule's dense_threshold (default: its own)")
     parser.add_argument("--out", default="fresh_lengths.json")
     args = parser.parse_args()
     if args.count_shapes:
         result = {}
         for tokens in [int(t) for t in args.tokens.split(",")]:
-            result[tokens] = count_shapes(tokens, args.count_shapes, args.world, args.slack)
+            result[tokens] = count_shapes(tokens, args.count_shapes, args.world, args.slack, dense_threshold=args.dense_threshold)
             for step, counts in result[tokens].items():
                 print(f"{tokens:>6d} tokens/GPU, step {step:>5d}: distinct dense shapes " + "  ".join(f"buckets={b}: {n}" for b, n in counts.items()), flush=True)
         meta = dict(date=time.strftime("%Y-%m-%d"), argv=sys.argv, world=args.world)
