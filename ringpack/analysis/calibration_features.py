@@ -92,7 +92,7 @@ def segment_tiles(len_q: Any, len_k: Any, causal: bool, block_q: int, block_k: i
     return np.bincount(seg, weights=n_k, minlength=lq.size).astype(np.int64)
 
 
-_SCHEDULES: dict[tuple[int, int | None, bool], tuple[Case, Any]] = {}
+_SCHEDULES: dict[tuple[int, int | None, bool, int], tuple[Case, Any]] = {}
 
 
 def compiled_schedule(case: Case, dense_buckets: int | None = DENSE_BUCKETS, dense_batches: bool = DENSE_BATCHES,
