@@ -93,32 +93,43 @@ def profiled(thunk, backward: bool, iters: int) -> tuple[float, str]:
     return wall, table + "\n" + timeline(prof)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_config_args(parser: argparse.ArgumentParser, case: str, backend: str, iters: int, out: str) -> None:
+    """The options of a tool that looks at one configuration (this one, ``profile_host.py``): case,
+    tokens per GPU, head shape, backend, mode, pass, iterations, balanced slack, schedule options, seed, output."""
     parser.add_argument("--tokens", type=int, default=16384)
-    parser.add_argument("--case", default="mix")
+    parser.add_argument("--case", default=case)
     parser.add_argument("--shape", default="32x8")
-    parser.add_argument("--strategies", default="balanced,zigzag")
-    parser.add_argument("--backend", default="cudnn_hybrid")
+    parser.add_argument("--backend", default=backend)
     parser.add_argument("--mode", default="ring")
     parser.add_argument("--pass", dest="pass_name", default="fwdbwd")
-    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=iters)
     parser.add_argument("--slack", type=float, default=0.125)
     add_schedule_args(parser)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=out)
+
+
+def config_inputs(args: argparse.Namespace, world: int, device: torch.device) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The configuration's sample lengths and the whole micro-batch's bf16 q, k, v (head_dim 128), the same on every rank."""
+    lengths = case_lengths(args.case, args.tokens * world, args.seed)
+    heads, kv_heads = (int(x) for x in args.shape.split("x"))
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    q, k, v = (torch.randn(sum(lengths), h, 128, device=device, dtype=torch.bfloat16, generator=gen) for h in (heads, kv_heads, kv_heads))
+    return lengths, q, k, v
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_args(parser, case="mix", backend="cudnn_hybrid", iters=5, out="profile.txt")
+    parser.add_argument("--strategies", default="balanced,zigzag")
     parser.add_argument("--solo", action="store_true", help="also profile the whole micro-batch on one GPU")
-    parser.add_argument("--out", default="profile.txt")
     args = parser.parse_args()
 
     rank, world, device = init_distributed()
     from ringpack.attention import compile_schedule, ring_attention
 
     backward = args.pass_name == "fwdbwd"
-    lengths = case_lengths(args.case, args.tokens * world, args.seed)
-    heads, kv_heads = (int(x) for x in args.shape.split("x"))
-    gen = torch.Generator(device=device).manual_seed(args.seed)
-    total = sum(lengths)
-    q, k, v = (torch.randn(total, h, 128, device=device, dtype=torch.bfloat16, generator=gen) for h in (heads, kv_heads, kv_heads))
+    lengths, q, k, v = config_inputs(args, world, device)
     report = []
 
     def leaf(t: torch.Tensor) -> torch.Tensor:

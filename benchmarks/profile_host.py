@@ -28,7 +28,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from attention import SLEEP_CYCLES_PER_MS, add_schedule_args, case_lengths, init_distributed, local_index, schedule_options, split_for  # noqa: E402
+from attention import SLEEP_CYCLES_PER_MS, init_distributed, local_index, schedule_options, split_for  # noqa: E402
+from profile_attention import add_config_args, config_inputs  # noqa: E402
 
 
 def host_profile(thunk, backward: bool, iters: int, top: int) -> tuple[float, str]:
@@ -59,30 +60,16 @@ def host_profile(thunk, backward: bool, iters: int, top: int) -> tuple[float, st
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=int, default=16384)
-    parser.add_argument("--case", default="short")
-    parser.add_argument("--shape", default="32x8")
+    add_config_args(parser, case="short", backend="auto", iters=20, out="host.txt")
     parser.add_argument("--strategy", default="balanced")
-    parser.add_argument("--backend", default="auto")
-    parser.add_argument("--mode", default="ring")
-    parser.add_argument("--pass", dest="pass_name", default="fwdbwd")
-    parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--top", type=int, default=30)
-    parser.add_argument("--slack", type=float, default=0.125)
-    add_schedule_args(parser)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="host.txt")
     args = parser.parse_args()
 
     rank, world, device = init_distributed()
     from ringpack.attention import compile_schedule, ring_attention
 
     backward = args.pass_name == "fwdbwd"
-    lengths = case_lengths(args.case, args.tokens * world, args.seed)
-    heads, kv_heads = (int(x) for x in args.shape.split("x"))
-    gen = torch.Generator(device=device).manual_seed(args.seed)
-    total = sum(lengths)
-    q, k, v = (torch.randn(total, h, 128, device=device, dtype=torch.bfloat16, generator=gen) for h in (heads, kv_heads, kv_heads))
+    lengths, q, k, v = config_inputs(args, world, device)
     mb = split_for(args.strategy, lengths, world, args.slack)
     index = local_index(mb, rank, lengths).to(device)
     schedule = compile_schedule(mb, rank, **schedule_options(args)).to(device)
