@@ -323,3 +323,22 @@ def test_merge_into_an_input_dtype_output_rounds_once():
         merge_partial(out_f, lse_f, part, part_lse, rows)
         merge_partial(out_b, lse_b, part, part_lse, rows)
         assert torch.equal(out_b, out_f.to(torch.bfloat16)) and torch.equal(lse_b, lse_f)
+
+
+def test_compiled_key_split_backward_is_one_custom_op():
+    """Traced code gets a key-split dense backward as the one custom op (one part over all keys)
+    with the gradients eager code gets from the two parts."""
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(6, 4, 8, generator=gen)
+    k, v = (torch.randn(9, 2, 8, generator=gen) for _ in range(2))
+    out, lse = kernels.dense_attn_fwd(q, k, v, 0.4, False, "reference_hybrid")
+    dout = torch.randn_like(q)
+
+    def grads(dout, q, k, v, out, lse):
+        parts = list(kernels.dense_attn_bwd_parts(dout, q, k, v, out, lse, 0.4, False, "reference_hybrid", dense_keys=4))
+        return len(parts), sum(p[0] for p in parts), torch.cat([p[1] for p in parts]), torch.cat([p[2] for p in parts])
+
+    n_eager, *eager = grads(dout, q, k, v, out, lse)
+    n_traced, *traced = torch.compile(grads, backend="eager", fullgraph=True)(dout, q, k, v, out, lse)
+    assert (n_eager, n_traced) == (2, 1)
+    torch.testing.assert_close(traced, eager)
