@@ -118,6 +118,15 @@ def config_inputs(args: argparse.Namespace, world: int, device: torch.device) ->
     return lengths, q, k, v
 
 
+def write_ranks(text: str, out: str, world: int, rank: int) -> None:
+    """Every rank's report, gathered: rank 0 writes them to ``out`` and prints them."""
+    gathered = [None] * world
+    dist.all_gather_object(gathered, text)
+    if rank == 0:
+        Path(out).write_text("\n\n".join(gathered))
+        print("\n\n".join(gathered))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(parser, case="mix", backend="cudnn_hybrid", iters=5, out="profile.txt")
@@ -149,11 +158,7 @@ def main() -> int:
         wall, table = profiled(lambda: ring_attention(ql, kl, vl, schedule, mode=args.mode, backend=args.backend), backward, args.iters)
         report.append(f"### rank {rank}: {args.mode} {strategy}: {wall:.2f} ms/iter, calls {schedule.num_kernel_calls}\n{table}")
     text = f"lengths ({len(lengths)}): {sorted(lengths, reverse=True)[:8]}...\n" + "\n".join(report)
-    gathered = [None] * world
-    dist.all_gather_object(gathered, text)
-    if rank == 0:
-        Path(args.out).write_text("\n\n".join(gathered))
-        print("\n\n".join(gathered))
+    write_ranks(text, args.out, world, rank)
     dist.destroy_process_group()
     return 0
 

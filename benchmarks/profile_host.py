@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from attention import SLEEP_CYCLES_PER_MS, init_distributed, local_index, schedule_options, split_for  # noqa: E402
-from profile_attention import add_config_args, config_inputs  # noqa: E402
+from profile_attention import add_config_args, config_inputs, write_ranks  # noqa: E402
 
 
 def host_profile(thunk, backward: bool, iters: int, top: int) -> tuple[float, str]:
@@ -77,11 +77,7 @@ def main() -> int:
     dist.barrier()
     ms, table = host_profile(lambda: ring_attention(ql, kl, vl, schedule, mode=args.mode, backend=args.backend), backward, args.iters, args.top)
     text = f"### rank {rank}: {args.case} {args.tokens} {args.shape} {args.pass_name} {args.mode} {args.strategy}: host {ms:.3f} ms per call\n{table}"
-    gathered = [None] * world
-    dist.all_gather_object(gathered, text)
-    if rank == 0:
-        Path(args.out).write_text("\n\n".join(gathered))
-        print("\n\n".join(gathered))
+    write_ranks(text, args.out, world, rank)
     dist.destroy_process_group()
     return 0
 
