@@ -18,7 +18,10 @@ Times are medians over iterations of the slowest rank (every rank starts togethe
 barrier, from an idle GPU, and the clock stops at a synchronise); ``busy`` lists each rank's own
 time. That wall time charges the host's launch latency to every call, which training hides (the
 host queues later layers while the GPU works), so each row also gets ``gpu_ms``: the GPU time of
-the same call with the host ahead (:func:`queued`), and ``host_ms``, the host time to queue it. ``MiB`` is each rank's peak memory above its inputs
+the same call with the host ahead (:func:`queued`), and ``host_ms``, the host time to queue it.
+``--layers L`` queues L calls back to back per timed iteration (forward, then one backward through
+all), as a model's layers do, and reports times per call: a third clock, the wall clock of a
+pipeline of layers, where the host queues one call while the GPU runs the one before. ``MiB`` is each rank's peak memory above its inputs
 during the calls, and for ringpack rows ``of`` the allowance: single-GPU flash attention over the
 rank's own tokens (measured) plus two K/V buffers of the largest compact buffer. Useful TFLOP/s per GPU count only the causal pairs
 the mask keeps: ``4 * head_dim * q_heads * pairs`` forward, x3.5 for forward+backward.
@@ -94,30 +97,40 @@ def local_index(mb: MicroBatch, rank: int, lengths: list[int]) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- timing
-def timed(thunk, backward: bool, iters: int, warmup: int) -> tuple[float, list[float], list[float]]:
-    """Median slowest-rank time (ms), this case's per-rank medians and per-rank peak memory (MiB):
+def run_layers(thunk, backward: bool, layers: int = 1, grad: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """Queue ``layers`` calls of ``thunk`` back to back, then (``backward``) one backward through
+    all of them, as a model's layers queue theirs: with several layers the host queues the next
+    call while the GPU runs the last, so the wall time per layer stops charging host latency to
+    each call. The calls share their inputs (no data dependency; one CUDA stream orders them)."""
+    outs = []
+    for _ in range(layers):
+        out = thunk()
+        outs.append(out[0] if isinstance(out, tuple) else out)
+    if backward:
+        grad = torch.ones_like(outs[0]) if grad is None else grad
+        torch.autograd.backward(outs, [grad] * layers)
+    return outs
+
+
+def timed(thunk, backward: bool, iters: int, warmup: int, layers: int = 1) -> tuple[float, list[float], list[float]]:
+    """Median slowest-rank time (ms per layer), this case's per-rank medians and per-rank peak memory (MiB):
     the most any timed iteration allocated above what was allocated when it began (inputs, and
-    the .grad a previous iteration left on the leaves, are not counted; the new gradients are)."""
+    the .grad a previous iteration left on the leaves, are not counted; the new gradients are).
+    ``layers``: calls per iteration (:func:`run_layers`); times are divided by it, memory is not."""
     times, peaks = [], []
     for i in range(warmup + iters):
-        grad = None
         dist.barrier()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         start = time.perf_counter()
-        out = thunk()
-        if isinstance(out, tuple):
-            out = out[0]
-        if backward:
-            grad = torch.ones_like(out) if grad is None else grad
-            out.backward(grad)
+        outs = run_layers(thunk, backward, layers)
         torch.cuda.synchronize()
-        elapsed = (time.perf_counter() - start) * 1e3
+        elapsed = (time.perf_counter() - start) * 1e3 / layers
         if i >= warmup:
             times.append(elapsed)
             peaks.append((torch.cuda.max_memory_allocated() - base) / 2**20)
-        del out
+        del outs
     mine = (statistics.median(times), max(peaks))
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
@@ -129,14 +142,14 @@ def timed(thunk, backward: bool, iters: int, warmup: int) -> tuple[float, list[f
 SLEEP_CYCLES_PER_MS = 2_000_000
 
 
-def queued(thunk, backward: bool, iters: int, hold_ms: float) -> tuple[float | None, float]:
-    """Median ``(gpu_ms, host_ms)`` of the call with the host ahead of the GPU, as in training.
+def queued(thunk, backward: bool, iters: int, hold_ms: float, layers: int = 1) -> tuple[float | None, float]:
+    """Median ``(gpu_ms, host_ms)`` per layer of the call with the host ahead of the GPU, as in training.
 
     Every iteration first parks the GPU in a spin of ``hold_ms`` (``torch.cuda._sleep``), then
-    queues the call (forward, and backward); CUDA events around the call time the GPU alone, so
-    the host's launch latency is hidden as it is behind earlier layers in a real step. ``gpu_ms``
-    is None if the GPU reached the call before the host had queued it all (``hold_ms`` too short):
-    the figure would then include host time.
+    queues the call (forward, and backward; ``layers`` of them, :func:`run_layers`); CUDA events
+    around the calls time the GPU alone, so the host's launch latency is hidden as it is behind
+    earlier layers in a real step. ``gpu_ms`` is None if the GPU reached the calls before the host
+    had queued them all (``hold_ms`` too short): the figure would then include host time.
     """
     gpu, host, ahead = [], [], True
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -146,17 +159,13 @@ def queued(thunk, backward: bool, iters: int, hold_ms: float) -> tuple[float | N
         torch.cuda._sleep(int(hold_ms * SLEEP_CYCLES_PER_MS))
         start.record()
         began = time.perf_counter()
-        out = thunk()
-        if isinstance(out, tuple):
-            out = out[0]
-        if backward:
-            out.backward(torch.ones_like(out))
+        outs = run_layers(thunk, backward, layers)
         end.record()
-        host.append((time.perf_counter() - began) * 1e3)
+        host.append((time.perf_counter() - began) * 1e3 / layers)
         ahead = ahead and not start.query()  # still spinning: everything was queued before the GPU got there
         torch.cuda.synchronize()
-        gpu.append(start.elapsed_time(end))
-        del out
+        gpu.append(start.elapsed_time(end) / layers)
+        del outs
     return (statistics.median(gpu) if ahead else None), statistics.median(host)
 
 
@@ -227,8 +236,13 @@ def main() -> int:
     parser.add_argument("--slack", type=float, default=0.125, help="balanced: per-rank token budget above T/cp")
     parser.add_argument("--gpu-time-max-ms", type=float, default=100.0,
                         help="also time rows up to this wall time with the host ahead (gpu_ms; longer calls hide launch latency anyway)")
+    parser.add_argument("--layers", type=int, default=1,
+                        help="calls queued back to back per timed iteration, as a model's layers (times are per call; "
+                             "peak memory is for all of them, and no allowance is computed)")
     parser.add_argument("--out", default="attention.json")
     args = parser.parse_args()
+    if args.layers < 1:
+        parser.error("--layers must be at least 1")
 
     rank, world, device = init_distributed()
     from ringpack.attention import compile_schedule, ring_attention
@@ -245,6 +259,7 @@ def main() -> int:
                 world=world,
                 date=time.strftime("%Y-%m-%d"),
                 argv=sys.argv,
+                layers=args.layers,
                 elapsed_s=round(time.time() - started, 1),
             )
             Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
@@ -279,7 +294,7 @@ def main() -> int:
                 v = torch.randn(total, kv_heads, args.head_dim, device=device, dtype=torch.bfloat16, generator=gen)
                 for pass_name in args.passes.split(","):
                     backward = pass_name == "fwdbwd"
-                    base = dict(case=case, tokens_per_gpu=tokens, shape=shape, samples=len(lengths), **{"pass": pass_name})
+                    base = dict(case=case, tokens_per_gpu=tokens, shape=shape, samples=len(lengths), layers=args.layers, **{"pass": pass_name})
                     ideal_ms = ideal_gpu_ms = None
 
                     def run_row(impl: str, make, gpus: int, budget: list[float] | None = None) -> None:
@@ -288,9 +303,9 @@ def main() -> int:
                         thunk = None
                         try:
                             thunk = make()
-                            ms, busy, peak = timed(thunk, backward, args.iters, args.warmup)
-                            if ms <= args.gpu_time_max_ms:
-                                gpu, host = queued(thunk, backward, args.iters, hold_ms=max(busy) + 5.0)
+                            ms, busy, peak = timed(thunk, backward, args.iters, args.warmup, args.layers)
+                            if ms * args.layers <= args.gpu_time_max_ms:
+                                gpu, host = queued(thunk, backward, args.iters, hold_ms=max(busy) * args.layers + 5.0, layers=args.layers)
                                 ranks = [None] * world
                                 dist.all_gather_object(ranks, (gpu, host))
                                 gpu_busy = [None if g is None else g / (world if impl.startswith("ideal") else 1) for g, _ in ranks]
@@ -341,9 +356,11 @@ def main() -> int:
                         index = local_index(mb, rank, lengths).to(device)
                         schedule = compile_schedule(mb, rank, **schedule_options(args)).to(device)
                         mine = [p.stop - p.start for p in mb.shards[rank].pieces] or [0]
-                        allowance = budget_mib(*(t.index_select(0, index) for t in (q, k, v)), mine, max(schedule.buffer_tokens), backward)
-                        budgets = [None] * world
-                        dist.all_gather_object(budgets, allowance)
+                        budgets = None  # one call's allowance: not comparable with the peak of several layers
+                        if args.layers == 1:
+                            allowance = budget_mib(*(t.index_select(0, index) for t in (q, k, v)), mine, max(schedule.buffer_tokens), backward)
+                            budgets = [None] * world
+                            dist.all_gather_object(budgets, allowance)
                         for backend, mode in itertools.product(args.backends.split(","), args.modes.split(",")):
                             def make(mode=mode, backend=backend, schedule=schedule, index=index):
                                 ql, kl, vl = (leaf(t.index_select(0, index)) for t in (q, k, v))

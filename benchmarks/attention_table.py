@@ -3,7 +3,7 @@
     python benchmarks/attention_table.py benchmarks/results/attention-*.json [--filter fwdbwd]
 
 One row per measured implementation: case, tokens per GPU, heads, pass, implementation, slowest
-rank's median ms, useful TFLOP/s per GPU, fraction of ideal scaling, the same two with the host
+rank's median ms (per call, with ``x L layers`` when the run queued L calls per iteration), useful TFLOP/s per GPU, fraction of ideal scaling, the same two with the host
 ahead of the GPU (``gpu_ms``, where measured), and peak memory per rank (MiB above the inputs)
 with the allowance where the benchmark computed one.
 """
@@ -24,8 +24,9 @@ def rows_markdown(rows: list[dict], needle: str = "") -> str:
         if needle and not all(part in text for part in needle.split(",")):
             continue
         heads = row["shape"].replace("x", "/")
+        impl = row["impl"] + (f" x{row['layers']} layers" if row.get("layers", 1) > 1 else "")
         if "ms" not in row:
-            lines.append(f"| {row['case']} | {row['tokens_per_gpu']} | {heads} | {row['pass']} | {row['impl']} | error: {row.get('error', '')[:60]} | | | | | |")
+            lines.append(f"| {row['case']} | {row['tokens_per_gpu']} | {heads} | {row['pass']} | {impl} | error: {row.get('error', '')[:60]} | | | | | |")
             continue
         mem = ""
         if row.get("peak_mib"):
@@ -36,7 +37,7 @@ def rows_markdown(rows: list[dict], needle: str = "") -> str:
         gpu = f"{row['gpu_ms']:.2f}" if row.get("gpu_ms") else ""
         gpu_frac = f"{row['gpu_ideal_frac']:.1%}" if "gpu_ideal_frac" in row else ""
         lines.append(
-            f"| {row['case']} | {row['tokens_per_gpu']} | {heads} | {row['pass']} | {row['impl']} | {row['ms']:.2f} | {row['tflops']:.0f} | {frac} | {gpu} | {gpu_frac} | {mem} |"
+            f"| {row['case']} | {row['tokens_per_gpu']} | {heads} | {row['pass']} | {impl} | {row['ms']:.2f} | {row['tflops']:.0f} | {frac} | {gpu} | {gpu_frac} | {mem} |"
         )
     return "\n".join(lines)
 
