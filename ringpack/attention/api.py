@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ringpack.attention import ring
 from ringpack.attention.allgather import AllGatherTransport, all_gather_flat
 from ringpack.attention.kernels import resolve_backend
 from ringpack.attention.ring import ContextParallelAttention, RingTransport
@@ -65,7 +66,10 @@ def ring_attention(
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))  # kernels need unit-stride head_dim
     transport = RingTransport if mode == "ring" else AllGatherTransport
     make_transport = functools.partial(transport, group=group)
-    return ContextParallelAttention.apply(q, k, v, schedule, make_transport, scale, backend)
+    # without gradients, remote blocks go in row chunks: the forward then holds small partial results
+    training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    part_rows = None if training else ring.FORWARD_ONLY_PART_ROWS
+    return ContextParallelAttention.apply(q, k, v, schedule, make_transport, scale, backend, part_rows)
 
 
 class RingAttention(nn.Module):

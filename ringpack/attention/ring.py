@@ -34,7 +34,7 @@ from ringpack.attention.merge import Rows, merge_partial
 from ringpack.attention.schedule import DenseSegment, KernelCall, Schedule
 from ringpack.attention.streams import issued_after, mark
 
-__all__ = ["ContextParallelAttention", "KVTransport", "RingTransport", "merge_partial", "pack_kv"]
+__all__ = ["FORWARD_ONLY_PART_ROWS", "ContextParallelAttention", "KVTransport", "RingTransport", "merge_partial", "pack_kv"]
 
 
 def _put_rows(dst: Tensor, rows: Rows, src: Tensor, dim: int = 0) -> None:
@@ -242,20 +242,49 @@ def _splits(call: KernelCall, backend: str) -> bool:
     return bool(call.dense) and dense_backend(backend) is not None
 
 
-def _fwd_parts(q: Tensor, k: Tensor, v: Tensor, call: KernelCall, scale: float, backend: str) -> Iterator[tuple[Rows, Tensor, Tensor, tuple | None]]:
+def _fwd_parts(q: Tensor, k: Tensor, v: Tensor, call: KernelCall, scale: float, backend: str,
+               part_rows: int | None = None) -> Iterator[tuple[Rows, Tensor, Tensor, tuple | None]]:
     """One call's partial results as ``(local query rows, out, lse, second)``: one part, or with a
     hybrid backend one part per dense segment (largest first) and the varlen ``rest`` (disjoint rows). ``second``
     is ``None`` or a second ``(out, lse)`` of the same rows (a dense part whose key tail went
     through the varlen kernel), to be merged in the same pass. A generator: each kernel runs when
     its part is asked for, so a caller that folds a part in before asking for the next holds one
-    part's tensors at a time (peak memory)."""
+    part's tensors at a time (peak memory). ``part_rows``: a non-causal dense segment's rows go
+    in chunks of at most about that many (:func:`_row_chunks`)."""
     if not _splits(call, backend):
         yield (call.rows, *_fwd_call(q, k, v, call, scale, backend), None)
         return
     for segment in _largest_first(call.dense):  # (a helper builds each part, so this frame keeps no reference to the last one)
-        yield _dense_fwd_part(q, k, v, segment, call.causal, scale, backend)
+        for chunk in _row_chunks(segment, call.causal, part_rows):
+            yield _dense_fwd_part(q, k, v, chunk, call.causal, scale, backend)
     for rest in call.rest:
         yield (rest.rows, *_fwd_call(q, k, v, rest, scale, backend), None)
+
+
+#: Forward without gradients: the most query rows (about) of one partial result of a remote block
+#: (:func:`_row_chunks`). Each partial is a new tensor beside the rank's output until it is merged,
+#: and a block whose keys are split between cuDNN and the flash key tail returns two: whole, the
+#: partials of one 8K-row block took the forward to 1.4x single-GPU attention plus two K/V buffers
+#: (16K-token mix, 8 K/V heads, BENCHMARKS.md). With gradients the blocks run whole (fewer,
+#: larger kernels), as the backward's peak is higher than the forward's anyway.
+FORWARD_ONLY_PART_ROWS = 4096
+
+
+def _row_chunks(segment: DenseSegment, causal: bool, part_rows: int | None) -> tuple[DenseSegment, ...]:
+    """A non-causal dense segment as ``2**j`` row chunks of ``q_run / 2**j <= part_rows`` rows each
+    (still a bucket length, so no new kinds of shapes; the last chunk holds the padding), or itself.
+    Rows attend their keys independently, so the chunks' outputs are the segment's rows. A causal
+    square is never cut (its rows would need different keys)."""
+    if part_rows is None or causal or segment.batch > 1 or segment.q_run <= part_rows:
+        return (segment,)
+    chunks = 1
+    while segment.q_run // chunks > part_rows and segment.q_run % (2 * chunks) == 0:
+        chunks *= 2
+    run = segment.q_run // chunks
+    return tuple(
+        segment._replace(q_start=segment.q_start + start, q_len=min(run, segment.q_len - start), q_run=run)
+        for start in range(0, segment.q_len, run)
+    )
 
 
 def _work(segment: DenseSegment) -> int:
@@ -430,8 +459,10 @@ def _overlap_split(call: KernelCall | None, backend: str) -> tuple[list[KernelCa
     return before, [replace(call, dense=(call.dense[big],), rest=())]
 
 
-def _attention_forward(q, k, v, schedule: Schedule, make_transport: TransportFactory, scale: float, backend: str):
-    """Returns ``(out [T, H, D] in q's dtype, lse [H, T] in the accumulation dtype)``."""
+def _attention_forward(q, k, v, schedule: Schedule, make_transport: TransportFactory, scale: float, backend: str,
+                       part_rows: int | None = None):
+    """Returns ``(out [T, H, D] in q's dtype, lse [H, T] in the accumulation dtype)``. ``part_rows``:
+    remote dense blocks go in row chunks of about that many rows (:data:`FORWARD_ONLY_PART_ROWS`)."""
     acc = accum_dtype(q.dtype)
     if not schedule.steps:
         if schedule.local is None:
@@ -452,7 +483,7 @@ def _attention_forward(q, k, v, schedule: Schedule, make_transport: TransportFac
     for i, step in enumerate(schedule.steps):
         buf = transport.buffer(i)
         for call in step.calls:
-            for rows, part_out, part_lse, second in _fwd_parts(q, buf[0], buf[1], call, scale, backend):
+            for rows, part_out, part_lse, second in _fwd_parts(q, buf[0], buf[1], call, scale, backend, part_rows):
                 merge_partial(out, lse, part_out, part_lse, rows, part2=second)
                 del part_out, part_lse, second
     return out.to(q.dtype), lse
@@ -517,14 +548,16 @@ class ContextParallelAttention(torch.autograd.Function):
     """Exact causal per-sample attention over a CP group for one rank's tokens (forward and backward).
 
     Inputs are this rank's ``q [T, H, D]``, ``k``/``v [T, H_kv, D]``; ``make_transport`` builds the
-    K/V mover (ring or all-gather) for one pass. Only ``out`` is returned; ``lse`` is kept for the
+    K/V mover (ring or all-gather) for one pass; ``part_rows`` (optional): see :func:`_attention_forward`
+    (:func:`~ringpack.attention.ring_attention` passes :data:`FORWARD_ONLY_PART_ROWS` when no gradient is needed). Only ``out`` is returned; ``lse`` is kept for the
     backward. Call through :func:`ringpack.attention.ring_attention`, which validates inputs and
     checks that the group agrees on the schedule first.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, schedule: Schedule, make_transport: TransportFactory, softmax_scale: float, backend: str):
-        out, lse = _attention_forward(q, k, v, schedule, make_transport, softmax_scale, backend)
+    def forward(ctx, q, k, v, schedule: Schedule, make_transport: TransportFactory, softmax_scale: float, backend: str,
+                part_rows: int | None = None):
+        out, lse = _attention_forward(q, k, v, schedule, make_transport, softmax_scale, backend, part_rows)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.schedule, ctx.make_transport, ctx.softmax_scale, ctx.backend = schedule, make_transport, softmax_scale, backend
         return out
@@ -535,4 +568,4 @@ class ContextParallelAttention(torch.autograd.Function):
         dq, dk, dv = _attention_backward(
             dout.contiguous(), q, k, v, out, lse, ctx.schedule, ctx.make_transport, ctx.softmax_scale, ctx.backend
         )
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None

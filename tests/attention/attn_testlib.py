@@ -198,9 +198,10 @@ class LoopbackTransport:
 
 def run_all_ranks(
     problem: "Problem", scale: float | None = None, backend: str = "reference", device: str | torch.device = "cpu", dense_threshold: int | None = 4096,
-    dense_buckets: int | None = 8,
+    dense_buckets: int | None = 8, part_rows: int | None = None,
 ) -> list[dict[str, torch.Tensor]]:
-    """Forward and backward of every CP rank of ``problem`` in this process, through the real engine."""
+    """Forward and backward of every CP rank of ``problem`` in this process, through the real engine
+    (``part_rows``: the forward's row chunks of remote dense blocks, as without gradients)."""
     from ringpack.attention import compile_schedule
     from ringpack.attention.ring import _attention_backward, _attention_forward
 
@@ -211,7 +212,7 @@ def run_all_ranks(
     scale = q[0].shape[-1] ** -0.5 if scale is None else scale
     results = []
     for r in range(cp):
-        out, lse = _attention_forward(q[r], k[r], v[r], schedules[r], world.transport, scale, backend)
+        out, lse = _attention_forward(q[r], k[r], v[r], schedules[r], world.transport, scale, backend, part_rows)
         dq, dk, dv = _attention_backward(dout[r], q[r], k[r], v[r], out, lse, schedules[r], world.transport, scale, backend)
         results.append({"out": out, "dq": dq, "dk": dk.float() if dk.dtype != torch.float64 else dk.clone(), "dv": dv.float() if dv.dtype != torch.float64 else dv.clone()})
     for r, sched in enumerate(schedules):  # what the transport's finish() would bring home

@@ -53,8 +53,40 @@ def _run_case(problem: Problem, sched: Schedule, rank: int, group, mode: str) ->
     return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
 
 
+CHUNKED = {"grad": 0, "no_grad": 0}  # remote dense blocks run in several row chunks, by grad mode
+
+
+def _count_chunks() -> None:
+    """Count, in this worker process, the remote blocks the engine cuts into row chunks."""
+    from ringpack.attention import ring
+
+    ring.FORWARD_ONLY_PART_ROWS = 2  # tiny, so the small test blocks are cut
+    chunks = ring._row_chunks
+
+    def counted(segment, causal, part_rows):
+        pieces = chunks(segment, causal, part_rows)
+        CHUNKED["grad" if torch.is_grad_enabled() else "no_grad"] += len(pieces) > 1
+        return pieces
+
+    ring._row_chunks = counted
+
+
+def _forwards_with_the_dense_split(problem: Problem, mb, rank: int, group, mode: str, ref: dict) -> dict[str, float]:
+    """Max error of out against the dense reference through the hybrid backend's split (tiny
+    threshold and buckets): with gradients, and without them (remote blocks in row chunks)."""
+    sched = compile_schedule(mb, rank, dense_threshold=2, dense_buckets=1)
+    errors = {}
+    for grad in (True, False):
+        q, k, v = (problem.local(x, rank).requires_grad_(grad) for x in (problem.q, problem.k, problem.v))
+        with torch.set_grad_enabled(grad):
+            out = ring_attention(q, k, v, sched, group=group, mode=mode, backend="reference_hybrid")
+        errors["out" if grad else "out_no_grad"] = max_errors(problem, rank, ref, {"out": out.detach()})["out"]
+    return errors
+
+
 def suite_worker(rank: int, world: int, have_planner: bool) -> list[tuple]:
     groups = {cp: dist.new_group(ranks) for cp, ranks in GROUPS.items()}  # collective: same order everywhere
+    _count_chunks()
     report = []
     for name, cp, mb, lengths, heads, kv_heads in build_cases(have_planner):
         if rank not in GROUPS[cp]:
@@ -66,6 +98,7 @@ def suite_worker(rank: int, world: int, have_planner: bool) -> list[tuple]:
         ref = dense_reference(problem)
         got = {mode: _run_case(problem, sched, cp_rank, group, mode) for mode in ("ring", "allgather")}
         errors = {mode: max_errors(problem, cp_rank, ref, got[mode]) for mode in got}
+        errors.update({f"{mode}-hybrid": _forwards_with_the_dense_split(problem, mb, cp_rank, group, mode, ref) for mode in ("ring", "allgather")})
         agree = max(float((got["ring"][x] - got["allgather"][x]).abs().sum()) for x in got["ring"])
         report.append((name, cp, cp_rank, errors, agree, len(sched.steps)))
     return report
@@ -105,7 +138,7 @@ def worker(rank: int, world: int, have_planner: bool) -> dict:
     suite = suite_worker(rank, world, have_planner)
     mismatch_group = dist.new_group(MISMATCH_RANKS)
     mismatch = mismatch_checks(rank, mismatch_group) if rank in MISMATCH_RANKS else None
-    return {"suite": suite, "mismatch": mismatch}
+    return {"suite": suite, "mismatch": mismatch, "chunked": dict(CHUNKED)}
 
 
 def microbatch_swap(mb):
@@ -139,6 +172,10 @@ def test_ring_and_allgather_match_dense_reference_on_1_to_4_ranks(spawned):
     disagree = [(name, cp_rank, agree) for name, _, cp_rank, _, agree, _ in rows if agree >= TOL]
     assert not disagree, disagree[:5]
     assert any(steps > 0 for *_, steps in rows) and any(steps == 0 for *_, steps in rows)
+    assert all("out_no_grad" in row[3]["ring-hybrid"] for row in rows), "the forward without gradients was checked"
+    # without gradients remote dense blocks ran in row chunks; with gradients never
+    chunked = [result["chunked"] for result in results]
+    assert sum(c["no_grad"] for c in chunked) > 0 and sum(c["grad"] for c in chunked) == 0, chunked
 
 
 @pytest.mark.slow

@@ -20,9 +20,10 @@ from tests.attention.attn_testlib import Problem, dense_reference, handmade_micr
 TOL = 1e-10
 
 
-def assert_exact(problem: Problem, scale: float | None = None, backend: str = "reference", dense_threshold: int | None = 4096, dense_buckets: int | None = 8) -> None:
+def assert_exact(problem: Problem, scale: float | None = None, backend: str = "reference", dense_threshold: int | None = 4096, dense_buckets: int | None = 8,
+                 part_rows: int | None = None) -> None:
     ref = dense_reference(problem, scale)
-    for r, got in enumerate(run_all_ranks(problem, scale, backend=backend, dense_threshold=dense_threshold, dense_buckets=dense_buckets)):
+    for r, got in enumerate(run_all_ranks(problem, scale, backend=backend, dense_threshold=dense_threshold, dense_buckets=dense_buckets, part_rows=part_rows)):
         errors = max_errors(problem, r, ref, got)
         assert max(errors.values()) < TOL, f"rank {r}: {errors}"
 
@@ -99,7 +100,28 @@ def _random_plan_with_the_dense_split(seed, cp, n, gqa, threshold, buckets):
     rng = np.random.default_rng(seed)
     mb, lengths = random_microbatch(rng, cp, num_samples=n, max_len=20)
     problem = Problem.make(mb, lengths, gqa[0], gqa[1], 4, seed=seed % 1000)
-    assert_exact(problem, scale=0.7, backend="reference_hybrid", dense_threshold=threshold, dense_buckets=buckets)
+    part_rows = None if seed % 2 else 1 + seed % 5  # half the plans: remote blocks' forward in row chunks (as without gradients)
+    assert_exact(problem, scale=0.7, backend="reference_hybrid", dense_threshold=threshold, dense_buckets=buckets, part_rows=part_rows)
+
+
+@pytest.mark.parametrize("part_rows", [1, 3, 8])
+def test_forward_row_chunks_of_remote_blocks_are_exact(part_rows):
+    """Without gradients, remote dense blocks run in row chunks (the last one padded; keys split or
+    not); the output is the unchunked one, and the plan does cut blocks into several chunks."""
+    from ringpack.attention import compile_schedule
+    from ringpack.attention.ring import _row_chunks
+
+    lengths = [20, 3, 12, 27, 40]
+    mb = zigzag_case(2, lengths)
+    problem = Problem.make(mb, dict(enumerate(lengths)), 4, 2, 8, seed=8)
+    for buckets in (1, None):
+        blocks = [d for r in range(2) for st_ in compile_schedule(mb, r, dense_threshold=5, dense_buckets=buckets).steps for c in st_.calls for d in c.dense]
+        chunks = [_row_chunks(d, False, part_rows) for d in blocks]
+        assert any(len(c) > 1 for c in chunks), "no remote block was cut"
+        for block, pieces in zip(blocks, chunks):  # the chunks tile the block's rows, each at most part_rows (or one odd factor) long
+            assert [p.q_start for p in pieces] == list(range(block.q_start, block.q_start + block.q_len, pieces[0].q_run))
+            assert sum(p.q_len for p in pieces) == block.q_len and all(p.q_run == pieces[0].q_run for p in pieces)
+        assert_exact(problem, backend="reference_hybrid", dense_threshold=5, dense_buckets=buckets, part_rows=part_rows)
 
 
 def test_split_schedules_do_split():

@@ -128,3 +128,35 @@ def test_live_bytes_counts_what_is_alive():
     assert mem.peak == 6000 and mem.now == 2400
     del b, c
     assert mem.now == 0 and np.isclose(mem.peak, 6000)
+
+
+def test_forward_without_gradients_holds_row_chunks_of_a_remote_block(stub_kernels):
+    """A remote block whose keys are split (cuDNN part and flash key tail) returns two partial
+    outputs of its query rows; without gradients the engine runs it in row chunks, so the remote
+    step adds at most two chunk-sized partials to what the local step held (whole: two block-sized ones)."""
+    from ringpack.attention.ring import _attention_forward, _local_forward
+
+    from tests.attention.attn_testlib import LoopbackWorld
+
+    lengths = [600, 5]
+    mb = microbatch_from_shards([0, 1], [[Piece(0, 0, 300)], [Piece(0, 300, 600), Piece(1, 0, 5)]], lengths)
+    scheds = [compile_schedule(mb, r, dense_threshold=64, dense_buckets=2) for r in range(2)]
+    (block,) = [d for st_ in scheds[1].steps for c in st_.calls for d in c.dense]
+    assert block.q_run == 384 and block.k_run < block.k_len, "rank 1's remote block: rows padded, keys split"
+    qs, ks, vs = zip(*(_inputs(s.num_tokens) for s in scheds))
+    world = LoopbackWorld(scheds, list(ks), list(vs))
+    ignore = [*qs, *ks, *vs, *world.kv]
+
+    def beside_result(run) -> int:
+        with LiveBytes(ignore) as mem:
+            out, lse = run()
+        return mem.peak - out.numel() * out.element_size() - lse.numel() * lse.element_size()
+
+    local = beside_result(lambda: _local_forward(qs[1], ks[1], vs[1], scheds[1].local, torch.float32, 0.5, "reference_hybrid"))
+    whole, chunked = (beside_result(lambda p=p: _attention_forward(qs[1], ks[1], vs[1], scheds[1], world.transport, 0.5, "reference_hybrid", p))
+                      for p in (None, 64))
+    row = _rows_bytes(1, HEADS) + HEADS * 4  # one query row's output and lse
+    # (the block's padding rows run past the rank's 305 rows: its query rows are a copy, zeros after)
+    assert whole >= 2 * 384 * row, f"whole block: {whole} B beside the result, local step {local} B"
+    remote_chunk = 2 * 48 * row + _rows_bytes(48, HEADS)  # two chunk partials and a chunk's padded query rows
+    assert chunked <= max(local, remote_chunk) + 4096, f"chunked: {chunked} B beside the result, local step {local} B, a chunk {remote_chunk} B"
