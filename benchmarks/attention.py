@@ -236,6 +236,9 @@ def main() -> int:
     parser.add_argument("--slack", type=float, default=0.125, help="balanced: per-rank token budget above T/cp")
     parser.add_argument("--gpu-time-max-ms", type=float, default=100.0,
                         help="also time rows up to this wall time with the host ahead (gpu_ms; longer calls hide launch latency anyway)")
+    parser.add_argument("--forward-part-rows", default="default",
+                        help="the forward without gradients: remote dense blocks in row chunks of at most this many rows "
+                             "(ring.FORWARD_ONLY_PART_ROWS; 'none': whole blocks)")
     parser.add_argument("--layers", type=int, default=1,
                         help="calls queued back to back per timed iteration, as a model's layers (times are per call; "
                              "peak memory is for all of them, and no allowance is computed)")
@@ -245,7 +248,10 @@ def main() -> int:
         parser.error("--layers must be at least 1")
 
     rank, world, device = init_distributed()
-    from ringpack.attention import compile_schedule, ring_attention
+    from ringpack.attention import compile_schedule, ring, ring_attention
+
+    if args.forward_part_rows != "default":
+        ring.FORWARD_ONLY_PART_ROWS = None if args.forward_part_rows == "none" else int(args.forward_part_rows)
 
     rows = []
     started = time.time()
@@ -260,6 +266,7 @@ def main() -> int:
                 date=time.strftime("%Y-%m-%d"),
                 argv=sys.argv,
                 layers=args.layers,
+                forward_part_rows=ring.FORWARD_ONLY_PART_ROWS,
                 elapsed_s=round(time.time() - started, 1),
             )
             Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))

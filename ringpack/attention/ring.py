@@ -261,13 +261,15 @@ def _fwd_parts(q: Tensor, k: Tensor, v: Tensor, call: KernelCall, scale: float, 
         yield (rest.rows, *_fwd_call(q, k, v, rest, scale, backend), None)
 
 
-#: Forward without gradients: the most query rows (about) of one partial result of a remote block
-#: (:func:`_row_chunks`). Each partial is a new tensor beside the rank's output until it is merged,
-#: and a block whose keys are split between cuDNN and the flash key tail returns two: whole, the
-#: partials of one 8K-row block took the forward to 1.4x single-GPU attention plus two K/V buffers
-#: (16K-token mix, 8 K/V heads, BENCHMARKS.md). With gradients the blocks run whole (fewer,
-#: larger kernels), as the backward's peak is higher than the forward's anyway.
-FORWARD_ONLY_PART_ROWS = 4096
+#: Forward without gradients: the most query rows of one partial result of a remote dense block
+#: (:func:`_row_chunks`; ``None``: blocks run whole). Each partial is a new tensor beside the rank's
+#: output until it is merged, and a block whose keys are split between cuDNN and the flash key tail
+#: returns two: whole, the partials of one 8K-row block took the forward to 1.4x single-GPU
+#: attention plus two K/V buffers (16K-token mix, 8 K/V heads, BENCHMARKS.md). Chunks cost speed
+#: (more, smaller launches, each with its key tail and merge): on H200 chunks of at most 4096 rows
+#: made the mix's forward 6-11% slower, hence chunks of 4K-8K rows. With gradients the blocks run whole,
+#: as the backward's peak is higher than the forward's anyway.
+FORWARD_ONLY_PART_ROWS: int | None = 8192
 
 
 def _row_chunks(segment: DenseSegment, causal: bool, part_rows: int | None) -> tuple[DenseSegment, ...]:
