@@ -395,17 +395,26 @@ def _after_first(parts: Iterator, hook: Callable[[], None] | None) -> Iterator:
         hook()
 
 
-def _local_forward(q: Tensor, k: Tensor, v: Tensor, call: KernelCall, out_dtype: torch.dtype, scale: float, backend: str, then=None) -> tuple[Tensor, Tensor]:
+def _local_forward(q: Tensor, k: Tensor, v: Tensor, call: KernelCall, out_dtype: torch.dtype, scale: float, backend: str, then=None,
+                   then_after_fold: bool = False) -> tuple[Tensor, Tensor]:
     """The local causal call: ``(out, lse)`` over all local rows (``out`` in ``out_dtype`` when split).
-    ``then``: called once the first local kernel is queued (see :func:`_after_first`)."""
-    parts = _after_first(_fwd_parts(q, k, v, call, scale, backend), then)
+    ``then``: called once the first local kernel is queued (see :func:`_after_first`), or with
+    ``then_after_fold`` once its part has been copied into ``out`` and dropped (a transfer whose
+    buffers ``then`` allocates is then not held beside that part: the forward without gradients)."""
+    parts = _fwd_parts(q, k, v, call, scale, backend)
+    if not then_after_fold:
+        parts, then = _after_first(parts, then), None
     if not _splits(call, backend):
         ((_, out, lse, _),) = parts
+        if then is not None:
+            then()
         return out, lse
     out = lse = None
     for rows, part_out, part_lse, second in parts:  # the parts tile the local rows (causal: no key split)
         assert second is None, "a causal dense part is never split by keys"
         if rows is None:  # one part over every row (a lone dense segment or batch): adopted, no copy
+            if then is not None:
+                then()
             return part_out, part_lse
         if out is None:
             out = q.new_empty(q.shape, dtype=out_dtype)
@@ -413,6 +422,11 @@ def _local_forward(q: Tensor, k: Tensor, v: Tensor, call: KernelCall, out_dtype:
         _put_rows(out, rows, part_out)
         _put_rows(lse, rows, part_lse, dim=1)
         del part_out, part_lse  # before the next part's kernel allocates its output (peak memory)
+        if then is not None:
+            then()
+            then = None
+    if then is not None:
+        then()
     return out, lse
 
 
@@ -463,8 +477,13 @@ def _overlap_split(call: KernelCall | None, backend: str) -> tuple[list[KernelCa
 
 def _attention_forward(q, k, v, schedule: Schedule, make_transport: TransportFactory, scale: float, backend: str,
                        part_rows: int | None = None):
-    """Returns ``(out [T, H, D] in q's dtype, lse [H, T] in the accumulation dtype)``. ``part_rows``:
-    remote dense blocks go in row chunks of about that many rows (:data:`FORWARD_ONLY_PART_ROWS`)."""
+    """Returns ``(out [T, H, D] in q's dtype, lse [H, T] in the accumulation dtype)``.
+
+    ``part_rows`` (the forward without gradients, whose peak is the whole pass's): remote dense
+    blocks go in row chunks of at most that many rows (:data:`FORWARD_ONLY_PART_ROWS`), and the
+    first transfer's buffers are allocated once the first local part has been copied into the
+    output, so they are not held beside it (the transfer then overlaps the other local kernels,
+    not the first)."""
     acc = accum_dtype(q.dtype)
     if not schedule.steps:
         if schedule.local is None:
@@ -472,15 +491,24 @@ def _attention_forward(q, k, v, schedule: Schedule, make_transport: TransportFac
         out, lse = _local_forward(q, k, v, schedule.local, q.dtype, scale, backend)
         return out, lse.to(acc)
     transport = make_transport(schedule)
-    transport.begin(_send_kv(k, v, schedule, transport.send_capacity))
+
+    def begin() -> None:
+        transport.begin(_send_kv(k, v, schedule, transport.send_capacity))
+
     # With one remote step every row gets at most one remote part, so the running output stays in
     # q's dtype (merge_partial computes in float and rounds once); more steps accumulate in float.
     out_dtype = q.dtype if len(schedule.steps) == 1 else acc
+    lean = part_rows is not None  # the forward without gradients: memory before overlap
     if schedule.local is None:  # a rank without tokens still forwards buffers
+        begin()
         transport.start()
         out, lse = q.new_zeros(q.shape, dtype=out_dtype), q.new_zeros((q.shape[1], 0), dtype=acc)
-    else:  # the first transfer is issued once the first local kernel is queued; it waits for the packing only
+    elif not lean:  # the first transfer is issued once the first local kernel is queued; it waits for the packing only
+        begin()
         out, lse = _local_forward(q, k, v, schedule.local, out_dtype, scale, backend, then=transport.start)
+        out, lse = out.to(out_dtype), lse.to(acc)
+    else:  # its buffers are allocated once the first (largest) local part is folded in; it then waits for that part
+        out, lse = _local_forward(q, k, v, schedule.local, out_dtype, scale, backend, then=lambda: (begin(), transport.start()), then_after_fold=True)
         out, lse = out.to(out_dtype), lse.to(acc)
     for i, step in enumerate(schedule.steps):
         buf = transport.buffer(i)

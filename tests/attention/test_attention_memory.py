@@ -130,19 +130,35 @@ def test_live_bytes_counts_what_is_alive():
     assert mem.now == 0 and np.isclose(mem.peak, 6000)
 
 
-def test_forward_without_gradients_holds_row_chunks_of_a_remote_block(stub_kernels):
-    """A remote block whose keys are split (cuDNN part and flash key tail) returns two partial
-    outputs of its query rows; without gradients the engine runs it in row chunks, so the remote
-    step adds at most two chunk-sized partials to what the local step held (whole: two block-sized ones)."""
+def test_forward_without_gradients_holds_no_block_sized_partials_and_no_buffer_beside_the_first_part(stub_kernels):
+    """The forward without gradients (``part_rows``), rank 1 of a sample split in two:
+
+    * its remote block's keys are split (cuDNN part and flash key tail), so it returns two partial
+      outputs of its query rows: run whole (as with gradients), two block-sized partials sit beside
+      the result; in row chunks, two chunk-sized ones;
+    * its local square is a part copied into the result: with gradients the first transfer's
+      receive buffer is allocated before it (the transfer overlaps its kernel); without, after it
+      is folded in, so the peak is the local step's own.
+    """
     from ringpack.attention.ring import _attention_forward, _local_forward
 
-    from tests.attention.attn_testlib import LoopbackWorld
+    from tests.attention.attn_testlib import LoopbackTransport, LoopbackWorld
 
-    lengths = [600, 5]
-    mb = microbatch_from_shards([0, 1], [[Piece(0, 0, 300)], [Piece(0, 300, 600), Piece(1, 0, 5)]], lengths)
+    class Receiving(LoopbackTransport):
+        """Allocates the received buffer in ``begin``, as the ring does."""
+
+        def begin(self, kv, grad_dtype=None):
+            self.received = torch.empty_like(self.world.kv[self.origins[0]])
+
+        def buffer(self, i):
+            return self.received.copy_(self.world.kv[self.origins[i]])
+
+    lengths = [600, 90]
+    mb = microbatch_from_shards([0, 1], [[Piece(0, 0, 300)], [Piece(0, 300, 600), Piece(1, 0, 90)]], lengths)
     scheds = [compile_schedule(mb, r, dense_threshold=64, dense_buckets=2) for r in range(2)]
     (block,) = [d for st_ in scheds[1].steps for c in st_.calls for d in c.dense]
-    assert block.q_run == 384 and block.k_run < block.k_len, "rank 1's remote block: rows padded, keys split"
+    assert block.q_run == 384 and block.k_run < block.k_len, "rank 1's remote block: rows padded (over local rows), keys split"
+    assert [d.q_run for d in scheds[1].local.dense] == [384, 96], "rank 1's local square is one of two parts copied into the result"
     qs, ks, vs = zip(*(_inputs(s.num_tokens) for s in scheds))
     world = LoopbackWorld(scheds, list(ks), list(vs))
     ignore = [*qs, *ks, *vs, *world.kv]
@@ -152,11 +168,13 @@ def test_forward_without_gradients_holds_row_chunks_of_a_remote_block(stub_kerne
             out, lse = run()
         return mem.peak - out.numel() * out.element_size() - lse.numel() * lse.element_size()
 
+    def forward(part_rows):
+        return _attention_forward(qs[1], ks[1], vs[1], scheds[1], lambda s: Receiving(s, world), 0.5, "reference_hybrid", part_rows)
+
     local = beside_result(lambda: _local_forward(qs[1], ks[1], vs[1], scheds[1].local, torch.float32, 0.5, "reference_hybrid"))
-    whole, chunked = (beside_result(lambda p=p: _attention_forward(qs[1], ks[1], vs[1], scheds[1], world.transport, 0.5, "reference_hybrid", p))
-                      for p in (None, 64))
+    with_grad, without = beside_result(lambda: forward(None)), beside_result(lambda: forward(64))
     row = _rows_bytes(1, HEADS) + HEADS * 4  # one query row's output and lse
-    # (the block's padding rows run past the rank's 305 rows: its query rows are a copy, zeros after)
-    assert whole >= 2 * 384 * row, f"whole block: {whole} B beside the result, local step {local} B"
-    remote_chunk = 2 * 48 * row + _rows_bytes(48, HEADS)  # two chunk partials and a chunk's padded query rows
-    assert chunked <= max(local, remote_chunk) + 4096, f"chunked: {chunked} B beside the result, local step {local} B, a chunk {remote_chunk} B"
+    received = world.kv[0].numel() * world.kv[0].element_size()
+    assert local >= 384 * row and received > 4096
+    assert with_grad >= 2 * 384 * row + received, f"whole: {with_grad} B beside the result"
+    assert without <= local + 4096, f"without gradients: {without} B beside the result, the local step alone {local} B"
