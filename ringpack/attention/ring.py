@@ -475,15 +475,23 @@ def _overlap_split(call: KernelCall | None, backend: str) -> tuple[list[KernelCa
     return before, [replace(call, dense=(call.dense[big],), rest=())]
 
 
+def _one_local_part(call: KernelCall, backend: str, rows: int) -> bool:
+    """Whether the local call's result is one kernel's output, adopted as the rank's (no copy, so
+    nothing to gain by allocating the first transfer's buffers after it)."""
+    if not _splits(call, backend):
+        return True
+    return not call.rest and len(call.dense) == 1 and _rows(call.dense[0].q_start, call.dense[0].batch * call.dense[0].q_len, rows) is None
+
+
 def _attention_forward(q, k, v, schedule: Schedule, make_transport: TransportFactory, scale: float, backend: str,
                        part_rows: int | None = None):
     """Returns ``(out [T, H, D] in q's dtype, lse [H, T] in the accumulation dtype)``.
 
     ``part_rows`` (the forward without gradients, whose peak is the whole pass's): remote dense
-    blocks go in row chunks of at most that many rows (:data:`FORWARD_ONLY_PART_ROWS`), and the
-    first transfer's buffers are allocated once the first local part has been copied into the
-    output, so they are not held beside it (the transfer then overlaps the other local kernels,
-    not the first)."""
+    blocks go in row chunks of at most that many rows (:data:`FORWARD_ONLY_PART_ROWS`), and where
+    the local result is copied from several parts, the first transfer's buffers are allocated once
+    the first part has been copied into the output, so they are not held beside it (the transfer
+    then overlaps the other local kernels, not the first)."""
     acc = accum_dtype(q.dtype)
     if not schedule.steps:
         if schedule.local is None:
@@ -498,7 +506,8 @@ def _attention_forward(q, k, v, schedule: Schedule, make_transport: TransportFac
     # With one remote step every row gets at most one remote part, so the running output stays in
     # q's dtype (merge_partial computes in float and rounds once); more steps accumulate in float.
     out_dtype = q.dtype if len(schedule.steps) == 1 else acc
-    lean = part_rows is not None  # the forward without gradients: memory before overlap
+    # the forward without gradients puts memory before overlap, where the local result is copied from parts
+    lean = part_rows is not None and schedule.local is not None and not _one_local_part(schedule.local, backend, q.shape[0])
     if schedule.local is None:  # a rank without tokens still forwards buffers
         begin()
         transport.start()

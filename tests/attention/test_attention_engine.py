@@ -15,6 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ringpack.balancer.plan import Piece, microbatch_from_shards
 from tests.attention.attn_testlib import Problem, dense_reference, handmade_microbatches, max_errors, random_microbatch, run_all_ranks, strategy_microbatch, zigzag_case
 
 TOL = 1e-10
@@ -225,3 +226,42 @@ def test_stream_helpers_are_no_ops_off_cuda():
     with issued_after(None, t.device):
         t.add_(1)
     assert t.tolist() == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("grad", [True, False])
+@pytest.mark.parametrize("local_parts", [1, 2])
+def test_first_transfer_order_with_and_without_gradients(monkeypatch, grad, local_parts):
+    """The first transfer's buffers (``begin``) come before the first local kernel, and it starts
+    right after that kernel is queued; without gradients, where the local result is copied from
+    several parts, both wait until the first part is folded in (its buffers are not held beside it)."""
+    from ringpack.attention import compile_schedule, kernels
+    from ringpack.attention.ring import _attention_forward
+
+    from tests.attention.attn_testlib import LoopbackTransport, LoopbackWorld
+
+    events = []
+    for table in (kernels._FWD, kernels._DENSE_FWD):
+        real = table["reference"]
+        monkeypatch.setitem(table, "reference", lambda *a, real=real, **kw: events.append("kernel") or real(*a, **kw))
+
+    class Spy(LoopbackTransport):
+        def begin(self, kv, grad_dtype=None):
+            events.append("begin")
+
+        def start(self):
+            events.append("start")
+
+    tail = [Piece(1, 0, 40)] if local_parts == 2 else []  # a second local sample: the local result is copied from two parts
+    lengths = [80, 40]
+    mb = microbatch_from_shards([0, 1], [[Piece(0, 0, 40)], [Piece(0, 40, 80), *tail]], lengths)
+    scheds = [compile_schedule(mb, r, dense_threshold=16, dense_buckets=None) for r in range(2)]
+    assert len(scheds[1].local.dense) == local_parts and not scheds[1].local.rest
+    problem = Problem.make(mb, dict(enumerate(lengths)), 2, 1, 4, seed=1)
+    q, k, v = (problem.local(x, 1) for x in (problem.q, problem.k, problem.v))
+    world = LoopbackWorld(scheds, [problem.local(problem.k, r) for r in range(2)], [problem.local(problem.v, r) for r in range(2)])
+    _attention_forward(q, k, v, scheds[1], lambda s: Spy(s, world), 0.5, "reference_hybrid", None if grad else 64)
+    local = ["kernel"] * local_parts
+    if grad or local_parts == 1:
+        assert events[: local_parts + 2] == ["begin", "kernel", "start", *local[1:]]
+    else:
+        assert events[: local_parts + 2] == ["kernel", "begin", "start", *local[1:]]
