@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from ringpack.attention import ScheduleMismatchError, compile_schedule, ring_attention
 from ringpack.attention.schedule import Schedule
+from ringpack.balancer.plan import Piece, microbatch_from_shards
 from tests.attention.attn_testlib import Problem, dense_reference, handmade_microbatches, max_errors, random_microbatch, run_processes, strategy_microbatch
 
 TOL = 1e-10
@@ -134,11 +135,41 @@ def mismatch_checks(rank: int, group) -> list[str]:
     return messages
 
 
+def wire_bytes(rank: int, group) -> dict:
+    """Bytes this rank hands the ring's point-to-point sends in one forward and one backward (GQA:
+    4 query heads, 1 K/V head), with the rows it sends: a sample split 7 + 5 over a 2-rank group."""
+    from ringpack.attention import ring
+
+    cp_rank = dist.get_rank(group)
+    mb = microbatch_from_shards([0], [[Piece(0, 0, 7)], [Piece(0, 7, 12)]], {0: 12})
+    problem = Problem.make(mb, {0: 12}, 4, 1, 4, seed=5)
+    sched = compile_schedule(mb, cp_rank)
+    sent = {"forward": 0, "backward": 0}
+    phase = ["forward"]
+    exchange = ring._P2P.exchange
+
+    def counted(self, send, *args, **kwargs):
+        sent[phase[0]] += sum(t.numel() * t.element_size() for t in send)
+        return exchange(self, send, *args, **kwargs)
+
+    ring._P2P.exchange = counted
+    try:
+        q, k, v = (problem.local(x, cp_rank).requires_grad_() for x in (problem.q, problem.k, problem.v))
+        out = ring_attention(q, k, v, sched, group=group, mode="ring", backend="reference")
+        phase[0] = "backward"
+        out.backward(problem.local(problem.dout, cp_rank))
+    finally:
+        ring._P2P.exchange = exchange
+    return dict(sent, buffer_tokens=sched.buffer_tokens[cp_rank], kv_row_bytes=k.shape[1] * k.shape[2] * k.element_size(),
+                q_row_bytes=q.shape[1] * q.shape[2] * q.element_size())
+
+
 def worker(rank: int, world: int, have_planner: bool) -> dict:
     suite = suite_worker(rank, world, have_planner)
     mismatch_group = dist.new_group(MISMATCH_RANKS)
     mismatch = mismatch_checks(rank, mismatch_group) if rank in MISMATCH_RANKS else None
-    return {"suite": suite, "mismatch": mismatch, "chunked": dict(CHUNKED)}
+    wire = wire_bytes(rank, mismatch_group) if rank in MISMATCH_RANKS else None
+    return {"suite": suite, "mismatch": mismatch, "chunked": dict(CHUNKED), "wire": wire}
 
 
 def microbatch_swap(mb):
@@ -190,3 +221,17 @@ def test_mismatched_plans_raise_on_every_rank_instead_of_hanging(spawned):
         assert "modes" in messages[2]
         assert "ranks [1] got q/k/v" in messages[3]
     assert "q has" in checked[1][3]  # the rank with the bad input says what is wrong
+
+
+@pytest.mark.slow
+def test_only_the_kv_heads_travel(spawned):
+    """Bytes handed to the ring's sends: each rank's compact K/V once in forward, K/V and dK/dV once
+    in backward, of the K/V heads only (here 1 of 4 query heads: a scheme that repeats K/V heads to
+    the query heads would send 4x as much)."""
+    _, results = spawned
+    wire = [results[r]["wire"] for r in MISMATCH_RANKS]
+    kv = sum(2 * w["buffer_tokens"] * w["kv_row_bytes"] for w in wire)
+    assert kv == 2 * 7 * 1 * 4 * 8, "rank 0's 7 rows of K and V (1 head x 4 dims, fp64)"
+    assert sum(w["forward"] for w in wire) == kv
+    assert sum(w["backward"] for w in wire) == 2 * kv  # K/V again, and their dK/dV home
+    assert all(w["q_row_bytes"] == 4 * w["kv_row_bytes"] for w in wire)
