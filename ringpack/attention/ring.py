@@ -264,25 +264,24 @@ def _fwd_parts(q: Tensor, k: Tensor, v: Tensor, call: KernelCall, scale: float, 
 #: Forward without gradients: the most query rows of one partial result of a remote dense block
 #: (:func:`_row_chunks`; ``None``: blocks run whole). Each partial is a new tensor beside the rank's
 #: output until it is merged, and a block whose keys are split between cuDNN and the flash key tail
-#: returns two: whole, the partials of one 8K-row block took the forward to 1.4x single-GPU
+#: returns two: whole, the partials of one 8K-row block took the forward to 1.44x single-GPU
 #: attention plus two K/V buffers (16K-token mix, 8 K/V heads, BENCHMARKS.md). Chunks cost speed
 #: (more, smaller launches, each with its key tail and merge): on H200 chunks of at most 4096 rows
-#: made the mix's forward 6-11% slower, hence chunks of 4K-8K rows. With gradients the blocks run whole,
-#: as the backward's peak is higher than the forward's anyway.
+#: made the mix's forward 5-10% slower, chunks of at most 8192 rows 0.4-1.1%. With gradients blocks
+#: run whole, as the backward's peak is higher than the forward's anyway.
 FORWARD_ONLY_PART_ROWS: int | None = 8192
 
 
 def _row_chunks(segment: DenseSegment, causal: bool, part_rows: int | None) -> tuple[DenseSegment, ...]:
-    """A non-causal dense segment as ``2**j`` row chunks of ``q_run / 2**j <= part_rows`` rows each
-    (still a bucket length, so no new kinds of shapes; the last chunk holds the padding), or itself.
-    Rows attend their keys independently, so the chunks' outputs are the segment's rows. A causal
-    square is never cut (its rows would need different keys)."""
+    """A non-causal dense segment as ``n = ceil(q_run / part_rows)`` row chunks of ``ceil(q_run / n)``
+    padded rows each (the last one's padding: the local rows after it as views, or zeros past the
+    end), or itself. Rows attend their keys independently, so the chunks' outputs are the segment's
+    rows. The chunk shape is a function of the segment's, so shape buckets still bound the shapes.
+    A causal square is never cut (its rows would need different keys)."""
     if part_rows is None or causal or segment.batch > 1 or segment.q_run <= part_rows:
         return (segment,)
-    chunks = 1
-    while segment.q_run // chunks > part_rows and segment.q_run % (2 * chunks) == 0:
-        chunks *= 2
-    run = segment.q_run // chunks
+    chunks = -(-segment.q_run // part_rows)
+    run = -(-segment.q_run // chunks)
     return tuple(
         segment._replace(q_start=segment.q_start + start, q_len=min(run, segment.q_len - start), q_run=run)
         for start in range(0, segment.q_len, run)

@@ -119,9 +119,10 @@ def test_forward_row_chunks_of_remote_blocks_are_exact(part_rows):
         blocks = [d for r in range(2) for st_ in compile_schedule(mb, r, dense_threshold=5, dense_buckets=buckets).steps for c in st_.calls for d in c.dense]
         chunks = [_row_chunks(d, False, part_rows) for d in blocks]
         assert any(len(c) > 1 for c in chunks), "no remote block was cut"
-        for block, pieces in zip(blocks, chunks):  # the chunks tile the block's rows, each at most part_rows (or one odd factor) long
+        for block, pieces in zip(blocks, chunks):  # the chunks tile the block's rows, each at most part_rows padded rows
             assert [p.q_start for p in pieces] == list(range(block.q_start, block.q_start + block.q_len, pieces[0].q_run))
             assert sum(p.q_len for p in pieces) == block.q_len and all(p.q_run == pieces[0].q_run for p in pieces)
+            assert len(pieces) == 1 or pieces[0].q_run <= part_rows
         assert_exact(problem, backend="reference_hybrid", dense_threshold=5, dense_buckets=buckets, part_rows=part_rows)
 
 
