@@ -97,7 +97,7 @@ def local_index(mb: MicroBatch, rank: int, lengths: list[int]) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- timing
-def run_layers(thunk, backward: bool, layers: int = 1, grad: torch.Tensor | None = None) -> list[torch.Tensor]:
+def run_layers(thunk, backward: bool, layers: int = 1) -> list[torch.Tensor]:
     """Queue ``layers`` calls of ``thunk`` back to back, then (``backward``) one backward through
     all of them, as a model's layers queue theirs: with several layers the host queues the next
     call while the GPU runs the last, so the wall time per layer stops charging host latency to
@@ -107,7 +107,7 @@ def run_layers(thunk, backward: bool, layers: int = 1, grad: torch.Tensor | None
         out = thunk()
         outs.append(out[0] if isinstance(out, tuple) else out)
     if backward:
-        grad = torch.ones_like(outs[0]) if grad is None else grad
+        grad = torch.ones_like(outs[0])
         torch.autograd.backward(outs, [grad] * layers)
     return outs
 
