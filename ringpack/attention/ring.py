@@ -505,18 +505,19 @@ def _attention_forward(q, k, v, schedule: Schedule, make_transport: TransportFac
     # With one remote step every row gets at most one remote part, so the running output stays in
     # q's dtype (merge_partial computes in float and rounds once); more steps accumulate in float.
     out_dtype = q.dtype if len(schedule.steps) == 1 else acc
-    # the forward without gradients puts memory before overlap, where the local result is copied from parts
-    lean = part_rows is not None and schedule.local is not None and not _one_local_part(schedule.local, backend, q.shape[0])
     if schedule.local is None:  # a rank without tokens still forwards buffers
         begin()
         transport.start()
         out, lse = q.new_zeros(q.shape, dtype=out_dtype), q.new_zeros((q.shape[1], 0), dtype=acc)
-    elif not lean:  # the first transfer is issued once the first local kernel is queued; it waits for the packing only
-        begin()
-        out, lse = _local_forward(q, k, v, schedule.local, out_dtype, scale, backend, then=transport.start)
-        out, lse = out.to(out_dtype), lse.to(acc)
-    else:  # its buffers are allocated once the first (largest) local part is folded in; it then waits for that part
-        out, lse = _local_forward(q, k, v, schedule.local, out_dtype, scale, backend, then=lambda: (begin(), transport.start()), then_after_fold=True)
+    else:
+        # The first transfer is issued once the first local kernel is queued and waits for the packing
+        # only. Without gradients, where the local result is copied from several parts, its buffers are
+        # allocated (and it is issued) once the first part is folded in, so they are not held beside it.
+        lean = part_rows is not None and not _one_local_part(schedule.local, backend, q.shape[0])
+        if not lean:
+            begin()
+        then = (lambda: (begin(), transport.start())) if lean else transport.start
+        out, lse = _local_forward(q, k, v, schedule.local, out_dtype, scale, backend, then=then, then_after_fold=lean)
         out, lse = out.to(out_dtype), lse.to(acc)
     for i, step in enumerate(schedule.steps):
         buf = transport.buffer(i)
