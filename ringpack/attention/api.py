@@ -43,7 +43,8 @@ def ring_attention(
     """Causal attention of this CP rank's tokens to every earlier token of the same sample, wherever it lives.
 
     ``q [T, H, D]``, ``k``/``v [T, H_kv, D]`` are the local tokens of ``schedule`` (pieces
-    concatenated in canonical order); returns ``out [T, H, D]`` equal to single-device causal
+    concatenated in canonical order), in any memory layout (head-major views and slices of a fused
+    QKV buffer are copied to dense rows once); returns ``out [T, H, D]`` equal to single-device causal
     attention with a per-sample mask over the whole micro-batch, restricted to these tokens, and
     differentiable w.r.t. q, k, v. ``group`` is the CP group (default: the world when
     ``schedule.cp_size > 1``; unused when it is 1). ``mode`` is ``"ring"`` or ``"allgather"``.
@@ -63,7 +64,10 @@ def ring_attention(
         verify_schedule(schedule, group, mode, k, problem)
     if problem:
         raise ValueError(problem)
-    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))  # kernels need unit-stride head_dim
+    # Strided views (head-major [H, T, D] transposed, slices of a fused QKV buffer) are copied once:
+    # K/V rows travel as views of k and v, and point-to-point transfers and collectives read a
+    # tensor's storage as dense rows; kernels need dense rows too.
+    q, k, v = (x if x.is_contiguous() else x.contiguous() for x in (q, k, v))
     transport = RingTransport if mode == "ring" else AllGatherTransport
     make_transport = functools.partial(transport, group=group)
     # without gradients, remote blocks go in row chunks: the forward then holds small partial results
@@ -118,9 +122,14 @@ def verify_schedule(schedule: Schedule, group: dist.ProcessGroup, mode: str, k: 
 
     Collective over ``group``: every rank must call it (``ring_attention`` does). Raises
     :class:`ScheduleMismatchError` on every rank, before any point-to-point transfer.
+
+    A schedule object is checked on its first use only, so one schedule object must serve one
+    micro-batch (the collator compiles one per micro-batch). With ``TORCH_DISTRIBUTED_DEBUG=DETAIL``
+    every call is checked, at the price of one small all-gather and a host synchronisation per call:
+    that also catches a rank that reuses an old schedule object for a new micro-batch.
     """
     key = (id(group), mode, tuple(k.shape[1:]), k.dtype)
-    if key in schedule.verified and problem is None:
+    if key in schedule.verified and problem is None and dist.get_debug_level() != dist.DebugLevel.DETAIL:
         return
     row = torch.tensor(
         [

@@ -54,6 +54,34 @@ def _run_case(problem: Problem, sched: Schedule, rank: int, group, mode: str) ->
     return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
 
 
+def _strided_inputs(problem: Problem, rank: int, layout: str) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """q, k, v as non-contiguous views with a unit-stride head dim, and the leaf they view.
+
+    ``head_major``: one ``[H, T, D]`` buffer per tensor, transposed to ``[T, H, D]``; ``fused``: one
+    ``[T, H + 2 H_kv, D]`` buffer whose head slices are q, k and v (a fused QKV projection)."""
+    q, k, v = (problem.local(x, rank) for x in (problem.q, problem.k, problem.v))
+    if layout == "head_major":
+        leaves = tuple(x.transpose(0, 1).contiguous().requires_grad_() for x in (q, k, v))
+        return leaves, tuple(x.transpose(0, 1) for x in leaves)
+    fused = torch.cat([q, k, v], dim=1).requires_grad_()
+    h, h_kv = q.shape[1], k.shape[1]
+    return (fused,), (fused[:, :h], fused[:, h : h + h_kv], fused[:, h + h_kv :])
+
+
+def _run_strided(problem: Problem, sched: Schedule, rank: int, group, mode: str, layout: str) -> dict[str, torch.Tensor]:
+    leaves, (q, k, v) = _strided_inputs(problem, rank, layout)
+    assert not q.is_contiguous() or q.shape[0] <= 1, "a strided view"
+    out = ring_attention(q, k, v, sched, group=group, mode=mode, backend="reference")
+    out.backward(problem.local(problem.dout, rank))
+    if layout == "head_major":
+        dq, dk, dv = (x.grad.transpose(0, 1) for x in leaves)
+    else:
+        h, h_kv = q.shape[1], k.shape[1]
+        grad = leaves[0].grad
+        dq, dk, dv = grad[:, :h], grad[:, h : h + h_kv], grad[:, h + h_kv :]
+    return {"out": out.detach(), "dq": dq, "dk": dk, "dv": dv}
+
+
 CHUNKED = {"grad": 0, "no_grad": 0}  # remote dense blocks run in several row chunks, by grad mode
 
 
@@ -100,6 +128,10 @@ def suite_worker(rank: int, world: int, have_planner: bool) -> list[tuple]:
         got = {mode: _run_case(problem, sched, cp_rank, group, mode) for mode in ("ring", "allgather")}
         errors = {mode: max_errors(problem, cp_rank, ref, got[mode]) for mode in got}
         errors.update({f"{mode}-hybrid": _forwards_with_the_dense_split(problem, mb, cp_rank, group, mode, ref) for mode in ("ring", "allgather")})
+        if name.startswith(("hand:", "zigzag:")):  # strided layouts of q/k/v, both modes
+            for mode in ("ring", "allgather"):
+                for layout in ("head_major", "fused"):
+                    errors[f"{mode}-{layout}"] = max_errors(problem, cp_rank, ref, _run_strided(problem, sched, cp_rank, group, mode, layout))
         agree = max(float((got["ring"][x] - got["allgather"][x]).abs().sum()) for x in got["ring"])
         report.append((name, cp, cp_rank, errors, agree, len(sched.steps)))
     return report
@@ -109,7 +141,7 @@ MISMATCH_RANKS = [0, 2]
 
 
 def mismatch_checks(rank: int, group) -> list[str]:
-    """Four broken set-ups on a 2-rank group, each followed by a healthy call on the same group."""
+    """Five broken set-ups on a 2-rank group, each followed by a healthy call on the same group."""
     cp_rank = dist.get_rank(group)
     _, a, lengths = next(c for c in handmade_microbatches() if c[0] == "interleaved")  # cp=2
     b = microbatch_swap(a)
@@ -132,6 +164,14 @@ def mismatch_checks(rank: int, group) -> list[str]:
     attempt(compile_schedule(a, cp_rank), mode="ring" if cp_rank == 0 else "allgather")  # different modes
     short = slice(None) if cp_rank == 0 else slice(0, -1)
     attempt(compile_schedule(a, cp_rank), q=q0[short], k=k0[short])  # one rank's tokens do not fit its schedule
+    # rank 0 reuses a schedule object it already checked for another micro-batch: caught in DETAIL mode
+    old = compile_schedule(a, cp_rank)
+    ring_attention(q0, k0, k0, old, group=group, backend="reference")
+    dist.set_debug_level(dist.DebugLevel.DETAIL)
+    try:
+        attempt(old if cp_rank == 0 else compile_schedule(b, cp_rank))
+    finally:
+        dist.set_debug_level(dist.DebugLevel.OFF)
     return messages
 
 
@@ -204,6 +244,8 @@ def test_ring_and_allgather_match_dense_reference_on_1_to_4_ranks(spawned):
     assert not disagree, disagree[:5]
     assert any(steps > 0 for *_, steps in rows) and any(steps == 0 for *_, steps in rows)
     assert all("out_no_grad" in row[3]["ring-hybrid"] for row in rows), "the forward without gradients was checked"
+    strided = {cp for _, cp, _, errors, _, _ in rows if "ring-head_major" in errors and "allgather-fused" in errors}
+    assert strided == {1, 2, 3, 4}, f"strided q/k/v were checked on every group size, got {strided}"
     # without gradients remote dense blocks ran in row chunks; with gradients never
     chunked = [result["chunked"] for result in results]
     assert sum(c["no_grad"] for c in chunked) > 0 and sum(c["grad"] for c in chunked) == 0, chunked
@@ -214,12 +256,13 @@ def test_mismatched_plans_raise_on_every_rank_instead_of_hanging(spawned):
     _, results = spawned
     checked = [results[r]["mismatch"] for r in MISMATCH_RANKS]
     for messages in checked:
-        assert len(messages) == 4
+        assert len(messages) == 5
         assert all(m.startswith("ScheduleMismatchError") for m in messages), messages
         assert "micro-batches" in messages[0] and "ranks [0]" in messages[0] and "ranks [1]" in messages[0]
         assert "cp rank" in messages[1]
         assert "modes" in messages[2]
         assert "ranks [1] got q/k/v" in messages[3]
+        assert "micro-batches" in messages[4]
     assert "q has" in checked[1][3]  # the rank with the bad input says what is wrong
 
 

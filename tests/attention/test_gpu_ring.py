@@ -198,6 +198,24 @@ def local(per_sample: dict[int, torch.Tensor], mb, rank: int) -> torch.Tensor:
     return torch.cat([per_sample[p.sample][p.start : p.stop] for p in pieces])
 
 
+def layout_inputs(x: dict[str, dict[int, torch.Tensor]], mb, rank: int, layout: str):
+    """This rank's q, k, v in bf16 as ``layout`` lays them out, and a function returning their grads.
+
+    ``contiguous``: three ``[T, H, D]`` leaves; ``head_major``: ``[H, T, D]`` leaves transposed to
+    ``[T, H, D]`` views; ``fused``: head slices of one ``[T, H + 2 H_kv, D]`` leaf (a fused QKV)."""
+    q, k, v = (local(x[n], mb, rank).to(DTYPE) for n in ("q", "k", "v"))
+    if layout == "fused":
+        fused = torch.cat([q, k, v], dim=1).requires_grad_()
+        cuts = (q.shape[1], q.shape[1] + k.shape[1])
+        views = (fused[:, : cuts[0]], fused[:, cuts[0] : cuts[1]], fused[:, cuts[1] :])
+        return views, lambda: (fused.grad[:, : cuts[0]], fused.grad[:, cuts[0] : cuts[1]], fused.grad[:, cuts[1] :])
+    if layout == "head_major":
+        leaves = tuple(t.transpose(0, 1).contiguous().requires_grad_() for t in (q, k, v))
+        return tuple(t.transpose(0, 1) for t in leaves), lambda: tuple(t.grad.transpose(0, 1) for t in leaves)
+    leaves = tuple(t.requires_grad_() for t in (q, k, v))
+    return leaves, lambda: tuple(t.grad for t in leaves)
+
+
 def max_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float((got.float() - ref.float()).abs().max()) if ref.numel() else 0.0
 
@@ -205,8 +223,8 @@ def max_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 # ------------------------------------------------------------------------------------ 2-GPU check
 
 
-def run_distributed_check(backend: str = "torch_flash", dense_threshold: int | None = None, plans=gpu_plans) -> list[str]:
-    """Every plan x mode on this process group; returns failure lines (empty = pass). Prints the table on rank 0.
+def run_distributed_check(backend: str = "torch_flash", dense_threshold: int | None = None, plans=gpu_plans, layouts=("contiguous",)) -> list[str]:
+    """Every plan x mode x q/k/v layout on this process group; returns failure lines (empty = pass). Prints the table on rank 0.
 
     ``dense_threshold`` (default: compile_schedule's) matters for hybrid backends only; for them the
     check also fails unless the plans had dense segments, local and remote, next to varlen rests."""
@@ -228,11 +246,11 @@ def run_distributed_check(backend: str = "torch_flash", dense_threshold: int | N
         sched = compile_schedule(mb, rank, **threshold_kw)
         coverage += split_coverage(sched)
         sched = sched.to(device)
-        for mode in ("ring", "allgather"):
-            q, k, v = (local(x[n], mb, rank).to(DTYPE).requires_grad_() for n in ("q", "k", "v"))
+        for mode, layout in ((m, lay) for m in ("ring", "allgather") for lay in layouts):
+            (q, k, v), grads = layout_inputs(x, mb, rank, layout)
             out = ring_attention(q, k, v, sched, mode=mode, backend=backend)
             out.backward(local(x["dout"], mb, rank).to(DTYPE))
-            got = dict(zip(NAMES, (out.detach(), q.grad, k.grad, v.grad)))
+            got = dict(zip(NAMES, (out.detach(), *grads())))
             with torch.no_grad():  # inference: remote dense blocks in row chunks (FORWARD_ONLY_PART_ROWS)
                 got["out0"] = ring_attention(q, k, v, sched, mode=mode, backend=backend)
             stats = []
@@ -246,11 +264,12 @@ def run_distributed_check(backend: str = "torch_flash", dense_threshold: int | N
             for t, (ring_err, flash_err, ref_max, vs_flash) in zip(CHECKED, stats):
                 limit = BOUND_FACTOR * flash_err + EPS_REL * ref_max
                 ok = ring_err <= limit
-                worst = max(worst, (ring_err / limit if limit else float("inf"), f"{name}/{mode}/{t}"))
+                where = f"{name}/{mode}/{layout}/{t}"
+                worst = max(worst, (ring_err / limit if limit else float("inf"), where))
                 checked += 1
-                rows.append(f"{name:<20} {mode:<9} {t:<4} {ring_err:11.3e} {flash_err:11.3e} {vs_flash:11.3e} {limit:11.3e}  {'ok' if ok else 'FAIL'}")
+                rows.append(f"{name:<20} {mode:<9} {layout:<10} {t:<4} {ring_err:11.3e} {flash_err:11.3e} {vs_flash:11.3e} {limit:11.3e}  {'ok' if ok else 'FAIL'}")
                 if not ok:
-                    failures.append(f"{name}/{mode}/{t}: ringpack err {ring_err:.3e} > {limit:.3e} (flash err {flash_err:.3e})")
+                    failures.append(f"{where}: ringpack err {ring_err:.3e} > {limit:.3e} (flash err {flash_err:.3e})")
     from ringpack.attention.kernels import dense_backend
 
     coverage_t = coverage.to(device)
@@ -265,7 +284,7 @@ def run_distributed_check(backend: str = "torch_flash", dense_threshold: int | N
             failures.append(f"{backend}: the plans did not exercise the split ({split_line.strip(', ')})")
     if rank == 0:
         print(f"\nringpack {backend} bf16, CP={world}, H={HEADS}, H_kv={KV_HEADS}, D={HEAD_DIM}, sample lengths={all_lengths}{split_line}")
-        print(f"{'plan':<20} {'mode':<9} {'t':<4} {'ringpack':>11} {'flash':>11} {'rp-flash':>11} {'limit':>11}   (max abs err vs fp32)")
+        print(f"{'plan':<20} {'mode':<9} {'layout':<10} {'t':<4} {'ringpack':>11} {'flash':>11} {'rp-flash':>11} {'limit':>11}   (max abs err vs fp32)")
         print("\n".join(rows), flush=True)
         SUMMARY.append(
             f"SUMMARY {backend:<16} threshold={str(dense_threshold or 'default'):<7} plans={plans.__name__:<9} "
@@ -290,10 +309,11 @@ def main() -> int:
     ring.FORWARD_ONLY_PART_ROWS = 8 if os.environ.get("RINGPACK_TINY") else 128  # the test plans' remote blocks are cut into row chunks
     try:
         cuda = torch.cuda.is_available()
-        failures = run_distributed_check("torch_flash" if cuda else "reference")
+        layouts = ("contiguous", "head_major", "fused")  # strided q/k/v views must give the same answer
+        failures = run_distributed_check("torch_flash" if cuda else "reference", layouts=layouts)
         hybrid = "cudnn_hybrid" if cuda else "reference_hybrid"
         tiny = bool(os.environ.get("RINGPACK_TINY"))
-        failures += run_distributed_check(hybrid, dense_threshold=8 if tiny else 256)
+        failures += run_distributed_check(hybrid, dense_threshold=8 if tiny else 256, layouts=layouts)
         failures += run_distributed_check(hybrid, dense_threshold=40 if tiny else None, plans=long_plans)
         if cuda:  # flash for both halves: long segments in launches of their own
             failures += run_distributed_check("flash_split", dense_threshold=256)
