@@ -48,8 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import peers  # noqa: E402
 
-from ringpack.balancer.cost import piece_pairs  # noqa: E402
-from ringpack.balancer.plan import MicroBatch  # noqa: E402
+from ringpack.cost import piece_pairs  # noqa: E402
+from ringpack.shard_plan import MicroBatch  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- data
@@ -79,8 +79,8 @@ def split_for(strategy: str, lengths: list[int], cp: int, slack: float) -> Micro
     ``balanced`` balances attention pairs alone (an attention-only cost model) under a per-rank
     token budget of ``(1 + slack) * T / cp``; the other two ignore costs by construction.
     """
-    from ringpack.balancer import split
-    from ringpack.balancer.cost import CostModel
+    from ringpack.planner import split
+    from ringpack.cost import CostModel
 
     samples = list(range(len(lengths)))
     if strategy == "balanced":

@@ -29,7 +29,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ringpack.analysis import calibrate as cal  # noqa: E402
+from ringpack.analysis.calibration import run as cal  # noqa: E402
+from ringpack.cli import build_parser  # noqa: E402
 
 
 def main() -> int:
@@ -62,10 +63,8 @@ def main() -> int:
                 "--timer", args.timer]
         if args.quick:
             argv.append("--quick")
-        sub = argparse.ArgumentParser()
-        cal.add_arguments(sub)
         started = time.perf_counter()
-        code = cal.run(sub.parse_args(argv))
+        code = cal.run(build_parser().parse_args(["calibrate", *argv]))
         if code:
             return code
         report = json.loads(path.with_name(path.stem + ".report.json").read_text())

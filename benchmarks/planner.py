@@ -3,7 +3,7 @@
     python benchmarks/planner.py [--out results.json] [--quick]
 
 For every data set and every scheme it plans the same global batches and reports, as medians over
-steps (definitions in ``ringpack.balancer.metrics`` and ``ringpack.balancer.comm``):
+steps (definitions in ``ringpack.planner.bounds`` and ``ringpack.traffic``):
 
 * ``step/mean``  -- step cost (slowest DP rank: sum over its micro-batches of the max over CP ranks)
   over the mean cost of all DP x CP ranks; 1.0 is perfect balance;
@@ -38,11 +38,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ringpack.balancer.comm import kv_bytes_per_token, plan_kv_traffic  # noqa: E402
-from ringpack.balancer.cost import PRESETS, CostModel  # noqa: E402
-from ringpack.balancer.metrics import plan_costs  # noqa: E402
-from ringpack.balancer.plan import PlanConfig  # noqa: E402
-from ringpack.balancer.planner import make_plan  # noqa: E402
+from ringpack.traffic import kv_bytes_per_token, plan_kv_traffic  # noqa: E402
+from ringpack.cost import PRESETS, CostModel  # noqa: E402
+from ringpack.planner.bounds import plan_costs  # noqa: E402
+from ringpack.shard_plan import PlanConfig  # noqa: E402
+from ringpack.planner.epoch import make_plan  # noqa: E402
 
 SCHEMES = {
     "ringpack": dict(packing="balanced", strategy="balanced"),
@@ -72,7 +72,7 @@ def synthetic(kind: str, n: int, seed: int = 0) -> np.ndarray:
 def datasets(quick: bool) -> list[dict]:
     out = []
     try:
-        from ringpack.dataloaders.corpus import stdlib_corpus
+        from ringpack.data.corpus import stdlib_corpus
 
         t0 = time.perf_counter()
         stdlib = stdlib_corpus().lengths
@@ -148,7 +148,7 @@ def arrow_read_case(n: int = 1_000_000) -> dict:
     import pyarrow as pa
     import pyarrow.feather as feather
 
-    from ringpack.balancer.lengths import read_lengths
+    from ringpack.lengths import read_lengths
 
     rng = np.random.default_rng(4)
     lengths = synthetic("lognormal", n, 4)

@@ -38,8 +38,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ringpack.balancer.cost import PRESETS, CostModel, ModelShape  # noqa: E402
-from ringpack.dataloaders import BalancedBatchSampler, PackedCollator, PackedDataset  # noqa: E402
+from ringpack.cost import PRESETS, CostModel, ModelShape  # noqa: E402
+from ringpack.data import BalancedBatchSampler, PackedCollator, PackedDataset  # noqa: E402
 from ringpack.integrations.transformers import causal_lm_loss_sum, register  # noqa: E402
 
 MODELS = {

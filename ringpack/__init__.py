@@ -1,25 +1,82 @@
-"""ringpack: cost-balanced packing and sharding of variable-length samples for DP x CP training,
-plus a varlen ring-attention runtime that executes the resulting shard plans exactly.
+"""ringpack: long-context training on packed data, with no slow rank.
 
-Importing ``ringpack`` is cheap and needs neither ortools nor datasets; ``ringpack.plan`` loads the
-planner on first use.
+The planner packs variable-length samples into micro-batches and splits them across data-parallel
+(DP) and context-parallel (CP) ranks by a cost model of causal attention; the attention runtime
+executes any such plan exactly; the data loaders feed it to a training loop.
+
+The public API, importable from here::
+
+    plan, Plan, PlanConfig, PlanError, DataError, CostModel       # the plan contract and the planner
+    compile_schedule, ring_attention, RingAttention             # the attention runtime (torch)
+    BalancedBatchSampler, PackedCollator, PackedDataset, ShardReader   # data loading (torch)
+
+Names load on first use, so ``import ringpack`` is quick and needs neither torch, ortools nor
+datasets.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["plan", "__version__"]
+
+_EXPORTS = {
+    "Plan": "ringpack.shard_plan",
+    "PlanConfig": "ringpack.shard_plan",
+    "PlanError": "ringpack.errors",
+    "DataError": "ringpack.errors",
+    "CostModel": "ringpack.cost",
+    "make_plan": "ringpack.planner",
+    "compile_schedule": "ringpack.attention",
+    "ring_attention": "ringpack.attention",
+    "RingAttention": "ringpack.attention",
+    "BalancedBatchSampler": "ringpack.data",
+    "PackedCollator": "ringpack.data",
+    "PackedDataset": "ringpack.data",
+    "ShardReader": "ringpack.data",
+}
+__all__ = ["__version__", "plan", *_EXPORTS]
+
+if TYPE_CHECKING:
+    from ringpack.attention import RingAttention, compile_schedule, ring_attention
+    from ringpack.cost import CostModel
+    from ringpack.data import BalancedBatchSampler, PackedCollator, PackedDataset, ShardReader
+    from ringpack.errors import DataError, PlanError
+    from ringpack.shard_plan import Plan, PlanConfig
+    from ringpack.planner import make_plan
 
 
-def plan(lengths: Any, **config: Any) -> Any:
-    """Plan ``lengths`` into a validated :class:`ringpack.balancer.plan.Plan`.
+def plan(lengths: Any, **config: Any) -> Plan:
+    """Plan sample lengths into a validated :class:`Plan`: ``make_plan(lengths, PlanConfig(**config))``.
 
-    Keyword arguments are :class:`ringpack.balancer.plan.PlanConfig` fields
-    (``dp``, ``cp``, ``tokens_per_rank``, ``strategy``, ...). See ``ringpack.balancer.make_plan``.
+    Args:
+        lengths: one token count per sample (a sequence, numpy or torch array of integers >= 1),
+            in dataset order.
+        **config: :class:`PlanConfig` fields: ``dp``, ``cp``, ``tokens_per_rank`` (required),
+            ``strategy``, ``packing``, ``samples_per_step``, ``seed``, ``epoch``, ``cost``, ...
+
+    Returns:
+        The plan, a pure function of ``(lengths, config)``: every rank computes the same one.
+
+    Raises:
+        PlanError: a bad length (naming the sample), a sample longer than a CP group holds under
+            ``overflow="error"``, or a step whose samples cannot fill its micro-batches.
     """
-    from ringpack.balancer import make_plan
-    from ringpack.balancer.plan import PlanConfig
+    from ringpack.shard_plan import PlanConfig
+    from ringpack.planner import make_plan
 
     return make_plan(lengths, PlanConfig(**config))
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ringpack' has no attribute {name!r}")
+    value = getattr(import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

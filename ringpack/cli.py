@@ -1,19 +1,623 @@
 """The ``ringpack`` command line: ``plan | report | shard | simulate | calibrate | demo``.
 
-Each subpackage owns its subcommands in a ``commands`` module exposing ``register(subparsers)``;
-this file only assembles them, so a part of the system can grow its command without touching the
-others. A handler returns the process exit code.
+Every command's flags and handler live here; handlers call the library and return the exit code.
+Only the standard library is imported at module level, so ``ringpack --help`` is quick: numpy,
+torch and the rest load inside the handlers. Bad input ends in one line on stderr and exit 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
-from importlib import import_module
-from typing import Sequence
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
 
-# Subpackages whose ``commands`` module registers subcommands, in the order ``--help`` lists them.
-COMMAND_MODULES = ("ringpack.balancer.commands", "ringpack.dataloaders.commands", "ringpack.analysis.commands")
+if TYPE_CHECKING:
+    import numpy as np
+
+#: CP strategies, packings and overflow policies the planner accepts (as in ``ringpack.shard_plan``).
+STRATEGIES = ("balanced", "zigzag", "contiguous")
+PACKINGS = ("balanced", "first_fit")
+OVERFLOWS = ("error", "split", "drop")
+#: ``add_plan_arguments``: the flag has no default and must be given.
+REQUIRED: Any = object()
+#: ``PlanConfig`` field <- ``argparse`` destination of its flag.
+_CONFIG_FLAGS = (
+    ("dp", "dp"),
+    ("cp", "cp"),
+    ("tokens_per_rank", "tokens_per_rank"),
+    ("strategy", "strategy"),
+    ("packing", "packing"),
+    ("samples_per_step", "samples_per_step"),
+    ("microbatches_per_rank", "microbatches_per_rank"),
+    ("seed", "seed"),
+    ("epoch", "epoch"),
+    ("overflow", "overflow"),
+    ("solver_time_limit_s", "solver_time_limit"),
+    ("cp_token_slack", "cp_token_slack"),
+)
+
+
+def add_plan_arguments(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    *,
+    dp: int | None = REQUIRED,
+    cp: int = REQUIRED,
+    tokens_per_rank: int = REQUIRED,
+    overflow: str = "error",
+    strategy: bool = True,
+    samples_per_step_zero: str = "all in one step",
+) -> None:
+    """Declare the planner's flags on ``parser`` (a parser or an argument group).
+
+    ``dp``, ``cp``, ``tokens_per_rank``: the default, :data:`REQUIRED` for a flag that must be
+    given, or (``dp`` only) ``None`` for a command that derives it and has no ``--dp``.
+    ``strategy=False`` leaves out ``--strategy`` and ``--packing`` (commands that plan every
+    variant declare their own). ``samples_per_step_zero`` says what ``--samples-per-step 0`` means.
+    """
+
+    def sized(flag: str, value: Any, what: str) -> None:
+        if value is REQUIRED:
+            parser.add_argument(flag, type=int, required=True, help=what)
+        else:
+            parser.add_argument(flag, type=int, default=value, help=f"{what} (default {value})")
+
+    if dp is not None:
+        sized("--dp", dp, "data-parallel size")
+    sized("--cp", cp, "context-parallel size")
+    sized("--tokens-per-rank", tokens_per_rank, "token budget of one CP rank per micro-batch")
+    if strategy:
+        parser.add_argument("--strategy", choices=STRATEGIES, default="balanced", help="CP split (default: balanced)")
+        parser.add_argument("--packing", choices=PACKINGS, default="balanced", help="packing + DP balance (default: balanced)")
+    parser.add_argument("--samples-per-step", type=int, default=0, help=f"global batch in samples (0: {samples_per_step_zero})")
+    parser.add_argument("--microbatches-per-rank", type=int, default=0, help="micro-batches per DP rank and step (0: fewest that fit)")
+    parser.add_argument("--seed", type=int, default=0, help="shuffle seed (default 0)")
+    parser.add_argument("--epoch", type=int, default=0, help="epoch whose plan is made (default 0)")
+    parser.add_argument("--overflow", choices=OVERFLOWS, default=overflow,
+                        help=f"samples longer than cp * tokens-per-rank (default: {overflow})")
+    parser.add_argument("--solver-time-limit", type=float, default=0.0,
+                        help="CP-SAT refinement per step, deterministic seconds (0: heuristics only)")
+    parser.add_argument(
+        "--cp-token-slack", type=float, default=None,
+        help="balanced CP split: hold every rank within 1+SLACK of the mean tokens, a guard against a mispriced "
+        "(uncalibrated) cost model; 0.02 recommended with FLOP models (default: tokens free)",
+    )
+    parser.add_argument("--model", default="llama3-8b",
+                        help="cost-model preset (llama3-8b, llama-1b, tiny) or a calibrated profile JSON (default llama3-8b)")
+    parser.add_argument("--cost-profile", default=None, help="calibrated cost-model JSON (overrides --model)")
+
+
+def cost_model_from_arg(value: str, flag: str = "--model"):
+    """The ``CostModel`` a flag names: a preset name, or the path of a calibrated profile JSON."""
+    from ringpack.cost import PRESETS, CostModel
+
+    if value in PRESETS:
+        return CostModel.preset(value)
+    if Path(value).is_file():
+        return CostModel.load(value)
+    if value.endswith(".json") or "/" in value:
+        raise FileNotFoundError(f"{flag}: no profile file at {value}")
+    raise ValueError(f"{flag} {value!r} is neither a preset ({', '.join(PRESETS)}) nor a profile file")
+
+
+def cost_model_from_args(args: argparse.Namespace):
+    """The cost model of :func:`add_plan_arguments`' flags: ``--cost-profile`` if given, else ``--model``."""
+    if getattr(args, "cost_profile", None):
+        return cost_model_from_arg(args.cost_profile, "--cost-profile")
+    return cost_model_from_arg(args.model)
+
+
+def plan_config_from_args(args: argparse.Namespace, **overrides: Any):
+    """``PlanConfig`` from :func:`add_plan_arguments`' flags; ``overrides`` (any field) win.
+
+    Fields whose flag the command did not declare keep ``PlanConfig``'s default; ``cost`` comes
+    from :func:`cost_model_from_args` unless overridden.
+    """
+    from ringpack.shard_plan import PlanConfig
+
+    given = vars(args)
+    fields = {name: given[dest] for name, dest in _CONFIG_FLAGS if dest in given and name not in overrides}
+    if "cost" not in overrides:
+        fields["cost"] = cost_model_from_args(args)
+    return PlanConfig(**fields, **overrides)
+
+
+# ------------------------------------------------------------------------------------------- plan
+
+
+def _add_plan_command(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "plan",
+        help="plan sample lengths into a DP x CP shard plan",
+        description="Plan sample lengths into a DP x CP shard plan (balanced packing, DP balance and CP split).",
+    )
+    p.add_argument("--lengths", required=True, help="file of sample lengths: .parquet, .arrow/.feather, .json/.jsonl or .npy")
+    p.add_argument("--column", default=None, help="column holding lengths or token lists (default: guessed)")
+    add_plan_arguments(p)
+    p.add_argument("--out", required=True, help="output plan: .parquet (default) or .json")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.set_defaults(handler=run_plan)
+
+
+def summarize(plan) -> dict:
+    """Summary numbers of a plan (also used by the benchmark)."""
+    import numpy as np
+
+    from ringpack.traffic import plan_kv_traffic
+    from ringpack.planner.bounds import plan_costs
+
+    costs = plan_costs(plan)
+    kv = plan_kv_traffic(plan)
+    per_step_unique = np.bincount(kv["step"], weights=kv["unique"], minlength=plan.num_steps)
+    return {
+        "hash": plan.content_hash,
+        "steps": plan.num_steps,
+        "microbatches": int(sum(len(step.microbatches) * len(step.microbatches[0]) for step in plan.steps)),
+        "samples": len(plan.lengths) - len(plan.dropped),
+        "dropped": len(plan.dropped),
+        "imbalance_median": float(np.median(costs["imbalance"])),
+        "imbalance_max": float(np.max(costs["imbalance"])),
+        "gap_median": float(np.nanmedian(costs["gap"])),
+        "gap_max": float(np.nanmax(costs["gap"])),
+        "kv_tokens_per_step_median": float(np.median(per_step_unique)),
+    }
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from ringpack.lengths import read_lengths
+    from ringpack.planner.epoch import make_plan
+
+    lengths = read_lengths(args.lengths, args.column)
+    config = plan_config_from_args(args)
+    t0 = time.perf_counter()
+    plan = make_plan(lengths, config).validate()
+    seconds = time.perf_counter() - t0
+    plan.save(args.out)
+    summary = summarize(plan)
+    summary["plan_seconds"] = round(seconds, 4)
+    summary["out"] = str(args.out)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    print(
+        f"planned {summary['samples']} samples into {summary['steps']} steps, {summary['microbatches']} micro-batches "
+        f"(dp={config.dp} x cp={config.cp}, {config.tokens_per_rank} tokens/rank, strategy={config.strategy}) in {seconds:.3f} s"
+    )
+    print(
+        f"step cost / mean rank cost: median {summary['imbalance_median']:.4f}, worst {summary['imbalance_max']:.4f}; "
+        f"gap to lower bound: median {summary['gap_median']:.2%}, worst {summary['gap_max']:.2%}"
+    )
+    print(f"K/V tokens sent across CP ranks per step (median): {summary['kv_tokens_per_step_median']:.0f}")
+    if summary["dropped"]:
+        print(f"dropped {summary['dropped']} samples longer than {config.group_capacity} tokens (overflow=drop)", file=sys.stderr)
+    print(f"wrote {args.out} (hash {summary['hash'][:16]})")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------ shard
+
+
+def _add_shard_command(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "shard",
+        help="write a dataset as balanced Parquet shards plus a manifest",
+        description=(
+            "Plan DATASET for a DP x CP mesh and write one Parquet file per DP rank (or per DP rank and step range), "
+            "one row group per micro-batch, plus manifest.json (plan hash, config, row counts, sha256s) and plan.parquet. "
+            "Re-running with the same inputs resumes an interrupted run and gives byte-identical files. "
+            "Read back with ringpack.data.ShardReader."
+        ),
+    )
+    p.add_argument("dataset", metavar="DATASET", help="local Parquet / JSON lines / Arrow / CSV file or folder, a saved `datasets` directory, or a Hub name")
+    p.add_argument("--out", required=True, help="output directory")
+    add_plan_arguments(p)
+    p.add_argument("--split", default="train", help="split of a saved DatasetDict or a Hub dataset (default: train)")
+    p.add_argument("--column", default="input_ids", help="token-id column (default: input_ids)")
+    p.add_argument("--text-column", default=None, help="tokenize this text column when the dataset has no token-id column")
+    p.add_argument("--tokenizer", default=None, help="Hugging Face tokenizer.json (or its folder); default: the regex tokenizer with hashed ids")
+    p.add_argument("--vocab-size", type=int, default=65536, help="id range of the regex tokenizer's hashed ids (default: 65536)")
+    p.add_argument("--num-proc", type=int, default=None, help="processes for tokenizing")
+    p.add_argument("--steps-per-file", type=int, default=0, help="split each DP rank's file every N steps (0: one file per DP rank)")
+    p.add_argument("--cache-dir", default=None, help="datasets cache directory")
+    p.add_argument("--overwrite", action="store_true", help="replace shards of another plan or dataset in --out")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(handler=run_shard)
+
+
+def run_shard(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ringpack.data.shards import load_source, tokenize_dataset, write_shards
+
+    if args.steps_per_file < 0:
+        raise ValueError("--steps-per-file must be >= 0")
+    config = plan_config_from_args(args)
+    ds = load_source(args.dataset, split=args.split, cache_dir=args.cache_dir)
+    tokenized = None
+    if args.column not in ds.column_names:
+        text = args.text_column or ("text" if "text" in ds.column_names else None)
+        if text is None:
+            raise ValueError(f"{args.dataset} has no column {args.column!r} and no text column to tokenize (columns: {list(ds.column_names)}); pass --text-column")
+        ds = tokenize_dataset(ds, text, args.tokenizer, column=args.column, vocab_size=args.vocab_size, num_proc=args.num_proc)
+        tokenized = {"text_column": text, "tokenizer": Path(args.tokenizer).name if args.tokenizer else f"regex-blake2b-mod-{args.vocab_size}"}
+    elif args.text_column or args.tokenizer:
+        print(f"ringpack shard: note: using the existing {args.column!r} column; --text-column/--tokenizer ignored", file=sys.stderr)
+    source = {
+        "dataset": str(args.dataset),
+        "split": args.split,
+        "column": args.column,
+        "tokenized_from": tokenized,
+    }
+    manifest = write_shards(
+        ds,
+        args.out,
+        config,
+        column=args.column,
+        steps_per_file=args.steps_per_file,
+        progress=False if args.no_progress else None,
+        overwrite=args.overwrite,
+        source=source,
+    )
+    summary = {
+        "out": str(args.out),
+        "plan_hash": manifest["plan_hash"],
+        "steps": manifest["num_steps"],
+        "samples": manifest["num_samples"],
+        "tokens": manifest["num_tokens"],
+        "dropped": len(manifest["dropped"]),
+        "files": len(manifest["files"]),
+        "bytes": sum(f["bytes"] for f in manifest["files"]),
+    }
+    print(json.dumps(summary))
+    return 0
+
+
+# ----------------------------------------------------------------------------- report, simulate, ...
+
+
+def _add_analysis_commands(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "report",
+        help="imbalance report of a plan, shard manifest or lengths",
+        description="Imbalance report (terminal table, report.json, PNG plots, report.html/.md) of plan files, "
+        "a shard manifest's plan, or sample lengths planned with every strategy.",
+    )
+    p.add_argument("plans", nargs="*", metavar="PLAN", help="plan files (.parquet or .json) to compare")
+    p.add_argument("--manifest", help="a `ringpack shard` output (manifest.json or its folder): reports its plan")
+    p.add_argument("--lengths", help="sample lengths file (.npy, .parquet, .json, .txt); planned with every strategy")
+    p.add_argument("--corpus", choices=["stdlib"], help="use the embedded standard-library corpus as the lengths")
+    add_variant_plan_arguments(p, dp=4, cp=4)
+    add_comm_arguments(p)
+    add_output_arguments(p, default_out="ringpack-report")
+    p.add_argument("--step", type=int, help="step whose per-GPU costs are plotted and tabled (default: the baseline's median-idle step)")
+    p.add_argument("--steps-shown", type=int, default=5, help="steps per plan in the terminal table (default 5)")
+    p.set_defaults(handler=run_report)
+
+    p = subparsers.add_parser(
+        "simulate",
+        help="simulate an epoch at cluster scale",
+        description="Plan a whole epoch for a cluster shape with every strategy and predict tokens/s and idle "
+        "time from the cost model and a ring / all-gather communication model.",
+    )
+    p.add_argument("--gpus", default="1024", help="GPUs, comma-separated for several shapes (default 1024); DP = gpus / cp")
+    p.add_argument("--samples", type=int, default=1_000_000, help="samples in the epoch (default 1,000,000)")
+    p.add_argument("--lengths", help="lengths file to simulate instead of drawn lengths")
+    p.add_argument("--dist", default="stdlib", choices=["stdlib", "lognormal"],
+                   help="drawn lengths: resampled stdlib corpus (default) or log-normal")
+    p.add_argument("--median", type=float, default=2048, help="log-normal median length (tokens)")
+    p.add_argument("--sigma", type=float, default=1.3, help="log-normal sigma")
+    p.add_argument("--global-batch-tokens", type=int, default=0,
+                   help="tokens per optimizer step (default: dp * cp * tokens-per-rank, one full micro-batch per DP rank)")
+    add_variant_plan_arguments(p, dp=None, cp=8, tokens_per_rank=16384, strategies=None)
+    add_comm_arguments(p, modes="ring,allgather")
+    add_output_arguments(p, default_out="ringpack-simulation")
+    p.add_argument("--jobs", type=int, default=0, help="worker processes (default: all cores)")
+    p.add_argument("--chunk-steps", type=int, default=8, help="global batches planned per worker task (default 8)")
+    p.set_defaults(handler=run_simulate)
+
+    p = subparsers.add_parser(
+        "calibrate",
+        help="fit the cost model to measured GPU kernel times",
+        description="Time ringpack's attention kernels (and the model's linear layers) on one GPU, "
+        "fit the cost model's coefficients and write a profile the planner loads.",
+    )
+    _add_calibrate_arguments(p)
+    p.set_defaults(handler=run_calibrate)
+    p = subparsers.add_parser("demo", help="the embedded standard-library corpus through every strategy: report, plots, ring check")
+    _add_demo_arguments(p)
+    p.set_defaults(handler=run_demo)
+
+
+# ------------------------------------------------------------------------------------------ options
+def add_variant_plan_arguments(p: argparse.ArgumentParser, dp: int | None, cp: int, tokens_per_rank: int = 32768,
+                               strategies: str | None = ",".join(STRATEGIES)) -> None:
+    """The planner's flags (:func:`add_plan_arguments`) and the variants to plan and compare."""
+    g = p.add_argument_group("planning (for lengths)")
+    add_plan_arguments(g, dp=dp, cp=cp, tokens_per_rank=tokens_per_rank, overflow="split", strategy=False,
+                       samples_per_step_zero="derived")
+    g.add_argument("--tflops", type=float, default=400.0, help="achieved fwd+bwd TFLOP/s per GPU for predicted times (default 400)")
+    if strategies is None:  # simulate: a curated default set of (strategy, packing) pairs
+        g.add_argument("--strategies", help="CP strategies to plan (default: balanced/balanced, zigzag/balanced, "
+                       "zigzag/first_fit, contiguous/first_fit)")
+        g.add_argument("--packings", help="packings to plan, crossed with --strategies (default balanced,first_fit)")
+    else:
+        g.add_argument("--strategies", default=strategies, help=f"CP strategies to plan (default {strategies})")
+        g.add_argument("--packings", default=",".join(PACKINGS), help="packings to plan (default balanced,first_fit)")
+    g.add_argument("--baseline", help="plan the others are compared with (default zigzag/first_fit when present)")
+
+
+def add_comm_arguments(p: argparse.ArgumentParser, modes: str = "ring") -> None:
+    from ringpack.analysis.comm_model import LINKS
+
+    g = p.add_argument_group("communication model")
+    g.add_argument("--link", default="nvlink", choices=sorted(LINKS), help="link preset for CP traffic (default nvlink)")
+    g.add_argument("--bandwidth", type=float, help="link bandwidth in GB/s (overrides --link)")
+    g.add_argument("--latency-us", type=float, help="per-message latency in microseconds (overrides --link)")
+    g.add_argument("--modes", default=modes, help=f"attention modes, first is the headline (default {modes})")
+
+
+def add_output_arguments(p: argparse.ArgumentParser, default_out: str) -> None:
+    g = p.add_argument_group("output")
+    g.add_argument("--out", default=default_out, help=f"folder for report.json, plots and report.html (default {default_out}/)")
+    g.add_argument("--json", help="also write the JSON document here ('-' prints it to stdout instead of the table)")
+    g.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    g.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def _list(text: str, allowed: tuple[str, ...], what: str) -> list[str]:
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in items if x not in allowed]
+    if bad or not items:
+        raise ValueError(f"--{what}: {bad or text!r} not in {allowed}")
+    return items
+
+
+def cost_model(args: argparse.Namespace):
+    """The planner's cost model (:func:`cost_model_from_args`), a FLOP one at ``--tflops``."""
+    import dataclasses
+
+    model = cost_model_from_args(args)
+    if model.unit == "flop":
+        model = dataclasses.replace(model, flops_per_second=args.tflops * 1e12)
+    return model
+
+
+def comm_models(args: argparse.Namespace, model) -> list:
+    from ringpack.analysis.comm_model import CommModel
+
+    modes = _list(args.modes, ("ring", "allgather"), "modes")
+    bw = None if args.bandwidth is None else args.bandwidth * 1e9
+    lat = None if args.latency_us is None else args.latency_us * 1e-6
+    return [CommModel.for_model(model, link=args.link, mode=m, bandwidth=bw, latency=lat) for m in modes]
+
+
+def variants(args: argparse.Namespace) -> list[tuple[str, str]]:
+    if args.strategies is None and args.packings is None:
+        from ringpack.analysis.simulate import SIM_VARIANTS
+
+        return list(SIM_VARIANTS)
+    strategies = _list(args.strategies or ",".join(STRATEGIES), STRATEGIES, "strategies")
+    packings = _list(args.packings or ",".join(PACKINGS), PACKINGS, "packings")
+    return [(s, p) for p in packings for s in strategies]
+
+
+def read_lengths_file(path: str) -> np.ndarray:
+    """Lengths from a file (:func:`ringpack.lengths.read_lengths`)."""
+    from ringpack.lengths import read_lengths
+
+    return read_lengths(path)
+
+
+def plan_from_manifest(path: str):
+    """The plan a ``ringpack shard`` directory was written from (``manifest.json`` or its folder).
+
+    Read through :class:`~ringpack.data.shards.ShardReader`, which checks the plan file's
+    checksum and hash against the manifest.
+    """
+    from ringpack.data.shards import ShardReader
+
+    folder = Path(path)
+    if folder.is_file():
+        folder = folder.parent
+    return ShardReader(folder, 0, 0).plan
+
+
+def _emit(doc: dict[str, Any], args: argparse.Namespace, table: str, progress: Any = None, rank_step: int | None = None) -> None:
+    from ringpack.analysis.report import write_report
+
+    to_stdout = args.json == "-"
+    if args.json and not to_stdout:
+        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
+    paths = write_report(doc, args.out, plots=not args.no_plots, rank_step=rank_step, progress=progress)
+    if progress is not None:
+        progress.close()
+    if to_stdout:
+        json.dump(doc, sys.stdout, indent=1)
+        print()
+        return
+    print(table)
+    print(f"\nwrote {Path(args.out)}/: " + ", ".join(p.name for p in paths.values()))
+
+
+# ------------------------------------------------------------------------------------------ report
+def run_report(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from ringpack.analysis.report import build_report, format_ranks, format_table, plan_strategies, result_of_plan
+    from ringpack.shard_plan import Plan
+
+    sources = sum(bool(x) for x in (args.plans, args.manifest, args.lengths, args.corpus))
+    if sources != 1:
+        raise ValueError("give exactly one input: plan files, --manifest, --lengths or --corpus stdlib")
+    wanted = variants(args)  # validate options before any slow work
+    progress = _bar(args, total=2 + (0 if args.no_plots else 4), desc="report")
+    if args.plans or args.manifest:
+        plans = [Plan.load(p) for p in args.plans] if args.plans else [plan_from_manifest(args.manifest)]
+        shapes = {(p.config.dp, p.config.cp) for p in plans}
+        if len(shapes) > 1:
+            raise ValueError(f"plans are for different DP x CP shapes {sorted(shapes)}; report one shape at a time")
+        lengths = np.asarray(plans[0].lengths)
+        model = plans[0].config.cost
+    else:
+        lengths = read_lengths_file(args.lengths) if args.lengths else _corpus_lengths()
+        model = cost_model(args)
+        mean = float(lengths.mean())
+        per_step = args.samples_per_step or max(args.dp, int(args.dp * args.cp * args.tokens_per_rank / mean))
+        config = plan_config_from_args(args, samples_per_step=per_step, cost=model)
+        plans = plan_strategies(lengths, config, wanted)
+    if progress:
+        progress.update(1)
+    comms = comm_models(args, model)
+    names = _unique_names(plans)
+    results = [result_of_plan(p, comms[0], name=n) for p, n in zip(plans, names)]
+    doc = build_report(results, lengths=lengths, baseline=args.baseline)
+    if progress:
+        progress.update(1)
+    step = args.step
+    if step is not None and not all(0 <= step < p.num_steps for p in plans):
+        raise ValueError(f"--step {step} is outside some plan's steps")
+    from ringpack.analysis.plots import default_rank_step
+
+    shown = default_rank_step(doc) if step is None else step
+    table = format_table(doc, steps_shown=args.steps_shown)
+    table += "\n\n" + format_ranks(doc, doc["baseline"], shown)
+    best = min(doc["plans"], key=lambda p: p["summary"]["predicted_seconds_comm"])["name"]
+    if best != doc["baseline"]:
+        table += "\n\n" + format_ranks(doc, best, shown)
+    _emit(doc, args, table, progress, rank_step=shown)
+    return 0
+
+
+def _unique_names(plans) -> list[str]:
+    from ringpack.analysis.metrics import plan_label
+
+    names = [plan_label(p.config) for p in plans]
+    seen: dict[str, int] = {}
+    out = []
+    for n in names:
+        seen[n] = seen.get(n, 0) + 1
+        out.append(n if names.count(n) == 1 else f"{n}#{seen[n]}")
+    return out
+
+
+def _corpus_lengths() -> np.ndarray:
+    from ringpack.data.corpus import stdlib_corpus
+
+    return stdlib_corpus().lengths
+
+
+def _bar(args: argparse.Namespace, total: int, desc: str):
+    if getattr(args, "quiet", False) or args.json == "-":
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="stage", file=sys.stderr)
+
+
+# ---------------------------------------------------------------------------------------- simulate
+def run_simulate(args: argparse.Namespace) -> int:
+    import time
+
+    from ringpack.analysis.report import format_table, write_report
+    from ringpack.analysis.simulate import format_modes, simulate, synthetic_lengths
+
+    t0 = time.perf_counter()
+    model = cost_model(args)
+    comms = comm_models(args, model)
+    gpus_list = [int(x) for x in str(args.gpus).split(",") if x.strip()]
+    if args.lengths:
+        lengths = read_lengths_file(args.lengths)
+    else:
+        lengths = synthetic_lengths(args.samples, args.dist, seed=args.seed, median=args.median, sigma=args.sigma)
+    docs = []
+    for gpus in gpus_list:
+        if gpus % args.cp:
+            raise ValueError(f"--gpus {gpus} is not a multiple of --cp {args.cp}")
+        dp = gpus // args.cp
+        batch_tokens = args.global_batch_tokens or dp * args.cp * args.tokens_per_rank
+        per_step = args.samples_per_step or max(dp, int(batch_tokens / float(lengths.mean())))
+        config = plan_config_from_args(args, dp=dp, samples_per_step=per_step, cost=model)
+        doc = simulate(lengths, config, variants(args), comms, chunk_steps=args.chunk_steps, jobs=args.jobs or None,
+                       progress=not args.quiet and args.json != "-", baseline=args.baseline)
+        docs.append(doc)
+        out = Path(args.out) / f"dp{dp}xcp{args.cp}" if len(gpus_list) > 1 else Path(args.out)
+        paths = write_report(doc, out, plots=not args.no_plots)
+        if args.json != "-":
+            print(f"\n== {doc['title']} ==")
+            print(format_table(doc))
+            print()
+            print(format_modes(doc))
+            plan = doc["planning"]
+            print(f"\nplanned {len(doc['plans'])} strategies in {plan['wall_seconds']:.1f} s wall "
+                  f"({plan['worker_cpu_seconds']:.1f} CPU s in {plan['jobs']} workers); wrote {out}/: "
+                  + ", ".join(p.name for p in paths.values()))
+    if args.json == "-":
+        json.dump(docs[0] if len(docs) == 1 else docs, sys.stdout, indent=1)
+        print()
+    elif args.json:
+        Path(args.json).write_text(json.dumps(docs[0] if len(docs) == 1 else docs, indent=1) + "\n")
+    if args.json != "-":
+        print(f"total {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+def _add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
+    """Options of ``ringpack calibrate``."""
+    from ringpack.analysis.calibration.cases import GRIDS
+    from ringpack.analysis.calibration.timing import TIMERS
+    from ringpack.cost import PRESETS
+
+    p.add_argument("--out", default="ringpack-profile.json", help="profile JSON to write (default ringpack-profile.json)")
+    p.add_argument("--report", help="calibration report JSON (default: the profile's name with .report.json)")
+    p.add_argument("--model", default="llama3-8b", help=f"model preset for layers and linear layers ({', '.join(PRESETS)}; default llama3-8b)")
+    p.add_argument("--heads", type=int, help="query heads (default: the preset's)")
+    p.add_argument("--kv-heads", type=int, help="key/value heads (default: the preset's)")
+    p.add_argument("--head-dim", type=int, help="head dim (default: the preset's)")
+    p.add_argument("--layers", type=int, help="layers the profile covers (default: the preset's)")
+    p.add_argument("--mode", default="linear", choices=["linear", "attention"],
+                   help="linear: also time the linear layers' GEMMs per token (default); attention: attention-only profile")
+    p.add_argument("--backend", default="auto", help="attention kernel backend timed: auto (what training picks), or one of ringpack.attention.BACKENDS")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cuda (default); cpu only for a dry run with --backend reference")
+    p.add_argument("--grid", choices=GRIDS, help="shape grid (default full; quick with --quick; tiny on cpu)")
+    p.add_argument("--quick", action="store_true", help="a smaller grid (about a third of the time)")
+    p.add_argument("--reps", type=int, default=5, help="timed repetitions per shard, median taken (default 5)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs per shard first (default 1)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timer", default="gpu", choices=TIMERS,
+                   help="gpu: each shard's GPU execution, host launch time hidden (default); wall: from the first launch, host overhead included")
+    p.add_argument("--refit", metavar="REPORT",
+                   help="no GPU: refit the models on the measurements of a stored calibration report and write a new profile and report")
+    p.add_argument("--quiet", action="store_true", help="only the summary")
+
+
+def _add_demo_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default="demo-out", help="folder for the report, JSON and plots (default demo-out/)")
+    p.add_argument("--tokenizer", help="Hugging Face tokenizer.json (or its folder) for exact token counts")
+    p.add_argument("--dp", type=int, default=4, help="data-parallel ranks (default 4)")
+    p.add_argument("--cp", type=int, default=4, help="context-parallel ranks per micro-batch (default 4)")
+    p.add_argument("--tokens-per-rank", type=int, default=32768, help="token budget per CP rank (default 32768)")
+    p.add_argument("--samples-per-step", type=int, default=0,
+                   help="global batch in samples (default: about one full micro-batch per DP rank)")
+    p.add_argument("--model", default="llama3-8b", help="cost-model preset (default llama3-8b)")
+    p.add_argument("--tflops", type=float, default=400.0, help="achieved fwd+bwd TFLOP/s per GPU (default 400)")
+    p.add_argument("--link", default="nvlink", help="CP link preset for the communication model (default nvlink)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="a 300-file subset of the corpus (for tests)")
+    p.add_argument("--no-ring-check", action="store_true", help="skip the 2-process ring runtime check")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    from ringpack.analysis.calibration.run import run
+
+    return run(args)
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from ringpack.analysis.demo import run
+
+    return run(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,8 +629,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"ringpack {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMAND_MODULES:
-        import_module(name).register(subparsers)
+    _add_plan_command(subparsers)
+    _add_shard_command(subparsers)
+    _add_analysis_commands(subparsers)
     return parser
 
 

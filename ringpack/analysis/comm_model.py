@@ -5,7 +5,7 @@ Small on purpose; every assumption is here.
 **What moves.** Only K/V of pieces that some *other* CP rank of the micro-batch needs (a query at
 position ``q`` of a sample needs that sample's keys ``0..q``, wherever they live). Which pieces those
 are and what a token weighs (``2 (K and V) * kv_heads * head_dim * dtype_bytes`` per layer) is the
-balancer's code (:mod:`ringpack.balancer.comm`); this module only turns bytes into seconds.
+balancer's code (:mod:`ringpack.traffic`); this module only turns bytes into seconds.
 
 **Ring mode** (the default runtime). Per layer, the forward runs ``C`` ring steps: step 0 on local
 K/V, then ``C - 1`` steps, each on the buffer received from the previous rank while the next one is
@@ -37,7 +37,7 @@ from typing import Mapping
 
 import numpy as np
 
-from ringpack.balancer.cost import PRESETS, CostModel
+from ringpack.cost import PRESETS, CostModel
 
 __all__ = ["CommModel", "LINKS", "ATTN_FORWARD_SHARE", "kv_cross_tokens", "microbatch_seconds"]
 
@@ -72,7 +72,7 @@ class CommModel:
     def for_model(cls, model: CostModel, link: str = "nvlink", mode: str = "ring", dtype_bytes: int = 2,
                   bandwidth: float | None = None, latency: float | None = None) -> "CommModel":
         """K/V size from the cost model's preset shape (llama3-8b's when the model is not a preset)."""
-        from ringpack.balancer.comm import kv_bytes_per_token
+        from ringpack.traffic import kv_bytes_per_token
 
         shape = PRESETS.get(model.name, PRESETS["llama3-8b"])
         if link not in LINKS:
@@ -100,9 +100,9 @@ def kv_cross_tokens(arrays: Mapping[str, np.ndarray], shape: tuple[int, int, int
     """Per piece row of a piece table: its tokens if some other CP rank of its micro-batch needs them, else 0.
 
     The rule and its vectorised implementation are the balancer's
-    (:func:`ringpack.balancer.comm.needed_pieces`); this only names the micro-batch of each row.
+    (:func:`ringpack.traffic.needed_pieces`); this only names the micro-batch of each row.
     """
-    from ringpack.balancer.comm import needed_pieces
+    from ringpack.traffic import needed_pieces
 
     step, dp, mb = (np.asarray(arrays[k], dtype=np.int64) for k in ("step", "dp", "microbatch"))
     if step.size == 0:

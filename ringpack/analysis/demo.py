@@ -21,7 +21,7 @@ import numpy as np
 
 from ringpack.analysis.report import DEFAULT_VARIANTS
 
-__all__ = ["run", "add_arguments", "length_stats"]
+__all__ = ["run", "length_stats"]
 
 
 def length_stats(lengths: np.ndarray) -> dict[str, float]:
@@ -47,10 +47,10 @@ def run(args: argparse.Namespace) -> int:
     from ringpack.analysis import plots
     from ringpack.analysis.comm_model import CommModel
     from ringpack.analysis.report import build_report, format_ranks, format_table, result_of_plan, write_report
-    from ringpack.balancer import make_plan
-    from ringpack.balancer.cost import CostModel
-    from ringpack.balancer.plan import PlanConfig
-    from ringpack.dataloaders.corpus import stdlib_corpus
+    from ringpack.planner import make_plan
+    from ringpack.cost import CostModel
+    from ringpack.shard_plan import PlanConfig
+    from ringpack.data.corpus import stdlib_corpus
 
     t0 = time.perf_counter()
     out = Path(args.out)
@@ -138,20 +138,3 @@ def _ring_check(lengths: np.ndarray, seed: int):
         return None, "pending: the ring runtime (ringpack.attention) is not in this build yet"
     mb, sub = ringcheck.pick_microbatch(lengths, cp=2, seed=seed)
     return ringcheck.run_ring_check(mb, sub, seed=seed), ""
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", default="demo-out", help="folder for the report, JSON and plots (default demo-out/)")
-    p.add_argument("--tokenizer", help="Hugging Face tokenizer.json (or its folder) for exact token counts")
-    p.add_argument("--dp", type=int, default=4, help="data-parallel ranks (default 4)")
-    p.add_argument("--cp", type=int, default=4, help="context-parallel ranks per micro-batch (default 4)")
-    p.add_argument("--tokens-per-rank", type=int, default=32768, help="token budget per CP rank (default 32768)")
-    p.add_argument("--samples-per-step", type=int, default=0,
-                   help="global batch in samples (default: about one full micro-batch per DP rank)")
-    p.add_argument("--model", default="llama3-8b", help="cost-model preset (default llama3-8b)")
-    p.add_argument("--tflops", type=float, default=400.0, help="achieved fwd+bwd TFLOP/s per GPU (default 400)")
-    p.add_argument("--link", default="nvlink", help="CP link preset for the communication model (default nvlink)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="a 300-file subset of the corpus (for tests)")
-    p.add_argument("--no-ring-check", action="store_true", help="skip the 2-process ring runtime check")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")

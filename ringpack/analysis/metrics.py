@@ -1,7 +1,7 @@
 """Every figure a report prints, computed from a plan's piece table in a few numpy passes.
 
 One implementation of cost: per-piece tokens and exact causal pairs come from
-:func:`ringpack.balancer.cost.piece_pairs` and are priced by :meth:`CostModel.cost`, the same code
+:func:`ringpack.cost.piece_pairs` and are priced by :meth:`CostModel.cost`, the same code
 the planner balances with (``rank_costs`` is that formula per shard object; this module applies it
 to :attr:`Plan.piece_arrays` columns, one row per piece, with no Python loop over pieces).
 
@@ -32,8 +32,8 @@ from typing import Mapping
 
 import numpy as np
 
-from ringpack.balancer.cost import CostModel, piece_pairs
-from ringpack.balancer.metrics import cell_index, critical_path, rank_grid
+from ringpack.cost import CostModel, piece_pairs
+from ringpack.planner.bounds import cell_index, critical_path, rank_grid
 
 __all__ = ["PlanMetrics", "evaluate", "evaluate_plan", "zigzag_rule_padding", "microbatch_index"]
 
@@ -238,7 +238,7 @@ def evaluate(
 
 
 def evaluate_plan(plan, name: str | None = None) -> PlanMetrics:
-    """:func:`evaluate` of a :class:`~ringpack.balancer.plan.Plan` (its config's dp, cp and cost model)."""
+    """:func:`evaluate` of a :class:`~ringpack.shard_plan.Plan` (its config's dp, cp and cost model)."""
     cfg = plan.config
     if name is None:
         name = plan_label(cfg)

@@ -72,7 +72,7 @@ DEFINITIONS: dict[str, str] = {
     "zigzag-rule padding": "tokens a zigzag implementation requiring every sample to be a multiple of 2*cp "
     "(TransformerEngine, ring-flash-attention) would add to the same micro-batches: sum of (-L) mod 2cp",
     "K/V bytes": "bytes of K and V (all layers, one forward) of pieces some other CP rank needs, each counted once "
-    "(ringpack.balancer.comm); a ring passes each through cp-1 ranks, the backward sends K/V and dK/dV again",
+    "(ringpack.traffic); a ring passes each through cp-1 ranks, the backward sends K/V and dK/dV again",
     "step time with comm": "the same max/sum/max with each rank's time from the communication model "
     "(ring: per layer max(compute, latency + bytes/bandwidth) per ring step; all-gather: gather + reduce-scatter, exposed)",
     "idle saved": "idle GPU-seconds of the baseline minus this plan's, over the whole plan",
@@ -152,7 +152,7 @@ def timed(metrics: PlanMetrics, comm: CommModel, lower_bound: Sequence[float | N
 
 
 def result_of_plan(plan, comm: CommModel, name: str | None = None) -> StrategyResult:
-    """:func:`timed` metrics of a :class:`~ringpack.balancer.plan.Plan`."""
+    """:func:`timed` metrics of a :class:`~ringpack.shard_plan.Plan`."""
     metrics = evaluate_plan(plan, name=name)
     return timed(metrics, comm, [s.lower_bound for s in plan.steps], config=plan.config.to_dict(), plan_hash=plan.content_hash)
 
@@ -493,7 +493,7 @@ def plan_strategies(lengths: np.ndarray, config, variants: Sequence[tuple[str, s
     """Plan ``lengths`` once per (strategy, packing) variant of ``config`` with the balancer's ``make_plan``."""
     import dataclasses
 
-    from ringpack.balancer import make_plan
+    from ringpack.planner import make_plan
 
     plans = []
     for strategy, packing in variants:

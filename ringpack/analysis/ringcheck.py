@@ -46,8 +46,8 @@ def pick_microbatch(lengths: np.ndarray, cp: int = 2, budget: int = 1024, seed: 
     It holds one sample longer than a rank's budget, so the plan must cut it across ranks and the
     runtime must move K/V; the rest are short samples the balancer keeps whole.
     """
-    from ringpack.balancer import make_plan
-    from ringpack.balancer.plan import PlanConfig
+    from ringpack.planner import make_plan
+    from ringpack.shard_plan import PlanConfig
 
     rng = np.random.default_rng(seed)
     lengths = np.asarray(lengths, dtype=np.int64)
@@ -131,7 +131,7 @@ def _worker(rank: int, world: int, mb, lengths: list[int], seed: int) -> dict:
 def run_ring_check(mb, lengths: list[int], seed: int = 0, timeout_s: float = 120.0, tol: float = 1e-9) -> RingCheck:
     """Run ``mb`` on ``len(mb.shards)`` gloo processes and compare with :func:`_dense_reference`."""
     from ringpack._spawn import run_ranks
-    from ringpack.balancer.comm import needed_pieces
+    from ringpack.traffic import needed_pieces
 
     t0 = time.perf_counter()
     results = run_ranks(_worker, len(mb.shards), (mb, lengths, seed), timeout_s=60.0, join_s=timeout_s,

@@ -1,7 +1,7 @@
 """``ringpack simulate``: plan a whole epoch for a cluster this machine is not, and predict its speed.
 
 For a cluster shape (``dp x cp`` GPUs), a length distribution and a model, every strategy plans the
-full epoch with the balancer's :func:`~ringpack.balancer.make_plan`; every step is priced with the
+full epoch with the balancer's :func:`~ringpack.planner.make_plan`; every step is priced with the
 planner's cost code (:mod:`ringpack.analysis.metrics`) and timed under the communication model
 (:mod:`ringpack.analysis.comm_model`, ring and all-gather). Output: predicted tokens/s, epoch time,
 idle fraction, K/V bytes and padding per strategy, as the same report document ``ringpack report``
@@ -48,7 +48,7 @@ def synthetic_lengths(n: int, source: str = "stdlib", seed: int = 0, median: flo
     """
     rng = np.random.default_rng(seed)
     if source == "stdlib":
-        from ringpack.dataloaders.corpus import stdlib_corpus
+        from ringpack.data.corpus import stdlib_corpus
 
         pool = stdlib_corpus().lengths
         out = rng.choice(pool, size=n)
@@ -85,7 +85,7 @@ def concat_metrics(parts: Sequence[PlanMetrics], name: str) -> PlanMetrics:
 
 def _plan_chunk(task: tuple[int, int, np.ndarray, Any]) -> tuple[int, int, PlanMetrics, list, float]:
     """Worker: plan one chunk of the epoch for one variant; return its metrics and lower bounds."""
-    from ringpack.balancer import make_plan
+    from ringpack.planner import make_plan
 
     variant, chunk, lengths, config = task
     t0 = time.process_time()
@@ -118,7 +118,7 @@ def simulate(
     ``config.samples_per_step`` must be set (a global batch). ``comms``: the first is the headline
     model (its times fill each plan's summary); every model's totals land in ``plan["modes"]``.
     """
-    from ringpack.balancer.planner import expand_overflow, shuffle_order
+    from ringpack.planner.epoch import expand_overflow, shuffle_order
 
     if config.samples_per_step <= 0:
         raise ValueError("simulate needs a global batch: set samples_per_step (or --global-batch-tokens)")

@@ -82,7 +82,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ringpack.balancer.plan import MicroBatch
+from ringpack.shard_plan import MicroBatch
 
 __all__ = [
     "DEFAULT_DENSE_BUCKETS", "DEFAULT_DENSE_THRESHOLD", "DenseSegment", "KernelCall", "RingStep", "Schedule", "ScheduleMismatchError", "compile_schedule",

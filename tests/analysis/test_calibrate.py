@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from ringpack.analysis import calibrate as cal
+from ringpack.analysis.calibration import run as cal
+from ringpack.cli import build_parser
 from ringpack.attention.schedule import compile_schedule
-from ringpack.balancer.cost import CostModel
-from ringpack.balancer.plan import PlanConfig
-from ringpack.balancer.split import split_balanced, split_contiguous, split_zigzag
+from ringpack.cost import CostModel
+from ringpack.shard_plan import PlanConfig
+from ringpack.planner.split import split_balanced, split_contiguous, split_zigzag
 
 
 # ------------------------------------------------------------------------------------ brute force
@@ -167,9 +168,7 @@ def test_compute_only_timer_runs_multi_step_schedules():
 
 # ---------------------------------------------------------------------------------------------- CLI
 def parse(*argv: str) -> argparse.Namespace:
-    p = argparse.ArgumentParser()
-    cal.add_arguments(p)
-    return p.parse_args(list(argv))
+    return build_parser().parse_args(["calibrate", *argv])
 
 
 def test_cpu_dry_run_writes_a_loadable_profile(tmp_path, capsys):

@@ -15,9 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ringpack.analysis import calibrate as cal
-from ringpack.balancer.cost import CostModel
-from ringpack.balancer.split import split_zigzag
+from ringpack.analysis.calibration import run as cal
+from ringpack.cli import build_parser
+from ringpack.cost import CostModel
+from ringpack.planner.split import split_zigzag
 
 DATA = Path(__file__).parent / "data"
 PROFILES = Path(__file__).resolve().parents[2] / "benchmarks" / "profiles"
@@ -124,9 +125,7 @@ def test_old_reports_are_matched_by_rebuilding_their_shards():
 def test_cli_refit_writes_a_loadable_profile_and_never_overwrites_the_source(tmp_path, capsys):
     src = tmp_path / "old.report.json"
     src.write_bytes(gzip.decompress((DATA / "h200-llama-1b-torch_flash.rows.json.gz").read_bytes()))
-    p = __import__("argparse").ArgumentParser()
-    cal.add_arguments(p)
-    assert cal.run(p.parse_args(["--refit", str(src), "--out", str(tmp_path / "new.json"), "--quiet"])) == 0
+    assert cal.run(build_parser().parse_args(["calibrate", "--refit", str(src), "--out", str(tmp_path / "new.json"), "--quiet"])) == 0
     out = capsys.readouterr().out
     assert "profile model" in out and "kernel model" in out and "same on every rank" in out
     profile = CostModel.load(tmp_path / "new.json")
@@ -135,14 +134,14 @@ def test_cli_refit_writes_a_loadable_profile_and_never_overwrites_the_source(tmp
     assert len(report["microbatches"]) == 1 + max(r["microbatch"] for r in report["grid_rows"] + report["eval_rows"])
     assert np.isfinite(report["kernel_model"]["held_out"]["r"])
     with pytest.raises(ValueError, match="overwrite"):
-        cal.run(p.parse_args(["--refit", str(src), "--out", str(tmp_path / "x.json"), "--report", str(src)]))
+        cal.run(build_parser().parse_args(["calibrate", "--refit", str(src), "--out", str(tmp_path / "x.json"), "--report", str(src)]))
 
 
 def test_hybrid_features_follow_the_dense_shape_buckets():
     """Reports record the schedule's dense buckets; features count a dense part's key tail as a varlen call."""
     import inspect
 
-    from ringpack.analysis.calibration_features import DENSE_BATCHES, DENSE_BUCKETS, DENSE_THRESHOLD
+    from ringpack.analysis.calibration.features import DENSE_BATCHES, DENSE_BUCKETS, DENSE_THRESHOLD
     from ringpack.attention import compile_schedule
     from ringpack.attention.schedule import DEFAULT_DENSE_BUCKETS, DEFAULT_DENSE_THRESHOLD
 

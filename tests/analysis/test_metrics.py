@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from ringpack.analysis.comm_model import CommModel, kv_cross_tokens, microbatch_seconds
 from ringpack.analysis.metrics import evaluate_plan, zigzag_rule_padding
 from ringpack.analysis.report import build_report, result_of_plan
-from ringpack.balancer import make_plan
-from ringpack.balancer.cost import CostModel
-from ringpack.balancer.plan import PlanConfig
+from ringpack.planner import make_plan
+from ringpack.cost import CostModel
+from ringpack.shard_plan import PlanConfig
 from tests.analysis import brute
 from tests.balancer.plan_strategies import random_plan
 
@@ -69,7 +69,7 @@ def test_random_plan_figures_match_brute_force(plan):
 
 def test_matches_the_balancers_plan_costs():
     """Same definitions as the planner's own metrics (one implementation of cost, shared meaning)."""
-    from ringpack.balancer.metrics import plan_costs
+    from ringpack.planner.bounds import plan_costs
 
     lengths = np.random.default_rng(3).integers(1, 200, size=60)
     plan = planned("balanced", "balanced", lengths, dp=3, cp=2, budget=300, per_step=20, model=CostModel.preset("tiny"))

@@ -18,9 +18,9 @@ from ringpack.analysis.report import (
     result_of_plan,
     write_report,
 )
-from ringpack.balancer import make_plan
-from ringpack.balancer.cost import CostModel
-from ringpack.balancer.plan import PlanConfig
+from ringpack.planner import make_plan
+from ringpack.cost import CostModel
+from ringpack.shard_plan import PlanConfig
 from ringpack.cli import main
 from tests.analysis import brute
 
@@ -94,7 +94,7 @@ def test_report_cli_from_lengths_plans_every_strategy(tmp_path, capsys):
 
 def test_report_cli_from_shard_manifest(tmp_path, capsys):
     datasets = pytest.importorskip("datasets")
-    from ringpack.dataloaders.shards import write_shards
+    from ringpack.data.shards import write_shards
 
     rng = np.random.default_rng(1)
     rows = [rng.integers(0, 100, size=int(n)).tolist() for n in LENGTHS[:40]]

@@ -10,9 +10,9 @@ import pytest
 from ringpack.analysis.comm_model import CommModel
 from ringpack.analysis.metrics import evaluate_plan
 from ringpack.analysis.simulate import concat_metrics, simulate, synthetic_lengths
-from ringpack.balancer import make_plan
-from ringpack.balancer.cost import CostModel
-from ringpack.balancer.plan import PlanConfig
+from ringpack.planner import make_plan
+from ringpack.cost import CostModel
+from ringpack.shard_plan import PlanConfig
 from ringpack.cli import main
 
 
@@ -29,7 +29,7 @@ def test_simulate_small_epoch():
     assert doc["format"] == "ringpack-simulation"
     names = [p["name"] for p in doc["plans"]]
     assert names == ["balanced/balanced", "zigzag/balanced", "zigzag/first_fit", "contiguous/first_fit"]
-    from ringpack.balancer.planner import expand_overflow
+    from ringpack.planner.epoch import expand_overflow
 
     docs_total = int(expand_overflow(lengths, cfg.group_capacity)[0].sum())
     for p in doc["plans"]:

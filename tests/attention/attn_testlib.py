@@ -12,8 +12,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from ringpack.balancer.plan import MicroBatch, Piece, microbatch_from_shards
-from ringpack.balancer.split import split_contiguous, split_zigzag
+from ringpack.shard_plan import MicroBatch, Piece, microbatch_from_shards
+from ringpack.planner.split import split_contiguous, split_zigzag
 
 # ------------------------------------------------------------------------------------------ plans
 
@@ -49,8 +49,8 @@ def strategy_microbatch(strategy: str, rng: np.random.Generator, cp: int, num_sa
     elif strategy == "zigzag":
         mb = split_zigzag(samples, lengths_arr.tolist(), cp)
     elif strategy == "balanced":
-        from ringpack.balancer.planner import split_microbatch
-        from ringpack.balancer.plan import PlanConfig
+        from ringpack.planner.epoch import split_microbatch
+        from ringpack.shard_plan import PlanConfig
 
         budget = int(np.ceil(lengths_arr.sum() / cp)) + int(rng.integers(0, 8))
         mb = split_microbatch(samples, lengths_arr.tolist(), PlanConfig(dp=1, cp=cp, tokens_per_rank=budget))

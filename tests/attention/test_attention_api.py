@@ -11,7 +11,7 @@ from tests.attention.attn_testlib import Problem, dense_reference, max_errors, r
 
 
 def _single_rank_problem():
-    from ringpack.balancer.plan import Piece, microbatch_from_shards
+    from ringpack.shard_plan import Piece, microbatch_from_shards
 
     lengths = {4: 6, 9: 1, 2: 11}
     mb = microbatch_from_shards([4, 9, 2], [[Piece(4, 0, 6), Piece(9, 0, 1), Piece(2, 0, 11)]], lengths)
@@ -56,8 +56,9 @@ def test_input_errors_are_clear():
 @pytest.mark.parametrize("strategy", ["balanced", "zigzag", "contiguous"])
 def test_whole_plans_from_make_plan_are_exact(strategy):
     """Every micro-batch of a real plan (dp=2, cp=3) through the engine, all CP ranks in this process."""
-    pytest.importorskip("ringpack.balancer.planner")
-    from ringpack.balancer import PlanConfig, make_plan
+    pytest.importorskip("ringpack.planner.epoch")
+    from ringpack.shard_plan import PlanConfig
+    from ringpack.planner import make_plan
 
     rng = np.random.default_rng(7)
     lengths = rng.integers(1, 60, size=24).tolist()

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ringpack.attention import ScheduleMismatchError, compile_schedule, ring_attention
 from ringpack.attention.schedule import Schedule
-from ringpack.balancer.plan import Piece, microbatch_from_shards
+from ringpack.shard_plan import Piece, microbatch_from_shards
 from tests.attention.attn_testlib import Problem, dense_reference, handmade_microbatches, max_errors, random_microbatch, run_processes, strategy_microbatch
 
 TOL = 1e-10
@@ -219,7 +219,7 @@ def microbatch_swap(mb):
 
 def _have_planner() -> bool:
     try:
-        import ringpack.balancer.planner  # noqa: F401
+        import ringpack.planner.epoch  # noqa: F401
     except Exception:
         return False
     return True

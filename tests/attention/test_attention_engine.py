@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ringpack.balancer.plan import Piece, microbatch_from_shards
+from ringpack.shard_plan import Piece, microbatch_from_shards
 from tests.attention.attn_testlib import Problem, dense_reference, handmade_microbatches, max_errors, random_microbatch, run_all_ranks, strategy_microbatch, zigzag_case
 
 TOL = 1e-10
@@ -39,7 +39,7 @@ def test_handmade_plans_are_exact(name, mb, lengths, heads, kv_heads):
 @pytest.mark.parametrize("cp", [1, 2, 3, 4])
 def test_strategy_plans_are_exact(strategy, cp):
     if strategy == "balanced":
-        pytest.importorskip("ringpack.balancer.planner")
+        pytest.importorskip("ringpack.planner.epoch")
     rng = np.random.default_rng(10 + cp)
     for _ in range(3):
         mb, lengths = strategy_microbatch(strategy, rng, cp, num_samples=int(rng.integers(1, 7)))
@@ -73,7 +73,7 @@ def test_handmade_plans_are_exact_with_the_dense_split(name, mb, lengths, thresh
 @pytest.mark.parametrize("cp", [1, 2, 3, 4])
 def test_strategy_plans_are_exact_with_the_dense_split(strategy, cp):
     if strategy == "balanced":
-        pytest.importorskip("ringpack.balancer.planner")
+        pytest.importorskip("ringpack.planner.epoch")
     rng = np.random.default_rng(20 + cp)
     for threshold, buckets in ((1, 1), (4, 8), (9, None), (4, 2)):
         mb, lengths = strategy_microbatch(strategy, rng, cp, num_samples=int(rng.integers(1, 7)))

@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ringpack.attention import compile_schedule, kernels, ring, schedule
-from ringpack.balancer.plan import MicroBatch, Piece, microbatch_from_shards
+from ringpack.shard_plan import MicroBatch, Piece, microbatch_from_shards
 
 HEADS, KV_HEADS, DIM = 4, 1, 16
 

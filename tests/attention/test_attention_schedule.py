@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from ringpack.attention import compile_schedule
 from ringpack.attention.schedule import Schedule, dense_bucket, dense_bucket_up
-from ringpack.balancer.plan import MicroBatch, Piece, microbatch_from_shards
+from ringpack.shard_plan import MicroBatch, Piece, microbatch_from_shards
 from tests.attention.attn_testlib import handmade_microbatches, random_microbatch, strategy_microbatch, zigzag_case
 
 
@@ -129,7 +129,7 @@ def test_handmade_plans_cover_the_mask_exactly(name, mb, lengths):
 @pytest.mark.parametrize("cp", [1, 2, 3, 4, 5])
 def test_strategy_plans_cover_the_mask_exactly(strategy, cp):
     if strategy == "balanced":
-        pytest.importorskip("ringpack.balancer.planner")
+        pytest.importorskip("ringpack.planner.epoch")
     rng = np.random.default_rng(cp)
     for _ in range(6):
         check_schedule(strategy_microbatch(strategy, rng, cp, num_samples=int(rng.integers(1, 8)))[0])

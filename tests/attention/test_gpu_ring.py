@@ -37,8 +37,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ringpack.attention import compile_schedule, ring_attention
-from ringpack.balancer.plan import Piece, microbatch_from_shards
-from ringpack.balancer.split import split_contiguous, split_zigzag
+from ringpack.shard_plan import Piece, microbatch_from_shards
+from ringpack.planner.split import split_contiguous, split_zigzag
 
 try:
     import pytest

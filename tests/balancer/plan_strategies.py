@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from ringpack.balancer.cost import CostModel
-from ringpack.balancer.plan import MicroBatch, Piece, Plan, PlanConfig, Step, microbatch_from_shards
+from ringpack.cost import CostModel
+from ringpack.shard_plan import MicroBatch, Piece, Plan, PlanConfig, Step, microbatch_from_shards
 
 
 @st.composite

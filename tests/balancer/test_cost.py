@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ringpack.balancer.cost import PRESETS, CostModel, ModelShape, piece_pairs, rank_costs, rank_pairs, scale_to_int
+from ringpack.cost import PRESETS, CostModel, ModelShape, piece_pairs, rank_costs, rank_pairs, scale_to_int
 from tests.balancer.plan_strategies import random_plan
 
 

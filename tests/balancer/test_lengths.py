@@ -10,7 +10,7 @@ import pyarrow.feather as feather
 import pyarrow.parquet as pq
 import pytest
 
-from ringpack.balancer.lengths import lengths_from_arrow, read_lengths
+from ringpack.lengths import lengths_from_arrow, read_lengths
 
 LENGTHS = np.array([3, 1, 7, 2, 9], dtype=np.int64)
 

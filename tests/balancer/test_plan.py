@@ -10,7 +10,7 @@ import sys
 import pytest
 from hypothesis import given
 
-from ringpack.balancer.plan import MicroBatch, Piece, Plan, PlanConfig, PlanError, RankShard, Step, microbatch_from_shards, new_piece, new_rank_shard
+from ringpack.shard_plan import MicroBatch, Piece, Plan, PlanConfig, PlanError, RankShard, Step, microbatch_from_shards, new_piece, new_rank_shard
 from tests.balancer.plan_strategies import random_plan
 
 LENGTHS = (5, 3, 7, 1)
@@ -82,7 +82,7 @@ def test_hash_is_identical_across_processes(tmp_path):
     path = tmp_path / "plan.json"
     plan.save(path)
     code = (
-        "import sys; from ringpack.balancer.plan import Plan, PlanConfig, Step, MicroBatch;"
+        "import sys; from ringpack.shard_plan import Plan, PlanConfig, Step, MicroBatch;"
         f"print(Plan.from_json({str(path)!r}).content_hash)"
     )
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()

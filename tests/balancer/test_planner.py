@@ -13,11 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ringpack
-from ringpack.balancer import make_plan
-from ringpack.balancer.comm import kv_bytes_per_token, kv_traffic, needed_pieces, plan_kv_traffic
-from ringpack.balancer.cost import PRESETS
-from ringpack.balancer.plan import MicroBatch, Piece, Plan, PlanConfig, PlanError, microbatch_from_shards
-from ringpack.balancer.planner import expand_overflow, shuffle_order
+from ringpack.planner import make_plan
+from ringpack.traffic import kv_bytes_per_token, kv_traffic, needed_pieces, plan_kv_traffic
+from ringpack.cost import PRESETS
+from ringpack.shard_plan import MicroBatch, Piece, Plan, PlanConfig, PlanError, microbatch_from_shards
+from ringpack.planner.epoch import expand_overflow, shuffle_order
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -123,8 +123,8 @@ def test_fixed_microbatch_count_is_respected():
 # ------------------------------------------------------------------------------- determinism
 SNIPPET = """
 import json, sys, numpy as np
-from ringpack.balancer import make_plan
-from ringpack.balancer.plan import PlanConfig
+from ringpack.planner import make_plan
+from ringpack.shard_plan import PlanConfig
 lengths = np.random.default_rng(42).integers(1, 20000, size=700)
 out = {}
 for strategy in ("balanced", "zigzag", "contiguous"):
@@ -242,7 +242,7 @@ def test_cli_reports_overflow_as_an_error(tmp_path, capsys):
 
 def test_zigzag_fits_a_tight_budget_that_floor_cuts_overflow():
     """Floor cuts of two 14-token samples over cp=4 put 8 tokens on rank 1; the budget is 7."""
-    from ringpack.balancer.split import split_zigzag
+    from ringpack.planner.split import split_zigzag
 
     assert max(s.num_tokens for s in split_zigzag([0, 1], [14, 14], 4).shards) == 8
     plan = make_plan([14, 14], PlanConfig(dp=1, cp=4, tokens_per_rank=7, strategy="zigzag", microbatches_per_rank=1)).validate()

@@ -7,13 +7,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ringpack.balancer import make_plan
-from ringpack.balancer.comm import kv_traffic, plan_kv_traffic
-from ringpack.balancer.cost import CostModel, rank_costs
-from ringpack.balancer.metrics import plan_costs
-from ringpack.balancer.plan import PlanConfig, PlanError
-from ringpack.balancer.planner import AUTO_MICROBATCH_GAP, step_lower_bound
-from ringpack.balancer.split import split_balanced, split_balanced_many, split_zigzag, split_zigzag_even
+from ringpack.planner import make_plan
+from ringpack.traffic import kv_traffic, plan_kv_traffic
+from ringpack.cost import CostModel, rank_costs
+from ringpack.planner.bounds import plan_costs
+from ringpack.shard_plan import PlanConfig, PlanError
+from ringpack.planner.epoch import AUTO_MICROBATCH_GAP, step_lower_bound
+from ringpack.planner.split import split_balanced, split_balanced_many, split_zigzag, split_zigzag_even
 
 STRATEGIES = ("balanced", "zigzag", "contiguous")
 MODELS = {name: CostModel.preset(name) for name in ("llama3-8b", "tiny")}
@@ -217,7 +217,7 @@ def dp_weight(plan, step):
     st.sampled_from(sorted(MODELS)),
 )
 def test_balanced_split_is_valid_for_any_budget_that_fits(lengths, cp, slack, model):
-    from ringpack.balancer.plan import Plan, Step
+    from ringpack.shard_plan import Plan, Step
 
     budget = -(-sum(lengths) // cp) + slack  # from "every rank full" upwards
     mb = split_balanced(list(range(len(lengths))), lengths, cp, budget, MODELS[model])
@@ -257,7 +257,7 @@ def test_splitting_many_micro_batches_at_once_equals_one_at_a_time(slack):
 def test_split_samples_last_pieces_fill_a_rank():
     """A sample too costly for one GPU sends everything before its last piece; carving gives that
     piece a rank of its own, so it is as long as a whole rank's cost allows."""
-    from ringpack.balancer.split_pieces import suffix_start
+    from ringpack.planner.split.pieces import suffix_start
 
     cost = MODELS["llama3-8b"]
     rng = np.random.default_rng(7)
@@ -287,8 +287,8 @@ def test_balanced_split_is_robust_to_a_mispriced_cost_model():
     """With the token guard, a split planned with FLOP costs stays balanced when attention really
     costs 2x more (or tokens do): equal cost with near-equal tokens means near-equal pairs. Without
     the guard the same data is off by up to ~19%, which is what the guard is for."""
-    from ringpack.balancer.cost import CostModel, rank_costs
-    from ringpack.balancer.split import RECOMMENDED_TOKEN_SLACK, split_balanced
+    from ringpack.cost import CostModel, rank_costs
+    from ringpack.planner.split import RECOMMENDED_TOKEN_SLACK, split_balanced
 
     rng = np.random.default_rng(7)
     flops = CostModel.preset("llama-1b")

@@ -19,7 +19,7 @@ def random_samples(n: int, seed: int = 0, max_len: int = 300, vocab: int = 1000)
 
 def corpus_jsonl(path: Path, n_files: int = 200) -> Path:
     """The first ``n_files`` documents of the stdlib corpus (every 5th file, for a varied mix) as JSON lines."""
-    from ringpack.dataloaders.corpus import stdlib_corpus
+    from ringpack.data.corpus import stdlib_corpus
 
     corpus = stdlib_corpus()
     names = corpus.names[:: max(1, len(corpus.names) // n_files)][:n_files]

@@ -12,7 +12,7 @@ import pytest
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 datasets = pytest.importorskip("datasets")
 
-from ringpack.dataloaders.lengths import DataError, lengths_from_dataset, sample_lengths  # noqa: E402
+from ringpack.lengths import DataError, lengths_from_dataset, sample_lengths  # noqa: E402
 
 
 def list_dataset(lengths: np.ndarray) -> "datasets.Dataset":
@@ -57,7 +57,7 @@ def test_arrays_and_files(tmp_path):
     torch = pytest.importorskip("torch")
     assert sample_lengths(torch.tensor([2, 9])).tolist() == [2, 9]
     try:
-        import ringpack.balancer.lengths  # noqa: F401
+        import ringpack.lengths  # noqa: F401
     except ImportError:
         pytest.skip("the balancer's file reader has not landed")
     path = tmp_path / "lengths.npy"
@@ -66,13 +66,13 @@ def test_arrays_and_files(tmp_path):
 
 
 def test_bad_inputs_are_clear_errors():
-    with pytest.raises(DataError, match="sample 2 has 0 tokens"):
+    with pytest.raises(DataError, match="sample 2 has length 0"):
         sample_lengths(datasets.Dataset.from_dict({"input_ids": [[1], [2, 3], []]}))
     with pytest.raises(DataError, match="no column 'input_ids'.*text_column"):
         sample_lengths(datasets.Dataset.from_dict({"text": ["a"]}))
     with pytest.raises(DataError, match="not a list of token ids"):
         lengths_from_dataset(datasets.Dataset.from_dict({"input_ids": [1, 2]}))
-    with pytest.raises(DataError, match="sample 1 has -2"):
+    with pytest.raises(DataError, match="sample 1 has length -2"):
         sample_lengths([3, -2])
     with pytest.raises(DataError, match="1-D"):
         sample_lengths([[1, 2]])

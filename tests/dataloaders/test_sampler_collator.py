@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from ringpack.balancer.plan import PlanError
-from ringpack.dataloaders import BalancedBatchSampler, DataError, MicroBatchTicket, PackedCollator, PackedDataset
+from ringpack.shard_plan import PlanError
+from ringpack.data import BalancedBatchSampler, DataError, MicroBatchTicket, PackedCollator, PackedDataset
 from tests.dataloaders.helpers import Coverage, batch_signature, random_samples
 
 DP, CP, T = 2, 2, 256
@@ -165,7 +165,7 @@ def test_ticket_pickles_as_plain_data(samples):
     copy = pickle.loads(pickle.dumps(ticket))
     assert copy.microbatch == ticket.microbatch and copy.cursor == ticket.cursor and list(copy) == list(ticket)
     blob = pickle.dumps(ticket)
-    assert b"ringpack.balancer" not in blob, "no plan objects in the pickle"
+    assert b"ringpack.planner" not in blob, "no plan objects in the pickle"
     assert b"_plans" not in pickle.dumps(sampler) or not pickle.loads(pickle.dumps(sampler))._plans
 
 
@@ -221,7 +221,7 @@ def test_collator_errors(samples):
         PackedCollator(2, 2)
     with pytest.raises(DataError, match="no column"):
         PackedDataset(__import__("datasets").Dataset.from_dict({"text": ["a"]}))
-    with pytest.raises(DataError, match="sample 3 has 0 tokens"):
+    with pytest.raises(DataError, match="sample 3 has length 0"):
         BalancedBatchSampler([4, 5, 6, 0], 0, 1, 1, 100)
     with pytest.raises(DataError, match="dp_rank"):
         BalancedBatchSampler([4, 5], 2, 2, 1, 100)

@@ -14,12 +14,12 @@ import pytest
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 datasets = pytest.importorskip("datasets")
 
-from ringpack.balancer.plan import PlanConfig  # noqa: E402
-from ringpack.balancer.planner import expand_overflow  # noqa: E402
+from ringpack.shard_plan import PlanConfig  # noqa: E402
+from ringpack.planner.epoch import expand_overflow  # noqa: E402
 from ringpack.cli import main  # noqa: E402
-from ringpack.dataloaders import BalancedBatchSampler, DataError, PackedCollator, PackedDataset, ShardReader  # noqa: E402
-from ringpack.dataloaders import shards as shards_mod  # noqa: E402
-from ringpack.dataloaders.shards import file_sha256, load_source, regex_token_ids, tokenize_dataset, write_shards  # noqa: E402
+from ringpack.data import BalancedBatchSampler, DataError, PackedCollator, PackedDataset, ShardReader  # noqa: E402
+from ringpack.data import shards as shards_mod  # noqa: E402
+from ringpack.data.shards import file_sha256, load_source, regex_token_ids, tokenize_dataset, write_shards  # noqa: E402
 from tests.dataloaders.helpers import Coverage, batch_signature, corpus_jsonl  # noqa: E402
 
 DP, CP, T = 2, 2, 4096
@@ -161,7 +161,7 @@ def test_steps_per_file_and_bad_inputs(corpus, tmp_path, capsys):
     jsonl.write_text("\n".join(json.dumps({"text": t}) for t in ["a b", "", "c"]) + "\n")
     base = ["--out", str(tmp_path / "x"), "--dp", "1", "--cp", "1", "--tokens-per-rank", "64", "--cache-dir", corpus["cache"], "--no-progress"]
     assert main(["shard", str(jsonl), *base]) == 1
-    assert "sample 1 has 0 tokens" in capsys.readouterr().err
+    assert "sample 1 has length 0" in capsys.readouterr().err
     assert main(["shard", str(jsonl), "--column", "ids", "--text-column", "body", *base]) == 1
     assert "no column 'body'" in capsys.readouterr().err
     assert main(["shard", str(tmp_path / "missing.parquet"), *base]) == 1

@@ -69,7 +69,7 @@ def worker(rank: int, world: int) -> dict | None:
 
 def reference(example, args):
     """Per-sample eager training on one process, over the same global batches."""
-    from ringpack.dataloaders import BalancedBatchSampler
+    from ringpack.data import BalancedBatchSampler
 
     samples = example.samples_for(args)
     sampler = BalancedBatchSampler([len(s) for s in samples], 0, WORLD // args.cp, args.cp, args.tokens_per_rank,

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import math
 
-from ringpack.balancer.split_pieces import piece_cost, suffix_start
+from ringpack.planner.split.pieces import piece_cost, suffix_start
 
 __all__ = ["cut_suffixes", "choose_suffix_cuts"]
 
 
 def cut_suffixes(leftovers, lens, room, troom, shards, cp, a, b, seg, longest_last=False, probe=False):
-    """Step 3 of :func:`~ringpack.balancer.split_balanced.split_balanced`: cut the samples that fit whole
+    """Step 3 of :func:`~ringpack.planner.split.balanced.split_balanced`: cut the samples that fit whole
     nowhere from the back.
 
     Each suffix goes to the rank needing the densest content (highest cost room per free token),

@@ -1,6 +1,6 @@
 """Costs of a plan, vectorised over its piece table: what the planner balances and the benchmark reports.
 
-Definitions (the same as :mod:`ringpack.balancer.planner`; all in the plan's cost unit):
+Definitions (the same as :mod:`ringpack.planner.epoch`; all in the plan's cost unit):
 
 * ``mb_rank_cost[s, d, i, c]`` -- cost of CP rank ``c`` in micro-batch ``i`` of DP rank ``d`` at
   step ``s``: ``CostModel.cost(tokens, exact causal pairs, segments)`` of its pieces (0 where
@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Callable, Mapping
 
 import numpy as np
 
-from ringpack.balancer.cost import piece_pairs
+from ringpack.cost import piece_pairs
 
 if TYPE_CHECKING:
-    from ringpack.balancer.plan import Plan
+    from ringpack.shard_plan import Plan
 
 __all__ = ["plan_costs", "cell_index", "rank_grid", "critical_path"]
 

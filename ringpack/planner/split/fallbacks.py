@@ -5,23 +5,23 @@ free tokens are too cheap to reach their cost. :func:`retry_with_fallbacks` then
 cut more samples but balance more surely, in order: the costliest samples zigzagged first
 (:func:`_balanced_shards`), whole short samples around deficit-driven zigzag of the long ones
 (:func:`_hybrid_shards`), and every sample zigzagged with tokens even to one
-(:func:`~ringpack.balancer.split_baselines.zigzag_even_shards`), which always fits.
+(:func:`~ringpack.planner.split.baselines.zigzag_even_shards`), which always fits.
 """
 
 from __future__ import annotations
 
 import math
 
-from ringpack.balancer.split_baselines import zigzag_even_shards
-from ringpack.balancer.split_best_fit import best_fit
-from ringpack.balancer.split_pieces import piece_cost
-from ringpack.balancer.split_suffix_cuts import cut_suffixes
+from ringpack.planner.split.baselines import zigzag_even_shards
+from ringpack.planner.split.best_fit import best_fit
+from ringpack.planner.split.pieces import piece_cost
+from ringpack.planner.split.suffix_cuts import cut_suffixes
 
 __all__ = ["retry_with_fallbacks"]
 
 
 def retry_with_fallbacks(best, lens, w, order, cp, tpr, a, b, seg, cap, ideal, accept, tolerance):
-    """The fallbacks of :func:`~ringpack.balancer.split_balanced.split_balanced` for a micro-batch the first
+    """The fallbacks of :func:`~ringpack.planner.split.balanced.split_balanced` for a micro-batch the first
     pass leaves unbalanced.
 
     The first candidate within ``accept`` wins; without one, the lowest max rank cost (earlier
@@ -46,7 +46,7 @@ def retry_with_fallbacks(best, lens, w, order, cp, tpr, a, b, seg, cap, ideal, a
 
 
 def _balanced_shards(lens, w, order, cp, tokens_per_rank, a, b, seg, cap, density_factor, zigzag_over=math.inf):
-    """One pass of :func:`~ringpack.balancer.split_balanced.split_balanced` (cuts by density); returns the
+    """One pass of :func:`~ringpack.planner.split.balanced.split_balanced` (cuts by density); returns the
     shards and the largest rank cost."""
     shards, room, troom, leftovers = best_fit(lens, w, order, cp, tokens_per_rank, a, b, seg, cap, density_factor, zigzag_over)
     if leftovers is None:

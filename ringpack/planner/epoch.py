@@ -14,19 +14,19 @@ so every rank computes the same plan, with the same number of steps, without com
    ``samples_per_step`` (``0``: one step with all). Balancing happens only *inside* a global batch:
    the data order stays random, never sorted by length. A last global batch too small to give every
    DP rank its micro-batches joins the one before it, so no sample is lost.
-3. **Packing + DP balance** (:mod:`ringpack.balancer.packing`): ``m`` micro-batches per DP rank
+3. **Packing + DP balance** (:mod:`ringpack.planner.packing`): ``m`` micro-batches per DP rank
    and samples into the ``dp x m`` bins, every bin non-empty and within ``cp * tokens_per_rank``
    tokens. ``packing="balanced"``: cost-descending greedy (least-loaded DP rank that fits), then
    local search (moves and swaps off the heaviest rank), then -- only when
    ``solver_time_limit_s > 0`` and the gap to the lower bound is still above 0.1% -- CP-SAT
-   warm-started from the heuristic, with a deterministic time limit (:mod:`ringpack.balancer.solver`);
+   warm-started from the heuristic, with a deterministic time limit (:mod:`ringpack.planner.solver`);
    the better answer is kept. ``solver_time_limit_s=0`` (the default) is heuristics only.
    ``packing="first_fit"``: the token-count baseline. ``microbatches_per_rank=0`` picks the fewest
    micro-batches that hold the tokens; if the token budget then keeps the step more than
    :data:`AUTO_MICROBATCH_GAP` above its bound, one more is tried and the better kept.
    A step with fewer samples than ``dp * m`` bins raises :class:`PlanError` naming the step and the
    counts (except the last global batch, which joins the one before it).
-4. **CP split** of every micro-batch by ``strategy`` (:mod:`ringpack.balancer.split`).
+4. **CP split** of every micro-batch by ``strategy`` (:mod:`ringpack.planner.split`).
 5. **Lower bound** (:func:`step_lower_bound`) on every step.
 
 Step cost, the quantity balanced and bounded: a micro-batch costs the *max* over its CP ranks of
@@ -41,9 +41,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ringpack.balancer.cost import CostModel
-from ringpack.balancer.plan import MicroBatch, Plan, PlanConfig, PlanError, Step
-from ringpack.balancer.split import split_balanced, split_balanced_many, split_contiguous, split_zigzag, split_zigzag_even
+from ringpack.cost import CostModel
+from ringpack.lengths import check_lengths
+from ringpack.shard_plan import MicroBatch, Plan, PlanConfig, PlanError, Step
+from ringpack.planner.split import split_balanced, split_balanced_many, split_contiguous, split_zigzag, split_zigzag_even
 
 __all__ = ["make_plan", "as_lengths", "expand_overflow", "shuffle_order", "step_lower_bound", "split_microbatch"]
 
@@ -57,22 +58,10 @@ AUTO_MICROBATCH_GAP = 0.01
 # ----------------------------------------------------------------------------------------- inputs
 def as_lengths(lengths: Any) -> np.ndarray:
     """Validate and convert lengths to a 1-D int64 array; :class:`PlanError` names the first bad sample."""
-    arr = np.asarray(lengths)
-    if arr.ndim != 1:
-        raise PlanError(f"lengths must be a 1-D sequence of integers, got shape {arr.shape}")
+    arr = check_lengths(lengths, error=PlanError)
     if arr.size == 0:
         raise PlanError("no samples to plan: lengths is empty")
-    if arr.dtype.kind == "f":
-        bad = np.flatnonzero(~np.isfinite(arr) | (arr != np.round(arr)))
-        if bad.size:
-            raise PlanError(f"sample {int(bad[0])} has length {float(arr[bad[0]])!r}; lengths must be integers")
-    elif arr.dtype.kind not in "iub":
-        raise PlanError(f"lengths must be integers, got dtype {arr.dtype}")
-    out = arr.astype(np.int64)
-    bad = np.flatnonzero(out < 1)
-    if bad.size:
-        raise PlanError(f"sample {int(bad[0])} has length {int(out[bad[0]])}; lengths must be >= 1 ({bad.size} such samples)")
-    return out
+    return arr
 
 
 def expand_overflow(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -169,7 +158,7 @@ def _windows(order: np.ndarray, per_step: int, min_samples: int) -> list[np.ndar
 
 
 def _plan_step(index: int, ids: np.ndarray, lengths: np.ndarray, config: PlanConfig, length_list: list[int]) -> Step:
-    from ringpack.balancer import packing
+    from ringpack.planner import packing
 
     dp, cp = config.dp, config.cp
     capacity = config.group_capacity
@@ -209,7 +198,7 @@ def _plan_step(index: int, ids: np.ndarray, lengths: np.ndarray, config: PlanCon
             bins = packing.fill_empty_bins(bins, W, L, dp, m, capacity)
             bins = packing.improve(bins, W, L, dp, m, capacity, bound * cp)
             if config.solver_time_limit_s > 0:
-                from ringpack.balancer import solver
+                from ringpack.planner import solver
 
                 bins = solver.refine(bins, W, L, dp, m, capacity, bound * cp, config.solver_time_limit_s)
             top = float(packing.dp_loads(bins, W, dp, m).max())

@@ -1,13 +1,13 @@
 """``PackedDataset`` + ``PackedCollator``: one CP rank's tensors for a planned micro-batch.
 
-Use with :class:`~ringpack.dataloaders.sampler.BalancedBatchSampler`::
+Use with :class:`~ringpack.data.sampler.BalancedBatchSampler`::
 
     sampler = BalancedBatchSampler(lengths, dp_rank, dp_size, cp_size, tokens_per_rank)
     loader = DataLoader(PackedDataset(hf_dataset), batch_sampler=sampler,
                         collate_fn=PackedCollator(cp_rank, cp_size), num_workers=2)
 
 The sampler yields a ticket per micro-batch (sample indices + the micro-batch's plan, see
-:mod:`ringpack.dataloaders.sampler`); ``PackedDataset.__getitems__`` fetches those samples' token
+:mod:`ringpack.data.sampler`); ``PackedDataset.__getitems__`` fetches those samples' token
 ids and passes the ticket along; the collator cuts out this CP rank's pieces. Nothing re-plans in
 worker processes, so the tensors always follow the plan the main process iterates.
 
@@ -52,9 +52,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ringpack.balancer.plan import MicroBatch
-from ringpack.dataloaders.lengths import DataError
-from ringpack.dataloaders.sampler import MicroBatchTicket
+from ringpack.shard_plan import MicroBatch
+from ringpack.lengths import DataError
+from ringpack.data.sampler import MicroBatchTicket
 
 __all__ = ["PackedDataset", "PackedSamples", "PackedCollator", "SCHEDULE_OPTIONS", "check_schedule_options", "rank_arrays", "to_batch", "IGNORE_INDEX"]
 

@@ -17,9 +17,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ringpack.balancer.cost import CostModel
-from ringpack.balancer.plan import MicroBatch, Piece, microbatch_from_shards
-from ringpack.balancer.split import split_balanced, split_contiguous, split_zigzag
+from ringpack.cost import CostModel
+from ringpack.shard_plan import MicroBatch, Piece, microbatch_from_shards
+from ringpack.planner.split import split_balanced, split_contiguous, split_zigzag
 
 GRIDS = ("full", "quick", "tiny")
 EVAL_STRATEGIES = ("contiguous", "zigzag", "balanced")
@@ -120,7 +120,7 @@ _GRID_SPEC: dict[str, dict[str, Any]] = {
 
 
 def grid_cases(grid: str = "full", seed: int = 0) -> list[Case]:
-    """The rank shards timed for the fit (see :mod:`ringpack.analysis.calibrate`'s docstring)."""
+    """The rank shards timed for the fit (see :mod:`ringpack.analysis.calibration.run`'s docstring)."""
     if grid not in _GRID_SPEC:
         raise ValueError(f"unknown grid {grid!r}; choose one of {GRIDS}")
     spec = _GRID_SPEC[grid]

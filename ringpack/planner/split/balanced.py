@@ -4,9 +4,9 @@ that must be split are split, and each rank's cost comes within a tolerance of t
 :func:`split_balanced` splits one micro-batch; :func:`split_balanced_many` splits many with the
 same result, sharing the work (the planner's path). This module holds the tolerances, the flow of
 one micro-batch and the carving of split samples' last pieces (step 2a); the other steps have
-modules of their own: best fit (:mod:`~ringpack.balancer.split_best_fit`), suffix cuts
-(:mod:`~ringpack.balancer.split_suffix_cuts`) and the fallbacks for tight token budgets
-(:mod:`~ringpack.balancer.split_fallbacks`).
+modules of their own: best fit (:mod:`~ringpack.planner.split.best_fit`), suffix cuts
+(:mod:`~ringpack.planner.split.suffix_cuts`) and the fallbacks for tight token budgets
+(:mod:`~ringpack.planner.split.fallbacks`).
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from ringpack.balancer.plan import MicroBatch
-from ringpack.balancer.split_best_fit import best_fit, best_fit_lockstep
-from ringpack.balancer.split_fallbacks import retry_with_fallbacks
-from ringpack.balancer.split_pieces import microbatch_from_slots, piece_cost, suffix_start
-from ringpack.balancer.split_suffix_cuts import choose_suffix_cuts, cut_suffixes
+from ringpack.shard_plan import MicroBatch
+from ringpack.planner.split.best_fit import best_fit, best_fit_lockstep
+from ringpack.planner.split.fallbacks import retry_with_fallbacks
+from ringpack.planner.split.pieces import microbatch_from_slots, piece_cost, suffix_start
+from ringpack.planner.split.suffix_cuts import choose_suffix_cuts, cut_suffixes
 
 if TYPE_CHECKING:
-    from ringpack.balancer.cost import CostModel
+    from ringpack.cost import CostModel
 
 __all__ = ["split_balanced", "split_balanced_many", "CP_BALANCE_TOLERANCE", "RECOMMENDED_TOKEN_SLACK", "LOCKSTEP_MIN_GROUPS"]
 
@@ -82,8 +82,8 @@ def split_balanced(
     When tokens are tight (little free token room), step 2 can leave ranks that cannot be
     balanced; the split is then retried with the costliest samples zigzagged first, then with
     whole short samples around deficit-driven zigzag of the long ones, and
-    :func:`~ringpack.balancer.split_baselines.split_zigzag_even` (every sample zigzagged, tokens
-    even to one) is the last resort (:mod:`~ringpack.balancer.split_fallbacks`). The first
+    :func:`~ringpack.planner.split.baselines.split_zigzag_even` (every sample zigzagged, tokens
+    even to one) is the last resort (:mod:`~ringpack.planner.split.fallbacks`). The first
     candidate within ``2 * tolerance`` of the ideal wins, else the one with the lowest max rank
     cost (earlier candidates, which split less, win ties within ``tolerance``). The token room is
     never exceeded, so every micro-batch of at most ``cp * tokens_per_rank`` tokens gets a valid

@@ -13,8 +13,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ringpack.balancer.plan import MicroBatch, Piece, microbatch_from_shards
-from ringpack.balancer.split_pieces import microbatch_from_slots, piece_cost
+from ringpack.shard_plan import MicroBatch, Piece, microbatch_from_shards
+from ringpack.planner.split.pieces import microbatch_from_slots, piece_cost
 
 __all__ = ["split_contiguous", "split_zigzag", "split_zigzag_even", "zigzag_even_shards", "zigzag_even_chunks"]
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ringpack.balancer.cost import scale_to_int
+from ringpack.cost import scale_to_int
 
 __all__ = ["refine", "GAP_THRESHOLD", "MAX_BOOLEANS"]
 

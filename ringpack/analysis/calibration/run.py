@@ -50,9 +50,9 @@ The profile is a :class:`CostModel` in seconds for one forward+backward of the *
 the model preset's, because the communication model looks the K/V shape up by that name.
 
 This module is the entry point (:func:`calibrate`, :func:`refit`, the CLI); the steps live in
-:mod:`~ringpack.analysis.calibration_cases` (the grid and held-out shards),
-:mod:`~ringpack.analysis.calibration_features` (what the models see of a shard),
-:mod:`~ringpack.analysis.calibration_timing` (step 2) and :mod:`~ringpack.analysis.calibration_fit`
+:mod:`~ringpack.analysis.calibration.cases` (the grid and held-out shards),
+:mod:`~ringpack.analysis.calibration.features` (what the models see of a shard),
+:mod:`~ringpack.analysis.calibration.timing` (step 2) and :mod:`~ringpack.analysis.calibration.fit`
 (steps 3-4). They import only numpy, torch (lazily), the balancer's cost/plan/split and the
 attention runtime, so they run on a bare GPU machine.
 """
@@ -69,17 +69,17 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ringpack.analysis.calibration_cases import (EVAL_STRATEGIES, GRIDS, Case, cases_from_geometry, eval_cases, grid_cases,
+from ringpack.analysis.calibration.cases import (EVAL_STRATEGIES, GRIDS, Case, cases_from_geometry, eval_cases, grid_cases,
                                                  rank_cases)
-from ringpack.analysis.calibration_features import (DENSE_BATCHES, DENSE_BUCKETS, DENSE_THRESHOLD, KERNEL_FEATURES, LOCAL_REST, PROFILE_FEATURES, compiled_schedule, feature_matrix,
+from ringpack.analysis.calibration.features import (DENSE_BATCHES, DENSE_BUCKETS, DENSE_THRESHOLD, KERNEL_FEATURES, LOCAL_REST, PROFILE_FEATURES, compiled_schedule, feature_matrix,
                                                     kernel_features, planner_features, rank_features, schedule_calls,
                                                     segment_pairs, segment_tiles)
-from ringpack.analysis.calibration_fit import Calibration, analyse, fit_nnls, nnls, pearson, quality
-from ringpack.analysis.calibration_timing import (TIMERS, AttentionShape, Clock, device_name, estimate_seconds, time_case,
+from ringpack.analysis.calibration.fit import Calibration, analyse, fit_nnls, nnls, pearson, quality
+from ringpack.analysis.calibration.timing import (TIMERS, AttentionShape, Clock, device_name, estimate_seconds, time_case,
                                                   time_linear)
-from ringpack.balancer.cost import PRESETS, CostModel, ModelShape
+from ringpack.cost import PRESETS, CostModel, ModelShape
 
-# the public surface of calibration, re-exported here (``from ringpack.analysis import calibrate as cal``)
+# the public surface of calibration, re-exported here
 __all__ = [
     "AttentionShape",
     "Case",
@@ -88,7 +88,6 @@ __all__ = [
     "EVAL_STRATEGIES",
     "GRIDS",
     "KERNEL_FEATURES",
-    "add_arguments",
     "analyse",
     "calibrate",
     "compiled_schedule",
@@ -251,31 +250,6 @@ def _match(rows: Sequence[dict[str, Any]], cases: Sequence[Case], dropped: list[
 # ----------------------------------------------------------------------------------------------- CLI
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """Options of ``ringpack calibrate``."""
-    p.add_argument("--out", default="ringpack-profile.json", help="profile JSON to write (default ringpack-profile.json)")
-    p.add_argument("--report", help="calibration report JSON (default: the profile's name with .report.json)")
-    p.add_argument("--model", default="llama3-8b", help=f"model preset for layers and linear layers ({', '.join(PRESETS)}; default llama3-8b)")
-    p.add_argument("--heads", type=int, help="query heads (default: the preset's)")
-    p.add_argument("--kv-heads", type=int, help="key/value heads (default: the preset's)")
-    p.add_argument("--head-dim", type=int, help="head dim (default: the preset's)")
-    p.add_argument("--layers", type=int, help="layers the profile covers (default: the preset's)")
-    p.add_argument("--mode", default="linear", choices=["linear", "attention"],
-                   help="linear: also time the linear layers' GEMMs per token (default); attention: attention-only profile")
-    p.add_argument("--backend", default="auto", help="attention kernel backend timed: auto (what training picks), or one of ringpack.attention.BACKENDS")
-    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cuda (default); cpu only for a dry run with --backend reference")
-    p.add_argument("--grid", choices=GRIDS, help="shape grid (default full; quick with --quick; tiny on cpu)")
-    p.add_argument("--quick", action="store_true", help="a smaller grid (about a third of the time)")
-    p.add_argument("--reps", type=int, default=5, help="timed repetitions per shard, median taken (default 5)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed runs per shard first (default 1)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timer", default="gpu", choices=TIMERS,
-                   help="gpu: each shard's GPU execution, host launch time hidden (default); wall: from the first launch, host overhead included")
-    p.add_argument("--refit", metavar="REPORT",
-                   help="no GPU: refit the models on the measurements of a stored calibration report and write a new profile and report")
-    p.add_argument("--quiet", action="store_true", help="only the summary")
-
-
 def run(args: argparse.Namespace) -> int:
     """``ringpack calibrate``: exit 0 with the profile written, 2 when no usable device."""
     import torch
@@ -393,19 +367,3 @@ def format_summary(result: Calibration, verbose: bool = True) -> str:
     if dropped:
         lines.append(f"refit: {len(dropped)} stored rows dropped (no matching shard in this version's grid)")
     return "\n".join(lines)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m ringpack.analysis.calibrate`` (same options as ``ringpack calibrate``)."""
-    parser = argparse.ArgumentParser(prog="ringpack calibrate", description=__doc__.split("\n\n")[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"ringpack calibrate: error: {exc}", file=sys.stderr)
-        return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

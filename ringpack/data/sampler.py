@@ -10,10 +10,10 @@ rank holds), not just sample ids. So:
    the micro-batch's canonical order, so any code that treats it as a list of indices still works)
    that also carries the micro-batch's plan (its pieces on every CP rank) and where it sits
    (epoch, step, index in the step, cursor, the step's global loss-token count, the plan hash);
-2. :class:`~ringpack.dataloaders.collator.PackedDataset` wraps the user's dataset; its
+2. :class:`~ringpack.data.collator.PackedDataset` wraps the user's dataset; its
    ``__getitems__`` (which ``DataLoader`` calls with the whole ticket) returns the ticket together
    with the samples' token ids;
-3. :class:`~ringpack.dataloaders.collator.PackedCollator` cuts this CP rank's pieces out of them.
+3. :class:`~ringpack.data.collator.PackedCollator` cuts this CP rank's pieces out of them.
 
 The plan is computed once per epoch, in the process that iterates the sampler (the main process);
 workers never re-plan, so they cannot disagree with it. A ticket crossing into a worker is ordinary
@@ -44,8 +44,8 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from ringpack.balancer.plan import MicroBatch, Piece, Plan, PlanConfig, RankShard
-from ringpack.dataloaders.lengths import DataError, sample_lengths
+from ringpack.shard_plan import MicroBatch, Piece, Plan, PlanConfig, RankShard
+from ringpack.lengths import DataError, sample_lengths
 
 __all__ = ["BalancedBatchSampler", "MicroBatchTicket", "STATE_VERSION"]
 
@@ -180,7 +180,7 @@ class BalancedBatchSampler(_SamplerBase):
         """The (cached) plan of ``epoch`` (default: the current one), identical on every rank."""
         epoch = self.epoch if epoch is None else int(epoch)
         if epoch not in self._plans:
-            from ringpack.balancer import make_plan
+            from ringpack.planner import make_plan
 
             config = PlanConfig.from_dict({**self.config.to_dict(), "epoch": epoch})
             if len(self._plans) >= 2:  # keep the current epoch's plan and this one

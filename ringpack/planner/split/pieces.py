@@ -1,9 +1,9 @@
 """What the CP split modules share: the cost of one piece of a sample, its inverse, and the
-:class:`~ringpack.balancer.plan.MicroBatch` of shards given as ``(slot, start, stop)`` triples.
+:class:`~ringpack.shard_plan.MicroBatch` of shards given as ``(slot, start, stop)`` triples.
 
 Why these forms: the splits run their inner loops on positions in the micro-batch (slots) and on
 the cost model's coefficients as plain floats (``a`` per token, ``b`` per causal pair, ``seg`` per
-piece), which is cheaper than building :class:`~ringpack.balancer.plan.Piece` objects and calling
+piece), which is cheaper than building :class:`~ringpack.shard_plan.Piece` objects and calling
 the cost model; the pieces become a MicroBatch once, at the end. :func:`suffix_start` repeats
 :func:`piece_cost`'s arithmetic operation for operation (the same floats), so a suffix it finds
 within a room stays within it when :func:`piece_cost` prices it: change the two together.
@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from ringpack.balancer.plan import MicroBatch, Piece, microbatch_from_shards, new_rank_shard
+from ringpack.shard_plan import MicroBatch, Piece, microbatch_from_shards, new_rank_shard
 
 __all__ = ["piece_cost", "suffix_start", "microbatch_from_slots"]
 

@@ -13,9 +13,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ringpack.analysis.calibration_cases import Case
-from ringpack.analysis.calibration_features import compiled_schedule, kernel_features
-from ringpack.balancer.cost import ModelShape
+from ringpack.analysis.calibration.cases import Case
+from ringpack.analysis.calibration.features import compiled_schedule, kernel_features
+from ringpack.cost import ModelShape
 
 TIMERS = ("gpu", "wall")
 

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from ringpack.balancer.cost import ModelShape
-    from ringpack.balancer.plan import MicroBatch, Plan
+    from ringpack.cost import ModelShape
+    from ringpack.shard_plan import MicroBatch, Plan
 
 __all__ = ["KVTraffic", "kv_bytes_per_token", "needed_pieces", "kv_traffic", "plan_kv_traffic"]
 

@@ -33,9 +33,9 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from ringpack.balancer.plan import MicroBatch, Plan, PlanConfig
-from ringpack.dataloaders.collator import IGNORE_INDEX, check_schedule_options, rank_arrays, to_batch
-from ringpack.dataloaders.lengths import DataError, lengths_from_dataset
+from ringpack.shard_plan import MicroBatch, Plan, PlanConfig
+from ringpack.data.collator import IGNORE_INDEX, check_schedule_options, rank_arrays, to_batch
+from ringpack.lengths import DataError, lengths_from_dataset
 
 __all__ = [
     "write_shards",
@@ -87,7 +87,7 @@ def regex_token_ids(text: str, vocab_size: int = 65536) -> list[int]:
     tokens may share an id (a hashed vocabulary). Use ``--tokenizer tokenizer.json`` for a real
     model's ids.
     """
-    from ringpack.dataloaders.corpus import regex_tokenize
+    from ringpack.data.corpus import regex_tokenize
 
     cache: dict[str, int] = {}
     out = []
@@ -256,7 +256,7 @@ def write_shards(
     import pyarrow.parquet as pq
     from tqdm.auto import tqdm
 
-    from ringpack.balancer import make_plan
+    from ringpack.planner import make_plan
 
     out = Path(out_dir)
     lengths = lengths_from_dataset(dataset, column)
@@ -409,7 +409,7 @@ def write_shards(
 class ShardReader:
     """Stream one (DP rank, CP rank)'s micro-batches back from a shard directory.
 
-    Yields exactly the dicts :class:`~ringpack.dataloaders.collator.PackedCollator` makes for the
+    Yields exactly the dicts :class:`~ringpack.data.collator.PackedCollator` makes for the
     same plan (same keys, same tensors). ``dp_size``/``cp_size``, when given, must match the
     manifest. ``verify`` checks each file's sha256 against the manifest before reading it (a
     mismatch names the file). ``schedule``/``schedule_options``: as for ``PackedCollator``.

@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import numpy as np
 
-from ringpack.balancer.cost import CostModel
+from ringpack.errors import PlanError
+from ringpack.cost import CostModel
 
 if TYPE_CHECKING:  # pyarrow is imported lazily: the attention runtime must import without it
     import pyarrow as pa
@@ -46,10 +47,6 @@ FORMAT_VERSION = 1
 STRATEGIES = ("balanced", "zigzag", "contiguous")
 OVERFLOW_POLICIES = ("error", "split", "drop")
 TABLE_COLUMNS = ("step", "dp", "microbatch", "cp", "slot", "sample", "start", "stop")
-
-
-class PlanError(ValueError):
-    """A plan breaks an invariant; the message names where (step, rank, micro-batch, sample)."""
 
 
 @dataclass(frozen=True)
@@ -99,7 +96,7 @@ class Step:
 
     ``lower_bound`` is a proven lower bound, in the plan's cost unit, on this step's cost as the
     planner defines it: a micro-batch costs the max over its CP ranks, a DP rank the sum over its
-    micro-batches, the step the max over DP ranks (``ringpack.balancer.metrics``). ``None`` when
+    micro-batches, the step the max over DP ranks (``ringpack.planner.bounds``). ``None`` when
     the planner computed none.
     """
 
@@ -122,7 +119,7 @@ class PlanConfig:
     more than 1% above its lower bound). ``packing`` is ``"balanced"`` (cost-driven) or
     ``"first_fit"`` (token-count first fit, the common baseline). ``cp_token_slack``: the
     ``balanced`` CP split holds every rank within ``1 + slack`` of the micro-batch's mean tokens
-    (``None``: tokens are free; see ``ringpack.balancer.split.RECOMMENDED_TOKEN_SLACK`` for when
+    (``None``: tokens are free; see ``ringpack.planner.split.RECOMMENDED_TOKEN_SLACK`` for when
     a guard against a mispriced cost model pays).
     """
 
@@ -456,7 +453,7 @@ class Plan:
             "dropped": [int(x) for x in self.dropped],
         }
         metadata = {
-            b"ringpack.plan": json.dumps(meta, sort_keys=True).encode(),
+            b"ringpack.shard_plan": json.dumps(meta, sort_keys=True).encode(),
             b"ringpack.lengths": np.asarray(self.lengths, dtype="<i8").tobytes(),
             b"ringpack.origins": np.asarray(self.origins, dtype="<i8").tobytes(),
         }
@@ -469,9 +466,9 @@ class Plan:
     @classmethod
     def from_table(cls, table: "pa.Table") -> "Plan":
         metadata = table.schema.metadata or {}
-        if b"ringpack.plan" not in metadata:
+        if b"ringpack.shard_plan" not in metadata:
             raise PlanError("table carries no ringpack plan metadata")
-        meta = json.loads(metadata[b"ringpack.plan"])
+        meta = json.loads(metadata[b"ringpack.shard_plan"])
         if meta.get("version") != FORMAT_VERSION:
             raise PlanError(f"plan format version {meta.get('version')} is not supported (want {FORMAT_VERSION})")
         missing = [name for name in TABLE_COLUMNS if name not in table.column_names]

@@ -2,7 +2,7 @@
 
 The profile model uses the planner's own terms (tokens, causal pairs, pieces); the kernel model
 uses what the compiled schedule launches (varlen calls, tiles, the launch grid, remote rows,
-dense calls). Both are computed on the CPU from a :class:`~ringpack.analysis.calibration_cases.Case`,
+dense calls). Both are computed on the CPU from a :class:`~ringpack.analysis.calibration.cases.Case`,
 so a stored report can be refitted without a GPU.
 """
 
@@ -12,12 +12,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ringpack.analysis.calibration_cases import Case
-from ringpack.balancer.cost import piece_pairs
+from ringpack.analysis.calibration.cases import Case
+from ringpack.cost import piece_pairs
 
 PLANNER_FEATURES = ("const", "tokens", "pairs", "pieces")
 # the profile model: what the planner's CostModel prices (tokens, pairs, pieces) plus two constants
-# that are the same for every rank of a micro-batch (see :mod:`ringpack.analysis.calibrate`)
+# that are the same for every rank of a micro-batch (see :mod:`ringpack.analysis.calibration.run`)
 PROFILE_FEATURES = ("overhead", "ring", "tokens", "pairs", "pieces")
 # the kernel model: what the schedule's kernel launches do (a diagnostic; not expressible per piece)
 KERNEL_FEATURES = ("overhead", "ring", "calls", "tokens", "tiles", "grid_q", "grid_k", "remote_rows", "buffer_tokens",

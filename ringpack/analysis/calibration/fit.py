@@ -12,9 +12,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ringpack.analysis.calibration_cases import Case, microbatch_geometry
-from ringpack.analysis.calibration_features import BLOCKS, KERNEL_FEATURES, PROFILE_FEATURES, feature_matrix, rank_features
-from ringpack.balancer.cost import CostModel
+from ringpack.analysis.calibration.cases import Case, microbatch_geometry
+from ringpack.analysis.calibration.features import BLOCKS, KERNEL_FEATURES, PROFILE_FEATURES, feature_matrix, rank_features
+from ringpack.cost import CostModel
 
 
 def nnls(a: np.ndarray, b: np.ndarray, max_iter: int | None = None) -> np.ndarray:

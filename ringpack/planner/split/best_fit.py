@@ -2,7 +2,7 @@
 the smallest cost room that still holds it (best fit).
 
 Why best fit: ranks fill one at a time, so the room left is in few ranks, in large blocks, where
-step 3 (:mod:`~ringpack.balancer.split_suffix_cuts`) can give the samples that fit whole nowhere
+step 3 (:mod:`~ringpack.planner.split.suffix_cuts`) can give the samples that fit whole nowhere
 long pieces. :func:`best_fit` places one micro-batch; :func:`best_fit_lockstep` places many at
 once with numpy (one array operation per sample position instead of one loop per sample) and must
 pick exactly the same ranks, which the tests check.
@@ -15,20 +15,20 @@ from bisect import bisect_left
 
 import numpy as np
 
-from ringpack.balancer.split_baselines import zigzag_even_chunks
-from ringpack.balancer.split_pieces import piece_cost
+from ringpack.planner.split.baselines import zigzag_even_chunks
+from ringpack.planner.split.pieces import piece_cost
 
 __all__ = ["best_fit", "best_fit_lockstep"]
 
 
 def best_fit(lens, w, order, cp, tokens_per_rank, a, b, seg, cap, density_factor, zigzag_over=math.inf, state=None):
-    """Steps 1-2 of :func:`~ringpack.balancer.split_balanced.split_balanced`:
+    """Steps 1-2 of :func:`~ringpack.planner.split.balanced.split_balanced`:
     ``(shards, room, troom, leftovers)``, ``leftovers`` the samples to cut (step 3), ``None`` when
     the zigzagged samples alone overflow a rank's tokens.
 
     ``order`` lists the samples' positions most expensive first; shards hold ``(slot, start, stop)``
     triples. Samples costing more than ``zigzag_over`` are zigzagged over all ranks first
-    (token-even, like :func:`~ringpack.balancer.split_baselines.split_zigzag_even`): a sample much
+    (token-even, like :func:`~ringpack.planner.split.baselines.split_zigzag_even`): a sample much
     costlier than a rank sends nearly all its K/V whichever way it is cut, and its even spread
     leaves every rank the same room for the rest. ``state``: ``(room, troom, shards)`` to start
     from instead of empty ranks.
@@ -99,7 +99,7 @@ def best_fit_lockstep(w_ord, l_ord, gid, starts, counts, init, caps, tprs, cp, a
 
     ``w_ord``/``l_ord``: the items' costs and tokens, group after group (``gid``, segments at
     ``starts``), each group's first ``counts[g]`` in the order to place (the rest are skipped);
-    ``init[g]``: ``(room, troom)`` to start from (:func:`~ringpack.balancer.split_balanced._carve`),
+    ``init[g]``: ``(room, troom)`` to start from (:func:`~ringpack.planner.split.balanced._carve`),
     ``None`` for empty ranks. Row ``g`` of the (group, rank) tables holds group ``g``'s cost and token rooms; step ``i``
     offers every group its ``i``-th item and places it by best fit, exactly as the per-group loop
     does: among the ranks whose room holds its cost, whose tokens hold it and that can still

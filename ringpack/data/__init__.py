@@ -1,0 +1,25 @@
+"""ringpack.data: lengths, the DataLoader sampler and collator, balanced Parquet shards (DESIGN.md section 5).
+
+Importing this package needs neither ``datasets`` nor ortools (both are imported lazily, where used).
+"""
+
+from ringpack.data.collator import IGNORE_INDEX, PackedCollator, PackedDataset, PackedSamples
+from ringpack.lengths import DataError, lengths_from_dataset, sample_lengths
+from ringpack.data.sampler import BalancedBatchSampler, MicroBatchTicket
+from ringpack.data.shards import ShardReader, load_source, tokenize_dataset, write_shards
+
+__all__ = [
+    "BalancedBatchSampler",
+    "DataError",
+    "IGNORE_INDEX",
+    "MicroBatchTicket",
+    "PackedCollator",
+    "PackedDataset",
+    "PackedSamples",
+    "ShardReader",
+    "lengths_from_dataset",
+    "load_source",
+    "sample_lengths",
+    "tokenize_dataset",
+    "write_shards",
+]

@@ -1,0 +1,398 @@
+"""Sample lengths (token counts per sample), the planner's only input, from wherever samples live.
+
+Every reader returns a 1-D ``int64`` array with one entry per sample, in source order, and every
+error is a :class:`~ringpack.errors.DataError` that names the file, column or sample:
+
+* files (:func:`read_lengths`): ``.npy`` (a 1-D integer array, memory-mapped); ``.json`` /
+  ``.jsonl`` (a list of integers, an object holding one under the column, or JSON lines with the
+  column per line); ``.parquet`` / ``.pq`` (one column, read alone); ``.arrow`` / ``.feather`` /
+  ``.ipc`` (Arrow IPC file or stream, as Hugging Face ``datasets`` caches are; memory-mapped);
+* a ``datasets.Dataset`` or ``IterableDataset`` (:func:`lengths_from_dataset`): a token-id list
+  column read from its Arrow list offsets (no Python loop, no copy of the tokens; ``select`` /
+  ``shuffle`` index mappings honoured), an integer length column, or a text column counted with a
+  tokenizer by a batched ``map`` over ``num_proc`` processes;
+* anything array-like: list, numpy, torch (:func:`lengths_from_array`).
+
+A column is picked the same way everywhere: an integer column (``length``) is read as is, a list
+column (``input_ids``) gives each list's length from the list *offsets*, without touching the values.
+With ``column=None`` a file's only column is taken, else the first of :data:`DEFAULT_COLUMNS` that exists.
+
+``datasets`` is never imported here: its objects are recognised by duck typing, so this module
+loads on machines without it. Tokenizers: ``None`` / ``"regex"`` for the dependency-free regex
+pre-tokenizer of :mod:`ringpack.data.corpus`, a path to a Hugging Face ``tokenizer.json`` (or its
+folder), a ``tokenizers`` or ``transformers`` tokenizer, or any callable mapping a list of texts to
+a list of token counts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from ringpack.errors import DataError
+
+__all__ = [
+    "DEFAULT_COLUMNS",
+    "DataError",
+    "check_lengths",
+    "lengths_from_array",
+    "lengths_from_arrow",
+    "lengths_from_dataset",
+    "lengths_from_file",
+    "read_lengths",
+    "sample_lengths",
+]
+
+DEFAULT_COLUMNS = ("length", "lengths", "num_tokens", "n_tokens", "input_ids", "tokens")
+
+
+def _pick_column(names: list[str], column: str | None, path: Any) -> str:
+    if column is not None:
+        if column not in names:
+            raise DataError(f"{path}: no column {column!r} (columns: {', '.join(names)})")
+        return column
+    if len(names) == 1:
+        return names[0]
+    for name in DEFAULT_COLUMNS:
+        if name in names:
+            return name
+    raise DataError(f"{path}: cannot tell which column holds lengths (columns: {', '.join(names)}); pass column=")
+
+
+def lengths_from_arrow(array: Any, where: str = "column", lists_only: bool = False) -> np.ndarray:
+    """Lengths from an Arrow (chunked) array: integers as they are, lists from their offsets (nulls: 0).
+
+    ``lists_only``: refuse an integer column (a token-id column must hold lists). Raises
+    :class:`DataError` naming ``where`` for any other type.
+    """
+    import pyarrow as pa
+
+    chunks = array.chunks if isinstance(array, pa.ChunkedArray) else [array]
+    typ = array.type
+    if pa.types.is_integer(typ) and not lists_only:
+        if array.null_count:
+            raise DataError(f"{where}: {array.null_count} null lengths")
+        if not chunks:
+            return np.zeros(0, dtype=np.int64)
+        return np.concatenate([c.to_numpy(zero_copy_only=False).astype(np.int64, copy=False) for c in chunks])
+    if pa.types.is_list(typ) or pa.types.is_large_list(typ) or pa.types.is_fixed_size_list(typ):
+        out = []
+        for c in chunks:
+            if pa.types.is_fixed_size_list(typ):
+                lens = np.full(len(c), typ.list_size, dtype=np.int64)
+            else:
+                # offsets of a sliced array start at c.offset; only len(c) + 1 of them are ours
+                offsets = np.frombuffer(c.buffers()[1], dtype=np.int64 if pa.types.is_large_list(typ) else np.int32)
+                offsets = offsets[c.offset : c.offset + len(c) + 1].astype(np.int64)
+                lens = np.diff(offsets)
+            if c.null_count:
+                valid = np.asarray(c.is_valid())
+                lens = np.where(valid, lens, 0)
+            out.append(lens)
+        return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+    if lists_only:
+        raise DataError(f"{where} holds {typ}, not a list of token ids")
+    raise DataError(f"{where} has type {typ}: need integer lengths or a list column of token ids (tokenize text first)")
+
+
+def _read_json(path: Path, column: str | None) -> np.ndarray:
+    text = path.read_text()
+    keys = (column,) if column else ("lengths", "length")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        try:  # JSON lines: one record per line
+            data = [json.loads(line) for line in text.splitlines() if line.strip()]
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{path} is neither JSON nor JSON lines: {exc}") from exc
+    if isinstance(data, list):
+        if data and isinstance(data[0], dict):
+            return _values_from_records(data, keys, path)
+        return _ints(data, f"{path}")
+    if isinstance(data, dict):
+        for key in keys:
+            if key in data:
+                return _ints(data[key], f"{path}, column {key!r}")
+        raise DataError(f"{path}: no key {' or '.join(repr(k) for k in keys)} (keys: {', '.join(map(str, data))})")
+    raise DataError(f"{path}: expected a list of lengths or an object with a {keys[0]!r} list")
+
+
+def _values_from_records(records: list, keys: tuple, path: Path) -> np.ndarray:
+    for key in keys:
+        if records and key in records[0]:
+            try:
+                return _ints([r[key] for r in records], f"{path}, column {key!r}")
+            except KeyError as exc:
+                raise DataError(f"{path}: a record lacks column {key!r}") from exc
+    raise DataError(f"{path}: records have no column {' or '.join(repr(k) for k in keys)}")
+
+
+def _ints(values: Any, where: str) -> np.ndarray:
+    arr = np.asarray(values)
+    if arr.ndim != 1:
+        raise DataError(f"{where}: expected a flat list of lengths, got shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in "iu":
+        if arr.dtype.kind == "f" and np.all(np.isfinite(arr)) and np.all(arr == np.round(arr)):
+            return arr.astype(np.int64)
+        raise DataError(f"{where}: lengths must be integers, got {arr.dtype}")
+    return arr.astype(np.int64)
+
+
+def read_lengths(path: str | Path, column: str | None = None) -> np.ndarray:
+    """Sample lengths from ``path`` (see the module docstring); int64, one per sample."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"lengths file {path} does not exist")
+    suffix = path.suffix.lower()
+    if suffix == ".npy":
+        arr = np.load(path, mmap_mode="r", allow_pickle=False)
+        return _ints(np.asarray(arr), f"{path}")
+    if suffix in (".json", ".jsonl"):
+        return _read_json(path, column)
+    import pyarrow as pa
+
+    if suffix in (".parquet", ".pq"):
+        import pyarrow.parquet as pq
+
+        try:
+            names = pq.read_schema(path).names
+        except Exception as exc:
+            raise DataError(f"cannot read Parquet file {path}: {exc}") from exc
+        name = _pick_column(names, column, path)
+        table = pq.read_table(path, columns=[name])
+        return lengths_from_arrow(table.column(name), f"{path}, column {name!r}")
+    if suffix in (".arrow", ".feather", ".ipc"):
+        source = pa.memory_map(str(path), "r")
+        try:
+            try:
+                table = pa.ipc.open_file(source).read_all()
+            except pa.ArrowInvalid:
+                source.seek(0)
+                table = pa.ipc.open_stream(source).read_all()
+        except pa.ArrowInvalid as exc:
+            raise DataError(f"cannot read Arrow file {path}: {exc}") from exc
+        name = _pick_column(table.column_names, column, path)
+        return lengths_from_arrow(table.column(name), f"{path}, column {name!r}")
+    raise DataError(f"{path}: unknown lengths format {suffix!r} (use .parquet, .arrow/.feather, .json or .npy)")
+
+
+# ------------------------------------------------------------------------- validated sources
+
+
+def check_lengths(values: Any, what: str = "lengths", error: type[ValueError] = DataError) -> np.ndarray:
+    """``values`` as a 1-D int64 array of lengths, each an integer >= 1.
+
+    Raises ``error`` (:class:`DataError` unless given; the planner passes ``PlanError``) naming the
+    first bad sample: not 1-D, not integer (floats must be whole and finite), or below 1.
+    """
+    arr = np.asarray(values)
+    if arr.ndim != 1:
+        raise error(f"{what} must be 1-D, got shape {arr.shape}")
+    if arr.dtype.kind == "f":
+        bad = np.flatnonzero(~np.isfinite(arr) | (arr != np.round(arr)))
+        if bad.size:
+            i = int(bad[0])
+            raise error(f"{what}: sample {i} has length {float(arr[i])!r}; lengths must be integers")
+    elif arr.size and arr.dtype.kind not in "iub":
+        raise error(f"{what} must be integers, got dtype {arr.dtype}")
+    if arr.dtype.kind == "u" and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
+        i = int(np.argmax(arr))
+        raise error(f"{what}: sample {i} has length {int(arr[i])}, more than int64 holds")
+    out = arr.astype(np.int64)
+    bad = np.flatnonzero(out < 1)
+    if bad.size:
+        i = int(bad[0])
+        raise error(
+            f"{what}: sample {i} has length {int(out[i])} ({bad.size} sample(s) below 1); every sample needs >= 1 token "
+            "(filter empty rows first, e.g. dataset.filter(lambda r: len(r['input_ids']) > 0))"
+        )
+    return out
+
+
+def lengths_from_array(values: Any) -> np.ndarray:
+    """Lengths given directly (list, numpy or torch), validated."""
+    if hasattr(values, "detach"):  # torch tensor, without importing torch
+        values = values.detach().cpu().numpy()
+    return check_lengths(values)
+
+
+def lengths_from_array(values: Any) -> np.ndarray:
+    """Lengths given directly (list, numpy or torch), validated."""
+    if hasattr(values, "detach"):  # torch tensor, without importing torch
+        values = values.detach().cpu().numpy()
+    return check_lengths(values)
+
+
+def lengths_from_file(path: str | os.PathLike, column: str | None = None) -> np.ndarray:
+    """Lengths from a Parquet / Arrow / JSON / ``.npy`` file (:func:`read_lengths`), validated."""
+    return check_lengths(read_lengths(path, column=column), what=f"lengths of {path}")
+
+
+def _is_hf_dataset(obj: Any) -> bool:
+    return type(obj).__module__.startswith("datasets.") and hasattr(obj, "column_names")
+
+
+def _is_iterable_dataset(obj: Any) -> bool:
+    return _is_hf_dataset(obj) and type(obj).__name__ == "IterableDataset"
+
+
+def _arrow_table(ds: Any) -> Any:
+    """The Arrow table behind a ``datasets.Dataset`` (without applying its indices mapping)."""
+    data = ds.data
+    return getattr(data, "table", data)
+
+
+def _indices(ds: Any) -> np.ndarray | None:
+    idx = getattr(ds, "_indices", None)
+    if idx is None:
+        return None
+    table = getattr(idx, "table", idx)
+    return table.column(0).to_numpy().astype(np.int64, copy=False)
+
+
+def _regex_counter(texts: Sequence[str]) -> list[int]:
+    from ringpack.data.corpus import regex_token_count
+
+    return [regex_token_count(t or "") for t in texts]
+
+
+def make_counter(tokenizer: Any) -> Callable[[Sequence[str]], list[int]]:
+    """A batch token counter: ``None``/"regex", a tokenizer.json path, a tokenizer object, or a callable."""
+    if tokenizer is None or tokenizer == "regex":
+        return _regex_counter
+    if isinstance(tokenizer, (str, os.PathLike)):
+        from ringpack.data.corpus import load_tokenizer_counter
+
+        return load_tokenizer_counter(Path(tokenizer))
+    if hasattr(tokenizer, "encode_batch"):  # a `tokenizers.Tokenizer`
+        return lambda texts: [len(e.ids) for e in tokenizer.encode_batch(list(texts), add_special_tokens=False)]
+    if callable(tokenizer) and hasattr(tokenizer, "pad_token_id"):  # a transformers tokenizer
+        return lambda texts: [len(x) for x in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
+    if callable(tokenizer):
+        return tokenizer
+    raise DataError(f"tokenizer must be None, 'regex', a tokenizer.json path or a callable, got {type(tokenizer).__name__}")
+
+
+class _CountMap:
+    """Picklable ``map`` function for ``num_proc > 1`` (closures over tokenizers pickle poorly)."""
+
+    def __init__(self, tokenizer: Any, out: str) -> None:
+        self.tokenizer = tokenizer
+        self.out = out
+        self._counter: Callable | None = None
+
+    def __call__(self, texts: list[str]) -> dict[str, list[int]]:
+        if self._counter is None:
+            self._counter = make_counter(self.tokenizer)
+        return {self.out: list(self._counter(texts))}
+
+    def __getstate__(self) -> dict:
+        return {"tokenizer": self.tokenizer, "out": self.out, "_counter": None}
+
+
+def lengths_from_dataset(
+    ds: Any,
+    column: str | None = None,
+    *,
+    length_column: str | None = None,
+    text_column: str | None = None,
+    tokenizer: Any = None,
+    num_proc: int | None = None,
+    batch_size: int = 1000,
+) -> np.ndarray:
+    """Lengths of every row of a ``datasets.Dataset`` or ``IterableDataset``.
+
+    Exactly one way is used, in this order: ``length_column`` (integers), ``text_column`` with
+    ``tokenizer`` (batched ``map``, ``num_proc`` processes), else the token-id list column
+    ``column`` (default ``"input_ids"``) via Arrow offsets. A column that is missing is an error
+    listing the columns there are.
+    """
+    names = list(ds.column_names or []) if getattr(ds, "column_names", None) is not None else None
+
+    def need(col: str) -> None:
+        if names is not None and col not in names:
+            raise DataError(f"dataset has no column {col!r}; its columns are {names}")
+
+    if length_column is None and text_column is None:
+        column = column or "input_ids"
+        if names is not None and column not in names:
+            hint = " (pass text_column= and a tokenizer to count tokens of a text column)" if "text" in names else ""
+            raise DataError(f"dataset has no column {column!r}; its columns are {names}{hint}")
+
+    if _is_iterable_dataset(ds):
+        return _lengths_from_iterable(ds, column, length_column, text_column, tokenizer, batch_size)
+
+    if length_column is not None:
+        need(length_column)
+        table = _arrow_table(ds)
+        values = table.column(length_column).to_numpy()
+        idx = _indices(ds)
+        return check_lengths(values if idx is None else values[idx], what=f"column {length_column!r}")
+    if text_column is not None:
+        need(text_column)
+        counted = ds.map(
+            _CountMap(tokenizer, "__ringpack_len__"),
+            input_columns=[text_column],
+            batched=True,
+            batch_size=batch_size,
+            num_proc=num_proc,
+            remove_columns=list(ds.column_names),
+            desc="counting tokens",
+            load_from_cache_file=False,
+        )
+        return check_lengths(_arrow_table(counted).column("__ringpack_len__").to_numpy(), what=f"token counts of {text_column!r}")
+    table = _arrow_table(ds)
+    lens = lengths_from_arrow(table.column(column), f"column {column!r}", lists_only=True)
+    idx = _indices(ds)
+    return check_lengths(lens if idx is None else lens[idx], what=f"lengths of column {column!r}")
+
+
+def _lengths_from_iterable(ds: Any, column: str | None, length_column: str | None, text_column: str | None, tokenizer: Any, batch_size: int) -> np.ndarray:
+    import pyarrow as pa
+
+    counter = make_counter(tokenizer) if text_column is not None else None
+    col = length_column or text_column or column
+    parts: list[np.ndarray] = []
+    try:
+        batches = ds.with_format("arrow").iter(batch_size=batch_size)
+    except Exception:  # older datasets: python batches
+        batches = ds.iter(batch_size=batch_size)
+    for batch in batches:
+        if isinstance(batch, pa.Table):
+            if col not in batch.column_names:
+                raise DataError(f"dataset has no column {col!r}; its columns are {batch.column_names}")
+            values = batch.column(col)
+            if length_column is not None:
+                parts.append(values.to_numpy().astype(np.int64))
+            elif counter is not None:
+                parts.append(np.asarray(counter(values.to_pylist()), dtype=np.int64))
+            else:
+                parts.append(lengths_from_arrow(values, f"column {col!r}", lists_only=True))
+        else:
+            if col not in batch:
+                raise DataError(f"dataset has no column {col!r}; its columns are {sorted(batch)}")
+            values = batch[col]
+            if length_column is not None:
+                parts.append(np.asarray(values, dtype=np.int64))
+            elif counter is not None:
+                parts.append(np.asarray(counter(values), dtype=np.int64))
+            else:
+                parts.append(np.fromiter((len(v) if v is not None else 0 for v in values), dtype=np.int64))
+    return check_lengths(np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64), what=f"lengths of column {col!r}")
+
+
+def sample_lengths(source: Any, column: str | None = None, **kwargs: Any) -> np.ndarray:
+    """Lengths from any supported source (see the module docstring); dispatches on its type."""
+    if _is_hf_dataset(source):
+        return lengths_from_dataset(source, column, **kwargs)
+    if isinstance(source, (str, os.PathLike)):
+        if kwargs:
+            raise DataError(f"options {sorted(kwargs)} apply to datasets, not files")
+        return lengths_from_file(source, column=column)
+    if kwargs:
+        raise DataError(f"options {sorted(kwargs)} apply to datasets, not arrays")
+    return lengths_from_array(source)
