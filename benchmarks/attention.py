@@ -46,10 +46,10 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import peers  # noqa: E402
+import peers
 
-from ringpack.cost import piece_pairs  # noqa: E402
-from ringpack.shard_plan import MicroBatch  # noqa: E402
+from ringpack.cost import piece_pairs
+from ringpack.shard_plan import MicroBatch
 
 
 # ----------------------------------------------------------------------------- data
@@ -79,13 +79,15 @@ def split_for(strategy: str, lengths: list[int], cp: int, slack: float) -> Micro
     ``balanced`` balances attention pairs alone (an attention-only cost model) under a per-rank
     token budget of ``(1 + slack) * T / cp``; the other two ignore costs by construction.
     """
-    from ringpack.planner import split
     from ringpack.cost import CostModel
+    from ringpack.planner import split
 
     samples = list(range(len(lengths)))
     if strategy == "balanced":
         budget = int(-(-sum(lengths) // cp) * (1 + slack))
-        return split.split_balanced(samples, lengths, cp, tokens_per_rank=budget, cost=CostModel(token=0.0, pair=1.0, name="attention-pairs"))
+        return split.split_balanced(
+            samples, lengths, cp, tokens_per_rank=budget, cost=CostModel(token=0.0, pair=1.0, name="attention-pairs")
+        )
     return getattr(split, f"split_{strategy}")(samples, lengths, cp)
 
 
@@ -169,7 +171,9 @@ def queued(thunk, backward: bool, iters: int, hold_ms: float, layers: int = 1) -
     return (statistics.median(gpu) if ahead else None), statistics.median(host)
 
 
-def budget_mib(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pieces: list[int], buffer_tokens: int, backward: bool) -> float:
+def budget_mib(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pieces: list[int], buffer_tokens: int, backward: bool
+) -> float:
     """The issue's memory allowance for one rank: single-GPU attention over its own tokens (flash
     varlen, its pieces as segments, measured) plus two K/V buffers of the largest compact buffer."""
     peak = 0
@@ -206,16 +210,31 @@ def add_schedule_args(parser: argparse.ArgumentParser) -> None:
     """``--dense-threshold`` / ``--dense-buckets`` / ``--no-dense-batches``: compile_schedule's kernel-split options (defaults: the library's)."""
     from ringpack.attention.schedule import DEFAULT_DENSE_BUCKETS, DEFAULT_DENSE_THRESHOLD
 
-    parser.add_argument("--dense-threshold", type=int, default=DEFAULT_DENSE_THRESHOLD, help="hybrid backends: segments this long go to the dense kernel")
-    parser.add_argument("--dense-buckets", type=lambda x: None if x == "none" else int(x), default=DEFAULT_DENSE_BUCKETS,
-                        help="hybrid backends: dense lengths per octave (compile_schedule's dense_buckets; 'none': exact shapes)")
-    parser.add_argument("--no-dense-batches", dest="dense_batches", action="store_false",
-                        help="hybrid backends: leave runs of equal short samples to the varlen kernel (compile_schedule's dense_batches)")
+    parser.add_argument(
+        "--dense-threshold",
+        type=int,
+        default=DEFAULT_DENSE_THRESHOLD,
+        help="hybrid backends: segments this long go to the dense kernel",
+    )
+    parser.add_argument(
+        "--dense-buckets",
+        type=lambda x: None if x == "none" else int(x),
+        default=DEFAULT_DENSE_BUCKETS,
+        help="hybrid backends: dense lengths per octave (compile_schedule's dense_buckets; 'none': exact shapes)",
+    )
+    parser.add_argument(
+        "--no-dense-batches",
+        dest="dense_batches",
+        action="store_false",
+        help="hybrid backends: leave runs of equal short samples to the varlen kernel (compile_schedule's dense_batches)",
+    )
 
 
 def schedule_options(args: argparse.Namespace) -> dict:
     """compile_schedule's keyword arguments from :func:`add_schedule_args`' options."""
-    return dict(dense_threshold=args.dense_threshold, dense_buckets=args.dense_buckets, dense_batches=args.dense_batches)
+    return dict(
+        dense_threshold=args.dense_threshold, dense_buckets=args.dense_buckets, dense_batches=args.dense_batches
+    )
 
 
 def main() -> int:
@@ -226,7 +245,11 @@ def main() -> int:
     parser.add_argument("--strategies", default="contiguous,zigzag,balanced")
     parser.add_argument("--modes", default="ring,allgather")
     parser.add_argument("--passes", default="fwd,fwdbwd")
-    parser.add_argument("--peers", default="ideal,torch,flex", help="comparisons to run: ideal kernels, torch CP, flex (compiled; slow to build)")
+    parser.add_argument(
+        "--peers",
+        default="ideal,torch,flex",
+        help="comparisons to run: ideal kernels, torch CP, flex (compiled; slow to build)",
+    )
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
@@ -234,14 +257,25 @@ def main() -> int:
     parser.add_argument("--backends", default="auto", help="ringpack kernel backends, comma separated (a row each)")
     add_schedule_args(parser)
     parser.add_argument("--slack", type=float, default=0.125, help="balanced: per-rank token budget above T/cp")
-    parser.add_argument("--gpu-time-max-ms", type=float, default=100.0,
-                        help="also time rows up to this wall time with the host ahead (gpu_ms; longer calls hide launch latency anyway)")
-    parser.add_argument("--forward-part-rows", default="default",
-                        help="the forward without gradients: remote dense blocks in row chunks of at most this many rows "
-                             "(ring.FORWARD_ONLY_PART_ROWS; 'none': whole blocks)")
-    parser.add_argument("--layers", type=int, default=1,
-                        help="calls queued back to back per timed iteration, as a model's layers (times are per call; "
-                             "peak memory is for all of them, and no allowance is computed)")
+    parser.add_argument(
+        "--gpu-time-max-ms",
+        type=float,
+        default=100.0,
+        help="also time rows up to this wall time with the host ahead (gpu_ms; longer calls hide launch latency anyway)",
+    )
+    parser.add_argument(
+        "--forward-part-rows",
+        default="default",
+        help="the forward without gradients: remote dense blocks in row chunks of at most this many rows "
+        "(ring.FORWARD_ONLY_PART_ROWS; 'none': whole blocks)",
+    )
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=1,
+        help="calls queued back to back per timed iteration, as a model's layers (times are per call; "
+        "peak memory is for all of them, and no allowance is computed)",
+    )
     parser.add_argument("--out", default="attention.json")
     args = parser.parse_args()
     if args.layers < 1:
@@ -301,7 +335,14 @@ def main() -> int:
                 v = torch.randn(total, kv_heads, args.head_dim, device=device, dtype=torch.bfloat16, generator=gen)
                 for pass_name in args.passes.split(","):
                     backward = pass_name == "fwdbwd"
-                    base = dict(case=case, tokens_per_gpu=tokens, shape=shape, samples=len(lengths), layers=args.layers, **{"pass": pass_name})
+                    base = dict(
+                        case=case,
+                        tokens_per_gpu=tokens,
+                        shape=shape,
+                        samples=len(lengths),
+                        layers=args.layers,
+                        **{"pass": pass_name},
+                    )
                     ideal_ms = ideal_gpu_ms = None
 
                     def run_row(impl: str, make, gpus: int, budget: list[float] | None = None) -> None:
@@ -312,16 +353,36 @@ def main() -> int:
                             thunk = make()
                             ms, busy, peak = timed(thunk, backward, args.iters, args.warmup, args.layers)
                             if ms * args.layers <= args.gpu_time_max_ms:
-                                gpu, host = queued(thunk, backward, args.iters, hold_ms=max(busy) * args.layers + 5.0, layers=args.layers)
+                                gpu, host = queued(
+                                    thunk,
+                                    backward,
+                                    args.iters,
+                                    hold_ms=max(busy) * args.layers + 5.0,
+                                    layers=args.layers,
+                                )
                                 ranks = [None] * world
                                 dist.all_gather_object(ranks, (gpu, host))
-                                gpu_busy = [None if g is None else g / (world if impl.startswith("ideal") else 1) for g, _ in ranks]
-                                row.update(host_ms=[h for _, h in ranks], gpu_busy_ms=gpu_busy, gpu_ms=None if None in gpu_busy else max(gpu_busy))
+                                gpu_busy = [
+                                    None if g is None else g / (world if impl.startswith("ideal") else 1)
+                                    for g, _ in ranks
+                                ]
+                                row.update(
+                                    host_ms=[h for _, h in ranks],
+                                    gpu_busy_ms=gpu_busy,
+                                    gpu_ms=None if None in gpu_busy else max(gpu_busy),
+                                )
                                 if impl.startswith("ideal") and row["gpu_ms"] is not None:
-                                    ideal_gpu_ms = row["gpu_ms"] if ideal_gpu_ms is None else min(ideal_gpu_ms, row["gpu_ms"])
+                                    ideal_gpu_ms = (
+                                        row["gpu_ms"] if ideal_gpu_ms is None else min(ideal_gpu_ms, row["gpu_ms"])
+                                    )
                             if impl.startswith("ideal"):
                                 ms, busy = ms / world, [b / world for b in busy]
-                            row.update(ms=ms, busy_ms=busy, peak_mib=peak, tflops=useful_tflops(pairs, args.head_dim, heads, backward, ms, world))
+                            row.update(
+                                ms=ms,
+                                busy_ms=busy,
+                                peak_mib=peak,
+                                tflops=useful_tflops(pairs, args.head_dim, heads, backward, ms, world),
+                            )
                             if budget is not None and not impl.startswith("ideal"):
                                 row["budget_mib"] = budget
                             if impl.startswith("ideal"):
@@ -345,17 +406,31 @@ def main() -> int:
                         return t.detach().clone().requires_grad_(backward)
 
                     if "ideal" in args.peers:
-                        run_row("ideal flash-varlen (1 GPU)/2", lambda: peers.ideal_flash_varlen(leaf(q), leaf(k), leaf(v), lengths), 1)
+                        run_row(
+                            "ideal flash-varlen (1 GPU)/2",
+                            lambda: peers.ideal_flash_varlen(leaf(q), leaf(k), leaf(v), lengths),
+                            1,
+                        )
                         if case == "single":
-                            run_row("ideal cudnn-dense (1 GPU)/2", lambda: peers.ideal_cudnn_dense(leaf(q), leaf(k), leaf(v)), 1)
+                            run_row(
+                                "ideal cudnn-dense (1 GPU)/2",
+                                lambda: peers.ideal_cudnn_dense(leaf(q), leaf(k), leaf(v)),
+                                1,
+                            )
                         if "flex" in args.peers:
-                            run_row("ideal flex (1 GPU)/2", lambda: peers.ideal_flex(leaf(q), leaf(k), leaf(v), lengths), 1)
+                            run_row(
+                                "ideal flex (1 GPU)/2", lambda: peers.ideal_flex(leaf(q), leaf(k), leaf(v), lengths), 1
+                            )
                         whole = split_for("contiguous", lengths, 1, args.slack)  # cp=1: every sample whole
                         solo = compile_schedule(whole, 0, **schedule_options(args)).to(device)
                         for backend in args.backends.split(","):
                             run_row(
                                 f"ideal ringpack {backend} (1 GPU)/2",
-                                lambda backend=backend: (lambda ql=leaf(q), kl=leaf(k), vl=leaf(v): ring_attention(ql, kl, vl, solo, backend=backend)),
+                                lambda backend=backend: (
+                                    lambda ql=leaf(q), kl=leaf(k), vl=leaf(v): ring_attention(
+                                        ql, kl, vl, solo, backend=backend
+                                    )
+                                ),
                                 1,
                             )
                     for strategy in filter(None, args.strategies.split(",")):
@@ -365,10 +440,16 @@ def main() -> int:
                         mine = [p.stop - p.start for p in mb.shards[rank].pieces] or [0]
                         budgets = None  # one call's allowance: not comparable with the peak of several layers
                         if args.layers == 1:
-                            allowance = budget_mib(*(t.index_select(0, index) for t in (q, k, v)), mine, max(schedule.buffer_tokens), backward)
+                            allowance = budget_mib(
+                                *(t.index_select(0, index) for t in (q, k, v)),
+                                mine,
+                                max(schedule.buffer_tokens),
+                                backward,
+                            )
                             budgets = [None] * world
                             dist.all_gather_object(budgets, allowance)
                         for backend, mode in itertools.product(args.backends.split(","), args.modes.split(",")):
+
                             def make(mode=mode, backend=backend, schedule=schedule, index=index):
                                 ql, kl, vl = (leaf(t.index_select(0, index)) for t in (q, k, v))
                                 return lambda: ring_attention(ql, kl, vl, schedule, mode=mode, backend=backend)
@@ -377,7 +458,11 @@ def main() -> int:
                             run_row(f"ringpack {mode} {strategy}{tag}", make, world, budgets)
                     if "torch" in args.peers:
                         if case == "single":
-                            run_row("torch-cp sdpa-cudnn headtail", lambda: peers.torch_cp_sdpa(leaf(q), k, v, "cudnn"), world)
+                            run_row(
+                                "torch-cp sdpa-cudnn headtail",
+                                lambda: peers.torch_cp_sdpa(leaf(q), k, v, "cudnn"),
+                                world,
+                            )
                         elif "flex" in args.peers:
                             run_row("torch-cp flex ptrr", lambda: peers.torch_cp_flex(leaf(q), k, v, lengths), world)
                 del q, k, v

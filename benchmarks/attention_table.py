@@ -26,7 +26,9 @@ def rows_markdown(rows: list[dict], needle: str = "") -> str:
         heads = row["shape"].replace("x", "/")
         impl = row["impl"] + (f" x{row['layers']} layers" if row.get("layers", 1) > 1 else "")
         if "ms" not in row:
-            lines.append(f"| {row['case']} | {row['tokens_per_gpu']} | {heads} | {row['pass']} | {impl} | error: {row.get('error', '')[:60]} | | | | | |")
+            lines.append(
+                f"| {row['case']} | {row['tokens_per_gpu']} | {heads} | {row['pass']} | {impl} | error: {row.get('error', '')[:60]} | | | | | |"
+            )
             continue
         mem = ""
         if row.get("peak_mib"):
@@ -45,7 +47,9 @@ def rows_markdown(rows: list[dict], needle: str = "") -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("files", nargs="+")
-    parser.add_argument("--filter", default="", help="comma-separated substrings a row's case/shape/pass/impl must all contain")
+    parser.add_argument(
+        "--filter", default="", help="comma-separated substrings a row's case/shape/pass/impl must all contain"
+    )
     args = parser.parse_args(argv)
     for name in args.files:
         data = json.loads(Path(name).read_text())

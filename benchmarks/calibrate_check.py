@@ -29,22 +29,30 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ringpack.analysis.calibration import run as cal  # noqa: E402
-from ringpack.cli import build_parser  # noqa: E402
+from ringpack.analysis.calibration import run as cal
+from ringpack.cli import build_parser
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="calibration/profile.json")
-    parser.add_argument("--backends", default="auto", help="comma-separated backends, one calibration each (default auto)")
+    parser.add_argument(
+        "--backends", default="auto", help="comma-separated backends, one calibration each (default auto)"
+    )
     parser.add_argument("--model", default="llama3-8b")
     parser.add_argument("--mode", default="linear", choices=["linear", "attention"])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--min-r", type=float, default=0.98, help="fail below this held-out Pearson r (default 0.98)")
-    parser.add_argument("--max-err", type=float, default=0.15, help="fail above this held-out max relative error (default 0.15)")
-    parser.add_argument("--gate", default="profile", choices=["profile", "kernel"],
-                        help="which model's held-out fit the thresholds apply to (default profile: what the planner loads)")
+    parser.add_argument(
+        "--max-err", type=float, default=0.15, help="fail above this held-out max relative error (default 0.15)"
+    )
+    parser.add_argument(
+        "--gate",
+        default="profile",
+        choices=["profile", "kernel"],
+        help="which model's held-out fit the thresholds apply to (default profile: what the planner loads)",
+    )
     parser.add_argument("--timer", default="gpu", choices=["gpu", "wall"])
     args = parser.parse_args()
 
@@ -59,8 +67,20 @@ def main() -> int:
     ok = True
     for backend in backends:
         path = out if len(backends) == 1 else out.with_name(f"{out.stem}.{backend}{out.suffix}")
-        argv = ["--out", str(path), "--backend", backend, "--model", args.model, "--mode", args.mode, "--reps", str(args.reps),
-                "--timer", args.timer]
+        argv = [
+            "--out",
+            str(path),
+            "--backend",
+            backend,
+            "--model",
+            args.model,
+            "--mode",
+            args.mode,
+            "--reps",
+            str(args.reps),
+            "--timer",
+            args.timer,
+        ]
         if args.quick:
             argv.append("--quick")
         started = time.perf_counter()

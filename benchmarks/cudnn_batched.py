@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cudnn_key_padding import event_ms  # noqa: E402
+from cudnn_key_padding import event_ms
 
 
 def run(lengths: list[int], tokens: int, heads: int, kv_heads: int, iters: int) -> list[dict]:
@@ -45,7 +45,9 @@ def run(lengths: list[int], tokens: int, heads: int, kv_heads: int, iters: int) 
             return K.varlen_attn_fwd(q, k, v, cu, cu, length, length, scale, True, "torch_flash")
 
         def cudnn_fwd():
-            res = aten._scaled_dot_product_cudnn_attention(batch(q), batch(k), batch(v), None, True, 0.0, True, False, scale=scale)
+            res = aten._scaled_dot_product_cudnn_attention(
+                batch(q), batch(k), batch(v), None, True, 0.0, True, False, scale=scale
+            )
             return res[0], res[1]
 
         f_out, f_lse = flash_fwd()
@@ -60,7 +62,9 @@ def run(lengths: list[int], tokens: int, heads: int, kv_heads: int, iters: int) 
             )  # fmt: skip
 
         f_grads, c_grads = flash_bwd(), cudnn_bwd()
-        got = [c_out.transpose(1, 2).reshape(-1, heads, 128)] + [g.transpose(1, 2).reshape(-1, g.shape[1], 128) for g in c_grads]
+        got = [c_out.transpose(1, 2).reshape(-1, heads, 128)] + [
+            g.transpose(1, 2).reshape(-1, g.shape[1], 128) for g in c_grads
+        ]
         want = [f_out, *f_grads]
         err = max(float((a.float() - b.float()).abs().max() / b.float().abs().max()) for a, b in zip(got, want))
         pairs = n * length * (length + 1) // 2
@@ -68,7 +72,9 @@ def run(lengths: list[int], tokens: int, heads: int, kv_heads: int, iters: int) 
         for name, fwd, bwd in (("flash", flash_fwd, flash_bwd), ("cudnn", cudnn_fwd, cudnn_bwd)):
             row[f"{name}_fwd_ms"] = event_ms(fwd, iters)
             row[f"{name}_bwd_ms"] = event_ms(bwd, iters)
-            row[f"{name}_tflops"] = 4 * 128 * heads * pairs * 3.5 / ((row[f"{name}_fwd_ms"] + row[f"{name}_bwd_ms"]) * 1e-3) / 1e12
+            row[f"{name}_tflops"] = (
+                4 * 128 * heads * pairs * 3.5 / ((row[f"{name}_fwd_ms"] + row[f"{name}_bwd_ms"]) * 1e-3) / 1e12
+            )
         rows.append(row)
     return rows
 
@@ -85,11 +91,15 @@ def main() -> int:
     for hk in args.heads.split(","):
         h, kvh = (int(x) for x in hk.split("x"))
         rows += run([int(x) for x in args.lengths.split(",")], args.tokens, h, kvh, args.iters)
-    print(f"{'L':>5} {'n':>4} {'heads':>6} {'flash fwd':>9} {'bwd':>7} {'TF/s':>5} {'cudnn fwd':>9} {'bwd':>7} {'TF/s':>5} {'speedup':>7} {'diff':>8}")
+    print(
+        f"{'L':>5} {'n':>4} {'heads':>6} {'flash fwd':>9} {'bwd':>7} {'TF/s':>5} {'cudnn fwd':>9} {'bwd':>7} {'TF/s':>5} {'speedup':>7} {'diff':>8}"
+    )
     for r in rows:
         speed = (r["flash_fwd_ms"] + r["flash_bwd_ms"]) / (r["cudnn_fwd_ms"] + r["cudnn_bwd_ms"])
-        print(f"{r['length']:>5} {r['samples']:>4} {r['heads']:>3}/{r['kv_heads']:<2} {r['flash_fwd_ms']:9.3f} {r['flash_bwd_ms']:7.3f} {r['flash_tflops']:5.0f} "
-              f"{r['cudnn_fwd_ms']:9.3f} {r['cudnn_bwd_ms']:7.3f} {r['cudnn_tflops']:5.0f} {speed:7.2f}x {r['max_rel_diff']:8.1e}")
+        print(
+            f"{r['length']:>5} {r['samples']:>4} {r['heads']:>3}/{r['kv_heads']:<2} {r['flash_fwd_ms']:9.3f} {r['flash_bwd_ms']:7.3f} {r['flash_tflops']:5.0f} "
+            f"{r['cudnn_fwd_ms']:9.3f} {r['cudnn_bwd_ms']:7.3f} {r['cudnn_tflops']:5.0f} {speed:7.2f}x {r['max_rel_diff']:8.1e}"
+        )
     Path(args.out).write_text(json.dumps(rows, indent=1))
     return 0
 

@@ -85,13 +85,17 @@ def run(shapes: list[tuple[int, int]], heads: int, kv_heads: int, buckets: int, 
             "exact": (exact_fwd, lambda o, l: K._cudnn_dense_bwd(dout, q, k, v, o, l, scale, False)),
             "tail": (
                 lambda: K.dense_attn_fwd(q, k, v, scale, False, "cudnn_hybrid", dense_keys=down),
-                lambda o, l: K.dense_attn_bwd(dout, q, k, v, o.to(q.dtype), l, scale, False, "cudnn_hybrid", dense_keys=down),  # its out is float
+                lambda o, l: K.dense_attn_bwd(
+                    dout, q, k, v, o.to(q.dtype), l, scale, False, "cudnn_hybrid", dense_keys=down
+                ),  # its out is float
             ),
         }
         for name, bias in biases.items():
 
             def fwd(bias=bias):
-                res = aten._scaled_dot_product_cudnn_attention(K._bhsd(q), K._bhsd(kp), K._bhsd(vp), bias, True, 0.0, False, False, scale=scale)
+                res = aten._scaled_dot_product_cudnn_attention(
+                    K._bhsd(q), K._bhsd(kp), K._bhsd(vp), bias, True, 0.0, False, False, scale=scale
+                )
                 return K._shd(res[0]), res[1]
 
             def bwd(o, lse4, bias=bias):
@@ -102,13 +106,18 @@ def run(shapes: list[tuple[int, int]], heads: int, kv_heads: int, buckets: int, 
 
             variants[name] = (fwd, bwd)
         for name, (fwd, bwd) in variants.items():
-            row = dict(m=m, n=n, heads=heads, kv_heads=kv_heads, variant=name, keys=up if name.startswith("bias") else n)
+            row = dict(
+                m=m, n=n, heads=heads, kv_heads=kv_heads, variant=name, keys=up if name.startswith("bias") else n
+            )
             try:
                 out, lse = fwd()
                 grads = bwd(out, lse)
                 got = dict(out=out, lse=lse.reshape(heads, m), dq=grads[0], dk=grads[1], dv=grads[2])
                 row["max_err"] = {
-                    key: float((got[key].float() - ref[key].float().reshape(got[key].shape)).abs().max() / ref[key].float().abs().max())
+                    key: float(
+                        (got[key].float() - ref[key].float().reshape(got[key].shape)).abs().max()
+                        / ref[key].float().abs().max()
+                    )
                     for key in ref
                 }
                 row["fwd_ms"] = event_ms(fwd, iters)
@@ -135,10 +144,14 @@ def main() -> int:
     print(f"{'m':>6} {'n':>6} {'heads':>6} {'variant':>9} {'keys':>6} {'fwd ms':>8} {'bwd ms':>8} {'max err':>8}")
     for r in rows:
         if "error" in r:
-            print(f"{r['m']:>6} {r['n']:>6} {r['heads']}/{r['kv_heads']:<3} {r['variant']:>9} error: {r['error'][:120]}")
+            print(
+                f"{r['m']:>6} {r['n']:>6} {r['heads']}/{r['kv_heads']:<3} {r['variant']:>9} error: {r['error'][:120]}"
+            )
             continue
         err = max(r["max_err"].values())
-        print(f"{r['m']:>6} {r['n']:>6} {r['heads']:>3}/{r['kv_heads']:<2} {r['variant']:>9} {r['keys']:>6} {r['fwd_ms']:8.3f} {r['bwd_ms']:8.3f} {err:8.1e}")
+        print(
+            f"{r['m']:>6} {r['n']:>6} {r['heads']:>3}/{r['kv_heads']:<2} {r['variant']:>9} {r['keys']:>6} {r['fwd_ms']:8.3f} {r['bwd_ms']:8.3f} {err:8.1e}"
+        )
     Path(args.out).write_text(json.dumps(rows, indent=1))
     return 0
 

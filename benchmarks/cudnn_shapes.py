@@ -64,9 +64,16 @@ def _child(avoid: bool, lengths: list[int], heads: int, kv_heads: int) -> list[d
                     cu_q = torch.tensor([0, lq], dtype=torch.int32, device=dev)
                     cu_k = torch.tensor([0, lk], dtype=torch.int32, device=dev)
                     ref_out, ref_lse = varlen_attn_fwd(q, k, v, cu_q, cu_k, lq, lk, scale, causal, "torch_flash")
-                    ref = (ref_out, *varlen_attn_bwd(dout, q, k, v, ref_out, ref_lse, cu_q, cu_k, lq, lk, scale, causal, "torch_flash"))
+                    ref = (
+                        ref_out,
+                        *varlen_attn_bwd(
+                            dout, q, k, v, ref_out, ref_lse, cu_q, cu_k, lq, lk, scale, causal, "torch_flash"
+                        ),
+                    )
                     got = (out, dq, dk, dv)
-                    row["max_err"] = max(float((g.float() - r.float()).abs().max() / r.float().abs().max()) for g, r in zip(got, ref))
+                    row["max_err"] = max(
+                        float((g.float() - r.float()).abs().max() / r.float().abs().max()) for g, r in zip(got, ref)
+                    )
                     row["lse_err"] = float((lse.float() - ref_lse.float()).abs().max())
                 rows.append(row)
     return rows
@@ -104,7 +111,9 @@ def main() -> int:
         if "error" in r:
             continue
         err = f"{r['max_err']:.2e}" if "max_err" in r else ""
-        print(f"{int(r['avoid_recompile']):>5} {int(r['causal']):>6} {r['lq']:>6} {r['lk']:>6} {r['phase']:>6} {r['ms']:9.2f} {r['tflops']:6.0f} {err:>8}")
+        print(
+            f"{int(r['avoid_recompile']):>5} {int(r['causal']):>6} {r['lq']:>6} {r['lk']:>6} {r['phase']:>6} {r['ms']:9.2f} {r['tflops']:6.0f} {err:>8}"
+        )
     Path(args.out).write_text(json.dumps(dict(lengths=lengths, rows=rows), indent=1))
     return 0
 

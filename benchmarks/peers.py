@@ -15,7 +15,7 @@ function raises on failure and the benchmark records the error instead of a time
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -75,9 +75,7 @@ def ideal_cudnn_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Thun
 def document_block_mask(lengths: list[int], heads: int, device: torch.device):
     from torch.nn.attention.flex_attention import create_block_mask
 
-    doc = torch.repeat_interleave(
-        torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device)
-    )
+    doc = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device))
     total = int(doc.numel())
 
     def document_causal(b, h, q_idx, kv_idx):

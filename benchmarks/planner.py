@@ -38,11 +38,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ringpack.traffic import kv_bytes_per_token, plan_kv_traffic  # noqa: E402
-from ringpack.cost import PRESETS, CostModel  # noqa: E402
-from ringpack.planner.bounds import plan_costs  # noqa: E402
-from ringpack.shard_plan import PlanConfig  # noqa: E402
-from ringpack.planner.epoch import make_plan  # noqa: E402
+from ringpack.cost import PRESETS, CostModel
+from ringpack.planner.bounds import plan_costs
+from ringpack.planner.epoch import make_plan
+from ringpack.shard_plan import PlanConfig
+from ringpack.traffic import kv_bytes_per_token, plan_kv_traffic
 
 SCHEMES = {
     "ringpack": dict(packing="balanced", strategy="balanced"),
@@ -81,12 +81,44 @@ def datasets(quick: bool) -> list[dict]:
     except Exception as exc:  # the corpus module belongs to the dataloaders; report, don't die
         print(f"stdlib corpus unavailable ({exc}); skipped", file=sys.stderr)
     n = 2048 if quick else 8192
-    out.append(dict(name="lognormal", lengths=synthetic("lognormal", n), dp=8, cp=8, tokens_per_rank=32768, samples_per_step=512))
-    out.append(dict(name="chat+longdoc", lengths=synthetic("chat+longdoc", n, 1), dp=8, cp=8, tokens_per_rank=32768, samples_per_step=512))
+    out.append(
+        dict(
+            name="lognormal", lengths=synthetic("lognormal", n), dp=8, cp=8, tokens_per_rank=32768, samples_per_step=512
+        )
+    )
+    out.append(
+        dict(
+            name="chat+longdoc",
+            lengths=synthetic("chat+longdoc", n, 1),
+            dp=8,
+            cp=8,
+            tokens_per_rank=32768,
+            samples_per_step=512,
+        )
+    )
     # few samples per DP rank (4): the lower bound, not the mean, is the target
-    out.append(dict(name="lognormal-4/rank", lengths=synthetic("lognormal", n // 4, 2), dp=16, cp=8, tokens_per_rank=32768, samples_per_step=64))
+    out.append(
+        dict(
+            name="lognormal-4/rank",
+            lengths=synthetic("lognormal", n // 4, 2),
+            dp=16,
+            cp=8,
+            tokens_per_rank=32768,
+            samples_per_step=64,
+        )
+    )
     # few dominant samples per step: where CP-SAT pays (scheme ringpack+sat runs on this set only)
-    out.append(dict(name="dominant-few", lengths=synthetic("chat+longdoc", 160 if quick else 320, 5), dp=4, cp=2, tokens_per_rank=65536, samples_per_step=16, sat=True))
+    out.append(
+        dict(
+            name="dominant-few",
+            lengths=synthetic("chat+longdoc", 160 if quick else 320, 5),
+            dp=4,
+            cp=2,
+            tokens_per_rank=65536,
+            samples_per_step=16,
+            sat=True,
+        )
+    )
     return out
 
 
@@ -105,7 +137,9 @@ def evaluate(data: dict, scheme: str, cost: CostModel, kv_bpt: int, slack: float
     kv = plan_kv_traffic(plan, kv_bpt)
     kv_step = np.bincount(kv["step"], weights=kv["unique"], minlength=plan.num_steps)
     rank = costs["rank_cost"].reshape(plan.num_steps, -1)
-    samples_per_rank = [sum(len(mb.samples) for rank in step.microbatches for mb in rank) / config.dp for step in plan.steps]
+    samples_per_rank = [
+        sum(len(mb.samples) for rank in step.microbatches for mb in rank) / config.dp for step in plan.steps
+    ]
     return {
         "steps": plan.num_steps,
         "microbatches_per_rank": float(np.median([len(step.microbatches[0]) for step in plan.steps])),
@@ -138,7 +172,11 @@ def timing_case(cost: CostModel, repeats: int = 7, slack: float | None = None) -
         t0 = time.process_time()
         plan.validate()
         validate = time.process_time() - t0
-        out[strategy] = {"median_ms": 1e3 * float(np.median(times)), "best_ms": 1e3 * float(np.min(times)), "validate_ms": 1e3 * validate}
+        out[strategy] = {
+            "median_ms": 1e3 * float(np.median(times)),
+            "best_ms": 1e3 * float(np.min(times)),
+            "validate_ms": 1e3 * validate,
+        }
     out["samples"], out["dp"], out["cp"], out["tokens_per_rank"] = 4096, 64, 8, 32768
     out["microbatches_per_rank"] = len(plan.steps[0].microbatches[0])
     return out
@@ -175,7 +213,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="write results as JSON here")
     parser.add_argument("--quick", action="store_true", help="smaller synthetic sets (CI smoke run)")
     parser.add_argument("--model", default="llama3-8b", choices=sorted(PRESETS))
-    parser.add_argument("--slack", type=float, default=None, help="cp_token_slack for the balanced split's schemes (default: none)")
+    parser.add_argument(
+        "--slack", type=float, default=None, help="cp_token_slack for the balanced split's schemes (default: none)"
+    )
     args = parser.parse_args(argv)
     cost = CostModel.preset(args.model)
     kv_bpt = kv_bytes_per_token(PRESETS[args.model])
@@ -191,7 +231,11 @@ def main(argv=None) -> int:
     print(header)
     print("-" * len(header))
     for data in datasets(args.quick):
-        rows = {scheme: evaluate(data, scheme, cost, kv_bpt, args.slack) for scheme in SCHEMES if data.get("sat") or scheme != "ringpack+sat"}
+        rows = {
+            scheme: evaluate(data, scheme, cost, kv_bpt, args.slack)
+            for scheme in SCHEMES
+            if data.get("sat") or scheme != "ringpack+sat"
+        }
         zz = rows["bal+zigzag"]["kv_mib_per_step"] or 1.0
         for scheme, r in rows.items():
             r["kv_vs_bal_zigzag"] = r["kv_mib_per_step"] / zz
@@ -211,7 +255,9 @@ def main(argv=None) -> int:
     )
     arrow = arrow_read_case()
     results["arrow_read_1m"] = arrow
-    print(f"read 1M lengths from Arrow: integer column {arrow['length_column_s'] * 1e3:.1f} ms, token-list column {arrow['list_column_s'] * 1e3:.1f} ms")
+    print(
+        f"read 1M lengths from Arrow: integer column {arrow['length_column_s'] * 1e3:.1f} ms, token-list column {arrow['list_column_s'] * 1e3:.1f} ms"
+    )
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
         print(f"wrote {args.out}", file=sys.stderr)

@@ -28,7 +28,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from attention import add_schedule_args, case_lengths, init_distributed, local_index, schedule_options, split_for  # noqa: E402
+from attention import add_schedule_args, case_lengths, init_distributed, local_index, schedule_options, split_for
 
 
 def timeline(prof, min_gap_us: float = 15.0) -> str:
@@ -40,7 +40,9 @@ def timeline(prof, min_gap_us: float = 15.0) -> str:
     with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
         prof.export_chrome_trace(tmp.name)
         events = json.load(open(tmp.name))["traceEvents"]
-    kernels = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+    kernels = sorted(
+        (e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"]
+    )
     marks = sorted(e["ts"] for e in events if e.get("name") == ITERATION_MARK)
     if marks:
         kernels = [e for e in kernels if e["ts"] >= marks[-1]]
@@ -109,12 +111,17 @@ def add_config_args(parser: argparse.ArgumentParser, case: str, backend: str, it
     parser.add_argument("--out", default=out)
 
 
-def config_inputs(args: argparse.Namespace, world: int, device: torch.device) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]:
+def config_inputs(
+    args: argparse.Namespace, world: int, device: torch.device
+) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]:
     """The configuration's sample lengths and the whole micro-batch's bf16 q, k, v (head_dim 128), the same on every rank."""
     lengths = case_lengths(args.case, args.tokens * world, args.seed)
     heads, kv_heads = (int(x) for x in args.shape.split("x"))
     gen = torch.Generator(device=device).manual_seed(args.seed)
-    q, k, v = (torch.randn(sum(lengths), h, 128, device=device, dtype=torch.bfloat16, generator=gen) for h in (heads, kv_heads, kv_heads))
+    q, k, v = (
+        torch.randn(sum(lengths), h, 128, device=device, dtype=torch.bfloat16, generator=gen)
+        for h in (heads, kv_heads, kv_heads)
+    )
     return lengths, q, k, v
 
 
@@ -155,8 +162,12 @@ def main() -> int:
         schedule = compile_schedule(mb, rank, **schedule_options(args)).to(device)
         ql, kl, vl = (leaf(t.index_select(0, index)) for t in (q, k, v))
         dist.barrier()
-        wall, table = profiled(lambda: ring_attention(ql, kl, vl, schedule, mode=args.mode, backend=args.backend), backward, args.iters)
-        report.append(f"### rank {rank}: {args.mode} {strategy}: {wall:.2f} ms/iter, calls {schedule.num_kernel_calls}\n{table}")
+        wall, table = profiled(
+            lambda: ring_attention(ql, kl, vl, schedule, mode=args.mode, backend=args.backend), backward, args.iters
+        )
+        report.append(
+            f"### rank {rank}: {args.mode} {strategy}: {wall:.2f} ms/iter, calls {schedule.num_kernel_calls}\n{table}"
+        )
     text = f"lengths ({len(lengths)}): {sorted(lengths, reverse=True)[:8]}...\n" + "\n".join(report)
     write_ranks(text, args.out, world, rank)
     dist.destroy_process_group()

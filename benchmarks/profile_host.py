@@ -28,8 +28,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from attention import SLEEP_CYCLES_PER_MS, init_distributed, local_index, schedule_options, split_for  # noqa: E402
-from profile_attention import add_config_args, config_inputs, write_ranks  # noqa: E402
+from attention import SLEEP_CYCLES_PER_MS, init_distributed, local_index, schedule_options, split_for
+from profile_attention import add_config_args, config_inputs, write_ranks
 
 
 def host_profile(thunk, backward: bool, iters: int, top: int) -> tuple[float, str]:
@@ -75,7 +75,12 @@ def main() -> int:
     schedule = compile_schedule(mb, rank, **schedule_options(args)).to(device)
     ql, kl, vl = (t.index_select(0, index).requires_grad_(backward) for t in (q, k, v))
     dist.barrier()
-    ms, table = host_profile(lambda: ring_attention(ql, kl, vl, schedule, mode=args.mode, backend=args.backend), backward, args.iters, args.top)
+    ms, table = host_profile(
+        lambda: ring_attention(ql, kl, vl, schedule, mode=args.mode, backend=args.backend),
+        backward,
+        args.iters,
+        args.top,
+    )
     text = f"### rank {rank}: {args.case} {args.tokens} {args.shape} {args.pass_name} {args.mode} {args.strategy}: host {ms:.3f} ms per call\n{table}"
     write_ranks(text, args.out, world, rank)
     dist.destroy_process_group()

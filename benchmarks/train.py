@@ -61,7 +61,9 @@ def main() -> int:
     p.add_argument("--samples", type=int, default=400)
     p.add_argument("--samples-per-step", type=int, default=48)
     p.add_argument("--len-scale", type=int, default=768, help="Pareto scale of sample lengths")
-    p.add_argument("--max-len", type=int, default=65536, help="longest sample (fits one GPU, so DP=2 runs the same data)")
+    p.add_argument(
+        "--max-len", type=int, default=65536, help="longest sample (fits one GPU, so DP=2 runs the same data)"
+    )
     p.add_argument("--grad-ckpt", action="store_true")
     p.add_argument("--cost-profile", help="calibrated profile for the planner (ringpack calibrate); default: FLOPs")
     p.add_argument("--backend", default="auto", help="ringpack kernel backend")
@@ -77,11 +79,29 @@ def main() -> int:
         grid = example.make_grid(cp)
         run_args = example.parser().parse_args(
             [
-                "--cp", str(cp), "--model", args.model, "--dtype", "bf16" if torch.cuda.is_available() else "fp32",
-                "--strategy", strategy, "--packing", packing,
-                "--tokens-per-rank", str(args.tokens_per_gpu), "--samples", str(args.samples),
-                "--samples-per-step", str(args.samples_per_step), "--steps", str(args.steps),
-                "--len-scale", str(args.len_scale), "--max-len", str(args.max_len), "--quiet",
+                "--cp",
+                str(cp),
+                "--model",
+                args.model,
+                "--dtype",
+                "bf16" if torch.cuda.is_available() else "fp32",
+                "--strategy",
+                strategy,
+                "--packing",
+                packing,
+                "--tokens-per-rank",
+                str(args.tokens_per_gpu),
+                "--samples",
+                str(args.samples),
+                "--samples-per-step",
+                str(args.samples_per_step),
+                "--steps",
+                str(args.steps),
+                "--len-scale",
+                str(args.len_scale),
+                "--max-len",
+                str(args.max_len),
+                "--quiet",
             ]
             + (["--grad-ckpt"] if args.grad_ckpt else [])
             + (["--cost-profile", args.cost_profile] if args.cost_profile else [])
@@ -117,8 +137,13 @@ def main() -> int:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     if dist.get_rank() == 0:
-        meta = dict(torch=torch.__version__, world=world, date=time.strftime("%Y-%m-%d"), argv=sys.argv,
-                    device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+        meta = dict(
+            torch=torch.__version__,
+            world=world,
+            date=time.strftime("%Y-%m-%d"),
+            argv=sys.argv,
+            device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        )
         Path(args.out).write_text(json.dumps(dict(meta=meta, rows=results), indent=1))
         print(f"wrote {args.out}")
     dist.destroy_process_group()

@@ -28,9 +28,10 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,15 +39,17 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ringpack.cost import PRESETS, CostModel, ModelShape  # noqa: E402
-from ringpack.data import BalancedBatchSampler, PackedCollator, PackedDataset  # noqa: E402
-from ringpack.integrations.transformers import causal_lm_loss_sum, register  # noqa: E402
+from ringpack.cost import PRESETS, CostModel, ModelShape
+from ringpack.data import BalancedBatchSampler, PackedCollator, PackedDataset
+from ringpack.integrations.transformers import causal_lm_loss_sum, register
 
 MODELS = {
     # name: (hidden, layers, heads, kv_heads, ffn, vocab); llama-1b is the cost model's preset
     "tiny": (32, 2, 4, 2, 64, 97),
     "small": (256, 4, 8, 2, 688, 4096),
-    "llama-1b": tuple(getattr(PRESETS["llama-1b"], f) for f in ("hidden", "layers", "heads", "kv_heads", "ffn", "vocab")),
+    "llama-1b": tuple(
+        getattr(PRESETS["llama-1b"], f) for f in ("hidden", "layers", "heads", "kv_heads", "ffn", "vocab")
+    ),
 }
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -249,7 +252,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=["ring", "allgather"], default="ring")
     p.add_argument("--backend", default="auto", help="ringpack kernel backend")
     p.add_argument("--cost-profile", help="calibrated cost profile for the planner (ringpack calibrate)")
-    p.add_argument("--cp-token-slack", type=float, default=None, help="balanced split: token guard (PlanConfig.cp_token_slack)")
+    p.add_argument(
+        "--cp-token-slack", type=float, default=None, help="balanced split: token guard (PlanConfig.cp_token_slack)"
+    )
     p.add_argument("--tokens-per-rank", type=int, default=512)
     p.add_argument("--samples", type=int, default=256, help="synthetic heavy-tailed samples")
     p.add_argument("--max-len", type=int, default=0, help="longest sample (default: cp * tokens-per-rank)")

@@ -39,12 +39,12 @@ _EXPORTS = {
 __all__ = ["__version__", "plan", *_EXPORTS]
 
 if TYPE_CHECKING:
-    from ringpack.attention import RingAttention, compile_schedule, ring_attention
-    from ringpack.cost import CostModel
-    from ringpack.data import BalancedBatchSampler, PackedCollator, PackedDataset, ShardReader
-    from ringpack.errors import DataError, PlanError
-    from ringpack.shard_plan import Plan, PlanConfig
-    from ringpack.planner import make_plan
+    from ringpack.attention import RingAttention, compile_schedule, ring_attention  # noqa: F401
+    from ringpack.cost import CostModel  # noqa: F401
+    from ringpack.data import BalancedBatchSampler, PackedCollator, PackedDataset, ShardReader  # noqa: F401
+    from ringpack.errors import DataError, PlanError  # noqa: F401
+    from ringpack.planner import make_plan  # noqa: F401
+    from ringpack.shard_plan import Plan, PlanConfig  # noqa: F401
 
 
 def plan(lengths: Any, **config: Any) -> Plan:
@@ -63,8 +63,8 @@ def plan(lengths: Any, **config: Any) -> Plan:
         PlanError: a bad length (naming the sample), a sample longer than a CP group holds under
             ``overflow="error"``, or a step whose samples cannot fill its micro-batches.
     """
-    from ringpack.shard_plan import PlanConfig
-    from ringpack.planner import make_plan
+    from ringpack.planner import make_plan  # noqa: F401
+    from ringpack.shard_plan import PlanConfig  # noqa: F401
 
     return make_plan(lengths, PlanConfig(**config))
 

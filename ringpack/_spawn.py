@@ -22,7 +22,8 @@ import socket
 import tempfile
 import time
 import traceback
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 __all__ = ["free_port", "run_ranks"]
 
@@ -34,8 +35,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _child(rank: int, world: int, port: int, fn: Callable, args: tuple, out_dir: str, timeout_s: float,
-           threads: int | None) -> None:
+def _child(
+    rank: int, world: int, port: int, fn: Callable, args: tuple, out_dir: str, timeout_s: float, threads: int | None
+) -> None:
     result: Any
     dist = None
     try:
@@ -46,8 +48,13 @@ def _child(rank: int, world: int, port: int, fn: Callable, args: tuple, out_dir:
 
         if threads is not None:
             torch.set_num_threads(threads)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=timeout_s),
+        )
         result = ("ok", fn(rank, world, *args))
         payload = pickle.dumps(result)
     except BaseException:  # everything goes to the parent, never swallowed
@@ -106,8 +113,10 @@ def run_ranks(
     prefix = f"{name}: " if name else ""
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="ringpack-ranks-") as out_dir:
-        procs = [ctx.Process(target=_child, args=(r, world, port, fn, tuple(args), out_dir, timeout_s, threads))
-                 for r in range(world)]
+        procs = [
+            ctx.Process(target=_child, args=(r, world, port, fn, tuple(args), out_dir, timeout_s, threads))
+            for r in range(world)
+        ]
         try:
             for p in procs:
                 p.start()
@@ -151,8 +160,11 @@ def run_ranks(
             results.append(value)
     if killed:
         who = f"rank {killed[0]}" if len(killed) == 1 else f"ranks {killed}"
-        why = f"did not finish within {join_s:g} s" if first_failure is None else \
-            f"still running {fail_grace_s:g} s after another rank failed"
+        why = (
+            f"did not finish within {join_s:g} s"
+            if first_failure is None
+            else f"still running {fail_grace_s:g} s after another rank failed"
+        )
         hung = f"{prefix}{who} {why} (killed)"
         if not failures:
             raise TimeoutError(hung)

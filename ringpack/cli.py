@@ -11,8 +11,9 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import numpy as np
@@ -70,22 +71,41 @@ def add_plan_arguments(
     sized("--tokens-per-rank", tokens_per_rank, "token budget of one CP rank per micro-batch")
     if strategy:
         parser.add_argument("--strategy", choices=STRATEGIES, default="balanced", help="CP split (default: balanced)")
-        parser.add_argument("--packing", choices=PACKINGS, default="balanced", help="packing + DP balance (default: balanced)")
-    parser.add_argument("--samples-per-step", type=int, default=0, help=f"global batch in samples (0: {samples_per_step_zero})")
-    parser.add_argument("--microbatches-per-rank", type=int, default=0, help="micro-batches per DP rank and step (0: fewest that fit)")
+        parser.add_argument(
+            "--packing", choices=PACKINGS, default="balanced", help="packing + DP balance (default: balanced)"
+        )
+    parser.add_argument(
+        "--samples-per-step", type=int, default=0, help=f"global batch in samples (0: {samples_per_step_zero})"
+    )
+    parser.add_argument(
+        "--microbatches-per-rank", type=int, default=0, help="micro-batches per DP rank and step (0: fewest that fit)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="shuffle seed (default 0)")
     parser.add_argument("--epoch", type=int, default=0, help="epoch whose plan is made (default 0)")
-    parser.add_argument("--overflow", choices=OVERFLOWS, default=overflow,
-                        help=f"samples longer than cp * tokens-per-rank (default: {overflow})")
-    parser.add_argument("--solver-time-limit", type=float, default=0.0,
-                        help="CP-SAT refinement per step, deterministic seconds (0: heuristics only)")
     parser.add_argument(
-        "--cp-token-slack", type=float, default=None,
+        "--overflow",
+        choices=OVERFLOWS,
+        default=overflow,
+        help=f"samples longer than cp * tokens-per-rank (default: {overflow})",
+    )
+    parser.add_argument(
+        "--solver-time-limit",
+        type=float,
+        default=0.0,
+        help="CP-SAT refinement per step, deterministic seconds (0: heuristics only)",
+    )
+    parser.add_argument(
+        "--cp-token-slack",
+        type=float,
+        default=None,
         help="balanced CP split: hold every rank within 1+SLACK of the mean tokens, a guard against a mispriced "
         "(uncalibrated) cost model; 0.02 recommended with FLOP models (default: tokens free)",
     )
-    parser.add_argument("--model", default="llama3-8b",
-                        help="cost-model preset (llama3-8b, llama-1b, tiny) or a calibrated profile JSON (default llama3-8b)")
+    parser.add_argument(
+        "--model",
+        default="llama3-8b",
+        help="cost-model preset (llama3-8b, llama-1b, tiny) or a calibrated profile JSON (default llama3-8b)",
+    )
     parser.add_argument("--cost-profile", default=None, help="calibrated cost-model JSON (overrides --model)")
 
 
@@ -133,7 +153,9 @@ def _add_plan_command(subparsers: argparse._SubParsersAction) -> None:
         help="plan sample lengths into a DP x CP shard plan",
         description="Plan sample lengths into a DP x CP shard plan (balanced packing, DP balance and CP split).",
     )
-    p.add_argument("--lengths", required=True, help="file of sample lengths: .parquet, .arrow/.feather, .json/.jsonl or .npy")
+    p.add_argument(
+        "--lengths", required=True, help="file of sample lengths: .parquet, .arrow/.feather, .json/.jsonl or .npy"
+    )
     p.add_argument("--column", default=None, help="column holding lengths or token lists (default: guessed)")
     add_plan_arguments(p)
     p.add_argument("--out", required=True, help="output plan: .parquet (default) or .json")
@@ -145,8 +167,8 @@ def summarize(plan) -> dict:
     """Summary numbers of a plan (also used by the benchmark)."""
     import numpy as np
 
-    from ringpack.traffic import plan_kv_traffic
     from ringpack.planner.bounds import plan_costs
+    from ringpack.traffic import plan_kv_traffic
 
     costs = plan_costs(plan)
     kv = plan_kv_traffic(plan)
@@ -191,7 +213,10 @@ def run_plan(args: argparse.Namespace) -> int:
     )
     print(f"K/V tokens sent across CP ranks per step (median): {summary['kv_tokens_per_step_median']:.0f}")
     if summary["dropped"]:
-        print(f"dropped {summary['dropped']} samples longer than {config.group_capacity} tokens (overflow=drop)", file=sys.stderr)
+        print(
+            f"dropped {summary['dropped']} samples longer than {config.group_capacity} tokens (overflow=drop)",
+            file=sys.stderr,
+        )
     print(f"wrote {args.out} (hash {summary['hash'][:16]})")
     return 0
 
@@ -210,16 +235,33 @@ def _add_shard_command(subparsers: argparse._SubParsersAction) -> None:
             "Read back with ringpack.data.ShardReader."
         ),
     )
-    p.add_argument("dataset", metavar="DATASET", help="local Parquet / JSON lines / Arrow / CSV file or folder, a saved `datasets` directory, or a Hub name")
+    p.add_argument(
+        "dataset",
+        metavar="DATASET",
+        help="local Parquet / JSON lines / Arrow / CSV file or folder, a saved `datasets` directory, or a Hub name",
+    )
     p.add_argument("--out", required=True, help="output directory")
     add_plan_arguments(p)
     p.add_argument("--split", default="train", help="split of a saved DatasetDict or a Hub dataset (default: train)")
     p.add_argument("--column", default="input_ids", help="token-id column (default: input_ids)")
-    p.add_argument("--text-column", default=None, help="tokenize this text column when the dataset has no token-id column")
-    p.add_argument("--tokenizer", default=None, help="Hugging Face tokenizer.json (or its folder); default: the regex tokenizer with hashed ids")
-    p.add_argument("--vocab-size", type=int, default=65536, help="id range of the regex tokenizer's hashed ids (default: 65536)")
+    p.add_argument(
+        "--text-column", default=None, help="tokenize this text column when the dataset has no token-id column"
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="Hugging Face tokenizer.json (or its folder); default: the regex tokenizer with hashed ids",
+    )
+    p.add_argument(
+        "--vocab-size", type=int, default=65536, help="id range of the regex tokenizer's hashed ids (default: 65536)"
+    )
     p.add_argument("--num-proc", type=int, default=None, help="processes for tokenizing")
-    p.add_argument("--steps-per-file", type=int, default=0, help="split each DP rank's file every N steps (0: one file per DP rank)")
+    p.add_argument(
+        "--steps-per-file",
+        type=int,
+        default=0,
+        help="split each DP rank's file every N steps (0: one file per DP rank)",
+    )
     p.add_argument("--cache-dir", default=None, help="datasets cache directory")
     p.add_argument("--overwrite", action="store_true", help="replace shards of another plan or dataset in --out")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -239,11 +281,21 @@ def run_shard(args: argparse.Namespace) -> int:
     if args.column not in ds.column_names:
         text = args.text_column or ("text" if "text" in ds.column_names else None)
         if text is None:
-            raise ValueError(f"{args.dataset} has no column {args.column!r} and no text column to tokenize (columns: {list(ds.column_names)}); pass --text-column")
-        ds = tokenize_dataset(ds, text, args.tokenizer, column=args.column, vocab_size=args.vocab_size, num_proc=args.num_proc)
-        tokenized = {"text_column": text, "tokenizer": Path(args.tokenizer).name if args.tokenizer else f"regex-blake2b-mod-{args.vocab_size}"}
+            raise ValueError(
+                f"{args.dataset} has no column {args.column!r} and no text column to tokenize (columns: {list(ds.column_names)}); pass --text-column"
+            )
+        ds = tokenize_dataset(
+            ds, text, args.tokenizer, column=args.column, vocab_size=args.vocab_size, num_proc=args.num_proc
+        )
+        tokenized = {
+            "text_column": text,
+            "tokenizer": Path(args.tokenizer).name if args.tokenizer else f"regex-blake2b-mod-{args.vocab_size}",
+        }
     elif args.text_column or args.tokenizer:
-        print(f"ringpack shard: note: using the existing {args.column!r} column; --text-column/--tokenizer ignored", file=sys.stderr)
+        print(
+            f"ringpack shard: note: using the existing {args.column!r} column; --text-column/--tokenizer ignored",
+            file=sys.stderr,
+        )
     source = {
         "dataset": str(args.dataset),
         "split": args.split,
@@ -291,7 +343,11 @@ def _add_analysis_commands(subparsers: argparse._SubParsersAction) -> None:
     add_variant_plan_arguments(p, dp=4, cp=4)
     add_comm_arguments(p)
     add_output_arguments(p, default_out="ringpack-report")
-    p.add_argument("--step", type=int, help="step whose per-GPU costs are plotted and tabled (default: the baseline's median-idle step)")
+    p.add_argument(
+        "--step",
+        type=int,
+        help="step whose per-GPU costs are plotted and tabled (default: the baseline's median-idle step)",
+    )
     p.add_argument("--steps-shown", type=int, default=5, help="steps per plan in the terminal table (default 5)")
     p.set_defaults(handler=run_report)
 
@@ -301,15 +357,25 @@ def _add_analysis_commands(subparsers: argparse._SubParsersAction) -> None:
         description="Plan a whole epoch for a cluster shape with every strategy and predict tokens/s and idle "
         "time from the cost model and a ring / all-gather communication model.",
     )
-    p.add_argument("--gpus", default="1024", help="GPUs, comma-separated for several shapes (default 1024); DP = gpus / cp")
+    p.add_argument(
+        "--gpus", default="1024", help="GPUs, comma-separated for several shapes (default 1024); DP = gpus / cp"
+    )
     p.add_argument("--samples", type=int, default=1_000_000, help="samples in the epoch (default 1,000,000)")
     p.add_argument("--lengths", help="lengths file to simulate instead of drawn lengths")
-    p.add_argument("--dist", default="stdlib", choices=["stdlib", "lognormal"],
-                   help="drawn lengths: resampled stdlib corpus (default) or log-normal")
+    p.add_argument(
+        "--dist",
+        default="stdlib",
+        choices=["stdlib", "lognormal"],
+        help="drawn lengths: resampled stdlib corpus (default) or log-normal",
+    )
     p.add_argument("--median", type=float, default=2048, help="log-normal median length (tokens)")
     p.add_argument("--sigma", type=float, default=1.3, help="log-normal sigma")
-    p.add_argument("--global-batch-tokens", type=int, default=0,
-                   help="tokens per optimizer step (default: dp * cp * tokens-per-rank, one full micro-batch per DP rank)")
+    p.add_argument(
+        "--global-batch-tokens",
+        type=int,
+        default=0,
+        help="tokens per optimizer step (default: dp * cp * tokens-per-rank, one full micro-batch per DP rank)",
+    )
     add_variant_plan_arguments(p, dp=None, cp=8, tokens_per_rank=16384, strategies=None)
     add_comm_arguments(p, modes="ring,allgather")
     add_output_arguments(p, default_out="ringpack-simulation")
@@ -325,22 +391,41 @@ def _add_analysis_commands(subparsers: argparse._SubParsersAction) -> None:
     )
     _add_calibrate_arguments(p)
     p.set_defaults(handler=run_calibrate)
-    p = subparsers.add_parser("demo", help="the embedded standard-library corpus through every strategy: report, plots, ring check")
+    p = subparsers.add_parser(
+        "demo", help="the embedded standard-library corpus through every strategy: report, plots, ring check"
+    )
     _add_demo_arguments(p)
     p.set_defaults(handler=run_demo)
 
 
 # ------------------------------------------------------------------------------------------ options
-def add_variant_plan_arguments(p: argparse.ArgumentParser, dp: int | None, cp: int, tokens_per_rank: int = 32768,
-                               strategies: str | None = ",".join(STRATEGIES)) -> None:
+def add_variant_plan_arguments(
+    p: argparse.ArgumentParser,
+    dp: int | None,
+    cp: int,
+    tokens_per_rank: int = 32768,
+    strategies: str | None = ",".join(STRATEGIES),
+) -> None:
     """The planner's flags (:func:`add_plan_arguments`) and the variants to plan and compare."""
     g = p.add_argument_group("planning (for lengths)")
-    add_plan_arguments(g, dp=dp, cp=cp, tokens_per_rank=tokens_per_rank, overflow="split", strategy=False,
-                       samples_per_step_zero="derived")
-    g.add_argument("--tflops", type=float, default=400.0, help="achieved fwd+bwd TFLOP/s per GPU for predicted times (default 400)")
+    add_plan_arguments(
+        g,
+        dp=dp,
+        cp=cp,
+        tokens_per_rank=tokens_per_rank,
+        overflow="split",
+        strategy=False,
+        samples_per_step_zero="derived",
+    )
+    g.add_argument(
+        "--tflops", type=float, default=400.0, help="achieved fwd+bwd TFLOP/s per GPU for predicted times (default 400)"
+    )
     if strategies is None:  # simulate: a curated default set of (strategy, packing) pairs
-        g.add_argument("--strategies", help="CP strategies to plan (default: balanced/balanced, zigzag/balanced, "
-                       "zigzag/first_fit, contiguous/first_fit)")
+        g.add_argument(
+            "--strategies",
+            help="CP strategies to plan (default: balanced/balanced, zigzag/balanced, "
+            "zigzag/first_fit, contiguous/first_fit)",
+        )
         g.add_argument("--packings", help="packings to plan, crossed with --strategies (default balanced,first_fit)")
     else:
         g.add_argument("--strategies", default=strategies, help=f"CP strategies to plan (default {strategies})")
@@ -352,7 +437,9 @@ def add_comm_arguments(p: argparse.ArgumentParser, modes: str = "ring") -> None:
     from ringpack.analysis.comm_model import LINKS
 
     g = p.add_argument_group("communication model")
-    g.add_argument("--link", default="nvlink", choices=sorted(LINKS), help="link preset for CP traffic (default nvlink)")
+    g.add_argument(
+        "--link", default="nvlink", choices=sorted(LINKS), help="link preset for CP traffic (default nvlink)"
+    )
     g.add_argument("--bandwidth", type=float, help="link bandwidth in GB/s (overrides --link)")
     g.add_argument("--latency-us", type=float, help="per-message latency in microseconds (overrides --link)")
     g.add_argument("--modes", default=modes, help=f"attention modes, first is the headline (default {modes})")
@@ -360,7 +447,9 @@ def add_comm_arguments(p: argparse.ArgumentParser, modes: str = "ring") -> None:
 
 def add_output_arguments(p: argparse.ArgumentParser, default_out: str) -> None:
     g = p.add_argument_group("output")
-    g.add_argument("--out", default=default_out, help=f"folder for report.json, plots and report.html (default {default_out}/)")
+    g.add_argument(
+        "--out", default=default_out, help=f"folder for report.json, plots and report.html (default {default_out}/)"
+    )
     g.add_argument("--json", help="also write the JSON document here ('-' prints it to stdout instead of the table)")
     g.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     g.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -424,7 +513,9 @@ def plan_from_manifest(path: str):
     return ShardReader(folder, 0, 0).plan
 
 
-def _emit(doc: dict[str, Any], args: argparse.Namespace, table: str, progress: Any = None, rank_step: int | None = None) -> None:
+def _emit(
+    doc: dict[str, Any], args: argparse.Namespace, table: str, progress: Any = None, rank_step: int | None = None
+) -> None:
     from ringpack.analysis.report import write_report
 
     to_stdout = args.json == "-"
@@ -539,8 +630,16 @@ def run_simulate(args: argparse.Namespace) -> int:
         batch_tokens = args.global_batch_tokens or dp * args.cp * args.tokens_per_rank
         per_step = args.samples_per_step or max(dp, int(batch_tokens / float(lengths.mean())))
         config = plan_config_from_args(args, dp=dp, samples_per_step=per_step, cost=model)
-        doc = simulate(lengths, config, variants(args), comms, chunk_steps=args.chunk_steps, jobs=args.jobs or None,
-                       progress=not args.quiet and args.json != "-", baseline=args.baseline)
+        doc = simulate(
+            lengths,
+            config,
+            variants(args),
+            comms,
+            chunk_steps=args.chunk_steps,
+            jobs=args.jobs or None,
+            progress=not args.quiet and args.json != "-",
+            baseline=args.baseline,
+        )
         docs.append(doc)
         out = Path(args.out) / f"dp{dp}xcp{args.cp}" if len(gpus_list) > 1 else Path(args.out)
         paths = write_report(doc, out, plots=not args.no_plots)
@@ -550,9 +649,11 @@ def run_simulate(args: argparse.Namespace) -> int:
             print()
             print(format_modes(doc))
             plan = doc["planning"]
-            print(f"\nplanned {len(doc['plans'])} strategies in {plan['wall_seconds']:.1f} s wall "
-                  f"({plan['worker_cpu_seconds']:.1f} CPU s in {plan['jobs']} workers); wrote {out}/: "
-                  + ", ".join(p.name for p in paths.values()))
+            print(
+                f"\nplanned {len(doc['plans'])} strategies in {plan['wall_seconds']:.1f} s wall "
+                f"({plan['worker_cpu_seconds']:.1f} CPU s in {plan['jobs']} workers); wrote {out}/: "
+                + ", ".join(p.name for p in paths.values())
+            )
     if args.json == "-":
         json.dump(docs[0] if len(docs) == 1 else docs, sys.stdout, indent=1)
         print()
@@ -569,26 +670,52 @@ def _add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
     from ringpack.analysis.calibration.timing import TIMERS
     from ringpack.cost import PRESETS
 
-    p.add_argument("--out", default="ringpack-profile.json", help="profile JSON to write (default ringpack-profile.json)")
+    p.add_argument(
+        "--out", default="ringpack-profile.json", help="profile JSON to write (default ringpack-profile.json)"
+    )
     p.add_argument("--report", help="calibration report JSON (default: the profile's name with .report.json)")
-    p.add_argument("--model", default="llama3-8b", help=f"model preset for layers and linear layers ({', '.join(PRESETS)}; default llama3-8b)")
+    p.add_argument(
+        "--model",
+        default="llama3-8b",
+        help=f"model preset for layers and linear layers ({', '.join(PRESETS)}; default llama3-8b)",
+    )
     p.add_argument("--heads", type=int, help="query heads (default: the preset's)")
     p.add_argument("--kv-heads", type=int, help="key/value heads (default: the preset's)")
     p.add_argument("--head-dim", type=int, help="head dim (default: the preset's)")
     p.add_argument("--layers", type=int, help="layers the profile covers (default: the preset's)")
-    p.add_argument("--mode", default="linear", choices=["linear", "attention"],
-                   help="linear: also time the linear layers' GEMMs per token (default); attention: attention-only profile")
-    p.add_argument("--backend", default="auto", help="attention kernel backend timed: auto (what training picks), or one of ringpack.attention.BACKENDS")
-    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cuda (default); cpu only for a dry run with --backend reference")
+    p.add_argument(
+        "--mode",
+        default="linear",
+        choices=["linear", "attention"],
+        help="linear: also time the linear layers' GEMMs per token (default); attention: attention-only profile",
+    )
+    p.add_argument(
+        "--backend",
+        default="auto",
+        help="attention kernel backend timed: auto (what training picks), or one of ringpack.attention.BACKENDS",
+    )
+    p.add_argument(
+        "--device",
+        default="cuda",
+        choices=["cuda", "cpu"],
+        help="cuda (default); cpu only for a dry run with --backend reference",
+    )
     p.add_argument("--grid", choices=GRIDS, help="shape grid (default full; quick with --quick; tiny on cpu)")
     p.add_argument("--quick", action="store_true", help="a smaller grid (about a third of the time)")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions per shard, median taken (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs per shard first (default 1)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timer", default="gpu", choices=TIMERS,
-                   help="gpu: each shard's GPU execution, host launch time hidden (default); wall: from the first launch, host overhead included")
-    p.add_argument("--refit", metavar="REPORT",
-                   help="no GPU: refit the models on the measurements of a stored calibration report and write a new profile and report")
+    p.add_argument(
+        "--timer",
+        default="gpu",
+        choices=TIMERS,
+        help="gpu: each shard's GPU execution, host launch time hidden (default); wall: from the first launch, host overhead included",
+    )
+    p.add_argument(
+        "--refit",
+        metavar="REPORT",
+        help="no GPU: refit the models on the measurements of a stored calibration report and write a new profile and report",
+    )
     p.add_argument("--quiet", action="store_true", help="only the summary")
 
 
@@ -598,8 +725,12 @@ def _add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dp", type=int, default=4, help="data-parallel ranks (default 4)")
     p.add_argument("--cp", type=int, default=4, help="context-parallel ranks per micro-batch (default 4)")
     p.add_argument("--tokens-per-rank", type=int, default=32768, help="token budget per CP rank (default 32768)")
-    p.add_argument("--samples-per-step", type=int, default=0,
-                   help="global batch in samples (default: about one full micro-batch per DP rank)")
+    p.add_argument(
+        "--samples-per-step",
+        type=int,
+        default=0,
+        help="global batch in samples (default: about one full micro-batch per DP rank)",
+    )
     p.add_argument("--model", default="llama3-8b", help="cost-model preset (default llama3-8b)")
     p.add_argument("--tflops", type=float, default=400.0, help="achieved fwd+bwd TFLOP/s per GPU (default 400)")
     p.add_argument("--link", default="nvlink", help="CP link preset for the communication model (default nvlink)")
@@ -607,6 +738,7 @@ def _add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="a 300-file subset of the corpus (for tests)")
     p.add_argument("--no-ring-check", action="store_true", help="skip the 2-process ring runtime check")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+
 
 def run_calibrate(args: argparse.Namespace) -> int:
     from ringpack.analysis.calibration.run import run

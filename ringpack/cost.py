@@ -15,9 +15,10 @@ Integer solvers get costs through :func:`scale_to_int`, one place, so every solv
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 
@@ -50,7 +51,9 @@ class ModelShape:
             if getattr(self, field) <= 0:
                 raise ValueError(f"ModelShape {self.name!r}: {field} must be positive")
         if self.heads % self.kv_heads:
-            raise ValueError(f"ModelShape {self.name!r}: heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
+            raise ValueError(
+                f"ModelShape {self.name!r}: heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})"
+            )
         if self.head_dim == 0:
             if self.hidden % self.heads:
                 raise ValueError(f"ModelShape {self.name!r}: hidden not divisible by heads; give head_dim")
@@ -106,20 +109,20 @@ class CostModel:
             raise ValueError(f"CostModel {self.name!r}: unit must be 'flop' or 's', got {self.unit!r}")
 
     @classmethod
-    def from_shape(cls, shape: ModelShape, flops_per_second: float = 4.0e14) -> "CostModel":
+    def from_shape(cls, shape: ModelShape, flops_per_second: float = 4.0e14) -> CostModel:
         """FLOPs of one forward+backward: 6 per weight per token; 4*d*H per pair forward, x3.5."""
         token = 6.0 * shape.params
         pair = 4.0 * shape.head_dim * shape.heads * 3.5 * shape.layers
         return cls(token=token, pair=pair, unit="flop", name=shape.name, flops_per_second=flops_per_second)
 
     @classmethod
-    def preset(cls, name: str) -> "CostModel":
+    def preset(cls, name: str) -> CostModel:
         if name not in PRESETS:
             raise ValueError(f"unknown model preset {name!r}; known: {', '.join(sorted(PRESETS))}")
         return cls.from_shape(PRESETS[name])
 
     @classmethod
-    def load(cls, path: str | Path) -> "CostModel":
+    def load(cls, path: str | Path) -> CostModel:
         """Read a calibrated profile written by :meth:`save` (plain JSON)."""
         data = json.loads(Path(path).read_text())
         return cls.from_dict(data)
@@ -131,7 +134,7 @@ class CostModel:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "CostModel":
+    def from_dict(cls, data: dict[str, Any]) -> CostModel:
         return cls(**data)
 
     def cost(self, tokens: Any, pairs: Any, segments: Any = 0) -> np.ndarray:

@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -274,7 +275,9 @@ def make_counter(tokenizer: Any) -> Callable[[Sequence[str]], list[int]]:
         return lambda texts: [len(x) for x in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
     if callable(tokenizer):
         return tokenizer
-    raise DataError(f"tokenizer must be None, 'regex', a tokenizer.json path or a callable, got {type(tokenizer).__name__}")
+    raise DataError(
+        f"tokenizer must be None, 'regex', a tokenizer.json path or a callable, got {type(tokenizer).__name__}"
+    )
 
 
 class _CountMap:
@@ -344,14 +347,18 @@ def lengths_from_dataset(
             desc="counting tokens",
             load_from_cache_file=False,
         )
-        return check_lengths(_arrow_table(counted).column("__ringpack_len__").to_numpy(), what=f"token counts of {text_column!r}")
+        return check_lengths(
+            _arrow_table(counted).column("__ringpack_len__").to_numpy(), what=f"token counts of {text_column!r}"
+        )
     table = _arrow_table(ds)
     lens = lengths_from_arrow(table.column(column), f"column {column!r}", lists_only=True)
     idx = _indices(ds)
     return check_lengths(lens if idx is None else lens[idx], what=f"lengths of column {column!r}")
 
 
-def _lengths_from_iterable(ds: Any, column: str | None, length_column: str | None, text_column: str | None, tokenizer: Any, batch_size: int) -> np.ndarray:
+def _lengths_from_iterable(
+    ds: Any, column: str | None, length_column: str | None, text_column: str | None, tokenizer: Any, batch_size: int
+) -> np.ndarray:
     import pyarrow as pa
 
     counter = make_counter(tokenizer) if text_column is not None else None
@@ -382,7 +389,9 @@ def _lengths_from_iterable(ds: Any, column: str | None, length_column: str | Non
                 parts.append(np.asarray(counter(values), dtype=np.int64))
             else:
                 parts.append(np.fromiter((len(v) if v is not None else 0 for v in values), dtype=np.int64))
-    return check_lengths(np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64), what=f"lengths of column {col!r}")
+    return check_lengths(
+        np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64), what=f"lengths of column {col!r}"
+    )
 
 
 def sample_lengths(source: Any, column: str | None = None, **kwargs: Any) -> np.ndarray:

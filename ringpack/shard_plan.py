@@ -28,15 +28,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ringpack.errors import PlanError
 from ringpack.cost import CostModel
+from ringpack.errors import PlanError
 
 if TYPE_CHECKING:  # pyarrow is imported lazily: the attention runtime must import without it
     import pyarrow as pa
@@ -168,7 +169,7 @@ class PlanConfig:
         return {k: (int(v) if isinstance(v, np.integer) else v) for k, v in out.items()}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "PlanConfig":
+    def from_dict(cls, data: dict[str, Any]) -> PlanConfig:
         data = dict(data)
         known = {f.name for f in fields(cls)}
         unknown = set(data) - known
@@ -252,7 +253,7 @@ class Plan:
         return h.hexdigest()
 
     # ------------------------------------------------------------ validation
-    def validate(self) -> "Plan":
+    def validate(self) -> Plan:
         """Check every invariant of the module docstring; raise :class:`PlanError` naming the first broken one.
 
         Returns ``self`` so calls chain (``Plan.from_json(...).validate()``).
@@ -321,7 +322,9 @@ class Plan:
             tokens = 0
             for p in shard.pieces:
                 if p.sample not in slot_of:
-                    raise PlanError(f"{where}, cp rank {c}: piece of sample {p.sample}, which the micro-batch does not list")
+                    raise PlanError(
+                        f"{where}, cp rank {c}: piece of sample {p.sample}, which the micro-batch does not list"
+                    )
                 length = int(lengths[p.sample])
                 if not 0 <= p.start < p.stop <= length:
                     raise PlanError(
@@ -338,13 +341,17 @@ class Plan:
                 tokens += p.stop - p.start
                 covered[p.sample].append((p.start, p.stop, c))
             if tokens > cfg.tokens_per_rank:
-                raise PlanError(f"{where}, cp rank {c} holds {tokens} tokens, over tokens_per_rank={cfg.tokens_per_rank}")
+                raise PlanError(
+                    f"{where}, cp rank {c} holds {tokens} tokens, over tokens_per_rank={cfg.tokens_per_rank}"
+                )
         for sample, spans in covered.items():
             spans.sort()
             end = 0
             for start, stop, c in spans:
                 if start < end:
-                    raise PlanError(f"{where}: sample {sample} tokens [{start}, {min(end, stop)}) are in two pieces (cp rank {c})")
+                    raise PlanError(
+                        f"{where}: sample {sample} tokens [{start}, {min(end, stop)}) are in two pieces (cp rank {c})"
+                    )
                 if start > end:
                     raise PlanError(f"{where}: sample {sample} tokens [{end}, {start}) are in no piece")
                 end = stop
@@ -387,7 +394,7 @@ class Plan:
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Plan":
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
         if data.get("format") != "ringpack-plan":
             raise PlanError("not a ringpack plan (missing format='ringpack-plan')")
         if data.get("version") != FORMAT_VERSION:
@@ -398,7 +405,10 @@ class Plan:
                     tuple(
                         MicroBatch(
                             samples=tuple(int(x) for x in mb["samples"]),
-                            shards=tuple(RankShard(tuple(Piece(int(a), int(b), int(c)) for a, b, c in shard)) for shard in mb["shards"]),
+                            shards=tuple(
+                                RankShard(tuple(Piece(int(a), int(b), int(c)) for a, b, c in shard))
+                                for shard in mb["shards"]
+                            ),
                             loss_tokens=int(mb["loss_tokens"]),
                         )
                         for mb in rank
@@ -426,14 +436,14 @@ class Plan:
         return text
 
     @classmethod
-    def from_json(cls, text_or_path: str | Path) -> "Plan":
+    def from_json(cls, text_or_path: str | Path) -> Plan:
         text = str(text_or_path)
         if not text.lstrip().startswith("{"):
             text = Path(text_or_path).read_text()
         return cls.from_dict(json.loads(text))
 
     # --------------------------------------------------------------- Parquet
-    def to_table(self) -> "pa.Table":
+    def to_table(self) -> pa.Table:
         """One row per piece (``step, dp, microbatch, cp, slot, sample, start, stop``).
 
         ``slot`` is the sample's position in its micro-batch (the canonical order, which the other
@@ -464,7 +474,7 @@ class Plan:
         return pa.table({name: arrays[name] for name in TABLE_COLUMNS}, schema=schema)
 
     @classmethod
-    def from_table(cls, table: "pa.Table") -> "Plan":
+    def from_table(cls, table: pa.Table) -> Plan:
         metadata = table.schema.metadata or {}
         if b"ringpack.shard_plan" not in metadata:
             raise PlanError("table carries no ringpack plan metadata")
@@ -495,7 +505,7 @@ class Plan:
         pq.write_table(self.to_table(), str(path))
 
     @classmethod
-    def read_parquet(cls, path: str | Path) -> "Plan":
+    def read_parquet(cls, path: str | Path) -> Plan:
         import pyarrow.parquet as pq
 
         try:
@@ -512,7 +522,7 @@ class Plan:
             self.write_parquet(path)
 
     @classmethod
-    def load(cls, path: str | Path) -> "Plan":
+    def load(cls, path: str | Path) -> Plan:
         return cls.from_json(path) if str(path).endswith(".json") else cls.read_parquet(path)
 
 
@@ -531,7 +541,9 @@ def new_piece(sample: int, start: int, stop: int, _new=object.__new__, _cls=Piec
     return piece
 
 
-def new_rank_shard(slot_pieces: Sequence[tuple[int, int, int]], samples: Sequence[int], _new=object.__new__) -> RankShard:
+def new_rank_shard(
+    slot_pieces: Sequence[tuple[int, int, int]], samples: Sequence[int], _new=object.__new__
+) -> RankShard:
     """``RankShard(tuple(Piece(samples[k], start, stop) for k, start, stop in slot_pieces)))``, faster.
 
     The fast path of :func:`new_piece`, inlined for a whole shard (the planner's hot loop).
@@ -550,17 +562,23 @@ def new_rank_shard(slot_pieces: Sequence[tuple[int, int, int]], samples: Sequenc
     return shard
 
 
-def microbatch_from_shards(samples: Sequence[int], shards: Sequence[Sequence[Piece]], lengths: Sequence[int]) -> MicroBatch:
+def microbatch_from_shards(
+    samples: Sequence[int], shards: Sequence[Sequence[Piece]], lengths: Sequence[int]
+) -> MicroBatch:
     """Build a MicroBatch, putting each shard's pieces in canonical order and deriving loss tokens."""
     slot_of = {sample: k for k, sample in enumerate(samples)}
-    ordered = tuple(RankShard(tuple(sorted(shard, key=lambda p: (slot_of.get(p.sample, -1), p.start)))) for shard in shards)
+    ordered = tuple(
+        RankShard(tuple(sorted(shard, key=lambda p: (slot_of.get(p.sample, -1), p.start)))) for shard in shards
+    )
     loss_tokens = int(sum(int(lengths[s]) - 1 for s in samples))
     return MicroBatch(samples=tuple(int(s) for s in samples), shards=ordered, loss_tokens=loss_tokens)
 
 
 def _check_hash(plan: Plan, stored: str | None) -> None:
     if stored is not None and stored != plan.content_hash:
-        raise PlanError(f"plan hash mismatch: file says {stored[:12]}..., content gives {plan.content_hash[:12]}... (corrupt or edited)")
+        raise PlanError(
+            f"plan hash mismatch: file says {stored[:12]}..., content gives {plan.content_hash[:12]}... (corrupt or edited)"
+        )
 
 
 def _steps_from_columns(

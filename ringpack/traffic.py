@@ -42,13 +42,15 @@ class KVTraffic:
     ring: int
 
 
-def kv_bytes_per_token(shape: "ModelShape", dtype_bytes: int = 2, layers: int | None = None) -> int:
+def kv_bytes_per_token(shape: ModelShape, dtype_bytes: int = 2, layers: int | None = None) -> int:
     """Bytes of K and V of one token over ``layers`` layers (default: all of ``shape``'s) of one forward."""
     layers = shape.layers if layers is None else layers
     return 2 * shape.kv_heads * shape.head_dim * dtype_bytes * layers
 
 
-def needed_pieces(group: np.ndarray, cp: np.ndarray, sample: np.ndarray, start: np.ndarray, stop: np.ndarray) -> np.ndarray:
+def needed_pieces(
+    group: np.ndarray, cp: np.ndarray, sample: np.ndarray, start: np.ndarray, stop: np.ndarray
+) -> np.ndarray:
     """For every piece, how many *other* CP ranks of its micro-batch need it (0: stays local).
 
     Vectorised over any number of micro-batches: ``group`` identifies a piece's micro-batch (any
@@ -92,7 +94,7 @@ def _traffic_arrays(group, cp_rank, sample, start, stop, cp: int, bytes_per_toke
     return unique, p2p, unique * (cp - 1)
 
 
-def kv_traffic(mb: "MicroBatch", bytes_per_token: int = 1) -> KVTraffic:
+def kv_traffic(mb: MicroBatch, bytes_per_token: int = 1) -> KVTraffic:
     """K/V bytes crossing the CP ranks of one micro-batch."""
     rows = [(c, p.sample, p.start, p.stop) for c, shard in enumerate(mb.shards) for p in shard.pieces]
     if not rows:
@@ -103,7 +105,7 @@ def kv_traffic(mb: "MicroBatch", bytes_per_token: int = 1) -> KVTraffic:
     return KVTraffic(int(u[0]), int(p[0]), int(r[0]))
 
 
-def plan_kv_traffic(plan: "Plan", bytes_per_token: int = 1) -> dict[str, np.ndarray]:
+def plan_kv_traffic(plan: Plan, bytes_per_token: int = 1) -> dict[str, np.ndarray]:
     """Per micro-batch K/V traffic of a whole plan, vectorised over its piece table.
 
     Returns int64 arrays, one row per micro-batch in plan order: ``step``, ``dp``, ``microbatch``,
@@ -113,5 +115,7 @@ def plan_kv_traffic(plan: "Plan", bytes_per_token: int = 1) -> dict[str, np.ndar
     keys = np.stack([a["step"], a["dp"], a["microbatch"]])
     uniq, group = np.unique(keys, axis=1, return_inverse=True)
     group = group.reshape(-1)
-    u, p, r = _traffic_arrays(group, a["cp"], a["sample"], a["start"], a["stop"], plan.config.cp, bytes_per_token, uniq.shape[1])
+    u, p, r = _traffic_arrays(
+        group, a["cp"], a["sample"], a["start"], a["stop"], plan.config.cp, bytes_per_token, uniq.shape[1]
+    )
     return {"step": uniq[0], "dp": uniq[1], "microbatch": uniq[2], "unique": u, "p2p": p, "ring": r}

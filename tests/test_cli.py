@@ -33,8 +33,21 @@ def test_no_command_prints_help_and_exits_2(capsys):
 
 def test_console_script_runs_demo(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "ringpack.cli", "demo", "--quick", "--no-ring-check", "--quiet", "--out", str(tmp_path / "demo")],
-        capture_output=True, text=True, check=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "ringpack.cli",
+            "demo",
+            "--quick",
+            "--no-ring-check",
+            "--quiet",
+            "--out",
+            str(tmp_path / "demo"),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
     ).stdout
     assert "standard-library files" in out
     assert "zigzag/first_fit" in out and "contiguous/first_fit" in out and "balanced/balanced" in out

@@ -32,8 +32,8 @@ all-reduce, pipeline bubbles, kernel efficiency differences between short and lo
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import numpy as np
 
@@ -69,8 +69,15 @@ class CommModel:
             raise ValueError("CommModel needs bandwidth > 0, latency >= 0, layers >= 1, kv bytes >= 0")
 
     @classmethod
-    def for_model(cls, model: CostModel, link: str = "nvlink", mode: str = "ring", dtype_bytes: int = 2,
-                  bandwidth: float | None = None, latency: float | None = None) -> "CommModel":
+    def for_model(
+        cls,
+        model: CostModel,
+        link: str = "nvlink",
+        mode: str = "ring",
+        dtype_bytes: int = 2,
+        bandwidth: float | None = None,
+        latency: float | None = None,
+    ) -> CommModel:
         """K/V size from the cost model's preset shape (llama3-8b's when the model is not a preset)."""
         from ringpack.traffic import kv_bytes_per_token
 
@@ -92,8 +99,10 @@ class CommModel:
         return self.kv_bytes_per_token_layer * self.layers
 
     def describe(self) -> str:
-        return (f"{self.mode}, {self.bandwidth / 1e9:.0f} GB/s, {self.latency * 1e6:.0f} us latency, "
-                f"{self.kv_bytes_per_token_layer:.0f} B of K/V per token per layer x {self.layers} layers")
+        return (
+            f"{self.mode}, {self.bandwidth / 1e9:.0f} GB/s, {self.latency * 1e6:.0f} us latency, "
+            f"{self.kv_bytes_per_token_layer:.0f} B of K/V per token per layer x {self.layers} layers"
+        )
 
 
 def kv_cross_tokens(arrays: Mapping[str, np.ndarray], shape: tuple[int, int, int] | None = None) -> np.ndarray:

@@ -47,17 +47,23 @@ def run(args: argparse.Namespace) -> int:
     from ringpack.analysis import plots
     from ringpack.analysis.comm_model import CommModel
     from ringpack.analysis.report import build_report, format_ranks, format_table, result_of_plan, write_report
-    from ringpack.planner import make_plan
     from ringpack.cost import CostModel
-    from ringpack.shard_plan import PlanConfig
     from ringpack.data.corpus import stdlib_corpus
+    from ringpack.planner import make_plan
+    from ringpack.shard_plan import PlanConfig
 
     t0 = time.perf_counter()
     out = Path(args.out)
     check = not args.no_ring_check
     stages = 1 + len(DEFAULT_VARIANTS) + 1 + 4 + int(check)
-    bar = tqdm(total=stages, desc="demo", unit="stage", file=sys.stderr, disable=args.quiet,
-               bar_format="{desc:<34} {bar} {n_fmt}/{total_fmt} [{elapsed}]")
+    bar = tqdm(
+        total=stages,
+        desc="demo",
+        unit="stage",
+        file=sys.stderr,
+        disable=args.quiet,
+        bar_format="{desc:<34} {bar} {n_fmt}/{total_fmt} [{elapsed}]",
+    )
 
     bar.set_description("corpus: tokenizing the stdlib")
     corpus = stdlib_corpus(tokenizer=args.tokenizer)
@@ -68,8 +74,15 @@ def run(args: argparse.Namespace) -> int:
 
     model = dataclasses.replace(CostModel.preset(args.model), flops_per_second=args.tflops * 1e12)
     per_step = args.samples_per_step or max(args.dp, int(args.dp * args.cp * args.tokens_per_rank / lengths.mean()))
-    config = PlanConfig(dp=args.dp, cp=args.cp, tokens_per_rank=args.tokens_per_rank, samples_per_step=per_step,
-                        seed=args.seed, overflow="split", cost=model)
+    config = PlanConfig(
+        dp=args.dp,
+        cp=args.cp,
+        tokens_per_rank=args.tokens_per_rank,
+        samples_per_step=per_step,
+        seed=args.seed,
+        overflow="split",
+        cost=model,
+    )
     comm = CommModel.for_model(model, link=args.link)
     results = []
     for strategy, packing in DEFAULT_VARIANTS:
@@ -79,8 +92,12 @@ def run(args: argparse.Namespace) -> int:
         bar.update(1)
 
     bar.set_description("report: exact costs per rank")
-    doc = build_report(results, lengths=lengths, title="ringpack demo: the standard-library corpus, every strategy",
-                       extra={"corpus": {"root": str(corpus.root), "counter": corpus.counter, "quick": bool(args.quick)}})
+    doc = build_report(
+        results,
+        lengths=lengths,
+        title="ringpack demo: the standard-library corpus, every strategy",
+        extra={"corpus": {"root": str(corpus.root), "counter": corpus.counter, "quick": bool(args.quick)}},
+    )
     step = plots.default_rank_step(doc)
     bar.update(1)
 
@@ -100,10 +117,14 @@ def run(args: argparse.Namespace) -> int:
     bar.close()
 
     stats = length_stats(lengths)
-    print(f"corpus: {stats['samples']} standard-library files under {corpus.root} ({corpus.counter})"
-          + (" [--quick: a 300-file subset]" if args.quick else ""))
-    print(f"plans: {len(results)} (CP strategy/packing), DP={args.dp} x CP={args.cp}, {args.tokens_per_rank:,} tokens per "
-          f"rank, {per_step} samples per step, cost model {model.name} at {args.tflops:.0f} TFLOP/s\n")
+    print(
+        f"corpus: {stats['samples']} standard-library files under {corpus.root} ({corpus.counter})"
+        + (" [--quick: a 300-file subset]" if args.quick else "")
+    )
+    print(
+        f"plans: {len(results)} (CP strategy/packing), DP={args.dp} x CP={args.cp}, {args.tokens_per_rank:,} tokens per "
+        f"rank, {per_step} samples per step, cost model {model.name} at {args.tflops:.0f} TFLOP/s\n"
+    )
     print(format_table(doc))
     print()
     print(format_ranks(doc, doc["baseline"], step))
@@ -112,10 +133,12 @@ def run(args: argparse.Namespace) -> int:
     print()
     if ring is not None:
         verdict = "matches" if ring.ok else "DOES NOT MATCH"
-        print(f"ring check: ring_attention on 2 CPU processes (gloo, fp64) {verdict} single-process attention on one "
-              f"planned micro-batch ({ring.samples} samples, {ring.tokens:,} tokens, {ring.split_samples} split across "
-              f"ranks, {ring.kv_cross_tokens:,} K/V tokens crossing, {ring.ring_steps} ring step(s)): max |error| "
-              f"{ring.max_error:.1e} over outputs and dq/dk/dv ({ring.seconds:.1f} s)")
+        print(
+            f"ring check: ring_attention on 2 CPU processes (gloo, fp64) {verdict} single-process attention on one "
+            f"planned micro-batch ({ring.samples} samples, {ring.tokens:,} tokens, {ring.split_samples} split across "
+            f"ranks, {ring.kv_cross_tokens:,} K/V tokens crossing, {ring.ring_steps} ring step(s)): max |error| "
+            f"{ring.max_error:.1e} over outputs and dq/dk/dv ({ring.seconds:.1f} s)"
+        )
     elif ring_note:
         print(f"ring check: {ring_note}")
     print(f"\nwrote {out}/: " + ", ".join(p.name for p in paths.values()))

@@ -27,8 +27,8 @@ Definitions (README "Analysis and reports" states them too):
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import numpy as np
 
@@ -232,8 +232,19 @@ def evaluate(
     samples = np.bincount(step_of_sample, minlength=S)
     loss = np.bincount(step_of_sample, weights=(lengths[s_sample] - 1).astype(np.float64), minlength=S).astype(np.int64)
     return PlanMetrics(
-        name=name, dp=dp, cp=cp, model=model, mb_exists=exists, tokens=tokens, pairs=pairs, segments=segments,
-        cost=cost, kv_cross_tokens=kv, zigzag_padding=zz, samples=samples, loss_tokens=loss,
+        name=name,
+        dp=dp,
+        cp=cp,
+        model=model,
+        mb_exists=exists,
+        tokens=tokens,
+        pairs=pairs,
+        segments=segments,
+        cost=cost,
+        kv_cross_tokens=kv,
+        zigzag_padding=zz,
+        samples=samples,
+        loss_tokens=loss,
     )
 
 
@@ -244,7 +255,9 @@ def evaluate_plan(plan, name: str | None = None) -> PlanMetrics:
         name = plan_label(cfg)
     S = plan.num_steps
     M = max((len(rank) for step in plan.steps for rank in step.microbatches), default=0)
-    return evaluate(plan.piece_arrays, np.asarray(plan.lengths), cfg.dp, cfg.cp, cfg.cost, name=name, shape=(S, cfg.dp, M))
+    return evaluate(
+        plan.piece_arrays, np.asarray(plan.lengths), cfg.dp, cfg.cp, cfg.cost, name=name, shape=(S, cfg.dp, M)
+    )
 
 
 def plan_label(cfg) -> str:

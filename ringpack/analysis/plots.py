@@ -22,8 +22,16 @@ def _plt():
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
-    plt.rcParams.update({"font.size": 10, "axes.titlesize": 11, "axes.labelsize": 10, "figure.titlesize": 12,
-                         "axes.spines.top": False, "axes.spines.right": False})
+    plt.rcParams.update(
+        {
+            "font.size": 10,
+            "axes.titlesize": 11,
+            "axes.labelsize": 10,
+            "figure.titlesize": 12,
+            "axes.spines.top": False,
+            "axes.spines.right": False,
+        }
+    )
     return plt
 
 
@@ -123,12 +131,14 @@ def plot_rank_costs(doc: dict[str, Any], path: Path, step: int | None = None) ->
         step_time = row["step_seconds"] / scale
         shades = np.tile(np.linspace(1.0, 0.55, cp), dp) if cp > 1 else np.ones(dp)
         base = np.asarray(colors[p["name"]])[:3]
-        ax.bar(gpu_gap, busy, width=0.9, color=[tuple(base * s + (1 - s)) for s in shades], edgecolor=base, linewidth=0.4)
+        ax.bar(
+            gpu_gap, busy, width=0.9, color=[tuple(base * s + (1 - s)) for s in shades], edgecolor=base, linewidth=0.4
+        )
         ax.axhline(step_time, color="black", ls="--", lw=1)
         ax.text(gpu_gap[-1] + 0.5, step_time, " step", va="bottom", ha="right", fontsize=8)
         ax.set_title(f"{p['name']}: idle {100 * row['idle_fraction']:.1f}%", color=base)
         if dp * cp <= 32:
-            centers = [gpu_gap[d * cp: (d + 1) * cp].mean() for d in range(dp)]
+            centers = [gpu_gap[d * cp : (d + 1) * cp].mean() for d in range(dp)]
             ax.set_xticks(centers, [f"DP {d}" for d in range(dp)], fontsize=8)
         else:
             ax.set_xticks([])
@@ -139,7 +149,9 @@ def plot_rank_costs(doc: dict[str, Any], path: Path, step: int | None = None) ->
         ax.set_visible(False)
     ax0 = axes.flat[0]
     ax0.set_ylim(0, top / scale * 1.12)
-    fig.suptitle(f"Per-GPU busy time in step {step} (compute, predicted); dashed: step time, the gap above a bar is idle")
+    fig.suptitle(
+        f"Per-GPU busy time in step {step} (compute, predicted); dashed: step time, the gap above a bar is idle"
+    )
     fig.tight_layout()
     return _save(fig, path)
 
@@ -155,9 +167,14 @@ def plot_imbalance(doc: dict[str, Any], path: Path) -> Path:
         steps = np.array([r["step"] for r in p["steps"]])
         imb = np.array([r["imbalance"] for r in p["steps"]])
         idle = np.array([r["idle_fraction"] for r in p["steps"]]) * 100
-        style = dict(color=colors[p["name"]], lw=1.6 if p["name"] != doc["baseline"] else 2.2, marker=marker, ms=3,
-                     ls="-" if p["name"] != doc["baseline"] else "--",
-                     zorder=20 if p["name"] == doc["baseline"] else 10 - k)  # dashed baseline on top, then the first plan
+        style = dict(
+            color=colors[p["name"]],
+            lw=1.6 if p["name"] != doc["baseline"] else 2.2,
+            marker=marker,
+            ms=3,
+            ls="-" if p["name"] != doc["baseline"] else "--",
+            zorder=20 if p["name"] == doc["baseline"] else 10 - k,
+        )  # dashed baseline on top, then the first plan
         ax1.plot(steps, imb, label=p["name"], **style)
         ax2.plot(steps, idle, **style)
     ax1.axhline(1.0, color="gray", lw=0.8)
@@ -166,8 +183,14 @@ def plot_imbalance(doc: dict[str, Any], path: Path) -> Path:
     ax2.set_ylabel("idle GPU time (%)")
     ax2.set_ylim(bottom=0)
     ax2.set_xlabel("step")
-    ax1.legend(fontsize=8, frameon=False, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="plan (strategy/packing)",
-               title_fontsize=8)
+    ax1.legend(
+        fontsize=8,
+        frameon=False,
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1.0),
+        title="plan (strategy/packing)",
+        title_fontsize=8,
+    )
     fig.suptitle(f"Imbalance over steps per plan (DP={doc['dp']} x CP={doc['cp']}; compute only; dashed: baseline)")
     fig.tight_layout()
     return _save(fig, path)
@@ -199,9 +222,17 @@ def plot_idle_saved(doc: dict[str, Any], path: Path) -> Path:
     ax1.set_yticks(y, [n + (" (baseline)" if n == doc["baseline"] else "") for n in names])
     ax1.set_xlabel(f"GPU time over all steps (GPU-{unit}), compute only")
     ax1.set_xlim(0, total.max() / scale * 1.75)
-    ax1.legend(handles=[Patch(color="#bbbbbb", label="busy"), Patch(facecolor="white", edgecolor="#444444",
-               label="idle, waiting on the slowest rank (plan colour)")], loc="upper center", bbox_to_anchor=(0.5, -0.14),
-               ncol=2, fontsize=8, frameon=False)
+    ax1.legend(
+        handles=[
+            Patch(color="#bbbbbb", label="busy"),
+            Patch(facecolor="white", edgecolor="#444444", label="idle, waiting on the slowest rank (plan colour)"),
+        ],
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.14),
+        ncol=2,
+        fontsize=8,
+        frameon=False,
+    )
     ax1.set_title("Busy and idle GPU time")
     tps = np.array([s["tokens_per_second_comm"] for s in summaries])
     tps_compute = np.array([s["tokens_per_second"] for s in summaries])

@@ -15,9 +15,10 @@ from __future__ import annotations
 import base64
 import html
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -79,16 +80,56 @@ DEFINITIONS: dict[str, str] = {
 }
 
 SUMMARY_KEYS = (
-    "steps", "microbatches", "samples", "tokens", "loss_tokens", "step_cost_total", "busy_cost_total",
-    "idle_fraction", "idle_gpu_seconds", "imbalance_mean", "imbalance_worst", "max_mean_mean", "max_mean_worst",
-    "dp_max_mean_mean", "cp_max_mean_mean", "gap_mean", "predicted_seconds", "tokens_per_second", "padding_tokens",
-    "zigzag_rule_padding_tokens", "kv_bytes", "kv_ring_bytes", "predicted_seconds_comm", "tokens_per_second_comm",
-    "idle_fraction_comm", "exposed_comm_seconds", "idle_gpu_seconds_saved", "speedup_vs_baseline",
+    "steps",
+    "microbatches",
+    "samples",
+    "tokens",
+    "loss_tokens",
+    "step_cost_total",
+    "busy_cost_total",
+    "idle_fraction",
+    "idle_gpu_seconds",
+    "imbalance_mean",
+    "imbalance_worst",
+    "max_mean_mean",
+    "max_mean_worst",
+    "dp_max_mean_mean",
+    "cp_max_mean_mean",
+    "gap_mean",
+    "predicted_seconds",
+    "tokens_per_second",
+    "padding_tokens",
+    "zigzag_rule_padding_tokens",
+    "kv_bytes",
+    "kv_ring_bytes",
+    "predicted_seconds_comm",
+    "tokens_per_second_comm",
+    "idle_fraction_comm",
+    "exposed_comm_seconds",
+    "idle_gpu_seconds_saved",
+    "speedup_vs_baseline",
 )
 STEP_KEYS = (
-    "step", "microbatches_per_rank", "samples", "tokens", "step_cost", "step_seconds", "step_seconds_comm",
-    "lower_bound", "gap", "imbalance", "max_mean", "dp_max_mean", "cp_max_mean", "idle_fraction",
-    "idle_fraction_comm", "padding_tokens", "zigzag_rule_padding_tokens", "kv_bytes", "rank_busy", "dp_time",
+    "step",
+    "microbatches_per_rank",
+    "samples",
+    "tokens",
+    "step_cost",
+    "step_seconds",
+    "step_seconds_comm",
+    "lower_bound",
+    "gap",
+    "imbalance",
+    "max_mean",
+    "dp_max_mean",
+    "cp_max_mean",
+    "idle_fraction",
+    "idle_fraction_comm",
+    "padding_tokens",
+    "zigzag_rule_padding_tokens",
+    "kv_bytes",
+    "rank_busy",
+    "dp_time",
     "microbatch_costs",
 )
 
@@ -136,7 +177,9 @@ class StrategyResult:
         return np.where(capacity > 0, 1.0 - busy / np.where(capacity > 0, capacity, 1.0), 0.0)
 
 
-def timed(metrics: PlanMetrics, comm: CommModel, lower_bound: Sequence[float | None] | None = None, **extra: Any) -> StrategyResult:
+def timed(
+    metrics: PlanMetrics, comm: CommModel, lower_bound: Sequence[float | None] | None = None, **extra: Any
+) -> StrategyResult:
     """Attach communication-model times (and the planner's lower bounds) to a plan's metrics."""
     m = metrics
     seconds, exposed = microbatch_seconds(m.tokens, m.pairs, m.segments, m.kv_cross_tokens, m.model, comm)
@@ -147,14 +190,22 @@ def timed(metrics: PlanMetrics, comm: CommModel, lower_bound: Sequence[float | N
         lb = np.full(m.num_steps, np.nan)
     else:
         lb = np.array([np.nan if x is None else float(x) for x in lower_bound], dtype=np.float64)
-    return StrategyResult(metrics=m, comm=comm, lower_bound=lb, step_seconds_comm=step_seconds,
-                          exposed_comm_seconds=exposed.sum(axis=(1, 2, 3)), **extra)
+    return StrategyResult(
+        metrics=m,
+        comm=comm,
+        lower_bound=lb,
+        step_seconds_comm=step_seconds,
+        exposed_comm_seconds=exposed.sum(axis=(1, 2, 3)),
+        **extra,
+    )
 
 
 def result_of_plan(plan, comm: CommModel, name: str | None = None) -> StrategyResult:
     """:func:`timed` metrics of a :class:`~ringpack.shard_plan.Plan`."""
     metrics = evaluate_plan(plan, name=name)
-    return timed(metrics, comm, [s.lower_bound for s in plan.steps], config=plan.config.to_dict(), plan_hash=plan.content_hash)
+    return timed(
+        metrics, comm, [s.lower_bound for s in plan.steps], config=plan.config.to_dict(), plan_hash=plan.content_hash
+    )
 
 
 # ----------------------------------------------------------------------------------------- summary
@@ -297,8 +348,11 @@ def build_report(
         "gpus": first.dp * first.cp,
         "cost_model": first.model.to_dict(),
         "cost_unit": first.model.unit,
-        "comm_model": {**results[0].comm.__dict__, "kv_bytes_per_token": results[0].comm.kv_bytes_per_token,
-                       "description": results[0].comm.describe()},
+        "comm_model": {
+            **results[0].comm.__dict__,
+            "kv_bytes_per_token": results[0].comm.kv_bytes_per_token,
+            "description": results[0].comm.describe(),
+        },
         "baseline": baseline,
         "definitions": DEFINITIONS,
         "lengths": length_summary(lengths) if lengths is not None else None,
@@ -340,7 +394,9 @@ def text_table(header: Sequence[str], rows: Sequence[Sequence[str]], align: str 
     align = align or "l" + "r" * (len(header) - 1)
 
     def line(cells: Sequence[str]) -> str:
-        return "  ".join(str(c).ljust(w) if a == "l" else str(c).rjust(w) for c, w, a in zip(cells, widths, align)).rstrip()
+        return "  ".join(
+            str(c).ljust(w) if a == "l" else str(c).rjust(w) for c, w, a in zip(cells, widths, align)
+        ).rstrip()
 
     rule = "  ".join("-" * w for w in widths)
     return "\n".join([line(header), rule, *(line(r) for r in rows)])
@@ -360,50 +416,89 @@ def format_table(doc: dict[str, Any], steps_shown: int = 0) -> str:
         f"DP={doc['dp']} x CP={doc['cp']} ({doc['gpus']} GPUs); cost model {cm['name']} "
         f"({cm['flops_per_second'] / 1e12:.0f} TFLOP/s achieved); comm {doc['comm_model']['description']}"
     )
-    header = ["plan", "steps", "imbal", "idle", "idle+comm", "dp m/m", "cp m/m", "gap",
-              "epoch time", "+comm", "tok/s", "speedup", "K/V moved", "pad", "2cp-pad"]
+    header = [
+        "plan",
+        "steps",
+        "imbal",
+        "idle",
+        "idle+comm",
+        "dp m/m",
+        "cp m/m",
+        "gap",
+        "epoch time",
+        "+comm",
+        "tok/s",
+        "speedup",
+        "K/V moved",
+        "pad",
+        "2cp-pad",
+    ]
     rows = []
     for p in doc["plans"]:
         s = p["summary"]
         mark = " *" if p["name"] == doc["baseline"] else ""
-        rows.append([
-            p["name"] + mark,
-            str(s["steps"]),
-            f"{s['imbalance_mean']:.3f}",
-            f"{100 * s['idle_fraction']:.1f}%",
-            f"{100 * s['idle_fraction_comm']:.1f}%",
-            f"{s['dp_max_mean_mean']:.3f}",
-            f"{s['cp_max_mean_mean']:.3f}",
-            "-" if s["gap_mean"] is None else f"{100 * s['gap_mean']:.1f}%",
-            _fmt_seconds(s["predicted_seconds"]),
-            _fmt_seconds(s["predicted_seconds_comm"]),
-            _fmt_count(s["tokens_per_second_comm"]),
-            "-" if s["speedup_vs_baseline"] is None else f"{s['speedup_vs_baseline']:.2f}x",
-            _fmt_bytes(s["kv_bytes"]),
-            str(s["padding_tokens"]),
-            _fmt_count(s["zigzag_rule_padding_tokens"]),
-        ])
+        rows.append(
+            [
+                p["name"] + mark,
+                str(s["steps"]),
+                f"{s['imbalance_mean']:.3f}",
+                f"{100 * s['idle_fraction']:.1f}%",
+                f"{100 * s['idle_fraction_comm']:.1f}%",
+                f"{s['dp_max_mean_mean']:.3f}",
+                f"{s['cp_max_mean_mean']:.3f}",
+                "-" if s["gap_mean"] is None else f"{100 * s['gap_mean']:.1f}%",
+                _fmt_seconds(s["predicted_seconds"]),
+                _fmt_seconds(s["predicted_seconds_comm"]),
+                _fmt_count(s["tokens_per_second_comm"]),
+                "-" if s["speedup_vs_baseline"] is None else f"{s['speedup_vs_baseline']:.2f}x",
+                _fmt_bytes(s["kv_bytes"]),
+                str(s["padding_tokens"]),
+                _fmt_count(s["zigzag_rule_padding_tokens"]),
+            ]
+        )
     out.append("")
     out.append(text_table(header, rows))
     out.append(
-        f"(* baseline; imbal = step time / mean GPU busy, averaged over steps; idle = share of GPU time waiting "
-        f"on the slowest rank; gap = above the planner's lower bound; +comm = with the communication model; "
-        f"pad = padding the plan needs; 2cp-pad = padding a zigzag with the 2*CP rule would add)"
+        "(* baseline; imbal = step time / mean GPU busy, averaged over steps; idle = share of GPU time waiting "
+        "on the slowest rank; gap = above the planner's lower bound; +comm = with the communication model; "
+        "pad = padding the plan needs; 2cp-pad = padding a zigzag with the 2*CP rule would add)"
     )
     if steps_shown > 0:
         for p in doc["plans"]:
             out.append("")
             out.append(f"{p['name']}: first {min(steps_shown, len(p['steps']))} of {len(p['steps'])} steps")
-            header = ["step", "mb/rank", "samples", "tokens", "step time", "+comm", "imbal", "idle", "dp m/m", "cp m/m",
-                      "K/V moved", "2cp-pad"]
+            header = [
+                "step",
+                "mb/rank",
+                "samples",
+                "tokens",
+                "step time",
+                "+comm",
+                "imbal",
+                "idle",
+                "dp m/m",
+                "cp m/m",
+                "K/V moved",
+                "2cp-pad",
+            ]
             rows = []
             for r in p["steps"][:steps_shown]:
-                rows.append([
-                    str(r["step"]), str(r["microbatches_per_rank"]), str(r["samples"]), _fmt_count(r["tokens"]),
-                    _fmt_seconds(r["step_seconds"]), _fmt_seconds(r["step_seconds_comm"]), f"{r['imbalance']:.3f}",
-                    f"{100 * r['idle_fraction']:.1f}%", f"{r['dp_max_mean']:.3f}", f"{r['cp_max_mean']:.3f}",
-                    _fmt_bytes(r["kv_bytes"]), str(r["zigzag_rule_padding_tokens"]),
-                ])
+                rows.append(
+                    [
+                        str(r["step"]),
+                        str(r["microbatches_per_rank"]),
+                        str(r["samples"]),
+                        _fmt_count(r["tokens"]),
+                        _fmt_seconds(r["step_seconds"]),
+                        _fmt_seconds(r["step_seconds_comm"]),
+                        f"{r['imbalance']:.3f}",
+                        f"{100 * r['idle_fraction']:.1f}%",
+                        f"{r['dp_max_mean']:.3f}",
+                        f"{r['cp_max_mean']:.3f}",
+                        _fmt_bytes(r["kv_bytes"]),
+                        str(r["zigzag_rule_padding_tokens"]),
+                    ]
+                )
             out.append(text_table(header, rows, align="r" * len(header)))
     return "\n".join(out)
 
@@ -420,14 +515,17 @@ def format_ranks(doc: dict[str, Any], plan: str, step: int) -> str:
     rows = []
     for d, busy in enumerate(row["rank_busy"]):
         rows.append([str(d), *(f"{b * to_s / scale:.2f}" for b in busy), f"{row['dp_time'][d] * to_s / scale:.2f}"])
-    return (f"{plan}, step {row['step']}: busy time per GPU ({unit}, compute); step time "
-            f"{row['step_seconds'] / scale:.2f} {unit}, idle {100 * row['idle_fraction']:.1f}%\n"
-            + text_table(header, rows, align="r" * len(header)))
+    return (
+        f"{plan}, step {row['step']}: busy time per GPU ({unit}, compute); step time "
+        f"{row['step_seconds'] / scale:.2f} {unit}, idle {100 * row['idle_fraction']:.1f}%\n"
+        + text_table(header, rows, align="r" * len(header))
+    )
 
 
 # ----------------------------------------------------------------------------------------- writing
-def write_report(doc: dict[str, Any], out_dir: str | Path, plots: bool = True, rank_step: int | None = None,
-                 progress: Any = None) -> dict[str, Path]:
+def write_report(
+    doc: dict[str, Any], out_dir: str | Path, plots: bool = True, rank_step: int | None = None, progress: Any = None
+) -> dict[str, Path]:
     """Write ``report.json``, the PNG plots, ``report.html`` (plots embedded) and ``report.md`` into ``out_dir``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -478,8 +576,10 @@ def render_html(doc: dict[str, Any], figures: dict[str, Path]) -> str:
     ]
     for key, path in figures.items():
         data = base64.b64encode(path.read_bytes()).decode()
-        parts.append(f"<figure><img alt='{key}' src='data:image/png;base64,{data}'>"
-                     f"<figcaption>{html.escape(FIGURE_CAPTIONS.get(key, ''))}</figcaption></figure>")
+        parts.append(
+            f"<figure><img alt='{key}' src='data:image/png;base64,{data}'>"
+            f"<figcaption>{html.escape(FIGURE_CAPTIONS.get(key, ''))}</figcaption></figure>"
+        )
     parts.append("<h2>Definitions</h2><dl>")
     for k, v in doc["definitions"].items():
         parts.append(f"<dt>{html.escape(k)}</dt><dd>{html.escape(v)}</dd>")
@@ -488,8 +588,9 @@ def render_html(doc: dict[str, Any], figures: dict[str, Path]) -> str:
 
 
 # ------------------------------------------------------------------------------------- planning
-def plan_strategies(lengths: np.ndarray, config, variants: Sequence[tuple[str, str]] = DEFAULT_VARIANTS,
-                    progress: Any = None) -> list:
+def plan_strategies(
+    lengths: np.ndarray, config, variants: Sequence[tuple[str, str]] = DEFAULT_VARIANTS, progress: Any = None
+) -> list:
     """Plan ``lengths`` once per (strategy, packing) variant of ``config`` with the balancer's ``make_plan``."""
     import dataclasses
 

@@ -83,7 +83,7 @@ def _dense_reference(mb, lengths: list[int], seed: int):
         L = q.shape[0]
         kk = k.repeat_interleave(HEADS // KV_HEADS, dim=1)
         vv = v.repeat_interleave(HEADS // KV_HEADS, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q, kk) * HEAD_DIM ** -0.5
+        scores = torch.einsum("qhd,khd->hqk", q, kk) * HEAD_DIM**-0.5
         mask = torch.ones(L, L, dtype=torch.bool).tril()
         p = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
         o = torch.einsum("hqk,khd->qhd", p, vv)
@@ -109,7 +109,7 @@ def _inputs(mb, lengths: list[int], seed: int):
 def _local(t: dict, shard) -> Any:
     import torch
 
-    return torch.cat([t[p.sample][p.start: p.stop] for p in shard.pieces]) if shard.pieces else None
+    return torch.cat([t[p.sample][p.start : p.stop] for p in shard.pieces]) if shard.pieces else None
 
 
 def _worker(rank: int, world: int, mb, lengths: list[int], seed: int) -> dict:
@@ -124,8 +124,13 @@ def _worker(rank: int, world: int, mb, lengths: list[int], seed: int) -> dict:
     v = _local(v_all, shard).requires_grad_()
     out = ring_attention(q, k, v, sched, mode="ring", backend="reference")
     out.backward(_local(d_all, shard))
-    return {"out": out.detach().numpy(), "dq": q.grad.numpy(), "dk": k.grad.numpy(), "dv": v.grad.numpy(),
-            "steps": len(sched.steps)}
+    return {
+        "out": out.detach().numpy(),
+        "dq": q.grad.numpy(),
+        "dk": k.grad.numpy(),
+        "dv": v.grad.numpy(),
+        "steps": len(sched.steps),
+    }
 
 
 def run_ring_check(mb, lengths: list[int], seed: int = 0, timeout_s: float = 120.0, tol: float = 1e-9) -> RingCheck:
@@ -134,8 +139,15 @@ def run_ring_check(mb, lengths: list[int], seed: int = 0, timeout_s: float = 120
     from ringpack.traffic import needed_pieces
 
     t0 = time.perf_counter()
-    results = run_ranks(_worker, len(mb.shards), (mb, lengths, seed), timeout_s=60.0, join_s=timeout_s,
-                        start_method="spawn", name="ring check")
+    results = run_ranks(
+        _worker,
+        len(mb.shards),
+        (mb, lengths, seed),
+        timeout_s=60.0,
+        join_s=timeout_s,
+        start_method="spawn",
+        name="ring check",
+    )
     ref = _dense_reference(mb, lengths, seed)
     worst = 0.0
     for r, shard in enumerate(mb.shards):
@@ -149,8 +161,12 @@ def run_ring_check(mb, lengths: list[int], seed: int = 0, timeout_s: float = 120
     need = needed_pieces(np.zeros(len(arr), dtype=np.int64), arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 3])
     split = len({p.sample for sh in mb.shards for p in sh.pieces if p.start > 0})
     return RingCheck(
-        samples=len(mb.samples), tokens=mb.num_tokens, split_samples=split,
+        samples=len(mb.samples),
+        tokens=mb.num_tokens,
+        split_samples=split,
         kv_cross_tokens=int(((arr[:, 3] - arr[:, 2]) * (need > 0)).sum()),
-        ring_steps=max(r["steps"] for r in results), max_error=worst, seconds=time.perf_counter() - t0,
+        ring_steps=max(r["steps"] for r in results),
+        max_error=worst,
+        seconds=time.perf_counter() - t0,
         ok=worst <= tol,
     )

@@ -18,8 +18,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -39,8 +40,9 @@ SIM_VARIANTS: tuple[tuple[str, str], ...] = (
 )
 
 
-def synthetic_lengths(n: int, source: str = "stdlib", seed: int = 0, median: float = 2048, sigma: float = 1.3,
-                      max_len: int | None = None) -> np.ndarray:
+def synthetic_lengths(
+    n: int, source: str = "stdlib", seed: int = 0, median: float = 2048, sigma: float = 1.3, max_len: int | None = None
+) -> np.ndarray:
     """``n`` sample lengths: resampled from the standard-library corpus, or log-normal.
 
     ``source="stdlib"`` draws with replacement from the embedded corpus (a real heavy tail);
@@ -77,8 +79,12 @@ def concat_metrics(parts: Sequence[PlanMetrics], name: str) -> PlanMetrics:
     fields = ("mb_exists", "tokens", "pairs", "segments", "cost", "kv_cross_tokens", "zigzag_padding")
     stacked = {f: np.concatenate([pad(getattr(p, f)) for p in parts], axis=0) for f in fields}
     return PlanMetrics(
-        name=name, dp=first.dp, cp=first.cp, model=first.model,
-        samples=np.concatenate([p.samples for p in parts]), loss_tokens=np.concatenate([p.loss_tokens for p in parts]),
+        name=name,
+        dp=first.dp,
+        cp=first.cp,
+        model=first.model,
+        samples=np.concatenate([p.samples for p in parts]),
+        loss_tokens=np.concatenate([p.loss_tokens for p in parts]),
         **stacked,
     )
 
@@ -96,7 +102,7 @@ def _plan_chunk(task: tuple[int, int, np.ndarray, Any]) -> tuple[int, int, PlanM
 
 def _chunks(order: np.ndarray, per_step: int, chunk_steps: int, min_samples: int) -> list[np.ndarray]:
     size = per_step * chunk_steps
-    chunks = [order[i: i + size] for i in range(0, len(order), size)]
+    chunks = [order[i : i + size] for i in range(0, len(order), size)]
     if len(chunks) > 1 and len(chunks[-1]) < max(per_step, min_samples):
         tail = chunks.pop()
         chunks[-1] = np.concatenate([chunks[-1], tail])
@@ -123,12 +129,16 @@ def simulate(
     if config.samples_per_step <= 0:
         raise ValueError("simulate needs a global batch: set samples_per_step (or --global-batch-tokens)")
     lengths = np.asarray(lengths, dtype=np.int64)
-    comms = list(comms or [CommModel.for_model(config.cost, mode="ring"), CommModel.for_model(config.cost, mode="allgather")])
+    comms = list(
+        comms or [CommModel.for_model(config.cost, mode="ring"), CommModel.for_model(config.cost, mode="allgather")]
+    )
     capacity = config.group_capacity
     if (lengths > capacity).any():
         if config.overflow == "error":
-            raise ValueError(f"{int((lengths > capacity).sum())} samples exceed one CP group ({capacity} tokens); "
-                             "use overflow 'split' or 'drop'")
+            raise ValueError(
+                f"{int((lengths > capacity).sum())} samples exceed one CP group ({capacity} tokens); "
+                "use overflow 'split' or 'drop'"
+            )
         if config.overflow == "drop":
             lengths = lengths[lengths <= capacity]
         else:
@@ -146,7 +156,9 @@ def simulate(
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(tasks), desc=f"planning {len(lengths):,} samples x {len(variants)} strategies", unit="chunk")
+        bar = tqdm(
+            total=len(tasks), desc=f"planning {len(lengths):,} samples x {len(variants)} strategies", unit="chunk"
+        )
     parts: dict[int, dict[int, tuple[PlanMetrics, list]]] = {v: {} for v in range(len(variants))}
     busy = 0.0
     t0 = time.perf_counter()
@@ -180,11 +192,22 @@ def simulate(
             results_by_mode[comm.mode].append(timed(metrics, comm, bounds, config=cfg))
     head = comms[0].mode
     doc = build_report(
-        results_by_mode[head], lengths=lengths, baseline=baseline, detail=False,
+        results_by_mode[head],
+        lengths=lengths,
+        baseline=baseline,
+        detail=False,
         title=f"ringpack simulation: DP={config.dp} x CP={config.cp} ({config.dp * config.cp:,} GPUs), "
         f"{len(lengths):,} samples",
-        extra={"format": "ringpack-simulation", "planning": {"wall_seconds": wall, "worker_cpu_seconds": busy,
-                                                              "jobs": jobs, "chunks": len(chunks), "chunk_steps": chunk_steps}},
+        extra={
+            "format": "ringpack-simulation",
+            "planning": {
+                "wall_seconds": wall,
+                "worker_cpu_seconds": busy,
+                "jobs": jobs,
+                "chunks": len(chunks),
+                "chunk_steps": chunk_steps,
+            },
+        },
     )
     for mode, results in results_by_mode.items():
         other = build_report(results, baseline=doc["baseline"], detail=False)
@@ -215,8 +238,12 @@ def format_modes(doc: dict[str, Any]) -> str:
         for mode in modes:
             m = p["modes"][mode]
             sp = m["speedup_vs_baseline"]
-            row += [_fmt_count(m["tokens_per_second"]), _fmt_seconds(m["predicted_seconds"]),
-                    f"{100 * m['idle_fraction']:.1f}%", "-" if sp is None else f"{sp:.2f}x"]
+            row += [
+                _fmt_count(m["tokens_per_second"]),
+                _fmt_seconds(m["predicted_seconds"]),
+                f"{100 * m['idle_fraction']:.1f}%",
+                "-" if sp is None else f"{sp:.2f}x",
+            ]
         rows.append(row)
     return text_table(header, rows)
 

@@ -13,7 +13,7 @@ bookkeeping are the ring's (:mod:`ringpack.attention.ring`).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist

@@ -117,7 +117,9 @@ def _input_problem(q: Tensor, k: Tensor, v: Tensor, schedule: Schedule) -> str |
     return None
 
 
-def verify_schedule(schedule: Schedule, group: dist.ProcessGroup, mode: str, k: Tensor, problem: str | None = None) -> None:
+def verify_schedule(
+    schedule: Schedule, group: dist.ProcessGroup, mode: str, k: Tensor, problem: str | None = None
+) -> None:
     """Check once per (schedule, group, mode, K/V shape) that every rank runs the same plan; raise otherwise.
 
     Collective over ``group``: every rank must call it (``ring_attention`` does). Raises
@@ -158,7 +160,9 @@ def _disagreement(rows: list[list[int]], me: int, problem: str | None) -> str | 
     cols = {name: [row[j] for row in rows] for j, name in enumerate(_ROW)}
     size = len(rows)
     if cols["cp_size"][me] != size:
-        return f"rank {me}: schedule was compiled for cp_size={cols['cp_size'][me]} but the process group has {size} ranks"
+        return (
+            f"rank {me}: schedule was compiled for cp_size={cols['cp_size'][me]} but the process group has {size} ranks"
+        )
     wrong = [g for g in range(size) if cols["cp_rank"][g] != g]
     if wrong:
         pairs = ", ".join(f"group rank {g} holds cp rank {cols['cp_rank'][g]}" for g in wrong)

@@ -89,8 +89,14 @@ def fused_merge_applies(out: Tensor, lse: Tensor, part_out: Tensor, part_lse: Te
     )
 
 
-def fused_merge(out: Tensor, lse: Tensor, part_out: Tensor, part_lse: Tensor, index: slice | None,
-                part2: tuple[Tensor, Tensor] | None = None) -> None:
+def fused_merge(
+    out: Tensor,
+    lse: Tensor,
+    part_out: Tensor,
+    part_lse: Tensor,
+    index: slice | None,
+    part2: tuple[Tensor, Tensor] | None = None,
+) -> None:
     """In place: rows ``index`` of ``out [T, H, D]`` / ``lse [H, T]`` merged with ``part_out [n, H, D]``
     / ``part_lse [H, n]``, and with ``part2`` (a second such pair) in the same pass if given (see
     :func:`ringpack.attention.merge.merge_partial` for the contract)."""

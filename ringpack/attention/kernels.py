@@ -53,7 +53,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -148,8 +148,13 @@ def available_backends(device: torch.device | str, dtype: torch.dtype, head_dim:
         flash = (["flash_attn"] if _flash_attn_module() is not None else []) + ["torch_flash"]
         found = ["flash_split", *flash] if AUTO_FLASH_SPLIT else [*flash, "flash_split"]
         if _cudnn_usable():
-            first = (AUTO_CUDNN_HYBRID and dtype in AUTO_CUDNN_DTYPES and head_dim in AUTO_CUDNN_HEAD_DIMS
-                     and _capability(device) == AUTO_CUDNN_CAPABILITY and torch.backends.cuda.cudnn_sdp_enabled())
+            first = (
+                AUTO_CUDNN_HYBRID
+                and dtype in AUTO_CUDNN_DTYPES
+                and head_dim in AUTO_CUDNN_HEAD_DIMS
+                and _capability(device) == AUTO_CUDNN_CAPABILITY
+                and torch.backends.cuda.cudnn_sdp_enabled()
+            )
             found.insert(0 if first else len(found), "cudnn_hybrid")
     if dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
         found.append("reference")
@@ -198,7 +203,9 @@ def resolve_backend(backend: str, q: Tensor) -> str:
         return usable[0]
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose 'auto' or one of {BACKENDS}")
-    if backend not in ("reference", "reference_hybrid") and (q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16)):
+    if backend not in ("reference", "reference_hybrid") and (
+        q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16)
+    ):
         raise ValueError(f"backend {backend!r} needs CUDA fp16/bf16 tensors, got {q.dtype} on {q.device}")
     if backend == "flash_attn" and _flash_attn_module() is None:
         raise ValueError("backend 'flash_attn' requested but the flash-attn package is not importable")
@@ -314,7 +321,9 @@ def _torch_flash_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, c
 def _version_kwargs(fn: Callable) -> dict:
     """Arguments whose spelling changed across flash-attn 2.x: no sliding window, no softcap."""
     params = inspect.signature(fn).parameters
-    kwargs: dict = {"window_size_left": -1, "window_size_right": -1} if "window_size_left" in params else {"window_size": (-1, -1)}
+    kwargs: dict = (
+        {"window_size_left": -1, "window_size_right": -1} if "window_size_left" in params else {"window_size": (-1, -1)}
+    )
     if "softcap" in params:
         kwargs["softcap"] = 0.0
     return kwargs
@@ -380,19 +389,29 @@ def _cudnn_kv(x: Tensor, heads: int) -> Tensor:
     return x if CUDNN_NATIVE_GQA else _expand_kv(x, heads)
 
 
-def _cudnn_dense_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, batch: int = 1) -> tuple[Tensor, Tensor]:
+def _cudnn_dense_fwd(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, batch: int = 1
+) -> tuple[Tensor, Tensor]:
     heads, lq = q.shape[1], q.shape[0] // batch
     res = torch.ops.aten._scaled_dot_product_cudnn_attention(
         _bhsd(q, batch), _bhsd(_cudnn_kv(k, heads), batch), _bhsd(_cudnn_kv(v, heads), batch), None, True, _NO_DROPOUT, causal, False, scale=scale
     )  # fmt: skip
     out4, lse = res[0], res[1]
-    if tuple(out4.shape) != (batch, heads, lq, v.shape[-1]) or lse.numel() != heads * lq * batch or tuple(lse.shape[:3]) != (batch, heads, lq):
-        raise RuntimeError(f"cuDNN SDPA returned out {tuple(out4.shape)} / lse {tuple(lse.shape)} for q {tuple(q.shape)}: unknown layout")
+    if (
+        tuple(out4.shape) != (batch, heads, lq, v.shape[-1])
+        or lse.numel() != heads * lq * batch
+        or tuple(lse.shape[:3]) != (batch, heads, lq)
+    ):
+        raise RuntimeError(
+            f"cuDNN SDPA returned out {tuple(out4.shape)} / lse {tuple(lse.shape)} for q {tuple(q.shape)}: unknown layout"
+        )
     _cudnn_lse_rank[0] = lse.dim()
     return _shd(out4), _lse_rows(lse, batch).to(accum_dtype(q.dtype))
 
 
-def _cudnn_dense_bwd(dout, q, k, v, out, lse, scale: float, causal: bool, batch: int = 1) -> tuple[Tensor, Tensor, Tensor]:
+def _cudnn_dense_bwd(
+    dout, q, k, v, out, lse, scale: float, causal: bool, batch: int = 1
+) -> tuple[Tensor, Tensor, Tensor]:
     heads, kv_heads, lq, lk = q.shape[1], k.shape[1], q.shape[0] // batch, k.shape[0] // batch
     lse = lse.to(accum_dtype(q.dtype)).reshape(heads, batch, lq).transpose(0, 1)  # fp32 for fp16/bf16, what cuDNN takes
     lse4 = (lse.unsqueeze(-1) if _cudnn_lse_rank[0] == 4 else lse).contiguous()
@@ -429,7 +448,20 @@ def _flash_dense_fwd(q, k, v, scale, causal, batch=1):
 
 def _flash_dense_bwd(dout, q, k, v, out, lse, scale, causal, batch=1):
     cu_q, cu_k = _device_segment(q, k, batch)
-    return _torch_flash_bwd(dout.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), cu_q, cu_k, q.shape[0] // batch, k.shape[0] // batch, scale, causal)
+    return _torch_flash_bwd(
+        dout.contiguous(),
+        q,
+        k,
+        v,
+        out.contiguous(),
+        lse.contiguous(),
+        cu_q,
+        cu_k,
+        q.shape[0] // batch,
+        k.shape[0] // batch,
+        scale,
+        causal,
+    )
 
 
 def _reference_dense_fwd(q, k, v, scale, causal, batch=1):
@@ -502,7 +534,14 @@ def varlen_attn_bwd(
 
 
 def dense_attn_fwd(
-    q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, backend: str, dense_keys: int | None = None, batch: int = 1
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    softmax_scale: float,
+    causal: bool,
+    backend: str,
+    dense_keys: int | None = None,
+    batch: int = 1,
 ) -> tuple[Tensor, Tensor]:
     """Attention of one whole segment, ``q [Lq, H, D]`` x ``k/v [Lk, H_kv, D]`` (``causal`` needs ``Lq == Lk``),
     with a hybrid backend's dense kernel: returns ``(out [Lq, H, D], lse [H, Lq])`` as :func:`varlen_attn_fwd` would.
@@ -551,7 +590,9 @@ def _check_dense_keys(dense_keys: int | None, num_keys: int, causal: bool) -> No
     if dense_keys is None or dense_keys >= num_keys:
         return
     if causal or dense_keys < 1:
-        raise ValueError(f"dense_keys={dense_keys} of {num_keys} keys: a key split needs a non-causal segment and at least one dense key")
+        raise ValueError(
+            f"dense_keys={dense_keys} of {num_keys} keys: a key split needs a non-causal segment and at least one dense key"
+        )
 
 
 def _check_batch(batch: int, num_q: int, num_keys: int, dense_keys: int | None) -> None:
@@ -567,7 +608,14 @@ def _tail_segment(q: Tensor, k: Tensor) -> tuple[Tensor, Tensor, int, int]:
 
 
 def dense_attn_fwd_parts(
-    q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, backend: str, dense_keys: int | None = None, batch: int = 1
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    softmax_scale: float,
+    causal: bool,
+    backend: str,
+    dense_keys: int | None = None,
+    batch: int = 1,
 ) -> tuple[tuple[Tensor, Tensor], ...]:
     """:func:`dense_attn_fwd` as partial results of the same query rows, for a caller that folds
     them into its own accumulator (the engine, with ``merge_partial(..., part2=...)``): one
@@ -595,8 +643,17 @@ def _dense_fwd(q, k, v, scale, causal, backend, dense_keys, batch=1):
 
 
 def dense_attn_bwd_parts(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, softmax_scale: float, causal: bool, backend: str,
-    dense_keys: int | None = None, batch: int = 1,
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    softmax_scale: float,
+    causal: bool,
+    backend: str,
+    dense_keys: int | None = None,
+    batch: int = 1,
 ) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
     """:func:`dense_attn_bwd` as the gradients of its kernels, one ``(dq, dk, dv)`` at a time, for a
     caller that adds them into its own sums: one triple, or with a key split the dense kernel's
@@ -608,7 +665,9 @@ def dense_attn_bwd_parts(
     _check_batch(batch, q.shape[0], k.shape[0], dense_keys)
     n = k.shape[0] if dense_keys is None else min(dense_keys, k.shape[0])
     if n == k.shape[0] or torch.compiler.is_compiling():  # (traced code sees the one custom op)
-        yield dense_attn_bwd(dout, q, k, v, out, lse, softmax_scale, causal, backend, dense_keys=dense_keys, batch=batch)
+        yield dense_attn_bwd(
+            dout, q, k, v, out, lse, softmax_scale, causal, backend, dense_keys=dense_keys, batch=batch
+        )
         return
     yield dense_attn_bwd(dout, q, k[:n], v[:n], out, lse, softmax_scale, False, backend)
     yield _key_tail_bwd(dout, q, k[n:], v[n:], out, lse, softmax_scale, backend)
@@ -617,7 +676,9 @@ def dense_attn_bwd_parts(
 def _dense_bwd(dout, q, k, v, out, lse, scale, causal, backend, dense_keys, batch=1):
     if dense_keys is None or dense_keys >= k.shape[0]:
         return _dense_kernel(backend, _DENSE_BWD)(dout, q, k, v, out, lse, scale, causal, batch)
-    (dq, dk, dv), (dq_tail, dk_tail, dv_tail) = dense_attn_bwd_parts(dout, q, k, v, out, lse, scale, causal, backend, dense_keys)
+    (dq, dk, dv), (dq_tail, dk_tail, dv_tail) = dense_attn_bwd_parts(
+        dout, q, k, v, out, lse, scale, causal, backend, dense_keys
+    )
     return dq.add_(dq_tail), torch.cat((dk, dk_tail)), torch.cat((dv, dv_tail))
 
 
@@ -638,14 +699,20 @@ def _key_tail_bwd(dout, q, k, v, out, lse, scale: float, backend: str) -> tuple[
     """
     n_q, n_k = q.shape[0], k.shape[0]
     chunks = max(1, min(-(-n_q // TAIL_CHUNK_ROWS), TAIL_COPY_ROWS // max(n_k, 1)))
-    dout, out, lse = dout.contiguous(), out.contiguous(), lse.contiguous()  # row views; the varlen kernels want them dense
+    dout, out, lse = (
+        dout.contiguous(),
+        out.contiguous(),
+        lse.contiguous(),
+    )  # row views; the varlen kernels want them dense
     if chunks == 1:
         return _BWD[backend](dout, q, k, v, out, lse, *_tail_segment(q, k), scale, False)
     rows = -(-n_q // chunks)
     chunks = -(-n_q // rows)  # no empty segment
     steps = torch.arange(chunks + 1, dtype=torch.int32, device=q.device)
     cu_q, cu_k = (steps * rows).clamp_(max=n_q), steps * n_k
-    dq, dk, dv = _BWD[backend](dout, q, k.repeat(chunks, 1, 1), v.repeat(chunks, 1, 1), out, lse, cu_q, cu_k, rows, n_k, scale, False)
+    dq, dk, dv = _BWD[backend](
+        dout, q, k.repeat(chunks, 1, 1), v.repeat(chunks, 1, 1), out, lse, cu_q, cu_k, rows, n_k, scale, False
+    )
     return dq, *(g.view(chunks, *k.shape).sum(0, dtype=accum_dtype(k.dtype)).to(k.dtype) for g in (dk, dv))
 
 
@@ -666,7 +733,9 @@ def _varlen_attn_fwd_op(
 
 
 @_varlen_attn_fwd_op.register_fake
-def _varlen_attn_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, backend):
+def _varlen_attn_fwd_fake(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, backend
+):
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=accum_dtype(q.dtype))
 
 
@@ -692,13 +761,22 @@ def _varlen_attn_bwd_op(
 
 
 @_varlen_attn_bwd_op.register_fake
-def _varlen_attn_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, backend):
+def _varlen_attn_bwd_fake(
+    dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, backend
+):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 @torch.library.custom_op("ringpack::dense_attn_fwd", mutates_args=())
 def _dense_attn_fwd_op(
-    q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, backend: str, dense_keys: int | None = None, batch: int = 1
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    softmax_scale: float,
+    causal: bool,
+    backend: str,
+    dense_keys: int | None = None,
+    batch: int = 1,
 ) -> tuple[Tensor, Tensor]:
     return _dense_fwd(q, k, v, softmax_scale, causal, backend, dense_keys, batch)
 
@@ -712,7 +790,15 @@ def _dense_attn_fwd_fake(q, k, v, softmax_scale, causal, backend, dense_keys=Non
 
 @torch.library.custom_op("ringpack::dense_attn_bwd", mutates_args=())
 def _dense_attn_bwd_op(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, softmax_scale: float, causal: bool, backend: str,
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    softmax_scale: float,
+    causal: bool,
+    backend: str,
     dense_keys: int | None = None,
     batch: int = 1,
 ) -> tuple[Tensor, Tensor, Tensor]:

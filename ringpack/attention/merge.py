@@ -14,7 +14,12 @@ Rows = Tensor | slice | None  # which rows of the running result a partial cover
 
 
 def merge_partial(
-    out: Tensor, lse: Tensor, part_out: Tensor, part_lse: Tensor, index: Rows, part2: tuple[Tensor, Tensor] | None = None
+    out: Tensor,
+    lse: Tensor,
+    part_out: Tensor,
+    part_lse: Tensor,
+    index: Rows,
+    part2: tuple[Tensor, Tensor] | None = None,
 ) -> None:
     """Fold a partial attention result into the running one, in place, by log-sum-exp.
 

@@ -20,21 +20,35 @@ move bytes.
 from __future__ import annotations
 
 import itertools
-
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
-from typing import Callable, Iterator, Protocol, Sequence
+from typing import Protocol
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ringpack.attention.kernels import accum_dtype, dense_attn_bwd_parts, dense_attn_fwd_parts, dense_backend, varlen_attn_bwd, varlen_attn_fwd
+from ringpack.attention.kernels import (
+    accum_dtype,
+    dense_attn_bwd_parts,
+    dense_attn_fwd_parts,
+    dense_backend,
+    varlen_attn_bwd,
+    varlen_attn_fwd,
+)
 from ringpack.attention.merge import Rows, merge_partial
 from ringpack.attention.schedule import DenseSegment, KernelCall, Schedule
 from ringpack.attention.streams import issued_after, mark
 
-__all__ = ["FORWARD_ONLY_PART_ROWS", "ContextParallelAttention", "KVTransport", "RingTransport", "merge_partial", "pack_kv"]
+__all__ = [
+    "FORWARD_ONLY_PART_ROWS",
+    "ContextParallelAttention",
+    "KVTransport",
+    "RingTransport",
+    "merge_partial",
+    "pack_kv",
+]
 
 
 def _put_rows(dst: Tensor, rows: Rows, src: Tensor, dim: int = 0) -> None:
@@ -119,15 +133,25 @@ class _P2P:
 
     def __init__(self, schedule: Schedule, group: dist.ProcessGroup | None) -> None:
         c, r = schedule.cp_size, schedule.cp_rank
-        self._global = [dist.get_global_rank(group, (r + d) % c) if group is not None else (r + d) % c for d in range(c)]
+        self._global = [
+            dist.get_global_rank(group, (r + d) % c) if group is not None else (r + d) % c for d in range(c)
+        ]
         self._group = group
 
     def exchange(self, send: Sequence[Tensor], to: int, recv: Sequence[Tensor], frm: int, tag: int, after=None) -> list:
         """Post the sends (to offset ``to``) and the receives (from offset ``frm``), in order, as one
         batch; empty tensors are skipped (both sides know every size, so they skip alike).
         ``after``: an event the transfer waits for instead of the whole current stream."""
-        ops = [dist.P2POp(dist.isend, t, self._global[to], self._group, 2 * tag + j) for j, t in enumerate(send) if t.numel()]
-        ops += [dist.P2POp(dist.irecv, t, self._global[frm], self._group, 2 * tag + j) for j, t in enumerate(recv) if t.numel()]
+        ops = [
+            dist.P2POp(dist.isend, t, self._global[to], self._group, 2 * tag + j)
+            for j, t in enumerate(send)
+            if t.numel()
+        ]
+        ops += [
+            dist.P2POp(dist.irecv, t, self._global[frm], self._group, 2 * tag + j)
+            for j, t in enumerate(recv)
+            if t.numel()
+        ]
         if not ops:
             return []
         with issued_after(after, ops[0].tensor.device):
@@ -242,8 +266,9 @@ def _splits(call: KernelCall, backend: str) -> bool:
     return bool(call.dense) and dense_backend(backend) is not None
 
 
-def _fwd_parts(q: Tensor, k: Tensor, v: Tensor, call: KernelCall, scale: float, backend: str,
-               part_rows: int | None = None) -> Iterator[tuple[Rows, Tensor, Tensor, tuple | None]]:
+def _fwd_parts(
+    q: Tensor, k: Tensor, v: Tensor, call: KernelCall, scale: float, backend: str, part_rows: int | None = None
+) -> Iterator[tuple[Rows, Tensor, Tensor, tuple | None]]:
     """One call's partial results as ``(local query rows, out, lse, second)``: one part, or with a
     hybrid backend one part per dense segment (largest first) and the varlen ``rest`` (disjoint rows). ``second``
     is ``None`` or a second ``(out, lse)`` of the same rows (a dense part whose key tail went
@@ -254,7 +279,9 @@ def _fwd_parts(q: Tensor, k: Tensor, v: Tensor, call: KernelCall, scale: float, 
     if not _splits(call, backend):
         yield (call.rows, *_fwd_call(q, k, v, call, scale, backend), None)
         return
-    for segment in _largest_first(call.dense):  # (a helper builds each part, so this frame keeps no reference to the last one)
+    for segment in _largest_first(
+        call.dense
+    ):  # (a helper builds each part, so this frame keeps no reference to the last one)
         for chunk in _row_chunks(segment, call.causal, part_rows):
             yield _dense_fwd_part(q, k, v, chunk, call.causal, scale, backend)
     for rest in call.rest:
@@ -340,20 +367,26 @@ def _dense_fwd_part(q, k, v, segment: DenseSegment, causal: bool, scale: float, 
     return (_rows(segment.q_start, n, q.shape[0]), *first, second[0] if second else None)
 
 
-def _bwd_parts(dout, q, k, v, out, lse, call: KernelCall, scale: float, backend: str) -> Iterator[tuple[Rows, Tensor, Rows, Tensor, Tensor]]:
+def _bwd_parts(
+    dout, q, k, v, out, lse, call: KernelCall, scale: float, backend: str
+) -> Iterator[tuple[Rows, Tensor, Rows, Tensor, Tensor]]:
     """One call's gradients as ``(query rows, dq, key rows, dk, dv)``; key rows ``None``: the whole
     buffer. With a split, one part per dense segment (largest first), then the varlen ``rest`` (if any).
     A generator, like :func:`_fwd_parts`."""
     if not _splits(call, backend):
         yield (call.rows, *_bwd_call_parts(dout, q, k, v, out, lse, call, scale, backend))
         return
-    for segment in _largest_first(call.dense):  # (helpers build each part, so this frame keeps no reference to the last one)
+    for segment in _largest_first(
+        call.dense
+    ):  # (helpers build each part, so this frame keeps no reference to the last one)
         yield from _dense_bwd_parts(dout, q, k, v, out, lse, segment, call.causal, scale, backend)
     for rest in call.rest:
         yield (rest.rows, *_bwd_call_parts(dout, q, k, v, out, lse, rest, scale, backend))
 
 
-def _dense_bwd_parts(dout, q, k, v, out, lse, segment: DenseSegment, causal: bool, scale: float, backend: str) -> Iterator[tuple[Rows, Tensor, Rows, Tensor, Tensor]]:
+def _dense_bwd_parts(
+    dout, q, k, v, out, lse, segment: DenseSegment, causal: bool, scale: float, backend: str
+) -> Iterator[tuple[Rows, Tensor, Rows, Tensor, Tensor]]:
     """A dense segment's gradients as :func:`_bwd_parts` yields them: one part, or with a key split
     the dense kernel's (its first ``k_run`` keys) and then the key tail's (the rest), each added
     on its own (:func:`~ringpack.attention.kernels.dense_attn_bwd_parts`)."""
@@ -361,7 +394,9 @@ def _dense_bwd_parts(dout, q, k, v, out, lse, segment: DenseSegment, causal: boo
     n, nk, run = batch * segment.q_len, batch * segment.k_len, batch * segment.q_run
     qp, kp, vp, dense_keys = _dense_inputs(q, k, v, segment, causal)
     dop, outp, lsep = _padded(dout, q0, n, run), _padded(out, q0, n, run), _padded_lse(lse, q0, n, run)
-    for dq, dk, dv in dense_attn_bwd_parts(dop, qp, kp, vp, outp, lsep, scale, causal, backend, dense_keys=dense_keys, batch=batch):
+    for dq, dk, dv in dense_attn_bwd_parts(
+        dop, qp, kp, vp, outp, lsep, scale, causal, backend, dense_keys=dense_keys, batch=batch
+    ):
         keys = min(dk.shape[0], nk)  # this part's real key rows (a padded causal square's extra rows dropped)
         yield _rows(q0, n, q.shape[0]), dq[:n], _rows(k0, keys, k.shape[0]), dk[:keys], dv[:keys]
         k0, nk = k0 + keys, nk - keys
@@ -374,7 +409,9 @@ def _rows(start: int, n: int, total: int) -> slice | None:
     return None if start == 0 and n == total else slice(start, start + n)
 
 
-def _bwd_call_parts(dout, q, k, v, out, lse, call: KernelCall, scale: float, backend: str) -> tuple[Tensor, slice | None, Tensor, Tensor]:
+def _bwd_call_parts(
+    dout, q, k, v, out, lse, call: KernelCall, scale: float, backend: str
+) -> tuple[Tensor, slice | None, Tensor, Tensor]:
     dq, dk, dv = _bwd_call(dout, q, k, v, out, lse, call, scale, backend)
     return dq, call.keys, dk, dv
 
@@ -394,8 +431,17 @@ def _after_first(parts: Iterator, hook: Callable[[], None] | None) -> Iterator:
         hook()
 
 
-def _local_forward(q: Tensor, k: Tensor, v: Tensor, call: KernelCall, out_dtype: torch.dtype, scale: float, backend: str, then=None,
-                   then_after_fold: bool = False) -> tuple[Tensor, Tensor]:
+def _local_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    call: KernelCall,
+    out_dtype: torch.dtype,
+    scale: float,
+    backend: str,
+    then=None,
+    then_after_fold: bool = False,
+) -> tuple[Tensor, Tensor]:
     """The local causal call: ``(out, lse)`` over all local rows (``out`` in ``out_dtype`` when split).
     ``then``: called once the first local kernel is queued (see :func:`_after_first`), or with
     ``then_after_fold`` once its part has been copied into ``out`` and dropped (a transfer whose
@@ -429,7 +475,9 @@ def _local_forward(q: Tensor, k: Tensor, v: Tensor, call: KernelCall, out_dtype:
     return out, lse
 
 
-def _local_backward(dout, q, k, v, out, lse, calls, scale: float, backend: str, grads: list | None = None, then=None) -> list | None:
+def _local_backward(
+    dout, q, k, v, out, lse, calls, scale: float, backend: str, grads: list | None = None, then=None
+) -> list | None:
     """Fold the gradients of local ``calls`` into ``grads = [dq, dk, dv]`` (created by the first part).
 
     Local parts' query rows and key rows tile the local rows (causal squares and runs of them), so
@@ -441,7 +489,10 @@ def _local_backward(dout, q, k, v, out, lse, calls, scale: float, backend: str, 
     parts = itertools.chain.from_iterable(_bwd_parts(dout, q, k, v, out, lse, call, scale, backend) for call in calls)
     for q_rows, dq_c, k_rows, dk_c, dv_c in _after_first(parts, then):
         if grads is None:
-            grads = [dq_c if q_rows is None else torch.zeros_like(q), *((dk_c, dv_c) if k_rows is None else (torch.zeros_like(k), torch.zeros_like(v)))]
+            grads = [
+                dq_c if q_rows is None else torch.zeros_like(q),
+                *((dk_c, dv_c) if k_rows is None else (torch.zeros_like(k), torch.zeros_like(v))),
+            ]
             if q_rows is not None:
                 _put_rows(grads[0], q_rows, dq_c)
             if k_rows is not None:
@@ -479,11 +530,23 @@ def _one_local_part(call: KernelCall, backend: str, rows: int) -> bool:
     nothing to gain by allocating the first transfer's buffers after it)."""
     if not _splits(call, backend):
         return True
-    return not call.rest and len(call.dense) == 1 and _rows(call.dense[0].q_start, call.dense[0].batch * call.dense[0].q_len, rows) is None
+    return (
+        not call.rest
+        and len(call.dense) == 1
+        and _rows(call.dense[0].q_start, call.dense[0].batch * call.dense[0].q_len, rows) is None
+    )
 
 
-def _attention_forward(q, k, v, schedule: Schedule, make_transport: TransportFactory, scale: float, backend: str,
-                       part_rows: int | None = None):
+def _attention_forward(
+    q,
+    k,
+    v,
+    schedule: Schedule,
+    make_transport: TransportFactory,
+    scale: float,
+    backend: str,
+    part_rows: int | None = None,
+):
     """Returns ``(out [T, H, D] in q's dtype, lse [H, T] in the accumulation dtype)``.
 
     ``part_rows`` (the forward without gradients, whose peak is the whole pass's): remote dense
@@ -528,7 +591,9 @@ def _attention_forward(q, k, v, schedule: Schedule, make_transport: TransportFac
     return out.to(q.dtype), lse
 
 
-def _attention_backward(dout, q, k, v, out, lse, schedule: Schedule, make_transport: TransportFactory, scale: float, backend: str):
+def _attention_backward(
+    dout, q, k, v, out, lse, schedule: Schedule, make_transport: TransportFactory, scale: float, backend: str
+):
     if not schedule.steps:
         if schedule.local is None:
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
@@ -594,11 +659,25 @@ class ContextParallelAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, schedule: Schedule, make_transport: TransportFactory, softmax_scale: float, backend: str,
-                part_rows: int | None = None):
+    def forward(
+        ctx,
+        q,
+        k,
+        v,
+        schedule: Schedule,
+        make_transport: TransportFactory,
+        softmax_scale: float,
+        backend: str,
+        part_rows: int | None = None,
+    ):
         out, lse = _attention_forward(q, k, v, schedule, make_transport, softmax_scale, backend, part_rows)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.schedule, ctx.make_transport, ctx.softmax_scale, ctx.backend = schedule, make_transport, softmax_scale, backend
+        ctx.schedule, ctx.make_transport, ctx.softmax_scale, ctx.backend = (
+            schedule,
+            make_transport,
+            softmax_scale,
+            backend,
+        )
         return out
 
     @staticmethod

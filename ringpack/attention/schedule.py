@@ -75,8 +75,9 @@ has no remote step at all and attention is one local kernel call.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -147,7 +148,7 @@ class KernelCall:
     max_seqlen_k: int
     causal: bool
     dense: tuple[DenseSegment, ...] = ()
-    rest: tuple["KernelCall", ...] = ()
+    rest: tuple[KernelCall, ...] = ()
     q_range: tuple[int, int] | None = None  # the query rows when they are one contiguous range (then q_index is None)
     k_range: tuple[int, int] | None = None  # the key rows read when only a range of the buffer (see above)
 
@@ -161,7 +162,7 @@ class KernelCall:
         """The key/value rows of the buffer the call reads: a slice, or None (all of them)."""
         return slice(*self.k_range) if self.k_range is not None else None
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> "KernelCall":
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> KernelCall:
         return replace(
             self,
             q_index=None if self.q_index is None else self.q_index.to(device, non_blocking=non_blocking),
@@ -170,7 +171,7 @@ class KernelCall:
             rest=tuple(r.to(device, non_blocking) for r in self.rest),
         )
 
-    def pin_memory(self) -> "KernelCall":
+    def pin_memory(self) -> KernelCall:
         return replace(
             self,
             q_index=None if self.q_index is None else self.q_index.pin_memory(),
@@ -234,7 +235,7 @@ class Schedule:
     def num_kernel_calls(self) -> int:
         return (self.local is not None) + sum(len(step.calls) for step in self.steps)
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> "Schedule":
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Schedule:
         """A copy with every tensor on ``device`` (one transfer per micro-batch, then reused by all layers)."""
         return replace(
             self,
@@ -244,7 +245,7 @@ class Schedule:
             verified=set(),
         )
 
-    def pin_memory(self) -> "Schedule":
+    def pin_memory(self) -> Schedule:
         """Page-locked copy (``DataLoader(pin_memory=True)`` calls this), so ``to(cuda, non_blocking=True)`` is async."""
         return replace(
             self,
@@ -280,7 +281,7 @@ class _PieceTable:
     cp_size: int
 
     @classmethod
-    def from_microbatch(cls, mb: MicroBatch) -> "_PieceTable":
+    def from_microbatch(cls, mb: MicroBatch) -> _PieceTable:
         cp = len(mb.shards)
         slot_of = {sample: k for k, sample in enumerate(mb.samples)}
         rows = []
@@ -365,7 +366,10 @@ def compile_schedule(
     mine_needed = mine[table.needed[mine]]
     send_index = _concat_ranges(table.offset[mine_needed], table.stop[mine_needed] - table.start[mine_needed])
     steps = tuple(
-        RingStep(distance=t, calls=_remote_calls(table, mine, np.flatnonzero(table.rank == (cp_rank - t) % cp), num_tokens, dense))
+        RingStep(
+            distance=t,
+            calls=_remote_calls(table, mine, np.flatnonzero(table.rank == (cp_rank - t) % cp), num_tokens, dense),
+        )
         for t in distances
     )
     return Schedule(
@@ -389,7 +393,9 @@ def _local_call(table: _PieceTable, mine: np.ndarray, dense: tuple | None) -> Ke
     return _make_call(run_len, run_len, np.cumsum(run_len) - run_len, True, int(run_len.sum()), dense)
 
 
-def _remote_calls(table: _PieceTable, mine: np.ndarray, theirs: np.ndarray, num_tokens: int, dense: tuple | None) -> tuple[KernelCall, ...]:
+def _remote_calls(
+    table: _PieceTable, mine: np.ndarray, theirs: np.ndarray, num_tokens: int, dense: tuple | None
+) -> tuple[KernelCall, ...]:
     """Non-causal calls of this rank's queries against source rank's compact buffer (usually one call)."""
     src = theirs[table.needed[theirs]]
     if src.size == 0 or mine.size == 0:
@@ -409,7 +415,9 @@ def _remote_calls(table: _PieceTable, mine: np.ndarray, theirs: np.ndarray, num_
     # merge consecutive local pieces of one sample that need the same key range into one segment
     idx = np.flatnonzero(has)
     slot, klo, khi = table.slot[mine][idx], k_lo[idx], k_hi[idx]
-    adjacent = np.r_[False, (np.diff(idx) == 1) & (slot[1:] == slot[:-1]) & (klo[1:] == klo[:-1]) & (khi[1:] == khi[:-1])]
+    adjacent = np.r_[
+        False, (np.diff(idx) == 1) & (slot[1:] == slot[:-1]) & (klo[1:] == klo[:-1]) & (khi[1:] == khi[:-1])
+    ]
     heads = np.flatnonzero(~adjacent)
     tails = np.r_[heads[1:], idx.size] - 1
     q_lo = table.offset[mine][idx[heads]]
@@ -515,13 +523,17 @@ def _make_call(seg_q, seg_k, seg_q_start, causal: bool, num_tokens: int, dense: 
     k_run = q_run if causal else dense_bucket(seg_k, buckets)  # causal: the padded square; else keys cut down
     dense_parts = tuple(
         DenseSegment(int(a), int(n), int(b), int(m), int(qr), int(kr))
-        for a, n, b, m, qr, kr in zip(seg_q_start[long], seg_q[long], seg_k_start[long], seg_k[long], q_run[long], k_run[long])
+        for a, n, b, m, qr, kr in zip(
+            seg_q_start[long], seg_q[long], seg_k_start[long], seg_k[long], q_run[long], k_run[long]
+        )
     )
     for first, count in batches:  # equal-length short segments, one batched dense call per power-of-two group
         a, n = int(seg_q_start[first]), int(seg_q[first])
         dense_parts += (DenseSegment(a, n, a, n, n, n, count),)
         long[first : first + count] = True
-    assert not causal or all(d.q_len == d.k_len and d.q_start == d.k_start for d in dense_parts), "dense causal parts are diagonal squares"
+    assert not causal or all(d.q_len == d.k_len and d.q_start == d.k_start for d in dense_parts), (
+        "dense causal parts are diagonal squares"
+    )
     rest_q = np.where(long, 0, seg_q)
     if not rest_q.any():
         rest = ()
@@ -572,7 +584,9 @@ def _equal_batches(seg_len: np.ndarray, eligible: np.ndarray, threshold: int) ->
 LOCAL_RUN_ROWS = 8192
 
 
-def _local_runs(seg_len: np.ndarray, seg_start: np.ndarray, long: np.ndarray, max_rows: int | None = None) -> tuple[KernelCall, ...]:
+def _local_runs(
+    seg_len: np.ndarray, seg_start: np.ndarray, long: np.ndarray, max_rows: int | None = None
+) -> tuple[KernelCall, ...]:
     """What the dense parts leave of the local causal call (queries = keys = local rows, in order):
     one call per run of short segments between long ones, cut at segment boundaries into calls of
     at most ``max_rows`` rows (a longer segment alone); each reads its range as views."""
@@ -584,8 +598,18 @@ def _local_runs(seg_len: np.ndarray, seg_start: np.ndarray, long: np.ndarray, ma
     for run in runs:
         lengths = seg_len[run]
         a, b = int(seg_start[run[0]]), int(seg_start[run[-1]] + seg_len[run[-1]])
-        calls.append(KernelCall(q_index=None, cu_seqlens_q=_cu(lengths), cu_seqlens_k=_cu(lengths), max_seqlen_q=int(lengths.max()),
-                                max_seqlen_k=int(lengths.max()), causal=True, q_range=(a, b), k_range=(a, b)))
+        calls.append(
+            KernelCall(
+                q_index=None,
+                cu_seqlens_q=_cu(lengths),
+                cu_seqlens_k=_cu(lengths),
+                max_seqlen_q=int(lengths.max()),
+                max_seqlen_k=int(lengths.max()),
+                causal=True,
+                q_range=(a, b),
+                k_range=(a, b),
+            )
+        )
     return tuple(calls)
 
 
@@ -615,13 +639,17 @@ def _check_pieces(rank, slot, start, stop, samples) -> None:
     bad = np.flatnonzero(same_rank & ~order)
     if bad.size:
         i = bad[0] + 1
-        raise ValueError(f"cp rank {rank[i]}: pieces are not in canonical order at sample {samples[slot[i]]} [{start[i]}, {stop[i]})")
+        raise ValueError(
+            f"cp rank {rank[i]}: pieces are not in canonical order at sample {samples[slot[i]]} [{start[i]}, {stop[i]})"
+        )
     by_sample = np.lexsort((start, slot))
     s_slot, s_start, s_stop = slot[by_sample], start[by_sample], stop[by_sample]
     bad = np.flatnonzero((s_slot[1:] == s_slot[:-1]) & (s_start[1:] < s_stop[:-1]))
     if bad.size:
         i = by_sample[bad[0] + 1]
-        raise ValueError(f"sample {samples[slot[i]]}: piece [{start[i]}, {stop[i]}) on cp rank {rank[i]} overlaps another piece")
+        raise ValueError(
+            f"sample {samples[slot[i]]}: piece [{start[i]}, {stop[i]}) on cp rank {rank[i]} overlaps another piece"
+        )
 
 
 def _exclusive_cumsum_by(group: np.ndarray, values: np.ndarray) -> np.ndarray:

@@ -21,17 +21,17 @@ On CPU (gloo) there are no streams and every helper is a no-op.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
 
 __all__ = ["issued_after", "mark"]
 
-_side_streams: dict[int, "torch.cuda.Stream"] = {}
+_side_streams: dict[int, torch.cuda.Stream] = {}
 
 
-def mark(t: Tensor) -> "torch.cuda.Event | None":
+def mark(t: Tensor) -> torch.cuda.Event | None:
     """An event after everything queued so far on ``t``'s current CUDA stream (None off CUDA)."""
     if t.device.type != "cuda":
         return None
@@ -41,7 +41,7 @@ def mark(t: Tensor) -> "torch.cuda.Event | None":
 
 
 @contextlib.contextmanager
-def issued_after(event: "torch.cuda.Event | None", device: torch.device) -> Iterator[None]:
+def issued_after(event: torch.cuda.Event | None, device: torch.device) -> Iterator[None]:
     """Issue collectives inside this block from a side stream that waits only for ``event``."""
     if event is None or device.type != "cuda":
         yield

@@ -47,16 +47,25 @@ A batch is a plain ``dict`` (``pin_memory`` and ``.to(device)`` loops work on it
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
-from ringpack.shard_plan import MicroBatch
-from ringpack.lengths import DataError
 from ringpack.data.sampler import MicroBatchTicket
+from ringpack.lengths import DataError
+from ringpack.shard_plan import MicroBatch
 
-__all__ = ["PackedDataset", "PackedSamples", "PackedCollator", "SCHEDULE_OPTIONS", "check_schedule_options", "rank_arrays", "to_batch", "IGNORE_INDEX"]
+__all__ = [
+    "PackedDataset",
+    "PackedSamples",
+    "PackedCollator",
+    "SCHEDULE_OPTIONS",
+    "check_schedule_options",
+    "rank_arrays",
+    "to_batch",
+    "IGNORE_INDEX",
+]
 
 IGNORE_INDEX = -100
 
@@ -122,7 +131,9 @@ class PackedDataset(_DatasetBase):
         column = table.column(self.column)
         column = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
         if column.null_count:
-            raise DataError(f"sample {indices[column.is_null().to_numpy(zero_copy_only=False).argmax()]} has a null {self.column!r}")
+            raise DataError(
+                f"sample {indices[column.is_null().to_numpy(zero_copy_only=False).argmax()]} has a null {self.column!r}"
+            )
         offsets = column.offsets.to_numpy().astype(np.int64)
         values = column.values.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
         return [values[offsets[k] : offsets[k + 1]] for k in range(len(indices))]
@@ -138,7 +149,9 @@ class PackedDataset(_DatasetBase):
         return PackedSamples(ticket, tokens)
 
 
-def rank_arrays(starts: np.ndarray, piece_tokens: list[np.ndarray], next_tokens: np.ndarray, ignore_index: int = IGNORE_INDEX) -> dict[str, np.ndarray]:
+def rank_arrays(
+    starts: np.ndarray, piece_tokens: list[np.ndarray], next_tokens: np.ndarray, ignore_index: int = IGNORE_INDEX
+) -> dict[str, np.ndarray]:
     """Local arrays of one CP rank from its pieces (the collator's and the shard reader's common core).
 
     ``piece_tokens[k]`` are the token ids of piece ``k`` (positions ``starts[k]..``) and
@@ -149,7 +162,9 @@ def rank_arrays(starts: np.ndarray, piece_tokens: list[np.ndarray], next_tokens:
     cu = np.zeros(len(lens) + 1, dtype=np.int64)
     np.cumsum(lens, out=cu[1:])
     total = int(cu[-1])
-    input_ids = np.concatenate(piece_tokens).astype(np.int64, copy=False) if piece_tokens else np.zeros(0, dtype=np.int64)
+    input_ids = (
+        np.concatenate(piece_tokens).astype(np.int64, copy=False) if piece_tokens else np.zeros(0, dtype=np.int64)
+    )
     labels = np.empty(total, dtype=np.int64)
     if total:
         labels[:-1] = input_ids[1:]
@@ -280,7 +295,9 @@ class PackedCollator:
         rows when ``overflow="split"`` cut them; by default each token array is the whole sample.
         """
         if len(microbatch.shards) != self.cp_size:
-            raise DataError(f"micro-batch has {len(microbatch.shards)} CP shards but the collator is for cp_size={self.cp_size}")
+            raise DataError(
+                f"micro-batch has {len(microbatch.shards)} CP shards but the collator is for cp_size={self.cp_size}"
+            )
         if len(tokens) != len(microbatch.samples):
             raise DataError(f"micro-batch lists {len(microbatch.samples)} samples, got {len(tokens)} token arrays")
         shard = microbatch.shards[self.cp_rank]
@@ -302,7 +319,10 @@ class PackedCollator:
         starts = np.array([p.start for p in shard.pieces], dtype=np.int64)
         pieces = [by_sample[p.sample][p.start : p.stop] for p in shard.pieces]
         nexts = np.array(
-            [by_sample[p.sample][p.stop] if p.stop < len(by_sample[p.sample]) else self.ignore_index for p in shard.pieces],
+            [
+                by_sample[p.sample][p.stop] if p.stop < len(by_sample[p.sample]) else self.ignore_index
+                for p in shard.pieces
+            ],
             dtype=np.int64,
         )
         arrays = rank_arrays(starts, pieces, nexts, self.ignore_index)

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import re
 import sysconfig
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 import numpy as np
 

@@ -40,12 +40,13 @@ equal k consumed, save, restore, N-k consumed, bit for bit.
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
-from ringpack.shard_plan import MicroBatch, Piece, Plan, PlanConfig, RankShard
 from ringpack.lengths import DataError, sample_lengths
+from ringpack.shard_plan import MicroBatch, Piece, Plan, PlanConfig, RankShard
 
 __all__ = ["BalancedBatchSampler", "MicroBatchTicket", "STATE_VERSION"]
 
@@ -58,7 +59,11 @@ except ImportError:  # pragma: no cover
 
 
 def _encode_microbatch(mb: MicroBatch) -> tuple:
-    return (mb.samples, tuple(tuple((p.sample, p.start, p.stop) for p in shard.pieces) for shard in mb.shards), mb.loss_tokens)
+    return (
+        mb.samples,
+        tuple(tuple((p.sample, p.start, p.stop) for p in shard.pieces) for shard in mb.shards),
+        mb.loss_tokens,
+    )
 
 
 def _decode_microbatch(data: tuple) -> MicroBatch:
@@ -115,8 +120,19 @@ class MicroBatchTicket(list):
         self.plan_hash = plan_hash
 
     def __reduce__(self) -> tuple:
-        meta = (self.epoch, self.step, self.index, self.microbatches_in_step, self.cursor, self.step_loss_tokens, self.plan_hash)
-        return (_rebuild_ticket, (_encode_microbatch(self.microbatch), meta, tuple(self), self.offsets, self.row_lengths))
+        meta = (
+            self.epoch,
+            self.step,
+            self.index,
+            self.microbatches_in_step,
+            self.cursor,
+            self.step_loss_tokens,
+            self.plan_hash,
+        )
+        return (
+            _rebuild_ticket,
+            (_encode_microbatch(self.microbatch), meta, tuple(self), self.offsets, self.row_lengths),
+        )
 
     def __repr__(self) -> str:
         return f"MicroBatchTicket(epoch={self.epoch}, step={self.step}, index={self.index}, samples={list(self)})"
@@ -125,8 +141,17 @@ class MicroBatchTicket(list):
 def _rebuild_ticket(mb: tuple, meta: tuple, rows: tuple, offsets: tuple, row_lengths: tuple | None) -> MicroBatchTicket:
     epoch, step, index, n, cursor, loss, plan_hash = meta
     return MicroBatchTicket(
-        _decode_microbatch(mb), epoch=epoch, step=step, index=index, microbatches_in_step=n, cursor=cursor,
-        step_loss_tokens=loss, plan_hash=plan_hash, rows=rows, offsets=offsets, row_lengths=row_lengths,
+        _decode_microbatch(mb),
+        epoch=epoch,
+        step=step,
+        index=index,
+        microbatches_in_step=n,
+        cursor=cursor,
+        step_loss_tokens=loss,
+        plan_hash=plan_hash,
+        rows=rows,
+        offsets=offsets,
+        row_lengths=row_lengths,
     )
 
 
@@ -165,7 +190,13 @@ class BalancedBatchSampler(_SamplerBase):
             raise DataError(f"dp_rank must be in [0, {dp_size}), got {dp_rank!r}")
         # Validates every option (PlanError, a ValueError, names the bad field).
         self.config = PlanConfig(
-            dp=dp_size, cp=cp_size, tokens_per_rank=tokens_per_rank, strategy=strategy, seed=seed, epoch=0, **plan_options
+            dp=dp_size,
+            cp=cp_size,
+            tokens_per_rank=tokens_per_rank,
+            strategy=strategy,
+            seed=seed,
+            epoch=0,
+            **plan_options,
         )
         self.dp_rank = int(dp_rank)
         self.epoch = 0
@@ -194,7 +225,9 @@ class BalancedBatchSampler(_SamplerBase):
         """(step, index) of each of this rank's micro-batches of ``epoch``, in yield order."""
         if epoch not in self._orders:
             plan = self.plan(epoch)
-            self._orders[epoch] = [(s, i) for s, step in enumerate(plan.steps) for i in range(len(step.microbatches[self.dp_rank]))]
+            self._orders[epoch] = [
+                (s, i) for s, step in enumerate(plan.steps) for i in range(len(step.microbatches[self.dp_rank]))
+            ]
         return self._orders[epoch]
 
     def __getstate__(self) -> dict[str, Any]:
@@ -301,8 +334,13 @@ class BalancedBatchSampler(_SamplerBase):
         """
         if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
             raise DataError(f"not a BalancedBatchSampler state (version {STATE_VERSION}): {state!r:.200}")
-        mine = {"seed": self.config.seed, "dp_size": self.config.dp, "cp_size": self.config.cp,
-                "tokens_per_rank": self.config.tokens_per_rank, "num_samples": len(self.lengths)}
+        mine = {
+            "seed": self.config.seed,
+            "dp_size": self.config.dp,
+            "cp_size": self.config.cp,
+            "tokens_per_rank": self.config.tokens_per_rank,
+            "num_samples": len(self.lengths),
+        }
         for key, value in mine.items():
             if state.get(key) != value:
                 raise DataError(f"sampler state was made for {key}={state.get(key)}, this sampler has {key}={value}")

@@ -27,15 +27,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from collections.abc import Mapping
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
-from ringpack.shard_plan import MicroBatch, Plan, PlanConfig
 from ringpack.data.collator import IGNORE_INDEX, check_schedule_options, rank_arrays, to_batch
 from ringpack.lengths import DataError, lengths_from_dataset
+from ringpack.shard_plan import MicroBatch, Plan, PlanConfig
 
 __all__ = [
     "write_shards",
@@ -53,7 +53,9 @@ PROGRESS = "_progress.json"
 PLAN_FILE = "plan.parquet"
 SHARD_FORMAT_VERSION = 1
 _COLUMNS = ("step", "microbatch", "cp", "slot", "sample", "row", "start", "stop", "next_token")
-_WRITE_OPTIONS = dict(compression="zstd", compression_level=3, write_statistics=False, use_dictionary=False, version="2.6")
+_WRITE_OPTIONS = dict(
+    compression="zstd", compression_level=3, write_statistics=False, use_dictionary=False, version="2.6"
+)
 
 
 # ------------------------------------------------------------------------------------- helpers
@@ -119,14 +121,27 @@ class _TokenizeMap:
             path = Path(self.tokenizer)
             path = path / "tokenizer.json" if path.is_dir() else path
             if not path.is_file():
-                raise FileNotFoundError(f"no tokenizer file at {path} (want a Hugging Face tokenizer.json or its folder)")
+                raise FileNotFoundError(
+                    f"no tokenizer file at {path} (want a Hugging Face tokenizer.json or its folder)"
+                )
             from tokenizers import Tokenizer
 
             self._tok = Tokenizer.from_file(str(path))
-        return {self.column: [e.ids for e in self._tok.encode_batch([t or "" for t in texts], add_special_tokens=False)]}
+        return {
+            self.column: [e.ids for e in self._tok.encode_batch([t or "" for t in texts], add_special_tokens=False)]
+        }
 
 
-def tokenize_dataset(ds: Any, text_column: str, tokenizer: Any = None, *, column: str = "input_ids", vocab_size: int = 65536, num_proc: int | None = None, batch_size: int = 256) -> Any:
+def tokenize_dataset(
+    ds: Any,
+    text_column: str,
+    tokenizer: Any = None,
+    *,
+    column: str = "input_ids",
+    vocab_size: int = 65536,
+    num_proc: int | None = None,
+    batch_size: int = 256,
+) -> Any:
     """Add a token-id column to a ``datasets.Dataset`` from ``text_column`` (batched ``map``, ``num_proc``)."""
     if text_column not in ds.column_names:
         raise DataError(f"dataset has no column {text_column!r}; its columns are {list(ds.column_names)}")
@@ -160,7 +175,9 @@ def load_source(source: str | os.PathLike, split: str = "train", cache_dir: str 
         files = sorted(p for p in path.rglob("*") if p.suffix in _EXTENSIONS and not p.name.startswith("."))
         kinds = {_EXTENSIONS[p.suffix] for p in files}
         if len(kinds) != 1:
-            raise DataError(f"{path}: want a saved datasets directory or files of one kind ({', '.join(_EXTENSIONS)}), found {sorted(kinds) or 'none'}")
+            raise DataError(
+                f"{path}: want a saved datasets directory or files of one kind ({', '.join(_EXTENSIONS)}), found {sorted(kinds) or 'none'}"
+            )
         return _load_files(kinds.pop(), [str(p) for p in files], cache_dir)
     if path.is_file():
         if path.suffix not in _EXTENSIONS:
@@ -215,7 +232,9 @@ def _schema(meta: dict[str, Any]) -> Any:
     return pa.schema(fields, metadata={b"ringpack.shard": json.dumps(meta, sort_keys=True).encode()})
 
 
-def _microbatch_table(plan: Plan, s: int, i: int, mb: MicroBatch, tokens: dict[int, np.ndarray], rows: dict[int, int], schema: Any) -> Any:
+def _microbatch_table(
+    plan: Plan, s: int, i: int, mb: MicroBatch, tokens: dict[int, np.ndarray], rows: dict[int, int], schema: Any
+) -> Any:
     import pyarrow as pa
 
     cols: dict[str, list[int]] = {name: [] for name in _COLUMNS}
@@ -287,15 +306,18 @@ def write_shards(
             old = json.loads(path.read_text())
         except ValueError as exc:
             if not overwrite:
-                raise DataError(f"{path} is not valid JSON ({exc}); pass overwrite=True / --overwrite to rewrite {out}") from exc
+                raise DataError(
+                    f"{path} is not valid JSON ({exc}); pass overwrite=True / --overwrite to rewrite {out}"
+                ) from exc
             old = {}
         if marker == PROGRESS:
             same = all(old.get(k) == v for k, v in identity.items())
             recorded = old.get("files_written") or {}
         else:
-            same = all(old.get(k) == identity[k] for k in ("plan_hash", "dataset_fingerprint", "column")) and [
-                f.get("name") for f in old.get("files", [])
-            ] == identity["files"]
+            same = (
+                all(old.get(k) == identity[k] for k in ("plan_hash", "dataset_fingerprint", "column"))
+                and [f.get("name") for f in old.get("files", [])] == identity["files"]
+            )
             recorded = {f["name"]: f.get("sha256") for f in old.get("files", [])}
         if not same and not overwrite:
             raise DataError(
@@ -324,7 +346,12 @@ def write_shards(
 
     # ---- write
     total_mb = sum(len(step.microbatches[d]) for d in range(dp) for step in plan.steps)
-    bar = tqdm(total=total_mb, desc=f"ringpack shard -> {out}", unit="mb", disable=(not progress) if progress is not None else None)
+    bar = tqdm(
+        total=total_mb,
+        desc=f"ringpack shard -> {out}",
+        unit="mb",
+        disable=(not progress) if progress is not None else None,
+    )
     arrow = dataset.with_format("arrow")
     records = []
     progress_state = {**identity, "files_written": dict(verified)}
@@ -349,7 +376,9 @@ def write_shards(
                         for k, sample in enumerate(mb.samples):
                             a = offs[k] + doc_offset[sample]
                             tokens[sample] = vals[a : a + plan.lengths[sample]]
-                        writer.write_table(_microbatch_table(plan, s, i, mb, tokens, dict(zip(mb.samples, rows.tolist())), schema))
+                        writer.write_table(
+                            _microbatch_table(plan, s, i, mb, tokens, dict(zip(mb.samples, rows.tolist())), schema)
+                        )
                         bar.update(1)
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
@@ -368,7 +397,14 @@ def write_shards(
                 "microbatches": n_mb,
                 "row_groups": md.num_row_groups,
                 "rows": md.num_rows,
-                "tokens": int(sum(mb.shards[c].num_tokens for s in range(lo, hi) for mb in plan.steps[s].microbatches[d] for c in range(config.cp))),
+                "tokens": int(
+                    sum(
+                        mb.shards[c].num_tokens
+                        for s in range(lo, hi)
+                        for mb in plan.steps[s].microbatches[d]
+                        for c in range(config.cp)
+                    )
+                ),
                 "bytes": path.stat().st_size,
                 "sha256": verified[name],
             }
@@ -432,7 +468,9 @@ class ShardReader:
         self.schedule_options = check_schedule_options(schedule_options)
         manifest_path = self.path / MANIFEST
         if not manifest_path.is_file():
-            hint = " (an interrupted `ringpack shard` run: re-run it to resume)" if (self.path / PROGRESS).exists() else ""
+            hint = (
+                " (an interrupted `ringpack shard` run: re-run it to resume)" if (self.path / PROGRESS).exists() else ""
+            )
             raise DataError(f"no {MANIFEST} in {self.path}: not a finished ringpack shard directory{hint}")
         try:
             self.manifest = json.loads(manifest_path.read_text())
@@ -478,7 +516,9 @@ class ShardReader:
         if self.verify and entry["name"] not in self._verified:
             digest = file_sha256(path)
             if digest != entry["sha256"]:
-                raise DataError(f"checksum mismatch for {path}: sha256 {digest[:16]}..., manifest says {entry['sha256'][:16]}... (corrupt or truncated)")
+                raise DataError(
+                    f"checksum mismatch for {path}: sha256 {digest[:16]}..., manifest says {entry['sha256'][:16]}... (corrupt or truncated)"
+                )
             self._verified.add(entry["name"])
         return path
 
@@ -492,7 +532,9 @@ class ShardReader:
             except ValueError as exc:
                 raise DataError(f"cannot read {path}: {exc}") from exc
             if plan.content_hash != self.plan_hash:
-                raise DataError(f"{path} holds plan {plan.content_hash[:12]}..., manifest says {self.plan_hash[:12]}...")
+                raise DataError(
+                    f"{path} holds plan {plan.content_hash[:12]}..., manifest says {self.plan_hash[:12]}..."
+                )
             self._plan = plan
         return self._plan
 
@@ -516,7 +558,9 @@ class ShardReader:
             except Exception as exc:
                 raise DataError(f"cannot read shard file {path}: {exc}") from exc
             if pf.metadata.num_row_groups != n:
-                raise DataError(f"shard file {path} has {pf.metadata.num_row_groups} row groups, manifest says {n} micro-batches")
+                raise DataError(
+                    f"shard file {path} has {pf.metadata.num_row_groups} row groups, manifest says {n} micro-batches"
+                )
             for g in range(max(0, start - position), n):
                 try:
                     table = pf.read_row_group(g)
@@ -546,7 +590,9 @@ class ShardReader:
         vals = ids.values.to_numpy(zero_copy_only=False).astype(np.int64)
         pieces = [vals[offs[k] : offs[k + 1]] for k in keep]
         if any(len(p) != b - a for p, a, b in zip(pieces, starts, stops)):
-            raise DataError(f"{path} row group {group}: a piece's token count differs from its [start, stop) (corrupt file)")
+            raise DataError(
+                f"{path} row group {group}: a piece's token count differs from its [start, stop) (corrupt file)"
+            )
         nexts = table.column("next_token").to_numpy()[keep]
         arrays = rank_arrays(starts, pieces, nexts)
         meta = {
@@ -568,7 +614,9 @@ class ShardReader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("plan_hash") != self.plan_hash:
-            raise DataError(f"reader state is for plan {str(state.get('plan_hash'))[:12]}..., these shards hold {self.plan_hash[:12]}...")
+            raise DataError(
+                f"reader state is for plan {str(state.get('plan_hash'))[:12]}..., these shards hold {self.plan_hash[:12]}..."
+            )
         cursor = int(state["cursor"])
         if not 0 <= cursor <= len(self):
             raise DataError(f"reader state cursor {cursor} outside [0, {len(self)}]")

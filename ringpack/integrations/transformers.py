@@ -51,7 +51,9 @@ def ringpack_attention_forward(
             "(the schedule PackedCollator builds for this CP rank)"
         )
     if query.shape[0] != 1:
-        raise ValueError(f"ringpack attention takes one packed sequence per CP rank (batch 1), got batch {query.shape[0]}")
+        raise ValueError(
+            f"ringpack attention takes one packed sequence per CP rank (batch 1), got batch {query.shape[0]}"
+        )
     if dropout:
         raise ValueError("ringpack attention does not implement attention dropout; set attention_dropout=0")
     if attention_mask is not None:
@@ -60,7 +62,14 @@ def ringpack_attention_forward(
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
     out = ring_attention(
-        q, k, v, ringpack_schedule, group=ringpack_group, mode=ringpack_mode, softmax_scale=scaling, backend=ringpack_backend
+        q,
+        k,
+        v,
+        ringpack_schedule,
+        group=ringpack_group,
+        mode=ringpack_mode,
+        softmax_scale=scaling,
+        backend=ringpack_backend,
     )
     return out.unsqueeze(0), None
 

@@ -16,7 +16,8 @@ it is >= the plain ``max(rank_cost) / mean(rank_cost)``), and ``gap = step_cost 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -69,7 +70,7 @@ def critical_path(rank_cost: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return dp_cost, dp_cost.max(axis=1)
 
 
-def plan_costs(plan: "Plan") -> dict[str, np.ndarray]:
+def plan_costs(plan: Plan) -> dict[str, np.ndarray]:
     """Per-step cost arrays of ``plan`` (see the module docstring), plus ``imbalance`` and ``gap``."""
     cfg = plan.config
     a = plan.piece_arrays

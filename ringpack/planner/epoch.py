@@ -37,14 +37,21 @@ a DP rank's step cost is the *sum* over its micro-batches; the step costs the ma
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from ringpack.cost import CostModel
 from ringpack.lengths import check_lengths
+from ringpack.planner.split import (
+    split_balanced,
+    split_balanced_many,
+    split_contiguous,
+    split_zigzag,
+    split_zigzag_even,
+)
 from ringpack.shard_plan import MicroBatch, Plan, PlanConfig, PlanError, Step
-from ringpack.planner.split import split_balanced, split_balanced_many, split_contiguous, split_zigzag, split_zigzag_even
 
 __all__ = ["make_plan", "as_lengths", "expand_overflow", "shuffle_order", "step_lower_bound", "split_microbatch"]
 
@@ -135,7 +142,9 @@ def step_lower_bound(weights: np.ndarray, lengths: np.ndarray, dp: int, cp: int,
 def split_microbatch(samples: Sequence[int], lengths: Sequence[int], config: PlanConfig) -> MicroBatch:
     """Split one micro-batch's samples over the CP group by ``config.strategy``."""
     if config.strategy == "balanced":
-        return split_balanced(samples, lengths, config.cp, config.tokens_per_rank, config.cost, token_slack=config.cp_token_slack)
+        return split_balanced(
+            samples, lengths, config.cp, config.tokens_per_rank, config.cost, token_slack=config.cp_token_slack
+        )
     if config.strategy == "zigzag":
         mb = split_zigzag(samples, lengths, config.cp)
         if max(shard.num_tokens for shard in mb.shards) > config.tokens_per_rank:
@@ -224,7 +233,9 @@ def _plan_step(index: int, ids: np.ndarray, lengths: np.ndarray, config: PlanCon
     groups = [ids_sorted[edges[b] : edges[b + 1]] for b in range(dp * m)]
     assert all(groups), "empty micro-batch"
     if config.strategy == "balanced":  # all micro-batches of the step at once (the same splits, faster)
-        mbs = split_balanced_many(groups, lengths, cp, config.tokens_per_rank, config.cost, token_slack=config.cp_token_slack)
+        mbs = split_balanced_many(
+            groups, lengths, cp, config.tokens_per_rank, config.cost, token_slack=config.cp_token_slack
+        )
     else:
         mbs = [split_microbatch(members, length_list, config) for members in groups]
     ranks = tuple(tuple(mbs[d * m : (d + 1) * m]) for d in range(dp))
@@ -256,7 +267,9 @@ def make_plan(lengths: Any, config: PlanConfig) -> Plan:
     order = shuffle_order(len(lengths), config.seed, config.epoch)
     order = order[keep[order]]
     if order.size == 0:
-        raise PlanError(f"no samples left to plan: all {len(lengths)} are longer than {capacity} tokens and were dropped")
+        raise PlanError(
+            f"no samples left to plan: all {len(lengths)} are longer than {capacity} tokens and were dropped"
+        )
     min_samples = config.dp * max(config.microbatches_per_rank, 1)
     length_list = lengths.tolist()
     steps = tuple(

@@ -20,7 +20,6 @@ All functions are deterministic (ties broken by index).
 from __future__ import annotations
 
 import heapq
-from typing import Optional
 
 import numpy as np
 
@@ -37,7 +36,7 @@ def pack_greedy(
     dp: int,
     m: int,
     capacity: int,
-) -> Optional[np.ndarray]:
+) -> np.ndarray | None:
     """LPT: items by weight descending, each to the least-loaded DP rank with a micro-batch that fits.
 
     Returns the bin of every item, or ``None`` when some item fits nowhere (the caller then tries
@@ -185,7 +184,11 @@ def improve(
             delta = w[A][:, None] - w[B][None, :]
             new = np.maximum(top - delta, loads[ranks[B]][None, :] + delta)
             dt = t[A][:, None] - t[B][None, :]
-            ok = (delta > 0) & (bin_tok[bins[B]][None, :] + dt <= capacity) & (bin_tok[bins[A]][:, None] - dt <= capacity)
+            ok = (
+                (delta > 0)
+                & (bin_tok[bins[B]][None, :] + dt <= capacity)
+                & (bin_tok[bins[A]][:, None] - dt <= capacity)
+            )
             new = np.where(ok, new, np.inf)
             flat_new = new.ravel()
             cand = min(16, flat_new.size)
@@ -228,7 +231,7 @@ def pack_first_fit(
     m_min: int,
     m_fixed: int,
     capacity: int,
-) -> tuple[Optional[np.ndarray], int]:
+) -> tuple[np.ndarray | None, int]:
     """The common baseline: balanced by token count only.
 
     Samples in their (shuffled) order go to the first open micro-batch with room (first fit);

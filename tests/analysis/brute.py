@@ -51,7 +51,9 @@ def zigzag_padding(length: int, cp: int) -> list[int]:
     chunk = padded // (2 * cp)
     out = []
     for r in range(cp):
-        positions = list(range(r * chunk, (r + 1) * chunk)) + list(range((2 * cp - 1 - r) * chunk, (2 * cp - r) * chunk))
+        positions = list(range(r * chunk, (r + 1) * chunk)) + list(
+            range((2 * cp - 1 - r) * chunk, (2 * cp - r) * chunk)
+        )
         out.append(sum(1 for p in positions if p >= length))
     return out
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from ringpack.analysis.calibration import run as cal
-from ringpack.cli import build_parser
 from ringpack.attention.schedule import compile_schedule
+from ringpack.cli import build_parser
 from ringpack.cost import CostModel
-from ringpack.shard_plan import PlanConfig
 from ringpack.planner.split import split_balanced, split_contiguous, split_zigzag
+from ringpack.shard_plan import PlanConfig
 
 
 # ------------------------------------------------------------------------------------ brute force
@@ -74,8 +74,13 @@ def small_cases() -> list[cal.Case]:
     samples = list(range(len(lengths)))
     cases = cal.grid_cases("tiny")
     for cp in (2, 3, 4):
-        for mb in (split_contiguous(samples, lengths, cp), split_zigzag(samples, lengths, cp),
-                   split_balanced(samples, lengths, cp, -(-sum(lengths) // cp) + 10, CostModel(token=1.0, pair=0.05, segment=3.0))):
+        for mb in (
+            split_contiguous(samples, lengths, cp),
+            split_zigzag(samples, lengths, cp),
+            split_balanced(
+                samples, lengths, cp, -(-sum(lengths) // cp) + 10, CostModel(token=1.0, pair=0.05, segment=3.0)
+            ),
+        ):
             cases += cal.rank_cases("t", mb, lengths, f"cp{cp}")
     return cases
 
@@ -162,7 +167,9 @@ def test_compute_only_timer_runs_multi_step_schedules():
     case = cal.rank_cases("zigzag", split_zigzag([0, 1], [40, 13], 4), [40, 13], "z")[1]
     assert len(compile_schedule(case.microbatch, case.rank).steps) >= 2
     clock = cal.Clock("cpu")
-    t = cal.time_case(case, cal.AttentionShape(2, 1, 8), "reference", torch.device("cpu"), torch.float32, clock, reps=2, warmup=0)
+    t = cal.time_case(
+        case, cal.AttentionShape(2, 1, 8), "reference", torch.device("cpu"), torch.float32, clock, reps=2, warmup=0
+    )
     assert t > 0
 
 
@@ -173,8 +180,27 @@ def parse(*argv: str) -> argparse.Namespace:
 
 def test_cpu_dry_run_writes_a_loadable_profile(tmp_path, capsys):
     out = tmp_path / "prof" / "profile.json"
-    args = parse("--device", "cpu", "--backend", "reference", "--model", "tiny", "--heads", "2", "--kv-heads", "1",
-                 "--head-dim", "16", "--reps", "1", "--warmup", "0", "--quiet", "--out", str(out))
+    args = parse(
+        "--device",
+        "cpu",
+        "--backend",
+        "reference",
+        "--model",
+        "tiny",
+        "--heads",
+        "2",
+        "--kv-heads",
+        "1",
+        "--head-dim",
+        "16",
+        "--reps",
+        "1",
+        "--warmup",
+        "0",
+        "--quiet",
+        "--out",
+        str(out),
+    )
     assert cal.run(args) == 0
     text = capsys.readouterr().out
     assert "held-out" in text and "r=" in text and "max error" in text

@@ -57,8 +57,13 @@ def test_refit_beats_the_gpu_run_and_the_kernel_model_explains_the_rest(refits, 
     # rows: predictions are the stated models applied to the rows
     row = res.eval_rows[0]
     pl = res.per_layer
-    expect = (pl["overhead_s"] + pl["ring_overhead_s"] * row["ring"] + pl["token_s"] * row["tokens"]
-              + pl["pair_s"] * row["pairs"] + pl["segment_s"] * row["pieces"])
+    expect = (
+        pl["overhead_s"]
+        + pl["ring_overhead_s"] * row["ring"]
+        + pl["token_s"] * row["tokens"]
+        + pl["pair_s"] * row["pairs"]
+        + pl["segment_s"] * row["pieces"]
+    )
     assert row["predicted_s"] == pytest.approx(expect, rel=1e-9)
 
 
@@ -66,7 +71,9 @@ def test_dense_terms_only_for_the_hybrid_backend(refits):
     assert refits["torch_flash"].kernel_model["coef"]["dense_calls"] == 0.0
     assert refits["torch_flash"].kernel_model["coef"]["dense_tiles"] == 0.0
     cudnn = refits["cudnn_hybrid"].kernel_model["coef"]
-    assert cudnn["dense_tiles"] > 0 and cudnn["dense_tiles"] < cudnn["tiles"]  # cuDNN's long segments are cheaper per tile
+    assert (
+        cudnn["dense_tiles"] > 0 and cudnn["dense_tiles"] < cudnn["tiles"]
+    )  # cuDNN's long segments are cheaper per tile
     assert any(r["dense_calls"] for r in refits["cudnn_hybrid"].eval_rows)
 
 
@@ -83,11 +90,29 @@ def test_analyse_recovers_a_known_kernel_model():
     """Synthetic times from the kernel model: it is fitted exactly and held-out errors vanish."""
     cases = cal.grid_cases("quick")
     held = cal.eval_cases("quick", CostModel.preset("llama3-8b"))
-    truth = dict(overhead=3e-4, ring=4e-4, calls=2e-4, tokens=1e-8, tiles=1.6e-6, grid_q=2e-7, grid_k=4e-7,
-                 remote_rows=3e-8, buffer_tokens=1e-8, dense_calls=0.0, dense_tiles=0.0)
+    truth = dict(
+        overhead=3e-4,
+        ring=4e-4,
+        calls=2e-4,
+        tokens=1e-8,
+        tiles=1.6e-6,
+        grid_q=2e-7,
+        grid_k=4e-7,
+        remote_rows=3e-8,
+        buffer_tokens=1e-8,
+        dense_calls=0.0,
+        dense_tiles=0.0,
+    )
     t = [sum(truth[n] * cal.rank_features(c)[n] for n in cal.KERNEL_FEATURES) for c in cases + held]
-    res = cal.analyse(list(zip(cases, t[: len(cases)])), list(zip(held, t[len(cases):])), hybrid=False, layers=2,
-                      linear=dict(layer_token_s=0.0, head_token_s=0.0), name="x", meta={})
+    res = cal.analyse(
+        list(zip(cases, t[: len(cases)])),
+        list(zip(held, t[len(cases) :])),
+        hybrid=False,
+        layers=2,
+        linear=dict(layer_token_s=0.0, head_token_s=0.0),
+        name="x",
+        meta={},
+    )
     assert res.kernel_model["block"] == [128, 128]
     assert res.kernel_model["held_out"]["max_rel_err"] < 1e-6
     for n in ("tiles", "grid_k", "calls"):
@@ -125,7 +150,14 @@ def test_old_reports_are_matched_by_rebuilding_their_shards():
 def test_cli_refit_writes_a_loadable_profile_and_never_overwrites_the_source(tmp_path, capsys):
     src = tmp_path / "old.report.json"
     src.write_bytes(gzip.decompress((DATA / "h200-llama-1b-torch_flash.rows.json.gz").read_bytes()))
-    assert cal.run(build_parser().parse_args(["calibrate", "--refit", str(src), "--out", str(tmp_path / "new.json"), "--quiet"])) == 0
+    assert (
+        cal.run(
+            build_parser().parse_args(
+                ["calibrate", "--refit", str(src), "--out", str(tmp_path / "new.json"), "--quiet"]
+            )
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "profile model" in out and "kernel model" in out and "same on every rank" in out
     profile = CostModel.load(tmp_path / "new.json")
@@ -134,7 +166,11 @@ def test_cli_refit_writes_a_loadable_profile_and_never_overwrites_the_source(tmp
     assert len(report["microbatches"]) == 1 + max(r["microbatch"] for r in report["grid_rows"] + report["eval_rows"])
     assert np.isfinite(report["kernel_model"]["held_out"]["r"])
     with pytest.raises(ValueError, match="overwrite"):
-        cal.run(build_parser().parse_args(["calibrate", "--refit", str(src), "--out", str(tmp_path / "x.json"), "--report", str(src)]))
+        cal.run(
+            build_parser().parse_args(
+                ["calibrate", "--refit", str(src), "--out", str(tmp_path / "x.json"), "--report", str(src)]
+            )
+        )
 
 
 def test_hybrid_features_follow_the_dense_shape_buckets():
@@ -146,7 +182,7 @@ def test_hybrid_features_follow_the_dense_shape_buckets():
     from ringpack.attention.schedule import DEFAULT_DENSE_BUCKETS, DEFAULT_DENSE_THRESHOLD
 
     assert DENSE_BUCKETS == DEFAULT_DENSE_BUCKETS and DENSE_THRESHOLD == DEFAULT_DENSE_THRESHOLD
-    assert DENSE_BATCHES == inspect.signature(compile_schedule).parameters["dense_batches"].default
+    assert inspect.signature(compile_schedule).parameters["dense_batches"].default == DENSE_BATCHES
     lengths = [30000, 21000]  # split over 2 ranks: long local squares and a full remote block, none on a bucket length
     mb = split_zigzag(list(range(2)), lengths, 2)
     case = cal.rank_cases("z", mb, lengths, "z")[1]

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from ringpack.analysis.comm_model import CommModel, kv_cross_tokens, microbatch_seconds
 from ringpack.analysis.metrics import evaluate_plan, zigzag_rule_padding
 from ringpack.analysis.report import build_report, result_of_plan
-from ringpack.planner import make_plan
 from ringpack.cost import CostModel
+from ringpack.planner import make_plan
 from ringpack.shard_plan import PlanConfig
 from tests.analysis import brute
 from tests.balancer.plan_strategies import random_plan
@@ -19,8 +19,15 @@ REL = 1e-9
 
 
 def planned(strategy: str, packing: str, lengths, dp=2, cp=3, budget=40, per_step=0, model=None):
-    cfg = PlanConfig(dp=dp, cp=cp, tokens_per_rank=budget, strategy=strategy, packing=packing, samples_per_step=per_step,
-                     cost=model or CostModel(token=3.0, pair=0.5, segment=7.0, flops_per_second=1e3))
+    cfg = PlanConfig(
+        dp=dp,
+        cp=cp,
+        tokens_per_rank=budget,
+        strategy=strategy,
+        packing=packing,
+        samples_per_step=per_step,
+        cost=model or CostModel(token=3.0, pair=0.5, segment=7.0, flops_per_second=1e3),
+    )
     return make_plan(lengths, cfg)
 
 
@@ -31,7 +38,15 @@ def check_report_against_brute(plan):
     got = doc["plans"][0]["steps"]
     assert len(got) == len(want)
     for g, w in zip(got, want):
-        for key in ("step_cost", "step_seconds", "idle_fraction", "imbalance", "max_mean", "dp_max_mean", "cp_max_mean"):
+        for key in (
+            "step_cost",
+            "step_seconds",
+            "idle_fraction",
+            "imbalance",
+            "max_mean",
+            "dp_max_mean",
+            "cp_max_mean",
+        ):
             assert g[key] == pytest.approx(w[key], rel=REL, abs=1e-12), key
         np.testing.assert_allclose(g["rank_busy"], w["rank_busy"], rtol=REL)
         np.testing.assert_allclose(g["dp_time"], w["dp_time"], rtol=REL)

@@ -18,18 +18,26 @@ from ringpack.analysis.report import (
     result_of_plan,
     write_report,
 )
-from ringpack.planner import make_plan
-from ringpack.cost import CostModel
-from ringpack.shard_plan import PlanConfig
 from ringpack.cli import main
+from ringpack.cost import CostModel
+from ringpack.planner import make_plan
+from ringpack.shard_plan import PlanConfig
 from tests.analysis import brute
 
 LENGTHS = np.random.default_rng(0).integers(1, 400, size=80)
 
 
 def small_plan(strategy="balanced", packing="balanced", **kw):
-    cfg = PlanConfig(dp=2, cp=2, tokens_per_rank=500, strategy=strategy, packing=packing, samples_per_step=20,
-                     cost=CostModel.preset("tiny"), **kw)
+    cfg = PlanConfig(
+        dp=2,
+        cp=2,
+        tokens_per_rank=500,
+        strategy=strategy,
+        packing=packing,
+        samples_per_step=20,
+        cost=CostModel.preset("tiny"),
+        **kw,
+    )
     return make_plan(LENGTHS, cfg)
 
 
@@ -45,7 +53,9 @@ def test_json_schema_is_stable():
         assert tuple(p["summary"]) == SUMMARY_KEYS
         for row in p["steps"]:
             assert tuple(row) == STEP_KEYS
-        assert p["hash"] == next(x for x in plans if f"{x.config.strategy}/{x.config.packing}" == p["name"]).content_hash
+        assert (
+            p["hash"] == next(x for x in plans if f"{x.config.strategy}/{x.config.packing}" == p["name"]).content_hash
+        )
     text = json.dumps(doc, allow_nan=False)  # strict JSON: no NaN/inf anywhere
     assert json.loads(text)["plans"][0]["name"] == "balanced/balanced"
     assert sum(doc["lengths"]["histogram"]["counts"]) == LENGTHS.size
@@ -77,11 +87,34 @@ def test_report_cli_from_lengths_plans_every_strategy(tmp_path, capsys):
     path = tmp_path / "lengths.npy"
     np.save(path, LENGTHS)
     out = tmp_path / "rep"
-    assert main(["report", "--lengths", str(path), "--dp", "2", "--cp", "2", "--tokens-per-rank", "500",
-                 "--model", "tiny", "--out", str(out), "--quiet", "--json", "-"]) == 0
+    assert (
+        main(
+            [
+                "report",
+                "--lengths",
+                str(path),
+                "--dp",
+                "2",
+                "--cp",
+                "2",
+                "--tokens-per-rank",
+                "500",
+                "--model",
+                "tiny",
+                "--out",
+                str(out),
+                "--quiet",
+                "--json",
+                "-",
+            ]
+        )
+        == 0
+    )
     doc = json.loads(capsys.readouterr().out)
     names = [p["name"] for p in doc["plans"]]
-    assert sorted(names) == sorted(f"{s}/{p}" for s in ("balanced", "zigzag", "contiguous") for p in ("balanced", "first_fit"))
+    assert sorted(names) == sorted(
+        f"{s}/{p}" for s in ("balanced", "zigzag", "contiguous") for p in ("balanced", "first_fit")
+    )
     for p in doc["plans"]:
         assert p["summary"]["tokens"] == int(LENGTHS.sum())
         assert p["summary"]["padding_tokens"] == 0
@@ -101,8 +134,20 @@ def test_report_cli_from_shard_manifest(tmp_path, capsys):
     ds = datasets.Dataset.from_dict({"input_ids": rows})
     cfg = PlanConfig(dp=2, cp=2, tokens_per_rank=500, samples_per_step=20, cost=CostModel.preset("tiny"))
     write_shards(ds, tmp_path / "shards", cfg, progress=False)
-    assert main(["report", "--manifest", str(tmp_path / "shards" / "manifest.json"), "--out", str(tmp_path / "rep"),
-                 "--no-plots", "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "report",
+                "--manifest",
+                str(tmp_path / "shards" / "manifest.json"),
+                "--out",
+                str(tmp_path / "rep"),
+                "--no-plots",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     doc = json.loads((tmp_path / "rep" / "report.json").read_text())
     assert doc["plans"][0]["summary"]["tokens"] == int(LENGTHS[:40].sum())
 

@@ -10,14 +10,16 @@ import pytest
 from ringpack.analysis.comm_model import CommModel
 from ringpack.analysis.metrics import evaluate_plan
 from ringpack.analysis.simulate import concat_metrics, simulate, synthetic_lengths
-from ringpack.planner import make_plan
-from ringpack.cost import CostModel
-from ringpack.shard_plan import PlanConfig
 from ringpack.cli import main
+from ringpack.cost import CostModel
+from ringpack.planner import make_plan
+from ringpack.shard_plan import PlanConfig
 
 
 def config(**kw):
-    base = dict(dp=4, cp=2, tokens_per_rank=4096, samples_per_step=40, overflow="split", cost=CostModel.preset("llama-1b"))
+    base = dict(
+        dp=4, cp=2, tokens_per_rank=4096, samples_per_step=40, overflow="split", cost=CostModel.preset("llama-1b")
+    )
     base.update(kw)
     return PlanConfig(**base)
 
@@ -58,7 +60,7 @@ def test_parallel_and_serial_agree():
 def test_concat_metrics_equals_one_plan_per_part():
     lengths = np.random.default_rng(2).integers(1, 3000, size=200)
     cfg = config(samples_per_step=25)
-    parts = [evaluate_plan(make_plan(lengths[i: i + 100], cfg)) for i in (0, 100)]
+    parts = [evaluate_plan(make_plan(lengths[i : i + 100], cfg)) for i in (0, 100)]
     whole = concat_metrics(parts, "x")
     assert whole.num_steps == sum(p.num_steps for p in parts)
     np.testing.assert_allclose(whole.step_cost, np.concatenate([p.step_cost for p in parts]))
@@ -67,9 +69,34 @@ def test_concat_metrics_equals_one_plan_per_part():
 
 def test_simulate_cli(tmp_path, capsys):
     out = tmp_path / "sim"
-    assert main(["simulate", "--gpus", "8,16", "--cp", "2", "--samples", "800", "--dist", "lognormal", "--median", "400",
-                 "--tokens-per-rank", "4096", "--model", "llama-1b", "--jobs", "1", "--quiet", "--no-plots",
-                 "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                "--gpus",
+                "8,16",
+                "--cp",
+                "2",
+                "--samples",
+                "800",
+                "--dist",
+                "lognormal",
+                "--median",
+                "400",
+                "--tokens-per-rank",
+                "4096",
+                "--model",
+                "llama-1b",
+                "--jobs",
+                "1",
+                "--quiet",
+                "--no-plots",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "DP=4 x CP=2" in printed and "DP=8 x CP=2" in printed and "ring tok/s" in printed
     for shape in ("dp4xcp2", "dp8xcp2"):

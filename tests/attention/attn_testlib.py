@@ -6,19 +6,22 @@ positions, plain softmax, autograd for the gradients) and shares no code with th
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
-from ringpack.shard_plan import MicroBatch, Piece, microbatch_from_shards
 from ringpack.planner.split import split_contiguous, split_zigzag
+from ringpack.shard_plan import MicroBatch, Piece, microbatch_from_shards
 
 # ------------------------------------------------------------------------------------------ plans
 
 
-def random_microbatch(rng: np.random.Generator, cp: int, num_samples: int = 5, max_len: int = 24, max_pieces: int = 5) -> tuple[MicroBatch, dict[int, int]]:
+def random_microbatch(
+    rng: np.random.Generator, cp: int, num_samples: int = 5, max_len: int = 24, max_pieces: int = 5
+) -> tuple[MicroBatch, dict[int, int]]:
     """An adversarial valid micro-batch: random cuts, random rank per piece (interleaved pieces of one
     sample on one rank, non-contiguous rank subsets), length-1 samples, sometimes an idle rank, and
     sample ids that differ from their slots."""
@@ -39,7 +42,9 @@ def random_microbatch(rng: np.random.Generator, cp: int, num_samples: int = 5, m
     return microbatch_from_shards(ids, shards, lengths), lengths
 
 
-def strategy_microbatch(strategy: str, rng: np.random.Generator, cp: int, num_samples: int = 6, max_len: int = 40) -> tuple[MicroBatch, dict[int, int]]:
+def strategy_microbatch(
+    strategy: str, rng: np.random.Generator, cp: int, num_samples: int = 6, max_len: int = 40
+) -> tuple[MicroBatch, dict[int, int]]:
     """A micro-batch cut by one of the balancer's split strategies (``balanced`` needs the planner)."""
     lengths_arr = rng.integers(1, max_len + 1, size=num_samples)
     lengths_arr[0] = 1
@@ -75,11 +80,21 @@ def handmade_microbatches() -> list[tuple[str, MicroBatch, dict[int, int]]]:
     # a sample longer than any rank's share, spread over a non-contiguous subset (ranks 0, 2, 3)
     add("skip-rank", [5, 6], {5: 13, 6: 2}, [[P(5, 0, 3)], [P(6, 0, 2)], [P(5, 3, 10)], [P(5, 10, 13)]])
     # interleaved pieces of one sample on two ranks: nested key prefixes -> several calls per step
-    add("interleaved", [0, 1], {0: 10, 1: 4}, [[P(0, 0, 2), P(0, 4, 5), P(0, 8, 10), P(1, 2, 4)], [P(0, 2, 4), P(0, 5, 8), P(1, 0, 2)]])
+    add(
+        "interleaved",
+        [0, 1],
+        {0: 10, 1: 4},
+        [[P(0, 0, 2), P(0, 4, 5), P(0, 8, 10), P(1, 2, 4)], [P(0, 2, 4), P(0, 5, 8), P(1, 0, 2)]],
+    )
     # reverse placement: early tokens on the last rank, so the ring goes "backwards"
     add("reverse", [0], {0: 9}, [[P(0, 6, 9)], [P(0, 3, 6)], [P(0, 0, 3)]])
     # 'balanced'-like: short samples whole, one long sample split unevenly over ranks 1 and 3 only
-    add("balanced-like", [0, 1, 2, 3], {0: 5, 1: 17, 2: 3, 3: 4}, [[P(0, 0, 5), P(2, 0, 3)], [P(1, 0, 11)], [P(3, 0, 4)], [P(1, 11, 17)]])
+    add(
+        "balanced-like",
+        [0, 1, 2, 3],
+        {0: 5, 1: 17, 2: 3, 3: 4},
+        [[P(0, 0, 5), P(2, 0, 3)], [P(1, 0, 11)], [P(3, 0, 4)], [P(1, 11, 17)]],
+    )
     return cases
 
 
@@ -102,9 +117,19 @@ class Problem:
     dout: dict[int, torch.Tensor]
 
     @classmethod
-    def make(cls, mb: MicroBatch, lengths: dict[int, int], heads: int, kv_heads: int, dim: int, seed: int, dtype=torch.float64, device="cpu") -> "Problem":
+    def make(
+        cls,
+        mb: MicroBatch,
+        lengths: dict[int, int],
+        heads: int,
+        kv_heads: int,
+        dim: int,
+        seed: int,
+        dtype=torch.float64,
+        device="cpu",
+    ) -> Problem:
         gen = torch.Generator().manual_seed(seed)
-        make = lambda n, h: torch.randn(n, h, dim, generator=gen, dtype=torch.float64).to(dtype=dtype, device=device)  # noqa: E731
+        make = lambda n, h: torch.randn(n, h, dim, generator=gen, dtype=torch.float64).to(dtype=dtype, device=device)
         q, k, v, dout = {}, {}, {}, {}
         for s in mb.samples:
             n = lengths[s]
@@ -139,11 +164,13 @@ def dense_reference(problem: Problem, scale: float | None = None) -> dict[str, d
     out = torch.einsum("hij,jhd->ihd", probs, vv)
     (out * dout).sum().backward()
     bounds = np.cumsum([0] + [problem.lengths[s] for s in samples])
-    split = lambda t: {s: t[bounds[j] : bounds[j + 1]].detach() for j, s in enumerate(samples)}  # noqa: E731
+    split = lambda t: {s: t[bounds[j] : bounds[j + 1]].detach() for j, s in enumerate(samples)}
     return {"out": split(out), "dq": split(q.grad), "dk": split(k.grad), "dv": split(v.grad)}
 
 
-def max_errors(problem: Problem, rank: int, ref: dict[str, dict[int, torch.Tensor]], got: dict[str, torch.Tensor]) -> dict[str, float]:
+def max_errors(
+    problem: Problem, rank: int, ref: dict[str, dict[int, torch.Tensor]], got: dict[str, torch.Tensor]
+) -> dict[str, float]:
     """Max abs error of a rank's out/dq/dk/dv against the dense reference's slices."""
     errors = {}
     for name, value in got.items():
@@ -165,7 +192,7 @@ class LoopbackWorld:
         self.kv = [pack_kv(k[r], v[r], s.send_index) for r, s in enumerate(schedules)]
         self.dkv = [torch.zeros(buf.shape, dtype=accum_dtype(buf.dtype), device=buf.device) for buf in self.kv]
 
-    def transport(self, schedule) -> "LoopbackTransport":
+    def transport(self, schedule) -> LoopbackTransport:
         return LoopbackTransport(schedule, self)
 
 
@@ -197,8 +224,13 @@ class LoopbackTransport:
 
 
 def run_all_ranks(
-    problem: "Problem", scale: float | None = None, backend: str = "reference", device: str | torch.device = "cpu", dense_threshold: int | None = 4096,
-    dense_buckets: int | None = 8, part_rows: int | None = None,
+    problem: Problem,
+    scale: float | None = None,
+    backend: str = "reference",
+    device: str | torch.device = "cpu",
+    dense_threshold: int | None = 4096,
+    dense_buckets: int | None = 8,
+    part_rows: int | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """Forward and backward of every CP rank of ``problem`` in this process, through the real engine
     (``part_rows``: the forward's row chunks of remote dense blocks, as without gradients)."""
@@ -206,15 +238,27 @@ def run_all_ranks(
     from ringpack.attention.ring import _attention_backward, _attention_forward
 
     cp = len(problem.mb.shards)
-    schedules = [compile_schedule(problem.mb, r, dense_threshold=dense_threshold, dense_buckets=dense_buckets).to(device) for r in range(cp)]
+    schedules = [
+        compile_schedule(problem.mb, r, dense_threshold=dense_threshold, dense_buckets=dense_buckets).to(device)
+        for r in range(cp)
+    ]
     q, k, v, dout = ([problem.local(t, r) for r in range(cp)] for t in (problem.q, problem.k, problem.v, problem.dout))
     world = LoopbackWorld(schedules, k, v)
     scale = q[0].shape[-1] ** -0.5 if scale is None else scale
     results = []
     for r in range(cp):
         out, lse = _attention_forward(q[r], k[r], v[r], schedules[r], world.transport, scale, backend, part_rows)
-        dq, dk, dv = _attention_backward(dout[r], q[r], k[r], v[r], out, lse, schedules[r], world.transport, scale, backend)
-        results.append({"out": out, "dq": dq, "dk": dk.float() if dk.dtype != torch.float64 else dk.clone(), "dv": dv.float() if dv.dtype != torch.float64 else dv.clone()})
+        dq, dk, dv = _attention_backward(
+            dout[r], q[r], k[r], v[r], out, lse, schedules[r], world.transport, scale, backend
+        )
+        results.append(
+            {
+                "out": out,
+                "dq": dq,
+                "dk": dk.float() if dk.dtype != torch.float64 else dk.clone(),
+                "dv": dv.float() if dv.dtype != torch.float64 else dv.clone(),
+            }
+        )
     for r, sched in enumerate(schedules):  # what the transport's finish() would bring home
         results[r]["dk"].index_add_(0, sched.send_index, world.dkv[r][0].to(results[r]["dk"].dtype))
         results[r]["dv"].index_add_(0, sched.send_index, world.dkv[r][1].to(results[r]["dv"].dtype))
@@ -234,5 +278,12 @@ def run_processes(world: int, fn: Callable, *args: Any, timeout_s: float = 60.0,
 
     # forkserver: one fresh server process imports torch and ringpack once, then forks each rank
     # (spawn would import them once per rank; plain fork would inherit the parent's thread pools)
-    return run_ranks(fn, world, args, timeout_s=timeout_s, join_s=join_s, start_method="forkserver",
-                     preload=["torch", "torch.distributed", "numpy", "ringpack.attention", __name__])
+    return run_ranks(
+        fn,
+        world,
+        args,
+        timeout_s=timeout_s,
+        join_s=join_s,
+        start_method="forkserver",
+        preload=["torch", "torch.distributed", "numpy", "ringpack.attention", __name__],
+    )

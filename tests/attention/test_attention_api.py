@@ -26,14 +26,18 @@ def test_cp1_needs_no_process_group_and_is_exact(use_module):
     attn = RingAttention(backend="reference") if use_module else None
     out = attn(q, k, v, sched) if use_module else ring_attention(q, k, v, sched, backend="reference")
     out.backward(problem.local(problem.dout, 0))
-    errors = max_errors(problem, 0, dense_reference(problem), {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad})
+    errors = max_errors(
+        problem, 0, dense_reference(problem), {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    )
     assert max(errors.values()) < 1e-10, errors
 
 
 def test_non_contiguous_heads_layout_is_accepted():
     problem = _single_rank_problem()
     sched = compile_schedule(problem.mb, 0)
-    q, k, v = (problem.local(t, 0).transpose(0, 1).contiguous().transpose(0, 1) for t in (problem.q, problem.k, problem.v))
+    q, k, v = (
+        problem.local(t, 0).transpose(0, 1).contiguous().transpose(0, 1) for t in (problem.q, problem.k, problem.v)
+    )
     assert not q.is_contiguous()
     want = ring_attention(*(x.contiguous() for x in (q, k, v)), sched, backend="reference")
     torch.testing.assert_close(ring_attention(q, k, v, sched, backend="reference"), want, rtol=0, atol=0)
@@ -57,13 +61,15 @@ def test_input_errors_are_clear():
 def test_whole_plans_from_make_plan_are_exact(strategy):
     """Every micro-batch of a real plan (dp=2, cp=3) through the engine, all CP ranks in this process."""
     pytest.importorskip("ringpack.planner.epoch")
-    from ringpack.shard_plan import PlanConfig
     from ringpack.planner import make_plan
+    from ringpack.shard_plan import PlanConfig
 
     rng = np.random.default_rng(7)
     lengths = rng.integers(1, 60, size=24).tolist()
     lengths[3] = 1
-    plan = make_plan(lengths, PlanConfig(dp=2, cp=3, tokens_per_rank=48, strategy=strategy, samples_per_step=12)).validate()
+    plan = make_plan(
+        lengths, PlanConfig(dp=2, cp=3, tokens_per_rank=48, strategy=strategy, samples_per_step=12)
+    ).validate()
     checked = 0
     for _, _, _, mb in plan.iter_microbatches():
         problem = Problem.make(mb, {s: lengths[s] for s in mb.samples}, 2, 1, 4, seed=checked)

@@ -16,7 +16,14 @@ import pytest
 import torch
 
 from ringpack.attention import kernels
-from tests.attention.attn_testlib import Problem, dense_reference, handmade_microbatches, max_errors, random_microbatch, run_all_ranks
+from tests.attention.attn_testlib import (
+    Problem,
+    dense_reference,
+    handmade_microbatches,
+    max_errors,
+    random_microbatch,
+    run_all_ranks,
+)
 
 
 def _scores(q, k, scale, causal):
@@ -33,7 +40,18 @@ def _check_heads(q, k):
     return k.repeat_interleave(q.shape[1] // k.shape[1], 1)
 
 
-def _fwd(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
+def _fwd(
+    query,
+    key,
+    value,
+    attn_bias,
+    compute_log_sumexp,
+    dropout_p=0.0,
+    is_causal=False,
+    return_debug_mask=False,
+    *,
+    scale=None,
+):
     assert attn_bias is None and compute_log_sumexp and dropout_p == 0.0 and query.dim() == 4 and query.stride(-1) == 1
     s = _scores(query, _check_heads(query, key), scale, is_causal)
     lse = torch.logsumexp(s, -1)
@@ -41,10 +59,38 @@ def _fwd(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_cau
     out.copy_(torch.einsum("bhqk,bhkd->bhqd", torch.softmax(s, -1), _check_heads(query, value)))
     empty = query.new_empty(0)
     seed = torch.zeros((), dtype=torch.int64)
-    return out, lse.unsqueeze(-1).float() if query.dtype != torch.float64 else lse.unsqueeze(-1), empty, empty, query.shape[2], key.shape[2], seed, seed, empty
+    return (
+        out,
+        lse.unsqueeze(-1).float() if query.dtype != torch.float64 else lse.unsqueeze(-1),
+        empty,
+        empty,
+        query.shape[2],
+        key.shape[2],
+        seed,
+        seed,
+        empty,
+    )
 
 
-def _bwd(grad_out, query, key, value, out, logsumexp, philox_seed, philox_offset, attn_bias, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, *, scale=None):
+def _bwd(
+    grad_out,
+    query,
+    key,
+    value,
+    out,
+    logsumexp,
+    philox_seed,
+    philox_offset,
+    attn_bias,
+    cum_seq_q,
+    cum_seq_k,
+    max_q,
+    max_k,
+    dropout_p,
+    is_causal,
+    *,
+    scale=None,
+):
     b, h, lq, _ = query.shape
     assert (max_q, max_k) == (lq, key.shape[2]), f"max_q/max_k {max_q}/{max_k} must be the lengths {lq}/{key.shape[2]}"
     assert tuple(logsumexp.shape) == (b, h, lq, 1), f"lse {tuple(logsumexp.shape)}"
@@ -114,6 +160,10 @@ def test_random_plans_with_cudnn_hybrid_are_exact(cudnn_hybrid_on_cpu, seed):
     problem = Problem.make(mb, lengths, 4, 1, 8, seed=seed)
     ref = dense_reference(problem, 0.6)
     buckets = (None, 1, 2, 8)[seed % 4]
-    for r, got in enumerate(run_all_ranks(problem, 0.6, backend="cudnn_hybrid", dense_threshold=int(rng.integers(1, 6)), dense_buckets=buckets)):
+    for r, got in enumerate(
+        run_all_ranks(
+            problem, 0.6, backend="cudnn_hybrid", dense_threshold=int(rng.integers(1, 6)), dense_buckets=buckets
+        )
+    ):
         errors = max_errors(problem, r, ref, got)
         assert max(errors.values()) < 1e-10, f"rank {r}: {errors}"

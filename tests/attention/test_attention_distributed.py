@@ -21,7 +21,15 @@ import torch.distributed as dist
 from ringpack.attention import ScheduleMismatchError, compile_schedule, ring_attention
 from ringpack.attention.schedule import Schedule
 from ringpack.shard_plan import Piece, microbatch_from_shards
-from tests.attention.attn_testlib import Problem, dense_reference, handmade_microbatches, max_errors, random_microbatch, run_processes, strategy_microbatch
+from tests.attention.attn_testlib import (
+    Problem,
+    dense_reference,
+    handmade_microbatches,
+    max_errors,
+    random_microbatch,
+    run_processes,
+    strategy_microbatch,
+)
 
 TOL = 1e-10
 GROUPS = {1: [2], 2: [1, 3], 3: [1, 2, 3], 4: [0, 1, 2, 3]}
@@ -68,7 +76,9 @@ def _strided_inputs(problem: Problem, rank: int, layout: str) -> tuple[torch.Ten
     return (fused,), (fused[:, :h], fused[:, h : h + h_kv], fused[:, h + h_kv :])
 
 
-def _run_strided(problem: Problem, sched: Schedule, rank: int, group, mode: str, layout: str) -> dict[str, torch.Tensor]:
+def _run_strided(
+    problem: Problem, sched: Schedule, rank: int, group, mode: str, layout: str
+) -> dict[str, torch.Tensor]:
     leaves, (q, k, v) = _strided_inputs(problem, rank, layout)
     assert not q.is_contiguous() or q.shape[0] <= 1, "a strided view"
     out = ring_attention(q, k, v, sched, group=group, mode=mode, backend="reference")
@@ -127,11 +137,18 @@ def suite_worker(rank: int, world: int, have_planner: bool) -> list[tuple]:
         ref = dense_reference(problem)
         got = {mode: _run_case(problem, sched, cp_rank, group, mode) for mode in ("ring", "allgather")}
         errors = {mode: max_errors(problem, cp_rank, ref, got[mode]) for mode in got}
-        errors.update({f"{mode}-hybrid": _forwards_with_the_dense_split(problem, mb, cp_rank, group, mode, ref) for mode in ("ring", "allgather")})
+        errors.update(
+            {
+                f"{mode}-hybrid": _forwards_with_the_dense_split(problem, mb, cp_rank, group, mode, ref)
+                for mode in ("ring", "allgather")
+            }
+        )
         if name.startswith(("hand:", "zigzag:")):  # strided layouts of q/k/v, both modes
             for mode in ("ring", "allgather"):
                 for layout in ("head_major", "fused"):
-                    errors[f"{mode}-{layout}"] = max_errors(problem, cp_rank, ref, _run_strided(problem, sched, cp_rank, group, mode, layout))
+                    errors[f"{mode}-{layout}"] = max_errors(
+                        problem, cp_rank, ref, _run_strided(problem, sched, cp_rank, group, mode, layout)
+                    )
         agree = max(float((got["ring"][x] - got["allgather"][x]).abs().sum()) for x in got["ring"])
         report.append((name, cp, cp_rank, errors, agree, len(sched.steps)))
     return report
@@ -200,8 +217,12 @@ def wire_bytes(rank: int, group) -> dict:
         out.backward(problem.local(problem.dout, cp_rank))
     finally:
         ring._P2P.exchange = exchange
-    return dict(sent, buffer_tokens=sched.buffer_tokens[cp_rank], kv_row_bytes=k.shape[1] * k.shape[2] * k.element_size(),
-                q_row_bytes=q.shape[1] * q.shape[2] * q.element_size())
+    return dict(
+        sent,
+        buffer_tokens=sched.buffer_tokens[cp_rank],
+        kv_row_bytes=k.shape[1] * k.shape[2] * k.element_size(),
+        q_row_bytes=q.shape[1] * q.shape[2] * q.element_size(),
+    )
 
 
 def worker(rank: int, world: int, have_planner: bool) -> dict:
@@ -238,7 +259,11 @@ def test_ring_and_allgather_match_dense_reference_on_1_to_4_ranks(spawned):
     rows = [row for result in results for row in result["suite"]]
     expected = sum(cp for _, cp, *_ in build_cases(have_planner))
     assert len(rows) == expected, "every rank of every case reported"
-    bad = [(name, cp_rank, errors) for name, cp, cp_rank, errors, agree, _ in rows if max(max(e.values()) for e in errors.values()) >= TOL]
+    bad = [
+        (name, cp_rank, errors)
+        for name, cp, cp_rank, errors, agree, _ in rows
+        if max(max(e.values()) for e in errors.values()) >= TOL
+    ]
     assert not bad, f"errors above {TOL}: {bad[:5]}"
     disagree = [(name, cp_rank, agree) for name, _, cp_rank, _, agree, _ in rows if agree >= TOL]
     assert not disagree, disagree[:5]

@@ -16,15 +16,39 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ringpack.shard_plan import Piece, microbatch_from_shards
-from tests.attention.attn_testlib import Problem, dense_reference, handmade_microbatches, max_errors, random_microbatch, run_all_ranks, strategy_microbatch, zigzag_case
+from tests.attention.attn_testlib import (
+    Problem,
+    dense_reference,
+    handmade_microbatches,
+    max_errors,
+    random_microbatch,
+    run_all_ranks,
+    strategy_microbatch,
+    zigzag_case,
+)
 
 TOL = 1e-10
 
 
-def assert_exact(problem: Problem, scale: float | None = None, backend: str = "reference", dense_threshold: int | None = 4096, dense_buckets: int | None = 8,
-                 part_rows: int | None = None) -> None:
+def assert_exact(
+    problem: Problem,
+    scale: float | None = None,
+    backend: str = "reference",
+    dense_threshold: int | None = 4096,
+    dense_buckets: int | None = 8,
+    part_rows: int | None = None,
+) -> None:
     ref = dense_reference(problem, scale)
-    for r, got in enumerate(run_all_ranks(problem, scale, backend=backend, dense_threshold=dense_threshold, dense_buckets=dense_buckets, part_rows=part_rows)):
+    for r, got in enumerate(
+        run_all_ranks(
+            problem,
+            scale,
+            backend=backend,
+            dense_threshold=dense_threshold,
+            dense_buckets=dense_buckets,
+            part_rows=part_rows,
+        )
+    ):
         errors = max_errors(problem, r, ref, got)
         assert max(errors.values()) < TOL, f"rank {r}: {errors}"
 
@@ -47,7 +71,12 @@ def test_strategy_plans_are_exact(strategy, cp):
 
 
 @settings(max_examples=80, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), cp=st.integers(1, 5), n=st.integers(1, 5), gqa=st.sampled_from([(2, 2), (4, 2), (3, 1)]))
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    cp=st.integers(1, 5),
+    n=st.integers(1, 5),
+    gqa=st.sampled_from([(2, 2), (4, 2), (3, 1)]),
+)
 def test_random_plans_are_exact(seed, cp, n, gqa):
     rng = np.random.default_rng(seed)
     mb, lengths = random_microbatch(rng, cp, num_samples=n, max_len=20)
@@ -66,7 +95,12 @@ def test_random_plans_are_exact(seed, cp, n, gqa):
 @pytest.mark.parametrize("name,mb,lengths", handmade_microbatches(), ids=lambda x: x if isinstance(x, str) else "")
 @pytest.mark.parametrize("threshold,buckets", [(1, 1), (2, None), (3, 8), (2, 1)])
 def test_handmade_plans_are_exact_with_the_dense_split(name, mb, lengths, threshold, buckets):
-    assert_exact(Problem.make(mb, lengths, 4, 2, 8, seed=4), backend="reference_hybrid", dense_threshold=threshold, dense_buckets=buckets)
+    assert_exact(
+        Problem.make(mb, lengths, 4, 2, 8, seed=4),
+        backend="reference_hybrid",
+        dense_threshold=threshold,
+        dense_buckets=buckets,
+    )
 
 
 @pytest.mark.parametrize("strategy", ["contiguous", "zigzag", "balanced"])
@@ -82,14 +116,21 @@ def test_strategy_plans_are_exact_with_the_dense_split(strategy, cp):
 
 
 @settings(max_examples=50, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), cp=st.integers(1, 4), n=st.integers(1, 5), gqa=st.sampled_from([(2, 2), (4, 2), (3, 1)]), threshold=st.integers(1, 8),
-       buckets=st.sampled_from([None, 1, 2, 8]))
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    cp=st.integers(1, 4),
+    n=st.integers(1, 5),
+    gqa=st.sampled_from([(2, 2), (4, 2), (3, 1)]),
+    threshold=st.integers(1, 8),
+    buckets=st.sampled_from([None, 1, 2, 8]),
+)
 def test_random_plans_are_exact_with_the_dense_split(seed, cp, n, gqa, threshold, buckets):
-    from ringpack.attention import kernels
+    from ringpack.attention import kernels, schedule
 
-    from ringpack.attention import schedule
-
-    kernels.TAIL_CHUNK_ROWS, saved = 1 + seed % 3, kernels.TAIL_CHUNK_ROWS  # key tails' backward cut into small segments
+    kernels.TAIL_CHUNK_ROWS, saved = (
+        1 + seed % 3,
+        kernels.TAIL_CHUNK_ROWS,
+    )  # key tails' backward cut into small segments
     schedule.LOCAL_RUN_ROWS, saved_rows = 1 + seed % 7, schedule.LOCAL_RUN_ROWS  # the local rest cut into several calls
     try:
         _random_plan_with_the_dense_split(seed, cp, n, gqa, threshold, buckets)
@@ -101,8 +142,17 @@ def _random_plan_with_the_dense_split(seed, cp, n, gqa, threshold, buckets):
     rng = np.random.default_rng(seed)
     mb, lengths = random_microbatch(rng, cp, num_samples=n, max_len=20)
     problem = Problem.make(mb, lengths, gqa[0], gqa[1], 4, seed=seed % 1000)
-    part_rows = None if seed % 2 else 1 + seed % 5  # half the plans: remote blocks' forward in row chunks (as without gradients)
-    assert_exact(problem, scale=0.7, backend="reference_hybrid", dense_threshold=threshold, dense_buckets=buckets, part_rows=part_rows)
+    part_rows = (
+        None if seed % 2 else 1 + seed % 5
+    )  # half the plans: remote blocks' forward in row chunks (as without gradients)
+    assert_exact(
+        problem,
+        scale=0.7,
+        backend="reference_hybrid",
+        dense_threshold=threshold,
+        dense_buckets=buckets,
+        part_rows=part_rows,
+    )
 
 
 @pytest.mark.parametrize("part_rows", [1, 3, 8])
@@ -116,11 +166,21 @@ def test_forward_row_chunks_of_remote_blocks_are_exact(part_rows):
     mb = zigzag_case(2, lengths)
     problem = Problem.make(mb, dict(enumerate(lengths)), 4, 2, 8, seed=8)
     for buckets in (1, None):
-        blocks = [d for r in range(2) for st_ in compile_schedule(mb, r, dense_threshold=5, dense_buckets=buckets).steps for c in st_.calls for d in c.dense]
+        blocks = [
+            d
+            for r in range(2)
+            for st_ in compile_schedule(mb, r, dense_threshold=5, dense_buckets=buckets).steps
+            for c in st_.calls
+            for d in c.dense
+        ]
         chunks = [_row_chunks(d, False, part_rows) for d in blocks]
         assert any(len(c) > 1 for c in chunks), "no remote block was cut"
-        for block, pieces in zip(blocks, chunks):  # the chunks tile the block's rows, each at most part_rows padded rows
-            assert [p.q_start for p in pieces] == list(range(block.q_start, block.q_start + block.q_len, pieces[0].q_run))
+        for block, pieces in zip(
+            blocks, chunks
+        ):  # the chunks tile the block's rows, each at most part_rows padded rows
+            assert [p.q_start for p in pieces] == list(
+                range(block.q_start, block.q_start + block.q_len, pieces[0].q_run)
+            )
             assert sum(p.q_len for p in pieces) == block.q_len and all(p.q_run == pieces[0].q_run for p in pieces)
             assert len(pieces) == 1 or pieces[0].q_run <= part_rows
         assert_exact(problem, backend="reference_hybrid", dense_threshold=5, dense_buckets=buckets, part_rows=part_rows)
@@ -130,22 +190,35 @@ def test_split_schedules_do_split():
     """The plans above really exercise dense segments next to a rest in one call, local and remote."""
     from ringpack.attention import compile_schedule
     from tests.attention.attn_testlib import zigzag_case
-    from tests.attention.test_attention_schedule import row_list
 
     mb = zigzag_case(2, [40, 3, 1, 17])
-    calls = [c for r in range(2) for s in [compile_schedule(mb, r, dense_threshold=5)] for c in (s.local, *(c for st_ in s.steps for c in st_.calls))]
+    calls = [
+        c
+        for r in range(2)
+        for s in [compile_schedule(mb, r, dense_threshold=5)]
+        for c in (s.local, *(c for st_ in s.steps for c in st_.calls))
+    ]
     assert any(c.causal and c.dense and c.rest for c in calls)
     assert any(not c.causal and c.dense and c.rest for c in calls)
     # with power-of-two buckets: causal squares padded up over the following local rows (views) or past
     # their end (copies with zeros); full blocks' rows padded, keys split
     mb2 = zigzag_case(2, [20, 3, 12, 27])
     scheds = [compile_schedule(mb2, r, dense_threshold=5, dense_buckets=1) for r in range(2)]
-    parts = [(s.num_tokens, c.causal, d) for s in scheds for c in (s.local, *(c for st_ in s.steps for c in st_.calls)) for d in c.dense]
-    assert any(causal and d[4] > d[1] and d[0] + d[4] <= n for n, causal, d in parts), "a causal square padded over local rows"
+    parts = [
+        (s.num_tokens, c.causal, d)
+        for s in scheds
+        for c in (s.local, *(c for st_ in s.steps for c in st_.calls))
+        for d in c.dense
+    ]
+    assert any(causal and d[4] > d[1] and d[0] + d[4] <= n for n, causal, d in parts), (
+        "a causal square padded over local rows"
+    )
     assert any(causal and d[0] + d[4] > n for n, causal, d in parts), "a causal square padded past the local rows"
     assert any(not causal and d[4] > d[1] for n, causal, d in parts), "a full block's rows padded"
     assert any(not causal and d[5] < d[3] for n, causal, d in parts), "a full block's keys split"
-    problem = Problem.make(mb2, dict(enumerate([20, 3, 12, 27])), 4, 2, 8, seed=6)  # and the engine is exact on it (fp64)
+    problem = Problem.make(
+        mb2, dict(enumerate([20, 3, 12, 27])), 4, 2, 8, seed=6
+    )  # and the engine is exact on it (fp64)
     assert_exact(problem, backend="reference_hybrid", dense_threshold=5, dense_buckets=1)
     assert all(not c.dense for r in range(2) for c in [compile_schedule(mb, r, dense_threshold=None).local])
 
@@ -158,14 +231,31 @@ def test_equal_length_runs_are_batched_and_exact(cp):
 
     lengths = [6] * 7 + [3, 40] + [5] * 4 + [6, 6]
     mb = zigzag_case(cp, lengths)
-    batched = [d for r in range(cp) for s in [compile_schedule(mb, r, dense_threshold=8)] if s.local is not None for d in s.local.dense if d.batch > 1]
+    batched = [
+        d
+        for r in range(cp)
+        for s in [compile_schedule(mb, r, dense_threshold=8)]
+        if s.local is not None
+        for d in s.local.dense
+        if d.batch > 1
+    ]
     assert batched and all(d.batch in (2, 4) for d in batched)
-    assert not any(d.batch > 1 for r in range(cp) for s in [compile_schedule(mb, r, dense_threshold=8, dense_batches=False)] if s.local for d in s.local.dense)
-    assert_exact(Problem.make(mb, dict(enumerate(lengths)), 4, 2, 8, seed=cp), backend="reference_hybrid", dense_threshold=8)
+    assert not any(
+        d.batch > 1
+        for r in range(cp)
+        for s in [compile_schedule(mb, r, dense_threshold=8, dense_batches=False)]
+        if s.local
+        for d in s.local.dense
+    )
+    assert_exact(
+        Problem.make(mb, dict(enumerate(lengths)), 4, 2, 8, seed=cp), backend="reference_hybrid", dense_threshold=8
+    )
     # one batch over every local row: the engine adopts its results instead of copying them
     whole = zigzag_case(1, [4] * 8)
     assert [d.batch for d in compile_schedule(whole, 0, dense_threshold=8).local.dense] == [8]
-    assert_exact(Problem.make(whole, dict(enumerate([4] * 8)), 4, 2, 8, seed=9), backend="reference_hybrid", dense_threshold=8)
+    assert_exact(
+        Problem.make(whole, dict(enumerate([4] * 8)), 4, 2, 8, seed=9), backend="reference_hybrid", dense_threshold=8
+    )
 
 
 def test_backward_holds_the_largest_dense_segment_back_to_hide_the_dkv_transfer():
@@ -237,7 +327,6 @@ def test_first_transfer_order_with_and_without_gradients(monkeypatch, grad, loca
     several parts, both wait until the first part is folded in (its buffers are not held beside it)."""
     from ringpack.attention import compile_schedule, kernels
     from ringpack.attention.ring import _attention_forward
-
     from tests.attention.attn_testlib import LoopbackTransport, LoopbackWorld
 
     events = []
@@ -252,14 +341,18 @@ def test_first_transfer_order_with_and_without_gradients(monkeypatch, grad, loca
         def start(self):
             events.append("start")
 
-    tail = [Piece(1, 0, 40)] if local_parts == 2 else []  # a second local sample: the local result is copied from two parts
+    tail = (
+        [Piece(1, 0, 40)] if local_parts == 2 else []
+    )  # a second local sample: the local result is copied from two parts
     lengths = [80, 40]
     mb = microbatch_from_shards([0, 1], [[Piece(0, 0, 40)], [Piece(0, 40, 80), *tail]], lengths)
     scheds = [compile_schedule(mb, r, dense_threshold=16, dense_buckets=None) for r in range(2)]
     assert len(scheds[1].local.dense) == local_parts and not scheds[1].local.rest
     problem = Problem.make(mb, dict(enumerate(lengths)), 2, 1, 4, seed=1)
     q, k, v = (problem.local(x, 1) for x in (problem.q, problem.k, problem.v))
-    world = LoopbackWorld(scheds, [problem.local(problem.k, r) for r in range(2)], [problem.local(problem.v, r) for r in range(2)])
+    world = LoopbackWorld(
+        scheds, [problem.local(problem.k, r) for r in range(2)], [problem.local(problem.v, r) for r in range(2)]
+    )
     _attention_forward(q, k, v, scheds[1], lambda s: Spy(s, world), 0.5, "reference_hybrid", None if grad else 64)
     local = ["kernel"] * local_parts
     if grad or local_parts == 1:

@@ -59,7 +59,9 @@ def test_reference_matches_naive_forward_and_backward(name, heads, kv_heads):
 
     dout = torch.randn(tq, heads, d, generator=gen, dtype=torch.float64)
     (want * dout).sum().backward()
-    dq, dk, dv = varlen_attn_bwd(dout, q.detach(), k.detach(), v.detach(), out, lse, cu_q, cu_k, max_q, max_k, scale, causal, "reference")
+    dq, dk, dv = varlen_attn_bwd(
+        dout, q.detach(), k.detach(), v.detach(), out, lse, cu_q, cu_k, max_q, max_k, scale, causal, "reference"
+    )
     torch.testing.assert_close(dq, q.grad, rtol=0, atol=1e-12)
     torch.testing.assert_close(dk, k.grad, rtol=0, atol=1e-12)
     torch.testing.assert_close(dv, v.grad, rtol=0, atol=1e-12)
@@ -107,7 +109,9 @@ def test_fake_implementations_give_contract_shapes():
         q, k = torch.empty(7, 4, 16, dtype=torch.bfloat16), torch.empty(9, 2, 16, dtype=torch.bfloat16)
         cu = torch.empty(3, dtype=torch.int32)
         out, lse = torch.ops.ringpack.varlen_attn_fwd(q, k, k, cu, cu, 4, 5, 0.25, False, "torch_flash")
-        dq, dk, dv = torch.ops.ringpack.varlen_attn_bwd(out, q, k, k, out, lse, cu, cu, 4, 5, 0.25, False, "torch_flash")
+        dq, dk, dv = torch.ops.ringpack.varlen_attn_bwd(
+            out, q, k, k, out, lse, cu, cu, 4, 5, 0.25, False, "torch_flash"
+        )
     assert out.shape == q.shape and lse.shape == (4, 7) and lse.dtype == torch.float32
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == k.shape
 
@@ -160,7 +164,9 @@ def test_merge_is_exact_and_ignores_empty_partials():
     merge_partial(out, lse, o2, l2, None)
     torch.testing.assert_close(out, full, rtol=0, atol=1e-14)
     before = out.clone()
-    merge_partial(out, lse, torch.zeros(3, 3, 2, dtype=torch.float64), torch.full((3, 3), float("inf"), dtype=torch.float64), rows)
+    merge_partial(
+        out, lse, torch.zeros(3, 3, 2, dtype=torch.float64), torch.full((3, 3), float("inf"), dtype=torch.float64), rows
+    )
     torch.testing.assert_close(out, before, rtol=0, atol=0)
 
 
@@ -173,7 +179,10 @@ def test_hybrid_backends_resolve_and_their_dense_ops_trace():
     q, k = torch.randn(5, 4, 8), torch.randn(5, 2, 8)
     torch.library.opcheck(torch.ops.ringpack.dense_attn_fwd.default, (q, k, k, 0.3, True, "reference_hybrid"))
     out, lse = kernels.dense_attn_fwd(q, k, k, 0.3, True, "reference_hybrid")
-    torch.library.opcheck(torch.ops.ringpack.dense_attn_bwd.default, (torch.randn_like(q), q, k, k, out, lse, 0.3, True, "reference_hybrid"))
+    torch.library.opcheck(
+        torch.ops.ringpack.dense_attn_bwd.default,
+        (torch.randn_like(q), q, k, k, out, lse, 0.3, True, "reference_hybrid"),
+    )
     with pytest.raises(ValueError, match="as many queries as keys"):
         kernels.dense_attn_fwd(q, k[:3], k[:3], 0.3, True, "reference_hybrid")
     with pytest.raises(ValueError, match="no dense kernel"):
@@ -182,7 +191,10 @@ def test_hybrid_backends_resolve_and_their_dense_ops_trace():
         kernels.dense_attn_fwd(q, k, k, 0.3, True, "reference_hybrid", dense_keys=3)
     torch.library.opcheck(torch.ops.ringpack.dense_attn_fwd.default, (q, k, k, 0.3, False, "reference_hybrid", 3))
     out, lse = kernels.dense_attn_fwd(q, k, k, 0.3, False, "reference_hybrid", dense_keys=3)
-    torch.library.opcheck(torch.ops.ringpack.dense_attn_bwd.default, (torch.randn_like(q), q, k, k, out.to(q.dtype), lse, 0.3, False, "reference_hybrid", 3))
+    torch.library.opcheck(
+        torch.ops.ringpack.dense_attn_bwd.default,
+        (torch.randn_like(q), q, k, k, out.to(q.dtype), lse, 0.3, False, "reference_hybrid", 3),
+    )
 
 
 @pytest.mark.parametrize("chunk_rows", [512, 2, 3])
@@ -200,12 +212,18 @@ def test_dense_key_split_is_exact(dense_keys, chunk_rows, monkeypatch):
     out, lse = kernels.dense_attn_fwd(q, k, v, 0.4, False, "reference_hybrid", dense_keys=dense_keys)
     torch.testing.assert_close((out, lse), (want_out, want_lse), rtol=0, atol=1e-12)
     want = kernels.dense_attn_bwd(dout, q, k, v, want_out, want_lse, 0.4, False, "reference_hybrid")
-    got = kernels.dense_attn_bwd(dout, q, k, v, want_out, want_lse, 0.4, False, "reference_hybrid", dense_keys=dense_keys)
+    got = kernels.dense_attn_bwd(
+        dout, q, k, v, want_out, want_lse, 0.4, False, "reference_hybrid", dense_keys=dense_keys
+    )
     for g, w in zip(got, want):
         assert g.shape == w.shape and g.dtype == w.dtype
         torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
     # the same gradients as the kernels' parts: dq summed, dk/dv of keys :dense_keys then the rest
-    parts = list(kernels.dense_attn_bwd_parts(dout, q, k, v, want_out, want_lse, 0.4, False, "reference_hybrid", dense_keys=dense_keys))
+    parts = list(
+        kernels.dense_attn_bwd_parts(
+            dout, q, k, v, want_out, want_lse, 0.4, False, "reference_hybrid", dense_keys=dense_keys
+        )
+    )
     split = dense_keys is not None and dense_keys < k.shape[0]
     assert [p[1].shape[0] for p in parts] == ([dense_keys, k.shape[0] - dense_keys] if split else [k.shape[0]])
     torch.testing.assert_close(sum(p[0] for p in parts), want[0], rtol=0, atol=1e-12)
@@ -232,8 +250,12 @@ def test_batched_dense_call_is_exact(causal):
     got = kernels.dense_attn_bwd(dout, q, k, v, want_out, want_lse, 0.4, causal, "reference_hybrid", batch=3)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
-    torch.library.opcheck(torch.ops.ringpack.dense_attn_fwd.default, (q, k, v, 0.4, causal, "reference_hybrid", None, 3))
-    torch.library.opcheck(torch.ops.ringpack.dense_attn_bwd.default, (dout, q, k, v, out, lse, 0.4, causal, "reference_hybrid", None, 3))
+    torch.library.opcheck(
+        torch.ops.ringpack.dense_attn_fwd.default, (q, k, v, 0.4, causal, "reference_hybrid", None, 3)
+    )
+    torch.library.opcheck(
+        torch.ops.ringpack.dense_attn_bwd.default, (dout, q, k, v, out, lse, 0.4, causal, "reference_hybrid", None, 3)
+    )
     with pytest.raises(ValueError, match="equal segments"):
         kernels.dense_attn_fwd(q, k, v, 0.4, causal, "reference_hybrid", batch=4)
     with pytest.raises(ValueError, match="no key split"):
@@ -278,14 +300,25 @@ def test_merge_of_two_partials_equals_two_merges(rows, dtype):
     n = 6 if rows is None else (rows.stop - rows.start if isinstance(rows, slice) else rows.numel())
     out = torch.randn(6, 3, 4, generator=gen, dtype=torch.float64)
     lse = torch.randn(3, 6, generator=gen, dtype=torch.float64)
-    parts = [(torch.randn(n, 3, 4, generator=gen, dtype=torch.float64), torch.randn(3, n, generator=gen, dtype=torch.float64)) for _ in range(2)]
+    parts = [
+        (
+            torch.randn(n, 3, 4, generator=gen, dtype=torch.float64),
+            torch.randn(3, n, generator=gen, dtype=torch.float64),
+        )
+        for _ in range(2)
+    ]
     parts[1][1][:, 0] = float("inf")  # a partial without keys
     want_out, want_lse = out.clone(), lse.clone()
     for part in parts:
         merge_partial(want_out, want_lse, *part, rows)
     got_out, got_lse = out.to(dtype), lse.clone()
-    merge_partial(got_out, got_lse, *((p.to(dtype) if p.dim() == 3 else p) for p in parts[0]), rows,
-                  part2=tuple(p.to(dtype) if p.dim() == 3 else p for p in parts[1]))
+    merge_partial(
+        got_out,
+        got_lse,
+        *((p.to(dtype) if p.dim() == 3 else p) for p in parts[0]),
+        rows,
+        part2=tuple(p.to(dtype) if p.dim() == 3 else p for p in parts[1]),
+    )
     torch.testing.assert_close(got_lse, want_lse, rtol=0, atol=1e-12)
     if dtype == torch.float64:
         torch.testing.assert_close(got_out, want_out, rtol=0, atol=1e-12)
@@ -335,7 +368,9 @@ def test_compiled_key_split_backward_is_one_custom_op():
     dout = torch.randn_like(q)
 
     def grads(dout, q, k, v, out, lse):
-        parts = list(kernels.dense_attn_bwd_parts(dout, q, k, v, out, lse, 0.4, False, "reference_hybrid", dense_keys=4))
+        parts = list(
+            kernels.dense_attn_bwd_parts(dout, q, k, v, out, lse, 0.4, False, "reference_hybrid", dense_keys=4)
+        )
         return len(parts), sum(p[0] for p in parts), torch.cat([p[1] for p in parts]), torch.cat([p[2] for p in parts])
 
     n_eager, *eager = grads(dout, q, k, v, out, lse)

@@ -62,7 +62,12 @@ def _stub_bwd(dout, q, k, v, *args, **kwargs):
 @pytest.fixture
 def stub_kernels(monkeypatch):
     """The hybrid reference backend with kernels that allocate their outputs and compute nothing."""
-    for table, stub in ((kernels._FWD, _stub_fwd), (kernels._BWD, _stub_bwd), (kernels._DENSE_FWD, _stub_fwd), (kernels._DENSE_BWD, _stub_bwd)):
+    for table, stub in (
+        (kernels._FWD, _stub_fwd),
+        (kernels._BWD, _stub_bwd),
+        (kernels._DENSE_FWD, _stub_fwd),
+        (kernels._DENSE_BWD, _stub_bwd),
+    ):
         for name in ("reference", "reference_hybrid"):
             if name in table:
                 monkeypatch.setitem(table, name, stub)
@@ -141,7 +146,6 @@ def test_forward_without_gradients_holds_no_block_sized_partials_and_no_buffer_b
       is folded in, so the peak is the local step's own.
     """
     from ringpack.attention.ring import _attention_forward, _local_forward
-
     from tests.attention.attn_testlib import LoopbackTransport, LoopbackWorld
 
     class Receiving(LoopbackTransport):
@@ -157,8 +161,12 @@ def test_forward_without_gradients_holds_no_block_sized_partials_and_no_buffer_b
     mb = microbatch_from_shards([0, 1], [[Piece(0, 0, 300)], [Piece(0, 300, 600), Piece(1, 0, 90)]], lengths)
     scheds = [compile_schedule(mb, r, dense_threshold=64, dense_buckets=2) for r in range(2)]
     (block,) = [d for st_ in scheds[1].steps for c in st_.calls for d in c.dense]
-    assert block.q_run == 384 and block.k_run < block.k_len, "rank 1's remote block: rows padded (over local rows), keys split"
-    assert [d.q_run for d in scheds[1].local.dense] == [384, 96], "rank 1's local square is one of two parts copied into the result"
+    assert block.q_run == 384 and block.k_run < block.k_len, (
+        "rank 1's remote block: rows padded (over local rows), keys split"
+    )
+    assert [d.q_run for d in scheds[1].local.dense] == [384, 96], (
+        "rank 1's local square is one of two parts copied into the result"
+    )
     qs, ks, vs = zip(*(_inputs(s.num_tokens) for s in scheds))
     world = LoopbackWorld(scheds, list(ks), list(vs))
     ignore = [*qs, *ks, *vs, *world.kv]
@@ -169,9 +177,13 @@ def test_forward_without_gradients_holds_no_block_sized_partials_and_no_buffer_b
         return mem.peak - out.numel() * out.element_size() - lse.numel() * lse.element_size()
 
     def forward(part_rows):
-        return _attention_forward(qs[1], ks[1], vs[1], scheds[1], lambda s: Receiving(s, world), 0.5, "reference_hybrid", part_rows)
+        return _attention_forward(
+            qs[1], ks[1], vs[1], scheds[1], lambda s: Receiving(s, world), 0.5, "reference_hybrid", part_rows
+        )
 
-    local = beside_result(lambda: _local_forward(qs[1], ks[1], vs[1], scheds[1].local, torch.float32, 0.5, "reference_hybrid"))
+    local = beside_result(
+        lambda: _local_forward(qs[1], ks[1], vs[1], scheds[1].local, torch.float32, 0.5, "reference_hybrid")
+    )
     with_grad, without = beside_result(lambda: forward(None)), beside_result(lambda: forward(64))
     row = _rows_bytes(1, HEADS) + HEADS * 4  # one query row's output and lse
     received = world.kv[0].numel() * world.kv[0].element_size()

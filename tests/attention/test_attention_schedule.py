@@ -92,7 +92,9 @@ def needed_pieces(mb: MicroBatch, rank: int) -> list[Piece]:
     return [
         p
         for p in mb.shards[rank].pieces
-        if any(o.sample == p.sample and o.start >= p.stop for r, sh in enumerate(mb.shards) if r != rank for o in sh.pieces)
+        if any(
+            o.sample == p.sample and o.start >= p.stop for r, sh in enumerate(mb.shards) if r != rank for o in sh.pieces
+        )
     ]
 
 
@@ -104,7 +106,9 @@ def check_schedule(mb: MicroBatch) -> list[Schedule]:
     assert len({s.buffer_tokens for s in schedules}) == 1
     for r, sched in enumerate(schedules):
         got, want = computed_pairs(mb, schedules, r), expected_pairs(mb, r)
-        assert got == want, f"rank {r}: missing {list((want - got).items())[:5]}, extra {list((got - want).items())[:5]}"
+        assert got == want, (
+            f"rank {r}: missing {list((want - got).items())[:5]}, extra {list((got - want).items())[:5]}"
+        )
         # compact buffer = exactly the needed pieces, in canonical order
         local = _tokens(mb, r)
         buffer = [local[i] for i in sched.send_index.tolist()]
@@ -113,7 +117,11 @@ def check_schedule(mb: MicroBatch) -> list[Schedule]:
     # a distance is a step iff some rank needs something from that far back
     for t in range(1, cp):
         needs = any(
-            any(o.sample == p.sample and o.stop <= p.start for p in mb.shards[r].pieces for o in mb.shards[(r - t) % cp].pieces)
+            any(
+                o.sample == p.sample and o.stop <= p.start
+                for p in mb.shards[r].pieces
+                for o in mb.shards[(r - t) % cp].pieces
+            )
             for r in range(cp)
         )
         assert needs == (t in schedules[0].distances), f"distance {t}"
@@ -142,7 +150,9 @@ def test_random_plans_cover_the_mask_exactly(seed, cp, n):
 
 
 def test_no_split_sample_means_no_communication():
-    mb = microbatch_from_shards([0, 1, 2, 3], [[Piece(0, 0, 7), Piece(3, 0, 2)], [Piece(1, 0, 9)], [Piece(2, 0, 1)]], {0: 7, 1: 9, 2: 1, 3: 2})
+    mb = microbatch_from_shards(
+        [0, 1, 2, 3], [[Piece(0, 0, 7), Piece(3, 0, 2)], [Piece(1, 0, 9)], [Piece(2, 0, 1)]], {0: 7, 1: 9, 2: 1, 3: 2}
+    )
     for r in range(3):
         sched = compile_schedule(mb, r)
         assert sched.steps == () and sched.buffer_tokens == (0, 0, 0) and sched.send_index.numel() == 0
@@ -150,7 +160,9 @@ def test_no_split_sample_means_no_communication():
 
 
 def test_contiguous_split_talks_only_to_the_neighbour():
-    mb = microbatch_from_shards([0, 1], [[Piece(0, 0, 6)], [Piece(0, 6, 8), Piece(1, 0, 4)], [Piece(1, 4, 9)], []], {0: 8, 1: 9})
+    mb = microbatch_from_shards(
+        [0, 1], [[Piece(0, 0, 6)], [Piece(0, 6, 8), Piece(1, 0, 4)], [Piece(1, 4, 9)], []], {0: 8, 1: 9}
+    )
     schedules = check_schedule(mb)
     assert schedules[0].distances == (1,)
     # rank 2 holds the last piece of sample 1: nobody needs it, so it sends nothing
@@ -196,7 +208,9 @@ def test_schedule_moves_pickles_and_pins():
 
 
 def test_invalid_microbatches_are_rejected():
-    mb = MicroBatch(samples=(0,), shards=(type(zigzag_case(1, [3]).shards[0])((Piece(0, 2, 3), Piece(0, 0, 2))),), loss_tokens=2)
+    mb = MicroBatch(
+        samples=(0,), shards=(type(zigzag_case(1, [3]).shards[0])((Piece(0, 2, 3), Piece(0, 0, 2))),), loss_tokens=2
+    )
     with pytest.raises(ValueError, match="canonical order"):
         compile_schedule(mb, 0)
     overlap = microbatch_from_shards([0], [[Piece(0, 0, 3)], [Piece(0, 2, 4)]], {0: 4})
@@ -267,7 +281,9 @@ def check_dense_split(call, threshold: int, buckets: int | None, run_rows: int |
     local rest calls hold at most that many rows (or one segment), and two adjacent ones would not fit."""
     whole = _expanded_segments(call)
     # the area rule: >= threshold**2 query-key products, both sides >= threshold // 4
-    is_long = [len(seg[0]) * seg[2] >= threshold**2 and min(len(seg[0]), seg[2]) >= max(threshold // 4, 1) for seg in whole]
+    is_long = [
+        len(seg[0]) * seg[2] >= threshold**2 and min(len(seg[0]), seg[2]) >= max(threshold // 4, 1) for seg in whole
+    ]
     long = [seg for seg, flag in zip(whole, is_long) if flag]
     runs = _equal_runs(whole, is_long, threshold) if call.causal else []
     if not long and not runs:
@@ -285,11 +301,20 @@ def check_dense_split(call, threshold: int, buckets: int | None, run_rows: int |
     batched = [d for d in call.dense if d.batch > 1]
     starts = {seg[0][0]: i for i, seg in enumerate(whole)}
     for d in batched:  # consecutive whole segments of one length, unpadded, a power-of-two group
-        assert call.causal and d.batch & (d.batch - 1) == 0 and d.q_len == d.k_len == d.q_run == d.k_run and d.q_start == d.k_start
+        assert (
+            call.causal
+            and d.batch & (d.batch - 1) == 0
+            and d.q_len == d.k_len == d.q_run == d.k_run
+            and d.q_start == d.k_start
+        )
         first = starts[d.q_start]
         assert all(len(whole[first + j][0]) == d.q_len and not is_long[first + j] for j in range(d.batch))
     assert sum(d.batch for d in batched) == sum(count - count % 2 for count in runs)
-    dense = [(tuple(range(d.q_start + j * d.q_len, d.q_start + (j + 1) * d.q_len)), d.k_start + j * d.k_len, d.k_len) for d in call.dense for j in range(d.batch)]
+    dense = [
+        (tuple(range(d.q_start + j * d.q_len, d.q_start + (j + 1) * d.q_len)), d.k_start + j * d.k_len, d.k_len)
+        for d in call.dense
+        for j in range(d.batch)
+    ]
     rest = [seg for part in call.rest for seg in _expanded_segments(part)]
     assert _pairs(dense, call.causal) + _pairs(rest, call.causal) == _pairs(whole, call.causal)
     assert max((_pairs(dense + rest, call.causal)).values()) == 1
@@ -304,7 +329,9 @@ def check_dense_split(call, threshold: int, buckets: int | None, run_rows: int |
                 assert sum(q_lens) <= run_rows or len(q_lens) == 1
         else:
             assert len(call.rest) == 1 and part.k_range is None
-            assert torch.equal(part.cu_seqlens_k, call.cu_seqlens_k), "rest must keep every key segment (dK/dV rows zeroed)"
+            assert torch.equal(part.cu_seqlens_k, call.cu_seqlens_k), (
+                "rest must keep every key segment (dK/dV rows zeroed)"
+            )
     if call.causal and run_rows is not None:  # cut greedily: a call ends only where the next segment would not fit
         for a, b in zip(call.rest, call.rest[1:]):
             if a.q_range[1] == b.q_range[0]:
@@ -312,12 +339,21 @@ def check_dense_split(call, threshold: int, buckets: int | None, run_rows: int |
 
 
 @settings(max_examples=100, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), cp=st.integers(1, 5), n=st.integers(1, 6), threshold=st.integers(1, 10),
-       buckets=st.sampled_from([None, 1, 2, 4, 8]), run_rows=st.sampled_from([1, 5, 16, 8192]))
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    cp=st.integers(1, 5),
+    n=st.integers(1, 6),
+    threshold=st.integers(1, 10),
+    buckets=st.sampled_from([None, 1, 2, 4, 8]),
+    run_rows=st.sampled_from([1, 5, 16, 8192]),
+)
 def test_dense_split_partitions_every_call(seed, cp, n, threshold, buckets, run_rows):
     from ringpack.attention import schedule
 
-    schedule.LOCAL_RUN_ROWS, saved = run_rows, schedule.LOCAL_RUN_ROWS  # the local rest cut into calls of at most this many rows
+    schedule.LOCAL_RUN_ROWS, saved = (
+        run_rows,
+        schedule.LOCAL_RUN_ROWS,
+    )  # the local rest cut into calls of at most this many rows
     try:
         _dense_split_partitions_every_call(seed, cp, n, threshold, buckets, run_rows)
     finally:
@@ -329,13 +365,18 @@ def _dense_split_partitions_every_call(seed, cp, n, threshold, buckets, run_rows
     for r in range(cp):
         sched = compile_schedule(mb, r, dense_threshold=threshold, dense_buckets=buckets)
         plain = compile_schedule(mb, r, dense_threshold=None)
-        for call, base in zip((sched.local, *(c for s in sched.steps for c in s.calls)), (plain.local, *(c for s in plain.steps for c in s.calls))):
+        for call, base in zip(
+            (sched.local, *(c for s in sched.steps for c in s.calls)),
+            (plain.local, *(c for s in plain.steps for c in s.calls)),
+        ):
             if call is None:
                 continue
             assert torch.equal(call.cu_seqlens_q, base.cu_seqlens_q) and base.dense == () and base.rest == ()
             check_dense_split(call, threshold, buckets, run_rows)
         moved = sched.to("cpu")
-        assert moved.local is None or (moved.local.dense == sched.local.dense and len(moved.local.rest) == len(sched.local.rest))
+        assert moved.local is None or (
+            moved.local.dense == sched.local.dense and len(moved.local.rest) == len(sched.local.rest)
+        )
 
 
 def test_dense_bucket_lengths():

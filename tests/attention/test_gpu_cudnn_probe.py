@@ -73,13 +73,30 @@ def _inputs(lq, lk, heads, kv_heads, d=128, pad=3, seed=0):
 
 
 def _fwd(q, k, v, causal, scale):
-    return torch.ops.aten._scaled_dot_product_cudnn_attention(_bhsd(q), _bhsd(k), _bhsd(v), None, True, 0.0, causal, False, scale=scale)
+    return torch.ops.aten._scaled_dot_product_cudnn_attention(
+        _bhsd(q), _bhsd(k), _bhsd(v), None, True, 0.0, causal, False, scale=scale
+    )
 
 
 def _bwd(dout, q, k, v, out4, lse, causal, scale):
     seed = torch.zeros((), dtype=torch.int64, device="cuda")
     return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-        _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), out4, lse, seed, seed, None, None, None, q.shape[0], k.shape[0], 0.0, causal, scale=scale
+        _bhsd(dout),
+        _bhsd(q),
+        _bhsd(k),
+        _bhsd(v),
+        out4,
+        lse,
+        seed,
+        seed,
+        None,
+        None,
+        None,
+        q.shape[0],
+        k.shape[0],
+        0.0,
+        causal,
+        scale=scale,
     )
 
 
@@ -103,12 +120,18 @@ def probe_facts() -> dict[str, object]:
         res["out4"], res["lse"] = out4, lse
         (qf, kf, vf), out, lse_ref = _ref(q, k, v, True, scale)
         res["ref"] = (qf, kf, vf, out)
-        facts["out_layout"] = f"shape {tuple(out4.shape)} strides {out4.stride()} (BSHD view of [S,H,D]: {out4[0].transpose(0, 1).is_contiguous()})"
+        facts["out_layout"] = (
+            f"shape {tuple(out4.shape)} strides {out4.stride()} (BSHD view of [S,H,D]: {out4[0].transpose(0, 1).is_contiguous()})"
+        )
         facts["lse_layout"] = f"shape {tuple(lse.shape)} strides {lse.stride()} dtype {lse.dtype}"
         facts["lse_rank_returned"] = lse.dim()
         got = lse.reshape(8, lq).float()
         nat, log2 = _rel(got, lse_ref), _rel(got, lse_ref / math.log(2))
-        facts["lse_base"] = f"natural (rel err {nat:.1e})" if nat < 1e-2 else (f"log2 (rel err {log2:.1e})" if log2 < 1e-2 else f"unknown (natural {nat:.1e}, log2 {log2:.1e})")
+        facts["lse_base"] = (
+            f"natural (rel err {nat:.1e})"
+            if nat < 1e-2
+            else (f"log2 (rel err {log2:.1e})" if log2 < 1e-2 else f"unknown (natural {nat:.1e}, log2 {log2:.1e})")
+        )
         err = _rel(out4[0].transpose(0, 1), out)
         return f"{'ok' if err < TOL else 'WRONG'} (out rel err {err:.1e})"
 
@@ -145,7 +168,9 @@ def probe_facts() -> dict[str, object]:
         parts = [_fwd(qs, ks[a:b], vs[a:b], False, scale)[:2] for a, b in halves]
         lses = torch.stack([p[1].reshape(8, 700).float() for p in parts])
         lse = torch.logsumexp(lses, 0)
-        merged = sum(p[0][0].transpose(0, 1).float() * torch.exp(l - lse).T[..., None] for p, l in zip(parts, lses)).to(DTYPE)
+        merged = sum(p[0][0].transpose(0, 1).float() * torch.exp(l - lse).T[..., None] for p, l in zip(parts, lses)).to(
+            DTYPE
+        )
         m4 = _bhsd(merged)
         lse_in = lse.reshape(res["lse"].shape[:1] + (8, 700) + res["lse"].shape[3:]).contiguous()
         grads = [_bwd(ds, qs, ks[a:b], vs[a:b], m4, lse_in, False, scale) for a, b in halves]
@@ -165,7 +190,9 @@ def probe_facts() -> dict[str, object]:
         dq, dk, dv = _bwd(dg, qg, kg, vg, out4, lse, True, scale)
         if dk.shape[1] != 4:
             return f"WRONG (dk has {dk.shape[1]} heads)"
-        errs = [_rel(out4[0].transpose(0, 1), out)] + [_rel(g[0].transpose(0, 1), r.grad) for g, r in zip((dq, dk, dv), (qf, kf, vf))]
+        errs = [_rel(out4[0].transpose(0, 1), out)] + [
+            _rel(g[0].transpose(0, 1), r.grad) for g, r in zip((dq, dk, dv), (qf, kf, vf))
+        ]
         return f"{'exact' if max(errs) < TOL else 'WRONG'} (out/dq/dk/dv rel err {', '.join(f'{e:.1e}' for e in errs)})"
 
     attempt("native_gqa", gqa)
@@ -200,7 +227,9 @@ def timings(lengths=(1024, 2048, 4096, 8192, 16384, 32768), heads=32, kv_heads=8
     """fwd+bwd of one causal segment: flash varlen vs the dense kernels cudnn_hybrid would use."""
     from ringpack.attention import kernels
 
-    lines = [f"{'len':>6} {'flash ms':>9} {'TF/s':>6} {'cudnn ms':>9} {'TF/s':>6} {'cudnn-gqa ms':>12} {'TF/s':>6}   (causal, H={heads}, H_kv={kv_heads}, d=128, fwd+bwd)"]
+    lines = [
+        f"{'len':>6} {'flash ms':>9} {'TF/s':>6} {'cudnn ms':>9} {'TF/s':>6} {'cudnn-gqa ms':>12} {'TF/s':>6}   (causal, H={heads}, H_kv={kv_heads}, d=128, fwd+bwd)"
+    ]
     for n in lengths:
         q, k, v, dout = _inputs(n, n, heads, kv_heads, pad=0, seed=n)
         cu = torch.tensor([0, n], dtype=torch.int32, device="cuda")
@@ -241,7 +270,11 @@ def main() -> int:
     for name, value in facts.items():
         print(f"FACT {name}: {value}")
     print("\n".join(timings()))
-    bad = [n for n in ("strided_inputs", "backward", "backward_uses_given_out_lse") if not str(facts.get(n, "")).startswith("ok")]
+    bad = [
+        n
+        for n in ("strided_inputs", "backward", "backward_uses_given_out_lse")
+        if not str(facts.get(n, "")).startswith("ok")
+    ]
     bad += [] if str(facts.get("lse_base", "")).startswith("natural") else ["lse_base"]
     print("PROBE " + ("OK" if not bad else f"FAILED: {bad}"))
     return 1 if bad else 0

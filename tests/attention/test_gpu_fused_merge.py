@@ -30,16 +30,28 @@ def test_fused_merge_matches_the_torch_merge(dtype, head_dim, rows, two):
     n = t if rows is None else rows.stop - rows.start
     out = torch.randn(t, h, head_dim, device=dev, generator=gen).to(dtype)
     lse = torch.randn(h, t, device=dev, generator=gen) * 4
-    part = torch.randn(h, n, head_dim, device=dev, generator=gen).to(dtype).transpose(0, 1)  # strided, like cuDNN's BHSD
+    part = (
+        torch.randn(h, n, head_dim, device=dev, generator=gen).to(dtype).transpose(0, 1)
+    )  # strided, like cuDNN's BHSD
     part_lse = torch.randn(h, n, device=dev, generator=gen) * 4
     part_lse[:, ::7] = float("inf")  # flash kernels' "no keys" rows: must leave the row unchanged
     part2 = None
     if two:  # a second partial of the same rows (a dense call's key tail), contiguous, with its own empty rows
-        part2 = (torch.randn(n, h, head_dim, device=dev, generator=gen).to(dtype), torch.randn(h, n, device=dev, generator=gen) * 4)
+        part2 = (
+            torch.randn(n, h, head_dim, device=dev, generator=gen).to(dtype),
+            torch.randn(h, n, device=dev, generator=gen) * 4,
+        )
         part2[1][:, ::7] = float("inf")
     assert fused_merge_applies(out, lse, part, part_lse, rows)
     want_out, want_lse = out.cpu(), lse.cpu()
-    merge_partial(want_out, want_lse, part.cpu(), part_lse.cpu(), rows, part2=None if part2 is None else tuple(x.cpu() for x in part2))
+    merge_partial(
+        want_out,
+        want_lse,
+        part.cpu(),
+        part_lse.cpu(),
+        rows,
+        part2=None if part2 is None else tuple(x.cpu() for x in part2),
+    )
     untouched = out.clone()
     merge_partial(out, lse, part, part_lse, rows, part2=part2)
     torch.testing.assert_close(lse.cpu(), want_lse, rtol=1e-6, atol=1e-6)

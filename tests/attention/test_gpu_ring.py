@@ -37,8 +37,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ringpack.attention import compile_schedule, ring_attention
-from ringpack.shard_plan import Piece, microbatch_from_shards
 from ringpack.planner.split import split_contiguous, split_zigzag
+from ringpack.shard_plan import Piece, microbatch_from_shards
 
 try:
     import pytest
@@ -90,7 +90,9 @@ def gpu_plans(cp: int) -> list[tuple[str, object, dict[int, int]]]:
     return [(name, mb, lengths) for name, mb in plans]
 
 
-LONG_LENGTHS = [8300, 4300, 700, 333, 1, 2] + [512] * 8  # no bucket lengths: their dense parts are padded; 8 x 512: a batch
+LONG_LENGTHS = [8300, 4300, 700, 333, 1, 2] + [
+    512
+] * 8  # no bucket lengths: their dense parts are padded; 8 x 512: a batch
 if os.environ.get("RINGPACK_TINY"):
     LONG_LENGTHS = [100, 43, 7, 3, 1, 2] + [20] * 8
 
@@ -135,8 +137,19 @@ def split_coverage(schedule) -> torch.Tensor:
     padded_copy = sum(d[0] + d[4] > schedule.num_tokens for d in dense)
     batched = sum(d.batch > 1 for d in dense)
     chunked = sum(len(ring._row_chunks(d, c.causal, ring.FORWARD_ONLY_PART_ROWS)) > 1 for c in calls for d in c.dense)
-    return torch.tensor([local, len(dense) - local, sum(bool(c.dense) and bool(c.rest) for c in calls), key_split, padded_view, padded_copy, batched,
-                         chunked], dtype=torch.float64)
+    return torch.tensor(
+        [
+            local,
+            len(dense) - local,
+            sum(bool(c.dense) and bool(c.rest) for c in calls),
+            key_split,
+            padded_view,
+            padded_copy,
+            batched,
+            chunked,
+        ],
+        dtype=torch.float64,
+    )
 
 
 # ----------------------------------------------------------------------------------------- inputs
@@ -176,8 +189,12 @@ def flash_whole_batch(x: dict[str, dict[int, torch.Tensor]], scale: float) -> di
     cu = torch.cat([torch.zeros(1, dtype=torch.int64), sizes.cumsum(0)]).to(torch.int32).to(q.device)
     m = int(sizes.max())
     if q.is_cuda:
-        out, lse, seed, offset, _ = torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, m, m, 0.0, True, False, scale=scale)
-        dq, dk, dv = torch.ops.aten._flash_attention_backward(dout, q, k, v, out, lse, cu, cu, m, m, 0.0, True, seed, offset, scale=scale)
+        out, lse, seed, offset, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu, cu, m, m, 0.0, True, False, scale=scale
+        )
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            dout, q, k, v, out, lse, cu, cu, m, m, 0.0, True, seed, offset, scale=scale
+        )
     else:  # CPU dry run of the script: the reference backend stands in for flash
         from ringpack.attention.kernels import varlen_attn_bwd, varlen_attn_fwd
 
@@ -223,7 +240,9 @@ def max_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 # ------------------------------------------------------------------------------------ 2-GPU check
 
 
-def run_distributed_check(backend: str = "torch_flash", dense_threshold: int | None = None, plans=gpu_plans, layouts=("contiguous",)) -> list[str]:
+def run_distributed_check(
+    backend: str = "torch_flash", dense_threshold: int | None = None, plans=gpu_plans, layouts=("contiguous",)
+) -> list[str]:
     """Every plan x mode x q/k/v layout on this process group; returns failure lines (empty = pass). Prints the table on rank 0.
 
     ``dense_threshold`` (default: compile_schedule's) matters for hybrid backends only; for them the
@@ -234,7 +253,9 @@ def run_distributed_check(backend: str = "torch_flash", dense_threshold: int | N
     failures, rows = [], []
     coverage = torch.zeros(8, dtype=torch.float64)
     threshold_kw = {} if dense_threshold is None else {"dense_threshold": dense_threshold}
-    if os.environ.get("RINGPACK_TINY"):  # tiny lengths sit below the default buckets' first octave: coarser ones pad them
+    if os.environ.get(
+        "RINGPACK_TINY"
+    ):  # tiny lengths sit below the default buckets' first octave: coarser ones pad them
         threshold_kw["dense_buckets"] = 2
     worst, checked = (0.0, ""), 0
     all_lengths: list[int] = []
@@ -257,7 +278,12 @@ def run_distributed_check(backend: str = "torch_flash", dense_threshold: int | N
             for t in CHECKED:
                 r = local(ref[t[:3]], mb, rank)
                 f = local(flash[t[:3]], mb, rank)
-                stats += [max_err(got[t], r), max_err(f, r), float(r.abs().max()) if r.numel() else 0.0, max_err(got[t], f)]
+                stats += [
+                    max_err(got[t], r),
+                    max_err(f, r),
+                    float(r.abs().max()) if r.numel() else 0.0,
+                    max_err(got[t], f),
+                ]
             stats_t = torch.tensor(stats, dtype=torch.float64, device=device)
             dist.all_reduce(stats_t, op=dist.ReduceOp.MAX)
             stats = stats_t.view(len(CHECKED), 4).tolist()
@@ -267,31 +293,46 @@ def run_distributed_check(backend: str = "torch_flash", dense_threshold: int | N
                 where = f"{name}/{mode}/{layout}/{t}"
                 worst = max(worst, (ring_err / limit if limit else float("inf"), where))
                 checked += 1
-                rows.append(f"{name:<20} {mode:<9} {layout:<10} {t:<4} {ring_err:11.3e} {flash_err:11.3e} {vs_flash:11.3e} {limit:11.3e}  {'ok' if ok else 'FAIL'}")
+                rows.append(
+                    f"{name:<20} {mode:<9} {layout:<10} {t:<4} {ring_err:11.3e} {flash_err:11.3e} {vs_flash:11.3e} {limit:11.3e}  {'ok' if ok else 'FAIL'}"
+                )
                 if not ok:
                     failures.append(f"{where}: ringpack err {ring_err:.3e} > {limit:.3e} (flash err {flash_err:.3e})")
     from ringpack.attention.kernels import dense_backend
 
     coverage_t = coverage.to(device)
     dist.all_reduce(coverage_t)
-    local_dense, remote_dense, mixed, key_split, padded_view, padded_copy, batched, chunked = (int(c) for c in coverage_t.tolist())
+    local_dense, remote_dense, mixed, key_split, padded_view, padded_copy, batched, chunked = (
+        int(c) for c in coverage_t.tolist()
+    )
     split_line = ""
     if dense_backend(backend) is not None:
-        split_line = (f", dense_threshold={dense_threshold or 'default'}: {local_dense} local + {remote_dense} remote dense segments, {mixed} calls dense+varlen, "
-                      f"{key_split} key splits, {padded_view}+{padded_copy} padded over local rows+past their end (shape buckets), {batched} batched, "
-                      f"{chunked} remote cut into row chunks without gradients")
-        if not (local_dense and remote_dense and mixed and key_split and padded_view and padded_copy and batched and chunked):
+        split_line = (
+            f", dense_threshold={dense_threshold or 'default'}: {local_dense} local + {remote_dense} remote dense segments, {mixed} calls dense+varlen, "
+            f"{key_split} key splits, {padded_view}+{padded_copy} padded over local rows+past their end (shape buckets), {batched} batched, "
+            f"{chunked} remote cut into row chunks without gradients"
+        )
+        if not (
+            local_dense and remote_dense and mixed and key_split and padded_view and padded_copy and batched and chunked
+        ):
             failures.append(f"{backend}: the plans did not exercise the split ({split_line.strip(', ')})")
     if rank == 0:
-        print(f"\nringpack {backend} bf16, CP={world}, H={HEADS}, H_kv={KV_HEADS}, D={HEAD_DIM}, sample lengths={all_lengths}{split_line}")
-        print(f"{'plan':<20} {'mode':<9} {'layout':<10} {'t':<4} {'ringpack':>11} {'flash':>11} {'rp-flash':>11} {'limit':>11}   (max abs err vs fp32)")
+        print(
+            f"\nringpack {backend} bf16, CP={world}, H={HEADS}, H_kv={KV_HEADS}, D={HEAD_DIM}, sample lengths={all_lengths}{split_line}"
+        )
+        print(
+            f"{'plan':<20} {'mode':<9} {'layout':<10} {'t':<4} {'ringpack':>11} {'flash':>11} {'rp-flash':>11} {'limit':>11}   (max abs err vs fp32)"
+        )
         print("\n".join(rows), flush=True)
         SUMMARY.append(
             f"SUMMARY {backend:<16} threshold={str(dense_threshold or 'default'):<7} plans={plans.__name__:<9} "
             f"{checked - sum(r.endswith('FAIL') for r in rows)}/{checked} within bound, worst err/limit {worst[0]:.2f} ({worst[1]})"
-            + (f", dense: {local_dense} local / {remote_dense} remote / {mixed} mixed calls / {key_split} key splits / "
-               f"{padded_view}+{padded_copy} padded (views+copies) / {batched} batched / {chunked} chunked without gradients"
-               if split_line else "")
+            + (
+                f", dense: {local_dense} local / {remote_dense} remote / {mixed} mixed calls / {key_split} key splits / "
+                f"{padded_view}+{padded_copy} padded (views+copies) / {batched} batched / {chunked} chunked without gradients"
+                if split_line
+                else ""
+            )
         )
     return failures
 
@@ -306,7 +347,9 @@ def main() -> int:
     dist.init_process_group(backend, timeout=timedelta(seconds=120))
     from ringpack.attention import ring
 
-    ring.FORWARD_ONLY_PART_ROWS = 8 if os.environ.get("RINGPACK_TINY") else 128  # the test plans' remote blocks are cut into row chunks
+    ring.FORWARD_ONLY_PART_ROWS = (
+        8 if os.environ.get("RINGPACK_TINY") else 128
+    )  # the test plans' remote blocks are cut into row chunks
     try:
         cuda = torch.cuda.is_available()
         layouts = ("contiguous", "head_major", "fused")  # strided q/k/v views must give the same answer
@@ -342,16 +385,18 @@ if pytest is not None:
 
         q = torch.zeros(3, 4, 128, device="cuda", dtype=DTYPE)
         hopper = torch.cuda.get_device_capability()[0] == 9 and kernels._cudnn_usable()
-        assert kernels.resolve_backend("auto", q) == ("cudnn_hybrid" if hopper else kernels.available_backends("cuda", DTYPE)[0])
+        assert kernels.resolve_backend("auto", q) == (
+            "cudnn_hybrid" if hopper else kernels.available_backends("cuda", DTYPE)[0]
+        )
         assert kernels.resolve_backend("auto", q[..., :64].contiguous()) in ("flash_attn", "torch_flash")
 
     def _backends() -> list[str]:
-        from ringpack.attention.kernels import available_backends
-
-        from ringpack.attention.kernels import HYBRID_BACKENDS
+        from ringpack.attention.kernels import HYBRID_BACKENDS, available_backends
 
         usable = available_backends("cuda", DTYPE) if torch.cuda.is_available() else []
-        return [b for b in usable if b != "reference" and b not in HYBRID_BACKENDS]  # a hybrid's varlen half is one of these
+        return [
+            b for b in usable if b != "reference" and b not in HYBRID_BACKENDS
+        ]  # a hybrid's varlen half is one of these
 
     @pytest.mark.gpu
     @needs_cuda
@@ -363,7 +408,13 @@ if pytest is not None:
             ([0, 0, 64, 64, 200, 200], [0, 50, 180, 190, 260, 300], False, 8, 2),  # zero-query segments, GQA
             ([0, 0, 1, 1, 2, 2], [0, 9, 30, 40, 41, 45], False, 8, 2),  # max_seqlen_q == 1 with GQA
             ([0, 40, 300], [0, 100, 400], True, 4, 4),  # bottom-right causal (Lk > Lq): contract only
-            ([0, 0, 70, 70, 300], [0, 100, 170, 200, 430], True, 8, 2),  # causal with zero-query segments: a split local call's rest
+            (
+                [0, 0, 70, 70, 300],
+                [0, 100, 170, 200, 430],
+                True,
+                8,
+                2,
+            ),  # causal with zero-query segments: a split local call's rest
         ],
     )
     def test_flash_kernel_contract(backend, cu_q, cu_k, causal, heads, kv_heads):
@@ -387,7 +438,9 @@ if pytest is not None:
         covered = torch.zeros(cu_k[-1], dtype=torch.bool, device=dev)
         for (qa, qb), (ka, kb) in zip(zip(cu_q, cu_q[1:]), zip(cu_k, cu_k[1:])):
             covered[ka:kb] |= qb > qa
-        assert (res[backend][3][~covered] == 0).all() and (res[backend][4][~covered] == 0).all(), "zero-query keys need dk = dv = 0"
+        assert (res[backend][3][~covered] == 0).all() and (res[backend][4][~covered] == 0).all(), (
+            "zero-query keys need dk = dv = 0"
+        )
 
     @pytest.mark.gpu
     @needs_cuda
@@ -418,7 +471,9 @@ if pytest is not None:
 
     @pytest.mark.gpu
     @needs_cuda
-    @pytest.mark.parametrize("backend,dense_threshold", [("torch_flash", None), ("cudnn_hybrid", 256), ("flash_split", 256)])
+    @pytest.mark.parametrize(
+        "backend,dense_threshold", [("torch_flash", None), ("cudnn_hybrid", 256), ("flash_split", 256)]
+    )
     @pytest.mark.parametrize("cp", [1, 2, 3, 4])
     def test_engine_bf16_on_one_gpu(cp, backend, dense_threshold):
         """All CP ranks simulated on one GPU (loopback transport): bf16 within the flash bound."""
@@ -429,14 +484,20 @@ if pytest is not None:
         for name, mb, lengths in gpu_plans(cp):
             x = make_inputs(lengths, dev, seed=cp)
             ref, flash = fp32_reference(x, scale), flash_whole_batch(x, scale)
-            problem = Problem(mb, lengths, *({s: t.to(DTYPE) for s, t in x[n].items()} for n in ("q", "k", "v", "dout")))
-            for rank, got in enumerate(run_all_ranks(problem, scale, backend=backend, device=dev, dense_threshold=dense_threshold)):
+            problem = Problem(
+                mb, lengths, *({s: t.to(DTYPE) for s, t in x[n].items()} for n in ("q", "k", "v", "dout"))
+            )
+            for rank, got in enumerate(
+                run_all_ranks(problem, scale, backend=backend, device=dev, dense_threshold=dense_threshold)
+            ):
                 for t in NAMES:
                     r, f = local(ref[t], mb, rank), local(flash[t], mb, rank)
                     if not r.numel():
                         continue
                     limit = BOUND_FACTOR * max_err(f, r) + EPS_REL * float(r.abs().max())
-                    assert max_err(got[t], r) <= limit, f"{backend} {name} cp={cp} rank {rank} {t}: {max_err(got[t], r):.3e} > {limit:.3e}"
+                    assert max_err(got[t], r) <= limit, (
+                        f"{backend} {name} cp={cp} rank {rank} {t}: {max_err(got[t], r):.3e} > {limit:.3e}"
+                    )
 
     @pytest.mark.multigpu
     @needs_2_gpus

@@ -10,7 +10,18 @@ import sys
 import pytest
 from hypothesis import given
 
-from ringpack.shard_plan import MicroBatch, Piece, Plan, PlanConfig, PlanError, RankShard, Step, microbatch_from_shards, new_piece, new_rank_shard
+from ringpack.shard_plan import (
+    MicroBatch,
+    Piece,
+    Plan,
+    PlanConfig,
+    PlanError,
+    RankShard,
+    Step,
+    microbatch_from_shards,
+    new_piece,
+    new_rank_shard,
+)
 from tests.balancer.plan_strategies import random_plan
 
 LENGTHS = (5, 3, 7, 1)
@@ -121,28 +132,117 @@ def broken_plans():
     L = LENGTHS
     yield "length 0", dataclasses.replace(plan, lengths=(5, 3, 7, 0)), r"sample 3 has length 0"
     yield "negative length", dataclasses.replace(plan, lengths=(5, -3, 7, 1)), r"sample 1 has length -3"
-    yield "overlap", replace_mb(plan, microbatch_from_shards([0, 2], [[Piece(0, 0, 4), Piece(2, 0, 4)], [Piece(0, 3, 5), Piece(2, 4, 7)]], L)), r"sample 0 tokens \[3, 4\) are in two pieces"
-    yield "gap", replace_mb(plan, microbatch_from_shards([0, 2], [[Piece(0, 0, 2), Piece(2, 0, 4)], [Piece(0, 3, 5), Piece(2, 4, 7)]], L)), r"sample 0 tokens \[2, 3\) are in no piece"
-    yield "missing tail", replace_mb(plan, microbatch_from_shards([0, 2], [[Piece(0, 0, 3), Piece(2, 0, 4)], [Piece(0, 3, 5), Piece(2, 4, 6)]], L)), r"sample 2 tokens \[6, 7\) are in no piece"
-    yield "piece out of range", replace_mb(plan, microbatch_from_shards([1], [[Piece(1, 0, 1)], [Piece(1, 1, 4)]], L), 1), r"piece \[1, 4\) of sample 1 is empty or outside"
-    yield "empty piece", replace_mb(plan, MicroBatch((1,), (RankShard((Piece(1, 0, 3),)), RankShard((Piece(1, 3, 3),))), 2), 1), r"piece \[3, 3\) of sample 1 is empty"
-    yield "wrong dp", dataclasses.replace(plan, config=dataclasses.replace(plan.config, dp=2)), r"step 0 has 1 DP ranks, plan is for dp=2"
-    yield "wrong cp", dataclasses.replace(plan, config=dataclasses.replace(plan.config, cp=3)), r"micro-batch 0 has 2 rank shards, plan is for cp=3"
-    yield "over budget", dataclasses.replace(plan, config=dataclasses.replace(plan.config, tokens_per_rank=6)), r"cp rank 0 holds 7 tokens, over tokens_per_rank=6"
-    yield "order", replace_mb(plan, MicroBatch((0, 2), (RankShard((Piece(2, 0, 4), Piece(0, 0, 3))), mb0.shards[1]), mb0.loss_tokens)), r"cp rank 0: piece \[0, 3\) of sample 0 breaks canonical order"
-    yield "planned twice", dataclasses.replace(plan, steps=(Step(((mb0, mb1), ), ), Step(((mb1, mb0),),))), r"sample \d is planned twice"
+    yield (
+        "overlap",
+        replace_mb(
+            plan,
+            microbatch_from_shards([0, 2], [[Piece(0, 0, 4), Piece(2, 0, 4)], [Piece(0, 3, 5), Piece(2, 4, 7)]], L),
+        ),
+        r"sample 0 tokens \[3, 4\) are in two pieces",
+    )
+    yield (
+        "gap",
+        replace_mb(
+            plan,
+            microbatch_from_shards([0, 2], [[Piece(0, 0, 2), Piece(2, 0, 4)], [Piece(0, 3, 5), Piece(2, 4, 7)]], L),
+        ),
+        r"sample 0 tokens \[2, 3\) are in no piece",
+    )
+    yield (
+        "missing tail",
+        replace_mb(
+            plan,
+            microbatch_from_shards([0, 2], [[Piece(0, 0, 3), Piece(2, 0, 4)], [Piece(0, 3, 5), Piece(2, 4, 6)]], L),
+        ),
+        r"sample 2 tokens \[6, 7\) are in no piece",
+    )
+    yield (
+        "piece out of range",
+        replace_mb(plan, microbatch_from_shards([1], [[Piece(1, 0, 1)], [Piece(1, 1, 4)]], L), 1),
+        r"piece \[1, 4\) of sample 1 is empty or outside",
+    )
+    yield (
+        "empty piece",
+        replace_mb(plan, MicroBatch((1,), (RankShard((Piece(1, 0, 3),)), RankShard((Piece(1, 3, 3),))), 2), 1),
+        r"piece \[3, 3\) of sample 1 is empty",
+    )
+    yield (
+        "wrong dp",
+        dataclasses.replace(plan, config=dataclasses.replace(plan.config, dp=2)),
+        r"step 0 has 1 DP ranks, plan is for dp=2",
+    )
+    yield (
+        "wrong cp",
+        dataclasses.replace(plan, config=dataclasses.replace(plan.config, cp=3)),
+        r"micro-batch 0 has 2 rank shards, plan is for cp=3",
+    )
+    yield (
+        "over budget",
+        dataclasses.replace(plan, config=dataclasses.replace(plan.config, tokens_per_rank=6)),
+        r"cp rank 0 holds 7 tokens, over tokens_per_rank=6",
+    )
+    yield (
+        "order",
+        replace_mb(
+            plan, MicroBatch((0, 2), (RankShard((Piece(2, 0, 4), Piece(0, 0, 3))), mb0.shards[1]), mb0.loss_tokens)
+        ),
+        r"cp rank 0: piece \[0, 3\) of sample 0 breaks canonical order",
+    )
+    yield (
+        "planned twice",
+        dataclasses.replace(
+            plan,
+            steps=(
+                Step(
+                    ((mb0, mb1),),
+                ),
+                Step(
+                    ((mb1, mb0),),
+                ),
+            ),
+        ),
+        r"sample \d is planned twice",
+    )
     yield "not planned", dataclasses.replace(plan, dropped=()), r"sample 3 is in no micro-batch and not dropped"
-    yield "dropped but planned", dataclasses.replace(plan, dropped=(3, 1)), r"sample 1 is listed as dropped but is planned"
-    yield "loss tokens", replace_mb(plan, dataclasses.replace(mb1, loss_tokens=3), 1), r"loss_tokens is 3, its samples give 2"
-    yield "foreign piece", replace_mb(plan, MicroBatch((1,), (RankShard((Piece(1, 0, 1), Piece(3, 0, 1))), mb1.shards[1]), 2), 1), r"piece of sample 3, which the micro-batch does not list"
-    yield "empty micro-batch", replace_mb(plan, MicroBatch((), (RankShard(), RankShard()), 0), 1), r"micro-batch 1 has no samples"
+    yield (
+        "dropped but planned",
+        dataclasses.replace(plan, dropped=(3, 1)),
+        r"sample 1 is listed as dropped but is planned",
+    )
+    yield (
+        "loss tokens",
+        replace_mb(plan, dataclasses.replace(mb1, loss_tokens=3), 1),
+        r"loss_tokens is 3, its samples give 2",
+    )
+    yield (
+        "foreign piece",
+        replace_mb(plan, MicroBatch((1,), (RankShard((Piece(1, 0, 1), Piece(3, 0, 1))), mb1.shards[1]), 2), 1),
+        r"piece of sample 3, which the micro-batch does not list",
+    )
+    yield (
+        "empty micro-batch",
+        replace_mb(plan, MicroBatch((), (RankShard(), RankShard()), 0), 1),
+        r"micro-batch 1 has no samples",
+    )
     yield "sample listed twice", replace_mb(plan, dataclasses.replace(mb1, samples=(1, 1)), 1), r"lists a sample twice"
-    yield "unknown sample", replace_mb(plan, dataclasses.replace(mb1, samples=(1, 9)), 1), r"names sample 9, outside \[0, 4\)"
+    yield (
+        "unknown sample",
+        replace_mb(plan, dataclasses.replace(mb1, samples=(1, 9)), 1),
+        r"names sample 9, outside \[0, 4\)",
+    )
     uneven = PlanConfig(dp=2, cp=2, tokens_per_rank=8)
     yield "uneven dp", Plan(uneven, LENGTHS, (Step(((mb0, mb1), ())),), (3,)), r"DP ranks run \[2, 0\] micro-batches"
     yield "dropped out of range", dataclasses.replace(plan, dropped=(3, 4)), r"dropped sample 4 is out of range"
-    yield "origins length", dataclasses.replace(plan, origins=((0, 0), (0, 5))), r"origins has 2 entries for 4 planned samples"
-    yield "origin negative", dataclasses.replace(plan, origins=((0, 0), (1, 0), (2, -1), (3, 0))), r"sample 2 has origin \(2, -1\)"
+    yield (
+        "origins length",
+        dataclasses.replace(plan, origins=((0, 0), (0, 5))),
+        r"origins has 2 entries for 4 planned samples",
+    )
+    yield (
+        "origin negative",
+        dataclasses.replace(plan, origins=((0, 0), (1, 0), (2, -1), (3, 0))),
+        r"sample 2 has origin \(2, -1\)",
+    )
 
 
 @pytest.mark.parametrize("name, plan, message", list(broken_plans()), ids=[b[0] for b in broken_plans()])
@@ -153,9 +253,14 @@ def test_each_broken_invariant_is_named(name, plan, message):
 
 @pytest.mark.parametrize(
     "field, value, message",
-    [("dp", 0, "dp must be a positive"), ("cp", -1, "cp must be a positive"), ("tokens_per_rank", 0, "tokens_per_rank"),
-     ("strategy", "fancy", "strategy must be one of"), ("overflow", "truncate", "overflow must be one of"),
-     ("packing", "random", "packing must be")],
+    [
+        ("dp", 0, "dp must be a positive"),
+        ("cp", -1, "cp must be a positive"),
+        ("tokens_per_rank", 0, "tokens_per_rank"),
+        ("strategy", "fancy", "strategy must be one of"),
+        ("overflow", "truncate", "overflow must be one of"),
+        ("packing", "random", "packing must be"),
+    ],
 )
 def test_bad_config_is_rejected(field, value, message):
     kwargs = dict(dp=1, cp=1, tokens_per_rank=4)

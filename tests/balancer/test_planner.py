@@ -13,11 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ringpack
-from ringpack.planner import make_plan
-from ringpack.traffic import kv_bytes_per_token, kv_traffic, needed_pieces, plan_kv_traffic
 from ringpack.cost import PRESETS
-from ringpack.shard_plan import MicroBatch, Piece, Plan, PlanConfig, PlanError, microbatch_from_shards
+from ringpack.planner import make_plan
 from ringpack.planner.epoch import expand_overflow, shuffle_order
+from ringpack.shard_plan import MicroBatch, Piece, Plan, PlanConfig, PlanError, microbatch_from_shards
+from ringpack.traffic import kv_bytes_per_token, kv_traffic, needed_pieces, plan_kv_traffic
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -46,7 +46,10 @@ def test_bad_lengths_raise(lengths, match):
 
 
 def test_overflow_error_names_the_sample():
-    with pytest.raises(PlanError, match=r"sample 2 has 2001 tokens, more than one CP group holds \(cp=2 x tokens_per_rank=1000 = 2000\)"):
+    with pytest.raises(
+        PlanError,
+        match=r"sample 2 has 2001 tokens, more than one CP group holds \(cp=2 x tokens_per_rank=1000 = 2000\)",
+    ):
         make_plan([10, 20, 2001, 30], cfg())
 
 
@@ -135,7 +138,10 @@ print(json.dumps(out))
 
 
 def test_plans_are_identical_across_processes():
-    runs = [subprocess.run([sys.executable, "-c", SNIPPET], capture_output=True, text=True, cwd=ROOT, check=True) for _ in range(2)]
+    runs = [
+        subprocess.run([sys.executable, "-c", SNIPPET], capture_output=True, text=True, cwd=ROOT, check=True)
+        for _ in range(2)
+    ]
     hashes = [json.loads(r.stdout) for r in runs]
     assert hashes[0] == hashes[1]
     namespace: dict = {}
@@ -151,7 +157,10 @@ def test_plans_are_identical_across_processes():
 
 def test_public_api_matches_make_plan():
     lengths = [5, 300, 20, 1000, 7, 64]
-    assert ringpack.plan(lengths, dp=2, cp=2, tokens_per_rank=600).content_hash == make_plan(lengths, cfg(tokens_per_rank=600)).content_hash
+    assert (
+        ringpack.plan(lengths, dp=2, cp=2, tokens_per_rank=600).content_hash
+        == make_plan(lengths, cfg(tokens_per_rank=600)).content_hash
+    )
 
 
 # -------------------------------------------------------------------------------- K/V traffic
@@ -198,7 +207,10 @@ def test_needed_pieces_matches_the_definition(mb):
 
 
 def test_plan_kv_traffic_agrees_with_per_microbatch():
-    plan = make_plan(np.random.default_rng(1).integers(1, 3000, size=120), cfg(dp=3, cp=4, tokens_per_rank=4000, strategy="zigzag", samples_per_step=60))
+    plan = make_plan(
+        np.random.default_rng(1).integers(1, 3000, size=120),
+        cfg(dp=3, cp=4, tokens_per_rank=4000, strategy="zigzag", samples_per_step=60),
+    )
     table = plan_kv_traffic(plan, bytes_per_token=2)
     for k, (s, d, i, mb) in enumerate(plan.iter_microbatches()):
         assert (table["step"][k], table["dp"][k], table["microbatch"][k]) == (s, d, i)
@@ -220,7 +232,23 @@ def test_cli_plans_a_lengths_file(tmp_path, capsys):
     lengths = np.random.default_rng(3).integers(1, 5000, size=300)
     pq.write_table(pa.table({"length": lengths}), tmp_path / "lengths.parquet")
     out = tmp_path / "plan.parquet"
-    code = main(["plan", "--lengths", str(tmp_path / "lengths.parquet"), "--dp", "2", "--cp", "2", "--tokens-per-rank", "8192", "--samples-per-step", "100", "--out", str(out)])
+    code = main(
+        [
+            "plan",
+            "--lengths",
+            str(tmp_path / "lengths.parquet"),
+            "--dp",
+            "2",
+            "--cp",
+            "2",
+            "--tokens-per-rank",
+            "8192",
+            "--samples-per-step",
+            "100",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     plan = Plan.load(out).validate()
     assert plan.num_steps == 3
@@ -233,10 +261,40 @@ def test_cli_reports_overflow_as_an_error(tmp_path, capsys):
     from ringpack.cli import main
 
     np.save(tmp_path / "l.npy", np.array([10, 99999, 20]))
-    code = main(["plan", "--lengths", str(tmp_path / "l.npy"), "--dp", "1", "--cp", "2", "--tokens-per-rank", "100", "--out", str(tmp_path / "p.json")])
+    code = main(
+        [
+            "plan",
+            "--lengths",
+            str(tmp_path / "l.npy"),
+            "--dp",
+            "1",
+            "--cp",
+            "2",
+            "--tokens-per-rank",
+            "100",
+            "--out",
+            str(tmp_path / "p.json"),
+        ]
+    )
     assert code == 1
     assert "sample 1 has 99999 tokens" in capsys.readouterr().err
-    code = main(["plan", "--lengths", str(tmp_path / "l.npy"), "--dp", "1", "--cp", "2", "--tokens-per-rank", "100", "--overflow", "drop", "--out", str(tmp_path / "p.json")])
+    code = main(
+        [
+            "plan",
+            "--lengths",
+            str(tmp_path / "l.npy"),
+            "--dp",
+            "1",
+            "--cp",
+            "2",
+            "--tokens-per-rank",
+            "100",
+            "--overflow",
+            "drop",
+            "--out",
+            str(tmp_path / "p.json"),
+        ]
+    )
     assert code == 0 and Plan.load(tmp_path / "p.json").dropped == (1,)
 
 
@@ -245,7 +303,9 @@ def test_zigzag_fits_a_tight_budget_that_floor_cuts_overflow():
     from ringpack.planner.split import split_zigzag
 
     assert max(s.num_tokens for s in split_zigzag([0, 1], [14, 14], 4).shards) == 8
-    plan = make_plan([14, 14], PlanConfig(dp=1, cp=4, tokens_per_rank=7, strategy="zigzag", microbatches_per_rank=1)).validate()
+    plan = make_plan(
+        [14, 14], PlanConfig(dp=1, cp=4, tokens_per_rank=7, strategy="zigzag", microbatches_per_rank=1)
+    ).validate()
     assert [s.num_tokens for s in plan.steps[0].microbatches[0][0].shards] == [7, 7, 7, 7]
 
 

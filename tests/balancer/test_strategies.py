@@ -7,13 +7,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ringpack.planner import make_plan
-from ringpack.traffic import kv_traffic, plan_kv_traffic
 from ringpack.cost import CostModel, rank_costs
+from ringpack.planner import make_plan
 from ringpack.planner.bounds import plan_costs
-from ringpack.shard_plan import PlanConfig, PlanError
 from ringpack.planner.epoch import AUTO_MICROBATCH_GAP, step_lower_bound
 from ringpack.planner.split import split_balanced, split_balanced_many, split_zigzag, split_zigzag_even
+from ringpack.shard_plan import PlanConfig, PlanError
+from ringpack.traffic import kv_traffic, plan_kv_traffic
 
 STRATEGIES = ("balanced", "zigzag", "contiguous")
 MODELS = {name: CostModel.preset(name) for name in ("llama3-8b", "tiny")}
@@ -27,7 +27,9 @@ def check_plan(plan, lengths):
     assert np.all(np.isfinite(bounds))
     assert np.all(costs["step_cost"] >= bounds * (1 - 1e-9)), (costs["step_cost"], bounds)
     for step in plan.steps:
-        assert step.loss_tokens == sum(plan.lengths[s] - 1 for rank in step.microbatches for mb in rank for s in mb.samples)
+        assert step.loss_tokens == sum(
+            plan.lengths[s] - 1 for rank in step.microbatches for mb in rank for s in mb.samples
+        )
     planned = sorted(s for step in plan.steps for rank in step.microbatches for mb in rank for s in mb.samples)
     assert planned == sorted(set(range(len(plan.lengths))) - set(plan.dropped))
     return costs
@@ -81,7 +83,9 @@ def test_random_inputs_give_valid_plans(case):
 @given(planning_case())
 def test_auto_microbatches_never_fail_on_roomy_budgets(case):
     lengths, config = case
-    roomy = PlanConfig(**{**config.__dict__, "tokens_per_rank": sum(lengths), "microbatches_per_rank": 0, "samples_per_step": 0})
+    roomy = PlanConfig(
+        **{**config.__dict__, "tokens_per_rank": sum(lengths), "microbatches_per_rank": 0, "samples_per_step": 0}
+    )
     check_plan(make_plan(lengths, roomy), lengths)
 
 
@@ -206,7 +210,10 @@ def test_solver_plans_are_valid_and_never_worse(case):
 
 def dp_weight(plan, step):
     cost = plan.config.cost
-    return max(float(cost.sample_cost([plan.lengths[x] for mb in rank for x in mb.samples]).sum()) for rank in step.microbatches)
+    return max(
+        float(cost.sample_cost([plan.lengths[x] for mb in rank for x in mb.samples]).sum())
+        for rank in step.microbatches
+    )
 
 
 @settings(max_examples=120, deadline=None)
@@ -240,7 +247,11 @@ def test_splitting_many_micro_batches_at_once_equals_one_at_a_time(slack):
         groups = []
         for g in range(12):
             n = int(rng.integers(1, 30))
-            lens = rng.integers(1, 40, size=n) if g % 3 == 0 else np.minimum((300 * (1 + rng.pareto(1.0, n))).astype(np.int64), 60000)
+            lens = (
+                rng.integers(1, 40, size=n)
+                if g % 3 == 0
+                else np.minimum((300 * (1 + rng.pareto(1.0, n))).astype(np.int64), 60000)
+            )
             ids = [int(x) for x in rng.permutation(n) + 1000 * g]  # shuffled, not in micro-batch order
             lengths.update(zip(ids, (int(x) for x in lens)))
             groups.append(ids)
@@ -248,7 +259,10 @@ def test_splitting_many_micro_batches_at_once_equals_one_at_a_time(slack):
         for model in MODELS.values():
             one_by_one = [split_balanced(g, lengths, cp, budget, model, token_slack=slack) for g in groups]
             for lockstep in (True, False):  # vectorised over the micro-batches, or a loop per micro-batch
-                assert split_balanced_many(groups, lengths, cp, budget, model, token_slack=slack, lockstep=lockstep) == one_by_one
+                assert (
+                    split_balanced_many(groups, lengths, cp, budget, model, token_slack=slack, lockstep=lockstep)
+                    == one_by_one
+                )
             as_array = np.zeros(max(lengths) + 1, dtype=np.int64)
             as_array[list(lengths)] = list(lengths.values())
             assert split_balanced_many(groups, as_array, cp, budget, model, token_slack=slack) == one_by_one
@@ -298,7 +312,10 @@ def test_balanced_split_is_robust_to_a_mispriced_cost_model():
         mb = split_balanced(samples, lengths, 2, 1 << 20, flops, token_slack=RECOMMENDED_TOKEN_SLACK)
         tokens = np.array([s.num_tokens for s in mb.shards])
         assert tokens.max() <= np.ceil(tokens.sum() / 2 * (1 + RECOMMENDED_TOKEN_SLACK)), trial
-        for truth in (CostModel(token=flops.token, pair=2 * flops.pair), CostModel(token=2 * flops.token, pair=flops.pair)):
+        for truth in (
+            CostModel(token=flops.token, pair=2 * flops.pair),
+            CostModel(token=2 * flops.token, pair=flops.pair),
+        ):
             costs = rank_costs(mb.shards, truth)
             assert costs.max() / costs.mean() < 1.02, (trial, costs)
     free = split_balanced(list(range(40)), lengths, 2, 1 << 20, flops)

@@ -15,7 +15,7 @@ datasets = pytest.importorskip("datasets")
 from ringpack.lengths import DataError, lengths_from_dataset, sample_lengths  # noqa: E402
 
 
-def list_dataset(lengths: np.ndarray) -> "datasets.Dataset":
+def list_dataset(lengths: np.ndarray) -> datasets.Dataset:
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     values = pa.array(np.arange(offsets[-1], dtype=np.int32) % 1000)
     return datasets.Dataset(pa.table({"input_ids": pa.ListArray.from_arrays(pa.array(offsets), values)}))
@@ -45,7 +45,11 @@ def test_length_column_text_column_and_streaming():
     counts = sample_lengths(ds, text_column="text")
     assert counts.tolist() == [8, 2, 7]
     assert sample_lengths(ds, text_column="text", num_proc=2).tolist() == counts.tolist()
-    assert sample_lengths(ds, text_column="text", tokenizer=lambda texts: [len(t) for t in texts]).tolist() == [18, 3, 10]
+    assert sample_lengths(ds, text_column="text", tokenizer=lambda texts: [len(t) for t in texts]).tolist() == [
+        18,
+        3,
+        10,
+    ]
     ids = datasets.Dataset.from_dict({"input_ids": [[1, 2], [3], [4, 5, 6]]})
     assert sample_lengths(ids.to_iterable_dataset()).tolist() == [2, 1, 3]
     assert sample_lengths(ds.to_iterable_dataset(), text_column="text").tolist() == counts.tolist()

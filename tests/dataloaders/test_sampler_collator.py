@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from ringpack.shard_plan import PlanError
 from ringpack.data import BalancedBatchSampler, DataError, MicroBatchTicket, PackedCollator, PackedDataset
+from ringpack.shard_plan import PlanError
 from tests.dataloaders.helpers import Coverage, batch_signature, random_samples
 
 DP, CP, T = 2, 2, 256
@@ -254,6 +254,7 @@ def test_schedule_options_reach_compile_schedule(samples):
     sampler, ds, _ = make(samples)
     ticket = next(iter(sampler))
     options = {"dense_threshold": 2, "dense_buckets": None}
+
     def dense_parts(schedule) -> list:
         return [c.dense for c in (schedule.local, *(c for st in schedule.steps for c in st.calls)) if c is not None]
 

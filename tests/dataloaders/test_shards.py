@@ -14,17 +14,31 @@ import pytest
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 datasets = pytest.importorskip("datasets")
 
-from ringpack.shard_plan import PlanConfig  # noqa: E402
-from ringpack.planner.epoch import expand_overflow  # noqa: E402
 from ringpack.cli import main  # noqa: E402
 from ringpack.data import BalancedBatchSampler, DataError, PackedCollator, PackedDataset, ShardReader  # noqa: E402
 from ringpack.data import shards as shards_mod  # noqa: E402
 from ringpack.data.shards import file_sha256, load_source, regex_token_ids, tokenize_dataset, write_shards  # noqa: E402
+from ringpack.planner.epoch import expand_overflow  # noqa: E402
+from ringpack.shard_plan import PlanConfig  # noqa: E402
 from tests.dataloaders.helpers import Coverage, batch_signature, corpus_jsonl  # noqa: E402
 
 DP, CP, T = 2, 2, 4096
 OPTS = dict(samples_per_step=64, overflow="split", seed=7)
-ARGS = ["--dp", str(DP), "--cp", str(CP), "--tokens-per-rank", str(T), "--samples-per-step", "64", "--overflow", "split", "--seed", "7", "--no-progress"]
+ARGS = [
+    "--dp",
+    str(DP),
+    "--cp",
+    str(CP),
+    "--tokens-per-rank",
+    str(T),
+    "--samples-per-step",
+    "64",
+    "--overflow",
+    "split",
+    "--seed",
+    "7",
+    "--no-progress",
+]
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +123,13 @@ def test_rerun_is_byte_identical_and_resumes_after_crash(corpus, tmp_path, monke
     with pytest.raises(DataError, match="interrupted"):
         ShardReader(out, 0, 0)
     first = file_sha256(out / "dp00000-of-00002.parquet")
-    write_shards(corpus["ds"], out, config, progress=False, source=json.loads((corpus["out"] / "manifest.json").read_text())["source"])
+    write_shards(
+        corpus["ds"],
+        out,
+        config,
+        progress=False,
+        source=json.loads((corpus["out"] / "manifest.json").read_text())["source"],
+    )
     assert file_sha256(out / "dp00000-of-00002.parquet") == first
     assert {p.name: file_sha256(p) for p in out.iterdir()} == ref
 
@@ -152,14 +172,36 @@ def test_mismatches_are_clear_errors(corpus, tmp_path):
 def test_steps_per_file_and_bad_inputs(corpus, tmp_path, capsys):
     out = tmp_path / "ranges"
     small = corpus["ds"].select(range(60))
-    m = write_shards(small, out, PlanConfig(dp=2, cp=2, tokens_per_rank=T, samples_per_step=16, overflow="drop"), steps_per_file=2, progress=False)
-    assert len(m["files"]) == 2 * -(-m["num_steps"] // 2) and all(f["row_groups"] == f["microbatches"] for f in m["files"])
+    m = write_shards(
+        small,
+        out,
+        PlanConfig(dp=2, cp=2, tokens_per_rank=T, samples_per_step=16, overflow="drop"),
+        steps_per_file=2,
+        progress=False,
+    )
+    assert len(m["files"]) == 2 * -(-m["num_steps"] // 2) and all(
+        f["row_groups"] == f["microbatches"] for f in m["files"]
+    )
     assert m["dropped"], "the long rows were dropped"
-    assert sum(len(list(ShardReader(out, d, 0, schedule=False))) for d in range(2)) == sum(f["microbatches"] for f in m["files"])
+    assert sum(len(list(ShardReader(out, d, 0, schedule=False))) for d in range(2)) == sum(
+        f["microbatches"] for f in m["files"]
+    )
 
     jsonl = tmp_path / "bad.jsonl"
     jsonl.write_text("\n".join(json.dumps({"text": t}) for t in ["a b", "", "c"]) + "\n")
-    base = ["--out", str(tmp_path / "x"), "--dp", "1", "--cp", "1", "--tokens-per-rank", "64", "--cache-dir", corpus["cache"], "--no-progress"]
+    base = [
+        "--out",
+        str(tmp_path / "x"),
+        "--dp",
+        "1",
+        "--cp",
+        "1",
+        "--tokens-per-rank",
+        "64",
+        "--cache-dir",
+        corpus["cache"],
+        "--no-progress",
+    ]
     assert main(["shard", str(jsonl), *base]) == 1
     assert "sample 1 has length 0" in capsys.readouterr().err
     assert main(["shard", str(jsonl), "--column", "ids", "--text-column", "body", *base]) == 1
@@ -193,7 +235,12 @@ def test_exactly_once_after_mid_epoch_resume_reader_and_loader(corpus):
             assert from_shards.add_all(resumed) == len(reader) - k
 
             sampler = BalancedBatchSampler(ds, d, DP, CP, T, **OPTS)
-            loader = DataLoader(PackedDataset(ds), batch_sampler=sampler, collate_fn=PackedCollator(c, CP, schedule=False), num_workers=1)
+            loader = DataLoader(
+                PackedDataset(ds),
+                batch_sampler=sampler,
+                collate_fn=PackedCollator(c, CP, schedule=False),
+                num_workers=1,
+            )
             it = iter(loader)
             last = None
             for _ in range(k):
@@ -203,7 +250,9 @@ def test_exactly_once_after_mid_epoch_resume_reader_and_loader(corpus):
             del it
             fresh = BalancedBatchSampler(ds, d, DP, CP, T, **OPTS)
             fresh.load_state_dict(state)
-            loader = DataLoader(PackedDataset(ds), batch_sampler=fresh, collate_fn=PackedCollator(c, CP, schedule=False), num_workers=1)
+            loader = DataLoader(
+                PackedDataset(ds), batch_sampler=fresh, collate_fn=PackedCollator(c, CP, schedule=False), num_workers=1
+            )
             from_loader.add_all(loader)
     from_shards.check_exactly_once()
     from_loader.check_exactly_once()
@@ -221,8 +270,27 @@ def test_tokenizer_json_with_num_proc(tmp_path, corpus):
     texts = ["def f(x): return x", "x y z", "return (x)"] * 10
     jsonl.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     out = tmp_path / "out"
-    args = ["shard", str(jsonl), "--out", str(out), "--dp", "1", "--cp", "2", "--tokens-per-rank", "16", "--samples-per-step", "8",
-            "--tokenizer", str(tmp_path), "--num-proc", "2", "--cache-dir", corpus["cache"], "--no-progress"]
+    args = [
+        "shard",
+        str(jsonl),
+        "--out",
+        str(out),
+        "--dp",
+        "1",
+        "--cp",
+        "2",
+        "--tokens-per-rank",
+        "16",
+        "--samples-per-step",
+        "8",
+        "--tokenizer",
+        str(tmp_path),
+        "--num-proc",
+        "2",
+        "--cache-dir",
+        corpus["cache"],
+        "--no-progress",
+    ]
     assert main(args) == 0
     ids = [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
     cov = Coverage([np.asarray(x) for x in ids])

@@ -44,9 +44,29 @@ def load_example():
 
 def example_args(example, cp: int, strategy: str, packing: str) -> argparse.Namespace:
     return example.parser().parse_args(
-        ["--cp", str(cp), "--model", "tiny", "--dtype", "fp64", "--strategy", strategy, "--packing", packing,
-         "--tokens-per-rank", str(96 // cp), "--samples", "40", "--samples-per-step", "16", "--steps", str(STEPS),
-         "--lr", "1e-2", "--quiet"]
+        [
+            "--cp",
+            str(cp),
+            "--model",
+            "tiny",
+            "--dtype",
+            "fp64",
+            "--strategy",
+            strategy,
+            "--packing",
+            packing,
+            "--tokens-per-rank",
+            str(96 // cp),
+            "--samples",
+            "40",
+            "--samples-per-step",
+            "16",
+            "--steps",
+            str(STEPS),
+            "--lr",
+            "1e-2",
+            "--quiet",
+        ]
     )
 
 
@@ -59,7 +79,9 @@ def worker(rank: int, world: int) -> dict | None:
         grid = example.make_grid(cp)
         grads = []
         records = example.train(
-            args, grid, example.samples_for(args),
+            args,
+            grid,
+            example.samples_for(args),
             on_step=lambda step, model: grads.append({n: p.grad.clone() for n, p in model.named_parameters()}),
         )
         results[(cp, strategy, packing)] = dict(losses=[r["loss"] for r in records], grads=grads)
@@ -72,10 +94,19 @@ def reference(example, args):
     from ringpack.data import BalancedBatchSampler
 
     samples = example.samples_for(args)
-    sampler = BalancedBatchSampler([len(s) for s in samples], 0, WORLD // args.cp, args.cp, args.tokens_per_rank,
-                                   strategy=args.strategy, packing=args.packing, samples_per_step=args.samples_per_step,
-                                   seed=args.seed, cost=example._cost_model(args.model, args.cost_profile),
-                                   cp_token_slack=args.cp_token_slack)
+    sampler = BalancedBatchSampler(
+        [len(s) for s in samples],
+        0,
+        WORLD // args.cp,
+        args.cp,
+        args.tokens_per_rank,
+        strategy=args.strategy,
+        packing=args.packing,
+        samples_per_step=args.samples_per_step,
+        seed=args.seed,
+        cost=example._cost_model(args.model, args.cost_profile),
+        cp_token_slack=args.cp_token_slack,
+    )
     plan = sampler.plan()
     model = example.build_model(args.model, torch.float64, args.seed, attn="sdpa")
     model.train()
@@ -103,8 +134,14 @@ def reference(example, args):
 def distributed_results():
     # forkserver: torch is imported once by the server, not once per rank (the server is shared with the
     # attention tests' harness when both run in one session: its preload then counts)
-    return run_ranks(worker, WORLD, timeout_s=120.0, join_s=280.0, start_method="forkserver",
-                     preload=["torch", "torch.distributed", __name__])[0]
+    return run_ranks(
+        worker,
+        WORLD,
+        timeout_s=120.0,
+        join_s=280.0,
+        start_method="forkserver",
+        preload=["torch", "torch.distributed", __name__],
+    )[0]
 
 
 @pytest.mark.slow
@@ -117,4 +154,6 @@ def test_dp_cp_training_equals_single_process(distributed_results, cp, strategy,
     for step in range(STEPS):
         assert got["losses"][step] == pytest.approx(want_losses[step], rel=1e-10, abs=1e-12)
         for name, want in want_grads[step].items():
-            torch.testing.assert_close(got["grads"][step][name], want, rtol=1e-9, atol=1e-12, msg=lambda m: f"step {step} {name}: {m}")
+            torch.testing.assert_close(
+                got["grads"][step][name], want, rtol=1e-9, atol=1e-12, msg=lambda m: f"step {step} {name}: {m}"
+            )

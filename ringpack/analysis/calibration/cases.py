@@ -12,14 +12,15 @@ numpy and the balancer only: no torch, so the cases can be built and inspected a
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
 from ringpack.cost import CostModel
-from ringpack.shard_plan import MicroBatch, Piece, microbatch_from_shards
 from ringpack.planner.split import split_balanced, split_contiguous, split_zigzag
+from ringpack.shard_plan import MicroBatch, Piece, microbatch_from_shards
 
 GRIDS = ("full", "quick", "tiny")
 EVAL_STRATEGIES = ("contiguous", "zigzag", "balanced")
@@ -192,8 +193,10 @@ def _plan_cases(spec: tuple, cost: CostModel) -> list[Case]:
 
 def microbatch_geometry(case: Case) -> dict[str, Any]:
     """The case's micro-batch as JSON (sample lengths, each shard's ``[sample, start, stop]`` pieces)."""
-    return dict(lengths=[int(x) for x in case.lengths],
-                shards=[[[int(p.sample), int(p.start), int(p.stop)] for p in shard.pieces] for shard in case.microbatch.shards])
+    return dict(
+        lengths=[int(x) for x in case.lengths],
+        shards=[[[int(p.sample), int(p.start), int(p.stop)] for p in shard.pieces] for shard in case.microbatch.shards],
+    )
 
 
 def cases_from_geometry(mbs: Sequence[dict[str, Any]], rows: Sequence[dict[str, Any]]) -> list[Case]:
@@ -209,7 +212,12 @@ def cases_from_geometry(mbs: Sequence[dict[str, Any]], rows: Sequence[dict[str, 
         if k not in built:
             g = mbs[k]
             lengths = tuple(int(x) for x in g["lengths"])
-            built[k] = (microbatch_from_shards(list(range(len(lengths))), [[Piece(*p) for p in shard] for shard in g["shards"]], lengths), lengths)
+            built[k] = (
+                microbatch_from_shards(
+                    list(range(len(lengths))), [[Piece(*p) for p in shard] for shard in g["shards"]], lengths
+                ),
+                lengths,
+            )
         mb, lengths = built[k]
         out.append(Case(row["family"], row["label"], mb, int(row["rank"]), lengths))
     return out

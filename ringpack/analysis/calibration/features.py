@@ -8,7 +8,8 @@ so a stored report can be refitted without a GPU.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -20,8 +21,19 @@ PLANNER_FEATURES = ("const", "tokens", "pairs", "pieces")
 # that are the same for every rank of a micro-batch (see :mod:`ringpack.analysis.calibration.run`)
 PROFILE_FEATURES = ("overhead", "ring", "tokens", "pairs", "pieces")
 # the kernel model: what the schedule's kernel launches do (a diagnostic; not expressible per piece)
-KERNEL_FEATURES = ("overhead", "ring", "calls", "tokens", "tiles", "grid_q", "grid_k", "remote_rows", "buffer_tokens",
-                   "dense_calls", "dense_tiles")
+KERNEL_FEATURES = (
+    "overhead",
+    "ring",
+    "calls",
+    "tokens",
+    "tiles",
+    "grid_q",
+    "grid_k",
+    "remote_rows",
+    "buffer_tokens",
+    "dense_calls",
+    "dense_tiles",
+)
 BLOCKS = ((64, 64), (64, 128), (128, 64), (128, 128))
 # How this version's schedules run a split local call's short segments: "runs" (one varlen call per
 # run between long segments, rows read as views). Reports record it; older reports, timed when they
@@ -95,8 +107,12 @@ def segment_tiles(len_q: Any, len_k: Any, causal: bool, block_q: int, block_k: i
 _SCHEDULES: dict[tuple[int, int | None, bool, int], tuple[Case, Any]] = {}
 
 
-def compiled_schedule(case: Case, dense_buckets: int | None = DENSE_BUCKETS, dense_batches: bool = DENSE_BATCHES,
-                      dense_threshold: int = DENSE_THRESHOLD):
+def compiled_schedule(
+    case: Case,
+    dense_buckets: int | None = DENSE_BUCKETS,
+    dense_batches: bool = DENSE_BATCHES,
+    dense_threshold: int = DENSE_THRESHOLD,
+):
     """The case's compiled schedule (CPU), compiled once per case object and setting."""
     from ringpack.attention.schedule import compile_schedule
 
@@ -105,8 +121,16 @@ def compiled_schedule(case: Case, dense_buckets: int | None = DENSE_BUCKETS, den
     if hit is None or hit[0] is not case:
         if len(_SCHEDULES) > 4096:
             _SCHEDULES.clear()
-        hit = _SCHEDULES[key] = (case, compile_schedule(case.microbatch, case.rank, dense_buckets=dense_buckets, dense_batches=dense_batches,
-                                                                dense_threshold=dense_threshold))
+        hit = _SCHEDULES[key] = (
+            case,
+            compile_schedule(
+                case.microbatch,
+                case.rank,
+                dense_buckets=dense_buckets,
+                dense_batches=dense_batches,
+                dense_threshold=dense_threshold,
+            ),
+        )
     return hit[1]
 
 
@@ -119,7 +143,9 @@ def schedule_calls(schedule) -> list:
 def kernel_features(case: Case, block_q: int = 128, block_k: int = 128, schedule=None) -> dict[str, float]:
     """What the kernels of this rank actually run: calls, segments, exact pairs and whole-tile pairs."""
     schedule = compiled_schedule(case) if schedule is None else schedule
-    out = dict(calls=0.0, kernel_segments=0.0, kernel_pairs=0.0, tiles=0.0, tile_pairs=0.0, tokens=float(schedule.num_tokens))
+    out = dict(
+        calls=0.0, kernel_segments=0.0, kernel_pairs=0.0, tiles=0.0, tile_pairs=0.0, tokens=float(schedule.num_tokens)
+    )
     for call in schedule_calls(schedule):
         lq = np.diff(call.cu_seqlens_q.cpu().numpy().astype(np.int64))
         lk = np.diff(call.cu_seqlens_k.cpu().numpy().astype(np.int64))
@@ -134,9 +160,17 @@ def kernel_features(case: Case, block_q: int = 128, block_k: int = 128, schedule
     return out
 
 
-def rank_features(case: Case, hybrid: bool = False, block_q: int = 128, block_k: int = 128, schedule=None,
-                  local_rest: str = LOCAL_REST, dense_buckets: int | None = DENSE_BUCKETS, dense_batches: bool = DENSE_BATCHES,
-                  dense_threshold: int = DENSE_THRESHOLD) -> dict[str, float]:
+def rank_features(
+    case: Case,
+    hybrid: bool = False,
+    block_q: int = 128,
+    block_k: int = 128,
+    schedule=None,
+    local_rest: str = LOCAL_REST,
+    dense_buckets: int | None = DENSE_BUCKETS,
+    dense_batches: bool = DENSE_BATCHES,
+    dense_threshold: int = DENSE_THRESHOLD,
+) -> dict[str, float]:
     """Every feature of a rank shard the profile and kernel models use (:data:`PROFILE_FEATURES`, :data:`KERNEL_FEATURES`).
 
     * ``ring``: 1 when the micro-batch has remote steps (some sample is split). Every rank of the
@@ -163,10 +197,23 @@ def rank_features(case: Case, hybrid: bool = False, block_q: int = 128, block_k:
     """
     schedule = compiled_schedule(case, dense_buckets, dense_batches, dense_threshold) if schedule is None else schedule
     f = planner_features(case)
-    out = dict(overhead=1.0, ring=float(bool(schedule.steps)), tokens=float(f[1]), pairs=float(f[2]), pieces=float(f[3]),
-               calls=0.0, segments=0.0, tiles=0.0, grid_q=0.0, grid_k=0.0, remote_rows=0.0,
-               buffer_tokens=float(sum(schedule.buffer_tokens[schedule.source(step)] for step in schedule.steps)),
-               dense_calls=0.0, dense_tiles=0.0, dense_pairs=0.0)
+    out = dict(
+        overhead=1.0,
+        ring=float(bool(schedule.steps)),
+        tokens=float(f[1]),
+        pairs=float(f[2]),
+        pieces=float(f[3]),
+        calls=0.0,
+        segments=0.0,
+        tiles=0.0,
+        grid_q=0.0,
+        grid_k=0.0,
+        remote_rows=0.0,
+        buffer_tokens=float(sum(schedule.buffer_tokens[schedule.source(step)] for step in schedule.steps)),
+        dense_calls=0.0,
+        dense_tiles=0.0,
+        dense_pairs=0.0,
+    )
     local = [] if schedule.local is None else [(False, schedule.local)]
     for remote, call in local + [(True, c) for step in schedule.steps for c in step.calls]:
         if remote:
@@ -175,10 +222,16 @@ def rank_features(case: Case, hybrid: bool = False, block_q: int = 128, block_k:
         if hybrid and call.dense:
             for d in call.dense:  # the kernel's (padded / cut / batched) shape is what it computes
                 out["dense_calls"] += 1
-                out["dense_tiles"] += d.batch * float(segment_tiles([d.q_run], [d.k_run], call.causal, block_q, block_k)[0])
+                out["dense_tiles"] += d.batch * float(
+                    segment_tiles([d.q_run], [d.k_run], call.causal, block_q, block_k)[0]
+                )
                 out["dense_pairs"] += d.batch * float(segment_pairs([d.q_run], [d.k_run], call.causal)[0])
             varlen = [(p.cu_seqlens_q, p.cu_seqlens_k, p.causal) for p in call.rest]
-            varlen += [(np.array([0, d.q_run]), np.array([0, d.k_len - d.k_run]), False) for d in call.dense if d.k_run < d.k_len]
+            varlen += [
+                (np.array([0, d.q_run]), np.array([0, d.k_len - d.k_run]), False)
+                for d in call.dense
+                if d.k_run < d.k_len
+            ]
             if local_rest == "single" and call.causal and call.rest:
                 _add_single_rest(out, call, block_q, block_k)
                 continue

@@ -7,13 +7,20 @@ the GPU) and by a refit of a stored report, so both produce the same :class:`Cal
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
 from ringpack.analysis.calibration.cases import Case, microbatch_geometry
-from ringpack.analysis.calibration.features import BLOCKS, KERNEL_FEATURES, PROFILE_FEATURES, feature_matrix, rank_features
+from ringpack.analysis.calibration.features import (
+    BLOCKS,
+    KERNEL_FEATURES,
+    PROFILE_FEATURES,
+    feature_matrix,
+    rank_features,
+)
 from ringpack.cost import CostModel
 
 
@@ -74,7 +81,12 @@ def quality(measured: Sequence[float], predicted: Sequence[float]) -> dict[str, 
     """Pearson r, largest and mean relative error of predictions against measurements."""
     m, p = np.asarray(measured, dtype=np.float64), np.asarray(predicted, dtype=np.float64)
     rel = np.abs(p - m) / m
-    return dict(n=int(m.size), r=pearson(m, p), max_rel_err=float(rel.max(initial=0.0)), mean_rel_err=float(rel.mean()) if m.size else 0.0)
+    return dict(
+        n=int(m.size),
+        r=pearson(m, p),
+        max_rel_err=float(rel.max(initial=0.0)),
+        mean_rel_err=float(rel.mean()) if m.size else 0.0,
+    )
 
 
 def imbalance(cases: Sequence[tuple[Case, float]], measured: np.ndarray, predicted: np.ndarray) -> dict[str, float]:
@@ -93,8 +105,11 @@ def imbalance(cases: Sequence[tuple[Case, float]], measured: np.ndarray, predict
         mm, pp = measured[rows], predicted[rows]
         errs.append(abs(pp.max() / pp.mean() - mm.max() / mm.mean()))
         hits.append(int(np.argmax(mm)) == int(np.argmax(pp)) or abs(mm.max() - np.sort(mm)[-2]) <= 0.01 * mm.max())
-    return dict(microbatches=len(errs), imbalance_err=float(max(errs, default=0.0)),
-                slowest_rank_hit=float(np.mean(hits)) if hits else float("nan"))
+    return dict(
+        microbatches=len(errs),
+        imbalance_err=float(max(errs, default=0.0)),
+        slowest_rank_hit=float(np.mean(hits)) if hits else float("nan"),
+    )
 
 
 @dataclass
@@ -151,10 +166,19 @@ def analyse(
         raise ValueError(f"calibration needs at least {len(PROFILE_FEATURES) + 1} grid rows, got {len(grid)}")
     times = np.array([t for _, t in grid], dtype=np.float64)
     m = np.array([t for _, t in held], dtype=np.float64)
-    kw = dict(local_rest=meta.get("local_rest", "single"), dense_buckets=meta.get("dense_buckets"),
-              dense_batches=meta.get("dense_batches", False), dense_threshold=meta.get("dense_threshold", 4096))  # the engine the timings came from
-    feats = {b: ([rank_features(c, hybrid, *b, **kw) for c, _ in grid],
-                 [rank_features(c, hybrid, *b, **kw) for c, _ in held]) for b in BLOCKS}
+    kw = dict(
+        local_rest=meta.get("local_rest", "single"),
+        dense_buckets=meta.get("dense_buckets"),
+        dense_batches=meta.get("dense_batches", False),
+        dense_threshold=meta.get("dense_threshold", 4096),
+    )  # the engine the timings came from
+    feats = {
+        b: (
+            [rank_features(c, hybrid, *b, **kw) for c, _ in grid],
+            [rank_features(c, hybrid, *b, **kw) for c, _ in held],
+        )
+        for b in BLOCKS
+    }
     fg, fe = feats[(128, 128)]
 
     # profile model: the planner's terms plus the per-micro-batch constants
@@ -179,8 +203,13 @@ def analyse(
     scan = []
     for b in BLOCKS:
         ck = fit_nnls(feature_matrix(feats[b][0], KERNEL_FEATURES), times)
-        scan.append(dict(block=list(b), coef=dict(zip(KERNEL_FEATURES, map(float, ck))),
-                         train=quality(times, _predict(feats[b][0], KERNEL_FEATURES, ck))))
+        scan.append(
+            dict(
+                block=list(b),
+                coef=dict(zip(KERNEL_FEATURES, map(float, ck))),
+                train=quality(times, _predict(feats[b][0], KERNEL_FEATURES, ck)),
+            )
+        )
     best = min(scan, key=lambda x: (x["train"]["mean_rel_err"], x["train"]["max_rel_err"]))
     bk = tuple(best["block"])
     ck = np.array([best["coef"][n] for n in KERNEL_FEATURES])
@@ -193,8 +222,11 @@ def analyse(
     # pairs-only baseline (the FLOP model's shape, best scalar): what calibration buys
     xp = feature_matrix(fg, ("pairs",))
     base_coef = fit_nnls(xp, times)
-    baseline = dict(pair_s=float(base_coef[0]), train=quality(times, xp[:, 0] * base_coef[0]),
-                    held_out=quality(m, feature_matrix(fe, ("pairs",))[:, 0] * base_coef[0]))
+    baseline = dict(
+        pair_s=float(base_coef[0]),
+        train=quality(times, xp[:, 0] * base_coef[0]),
+        held_out=quality(m, feature_matrix(fe, ("pairs",))[:, 0] * base_coef[0]),
+    )
 
     mbs: list[dict[str, Any]] = []
     index: dict[int, int] = {}
@@ -204,23 +236,48 @@ def analyse(
         if k is None:
             k = index[id(case.microbatch)] = len(mbs)
             mbs.append(microbatch_geometry(case))
-        return dict(family=case.family, label=case.label, rank=case.rank, microbatch=k, tokens=int(f["tokens"]),
-                    pairs=int(f["pairs"]), pieces=int(f["pieces"]), calls=int(f["calls"]), kernel_segments=int(f["segments"]),
-                    dense_calls=int(f["dense_calls"]), ring=int(f["ring"]), measured_s=float(t), predicted_s=float(p),
-                    kernel_predicted_s=float(kp), rel_err=float((p - t) / t), kernel_rel_err=float((kp - t) / t))
+        return dict(
+            family=case.family,
+            label=case.label,
+            rank=case.rank,
+            microbatch=k,
+            tokens=int(f["tokens"]),
+            pairs=int(f["pairs"]),
+            pieces=int(f["pieces"]),
+            calls=int(f["calls"]),
+            kernel_segments=int(f["segments"]),
+            dense_calls=int(f["dense_calls"]),
+            ring=int(f["ring"]),
+            measured_s=float(t),
+            predicted_s=float(p),
+            kernel_predicted_s=float(kp),
+            rel_err=float((p - t) / t),
+            kernel_rel_err=float((kp - t) / t),
+        )
 
     grid_rows = [row(c, t, f, p, kp) for (c, t), f, p, kp in zip(grid, fg, pred_g, kpred_g)]
-    eval_rows = [dict(row(c, t, f, p, kp), strategy=eval_strategy(c)) for (c, t), f, p, kp in zip(held, fe, pred, kpred)]
-    meta = dict(meta, layers=layers, note=(
-        "per_layer and the rows are one attention layer's forward+backward, compute only. predicted_s is the profile "
-        "model: token*tokens + pair*pairs + segment*pieces (what the planner's CostModel prices) plus overhead_s and, "
-        "when the micro-batch splits a sample, ring_overhead_s; both constants are equal for every rank of a "
-        "micro-batch, so they never change which rank is slowest, and the profile leaves them out. The profile is "
-        "layers x per_layer (+ linear layers per token). kernel_predicted_s is the kernel model (a diagnostic)."))
-    return Calibration(profile, meta, per_layer, linear, train, held_out, kernel_model, baseline, mbs, grid_rows, eval_rows)
+    eval_rows = [
+        dict(row(c, t, f, p, kp), strategy=eval_strategy(c)) for (c, t), f, p, kp in zip(held, fe, pred, kpred)
+    ]
+    meta = dict(
+        meta,
+        layers=layers,
+        note=(
+            "per_layer and the rows are one attention layer's forward+backward, compute only. predicted_s is the profile "
+            "model: token*tokens + pair*pairs + segment*pieces (what the planner's CostModel prices) plus overhead_s and, "
+            "when the micro-batch splits a sample, ring_overhead_s; both constants are equal for every rank of a "
+            "micro-batch, so they never change which rank is slowest, and the profile leaves them out. The profile is "
+            "layers x per_layer (+ linear layers per token). kernel_predicted_s is the kernel model (a diagnostic)."
+        ),
+    )
+    return Calibration(
+        profile, meta, per_layer, linear, train, held_out, kernel_model, baseline, mbs, grid_rows, eval_rows
+    )
 
 
-def _by_group(held: Sequence[tuple[Case, float]], m: np.ndarray, p: np.ndarray, key: Callable[[Case], str]) -> dict[str, Any]:
+def _by_group(
+    held: Sequence[tuple[Case, float]], m: np.ndarray, p: np.ndarray, key: Callable[[Case], str]
+) -> dict[str, Any]:
     groups: dict[str, list[int]] = {}
     for i, (case, _) in enumerate(held):
         groups.setdefault(key(case), []).append(i)

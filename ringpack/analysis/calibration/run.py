@@ -64,19 +64,47 @@ import dataclasses
 import json
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
-from ringpack.analysis.calibration.cases import (EVAL_STRATEGIES, GRIDS, Case, cases_from_geometry, eval_cases, grid_cases,
-                                                 rank_cases)
-from ringpack.analysis.calibration.features import (DENSE_BATCHES, DENSE_BUCKETS, DENSE_THRESHOLD, KERNEL_FEATURES, LOCAL_REST, PROFILE_FEATURES, compiled_schedule, feature_matrix,
-                                                    kernel_features, planner_features, rank_features, schedule_calls,
-                                                    segment_pairs, segment_tiles)
+from ringpack.analysis.calibration.cases import (
+    EVAL_STRATEGIES,
+    GRIDS,
+    Case,
+    cases_from_geometry,
+    eval_cases,
+    grid_cases,
+    rank_cases,
+)
+from ringpack.analysis.calibration.features import (
+    DENSE_BATCHES,
+    DENSE_BUCKETS,
+    DENSE_THRESHOLD,
+    KERNEL_FEATURES,
+    LOCAL_REST,
+    PROFILE_FEATURES,
+    compiled_schedule,
+    feature_matrix,
+    kernel_features,
+    planner_features,
+    rank_features,
+    schedule_calls,
+    segment_pairs,
+    segment_tiles,
+)
 from ringpack.analysis.calibration.fit import Calibration, analyse, fit_nnls, nnls, pearson, quality
-from ringpack.analysis.calibration.timing import (TIMERS, AttentionShape, Clock, device_name, estimate_seconds, time_case,
-                                                  time_linear)
+from ringpack.analysis.calibration.timing import (
+    TIMERS,
+    AttentionShape,
+    Clock,
+    device_name,
+    estimate_seconds,
+    time_case,
+    time_linear,
+)
 from ringpack.cost import PRESETS, CostModel, ModelShape
 
 # the public surface of calibration, re-exported here
@@ -170,8 +198,10 @@ def calibrate(
     if clock.cuda:
         warm = max(cases, key=lambda c: planner_features(c)[1] if planner_features(c)[1] <= 8192 else 0)
         time_case(warm, shape, backend, device, dtype, clock, reps=3, warmup=2, generator=gen)
-    log(f"calibrating {backend} attention, {shape.heads} heads / {shape.kv_heads} kv / d={shape.head_dim}, "
-        f"{dtype}, on {device_name(device)} (grid {grid}, {len(cases)} shards, timer {clock.kind})")
+    log(
+        f"calibrating {backend} attention, {shape.heads} heads / {shape.kv_heads} kv / d={shape.head_dim}, "
+        f"{dtype}, on {device_name(device)} (grid {grid}, {len(cases)} shards, timer {clock.kind})"
+    )
     grid_timed = measure(cases, "grid")
     hybrid = backend in HYBRID_BACKENDS
     # the profile cuts the held-out micro-batches' balanced splits, so fit it first (same fit as analyse)
@@ -182,17 +212,37 @@ def calibrate(
     if mode == "linear":
         gemm_tokens = 8192 if device.type == "cuda" else 16
         linear = time_linear(model, gemm_tokens, device, dtype, clock, reps, warmup)
-        log(f"  linear layers: {linear['layer_token_s'] * 1e9:.2f} ns/token/layer, head {linear['head_token_s'] * 1e9:.2f} "
-            f"ns/token ({linear['gemm_tflops']:.0f} TFLOP/s)")
-    cut_with = CostModel(token=layers * (coef[2] + linear["layer_token_s"]) + linear["head_token_s"],
-                         pair=layers * coef[3], segment=layers * coef[4], unit="s", name=name)
+        log(
+            f"  linear layers: {linear['layer_token_s'] * 1e9:.2f} ns/token/layer, head {linear['head_token_s'] * 1e9:.2f} "
+            f"ns/token ({linear['gemm_tflops']:.0f} TFLOP/s)"
+        )
+    cut_with = CostModel(
+        token=layers * (coef[2] + linear["layer_token_s"]) + linear["head_token_s"],
+        pair=layers * coef[3],
+        segment=layers * coef[4],
+        unit="s",
+        name=name,
+    )
     held = measure(eval_cases(grid, cut_with), "held-out")
     meta = dict(
-        device=device_name(device), backend=backend, dtype=str(dtype).replace("torch.", ""), torch=torch.__version__,
-        grid=grid, reps=reps, warmup=warmup, seed=seed, mode=mode, timer=clock.kind,
-        shape=dataclasses.asdict(shape), model=None if model is None else dataclasses.asdict(model),
-        date=time.strftime("%Y-%m-%d %H:%M:%S"), wall_s=time.perf_counter() - started, local_rest=LOCAL_REST,
-        dense_buckets=DENSE_BUCKETS, dense_batches=DENSE_BATCHES, dense_threshold=DENSE_THRESHOLD,
+        device=device_name(device),
+        backend=backend,
+        dtype=str(dtype).replace("torch.", ""),
+        torch=torch.__version__,
+        grid=grid,
+        reps=reps,
+        warmup=warmup,
+        seed=seed,
+        mode=mode,
+        timer=clock.kind,
+        shape=dataclasses.asdict(shape),
+        model=None if model is None else dataclasses.asdict(model),
+        date=time.strftime("%Y-%m-%d %H:%M:%S"),
+        wall_s=time.perf_counter() - started,
+        local_rest=LOCAL_REST,
+        dense_buckets=DENSE_BUCKETS,
+        dense_batches=DENSE_BATCHES,
+        dense_threshold=DENSE_THRESHOLD,
     )
     return analyse(grid_timed, held, hybrid=hybrid, layers=layers, linear=linear, name=name, meta=meta)
 
@@ -220,15 +270,23 @@ def refit(report: dict[str, Any], log: Callable[[str], None] = print) -> Calibra
         grid = _match(rows_g, grid_cases(meta["grid"], int(meta.get("seed", 0))), dropped)
         held = _match(rows_e, eval_cases(meta["grid"], CostModel.from_dict(report["profile"])), dropped)
         if dropped:
-            log(f"refit: {len(dropped)} stored rows have no matching shard in this version's grid and were dropped: "
-                + ", ".join(dropped))
-    meta["refit"] = dict(source_date=meta.get("date"), date=time.strftime("%Y-%m-%d %H:%M:%S"), dropped=dropped,
-                         source_format=report.get("version", 1))
+            log(
+                f"refit: {len(dropped)} stored rows have no matching shard in this version's grid and were dropped: "
+                + ", ".join(dropped)
+            )
+    meta["refit"] = dict(
+        source_date=meta.get("date"),
+        date=time.strftime("%Y-%m-%d %H:%M:%S"),
+        dropped=dropped,
+        source_format=report.get("version", 1),
+    )
     meta.setdefault("timer", "wall")  # reports before version 2 were timed from the first launch
     layers = int(meta.get("layers", 1))
     linear = report.get("linear") or dict(layer_token_s=0.0, head_token_s=0.0, gemm_tflops=0.0, tokens=0)
     name = report["profile"]["name"]
-    return analyse(grid, held, hybrid=meta.get("backend") in HYBRID_BACKENDS, layers=layers, linear=linear, name=name, meta=meta)
+    return analyse(
+        grid, held, hybrid=meta.get("backend") in HYBRID_BACKENDS, layers=layers, linear=linear, name=name, meta=meta
+    )
 
 
 def _match(rows: Sequence[dict[str, Any]], cases: Sequence[Case], dropped: list[str]) -> list[tuple[Case, float]]:
@@ -257,24 +315,44 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "refit", None):
         return _run_refit(args)
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("ringpack calibrate: error: calibration times GPU kernels and needs a CUDA device, and none is visible. "
-              "Run it on the training GPU (or `--device cpu --backend reference` for a tiny dry run).", file=sys.stderr)
+        print(
+            "ringpack calibrate: error: calibration times GPU kernels and needs a CUDA device, and none is visible. "
+            "Run it on the training GPU (or `--device cpu --backend reference` for a tiny dry run).",
+            file=sys.stderr,
+        )
         return 2
     if args.device == "cpu" and args.backend not in ("reference", "reference_hybrid", "auto"):
-        print(f"ringpack calibrate: error: --device cpu runs only --backend reference (a dry run), not {args.backend!r}",
-              file=sys.stderr)
+        print(
+            f"ringpack calibrate: error: --device cpu runs only --backend reference (a dry run), not {args.backend!r}",
+            file=sys.stderr,
+        )
         return 2
     if args.model not in PRESETS:
         raise ValueError(f"--model {args.model!r} is not a preset ({', '.join(PRESETS)})")
     preset = PRESETS[args.model]
-    shape = AttentionShape(args.heads or preset.heads, args.kv_heads or preset.kv_heads, args.head_dim or preset.head_dim)
+    shape = AttentionShape(
+        args.heads or preset.heads, args.kv_heads or preset.kv_heads, args.head_dim or preset.head_dim
+    )
     layers = args.layers or preset.layers
     same = (shape.heads, shape.kv_heads, shape.head_dim) == (preset.heads, preset.kv_heads, preset.head_dim)
     name = preset.name if same else f"{preset.name}-h{shape.heads}kv{shape.kv_heads}d{shape.head_dim}"
     grid = args.grid or ("tiny" if args.device == "cpu" else "quick" if args.quick else "full")
     log = (lambda _: None) if args.quiet else (lambda s: print(s, flush=True))
-    result = calibrate(shape, preset, layers=layers, mode=args.mode, backend=args.backend, device=args.device,
-                       grid=grid, reps=args.reps, warmup=args.warmup, seed=args.seed, name=name, timer=args.timer, log=log)
+    result = calibrate(
+        shape,
+        preset,
+        layers=layers,
+        mode=args.mode,
+        backend=args.backend,
+        device=args.device,
+        grid=grid,
+        reps=args.reps,
+        warmup=args.warmup,
+        seed=args.seed,
+        name=name,
+        timer=args.timer,
+        log=log,
+    )
     _write(result, args)
     return 0
 
@@ -287,7 +365,10 @@ def _run_refit(args: argparse.Namespace) -> int:
         raise ValueError(f"{source} is not a ringpack calibration report")
     result = refit(report, log=(lambda _: None) if args.quiet else print)
     out = Path(args.out)
-    written = {out.resolve(), (Path(args.report) if args.report else out.with_name(out.stem + ".report.json")).resolve()}
+    written = {
+        out.resolve(),
+        (Path(args.report) if args.report else out.with_name(out.stem + ".report.json")).resolve(),
+    }
     if source.resolve() in written:
         raise ValueError("--refit: --out/--report must not overwrite the measured report")
     _write(result, args)
@@ -322,8 +403,10 @@ def _pair_tflops(result: Calibration) -> float:
 def _fit_line(label: str, q: dict[str, Any]) -> str:
     line = f"{label}r={q['r']:.4f}  max error {_pct(q['max_rel_err'])}  mean {_pct(q['mean_rel_err'])}"
     if "slowest_rank_hit" in q:
-        line += (f"  | slowest rank right in {_pct(q['slowest_rank_hit']).strip()} of {q['microbatches']} micro-batches, "
-                 f"max/mean off by <= {q['imbalance_err']:.3f}")
+        line += (
+            f"  | slowest rank right in {_pct(q['slowest_rank_hit']).strip()} of {q['microbatches']} micro-batches, "
+            f"max/mean off by <= {q['imbalance_err']:.3f}"
+        )
     return line
 
 
@@ -331,15 +414,21 @@ def format_summary(result: Calibration, verbose: bool = True) -> str:
     """The held-out table (one row per CP rank) and the fit-quality lines."""
     lines = []
     if verbose:
-        lines.append("held-out rank shards (cp=2), one attention layer forward+backward, compute only "
-                     f"(timer {result.meta.get('timer', 'wall')}); predicted: profile model, kernel model:")
-        lines.append(f"{'strategy':10s} {'micro-batch':22s} {'rank':>4s} {'tokens':>7s} {'pieces':>6s} {'pairs':>13s} "
-                     f"{'measured':>11s} {'profile':>11s} {'error':>7s} {'kernel':>11s} {'error':>7s}")
+        lines.append(
+            "held-out rank shards (cp=2), one attention layer forward+backward, compute only "
+            f"(timer {result.meta.get('timer', 'wall')}); predicted: profile model, kernel model:"
+        )
+        lines.append(
+            f"{'strategy':10s} {'micro-batch':22s} {'rank':>4s} {'tokens':>7s} {'pieces':>6s} {'pairs':>13s} "
+            f"{'measured':>11s} {'profile':>11s} {'error':>7s} {'kernel':>11s} {'error':>7s}"
+        )
         for r in result.eval_rows:
             mb = r["label"].rsplit(" r", 1)[0]
-            lines.append(f"{r['strategy']:10s} {mb:22s} {r['rank']:>4d} {r['tokens']:>7d} {r['pieces']:>6d} {r['pairs']:>13,d} "
-                         f"{r['measured_s'] * 1e3:>8.3f} ms {r['predicted_s'] * 1e3:>8.3f} ms {100 * r['rel_err']:>+6.1f}% "
-                         f"{r['kernel_predicted_s'] * 1e3:>8.3f} ms {100 * r['kernel_rel_err']:>+6.1f}%")
+            lines.append(
+                f"{r['strategy']:10s} {mb:22s} {r['rank']:>4d} {r['tokens']:>7d} {r['pieces']:>6d} {r['pairs']:>13,d} "
+                f"{r['measured_s'] * 1e3:>8.3f} ms {r['predicted_s'] * 1e3:>8.3f} ms {100 * r['rel_err']:>+6.1f}% "
+                f"{r['kernel_predicted_s'] * 1e3:>8.3f} ms {100 * r['kernel_rel_err']:>+6.1f}%"
+            )
     pl, t, h = result.per_layer, result.train, result.held_out
     km, base = result.kernel_model, result.baseline
     kc = km["coef"]
@@ -350,8 +439,11 @@ def format_summary(result: Calibration, verbose: bool = True) -> str:
         f"slowest): {pl['overhead_s'] * 1e6:.1f} us, + {pl['ring_overhead_s'] * 1e6:.1f} us when a sample is split (ring path)",
         _fit_line(f"  fit      (grid, n={t['n']:3d}):  ", t),
         _fit_line(f"  held-out (n={h['n']:3d}):        ", h),
-        "  held-out by strategy: " + ", ".join(f"{g} max {_pct(q['max_rel_err']).strip()} mean {_pct(q['mean_rel_err']).strip()}"
-                                              for g, q in h.get("by_strategy", {}).items()),
+        "  held-out by strategy: "
+        + ", ".join(
+            f"{g} max {_pct(q['max_rel_err']).strip()} mean {_pct(q['mean_rel_err']).strip()}"
+            for g, q in h.get("by_strategy", {}).items()
+        ),
         f"kernel model {km['block'][0]}x{km['block'][1]} tiles (diagnostic, per schedule; not expressible per piece): "
         f"{kc['calls'] * 1e6:.1f} us/call, {kc['tiles'] * 1e6:.3f} us/tile, {kc['grid_q'] * 1e9:.0f}+{kc['grid_k'] * 1e9:.0f} ns "
         f"per launched q/k tile-row, {kc['dense_calls'] * 1e6:.1f} us/dense call, {kc['dense_tiles'] * 1e6:.3f} us/dense tile",

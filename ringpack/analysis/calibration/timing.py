@@ -8,8 +8,8 @@ inside the functions, so the analysis package stays importable without it.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import numpy as np
 
@@ -131,8 +131,9 @@ class Clock:
         return times
 
 
-def time_case(case: Case, shape: AttentionShape, backend: str, device, dtype, clock: Clock, reps: int, warmup: int,
-              generator=None) -> float:
+def time_case(
+    case: Case, shape: AttentionShape, backend: str, device, dtype, clock: Clock, reps: int, warmup: int, generator=None
+) -> float:
     """Median seconds of one forward+backward of this rank's attention (compute only, no communication)."""
     import torch
 
@@ -146,12 +147,14 @@ def time_case(case: Case, shape: AttentionShape, backend: str, device, dtype, cl
     k = torch.randn(t, shape.kv_heads, shape.head_dim, **kw).requires_grad_()
     v = torch.randn(t, shape.kv_heads, shape.head_dim, **kw).requires_grad_()
     dout = torch.randn(t, shape.heads, shape.head_dim, **kw)
-    buffers = [torch.randn(2, schedule.buffer_tokens[schedule.source(step)], shape.kv_heads, shape.head_dim, **kw)
-               for step in schedule.steps]
+    buffers = [
+        torch.randn(2, schedule.buffer_tokens[schedule.source(step)], shape.kv_heads, shape.head_dim, **kw)
+        for step in schedule.steps
+    ]
     own = schedule.buffer_tokens[schedule.cp_rank]
     home = torch.zeros(2, own, shape.kv_heads, shape.head_dim, device=device, dtype=accum_dtype(dtype)) if own else None
     transport = _ComputeOnlyTransport(buffers, home)
-    scale = shape.head_dim ** -0.5
+    scale = shape.head_dim**-0.5
 
     def step() -> None:
         q.grad = k.grad = v.grad = None
@@ -164,7 +167,9 @@ def time_case(case: Case, shape: AttentionShape, backend: str, device, dtype, cl
     return float(np.median(times))
 
 
-def time_linear(model: ModelShape, tokens: int, device, dtype, clock: Clock, reps: int, warmup: int) -> dict[str, float]:
+def time_linear(
+    model: ModelShape, tokens: int, device, dtype, clock: Clock, reps: int, warmup: int
+) -> dict[str, float]:
     """Seconds per token of one decoder layer's GEMMs and of the output head, forward+backward.
 
     Each weight ``W [in, out]`` costs ``Y = X @ W``, ``dX = dY @ W^T`` and ``dW = X^T @ dY``.
@@ -178,8 +183,14 @@ def time_linear(model: ModelShape, tokens: int, device, dtype, clock: Clock, rep
     def gemms(shapes) -> tuple[float, float]:
         if not shapes:
             return 0.0, 0.0
-        mats = [(torch.randn(tokens, i, device=device, dtype=dtype), torch.randn(i, o, device=device, dtype=dtype),
-                 torch.randn(tokens, o, device=device, dtype=dtype)) for i, o in shapes]
+        mats = [
+            (
+                torch.randn(tokens, i, device=device, dtype=dtype),
+                torch.randn(i, o, device=device, dtype=dtype),
+                torch.randn(tokens, o, device=device, dtype=dtype),
+            )
+            for i, o in shapes
+        ]
 
         def step() -> None:
             for x, w, dy in mats:
@@ -196,8 +207,14 @@ def time_linear(model: ModelShape, tokens: int, device, dtype, clock: Clock, rep
     return dict(layer_token_s=layer_s, head_token_s=head_s, gemm_tflops=layer_flops / 1e12, tokens=tokens)
 
 
-def estimate_seconds(cases: Sequence[Case], shape: AttentionShape, reps: int = 5, warmup: int = 1,
-                     flops: float = 2.5e14, overhead: float = 3e-4) -> float:
+def estimate_seconds(
+    cases: Sequence[Case],
+    shape: AttentionShape,
+    reps: int = 5,
+    warmup: int = 1,
+    flops: float = 2.5e14,
+    overhead: float = 3e-4,
+) -> float:
     """Rough GPU time of timing ``cases`` (FLOPs of whole tiles at ``flops`` plus a per-run overhead)."""
     total = 0.0
     for case in cases:

@@ -13,20 +13,27 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ringpack.shard_plan import MicroBatch
 from ringpack.planner.split.best_fit import best_fit, best_fit_lockstep
 from ringpack.planner.split.fallbacks import retry_with_fallbacks
 from ringpack.planner.split.pieces import microbatch_from_slots, piece_cost, suffix_start
 from ringpack.planner.split.suffix_cuts import choose_suffix_cuts, cut_suffixes
+from ringpack.shard_plan import MicroBatch
 
 if TYPE_CHECKING:
     from ringpack.cost import CostModel
 
-__all__ = ["split_balanced", "split_balanced_many", "CP_BALANCE_TOLERANCE", "RECOMMENDED_TOKEN_SLACK", "LOCKSTEP_MIN_GROUPS"]
+__all__ = [
+    "split_balanced",
+    "split_balanced_many",
+    "CP_BALANCE_TOLERANCE",
+    "RECOMMENDED_TOKEN_SLACK",
+    "LOCKSTEP_MIN_GROUPS",
+]
 
 
 #: A rank may exceed the ideal cost ``sum(costs) / cp`` of its micro-batch by this fraction before
@@ -54,7 +61,7 @@ def split_balanced(
     lengths: Sequence[int],
     cp: int,
     tokens_per_rank: int,
-    cost: "CostModel",
+    cost: CostModel,
     tolerance: float = CP_BALANCE_TOLERANCE,
     token_slack: float | None = None,
 ) -> MicroBatch:
@@ -102,7 +109,7 @@ def split_balanced_many(
     lengths: Sequence[int],
     cp: int,
     tokens_per_rank: int,
-    cost: "CostModel",
+    cost: CostModel,
     tolerance: float = CP_BALANCE_TOLERANCE,
     token_slack: float | None = None,
     lockstep: bool | None = None,
@@ -128,7 +135,9 @@ def split_balanced_many(
     np.cumsum(sizes, out=starts[1:])
     bounds = starts.tolist()
     if isinstance(lengths, np.ndarray):
-        flat = lengths[np.fromiter(itertools.chain.from_iterable(groups), dtype=np.int64, count=N)].astype(np.int64, copy=False)
+        flat = lengths[np.fromiter(itertools.chain.from_iterable(groups), dtype=np.int64, count=N)].astype(
+            np.int64, copy=False
+        )
         flat_list = flat.tolist()
         lens_of = [flat_list[bounds[g] : bounds[g + 1]] for g in range(G)]
     else:
@@ -162,7 +171,7 @@ def split_balanced_many(
         lockstep = G >= LOCKSTEP_MIN_GROUPS
     # Step 2a: samples too big for any rank give their last pieces ranks of their own (carve)
     cap_arr, tpr_arr = np.array(caps), np.array(tprs, dtype=np.int64)
-    nbig = np.bincount(gid, weights=(W > cap_arr[gid]) | (flat > tpr_arr[gid]), minlength=G).astype(np.int64)
+    nbig = np.bincount(gid, weights=(cap_arr[gid] < W) | (flat > tpr_arr[gid]), minlength=G).astype(np.int64)
     big = np.flatnonzero(nbig)
     carved = [None] * G
     items, item_w, item_order = lens_of, ws, orders  # what the best fit places, per group
@@ -202,7 +211,9 @@ def split_balanced_many(
         stops, carving, carved[g] = items[g], carved[g], None  # (dropped: updated in place below)
         if placed is None:
             state = None if carving is None else carving[:3]
-            shards, room, troom, leftovers = best_fit(stops, item_w[g], item_order[g], cp, tpr, a, b, seg, cap, 1.0, state=state)
+            shards, room, troom, leftovers = best_fit(
+                stops, item_w[g], item_order[g], cp, tpr, a, b, seg, cap, 1.0, state=state
+            )
         else:
             room, troom, place = placed[g]
             placed[g] = None
@@ -223,7 +234,9 @@ def split_balanced_many(
             shards, room, troom, leftovers = best_fit(lens, ws[g], orders[g], cp, tpr, a, b, seg, cap, 1.0)
         best = choose_suffix_cuts(leftovers, lens, room, troom, shards, cp, a, b, seg, cap, accept)
         if best[0] > accept:
-            best = retry_with_fallbacks(best, lens, ws[g], orders[g], cp, tpr, a, b, seg, cap, ideals[g], accept, tolerance)
+            best = retry_with_fallbacks(
+                best, lens, ws[g], orders[g], cp, tpr, a, b, seg, cap, ideals[g], accept, tolerance
+            )
         out.append(microbatch_from_slots(samples, best[1], lengths, totals[g]))
     return out
 

@@ -9,12 +9,12 @@ token budget and the balanced split's last resort, and its per-sample chunks
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
-from ringpack.shard_plan import MicroBatch, Piece, microbatch_from_shards
 from ringpack.planner.split.pieces import microbatch_from_slots, piece_cost
+from ringpack.shard_plan import MicroBatch, Piece, microbatch_from_shards
 
 __all__ = ["split_contiguous", "split_zigzag", "split_zigzag_even", "zigzag_even_shards", "zigzag_even_chunks"]
 

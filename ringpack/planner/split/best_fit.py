@@ -56,7 +56,9 @@ def best_fit(lens, w, order, cp, tokens_per_rank, a, b, seg, cap, density_factor
         return shards, room, troom, []
     # The densest tokens (cost per token) are the last ones of the longest sample; ``density_factor``
     # below 1 assumes less dense content will be left to fill the ranks.
-    density = (a + b * max([lens[k] for k in order] if zigzag_over < math.inf or state is not None else lens)) * density_factor + seg
+    density = (
+        a + b * max([lens[k] for k in order] if zigzag_over < math.inf or state is not None else lens)
+    ) * density_factor + seg
     leftovers = []
     # Best fit: the rank with the smallest cost room that holds the sample (first rank on ties),
     # found by walking the ranks in (room, rank) order up from the first room >= the sample's cost.

@@ -48,7 +48,9 @@ def retry_with_fallbacks(best, lens, w, order, cp, tpr, a, b, seg, cap, ideal, a
 def _balanced_shards(lens, w, order, cp, tokens_per_rank, a, b, seg, cap, density_factor, zigzag_over=math.inf):
     """One pass of :func:`~ringpack.planner.split.balanced.split_balanced` (cuts by density); returns the
     shards and the largest rank cost."""
-    shards, room, troom, leftovers = best_fit(lens, w, order, cp, tokens_per_rank, a, b, seg, cap, density_factor, zigzag_over)
+    shards, room, troom, leftovers = best_fit(
+        lens, w, order, cp, tokens_per_rank, a, b, seg, cap, density_factor, zigzag_over
+    )
     if leftovers is None:
         return shards, math.inf
     cut_suffixes(leftovers, lens, room, troom, shards, cp, a, b, seg)

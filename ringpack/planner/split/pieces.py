@@ -12,7 +12,7 @@ within a room stays within it when :func:`piece_cost` prices it: change the two 
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 from ringpack.shard_plan import MicroBatch, Piece, microbatch_from_shards, new_rank_shard
 
@@ -67,7 +67,11 @@ def microbatch_from_slots(
     """
     ids = tuple(map(int, samples))
     if len(set(ids)) != len(ids):
-        return microbatch_from_shards(samples, [[Piece(ids[k], start, stop) for k, start, stop in shard] for shard in shards], lengths)
+        return microbatch_from_shards(
+            samples, [[Piece(ids[k], start, stop) for k, start, stop in shard] for shard in shards], lengths
+        )
     for shard in shards:
         shard.sort()
-    return MicroBatch(samples=ids, shards=tuple([new_rank_shard(shard, ids) for shard in shards]), loss_tokens=total_tokens - len(ids))
+    return MicroBatch(
+        samples=ids, shards=tuple([new_rank_shard(shard, ids) for shard in shards]), loss_tokens=total_tokens - len(ids)
+    )
