@@ -38,10 +38,7 @@ float64; O(Tq * Tk) memory, for tests). ``backend="auto"`` picks the first that 
 segments the schedule marked (:attr:`KernelCall.dense`) to the dense kernel one by one and the
 rest of the call to the varlen kernel. ``cudnn_hybrid``: cuDNN dense SDPA
 (``aten._scaled_dot_product_cudnn_attention``, ~1.8x flash on long causal segments on H200) +
-``torch_flash``; ``flash_split``: ``torch_flash`` for both, each long segment in a launch of its
-own (a varlen launch runs ``ceil(longest segment / 128)`` blocks for *every* segment of the call,
-so short segments next to a long one pay for its length in empty blocks; no graph builds, unlike
-cuDNN); ``reference_hybrid``: ``reference`` for both, to test the splitting on CPU.
+``torch_flash``; ``reference_hybrid``: ``reference`` for both, to test the splitting on CPU.
 Given to :func:`varlen_attn_fwd`/``bwd``, a hybrid name means its varlen kernel.
 
 The entry points are ``torch.library`` custom ops with fake implementations, so code that
@@ -62,7 +59,6 @@ from ringpack.attention.merge import merge_partial
 
 __all__ = [
     "AUTO_CUDNN_HYBRID",
-    "AUTO_FLASH_SPLIT",
     "BACKENDS",
     "HYBRID_BACKENDS",
     "accum_dtype",
@@ -79,12 +75,11 @@ __all__ = [
 ]
 # torch.ops.ringpack.{varlen,dense}_attn_{fwd,bwd} are the traceable custom-op forms (defined below)
 
-BACKENDS = ("flash_attn", "torch_flash", "flash_split", "cudnn_hybrid", "reference", "reference_hybrid")
+BACKENDS = ("flash_attn", "torch_flash", "cudnn_hybrid", "reference", "reference_hybrid")
 
 # hybrid backend -> (varlen kernel, dense kernel)
 HYBRID_BACKENDS = {
     "cudnn_hybrid": ("torch_flash", "cudnn"),
-    "flash_split": ("torch_flash", "flash"),
     "reference_hybrid": ("reference", "reference"),
 }
 
@@ -100,9 +95,6 @@ AUTO_CUDNN_HYBRID = True
 AUTO_CUDNN_HEAD_DIMS = (128,)
 AUTO_CUDNN_CAPABILITY = 9
 AUTO_CUDNN_DTYPES = (torch.bfloat16,)
-
-# Whether backend="auto" picks flash_split ahead of torch_flash (set from the benchmark, BENCHMARKS.md).
-AUTO_FLASH_SPLIT = False
 
 # Whether cuDNN dense SDPA is given K/V with fewer heads than Q as they are (GQA). False: K/V heads
 # of a dense segment are repeated to H and dK/dV summed back over each group (extra copies of one
@@ -145,8 +137,7 @@ def available_backends(device: torch.device | str, dtype: torch.dtype, head_dim:
     found = []
     half = dtype in (torch.float16, torch.bfloat16)
     if device.type == "cuda" and half:
-        flash = (["flash_attn"] if _flash_attn_module() is not None else []) + ["torch_flash"]
-        found = ["flash_split", *flash] if AUTO_FLASH_SPLIT else [*flash, "flash_split"]
+        found = (["flash_attn"] if _flash_attn_module() is not None else []) + ["torch_flash"]
         if _cudnn_usable():
             first = (
                 AUTO_CUDNN_HYBRID
@@ -441,29 +432,6 @@ def _device_segment(q: Tensor, k: Tensor, batch: int = 1) -> tuple[Tensor, Tenso
     return _even_cu(q.shape[0], batch, q.device), _even_cu(k.shape[0], batch, q.device)
 
 
-def _flash_dense_fwd(q, k, v, scale, causal, batch=1):
-    cu_q, cu_k = _device_segment(q, k, batch)
-    return _torch_flash_fwd(q, k, v, cu_q, cu_k, q.shape[0] // batch, k.shape[0] // batch, scale, causal)
-
-
-def _flash_dense_bwd(dout, q, k, v, out, lse, scale, causal, batch=1):
-    cu_q, cu_k = _device_segment(q, k, batch)
-    return _torch_flash_bwd(
-        dout.contiguous(),
-        q,
-        k,
-        v,
-        out.contiguous(),
-        lse.contiguous(),
-        cu_q,
-        cu_k,
-        q.shape[0] // batch,
-        k.shape[0] // batch,
-        scale,
-        causal,
-    )
-
-
 def _reference_dense_fwd(q, k, v, scale, causal, batch=1):
     cu_q, cu_k = _device_segment(q, k, batch)
     return _reference_fwd(q, k, v, cu_q, cu_k, q.shape[0] // batch, k.shape[0] // batch, scale, causal)
@@ -474,8 +442,8 @@ def _reference_dense_bwd(dout, q, k, v, out, lse, scale, causal, batch=1):
     return _reference_bwd(dout, q, k, v, out, lse, cu_q, cu_k, q.shape[0] // batch, k.shape[0] // batch, scale, causal)
 
 
-_DENSE_FWD = {"cudnn": _cudnn_dense_fwd, "flash": _flash_dense_fwd, "reference": _reference_dense_fwd}
-_DENSE_BWD = {"cudnn": _cudnn_dense_bwd, "flash": _flash_dense_bwd, "reference": _reference_dense_bwd}
+_DENSE_FWD = {"cudnn": _cudnn_dense_fwd, "reference": _reference_dense_fwd}
+_DENSE_BWD = {"cudnn": _cudnn_dense_bwd, "reference": _reference_dense_bwd}
 
 
 def _dense_kernel(backend: str, table: dict) -> Callable:

@@ -1,4 +1,4 @@
-"""GPU checks of the attention runtime: bf16, ``torch_flash``, ``cudnn_hybrid`` and ``flash_split`` backends, NCCL.
+"""GPU checks of the attention runtime: bf16, ``torch_flash`` and ``cudnn_hybrid`` backends, NCCL.
 
 Two ways to run it on a machine with 2 GPUs::
 
@@ -10,8 +10,7 @@ on the same plans with ``dense_threshold=256`` (many dense segments of odd lengt
 ones in one call) and on plans with 8300/4300-token samples at the default threshold (2048; long
 causal-local and remote-full segments). It asserts that the hybrid runs really had dense
 segments, local and remote, sharing calls with varlen ones, every form of shape bucket (padded
-over local rows and past their end, key-split) and batched runs of equal short samples. Last, ``flash_split`` (flash for
-both halves) on the same plans with ``dense_threshold=256``.
+over local rows and past their end, key-split) and batched runs of equal short samples.
 
 The bound: bf16 flash attention is not exact, so ringpack cannot be held to a fixed tolerance.
 For every plan and tensor (out, dq, dk, dv, and out0: the output without gradients, where remote
@@ -358,8 +357,6 @@ def main() -> int:
         tiny = bool(os.environ.get("RINGPACK_TINY"))
         failures += run_distributed_check(hybrid, dense_threshold=8 if tiny else 256, layouts=layouts)
         failures += run_distributed_check(hybrid, dense_threshold=40 if tiny else None, plans=long_plans)
-        if cuda:  # flash for both halves: long segments in launches of their own
-            failures += run_distributed_check("flash_split", dense_threshold=256)
     finally:
         dist.barrier()
         dist.destroy_process_group()
@@ -471,9 +468,7 @@ if pytest is not None:
 
     @pytest.mark.gpu
     @needs_cuda
-    @pytest.mark.parametrize(
-        "backend,dense_threshold", [("torch_flash", None), ("cudnn_hybrid", 256), ("flash_split", 256)]
-    )
+    @pytest.mark.parametrize("backend,dense_threshold", [("torch_flash", None), ("cudnn_hybrid", 256)])
     @pytest.mark.parametrize("cp", [1, 2, 3, 4])
     def test_engine_bf16_on_one_gpu(cp, backend, dense_threshold):
         """All CP ranks simulated on one GPU (loopback transport): bf16 within the flash bound."""
