@@ -84,6 +84,7 @@ import torch
 from torch import Tensor
 
 from ringpack.shard_plan import MicroBatch
+from ringpack.traffic import needed_pieces
 
 __all__ = [
     "DEFAULT_DENSE_BUCKETS", "DEFAULT_DENSE_THRESHOLD", "DenseSegment", "KernelCall", "RingStep", "Schedule", "ScheduleMismatchError", "compile_schedule",
@@ -296,12 +297,7 @@ class _PieceTable:
         length = stop - start
         offset = _exclusive_cumsum_by(rank, length)
 
-        # needed[p]: another rank holds a piece of p's sample starting at or after p.stop
-        latest = np.full((len(mb.samples), cp), -1, dtype=np.int64)
-        np.maximum.at(latest, (slot, rank), start)
-        others = latest[slot]
-        others[np.arange(len(rank)), rank] = -1
-        needed = others.max(axis=1, initial=-1) >= stop
+        needed = needed_pieces(np.zeros_like(rank), rank, slot, start, stop) > 0
         compact = np.where(needed, _exclusive_cumsum_by(rank, np.where(needed, length, 0)), -1)
         return cls(rank, slot, start, stop, offset, needed, compact, cp)
 
