@@ -42,10 +42,24 @@ from ringpack.errors import PlanError
 if TYPE_CHECKING:  # pyarrow is imported lazily: the attention runtime must import without it
     import pyarrow as pa
 
-__all__ = ["Piece", "RankShard", "MicroBatch", "Step", "PlanConfig", "Plan", "PlanError", "FORMAT_VERSION"]
+__all__ = [
+    "Piece",
+    "RankShard",
+    "MicroBatch",
+    "Step",
+    "PlanConfig",
+    "Plan",
+    "PlanError",
+    "FORMAT_VERSION",
+    "STRATEGIES",
+    "PACKINGS",
+    "OVERFLOW_POLICIES",
+]
 
 FORMAT_VERSION = 1
+#: CP split strategies, packings and overflow policies a :class:`PlanConfig` accepts.
 STRATEGIES = ("balanced", "zigzag", "contiguous")
+PACKINGS = ("balanced", "first_fit")
 OVERFLOW_POLICIES = ("error", "split", "drop")
 TABLE_COLUMNS = ("step", "dp", "microbatch", "cp", "slot", "sample", "start", "stop")
 
@@ -149,8 +163,8 @@ class PlanConfig:
                 raise PlanError(f"PlanConfig.{name} must be a non-negative integer, got {value!r}")
         if self.strategy not in STRATEGIES:
             raise PlanError(f"PlanConfig.strategy must be one of {STRATEGIES}, got {self.strategy!r}")
-        if self.packing not in ("balanced", "first_fit"):
-            raise PlanError(f"PlanConfig.packing must be 'balanced' or 'first_fit', got {self.packing!r}")
+        if self.packing not in PACKINGS:
+            raise PlanError(f"PlanConfig.packing must be one of {PACKINGS}, got {self.packing!r}")
         if self.overflow not in OVERFLOW_POLICIES:
             raise PlanError(f"PlanConfig.overflow must be one of {OVERFLOW_POLICIES}, got {self.overflow!r}")
         if self.solver_time_limit_s < 0:
@@ -254,9 +268,14 @@ class Plan:
 
     # ------------------------------------------------------------ validation
     def validate(self) -> Plan:
-        """Check every invariant of the module docstring; raise :class:`PlanError` naming the first broken one.
+        """Check every invariant of the module docstring.
 
-        Returns ``self`` so calls chain (``Plan.from_json(...).validate()``).
+        Returns:
+            ``self``, so calls chain (``Plan.load(path).validate()``).
+
+        Raises:
+            PlanError: the first broken invariant, naming its step, DP rank, micro-batch, CP rank
+                or sample.
         """
         cfg = self.config
         lengths = np.asarray(self.lengths, dtype=np.int64)
@@ -515,7 +534,15 @@ class Plan:
         return cls.from_table(table)
 
     def save(self, path: str | Path) -> None:
-        """Write by suffix: ``.json`` as JSON, anything else as Parquet."""
+        """Write the plan to ``path``, by suffix: ``.json`` as JSON, anything else as Parquet.
+
+        Args:
+            path: the file to write (replaced if it exists). Both formats carry the content hash,
+                which :meth:`load` checks.
+
+        Raises:
+            OSError: the file cannot be written. Parquet needs ``pyarrow``.
+        """
         if str(path).endswith(".json"):
             self.to_json(path)
         else:
@@ -523,30 +550,31 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
+        """Read a plan written by :meth:`save` (``.json`` as JSON, anything else as Parquet).
+
+        Args:
+            path: the plan file.
+
+        Returns:
+            The plan, its content hash checked against the stored one. Not validated: call
+            :meth:`validate` for a file from an untrusted source.
+
+        Raises:
+            PlanError: not a ringpack plan, an unsupported format version, an unreadable Parquet
+                file, or a hash mismatch (a corrupt or edited file).
+            FileNotFoundError: no JSON file at ``path``.
+        """
         return cls.from_json(path) if str(path).endswith(".json") else cls.read_parquet(path)
-
-
-def new_piece(sample: int, start: int, stop: int, _new=object.__new__, _cls=Piece) -> Piece:
-    """``Piece(sample, start, stop)`` at half the cost, for planners that build thousands of pieces.
-
-    The frozen dataclass ``__init__`` sets each field through ``object.__setattr__``; this fills the
-    instance dict directly. The result is an ordinary :class:`Piece` (same fields, equality, hash,
-    repr); ``tests/balancer/test_plan.py`` checks the constructors agree.
-    """
-    piece = _new(_cls)
-    d = piece.__dict__
-    d["sample"] = sample
-    d["start"] = start
-    d["stop"] = stop
-    return piece
 
 
 def new_rank_shard(
     slot_pieces: Sequence[tuple[int, int, int]], samples: Sequence[int], _new=object.__new__
 ) -> RankShard:
-    """``RankShard(tuple(Piece(samples[k], start, stop) for k, start, stop in slot_pieces)))``, faster.
+    """``RankShard(tuple(Piece(samples[k], start, stop) for k, start, stop in slot_pieces))``, faster.
 
-    The fast path of :func:`new_piece`, inlined for a whole shard (the planner's hot loop).
+    For the planner's hot loop: the frozen dataclass ``__init__`` sets each field through
+    ``object.__setattr__``; this fills the instance dicts directly. The result is an ordinary
+    :class:`RankShard` of ordinary :class:`Piece` objects (same fields, equality, hash, repr).
     """
     pieces = []
     append = pieces.append
@@ -577,7 +605,8 @@ def microbatch_from_shards(
 def _check_hash(plan: Plan, stored: str | None) -> None:
     if stored is not None and stored != plan.content_hash:
         raise PlanError(
-            f"plan hash mismatch: file says {stored[:12]}..., content gives {plan.content_hash[:12]}... (corrupt or edited)"
+            f"plan hash mismatch: file says {stored[:12]}..., content gives {plan.content_hash[:12]}... "
+            "(corrupt or edited)"
         )
 
 

@@ -19,7 +19,6 @@ from ringpack.shard_plan import (
     RankShard,
     Step,
     microbatch_from_shards,
-    new_piece,
     new_rank_shard,
 )
 from tests.balancer.plan_strategies import random_plan
@@ -47,14 +46,14 @@ def test_small_plan_is_valid():
     assert plan.steps[0].loss_tokens == (5 - 1) + (7 - 1) + (3 - 1)
 
 
-def test_fast_piece_constructor_builds_ordinary_pieces():
-    fast, slow = new_piece(4, 2, 9), Piece(4, 2, 9)
+def test_fast_shard_constructor_builds_ordinary_shards():
+    shard = new_rank_shard([(1, 0, 3), (0, 2, 5)], (7, 4))
+    fast, slow = shard.pieces[0], Piece(4, 0, 3)
     assert type(fast) is Piece and fast == slow and hash(fast) == hash(slow) and repr(fast) == repr(slow)
     assert vars(fast) == vars(slow) and dataclasses.asdict(fast) == dataclasses.asdict(slow)
-    assert fast.length == 7 and fast != new_piece(4, 2, 8)
+    assert fast.length == 3 and fast != Piece(4, 0, 2)
     with pytest.raises(dataclasses.FrozenInstanceError):
         fast.start = 0
-    shard = new_rank_shard([(1, 0, 3), (0, 2, 5)], (7, 4))
     assert type(shard) is RankShard and shard == RankShard((Piece(4, 0, 3), Piece(7, 2, 5)))
     assert hash(shard) == hash(RankShard((Piece(4, 0, 3), Piece(7, 2, 5)))) and shard.num_tokens == 6
     assert new_rank_shard([], (1,)) == RankShard()
