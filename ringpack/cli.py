@@ -1,8 +1,8 @@
 """The ``ringpack`` command line: ``plan | report | shard | simulate | calibrate | demo``.
 
 Every command's flags and handler live here; handlers call the library and return the exit code.
-Only the standard library is imported at module level, so ``ringpack --help`` is quick: numpy,
-torch and the rest load inside the handlers. Bad input ends in one line on stderr and exit 1.
+Heavy dependencies (torch, pyarrow, datasets, matplotlib) load inside the handlers, so
+``ringpack --help`` stays quick. Bad input ends in one line on stderr and exit 1.
 """
 
 from __future__ import annotations
@@ -15,13 +15,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ringpack.shard_plan import OVERFLOW_POLICIES, PACKINGS, STRATEGIES
+
 if TYPE_CHECKING:
     import numpy as np
 
-#: CP strategies, packings and overflow policies the planner accepts (as in ``ringpack.shard_plan``).
-STRATEGIES = ("balanced", "zigzag", "contiguous")
-PACKINGS = ("balanced", "first_fit")
-OVERFLOWS = ("error", "split", "drop")
 #: ``add_plan_arguments``: the flag has no default and must be given.
 REQUIRED: Any = object()
 #: ``PlanConfig`` field <- ``argparse`` destination of its flag.
@@ -58,22 +56,28 @@ def add_plan_arguments(
     ``strategy=False`` leaves out ``--strategy`` and ``--packing`` (commands that plan every
     variant declare their own). ``samples_per_step_zero`` says what ``--samples-per-step 0`` means.
     """
-
-    def sized(flag: str, value: Any, what: str) -> None:
-        if value is REQUIRED:
-            parser.add_argument(flag, type=int, required=True, help=what)
-        else:
-            parser.add_argument(flag, type=int, default=value, help=f"{what} (default {value})")
-
     if dp is not None:
-        sized("--dp", dp, "data-parallel size")
-    sized("--cp", cp, "context-parallel size")
-    sized("--tokens-per-rank", tokens_per_rank, "token budget of one CP rank per micro-batch")
+        _add_size_flag(parser, "--dp", dp, "data-parallel size")
+    _add_size_flag(parser, "--cp", cp, "context-parallel size")
+    _add_size_flag(parser, "--tokens-per-rank", tokens_per_rank, "token budget of one CP rank per micro-batch")
     if strategy:
         parser.add_argument("--strategy", choices=STRATEGIES, default="balanced", help="CP split (default: balanced)")
         parser.add_argument(
             "--packing", choices=PACKINGS, default="balanced", help="packing + DP balance (default: balanced)"
         )
+    _add_batch_flags(parser, overflow, samples_per_step_zero)
+    _add_split_and_cost_flags(parser)
+
+
+def _add_size_flag(parser: Any, flag: str, value: Any, what: str) -> None:
+    if value is REQUIRED:
+        parser.add_argument(flag, type=int, required=True, help=what)
+    else:
+        parser.add_argument(flag, type=int, default=value, help=f"{what} (default {value})")
+
+
+def _add_batch_flags(parser: Any, overflow: str, samples_per_step_zero: str) -> None:
+    """Global batch, micro-batches, shuffle and overflow flags of :func:`add_plan_arguments`."""
     parser.add_argument(
         "--samples-per-step", type=int, default=0, help=f"global batch in samples (0: {samples_per_step_zero})"
     )
@@ -84,10 +88,14 @@ def add_plan_arguments(
     parser.add_argument("--epoch", type=int, default=0, help="epoch whose plan is made (default 0)")
     parser.add_argument(
         "--overflow",
-        choices=OVERFLOWS,
+        choices=OVERFLOW_POLICIES,
         default=overflow,
         help=f"samples longer than cp * tokens-per-rank (default: {overflow})",
     )
+
+
+def _add_split_and_cost_flags(parser: Any) -> None:
+    """Solver, CP-split guard and cost-model flags of :func:`add_plan_arguments`."""
     parser.add_argument(
         "--solver-time-limit",
         type=float,
@@ -205,7 +213,8 @@ def run_plan(args: argparse.Namespace) -> int:
         return 0
     print(
         f"planned {summary['samples']} samples into {summary['steps']} steps, {summary['microbatches']} micro-batches "
-        f"(dp={config.dp} x cp={config.cp}, {config.tokens_per_rank} tokens/rank, strategy={config.strategy}) in {seconds:.3f} s"
+        f"(dp={config.dp} x cp={config.cp}, {config.tokens_per_rank} tokens/rank, strategy={config.strategy}) "
+        f"in {seconds:.3f} s"
     )
     print(
         f"step cost / mean rank cost: median {summary['imbalance_median']:.4f}, worst {summary['imbalance_max']:.4f}; "
@@ -230,7 +239,8 @@ def _add_shard_command(subparsers: argparse._SubParsersAction) -> None:
         help="write a dataset as balanced Parquet shards plus a manifest",
         description=(
             "Plan DATASET for a DP x CP mesh and write one Parquet file per DP rank (or per DP rank and step range), "
-            "one row group per micro-batch, plus manifest.json (plan hash, config, row counts, sha256s) and plan.parquet. "
+            "one row group per micro-batch, plus manifest.json (plan hash, config, row counts, sha256s) "
+            "and plan.parquet. "
             "Re-running with the same inputs resumes an interrupted run and gives byte-identical files. "
             "Read back with ringpack.data.ShardReader."
         ),
@@ -269,33 +279,12 @@ def _add_shard_command(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_shard(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from ringpack.data.shards import load_source, tokenize_dataset, write_shards
+    from ringpack.data.shards import load_source, write_shards
 
     if args.steps_per_file < 0:
         raise ValueError("--steps-per-file must be >= 0")
     config = plan_config_from_args(args)
-    ds = load_source(args.dataset, split=args.split, cache_dir=args.cache_dir)
-    tokenized = None
-    if args.column not in ds.column_names:
-        text = args.text_column or ("text" if "text" in ds.column_names else None)
-        if text is None:
-            raise ValueError(
-                f"{args.dataset} has no column {args.column!r} and no text column to tokenize (columns: {list(ds.column_names)}); pass --text-column"
-            )
-        ds = tokenize_dataset(
-            ds, text, args.tokenizer, column=args.column, vocab_size=args.vocab_size, num_proc=args.num_proc
-        )
-        tokenized = {
-            "text_column": text,
-            "tokenizer": Path(args.tokenizer).name if args.tokenizer else f"regex-blake2b-mod-{args.vocab_size}",
-        }
-    elif args.text_column or args.tokenizer:
-        print(
-            f"ringpack shard: note: using the existing {args.column!r} column; --text-column/--tokenizer ignored",
-            file=sys.stderr,
-        )
+    ds, tokenized = _token_dataset(args, load_source(args.dataset, split=args.split, cache_dir=args.cache_dir))
     source = {
         "dataset": str(args.dataset),
         "split": args.split,
@@ -326,10 +315,34 @@ def run_shard(args: argparse.Namespace) -> int:
     return 0
 
 
+def _token_dataset(args: argparse.Namespace, ds: Any) -> tuple[Any, dict[str, str] | None]:
+    """``ds`` with its token-id column (tokenized from a text column when it has none) and how it was made."""
+    from ringpack.data.shards import tokenize_dataset
+
+    if args.column in ds.column_names:
+        if args.text_column or args.tokenizer:
+            print(
+                f"ringpack shard: note: using the existing {args.column!r} column; --text-column/--tokenizer ignored",
+                file=sys.stderr,
+            )
+        return ds, None
+    text = args.text_column or ("text" if "text" in ds.column_names else None)
+    if text is None:
+        raise ValueError(
+            f"{args.dataset} has no column {args.column!r} and no text column to tokenize "
+            f"(columns: {list(ds.column_names)}); pass --text-column"
+        )
+    ds = tokenize_dataset(
+        ds, text, args.tokenizer, column=args.column, vocab_size=args.vocab_size, num_proc=args.num_proc
+    )
+    tokenizer = Path(args.tokenizer).name if args.tokenizer else f"regex-blake2b-mod-{args.vocab_size}"
+    return ds, {"text_column": text, "tokenizer": tokenizer}
+
+
 # ----------------------------------------------------------------------------- report, simulate, ...
 
 
-def _add_analysis_commands(subparsers: argparse._SubParsersAction) -> None:
+def _add_report_command(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "report",
         help="imbalance report of a plan, shard manifest or lengths",
@@ -340,9 +353,7 @@ def _add_analysis_commands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--manifest", help="a `ringpack shard` output (manifest.json or its folder): reports its plan")
     p.add_argument("--lengths", help="sample lengths file (.npy, .parquet, .json, .txt); planned with every strategy")
     p.add_argument("--corpus", choices=["stdlib"], help="use the embedded standard-library corpus as the lengths")
-    add_variant_plan_arguments(p, dp=4, cp=4)
-    add_comm_arguments(p)
-    add_output_arguments(p, default_out="ringpack-report")
+    _add_comparison_arguments(p, dp=4, cp=4, modes="ring", default_out="ringpack-report")
     p.add_argument(
         "--step",
         type=int,
@@ -351,6 +362,8 @@ def _add_analysis_commands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--steps-shown", type=int, default=5, help="steps per plan in the terminal table (default 5)")
     p.set_defaults(handler=run_report)
 
+
+def _add_simulate_command(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "simulate",
         help="simulate an epoch at cluster scale",
@@ -376,13 +389,21 @@ def _add_analysis_commands(subparsers: argparse._SubParsersAction) -> None:
         default=0,
         help="tokens per optimizer step (default: dp * cp * tokens-per-rank, one full micro-batch per DP rank)",
     )
-    add_variant_plan_arguments(p, dp=None, cp=8, tokens_per_rank=16384, strategies=None)
-    add_comm_arguments(p, modes="ring,allgather")
-    add_output_arguments(p, default_out="ringpack-simulation")
+    _add_comparison_arguments(
+        p,
+        dp=None,
+        cp=8,
+        tokens_per_rank=16384,
+        strategies=None,
+        modes="ring,allgather",
+        default_out="ringpack-simulation",
+    )
     p.add_argument("--jobs", type=int, default=0, help="worker processes (default: all cores)")
     p.add_argument("--chunk-steps", type=int, default=8, help="global batches planned per worker task (default 8)")
     p.set_defaults(handler=run_simulate)
 
+
+def _add_calibrate_command(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "calibrate",
         help="fit the cost model to measured GPU kernel times",
@@ -391,6 +412,9 @@ def _add_analysis_commands(subparsers: argparse._SubParsersAction) -> None:
     )
     _add_calibrate_arguments(p)
     p.set_defaults(handler=run_calibrate)
+
+
+def _add_demo_command(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "demo", help="the embedded standard-library corpus through every strategy: report, plots, ring check"
     )
@@ -399,6 +423,22 @@ def _add_analysis_commands(subparsers: argparse._SubParsersAction) -> None:
 
 
 # ------------------------------------------------------------------------------------------ options
+def _add_comparison_arguments(
+    p: argparse.ArgumentParser,
+    *,
+    dp: int | None,
+    cp: int,
+    modes: str,
+    default_out: str,
+    tokens_per_rank: int = 32768,
+    strategies: str | None = ",".join(STRATEGIES),
+) -> None:
+    """The option groups of the commands that plan and compare variants: planning, communication, output."""
+    add_variant_plan_arguments(p, dp=dp, cp=cp, tokens_per_rank=tokens_per_rank, strategies=strategies)
+    add_comm_arguments(p, modes=modes)
+    add_output_arguments(p, default_out=default_out)
+
+
 def add_variant_plan_arguments(
     p: argparse.ArgumentParser,
     dp: int | None,
@@ -492,13 +532,6 @@ def variants(args: argparse.Namespace) -> list[tuple[str, str]]:
     return [(s, p) for p in packings for s in strategies]
 
 
-def read_lengths_file(path: str) -> np.ndarray:
-    """Lengths from a file (:func:`ringpack.lengths.read_lengths`)."""
-    from ringpack.lengths import read_lengths
-
-    return read_lengths(path)
-
-
 def plan_from_manifest(path: str):
     """The plan a ``ringpack shard`` directory was written from (``manifest.json`` or its folder).
 
@@ -537,6 +570,7 @@ def run_report(args: argparse.Namespace) -> int:
     import numpy as np
 
     from ringpack.analysis.report import build_report, format_ranks, format_table, plan_strategies, result_of_plan
+    from ringpack.lengths import read_lengths
     from ringpack.shard_plan import Plan
 
     sources = sum(bool(x) for x in (args.plans, args.manifest, args.lengths, args.corpus))
@@ -552,7 +586,7 @@ def run_report(args: argparse.Namespace) -> int:
         lengths = np.asarray(plans[0].lengths)
         model = plans[0].config.cost
     else:
-        lengths = read_lengths_file(args.lengths) if args.lengths else _corpus_lengths()
+        lengths = read_lengths(args.lengths) if args.lengths else _corpus_lengths()
         model = cost_model(args)
         mean = float(lengths.mean())
         per_step = args.samples_per_step or max(args.dp, int(args.dp * args.cp * args.tokens_per_rank / mean))
@@ -609,51 +643,23 @@ def _bar(args: argparse.Namespace, total: int, desc: str):
 
 # ---------------------------------------------------------------------------------------- simulate
 def run_simulate(args: argparse.Namespace) -> int:
-    import time
-
-    from ringpack.analysis.report import format_table, write_report
-    from ringpack.analysis.simulate import format_modes, simulate, synthetic_lengths
+    from ringpack.analysis.simulate import synthetic_lengths
+    from ringpack.lengths import read_lengths
 
     t0 = time.perf_counter()
     model = cost_model(args)
     comms = comm_models(args, model)
     gpus_list = [int(x) for x in str(args.gpus).split(",") if x.strip()]
     if args.lengths:
-        lengths = read_lengths_file(args.lengths)
+        lengths = read_lengths(args.lengths)
     else:
         lengths = synthetic_lengths(args.samples, args.dist, seed=args.seed, median=args.median, sigma=args.sigma)
     docs = []
     for gpus in gpus_list:
         if gpus % args.cp:
             raise ValueError(f"--gpus {gpus} is not a multiple of --cp {args.cp}")
-        dp = gpus // args.cp
-        batch_tokens = args.global_batch_tokens or dp * args.cp * args.tokens_per_rank
-        per_step = args.samples_per_step or max(dp, int(batch_tokens / float(lengths.mean())))
-        config = plan_config_from_args(args, dp=dp, samples_per_step=per_step, cost=model)
-        doc = simulate(
-            lengths,
-            config,
-            variants(args),
-            comms,
-            chunk_steps=args.chunk_steps,
-            jobs=args.jobs or None,
-            progress=not args.quiet and args.json != "-",
-            baseline=args.baseline,
-        )
-        docs.append(doc)
-        out = Path(args.out) / f"dp{dp}xcp{args.cp}" if len(gpus_list) > 1 else Path(args.out)
-        paths = write_report(doc, out, plots=not args.no_plots)
-        if args.json != "-":
-            print(f"\n== {doc['title']} ==")
-            print(format_table(doc))
-            print()
-            print(format_modes(doc))
-            plan = doc["planning"]
-            print(
-                f"\nplanned {len(doc['plans'])} strategies in {plan['wall_seconds']:.1f} s wall "
-                f"({plan['worker_cpu_seconds']:.1f} CPU s in {plan['jobs']} workers); wrote {out}/: "
-                + ", ".join(p.name for p in paths.values())
-            )
+        out = Path(args.out) / f"dp{gpus // args.cp}xcp{args.cp}" if len(gpus_list) > 1 else Path(args.out)
+        docs.append(_simulate_shape(args, lengths, gpus // args.cp, model, comms, out))
     if args.json == "-":
         json.dump(docs[0] if len(docs) == 1 else docs, sys.stdout, indent=1)
         print()
@@ -662,6 +668,41 @@ def run_simulate(args: argparse.Namespace) -> int:
     if args.json != "-":
         print(f"total {time.perf_counter() - t0:.1f} s")
     return 0
+
+
+def _simulate_shape(
+    args: argparse.Namespace, lengths: np.ndarray, dp: int, model: Any, comms: list, out: Path
+) -> dict[str, Any]:
+    """Simulate one cluster shape (``dp`` x ``--cp``), write its report to ``out`` and print its tables."""
+    from ringpack.analysis.report import format_table, write_report
+    from ringpack.analysis.simulate import format_modes, simulate
+
+    batch_tokens = args.global_batch_tokens or dp * args.cp * args.tokens_per_rank
+    per_step = args.samples_per_step or max(dp, int(batch_tokens / float(lengths.mean())))
+    config = plan_config_from_args(args, dp=dp, samples_per_step=per_step, cost=model)
+    doc = simulate(
+        lengths,
+        config,
+        variants(args),
+        comms,
+        chunk_steps=args.chunk_steps,
+        jobs=args.jobs or None,
+        progress=not args.quiet and args.json != "-",
+        baseline=args.baseline,
+    )
+    paths = write_report(doc, out, plots=not args.no_plots)
+    if args.json != "-":
+        print(f"\n== {doc['title']} ==")
+        print(format_table(doc))
+        print()
+        print(format_modes(doc))
+        plan = doc["planning"]
+        print(
+            f"\nplanned {len(doc['plans'])} strategies in {plan['wall_seconds']:.1f} s wall "
+            f"({plan['worker_cpu_seconds']:.1f} CPU s in {plan['jobs']} workers); wrote {out}/: "
+            + ", ".join(p.name for p in paths.values())
+        )
+    return doc
 
 
 def _add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
@@ -709,12 +750,14 @@ def _add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
         "--timer",
         default="gpu",
         choices=TIMERS,
-        help="gpu: each shard's GPU execution, host launch time hidden (default); wall: from the first launch, host overhead included",
+        help="gpu: each shard's GPU execution, host launch time hidden (default); "
+        "wall: from the first launch, host overhead included",
     )
     p.add_argument(
         "--refit",
         metavar="REPORT",
-        help="no GPU: refit the models on the measurements of a stored calibration report and write a new profile and report",
+        help="no GPU: refit the models on the measurements of a stored calibration report "
+        "and write a new profile and report",
     )
     p.add_argument("--quiet", action="store_true", help="only the summary")
 
@@ -763,7 +806,10 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_plan_command(subparsers)
     _add_shard_command(subparsers)
-    _add_analysis_commands(subparsers)
+    _add_report_command(subparsers)
+    _add_simulate_command(subparsers)
+    _add_calibrate_command(subparsers)
+    _add_demo_command(subparsers)
     return parser
 
 
