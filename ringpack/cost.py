@@ -27,7 +27,6 @@ __all__ = [
     "CostModel",
     "PRESETS",
     "piece_pairs",
-    "rank_pairs",
     "rank_costs",
     "scale_to_int",
 ]
@@ -88,9 +87,19 @@ PRESETS: dict[str, ModelShape] = {
 class CostModel:
     """Linear cost of a rank's work: ``token*tokens + pair*pairs + segment*segments``.
 
-    ``unit`` says what one cost unit is ("flop" for shape-derived models, "s" for a calibrated
-    profile); reports print it, and :meth:`seconds` converts with ``flops_per_second`` when the
-    model is in FLOPs.
+    Attributes:
+        token: cost of one token (everything but attention: linear layers, norms, the head).
+        pair: cost of one causal (query, key) attention pair (:func:`piece_pairs` counts them).
+        segment: fixed cost of one piece (a varlen segment: launch tiles, merges).
+        unit: what one cost unit is: ``"flop"`` for shape-derived models, ``"s"`` for a
+            calibrated profile; reports print it.
+        name: the model preset it was derived from (the communication model looks the K/V shape
+            up by it), or ``"custom"``.
+        flops_per_second: achieved forward+backward throughput; :meth:`seconds` divides FLOP
+            costs by it (unused when ``unit == "s"``).
+
+    Raises:
+        ValueError: a negative coefficient, ``token`` and ``pair`` both zero, or an unknown unit.
     """
 
     token: float
@@ -117,17 +126,24 @@ class CostModel:
 
     @classmethod
     def preset(cls, name: str) -> CostModel:
+        """The FLOP model (:meth:`from_shape`) of a named :data:`PRESETS` shape; ``ValueError`` if unknown."""
         if name not in PRESETS:
             raise ValueError(f"unknown model preset {name!r}; known: {', '.join(sorted(PRESETS))}")
         return cls.from_shape(PRESETS[name])
 
     @classmethod
     def load(cls, path: str | Path) -> CostModel:
-        """Read a calibrated profile written by :meth:`save` (plain JSON)."""
+        """Read a profile written by :meth:`save` (plain JSON of the fields).
+
+        Raises:
+            FileNotFoundError: no file at ``path``.
+            ValueError: not JSON, or invalid coefficients (``TypeError`` for unknown fields).
+        """
         data = json.loads(Path(path).read_text())
         return cls.from_dict(data)
 
     def save(self, path: str | Path) -> None:
+        """Write the fields as JSON to ``path`` (what :meth:`load` and ``--cost-profile`` read)."""
         Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
 
     def to_dict(self) -> dict[str, Any]:
@@ -138,7 +154,14 @@ class CostModel:
         return cls(**data)
 
     def cost(self, tokens: Any, pairs: Any, segments: Any = 0) -> np.ndarray:
-        """Vectorised cost of arrays of (tokens, pairs, segments) in this model's unit."""
+        """Cost of ranks in this model's unit.
+
+        Args:
+            tokens, pairs, segments: integer arrays (or scalars) of one common broadcast shape.
+
+        Returns:
+            float64 array of that shape: ``token*tokens + pair*pairs + segment*segments``.
+        """
         return (
             self.token * np.asarray(tokens, dtype=np.float64)
             + self.pair * np.asarray(pairs, dtype=np.float64)
@@ -164,12 +187,6 @@ def piece_pairs(start: Any, stop: Any) -> np.ndarray:
     start = np.asarray(start, dtype=np.int64)
     stop = np.asarray(stop, dtype=np.int64)
     return (stop * (stop + 1) - start * (start + 1)) // 2
-
-
-def rank_pairs(pieces: Iterable[Any]) -> int:
-    """Exact attention pairs of one rank shard, given objects with ``start``/``stop``."""
-    starts, stops = _bounds(pieces)
-    return int(piece_pairs(starts, stops).sum())
 
 
 def rank_costs(shards: Iterable[Any], model: CostModel) -> np.ndarray:
