@@ -144,7 +144,22 @@ def _ints(values: Any, where: str) -> np.ndarray:
 
 
 def read_lengths(path: str | Path, column: str | None = None) -> np.ndarray:
-    """Sample lengths from ``path`` (see the module docstring); int64, one per sample."""
+    """Sample lengths from a file, not validated (:func:`lengths_from_file` checks each is >= 1).
+
+    Args:
+        path: a ``.npy``, ``.json``/``.jsonl``, ``.parquet``/``.pq`` or ``.arrow``/``.feather``/``.ipc``
+            file (formats in the module docstring).
+        column: the column (or JSON key) holding lengths or token-id lists; ``None`` picks a
+            file's only column, else the first of :data:`DEFAULT_COLUMNS` there is.
+
+    Returns:
+        int64 array ``[N]``, one entry per sample in file order.
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        DataError: an unknown suffix, an unreadable file, a missing or ambiguous column, or
+            values that are not integer lengths (naming the file and column).
+    """
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"lengths file {path} does not exist")
@@ -208,17 +223,11 @@ def check_lengths(values: Any, what: str = "lengths", error: type[ValueError] = 
     if bad.size:
         i = int(bad[0])
         raise error(
-            f"{what}: sample {i} has length {int(out[i])} ({bad.size} sample(s) below 1); every sample needs >= 1 token "
+            f"{what}: sample {i} has length {int(out[i])} ({bad.size} sample(s) below 1); "
+            "every sample needs >= 1 token "
             "(filter empty rows first, e.g. dataset.filter(lambda r: len(r['input_ids']) > 0))"
         )
     return out
-
-
-def lengths_from_array(values: Any) -> np.ndarray:
-    """Lengths given directly (list, numpy or torch), validated."""
-    if hasattr(values, "detach"):  # torch tensor, without importing torch
-        values = values.detach().cpu().numpy()
-    return check_lengths(values)
 
 
 def lengths_from_array(values: Any) -> np.ndarray:
@@ -311,15 +320,15 @@ def lengths_from_dataset(
 
     Exactly one way is used, in this order: ``length_column`` (integers), ``text_column`` with
     ``tokenizer`` (batched ``map``, ``num_proc`` processes), else the token-id list column
-    ``column`` (default ``"input_ids"``) via Arrow offsets. A column that is missing is an error
-    listing the columns there are.
+    ``column`` (default ``"input_ids"``) via Arrow offsets.
+
+    Returns:
+        int64 array ``[N]``, every entry ``>= 1``, in row order (``select``/``shuffle`` honoured).
+
+    Raises:
+        DataError: a missing column (listing the columns there are) or a bad length.
     """
     names = list(ds.column_names or []) if getattr(ds, "column_names", None) is not None else None
-
-    def need(col: str) -> None:
-        if names is not None and col not in names:
-            raise DataError(f"dataset has no column {col!r}; its columns are {names}")
-
     if length_column is None and text_column is None:
         column = column or "input_ids"
         if names is not None and column not in names:
@@ -328,32 +337,42 @@ def lengths_from_dataset(
 
     if _is_iterable_dataset(ds):
         return _lengths_from_iterable(ds, column, length_column, text_column, tokenizer, batch_size)
-
     if length_column is not None:
-        need(length_column)
-        table = _arrow_table(ds)
-        values = table.column(length_column).to_numpy()
-        idx = _indices(ds)
-        return check_lengths(values if idx is None else values[idx], what=f"column {length_column!r}")
+        _need_column(names, length_column)
+        values = _arrow_table(ds).column(length_column).to_numpy()
+        return check_lengths(_in_row_order(ds, values), what=f"column {length_column!r}")
     if text_column is not None:
-        need(text_column)
-        counted = ds.map(
-            _CountMap(tokenizer, "__ringpack_len__"),
-            input_columns=[text_column],
-            batched=True,
-            batch_size=batch_size,
-            num_proc=num_proc,
-            remove_columns=list(ds.column_names),
-            desc="counting tokens",
-            load_from_cache_file=False,
-        )
-        return check_lengths(
-            _arrow_table(counted).column("__ringpack_len__").to_numpy(), what=f"token counts of {text_column!r}"
-        )
-    table = _arrow_table(ds)
-    lens = lengths_from_arrow(table.column(column), f"column {column!r}", lists_only=True)
+        _need_column(names, text_column)
+        return _count_text_tokens(ds, text_column, tokenizer, num_proc, batch_size)
+    lens = lengths_from_arrow(_arrow_table(ds).column(column), f"column {column!r}", lists_only=True)
+    return check_lengths(_in_row_order(ds, lens), what=f"lengths of column {column!r}")
+
+
+def _need_column(names: list[str] | None, column: str) -> None:
+    if names is not None and column not in names:
+        raise DataError(f"dataset has no column {column!r}; its columns are {names}")
+
+
+def _in_row_order(ds: Any, values: np.ndarray) -> np.ndarray:
+    """Per-row ``values`` of the Arrow table behind ``ds`` in the dataset's row order (its indices mapping)."""
     idx = _indices(ds)
-    return check_lengths(lens if idx is None else lens[idx], what=f"lengths of column {column!r}")
+    return values if idx is None else values[idx]
+
+
+def _count_text_tokens(ds: Any, text_column: str, tokenizer: Any, num_proc: int | None, batch_size: int) -> np.ndarray:
+    counted = ds.map(
+        _CountMap(tokenizer, "__ringpack_len__"),
+        input_columns=[text_column],
+        batched=True,
+        batch_size=batch_size,
+        num_proc=num_proc,
+        remove_columns=list(ds.column_names),
+        desc="counting tokens",
+        load_from_cache_file=False,
+    )
+    return check_lengths(
+        _arrow_table(counted).column("__ringpack_len__").to_numpy(), what=f"token counts of {text_column!r}"
+    )
 
 
 def _lengths_from_iterable(
@@ -395,7 +414,23 @@ def _lengths_from_iterable(
 
 
 def sample_lengths(source: Any, column: str | None = None, **kwargs: Any) -> np.ndarray:
-    """Lengths from any supported source (see the module docstring); dispatches on its type."""
+    """Validated lengths from any supported source, dispatched on its type.
+
+    Args:
+        source: a ``datasets.Dataset``/``IterableDataset`` (:func:`lengths_from_dataset`), a file
+            path (:func:`lengths_from_file`), or an array-like of lengths (list, numpy, torch).
+        column: the dataset or file column to read (``None``: the default for the source).
+        **kwargs: options of :func:`lengths_from_dataset` (``length_column``, ``text_column``,
+            ``tokenizer``, ``num_proc``, ``batch_size``); datasets only.
+
+    Returns:
+        int64 array ``[N]``, every entry ``>= 1``, one per sample in source order.
+
+    Raises:
+        DataError: a bad length (naming the sample), a missing column, or ``kwargs`` given for a
+            file or array.
+        FileNotFoundError: a path that does not exist.
+    """
     if _is_hf_dataset(source):
         return lengths_from_dataset(source, column, **kwargs)
     if isinstance(source, (str, os.PathLike)):
