@@ -1,81 +1,53 @@
-"""Compile a micro-batch's shard plan into the kernel arguments of every ring step (DESIGN.md section 4).
+"""Compile one micro-batch's shard plan into the kernel calls and transfers of one CP rank.
 
-A schedule is built once per micro-batch and CP rank, on the host (a DataLoader worker is the
-intended place), moved to the device once with :meth:`Schedule.to`, and then reused by every
+A :class:`Schedule` is compiled once per micro-batch and CP rank on the host (a DataLoader worker
+is the intended place), moved to the device once with :meth:`Schedule.to`, and reused by every
 attention layer, forward and backward: the hot path does no host work besides launching kernels.
 
-How the plan becomes kernel calls. For a local piece ``q = [a, b)`` of sample X and a piece
-``k = [a', b')`` of X anywhere, exactly one holds: ``k`` is ``q`` (causal diagonal), ``b' <= a``
-(full block) or ``a' >= b`` (nothing). Hence:
+Why plain varlen calls are exact. For a local piece ``q = [a, b)`` of sample X and a piece
+``k = [a', b')`` of X anywhere, exactly one holds: ``k`` is ``q`` (the causal diagonal),
+``b' <= a`` (a full block) or ``a' >= b`` (nothing). Hence:
 
-* **Local step** (distance 0): the local pieces of one sample, concatenated in canonical order,
-  form one causal segment; plain causal masking over the concatenation is exact because every key
-  of an earlier local piece precedes every query of a later one. One causal call covers all local
-  tokens, with ``Lq == Lk`` per segment (so the kernels' causal alignment never matters).
-* **Remote step** at distance ``t`` (source rank ``s = (r - t) mod C``): a query piece of X needs
-  the pieces of X on ``s`` that end at or before its start, a *prefix* of X's pieces on ``s``,
-  hence one contiguous key range; no mask inside it. Query rows that need keys from ``s`` are
-  gathered (``q_index``), so every kernel row has at least one key and work is proportional to
-  what is needed. Query pieces of X whose key prefixes coincide (zigzag's two chunks) share one
-  segment; distinct nested prefixes of the same sample go to separate calls ("levels"; a rank
-  holding several pieces of one sample interleaved with the source's pieces). Key rows a call does
-  not use are covered by zero-query segments (see the kernel contract in ``kernels.py``).
+* **Local step**: the local pieces of one sample, concatenated in canonical order, form one causal
+  segment (every key of an earlier local piece precedes every query of a later one), so one causal
+  call with ``Lq == Lk`` per segment covers all local tokens.
+* **Remote step** at distance ``t`` (source rank ``(r - t) mod C``): a query piece of X needs the
+  pieces of X on the source that end at or before its start, a *prefix* of them, hence one
+  contiguous, unmasked key range. Only query rows that need keys are gathered (``q_index``); query
+  pieces with the same prefix share a segment (zigzag's two chunks); distinct nested prefixes of
+  one sample go to separate calls ("levels"). Key rows a call does not use are covered by
+  zero-query segments (the kernel contract in :mod:`ringpack.attention.kernels`).
 
-Dense split (for hybrid kernel backends). With ``dense_threshold=n`` every call also records its
-*long* segments (at least ``n * n`` query-key products with both sides at least ``n // 4``: the
-long causal segments of the local step and the large full blocks of remote steps; see
-:func:`is_dense_segment`) as ``dense`` entries (:class:`DenseSegment`, Python ints), and the call
-minus those segments as ``rest``, a tuple of varlen calls. Remote: one call, the same key segments
-with the long segments' query counts set to zero (zero rows still keep their keys, so the varlen
-kernel zeroes their dK/dV rows) and its own ``q_index``. Local: one causal call per run of short
-segments between long ones, whose query and key rows are ranges of local rows (``q_range``,
-``k_range``), so q/k/v/out/dout are read as views instead of gathered (at 64K tokens per GPU the
-gathers of a 48K-row rest took 1.1 GB in backward). A segment's query rows are always one
-contiguous range of local rows, so a dense segment's q/k/v/out are plain slices. Backends without
-a dense kernel ignore the split.
+Communication. A rank sends only its *needed* pieces (:func:`ringpack.traffic.needed_pieces`:
+another rank holds a later piece of the same sample), concatenated in canonical order into one
+compact buffer (``send_index``); a key prefix stays contiguous there. Distances at which no rank
+needs anything are skipped by every rank, and a micro-batch with no split sample compiles to one
+local call and no transfer.
 
-Shape buckets (``dense_buckets=b``, default 32). cuDNN builds a graph, about 0.1 s, for every new
-shape it sees, and training brings new sample lengths every step. So the dense kernel runs on
-lengths of the form ``m * 2**e`` with ``b <= m < 2b`` (b lengths per octave):
+Dense split (hybrid backends only; others ignore it). With ``dense_threshold=n`` every call marks
+its long segments (:func:`is_dense_segment`) as :class:`DenseSegment` entries for the dense kernel
+and keeps the rest as varlen calls (:attr:`KernelCall.rest`). A remote rest keeps every key
+segment, with no queries for the long ones (so their dK/dV rows are zeroed); a local rest is one
+causal call per run of short segments, reading rows as views instead of gathering them. Runs of
+equal short local segments (fixed-length packing) are a ``[n, L, H, D]`` view that the dense
+kernel takes as one batched call (``dense_batches``).
 
-* queries are padded *up* (:func:`dense_bucket_up`, at most 1/b more rows): the engine hands the
-  kernel the segment's rows and the local rows after them (a view; zeros past the end of the
-  buffer) and drops the extra rows' results; in backward their log-sum-exp is ``+inf``, so they
-  add nothing to dK/dV;
-* a causal square is padded the same way on its keys, which only the padding rows can see;
-* a full block's keys are cut *down* (:func:`dense_bucket`): the dense kernel takes the first
-  ``k_run``, the others go through the hybrid's varlen kernel beside it
-  (:func:`~ringpack.attention.kernels.dense_attn_fwd_parts`; the engine folds both partials in
-  one pass). Padding keys would need a mask, which made cuDNN 1.4-1.7x slower
-  (``benchmarks/cudnn_key_padding.py``).
-
-The dense kernel then sees at most about ``5 b`` square shapes and ``(7 b)**2`` block shapes
-between 1K and 128K tokens, whatever the data. ``dense_buckets=None`` keeps exact shapes.
-
-Batches (``dense_batches=True``, the default). A run of equal short samples one after another in
-the local call (fixed-length packing) is, in memory, a ``[n, L, H, D]`` tensor: the dense kernel
-takes it as one batched call, a view, in power-of-two groups (graph shapes ``(2**i, L)``), when
-``L >= dense_threshold / 16`` and the run holds at least ``dense_threshold`` rows (``_equal_batches``).
-
-What buckets cost (2 x H200, BENCHMARKS.md): padding adds up to ``2/b`` of a causal square's
-work and ``1/b`` of a block's rows; the key tail is a second, thin pass over a block's query rows.
-An earlier form cut the queries down too and sent the leftover rows (a thin slab against every
-key) to the varlen kernel: on the 16K-token mix that slab alone cost more than the whole padding.
-On fresh lengths, exact shapes keep building graphs every step while bucketed ones stop
-(``benchmarks/fresh_lengths.py``).
-
-Communication. Rank ``s`` only ever sends its *needed* pieces: piece ``p`` of X is needed iff
-another rank holds a piece of X that starts at or after ``p.stop``. Those pieces, concatenated in
-canonical order, are its compact send buffer (``send_index`` picks them from the local tokens);
-the key prefix a query needs is still contiguous there. Distances at which no rank needs
-anything are skipped by every rank (no transfer, no kernel); when no sample is split the schedule
-has no remote step at all and attention is one local kernel call.
+Shape buckets (``dense_buckets=b``). cuDNN builds a graph (about 0.1 s) for every new shape, and
+training brings new lengths every step, so dense parts run on lengths ``m * 2**e`` with
+``b <= m < 2b``: query rows are padded *up* (:func:`dense_bucket_up`; the engine drops the padding
+rows' results, and their ``lse = +inf`` in backward adds nothing to dK/dV); a causal square is
+padded on its keys too, which only padding rows see; a full block's keys are cut *down*
+(:func:`dense_bucket`) and the key tail goes to the varlen kernel beside it, because padding keys
+would need a mask, which makes cuDNN 1.4-1.7x slower (``benchmarks/cudnn_key_padding.py``).
+Padding adds at most ``2/b`` of a square's work and ``1/b`` of a block's rows, and between 1K and
+128K tokens the dense kernel sees at most about ``5b`` square and ``(7b)**2`` block shapes,
+whatever the data. ``dense_buckets=None`` keeps exact shapes.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
@@ -87,20 +59,26 @@ from ringpack.shard_plan import MicroBatch
 from ringpack.traffic import needed_pieces
 
 __all__ = [
-    "DEFAULT_DENSE_BUCKETS", "DEFAULT_DENSE_THRESHOLD", "DenseSegment", "KernelCall", "RingStep", "Schedule", "ScheduleMismatchError", "compile_schedule",
-    "dense_bucket", "dense_bucket_up", "is_dense_segment",
-]  # fmt: skip
+    "DEFAULT_DENSE_BUCKETS",
+    "DEFAULT_DENSE_THRESHOLD",
+    "DenseSegment",
+    "KernelCall",
+    "RingStep",
+    "Schedule",
+    "ScheduleMismatchError",
+    "compile_schedule",
+    "dense_bucket",
+    "dense_bucket_up",
+    "is_dense_segment",
+]
 
 # Segments of at least this many queries and keys (by area, is_dense_segment) go to a hybrid backend's
-# dense kernel. With shape buckets and batches, 2048 ran the heavy-tailed mix 2.6-3.9% faster than
-# 4096 at 64K tokens per GPU (2 x H200; 1024 was within 1% of 2048), for about 1.5x the distinct
-# cuDNN shapes over 1,000 fresh steps (each built once per process, ~0.1 s; BENCHMARKS.md, sixth session).
+# dense kernel. On a heavy-tailed mix at 64K tokens per GPU, 2048 ran 3-4% faster than 4096 for about
+# 1.5x the distinct cuDNN shapes, and 1024 gained nothing more (BENCHMARKS.md).
 DEFAULT_DENSE_THRESHOLD = 2048
 
-# Dense lengths per octave (module docstring, "Shape buckets"): a dense part is padded by less than
-# 1/32 of a side (and a full block's key tail is under 1/32 of its keys), and cuDNN sees a bounded
-# set of shapes. With padding, 32 measured 3-7% faster than 16 on the heavy-tailed mix, with all
-# shapes built, for 1.7x the shapes over 3,000 fresh steps (BENCHMARKS.md, fifth session).
+# Dense lengths per octave ("Shape buckets" above): a dense part is padded by under 1/32 of a side.
+# 32 ran the heavy-tailed mix 3-7% faster than 16 for 1.7x the cuDNN shapes (BENCHMARKS.md).
 DEFAULT_DENSE_BUCKETS = 32
 
 
@@ -129,17 +107,18 @@ class DenseSegment(NamedTuple):
 class KernelCall:
     """One varlen kernel launch of a ring step.
 
-    ``q_index`` selects the local query rows (``None``: all local rows, in order, unless
+    Segment ``b`` pairs query rows ``q[rows][cu_seqlens_q[b]:cu_seqlens_q[b+1]]`` with rows
+    ``cu_seqlens_k[b]:cu_seqlens_k[b+1]`` of the key/value buffer (int32 ``cu_seqlens``).
+    ``q_index`` (int64) selects the local query rows; ``None`` means all local rows in order, unless
     ``q_range = (a, b)`` says they are the contiguous rows ``a:b``, which the engine reads as views
-    instead of gathering); :attr:`rows` gives either form. Segment ``b``
-    pairs ``q[rows][cu_seqlens_q[b]:cu_seqlens_q[b+1]]`` with rows ``cu_seqlens_k[b]:cu_seqlens_k[b+1]``
-    of the key/value buffer. ``max_seqlen_*`` are Python ints so launching needs no host sync.
+    instead of gathering (:attr:`rows` gives either form). ``k_range = (a, b)``: the call reads
+    only key/value rows ``a:b`` of its buffer and its ``cu_seqlens_k`` count from ``a`` (a local
+    rest call); ``None``: the whole buffer. ``max_seqlen_*`` are Python ints, so launching needs no
+    host synchronisation.
 
     The dense split (module docstring), used only by hybrid backends: ``dense`` lists the long
     segments (and batches of equal short ones) as :class:`DenseSegment`; ``rest`` is the call
-    without them, as varlen calls (empty if nothing is left). Empty ``dense``: no split. ``k_range = (a, b)``: the
-    call reads only key/value rows ``a:b`` of its buffer (a local rest call), and its
-    ``cu_seqlens_k`` count from ``a``; ``None``: the whole buffer.
+    without them, as varlen calls (empty if nothing is left). Empty ``dense``: no split.
     """
 
     q_index: Tensor | None
@@ -150,12 +129,12 @@ class KernelCall:
     causal: bool
     dense: tuple[DenseSegment, ...] = ()
     rest: tuple[KernelCall, ...] = ()
-    q_range: tuple[int, int] | None = None  # the query rows when they are one contiguous range (then q_index is None)
-    k_range: tuple[int, int] | None = None  # the key rows read when only a range of the buffer (see above)
+    q_range: tuple[int, int] | None = None
+    k_range: tuple[int, int] | None = None
 
     @property
     def rows(self) -> Tensor | slice | None:
-        """The local query rows: an index tensor, a slice (one contiguous range: views, no gathers), or None (all rows)."""
+        """The local query rows: an index tensor, a slice (one range: views, no gathers), or None (all rows)."""
         return slice(*self.q_range) if self.q_range is not None else self.q_index
 
     @property
@@ -164,21 +143,19 @@ class KernelCall:
         return slice(*self.k_range) if self.k_range is not None else None
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> KernelCall:
-        return replace(
-            self,
-            q_index=None if self.q_index is None else self.q_index.to(device, non_blocking=non_blocking),
-            cu_seqlens_q=self.cu_seqlens_q.to(device, non_blocking=non_blocking),
-            cu_seqlens_k=self.cu_seqlens_k.to(device, non_blocking=non_blocking),
-            rest=tuple(r.to(device, non_blocking) for r in self.rest),
-        )
+        return self._map_tensors(lambda t: t.to(device, non_blocking=non_blocking))
 
     def pin_memory(self) -> KernelCall:
+        return self._map_tensors(Tensor.pin_memory)
+
+    def _map_tensors(self, fn: Callable[[Tensor], Tensor]) -> KernelCall:
+        """A copy with ``fn`` applied to every tensor (its own and its ``rest`` calls')."""
         return replace(
             self,
-            q_index=None if self.q_index is None else self.q_index.pin_memory(),
-            cu_seqlens_q=self.cu_seqlens_q.pin_memory(),
-            cu_seqlens_k=self.cu_seqlens_k.pin_memory(),
-            rest=tuple(r.pin_memory() for r in self.rest),
+            q_index=None if self.q_index is None else fn(self.q_index),
+            cu_seqlens_q=fn(self.cu_seqlens_q),
+            cu_seqlens_k=fn(self.cu_seqlens_k),
+            rest=tuple(r._map_tensors(fn) for r in self.rest),
         )
 
 
@@ -198,10 +175,14 @@ class RingStep:
 class Schedule:
     """Everything one CP rank needs to run attention for one micro-batch; plain tensors and ints.
 
-    ``buffer_tokens[s]`` is the size of rank ``s``'s compact send buffer (every rank knows every
-    size, so receive buffers are allocated exactly and empty transfers are skipped on both sides).
-    ``fingerprint`` is a 64-bit hash of the micro-batch's piece table, identical on every rank that
-    compiled the same micro-batch; the runtime compares it across the group once per schedule.
+    ``num_tokens`` is the rank's local token count ``T``. ``send_index`` (int64 ``[n]``) picks the
+    local rows of its compact send buffer (``send_range = (a, b)`` when they are one range).
+    ``buffer_tokens[s]`` is the size of rank ``s``'s compact buffer: every rank knows every size,
+    so receive buffers are allocated exactly and empty transfers are skipped on both sides.
+    ``local`` is the local causal call (``None`` for a rank without tokens) and ``steps`` the remote
+    steps, in the same order on every rank. ``fingerprint`` is a 64-bit hash of the micro-batch's
+    piece table, identical on every rank that compiled the same micro-batch; the runtime compares
+    it across the group once per schedule (``verified`` caches that check and is never pickled).
     """
 
     cp_rank: int
@@ -212,12 +193,12 @@ class Schedule:
     send_index: Tensor
     local: KernelCall | None
     steps: tuple[RingStep, ...]
-    send_range: tuple[int, int] | None = None  # send_index as one contiguous range of local rows, when it is one
-    verified: set = field(default_factory=set, compare=False, repr=False)  # (group, mode, shape) keys checked
+    send_range: tuple[int, int] | None = None
+    verified: set = field(default_factory=set, compare=False, repr=False)
 
     @property
     def send_rows(self) -> Tensor | slice:
-        """The local rows this rank sends: a slice when contiguous (views instead of gathers), else ``send_index``."""
+        """The local rows this rank sends: a slice when they are one range (views), else ``send_index``."""
         return slice(*self.send_range) if self.send_range is not None else self.send_index
 
     @property
@@ -237,22 +218,30 @@ class Schedule:
         return (self.local is not None) + sum(len(step.calls) for step in self.steps)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Schedule:
-        """A copy with every tensor on ``device`` (one transfer per micro-batch, then reused by all layers)."""
-        return replace(
-            self,
-            send_index=self.send_index.to(device, non_blocking=non_blocking),
-            local=None if self.local is None else self.local.to(device, non_blocking),
-            steps=tuple(replace(st, calls=tuple(c.to(device, non_blocking) for c in st.calls)) for st in self.steps),
-            verified=set(),
-        )
+        """A copy with every tensor on ``device``: one transfer per micro-batch, then every layer reuses it.
+
+        Args:
+            device: the device of the ``q``/``k``/``v`` it will run on (:func:`ring_attention`
+                raises ``ValueError`` on a mismatch).
+            non_blocking: asynchronous host-to-device copies; they overlap host work only from
+                page-locked memory (:meth:`pin_memory`).
+
+        Returns:
+            A new :class:`Schedule` with its index tensors on ``device`` (ints and tuples shared);
+            its run-time check cache starts empty, so its first use checks the group again.
+        """
+        return self._map_tensors(lambda t: t.to(device, non_blocking=non_blocking))
 
     def pin_memory(self) -> Schedule:
-        """Page-locked copy (``DataLoader(pin_memory=True)`` calls this), so ``to(cuda, non_blocking=True)`` is async."""
+        """A page-locked copy (``DataLoader(pin_memory=True)`` calls it): ``to(cuda, non_blocking=True)`` is async."""
+        return self._map_tensors(Tensor.pin_memory)
+
+    def _map_tensors(self, fn: Callable[[Tensor], Tensor]) -> Schedule:
         return replace(
             self,
-            send_index=self.send_index.pin_memory(),
-            local=None if self.local is None else self.local.pin_memory(),
-            steps=tuple(replace(st, calls=tuple(c.pin_memory() for c in st.calls)) for st in self.steps),
+            send_index=fn(self.send_index),
+            local=None if self.local is None else self.local._map_tensors(fn),
+            steps=tuple(replace(st, calls=tuple(c._map_tensors(fn) for c in st.calls)) for st in self.steps),
             verified=set(),
         )
 
@@ -305,6 +294,12 @@ class _PieceTable:
         sizes = np.bincount(self.rank, weights=np.where(self.needed, self.stop - self.start, 0), minlength=self.cp_size)
         return tuple(int(x) for x in sizes)
 
+    def distances(self) -> list[int]:
+        """The ring distances ``t`` at which some rank ``r`` needs keys of rank ``(r - t) mod C``
+        (every rank computes the same list, so all skip the same distances)."""
+        need, ranks = self.need_matrix(), np.arange(self.cp_size)
+        return [t for t in range(1, self.cp_size) if need[ranks, (ranks - t) % self.cp_size].any()]
+
     def need_matrix(self) -> np.ndarray:
         """``need[r, s]``: rank r has a query piece that needs keys held by rank s != r."""
         slots = int(self.slot.max(initial=-1)) + 1
@@ -332,33 +327,41 @@ def compile_schedule(
     dense_buckets: int | None = DEFAULT_DENSE_BUCKETS,
     dense_batches: bool = True,
 ) -> Schedule:
-    """Compile ``microbatch`` into the schedule of CP rank ``cp_rank`` (CPU tensors; see :meth:`Schedule.to`).
+    """Compile ``microbatch`` into the attention schedule of CP rank ``cp_rank``.
 
-    Works for any valid micro-batch: any number of pieces per sample and rank, uneven or
-    length-1 pieces, ranks with no tokens, any CP size. Every rank of the group must compile the
-    same micro-batch (checked at run time through :attr:`Schedule.fingerprint`).
-    ``dense_threshold``: segments of at least this many queries and keys (in area; see
-    :func:`is_dense_segment`) are marked for a hybrid backend's dense kernel (``None``: mark none);
-    ``dense_buckets``: the dense parts' lengths per octave (module docstring; ``None``: exact
-    shapes); ``dense_batches``: batch runs of equal short local segments into dense calls. These
-    only change which kernel computes what, so ranks may differ in them.
+    Works for any valid micro-batch: any number of pieces per sample and rank, uneven or length-1
+    pieces, ranks with no tokens, any CP size. The dense options only change which kernel computes
+    what, so ranks may differ in them.
+
+    Args:
+        microbatch: the CP group's micro-batch; ``microbatch.shards[r]`` lists rank ``r``'s pieces in
+            canonical order. Every rank of the group must compile the same micro-batch (checked at
+            run time through :attr:`Schedule.fingerprint`).
+        cp_rank: this rank's index in the CP group, ``0 <= cp_rank < len(microbatch.shards)``.
+        dense_threshold: segments of at least this many queries and keys (by area, see
+            :func:`is_dense_segment`) are marked for a hybrid backend's dense kernel; ``None`` marks
+            none.
+        dense_buckets: the dense parts' lengths per octave, a power of two (module docstring,
+            "Shape buckets"); ``None`` keeps exact shapes.
+        dense_batches: give runs of equal short local segments to the dense kernel as batched calls.
+
+    Returns:
+        The :class:`Schedule` of CPU tensors (int64 row indices, int32 ``cu_seqlens``); move it with
+        :meth:`Schedule.to`. ``schedule.num_tokens`` is the rank's token count ``T``, the first
+        dim of the ``q``/``k``/``v`` it runs on.
+
+    Raises:
+        ValueError: ``cp_rank`` out of range, a bad ``dense_threshold`` or ``dense_buckets``, or
+            pieces that are empty, out of canonical order, overlapping, or of a sample the
+            micro-batch does not list.
     """
     cp = len(microbatch.shards)
     if not 0 <= cp_rank < cp:
         raise ValueError(f"cp_rank {cp_rank} is outside the micro-batch's {cp} rank shards")
-    if dense_threshold is not None and dense_threshold < 1:
-        raise ValueError(f"dense_threshold must be >= 1 or None, got {dense_threshold}")
-    if dense_buckets is not None and (dense_buckets < 1 or dense_buckets & (dense_buckets - 1)):
-        raise ValueError(f"dense_buckets must be a power of two or None, got {dense_buckets}")
-    dense = None if dense_threshold is None else (dense_threshold, dense_buckets, dense_batches)
+    dense = _dense_options(dense_threshold, dense_buckets, dense_batches)
     table = _PieceTable.from_microbatch(microbatch)
     mine = np.flatnonzero(table.rank == cp_rank)
     num_tokens = int((table.stop[mine] - table.start[mine]).sum())
-
-    need = table.need_matrix()
-    ranks = np.arange(cp)
-    distances = [t for t in range(1, cp) if need[ranks, (ranks - t) % cp].any()]
-
     mine_needed = mine[table.needed[mine]]
     send_index = _concat_ranges(table.offset[mine_needed], table.stop[mine_needed] - table.start[mine_needed])
     steps = tuple(
@@ -366,7 +369,7 @@ def compile_schedule(
             distance=t,
             calls=_remote_calls(table, mine, np.flatnonzero(table.rank == (cp_rank - t) % cp), num_tokens, dense),
         )
-        for t in distances
+        for t in table.distances()
     )
     return Schedule(
         cp_rank=cp_rank,
@@ -379,6 +382,15 @@ def compile_schedule(
         local=_local_call(table, mine, dense) if num_tokens else None,
         steps=steps,
     )
+
+
+def _dense_options(threshold: int | None, buckets: int | None, batches: bool) -> tuple | None:
+    """The validated dense split options as ``(threshold, buckets, batches)``, or None (no split)."""
+    if threshold is not None and threshold < 1:
+        raise ValueError(f"dense_threshold must be >= 1 or None, got {threshold}")
+    if buckets is not None and (buckets < 1 or buckets & (buckets - 1)):
+        raise ValueError(f"dense_buckets must be a power of two or None, got {buckets}")
+    return None if threshold is None else (threshold, buckets, batches)
 
 
 def _local_call(table: _PieceTable, mine: np.ndarray, dense: tuple | None) -> KernelCall:
@@ -449,7 +461,7 @@ def _as_range(index: np.ndarray) -> tuple[int, int] | None:
 
 
 def _query_rows(seg_q_start, seg_q, num_tokens: int) -> dict:
-    """``q_index``/``q_range`` of a call: None/None for all local rows in order, a range when contiguous, else an index."""
+    """A call's ``q_index``/``q_range``: neither for all local rows in order, a range when contiguous, else an index."""
     q_index = _concat_ranges(seg_q_start, seg_q)
     q_range = _as_range(q_index)
     if q_range is not None and q_index.size == num_tokens:
@@ -497,11 +509,10 @@ def _bucket_step(length: np.ndarray, buckets: int) -> np.ndarray:
 
 def _make_call(seg_q, seg_k, seg_q_start, causal: bool, num_tokens: int, dense: tuple | None) -> KernelCall:
     """The call of segments ``seg_q[b]`` queries (local rows ``seg_q_start[b]`` on) x ``seg_k[b]`` keys,
-    plus its dense split (``dense = (threshold, buckets, batches)``)."""
-    cu_k = _cu(seg_k)
+    plus its dense split (``dense = (threshold, buckets, batches)``; ``None``: no split)."""
     call = KernelCall(
         cu_seqlens_q=_cu(seg_q),
-        cu_seqlens_k=cu_k,
+        cu_seqlens_k=_cu(seg_k),
         max_seqlen_q=int(seg_q.max()),
         max_seqlen_k=int(seg_k.max()),
         causal=causal,
@@ -514,15 +525,7 @@ def _make_call(seg_q, seg_k, seg_q_start, causal: bool, num_tokens: int, dense: 
     batches = _equal_batches(seg_q, ~long, threshold) if causal and batched else []
     if not long.any() and not batches:
         return call
-    seg_k_start = np.cumsum(seg_k) - seg_k
-    q_run = dense_bucket_up(seg_q, buckets)  # the dense kernel's query rows: every row, padded up to a bucket
-    k_run = q_run if causal else dense_bucket(seg_k, buckets)  # causal: the padded square; else keys cut down
-    dense_parts = tuple(
-        DenseSegment(int(a), int(n), int(b), int(m), int(qr), int(kr))
-        for a, n, b, m, qr, kr in zip(
-            seg_q_start[long], seg_q[long], seg_k_start[long], seg_k[long], q_run[long], k_run[long]
-        )
-    )
+    dense_parts = _dense_segments(seg_q, seg_k, seg_q_start, long, causal, buckets)
     for first, count in batches:  # equal-length short segments, one batched dense call per power-of-two group
         a, n = int(seg_q_start[first]), int(seg_q[first])
         dense_parts += (DenseSegment(a, n, a, n, n, n, count),)
@@ -530,23 +533,42 @@ def _make_call(seg_q, seg_k, seg_q_start, causal: bool, num_tokens: int, dense: 
     assert not causal or all(d.q_len == d.k_len and d.q_start == d.k_start for d in dense_parts), (
         "dense causal parts are diagonal squares"
     )
+    return replace(call, dense=dense_parts, rest=_rest_calls(call, seg_q, seg_q_start, long))
+
+
+def _dense_segments(seg_q, seg_k, seg_q_start, long, causal: bool, buckets: int | None) -> tuple[DenseSegment, ...]:
+    """The ``long`` segments as :class:`DenseSegment`: every query row, padded up to a bucket; the
+    keys of a causal square padded the same way, those of a full block cut down to a bucket."""
+    seg_k_start = np.cumsum(seg_k) - seg_k
+    q_run = dense_bucket_up(seg_q, buckets)
+    k_run = q_run if causal else dense_bucket(seg_k, buckets)
+    return tuple(
+        DenseSegment(int(a), int(n), int(b), int(m), int(qr), int(kr))
+        for a, n, b, m, qr, kr in zip(
+            seg_q_start[long], seg_q[long], seg_k_start[long], seg_k[long], q_run[long], k_run[long]
+        )
+    )
+
+
+def _rest_calls(call: KernelCall, seg_q, seg_q_start, long) -> tuple[KernelCall, ...]:
+    """What the dense kernel leaves of ``call`` (segments ``long`` taken), as varlen calls. Local
+    (causal): the runs of rows between dense parts, rows and keys read as views. Remote: one call
+    with the same key segments, the long ones without queries (their dK/dV rows come out zero)."""
     rest_q = np.where(long, 0, seg_q)
     if not rest_q.any():
-        rest = ()
-    elif causal:  # the local call: rows between dense parts, rows and keys read as views
-        rest = _local_runs(seg_q, seg_q_start, long)
-    else:  # same key segments (the long segments keep their keys with no query: dK/dV rows zeroed)
-        rest = (
-            KernelCall(
-                **_query_rows(seg_q_start, rest_q, -1),
-                cu_seqlens_q=_cu(rest_q),
-                cu_seqlens_k=cu_k,
-                max_seqlen_q=int(rest_q.max()),
-                max_seqlen_k=int(seg_k.max()),
-                causal=causal,
-            ),
-        )
-    return replace(call, dense=dense_parts, rest=rest)
+        return ()
+    if call.causal:
+        return _local_runs(seg_q, seg_q_start, long)
+    return (
+        KernelCall(
+            **_query_rows(seg_q_start, rest_q, -1),
+            cu_seqlens_q=_cu(rest_q),
+            cu_seqlens_k=call.cu_seqlens_k,
+            max_seqlen_q=int(rest_q.max()),
+            max_seqlen_k=call.max_seqlen_k,
+            causal=False,
+        ),
+    )
 
 
 def _equal_batches(seg_len: np.ndarray, eligible: np.ndarray, threshold: int) -> list[tuple[int, int]]:
@@ -554,8 +576,8 @@ def _equal_batches(seg_len: np.ndarray, eligible: np.ndarray, threshold: int) ->
     consecutive ``eligible`` segments of one length ``L >= threshold // 16`` holding at least
     ``threshold`` rows, cut into power-of-two groups (bounded graph shapes ``(2**i, L)``; a group
     of one stays in the varlen runs). In memory such a run is a ``[count, L, H, D]`` batch, which
-    cuDNN takes as a view; on H200 it ran 1.5-1.7x faster than flash varlen for ``L`` of 256-4096
-    (BENCHMARKS.md, ``benchmarks/cudnn_batched.py``)."""
+    cuDNN takes as a view, 1.5-1.7x faster than flash varlen on H200 for ``L`` of 256-4096
+    (``benchmarks/cudnn_batched.py``)."""
     idx = np.flatnonzero(eligible & (seg_len >= max(threshold // 16, 1)))
     if idx.size < 2:
         return []
@@ -574,8 +596,8 @@ def _equal_batches(seg_len: np.ndarray, eligible: np.ndarray, threshold: int) ->
 
 #: The most rows one varlen call of the local step's short segments takes (longer runs are cut at
 #: segment boundaries). Each call's output (and dQ/dK/dV) is a new tensor that the engine copies
-#: into the rank's result, so it is held beside the full result: uncut, a 40K-row run on a 64K
-#: rank put the forward's peak at 1.4x single-GPU attention. At this size a call still fills the
+#: into the rank's result, so it is held beside the full result: uncut, a 40K-row run on a 64K-token
+#: rank puts the forward's peak at 1.4x single-GPU attention. At this size a call still fills the
 #: GPU (64 row blocks per head) and the extra launches are a few per layer.
 LOCAL_RUN_ROWS = 8192
 
