@@ -40,11 +40,13 @@ equal k consumed, save, restore, N-k consumed, bit for bit.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
+from ringpack.cost import CostModel
 from ringpack.lengths import DataError, sample_lengths
 from ringpack.shard_plan import MicroBatch, Piece, Plan, PlanConfig, RankShard
 
@@ -199,6 +201,9 @@ class BalancedBatchSampler(_SamplerBase):
             **plan_options,
         )
         self.dp_rank = int(dp_rank)
+        self._base_cost = self.config.cost
+        # (epoch, step, cost model): from that step on the plan uses that model (set_cost_model)
+        self._switches: list[tuple[int, int, CostModel]] = []
         self.epoch = 0
         self._cursor = 0  # micro-batches yielded in this epoch (by the live iterator, or restored)
         self._pending: int | None = None  # cursor the next __iter__ starts at (set by load_state_dict)
@@ -208,18 +213,71 @@ class BalancedBatchSampler(_SamplerBase):
 
     # ------------------------------------------------------------------ plan
     def plan(self, epoch: int | None = None) -> Plan:
-        """The (cached) plan of ``epoch`` (default: the current one), identical on every rank."""
+        """The (cached) plan of ``epoch`` (default: the current one), identical on every rank.
+
+        Steps before a cost-model switch (:meth:`set_cost_model`) are planned with the model in use
+        before it, later ones with the new model; the samples of every step do not depend on the
+        cost model, so the spliced plan still plans every sample once.
+        """
         epoch = self.epoch if epoch is None else int(epoch)
         if epoch not in self._plans:
-            from ringpack.planner import make_plan
-
-            config = PlanConfig.from_dict({**self.config.to_dict(), "epoch": epoch})
             if len(self._plans) >= 2:  # keep the current epoch's plan and this one
                 for old in [e for e in self._plans if e != self.epoch]:
                     self._plans.pop(old)
                     self._orders.pop(old, None)
-            self._plans[epoch] = make_plan(self.lengths, config)
+            self._plans[epoch] = self._spliced_plan(epoch)
         return self._plans[epoch]
+
+    def _spliced_plan(self, epoch: int) -> Plan:
+        from ringpack.planner import make_plan
+
+        def planned(cost: CostModel) -> Plan:
+            return make_plan(self.lengths, dataclasses.replace(self.config, epoch=epoch, cost=cost))
+
+        plan = planned(self._cost_at(epoch, 0))
+        for e, step, cost in self._switches:
+            if e == epoch and 0 < step < plan.num_steps:
+                tail = planned(cost)
+                plan = dataclasses.replace(plan, config=tail.config, steps=plan.steps[:step] + tail.steps[step:])
+        return plan.validate() if any(e == epoch and s > 0 for e, s, _ in self._switches) else plan
+
+    def _cost_at(self, epoch: int, step: int) -> CostModel:
+        """The cost model in use at ``(epoch, step)``."""
+        cost = self._base_cost
+        for e, s, model in self._switches:
+            if (e, s) <= (epoch, step):
+                cost = model
+        return cost
+
+    # --------------------------------------------------------- cost models
+    def planned_through(self) -> tuple[int, int]:
+        """``(epoch, step)`` of the last micro-batch this sampler has handed out (``step`` -1: none yet)."""
+        cursor = self._pending if self._pending is not None else self._cursor
+        if cursor == 0:
+            return self.epoch, -1
+        return self.epoch, self._order(self.epoch)[cursor - 1][0]
+
+    def set_cost_model(self, cost: CostModel, after: tuple[int, int], lead_steps: int = 0) -> tuple[int, int]:
+        """Plan with ``cost`` from the step ``lead_steps + 1`` steps after ``after = (epoch, step)``.
+
+        ``after`` must be at or past what every rank's sampler has handed out (the maximum of
+        :meth:`planned_through` over all ranks), so that no rank has already delivered a
+        micro-batch of a re-planned step; :class:`~ringpack.analysis.calibration.online.CostLearner`
+        agrees on it with one all-reduce. Every rank must make the same calls. Past the epoch's last
+        step the model applies from the next epoch. Returns the ``(epoch, step)`` of the switch;
+        the switch is recorded in :meth:`state_dict`.
+        """
+        epoch, step = int(after[0]), int(after[1]) + 1 + int(lead_steps)
+        if (epoch, step) <= self.planned_through():
+            raise DataError(f"cost model switch at epoch {epoch} step {step}: this rank has already planned past it")
+        if step >= self.plan(epoch).num_steps:
+            epoch, step = epoch + 1, 0
+        self._switches.append((epoch, step, cost))
+        self.config = dataclasses.replace(self.config, cost=cost)
+        for e in [e for e in self._plans if e >= epoch]:
+            self._plans.pop(e)
+            self._orders.pop(e, None)
+        return epoch, step
 
     def _order(self, epoch: int) -> list[tuple[int, int]]:
         """(step, index) of each of this rank's micro-batches of ``epoch``, in yield order."""
@@ -295,13 +353,13 @@ class BalancedBatchSampler(_SamplerBase):
 
     def __iter__(self) -> Iterator[MicroBatchTicket]:
         epoch = self.epoch
-        total = len(self._order(epoch))
-        start = self._pending if self._pending is not None else 0
+        position = self._pending if self._pending is not None else 0
         self._pending = None
-        self._cursor = start
-        for position in range(start, total):
+        self._cursor = position
+        while position < len(self._order(epoch)):  # re-read: a cost-model switch may re-plan later steps
             ticket = self.ticket(position, epoch)
-            self._cursor = position + 1
+            position += 1
+            self._cursor = position
             yield ticket
 
     # --------------------------------------------------------------- state
@@ -322,6 +380,7 @@ class BalancedBatchSampler(_SamplerBase):
             "tokens_per_rank": int(self.config.tokens_per_rank),
             "num_samples": int(len(self.lengths)),
             "plan_hash": self.plan_hash,
+            "cost_switches": [[e, s, model.to_dict()] for e, s, model in self._switches],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -344,6 +403,7 @@ class BalancedBatchSampler(_SamplerBase):
         for key, value in mine.items():
             if state.get(key) != value:
                 raise DataError(f"sampler state was made for {key}={state.get(key)}, this sampler has {key}={value}")
+        self._restore_switches(state.get("cost_switches", []))
         epoch = int(state["epoch"])
         plan_hash = self.plan(epoch).content_hash
         if state.get("plan_hash") != plan_hash:
@@ -358,3 +418,13 @@ class BalancedBatchSampler(_SamplerBase):
         self.epoch = epoch
         self._cursor = cursor
         self._pending = cursor
+
+    def _restore_switches(self, switches: Any) -> None:
+        try:
+            restored = [(int(e), int(s), CostModel.from_dict(dict(m))) for e, s, m in switches]
+        except (TypeError, ValueError) as exc:
+            raise DataError(f"sampler state has malformed cost_switches: {exc}") from exc
+        self._switches = restored
+        self.config = dataclasses.replace(self.config, cost=restored[-1][2] if restored else self._base_cost)
+        self._plans.clear()
+        self._orders.clear()
