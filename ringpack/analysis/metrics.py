@@ -32,10 +32,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ringpack.analysis.comm_model import kv_cross_tokens
 from ringpack.cost import CostModel, piece_pairs
-from ringpack.planner.bounds import cell_index, critical_path, rank_grid
+from ringpack.planner.bounds import critical_path, rank_grid
 
-__all__ = ["PlanMetrics", "evaluate", "evaluate_plan", "zigzag_rule_padding", "microbatch_index"]
+__all__ = ["PlanMetrics", "evaluate", "evaluate_plan", "zigzag_rule_padding", "plan_label"]
 
 
 @dataclass
@@ -64,11 +65,6 @@ class PlanMetrics:
     @property
     def num_steps(self) -> int:
         return int(self.cost.shape[0])
-
-    @property
-    def mb_time(self) -> np.ndarray:
-        """(S, D, M): the slowest CP rank of each micro-batch."""
-        return self.cost.max(axis=3)
 
     @property
     def dp_time(self) -> np.ndarray:
@@ -123,11 +119,6 @@ class PlanMetrics:
         """(S,): predicted compute time of each step (cost model; no communication)."""
         return self.model.seconds(self.step_cost)
 
-    @property
-    def idle_cost(self) -> np.ndarray:
-        """(S,): GPU time spent waiting, summed over GPUs (cost unit)."""
-        return self.dp * self.cp * self.step_cost - self.busy.sum(axis=(1, 2))
-
     def kv_bytes(self, bytes_per_token: float) -> np.ndarray:
         """(S, D, M, C): K/V bytes each rank's pieces put on the wire (``bytes_per_token`` all layers)."""
         return self.kv_cross_tokens * float(bytes_per_token)
@@ -161,10 +152,6 @@ class PlanMetrics:
         }
 
 
-#: The (step, dp, micro-batch) cell of every piece row: the balancer's one implementation.
-microbatch_index = cell_index
-
-
 def zigzag_rule_padding(lengths: np.ndarray, cp: int) -> np.ndarray:
     """(N, C) padding tokens each CP rank gets when each sample is padded to a multiple of ``2*cp``.
 
@@ -187,65 +174,75 @@ def zigzag_rule_padding(lengths: np.ndarray, cp: int) -> np.ndarray:
 def evaluate(
     arrays: Mapping[str, np.ndarray],
     lengths: np.ndarray,
+    *,
     dp: int,
     cp: int,
     model: CostModel,
     name: str = "plan",
-    kv_cross: np.ndarray | None = None,
     shape: tuple[int, int, int] | None = None,
 ) -> PlanMetrics:
-    """Metrics of a plan given as piece columns (``Plan.piece_arrays``) and its sample lengths.
+    """Metrics of a plan given as piece columns and its sample lengths.
 
-    ``kv_cross`` gives, per piece row, how many of its tokens' K/V some other CP rank needs
-    (``None``: computed with :func:`ringpack.analysis.comm_model.kv_cross_tokens`).
+    Args:
+        arrays: the plan's piece table (``Plan.piece_arrays``): int64 columns ``[P]`` named
+            ``step, dp, microbatch, cp, slot, sample, start, stop``, one row per piece.
+        lengths: int64 ``[N]``, the planned samples' lengths.
+        dp, cp: the mesh the plan is for.
+        model: the cost model that prices each rank's tokens, pairs and pieces.
+        name: the plan's label in reports.
+        shape: ``(S, D, M)``: steps, DP ranks and the widest micro-batch count (``None``: from
+            the columns).
+
+    Returns:
+        :class:`PlanMetrics` with ``(S, D, M, C)`` arrays (zeros in unused micro-batch slots).
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     per_rank, cell, grid = rank_grid(arrays, dp, cp, shape)
-    start = np.asarray(arrays["start"], dtype=np.int64)
-    stop = np.asarray(arrays["stop"], dtype=np.int64)
-    sample = np.asarray(arrays["sample"], dtype=np.int64)
-    S, D, M = grid
-
+    start, stop, sample = (np.asarray(arrays[k], dtype=np.int64) for k in ("start", "stop", "sample"))
     tokens = per_rank(stop - start)
     pairs = per_rank(piece_pairs(start, stop))
     segments = per_rank(None)
-    cost = model.cost(tokens, pairs, segments)
-    exists = np.zeros(S * D * M, dtype=bool)
+    exists = np.zeros(int(np.prod(grid)), dtype=bool)
     exists[cell] = True
-    exists = exists.reshape(S, D, M)
-
-    if kv_cross is None:
-        from ringpack.analysis.comm_model import kv_cross_tokens
-
-        kv_cross = kv_cross_tokens(arrays, shape=grid)
-    kv = per_rank(np.asarray(kv_cross, dtype=np.int64))
-
     # one row per (micro-batch, sample): the piece with start == 0 is unique for each sample
     first = start == 0
-    s_cell, s_sample = cell[first], sample[first]
-    pad = zigzag_rule_padding(lengths[s_sample], cp)  # (n, C)
-    zz = np.zeros((S * D * M, cp), dtype=np.int64)
-    np.add.at(zz, s_cell, pad)
-    zz = zz.reshape(S, D, M, cp)
-
-    step_of_sample = s_cell // (D * M)
-    samples = np.bincount(step_of_sample, minlength=S)
-    loss = np.bincount(step_of_sample, weights=(lengths[s_sample] - 1).astype(np.float64), minlength=S).astype(np.int64)
+    sample_cell, sample_length = cell[first], lengths[sample[first]]
+    samples, loss = _per_step_samples(sample_cell, sample_length, grid)
     return PlanMetrics(
         name=name,
         dp=dp,
         cp=cp,
         model=model,
-        mb_exists=exists,
+        mb_exists=exists.reshape(grid),
         tokens=tokens,
         pairs=pairs,
         segments=segments,
-        cost=cost,
-        kv_cross_tokens=kv,
-        zigzag_padding=zz,
+        cost=model.cost(tokens, pairs, segments),
+        kv_cross_tokens=per_rank(np.asarray(kv_cross_tokens(arrays, shape=grid), dtype=np.int64)),
+        zigzag_padding=_zigzag_padding_grid(sample_cell, sample_length, cp, grid),
         samples=samples,
         loss_tokens=loss,
     )
+
+
+def _zigzag_padding_grid(
+    sample_cell: np.ndarray, sample_length: np.ndarray, cp: int, grid: tuple[int, int, int]
+) -> np.ndarray:
+    """(S, D, M, C): the 2*cp-rule zigzag padding of each micro-batch's samples, per CP rank."""
+    padding = np.zeros((int(np.prod(grid)), cp), dtype=np.int64)
+    np.add.at(padding, sample_cell, zigzag_rule_padding(sample_length, cp))
+    return padding.reshape(*grid, cp)
+
+
+def _per_step_samples(
+    sample_cell: np.ndarray, sample_length: np.ndarray, grid: tuple[int, int, int]
+) -> tuple[np.ndarray, np.ndarray]:
+    """(S,) samples and (S,) loss tokens (``length - 1`` each) of every step."""
+    steps, dp, microbatches = grid
+    step_of_sample = sample_cell // (dp * microbatches)
+    samples = np.bincount(step_of_sample, minlength=steps)
+    loss = np.bincount(step_of_sample, weights=(sample_length - 1).astype(np.float64), minlength=steps)
+    return samples, loss.astype(np.int64)
 
 
 def evaluate_plan(plan, name: str | None = None) -> PlanMetrics:
@@ -256,7 +253,13 @@ def evaluate_plan(plan, name: str | None = None) -> PlanMetrics:
     S = plan.num_steps
     M = max((len(rank) for step in plan.steps for rank in step.microbatches), default=0)
     return evaluate(
-        plan.piece_arrays, np.asarray(plan.lengths), cfg.dp, cfg.cp, cfg.cost, name=name, shape=(S, cfg.dp, M)
+        plan.piece_arrays,
+        np.asarray(plan.lengths),
+        dp=cfg.dp,
+        cp=cfg.cp,
+        model=cfg.cost,
+        name=name,
+        shape=(S, cfg.dp, M),
     )
 
 
