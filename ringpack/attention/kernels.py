@@ -1,4 +1,4 @@
-"""Varlen attention kernels behind one contract (DESIGN.md section 4).
+"""Varlen attention kernels behind one contract.
 
 Every ring step of the runtime is one call of::
 
@@ -26,7 +26,7 @@ each call's gradients are exactly its share of the gradient of the whole softmax
 Backends: ``flash_attn`` (the flash-attn package), ``torch_flash`` (PyTorch's built-in flash
 kernel, CUDA fp16/bf16) and ``reference`` (plain PyTorch, any device; computes in float32 or
 float64; O(Tq * Tk) memory, for tests). ``backend="auto"`` picks the first that applies, after
-``cudnn_hybrid`` where that was measured faster (:func:`available_backends`).
+``cudnn_hybrid`` where it is the faster choice (:func:`available_backends`).
 
 **Hybrid backends** pair a varlen kernel with a *dense* one-segment kernel::
 
@@ -34,9 +34,9 @@ float64; O(Tq * Tk) memory, for tests). ``backend="auto"`` picks the first that 
     dense_attn_bwd(dout, q, k, v, out, lse, softmax_scale, causal, backend) -> (dq, dk, dv)
 
 (one segment, same conventions; ``causal`` needs ``Lq == Lk``; ``dense_keys=n`` hands keys past
-``n`` of a non-causal segment to the varlen kernel, see :func:`dense_attn_fwd`). The engine sends the long
-segments the schedule marked (:attr:`KernelCall.dense`) to the dense kernel one by one and the
-rest of the call to the varlen kernel. ``cudnn_hybrid``: cuDNN dense SDPA
+``n`` of a non-causal segment to the varlen kernel, see :func:`dense_attn_fwd`). The engine sends
+the long segments the schedule marked (:attr:`KernelCall.dense`) to the dense kernel one by one
+and the rest of the call to the varlen kernel. ``cudnn_hybrid``: cuDNN dense SDPA
 (``aten._scaled_dot_product_cudnn_attention``, ~1.8x flash on long causal segments on H200) +
 ``torch_flash``; ``reference_hybrid``: ``reference`` for both, to test the splitting on CPU.
 Given to :func:`varlen_attn_fwd`/``bwd``, a hybrid name means its varlen kernel.
@@ -84,13 +84,11 @@ HYBRID_BACKENDS = {
 }
 
 # Whether backend="auto" picks cudnn_hybrid (ahead of flash_attn / torch_flash) where it was
-# measured: CUDA bf16 on compute capability 9.x (Hopper; measured on H200) with head_dim 128.
-# Measured on 2 x H200 (BENCHMARKS.md): as fast as torch_flash where no segment reaches the dense
-# threshold (it then runs the same varlen calls) and 1.5-1.8x faster where segments do. cuDNN
-# builds a graph (~0.1 s) for every new shape; the schedule's shape buckets bound those shapes
-# (about 800 per process in 3,000 steps of heavy-tailed mixes at 64K tokens per GPU, most of them
-# early), and benchmarks/fresh_lengths.py measures what the builds cost against the faster steps.
-# Elsewhere (other GPUs, dtypes, head dims) it was not measured, so auto keeps flash.
+# benchmarked: CUDA bf16 on compute capability 9.x (Hopper) with head_dim 128. There it is as fast as
+# torch_flash where no segment reaches the dense threshold (it runs the same varlen calls) and
+# 1.5-1.8x faster where segments do (BENCHMARKS.md). cuDNN builds a graph (~0.1 s) per new shape;
+# the schedule's shape buckets bound those shapes, and benchmarks/fresh_lengths.py weighs the builds
+# against the faster steps. Elsewhere (other GPUs, dtypes, head dims) auto keeps flash.
 AUTO_CUDNN_HYBRID = True
 AUTO_CUDNN_HEAD_DIMS = (128,)
 AUTO_CUDNN_CAPABILITY = 9
@@ -98,8 +96,8 @@ AUTO_CUDNN_DTYPES = (torch.bfloat16,)
 
 # Whether cuDNN dense SDPA is given K/V with fewer heads than Q as they are (GQA). False: K/V heads
 # of a dense segment are repeated to H and dK/dV summed back over each group (extra copies of one
-# segment's K/V). tests/attention/test_gpu_cudnn_probe.py reports whether native GQA is exact: it
-# was on torch 2.11 / cuDNN 9.19 / H200 (errors at bf16 level) and faster (543-585 vs 537-548 TF/s).
+# segment's K/V). tests/attention/test_gpu_cudnn_probe.py reports whether native GQA is exact; with
+# torch 2.11 / cuDNN 9.19 on H200 it is (errors at bf16 level) and slightly faster than the repeat.
 CUDNN_NATIVE_GQA = True
 
 
@@ -129,8 +127,8 @@ def _flash_attn_module():
 
 def available_backends(device: torch.device | str, dtype: torch.dtype, head_dim: int | None = None) -> list[str]:
     """Backends usable for tensors of this device and dtype, best first (``reference_hybrid`` is for
-    tests, never listed). ``cudnn_hybrid`` comes first only where it was measured faster
-    (:data:`AUTO_CUDNN_HYBRID`: bf16, capability 9.x and a head_dim it was measured with) and
+    tests, never listed). ``cudnn_hybrid`` comes first only where it was benchmarked faster
+    (:data:`AUTO_CUDNN_HYBRID`: bf16, capability 9.x and a head_dim it was benchmarked with) and
     PyTorch's cuDNN attention is enabled (``torch.backends.cuda.enable_cudnn_sdp(False)``, a common
     workaround for cuDNN trouble, keeps ``auto`` on flash), else last."""
     device = torch.device(device)
@@ -169,11 +167,11 @@ def _cudnn_ragged_dense() -> str | None:
     """Why cuDNN dense SDPA cannot be trusted in this process, or None.
 
     ``TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1`` makes PyTorch run dense cuDNN attention through its
-    ragged path, with one graph per power-of-two length bucket. Measured on torch 2.11 / cuDNN 9.19
-    / H200 (``benchmarks/cudnn_shapes.py``, BENCHMARKS.md): the forward stays exact, but the
-    backward of every length after the first in a bucket returns wrong dQ (errors of 10^2-10^3
-    relative to the largest value). PyTorch reads the variable once per process, so it is refused
-    here rather than silently producing wrong gradients.
+    ragged path, with one graph per power-of-two length bucket. With torch 2.11 / cuDNN 9.19 on
+    H200 (``benchmarks/cudnn_shapes.py``) the forward stays exact, but the backward of every length
+    after the first in a bucket returns wrong dQ (errors of 10^2-10^3 relative to the largest
+    value). PyTorch reads the variable once per process, so it is refused here rather than
+    silently producing wrong gradients.
     """
     value = os.environ.get("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", "").strip().lower()
     if value in ("1", "true", "yes", "on", "y"):
@@ -185,8 +183,14 @@ def _cudnn_ragged_dense() -> str | None:
 
 
 def resolve_backend(backend: str, q: Tensor) -> str:
-    """``"auto"`` -> cudnn_hybrid where it was measured faster (:func:`available_backends`), else
-    flash_attn if importable on CUDA, else torch_flash on CUDA fp16/bf16, else reference."""
+    """The backend that runs ``q``'s device and dtype: ``backend`` itself, checked, or for ``"auto"``
+    the first of :func:`available_backends` (cudnn_hybrid where it is the faster choice, else
+    flash_attn if importable on CUDA, else torch_flash on CUDA fp16/bf16, else reference).
+
+    Raises:
+        ValueError: an unknown name, or a backend that cannot run ``q`` (CPU or float32/64 tensors
+            for a CUDA kernel, flash-attn not importable, cuDNN unavailable or refused).
+    """
     if backend == "auto":
         usable = available_backends(q.device, q.dtype, q.shape[-1])
         if not usable:
@@ -376,8 +380,11 @@ def _lse_rows(lse: Tensor, batch: int) -> Tensor:
 _cudnn_lse_rank = [4]  # rank of the lse the forward op returned last (the backward wants the same)
 
 
-def _cudnn_kv(x: Tensor, heads: int) -> Tensor:
-    return x if CUDNN_NATIVE_GQA else _expand_kv(x, heads)
+def _cudnn_qkv(q: Tensor, k: Tensor, v: Tensor, batch: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``[B, H, S, D]`` views of q, k, v for cuDNN (K/V heads repeated to H unless GQA is native)."""
+    heads = q.shape[1]
+    k, v = (k, v) if CUDNN_NATIVE_GQA else (_expand_kv(k, heads), _expand_kv(v, heads))
+    return _bhsd(q, batch), _bhsd(k, batch), _bhsd(v, batch)
 
 
 def _cudnn_dense_fwd(
@@ -385,8 +392,8 @@ def _cudnn_dense_fwd(
 ) -> tuple[Tensor, Tensor]:
     heads, lq = q.shape[1], q.shape[0] // batch
     res = torch.ops.aten._scaled_dot_product_cudnn_attention(
-        _bhsd(q, batch), _bhsd(_cudnn_kv(k, heads), batch), _bhsd(_cudnn_kv(v, heads), batch), None, True, _NO_DROPOUT, causal, False, scale=scale
-    )  # fmt: skip
+        *_cudnn_qkv(q, k, v, batch), None, True, _NO_DROPOUT, causal, False, scale=scale
+    )
     out4, lse = res[0], res[1]
     if (
         tuple(out4.shape) != (batch, heads, lq, v.shape[-1])
@@ -394,7 +401,8 @@ def _cudnn_dense_fwd(
         or tuple(lse.shape[:3]) != (batch, heads, lq)
     ):
         raise RuntimeError(
-            f"cuDNN SDPA returned out {tuple(out4.shape)} / lse {tuple(lse.shape)} for q {tuple(q.shape)}: unknown layout"
+            f"cuDNN SDPA returned out {tuple(out4.shape)} / lse {tuple(lse.shape)} for q {tuple(q.shape)}: "
+            "unknown layout"
         )
     _cudnn_lse_rank[0] = lse.dim()
     return _shd(out4), _lse_rows(lse, batch).to(accum_dtype(q.dtype))
@@ -408,7 +416,7 @@ def _cudnn_dense_bwd(
     lse4 = (lse.unsqueeze(-1) if _cudnn_lse_rank[0] == 4 else lse).contiguous()
     seed, offset = _cudnn_no_dropout_rng(q.device)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-        _bhsd(dout, batch), _bhsd(q, batch), _bhsd(_cudnn_kv(k, heads), batch), _bhsd(_cudnn_kv(v, heads), batch), _bhsd(out, batch), lse4,
+        _bhsd(dout, batch), *_cudnn_qkv(q, k, v, batch), _bhsd(out, batch), lse4,
         seed, offset, None, None, None, lq, lk, _NO_DROPOUT, causal, scale=scale,
     )  # fmt: skip
     return _shd(dq), _reduce_kv(_shd(dk), kv_heads), _reduce_kv(_shd(dv), kv_heads)
@@ -545,8 +553,9 @@ def dense_attn_bwd(
     dense_keys: int | None = None,
     batch: int = 1,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Backward of :func:`dense_attn_fwd` given the final (merged) ``out [Lq, H, D]`` and ``lse [H, Lq]``
-    (``dq``/``dk``/``dv`` in the input dtype; with ``dense_keys``, dq is the sum of both kernels' parts, rounded once)."""
+    """Backward of :func:`dense_attn_fwd` given the final (merged) ``out [Lq, H, D]`` and ``lse [H, Lq]``:
+    ``(dq, dk, dv)`` in the input dtype (with ``dense_keys``, dq is the sum of both kernels' parts,
+    rounded once)."""
     _check_dense_keys(dense_keys, k.shape[0], causal)
     _check_batch(batch, q.shape[0], k.shape[0], dense_keys)
     if torch.compiler.is_compiling():
@@ -559,7 +568,8 @@ def _check_dense_keys(dense_keys: int | None, num_keys: int, causal: bool) -> No
         return
     if causal or dense_keys < 1:
         raise ValueError(
-            f"dense_keys={dense_keys} of {num_keys} keys: a key split needs a non-causal segment and at least one dense key"
+            f"dense_keys={dense_keys} of {num_keys} keys: a key split needs a non-causal segment "
+            "and at least one dense key"
         )
 
 
@@ -661,17 +671,13 @@ def _key_tail_bwd(dout, q, k, v, out, lse, scale: float, backend: str) -> tuple[
 
     Flash's backward parallelises over key blocks, so one segment of a few hundred keys against
     thousands of queries runs a few dozen blocks that each walk every query row: on H200 the tail
-    of an 8K x 5K block took a quarter of the dense kernel's time. Cutting the queries into
+    of an 8K x 5K block takes about a quarter of the dense kernel's time. Cutting the queries into
     segments of :data:`TAIL_CHUNK_ROWS`, each paired with its own copy of the tail keys (at most
     :data:`TAIL_COPY_ROWS` copied key rows), multiplies the blocks; the copies' dK/dV are summed.
     """
     n_q, n_k = q.shape[0], k.shape[0]
     chunks = max(1, min(-(-n_q // TAIL_CHUNK_ROWS), TAIL_COPY_ROWS // max(n_k, 1)))
-    dout, out, lse = (
-        dout.contiguous(),
-        out.contiguous(),
-        lse.contiguous(),
-    )  # row views; the varlen kernels want them dense
+    dout, out, lse = (x.contiguous() for x in (dout, out, lse))  # row views; the varlen kernels want them dense
     if chunks == 1:
         return _BWD[backend](dout, q, k, v, out, lse, *_tail_segment(q, k), scale, False)
     rows = -(-n_q // chunks)
