@@ -15,7 +15,7 @@ from __future__ import annotations
 import base64
 import html
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +24,7 @@ import numpy as np
 
 from ringpack.analysis.comm_model import CommModel, microbatch_seconds
 from ringpack.analysis.metrics import PlanMetrics, evaluate_plan
+from ringpack.shard_plan import PACKINGS, STRATEGIES
 
 __all__ = [
     "REPORT_FORMAT",
@@ -46,13 +47,8 @@ REPORT_VERSION = 1
 
 #: The plans ``ringpack report --lengths`` makes: (CP strategy, packing). The status quo -- token
 #: count first-fit packing with a zigzag split -- is the baseline others are compared with.
-DEFAULT_VARIANTS: tuple[tuple[str, str], ...] = (
-    ("balanced", "balanced"),
-    ("zigzag", "balanced"),
-    ("contiguous", "balanced"),
-    ("balanced", "first_fit"),
-    ("zigzag", "first_fit"),
-    ("contiguous", "first_fit"),
+DEFAULT_VARIANTS: tuple[tuple[str, str], ...] = tuple(
+    (strategy, packing) for packing in PACKINGS for strategy in STRATEGIES
 )
 BASELINE = "zigzag/first_fit"
 
@@ -75,7 +71,8 @@ DEFINITIONS: dict[str, str] = {
     "K/V bytes": "bytes of K and V (all layers, one forward) of pieces some other CP rank needs, each counted once "
     "(ringpack.traffic); a ring passes each through cp-1 ranks, the backward sends K/V and dK/dV again",
     "step time with comm": "the same max/sum/max with each rank's time from the communication model "
-    "(ring: per layer max(compute, latency + bytes/bandwidth) per ring step; all-gather: gather + reduce-scatter, exposed)",
+    "(ring: per layer max(compute, latency + bytes/bandwidth) per ring step; "
+    "all-gather: gather + reduce-scatter, exposed)",
     "idle saved": "idle GPU-seconds of the baseline minus this plan's, over the whole plan",
 }
 
@@ -320,25 +317,19 @@ def build_report(
     if baseline not in names:
         raise ValueError(f"baseline {baseline!r} is not one of the plans {names}")
     first = results[0].metrics
-    plans = []
     summaries = {r.name: summarise(r) for r in results}
-    base = summaries[baseline]
-    for r in results:
-        summary = summaries[r.name]
-        summary["idle_gpu_seconds_saved"] = base["idle_gpu_seconds"] - summary["idle_gpu_seconds"]
-        if summary["predicted_seconds_comm"] > 0 and summary["tokens"] == base["tokens"]:
-            summary["speedup_vs_baseline"] = base["predicted_seconds_comm"] / summary["predicted_seconds_comm"]
-        else:
-            summary["speedup_vs_baseline"] = None
-        plans.append(
-            {
-                "name": r.name,
-                "hash": r.plan_hash,
-                "config": r.config,
-                "summary": summary,
-                "steps": step_rows(r, detail=detail),
-            }
-        )
+    for summary in summaries.values():
+        _compare_with_baseline(summary, summaries[baseline])
+    plans = [
+        {
+            "name": r.name,
+            "hash": r.plan_hash,
+            "config": r.config,
+            "summary": summaries[r.name],
+            "steps": step_rows(r, detail=detail),
+        }
+        for r in results
+    ]
     doc = {
         "format": REPORT_FORMAT,
         "version": REPORT_VERSION,
@@ -361,6 +352,15 @@ def build_report(
     if extra:
         doc.update(extra)
     return doc
+
+
+def _compare_with_baseline(summary: dict[str, Any], base: dict[str, Any]) -> None:
+    """Fill ``summary``'s idle seconds saved and speedup against the baseline's summary ``base``."""
+    summary["idle_gpu_seconds_saved"] = base["idle_gpu_seconds"] - summary["idle_gpu_seconds"]
+    if summary["predicted_seconds_comm"] > 0 and summary["tokens"] == base["tokens"]:
+        summary["speedup_vs_baseline"] = base["predicted_seconds_comm"] / summary["predicted_seconds_comm"]
+    else:
+        summary["speedup_vs_baseline"] = None
 
 
 # ------------------------------------------------------------------------------------------ table
@@ -402,8 +402,70 @@ def text_table(header: Sequence[str], rows: Sequence[Sequence[str]], align: str 
     return "\n".join([line(header), rule, *(line(r) for r in rows)])
 
 
+def _optional(fmt: Callable[[float], str], key: str) -> Callable[[dict[str, Any]], str]:
+    """A cell formatter printing ``-`` where ``row[key]`` is ``None``."""
+    return lambda row: "-" if row[key] is None else fmt(row[key])
+
+
+#: Columns of the summary table (one row per plan): header and cell of a plan's ``summary``.
+_SUMMARY_COLUMNS: tuple[tuple[str, Callable[[dict[str, Any]], str]], ...] = (
+    ("steps", lambda s: str(s["steps"])),
+    ("imbal", lambda s: f"{s['imbalance_mean']:.3f}"),
+    ("idle", lambda s: f"{100 * s['idle_fraction']:.1f}%"),
+    ("idle+comm", lambda s: f"{100 * s['idle_fraction_comm']:.1f}%"),
+    ("dp m/m", lambda s: f"{s['dp_max_mean_mean']:.3f}"),
+    ("cp m/m", lambda s: f"{s['cp_max_mean_mean']:.3f}"),
+    ("gap", _optional(lambda x: f"{100 * x:.1f}%", "gap_mean")),
+    ("epoch time", lambda s: _fmt_seconds(s["predicted_seconds"])),
+    ("+comm", lambda s: _fmt_seconds(s["predicted_seconds_comm"])),
+    ("tok/s", lambda s: _fmt_count(s["tokens_per_second_comm"])),
+    ("speedup", _optional(lambda x: f"{x:.2f}x", "speedup_vs_baseline")),
+    ("K/V moved", lambda s: _fmt_bytes(s["kv_bytes"])),
+    ("pad", lambda s: str(s["padding_tokens"])),
+    ("2cp-pad", lambda s: _fmt_count(s["zigzag_rule_padding_tokens"])),
+)
+#: Columns of a plan's step table: header and cell of one of its ``steps`` rows.
+_STEP_COLUMNS: tuple[tuple[str, Callable[[dict[str, Any]], str]], ...] = (
+    ("step", lambda r: str(r["step"])),
+    ("mb/rank", lambda r: str(r["microbatches_per_rank"])),
+    ("samples", lambda r: str(r["samples"])),
+    ("tokens", lambda r: _fmt_count(r["tokens"])),
+    ("step time", lambda r: _fmt_seconds(r["step_seconds"])),
+    ("+comm", lambda r: _fmt_seconds(r["step_seconds_comm"])),
+    ("imbal", lambda r: f"{r['imbalance']:.3f}"),
+    ("idle", lambda r: f"{100 * r['idle_fraction']:.1f}%"),
+    ("dp m/m", lambda r: f"{r['dp_max_mean']:.3f}"),
+    ("cp m/m", lambda r: f"{r['cp_max_mean']:.3f}"),
+    ("K/V moved", lambda r: _fmt_bytes(r["kv_bytes"])),
+    ("2cp-pad", lambda r: str(r["zigzag_rule_padding_tokens"])),
+)
+_SUMMARY_LEGEND = (
+    "(* baseline; imbal = step time / mean GPU busy, averaged over steps; idle = share of GPU time waiting "
+    "on the slowest rank; gap = above the planner's lower bound; +comm = with the communication model; "
+    "pad = padding the plan needs; 2cp-pad = padding a zigzag with the 2*CP rule would add)"
+)
+
+
 def format_table(doc: dict[str, Any], steps_shown: int = 0) -> str:
     """The terminal view: one summary row per plan, then (``steps_shown > 0``) the first steps of each plan."""
+    out = _table_heading(doc)
+    rows = []
+    for p in doc["plans"]:
+        mark = " *" if p["name"] == doc["baseline"] else ""
+        rows.append([p["name"] + mark, *(cell(p["summary"]) for _, cell in _SUMMARY_COLUMNS)])
+    out += ["", text_table(["plan", *(h for h, _ in _SUMMARY_COLUMNS)], rows), _SUMMARY_LEGEND]
+    if steps_shown > 0:
+        for p in doc["plans"]:
+            out.append("")
+            out.append(f"{p['name']}: first {min(steps_shown, len(p['steps']))} of {len(p['steps'])} steps")
+            header = [h for h, _ in _STEP_COLUMNS]
+            rows = [[cell(r) for _, cell in _STEP_COLUMNS] for r in p["steps"][:steps_shown]]
+            out.append(text_table(header, rows, align="r" * len(header)))
+    return "\n".join(out)
+
+
+def _table_heading(doc: dict[str, Any]) -> list[str]:
+    """The lines above the summary table: length statistics, the mesh and the models."""
     out = []
     lengths = doc.get("lengths")
     if lengths:
@@ -416,91 +478,7 @@ def format_table(doc: dict[str, Any], steps_shown: int = 0) -> str:
         f"DP={doc['dp']} x CP={doc['cp']} ({doc['gpus']} GPUs); cost model {cm['name']} "
         f"({cm['flops_per_second'] / 1e12:.0f} TFLOP/s achieved); comm {doc['comm_model']['description']}"
     )
-    header = [
-        "plan",
-        "steps",
-        "imbal",
-        "idle",
-        "idle+comm",
-        "dp m/m",
-        "cp m/m",
-        "gap",
-        "epoch time",
-        "+comm",
-        "tok/s",
-        "speedup",
-        "K/V moved",
-        "pad",
-        "2cp-pad",
-    ]
-    rows = []
-    for p in doc["plans"]:
-        s = p["summary"]
-        mark = " *" if p["name"] == doc["baseline"] else ""
-        rows.append(
-            [
-                p["name"] + mark,
-                str(s["steps"]),
-                f"{s['imbalance_mean']:.3f}",
-                f"{100 * s['idle_fraction']:.1f}%",
-                f"{100 * s['idle_fraction_comm']:.1f}%",
-                f"{s['dp_max_mean_mean']:.3f}",
-                f"{s['cp_max_mean_mean']:.3f}",
-                "-" if s["gap_mean"] is None else f"{100 * s['gap_mean']:.1f}%",
-                _fmt_seconds(s["predicted_seconds"]),
-                _fmt_seconds(s["predicted_seconds_comm"]),
-                _fmt_count(s["tokens_per_second_comm"]),
-                "-" if s["speedup_vs_baseline"] is None else f"{s['speedup_vs_baseline']:.2f}x",
-                _fmt_bytes(s["kv_bytes"]),
-                str(s["padding_tokens"]),
-                _fmt_count(s["zigzag_rule_padding_tokens"]),
-            ]
-        )
-    out.append("")
-    out.append(text_table(header, rows))
-    out.append(
-        "(* baseline; imbal = step time / mean GPU busy, averaged over steps; idle = share of GPU time waiting "
-        "on the slowest rank; gap = above the planner's lower bound; +comm = with the communication model; "
-        "pad = padding the plan needs; 2cp-pad = padding a zigzag with the 2*CP rule would add)"
-    )
-    if steps_shown > 0:
-        for p in doc["plans"]:
-            out.append("")
-            out.append(f"{p['name']}: first {min(steps_shown, len(p['steps']))} of {len(p['steps'])} steps")
-            header = [
-                "step",
-                "mb/rank",
-                "samples",
-                "tokens",
-                "step time",
-                "+comm",
-                "imbal",
-                "idle",
-                "dp m/m",
-                "cp m/m",
-                "K/V moved",
-                "2cp-pad",
-            ]
-            rows = []
-            for r in p["steps"][:steps_shown]:
-                rows.append(
-                    [
-                        str(r["step"]),
-                        str(r["microbatches_per_rank"]),
-                        str(r["samples"]),
-                        _fmt_count(r["tokens"]),
-                        _fmt_seconds(r["step_seconds"]),
-                        _fmt_seconds(r["step_seconds_comm"]),
-                        f"{r['imbalance']:.3f}",
-                        f"{100 * r['idle_fraction']:.1f}%",
-                        f"{r['dp_max_mean']:.3f}",
-                        f"{r['cp_max_mean']:.3f}",
-                        _fmt_bytes(r["kv_bytes"]),
-                        str(r["zigzag_rule_padding_tokens"]),
-                    ]
-                )
-            out.append(text_table(header, rows, align="r" * len(header)))
-    return "\n".join(out)
+    return out
 
 
 def format_ranks(doc: dict[str, Any], plan: str, step: int) -> str:
@@ -546,8 +524,10 @@ def write_report(
 
 
 FIGURE_CAPTIONS = {
-    "lengths": "Sample lengths: how many samples of each length (log-log). Dashed lines: one rank's and one CP group's token budget.",
-    "rank_costs": "Busy time of every GPU in one step, per plan; the dashed line is the step time, so the gap above each bar is idle time.",
+    "lengths": "Sample lengths: how many samples of each length (log-log). "
+    "Dashed lines: one rank's and one CP group's token budget.",
+    "rank_costs": "Busy time of every GPU in one step, per plan; "
+    "the dashed line is the step time, so the gap above each bar is idle time.",
     "imbalance": "Per step: imbalance (step time / mean GPU busy) and the share of GPU time spent idle, per plan.",
     "idle_saved": "Idle GPU time per plan over all steps, and predicted throughput with communication.",
     "throughput": "Predicted tokens/s and idle share per strategy.",
