@@ -13,57 +13,31 @@ Runs anywhere Python runs (the corpus is the interpreter's own standard library)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from ringpack.analysis.report import DEFAULT_VARIANTS
 
-__all__ = ["run", "length_stats"]
+__all__ = ["run"]
 
-
-def length_stats(lengths: np.ndarray) -> dict[str, float]:
-    """Summary statistics of sample lengths (tokens)."""
-    q = np.percentile(lengths, [50, 90, 99])
-    return {
-        "samples": int(lengths.size),
-        "tokens": int(lengths.sum()),
-        "min": int(lengths.min()),
-        "median": float(q[0]),
-        "mean": float(lengths.mean()),
-        "p90": float(q[1]),
-        "p99": float(q[2]),
-        "max": int(lengths.max()),
-    }
+#: Progress-bar stages besides planning: corpus, report, the four plots.
+_FIXED_STAGES = 1 + 1 + 4
 
 
 def run(args: argparse.Namespace) -> int:
-    import dataclasses
-
-    from tqdm.auto import tqdm
-
+    """``ringpack demo``: exit 0, or 1 when the ring check finds a mismatch."""
     from ringpack.analysis import plots
-    from ringpack.analysis.comm_model import CommModel
-    from ringpack.analysis.report import build_report, format_ranks, format_table, result_of_plan, write_report
-    from ringpack.cost import CostModel
+    from ringpack.analysis.report import write_report
     from ringpack.data.corpus import stdlib_corpus
-    from ringpack.planner import make_plan
-    from ringpack.shard_plan import PlanConfig
 
     t0 = time.perf_counter()
-    out = Path(args.out)
     check = not args.no_ring_check
-    stages = 1 + len(DEFAULT_VARIANTS) + 1 + 4 + int(check)
-    bar = tqdm(
-        total=stages,
-        desc="demo",
-        unit="stage",
-        file=sys.stderr,
-        disable=args.quiet,
-        bar_format="{desc:<34} {bar} {n_fmt}/{total_fmt} [{elapsed}]",
-    )
+    bar = _progress_bar(args, total=_FIXED_STAGES + len(DEFAULT_VARIANTS) + int(check))
 
     bar.set_description("corpus: tokenizing the stdlib")
     corpus = stdlib_corpus(tokenizer=args.tokenizer)
@@ -72,13 +46,64 @@ def run(args: argparse.Namespace) -> int:
         lengths = lengths[np.random.default_rng(args.seed).permutation(lengths.size)[:300]]
     bar.update(1)
 
+    doc = _plan_and_report(args, lengths, corpus, bar)
+    step = plots.default_rank_step(doc)
+    bar.update(1)
+    paths = write_report(doc, Path(args.out), rank_step=step, progress=_PlotProgress(bar))
+
+    ring, ring_note = None, ""
+    if check:
+        bar.set_description("ring check: 2 CPU processes")
+        ring, ring_note = _ring_check(corpus.lengths, args.seed)
+        bar.update(1)
+    bar.close()
+
+    _print_results(args, doc, corpus, lengths.size, step)
+    _print_ring_check(ring, ring_note)
+    out = Path(args.out)
+    print(f"\nwrote {out}/: " + ", ".join(p.name for p in paths.values()))
+    print(f"open {out / 'report.html'} for the report with its plots; done in {time.perf_counter() - t0:.1f} s")
+    return 0 if ring is None or ring.ok else 1
+
+
+def _progress_bar(args: argparse.Namespace, total: int) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(
+        total=total,
+        desc="demo",
+        unit="stage",
+        file=sys.stderr,
+        disable=args.quiet,
+        bar_format="{desc:<34} {bar} {n_fmt}/{total_fmt} [{elapsed}]",
+    )
+
+
+class _PlotProgress:
+    """What ``write_report`` ticks once per plot: the demo's bar, described as the plotting stage."""
+
+    def __init__(self, bar: Any) -> None:
+        self.bar = bar
+
+    def update(self, n: int) -> None:
+        self.bar.set_description("plots: rendering PNGs")
+        self.bar.update(n)
+
+
+def _plan_and_report(args: argparse.Namespace, lengths: np.ndarray, corpus: Any, bar: Any) -> dict[str, Any]:
+    """Plan ``lengths`` with every default variant and build the report document."""
+    from ringpack.analysis.comm_model import CommModel
+    from ringpack.analysis.report import build_report, result_of_plan
+    from ringpack.cost import CostModel
+    from ringpack.planner import make_plan
+    from ringpack.shard_plan import PlanConfig
+
     model = dataclasses.replace(CostModel.preset(args.model), flops_per_second=args.tflops * 1e12)
-    per_step = args.samples_per_step or max(args.dp, int(args.dp * args.cp * args.tokens_per_rank / lengths.mean()))
     config = PlanConfig(
         dp=args.dp,
         cp=args.cp,
         tokens_per_rank=args.tokens_per_rank,
-        samples_per_step=per_step,
+        samples_per_step=_samples_per_step(args, lengths),
         seed=args.seed,
         overflow="split",
         cost=model,
@@ -92,38 +117,32 @@ def run(args: argparse.Namespace) -> int:
         bar.update(1)
 
     bar.set_description("report: exact costs per rank")
-    doc = build_report(
+    return build_report(
         results,
         lengths=lengths,
         title="ringpack demo: the standard-library corpus, every strategy",
         extra={"corpus": {"root": str(corpus.root), "counter": corpus.counter, "quick": bool(args.quick)}},
     )
-    step = plots.default_rank_step(doc)
-    bar.update(1)
 
-    class _PlotProgress:  # write_report ticks once per plot
-        def update(self, n: int) -> None:
-            bar.set_description("plots: rendering PNGs")
-            bar.update(n)
 
-    paths = write_report(doc, out, rank_step=step, progress=_PlotProgress())
+def _samples_per_step(args: argparse.Namespace, lengths: np.ndarray) -> int:
+    """``--samples-per-step``, or about one full micro-batch per DP rank of mean-length samples."""
+    return args.samples_per_step or max(args.dp, int(args.dp * args.cp * args.tokens_per_rank / lengths.mean()))
 
-    ring = None
-    ring_note = ""
-    if check:
-        bar.set_description("ring check: 2 CPU processes")
-        ring, ring_note = _ring_check(corpus.lengths, args.seed)
-        bar.update(1)
-    bar.close()
 
-    stats = length_stats(lengths)
+def _print_results(args: argparse.Namespace, doc: dict[str, Any], corpus: Any, samples: int, step: int) -> None:
+    """The corpus and planning lines, the summary table and the per-GPU grids of two plans."""
+    from ringpack.analysis.report import format_ranks, format_table
+
     print(
-        f"corpus: {stats['samples']} standard-library files under {corpus.root} ({corpus.counter})"
+        f"corpus: {samples} standard-library files under {corpus.root} ({corpus.counter})"
         + (" [--quick: a 300-file subset]" if args.quick else "")
     )
+    per_step = doc["plans"][0]["config"]["samples_per_step"]
     print(
-        f"plans: {len(results)} (CP strategy/packing), DP={args.dp} x CP={args.cp}, {args.tokens_per_rank:,} tokens per "
-        f"rank, {per_step} samples per step, cost model {model.name} at {args.tflops:.0f} TFLOP/s\n"
+        f"plans: {len(doc['plans'])} (CP strategy/packing), DP={args.dp} x CP={args.cp}, {args.tokens_per_rank:,} "
+        f"tokens per rank, {per_step} samples per step, cost model {doc['cost_model']['name']} at "
+        f"{args.tflops:.0f} TFLOP/s\n"
     )
     print(format_table(doc))
     print()
@@ -131,6 +150,9 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(format_ranks(doc, doc["plans"][0]["name"], step))
     print()
+
+
+def _print_ring_check(ring: Any, note: str) -> None:
     if ring is not None:
         verdict = "matches" if ring.ok else "DOES NOT MATCH"
         print(
@@ -139,25 +161,17 @@ def run(args: argparse.Namespace) -> int:
             f"ranks, {ring.kv_cross_tokens:,} K/V tokens crossing, {ring.ring_steps} ring step(s)): max |error| "
             f"{ring.max_error:.1e} over outputs and dq/dk/dv ({ring.seconds:.1f} s)"
         )
-    elif ring_note:
-        print(f"ring check: {ring_note}")
-    print(f"\nwrote {out}/: " + ", ".join(p.name for p in paths.values()))
-    print(f"open {out / 'report.html'} for the report with its plots; done in {time.perf_counter() - t0:.1f} s")
-    return 0 if ring is None or ring.ok else 1
+    elif note:
+        print(f"ring check: {note}")
 
 
-def _ring_check(lengths: np.ndarray, seed: int):
+def _ring_check(lengths: np.ndarray, seed: int) -> tuple[Any, str]:
     """(result, note): the 2-process check, or why it did not run."""
+    import torch
+
     from ringpack.analysis import ringcheck
 
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            return None, "skipped: a GPU is present (the GPU test suite checks the runtime there)"
-    except ImportError:
-        return None, "skipped: torch is not installed"
-    if not ringcheck.ring_runtime_available():
-        return None, "pending: the ring runtime (ringpack.attention) is not in this build yet"
+    if torch.cuda.is_available():
+        return None, "skipped: a GPU is present (the GPU test suite checks the runtime there)"
     mb, sub = ringcheck.pick_microbatch(lengths, cp=2, seed=seed)
     return ringcheck.run_ring_check(mb, sub, seed=seed), ""

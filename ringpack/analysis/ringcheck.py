@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["RingCheck", "pick_microbatch", "run_ring_check", "ring_runtime_available"]
+__all__ = ["RingCheck", "pick_microbatch", "run_ring_check"]
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16
 
@@ -30,14 +30,6 @@ class RingCheck:
     max_error: float
     seconds: float
     ok: bool
-
-
-def ring_runtime_available() -> bool:
-    try:
-        from ringpack.attention import compile_schedule, ring_attention  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def pick_microbatch(lengths: np.ndarray, cp: int = 2, budget: int = 1024, seed: int = 0):
