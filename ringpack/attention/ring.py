@@ -1,4 +1,4 @@
-"""The context-parallel attention engine: one autograd.Function, two ways to move K/V (DESIGN.md section 4).
+"""The context-parallel attention engine: one autograd.Function, two ways to move K/V.
 
 :class:`ContextParallelAttention` runs a :class:`~ringpack.attention.schedule.Schedule`: the local
 causal call, then one group of non-causal calls per remote step, merging partial outputs by
@@ -46,7 +46,6 @@ __all__ = [
     "ContextParallelAttention",
     "KVTransport",
     "RingTransport",
-    "merge_partial",
     "pack_kv",
 ]
 
@@ -279,9 +278,8 @@ def _fwd_parts(
     if not _splits(call, backend):
         yield (call.rows, *_fwd_call(q, k, v, call, scale, backend), None)
         return
-    for segment in _largest_first(
-        call.dense
-    ):  # (a helper builds each part, so this frame keeps no reference to the last one)
+    # a helper builds each part, so this frame keeps no reference to the last one
+    for segment in _largest_first(call.dense):
         for chunk in _row_chunks(segment, call.causal, part_rows):
             yield _dense_fwd_part(q, k, v, chunk, call.causal, scale, backend)
     for rest in call.rest:
@@ -291,11 +289,11 @@ def _fwd_parts(
 #: Forward without gradients: the most query rows of one partial result of a remote dense block
 #: (:func:`_row_chunks`; ``None``: blocks run whole). Each partial is a new tensor beside the rank's
 #: output until it is merged, and a block whose keys are split between cuDNN and the flash key tail
-#: returns two: whole, the partials of one 8K-row block took the forward to 1.44x single-GPU
-#: attention plus two K/V buffers (16K-token mix, 8 K/V heads, BENCHMARKS.md). Chunks cost speed
-#: (more, smaller launches, each with its key tail and merge): on H200 chunks of at most 4096 rows
-#: made the mix's forward 5-10% slower, chunks of at most 8192 rows 0.4-1.1%. With gradients blocks
-#: run whole, as the backward's peak is higher than the forward's anyway.
+#: returns two: whole, the partials of one 8K-row block take the forward to 1.44x single-GPU
+#: attention plus two K/V buffers (16K-token mix, 8 K/V heads). Chunks cost speed (more, smaller
+#: launches, each with its key tail and merge): on H200, chunks of at most 8192 rows make the mix's
+#: forward 0.4-1.1% slower, of at most 4096 rows 5-10%. With gradients blocks run whole, as the
+#: backward's peak is higher than the forward's anyway.
 FORWARD_ONLY_PART_ROWS: int | None = 8192
 
 
@@ -323,8 +321,7 @@ def _work(segment: DenseSegment) -> int:
 def _largest_first(dense: tuple[DenseSegment, ...]) -> list[DenseSegment]:
     """Dense segments, the most query x key rows first. The engine issues its first transfer once
     the first local kernel is queued (:func:`_after_first`): a long kernel there covers the host
-    time of issuing it, where a short varlen run left the GPU idle (H200, 16K mix forward: a
-    39 us kernel, then 0.5 ms without work)."""
+    time of issuing it (about 0.5 ms on H200), which a short varlen run would leave idle."""
     return sorted(dense, key=lambda seg: -_work(seg))
 
 
@@ -363,7 +360,7 @@ def _dense_fwd_part(q, k, v, segment: DenseSegment, causal: bool, scale: float, 
     n = segment.batch * segment.q_len  # the real rows (padding after them)
     qp, kp, vp, dense_keys = _dense_inputs(q, k, v, segment, causal)
     parts = dense_attn_fwd_parts(qp, kp, vp, scale, causal, backend, dense_keys=dense_keys, batch=segment.batch)
-    first, *second = ((o[:n], l[:, :n]) for o, l in parts)
+    first, *second = ((o[:n], lse[:, :n]) for o, lse in parts)
     return (_rows(segment.q_start, n, q.shape[0]), *first, second[0] if second else None)
 
 
@@ -376,9 +373,8 @@ def _bwd_parts(
     if not _splits(call, backend):
         yield (call.rows, *_bwd_call_parts(dout, q, k, v, out, lse, call, scale, backend))
         return
-    for segment in _largest_first(
-        call.dense
-    ):  # (helpers build each part, so this frame keeps no reference to the last one)
+    # helpers build each part, so this frame keeps no reference to the last one
+    for segment in _largest_first(call.dense):
         yield from _dense_bwd_parts(dout, q, k, v, out, lse, segment, call.causal, scale, backend)
     for rest in call.rest:
         yield (rest.rows, *_bwd_call_parts(dout, q, k, v, out, lse, rest, scale, backend))
@@ -561,44 +557,59 @@ def _attention_forward(
         out, lse = _local_forward(q, k, v, schedule.local, q.dtype, scale, backend)
         return out, lse.to(acc)
     transport = make_transport(schedule)
+    # With one remote step every row gets at most one remote part, so the running output stays in
+    # q's dtype (merge_partial computes in float and rounds once); more steps accumulate in float.
+    out_dtype = q.dtype if len(schedule.steps) == 1 else acc
+    out, lse = _local_forward_then_send(q, k, v, schedule, transport, out_dtype, scale, backend, part_rows)
+    for i, step in enumerate(schedule.steps):
+        buf = transport.buffer(i)
+        _merge_remote_step(out, lse, q, buf, step.calls, scale, backend, part_rows)
+    return out.to(q.dtype), lse
+
+
+def _local_forward_then_send(
+    q, k, v, schedule: Schedule, transport: KVTransport, out_dtype, scale: float, backend: str, part_rows: int | None
+) -> tuple[Tensor, Tensor]:
+    """The local result (``out`` in ``out_dtype``, ``lse`` in the accumulation dtype), with the first
+    transfer started beside it: issued once the first local kernel is queued, waiting for the
+    packing only. Without gradients (``part_rows``), where the local result is copied from several
+    parts, its buffers are allocated (and it is issued) once the first part is folded in, so they
+    are not held beside it. A rank without tokens starts the transfer and returns zeros."""
+    acc = accum_dtype(q.dtype)
 
     def begin() -> None:
         transport.begin(_send_kv(k, v, schedule, transport.send_capacity))
 
-    # With one remote step every row gets at most one remote part, so the running output stays in
-    # q's dtype (merge_partial computes in float and rounds once); more steps accumulate in float.
-    out_dtype = q.dtype if len(schedule.steps) == 1 else acc
     if schedule.local is None:  # a rank without tokens still forwards buffers
         begin()
         transport.start()
-        out, lse = q.new_zeros(q.shape, dtype=out_dtype), q.new_zeros((q.shape[1], 0), dtype=acc)
-    else:
-        # The first transfer is issued once the first local kernel is queued and waits for the packing
-        # only. Without gradients, where the local result is copied from several parts, its buffers are
-        # allocated (and it is issued) once the first part is folded in, so they are not held beside it.
-        lean = part_rows is not None and not _one_local_part(schedule.local, backend, q.shape[0])
-        if not lean:
-            begin()
-        then = (lambda: (begin(), transport.start())) if lean else transport.start
-        out, lse = _local_forward(q, k, v, schedule.local, out_dtype, scale, backend, then=then, then_after_fold=lean)
-        out, lse = out.to(out_dtype), lse.to(acc)
-    for i, step in enumerate(schedule.steps):
-        buf = transport.buffer(i)
-        for call in step.calls:
-            for rows, part_out, part_lse, second in _fwd_parts(q, buf[0], buf[1], call, scale, backend, part_rows):
-                merge_partial(out, lse, part_out, part_lse, rows, part2=second)
-                del part_out, part_lse, second
-    return out.to(q.dtype), lse
+        return q.new_zeros(q.shape, dtype=out_dtype), q.new_zeros((q.shape[1], 0), dtype=acc)
+    lean = part_rows is not None and not _one_local_part(schedule.local, backend, q.shape[0])
+    if not lean:
+        begin()
+    then = (lambda: (begin(), transport.start())) if lean else transport.start
+    out, lse = _local_forward(q, k, v, schedule.local, out_dtype, scale, backend, then=then, then_after_fold=lean)
+    return out.to(out_dtype), lse.to(acc)
+
+
+def _merge_remote_step(
+    out: Tensor, lse: Tensor, q: Tensor, buf: Tensor, calls, scale: float, backend: str, part_rows: int | None
+) -> None:
+    """Fold one remote step's partial results (its ``calls`` against the received ``buf``) into ``out``/``lse``."""
+    for call in calls:
+        for rows, part_out, part_lse, second in _fwd_parts(q, buf[0], buf[1], call, scale, backend, part_rows):
+            merge_partial(out, lse, part_out, part_lse, rows, part2=second)
+            del part_out, part_lse, second
 
 
 def _attention_backward(
     dout, q, k, v, out, lse, schedule: Schedule, make_transport: TransportFactory, scale: float, backend: str
 ):
+    """Returns ``(dq, dk, dv)`` in the dtypes of q, k, v, given the final ``out`` and ``lse``."""
     if not schedule.steps:
         if schedule.local is None:
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         return tuple(_local_backward(dout, q, k, v, out, lse, [schedule.local], scale, backend))
-    acc = lse.dtype
     # With one remote step, a query row gets at most one remote dQ part and a sent key row its
     # dK/dV from one rank: the kernels' outputs are already rounded to q's dtype, so keeping dQ and
     # the dK/dV in transit in that dtype and summing each element once (in float, rounded once)
@@ -608,7 +619,7 @@ def _attention_backward(
     # block's key tail is a second kernel over its rows: their dQ takes a second term, one more
     # rounding.) More steps accumulate, and pass around, float sums.
     one_step = len(schedule.steps) == 1
-    grad_dtype = q.dtype if one_step else acc
+    grad_dtype = q.dtype if one_step else lse.dtype
     transport = make_transport(schedule)
     transport.begin(_send_kv(k, v, schedule, transport.send_capacity), grad_dtype=grad_dtype)
     before, after = _overlap_split(schedule.local, backend)
@@ -616,23 +627,10 @@ def _attention_backward(
     if grads is None:  # a rank without tokens
         grads = [torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)]
     if not one_step:
-        grads[0] = grads[0].to(acc)
+        grads[0] = grads[0].to(lse.dtype)
     for i, step in enumerate(schedule.steps):
         buf = transport.buffer(i)
-        dkv = None
-        sum_dtype = grad_dtype if len(step.calls) <= 1 else acc  # calls (levels) may share key rows
-        for call in step.calls:
-            for q_rows, dq_c, k_rows, dk_c, dv_c in _bwd_parts(dout, q, buf[0], buf[1], out, lse, call, scale, backend):
-                _add_rows(grads[0], q_rows, dq_c)
-                if dkv is None and k_rows is None and dk_c.dtype == sum_dtype:
-                    dkv = [dk_c, dv_c]  # a part over the whole buffer (zeros where it has no queries) is the sum so far
-                    continue
-                if dkv is None:
-                    dkv = [torch.zeros(buf.shape[1:], dtype=sum_dtype, device=buf.device) for _ in range(2)]
-                rows = slice(None) if k_rows is None else k_rows
-                dkv[0][rows] += dk_c
-                dkv[1][rows] += dv_c
-                del dq_c, dk_c, dv_c
+        dkv = _remote_step_backward(grads[0], dout, q, buf, out, lse, step.calls, grad_dtype, scale, backend)
         del buf  # the received K/V are not needed any more (peak memory)
         transport.push_grad(i, None if dkv is None else [g.to(grad_dtype) for g in dkv])
         del dkv
@@ -648,14 +646,38 @@ def _attention_backward(
     return dq, dk, dv
 
 
+def _remote_step_backward(
+    dq: Tensor, dout, q, buf: Tensor, out, lse, calls, grad_dtype, scale: float, backend: str
+) -> list[Tensor] | None:
+    """Add one remote step's dQ into ``dq`` and return the received buffer's dK/dV (``None``: no
+    query of this rank used it). One call sums in ``grad_dtype``; several calls (levels) may share
+    key rows, so they sum in float."""
+    dkv = None
+    sum_dtype = grad_dtype if len(calls) <= 1 else lse.dtype
+    for call in calls:
+        for q_rows, dq_c, k_rows, dk_c, dv_c in _bwd_parts(dout, q, buf[0], buf[1], out, lse, call, scale, backend):
+            _add_rows(dq, q_rows, dq_c)
+            if dkv is None and k_rows is None and dk_c.dtype == sum_dtype:
+                dkv = [dk_c, dv_c]  # a part over the whole buffer (zeros where it has no queries) is the sum so far
+                continue
+            if dkv is None:
+                dkv = [torch.zeros(buf.shape[1:], dtype=sum_dtype, device=buf.device) for _ in range(2)]
+            rows = slice(None) if k_rows is None else k_rows
+            dkv[0][rows] += dk_c
+            dkv[1][rows] += dv_c
+            del dq_c, dk_c, dv_c
+    return dkv
+
+
 class ContextParallelAttention(torch.autograd.Function):
     """Exact causal per-sample attention over a CP group for one rank's tokens (forward and backward).
 
     Inputs are this rank's ``q [T, H, D]``, ``k``/``v [T, H_kv, D]``; ``make_transport`` builds the
-    K/V mover (ring or all-gather) for one pass; ``part_rows`` (optional): see :func:`_attention_forward`
-    (:func:`~ringpack.attention.ring_attention` passes :data:`FORWARD_ONLY_PART_ROWS` when no gradient is needed). Only ``out`` is returned; ``lse`` is kept for the
-    backward. Call through :func:`ringpack.attention.ring_attention`, which validates inputs and
-    checks that the group agrees on the schedule first.
+    K/V mover (ring or all-gather) for one pass; ``part_rows`` (optional): see
+    :func:`_attention_forward` (:func:`~ringpack.attention.ring_attention` passes
+    :data:`FORWARD_ONLY_PART_ROWS` when no gradient is needed). Only ``out`` is returned; ``lse`` is
+    kept for the backward. Call through :func:`ringpack.attention.ring_attention`, which validates
+    inputs and checks that the group agrees on the schedule first.
     """
 
     @staticmethod
@@ -672,12 +694,8 @@ class ContextParallelAttention(torch.autograd.Function):
     ):
         out, lse = _attention_forward(q, k, v, schedule, make_transport, softmax_scale, backend, part_rows)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.schedule, ctx.make_transport, ctx.softmax_scale, ctx.backend = (
-            schedule,
-            make_transport,
-            softmax_scale,
-            backend,
-        )
+        ctx.schedule, ctx.make_transport = schedule, make_transport
+        ctx.softmax_scale, ctx.backend = softmax_scale, backend
         return out
 
     @staticmethod

@@ -7,7 +7,7 @@ import torch
 
 from ringpack.attention import kernels
 from ringpack.attention.kernels import resolve_backend, varlen_attn_bwd, varlen_attn_fwd
-from ringpack.attention.ring import merge_partial
+from ringpack.attention.merge import merge_partial
 
 
 def naive_segment_attention(q, k, v, cu_q, cu_k, causal, scale):
