@@ -27,6 +27,7 @@ import numpy as np
 from ringpack.analysis.comm_model import CommModel
 from ringpack.analysis.metrics import PlanMetrics, evaluate_plan
 from ringpack.analysis.report import StrategyResult, build_report, timed
+from ringpack.shard_plan import PlanConfig
 
 __all__ = ["simulate", "synthetic_lengths", "concat_metrics", "SIM_VARIANTS"]
 
@@ -89,7 +90,7 @@ def concat_metrics(parts: Sequence[PlanMetrics], name: str) -> PlanMetrics:
     )
 
 
-def _plan_chunk(task: tuple[int, int, np.ndarray, Any]) -> tuple[int, int, PlanMetrics, list, float]:
+def _plan_chunk(task: tuple[int, int, np.ndarray, PlanConfig]) -> tuple[int, int, PlanMetrics, list, float]:
     """Worker: plan one chunk of the epoch for one variant; return its metrics and lower bounds."""
     from ringpack.planner import make_plan
 
@@ -111,9 +112,10 @@ def _chunks(order: np.ndarray, per_step: int, chunk_steps: int, min_samples: int
 
 def simulate(
     lengths: np.ndarray,
-    config,
+    config: PlanConfig,
     variants: Sequence[tuple[str, str]] = SIM_VARIANTS,
     comms: Sequence[CommModel] | None = None,
+    *,
     chunk_steps: int = 8,
     jobs: int | None = None,
     progress: bool = True,
@@ -121,30 +123,33 @@ def simulate(
 ) -> dict[str, Any]:
     """Plan an epoch of ``lengths`` for every variant of ``config`` and return the report document.
 
-    ``config.samples_per_step`` must be set (a global batch). ``comms``: the first is the headline
-    model (its times fill each plan's summary); every model's totals land in ``plan["modes"]``.
-    """
-    from ringpack.planner.epoch import expand_overflow, shuffle_order
+    Args:
+        lengths: int64 ``[N]`` sample lengths of the epoch.
+        config: the plan config; ``samples_per_step`` must be set (a global batch). Each variant
+            replaces its ``strategy`` and ``packing``.
+        variants: ``(strategy, packing)`` pairs to plan.
+        comms: communication models; the first is the headline (its times fill each plan's
+            summary), every model's totals land in ``plan["modes"]`` (default: ring and
+            all-gather for ``config.cost``).
+        chunk_steps: global batches planned per worker task.
+        jobs: worker processes (``None``: one per core, at most one per task; ``1``: in process).
+        progress: show a progress bar.
+        baseline: the plan the others are compared with (default: the report's).
 
+    Returns:
+        The report document (:func:`~ringpack.analysis.report.build_report`, ``detail=False``)
+        with ``format: "ringpack-simulation"`` and a ``planning`` entry (wall and CPU seconds).
+
+    Raises:
+        ValueError: no global batch, or samples longer than a CP group with ``overflow="error"``.
+    """
     if config.samples_per_step <= 0:
         raise ValueError("simulate needs a global batch: set samples_per_step (or --global-batch-tokens)")
-    lengths = np.asarray(lengths, dtype=np.int64)
+    lengths = _apply_overflow(np.asarray(lengths, dtype=np.int64), config)
     comms = list(
         comms or [CommModel.for_model(config.cost, mode="ring"), CommModel.for_model(config.cost, mode="allgather")]
     )
-    capacity = config.group_capacity
-    if (lengths > capacity).any():
-        if config.overflow == "error":
-            raise ValueError(
-                f"{int((lengths > capacity).sum())} samples exceed one CP group ({capacity} tokens); "
-                "use overflow 'split' or 'drop'"
-            )
-        if config.overflow == "drop":
-            lengths = lengths[lengths <= capacity]
-        else:
-            lengths, _, _ = expand_overflow(lengths, capacity)
-    order = shuffle_order(len(lengths), config.seed, config.epoch)
-    chunks = _chunks(order, config.samples_per_step, chunk_steps, config.dp * max(config.microbatches_per_rank, 1))
+    chunks = _epoch_chunks(lengths, config, chunk_steps)
     tasks = []
     for v, (strategy, packing) in enumerate(variants):
         cfg = dataclasses.replace(config, strategy=strategy, packing=packing)
@@ -152,47 +157,13 @@ def simulate(
             # make_plan re-shuffles within the chunk: still a uniformly random window of the epoch
             tasks.append((v, c, lengths[ids], cfg))
     jobs = jobs or min(len(tasks), os.cpu_count() or 1)
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(
-            total=len(tasks), desc=f"planning {len(lengths):,} samples x {len(variants)} strategies", unit="chunk"
-        )
-    parts: dict[int, dict[int, tuple[PlanMetrics, list]]] = {v: {} for v in range(len(variants))}
-    busy = 0.0
+    desc = f"planning {len(lengths):,} samples x {len(variants)} strategies"
     t0 = time.perf_counter()
-    if jobs <= 1:
-        for task in tasks:
-            v, c, m, lb, dt = _plan_chunk(task)
-            parts[v][c] = (m, lb)
-            busy += dt
-            if bar:
-                bar.update(1)
-    else:
-        with ProcessPoolExecutor(max_workers=jobs) as pool:
-            futures = [pool.submit(_plan_chunk, t) for t in tasks]
-            for fut in as_completed(futures):
-                v, c, m, lb, dt = fut.result()
-                parts[v][c] = (m, lb)
-                busy += dt
-                if bar:
-                    bar.update(1)
-    if bar:
-        bar.close()
+    parts, busy = _plan_tasks(tasks, jobs, desc if progress else None)
     wall = time.perf_counter() - t0
-    results_by_mode: dict[str, list[StrategyResult]] = {comm.mode: [] for comm in comms}
-    for v, (strategy, packing) in enumerate(variants):
-        name = f"{strategy}/{packing}"
-        ordered = [parts[v][c] for c in range(len(chunks))]
-        metrics = concat_metrics([m for m, _ in ordered], name)
-        bounds = [b for _, lb in ordered for b in lb]
-        cfg = dataclasses.replace(config, strategy=strategy, packing=packing).to_dict()
-        for comm in comms:
-            results_by_mode[comm.mode].append(timed(metrics, comm, bounds, config=cfg))
-    head = comms[0].mode
+    results_by_mode = _timed_results(parts, variants, config, comms, len(chunks))
     doc = build_report(
-        results_by_mode[head],
+        results_by_mode[comms[0].mode],
         lengths=lengths,
         baseline=baseline,
         detail=False,
@@ -209,6 +180,91 @@ def simulate(
             },
         },
     )
+    _add_modes(doc, results_by_mode)
+    return doc
+
+
+def _apply_overflow(lengths: np.ndarray, config: PlanConfig) -> np.ndarray:
+    """The epoch's samples after ``config.overflow``: over-long ones dropped, cut into documents, or an error."""
+    from ringpack.planner.epoch import expand_overflow
+
+    capacity = config.group_capacity
+    if not (lengths > capacity).any():
+        return lengths
+    if config.overflow == "error":
+        raise ValueError(
+            f"{int((lengths > capacity).sum())} samples exceed one CP group ({capacity} tokens); "
+            "use overflow 'split' or 'drop'"
+        )
+    if config.overflow == "drop":
+        return lengths[lengths <= capacity]
+    return expand_overflow(lengths, capacity)[0]
+
+
+def _epoch_chunks(lengths: np.ndarray, config: PlanConfig, chunk_steps: int) -> list[np.ndarray]:
+    """The epoch's shuffled sample ids cut into chunks of ``chunk_steps`` global batches."""
+    from ringpack.planner.epoch import shuffle_order
+
+    order = shuffle_order(len(lengths), config.seed, config.epoch)
+    return _chunks(order, config.samples_per_step, chunk_steps, config.dp * max(config.microbatches_per_rank, 1))
+
+
+def _plan_tasks(
+    tasks: list[tuple[int, int, np.ndarray, PlanConfig]], jobs: int, desc: str | None
+) -> tuple[dict[int, dict[int, tuple[PlanMetrics, list]]], float]:
+    """Run :func:`_plan_chunk` on every task (``jobs`` processes); ``parts[variant][chunk]`` and CPU seconds.
+
+    ``desc``: the progress bar's label, ``None`` for no bar.
+    """
+    bar = None
+    if desc is not None:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(tasks), desc=desc, unit="chunk")
+    parts: dict[int, dict[int, tuple[PlanMetrics, list]]] = {v: {} for v, *_ in tasks}
+    busy = 0.0
+
+    def collect(result: tuple[int, int, PlanMetrics, list, float]) -> None:
+        nonlocal busy
+        v, c, metrics, bounds, seconds = result
+        parts[v][c] = (metrics, bounds)
+        busy += seconds
+        if bar:
+            bar.update(1)
+
+    if jobs <= 1:
+        for task in tasks:
+            collect(_plan_chunk(task))
+    else:
+        with ProcessPoolExecutor(max_workers=jobs) as pool:
+            for future in as_completed([pool.submit(_plan_chunk, t) for t in tasks]):
+                collect(future.result())
+    if bar:
+        bar.close()
+    return parts, busy
+
+
+def _timed_results(
+    parts: dict[int, dict[int, tuple[PlanMetrics, list]]],
+    variants: Sequence[tuple[str, str]],
+    config: PlanConfig,
+    comms: Sequence[CommModel],
+    num_chunks: int,
+) -> dict[str, list[StrategyResult]]:
+    """Per communication mode, every variant's chunks joined into one result (in variant order)."""
+    results_by_mode: dict[str, list[StrategyResult]] = {comm.mode: [] for comm in comms}
+    for v, (strategy, packing) in enumerate(variants):
+        ordered = [parts[v][c] for c in range(num_chunks)]
+        metrics = concat_metrics([m for m, _ in ordered], f"{strategy}/{packing}")
+        bounds = [b for _, lb in ordered for b in lb]
+        cfg = dataclasses.replace(config, strategy=strategy, packing=packing).to_dict()
+        for comm in comms:
+            results_by_mode[comm.mode].append(timed(metrics, comm, bounds, config=cfg))
+    return results_by_mode
+
+
+def _add_modes(doc: dict[str, Any], results_by_mode: dict[str, list[StrategyResult]]) -> None:
+    """Each plan's headline figures under every communication mode, as ``plan["modes"][mode]``."""
     for mode, results in results_by_mode.items():
         other = build_report(results, baseline=doc["baseline"], detail=False)
         for plan, again in zip(doc["plans"], other["plans"]):
@@ -221,7 +277,6 @@ def simulate(
                 "exposed_comm_seconds": s["exposed_comm_seconds"],
                 "speedup_vs_baseline": s["speedup_vs_baseline"],
             }
-    return doc
 
 
 def format_modes(doc: dict[str, Any]) -> str:
