@@ -42,20 +42,46 @@ def ring_attention(
 ) -> Tensor:
     """Causal attention of this CP rank's tokens to every earlier token of the same sample, wherever it lives.
 
-    ``q [T, H, D]``, ``k``/``v [T, H_kv, D]`` are the local tokens of ``schedule`` (pieces
-    concatenated in canonical order), in any memory layout (head-major views and slices of a fused
-    QKV buffer are copied to dense rows once); returns ``out [T, H, D]`` equal to single-device causal
-    attention with a per-sample mask over the whole micro-batch, restricted to these tokens, and
-    differentiable w.r.t. q, k, v. ``group`` is the CP group (default: the world when
-    ``schedule.cp_size > 1``; unused when it is 1). ``mode`` is ``"ring"`` or ``"allgather"``.
-    ``backend``: ``"auto"``, ``"flash_attn"``, ``"torch_flash"``, ``"cudnn_hybrid"`` (long segments,
-    as marked by ``compile_schedule(..., dense_threshold=...)``, through cuDNN dense attention; the
-    rest through torch flash), ``"reference"`` or ``"reference_hybrid"`` (tests).
+    The result equals single-device causal attention over the whole micro-batch with a per-sample
+    mask, restricted to this rank's tokens, and is differentiable w.r.t. ``q``, ``k`` and ``v``.
+    Collective over ``group``: every rank calls it, each with its own schedule of the same
+    micro-batch.
+
+    Args:
+        q: ``(T, H, D)``, this rank's queries: the pieces of its rank shard concatenated in
+            canonical order (``T == schedule.num_tokens``); float16, bfloat16, float32 or float64.
+            Any memory layout: strided views (head-major ``[H, T, D]`` transposed, slices of a fused
+            QKV buffer) are copied to dense rows once.
+        k: ``(T, H_kv, D)`` with ``H % H_kv == 0`` (GQA), the dtype and device of ``q``.
+        v: ``(T, H_kv, D)``, like ``k``.
+        schedule: :func:`~ringpack.attention.compile_schedule`'s result for this rank, on ``q``'s
+            device (:meth:`Schedule.to`).
+        group: the CP process group; default: the world when ``schedule.cp_size > 1`` (unused
+            when it is 1).
+        mode: ``"ring"`` (K/V pass around the group point to point, overlapping the kernels) or
+            ``"allgather"`` (one all-gather of K/V, dK/dV home by one reduce-scatter).
+        softmax_scale: the scaling of ``QK^T`` before the softmax; default ``1 / sqrt(D)``.
+        causal: must be True, the only mask there is.
+        backend: the kernels. ``"auto"`` (the fastest available for ``q``'s device, dtype and
+            head dim), ``"flash_attn"``, ``"torch_flash"``, ``"cudnn_hybrid"`` (segments marked
+            by ``compile_schedule(..., dense_threshold=...)`` through cuDNN dense attention, the
+            rest through ``torch_flash``), ``"reference"`` or ``"reference_hybrid"`` (plain
+            PyTorch on any device, for tests).
+
+    Returns:
+        ``out``: ``(T, H, D)`` in ``q``'s dtype.
+
+    Raises:
+        NotImplementedError: ``causal=False``.
+        ValueError: an unknown ``mode`` or ``backend``, a backend that cannot run these tensors,
+            or (with ``cp_size == 1``) q/k/v that do not fit each other or the schedule.
+        ScheduleMismatchError: on every rank, before any transfer, when the ranks hold schedules of
+            different micro-batches or CP ranks, disagree on mode, K/V heads, head dim or dtype,
+            or some rank's q/k/v do not fit its schedule.
     """
     if not causal:
         raise NotImplementedError("ring_attention supports causal attention only")
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    _check_mode(mode)
     backend = resolve_backend(backend, q)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     problem = _input_problem(q, k, v, schedule)
@@ -64,9 +90,8 @@ def ring_attention(
         verify_schedule(schedule, group, mode, k, problem)
     if problem:
         raise ValueError(problem)
-    # Strided views (head-major [H, T, D] transposed, slices of a fused QKV buffer) are copied once:
-    # K/V rows travel as views of k and v, and point-to-point transfers and collectives read a
-    # tensor's storage as dense rows; kernels need dense rows too.
+    # Strided views are copied once: K/V rows travel as views of k and v, and point-to-point
+    # transfers and collectives read a tensor's storage as dense rows; kernels need dense rows too.
     q, k, v = (x if x.is_contiguous() else x.contiguous() for x in (q, k, v))
     transport = RingTransport if mode == "ring" else AllGatherTransport
     make_transport = functools.partial(transport, group=group)
@@ -77,7 +102,20 @@ def ring_attention(
 
 
 class RingAttention(nn.Module):
-    """Module form of :func:`ring_attention` for model code: fix group, mode, scale and backend once."""
+    """Module form of :func:`ring_attention` for model code: group, mode, scale and backend fixed once.
+
+    Args:
+        group: the CP process group (default: the world when a schedule's ``cp_size > 1``).
+        mode: ``"ring"`` or ``"allgather"``.
+        softmax_scale: default ``1 / sqrt(D)``.
+        backend: as in :func:`ring_attention`.
+
+    ``forward(q, k, v, schedule)`` takes ``q (T, H, D)``, ``k``/``v (T, H_kv, D)`` and this rank's
+    schedule and returns ``out (T, H, D)`` in ``q``'s dtype, raising as :func:`ring_attention` does.
+
+    Raises:
+        ValueError: an unknown ``mode``.
+    """
 
     def __init__(
         self,
@@ -87,8 +125,7 @@ class RingAttention(nn.Module):
         backend: str = "auto",
     ) -> None:
         super().__init__()
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        _check_mode(mode)
         self.group, self.mode, self.softmax_scale, self.backend = group, mode, softmax_scale, backend
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, schedule: Schedule) -> Tensor:
@@ -100,6 +137,11 @@ class RingAttention(nn.Module):
         return f"mode={self.mode!r}, backend={self.backend!r}"
 
 
+def _check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+
+
 def _input_problem(q: Tensor, k: Tensor, v: Tensor, schedule: Schedule) -> str | None:
     """Why this rank's inputs cannot run ``schedule`` (None if they can)."""
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
@@ -109,7 +151,10 @@ def _input_problem(q: Tensor, k: Tensor, v: Tensor, schedule: Schedule) -> str |
     if q.shape[1] % k.shape[1]:
         return f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})"
     if q.shape[0] != schedule.num_tokens:
-        return f"cp rank {schedule.cp_rank}: q has {q.shape[0]} tokens but the schedule's rank shard has {schedule.num_tokens}"
+        return (
+            f"cp rank {schedule.cp_rank}: q has {q.shape[0]} tokens "
+            f"but the schedule's rank shard has {schedule.num_tokens}"
+        )
     if not (q.dtype == k.dtype == v.dtype):
         return f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}"
     if schedule.device != q.device:
