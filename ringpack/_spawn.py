@@ -23,6 +23,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["free_port", "run_ranks"]
@@ -35,9 +36,23 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _child(
-    rank: int, world: int, port: int, fn: Callable, args: tuple, out_dir: str, timeout_s: float, threads: int | None
-) -> None:
+@dataclass(frozen=True)
+class _Launch:
+    """What every rank process of one :func:`run_ranks` call gets (picklable)."""
+
+    world: int
+    port: int
+    fn: Callable
+    args: tuple
+    out_dir: str
+    timeout_s: float
+    threads: int | None
+
+    def result_path(self, rank: int) -> str:
+        return os.path.join(self.out_dir, f"rank{rank}.pkl")
+
+
+def _child(rank: int, launch: _Launch) -> None:
     result: Any
     dist = None
     try:
@@ -46,16 +61,16 @@ def _child(
         import torch
         import torch.distributed as dist
 
-        if threads is not None:
-            torch.set_num_threads(threads)
+        if launch.threads is not None:
+            torch.set_num_threads(launch.threads)
         dist.init_process_group(
             "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
+            init_method=f"tcp://127.0.0.1:{launch.port}",
             rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=timeout_s),
+            world_size=launch.world,
+            timeout=timedelta(seconds=launch.timeout_s),
         )
-        result = ("ok", fn(rank, world, *args))
+        result = ("ok", launch.fn(rank, launch.world, *launch.args))
         payload = pickle.dumps(result)
     except BaseException:  # everything goes to the parent, never swallowed
         result = ("error", traceback.format_exc())
@@ -67,7 +82,7 @@ def _child(
                     dist.destroy_process_group()
             except Exception:
                 pass
-    path = os.path.join(out_dir, f"rank{rank}.pkl")
+    path = launch.result_path(rank)
     with open(path + ".tmp", "wb") as f:
         f.write(payload)
     os.replace(path + ".tmp", path)  # the parent never reads half a result
@@ -101,8 +116,6 @@ def run_ranks(
     Raises :class:`RuntimeError` naming every failed rank with its traceback (and any killed ones),
     or :class:`TimeoutError` when the only problem is ranks that did not finish within ``join_s``.
     """
-    import multiprocessing.connection
-
     import torch.multiprocessing as mp
 
     if start_method not in ("spawn", "forkserver"):
@@ -111,58 +124,21 @@ def run_ranks(
     if start_method == "forkserver":
         ctx.set_forkserver_preload(list(dict.fromkeys([*preload, __name__])))
     prefix = f"{name}: " if name else ""
-    port = free_port()
     with tempfile.TemporaryDirectory(prefix="ringpack-ranks-") as out_dir:
-        procs = [
-            ctx.Process(target=_child, args=(r, world, port, fn, tuple(args), out_dir, timeout_s, threads))
-            for r in range(world)
-        ]
+        launch = _Launch(world, free_port(), fn, tuple(args), out_dir, timeout_s, threads)
+        procs = [ctx.Process(target=_child, args=(r, launch)) for r in range(world)]
         try:
             for p in procs:
                 p.start()
-            deadline = time.monotonic() + join_s
-            first_failure = None
-            while True:
-                alive = [p for p in procs if p.exitcode is None]
-                if not alive:
-                    break
-                now = time.monotonic()
-                if first_failure is None and any(p.exitcode not in (None, 0) for p in procs):
-                    first_failure = now
-                limit = deadline if first_failure is None else min(deadline, first_failure + fail_grace_s)
-                if now >= limit:
-                    break
-                multiprocessing.connection.wait([p.sentinel for p in alive], timeout=limit - now)
+            failed_at = _wait(procs, join_s, fail_grace_s)
         finally:
-            killed = [r for r, p in enumerate(procs) if p.exitcode is None and p.pid is not None]
-            for r in killed:
-                procs[r].kill()
-            for p in procs:
-                if p.pid is not None:
-                    p.join()
-
-        results: list[Any] = []
-        failures: list[str] = []
-        for r, p in enumerate(procs):
-            path = os.path.join(out_dir, f"rank{r}.pkl")
-            if r in killed:
-                results.append(None)
-                continue
-            if not os.path.exists(path):
-                failures.append(f"{prefix}rank {r} died without a result (exit code {p.exitcode})")
-                results.append(None)
-                continue
-            with open(path, "rb") as f:
-                status, value = pickle.load(f)
-            if status == "error":
-                failures.append(f"{prefix}rank {r} failed:\n{value}")
-                value = None
-            results.append(value)
+            killed = _kill_and_join(procs)
+        results, failures = _collect(procs, launch, killed, prefix)
     if killed:
         who = f"rank {killed[0]}" if len(killed) == 1 else f"ranks {killed}"
         why = (
             f"did not finish within {join_s:g} s"
-            if first_failure is None
+            if failed_at is None
             else f"still running {fail_grace_s:g} s after another rank failed"
         )
         hung = f"{prefix}{who} {why} (killed)"
@@ -172,3 +148,58 @@ def run_ranks(
     if failures:
         raise RuntimeError("\n\n".join(failures))
     return results
+
+
+def _wait(procs: list, join_s: float, fail_grace_s: float) -> float | None:
+    """Wait until every rank exits, ``join_s`` passes, or ``fail_grace_s`` after the first failure.
+
+    Returns the monotonic time of the first failure seen, or ``None``.
+    """
+    import multiprocessing.connection
+
+    deadline = time.monotonic() + join_s
+    first_failure = None
+    while True:
+        alive = [p for p in procs if p.exitcode is None]
+        if not alive:
+            return first_failure
+        now = time.monotonic()
+        if first_failure is None and any(p.exitcode not in (None, 0) for p in procs):
+            first_failure = now
+        limit = deadline if first_failure is None else min(deadline, first_failure + fail_grace_s)
+        if now >= limit:
+            return first_failure
+        multiprocessing.connection.wait([p.sentinel for p in alive], timeout=limit - now)
+
+
+def _kill_and_join(procs: list) -> list[int]:
+    """Kill the ranks still running, join every started one; the killed ranks."""
+    killed = [r for r, p in enumerate(procs) if p.exitcode is None and p.pid is not None]
+    for r in killed:
+        procs[r].kill()
+    for p in procs:
+        if p.pid is not None:
+            p.join()
+    return killed
+
+
+def _collect(procs: list, launch: _Launch, killed: list[int], prefix: str) -> tuple[list[Any], list[str]]:
+    """Every rank's result (``None`` where it failed or was killed) and a message per failed rank."""
+    results: list[Any] = []
+    failures: list[str] = []
+    for r, p in enumerate(procs):
+        path = launch.result_path(r)
+        if r in killed:
+            results.append(None)
+            continue
+        if not os.path.exists(path):
+            failures.append(f"{prefix}rank {r} died without a result (exit code {p.exitcode})")
+            results.append(None)
+            continue
+        with open(path, "rb") as f:
+            status, value = pickle.load(f)
+        if status == "error":
+            failures.append(f"{prefix}rank {r} failed:\n{value}")
+            value = None
+        results.append(value)
+    return results, failures
