@@ -1,10 +1,11 @@
-"""K/V bytes that cross CP ranks: the one implementation the planner, benchmarks and reports share.
+"""Which K/V pieces cross CP ranks, and how many bytes: one implementation for the attention
+runtime, the planner, benchmarks and reports.
 
-Attention semantics (DESIGN.md section 4): a query at position ``q`` of a sample attends the keys
-``0..q`` of that sample wherever they live. So a piece ``p = [start, stop)`` of sample ``X`` held by
-CP rank ``r`` is **needed** by rank ``r' != r`` iff ``r'`` holds a piece of ``X`` with
-``start' >= p.stop`` (a later piece's queries see all of ``p``; an earlier piece sees none of it).
-The runtime sends exactly the needed pieces, compacted into one buffer per rank.
+Attention semantics: a query at position ``q`` of a sample attends the keys ``0..q`` of that
+sample wherever they live. So a piece ``p = [start, stop)`` of sample ``X`` held by CP rank ``r``
+is **needed** by rank ``r' != r`` iff ``r'`` holds a piece of ``X`` with ``start' >= p.stop`` (a
+later piece's queries see all of ``p``; an earlier piece sees none of it). The runtime sends
+exactly the needed pieces, compacted into one buffer per rank.
 
 Three totals per micro-batch, in bytes (``tokens * bytes_per_token``):
 
@@ -51,11 +52,14 @@ def kv_bytes_per_token(shape: ModelShape, dtype_bytes: int = 2, layers: int | No
 def needed_pieces(
     group: np.ndarray, cp: np.ndarray, sample: np.ndarray, start: np.ndarray, stop: np.ndarray
 ) -> np.ndarray:
-    """For every piece, how many *other* CP ranks of its micro-batch need it (0: stays local).
+    """For every piece, how many *other* CP ranks of its micro-batch need it (0: it stays local).
 
-    Vectorised over any number of micro-batches: ``group`` identifies a piece's micro-batch (any
-    integers), ``cp`` its rank, ``sample``/``start``/``stop`` its tokens. ``needed > 0`` marks the
-    pieces in the compacted send buffers.
+    Vectorised over any number of micro-batches. Every argument is an integer array of shape
+    ``[n]``, one entry per piece: ``group`` its micro-batch (any integers), ``cp`` its CP rank,
+    ``sample`` its sample (any integers), ``start``/``stop`` its tokens.
+
+    Returns:
+        int64 ``[n]``; ``needed > 0`` marks the pieces of the compacted send buffers.
     """
     group = np.asarray(group, dtype=np.int64)
     cp = np.asarray(cp, dtype=np.int64)

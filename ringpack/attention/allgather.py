@@ -1,4 +1,4 @@
-"""All-gather context parallelism (the Llama 3 form) on the same schedule as the ring (DESIGN.md section 4).
+"""All-gather context parallelism (the Llama 3 form) on the same schedule as the ring.
 
 Every rank gathers the compact K/V buffers of the whole CP group in one collective (started before
 the local kernel so the two overlap), runs exactly the ring's per-step kernel calls against the
@@ -30,7 +30,7 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 
 def all_gather_flat(out: Tensor, inp: Tensor, group: dist.ProcessGroup | None, async_op: bool = False):
-    """All-gather concatenating along dim 0 (``out`` is ``[world * inp.shape[0], ...]``; every backend accepts that form)."""
+    """All-gather concatenating along dim 0: ``out`` is ``[world * inp.shape[0], ...]`` (a form every backend takes)."""
     return _all_gather_single(out, inp, group=group, async_op=async_op)
 
 

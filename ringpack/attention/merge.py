@@ -36,10 +36,10 @@ def merge_partial(
     attends at least itself in the local step), so the weights below never see ``inf - inf``.
     """
     parts = [(part_out, part_lse.to(lse.dtype))] + ([] if part2 is None else [(part2[0], part2[1].to(lse.dtype))])
-    if all(fused_merge_applies(out, lse, o, l, index) for o, l in parts):  # CUDA: one kernel, same arithmetic
+    if all(fused_merge_applies(out, lse, o, o_lse, index) for o, o_lse in parts):  # CUDA: one kernel, same arithmetic
         fused_merge(out, lse, *parts[0], index, part2=parts[1] if len(parts) > 1 else None)
         return
-    parts = [(o, l.masked_fill(torch.isposinf(l), float("-inf"))) for o, l in parts]
+    parts = [(o, o_lse.masked_fill(torch.isposinf(o_lse), float("-inf"))) for o, o_lse in parts]
     if isinstance(index, Tensor):
         old_out, old_lse = out.index_select(0, index), lse.index_select(1, index)
     else:

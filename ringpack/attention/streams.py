@@ -4,7 +4,7 @@ PyTorch's NCCL process group makes its communication stream wait for everything 
 *current* stream when a transfer is issued. The engine wants the opposite order on the host: pack
 the send buffer, queue the local attention kernel, and only then issue the transfer, because
 issuing a batched point-to-point call takes a few hundred microseconds of host time during which
-the GPU would otherwise sit idle (measured at 0.4-0.5 ms per forward on H200; BENCHMARKS.md).
+the GPU would otherwise sit idle (0.4-0.5 ms per forward on H200).
 Issuing the transfer from a side stream that waits on an event recorded right after the packing
 keeps the transfer independent of the local kernel, so both run at once.
 
@@ -13,8 +13,8 @@ on the same stream without waiting for the kernels that used it before: every bu
 transfer reads or writes is allocated on the compute stream *before* the mark is recorded, so any
 earlier user of its memory was queued before the mark and the transfer waits for it; the caller
 keeps the buffers alive until the compute stream has waited for the transfer (``work.wait()``).
-(Allocating the receive buffer after queueing the local kernel broke exactly this: on H200 the
-transfer overwrote a block still in use by the local backward, and dK/dV came out wrong.)
+A buffer allocated after the local kernel is queued could reuse a block that kernel still uses,
+and the transfer would overwrite it (wrong dK/dV in backward).
 On CPU (gloo) there are no streams and every helper is a no-op.
 """
 
