@@ -166,11 +166,10 @@ def test_default_grid_covers_the_shapes_and_fits_the_time_budget():
 def test_compute_only_timer_runs_multi_step_schedules():
     case = cal.rank_cases("zigzag", split_zigzag([0, 1], [40, 13], 4), [40, 13], "z")[1]
     assert len(compile_schedule(case.microbatch, case.rank).steps) >= 2
-    clock = cal.Clock("cpu")
-    t = cal.time_case(
-        case, cal.AttentionShape(2, 1, 8), "reference", torch.device("cpu"), torch.float32, clock, reps=2, warmup=0
+    setup = cal.TimingSetup(
+        cal.AttentionShape(2, 1, 8), "reference", torch.device("cpu"), torch.float32, cal.Clock("cpu"), reps=2, warmup=0
     )
-    assert t > 0
+    assert cal.time_case(case, setup) > 0
 
 
 # ---------------------------------------------------------------------------------------------- CLI

@@ -32,7 +32,7 @@ def stored_rows(backend: str) -> dict:
 
 @pytest.fixture(scope="module")
 def refits() -> dict[str, cal.Calibration]:
-    return {b: cal.refit(stored_rows(b), log=lambda _: None) for b in BACKENDS}
+    return {b: cal.refit(stored_rows(b)) for b in BACKENDS}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -80,7 +80,7 @@ def test_dense_terms_only_for_the_hybrid_backend(refits):
 def test_refit_of_a_refit_is_stable(refits):
     """A version-2 report (geometry stored) refits to the same numbers: nothing depends on regenerating shards."""
     res = refits["torch_flash"]
-    again = cal.refit(json.loads(json.dumps(res.to_dict(), default=cal._json_default)), log=lambda _: None)
+    again = cal.refit(json.loads(json.dumps(res.to_dict(), default=cal._json_default)))
     assert again.per_layer == pytest.approx(res.per_layer, rel=1e-12)
     assert again.held_out["max_rel_err"] == pytest.approx(res.held_out["max_rel_err"], rel=1e-12)
     assert [r["label"] for r in again.eval_rows] == [r["label"] for r in res.eval_rows]
@@ -136,15 +136,19 @@ def test_launch_grid_counts_every_segment_times_the_longest():
     assert f["ring"] == 1.0 and f["remote_rows"] > 0 and f["buffer_tokens"] > 0
 
 
-def test_old_reports_are_matched_by_rebuilding_their_shards():
-    """A report without geometry (the first GPU run) is rebuilt from its grid and matched row by row."""
-    report = json.loads((PROFILES / "h200-llama-1b-cudnn_hybrid.report.json").read_text())
-    assert "microbatches" not in report
-    res = cal.refit(report, log=lambda _: None)
-    dropped = res.meta["refit"]["dropped"]
-    assert res.train["n"] + res.held_out["n"] + len(dropped) == len(report["grid_rows"]) + len(report["eval_rows"])
-    assert res.train["n"] >= 100  # the fixed grid never depends on the planner's split heuristics for most shards
-    assert res.meta["timer"] == "wall" and res.meta["refit"]["source_format"] == 1
+def test_reports_of_an_older_format_are_refused_in_one_line(tmp_path, capsys):
+    """A report without micro-batch geometry (format version 1) cannot be refitted: a clear error, exit 1."""
+    old = PROFILES / "h200-llama-1b-cudnn_hybrid.report.json"
+    report = json.loads(old.read_text())
+    assert "microbatches" not in report and report.get("version", 1) == 1
+    with pytest.raises(ValueError, match="version 1 cannot be refitted"):
+        cal.refit(report)
+    from ringpack.cli import main
+
+    assert main(["calibrate", "--refit", str(old), "--out", str(tmp_path / "p.json")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot be refitted" in err[0]
+    assert not (tmp_path / "p.json").exists()
 
 
 def test_cli_refit_writes_a_loadable_profile_and_never_overwrites_the_source(tmp_path, capsys):
@@ -177,7 +181,7 @@ def test_hybrid_features_follow_the_dense_shape_buckets():
     """Reports record the schedule's dense buckets; features count a dense part's key tail as a varlen call."""
     import inspect
 
-    from ringpack.analysis.calibration.features import DENSE_BATCHES, DENSE_BUCKETS, DENSE_THRESHOLD
+    from ringpack.analysis.calibration.features import DENSE_BATCHES, DENSE_BUCKETS, DENSE_THRESHOLD, EngineSettings
     from ringpack.attention import compile_schedule
     from ringpack.attention.schedule import DEFAULT_DENSE_BUCKETS, DEFAULT_DENSE_THRESHOLD
 
@@ -186,9 +190,9 @@ def test_hybrid_features_follow_the_dense_shape_buckets():
     lengths = [30000, 21000]  # split over 2 ranks: long local squares and a full remote block, none on a bucket length
     mb = split_zigzag(list(range(2)), lengths, 2)
     case = cal.rank_cases("z", mb, lengths, "z")[1]
-    exact = cal.rank_features(case, hybrid=True, dense_buckets=None)
-    cut = cal.rank_features(case, hybrid=True, dense_buckets=DENSE_BUCKETS)
-    sched = cal.compiled_schedule(case, DENSE_BUCKETS)
+    exact = cal.rank_features(case, hybrid=True, settings=EngineSettings(dense_buckets=None))
+    cut = cal.rank_features(case, hybrid=True, settings=EngineSettings(dense_buckets=DENSE_BUCKETS))
+    sched = cal.compiled_schedule(case, EngineSettings(dense_buckets=DENSE_BUCKETS))
     tails = sum(1 for c in cal.schedule_calls(sched) for d in c.dense if d[5] < d[3])
     padded = sum(1 for c in cal.schedule_calls(sched) for d in c.dense if d[4] > d[1])
     assert tails > 0 and padded > 0 and cut["dense_calls"] == exact["dense_calls"]

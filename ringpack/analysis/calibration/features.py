@@ -9,6 +9,7 @@ so a stored report can be refitted without a GPU.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -16,7 +17,6 @@ import numpy as np
 from ringpack.analysis.calibration.cases import Case
 from ringpack.cost import piece_pairs
 
-PLANNER_FEATURES = ("const", "tokens", "pairs", "pieces")
 # the profile model: what the planner's CostModel prices (tokens, pairs, pieces) plus two constants
 # that are the same for every rank of a micro-batch (see :mod:`ringpack.analysis.calibration.run`)
 PROFILE_FEATURES = ("overhead", "ring", "tokens", "pairs", "pieces")
@@ -35,34 +35,51 @@ KERNEL_FEATURES = (
     "dense_tiles",
 )
 BLOCKS = ((64, 64), (64, 128), (128, 64), (128, 128))
-# How this version's schedules run a split local call's short segments: "runs" (one varlen call per
-# run between long segments, rows read as views). Reports record it; older reports, timed when they
-# ran as one gathered call, have none and are refitted as "single".
+# The engine's schedule settings (compile_schedule's defaults, repeated here so this module does not
+# import torch; a test checks they agree). LOCAL_REST: a split local call's short segments run as one
+# varlen call per run between long segments ("runs"), not as one gathered call ("single").
 LOCAL_REST = "runs"
-# The dense shape buckets of this version's schedules (compile_schedule's default dense_buckets,
-# repeated here so this module does not import torch; a test checks they agree). Reports record
-# it; older reports, timed on exact dense shapes, have none and are refitted with None.
 DENSE_BUCKETS = 32
-# Whether this version's schedules batch runs of equal short local segments into dense calls
-# (compile_schedule's dense_batches). Reports record it; older ones, timed before batching, are
-# refitted without.
 DENSE_BATCHES = True
-# The dense threshold of this version's schedules (compile_schedule's default dense_threshold; a test
-# checks they agree). Reports record it; older ones, timed at 4096, are refitted with 4096.
 DENSE_THRESHOLD = 2048
 
 
-def planner_features(case: Case, tile: int = 1) -> np.ndarray:
-    """``[1, tokens, exact causal pairs, pieces]`` of the rank shard: what the cost model sees.
+@dataclass(frozen=True)
+class EngineSettings:
+    """How the timed engine split a rank's kernel calls: what the kernel features must count.
 
-    ``tile > 1`` is a diagnostic variant: each piece's pairs are counted as if its length were
-    rounded up to a multiple of ``tile`` (``piece_pairs(start, start + ceil(len/tile)*tile)``),
-    a cheap stand-in for partial kernel tiles that the cost model could adopt.
+    Attributes:
+        local_rest: ``"runs"`` (a split local call's short segments as one varlen call per run
+            between long segments) or ``"single"`` (one varlen call over all of the call's segments).
+        dense_buckets, dense_batches, dense_threshold: ``compile_schedule``'s options of the same
+            names (``dense_buckets=None``: exact dense shapes).
     """
+
+    local_rest: str = LOCAL_REST
+    dense_buckets: int | None = DENSE_BUCKETS
+    dense_batches: bool = DENSE_BATCHES
+    dense_threshold: int = DENSE_THRESHOLD
+
+    @classmethod
+    def of_report(cls, meta: dict[str, Any]) -> EngineSettings:
+        """The settings a calibration report's ``meta`` records.
+
+        A report that does not record a setting was timed by an engine without it: one gathered
+        local call, exact dense shapes, no dense batching, a dense threshold of 4096.
+        """
+        return cls(
+            local_rest=meta.get("local_rest", "single"),
+            dense_buckets=meta.get("dense_buckets"),
+            dense_batches=meta.get("dense_batches", False),
+            dense_threshold=meta.get("dense_threshold", 4096),
+        )
+
+
+def planner_features(case: Case) -> np.ndarray:
+    """``[1, tokens, exact causal pairs, pieces]`` of the rank shard (float64 ``[4]``): what the cost model sees."""
     starts = np.array([p.start for p in case.pieces], dtype=np.int64)
     stops = np.array([p.stop for p in case.pieces], dtype=np.int64)
-    rounded = starts + -(-(stops - starts) // tile) * tile
-    return np.array([1.0, (stops - starts).sum(), piece_pairs(starts, rounded).sum(), len(starts)], dtype=np.float64)
+    return np.array([1.0, (stops - starts).sum(), piece_pairs(starts, stops).sum(), len(starts)], dtype=np.float64)
 
 
 def segment_pairs(len_q: Any, len_k: Any, causal: bool) -> np.ndarray:
@@ -104,33 +121,26 @@ def segment_tiles(len_q: Any, len_k: Any, causal: bool, block_q: int, block_k: i
     return np.bincount(seg, weights=n_k, minlength=lq.size).astype(np.int64)
 
 
-_SCHEDULES: dict[tuple[int, int | None, bool, int], tuple[Case, Any]] = {}
+_SCHEDULES: dict[tuple[int, EngineSettings], tuple[Case, Any]] = {}
 
 
-def compiled_schedule(
-    case: Case,
-    dense_buckets: int | None = DENSE_BUCKETS,
-    dense_batches: bool = DENSE_BATCHES,
-    dense_threshold: int = DENSE_THRESHOLD,
-):
-    """The case's compiled schedule (CPU), compiled once per case object and setting."""
+def compiled_schedule(case: Case, settings: EngineSettings = EngineSettings()) -> Any:
+    """The case's compiled schedule (CPU, torch), compiled once per case object and settings."""
     from ringpack.attention.schedule import compile_schedule
 
-    key = (id(case), dense_buckets, dense_batches, dense_threshold)
+    key = (id(case), settings)
     hit = _SCHEDULES.get(key)
     if hit is None or hit[0] is not case:
         if len(_SCHEDULES) > 4096:
             _SCHEDULES.clear()
-        hit = _SCHEDULES[key] = (
-            case,
-            compile_schedule(
-                case.microbatch,
-                case.rank,
-                dense_buckets=dense_buckets,
-                dense_batches=dense_batches,
-                dense_threshold=dense_threshold,
-            ),
+        schedule = compile_schedule(
+            case.microbatch,
+            case.rank,
+            dense_buckets=settings.dense_buckets,
+            dense_batches=settings.dense_batches,
+            dense_threshold=settings.dense_threshold,
         )
+        hit = _SCHEDULES[key] = (case, schedule)
     return hit[1]
 
 
@@ -140,9 +150,9 @@ def schedule_calls(schedule) -> list:
     return calls + [c for step in schedule.steps for c in step.calls]
 
 
-def kernel_features(case: Case, block_q: int = 128, block_k: int = 128, schedule=None) -> dict[str, float]:
+def kernel_features(case: Case, block_q: int = 128, block_k: int = 128) -> dict[str, float]:
     """What the kernels of this rank actually run: calls, segments, exact pairs and whole-tile pairs."""
-    schedule = compiled_schedule(case) if schedule is None else schedule
+    schedule = compiled_schedule(case)
     out = dict(
         calls=0.0, kernel_segments=0.0, kernel_pairs=0.0, tiles=0.0, tile_pairs=0.0, tokens=float(schedule.num_tokens)
     )
@@ -165,37 +175,40 @@ def rank_features(
     hybrid: bool = False,
     block_q: int = 128,
     block_k: int = 128,
-    schedule=None,
-    local_rest: str = LOCAL_REST,
-    dense_buckets: int | None = DENSE_BUCKETS,
-    dense_batches: bool = DENSE_BATCHES,
-    dense_threshold: int = DENSE_THRESHOLD,
+    settings: EngineSettings = EngineSettings(),
 ) -> dict[str, float]:
-    """Every feature of a rank shard the profile and kernel models use (:data:`PROFILE_FEATURES`, :data:`KERNEL_FEATURES`).
+    """Every feature of a rank shard the profile and kernel models use.
 
-    * ``ring``: 1 when the micro-batch has remote steps (some sample is split). Every rank of the
-      micro-batch then runs the ring path (K/V packing, float32 accumulators, merges), so it is a
-      constant of the micro-batch, like ``overhead``.
-    * ``calls``: varlen kernel calls (each is a forward and a backward launch, plus their prologues).
-    * ``tiles``: ``block_q x block_k`` tiles the varlen calls compute (partial and masked tiles whole).
-    * ``grid_q`` / ``grid_k``: the launch grid of the varlen calls. Flash-attention's varlen kernels
-      launch ``ceil(max_seqlen / block)`` tiles for *every* segment of a call (forward and the
-      backward's pre/post-processing over queries, the backward's main kernel over keys); tiles past
-      a segment's end exit at once but still cost a block launch. A call of many short segments and
-      one long one pays ``segments x longest`` of them.
-    * ``remote_rows``: query rows of the remote steps (gathered, merged by log-sum-exp, their dQ
-      scattered back); ``buffer_tokens``: remote K/V rows a rank reads and accumulates dK/dV for.
-    * ``dense_calls`` / ``dense_tiles``: with a hybrid backend (``hybrid=True``) the long segments the
-      schedule marked run one by one on the dense kernel (cuDNN): a launch each and their own tile rate.
-      ``local_rest="single"`` counts a split local call's short segments as the one varlen call
-      (over all of the call's segments, long ones without queries) that engines before
-      :data:`LOCAL_REST` launched, so timings of that engine refit against what it ran.
-      ``dense_buckets``: the schedule's shape buckets (:data:`DENSE_BUCKETS`; ``None`` for reports
-      timed on exact dense shapes). Dense parts count at their kernel shape (``q_run`` x ``k_run``,
-      padding included, times ``batch``); a block's keys past ``k_run`` count as a varlen call over
-      the padded rows.
+    Args:
+        case: the rank shard.
+        hybrid: the backend runs long segments on a dense kernel (cuDNN).
+        block_q, block_k: the flash kernel's tile shape.
+        settings: how the engine whose times are fitted split its kernel calls.
+
+    Returns:
+        :data:`PROFILE_FEATURES` and :data:`KERNEL_FEATURES` by name (floats), plus ``segments``
+        and ``dense_pairs`` (diagnostics):
+
+        * ``ring``: 1 when the micro-batch has remote steps (some sample is split). Every rank of
+          the micro-batch then runs the ring path (K/V packing, float32 accumulators, merges), so
+          it is a constant of the micro-batch, like ``overhead``.
+        * ``calls``: varlen kernel calls (each a forward and a backward launch, plus prologues).
+        * ``tiles``: ``block_q x block_k`` tiles the varlen calls compute (partial and masked
+          tiles whole).
+        * ``grid_q`` / ``grid_k``: the launch grid of the varlen calls. Flash-attention's varlen
+          kernels launch ``ceil(max_seqlen / block)`` tiles for *every* segment of a call (forward
+          and the backward's pre/post-processing over queries, the backward's main kernel over
+          keys); tiles past a segment's end exit at once but still cost a block launch, so a call
+          of many short segments and one long one pays ``segments x longest`` of them.
+        * ``remote_rows``: query rows of the remote steps (gathered, merged by log-sum-exp, their
+          dQ scattered back); ``buffer_tokens``: remote K/V rows a rank reads and accumulates
+          dK/dV for.
+        * ``dense_calls`` / ``dense_tiles``: with ``hybrid``, the long segments the schedule marked
+          run one by one on the dense kernel, a launch each at their own tile rate, counted at
+          their kernel shape (``q_run x k_run``, padding included, times ``batch``); a dense
+          block's keys past ``k_run`` count as a varlen call over the padded rows.
     """
-    schedule = compiled_schedule(case, dense_buckets, dense_batches, dense_threshold) if schedule is None else schedule
+    schedule = compiled_schedule(case, settings)
     f = planner_features(case)
     out = dict(
         overhead=1.0,
@@ -218,38 +231,44 @@ def rank_features(
     for remote, call in local + [(True, c) for step in schedule.steps for c in step.calls]:
         if remote:
             out["remote_rows"] += float(call.cu_seqlens_q[-1])
-        varlen = [(call.cu_seqlens_q, call.cu_seqlens_k, call.causal)]
-        if hybrid and call.dense:
-            for d in call.dense:  # the kernel's (padded / cut / batched) shape is what it computes
-                out["dense_calls"] += 1
-                out["dense_tiles"] += d.batch * float(
-                    segment_tiles([d.q_run], [d.k_run], call.causal, block_q, block_k)[0]
-                )
-                out["dense_pairs"] += d.batch * float(segment_pairs([d.q_run], [d.k_run], call.causal)[0])
-            varlen = [(p.cu_seqlens_q, p.cu_seqlens_k, p.causal) for p in call.rest]
-            varlen += [
-                (np.array([0, d.q_run]), np.array([0, d.k_len - d.k_run]), False)
-                for d in call.dense
-                if d.k_run < d.k_len
-            ]
-            if local_rest == "single" and call.causal and call.rest:
-                _add_single_rest(out, call, block_q, block_k)
-                continue
-        for cu_q, cu_k, causal in varlen:
-            lq = np.diff(np.asarray(cu_q, dtype=np.int64))
-            lk = np.diff(np.asarray(cu_k, dtype=np.int64))
-            work = (lq > 0) & (lk > 0)
-            out["calls"] += 1
-            out["segments"] += float(work.sum())
-            out["tiles"] += float(segment_tiles(lq[work], lk[work], causal, block_q, block_k).sum())
-            out["grid_q"] += float(lq.size * -(-max(int(lq.max()), 2) // block_q))
-            out["grid_k"] += float(lk.size * -(-int(lk.max()) // block_k))
+        if not (hybrid and call.dense):
+            _add_varlen_call(out, call.cu_seqlens_q, call.cu_seqlens_k, call.causal, block_q, block_k)
+        elif settings.local_rest == "single" and call.causal and call.rest:
+            _add_dense_parts(out, call, block_q, block_k)
+            _add_single_rest(out, call, block_q, block_k)
+        else:
+            _add_dense_parts(out, call, block_q, block_k)
+            for part in call.rest:
+                _add_varlen_call(out, part.cu_seqlens_q, part.cu_seqlens_k, part.causal, block_q, block_k)
+            for d in call.dense:
+                if d.k_run < d.k_len:  # the keys past the dense block: a varlen call beside it
+                    _add_varlen_call(out, [0, d.q_run], [0, d.k_len - d.k_run], False, block_q, block_k)
     return out
 
 
-def _add_single_rest(out: dict[str, float], call, block_q: int, block_k: int) -> None:
-    """A split local call's short segments as the single varlen call of engines before
-    :data:`LOCAL_REST`: every segment of the call in its grid, the long ones without queries."""
+def _add_varlen_call(out: dict[str, float], cu_q: Any, cu_k: Any, causal: bool, block_q: int, block_k: int) -> None:
+    """Count one varlen kernel call over segments ``cu_q`` x ``cu_k`` (cumulative lengths) into ``out``."""
+    lq = np.diff(np.asarray(cu_q, dtype=np.int64))
+    lk = np.diff(np.asarray(cu_k, dtype=np.int64))
+    work = (lq > 0) & (lk > 0)
+    out["calls"] += 1
+    out["segments"] += float(work.sum())
+    out["tiles"] += float(segment_tiles(lq[work], lk[work], causal, block_q, block_k).sum())
+    out["grid_q"] += float(lq.size * -(-max(int(lq.max()), 2) // block_q))
+    out["grid_k"] += float(lk.size * -(-int(lk.max()) // block_k))
+
+
+def _add_dense_parts(out: dict[str, float], call: Any, block_q: int, block_k: int) -> None:
+    """Count a call's dense parts at the shape the dense kernel computes (padded, cut, batched)."""
+    for d in call.dense:
+        out["dense_calls"] += 1
+        out["dense_tiles"] += d.batch * float(segment_tiles([d.q_run], [d.k_run], call.causal, block_q, block_k)[0])
+        out["dense_pairs"] += d.batch * float(segment_pairs([d.q_run], [d.k_run], call.causal)[0])
+
+
+def _add_single_rest(out: dict[str, float], call: Any, block_q: int, block_k: int) -> None:
+    """A split local call's short segments as one varlen call (``local_rest="single"``): every
+    segment of the call in its launch grid, the long ones without queries."""
     segments = call.cu_seqlens_q.numel() - 1
     for part in call.rest:
         lq = np.diff(part.cu_seqlens_q.cpu().numpy().astype(np.int64))

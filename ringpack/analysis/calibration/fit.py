@@ -18,6 +18,7 @@ from ringpack.analysis.calibration.features import (
     BLOCKS,
     KERNEL_FEATURES,
     PROFILE_FEATURES,
+    EngineSettings,
     feature_matrix,
     rank_features,
 )
@@ -138,8 +139,53 @@ class Calibration:
         out = dataclasses.asdict(self)
         out["profile"] = self.profile.to_dict()
         out["format"] = "ringpack-calibration"
-        out["version"] = 2
+        out["version"] = REPORT_VERSION
         return out
+
+
+#: Format version of the JSON report (:meth:`Calibration.to_dict`); ``refit`` reads this version only.
+REPORT_VERSION = 2
+#: Names of the profile model's coefficients, in :data:`PROFILE_FEATURES` order (seconds, one layer).
+PER_LAYER_KEYS = ("overhead_s", "ring_overhead_s", "token_s", "pair_s", "segment_s")
+_NOTE = (
+    "per_layer and the rows are one attention layer's forward+backward, compute only. predicted_s is the profile "
+    "model: token*tokens + pair*pairs + segment*pieces (what the planner's CostModel prices) plus overhead_s and, "
+    "when the micro-batch splits a sample, ring_overhead_s; both constants are equal for every rank of a "
+    "micro-batch, so they never change which rank is slowest, and the profile leaves them out. The profile is "
+    "layers x per_layer (+ linear layers per token). kernel_predicted_s is the kernel model (a diagnostic)."
+)
+
+
+def fit_profile(features: Sequence[dict[str, float]], times: np.ndarray) -> dict[str, float]:
+    """The profile model's per-layer coefficients (:data:`PER_LAYER_KEYS`) fitted to ``times``.
+
+    Args:
+        features: :func:`rank_features` of each timed rank shard (128x128 tiles).
+        times: float64 ``[n]`` measured seconds of one layer's forward+backward, same order.
+
+    Raises:
+        ValueError: the fit found neither a token nor a pair cost (the timings carry no signal).
+    """
+    coef = fit_nnls(feature_matrix(features, PROFILE_FEATURES), times)
+    per_layer = dict(zip(PER_LAYER_KEYS, map(float, coef)))
+    if per_layer["token_s"] == 0 and per_layer["pair_s"] == 0:
+        raise ValueError("calibration fit found neither a token nor a pair cost; the timings carry no signal")
+    return per_layer
+
+
+def profile_model(per_layer: dict[str, float], layers: int, linear: dict[str, Any], name: str) -> CostModel:
+    """The planner's cost model in seconds: ``layers`` attention layers plus the timed linear layers per token.
+
+    The per-micro-batch constants (``overhead_s``, ``ring_overhead_s``) are left out: they are
+    equal on every rank of a micro-batch, so they never change which rank is slowest.
+    """
+    return CostModel(
+        token=layers * (per_layer["token_s"] + linear["layer_token_s"]) + linear["head_token_s"],
+        pair=layers * per_layer["pair_s"],
+        segment=layers * per_layer["segment_s"],
+        unit="s",
+        name=name,
+    )
 
 
 def _predict(feats: Sequence[dict[str, float]], names: Sequence[str], coef: np.ndarray) -> np.ndarray:
@@ -160,46 +206,74 @@ def analyse(
     """Fit the profile and kernel models on the ``grid`` (case, seconds) pairs and evaluate both on ``held``.
 
     Pure numpy on measured times: :func:`calibrate` calls it after timing on the GPU, :func:`refit`
-    on the rows of a stored report. The held-out rows are never fitted on.
+    on the rows of a stored report. The held-out rows are never fitted on. The kernel features
+    count what the engine recorded in ``meta`` ran (:meth:`EngineSettings.of_report`).
+
+    Raises:
+        ValueError: fewer grid rows than the profile model has terms, or timings without signal.
     """
     if len(grid) < len(PROFILE_FEATURES) + 1:
         raise ValueError(f"calibration needs at least {len(PROFILE_FEATURES) + 1} grid rows, got {len(grid)}")
     times = np.array([t for _, t in grid], dtype=np.float64)
-    m = np.array([t for _, t in held], dtype=np.float64)
-    kw = dict(
-        local_rest=meta.get("local_rest", "single"),
-        dense_buckets=meta.get("dense_buckets"),
-        dense_batches=meta.get("dense_batches", False),
-        dense_threshold=meta.get("dense_threshold", 4096),
-    )  # the engine the timings came from
+    measured = np.array([t for _, t in held], dtype=np.float64)
+    settings = EngineSettings.of_report(meta)
     feats = {
         b: (
-            [rank_features(c, hybrid, *b, **kw) for c, _ in grid],
-            [rank_features(c, hybrid, *b, **kw) for c, _ in held],
+            [rank_features(c, hybrid, *b, settings) for c, _ in grid],
+            [rank_features(c, hybrid, *b, settings) for c, _ in held],
         )
         for b in BLOCKS
     }
     fg, fe = feats[(128, 128)]
 
-    # profile model: the planner's terms plus the per-micro-batch constants
-    coef = fit_nnls(feature_matrix(fg, PROFILE_FEATURES), times)
-    if coef[2] == 0 and coef[3] == 0:
-        raise ValueError("calibration fit found neither a token nor a pair cost; the timings carry no signal")
-    per_layer = dict(zip(("overhead_s", "ring_overhead_s", "token_s", "pair_s", "segment_s"), map(float, coef)))
+    # the profile model: the planner's terms plus the per-micro-batch constants
+    per_layer = fit_profile(fg, times)
+    coef = np.array([per_layer[k] for k in PER_LAYER_KEYS])
     pred_g, pred = _predict(fg, PROFILE_FEATURES, coef), _predict(fe, PROFILE_FEATURES, coef)
-    train = quality(times, pred_g)
-    held_out = quality(m, pred)
-    held_out.update(imbalance(held, m, pred))
-    held_out["by_strategy"] = _by_group(held, m, pred, eval_strategy)
-    profile = CostModel(
-        token=layers * (per_layer["token_s"] + linear["layer_token_s"]) + linear["head_token_s"],
-        pair=layers * per_layer["pair_s"],
-        segment=layers * per_layer["segment_s"],
-        unit="s",
-        name=name,
+    held_out = _held_out_quality(held, measured, pred, eval_strategy)
+    kernel_model, kpred_g, kpred = _fit_kernel_model(feats, times, held, measured, eval_strategy)
+
+    rows = _RowWriter()
+    grid_rows = [rows.row(c, t, f, p, kp) for (c, t), f, p, kp in zip(grid, fg, pred_g, kpred_g)]
+    eval_rows = [
+        dict(rows.row(c, t, f, p, kp), strategy=eval_strategy(c)) for (c, t), f, p, kp in zip(held, fe, pred, kpred)
+    ]
+    return Calibration(
+        profile=profile_model(per_layer, layers, linear, name),
+        meta=dict(meta, layers=layers, note=_NOTE),
+        per_layer=per_layer,
+        linear=linear,
+        train=quality(times, pred_g),
+        held_out=held_out,
+        kernel_model=kernel_model,
+        baseline=_pairs_only_baseline(fg, fe, times, measured),
+        microbatches=rows.microbatches,
+        grid_rows=grid_rows,
+        eval_rows=eval_rows,
     )
 
-    # kernel model (diagnostic): the block size that fits the grid best
+
+def _held_out_quality(
+    held: Sequence[tuple[Case, float]], measured: np.ndarray, predicted: np.ndarray, key: Callable[[Case], str]
+) -> dict[str, Any]:
+    """:func:`quality` and :func:`imbalance` of held-out predictions, and quality per ``key`` group."""
+    out: dict[str, Any] = quality(measured, predicted)
+    out.update(imbalance(held, measured, predicted))
+    out["by_strategy"] = _by_group(held, measured, predicted, key)
+    return out
+
+
+def _fit_kernel_model(
+    feats: dict[tuple[int, int], tuple[list, list]],
+    times: np.ndarray,
+    held: Sequence[tuple[Case, float]],
+    measured: np.ndarray,
+    eval_strategy: Callable[[Case], str],
+) -> tuple[dict[str, Any], np.ndarray, np.ndarray]:
+    """The kernel model (diagnostic) at the block size that fits the grid best.
+
+    Returns the model's report entry and its predictions on the grid and on the held-out shards.
+    """
     scan = []
     for b in BLOCKS:
         ck = fit_nnls(feature_matrix(feats[b][0], KERNEL_FEATURES), times)
@@ -211,31 +285,40 @@ def analyse(
             )
         )
     best = min(scan, key=lambda x: (x["train"]["mean_rel_err"], x["train"]["max_rel_err"]))
-    bk = tuple(best["block"])
+    grid_feats, held_feats = feats[tuple(best["block"])]
     ck = np.array([best["coef"][n] for n in KERNEL_FEATURES])
-    kpred_g, kpred = _predict(feats[bk][0], KERNEL_FEATURES, ck), _predict(feats[bk][1], KERNEL_FEATURES, ck)
-    k_held = quality(m, kpred)
-    k_held.update(imbalance(held, m, kpred))
-    k_held["by_strategy"] = _by_group(held, m, kpred, eval_strategy)
-    kernel_model = dict(best, held_out=k_held, scan=[dict(block=x["block"], train=x["train"]) for x in scan])
+    kpred_g, kpred = _predict(grid_feats, KERNEL_FEATURES, ck), _predict(held_feats, KERNEL_FEATURES, ck)
+    k_held = _held_out_quality(held, measured, kpred, eval_strategy)
+    model = dict(best, held_out=k_held, scan=[dict(block=x["block"], train=x["train"]) for x in scan])
+    return model, kpred_g, kpred
 
-    # pairs-only baseline (the FLOP model's shape, best scalar): what calibration buys
+
+def _pairs_only_baseline(
+    fg: Sequence[dict[str, float]], fe: Sequence[dict[str, float]], times: np.ndarray, measured: np.ndarray
+) -> dict[str, Any]:
+    """The FLOP model's shape (pairs only, best scalar): what calibration buys over it."""
     xp = feature_matrix(fg, ("pairs",))
-    base_coef = fit_nnls(xp, times)
-    baseline = dict(
-        pair_s=float(base_coef[0]),
-        train=quality(times, xp[:, 0] * base_coef[0]),
-        held_out=quality(m, feature_matrix(fe, ("pairs",))[:, 0] * base_coef[0]),
+    pair_s = fit_nnls(xp, times)[0]
+    return dict(
+        pair_s=float(pair_s),
+        train=quality(times, xp[:, 0] * pair_s),
+        held_out=quality(measured, feature_matrix(fe, ("pairs",))[:, 0] * pair_s),
     )
 
-    mbs: list[dict[str, Any]] = []
-    index: dict[int, int] = {}
 
-    def row(case: Case, t: float, f: dict[str, float], p: float, kp: float) -> dict[str, Any]:
-        k = index.get(id(case.microbatch))
+class _RowWriter:
+    """Report rows of timed rank shards; each micro-batch's geometry is stored once, rows point to it."""
+
+    def __init__(self) -> None:
+        self.microbatches: list[dict[str, Any]] = []
+        self._index: dict[int, int] = {}
+
+    def row(self, case: Case, t: float, f: dict[str, float], p: float, kp: float) -> dict[str, Any]:
+        """The row of ``case``: measured ``t`` seconds, features ``f``, predictions ``p`` (profile), ``kp`` (kernel)."""
+        k = self._index.get(id(case.microbatch))
         if k is None:
-            k = index[id(case.microbatch)] = len(mbs)
-            mbs.append(microbatch_geometry(case))
+            k = self._index[id(case.microbatch)] = len(self.microbatches)
+            self.microbatches.append(microbatch_geometry(case))
         return dict(
             family=case.family,
             label=case.label,
@@ -254,25 +337,6 @@ def analyse(
             rel_err=float((p - t) / t),
             kernel_rel_err=float((kp - t) / t),
         )
-
-    grid_rows = [row(c, t, f, p, kp) for (c, t), f, p, kp in zip(grid, fg, pred_g, kpred_g)]
-    eval_rows = [
-        dict(row(c, t, f, p, kp), strategy=eval_strategy(c)) for (c, t), f, p, kp in zip(held, fe, pred, kpred)
-    ]
-    meta = dict(
-        meta,
-        layers=layers,
-        note=(
-            "per_layer and the rows are one attention layer's forward+backward, compute only. predicted_s is the profile "
-            "model: token*tokens + pair*pairs + segment*pieces (what the planner's CostModel prices) plus overhead_s and, "
-            "when the micro-batch splits a sample, ring_overhead_s; both constants are equal for every rank of a "
-            "micro-batch, so they never change which rank is slowest, and the profile leaves them out. The profile is "
-            "layers x per_layer (+ linear layers per token). kernel_predicted_s is the kernel model (a diagnostic)."
-        ),
-    )
-    return Calibration(
-        profile, meta, per_layer, linear, train, held_out, kernel_model, baseline, mbs, grid_rows, eval_rows
-    )
 
 
 def _by_group(

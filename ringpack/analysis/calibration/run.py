@@ -11,9 +11,10 @@ the FLOP-derived coefficients by seconds measured on the GPU that will train, in
 2. **Timer.** Each shard runs ringpack's own attention engine (:class:`ContextParallelAttention`
    on its compiled schedule, the chosen kernel backend) forward and backward, timed with CUDA
    events, median of a few repetitions; with ``timer="gpu"`` (default) the repetitions are queued
-   behind a GPU sleep, so the events see the GPU's execution and not the host's launch pace. CP ranks are timed one at a time on one GPU: a transport
-   without communication serves the remote K/V buffers from memory, so a rank's time is its
-   compute (kernels, gathers, log-sum-exp merges); communication is the comm model's business.
+   behind a GPU sleep, so the events see the GPU's execution and not the host's launch pace. CP
+   ranks are timed one at a time on one GPU: a transport without communication serves the remote
+   K/V buffers from memory, so a rank's time is its compute (kernels, gathers, log-sum-exp merges);
+   communication is the comm model's business.
    With ``mode="linear"`` (the default) the model's linear layers are timed too: the GEMMs of one
    decoder layer (q/k/v, o, gate/up, down) and the output head, forward (``x @ W``) and backward
    (``dY @ W^T``, ``X^T @ dY``), per token. Norms, activations and RoPE are not timed (they are
@@ -33,15 +34,16 @@ the FLOP-derived coefficients by seconds measured on the GPU that will train, in
      merge, dK/dV accumulation) and, for hybrid backends, dense (cuDNN) calls and tiles at their own
      rate. The block size is chosen from 64/128 by fit. Its terms are per rank, not per piece,
      so the planner's additive cost cannot hold them; the gap between the two models' held-out
-     errors is what per-piece pricing leaves on the table (on the first H200 runs: mostly zigzag
-     ranks of many short pieces next to a long one, whose empty launched tiles cost milliseconds).
+     errors is what per-piece pricing leaves on the table (mostly zigzag ranks of many short pieces
+     next to a long one, whose empty launched tiles cost milliseconds).
 
 4. **Evaluation.** Held-out micro-batches (heavy-tailed Pareto mixes, split by ``contiguous``,
    ``zigzag`` and ``balanced`` over 2 CP ranks, with lengths and seeds the grid never saw): every
    rank's measured time against both models' predictions; Pearson correlation, largest and mean
    relative error and how often the slowest rank is predicted right, as a table and in the JSON
    report. ``ringpack calibrate --refit REPORT.json`` redoes steps 3-4 from a stored report's
-   measurements without a GPU (the report stores every micro-batch's geometry).
+   measurements without a GPU (the report stores every micro-batch's geometry; only reports of
+   the current format version do).
 
 The profile is a :class:`CostModel` in seconds for one forward+backward of the *whole model*
 (attention coefficients x layers, plus the linear layers' per-token time in ``token``), saved with
@@ -64,7 +66,8 @@ import dataclasses
 import json
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -80,14 +83,9 @@ from ringpack.analysis.calibration.cases import (
     rank_cases,
 )
 from ringpack.analysis.calibration.features import (
-    DENSE_BATCHES,
-    DENSE_BUCKETS,
-    DENSE_THRESHOLD,
     KERNEL_FEATURES,
-    LOCAL_REST,
-    PROFILE_FEATURES,
+    EngineSettings,
     compiled_schedule,
-    feature_matrix,
     kernel_features,
     planner_features,
     rank_features,
@@ -95,27 +93,41 @@ from ringpack.analysis.calibration.features import (
     segment_pairs,
     segment_tiles,
 )
-from ringpack.analysis.calibration.fit import Calibration, analyse, fit_nnls, nnls, pearson, quality
+from ringpack.analysis.calibration.fit import (
+    REPORT_VERSION,
+    Calibration,
+    analyse,
+    fit_nnls,
+    fit_profile,
+    nnls,
+    pearson,
+    profile_model,
+    quality,
+)
 from ringpack.analysis.calibration.timing import (
     TIMERS,
     AttentionShape,
     Clock,
+    TimingSetup,
     device_name,
     estimate_seconds,
     time_case,
     time_linear,
 )
-from ringpack.cost import PRESETS, CostModel, ModelShape
+from ringpack.cost import PRESETS, ModelShape
 
 # the public surface of calibration, re-exported here
 __all__ = [
     "AttentionShape",
     "Case",
     "Calibration",
+    "CalibrationSettings",
     "Clock",
     "EVAL_STRATEGIES",
+    "EngineSettings",
     "GRIDS",
     "KERNEL_FEATURES",
+    "TimingSetup",
     "analyse",
     "calibrate",
     "compiled_schedule",
@@ -125,7 +137,6 @@ __all__ = [
     "format_summary",
     "grid_cases",
     "kernel_features",
-    "main",
     "nnls",
     "pearson",
     "planner_features",
@@ -141,168 +152,202 @@ __all__ = [
 ]
 
 
+@dataclass(frozen=True)
+class CalibrationSettings:
+    """What :func:`calibrate` times and how.
+
+    Attributes:
+        layers: attention layers the profile covers (its coefficients are ``layers`` x one layer's).
+        mode: ``"linear"`` adds the timed per-token cost of the model's linear layers to the
+            profile's token term; ``"attention"`` makes an attention-only profile.
+        backend: the attention kernel backend timed (``"auto"``: what training picks).
+        device: ``"cuda"``, or ``"cpu"`` for a dry run with the reference backend.
+        dtype: the inputs' torch dtype (``None``: bfloat16 on a GPU, float32 on the CPU).
+        grid: the shape grid (:data:`GRIDS`).
+        reps, warmup: timed and untimed repetitions per shard (the median is taken).
+        seed: the inputs' and the grid's random seed.
+        name: the profile's name (the communication model looks the K/V shape up by it).
+        timer: ``"gpu"`` queues each shard's repetitions behind a GPU sleep, so the host's launch
+            time is hidden and the GPU's execution is measured (what a training step that keeps
+            the GPU busy sees); ``"wall"`` times from the first launch, host overhead included.
+
+    Raises:
+        ValueError: an unknown ``mode`` or ``timer``.
+    """
+
+    layers: int = 1
+    mode: str = "linear"
+    backend: str = "auto"
+    device: str = "cuda"
+    dtype: Any = None
+    grid: str = "full"
+    reps: int = 5
+    warmup: int = 1
+    seed: int = 0
+    name: str = "calibrated"
+    timer: str = "gpu"
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("linear", "attention"):
+            raise ValueError(f"mode must be 'linear' or 'attention', got {self.mode!r}")
+        if self.timer not in TIMERS:
+            raise ValueError(f"timer must be one of {TIMERS}, got {self.timer!r}")
+
+
+def _no_linear() -> dict[str, Any]:
+    """The linear-layer timings of an attention-only profile."""
+    return dict(layer_token_s=0.0, head_token_s=0.0, gemm_tflops=0.0, tokens=0)
+
+
 def calibrate(
     shape: AttentionShape,
     model: ModelShape | None = None,
-    *,
-    layers: int = 1,
-    mode: str = "linear",
-    backend: str = "auto",
-    device: str = "cuda",
-    dtype=None,
-    grid: str = "full",
-    reps: int = 5,
-    warmup: int = 1,
-    seed: int = 0,
-    name: str = "calibrated",
-    timer: str = "gpu",
+    settings: CalibrationSettings = CalibrationSettings(),
     log: Callable[[str], None] = print,
 ) -> Calibration:
     """Time the grid, fit the per-layer attention model, time the linear layers, evaluate on held-out plans.
 
-    ``mode="linear"`` adds the timed per-token cost of ``model``'s linear layers to the profile's
-    token term; ``mode="attention"`` makes an attention-only profile. Returns a :class:`Calibration`
-    whose ``profile`` covers ``layers`` layers' forward+backward. ``timer``: ``"gpu"`` (default)
-    queues each shard's repetitions behind a GPU sleep so the host's launch time is hidden and
-    the GPU's execution time is measured (what a training step that keeps the GPU busy sees);
-    ``"wall"`` times from the first launch, host overhead included (the first reports' timer).
-    """
-    import torch
+    Args:
+        shape: the attention heads timed.
+        model: the model whose linear layers are timed (needed with ``settings.mode == "linear"``).
+        settings: what is timed and how.
+        log: receives one progress line per stage.
 
-    from ringpack.attention.kernels import HYBRID_BACKENDS, resolve_backend
+    Returns:
+        The :class:`Calibration`; its ``profile`` covers ``settings.layers`` layers' forward+backward.
 
-    if mode not in ("linear", "attention"):
-        raise ValueError(f"mode must be 'linear' or 'attention', got {mode!r}")
-    if mode == "linear" and model is None:
-        raise ValueError("mode 'linear' needs a model shape for the linear layers' GEMMs")
-    if timer not in TIMERS:
-        raise ValueError(f"timer must be one of {TIMERS}, got {timer!r}")
-    device = torch.device(device)
-    if dtype is None:
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    backend = resolve_backend(backend, torch.empty(1, shape.heads, shape.head_dim, device=device, dtype=dtype))
-    clock = Clock(device, queued=timer == "gpu")
-    started = time.perf_counter()
-    gen = torch.Generator(device=device).manual_seed(seed)
-
-    def measure(cases: list[Case], what: str) -> list[tuple[Case, float]]:
-        out = []
-        t0 = time.perf_counter()
-        for case in cases:
-            out.append((case, time_case(case, shape, backend, device, dtype, clock, reps, warmup, gen)))
-        log(f"  timed {len(cases)} {what} rank shards in {time.perf_counter() - t0:.1f} s")
-        return out
-
-    # warm the GPU clocks and the kernels' first launches on a mid-size case
-    cases = grid_cases(grid, seed)
-    if clock.cuda:
-        warm = max(cases, key=lambda c: planner_features(c)[1] if planner_features(c)[1] <= 8192 else 0)
-        time_case(warm, shape, backend, device, dtype, clock, reps=3, warmup=2, generator=gen)
-    log(
-        f"calibrating {backend} attention, {shape.heads} heads / {shape.kv_heads} kv / d={shape.head_dim}, "
-        f"{dtype}, on {device_name(device)} (grid {grid}, {len(cases)} shards, timer {clock.kind})"
-    )
-    grid_timed = measure(cases, "grid")
-    hybrid = backend in HYBRID_BACKENDS
-    # the profile cuts the held-out micro-batches' balanced splits, so fit it first (same fit as analyse)
-    times = np.array([t for _, t in grid_timed])
-    coef = fit_nnls(feature_matrix([rank_features(c, hybrid) for c, _ in grid_timed], PROFILE_FEATURES), times)
-
-    linear = dict(layer_token_s=0.0, head_token_s=0.0, gemm_tflops=0.0, tokens=0)
-    if mode == "linear":
-        gemm_tokens = 8192 if device.type == "cuda" else 16
-        linear = time_linear(model, gemm_tokens, device, dtype, clock, reps, warmup)
-        log(
-            f"  linear layers: {linear['layer_token_s'] * 1e9:.2f} ns/token/layer, head {linear['head_token_s'] * 1e9:.2f} "
-            f"ns/token ({linear['gemm_tflops']:.0f} TFLOP/s)"
-        )
-    cut_with = CostModel(
-        token=layers * (coef[2] + linear["layer_token_s"]) + linear["head_token_s"],
-        pair=layers * coef[3],
-        segment=layers * coef[4],
-        unit="s",
-        name=name,
-    )
-    held = measure(eval_cases(grid, cut_with), "held-out")
-    meta = dict(
-        device=device_name(device),
-        backend=backend,
-        dtype=str(dtype).replace("torch.", ""),
-        torch=torch.__version__,
-        grid=grid,
-        reps=reps,
-        warmup=warmup,
-        seed=seed,
-        mode=mode,
-        timer=clock.kind,
-        shape=dataclasses.asdict(shape),
-        model=None if model is None else dataclasses.asdict(model),
-        date=time.strftime("%Y-%m-%d %H:%M:%S"),
-        wall_s=time.perf_counter() - started,
-        local_rest=LOCAL_REST,
-        dense_buckets=DENSE_BUCKETS,
-        dense_batches=DENSE_BATCHES,
-        dense_threshold=DENSE_THRESHOLD,
-    )
-    return analyse(grid_timed, held, hybrid=hybrid, layers=layers, linear=linear, name=name, meta=meta)
-
-
-def refit(report: dict[str, Any], log: Callable[[str], None] = print) -> Calibration:
-    """Refit a stored calibration report from its measured rows, without a GPU.
-
-    Reports from this version carry the geometry of every micro-batch (``microbatches``). Older
-    reports (``tile_model`` instead of ``kernel_model``) do not: their grid and held-out shards are
-    rebuilt from ``meta`` (grid, seed; the held-out balanced splits with the report's profile,
-    which cut them) and matched to the rows by label, tokens, pairs and pieces; a row without a
-    match (the planner changed since) is dropped and listed in ``meta["refit"]["dropped"]``.
+    Raises:
+        ValueError: ``mode="linear"`` without a model, or timings without signal.
     """
     from ringpack.attention.kernels import HYBRID_BACKENDS
 
+    if settings.mode == "linear" and model is None:
+        raise ValueError("mode 'linear' needs a model shape for the linear layers' GEMMs")
+    setup = _timing_setup(shape, settings)
+    started = time.perf_counter()
+    cases = grid_cases(settings.grid, settings.seed)
+    if setup.clock.cuda:  # warm the GPU clocks and the kernels' first launches on a mid-size case
+        warm = max(cases, key=lambda c: planner_features(c)[1] if planner_features(c)[1] <= 8192 else 0)
+        time_case(warm, dataclasses.replace(setup, reps=3, warmup=2))
+    log(
+        f"calibrating {setup.backend} attention, {shape.heads} heads / {shape.kv_heads} kv / d={shape.head_dim}, "
+        f"{setup.dtype}, on {device_name(setup.device)} (grid {settings.grid}, {len(cases)} shards, "
+        f"timer {setup.clock.kind})"
+    )
+    grid_timed = _measure(cases, setup, "grid", log)
+    hybrid = setup.backend in HYBRID_BACKENDS
+    # the profile cuts the held-out micro-batches' balanced splits, so fit it first (the fit analyse makes)
+    per_layer = fit_profile([rank_features(c, hybrid) for c, _ in grid_timed], np.array([t for _, t in grid_timed]))
+    linear = _no_linear() if settings.mode != "linear" else _time_linear_layers(model, setup, log)
+    cut_with = profile_model(per_layer, settings.layers, linear, settings.name)
+    held = _measure(eval_cases(settings.grid, cut_with), setup, "held-out", log)
+    meta = _run_meta(settings, setup, model, wall_s=time.perf_counter() - started)
+    return analyse(
+        grid_timed, held, hybrid=hybrid, layers=settings.layers, linear=linear, name=settings.name, meta=meta
+    )
+
+
+def _timing_setup(shape: AttentionShape, settings: CalibrationSettings) -> TimingSetup:
+    """The device, dtype, resolved backend, clock and input generator ``settings`` ask for."""
+    import torch
+
+    from ringpack.attention.kernels import resolve_backend
+
+    device = torch.device(settings.device)
+    dtype = settings.dtype
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    probe = torch.empty(1, shape.heads, shape.head_dim, device=device, dtype=dtype)
+    return TimingSetup(
+        shape=shape,
+        backend=resolve_backend(settings.backend, probe),
+        device=device,
+        dtype=dtype,
+        clock=Clock(device, queued=settings.timer == "gpu"),
+        reps=settings.reps,
+        warmup=settings.warmup,
+        generator=torch.Generator(device=device).manual_seed(settings.seed),
+    )
+
+
+def _measure(cases: list[Case], setup: TimingSetup, what: str, log: Callable[[str], None]) -> list[tuple[Case, float]]:
+    t0 = time.perf_counter()
+    out = [(case, time_case(case, setup)) for case in cases]
+    log(f"  timed {len(cases)} {what} rank shards in {time.perf_counter() - t0:.1f} s")
+    return out
+
+
+def _time_linear_layers(model: ModelShape, setup: TimingSetup, log: Callable[[str], None]) -> dict[str, Any]:
+    linear = time_linear(model, 8192 if setup.device.type == "cuda" else 16, setup)
+    log(
+        f"  linear layers: {linear['layer_token_s'] * 1e9:.2f} ns/token/layer, "
+        f"head {linear['head_token_s'] * 1e9:.2f} ns/token ({linear['gemm_tflops']:.0f} TFLOP/s)"
+    )
+    return linear
+
+
+def _run_meta(
+    settings: CalibrationSettings, setup: TimingSetup, model: ModelShape | None, wall_s: float
+) -> dict[str, Any]:
+    """What a report records about its run: device, software, settings and the engine's schedule settings."""
+    import torch
+
+    return dict(
+        device=device_name(setup.device),
+        backend=setup.backend,
+        dtype=str(setup.dtype).replace("torch.", ""),
+        torch=torch.__version__,
+        grid=settings.grid,
+        reps=settings.reps,
+        warmup=settings.warmup,
+        seed=settings.seed,
+        mode=settings.mode,
+        timer=setup.clock.kind,
+        shape=dataclasses.asdict(setup.shape),
+        model=None if model is None else dataclasses.asdict(model),
+        date=time.strftime("%Y-%m-%d %H:%M:%S"),
+        wall_s=wall_s,
+        **dataclasses.asdict(EngineSettings()),
+    )
+
+
+def refit(report: dict[str, Any]) -> Calibration:
+    """Refit a stored calibration report from its measured rows, without a GPU.
+
+    Args:
+        report: a calibration report (:meth:`Calibration.to_dict`, as JSON) of the current format
+            version, which stores every timed micro-batch's geometry.
+
+    Returns:
+        The :class:`Calibration` of today's fit on the stored measurements; ``meta["refit"]``
+        records the source report's date and the refit's.
+
+    Raises:
+        ValueError: a report of another format version.
+    """
+    from ringpack.attention.kernels import HYBRID_BACKENDS
+
+    version = report.get("version", 1)
+    if version != REPORT_VERSION or not report.get("microbatches"):
+        raise ValueError(
+            f"calibration report version {version} cannot be refitted: only version {REPORT_VERSION} reports store "
+            "the micro-batch geometry a refit needs (run ringpack calibrate again)"
+        )
     meta = dict(report["meta"])
     rows_g, rows_e = report["grid_rows"], report["eval_rows"]
-    dropped: list[str] = []
-    if report.get("microbatches"):
-        cg = cases_from_geometry(report["microbatches"], rows_g)
-        ce = cases_from_geometry(report["microbatches"], rows_e)
-        grid = [(c, float(r["measured_s"])) for c, r in zip(cg, rows_g)]
-        held = [(c, float(r["measured_s"])) for c, r in zip(ce, rows_e)]
-    else:
-        grid = _match(rows_g, grid_cases(meta["grid"], int(meta.get("seed", 0))), dropped)
-        held = _match(rows_e, eval_cases(meta["grid"], CostModel.from_dict(report["profile"])), dropped)
-        if dropped:
-            log(
-                f"refit: {len(dropped)} stored rows have no matching shard in this version's grid and were dropped: "
-                + ", ".join(dropped)
-            )
-    meta["refit"] = dict(
-        source_date=meta.get("date"),
-        date=time.strftime("%Y-%m-%d %H:%M:%S"),
-        dropped=dropped,
-        source_format=report.get("version", 1),
-    )
-    meta.setdefault("timer", "wall")  # reports before version 2 were timed from the first launch
-    layers = int(meta.get("layers", 1))
-    linear = report.get("linear") or dict(layer_token_s=0.0, head_token_s=0.0, gemm_tflops=0.0, tokens=0)
-    name = report["profile"]["name"]
+    grid = [(c, float(r["measured_s"])) for c, r in zip(cases_from_geometry(report["microbatches"], rows_g), rows_g)]
+    held = [(c, float(r["measured_s"])) for c, r in zip(cases_from_geometry(report["microbatches"], rows_e), rows_e)]
+    meta["refit"] = dict(source_date=meta.get("date"), date=time.strftime("%Y-%m-%d %H:%M:%S"))
+    meta.setdefault("timer", "wall")  # a report that records no timer was timed from the first launch
     return analyse(
-        grid, held, hybrid=meta.get("backend") in HYBRID_BACKENDS, layers=layers, linear=linear, name=name, meta=meta
+        grid,
+        held,
+        hybrid=meta.get("backend") in HYBRID_BACKENDS,
+        layers=int(meta.get("layers", 1)),
+        linear=report.get("linear") or _no_linear(),
+        name=report["profile"]["name"],
+        meta=meta,
     )
-
-
-def _match(rows: Sequence[dict[str, Any]], cases: Sequence[Case], dropped: list[str]) -> list[tuple[Case, float]]:
-    """Pair stored rows with rebuilt shards: same micro-batch label, tokens, pairs and pieces (ranks may be permuted)."""
-    pool: dict[tuple, list[Case]] = {}
-    for c in cases:
-        f = planner_features(c)
-        pool.setdefault((c.label.rsplit(" r", 1)[0], int(f[1]), int(f[2]), int(f[3])), []).append(c)
-    out = []
-    for r in rows:
-        hit = pool.get((r["label"].rsplit(" r", 1)[0], int(r["tokens"]), int(r["pairs"]), int(r["pieces"])))
-        if hit:
-            out.append((hit.pop(0), float(r["measured_s"])))
-        else:
-            dropped.append(f"{r.get('strategy', r['family'])} {r['label']}")
-    return out
 
 
 # ----------------------------------------------------------------------------------------------- CLI
@@ -338,9 +383,7 @@ def run(args: argparse.Namespace) -> int:
     name = preset.name if same else f"{preset.name}-h{shape.heads}kv{shape.kv_heads}d{shape.head_dim}"
     grid = args.grid or ("tiny" if args.device == "cpu" else "quick" if args.quick else "full")
     log = (lambda _: None) if args.quiet else (lambda s: print(s, flush=True))
-    result = calibrate(
-        shape,
-        preset,
+    settings = CalibrationSettings(
         layers=layers,
         mode=args.mode,
         backend=args.backend,
@@ -351,8 +394,8 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         name=name,
         timer=args.timer,
-        log=log,
     )
+    result = calibrate(shape, preset, settings, log=log)
     _write(result, args)
     return 0
 
@@ -363,7 +406,7 @@ def _run_refit(args: argparse.Namespace) -> int:
     report = json.loads(source.read_text())
     if report.get("format") != "ringpack-calibration":
         raise ValueError(f"{source} is not a ringpack calibration report")
-    result = refit(report, log=(lambda _: None) if args.quiet else print)
+    result = refit(report)
     out = Path(args.out)
     written = {
         out.resolve(),
@@ -411,32 +454,36 @@ def _fit_line(label: str, q: dict[str, Any]) -> str:
 
 
 def format_summary(result: Calibration, verbose: bool = True) -> str:
-    """The held-out table (one row per CP rank) and the fit-quality lines."""
-    lines = []
-    if verbose:
+    """The held-out table (one row per CP rank, with ``verbose``) and the fit-quality lines."""
+    lines = _held_out_table(result) if verbose else []
+    return "\n".join(lines + _profile_lines(result) + _kernel_and_baseline_lines(result))
+
+
+def _held_out_table(result: Calibration) -> list[str]:
+    lines = [
+        "held-out rank shards (cp=2), one attention layer forward+backward, compute only "
+        f"(timer {result.meta.get('timer', 'wall')}); predicted: profile model, kernel model:",
+        f"{'strategy':10s} {'micro-batch':22s} {'rank':>4s} {'tokens':>7s} {'pieces':>6s} {'pairs':>13s} "
+        f"{'measured':>11s} {'profile':>11s} {'error':>7s} {'kernel':>11s} {'error':>7s}",
+    ]
+    for r in result.eval_rows:
+        mb = r["label"].rsplit(" r", 1)[0]
         lines.append(
-            "held-out rank shards (cp=2), one attention layer forward+backward, compute only "
-            f"(timer {result.meta.get('timer', 'wall')}); predicted: profile model, kernel model:"
+            f"{r['strategy']:10s} {mb:22s} {r['rank']:>4d} {r['tokens']:>7d} {r['pieces']:>6d} {r['pairs']:>13,d} "
+            f"{r['measured_s'] * 1e3:>8.3f} ms {r['predicted_s'] * 1e3:>8.3f} ms {100 * r['rel_err']:>+6.1f}% "
+            f"{r['kernel_predicted_s'] * 1e3:>8.3f} ms {100 * r['kernel_rel_err']:>+6.1f}%"
         )
-        lines.append(
-            f"{'strategy':10s} {'micro-batch':22s} {'rank':>4s} {'tokens':>7s} {'pieces':>6s} {'pairs':>13s} "
-            f"{'measured':>11s} {'profile':>11s} {'error':>7s} {'kernel':>11s} {'error':>7s}"
-        )
-        for r in result.eval_rows:
-            mb = r["label"].rsplit(" r", 1)[0]
-            lines.append(
-                f"{r['strategy']:10s} {mb:22s} {r['rank']:>4d} {r['tokens']:>7d} {r['pieces']:>6d} {r['pairs']:>13,d} "
-                f"{r['measured_s'] * 1e3:>8.3f} ms {r['predicted_s'] * 1e3:>8.3f} ms {100 * r['rel_err']:>+6.1f}% "
-                f"{r['kernel_predicted_s'] * 1e3:>8.3f} ms {100 * r['kernel_rel_err']:>+6.1f}%"
-            )
+    return lines
+
+
+def _profile_lines(result: Calibration) -> list[str]:
     pl, t, h = result.per_layer, result.train, result.held_out
-    km, base = result.kernel_model, result.baseline
-    kc = km["coef"]
-    lines += [
+    return [
         f"profile model, per layer: {pl['token_s'] * 1e9:.3f} ns/token + {pl['pair_s'] * 1e12:.4f} ps/pair + "
         f"{pl['segment_s'] * 1e6:.2f} us/piece; pairs at {_pair_tflops(result):.0f} TFLOP/s",
-        f"  + per micro-batch constants, the same on every rank (not in the profile: they never change which rank is "
-        f"slowest): {pl['overhead_s'] * 1e6:.1f} us, + {pl['ring_overhead_s'] * 1e6:.1f} us when a sample is split (ring path)",
+        "  + per micro-batch constants, the same on every rank (not in the profile: they never change which rank is "
+        f"slowest): {pl['overhead_s'] * 1e6:.1f} us, + {pl['ring_overhead_s'] * 1e6:.1f} us "
+        "when a sample is split (ring path)",
         _fit_line(f"  fit      (grid, n={t['n']:3d}):  ", t),
         _fit_line(f"  held-out (n={h['n']:3d}):        ", h),
         "  held-out by strategy: "
@@ -444,18 +491,22 @@ def format_summary(result: Calibration, verbose: bool = True) -> str:
             f"{g} max {_pct(q['max_rel_err']).strip()} mean {_pct(q['mean_rel_err']).strip()}"
             for g, q in h.get("by_strategy", {}).items()
         ),
+    ]
+
+
+def _kernel_and_baseline_lines(result: Calibration) -> list[str]:
+    km, base, profile = result.kernel_model, result.baseline, result.profile
+    kc = km["coef"]
+    return [
         f"kernel model {km['block'][0]}x{km['block'][1]} tiles (diagnostic, per schedule; not expressible per piece): "
-        f"{kc['calls'] * 1e6:.1f} us/call, {kc['tiles'] * 1e6:.3f} us/tile, {kc['grid_q'] * 1e9:.0f}+{kc['grid_k'] * 1e9:.0f} ns "
-        f"per launched q/k tile-row, {kc['dense_calls'] * 1e6:.1f} us/dense call, {kc['dense_tiles'] * 1e6:.3f} us/dense tile",
+        f"{kc['calls'] * 1e6:.1f} us/call, {kc['tiles'] * 1e6:.3f} us/tile, "
+        f"{kc['grid_q'] * 1e9:.0f}+{kc['grid_k'] * 1e9:.0f} ns per launched q/k tile-row, "
+        f"{kc['dense_calls'] * 1e6:.1f} us/dense call, {kc['dense_tiles'] * 1e6:.3f} us/dense tile",
         _fit_line(f"  fit      (grid, n={km['train']['n']:3d}):  ", km["train"]),
         _fit_line(f"  held-out (n={km['held_out']['n']:3d}):        ", km["held_out"]),
-        f"pairs-only baseline held-out:   r={base['held_out']['r']:.4f}  max error {_pct(base['held_out']['max_rel_err'])}  "
-        f"mean {_pct(base['held_out']['mean_rel_err'])}",
-        f"profile ({result.profile.name}, {result.meta['layers']} layers, mode {result.meta.get('mode')}): "
-        f"token={result.profile.token:.4g} s, pair={result.profile.pair:.4g} s, segment={result.profile.segment:.4g} s; "
+        f"pairs-only baseline held-out:   r={base['held_out']['r']:.4f}  "
+        f"max error {_pct(base['held_out']['max_rel_err'])}  mean {_pct(base['held_out']['mean_rel_err'])}",
+        f"profile ({profile.name}, {result.meta['layers']} layers, mode {result.meta.get('mode')}): "
+        f"token={profile.token:.4g} s, pair={profile.pair:.4g} s, segment={profile.segment:.4g} s; "
         f"wall {result.meta.get('wall_s', float('nan')):.1f} s",
     ]
-    dropped = result.meta.get("refit", {}).get("dropped")
-    if dropped:
-        lines.append(f"refit: {len(dropped)} stored rows dropped (no matching shard in this version's grid)")
-    return "\n".join(lines)

@@ -1,4 +1,4 @@
-"""GPU timing for ``ringpack calibrate``: the attention shape timed, one rank shard's attention, the linear layers' GEMMs.
+"""GPU timing for ``ringpack calibrate``: one rank shard's attention and the linear layers' GEMMs.
 
 Ranks are timed one at a time on one GPU with a transport that serves remote K/V from memory, so
 a rank's time is its compute; communication is the comm model's business. torch is imported
@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -131,18 +132,43 @@ class Clock:
         return times
 
 
-def time_case(
-    case: Case, shape: AttentionShape, backend: str, device, dtype, clock: Clock, reps: int, warmup: int, generator=None
-) -> float:
-    """Median seconds of one forward+backward of this rank's attention (compute only, no communication)."""
+@dataclass(frozen=True)
+class TimingSetup:
+    """Where and how rank shards and GEMMs are timed.
+
+    Attributes:
+        shape: the attention heads timed.
+        backend: the kernel backend (resolved, not ``"auto"``).
+        device, dtype: the torch device and dtype of the random inputs.
+        clock: the :class:`Clock` that times the repetitions.
+        reps: timed repetitions per shard (the median is taken); ``warmup``: untimed runs first.
+        generator: the torch generator the inputs are drawn from.
+    """
+
+    shape: AttentionShape
+    backend: str
+    device: Any
+    dtype: Any
+    clock: Clock
+    reps: int = 5
+    warmup: int = 1
+    generator: Any = None
+
+
+def time_case(case: Case, setup: TimingSetup) -> float:
+    """Median seconds of one forward+backward of this rank's attention (compute only, no communication).
+
+    Shards slower than 50 ms get at most 3 repetitions.
+    """
     import torch
 
     from ringpack.attention.kernels import accum_dtype
     from ringpack.attention.ring import ContextParallelAttention
 
+    shape, device, dtype, clock = setup.shape, setup.device, setup.dtype, setup.clock
     schedule = compiled_schedule(case).to(device)
     t = schedule.num_tokens
-    kw = dict(device=device, dtype=dtype, generator=generator)
+    kw = dict(device=device, dtype=dtype, generator=setup.generator)
     q = torch.randn(t, shape.heads, shape.head_dim, **kw).requires_grad_()
     k = torch.randn(t, shape.kv_heads, shape.head_dim, **kw).requires_grad_()
     v = torch.randn(t, shape.kv_heads, shape.head_dim, **kw).requires_grad_()
@@ -158,24 +184,24 @@ def time_case(
 
     def step() -> None:
         q.grad = k.grad = v.grad = None
-        out = ContextParallelAttention.apply(q, k, v, schedule, lambda _: transport, scale, backend)
+        out = ContextParallelAttention.apply(q, k, v, schedule, lambda _: transport, scale, setup.backend)
         out.backward(dout)
 
-    first = clock.measure(step, warmup=warmup, reps=1)[0]
-    more = (reps if first < 0.05 else min(reps, 3)) - 1  # long shards: 3 repetitions are plenty
+    first = clock.measure(step, warmup=setup.warmup, reps=1)[0]
+    more = (setup.reps if first < 0.05 else min(setup.reps, 3)) - 1  # long shards: 3 repetitions are plenty
     times = [first] + (clock.measure(step, warmup=0, reps=more) if more > 0 else [])
     return float(np.median(times))
 
 
-def time_linear(
-    model: ModelShape, tokens: int, device, dtype, clock: Clock, reps: int, warmup: int
-) -> dict[str, float]:
+def time_linear(model: ModelShape, tokens: int, setup: TimingSetup) -> dict[str, float]:
     """Seconds per token of one decoder layer's GEMMs and of the output head, forward+backward.
 
-    Each weight ``W [in, out]`` costs ``Y = X @ W``, ``dX = dY @ W^T`` and ``dW = X^T @ dY``.
+    Each weight ``W [in, out]`` costs ``Y = X @ W``, ``dX = dY @ W^T`` and ``dW = X^T @ dY``, on
+    ``tokens`` rows. Returns ``layer_token_s``, ``head_token_s``, ``gemm_tflops`` and ``tokens``.
     """
     import torch
 
+    device, dtype = setup.device, setup.dtype
     h, hd = model.hidden, model.head_dim
     layer = ((h, (model.heads + 2 * model.kv_heads) * hd), (model.heads * hd, h), (h, 2 * model.ffn), (model.ffn, h))
     head = ((h, model.vocab),) if model.vocab else ()
@@ -198,7 +224,7 @@ def time_linear(
                 torch.mm(dy, w.t())
                 torch.mm(x.t(), dy)
 
-        seconds = float(np.median(clock.measure(step, warmup, reps)))
+        seconds = float(np.median(setup.clock.measure(step, setup.warmup, setup.reps)))
         flops = sum(6.0 * tokens * i * o for i, o in shapes)
         return seconds / tokens, flops / seconds
 
