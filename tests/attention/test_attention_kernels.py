@@ -126,8 +126,8 @@ def test_backend_resolution_on_cpu():
         resolve_backend("cudnn", q)
 
 
-def test_auto_puts_cudnn_hybrid_first_only_where_it_was_measured(monkeypatch):
-    """cudnn_hybrid leads the CUDA list for bf16 on capability 9.x with head_dim 128 (H200 measurements); elsewhere it comes last."""
+def test_auto_puts_cudnn_hybrid_first_only_where_it_was_benchmarked(monkeypatch):
+    """cudnn_hybrid leads the CUDA list for bf16 on capability 9.x with head_dim 128; elsewhere it comes last."""
     monkeypatch.setattr(kernels, "_cudnn_usable", lambda: True)
     monkeypatch.setattr(kernels, "_flash_attn_module", lambda: None)
     monkeypatch.setattr(kernels, "_capability", lambda device: 9)
@@ -135,7 +135,7 @@ def test_auto_puts_cudnn_hybrid_first_only_where_it_was_measured(monkeypatch):
     for head_dim in (64, None):
         assert kernels.available_backends("cuda", torch.bfloat16, head_dim)[:1] == ["torch_flash"]
         assert kernels.available_backends("cuda", torch.bfloat16, head_dim)[-2:] == ["cudnn_hybrid", "reference"]
-    assert kernels.available_backends("cuda", torch.float16, 128)[0] == "torch_flash"  # measured in bf16 only
+    assert kernels.available_backends("cuda", torch.float16, 128)[0] == "torch_flash"  # benchmarked in bf16 only
     monkeypatch.setattr(kernels, "_capability", lambda device: 8)
     assert kernels.available_backends("cuda", torch.bfloat16, 128)[0] == "torch_flash"
     monkeypatch.setattr(kernels, "_capability", lambda device: 9)
@@ -264,7 +264,7 @@ def test_batched_dense_call_is_exact(causal):
 
 @pytest.mark.parametrize("value,refused", [("1", True), ("TRUE", True), ("on", True), ("0", False), ("", False)])
 def test_cudnn_ragged_path_is_refused(monkeypatch, value, refused):
-    """TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 gave wrong cuDNN dQ on torch 2.11 (BENCHMARKS.md): cudnn_hybrid must refuse it."""
+    """TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 gives wrong cuDNN dQ with torch 2.11: cudnn_hybrid must refuse it."""
     from ringpack.attention.kernels import _cudnn_ragged_dense
 
     monkeypatch.setenv("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", value)
@@ -324,13 +324,14 @@ def test_merge_of_two_partials_equals_two_merges(rows, dtype):
         torch.testing.assert_close(got_out, want_out, rtol=0, atol=1e-12)
     else:  # exact float merge of the bf16 inputs, rounded once
         ref_out, ref_lse = out.to(dtype).double(), lse.clone()
-        for o, l in parts:
-            merge_partial(ref_out, ref_lse, o.to(dtype).double(), l, rows)
+        for part_out, part_lse in parts:
+            merge_partial(ref_out, ref_lse, part_out.to(dtype).double(), part_lse, rows)
         assert torch.equal(got_out, ref_out.to(dtype))
 
 
 def test_dense_parts_merge_to_the_dense_call():
-    """dense_attn_fwd_parts: one part without a key split; with one, the dense and the varlen part, which merged give dense_attn_fwd."""
+    """dense_attn_fwd_parts: one part without a key split; with one, the dense and the varlen part, which merged
+    give dense_attn_fwd."""
     gen = torch.Generator().manual_seed(5)
     q = torch.randn(7, 4, 8, generator=gen, dtype=torch.float64)
     k, v = (torch.randn(9, 2, 8, generator=gen, dtype=torch.float64) for _ in range(2))

@@ -284,12 +284,26 @@ def check_dense_split(call, threshold: int, buckets: int | None, run_rows: int |
     is_long = [
         len(seg[0]) * seg[2] >= threshold**2 and min(len(seg[0]), seg[2]) >= max(threshold // 4, 1) for seg in whole
     ]
-    long = [seg for seg, flag in zip(whole, is_long) if flag]
     runs = _equal_runs(whole, is_long, threshold) if call.causal else []
-    if not long and not runs:
+    if not any(is_long) and not runs:
         assert call.dense == () and call.rest == ()
         return
     assert all(isinstance(x, int) for d in call.dense for x in d)
+    _check_long_parts(call, [seg for seg, flag in zip(whole, is_long) if flag], buckets)
+    _check_batched_parts(call, whole, is_long, runs)
+    dense = [
+        (tuple(range(d.q_start + j * d.q_len, d.q_start + (j + 1) * d.q_len)), d.k_start + j * d.k_len, d.k_len)
+        for d in call.dense
+        for j in range(d.batch)
+    ]
+    rest = [seg for part in call.rest for seg in _expanded_segments(part)]
+    assert _pairs(dense, call.causal) + _pairs(rest, call.causal) == _pairs(whole, call.causal)
+    assert max((_pairs(dense + rest, call.causal)).values()) == 1
+    _check_rest_calls(call, run_rows)
+
+
+def _check_long_parts(call, long: list, buckets: int | None) -> None:
+    """The unbatched dense parts are the long segments, in order, with bucket shapes."""
     want = []
     for rows, k0, nk in long:
         nq = len(rows)
@@ -298,9 +312,13 @@ def check_dense_split(call, threshold: int, buckets: int | None, run_rows: int |
         assert list(rows) == list(range(rows[0], rows[0] + nq))
         assert buckets is None or (nq <= q_run < nq * (1 + 1 / buckets) + 1 and q_run == dense_bucket(q_run, buckets))
     assert [d for d in call.dense if d.batch == 1] == want
+
+
+def _check_batched_parts(call, whole: list, is_long: list[bool], runs: list[int]) -> None:
+    """Batched parts: consecutive whole short segments of one length, unpadded, power-of-two groups."""
     batched = [d for d in call.dense if d.batch > 1]
     starts = {seg[0][0]: i for i, seg in enumerate(whole)}
-    for d in batched:  # consecutive whole segments of one length, unpadded, a power-of-two group
+    for d in batched:
         assert (
             call.causal
             and d.batch & (d.batch - 1) == 0
@@ -310,14 +328,11 @@ def check_dense_split(call, threshold: int, buckets: int | None, run_rows: int |
         first = starts[d.q_start]
         assert all(len(whole[first + j][0]) == d.q_len and not is_long[first + j] for j in range(d.batch))
     assert sum(d.batch for d in batched) == sum(count - count % 2 for count in runs)
-    dense = [
-        (tuple(range(d.q_start + j * d.q_len, d.q_start + (j + 1) * d.q_len)), d.k_start + j * d.k_len, d.k_len)
-        for d in call.dense
-        for j in range(d.batch)
-    ]
-    rest = [seg for part in call.rest for seg in _expanded_segments(part)]
-    assert _pairs(dense, call.causal) + _pairs(rest, call.causal) == _pairs(whole, call.causal)
-    assert max((_pairs(dense + rest, call.causal)).values()) == 1
+
+
+def _check_rest_calls(call, run_rows: int | None) -> None:
+    """Rest calls: plain varlen calls; local ones are ranges read as views (cut greedily at ``run_rows``),
+    the remote one keeps every key segment."""
     for part in call.rest:
         assert part.causal == call.causal and not part.dense and not part.rest
         q_lens = [b - a for a, b in _segments(part.cu_seqlens_q)]

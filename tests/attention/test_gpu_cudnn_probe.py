@@ -100,117 +100,132 @@ def _bwd(dout, q, k, v, out4, lse, causal, scale):
     )
 
 
+SCALE = 0.09
+PROBE_LEN = 1000  # queries and keys of the shared causal segment (8 heads)
+
+
 def probe_facts() -> dict[str, object]:
     """Run every probe; values are strings/numbers, failures are recorded as 'ERROR: ...'."""
     facts: dict[str, object] = {}
-    scale = 0.09
-    lq = 1000
-    q, k, v, dout = _inputs(lq, lq, 8, 8)
-
-    def attempt(name, fn):
+    shared = {"inputs": _inputs(PROBE_LEN, PROBE_LEN, 8, 8)}  # forward results are added for the later probes
+    probes = (
+        ("strided_inputs", _probe_forward),
+        ("backward", _probe_backward),
+        ("lse_rank_accepted", _probe_lse_ranks),
+        ("backward_uses_given_out_lse", _probe_gradient_shares),
+        ("native_gqa", _probe_native_gqa),
+        ("graph_build_ms", _probe_graph_build),
+    )
+    for name, probe in probes:
         try:
-            facts[name] = fn()
+            facts[name] = probe(shared, facts)
         except Exception as exc:  # a probe must report, not stop the others
             facts[name] = f"ERROR: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
-
-    res = {}
-
-    def fwd():
-        out4, lse = _fwd(q, k, v, True, scale)[:2]
-        res["out4"], res["lse"] = out4, lse
-        (qf, kf, vf), out, lse_ref = _ref(q, k, v, True, scale)
-        res["ref"] = (qf, kf, vf, out)
-        facts["out_layout"] = (
-            f"shape {tuple(out4.shape)} strides {out4.stride()} (BSHD view of [S,H,D]: {out4[0].transpose(0, 1).is_contiguous()})"
-        )
-        facts["lse_layout"] = f"shape {tuple(lse.shape)} strides {lse.stride()} dtype {lse.dtype}"
-        facts["lse_rank_returned"] = lse.dim()
-        got = lse.reshape(8, lq).float()
-        nat, log2 = _rel(got, lse_ref), _rel(got, lse_ref / math.log(2))
-        facts["lse_base"] = (
-            f"natural (rel err {nat:.1e})"
-            if nat < 1e-2
-            else (f"log2 (rel err {log2:.1e})" if log2 < 1e-2 else f"unknown (natural {nat:.1e}, log2 {log2:.1e})")
-        )
-        err = _rel(out4[0].transpose(0, 1), out)
-        return f"{'ok' if err < TOL else 'WRONG'} (out rel err {err:.1e})"
-
-    attempt("strided_inputs", fwd)
-
-    def backward():
-        qf, kf, vf, out = res["ref"]
-        out.backward(dout.float())
-        dq, dk, dv = _bwd(dout, q, k, v, res["out4"], res["lse"], True, scale)
-        errs = [_rel(g[0].transpose(0, 1), r.grad) for g, r in zip((dq, dk, dv), (qf, kf, vf))]
-        return f"{'ok' if max(errs) < TOL else 'WRONG'} (dq/dk/dv rel err {', '.join(f'{e:.1e}' for e in errs)})"
-
-    attempt("backward", backward)
-
-    def lse_ranks():
-        ok = []
-        for rank, shaped in ((4, res["lse"].reshape(1, 8, lq, 1)), (3, res["lse"].reshape(1, 8, lq))):
-            try:
-                _bwd(dout, q, k, v, res["out4"], shaped.contiguous(), True, scale)
-                torch.cuda.synchronize()
-                ok.append(str(rank))
-            except Exception:
-                pass
-        return "ranks " + (", ".join(ok) or "none")
-
-    attempt("lse_rank_accepted", lse_ranks)
-
-    def shares():
-        lk = 1200
-        qs, ks, vs, ds = _inputs(700, lk, 8, 8, seed=2)
-        (qf, kf, vf), out, _ = _ref(qs, ks, vs, False, scale)
-        out.backward(ds.float())
-        halves = [(0, 500), (500, lk)]
-        parts = [_fwd(qs, ks[a:b], vs[a:b], False, scale)[:2] for a, b in halves]
-        lses = torch.stack([p[1].reshape(8, 700).float() for p in parts])
-        lse = torch.logsumexp(lses, 0)
-        merged = sum(p[0][0].transpose(0, 1).float() * torch.exp(l - lse).T[..., None] for p, l in zip(parts, lses)).to(
-            DTYPE
-        )
-        m4 = _bhsd(merged)
-        lse_in = lse.reshape(res["lse"].shape[:1] + (8, 700) + res["lse"].shape[3:]).contiguous()
-        grads = [_bwd(ds, qs, ks[a:b], vs[a:b], m4, lse_in, False, scale) for a, b in halves]
-        dq = sum(g[0][0].transpose(0, 1).float() for g in grads)
-        dk = torch.cat([g[1][0].transpose(0, 1).float() for g in grads])
-        dv = torch.cat([g[2][0].transpose(0, 1).float() for g in grads])
-        errs = [_rel(dq, qf.grad), _rel(dk, kf.grad), _rel(dv, vf.grad), _rel(merged, out)]
-        return f"{'ok' if max(errs) < TOL else 'WRONG'} (dq/dk/dv/out rel err {', '.join(f'{e:.1e}' for e in errs)})"
-
-    attempt("backward_uses_given_out_lse", shares)
-
-    def gqa():
-        qg, kg, vg, dg = _inputs(777, 777, 16, 4, seed=3)
-        (qf, kf, vf), out, _ = _ref(qg, kg, vg, True, scale)
-        out.backward(dg.float())
-        out4, lse = _fwd(qg, kg, vg, True, scale)[:2]
-        dq, dk, dv = _bwd(dg, qg, kg, vg, out4, lse, True, scale)
-        if dk.shape[1] != 4:
-            return f"WRONG (dk has {dk.shape[1]} heads)"
-        errs = [_rel(out4[0].transpose(0, 1), out)] + [
-            _rel(g[0].transpose(0, 1), r.grad) for g, r in zip((dq, dk, dv), (qf, kf, vf))
-        ]
-        return f"{'exact' if max(errs) < TOL else 'WRONG'} (out/dq/dk/dv rel err {', '.join(f'{e:.1e}' for e in errs)})"
-
-    attempt("native_gqa", gqa)
-
-    def graph_build():
-        times = []
-        qb, kb, vb, db = _inputs(4099, 4099, 8, 8, seed=4)
-        for _ in range(2):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            out4, lse = _fwd(qb, kb, vb, True, scale)[:2]
-            _bwd(db, qb, kb, vb, out4, lse, True, scale)
-            torch.cuda.synchronize()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return f"first call {times[0]:.1f} ms, cached {times[1]:.1f} ms (fwd+bwd, new length 4099)"
-
-    attempt("graph_build_ms", graph_build)
     return facts
+
+
+def _errors(errs: list[float]) -> str:
+    return ", ".join(f"{e:.1e}" for e in errs)
+
+
+def _probe_forward(shared: dict, facts: dict) -> str:
+    """The forward on strided row slices, against fp32; records the out and lse layouts and the lse's base."""
+    q, k, v, _ = shared["inputs"]
+    out4, lse = _fwd(q, k, v, True, SCALE)[:2]
+    shared["out4"], shared["lse"] = out4, lse
+    (qf, kf, vf), out, lse_ref = _ref(q, k, v, True, SCALE)
+    shared["ref"] = (qf, kf, vf, out)
+    bshd = out4[0].transpose(0, 1).is_contiguous()
+    facts["out_layout"] = f"shape {tuple(out4.shape)} strides {out4.stride()} (BSHD view of [S,H,D]: {bshd})"
+    facts["lse_layout"] = f"shape {tuple(lse.shape)} strides {lse.stride()} dtype {lse.dtype}"
+    facts["lse_rank_returned"] = lse.dim()
+    got = lse.reshape(8, PROBE_LEN).float()
+    nat, log2 = _rel(got, lse_ref), _rel(got, lse_ref / math.log(2))
+    if nat < 1e-2:
+        facts["lse_base"] = f"natural (rel err {nat:.1e})"
+    elif log2 < 1e-2:
+        facts["lse_base"] = f"log2 (rel err {log2:.1e})"
+    else:
+        facts["lse_base"] = f"unknown (natural {nat:.1e}, log2 {log2:.1e})"
+    err = _rel(out4[0].transpose(0, 1), out)
+    return f"{'ok' if err < TOL else 'WRONG'} (out rel err {err:.1e})"
+
+
+def _probe_backward(shared: dict, facts: dict) -> str:
+    """The backward given the forward's own out and lse, against fp32 autograd."""
+    q, k, v, dout = shared["inputs"]
+    qf, kf, vf, out = shared["ref"]
+    out.backward(dout.float())
+    dq, dk, dv = _bwd(dout, q, k, v, shared["out4"], shared["lse"], True, SCALE)
+    errs = [_rel(g[0].transpose(0, 1), r.grad) for g, r in zip((dq, dk, dv), (qf, kf, vf))]
+    return f"{'ok' if max(errs) < TOL else 'WRONG'} (dq/dk/dv rel err {_errors(errs)})"
+
+
+def _probe_lse_ranks(shared: dict, facts: dict) -> str:
+    """Which lse ranks (``[1,H,S,1]`` / ``[1,H,S]``) the backward accepts."""
+    q, k, v, dout = shared["inputs"]
+    lse = shared["lse"]
+    ok = []
+    for rank, shaped in ((4, lse.reshape(1, 8, PROBE_LEN, 1)), (3, lse.reshape(1, 8, PROBE_LEN))):
+        try:
+            _bwd(dout, q, k, v, shared["out4"], shaped.contiguous(), True, SCALE)
+            torch.cuda.synchronize()
+            ok.append(str(rank))
+        except Exception:
+            pass
+    return "ranks " + (", ".join(ok) or "none")
+
+
+def _probe_gradient_shares(shared: dict, facts: dict) -> str:
+    """Keys split in two halves, each half's backward given the merged out/lse: the sum of the
+    shares must be the whole gradient (what the ring relies on)."""
+    lk, lq = 1200, 700
+    qs, ks, vs, ds = _inputs(lq, lk, 8, 8, seed=2)
+    (qf, kf, vf), out, _ = _ref(qs, ks, vs, False, SCALE)
+    out.backward(ds.float())
+    halves = [(0, 500), (500, lk)]
+    parts = [_fwd(qs, ks[a:b], vs[a:b], False, SCALE)[:2] for a, b in halves]
+    lses = torch.stack([p[1].reshape(8, lq).float() for p in parts])
+    lse = torch.logsumexp(lses, 0)
+    merged = sum(
+        p[0][0].transpose(0, 1).float() * torch.exp(part_lse - lse).T[..., None] for p, part_lse in zip(parts, lses)
+    ).to(DTYPE)
+    lse_shape = shared["lse"].shape
+    lse_in = lse.reshape(lse_shape[:1] + (8, lq) + lse_shape[3:]).contiguous()
+    grads = [_bwd(ds, qs, ks[a:b], vs[a:b], _bhsd(merged), lse_in, False, SCALE) for a, b in halves]
+    dq = sum(g[0][0].transpose(0, 1).float() for g in grads)
+    dk = torch.cat([g[1][0].transpose(0, 1).float() for g in grads])
+    dv = torch.cat([g[2][0].transpose(0, 1).float() for g in grads])
+    errs = [_rel(dq, qf.grad), _rel(dk, kf.grad), _rel(dv, vf.grad), _rel(merged, out)]
+    return f"{'ok' if max(errs) < TOL else 'WRONG'} (dq/dk/dv/out rel err {_errors(errs)})"
+
+
+def _probe_native_gqa(shared: dict, facts: dict) -> str:
+    """K/V with a quarter of Q's heads, given as they are: accepted and exact?"""
+    qg, kg, vg, dg = _inputs(777, 777, 16, 4, seed=3)
+    (qf, kf, vf), out, _ = _ref(qg, kg, vg, True, SCALE)
+    out.backward(dg.float())
+    out4, lse = _fwd(qg, kg, vg, True, SCALE)[:2]
+    dq, dk, dv = _bwd(dg, qg, kg, vg, out4, lse, True, SCALE)
+    if dk.shape[1] != 4:
+        return f"WRONG (dk has {dk.shape[1]} heads)"
+    errs = [_rel(out4[0].transpose(0, 1), out)]
+    errs += [_rel(g[0].transpose(0, 1), r.grad) for g, r in zip((dq, dk, dv), (qf, kf, vf))]
+    return f"{'exact' if max(errs) < TOL else 'WRONG'} (out/dq/dk/dv rel err {_errors(errs)})"
+
+
+def _probe_graph_build(shared: dict, facts: dict) -> str:
+    """fwd+bwd time at a new length (cuDNN builds a graph) and again (cached)."""
+    times = []
+    qb, kb, vb, db = _inputs(4099, 4099, 8, 8, seed=4)
+    for _ in range(2):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out4, lse = _fwd(qb, kb, vb, True, SCALE)[:2]
+        _bwd(db, qb, kb, vb, out4, lse, True, SCALE)
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return f"first call {times[0]:.1f} ms, cached {times[1]:.1f} ms (fwd+bwd, new length 4099)"
 
 
 def _time(fn, iters=5) -> float:
@@ -228,7 +243,8 @@ def timings(lengths=(1024, 2048, 4096, 8192, 16384, 32768), heads=32, kv_heads=8
     from ringpack.attention import kernels
 
     lines = [
-        f"{'len':>6} {'flash ms':>9} {'TF/s':>6} {'cudnn ms':>9} {'TF/s':>6} {'cudnn-gqa ms':>12} {'TF/s':>6}   (causal, H={heads}, H_kv={kv_heads}, d=128, fwd+bwd)"
+        f"{'len':>6} {'flash ms':>9} {'TF/s':>6} {'cudnn ms':>9} {'TF/s':>6} {'cudnn-gqa ms':>12} {'TF/s':>6}"
+        f"   (causal, H={heads}, H_kv={kv_heads}, d=128, fwd+bwd)"
     ]
     for n in lengths:
         q, k, v, dout = _inputs(n, n, heads, kv_heads, pad=0, seed=n)

@@ -121,6 +121,9 @@ def long_plans(cp: int) -> list[tuple[str, object, dict[int, int]]]:
     return [(name, mb, lengths) for name, mb in plans]
 
 
+COVERAGE = ("local", "remote", "mixed", "key_split", "padded_view", "padded_copy", "batched", "chunked")
+
+
 def split_coverage(schedule) -> torch.Tensor:
     """[local dense segments, remote dense segments, calls with dense segments and a varlen rest,
     dense parts with a key split, dense parts padded over the following local rows, dense parts
@@ -242,98 +245,134 @@ def max_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 def run_distributed_check(
     backend: str = "torch_flash", dense_threshold: int | None = None, plans=gpu_plans, layouts=("contiguous",)
 ) -> list[str]:
-    """Every plan x mode x q/k/v layout on this process group; returns failure lines (empty = pass). Prints the table on rank 0.
+    """Every plan x mode x q/k/v layout on this process group; returns failure lines (empty = pass).
+    Prints the table on rank 0.
 
     ``dense_threshold`` (default: compile_schedule's) matters for hybrid backends only; for them the
     check also fails unless the plans had dense segments, local and remote, next to varlen rests."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     scale = HEAD_DIM**-0.5
-    failures, rows = [], []
-    coverage = torch.zeros(8, dtype=torch.float64)
-    threshold_kw = {} if dense_threshold is None else {"dense_threshold": dense_threshold}
-    if os.environ.get(
-        "RINGPACK_TINY"
-    ):  # tiny lengths sit below the default buckets' first octave: coarser ones pad them
-        threshold_kw["dense_buckets"] = 2
-    worst, checked = (0.0, ""), 0
+    compile_kw = {} if dense_threshold is None else {"dense_threshold": dense_threshold}
+    if os.environ.get("RINGPACK_TINY"):
+        compile_kw["dense_buckets"] = 2  # tiny lengths sit below the default buckets' first octave
+    table = ErrorTable()
+    coverage = torch.zeros(len(COVERAGE), dtype=torch.float64)
     all_lengths: list[int] = []
     for name, mb, lengths in plans(world):
         all_lengths = list(lengths.values())
         x = make_inputs(lengths, device)
-        ref = fp32_reference(x, scale)
-        flash = flash_whole_batch(x, scale)
-        sched = compile_schedule(mb, rank, **threshold_kw)
+        ref, flash = fp32_reference(x, scale), flash_whole_batch(x, scale)
+        sched = compile_schedule(mb, rank, **compile_kw)
         coverage += split_coverage(sched)
         sched = sched.to(device)
         for mode, layout in ((m, lay) for m in ("ring", "allgather") for lay in layouts):
-            (q, k, v), grads = layout_inputs(x, mb, rank, layout)
-            out = ring_attention(q, k, v, sched, mode=mode, backend=backend)
-            out.backward(local(x["dout"], mb, rank).to(DTYPE))
-            got = dict(zip(NAMES, (out.detach(), *grads())))
-            with torch.no_grad():  # inference: remote dense blocks in row chunks (FORWARD_ONLY_PART_ROWS)
-                got["out0"] = ring_attention(q, k, v, sched, mode=mode, backend=backend)
-            stats = []
-            for t in CHECKED:
-                r = local(ref[t[:3]], mb, rank)
-                f = local(flash[t[:3]], mb, rank)
-                stats += [
-                    max_err(got[t], r),
-                    max_err(f, r),
-                    float(r.abs().max()) if r.numel() else 0.0,
-                    max_err(got[t], f),
-                ]
-            stats_t = torch.tensor(stats, dtype=torch.float64, device=device)
-            dist.all_reduce(stats_t, op=dist.ReduceOp.MAX)
-            stats = stats_t.view(len(CHECKED), 4).tolist()
-            for t, (ring_err, flash_err, ref_max, vs_flash) in zip(CHECKED, stats):
-                limit = BOUND_FACTOR * flash_err + EPS_REL * ref_max
-                ok = ring_err <= limit
-                where = f"{name}/{mode}/{layout}/{t}"
-                worst = max(worst, (ring_err / limit if limit else float("inf"), where))
-                checked += 1
-                rows.append(
-                    f"{name:<20} {mode:<9} {layout:<10} {t:<4} {ring_err:11.3e} {flash_err:11.3e} {vs_flash:11.3e} {limit:11.3e}  {'ok' if ok else 'FAIL'}"
-                )
-                if not ok:
-                    failures.append(f"{where}: ringpack err {ring_err:.3e} > {limit:.3e} (flash err {flash_err:.3e})")
-    from ringpack.attention.kernels import dense_backend
-
-    coverage_t = coverage.to(device)
-    dist.all_reduce(coverage_t)
-    local_dense, remote_dense, mixed, key_split, padded_view, padded_copy, batched, chunked = (
-        int(c) for c in coverage_t.tolist()
-    )
-    split_line = ""
-    if dense_backend(backend) is not None:
-        split_line = (
-            f", dense_threshold={dense_threshold or 'default'}: {local_dense} local + {remote_dense} remote dense segments, {mixed} calls dense+varlen, "
-            f"{key_split} key splits, {padded_view}+{padded_copy} padded over local rows+past their end (shape buckets), {batched} batched, "
-            f"{chunked} remote cut into row chunks without gradients"
-        )
-        if not (
-            local_dense and remote_dense and mixed and key_split and padded_view and padded_copy and batched and chunked
-        ):
-            failures.append(f"{backend}: the plans did not exercise the split ({split_line.strip(', ')})")
+            got = run_rank(x, mb, rank, sched, mode, layout, backend)
+            table.add(name, mode, layout, group_errors(got, ref, flash, mb, rank, device))
+    coverage = coverage.to(device)
+    dist.all_reduce(coverage)
+    counts = dict(zip(COVERAGE, (int(c) for c in coverage.tolist())))
+    split_line = dense_split_line(backend, dense_threshold, counts)
+    failures = list(table.failures)
+    if split_line and not all(counts.values()):
+        failures.append(f"{backend}: the plans did not exercise the split ({split_line.strip(', ')})")
     if rank == 0:
         print(
-            f"\nringpack {backend} bf16, CP={world}, H={HEADS}, H_kv={KV_HEADS}, D={HEAD_DIM}, sample lengths={all_lengths}{split_line}"
+            f"\nringpack {backend} bf16, CP={world}, H={HEADS}, H_kv={KV_HEADS}, D={HEAD_DIM}, "
+            f"sample lengths={all_lengths}{split_line}"
         )
-        print(
-            f"{'plan':<20} {'mode':<9} {'layout':<10} {'t':<4} {'ringpack':>11} {'flash':>11} {'rp-flash':>11} {'limit':>11}   (max abs err vs fp32)"
-        )
-        print("\n".join(rows), flush=True)
-        SUMMARY.append(
-            f"SUMMARY {backend:<16} threshold={str(dense_threshold or 'default'):<7} plans={plans.__name__:<9} "
-            f"{checked - sum(r.endswith('FAIL') for r in rows)}/{checked} within bound, worst err/limit {worst[0]:.2f} ({worst[1]})"
-            + (
-                f", dense: {local_dense} local / {remote_dense} remote / {mixed} mixed calls / {key_split} key splits / "
-                f"{padded_view}+{padded_copy} padded (views+copies) / {batched} batched / {chunked} chunked without gradients"
-                if split_line
-                else ""
-            )
-        )
+        print(table.text(), flush=True)
+        SUMMARY.append(summary_line(backend, dense_threshold, plans.__name__, table, counts if split_line else None))
     return failures
+
+
+def run_rank(x, mb, rank: int, sched, mode: str, layout: str, backend: str) -> dict[str, torch.Tensor]:
+    """This rank's out and q/k/v gradients, and ``out0``: the output without gradients (remote dense
+    blocks in row chunks of FORWARD_ONLY_PART_ROWS)."""
+    (q, k, v), grads = layout_inputs(x, mb, rank, layout)
+    out = ring_attention(q, k, v, sched, mode=mode, backend=backend)
+    out.backward(local(x["dout"], mb, rank).to(DTYPE))
+    got = dict(zip(NAMES, (out.detach(), *grads())))
+    with torch.no_grad():
+        got["out0"] = ring_attention(q, k, v, sched, mode=mode, backend=backend)
+    return got
+
+
+def group_errors(got, ref, flash, mb, rank: int, device) -> list[list[float]]:
+    """Per checked tensor, the group's max of ``[ringpack err, flash err, max |reference|, ringpack-flash]``."""
+    stats = []
+    for t in CHECKED:
+        r, f = local(ref[t[:3]], mb, rank), local(flash[t[:3]], mb, rank)
+        stats += [max_err(got[t], r), max_err(f, r), float(r.abs().max()) if r.numel() else 0.0, max_err(got[t], f)]
+    stats_t = torch.tensor(stats, dtype=torch.float64, device=device)
+    dist.all_reduce(stats_t, op=dist.ReduceOp.MAX)
+    return stats_t.view(len(CHECKED), 4).tolist()
+
+
+class ErrorTable:
+    """Rows of errors against the bound ``BOUND_FACTOR * flash err + EPS_REL * max |reference|``."""
+
+    def __init__(self) -> None:
+        self.rows: list[str] = []
+        self.failures: list[str] = []
+        self.worst: tuple[float, str] = (0.0, "")
+        self.checked = 0
+
+    def add(self, name: str, mode: str, layout: str, stats: list[list[float]]) -> None:
+        for t, (ring_err, flash_err, ref_max, vs_flash) in zip(CHECKED, stats):
+            limit = BOUND_FACTOR * flash_err + EPS_REL * ref_max
+            ok = ring_err <= limit
+            where = f"{name}/{mode}/{layout}/{t}"
+            self.worst = max(self.worst, (ring_err / limit if limit else float("inf"), where))
+            self.checked += 1
+            self.rows.append(
+                f"{name:<20} {mode:<9} {layout:<10} {t:<4} {ring_err:11.3e} {flash_err:11.3e} {vs_flash:11.3e} "
+                f"{limit:11.3e}  {'ok' if ok else 'FAIL'}"
+            )
+            if not ok:
+                self.failures.append(f"{where}: ringpack err {ring_err:.3e} > {limit:.3e} (flash err {flash_err:.3e})")
+
+    @property
+    def passed(self) -> int:
+        return self.checked - sum(r.endswith("FAIL") for r in self.rows)
+
+    def text(self) -> str:
+        header = (
+            f"{'plan':<20} {'mode':<9} {'layout':<10} {'t':<4} {'ringpack':>11} {'flash':>11} {'rp-flash':>11} "
+            f"{'limit':>11}   (max abs err vs fp32)"
+        )
+        return "\n".join([header, *self.rows])
+
+
+def dense_split_line(backend: str, dense_threshold: int | None, counts: dict[str, int]) -> str:
+    """What the dense split covered, for the table's header (empty for a backend without a split)."""
+    from ringpack.attention.kernels import dense_backend
+
+    if dense_backend(backend) is None:
+        return ""
+    c = counts
+    return (
+        f", dense_threshold={dense_threshold or 'default'}: {c['local']} local + {c['remote']} remote dense segments, "
+        f"{c['mixed']} calls dense+varlen, {c['key_split']} key splits, {c['padded_view']}+{c['padded_copy']} "
+        f"padded over local rows+past their end (shape buckets), {c['batched']} batched, "
+        f"{c['chunked']} remote cut into row chunks without gradients"
+    )
+
+
+def summary_line(backend: str, dense_threshold, plans_name: str, table: ErrorTable, counts: dict | None) -> str:
+    line = (
+        f"SUMMARY {backend:<16} threshold={str(dense_threshold or 'default'):<7} plans={plans_name:<9} "
+        f"{table.passed}/{table.checked} within bound, worst err/limit {table.worst[0]:.2f} ({table.worst[1]})"
+    )
+    if counts is None:
+        return line
+    c = counts
+    return line + (
+        f", dense: {c['local']} local / {c['remote']} remote / {c['mixed']} mixed calls / "
+        f"{c['key_split']} key splits / {c['padded_view']}+{c['padded_copy']} padded (views+copies) / "
+        f"{c['batched']} batched / "
+        f"{c['chunked']} chunked without gradients"
+    )
 
 
 SUMMARY: list[str] = []  # one line per run_distributed_check, printed last by main()
@@ -377,7 +416,7 @@ if pytest is not None:
     @pytest.mark.gpu
     @needs_cuda
     def test_auto_backend_on_this_gpu():
-        """auto resolves to cudnn_hybrid on Hopper with head_dim 128 (where it was measured faster), else to a flash kernel."""
+        """auto resolves to cudnn_hybrid on Hopper with head_dim 128 (where it is the faster choice), else to flash."""
         from ringpack.attention import kernels
 
         q = torch.zeros(3, 4, 128, device="cuda", dtype=DTYPE)
@@ -415,7 +454,7 @@ if pytest is not None:
         ],
     )
     def test_flash_kernel_contract(backend, cu_q, cu_k, causal, heads, kv_heads):
-        """Each flash backend against the reference backend on the same bf16 inputs, incl. the edge cases the schedule relies on."""
+        """Each flash backend against the reference on the same bf16 inputs, with the schedule's edge cases."""
         from ringpack.attention.kernels import varlen_attn_bwd, varlen_attn_fwd
 
         dev = torch.device("cuda")
@@ -446,7 +485,7 @@ if pytest is not None:
         [(True, 333, 333, 8, 8), (True, 3001, 3001, 16, 4), (False, 700, 1500, 16, 4), (False, 2049, 257, 8, 1)],
     )
     def test_cudnn_dense_kernel_contract(causal, lq, lk, heads, kv_heads):
-        """dense_attn_fwd/bwd of cudnn_hybrid against the reference on the same bf16 inputs (odd lengths, GQA, strided row slices)."""
+        """cudnn_hybrid's dense_attn_fwd/bwd against the reference on bf16 inputs (odd lengths, GQA, row slices)."""
         from ringpack.attention.kernels import dense_attn_bwd, dense_attn_fwd
 
         dev = torch.device("cuda")
