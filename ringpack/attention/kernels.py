@@ -690,20 +690,8 @@ def _key_tail_bwd(dout, q, k, v, out, lse, scale: float, backend: str) -> tuple[
     return dq, *(g.view(chunks, *k.shape).sum(0, dtype=accum_dtype(k.dtype)).to(k.dtype) for g in (dk, dv))
 
 
-@torch.library.custom_op("ringpack::varlen_attn_fwd", mutates_args=())
-def _varlen_attn_fwd_op(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    cu_seqlens_q: Tensor,
-    cu_seqlens_k: Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    softmax_scale: float,
-    causal: bool,
-    backend: str,
-) -> tuple[Tensor, Tensor]:
-    return _FWD[backend](q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal)
+# Each op's implementation is its public function, which (not being traced) calls the backend directly.
+_varlen_attn_fwd_op = torch.library.custom_op("ringpack::varlen_attn_fwd", varlen_attn_fwd, mutates_args=())
 
 
 @_varlen_attn_fwd_op.register_fake
@@ -713,25 +701,7 @@ def _varlen_attn_fwd_fake(
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=accum_dtype(q.dtype))
 
 
-@torch.library.custom_op("ringpack::varlen_attn_bwd", mutates_args=())
-def _varlen_attn_bwd_op(
-    dout: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    cu_seqlens_q: Tensor,
-    cu_seqlens_k: Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    softmax_scale: float,
-    causal: bool,
-    backend: str,
-) -> tuple[Tensor, Tensor, Tensor]:
-    return _BWD[backend](
-        dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal
-    )
+_varlen_attn_bwd_op = torch.library.custom_op("ringpack::varlen_attn_bwd", varlen_attn_bwd, mutates_args=())
 
 
 @_varlen_attn_bwd_op.register_fake
@@ -741,18 +711,7 @@ def _varlen_attn_bwd_fake(
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-@torch.library.custom_op("ringpack::dense_attn_fwd", mutates_args=())
-def _dense_attn_fwd_op(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    softmax_scale: float,
-    causal: bool,
-    backend: str,
-    dense_keys: int | None = None,
-    batch: int = 1,
-) -> tuple[Tensor, Tensor]:
-    return _dense_fwd(q, k, v, softmax_scale, causal, backend, dense_keys, batch)
+_dense_attn_fwd_op = torch.library.custom_op("ringpack::dense_attn_fwd", dense_attn_fwd, mutates_args=())
 
 
 @_dense_attn_fwd_op.register_fake
@@ -762,21 +721,7 @@ def _dense_attn_fwd_fake(q, k, v, softmax_scale, causal, backend, dense_keys=Non
     return out, q.new_empty((q.shape[1], q.shape[0]), dtype=accum_dtype(q.dtype))
 
 
-@torch.library.custom_op("ringpack::dense_attn_bwd", mutates_args=())
-def _dense_attn_bwd_op(
-    dout: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    softmax_scale: float,
-    causal: bool,
-    backend: str,
-    dense_keys: int | None = None,
-    batch: int = 1,
-) -> tuple[Tensor, Tensor, Tensor]:
-    return _dense_bwd(dout, q, k, v, out, lse, softmax_scale, causal, backend, dense_keys, batch)
+_dense_attn_bwd_op = torch.library.custom_op("ringpack::dense_attn_bwd", dense_attn_bwd, mutates_args=())
 
 
 @_dense_attn_bwd_op.register_fake
