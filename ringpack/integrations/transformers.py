@@ -42,7 +42,26 @@ def ringpack_attention_forward(
     ringpack_backend: str = "auto",
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention function: ``[1, H, T, D]`` in, ``[1, T, H, D]`` out."""
+    """transformers' attention function for ``attn_implementation="ringpack"``.
+
+    Args:
+        module: the calling attention module (unused).
+        query: ``(1, H, T, D)``, this CP rank's packed tokens.
+        key, value: ``(1, H_kv, T, D)``.
+        attention_mask: must be None (the schedule is the mask).
+        dropout: must be 0.
+        scaling: the softmax scale (default ``1 / sqrt(D)``).
+        ringpack_schedule: this rank's :class:`~ringpack.attention.Schedule` on the device.
+        ringpack_group, ringpack_mode, ringpack_backend: ``group``, ``mode`` and ``backend`` of
+            :func:`~ringpack.attention.ring_attention`.
+
+    Returns:
+        ``(out, None)`` with ``out`` of shape ``(1, T, H, D)`` (no attention weights).
+
+    Raises:
+        ValueError: no schedule, a batch other than 1, dropout, or an attention mask; and whatever
+            :func:`~ringpack.attention.ring_attention` raises.
+    """
     from ringpack.attention import ring_attention
 
     if ringpack_schedule is None:
