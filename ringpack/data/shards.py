@@ -28,6 +28,7 @@ import hashlib
 import json
 import os
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -176,7 +177,8 @@ def load_source(source: str | os.PathLike, split: str = "train", cache_dir: str 
         kinds = {_EXTENSIONS[p.suffix] for p in files}
         if len(kinds) != 1:
             raise DataError(
-                f"{path}: want a saved datasets directory or files of one kind ({', '.join(_EXTENSIONS)}), found {sorted(kinds) or 'none'}"
+                f"{path}: want a saved datasets directory or files of one kind ({', '.join(_EXTENSIONS)}), "
+                f"found {sorted(kinds) or 'none'}"
             )
         return _load_files(kinds.pop(), [str(p) for p in files], cache_dir)
     if path.is_file():
@@ -214,15 +216,26 @@ def _content_fingerprint(ds: Any, column: str, lengths: np.ndarray) -> str:
 
 
 # --------------------------------------------------------------------------------------- writing
-def _file_ranges(num_steps: int, steps_per_file: int) -> list[tuple[int, int]]:
+@dataclass(frozen=True)
+class _ShardFile:
+    """One output file: DP rank ``dp_rank``'s micro-batches of steps ``[lo, hi)``."""
+
+    name: str
+    dp_rank: int
+    lo: int
+    hi: int
+
+
+def _layout(plan: Plan, steps_per_file: int) -> list[_ShardFile]:
+    """The output files in write order: per DP rank, one file or one per ``steps_per_file`` steps."""
+    dp, n = plan.config.dp, plan.num_steps
     if steps_per_file <= 0:
-        return [(0, num_steps)]
-    return [(lo, min(lo + steps_per_file, num_steps)) for lo in range(0, num_steps, steps_per_file)]
-
-
-def _file_name(d: int, dp: int, lo: int, hi: int, whole: bool) -> str:
-    base = f"dp{d:05d}-of-{dp:05d}"
-    return f"{base}.parquet" if whole else f"{base}-steps-{lo:06d}-{hi - 1:06d}.parquet"
+        return [_ShardFile(f"dp{d:05d}-of-{dp:05d}.parquet", d, 0, n) for d in range(dp)]
+    return [
+        _ShardFile(f"dp{d:05d}-of-{dp:05d}-steps-{lo:06d}-{hi - 1:06d}.parquet", d, lo, hi)
+        for d in range(dp)
+        for lo, hi in ((lo, min(lo + steps_per_file, n)) for lo in range(0, n, steps_per_file))
+    ]
 
 
 def _schema(meta: dict[str, Any]) -> Any:
@@ -233,8 +246,9 @@ def _schema(meta: dict[str, Any]) -> Any:
 
 
 def _microbatch_table(
-    plan: Plan, s: int, i: int, mb: MicroBatch, tokens: dict[int, np.ndarray], rows: dict[int, int], schema: Any
+    mb: MicroBatch, tokens: dict[int, np.ndarray], rows: dict[int, int], schema: Any, *, step: int, index: int
 ) -> Any:
+    """One row group: a row per piece of micro-batch ``index`` of ``step`` (``tokens``/``rows`` by plan sample)."""
     import pyarrow as pa
 
     cols: dict[str, list[int]] = {name: [] for name in _COLUMNS}
@@ -243,7 +257,8 @@ def _microbatch_table(
     for c, shard in enumerate(mb.shards):
         for p in shard.pieces:
             ids = tokens[p.sample]
-            for name, value in zip(_COLUMNS, (s, i, c, slot_of[p.sample], p.sample, rows[p.sample], p.start, p.stop)):
+            values = (step, index, c, slot_of[p.sample], p.sample, rows[p.sample], p.start, p.stop)
+            for name, value in zip(_COLUMNS, values):
                 cols[name].append(value)
             cols["next_token"].append(int(ids[p.stop]) if p.stop < len(ids) else IGNORE_INDEX)
             pieces.append(ids[p.start : p.stop])
@@ -267,12 +282,30 @@ def write_shards(
     overwrite: bool = False,
     source: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Plan ``dataset`` (a ``datasets.Dataset`` with a token-id ``column``) and write balanced shards.
+    """Plan ``dataset`` and write its balanced shards (layout in the module docstring).
 
-    Returns the manifest (also written to ``out_dir/manifest.json``). Resumes an interrupted run of
-    the same inputs; refuses a directory holding another plan's shards unless ``overwrite``.
+    Args:
+        dataset: a ``datasets.Dataset`` whose ``column`` holds each row's token ids (a list of
+            integers per row, int32 range).
+        out_dir: the output directory (created if missing).
+        config: the plan config (mesh, token budget, strategy, ...); the plan is made here.
+        column: the token-id column.
+        steps_per_file: split each DP rank's file every this many steps (``0``: one file per DP rank).
+        progress: show a progress bar (``None``: tqdm decides by the terminal).
+        overwrite: replace the shards of another plan or dataset found in ``out_dir``.
+        source: where the data came from, recorded in the manifest as given.
+
+    Returns:
+        The manifest, also written to ``out_dir/manifest.json`` (plan hash, dataset fingerprint,
+        config, per-file row groups, rows, tokens, bytes and sha256).
+
+    Raises:
+        DataError: ``out_dir`` holds shards of another plan or dataset (or unreadable bookkeeping)
+            and ``overwrite`` is false; a missing column or bad lengths.
+        PlanError: the lengths cannot be planned under ``config``.
+
+    An interrupted run of the same inputs resumes: files whose checksum matches are kept.
     """
-    import pyarrow.parquet as pq
     from tqdm.auto import tqdm
 
     from ringpack.planner import make_plan
@@ -280,23 +313,54 @@ def write_shards(
     out = Path(out_dir)
     lengths = lengths_from_dataset(dataset, column)
     plan = make_plan(lengths, config)
-    doc_row, doc_offset = plan.origin_arrays()
     fingerprint = _content_fingerprint(dataset, column, lengths)
-    dp = config.dp
-    ranges = _file_ranges(plan.num_steps, steps_per_file)
-    whole = steps_per_file <= 0
-    layout = [(_file_name(d, dp, lo, hi, whole), d, lo, hi) for d in range(dp) for lo, hi in ranges]
+    layout = _layout(plan, steps_per_file)
     identity = {
         "format": "ringpack-shards",
         "version": SHARD_FORMAT_VERSION,
         "plan_hash": plan.content_hash,
         "dataset_fingerprint": fingerprint,
         "column": column,
-        "files": [name for name, *_ in layout],
+        "files": [f.name for f in layout],
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    done = _finished_files(out, identity, overwrite)
+    _clear_stale(out, {f.name for f in layout} | {PLAN_FILE}, overwrite)
+    verified = {
+        f.name: done[f.name]
+        for f in layout
+        if f.name in done and (out / f.name).exists() and file_sha256(out / f.name) == done[f.name]
     }
 
-    # ---- resume / refuse
-    out.mkdir(parents=True, exist_ok=True)
+    total_mb = sum(len(step.microbatches[d]) for d in range(config.dp) for step in plan.steps)
+    disable = (not progress) if progress is not None else None
+    bar = tqdm(total=total_mb, desc=f"ringpack shard -> {out}", unit="mb", disable=disable)
+    writer = _ShardWriter(out, plan, dataset, column)
+    progress_state = {**identity, "files_written": dict(verified)}
+    _write_json(out / PROGRESS, progress_state)
+    records = []
+    for file in layout:
+        if file.name not in verified:
+            verified[file.name] = writer.write(file, bar)
+            progress_state["files_written"][file.name] = verified[file.name]
+            _write_json(out / PROGRESS, progress_state)
+        else:
+            bar.update(writer.microbatches(file))
+        records.append(writer.record(file, verified[file.name]))
+    bar.close()
+
+    manifest = _manifest(identity, plan, lengths, _write_plan_file(out, plan), records, source)
+    _write_json(out / MANIFEST, manifest)
+    (out / PROGRESS).unlink(missing_ok=True)
+    return manifest
+
+
+def _finished_files(out: Path, identity: dict[str, Any], overwrite: bool) -> dict[str, str]:
+    """sha256 of the files an earlier run of the same inputs finished in ``out``, by name.
+
+    Raises :class:`DataError` when ``out`` holds another plan's or dataset's shards (or bookkeeping
+    that is not JSON) and ``overwrite`` is false; with ``overwrite`` the bookkeeping is removed.
+    """
     done: dict[str, str] = {}
     for marker in (MANIFEST, PROGRESS):
         path = out / marker
@@ -310,120 +374,143 @@ def write_shards(
                     f"{path} is not valid JSON ({exc}); pass overwrite=True / --overwrite to rewrite {out}"
                 ) from exc
             old = {}
-        if marker == PROGRESS:
-            same = all(old.get(k) == v for k, v in identity.items())
-            recorded = old.get("files_written") or {}
-        else:
-            same = (
-                all(old.get(k) == identity[k] for k in ("plan_hash", "dataset_fingerprint", "column"))
-                and [f.get("name") for f in old.get("files", [])] == identity["files"]
-            )
-            recorded = {f["name"]: f.get("sha256") for f in old.get("files", [])}
+        same, recorded = _same_run(old, identity, marker)
         if not same and not overwrite:
             raise DataError(
                 f"{out} holds shards of another plan or dataset (plan {str(old.get('plan_hash'))[:12]}..., "
-                f"this run plans {plan.content_hash[:12]}...); pass overwrite=True / --overwrite, or another --out"
+                f"this run plans {identity['plan_hash'][:12]}...); pass overwrite=True / --overwrite, or another --out"
             )
         if same:
             done.update(recorded)
     if overwrite:
         (out / MANIFEST).unlink(missing_ok=True)
         (out / PROGRESS).unlink(missing_ok=True)
-        done = {}
-    keep = {name for name, *_ in layout} | {PLAN_FILE}
+        return {}
+    return done
+
+
+def _same_run(old: dict[str, Any], identity: dict[str, Any], marker: str) -> tuple[bool, dict[str, str]]:
+    """Whether a manifest or progress record ``old`` is of this run's inputs, and the files it records."""
+    if marker == PROGRESS:
+        return all(old.get(k) == v for k, v in identity.items()), old.get("files_written") or {}
+    same = (
+        all(old.get(k) == identity[k] for k in ("plan_hash", "dataset_fingerprint", "column"))
+        and [f.get("name") for f in old.get("files", [])] == identity["files"]
+    )
+    return same, {f["name"]: f.get("sha256") for f in old.get("files", [])}
+
+
+def _clear_stale(out: Path, keep: set[str], overwrite: bool) -> None:
+    """Remove shard files this run does not write (any Parquet file with ``overwrite``), temporaries and the manifest.
+
+    The manifest is rewritten last, so it is never stale while files change.
+    """
     for stale in out.glob("*.parquet"):
         if stale.name not in keep and (overwrite or stale.name.startswith("dp")):
             stale.unlink()
     for tmp in out.glob(".*.tmp-*"):
         tmp.unlink()
-    (out / MANIFEST).unlink(missing_ok=True)  # rewritten last; never stale while files change
+    (out / MANIFEST).unlink(missing_ok=True)
 
-    verified: dict[str, str] = {}
-    for name, *_ in layout:
-        path = out / name
-        if name in done and path.exists() and file_sha256(path) == done[name]:
-            verified[name] = done[name]
 
-    # ---- write
-    total_mb = sum(len(step.microbatches[d]) for d in range(dp) for step in plan.steps)
-    bar = tqdm(
-        total=total_mb,
-        desc=f"ringpack shard -> {out}",
-        unit="mb",
-        disable=(not progress) if progress is not None else None,
-    )
-    arrow = dataset.with_format("arrow")
-    records = []
-    progress_state = {**identity, "files_written": dict(verified)}
-    _write_json(out / PROGRESS, progress_state)
-    for name, d, lo, hi in layout:
-        n_mb = sum(len(plan.steps[s].microbatches[d]) for s in range(lo, hi))
-        path = out / name
-        meta = {"plan_hash": plan.content_hash, "dp_rank": d, "steps": [lo, hi], "version": SHARD_FORMAT_VERSION}
+class _ShardWriter:
+    """Writes the shard files of one plan of one dataset into ``out``."""
+
+    def __init__(self, out: Path, plan: Plan, dataset: Any, column: str) -> None:
+        self.out = out
+        self.plan = plan
+        self.arrow = dataset.with_format("arrow")
+        self.column = column
+        self.doc_row, self.doc_offset = plan.origin_arrays()
+
+    def microbatches(self, file: _ShardFile) -> int:
+        return sum(len(self.plan.steps[s].microbatches[file.dp_rank]) for s in range(file.lo, file.hi))
+
+    def write(self, file: _ShardFile, bar: Any) -> str:
+        """Write ``file`` under a temporary name, fsync and move it into place; its sha256."""
+        import pyarrow.parquet as pq
+
+        meta = {
+            "plan_hash": self.plan.content_hash,
+            "dp_rank": file.dp_rank,
+            "steps": [file.lo, file.hi],
+            "version": SHARD_FORMAT_VERSION,
+        }
         schema = _schema(meta)
-        if name not in verified:
-            tmp = out / f".{name}.tmp-{os.getpid()}"
-            with pq.ParquetWriter(str(tmp), schema, **_WRITE_OPTIONS) as writer:
-                for s in range(lo, hi):
-                    for i, mb in enumerate(plan.steps[s].microbatches[d]):
-                        samples = np.asarray(mb.samples, dtype=np.int64)
-                        rows = doc_row[samples]
-                        table = arrow[rows.tolist()]
-                        col = table.column(column).combine_chunks()
-                        offs = col.offsets.to_numpy().astype(np.int64)
-                        vals = col.values.to_numpy(zero_copy_only=False)
-                        tokens = {}
-                        for k, sample in enumerate(mb.samples):
-                            a = offs[k] + doc_offset[sample]
-                            tokens[sample] = vals[a : a + plan.lengths[sample]]
-                        writer.write_table(
-                            _microbatch_table(plan, s, i, mb, tokens, dict(zip(mb.samples, rows.tolist())), schema)
-                        )
-                        bar.update(1)
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-            verified[name] = file_sha256(path)
-            progress_state["files_written"][name] = verified[name]
-            _write_json(out / PROGRESS, progress_state)
-        else:
-            bar.update(n_mb)
-        md = pq.ParquetFile(str(path)).metadata
-        records.append(
-            {
-                "name": name,
-                "dp_rank": d,
-                "steps": [lo, hi],
-                "microbatches": n_mb,
-                "row_groups": md.num_row_groups,
-                "rows": md.num_rows,
-                "tokens": int(
-                    sum(
-                        mb.shards[c].num_tokens
-                        for s in range(lo, hi)
-                        for mb in plan.steps[s].microbatches[d]
-                        for c in range(config.cp)
-                    )
-                ),
-                "bytes": path.stat().st_size,
-                "sha256": verified[name],
-            }
-        )
-    bar.close()
+        tmp = self.out / f".{file.name}.tmp-{os.getpid()}"
+        with pq.ParquetWriter(str(tmp), schema, **_WRITE_OPTIONS) as writer:
+            for s in range(file.lo, file.hi):
+                for i, mb in enumerate(self.plan.steps[s].microbatches[file.dp_rank]):
+                    tokens, rows = self._sample_tokens(mb)
+                    writer.write_table(_microbatch_table(mb, tokens, rows, schema, step=s, index=i))
+                    bar.update(1)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, self.out / file.name)
+        return file_sha256(self.out / file.name)
 
-    # ---- plan, then the manifest last
-    plan_path = out / PLAN_FILE
+    def _sample_tokens(self, mb: MicroBatch) -> tuple[dict[int, np.ndarray], dict[int, int]]:
+        """Token ids and dataset row of each plan sample of ``mb`` (documents cut from rows by ``origins``)."""
+        samples = np.asarray(mb.samples, dtype=np.int64)
+        rows = self.doc_row[samples]
+        col = self.arrow[rows.tolist()].column(self.column).combine_chunks()
+        offs = col.offsets.to_numpy().astype(np.int64)
+        vals = col.values.to_numpy(zero_copy_only=False)
+        tokens = {}
+        for k, sample in enumerate(mb.samples):
+            a = offs[k] + self.doc_offset[sample]
+            tokens[sample] = vals[a : a + self.plan.lengths[sample]]
+        return tokens, dict(zip(mb.samples, rows.tolist()))
+
+    def record(self, file: _ShardFile, sha256: str) -> dict[str, Any]:
+        """The manifest entry of a written ``file``."""
+        import pyarrow.parquet as pq
+
+        path = self.out / file.name
+        md = pq.ParquetFile(str(path)).metadata
+        mbs = [mb for s in range(file.lo, file.hi) for mb in self.plan.steps[s].microbatches[file.dp_rank]]
+        return {
+            "name": file.name,
+            "dp_rank": file.dp_rank,
+            "steps": [file.lo, file.hi],
+            "microbatches": len(mbs),
+            "row_groups": md.num_row_groups,
+            "rows": md.num_rows,
+            "tokens": int(sum(mb.num_tokens for mb in mbs)),
+            "bytes": path.stat().st_size,
+            "sha256": sha256,
+        }
+
+
+def _write_plan_file(out: Path, plan: Plan) -> dict[str, Any]:
+    """Write ``plan.parquet`` atomically; its manifest entry."""
+    import pyarrow.parquet as pq
+
+    path = out / PLAN_FILE
     tmp = out / f".{PLAN_FILE}.tmp-{os.getpid()}"
     pq.write_table(plan.to_table(), str(tmp), **_WRITE_OPTIONS)
-    os.replace(tmp, plan_path)
-    manifest = {
+    os.replace(tmp, path)
+    return {"name": PLAN_FILE, "sha256": file_sha256(path), "bytes": path.stat().st_size}
+
+
+def _manifest(
+    identity: dict[str, Any],
+    plan: Plan,
+    lengths: np.ndarray,
+    plan_file: dict[str, Any],
+    records: list[dict[str, Any]],
+    source: dict[str, Any] | None,
+) -> dict[str, Any]:
+    config = plan.config
+    doc_row, _ = plan.origin_arrays()
+    return {
         "format": "ringpack-shards",
         "version": SHARD_FORMAT_VERSION,
         "plan_hash": plan.content_hash,
-        "dataset_fingerprint": fingerprint,
-        "column": column,
+        "dataset_fingerprint": identity["dataset_fingerprint"],
+        "column": identity["column"],
         "config": config.to_dict(),
-        "dp": dp,
+        "dp": config.dp,
         "cp": config.cp,
         "tokens_per_rank": config.tokens_per_rank,
         "num_steps": plan.num_steps,
@@ -433,23 +520,31 @@ def write_shards(
         "microbatches_per_step": [len(step.microbatches[0]) for step in plan.steps],
         "step_loss_tokens": [step.loss_tokens for step in plan.steps],
         "source": source or {},
-        "plan_file": {"name": PLAN_FILE, "sha256": file_sha256(plan_path), "bytes": plan_path.stat().st_size},
+        "plan_file": plan_file,
         "files": records,
     }
-    _write_json(out / MANIFEST, manifest)
-    (out / PROGRESS).unlink(missing_ok=True)
-    return manifest
 
 
 # --------------------------------------------------------------------------------------- reading
 class ShardReader:
     """Stream one (DP rank, CP rank)'s micro-batches back from a shard directory.
 
-    Yields exactly the dicts :class:`~ringpack.data.collator.PackedCollator` makes for the
-    same plan (same keys, same tensors). ``dp_size``/``cp_size``, when given, must match the
-    manifest. ``verify`` checks each file's sha256 against the manifest before reading it (a
-    mismatch names the file). ``schedule``/``schedule_options``: as for ``PackedCollator``.
-    ``state_dict``/``load_state_dict`` resume mid-epoch by seeking.
+    Args:
+        path: a directory :func:`write_shards` finished (it holds ``manifest.json``).
+        dp_rank, cp_rank: this process's coordinates in the mesh the shards were written for.
+        dp_size, cp_size: this job's mesh; when given, they must match the manifest's.
+        verify: check each file's sha256 against the manifest before reading it.
+        schedule, schedule_options: as for :class:`~ringpack.data.collator.PackedCollator`.
+
+    Iterating yields exactly the dicts ``PackedCollator`` makes for the same plan (same keys,
+    same tensors: int64 ``input_ids``/``labels``/``position_ids`` ``[T]``, int32 ``cu_seqlens``
+    ``[P+1]``, ...), one per micro-batch of this DP rank, in plan order. ``state_dict`` /
+    ``load_state_dict`` resume mid-epoch by seeking.
+
+    Raises:
+        DataError: no finished shard directory (an interrupted run says so), a manifest of
+            another format or mesh, ranks out of range; while reading: a missing, corrupt or
+            truncated file (named), or row groups that disagree with the plan.
     """
 
     def __init__(
@@ -517,7 +612,8 @@ class ShardReader:
             digest = file_sha256(path)
             if digest != entry["sha256"]:
                 raise DataError(
-                    f"checksum mismatch for {path}: sha256 {digest[:16]}..., manifest says {entry['sha256'][:16]}... (corrupt or truncated)"
+                    f"checksum mismatch for {path}: sha256 {digest[:16]}..., manifest says {entry['sha256'][:16]}... "
+                    "(corrupt or truncated)"
                 )
             self._verified.add(entry["name"])
         return path
@@ -615,7 +711,8 @@ class ShardReader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("plan_hash") != self.plan_hash:
             raise DataError(
-                f"reader state is for plan {str(state.get('plan_hash'))[:12]}..., these shards hold {self.plan_hash[:12]}..."
+                f"reader state is for plan {str(state.get('plan_hash'))[:12]}..., "
+                f"these shards hold {self.plan_hash[:12]}..."
             )
         cursor = int(state["cursor"])
         if not 0 <= cursor <= len(self):
