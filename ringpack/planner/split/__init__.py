@@ -10,8 +10,11 @@ its own:
 * :mod:`~ringpack.planner.split.baselines`: ``split_contiguous``, ``split_zigzag`` and
   ``split_zigzag_even``, which ignore the cost model;
 * :mod:`~ringpack.planner.split.balanced`: ``split_balanced`` and ``split_balanced_many``, the
-  cost-balanced split, with its tolerances; its steps are in
-  :mod:`~ringpack.planner.split.best_fit` (whole samples),
+  cost-balanced split, with its tolerances and the flow of one micro-batch through its parts:
+  :mod:`~ringpack.planner.split.problem` (the problem and the ranks being filled),
+  :mod:`~ringpack.planner.split.batch` (many micro-batches' problems built at once),
+  :mod:`~ringpack.planner.split.last_pieces` (last pieces of samples too big for any rank get
+  ranks of their own), :mod:`~ringpack.planner.split.best_fit` (samples placed whole),
   :mod:`~ringpack.planner.split.suffix_cuts` (samples cut from the back) and
   :mod:`~ringpack.planner.split.fallbacks` (tight token budgets);
 * :mod:`~ringpack.planner.split.pieces`: piece costs and ``(slot, start, stop)`` shards, shared by all.

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ringpack.planner.split.pieces import microbatch_from_slots, piece_cost
+from ringpack.planner.split.problem import Slice
 from ringpack.shard_plan import MicroBatch, Piece, microbatch_from_shards
 
 __all__ = ["split_contiguous", "split_zigzag", "split_zigzag_even", "zigzag_even_shards", "zigzag_even_chunks"]
@@ -78,11 +79,13 @@ def split_zigzag_even(samples: Sequence[int], lengths: Sequence[int], cp: int) -
     return microbatch_from_slots(samples, shards, lengths, sum(lens))
 
 
-def zigzag_even_shards(lens, cp, a, b, seg):
-    """Shards of :func:`split_zigzag_even` (``(slot, start, stop)`` triples) and their largest cost."""
+def zigzag_even_shards(lens: Sequence[int], cp: int, a: float, b: float, seg: float) -> tuple[list[list[Slice]], float]:
+    """Shards of :func:`split_zigzag_even` of samples with lengths ``lens`` (``(slot, start, stop)``
+    triples) and their largest cost with coefficients ``a`` per token, ``b`` per causal pair and
+    ``seg`` per piece."""
     held = [0] * cp
     cost_r = [0.0] * cp
-    shards: list[list[tuple[int, int, int]]] = [[] for _ in range(cp)]
+    shards: list[list[Slice]] = [[] for _ in range(cp)]
     for k, length in enumerate(lens):
         for r, start, stop in zigzag_even_chunks(length, held):
             shards[r].append((k, start, stop))

@@ -1,8 +1,8 @@
-"""The balanced split's fallbacks for a micro-batch its first pass leaves unbalanced.
+"""The balanced split's fallbacks for a micro-batch that best fit and suffix cuts leave unbalanced.
 
 Why they exist: when tokens are tight (little free token room), best fit can leave ranks whose
 free tokens are too cheap to reach their cost. :func:`retry_with_fallbacks` then tries splits that
-cut more samples but balance more surely, in order: the costliest samples zigzagged first
+cut more samples but balance more surely, in order: the costliest samples zigzagged before best fit
 (:func:`_balanced_shards`), whole short samples around deficit-driven zigzag of the long ones
 (:func:`_hybrid_shards`), and every sample zigzagged with tokens even to one
 (:func:`~ringpack.planner.split.baselines.zigzag_even_shards`), which always fits.
@@ -11,96 +11,127 @@ cut more samples but balance more surely, in order: the costliest samples zigzag
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
 
 from ringpack.planner.split.baselines import zigzag_even_shards
 from ringpack.planner.split.best_fit import best_fit
 from ringpack.planner.split.pieces import piece_cost
+from ringpack.planner.split.problem import RankFill, Slice, SplitProblem
 from ringpack.planner.split.suffix_cuts import cut_suffixes
 
 __all__ = ["retry_with_fallbacks"]
 
+Shards = list[list[Slice]]
 
-def retry_with_fallbacks(best, lens, w, order, cp, tpr, a, b, seg, cap, ideal, accept, tolerance):
-    """The fallbacks of :func:`~ringpack.planner.split.balanced.split_balanced` for a micro-batch the first
-    pass leaves unbalanced.
 
-    The first candidate within ``accept`` wins; without one, the lowest max rank cost (earlier
-    candidates, which split less, win ties within ``tolerance``). Returns ``(max rank cost, shards)``.
+def retry_with_fallbacks(problem: SplitProblem, best: tuple[float, Shards]) -> tuple[float, Shards]:
+    """The best of ``best`` (the first pass's ``(max rank cost, shards)``) and the fallbacks.
+
+    The first candidate within ``problem.accept`` wins; without one, the lowest max rank cost
+    (earlier candidates, which split less, win ties within ``problem.tolerance``). Returns
+    ``(max rank cost, shards)``.
     """
-    best = best[:2]
-    retries = (
-        (_balanced_shards, (lens, w, order, cp, tpr, a, b, seg, cap, 1.0, 2.0 * ideal)),
-        (_balanced_shards, (lens, w, order, cp, tpr, a, b, seg, cap, 1.0, ideal)),
-        (_hybrid_shards, (lens, w, order, cp, tpr, a, b, seg, cap, 0.5)),
-        (_hybrid_shards, (lens, w, order, cp, tpr, a, b, seg, cap, 0.1)),
-        (_hybrid_shards, (lens, w, order, cp, tpr, a, b, seg, cap, 0.0)),
-        (zigzag_even_shards, (lens, cp, a, b, seg)),
+    retries: tuple[Callable[[], tuple[Shards, float]], ...] = (
+        partial(_balanced_shards, problem, 2.0 * problem.ideal),
+        partial(_balanced_shards, problem, problem.ideal),
+        partial(_hybrid_shards, problem, 0.5),
+        partial(_hybrid_shards, problem, 0.1),
+        partial(_hybrid_shards, problem, 0.0),
+        partial(zigzag_even_shards, problem.lens, problem.cp, problem.token, problem.pair, problem.segment),
     )
-    for attempt, args in retries:
-        shards, top = attempt(*args)
-        if top <= accept or top < best[0] * (1.0 - tolerance):
+    for attempt in retries:
+        shards, top = attempt()
+        if top <= problem.accept or top < best[0] * (1.0 - problem.tolerance):
             best = (top, shards)
-        if top <= accept:
+        if top <= problem.accept:
             break
     return best
 
 
-def _balanced_shards(lens, w, order, cp, tokens_per_rank, a, b, seg, cap, density_factor, zigzag_over=math.inf):
-    """One pass of :func:`~ringpack.planner.split.balanced.split_balanced` (cuts by density); returns the
-    shards and the largest rank cost."""
-    shards, room, troom, leftovers = best_fit(
-        lens, w, order, cp, tokens_per_rank, a, b, seg, cap, density_factor, zigzag_over
-    )
+def _balanced_shards(problem: SplitProblem, zigzag_over: float) -> tuple[Shards, float]:
+    """Best fit with samples costing over ``zigzag_over`` zigzagged first, then suffix cuts by
+    density; returns the shards and the largest rank cost."""
+    fill = RankFill.empty(problem)
+    leftovers = best_fit(problem, problem.whole_samples, fill, zigzag_over)
     if leftovers is None:
-        return shards, math.inf
-    cut_suffixes(leftovers, lens, room, troom, shards, cp, a, b, seg)
-    return shards, cap - min(room)
+        return fill.shards, math.inf
+    cut_suffixes(problem, fill, leftovers, problem.lens)
+    return fill.shards, fill.max_cost()
 
 
-def _hybrid_shards(lens, w, order, cp, tokens_per_rank, a, b, seg, cap, theta):
+@dataclass(slots=True)
+class _Held:
+    """What each rank holds in :func:`_hybrid_shards`: cost, tokens and pieces."""
+
+    cost: list[float]
+    tokens: list[int]
+    shards: Shards
+
+    def add(self, r: int, slot: int, start: int, stop: int, cost: float) -> None:
+        self.shards[r].append((slot, start, stop))
+        self.cost[r] += cost
+        self.tokens[r] += stop - start
+
+
+def _hybrid_shards(problem: SplitProblem, theta: float) -> tuple[Shards, float]:
     """Tight-budget split: samples costing over ``theta * ideal`` are zigzagged, the rest stay whole.
 
     Whole samples go, most expensive first, to the cheapest rank whose tokens stay under an even
-    share. Then every zigzagged sample gives each rank a front and a back chunk: the chunk
-    *tokens* even out the ranks' token counts (never over ``tokens_per_rank``) and the split
-    between front (cheap) and back (dense) tokens makes up each rank's cost deficit. Returns the
-    shards and the largest rank cost.
+    share (:func:`_place_short_whole`). Then every zigzagged sample gives each rank a front and a
+    back chunk: the chunk *tokens* even out the ranks' token counts (never over the token room)
+    and the split between front (cheap) and back (dense) tokens makes up each rank's cost deficit
+    (:func:`_zigzag_long`). Returns the shards and the largest rank cost.
     """
-    ideal = sum(w) / cp
-    total_tokens = sum(lens)
-    even = -(-total_tokens // cp)
-    long = [k for k in order if w[k] > theta * ideal or lens[k] > tokens_per_rank or w[k] > cap]
+    lens, w, order, cp = problem.lens, problem.costs, problem.order, problem.cp
+    tpr, cap = problem.tokens_per_rank, problem.cap
+    long = [k for k in order if w[k] > theta * problem.ideal or lens[k] > tpr or w[k] > cap]
     if not long:
         long = [order[0]]
-    is_long = set(long)
-    cost_r = [0.0] * cp
-    tok_r = [0] * cp
-    shards: list[list[tuple[int, int, int]]] = [[] for _ in range(cp)]
-    for k in order:
+    held = _Held([0.0] * cp, [0] * cp, [[] for _ in range(cp)])
+    long += _place_short_whole(problem, set(long), held)
+    _zigzag_long(problem, long, held)
+    assert max(held.tokens) <= tpr
+    return held.shards, max(held.cost)
+
+
+def _place_short_whole(problem: SplitProblem, is_long: set[int], held: _Held) -> list[int]:
+    """Samples not in ``is_long``, most expensive first, each whole to the cheapest rank (first on
+    ties) that stays within the cost room and an even share of the tokens, else within the token
+    room. Returns the samples no rank takes (to be zigzagged)."""
+    lens, w, cp, cap = problem.lens, problem.costs, problem.cp, problem.cap
+    even = -(-sum(lens) // cp)
+    cost_r, tok_r = held.cost, held.tokens
+    unplaced = []
+    for k in problem.order:
         if k in is_long:
             continue
         lk, wk = lens[k], w[k]
         best = -1
-        for limit in (even, tokens_per_rank):
+        for limit in (even, problem.tokens_per_rank):
             for r in range(cp):
                 if tok_r[r] + lk <= limit and cost_r[r] + wk <= cap and (best < 0 or cost_r[r] < cost_r[best]):
                     best = r
             if best >= 0:
                 break
         if best < 0:
-            long.append(k)
-            is_long.add(k)
+            unplaced.append(k)
             continue
-        shards[best].append((k, 0, lk))
-        cost_r[best] += wk
-        tok_r[best] += lk
+        held.add(best, k, 0, lk, wk)
+    return unplaced
+
+
+def _zigzag_long(problem: SplitProblem, long: list[int], held: _Held) -> None:
+    """Zigzag the samples ``long`` over all ranks: their tokens even out the ranks' token counts,
+    their costs go to the ranks in proportion to each one's deficit to the cost room."""
+    lens, w, cp = problem.lens, problem.costs, problem.cp
     long_tokens = sum(lens[k] for k in long)
     long_cost = sum(w[k] for k in long)
-    quota = _even_quotas(long_tokens, tok_r, tokens_per_rank)
-    need = [max(0.0, cap - c) for c in cost_r]
+    quota_left = _even_quotas(long_tokens, held.tokens, problem.tokens_per_rank)
+    need = [max(0.0, problem.cap - c) for c in held.cost]
     need_total = sum(need) or 1.0
     target = [long_cost * x / need_total for x in need]  # each rank's cost from zigzagged samples
-    quota_left = list(quota)
     tokens_left = long_tokens
     for idx, k in enumerate(long):
         length, wk = lens[k], w[k]
@@ -110,67 +141,63 @@ def _hybrid_shards(lens, w, order, cp, tokens_per_rank, a, b, seg, cap, theta):
         else:
             raw = [length * q / tokens_left if tokens_left else 0.0 for q in quota_left]
             take = [min(int(x), q) for x, q in zip(raw, quota_left)]
-            left = length - sum(take)
-            for r in sorted(range(cp), key=lambda q: (-(raw[q] - take[q]), q)):
-                if left <= 0:
-                    break
-                if take[r] < quota_left[r]:
-                    take[r] += 1
-                    left -= 1
-            r = 0
-            while left > 0:
-                if take[r] < quota_left[r]:
-                    take[r] += 1
-                    left -= 1
-                else:
-                    r += 1
+            _round_up_largest_remainders(take, raw, length, quota_left, [0] * cp)
         for r in range(cp):
             quota_left[r] -= take[r]
         tokens_left -= length
         share = [wk * t / long_cost if long_cost else 0.0 for t in target]
-        # outer chunks span the widest range of densities: ranks with extreme needs go first
-        mean_density = wk / length
-        ranks = [r for r in range(cp) if take[r] > 0]
-        ranks.sort(key=lambda r: (-abs(share[r] / take[r] - mean_density), r))
-        lo, hi = 0, length
-        for i, r in enumerate(ranks):
-            t = take[r]
-            if i == len(ranks) - 1:
-                g = hi - lo - t  # everything left (t == hi - lo)
-                f_, g = t, 0
-                pieces = [(lo, hi)]
-            else:
-                # largest back chunk g with cost(front t-g) + cost(back g) <= share
-                def cost_of(g: int) -> float:
-                    f = t - g
-                    c = 0.0
-                    if f:
-                        c += piece_cost(lo, lo + f, a, b, seg)
-                    if g:
-                        c += piece_cost(hi - g, hi, a, b, seg)
-                    return c
+        _deal_front_back(problem, k, take, share, held)
 
-                glo, ghi = 0, t
-                while glo < ghi:
-                    mid = (glo + ghi + 1) // 2
-                    if cost_of(mid) <= share[r]:
-                        glo = mid
-                    else:
-                        ghi = mid - 1
-                g = glo
-                f_ = t - g
-                pieces = [(lo, lo + f_)] if f_ else []
-                if g:
-                    pieces.append((hi - g, hi))
-            for start, stop in pieces:
-                shards[r].append((k, start, stop))
-                cost_r[r] += piece_cost(start, stop, a, b, seg)
-                tok_r[r] += stop - start
-            lo += f_
-            hi -= g
-        assert lo == hi, "zigzag chunks must tile the sample"
-    assert max(tok_r) <= tokens_per_rank
-    return shards, max(cost_r)
+
+def _deal_front_back(problem: SplitProblem, k: int, take: list[int], share: list[float], held: _Held) -> None:
+    """Cut slot ``k`` into a front and a back chunk per rank: ``take[r]`` tokens on rank ``r``, as
+    many of them dense back tokens as keep the chunks' cost within ``share[r]``; the chunks tile it."""
+    a, b, seg = problem.token, problem.pair, problem.segment
+    length = problem.lens[k]
+    # outer chunks span the widest range of densities: ranks with extreme needs go first
+    mean_density = problem.costs[k] / length
+    ranks = [r for r in range(problem.cp) if take[r] > 0]
+    ranks.sort(key=lambda r: (-abs(share[r] / take[r] - mean_density), r))
+    lo, hi = 0, length
+    for i, r in enumerate(ranks):
+        t = take[r]
+        if i == len(ranks) - 1:  # everything left (t == hi - lo)
+            front, back = t, 0
+            pieces = [(lo, hi)]
+        else:
+            back = _longest_back_chunk(problem, lo, hi, t, share[r])
+            front = t - back
+            pieces = [(lo, lo + front)] if front else []
+            if back:
+                pieces.append((hi - back, hi))
+        for start, stop in pieces:
+            held.add(r, k, start, stop, piece_cost(start, stop, a, b, seg))
+        lo += front
+        hi -= back
+    assert lo == hi, "zigzag chunks must tile the sample"
+
+
+def _longest_back_chunk(problem: SplitProblem, lo: int, hi: int, t: int, share: float) -> int:
+    """The largest ``g <= t`` with ``cost([lo, lo + t - g)) + cost([hi - g, hi)) <= share`` (0 if none)."""
+    a, b, seg = problem.token, problem.pair, problem.segment
+
+    def cost_of(g: int) -> float:
+        f = t - g
+        c = 0.0
+        if f:
+            c += piece_cost(lo, lo + f, a, b, seg)
+        if g:
+            c += piece_cost(hi - g, hi, a, b, seg)
+        return c
+
+    glo, ghi = 0, t
+    while glo < ghi:
+        mid = (glo + ghi + 1) // 2
+        if cost_of(mid) <= share:
+            glo = mid
+        else:
+            ghi = mid - 1
+    return glo
 
 
 def _water_level(total: int, held: list[int], limit: int) -> float:
@@ -193,22 +220,33 @@ def _water_level(total: int, held: list[int], limit: int) -> float:
 
 def _even_quotas(total: int, held: list[int], limit: int) -> list[int]:
     """Split ``total`` tokens over ranks so held + quota is as even as possible, never over ``limit``."""
-    cp = len(held)
     hi = _water_level(total, held, limit)
     raw = [min(max(hi - h, 0.0), float(limit - h)) for h in held]
     quota = [int(math.floor(x)) for x in raw]
-    left = total - sum(quota)
-    for r in sorted(range(cp), key=lambda q: (-(raw[q] - quota[q]), held[q], q)):
+    return _round_up_largest_remainders(quota, raw, total, [limit - h for h in held], held)
+
+
+def _round_up_largest_remainders(
+    base: list[int], raw: list[float], total: int, room: list[int], ties: Sequence[int]
+) -> list[int]:
+    """Round the shares ``raw`` (rounded down in ``base``) up until they sum to ``total``, in place.
+
+    One more goes to each entry in order of largest remainder ``raw - base`` (then smallest
+    ``ties``, then index) while ``base[r] < room[r]``; should rounding leave some short, they go
+    to the first entries with room. Returns ``base``.
+    """
+    left = total - sum(base)
+    for r in sorted(range(len(base)), key=lambda q: (-(raw[q] - base[q]), ties[q], q)):
         if left <= 0:
             break
-        if held[r] + quota[r] < limit:
-            quota[r] += 1
+        if base[r] < room[r]:
+            base[r] += 1
             left -= 1
     r = 0
-    while left > 0:  # only when rounding left someone without room: fill any room
-        if held[r] + quota[r] < limit:
-            quota[r] += 1
+    while left > 0:
+        if base[r] < room[r]:
+            base[r] += 1
             left -= 1
         else:
             r += 1
-    return quota
+    return base
