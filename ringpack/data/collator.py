@@ -40,7 +40,7 @@ A batch is a plain ``dict`` (``pin_memory`` and ``.to(device)`` loops work on it
     gradients with SUM).
 ``schedule``
     ``ringpack.attention.compile_schedule(microbatch, cp_rank, **schedule_options)`` (host tensors;
-    ``.to(device)``), or ``None`` where the runtime is not installed and ``schedule="auto"``.
+    ``.to(device)``), or ``None`` with ``schedule=False``.
 ``microbatch``, ``epoch``, ``step``, ``microbatch_index``, ``microbatches_in_step``, ``cursor``, ``plan_hash``
     where the batch sits; ``cursor`` feeds ``sampler.state_dict(cursor=...)`` for exact resume.
 """
@@ -91,10 +91,19 @@ class PackedSamples:
 class PackedDataset(_DatasetBase):
     """Wrap a map-style dataset so a ``DataLoader`` batch carries its micro-batch ticket.
 
-    ``dataset[i]`` may be a ``datasets.Dataset`` row (a dict with ``column``), a dict, or a sequence
-    / array / tensor of token ids. ``datasets.Dataset`` objects are read in one Arrow ``take`` per
-    micro-batch (no per-row Python dicts). Every sample's token count is checked against the plan:
-    a dataset that changed since its lengths were taken is an error naming the sample.
+    Args:
+        dataset: ``dataset[i]`` is a ``datasets.Dataset`` row (a dict with ``column``), a dict, or
+            a sequence / array / tensor of token ids (integers, 1-D). ``datasets.Dataset`` objects
+            are read in one Arrow ``take`` per micro-batch (no per-row Python dicts).
+        column: the token-id field of dict rows.
+
+    ``dataset[i]`` returns sample ``i``'s token ids (int64 ``[L]``); ``__getitems__(ticket)``,
+    which ``DataLoader`` calls with a :class:`~ringpack.data.sampler.MicroBatchTicket`, returns
+    a :class:`PackedSamples` (the ticket and each sample's ids) for :class:`PackedCollator`, and
+    a plain list of id arrays for an ordinary list of indices.
+
+    Raises:
+        DataError: a ``datasets.Dataset`` without ``column``; a row without it or with a null.
     """
 
     def __init__(self, dataset: Any, column: str = "input_ids") -> None:
@@ -190,12 +199,8 @@ def check_schedule_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
 def _schedule(microbatch: MicroBatch, cp_rank: int, mode: Any, options: Mapping[str, Any] | None = None) -> Any:
     if mode is False or mode is None:
         return None
-    try:
-        from ringpack.attention import compile_schedule
-    except ImportError as exc:
-        if mode == "auto":
-            return None
-        raise DataError("schedule=True needs ringpack.attention.compile_schedule, which is not available") from exc
+    from ringpack.attention import compile_schedule
+
     return compile_schedule(microbatch, cp_rank, **(options or {}))
 
 
@@ -243,12 +248,24 @@ def ticket_meta(ticket: MicroBatchTicket) -> dict[str, Any]:
 
 
 class PackedCollator:
-    """``collate_fn`` that builds CP rank ``cp_rank``'s tensors of a micro-batch (module docstring).
+    """``collate_fn`` that builds CP rank ``cp_rank``'s tensors of a micro-batch.
 
-    ``schedule``: ``"auto"`` (compile the attention schedule when ``ringpack.attention`` is
-    available, else ``None``), ``True`` (required), ``False`` (never); ``schedule_options``: keyword
-    options of ``compile_schedule`` (:data:`SCHEDULE_OPTIONS`). The collator holds no plan:
+    Args:
+        cp_rank, cp_size: this process's CP rank and the CP group's size.
+        schedule: ``"auto"`` or ``True``: compile each micro-batch's attention schedule for this
+            rank; ``False``: leave ``batch["schedule"]`` ``None``.
+        ignore_index: the label of every sample's last token.
+        schedule_options: keyword options of ``compile_schedule`` (:data:`SCHEDULE_OPTIONS`).
+
+    Called with what :class:`PackedDataset` returns for a ticket, it returns the batch dict of
+    the module docstring (int64 ``input_ids``, ``labels``, ``position_ids`` ``[T]``; int32
+    ``cu_seqlens`` ``[P+1]``; the schedule and plan metadata). The collator holds no plan:
     everything it needs arrives with the ticket, so it pickles into workers as a few integers.
+
+    Raises:
+        DataError: bad ranks or options; when called: a batch without its ticket (the dataset
+            is not wrapped in :class:`PackedDataset`), or samples whose token counts differ from
+            the plan's (the dataset changed since its lengths were taken).
     """
 
     def __init__(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pickle
-import sys
 
 import numpy as np
 import pytest
@@ -227,24 +226,16 @@ def test_collator_errors(samples):
         BalancedBatchSampler([4, 5], 2, 2, 1, 100)
 
 
-def test_schedule_auto_without_runtime(samples, monkeypatch):
-    sampler, ds, _ = make(samples)
-    monkeypatch.setitem(sys.modules, "ringpack.attention", None)  # import fails like a build without it
-    batch = PackedCollator(0, CP)(ds.__getitems__(next(iter(sampler))))
-    assert batch["schedule"] is None
-    with pytest.raises(DataError, match="compile_schedule"):
-        PackedCollator(0, CP, schedule=True)(ds.__getitems__(next(iter(sampler))))
+def test_schedule_compiled_unless_disabled(samples):
+    from ringpack.attention import compile_schedule
 
-
-def test_schedule_compiled_when_runtime_present(samples):
-    attention = pytest.importorskip("ringpack.attention")
-    if not hasattr(attention, "compile_schedule"):
-        pytest.skip("ringpack.attention has no compile_schedule yet")
     sampler, ds, _ = make(samples)
     ticket = next(iter(sampler))
-    batch = PackedCollator(1, CP)(ds.__getitems__(ticket))
-    ref = attention.compile_schedule(ticket.microbatch, 1)
-    assert type(batch["schedule"]) is type(ref)
+    ref = compile_schedule(ticket.microbatch, 1)
+    for schedule in ("auto", True):
+        batch = PackedCollator(1, CP, schedule=schedule)(ds.__getitems__(ticket))
+        assert type(batch["schedule"]) is type(ref) and batch["schedule"].fingerprint == ref.fingerprint
+    assert PackedCollator(1, CP, schedule=False)(ds.__getitems__(ticket))["schedule"] is None
 
 
 def test_schedule_options_reach_compile_schedule(samples):
