@@ -170,8 +170,16 @@ class BalancedBatchSampler(_SamplerBase):
         **plan_options: any other :class:`PlanConfig` field (``samples_per_step``,
             ``microbatches_per_rank``, ``packing``, ``overflow``, ``cost``, ...).
 
+    Iterating yields one :class:`MicroBatchTicket` per micro-batch of this DP rank in the current
+    epoch's plan (a ``list`` of dataset rows carrying the micro-batch's pieces on every CP rank).
     ``len(sampler)`` is this rank's micro-batches in the current epoch (equal on every DP rank).
     See the module docstring for the handshake with the collator and for resume semantics.
+
+    Raises:
+        DataError: a bad length (naming the sample), ``dp_rank`` outside ``[0, dp_size)``, or
+            ``epoch=`` among the options (use :meth:`set_epoch`).
+        PlanError: an invalid plan option (naming the field); when iterating, lengths that cannot
+            be planned (a sample longer than a CP group holds under ``overflow="error"``).
     """
 
     def __init__(
