@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from ringpack.cost import PRESETS, CostModel, ModelShape
 from ringpack.data import BalancedBatchSampler, PackedCollator, PackedDataset
 from ringpack.integrations.transformers import causal_lm_loss_sum, register
+from ringpack.shard_plan import PACKINGS, STRATEGIES
 
 MODELS = {
     # name: (hidden, layers, heads, kv_heads, ffn, vocab); llama-1b is the cost model's preset
@@ -158,12 +159,36 @@ def steps_of(loader) -> Iterator[list[dict[str, Any]]]:
 def train(args: argparse.Namespace, grid: Grid, samples: list[np.ndarray], on_step=None) -> list[dict[str, Any]]:
     """The training loop; returns per-step records (loss, tokens, times). ``on_step(step, model)``
     lets tests inspect gradients before the optimizer runs."""
-    dtype = DTYPES[args.dtype]
-    model = build_model(args.model, dtype, args.seed, device=grid.device)
+    model = build_model(args.model, DTYPES[args.dtype], args.seed, device=grid.device)
     if args.grad_ckpt:
         model.gradient_checkpointing_enable()
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=False)
+    records = []
+    for step, batches in enumerate(steps_of(make_loader(args, grid, samples))):
+        if args.steps and step >= args.steps:
+            break
+        _sync(grid)
+        start = time.perf_counter()
+        loss, tokens = forward_backward(model, batches, grid, args)
+        _sync(grid)
+        busy = time.perf_counter() - start
+        all_reduce_grads(model)
+        dist.all_reduce(loss)
+        _sync(grid)
+        step_time = time.perf_counter() - start
+        if on_step is not None:
+            on_step(step, model)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        records.append(_step_record(step, float(loss), tokens, busy, step_time, grid))
+        if grid.rank == 0 and args.verbose:
+            _print_record(records[-1])
+    return records
+
+
+def make_loader(args: argparse.Namespace, grid: Grid, samples: list[np.ndarray]) -> torch.utils.data.DataLoader:
+    """This rank's loader: the planned micro-batches of its DP rank, cut for its CP rank."""
     sampler = BalancedBatchSampler(
         [len(s) for s in samples],
         grid.dp_rank,
@@ -177,56 +202,51 @@ def train(args: argparse.Namespace, grid: Grid, samples: list[np.ndarray], on_st
         cost=_cost_model(args.model, args.cost_profile),
         cp_token_slack=args.cp_token_slack,
     )
-    loader = torch.utils.data.DataLoader(
+    return torch.utils.data.DataLoader(
         PackedDataset(samples),
         batch_sampler=sampler,
         collate_fn=PackedCollator(grid.cp_rank, grid.cp_size),
         num_workers=args.workers,
     )
-    records = []
-    for step, batches in enumerate(steps_of(loader)):
-        if args.steps and step >= args.steps:
-            break
-        _sync(grid)
-        start = time.perf_counter()
-        total = torch.zeros((), dtype=torch.float64, device=grid.device)
-        tokens = 0
-        for batch in batches:
-            loss = microbatch_loss(model, batch, grid, args.mode, args.backend) / batch["step_loss_tokens"]
-            loss.backward()
-            total += loss.detach().double()
-            tokens += int(batch["input_ids"].numel())
-        _sync(grid)
-        busy = time.perf_counter() - start
-        all_reduce_grads(model)
-        dist.all_reduce(total)
-        _sync(grid)
-        step_time = time.perf_counter() - start
-        if on_step is not None:
-            on_step(step, model)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        per_rank = [None] * grid.world
-        dist.all_gather_object(per_rank, (tokens, busy))
-        global_tokens = sum(t for t, _ in per_rank)
-        record = dict(
-            step=step,
-            loss=float(total),
-            local_tokens=tokens,
-            global_tokens=global_tokens,
-            busy_s=[b for _, b in per_rank],  # forward+backward of each rank, before the gradient all-reduce
-            step_s=step_time,
-            tokens_per_s=global_tokens / step_time,
-        )
-        records.append(record)
-        if grid.rank == 0 and args.verbose:
-            busy_ms = " ".join(f"{b * 1e3:.0f}" for b in record["busy_s"])
-            print(
-                f"step {step:3d}  loss {record['loss']:.6f}  step {step_time * 1e3:8.1f} ms  "
-                f"{record['tokens_per_s']:,.0f} tok/s  busy/rank [{busy_ms}] ms",
-                flush=True,
-            )
-    return records
+
+
+def forward_backward(
+    model, batches: list[dict[str, Any]], grid: Grid, args: argparse.Namespace
+) -> tuple[torch.Tensor, int]:
+    """Backpropagate one step's micro-batches; this rank's share of the step loss (float64) and its tokens."""
+    total = torch.zeros((), dtype=torch.float64, device=grid.device)
+    tokens = 0
+    for batch in batches:
+        loss = microbatch_loss(model, batch, grid, args.mode, args.backend) / batch["step_loss_tokens"]
+        loss.backward()
+        total += loss.detach().double()
+        tokens += int(batch["input_ids"].numel())
+    return total, tokens
+
+
+def _step_record(step: int, loss: float, tokens: int, busy: float, step_time: float, grid: Grid) -> dict[str, Any]:
+    """The step's record; gathers every rank's tokens and busy time (a collective: every rank calls it)."""
+    per_rank = [None] * grid.world
+    dist.all_gather_object(per_rank, (tokens, busy))
+    global_tokens = sum(t for t, _ in per_rank)
+    return dict(
+        step=step,
+        loss=loss,
+        local_tokens=tokens,
+        global_tokens=global_tokens,
+        busy_s=[b for _, b in per_rank],  # forward+backward of each rank, before the gradient all-reduce
+        step_s=step_time,
+        tokens_per_s=global_tokens / step_time,
+    )
+
+
+def _print_record(record: dict[str, Any]) -> None:
+    busy_ms = " ".join(f"{b * 1e3:.0f}" for b in record["busy_s"])
+    print(
+        f"step {record['step']:3d}  loss {record['loss']:.6f}  step {record['step_s'] * 1e3:8.1f} ms  "
+        f"{record['tokens_per_s']:,.0f} tok/s  busy/rank [{busy_ms}] ms",
+        flush=True,
+    )
 
 
 def _cost_model(name: str, profile: str | None = None) -> CostModel:
@@ -247,8 +267,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cp", type=int, default=1, help="context-parallel size (DP = world / cp)")
     p.add_argument("--model", choices=sorted(MODELS), default="tiny")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
-    p.add_argument("--strategy", choices=["balanced", "zigzag", "contiguous"], default="balanced")
-    p.add_argument("--packing", choices=["balanced", "first_fit"], default="balanced")
+    p.add_argument("--strategy", choices=STRATEGIES, default="balanced")
+    p.add_argument("--packing", choices=PACKINGS, default="balanced")
     p.add_argument("--mode", choices=["ring", "allgather"], default="ring")
     p.add_argument("--backend", default="auto", help="ringpack kernel backend")
     p.add_argument("--cost-profile", help="calibrated cost profile for the planner (ringpack calibrate)")
