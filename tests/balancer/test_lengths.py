@@ -25,9 +25,9 @@ def files(tmp_path):
     table = pa.table({"input_ids": token_lists(LENGTHS), "text": ["a", "b", "c", "d", "e"], "length": LENGTHS})
     feather.write_feather(table, tmp_path / "t.feather")
     pq.write_table(table, tmp_path / "t.parquet")
-    with pa.OSFile(str(tmp_path / "stream.arrow"), "wb") as sink:  # datasets' cache files are IPC streams
-        with pa.ipc.new_stream(sink, table.schema) as writer:
-            writer.write_table(table)
+    # datasets' cache files are IPC streams
+    with pa.OSFile(str(tmp_path / "stream.arrow"), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
     np.save(tmp_path / "l.npy", LENGTHS)
     (tmp_path / "l.json").write_text(json.dumps(LENGTHS.tolist()))
     (tmp_path / "o.json").write_text(json.dumps({"lengths": LENGTHS.tolist()}))

@@ -66,7 +66,7 @@ class Coverage:
 
     def check_exactly_once(self, dropped: Iterable[int] = ()) -> None:
         dropped = set(dropped)
-        for sample, ref in enumerate(self.tokens):
+        for sample in range(len(self.tokens)):
             counts = self.seen.get(sample)
             if sample in dropped:
                 assert counts is None, f"dropped sample {sample} was yielded"

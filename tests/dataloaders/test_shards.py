@@ -49,7 +49,7 @@ def corpus(tmp_path_factory):
     ds = tokenize_dataset(load_source(path, cache_dir=cache), "text")
     out = root / "shards"
     assert main(["shard", str(path), "--out", str(out), "--cache-dir", cache, *ARGS]) == 0
-    texts = [json.loads(line)["text"] for line in open(path)]
+    texts = [json.loads(line)["text"] for line in path.read_text().splitlines()]
     tokens = [np.asarray(regex_token_ids(t), dtype=np.int64) for t in texts]
     return {"path": path, "cache": cache, "ds": ds, "out": out, "tokens": tokens, "root": root}
 
@@ -259,7 +259,7 @@ def test_exactly_once_after_mid_epoch_resume_reader_and_loader(corpus):
 
 
 def test_tokenizer_json_with_num_proc(tmp_path, corpus):
-    tokenizers = pytest.importorskip("tokenizers")
+    pytest.importorskip("tokenizers")
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     vocab = {"[UNK]": 0, "def": 1, "return": 2, "x": 3, "(": 4, ")": 5, ":": 6}

@@ -3,8 +3,9 @@
 The distributed side is the real example (`examples/train.py`): 4 gloo processes train a tiny
 Llama with ringpack attention on packed, planned micro-batches. The reference is independent of
 ringpack's runtime and planner output format: one process runs every sample of each global batch
-*separately* through the same model with transformers' SDPA attention (its eager path softmaxes in fp32), sums the next-token
-losses, divides by the global batch's loss tokens and steps the same optimizer.
+*separately* through the same model with transformers' SDPA attention (its eager path softmaxes in
+fp32), sums the next-token losses, divides by the global batch's loss tokens and steps the same
+optimizer.
 """
 
 from __future__ import annotations
