@@ -150,26 +150,6 @@ def schedule_calls(schedule) -> list:
     return calls + [c for step in schedule.steps for c in step.calls]
 
 
-def kernel_features(case: Case, block_q: int = 128, block_k: int = 128) -> dict[str, float]:
-    """What the kernels of this rank actually run: calls, segments, exact pairs and whole-tile pairs."""
-    schedule = compiled_schedule(case)
-    out = dict(
-        calls=0.0, kernel_segments=0.0, kernel_pairs=0.0, tiles=0.0, tile_pairs=0.0, tokens=float(schedule.num_tokens)
-    )
-    for call in schedule_calls(schedule):
-        lq = np.diff(call.cu_seqlens_q.cpu().numpy().astype(np.int64))
-        lk = np.diff(call.cu_seqlens_k.cpu().numpy().astype(np.int64))
-        work = (lq > 0) & (lk > 0)
-        lq, lk = lq[work], lk[work]
-        tiles = int(segment_tiles(lq, lk, call.causal, block_q, block_k).sum())
-        out["calls"] += 1
-        out["kernel_segments"] += lq.size
-        out["kernel_pairs"] += float(segment_pairs(lq, lk, call.causal).sum())
-        out["tiles"] += tiles
-        out["tile_pairs"] += float(tiles * block_q * block_k)
-    return out
-
-
 def rank_features(
     case: Case,
     hybrid: bool = False,

@@ -8,14 +8,14 @@ inside the functions, so the analysis package stays importable without it.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from ringpack.analysis.calibration.cases import Case
-from ringpack.analysis.calibration.features import compiled_schedule, kernel_features
+from ringpack.analysis.calibration.features import compiled_schedule
 from ringpack.cost import ModelShape
 
 TIMERS = ("gpu", "wall")
@@ -231,23 +231,6 @@ def time_linear(model: ModelShape, tokens: int, setup: TimingSetup) -> dict[str,
     layer_s, layer_flops = gemms(layer)
     head_s, _ = gemms(head)
     return dict(layer_token_s=layer_s, head_token_s=head_s, gemm_tflops=layer_flops / 1e12, tokens=tokens)
-
-
-def estimate_seconds(
-    cases: Sequence[Case],
-    shape: AttentionShape,
-    reps: int = 5,
-    warmup: int = 1,
-    flops: float = 2.5e14,
-    overhead: float = 3e-4,
-) -> float:
-    """Rough GPU time of timing ``cases`` (FLOPs of whole tiles at ``flops`` plus a per-run overhead)."""
-    total = 0.0
-    for case in cases:
-        pairs = kernel_features(case)["tile_pairs"]
-        one = pairs * shape.flops_per_pair() / flops + overhead
-        total += one * (warmup + max(1, reps if one < 0.05 else min(reps, 3)))
-    return total
 
 
 def device_name(device) -> str:
