@@ -172,7 +172,7 @@ def _add_plan_command(subparsers: argparse._SubParsersAction) -> None:
 
 
 def summarize(plan) -> dict:
-    """Summary numbers of a plan (also used by the benchmark)."""
+    """Summary numbers of a plan: what ``ringpack plan`` prints (``--json``: as they are)."""
     import numpy as np
 
     from ringpack.planner.bounds import plan_costs

@@ -35,9 +35,6 @@ class Corpus:
     root: Path
     counter: str
 
-    def texts(self) -> list[str]:
-        return [_read(self.root / name) for name in self.names]
-
 
 def regex_token_count(text: str) -> int:
     """Number of ``\\w+|[^\\w\\s]`` matches: the default, dependency-free token counter."""
