@@ -1,4 +1,5 @@
-"""The planner: sample lengths + :class:`~ringpack.shard_plan.PlanConfig` -> a validated :class:`~ringpack.shard_plan.Plan`.
+"""The planner: sample lengths + :class:`~ringpack.shard_plan.PlanConfig` -> a validated
+:class:`~ringpack.shard_plan.Plan`.
 
 * :mod:`~ringpack.planner.epoch` -- shuffled windows, overflow handling, one step at a time;
 * :mod:`~ringpack.planner.packing` and :mod:`~ringpack.planner.solver` -- packing and DP balance;

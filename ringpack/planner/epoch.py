@@ -44,6 +44,8 @@ import numpy as np
 
 from ringpack.cost import CostModel
 from ringpack.lengths import check_lengths
+from ringpack.planner.packing import PackingProblem, fill_empty_bins, improve, pack_first_fit, pack_greedy
+from ringpack.planner.solver import refine
 from ringpack.planner.split import (
     split_balanced,
     split_balanced_many,
@@ -167,71 +169,24 @@ def _windows(order: np.ndarray, per_step: int, min_samples: int) -> list[np.ndar
 
 
 def _plan_step(index: int, ids: np.ndarray, lengths: np.ndarray, config: PlanConfig, length_list: list[int]) -> Step:
-    from ringpack.planner import packing
-
+    """Step ``index`` of samples ``ids`` (one global batch): packing, the CP split of every
+    micro-batch, the lower bound. ``length_list`` is ``lengths`` as a list (for the per-sample splits)."""
     dp, cp = config.dp, config.cp
-    capacity = config.group_capacity
     L = lengths[ids]
-    n = len(ids)
     W = config.cost.sample_cost(L)
-    # Every strategy fits any micro-batch of at most cp * tokens_per_rank tokens (zigzag falls back
-    # to its token-even form, see split_microbatch), so packing only needs the group capacity.
-    total = int(L.sum())
-    m_fixed = config.microbatches_per_rank
-    m_lo = m_fixed or max(1, -(-total // (dp * capacity)))
-    m_hi = m_fixed or max(m_lo, n // dp)
-    if n < dp * m_lo:
-        raise PlanError(
-            f"step {index}: {n} samples cannot fill dp={dp} x {m_lo} micro-batches "
-            f"({total} tokens, {capacity} tokens per micro-batch); every micro-batch needs a sample: "
-            "use more samples per step, a larger tokens_per_rank, or fewer micro-batches per rank"
-        )
+    m_lo, m_hi = _microbatch_range(index, L, config)
     bound = step_lower_bound(W, L, dp, cp, config.cost)
-    bins, m = None, m_lo
     if config.packing == "first_fit":
-        bins, m = packing.pack_first_fit(L, dp, m_lo, m_fixed, capacity)
-        if bins is not None and n < dp * m:
-            bins = None
-        if bins is not None:
-            bins = packing.fill_empty_bins(bins, W, L, dp, m, capacity)
+        bins, m = _pack_first_fit(L, W, m_lo, config)
     else:
-        best = None  # (max load, m, bins)
-        for m in range(m_lo, m_hi + 1):
-            bins = packing.pack_greedy(W, L, dp, m, capacity)
-            if bins is None:
-                if best is not None:
-                    break
-                continue
-            if best is None:
-                first_ok = m
-            bins = packing.fill_empty_bins(bins, W, L, dp, m, capacity)
-            bins = packing.improve(bins, W, L, dp, m, capacity, bound * cp)
-            if config.solver_time_limit_s > 0:
-                from ringpack.planner import solver
-
-                bins = solver.refine(bins, W, L, dp, m, capacity, bound * cp, config.solver_time_limit_s)
-            top = float(packing.dp_loads(bins, W, dp, m).max())
-            if best is None or top < best[0] * (1 - 1e-9):
-                best = (top, m, bins)
-            # auto: one more micro-batch per rank only when the token budget costs balance
-            if m_fixed or top <= bound * cp * (1 + AUTO_MICROBATCH_GAP) or m > first_ok:
-                break
-        if best is not None:
-            _, m, bins = best
+        bins, m = _pack_balanced(L, W, m_lo, m_hi, bound * cp, config)
     if bins is None:
         raise PlanError(
-            f"step {index}: {n} samples ({total} tokens) do not fit dp={dp} x {m} micro-batches of "
-            f"cp*tokens_per_rank={capacity} tokens with {config.packing!r} packing; raise tokens_per_rank"
-            + (" or microbatches_per_rank (0 chooses it)" if m_fixed else "")
+            f"step {index}: {len(ids)} samples ({int(L.sum())} tokens) do not fit dp={dp} x {m} micro-batches of "
+            f"cp*tokens_per_rank={config.group_capacity} tokens with {config.packing!r} packing; raise "
+            "tokens_per_rank" + (" or microbatches_per_rank (0 chooses it)" if config.microbatches_per_rank else "")
         )
-    # assemble: samples of a micro-batch keep their (shuffled) window order
-    order = np.argsort(bins, kind="stable")
-    sorted_bins = bins[order]
-    edges = np.searchsorted(sorted_bins, np.arange(dp * m + 1))
-    ids_sorted = ids[order].tolist()
-    edges = edges.tolist()
-    groups = [ids_sorted[edges[b] : edges[b + 1]] for b in range(dp * m)]
-    assert all(groups), "empty micro-batch"
+    groups = _microbatch_groups(ids, bins, dp * m)
     if config.strategy == "balanced":  # all micro-batches of the step at once (the same splits, faster)
         mbs = split_balanced_many(
             groups, lengths, cp, config.tokens_per_rank, config.cost, token_slack=config.cp_token_slack
@@ -242,33 +197,92 @@ def _plan_step(index: int, ids: np.ndarray, lengths: np.ndarray, config: PlanCon
     return Step(microbatches=ranks, lower_bound=bound)
 
 
+def _microbatch_range(index: int, L: np.ndarray, config: PlanConfig) -> tuple[int, int]:
+    """The fewest and most micro-batches per DP rank to try for a step of samples with lengths ``L``.
+
+    Every strategy fits any micro-batch of at most ``cp * tokens_per_rank`` tokens (zigzag falls
+    back to its token-even form, see :func:`split_microbatch`), so packing only needs the group
+    capacity. Raises :class:`PlanError` when the samples cannot give every micro-batch one.
+    """
+    dp, capacity, m_fixed = config.dp, config.group_capacity, config.microbatches_per_rank
+    n, total = len(L), int(L.sum())
+    m_lo = m_fixed or max(1, -(-total // (dp * capacity)))
+    m_hi = m_fixed or max(m_lo, n // dp)
+    if n < dp * m_lo:
+        raise PlanError(
+            f"step {index}: {n} samples cannot fill dp={dp} x {m_lo} micro-batches "
+            f"({total} tokens, {capacity} tokens per micro-batch); every micro-batch needs a sample: "
+            "use more samples per step, a larger tokens_per_rank, or fewer micro-batches per rank"
+        )
+    return m_lo, m_hi
+
+
+def _pack_first_fit(L: np.ndarray, W: np.ndarray, m_lo: int, config: PlanConfig) -> tuple[np.ndarray | None, int]:
+    """``packing="first_fit"``: the bin of every sample (``None`` if they do not fit) and ``m``."""
+    dp, capacity = config.dp, config.group_capacity
+    bins, m = pack_first_fit(L, dp, m_lo, config.microbatches_per_rank, capacity)
+    if bins is None or len(L) < dp * m:
+        return None, m
+    return fill_empty_bins(PackingProblem(W, L, dp, m, capacity), bins), m
+
+
+def _pack_balanced(
+    L: np.ndarray, W: np.ndarray, m_lo: int, m_hi: int, lower_bound: float, config: PlanConfig
+) -> tuple[np.ndarray | None, int]:
+    """``packing="balanced"``: greedy, local search and (if enabled) CP-SAT for ``m = m_lo, ...``.
+
+    ``lower_bound``: of the heaviest DP rank's summed weights. With ``microbatches_per_rank=0``,
+    one more micro-batch per rank than the fewest that fit is tried only when the token budget
+    keeps the step more than :data:`AUTO_MICROBATCH_GAP` above the bound; the better packing is
+    kept. Returns the bin of every sample (``None`` if no ``m`` fits) and ``m``.
+    """
+    m_fixed = config.microbatches_per_rank
+    best = None  # (max load, m, bins)
+    first_ok = m_lo
+    for m in range(m_lo, m_hi + 1):
+        problem = PackingProblem(W, L, config.dp, m, config.group_capacity)
+        bins = pack_greedy(problem)
+        if bins is None:
+            if best is not None:
+                break
+            continue
+        if best is None:
+            first_ok = m
+        bins = fill_empty_bins(problem, bins)
+        bins = improve(problem, bins, lower_bound)
+        if config.solver_time_limit_s > 0:
+            bins = refine(problem, bins, lower_bound, config.solver_time_limit_s)
+        top = float(problem.dp_loads(bins).max())
+        if best is None or top < best[0] * (1 - 1e-9):
+            best = (top, m, bins)
+        if m_fixed or top <= lower_bound * (1 + AUTO_MICROBATCH_GAP) or m > first_ok:
+            break
+    if best is None:
+        return None, m_hi
+    return best[2], best[1]
+
+
+def _microbatch_groups(ids: np.ndarray, bins: np.ndarray, num_bins: int) -> list[list[int]]:
+    """The samples ``ids`` of each bin; a micro-batch's samples keep their (shuffled) window order."""
+    order = np.argsort(bins, kind="stable")
+    edges = np.searchsorted(bins[order], np.arange(num_bins + 1)).tolist()
+    ids_sorted = ids[order].tolist()
+    groups = [ids_sorted[edges[b] : edges[b + 1]] for b in range(num_bins)]
+    assert all(groups), "empty micro-batch"
+    return groups
+
+
 def make_plan(lengths: Any, config: PlanConfig) -> Plan:
     """Plan ``lengths`` (one per sample) for ``config``; see the module docstring for the rules."""
-    lengths = as_lengths(lengths)
-    capacity = config.group_capacity
-    too_long = np.flatnonzero(lengths > capacity)
-    dropped: tuple[int, ...] = ()
-    origins: tuple[tuple[int, int], ...] = ()
-    if too_long.size:
-        if config.overflow == "error":
-            first = int(too_long[0])
-            raise PlanError(
-                f"sample {first} has {int(lengths[first])} tokens, more than one CP group holds "
-                f"(cp={config.cp} x tokens_per_rank={config.tokens_per_rank} = {capacity}); "
-                f"{too_long.size} sample(s) too long. Raise tokens_per_rank or cp, or set overflow='drop' or 'split'"
-            )
-        if config.overflow == "drop":
-            dropped = tuple(int(x) for x in too_long)
-        else:
-            lengths, doc_sample, doc_offset = expand_overflow(lengths, capacity)
-            origins = tuple(zip(doc_sample.tolist(), doc_offset.tolist()))
+    lengths, dropped, origins = _apply_overflow(as_lengths(lengths), config)
     keep = np.ones(len(lengths), dtype=bool)
     keep[list(dropped)] = False
     order = shuffle_order(len(lengths), config.seed, config.epoch)
     order = order[keep[order]]
     if order.size == 0:
         raise PlanError(
-            f"no samples left to plan: all {len(lengths)} are longer than {capacity} tokens and were dropped"
+            f"no samples left to plan: all {len(lengths)} are longer than {config.group_capacity} tokens "
+            "and were dropped"
         )
     min_samples = config.dp * max(config.microbatches_per_rank, 1)
     length_list = lengths.tolist()
@@ -277,3 +291,29 @@ def make_plan(lengths: Any, config: PlanConfig) -> Plan:
         for s, ids in enumerate(_windows(order, config.samples_per_step, min_samples))
     )
     return Plan(config=config, lengths=tuple(lengths.tolist()), steps=steps, dropped=dropped, origins=origins)
+
+
+def _apply_overflow(
+    lengths: np.ndarray, config: PlanConfig
+) -> tuple[np.ndarray, tuple[int, ...], tuple[tuple[int, int], ...]]:
+    """``config.overflow`` on samples longer than one CP group holds: ``(lengths, dropped, origins)``.
+
+    ``"error"`` raises :class:`PlanError` naming the first; ``"drop"`` lists them in ``dropped``;
+    ``"split"`` returns the documents' lengths (:func:`expand_overflow`) and each document's
+    ``(sample, offset)`` in ``origins``.
+    """
+    capacity = config.group_capacity
+    too_long = np.flatnonzero(lengths > capacity)
+    if not too_long.size:
+        return lengths, (), ()
+    if config.overflow == "error":
+        first = int(too_long[0])
+        raise PlanError(
+            f"sample {first} has {int(lengths[first])} tokens, more than one CP group holds "
+            f"(cp={config.cp} x tokens_per_rank={config.tokens_per_rank} = {capacity}); "
+            f"{too_long.size} sample(s) too long. Raise tokens_per_rank or cp, or set overflow='drop' or 'split'"
+        )
+    if config.overflow == "drop":
+        return lengths, tuple(int(x) for x in too_long), ()
+    lengths, doc_sample, doc_offset = expand_overflow(lengths, capacity)
+    return lengths, (), tuple(zip(doc_sample.tolist(), doc_offset.tolist()))

@@ -20,29 +20,48 @@ All functions are deterministic (ties broken by index).
 from __future__ import annotations
 
 import heapq
+from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["pack_greedy", "pack_first_fit", "fill_empty_bins", "improve", "dp_loads"]
+__all__ = ["PackingProblem", "pack_greedy", "pack_first_fit", "fill_empty_bins", "improve"]
 
 
-def dp_loads(bins: np.ndarray, weights: np.ndarray, dp: int, m: int) -> np.ndarray:
-    return np.bincount(bins // m, weights=weights, minlength=dp)
+@dataclass(frozen=True)
+class PackingProblem:
+    """The samples of one global batch and the ``dp x m`` bins they go into.
+
+    Attributes:
+        weights: ``float64[n]``, each sample's cost (what DP ranks are balanced by).
+        tokens: ``int64[n]``, each sample's length.
+        dp: DP ranks.
+        m: micro-batches (bins) per DP rank.
+        capacity: tokens one bin holds (``cp * tokens_per_rank``).
+    """
+
+    weights: np.ndarray
+    tokens: np.ndarray
+    dp: int
+    m: int
+    capacity: int
+
+    @property
+    def num_bins(self) -> int:
+        return self.dp * self.m
+
+    def dp_loads(self, bins: np.ndarray) -> np.ndarray:
+        """``float64[dp]``: each DP rank's summed weights under ``bins`` (the bin of every sample)."""
+        return np.bincount(bins // self.m, weights=self.weights, minlength=self.dp)
 
 
-def pack_greedy(
-    weights: np.ndarray,
-    tokens: np.ndarray,
-    dp: int,
-    m: int,
-    capacity: int,
-) -> np.ndarray | None:
+def pack_greedy(problem: PackingProblem) -> np.ndarray | None:
     """LPT: items by weight descending, each to the least-loaded DP rank with a micro-batch that fits.
 
-    Returns the bin of every item, or ``None`` when some item fits nowhere (the caller then tries
-    more micro-batches). Inside a DP rank the micro-batch with the most free tokens is chosen, so a
-    rank's first ``m`` items open its ``m`` micro-batches.
+    Returns the bin of every item (``int64[n]``), or ``None`` when some item fits nowhere (the
+    caller then tries more micro-batches). Inside a DP rank the micro-batch with the most free
+    tokens is chosen, so a rank's first ``m`` items open its ``m`` micro-batches.
     """
+    weights, tokens, dp, m, capacity = problem.weights, problem.tokens, problem.dp, problem.m, problem.capacity
     n = len(weights)
     order = np.lexsort((np.arange(n), -weights))
     free = [[capacity] * m for _ in range(dp)]
@@ -59,56 +78,45 @@ def pack_greedy(
             if t > most_free:
                 return None
         load, d = heap[0]
+        popped = None  # the lighter ranks that do not fit, when the least-loaded one does not
+        if rank_free[d] < t:
+            popped = [heappop(heap)]
+            while heap:
+                load, d = heappop(heap)
+                if rank_free[d] >= t:
+                    break
+                popped.append((load, d))
+            else:  # no rank fits (most_free was a stale upper bound)
+                return None
         fj = rank_free[d]
-        if fj >= t:  # the least-loaded rank fits (the common case)
-            free_d = free[d]
-            best = free_d.index(fj)  # the bin with most free tokens, first on ties
-            free_d[best] = fj - t
-            bins[i] = d * m + best
-            rank_free[d] = max(free_d)
+        free_d = free[d]
+        best = free_d.index(fj)  # the bin with most free tokens, first on ties
+        free_d[best] = fj - t
+        bins[i] = d * m + best
+        rank_free[d] = max(free_d)
+        if popped is None:  # the least-loaded rank fits (the common case)
             heapreplace(heap, (load + wi, d))
-            continue
-        popped = [heappop(heap)]
-        while heap:
-            load, d = heappop(heap)
-            fj = rank_free[d]
-            if fj >= t:
-                free_d = free[d]
-                best = free_d.index(fj)
-                free_d[best] = fj - t
-                bins[i] = d * m + best
-                rank_free[d] = max(free_d)
-                heappush(heap, (load + wi, d))
-                break
-            popped.append((load, d))
-        else:  # no rank fits (most_free was a stale upper bound)
-            return None
-        for item in popped:
-            heappush(heap, item)
+        else:
+            heappush(heap, (load + wi, d))
+            for item in popped:
+                heappush(heap, item)
     return np.array(bins, dtype=np.int64)
 
 
-def fill_empty_bins(
-    bins: np.ndarray,
-    weights: np.ndarray,
-    tokens: np.ndarray,
-    dp: int,
-    m: int,
-    capacity: int,
-) -> np.ndarray:
-    """Give every empty bin one sample, taken from bins holding two or more.
+def fill_empty_bins(problem: PackingProblem, bins: np.ndarray) -> np.ndarray:
+    """Give every empty bin one sample, taken from bins holding two or more; returns new bins.
 
     Prefers a donor bin of the same DP rank (DP loads unchanged); otherwise takes the cheapest
     movable sample of the whole step. Needs ``len(bins) >= dp * m`` (the caller checks).
     """
     bins = bins.copy()
-    nbins = dp * m
+    m, nbins = problem.m, problem.num_bins
     counts = np.bincount(bins, minlength=nbins)
     empty = np.flatnonzero(counts == 0)
     if empty.size == 0:
         return bins
     assert len(bins) >= nbins, "fewer samples than micro-batches"
-    w = np.asarray(weights, dtype=np.float64)
+    w = np.asarray(problem.weights, dtype=np.float64)
     for e in empty.tolist():
         d = e // m
         movable = counts[bins] >= 2
@@ -122,13 +130,83 @@ def fill_empty_bins(
     return bins
 
 
+class _LocalSearch:
+    """The state :func:`improve` updates: every sample's bin, DP-rank loads, bin tokens and counts."""
+
+    def __init__(self, problem: PackingProblem, bins: np.ndarray) -> None:
+        self.m, self.capacity = problem.m, problem.capacity
+        self.bins = bins
+        self.w = problem.weights.astype(np.float64)
+        self.t = problem.tokens.astype(np.int64)
+        self.loads = np.bincount(bins // self.m, weights=self.w, minlength=problem.dp)
+        self.bin_tok = np.bincount(bins, weights=self.t, minlength=problem.num_bins).astype(np.int64)
+        self.counts = np.bincount(bins, minlength=problem.num_bins)
+        # improvements smaller than this are rounding, not progress
+        self.tol = 1e-12 * max(float(self.loads.max()), 1.0)
+
+    def best_move(self, h: int, A: np.ndarray, light: np.ndarray) -> tuple[float, int, int] | None:
+        """The move of one sample ``A[k]`` of the heaviest rank ``h`` to the bin with most free
+        tokens of a light rank that minimises the larger new load: ``(new max, sample, bin)``."""
+        m, capacity, bins, w, t = self.m, self.capacity, self.bins, self.w, self.t
+        top = self.loads[h]
+        best = None
+        for d in light.tolist():
+            d_bins = np.arange(d * m, (d + 1) * m)
+            j = d_bins[np.argmax(capacity - self.bin_tok[d_bins])]
+            ok = (self.counts[bins[A]] >= 2) & (self.bin_tok[j] + t[A] <= capacity)
+            if not ok.any():
+                continue
+            new = np.maximum(top - w[A], self.loads[d] + w[A])
+            new = np.where(ok, new, np.inf)
+            k = int(np.argmin(new))
+            if new[k] < top - self.tol and (best is None or new[k] < best[0]):
+                best = (float(new[k]), int(A[k]), int(j))
+        return best
+
+    def best_swap(self, h: int, A: np.ndarray, B: np.ndarray) -> tuple[float, int, int] | None:
+        """The swap of ``a`` in ``A`` (rank ``h``) and a lighter ``b`` in ``B`` (light ranks) that
+        minimises the larger new load, if it lowers ``h``'s load: ``(new max, a, b)``."""
+        bins, w, t, capacity, bin_tok = self.bins, self.w, self.t, self.capacity, self.bin_tok
+        top = self.loads[h]
+        delta = w[A][:, None] - w[B][None, :]
+        new = np.maximum(top - delta, self.loads[bins[B] // self.m][None, :] + delta)
+        dt = t[A][:, None] - t[B][None, :]
+        ok = (delta > 0) & (bin_tok[bins[B]][None, :] + dt <= capacity) & (bin_tok[bins[A]][:, None] - dt <= capacity)
+        flat_new = np.where(ok, new, np.inf).ravel()
+        # the smallest entry, then the lowest index, among the (up to) 16 smallest argpartition finds
+        cand = min(16, flat_new.size)
+        part = np.argpartition(flat_new, cand - 1)[:cand] if cand < flat_new.size else np.arange(flat_new.size)
+        flat = int(part[np.lexsort((part, flat_new[part]))[0]])
+        ka, kb = divmod(flat, B.size)
+        val = flat_new[flat]
+        if not val < top - self.tol:
+            return None
+        return float(val), int(A[ka]), int(B[kb])
+
+    def move(self, a: int, dst: int) -> None:
+        src, m, w, t = self.bins[a], self.m, self.w, self.t
+        self.loads[src // m] -= w[a]
+        self.loads[dst // m] += w[a]
+        self.bin_tok[src] -= t[a]
+        self.bin_tok[dst] += t[a]
+        self.counts[src] -= 1
+        self.counts[dst] += 1
+        self.bins[a] = dst
+
+    def swap(self, a: int, b: int) -> None:
+        bins, m, w, t = self.bins, self.m, self.w, self.t
+        ba, bb = bins[a], bins[b]
+        delta = w[a] - w[b]
+        self.loads[ba // m] -= delta
+        self.loads[bb // m] += delta
+        self.bin_tok[ba] += t[b] - t[a]
+        self.bin_tok[bb] += t[a] - t[b]
+        bins[a], bins[b] = bb, ba
+
+
 def improve(
+    problem: PackingProblem,
     bins: np.ndarray,
-    weights: np.ndarray,
-    tokens: np.ndarray,
-    dp: int,
-    m: int,
-    capacity: int,
     lower_bound: float,
     max_iters: int = 200,
     neighbours: int = 8,
@@ -138,90 +216,35 @@ def improve(
 
     Each iteration looks at the heaviest DP rank ``h`` and the ``neighbours`` lightest ranks and
     picks the move or swap that minimises the larger of the two new loads (strictly below ``h``'s
-    load; ties by index). Token capacities hold and no bin is emptied. Stops within ``stop_gap``
-    (relative) of ``lower_bound``, when nothing improves, or after ``max_iters`` iterations (an
-    iteration count, never a clock, so the result is the same on every machine).
+    load; ties by index, a move before a swap). Token capacities hold and no bin is emptied. Stops
+    within ``stop_gap`` (relative) of ``lower_bound``, when nothing improves, or after ``max_iters``
+    iterations (an iteration count, never a clock, so the result is the same on every machine).
+    Returns new bins.
     """
     bins = bins.copy()
-    n = len(bins)
-    nbins = dp * m
-    if dp < 2 or n < 2:
+    if problem.dp < 2 or len(bins) < 2:
         return bins
-    w = weights.astype(np.float64)
-    t = tokens.astype(np.int64)
-    loads = np.bincount(bins // m, weights=w, minlength=dp)
-    bin_tok = np.bincount(bins, weights=t, minlength=nbins).astype(np.int64)
-    counts = np.bincount(bins, minlength=nbins)
-    tol = 1e-12 * max(float(loads.max()), 1.0)
+    state = _LocalSearch(problem, bins)
     for _ in range(max_iters):
+        loads = state.loads
         h = int(np.argmax(loads))
-        top = loads[h]
-        if top <= lower_bound * (1 + stop_gap):
+        if loads[h] <= lower_bound * (1 + stop_gap):
             break
-        ranks = bins // m
+        ranks = bins // problem.m
         light = np.argsort(loads, kind="stable")[:neighbours]
         light = light[light != h]
         A = np.flatnonzero(ranks == h)
-        best = None  # (new_max, kind, a, b_or_bin)
-        # moves: a -> the bin with most free tokens of a light rank
-        if A.size:
-            for d in light.tolist():
-                d_bins = np.arange(d * m, (d + 1) * m)
-                j = d_bins[np.argmax(capacity - bin_tok[d_bins])]
-                ok = (counts[bins[A]] >= 2) & (bin_tok[j] + t[A] <= capacity)
-                if not ok.any():
-                    continue
-                new = np.maximum(top - w[A], loads[d] + w[A])
-                new = np.where(ok, new, np.inf)
-                k = int(np.argmin(new))
-                if new[k] < top - tol and (best is None or new[k] < best[0]):
-                    best = (float(new[k]), "move", int(A[k]), int(j))
-        # swaps: a in h <-> b in a light rank, w[a] > w[b]
-        is_light = np.zeros(dp, dtype=bool)
+        move = state.best_move(h, A, light) if A.size else None
+        is_light = np.zeros(problem.dp, dtype=bool)
         is_light[light] = True
         B = np.flatnonzero(is_light[ranks])
-        if A.size and B.size:
-            delta = w[A][:, None] - w[B][None, :]
-            new = np.maximum(top - delta, loads[ranks[B]][None, :] + delta)
-            dt = t[A][:, None] - t[B][None, :]
-            ok = (
-                (delta > 0)
-                & (bin_tok[bins[B]][None, :] + dt <= capacity)
-                & (bin_tok[bins[A]][:, None] - dt <= capacity)
-            )
-            new = np.where(ok, new, np.inf)
-            flat_new = new.ravel()
-            cand = min(16, flat_new.size)
-            part = np.argpartition(flat_new, cand - 1)[:cand] if cand < flat_new.size else np.arange(flat_new.size)
-            flat_order = part[np.lexsort((part, flat_new[part]))]
-            for flat in flat_order.tolist():
-                ka, kb = divmod(flat, B.size)
-                val = new[ka, kb]
-                if not (val < top - tol) or (best is not None and val >= best[0]):
-                    break
-                best = (float(val), "swap", int(A[ka]), int(B[kb]))
-                break
-        if best is None:
-            break
-        _, kind, a, x = best
-        if kind == "move":
-            src, dst = bins[a], x
-            loads[src // m] -= w[a]
-            loads[dst // m] += w[a]
-            bin_tok[src] -= t[a]
-            bin_tok[dst] += t[a]
-            counts[src] -= 1
-            counts[dst] += 1
-            bins[a] = dst
+        swap = state.best_swap(h, A, B) if A.size and B.size else None
+        if swap is not None and (move is None or swap[0] < move[0]):
+            state.swap(swap[1], swap[2])
+        elif move is not None:
+            state.move(move[1], move[2])
         else:
-            b = x
-            ba, bb = bins[a], bins[b]
-            delta = w[a] - w[b]
-            loads[ba // m] -= delta
-            loads[bb // m] += delta
-            bin_tok[ba] += t[b] - t[a]
-            bin_tok[bb] += t[a] - t[b]
-            bins[a], bins[b] = bb, ba
+            break
     return bins
 
 

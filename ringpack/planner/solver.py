@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from ringpack.cost import scale_to_int
+from ringpack.planner.packing import PackingProblem
 
 __all__ = ["refine", "GAP_THRESHOLD", "MAX_BOOLEANS"]
 
@@ -32,35 +33,30 @@ MAX_BOOLEANS = 40_000
 COST_RESOLUTION = 1_000_000
 
 
-def refine(
-    bins: np.ndarray,
-    weights: np.ndarray,
-    tokens: np.ndarray,
-    dp: int,
-    m: int,
-    capacity: int,
-    lower_bound: float,
-    time_limit_s: float,
-) -> np.ndarray:
-    """Improve ``bins`` with CP-SAT under a deterministic time limit; never returns a worse packing."""
+def refine(problem: PackingProblem, bins: np.ndarray, lower_bound: float, time_limit_s: float) -> np.ndarray:
+    """Improve ``bins`` (the bin of every sample) with CP-SAT under a deterministic time limit.
+
+    Returns ``bins`` itself unless the solver finds a packing whose heaviest DP rank is lighter
+    (never a worse one). Skips the solver when ``time_limit_s <= 0``, with fewer than two bins,
+    within :data:`GAP_THRESHOLD` of ``lower_bound``, or above :data:`MAX_BOOLEANS`.
+    """
     n = len(bins)
-    nbins = dp * m
-    w = np.asarray(weights, dtype=np.float64)
-    loads = np.bincount(bins // m, weights=w, minlength=dp)
-    best = float(loads.max())
-    if time_limit_s <= 0 or dp * m < 2 or best <= lower_bound * (1 + GAP_THRESHOLD) or n * nbins > MAX_BOOLEANS:
+    dp, m, nbins = problem.dp, problem.m, problem.num_bins
+    w = np.asarray(problem.weights, dtype=np.float64)
+    best = float(problem.dp_loads(bins).max())
+    if time_limit_s <= 0 or nbins < 2 or best <= lower_bound * (1 + GAP_THRESHOLD) or n * nbins > MAX_BOOLEANS:
         return bins
     from ortools.sat.python import cp_model
 
     wi, _ = scale_to_int(w, COST_RESOLUTION)
-    t = np.asarray(tokens, dtype=np.int64)
+    t = np.asarray(problem.tokens, dtype=np.int64)
     model = cp_model.CpModel()
     x = [[model.NewBoolVar(f"x{i}_{b}") for b in range(nbins)] for i in range(n)]
     for i in range(n):
         model.AddExactlyOne(x[i])
     for b in range(nbins):
         column = [x[i][b] for i in range(n)]
-        model.Add(sum(int(t[i]) * column[i] for i in range(n)) <= capacity)
+        model.Add(sum(int(t[i]) * column[i] for i in range(n)) <= problem.capacity)
         model.AddBoolOr(column)  # no empty micro-batch
     top = model.NewIntVar(0, int(wi.sum()), "top")
     for d in range(dp):
@@ -78,5 +74,5 @@ def refine(
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return bins
     new = np.array([next(b for b in range(nbins) if solver.BooleanValue(x[i][b])) for i in range(n)], dtype=np.int64)
-    new_top = float(np.bincount(new // m, weights=w, minlength=dp).max())
+    new_top = float(problem.dp_loads(new).max())
     return new if new_top < best * (1 - 1e-12) else bins
