@@ -32,7 +32,12 @@ __all__ = ["plan_costs", "cell_index", "rank_grid", "critical_path"]
 def cell_index(
     arrays: Mapping[str, np.ndarray], dp: int, shape: tuple[int, int, int] | None = None
 ) -> tuple[np.ndarray, tuple[int, int, int]]:
-    """Map each piece row to its (step, dp, micro-batch) cell of a dense ``(S, D, M)`` grid."""
+    """Map each piece row to its (step, dp, micro-batch) cell of a dense ``(S, D, M)`` grid.
+
+    ``arrays``: the plan's piece table (``step``, ``dp``, ``microbatch`` columns, one row per
+    piece); ``shape``: the grid, by default just large enough. Returns ``(int64 cell per row,
+    shape)``. Raises ``ValueError`` when a row names a DP rank outside ``[0, dp)``.
+    """
     step, d, mb = (np.asarray(arrays[k], dtype=np.int64) for k in ("step", "dp", "microbatch"))
     if shape is None:
         shape = (int(step.max()) + 1, dp, int(mb.max()) + 1) if step.size else (0, dp, 0)
@@ -48,6 +53,7 @@ def rank_grid(
 
     Returns ``(per_rank, cell, shape)``: ``per_rank(values)`` sums one value per piece row into its
     rank's cell (``None`` counts pieces); ``cell`` is each row's (step, dp, micro-batch) cell.
+    Raises ``ValueError`` when a row names a DP or CP rank outside the config's.
     """
     cell, (S, D, M) = cell_index(arrays, dp, shape)
     c = np.asarray(arrays["cp"], dtype=np.int64)
@@ -56,6 +62,7 @@ def rank_grid(
     flat = cell * cp + c
 
     def per_rank(values: np.ndarray | None) -> np.ndarray:
+        """``values`` (one per piece row; ``None``: 1 each) summed into ``(S, D, M, C)`` rank cells."""
         values = np.ones(flat.size, dtype=np.int64) if values is None else np.asarray(values)
         out = np.zeros(S * D * M * cp, dtype=values.dtype)
         np.add.at(out, flat, values)

@@ -159,6 +159,8 @@ def split_microbatch(samples: Sequence[int], lengths: Sequence[int], config: Pla
 
 # ------------------------------------------------------------------------------------------ steps
 def _windows(order: np.ndarray, per_step: int, min_samples: int) -> list[np.ndarray]:
+    """``order`` cut into global batches of ``per_step`` samples (0: one batch); a last batch of
+    fewer than ``min_samples`` joins the one before it."""
     if per_step == 0 or per_step >= len(order):
         return [order]
     windows = [order[i : i + per_step] for i in range(0, len(order), per_step)]
@@ -273,7 +275,21 @@ def _microbatch_groups(ids: np.ndarray, bins: np.ndarray, num_bins: int) -> list
 
 
 def make_plan(lengths: Any, config: PlanConfig) -> Plan:
-    """Plan ``lengths`` (one per sample) for ``config``; see the module docstring for the rules."""
+    """Plan ``lengths`` (one per sample) for ``config``; see the module docstring for the rules.
+
+    Args:
+        lengths: tokens of every sample, a 1-D integer sequence or array, each >= 1.
+        config: parallelism, token budget, cost model, strategies, seed and epoch.
+
+    Returns:
+        The validated plan: one :class:`Step` per global batch; the same on every rank for the
+        same ``(lengths, config)``.
+
+    Raises:
+        PlanError: invalid or empty ``lengths``; a sample longer than one CP group holds with
+            ``overflow="error"``; no sample left after dropping; a global batch whose samples
+            cannot fill, or do not fit, its ``dp x m`` micro-batches.
+    """
     lengths, dropped, origins = _apply_overflow(as_lengths(lengths), config)
     keep = np.ones(len(lengths), dtype=bool)
     keep[list(dropped)] = False

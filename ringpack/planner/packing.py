@@ -47,6 +47,7 @@ class PackingProblem:
 
     @property
     def num_bins(self) -> int:
+        """``dp * m``: the micro-batches of the step."""
         return self.dp * self.m
 
     def dp_loads(self, bins: np.ndarray) -> np.ndarray:
@@ -184,6 +185,7 @@ class _LocalSearch:
         return float(val), int(A[ka]), int(B[kb])
 
     def move(self, a: int, dst: int) -> None:
+        """Move sample ``a`` to bin ``dst``."""
         src, m, w, t = self.bins[a], self.m, self.w, self.t
         self.loads[src // m] -= w[a]
         self.loads[dst // m] += w[a]
@@ -194,6 +196,7 @@ class _LocalSearch:
         self.bins[a] = dst
 
     def swap(self, a: int, b: int) -> None:
+        """Swap the bins of samples ``a`` and ``b``."""
         bins, m, w, t = self.bins, self.m, self.w, self.t
         ba, bb = bins[a], bins[b]
         delta = w[a] - w[b]

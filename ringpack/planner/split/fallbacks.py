@@ -70,6 +70,7 @@ class _Held:
     shards: Shards
 
     def add(self, r: int, slot: int, start: int, stop: int, cost: float) -> None:
+        """Put tokens ``[start, stop)`` of ``slot``, costing ``cost``, on rank ``r``."""
         self.shards[r].append((slot, start, stop))
         self.cost[r] += cost
         self.tokens[r] += stop - start
