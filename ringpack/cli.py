@@ -36,6 +36,7 @@ _CONFIG_FLAGS = (
     ("overflow", "overflow"),
     ("solver_time_limit_s", "solver_time_limit"),
     ("cp_token_slack", "cp_token_slack"),
+    ("pair_price_range", "pair_price_range"),
 )
 
 
@@ -103,11 +104,19 @@ def _add_split_and_cost_flags(parser: Any) -> None:
         help="CP-SAT refinement per step, deterministic seconds (0: heuristics only)",
     )
     parser.add_argument(
+        "--pair-price-range",
+        type=_price_range,
+        default=None,
+        metavar="LOW,HIGH",
+        help="stay balanced while the true price of an attention pair is LOW..HIGH times the cost model's "
+        "(default: 0.25,2 for FLOP models, 1,1 for measured profiles; 1,1 balances the model's prices alone)",
+    )
+    parser.add_argument(
         "--cp-token-slack",
         type=float,
         default=None,
-        help="balanced CP split: hold every rank within 1+SLACK of the mean tokens, a guard against a mispriced "
-        "(uncalibrated) cost model; 0.02 recommended with FLOP models (default: tokens free)",
+        help="balanced CP split: hold every rank within 1+SLACK of the mean tokens (default: 0.02 when the "
+        "pair-price range is wide, else tokens free)",
     )
     parser.add_argument(
         "--model",
@@ -115,6 +124,16 @@ def _add_split_and_cost_flags(parser: Any) -> None:
         help="cost-model preset (llama3-8b, llama-1b, tiny) or a calibrated profile JSON (default llama3-8b)",
     )
     parser.add_argument("--cost-profile", default=None, help="calibrated cost-model JSON (overrides --model)")
+
+
+def _price_range(text: str) -> tuple[float, float]:
+    """``--pair-price-range LOW,HIGH`` as two floats (checked by ``PlanConfig``)."""
+    parts = text.split(",")
+    try:
+        low, high = (float(x) for x in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LOW,HIGH (two numbers), got {text!r}") from None
+    return low, high
 
 
 def cost_model_from_arg(value: str, flag: str = "--model"):
@@ -175,12 +194,14 @@ def summarize(plan) -> dict:
     """Summary numbers of a plan: what ``ringpack plan`` prints (``--json``: as they are)."""
     import numpy as np
 
+    from ringpack.analysis.robustness import PRICE_FACTORS, imbalance_across_prices
     from ringpack.planner.bounds import plan_costs
     from ringpack.traffic import plan_kv_traffic
 
     costs = plan_costs(plan)
     kv = plan_kv_traffic(plan)
     per_step_unique = np.bincount(kv["step"], weights=kv["unique"], minlength=plan.num_steps)
+    prices = imbalance_across_prices(plan, PRICE_FACTORS)
     return {
         "hash": plan.content_hash,
         "steps": plan.num_steps,
@@ -192,6 +213,7 @@ def summarize(plan) -> dict:
         "gap_median": float(np.nanmedian(costs["gap"])),
         "gap_max": float(np.nanmax(costs["gap"])),
         "kv_tokens_per_step_median": float(np.median(per_step_unique)),
+        "imbalance_by_pair_price": {str(f): round(v, 6) for f, v in prices.items()},
     }
 
 
@@ -221,6 +243,12 @@ def run_plan(args: argparse.Namespace) -> int:
         f"gap to lower bound: median {summary['gap_median']:.2%}, worst {summary['gap_max']:.2%}"
     )
     print(f"K/V tokens sent across CP ranks per step (median): {summary['kv_tokens_per_step_median']:.0f}")
+    prices = summary["imbalance_by_pair_price"]
+    print(
+        "plan time / balanced time if a pair really costs x the model's price: "
+        + ", ".join(f"x{f}: {v:.4f}" for f, v in prices.items())
+        + f" (planned for x{config.price_range[0]:g}..x{config.price_range[1]:g})"
+    )
     if summary["dropped"]:
         print(
             f"dropped {summary['dropped']} samples longer than {config.group_capacity} tokens (overflow=drop)",

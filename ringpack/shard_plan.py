@@ -124,6 +124,26 @@ class Step:
         return sum(mb.loss_tokens for rank in self.microbatches for mb in rank)
 
 
+#: The default pair-price range of plans made with a FLOP cost model (:attr:`PlanConfig.price_range`):
+#: on GPUs attention kernels run at roughly half the FLOP rate of the linear layers, and how far
+#: depends on the kernel, the head shape and the lengths.
+FLOP_PRICE_RANGE: tuple[float, float] = (0.25, 2.0)
+#: The ``balanced`` split's default token guard when prices are uncertain: with every CP rank's
+#: tokens within 2% of the mean and its cost within 0.1% at the model's price, its pairs are
+#: balanced too, so the split stays balanced at any price of a pair.
+ROBUST_TOKEN_SLACK = 0.02
+
+
+def _price_range(value: Any) -> tuple[float, float]:
+    try:
+        low, high = (float(x) for x in value)
+    except (TypeError, ValueError) as exc:
+        raise PlanError(f"PlanConfig.pair_price_range must be a pair (low, high), got {value!r}") from exc
+    if not (0 < low <= 1.0 <= high < float("inf")):
+        raise PlanError(f"PlanConfig.pair_price_range must satisfy 0 < low <= 1 <= high < inf, got {value!r}")
+    return low, high
+
+
 @dataclass(frozen=True)
 class PlanConfig:
     """Everything that decides a plan besides the sample lengths (a plan is a pure function of both).
@@ -132,10 +152,17 @@ class PlanConfig:
     ``microbatches_per_rank`` fixes how many micro-batches each DP rank runs per step (``0``:
     the fewest that hold the tokens, plus one when the token budget would otherwise keep the step
     more than 1% above its lower bound). ``packing`` is ``"balanced"`` (cost-driven) or
-    ``"first_fit"`` (token-count first fit, the common baseline). ``cp_token_slack``: the
-    ``balanced`` CP split holds every rank within ``1 + slack`` of the micro-batch's mean tokens
-    (``None``: tokens are free; see ``ringpack.planner.split.RECOMMENDED_TOKEN_SLACK`` for when
-    a guard against a mispriced cost model pays).
+    ``"first_fit"`` (token-count first fit, the common baseline).
+
+    Price robustness: ``pair_price_range = (low, high)`` says how far the true price of an
+    attention pair may lie from the cost model's, as factors (``(0.25, 2.0)``: a quarter to twice
+    the model's price). Packing balances every DP rank at both ends of the range, and the
+    ``balanced`` split holds every CP rank's tokens within ``1 + cp_token_slack`` of the
+    micro-batch's mean, so the plan stays balanced whatever the true price within the range. The
+    default (``None``) is :data:`FLOP_PRICE_RANGE` for a FLOP model (``cost.unit == "flop"``),
+    whose price of a pair is only an estimate, and exact prices ``(1.0, 1.0)`` for a measured
+    model (``"s"``: a calibrated profile or one learned from the run). ``cp_token_slack=None``
+    means :data:`ROBUST_TOKEN_SLACK` when the range is not exact and no token guard when it is.
     """
 
     dp: int
@@ -151,6 +178,7 @@ class PlanConfig:
     solver_time_limit_s: float = 0.0
     cp_token_slack: float | None = None
     cost: CostModel = field(default_factory=lambda: CostModel.preset("llama3-8b"))
+    pair_price_range: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         for name in ("dp", "cp", "tokens_per_rank"):
@@ -169,8 +197,28 @@ class PlanConfig:
             raise PlanError(f"PlanConfig.overflow must be one of {OVERFLOW_POLICIES}, got {self.overflow!r}")
         if self.solver_time_limit_s < 0:
             raise PlanError("PlanConfig.solver_time_limit_s must be >= 0")
-        if self.cp_token_slack is not None and not self.cp_token_slack >= 0:
-            raise PlanError(f"PlanConfig.cp_token_slack must be None or >= 0, got {self.cp_token_slack!r}")
+        if self.cp_token_slack is not None and not (
+            isinstance(self.cp_token_slack, (int, float)) and 0 <= self.cp_token_slack < float("inf")
+        ):
+            raise PlanError(
+                f"PlanConfig.cp_token_slack must be None or a finite number >= 0, got {self.cp_token_slack!r}"
+            )
+        if self.pair_price_range is not None:
+            object.__setattr__(self, "pair_price_range", _price_range(self.pair_price_range))
+
+    @property
+    def price_range(self) -> tuple[float, float]:
+        """The pair-price range the plan is balanced for (``pair_price_range`` with its default resolved)."""
+        if self.pair_price_range is not None:
+            return self.pair_price_range
+        return FLOP_PRICE_RANGE if self.cost.unit == "flop" else (1.0, 1.0)
+
+    @property
+    def token_slack(self) -> float | None:
+        """The ``balanced`` split's token guard (``cp_token_slack`` with its default resolved)."""
+        if self.cp_token_slack is not None:
+            return float(self.cp_token_slack)
+        return None if self.price_range == (1.0, 1.0) else ROBUST_TOKEN_SLACK
 
     @property
     def group_capacity(self) -> int:
@@ -180,6 +228,10 @@ class PlanConfig:
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["cost"] = self.cost.to_dict()
+        if self.pair_price_range is None:
+            del out["pair_price_range"]  # the default: plan files and hashes carry set fields only
+        else:
+            out["pair_price_range"] = list(self.pair_price_range)
         return {k: (int(v) if isinstance(v, np.integer) else v) for k, v in out.items()}
 
     @classmethod
