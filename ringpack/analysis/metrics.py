@@ -81,6 +81,14 @@ class PlanMetrics:
         """(S, D, C): each GPU's own work over the step."""
         return self.cost.sum(axis=2)
 
+    def imbalance_at_pair_price(self, factor: float) -> float:
+        """Whole-plan imbalance if a pair truly cost ``factor`` times the model's price: the sum over
+        steps of the critical path over the sum of the mean GPU's busy cost, both at that price."""
+        m = self.model
+        cost = m.token * self.tokens + factor * m.pair * self.pairs + m.segment * self.segments
+        busy = cost.sum() / (self.dp * self.cp)
+        return float(critical_path(cost)[1].sum() / busy) if busy > 0 else 1.0
+
     @property
     def step_tokens(self) -> np.ndarray:
         return self.tokens.sum(axis=(1, 2, 3))

@@ -24,6 +24,7 @@ import numpy as np
 
 from ringpack.analysis.comm_model import CommModel, microbatch_seconds
 from ringpack.analysis.metrics import PlanMetrics, evaluate_plan
+from ringpack.analysis.robustness import imbalance_across_prices
 from ringpack.shard_plan import PACKINGS, STRATEGIES
 
 __all__ = [
@@ -105,6 +106,8 @@ SUMMARY_KEYS = (
     "exposed_comm_seconds",
     "idle_gpu_seconds_saved",
     "speedup_vs_baseline",
+    "imbalance_by_pair_price",
+    "imbalance_price_worst",
 )
 STEP_KEYS = (
     "step",
@@ -254,7 +257,9 @@ def summarise(result: StrategyResult) -> dict[str, Any]:
         exposed_comm_seconds=float(result.exposed_comm_seconds.sum()),
         idle_gpu_seconds_saved=0.0,
         speedup_vs_baseline=1.0,
+        imbalance_by_pair_price={str(f): v for f, v in imbalance_across_prices(m).items()},
     )
+    out["imbalance_price_worst"] = max(out["imbalance_by_pair_price"].values())
     return {k: out[k] for k in SUMMARY_KEYS}
 
 
@@ -411,6 +416,7 @@ def _optional(fmt: Callable[[float], str], key: str) -> Callable[[dict[str, Any]
 _SUMMARY_COLUMNS: tuple[tuple[str, Callable[[dict[str, Any]], str]], ...] = (
     ("steps", lambda s: str(s["steps"])),
     ("imbal", lambda s: f"{s['imbalance_mean']:.3f}"),
+    ("x.25-2", lambda s: f"{s['imbalance_price_worst']:.3f}"),
     ("idle", lambda s: f"{100 * s['idle_fraction']:.1f}%"),
     ("idle+comm", lambda s: f"{100 * s['idle_fraction_comm']:.1f}%"),
     ("dp m/m", lambda s: f"{s['dp_max_mean_mean']:.3f}"),
@@ -440,7 +446,8 @@ _STEP_COLUMNS: tuple[tuple[str, Callable[[dict[str, Any]], str]], ...] = (
     ("2cp-pad", lambda r: str(r["zigzag_rule_padding_tokens"])),
 )
 _SUMMARY_LEGEND = (
-    "(* baseline; imbal = step time / mean GPU busy, averaged over steps; idle = share of GPU time waiting "
+    "(* baseline; imbal = step time / mean GPU busy, averaged over steps; x.25-2 = the worst whole-plan "
+    "imbalance if a pair truly costs 0.25x to 2x the model's price; idle = share of GPU time waiting "
     "on the slowest rank; gap = above the planner's lower bound; +comm = with the communication model; "
     "pad = padding the plan needs; 2cp-pad = padding a zigzag with the 2*CP rule would add)"
 )
