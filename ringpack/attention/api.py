@@ -15,13 +15,18 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ringpack.attention import ring
+from ringpack.attention import ring, traced
 from ringpack.attention.allgather import AllGatherTransport, all_gather_flat
 from ringpack.attention.kernels import resolve_backend
 from ringpack.attention.ring import ContextParallelAttention, RingTransport
 from ringpack.attention.schedule import Schedule, ScheduleMismatchError
 
-__all__ = ["MODES", "RingAttention", "ring_attention", "verify_schedule"]
+try:
+    from torch.distributed.device_mesh import DeviceMesh
+except ImportError:  # a torch build without distributed support
+    DeviceMesh = None
+
+__all__ = ["MODES", "RingAttention", "process_group", "ring_attention", "verify_schedule"]
 
 MODES = ("ring", "allgather")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -33,7 +38,7 @@ def ring_attention(
     k: Tensor,
     v: Tensor,
     schedule: Schedule,
-    group: dist.ProcessGroup | None = None,
+    group: dist.ProcessGroup | DeviceMesh | None = None,
     mode: str = "ring",
     *,
     softmax_scale: float | None = None,
@@ -56,8 +61,8 @@ def ring_attention(
         v: ``(T, H_kv, D)``, like ``k``.
         schedule: :func:`~ringpack.attention.compile_schedule`'s result for this rank, on ``q``'s
             device (:meth:`Schedule.to`).
-        group: the CP process group; default: the world when ``schedule.cp_size > 1`` (unused
-            when it is 1).
+        group: the CP group: a ProcessGroup or a 1-D DeviceMesh (``mesh["cp"]``); default: the
+            world when ``schedule.cp_size > 1`` (unused when it is 1).
         mode: ``"ring"`` (K/V pass around the group point to point, overlapping the kernels) or
             ``"allgather"`` (one all-gather of K/V, dK/dV home by one reduce-scatter).
         softmax_scale: the scaling of ``QK^T`` before the softmax; default ``1 / sqrt(D)``.
@@ -71,10 +76,16 @@ def ring_attention(
     Returns:
         ``out``: ``(T, H, D)`` in ``q``'s dtype.
 
+    Under ``torch.compile`` the engine is one custom op taking the schedule as an opaque runtime
+    input (:mod:`ringpack.attention.traced`): ``fullgraph=True`` works, and a new micro-batch's
+    schedule reuses the graph. The checks below then run when the op runs.
+
     Raises:
         NotImplementedError: ``causal=False``.
         ValueError: an unknown ``mode`` or ``backend``, a backend that cannot run these tensors,
-            or (with ``cp_size == 1``) q/k/v that do not fit each other or the schedule.
+            a DeviceMesh of more than one dimension, or (with ``cp_size == 1``) q/k/v that do not
+            fit each other or the schedule.
+        TypeError: a ``group`` that is neither a ProcessGroup, a DeviceMesh nor None.
         ScheduleMismatchError: on every rank, before any transfer, when the ranks hold schedules of
             different micro-batches or CP ranks, disagree on mode, K/V heads, head dim or dtype,
             or some rank's q/k/v do not fit its schedule.
@@ -84,28 +95,66 @@ def ring_attention(
     _check_mode(mode)
     backend = resolve_backend(backend, q)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    problem = _input_problem(q, k, v, schedule)
-    if schedule.cp_size > 1:
-        group = group if group is not None else dist.group.WORLD
-        verify_schedule(schedule, group, mode, k, problem)
-    if problem:
-        raise ValueError(problem)
-    # Strided views are copied once: K/V rows travel as views of k and v, and point-to-point
-    # transfers and collectives read a tensor's storage as dense rows; kernels need dense rows too.
-    q, k, v = (x if x.is_contiguous() else x.contiguous() for x in (q, k, v))
-    transport = RingTransport if mode == "ring" else AllGatherTransport
-    make_transport = functools.partial(transport, group=group)
+    group = process_group(group)
     # without gradients, remote blocks go in row chunks: the forward then holds small partial results
     training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     part_rows = None if training else ring.FORWARD_ONLY_PART_ROWS
-    return ContextParallelAttention.apply(q, k, v, schedule, make_transport, scale, backend, part_rows)
+    # Strided views are copied once: K/V rows travel as views of k and v, and point-to-point
+    # transfers and collectives read a tensor's storage as dense rows; kernels need dense rows too.
+    q, k, v = (x if x.is_contiguous() else x.contiguous() for x in (q, k, v))
+    if torch.compiler.is_compiling():  # the engine as one opaque op (transfers cannot live in a graph)
+        return traced.ring_attention_op(q, k, v, schedule, group, mode, scale, backend, part_rows)
+    check_inputs(q, k, v, schedule, group, mode)
+    return ContextParallelAttention.apply(q, k, v, schedule, transport_factory(mode, group), scale, backend, part_rows)
+
+
+def process_group(group: dist.ProcessGroup | DeviceMesh | None) -> dist.ProcessGroup | None:
+    """The process group behind ``group``: a ProcessGroup or None as it is, a 1-D DeviceMesh's group.
+
+    Raises:
+        ValueError: a DeviceMesh of more than one dimension (pass its CP dimension, ``mesh["cp"]``).
+        TypeError: anything else.
+    """
+    if group is None or isinstance(group, dist.ProcessGroup):
+        return group
+    if DeviceMesh is not None and isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(
+                f"the CP group must be a 1-D DeviceMesh, got one of dims {group.mesh_dim_names or group.ndim}; "
+                "pass its CP dimension, e.g. mesh['cp']"
+            )
+        return group.get_group()
+    raise TypeError(f"group must be a ProcessGroup, a 1-D DeviceMesh or None, got {type(group).__name__}")
+
+
+def check_inputs(
+    q: Tensor, k: Tensor, v: Tensor, schedule: Schedule, group: dist.ProcessGroup | None, mode: str
+) -> None:
+    """Raise unless this rank's q/k/v fit ``schedule`` and the group agrees on it (collective when ``cp_size > 1``).
+
+    Raises:
+        ValueError: (with ``cp_size == 1``) q/k/v that do not fit each other or the schedule.
+        ScheduleMismatchError: as :func:`ring_attention` says, on every rank of the group.
+    """
+    problem = _input_problem(q, k, v, schedule)
+    if schedule.cp_size > 1:
+        verify_schedule(schedule, group if group is not None else dist.group.WORLD, mode, k, problem)
+    if problem:
+        raise ValueError(problem)
+
+
+def transport_factory(mode: str, group: dist.ProcessGroup | None) -> ring.TransportFactory:
+    """What builds the K/V mover of ``mode`` over ``group`` (None: the world) for one engine pass."""
+    transport = RingTransport if mode == "ring" else AllGatherTransport
+    return functools.partial(transport, group=group if group is not None else dist.group.WORLD)
 
 
 class RingAttention(nn.Module):
     """Module form of :func:`ring_attention` for model code: group, mode, scale and backend fixed once.
 
     Args:
-        group: the CP process group (default: the world when a schedule's ``cp_size > 1``).
+        group: the CP group, a ProcessGroup or a 1-D DeviceMesh (default: the world when a
+            schedule's ``cp_size > 1``).
         mode: ``"ring"`` or ``"allgather"``.
         softmax_scale: default ``1 / sqrt(D)``.
         backend: as in :func:`ring_attention`.
@@ -114,18 +163,20 @@ class RingAttention(nn.Module):
     schedule and returns ``out (T, H, D)`` in ``q``'s dtype, raising as :func:`ring_attention` does.
 
     Raises:
-        ValueError: an unknown ``mode``.
+        ValueError: an unknown ``mode``, a DeviceMesh of more than one dimension.
+        TypeError: a ``group`` that is neither a ProcessGroup, a DeviceMesh nor None.
     """
 
     def __init__(
         self,
-        group: dist.ProcessGroup | None = None,
+        group: dist.ProcessGroup | DeviceMesh | None = None,
         mode: str = "ring",
         softmax_scale: float | None = None,
         backend: str = "auto",
     ) -> None:
         super().__init__()
         _check_mode(mode)
+        group = process_group(group)
         self.group, self.mode, self.softmax_scale, self.backend = group, mode, softmax_scale, backend
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, schedule: Schedule) -> Tensor:

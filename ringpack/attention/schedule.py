@@ -58,6 +58,12 @@ from torch import Tensor
 from ringpack.shard_plan import MicroBatch
 from ringpack.traffic import needed_pieces
 
+try:  # torch.compile passes a schedule to the engine's custom op as an opaque runtime input
+    from torch._library.opaque_object import register_opaque_type
+    from torch._opaque_base import OpaqueBase as _ScheduleBase
+except ImportError:  # older torch: compiled code calls the engine outside the graph
+    register_opaque_type, _ScheduleBase = None, object
+
 __all__ = [
     "DEFAULT_DENSE_BUCKETS",
     "DEFAULT_DENSE_THRESHOLD",
@@ -172,7 +178,7 @@ class RingStep:
 
 
 @dataclass(frozen=True)
-class Schedule:
+class Schedule(_ScheduleBase):
     """Everything one CP rank needs to run attention for one micro-batch; plain tensors and ints.
 
     ``num_tokens`` is the rank's local token count ``T``. ``send_index`` (int64 ``[n]``) picks the
@@ -183,6 +189,11 @@ class Schedule:
     steps, in the same order on every rank. ``fingerprint`` is a 64-bit hash of the micro-batch's
     piece table, identical on every rank that compiled the same micro-batch; the runtime compares
     it across the group once per schedule (``verified`` caches that check and is never pickled).
+
+    For ``torch.compile`` a schedule is an opaque *reference* object (where torch supports them):
+    the graph takes it as a runtime input of one engine op and never reads its fields, so a new
+    micro-batch's schedule reuses the compiled graph instead of specialising it on the schedule's
+    integers.
     """
 
     cp_rank: int
@@ -252,6 +263,21 @@ class Schedule:
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
+
+
+def _register_opaque(cls: type) -> bool:
+    """Register ``cls`` as an opaque reference type for custom ops; False where this torch has none."""
+    if register_opaque_type is None:
+        return False
+    try:
+        register_opaque_type(cls, typ="reference")
+    except (TypeError, ValueError):  # an earlier form of the API
+        return False
+    return True
+
+
+#: Whether compiled code can pass a :class:`Schedule` to a custom op (torch's opaque reference types).
+OPAQUE_SCHEDULE = _register_opaque(Schedule)
 
 
 # ------------------------------------------------------------------------------------ compilation

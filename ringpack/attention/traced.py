@@ -1,0 +1,155 @@
+"""The context-parallel engine as one custom op, for code that ``torch.compile`` traces.
+
+Eager calls of :func:`~ringpack.attention.ring_attention` run the autograd function
+:class:`~ringpack.attention.ring.ContextParallelAttention` directly. A graph cannot hold that
+engine: it posts point-to-point transfers and waits on them, and it reads the schedule's host
+integers to size buffers and pick kernels. So while being traced, ``ring_attention`` calls
+``torch.ops.ringpack.ring_attention`` instead: one opaque node per attention call whose inputs are
+``q``, ``k``, ``v``, the schedule and constants (CP group name, mode, scale, backend), with
+``torch.ops.ringpack.ring_attention_bwd`` as its gradient. Both run the engine functions eager code
+runs, so compiled and eager results are the same numbers.
+
+The schedule enters the op as an opaque *reference* object (:class:`~ringpack.attention.Schedule`
+is registered as one): the graph takes it as a runtime input and never reads its fields, so it
+neither specialises on a micro-batch's integers nor recompiles for the next micro-batch's schedule;
+only ``q``'s token count changes, an ordinary dynamic dimension. The op checks the inputs against
+the schedule (and the group's agreement on it) when it runs, as eager calls do.
+
+Where torch has no opaque objects (:data:`~ringpack.attention.schedule.OPAQUE_SCHEDULE` is
+False) the engine runs outside the graph instead: correct, with one graph break per call.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ringpack.attention.kernels import accum_dtype
+from ringpack.attention.ring import ContextParallelAttention, _attention_backward, _attention_forward
+from ringpack.attention.schedule import OPAQUE_SCHEDULE, Schedule
+
+__all__ = ["ring_attention_op"]
+
+
+def ring_attention_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    schedule: Schedule,
+    group: dist.ProcessGroup | None,
+    mode: str,
+    softmax_scale: float,
+    backend: str,
+    part_rows: int | None,
+) -> Tensor:
+    """:func:`~ringpack.attention.ring_attention` for traced code, after its argument handling.
+
+    Args:
+        q, k, v: contiguous ``(T, H, D)`` and ``(T, H_kv, D)`` tensors.
+        schedule, mode, backend: as in ``ring_attention`` (``backend`` already resolved).
+        group: the CP process group (None: the world).
+        softmax_scale: the resolved scale.
+        part_rows: the forward's row chunking (None with gradients).
+
+    Returns:
+        ``out``: ``(T, H, D)`` in ``q``'s dtype, differentiable w.r.t. ``q``, ``k``, ``v``.
+
+    Raises:
+        ValueError, ScheduleMismatchError: as ``ring_attention``, when the op runs.
+    """
+    if not OPAQUE_SCHEDULE:
+        return _outside_graph(q, k, v, schedule, group, mode, softmax_scale, backend, part_rows)
+    out, _ = _forward_op(q, k, v, schedule, _group_name(group), mode, softmax_scale, backend, part_rows)
+    return out
+
+
+def _group_name(group: dist.ProcessGroup | None) -> str:
+    """A constant that names the group in the graph ("": the world)."""
+    return "" if group is None else group.group_name
+
+
+def _group(name: str) -> dist.ProcessGroup | None:
+    if not name:
+        return None
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+@torch.compiler.disable
+def _outside_graph(q, k, v, schedule, group, mode, softmax_scale, backend, part_rows) -> Tensor:
+    from ringpack.attention.api import check_inputs, transport_factory
+
+    check_inputs(q, k, v, schedule, group, mode)
+    make_transport = transport_factory(mode, group)
+    return ContextParallelAttention.apply(q, k, v, schedule, make_transport, softmax_scale, backend, part_rows)
+
+
+def ring_attention_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    schedule: Schedule,
+    group_name: str,
+    mode: str,
+    softmax_scale: float,
+    backend: str,
+    part_rows: int | None,
+) -> tuple[Tensor, Tensor]:
+    """The op's implementation: check, then the engine's forward; ``(out [T, H, D], lse [H, T])``."""
+    from ringpack.attention.api import check_inputs, transport_factory
+
+    group = _group(group_name)
+    check_inputs(q, k, v, schedule, group, mode)
+    out, lse = _attention_forward(q, k, v, schedule, transport_factory(mode, group), softmax_scale, backend, part_rows)
+    return out.contiguous(), lse.contiguous()  # the strides the fake implementation promises
+
+
+def ring_attention_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    schedule: Schedule,
+    group_name: str,
+    mode: str,
+    softmax_scale: float,
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The gradient op's implementation: the engine's backward; ``(dq, dk, dv)`` like q, k, v."""
+    from ringpack.attention.api import transport_factory
+
+    make_transport = transport_factory(mode, _group(group_name))
+    grads = _attention_backward(dout.contiguous(), q, k, v, out, lse, schedule, make_transport, softmax_scale, backend)
+    return tuple(g.contiguous() for g in grads)
+
+
+def _forward_fake(q, k, v, schedule, group_name, mode, softmax_scale, backend, part_rows):
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=accum_dtype(q.dtype))
+
+
+def _backward_fake(dout, q, k, v, out, lse, schedule, group_name, mode, softmax_scale, backend):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, schedule, group_name, mode, softmax_scale, backend, _ = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.args = (schedule, group_name, mode, softmax_scale, backend)
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = _backward_op(dout, q, k, v, out, lse, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+if OPAQUE_SCHEDULE:
+    _forward_op = torch.library.custom_op("ringpack::ring_attention", ring_attention_forward, mutates_args=())
+    _forward_op.register_fake(_forward_fake)
+    _backward_op = torch.library.custom_op("ringpack::ring_attention_bwd", ring_attention_backward, mutates_args=())
+    _backward_op.register_fake(_backward_fake)
+    _forward_op.register_autograd(_backward, setup_context=_setup_context)
