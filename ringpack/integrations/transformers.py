@@ -11,7 +11,7 @@ Per forward, pass what the collator produced for this CP rank::
     register()
     model = AutoModelForCausalLM.from_config(config, attn_implementation="ringpack")
     out = model(input_ids=batch["input_ids"][None], position_ids=batch["position_ids"][None],
-                ringpack_schedule=batch["schedule"], ringpack_group=cp_group)
+                ringpack_schedule=batch["schedule"], ringpack_group=mesh["cp"])
 
 ``position_ids`` are positions within each sample, so RoPE is exact; the schedule tells every
 layer which keys each local query needs, wherever they live. Extra forward kwargs reach the
@@ -52,7 +52,8 @@ def ringpack_attention_forward(
         dropout: must be 0.
         scaling: the softmax scale (default ``1 / sqrt(D)``).
         ringpack_schedule: this rank's :class:`~ringpack.attention.Schedule` on the device.
-        ringpack_group, ringpack_mode, ringpack_backend: ``group``, ``mode`` and ``backend`` of
+        ringpack_group, ringpack_mode, ringpack_backend: ``group`` (a ProcessGroup or a 1-D
+            DeviceMesh such as ``mesh["cp"]``), ``mode`` and ``backend`` of
             :func:`~ringpack.attention.ring_attention`.
 
     Returns:

@@ -1,0 +1,160 @@
+"""ringpack under PyTorch's distributed tools: DeviceMesh, FSDP2 (``fully_shard``) and DDP.
+
+ringpack's loss rule: every rank's loss is the *sum* of its token losses divided by the global
+batch's loss tokens (``batch["step_loss_tokens"]``), and the gradients are *summed* over all ranks,
+DP and CP alike; the step is then exactly the single-device per-token mean, however the samples
+were packed, split or distributed. FSDP2 and DDP *average* gradients over their ranks instead
+(they divide by the group size), which would scale every step by ``1 / world``. :func:`sum_gradients`
+makes them sum:
+
+* FSDP2: every ``FSDPModule`` gets ``set_gradient_divide_factor(1.0)`` and
+  ``set_force_sum_reduction_for_comms(True)`` (a plain SUM reduce-scatter / all-reduce with no
+  division; without forcing SUM, a factor of 1 becomes NCCL's ``PREMUL_SUM``, which gloo lacks).
+  Shard over every rank of the DP x CP grid (:func:`data_parallel_mesh`): CP ranks hold different
+  tokens of the same samples, so their gradients are summed like those of DP ranks.
+* DDP: a communication hook that all-reduces each bucket with SUM and divides by nothing. DDP
+  reduces a parameter's *accumulated* gradient, so with a SUM the micro-batches before a step's
+  last one must not be reduced: run them under :func:`gradient_sync` (``no_sync``), or their
+  gradients are counted once per rank.
+
+Nothing scales the loss, so both are exact in any dtype (a loss multiplied by a world size that is
+not a power of two would round). The mesh convention is ``("dp", "cp")`` with CP innermost: a CP
+group is ``cp`` consecutive ranks (one host's fast links), as in ``examples/train.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ringpack.attention.api import process_group
+
+__all__ = ["MeshCoordinates", "cp_group", "data_parallel_mesh", "gradient_sync", "mesh_coordinates", "sum_gradients"]
+
+
+def cp_group(group: Any, dim: str = "cp") -> dist.ProcessGroup | None:
+    """The CP process group of a ProcessGroup, a 1-D DeviceMesh, or the ``dim`` dimension of a larger mesh.
+
+    Args:
+        group: a ProcessGroup (returned as it is), None (the world, as ``ring_attention`` reads it),
+            a 1-D DeviceMesh (``mesh["cp"]``), or an N-D DeviceMesh with a dimension named ``dim``.
+        dim: the CP dimension's name in an N-D mesh.
+
+    Returns:
+        The process group to pass as ``ring_attention(..., group=)`` or ``ringpack_group=``.
+
+    Raises:
+        ValueError: an N-D mesh without a dimension named ``dim``.
+        TypeError: anything else.
+    """
+    ndim = getattr(group, "ndim", None)
+    if ndim is not None and ndim > 1:
+        names = group.mesh_dim_names or ()
+        if dim not in names:
+            raise ValueError(f"the DeviceMesh has no dimension {dim!r} (its dimensions: {names})")
+        group = group[dim]
+    return process_group(group)
+
+
+@dataclass(frozen=True)
+class MeshCoordinates:
+    """This rank's place in a DP x CP grid: what ``BalancedBatchSampler`` and ``PackedCollator`` take."""
+
+    dp_rank: int
+    dp_size: int
+    cp_rank: int
+    cp_size: int
+    cp_group: dist.ProcessGroup | None
+
+
+def mesh_coordinates(mesh: Any, dp_dim: str = "dp", cp_dim: str = "cp") -> MeshCoordinates:
+    """This rank's DP and CP coordinates in a DeviceMesh with dimensions ``dp_dim`` and ``cp_dim``.
+
+    ``BalancedBatchSampler(lengths, c.dp_rank, c.dp_size, c.cp_size, ...)`` and
+    ``PackedCollator(c.cp_rank, c.cp_size)`` then feed the rank its share of the plan.
+
+    Raises:
+        ValueError: a mesh without one of the two dimensions.
+    """
+    names = mesh.mesh_dim_names or ()
+    for name in (dp_dim, cp_dim):
+        if name not in names:
+            raise ValueError(f"the DeviceMesh has no dimension {name!r} (its dimensions: {names})")
+    dp, cp = mesh[dp_dim], mesh[cp_dim]
+    return MeshCoordinates(dp.get_local_rank(), dp.size(), cp.get_local_rank(), cp.size(), cp.get_group())
+
+
+def data_parallel_mesh(mesh: Any, dims: tuple[str, ...] = ("dp", "cp")) -> Any:
+    """The 1-D mesh of all ranks of ``dims`` (every rank whose gradients are summed), for
+    ``fully_shard(..., mesh=)`` or DDP's ``process_group=mesh.get_group()``."""
+    return mesh[dims]._flatten("_".join(dims)) if len(dims) > 1 else mesh[dims[0]]
+
+
+def sum_gradients(model: nn.Module) -> nn.Module:
+    """Make FSDP2 and DDP sum gradients over their ranks instead of averaging them; returns ``model``.
+
+    Call after wrapping (``fully_shard`` on the modules, or ``DistributedDataParallel``) and before
+    the first backward. A model with neither (one process, or the hand-written all-reduce of
+    ``examples/train.py``) is returned unchanged.
+
+    Args:
+        model: an ``nn.Module`` containing ``FSDPModule`` s, or a ``DistributedDataParallel``.
+
+    Raises:
+        NotImplementedError: FSDP2 modules in a torch without ``set_gradient_divide_factor``.
+    """
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        model.register_comm_hook(model.process_group, _sum_hook)
+        return model
+    for module in _fsdp_modules(model):
+        if not hasattr(module, "set_gradient_divide_factor"):
+            raise NotImplementedError(
+                "this torch's FSDP2 has no set_gradient_divide_factor; multiply the loss by the shard group's size"
+            )
+        module.set_gradient_divide_factor(1.0)
+        if hasattr(module, "set_force_sum_reduction_for_comms"):
+            module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+    """Backward passes inside reduce gradients across ranks only if ``enabled`` (the step's last micro-batch).
+
+    DDP: ``model.no_sync()`` when not enabled (required with :func:`sum_gradients`, see the module
+    docstring). FSDP2: ``set_requires_gradient_sync(enabled)`` on every FSDP module, restored on exit
+    (not required, as FSDP2 reduces each backward's own gradients, but it skips a reduce-scatter per
+    micro-batch at the price of holding unsharded gradients). Anything else: no effect.
+    """
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        with contextlib.nullcontext() if enabled else model.no_sync():
+            yield
+        return
+    modules = _fsdp_modules(model)
+    for module in modules:
+        module.set_requires_gradient_sync(enabled, recurse=False)
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.set_requires_gradient_sync(True, recurse=False)
+
+
+def _fsdp_modules(model: nn.Module) -> list[nn.Module]:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2
+        return []
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def _sum_hook(group: dist.ProcessGroup, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: the bucket's gradients summed over ``group`` (no division)."""
+    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
