@@ -29,7 +29,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -154,7 +153,7 @@ def _fsdp_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
-def _sum_hook(group: dist.ProcessGroup, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP communication hook: the bucket's gradients summed over ``group`` (no division)."""
+def _sum_hook(group, bucket):  # no annotations: DDP compares them to dist.GradBucket, not to a string
+    """DDP communication hook: the bucket's gradients summed over ``group`` (no division); a future of them."""
     work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])

@@ -1,0 +1,47 @@
+"""FSDP2 and DDP reducing ringpack's gradients equal single-process training, to fp64 precision.
+
+4 gloo processes run ``examples/train_fsdp.py`` on a ``("dp", "cp") = (2, 2)`` DeviceMesh: FSDP2
+(``fully_shard`` per decoder layer and root over all four ranks) or DDP over all four ranks, each
+made to sum gradients by :func:`ringpack.integrations.distributed.sum_gradients`. Losses and every
+parameter's gradient of two optimizer steps must equal the per-sample single-process reference of
+``tests/integrations/helpers.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from ringpack._spawn import run_ranks
+from tests.integrations.helpers import assert_same_training, example_args, load_example, reference
+
+pytest.importorskip("transformers")
+
+WORLD, CP, STEPS = 4, 2, 2
+PARALLEL = ("fsdp2", "ddp")
+
+
+def worker(rank: int, world: int) -> dict | None:
+    example = load_example("train_fsdp")
+    results = {}
+    for parallel in PARALLEL:
+        args = example_args(CP, steps=STEPS)
+        args.parallel = parallel
+        grads = []
+        losses = example.train(
+            args, example.samples_for(args), on_step=lambda step, model: grads.append(example.full_gradients(model))
+        )
+        results[parallel] = dict(losses=losses, grads=grads)
+    return results if rank == 0 else None
+
+
+@pytest.fixture(scope="module")
+def distributed_results():
+    return run_ranks(worker, WORLD, timeout_s=120.0, join_s=280.0, name="fsdp2/ddp training")[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", PARALLEL)
+def test_training_equals_single_process(distributed_results, parallel):
+    got = distributed_results[parallel]
+    want_losses, want_grads = reference(example_args(CP, steps=STEPS), WORLD, STEPS)
+    assert_same_training(got["losses"], got["grads"], want_losses, want_grads, STEPS, grad_rtol=1e-10)
