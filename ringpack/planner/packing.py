@@ -144,6 +144,7 @@ class _LocalSearch:
         self.counts = np.bincount(bins, minlength=problem.num_bins)
         # improvements smaller than this are rounding, not progress
         self.tol = 1e-12 * max(float(self.loads.max()), 1.0)
+        self._tables: dict[str, np.ndarray] = {}
 
     def best_move(self, h: int, A: np.ndarray, light: np.ndarray) -> tuple[float, int, int] | None:
         """The move of one sample ``A[k]`` of the heaviest rank ``h`` to the bin with most free
@@ -169,11 +170,22 @@ class _LocalSearch:
         minimises the larger new load, if it lowers ``h``'s load: ``(new max, a, b)``."""
         bins, w, t, capacity, bin_tok = self.bins, self.w, self.t, self.capacity, self.bin_tok
         top = self.loads[h]
-        delta = w[A][:, None] - w[B][None, :]
-        new = np.maximum(top - delta, self.loads[bins[B] // self.m][None, :] + delta)
-        dt = t[A][:, None] - t[B][None, :]
-        ok = (delta > 0) & (bin_tok[bins[B]][None, :] + dt <= capacity) & (bin_tok[bins[A]][:, None] - dt <= capacity)
-        flat_new = np.where(ok, new, np.inf).ravel()
+        shape = (A.size, B.size)
+        # (a, b) tables: the weight h sheds and the tokens that move by the swap
+        delta = np.subtract(w[A][:, None], w[B][None, :], out=self._table("delta", np.float64, shape))
+        dt = np.subtract(t[A][:, None], t[B][None, :], out=self._table("dt", np.int64, shape))
+        # allowed: h gets lighter and both bins stay within capacity
+        tokens = self._table("tokens", np.int64, shape)
+        fits = self._table("fits", np.bool_, shape)
+        ok = np.greater(delta, 0, out=self._table("ok", np.bool_, shape))
+        ok &= np.less_equal(np.add(bin_tok[bins[B]][None, :], dt, out=tokens), capacity, out=fits)
+        ok &= np.less_equal(np.subtract(bin_tok[bins[A]][:, None], dt, out=tokens), capacity, out=fits)
+        # the larger of the two new loads, +inf where not allowed
+        new = np.subtract(top, delta, out=self._table("new", np.float64, shape))
+        other = np.add(self.loads[bins[B] // self.m][None, :], delta, out=self._table("other", np.float64, shape))
+        np.maximum(new, other, out=new)
+        new[np.logical_not(ok, out=fits)] = np.inf
+        flat_new = new.ravel()
         # the smallest entry, then the lowest index, among the (up to) 16 smallest argpartition finds
         cand = min(16, flat_new.size)
         part = np.argpartition(flat_new, cand - 1)[:cand] if cand < flat_new.size else np.arange(flat_new.size)
@@ -183,6 +195,15 @@ class _LocalSearch:
         if not val < top - self.tol:
             return None
         return float(val), int(A[ka]), int(B[kb])
+
+    def _table(self, name: str, dtype: type, shape: tuple[int, int]) -> np.ndarray:
+        """A reusable ``shape`` array for the swap search: its (sample, sample) tables are refilled
+        every iteration, and fresh arrays that size cost more to page in than to compute."""
+        size = shape[0] * shape[1]
+        buf = self._tables.get(name)
+        if buf is None or buf.size < size:
+            buf = self._tables[name] = np.empty(size, dtype=dtype)
+        return buf[:size].reshape(shape)
 
     def move(self, a: int, dst: int) -> None:
         """Move sample ``a`` to bin ``dst``."""
