@@ -158,7 +158,7 @@ def split_balanced_many(
         lockstep = len(groups) >= LOCKSTEP_MIN_GROUPS
     placed = None
     if lockstep and int(batch.whole.counts.min()) > 0:
-        placed = best_fit_lockstep(batch.problems, table, [None if c is None else c.fill for c in carvings])
+        placed = best_fit_lockstep(batch, table, [None if c is None else c.fill for c in carvings])
     out = []
     for g, samples in enumerate(groups):
         # one group at a time: its temporary pieces are freed before the next group's
@@ -180,11 +180,17 @@ def _split_one(
 
     ``placement``: the micro-batch's lockstep best fit, ``None`` to run best fit here.
     """
-    fill, leftovers = _best_fit(problem, carving, placement)
+    items = problem.whole_samples if carving is None else carving.items
+    if placement is not None:
+        shards = [[] for _ in range(problem.cp)] if carving is None else carving.fill.shards
+        fill, leftovers = fill_from_lockstep(problem, items, placement, shards)
+    else:
+        fill = RankFill.empty(problem) if carving is None else carving.fill
+        leftovers = best_fit(problem, items, fill)
     if carving is not None:
         # suffix cuts by density; when that leaves a rank unbalanced (the tokens left for it too
         # cheap to reach its cost), the micro-batch is planned again without carving
-        cut_suffixes(problem, fill, leftovers, carving.items.stops)
+        cut_suffixes(problem, fill, leftovers, items.stops)
         if fill.max_cost() <= problem.accept:
             return fill.shards
         fill = RankFill.empty(problem)
@@ -193,18 +199,3 @@ def _split_one(
     if best[0] > problem.accept:
         best = retry_with_fallbacks(problem, best)
     return best[1]
-
-
-def _best_fit(
-    problem: SplitProblem,
-    carving: Carving | None,
-    placement: tuple[list[float], list[int], list[int]] | None,
-) -> tuple[RankFill, list[int]]:
-    """Best fit of the whole samples, or of what carving left, from the lockstep result if given:
-    the ranks and the slots left to cut."""
-    items = problem.whole_samples if carving is None else carving.items
-    if placement is not None:
-        shards = [[] for _ in range(problem.cp)] if carving is None else carving.fill.shards
-        return fill_from_lockstep(problem, items, placement, shards)
-    fill = RankFill.empty(problem) if carving is None else carving.fill
-    return fill, best_fit(problem, items, fill)

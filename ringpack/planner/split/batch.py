@@ -56,12 +56,16 @@ class ProblemBatch:
     Attributes:
         problems: one :class:`SplitProblem` per micro-batch, in order.
         totals: each micro-batch's tokens.
+        caps: ``float64[G]``, each problem's cost room per rank.
+        budgets: ``int64[G]``, each problem's token room per rank.
         whole: the samples as a :class:`PlacementTable` (every sample whole, all to place).
         slot: ``int64[N]``, each entry's position in its micro-batch.
     """
 
     problems: list[SplitProblem]
     totals: list[int]
+    caps: np.ndarray
+    budgets: np.ndarray
     whole: PlacementTable
     slot: np.ndarray
 
@@ -119,7 +123,9 @@ class ProblemBatch:
             )
             for g in range(G)
         ]
-        return cls(problems, totals, PlacementTable(W, flat, ordered, gid, starts, sizes), slot)
+        caps = np.array([p.cap for p in problems], dtype=np.float64)
+        whole = PlacementTable(W, flat, ordered, gid, starts, sizes)
+        return cls(problems, totals, caps, np.array(budgets, dtype=np.int64), whole, slot)
 
 
 def _gather_lengths(

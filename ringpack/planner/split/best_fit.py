@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ringpack.planner.split.baselines import zigzag_even_chunks
-from ringpack.planner.split.batch import PlacementTable
+from ringpack.planner.split.batch import PlacementTable, ProblemBatch
 from ringpack.planner.split.pieces import piece_cost
 from ringpack.planner.split.problem import Items, RankFill, Slice, SplitProblem
 
@@ -123,7 +123,7 @@ def _place_best_fit(problem: SplitProblem, items: Items, order: list[int], fill:
 
 
 def best_fit_lockstep(
-    problems: Sequence[SplitProblem], table: PlacementTable, start: Sequence[RankFill | None]
+    batch: ProblemBatch, table: PlacementTable, start: Sequence[RankFill | None]
 ) -> list[tuple[list[float], list[int], list[int]]]:
     """:func:`best_fit` (no zigzag) of every micro-batch at once.
 
@@ -137,8 +137,8 @@ def best_fit_lockstep(
     Returns, per micro-batch, the cost and token rooms left and the rank of each item in placement
     order (-1: fits whole nowhere, to be cut); :func:`fill_from_lockstep` turns that into ranks.
     """
-    Wt, Lt, density = _item_tables(problems, table)
-    R, TR = _room_tables(problems, start)
+    Wt, Lt, density = _item_tables(batch, table)
+    R, TR = _room_tables(batch, start)
     G, cp = R.shape[0], R.shape[1] - 1
     Rf, TRf = R.reshape(-1), TR.reshape(-1)
     base = np.arange(G, dtype=np.int64) * (cp + 1)
@@ -157,18 +157,17 @@ def best_fit_lockstep(
     return list(zip(R[:, 1:].tolist(), TR[:, 1:].tolist(), (place.T - 1).tolist()))
 
 
-def _item_tables(problems: Sequence[SplitProblem], table: PlacementTable) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _item_tables(batch: ProblemBatch, table: PlacementTable) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(costs[width, G, 1], tokens[width, G, 1], density[G, 1])``: row ``i`` holds every micro-batch's
     ``i``-th item to place; each micro-batch's token density bound (its longest item's last token)."""
-    G = len(problems)
-    first = problems[0]
+    G = len(batch.problems)
+    first = batch.problems[0]
     a, b, seg = first.token, first.pair, first.segment
     gid, starts, counts = table.group, table.starts, table.counts
     w_ord, l_ord = table.costs[table.order], table.tokens[table.order]
     width = int((starts[1:] - starts[:-1]).max())
     pos = np.arange(len(gid), dtype=np.int64) - starts[gid]  # place in the micro-batch's order (gid is sorted)
-    cap = np.array([p.cap for p in problems], dtype=np.float64)
-    tpr = np.array([p.tokens_per_rank for p in problems], dtype=np.int64)
+    cap, tpr = batch.caps, batch.budgets
     # Items a rank cannot hold whole (cost over the room, tokens over the budget), skipped items
     # and padding cost +inf: their room left, room - inf, is negative everywhere.
     Wt = np.full((width, G), np.inf)
@@ -179,18 +178,18 @@ def _item_tables(problems: Sequence[SplitProblem], table: PlacementTable) -> tup
     return Wt[:, :, None], Lt[:, :, None], density
 
 
-def _room_tables(problems: Sequence[SplitProblem], start: Sequence[RankFill | None]) -> tuple[np.ndarray, np.ndarray]:
+def _room_tables(batch: ProblemBatch, start: Sequence[RankFill | None]) -> tuple[np.ndarray, np.ndarray]:
     """The (micro-batch, rank) cost and token rooms to start from.
 
     Column 0 is a rank that never fits (room -inf): the pick when no real rank does; real rank ``r``
     is column ``r + 1``, so ties still go to the lowest rank.
     """
-    G, cp = len(problems), problems[0].cp
+    G, cp = len(batch.problems), batch.problems[0].cp
     R = np.empty((G, cp + 1))
     R[:, 0] = -np.inf
-    R[:, 1:] = np.array([p.cap for p in problems], dtype=np.float64)[:, None]
+    R[:, 1:] = batch.caps[:, None]
     TR = np.zeros((G, cp + 1), dtype=np.int64)
-    TR[:, 1:] = np.array([p.tokens_per_rank for p in problems], dtype=np.int64)[:, None]
+    TR[:, 1:] = batch.budgets[:, None]
     for g, fill in enumerate(start):
         if fill is not None:
             R[g, 1:], TR[g, 1:] = fill.room, fill.token_room

@@ -11,9 +11,8 @@ cut more samples but balance more surely, in order: the costliest samples zigzag
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from functools import partial
 
 from ringpack.planner.split.baselines import zigzag_even_shards
 from ringpack.planner.split.best_fit import best_fit
@@ -33,21 +32,22 @@ def retry_with_fallbacks(problem: SplitProblem, best: tuple[float, Shards]) -> t
     (earlier candidates, which split less, win ties within ``problem.tolerance``). Returns
     ``(max rank cost, shards)``.
     """
-    retries: tuple[Callable[[], tuple[Shards, float]], ...] = (
-        partial(_balanced_shards, problem, 2.0 * problem.ideal),
-        partial(_balanced_shards, problem, problem.ideal),
-        partial(_hybrid_shards, problem, 0.5),
-        partial(_hybrid_shards, problem, 0.1),
-        partial(_hybrid_shards, problem, 0.0),
-        partial(zigzag_even_shards, problem.lens, problem.cp, problem.token, problem.pair, problem.segment),
-    )
-    for attempt in retries:
-        shards, top = attempt()
-        if top <= problem.accept or top < best[0] * (1.0 - problem.tolerance):
+    accept = problem.accept
+    for shards, top in _candidates(problem):
+        if top <= accept or top < best[0] * (1.0 - problem.tolerance):
             best = (top, shards)
-        if top <= problem.accept:
+        if top <= accept:
             break
     return best
+
+
+def _candidates(problem: SplitProblem) -> Iterator[tuple[Shards, float]]:
+    """The fallbacks in order, each computed only when asked for: ``(shards, largest rank cost)``."""
+    yield _balanced_shards(problem, 2.0 * problem.ideal)
+    yield _balanced_shards(problem, problem.ideal)
+    for theta in (0.5, 0.1, 0.0):
+        yield _hybrid_shards(problem, theta)
+    yield zigzag_even_shards(problem.lens, problem.cp, problem.token, problem.pair, problem.segment)
 
 
 def _balanced_shards(problem: SplitProblem, zigzag_over: float) -> tuple[Shards, float]:
@@ -68,12 +68,6 @@ class _Held:
     cost: list[float]
     tokens: list[int]
     shards: Shards
-
-    def add(self, r: int, slot: int, start: int, stop: int, cost: float) -> None:
-        """Put tokens ``[start, stop)`` of ``slot``, costing ``cost``, on rank ``r``."""
-        self.shards[r].append((slot, start, stop))
-        self.cost[r] += cost
-        self.tokens[r] += stop - start
 
 
 def _hybrid_shards(problem: SplitProblem, theta: float) -> tuple[Shards, float]:
@@ -119,7 +113,9 @@ def _place_short_whole(problem: SplitProblem, is_long: set[int], held: _Held) ->
         if best < 0:
             unplaced.append(k)
             continue
-        held.add(best, k, 0, lk, wk)
+        held.shards[best].append((k, 0, lk))
+        cost_r[best] += wk
+        tok_r[best] += lk
     return unplaced
 
 
@@ -172,7 +168,9 @@ def _deal_front_back(problem: SplitProblem, k: int, take: list[int], share: list
             if back:
                 pieces.append((hi - back, hi))
         for start, stop in pieces:
-            held.add(r, k, start, stop, piece_cost(start, stop, a, b, seg))
+            held.shards[r].append((k, start, stop))
+            held.cost[r] += piece_cost(start, stop, a, b, seg)
+            held.tokens[r] += stop - start
         lo += front
         hi -= back
     assert lo == hi, "zigzag chunks must tile the sample"
@@ -181,23 +179,19 @@ def _deal_front_back(problem: SplitProblem, k: int, take: list[int], share: list
 def _longest_back_chunk(problem: SplitProblem, lo: int, hi: int, t: int, share: float) -> int:
     """The largest ``g <= t`` with ``cost([lo, lo + t - g)) + cost([hi - g, hi)) <= share`` (0 if none)."""
     a, b, seg = problem.token, problem.pair, problem.segment
-
-    def cost_of(g: int) -> float:
+    glo, ghi = 0, t
+    while glo < ghi:
+        g = (glo + ghi + 1) // 2
         f = t - g
         c = 0.0
         if f:
             c += piece_cost(lo, lo + f, a, b, seg)
         if g:
             c += piece_cost(hi - g, hi, a, b, seg)
-        return c
-
-    glo, ghi = 0, t
-    while glo < ghi:
-        mid = (glo + ghi + 1) // 2
-        if cost_of(mid) <= share:
-            glo = mid
+        if c <= share:
+            glo = g
         else:
-            ghi = mid - 1
+            ghi = g - 1
     return glo
 
 

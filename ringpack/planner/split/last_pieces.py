@@ -68,8 +68,7 @@ def carve_batch(batch: ProblemBatch) -> tuple[list[Carving | None], PlacementTab
     problems, whole = batch.problems, batch.whole
     G = len(problems)
     gid, W, flat = whole.group, whole.costs, whole.tokens
-    cap = np.array([p.cap for p in problems])
-    tpr = np.array([p.tokens_per_rank for p in problems], dtype=np.int64)
+    cap, tpr = batch.caps, batch.budgets
     too_big = np.bincount(gid, weights=(cap[gid] < W) | (flat > tpr[gid]), minlength=G).astype(np.int64)
     carvings: list[Carving | None] = [None] * G
     carved = np.flatnonzero(too_big).tolist()

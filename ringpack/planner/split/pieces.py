@@ -44,10 +44,14 @@ def suffix_start(stop: int, room: float, a: float, b: float, seg: float) -> int:
         return 0
     if b > 0:
         lin = a + 0.5 * b
-        s = int(math.ceil((-lin + math.sqrt(lin * lin + 2.0 * b * q)) / b))
+        s = math.ceil((-lin + math.sqrt(lin * lin + 2.0 * b * q)) / b)
     else:
-        s = int(math.ceil(q / a))
-    s = min(max(s, 0), stop - 1)
+        s = math.ceil(q / a)
+    # clamp to [0, stop - 1] (comparisons: cheaper than min/max calls in this hot function)
+    if s < 0:
+        s = 0
+    elif s >= stop:
+        s = stop - 1
     while s > 0 and a * (stop - s + 1) + hb * (pe - (s - 1) * s) + seg <= room:
         s -= 1
     while a * (stop - s) + hb * (pe - s * (s + 1)) + seg > room:

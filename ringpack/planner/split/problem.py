@@ -1,8 +1,8 @@
 """The balanced CP split's working objects: one micro-batch's problem and the CP ranks being filled.
 
-* :class:`SplitProblem` (frozen): the micro-batch's samples (lengths, costs, the order to place
-  them in), the CP degree, every rank's cost and token room, the cost coefficients and the
-  tolerances. Every step of the split reads it; none changes it.
+* :class:`SplitProblem`: the micro-batch's samples (lengths, costs, the order to place them in),
+  the CP degree, every rank's cost and token room, the cost coefficients and the tolerances.
+  Every step of the split reads it; none changes it.
 * :class:`Items`: what is left to place of each sample, a prefix ``[0, stop)`` with its cost. For
   the whole micro-batch that is every sample whole (:attr:`SplitProblem.whole_samples`); after
   last pieces are carved (:mod:`~ringpack.planner.split.last_pieces`) it is what precedes them.
@@ -11,7 +11,10 @@
 
 Why plain lists and floats: the split's inner loops run once per sample or piece and index by
 position in the micro-batch (the *slot*); Python lists and floats are far cheaper there than numpy
-scalars. The steps copy the fields they use into locals before their loops.
+scalars. The steps copy the fields they use into locals before their loops. The records are plain
+slotted dataclasses, not frozen ones, because a planner step builds them for hundreds of
+micro-batches and a frozen dataclass costs three times as much to create; :class:`SplitProblem`
+and :class:`Items` are nevertheless never assigned to after creation.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ __all__ = ["Slice", "Items", "SplitProblem", "RankFill"]
 Slice = tuple[int, int, int]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Items:
     """Sample prefixes to place: tokens ``[0, stops[k])`` of slot ``k``, costing ``costs[k]``.
 
@@ -40,9 +43,9 @@ class Items:
     order: list[int]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class SplitProblem:
-    """One micro-batch to split over ``cp`` ranks by cost.
+    """One micro-batch to split over ``cp`` ranks by cost (the last three fields are derived).
 
     Attributes:
         lens: tokens of each slot (its sample's length).
@@ -73,10 +76,9 @@ class SplitProblem:
     accept: float = field(init=False)
 
     def __post_init__(self) -> None:
-        ideal = sum(self.costs) / self.cp  # Python's left-to-right float sum
-        object.__setattr__(self, "ideal", ideal)
-        object.__setattr__(self, "cap", ideal * (1.0 + self.tolerance))
-        object.__setattr__(self, "accept", ideal * (1.0 + 2.0 * self.tolerance))
+        self.ideal = sum(self.costs) / self.cp  # Python's left-to-right float sum
+        self.cap = self.ideal * (1.0 + self.tolerance)
+        self.accept = self.ideal * (1.0 + 2.0 * self.tolerance)
 
     @property
     def whole_samples(self) -> Items:

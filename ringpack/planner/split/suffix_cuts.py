@@ -34,70 +34,56 @@ def cut_suffixes(
     tokens of the new pieces other ranks need (the K/V sent) and, with ``probe``, whether some last
     piece went to another rank than the longest-last rule picks (else both rules give the same cuts).
     """
-    kv = 0
-    differs = False
-    for k in leftovers:
-        sent, other_rank = _cut_sample(problem, fill, k, stops[k], longest_last, probe and not differs)
-        kv += sent
-        differs = differs or other_rank
-    return kv, differs
-
-
-def _cut_sample(
-    problem: SplitProblem, fill: RankFill, k: int, stop: int, longest_last: bool, probe: bool
-) -> tuple[int, bool]:
-    """Cut tokens ``[0, stop)`` of slot ``k`` from the back onto ``fill``'s ranks (see :func:`cut_suffixes`).
-
-    Returns the tokens of its pieces other ranks need and, with ``probe``, whether its last piece
-    went to another rank than the longest-last rule picks.
-    """
     cp, a, b, seg = problem.cp, problem.token, problem.pair, problem.segment
     room, troom, shards = fill.room, fill.token_room, fill.shards
     kv = 0
     differs = False
-    last_rank = -1
-    used = -1  # the first rank given a piece of this sample (a later piece than any to come)
-    several = False  # whether two ranks hold later pieces
-    needed = False
-    while stop > 0:
-        r = _longest_suffix_rank(problem, fill, stop) if longest_last and last_rank < 0 else -1
-        if r < 0:  # (also when no rank holds a token of the suffix by cost: rounding remnants)
-            # the densest remaining tokens (this suffix) go to the rank that needs the densest
-            # content to reach its cost: the highest cost room per free token
-            r, best_need = -1, -math.inf
-            for q in range(cp):
-                tq = troom[q]
-                if tq > 0:
-                    need = room[q] / tq
-                    if need > best_need:
-                        r, best_need = q, need
-            if probe and last_rank < 0:
-                longest = _longest_suffix_rank(problem, fill, stop)
-                differs = longest >= 0 and longest != r
-        assert r >= 0, "token rooms exhausted although the micro-batch fits"
-        start = suffix_start(stop, room[r], a, b, seg)
-        if start == stop:  # no cost room left anywhere: rounding remnant, place by tokens
-            start = 0
-        start = max(start, stop - troom[r])
-        added_cost = piece_cost(start, stop, a, b, seg)
-        if r == last_rank:  # adjacent to this sample's previous piece on the same rank: merge
-            old = shards[r].pop()
-            shards[r].append((k, start, old[2]))
-            added_cost -= seg
-        else:
-            shards[r].append((k, start, stop))
-            # needed iff another rank holds a later piece of this sample
-            needed = several or (used >= 0 and used != r)
-            if used < 0:
-                used = r
-            elif used != r:
-                several = True
-        if needed:
-            kv += stop - start
-        room[r] -= added_cost
-        troom[r] -= stop - start
-        last_rank = r
-        stop = start
+    for k in leftovers:
+        stop = stops[k]
+        last_rank = -1
+        used = -1  # the first rank given a piece of this sample (a later piece than any to come)
+        several = False  # whether two ranks hold later pieces
+        needed = False
+        while stop > 0:
+            r = _longest_suffix_rank(problem, fill, stop) if longest_last and last_rank < 0 else -1
+            if r < 0:  # (also when no rank holds a token of the suffix by cost: rounding remnants)
+                # the densest remaining tokens (this suffix) go to the rank that needs the densest
+                # content to reach its cost: the highest cost room per free token
+                r, best_need = -1, -math.inf
+                for q in range(cp):
+                    tq = troom[q]
+                    if tq > 0:
+                        need = room[q] / tq
+                        if need > best_need:
+                            r, best_need = q, need
+                if probe and last_rank < 0 and not differs:
+                    longest = _longest_suffix_rank(problem, fill, stop)
+                    differs = longest >= 0 and longest != r
+            assert r >= 0, "token rooms exhausted although the micro-batch fits"
+            start = suffix_start(stop, room[r], a, b, seg)
+            if start == stop:  # no cost room left anywhere: rounding remnant, place by tokens
+                start = 0
+            if start < stop - troom[r]:  # no more tokens than the rank has room for
+                start = stop - troom[r]
+            added_cost = piece_cost(start, stop, a, b, seg)
+            if r == last_rank:  # adjacent to this sample's previous piece on the same rank: merge
+                old = shards[r].pop()
+                shards[r].append((k, start, old[2]))
+                added_cost -= seg
+            else:
+                shards[r].append((k, start, stop))
+                # needed iff another rank holds a later piece of this sample
+                needed = several or (used >= 0 and used != r)
+                if used < 0:
+                    used = r
+                elif used != r:
+                    several = True
+            if needed:
+                kv += stop - start
+            room[r] -= added_cost
+            troom[r] -= stop - start
+            last_rank = r
+            stop = start
     return kv, differs
 
 
@@ -139,11 +125,12 @@ def choose_suffix_cuts(problem: SplitProblem, fill: RankFill, leftovers: list[in
         return fill.max_cost(), fill.shards
     accept, lens, shards = problem.accept, problem.lens, fill.shards
     kept = [len(shard) for shard in shards]
-    by_length = RankFill(fill.cap, list(fill.room), list(fill.token_room), shards)
+    room, token_room = list(fill.room), list(fill.token_room)
     kv_density, differs = cut_suffixes(problem, fill, leftovers, lens, probe=True)
     top_density = fill.max_cost()
     if not differs:
         return top_density, shards
+    by_length = RankFill(fill.cap, room, token_room, shards)
     added = [shard[n:] for shard, n in zip(shards, kept)]
     for shard, n in zip(shards, kept):
         del shard[n:]
