@@ -91,7 +91,7 @@ def reference(
     """Per-sample eager training on one process over the global batches of ``plan_for(args, world)``.
 
     Returns each step's loss (per-token mean over the global batch) and every parameter's gradient
-    before the optimizer step. ``make_optimizer(params)`` defaults to the example's AdamW;
+    as the optimizer step gets it. ``make_optimizer(params)`` defaults to the example's AdamW;
     ``before_step(model)`` runs between backward and the optimizer step (e.g. gradient clipping).
     """
     example = load_example()
@@ -114,9 +114,9 @@ def reference(
             loss.backward()
             total += float(loss.detach())
         losses.append(total)
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
         if before_step is not None:
             before_step(model)
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return losses, grads

@@ -1,0 +1,244 @@
+"""Hugging Face ``Trainer`` on ringpack's plan: balanced DP x CP batches and context-parallel attention.
+
+::
+
+    from ringpack.integrations.trainer import RingpackConfig, RingpackTrainer
+
+    trainer = RingpackTrainer(
+        model=model,                      # a causal LM whose attention goes through transformers' AttentionInterface
+        args=TrainingArguments(output_dir="out", max_steps=1000, learning_rate=3e-4),
+        train_dataset=dataset,            # rows of token ids ("input_ids"), any lengths, no padding
+        ringpack=RingpackConfig(cp_size=2, tokens_per_rank=16384, plan_options={"samples_per_step": 256}),
+    )
+    trainer.train()
+
+Launch one process per device with ``torchrun`` or ``accelerate launch``; the world is a DP x CP grid
+with CP innermost (a CP group is ``cp_size`` consecutive ranks, one host's fast links).
+
+What the trainer wires:
+
+* data: a :class:`~ringpack.data.BalancedBatchSampler` per DP rank and a
+  :class:`~ringpack.data.PackedCollator` per CP rank. One Trainer batch is one optimizer step of
+  the plan, ``{"microbatches": [batch, ...], "input_ids": this rank's tokens}``: the plan decides how
+  many micro-batches a step has, so ``gradient_accumulation_steps`` must stay 1;
+* model: ``attn_implementation="ringpack"`` (set on the model), the CP group of a ``("dp", "cp")``
+  DeviceMesh passed to every attention layer with each micro-batch's schedule;
+* loss: each micro-batch's token-loss *sum* over the global batch's loss tokens, backpropagated per
+  micro-batch with the gradient reduction on the step's last one only; gradients are *summed* over
+  all ranks (:func:`~ringpack.integrations.distributed.sum_gradients` on the DDP or FSDP2 model
+  accelerate prepared), so each step is exactly the single-device per-token mean. Clipping, the
+  optimizer and the scheduler are Trainer's and see those summed gradients;
+* logging: ``training_step`` returns the rank's share of the step loss times the world size, so the
+  mean over processes that Trainer logs is the global per-token mean.
+
+Not wired: evaluation and prediction through ringpack attention (evaluate a model with a standard
+attention implementation), Trainer's data skipping on resume (ringpack's sampler resumes exactly
+from ``trainer.sampler.state_dict(cursor=...)``), DeepSpeed and ``DataParallel`` (one process per
+device only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from transformers import Trainer
+
+from ringpack.data import BalancedBatchSampler, PackedCollator, PackedDataset
+from ringpack.integrations.distributed import MeshCoordinates, gradient_sync, mesh_coordinates, sum_gradients
+from ringpack.integrations.transformers import causal_lm_loss_sum, register
+from ringpack.lengths import sample_lengths
+
+__all__ = ["PlannedSteps", "RingpackConfig", "RingpackTrainer"]
+
+
+@dataclass(frozen=True)
+class RingpackConfig:
+    """How :class:`RingpackTrainer` plans and runs a dataset.
+
+    Args:
+        cp_size: ranks per CP group (the world must be a multiple).
+        tokens_per_rank: one CP rank's token budget in one micro-batch.
+        strategy: the CP split (``"balanced"``, ``"zigzag"``, ``"contiguous"``).
+        mode: ``"ring"`` or ``"allgather"`` (:func:`~ringpack.attention.ring_attention`).
+        backend: the attention kernels (``"auto"``, ``"flash_attn"``, ``"reference"``, ...).
+        column: the token-id field of dict rows.
+        lengths: token count of each dataset row (default: read from the dataset).
+        plan_options: other :class:`~ringpack.shard_plan.PlanConfig` fields (``samples_per_step``,
+            ``packing``, ``cost``, ``overflow``, ...). The plan's seed is ``args.data_seed`` or
+            ``args.seed``.
+        schedule_options: ``compile_schedule`` options for the collator (``dense_threshold``, ...).
+    """
+
+    cp_size: int = 1
+    tokens_per_rank: int = 4096
+    strategy: str = "balanced"
+    mode: str = "ring"
+    backend: str = "auto"
+    column: str = "input_ids"
+    lengths: Any = None
+    plan_options: dict[str, Any] = field(default_factory=dict)
+    schedule_options: dict[str, Any] | None = None
+
+
+class PlannedSteps:
+    """A loader of optimizer steps: each item is one step's micro-batches for this rank.
+
+    Items are ``{"microbatches": [batch, ...], "input_ids": int64 [T]}`` where each batch is a
+    :class:`~ringpack.data.PackedCollator` batch and ``input_ids`` concatenates the step's local tokens
+    (Trainer counts tokens and FLOPs from it). ``len()`` is the epoch's step count and
+    ``set_epoch(e)`` starts epoch ``e``'s plan, as Trainer expects of a loader.
+    """
+
+    def __init__(self, loader: torch.utils.data.DataLoader, sampler: BalancedBatchSampler) -> None:
+        self.loader, self.sampler, self.dataset = loader, sampler, loader.dataset
+
+    def __len__(self) -> int:
+        return self.sampler.num_steps
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        step: list[dict[str, Any]] = []
+        for batch in self.loader:
+            step.append(batch)
+            if batch["microbatch_index"] + 1 == batch["microbatches_in_step"]:
+                yield {"microbatches": step, "input_ids": torch.cat([b["input_ids"] for b in step])}
+                step = []
+        if step:
+            raise RuntimeError(f"the loader ended inside a step ({len(step)} of its micro-batches)")
+
+
+class RingpackTrainer(Trainer):
+    """``transformers.Trainer`` that trains on ringpack's plan with context-parallel attention (module docstring).
+
+    Args:
+        *args, **kwargs: those of ``Trainer``; ``train_dataset`` rows are token ids (or dicts with
+            ``ringpack.column``), ``data_collator`` is ignored.
+        ringpack: how to plan and run (:class:`RingpackConfig`).
+        mesh: a DeviceMesh with dimensions ``"dp"`` and ``"cp"`` (default: one over the whole world,
+            CP innermost).
+
+    Raises:
+        ValueError: ``gradient_accumulation_steps`` other than 1, ``DataParallel`` (several devices
+            per process), a world that is not a multiple of ``cp_size``, or a model whose attention
+            does not go through transformers' ``AttentionInterface``.
+    """
+
+    def __init__(self, *args: Any, ringpack: RingpackConfig | None = None, mesh: Any = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.ringpack = ringpack or RingpackConfig()
+        if self.args.gradient_accumulation_steps != 1:
+            raise ValueError("the plan sets each step's micro-batches: use gradient_accumulation_steps=1")
+        if self.args.n_gpu > 1:
+            raise ValueError("RingpackTrainer runs one process per device; launch with torchrun or accelerate launch")
+        self.mesh = mesh if mesh is not None else _grid_mesh(self.args, self.ringpack.cp_size)
+        self.coordinates = _coordinates(self.mesh)
+        register()
+        self.model.set_attn_implementation("ringpack")
+        if self.model.config._attn_implementation != "ringpack":
+            raise ValueError(f"{type(self.model).__name__} cannot run ringpack attention (no AttentionInterface)")
+        self.sampler: BalancedBatchSampler | None = None
+        self._summing_model: torch.nn.Module | None = None
+
+    def get_train_dataloader(self) -> PlannedSteps:
+        """This rank's planned steps (:class:`PlannedSteps`); ``self.sampler`` is the plan's sampler."""
+        if self.train_dataset is None:
+            raise ValueError("RingpackTrainer: training requires a train_dataset")
+        config, c, args = self.ringpack, self.coordinates, self.args
+        dataset = PackedDataset(self.train_dataset, config.column)
+        self.sampler = BalancedBatchSampler(
+            _lengths(self.train_dataset, config),
+            c.dp_rank,
+            c.dp_size,
+            c.cp_size,
+            config.tokens_per_rank,
+            strategy=config.strategy,
+            seed=args.data_seed if args.data_seed is not None else args.seed,
+            **config.plan_options,
+        )
+        workers = args.dataloader_num_workers
+        loader = torch.utils.data.DataLoader(
+            dataset,
+            batch_sampler=self.sampler,
+            collate_fn=PackedCollator(c.cp_rank, c.cp_size, schedule_options=config.schedule_options),
+            num_workers=workers,
+            pin_memory=args.dataloader_pin_memory,
+            persistent_workers=args.dataloader_persistent_workers and workers > 0,
+            prefetch_factor=args.dataloader_prefetch_factor if workers > 0 else None,
+        )
+        return PlannedSteps(loader, self.sampler)
+
+    def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> Any:
+        """Forward and backward of one planned step; returns ``world x`` this rank's share of its loss."""
+        model.train()
+        if model is not self._summing_model:  # the model accelerate prepared (DDP or FSDP2): sum, not average
+            self._summing_model = sum_gradients(model)
+        microbatches = inputs["microbatches"]
+        total = torch.zeros((), dtype=torch.float64, device=self.args.device)
+        for index, batch in enumerate(microbatches):
+            with gradient_sync(model, enabled=index + 1 == len(microbatches)):
+                with self.compute_loss_context_manager():
+                    loss = self.microbatch_loss(model, batch)
+                self.accelerator.backward(loss)
+            total += loss.detach().double()
+        return total * self.args.world_size
+
+    def microbatch_loss(self, model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+        """This rank's token-loss sum of one micro-batch over the step's loss tokens (override for another loss).
+
+        Args:
+            model: the prepared model.
+            batch: a :class:`~ringpack.data.PackedCollator` batch (host tensors and schedule).
+
+        Returns:
+            A scalar whose gradients, summed over all ranks and the step's micro-batches, are those
+            of the single-device per-token mean over the global batch.
+        """
+        device = self.args.device
+        logits = model(
+            input_ids=batch["input_ids"].to(device)[None],
+            position_ids=batch["position_ids"].to(device)[None],
+            ringpack_schedule=batch["schedule"].to(device),
+            ringpack_group=self.coordinates.cp_group,
+            ringpack_mode=self.ringpack.mode,
+            ringpack_backend=self.ringpack.backend,
+            use_cache=False,
+        ).logits
+        return causal_lm_loss_sum(logits[0], batch["labels"].to(device)) / batch["step_loss_tokens"]
+
+
+def _grid_mesh(args: Any, cp_size: int) -> Any:
+    """A ``("dp", "cp")`` DeviceMesh over the world (None for one process)."""
+    world = args.world_size
+    if world % cp_size:
+        raise ValueError(f"world size {world} is not a multiple of cp_size={cp_size}")
+    if world == 1:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(args.device.type, (world // cp_size, cp_size), mesh_dim_names=("dp", "cp"))
+
+
+def _coordinates(mesh: Any) -> MeshCoordinates:
+    """This rank's place in ``mesh`` (one process: the only place)."""
+    if mesh is None:
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            raise ValueError("a distributed run needs a DeviceMesh")
+        return MeshCoordinates(0, 1, 0, 1, None)
+    return mesh_coordinates(mesh)
+
+
+def _lengths(dataset: Any, config: RingpackConfig) -> np.ndarray:
+    """Token count of each row: given, read from a ``datasets.Dataset`` column, or counted row by row."""
+    if config.lengths is not None:
+        return sample_lengths(config.lengths)
+    if hasattr(dataset, "column_names"):  # a datasets.Dataset: read its column, not its rows
+        return sample_lengths(dataset, config.column)
+    rows = PackedDataset(dataset, config.column)
+    return sample_lengths([len(rows[i]) for i in range(len(rows))])

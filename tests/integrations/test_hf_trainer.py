@@ -1,0 +1,127 @@
+"""Hugging Face Trainer with ringpack (RingpackTrainer) equals single-process training, to fp64 precision.
+
+4 gloo processes, launched as ``torchrun`` would (its environment variables, so accelerate sees a
+multi-CPU run and wraps the model in DDP), train a tiny fp64 Llama with :class:`RingpackTrainer` at
+DP=2 x CP=2 for two optimizer steps: Trainer's own AdamW, constant learning rate and gradient
+clipping. The step losses (from each rank's share) and the gradients the optimizer gets must equal
+the per-sample single-process reference of ``tests/integrations/helpers.py`` with the same
+optimizer and clipping.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ringpack._spawn import run_ranks
+from tests.integrations.helpers import assert_same_training, build_model, example_args, load_example, reference
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+WORLD, CP, STEPS = 4, 2, 2
+LR, MAX_GRAD_NORM = 1e-2, 0.2  # clips the summed gradients (norm ~0.33), not a quarter of them
+
+
+def training_arguments(out_dir: str, seed: int):
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=out_dir,
+        use_cpu=True,
+        max_steps=STEPS,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        optim="adamw_torch",
+        max_grad_norm=MAX_GRAD_NORM,
+        seed=seed,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+
+
+def worker(rank: int, world: int, out_dir: str) -> dict:
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1"
+    )
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")  # read by accelerate; the group already exists
+    from transformers import TrainerCallback
+
+    from ringpack.integrations.trainer import RingpackConfig, RingpackTrainer
+
+    example = load_example()
+    args = example_args(CP, steps=STEPS)
+    grads, shares = [], []
+
+    class RecordGradients(TrainerCallback):
+        def on_pre_optimizer_step(self, train_args, state, control, model=None, **kwargs):
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+
+    class RecordingTrainer(RingpackTrainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            value = super().training_step(model, inputs, num_items_in_batch)
+            shares.append(float(value) / self.args.world_size)
+            return value
+
+    ringpack = RingpackConfig(
+        cp_size=CP,
+        tokens_per_rank=args.tokens_per_rank,
+        strategy=args.strategy,
+        backend=args.backend,
+        plan_options=dict(
+            packing=args.packing, samples_per_step=args.samples_per_step, cost=example._cost_model(args.model)
+        ),
+    )
+    trainer = RecordingTrainer(
+        model=build_model(args.model, torch.float64, args.seed),
+        args=training_arguments(out_dir, args.seed),
+        train_dataset=example.samples_for(args),
+        ringpack=ringpack,
+        callbacks=[RecordGradients()],
+    )
+    trainer.train()
+    wrapped = type(trainer.model_wrapped).__name__
+    accumulating = training_arguments(out_dir, args.seed)
+    accumulating.gradient_accumulation_steps = 2
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=1"):
+        RingpackTrainer(model=trainer.model, args=accumulating, train_dataset=[], ringpack=ringpack)
+    return dict(shares=shares, grads=grads if rank == 0 else None, wrapped=wrapped, steps=trainer.state.global_step)
+
+
+@pytest.fixture(scope="module")
+def trainer_results(tmp_path_factory):
+    out_dir = str(tmp_path_factory.mktemp("hf-trainer"))
+    return run_ranks(worker, WORLD, (out_dir,), timeout_s=120.0, join_s=280.0, name="RingpackTrainer")
+
+
+@pytest.mark.slow
+def test_ringpack_trainer_equals_single_process(trainer_results):
+    assert [r["wrapped"] for r in trainer_results] == ["DistributedDataParallel"] * WORLD
+    assert [r["steps"] for r in trainer_results] == [STEPS] * WORLD
+    losses = [sum(r["shares"][step] for r in trainer_results) for step in range(STEPS)]
+    want_losses, want_grads = reference(
+        example_args(CP, steps=STEPS),
+        WORLD,
+        STEPS,
+        make_optimizer=lambda params: torch.optim.AdamW(params, lr=LR, weight_decay=0.0, foreach=False),
+        before_step=lambda model: torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM),
+    )
+    assert_same_training(losses, trainer_results[0]["grads"], want_losses, want_grads, STEPS, grad_rtol=1e-10)
+
+
+def test_import_ringpack_does_not_import_transformers():
+    code = (
+        "import sys, ringpack, ringpack.integrations, ringpack.integrations.distributed; "
+        "ringpack.ring_attention; ringpack.BalancedBatchSampler; "
+        "assert 'transformers' not in sys.modules and 'accelerate' not in sys.modules, 'imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
