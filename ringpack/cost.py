@@ -15,8 +15,10 @@ Integer solvers get costs through :func:`scale_to_int`, one place, so every solv
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
+from numbers import Real
 from pathlib import Path
 from typing import Any
 
@@ -99,7 +101,8 @@ class CostModel:
             costs by it (unused when ``unit == "s"``).
 
     Raises:
-        ValueError: a negative coefficient, ``token`` and ``pair`` both zero, or an unknown unit.
+        ValueError: a coefficient that is not a finite number >= 0, ``token`` and ``pair`` both
+            zero, ``flops_per_second`` not a finite number > 0, or an unknown unit.
     """
 
     token: float
@@ -110,8 +113,12 @@ class CostModel:
     flops_per_second: float = 4.0e14  # achieved fwd+bwd throughput used to predict times
 
     def __post_init__(self) -> None:
-        if self.token < 0 or self.pair < 0 or self.segment < 0:
-            raise ValueError(f"CostModel {self.name!r}: coefficients must be non-negative")
+        for field in ("token", "pair", "segment", "flops_per_second"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"CostModel {self.name!r}: {field} must be a finite number >= 0, got {value!r}")
+        if self.flops_per_second == 0:
+            raise ValueError(f"CostModel {self.name!r}: flops_per_second must be > 0")
         if self.token == 0 and self.pair == 0:
             raise ValueError(f"CostModel {self.name!r}: token and pair coefficients are both zero")
         if self.unit not in ("flop", "s"):
@@ -137,10 +144,14 @@ class CostModel:
 
         Raises:
             FileNotFoundError: no file at ``path``.
-            ValueError: not JSON, or invalid coefficients (``TypeError`` for unknown fields).
+            ValueError: not UTF-8 JSON, or not a valid profile (:meth:`from_dict`); the message
+                names the file.
         """
-        data = json.loads(Path(path).read_text())
-        return cls.from_dict(data)
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+            return cls.from_dict(data)
+        except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise ValueError(f"cost profile {path}: {exc}") from exc
 
     def save(self, path: str | Path) -> None:
         """Write the fields as JSON to ``path`` (what :meth:`load` and ``--cost-profile`` read)."""
@@ -151,6 +162,23 @@ class CostModel:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CostModel:
+        """The model of :meth:`to_dict`'s fields; ``token`` and ``pair`` are required.
+
+        Raises:
+            ValueError: not a mapping, a missing or unknown field (named), or an invalid value.
+        """
+        if not isinstance(data, dict):
+            raise ValueError(f"a cost model must be a JSON object of its fields, got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown cost model fields {unknown} (known: {sorted(known)})")
+        missing = [name for name in ("token", "pair") if name not in data]
+        if missing:
+            raise ValueError(f"cost model lacks fields {missing}")
+        for name in ("unit", "name"):
+            if name in data and not isinstance(data[name], str):
+                raise ValueError(f"cost model field {name!r} must be a string, got {data[name]!r}")
         return cls(**data)
 
     def cost(self, tokens: Any, pairs: Any, segments: Any = 0) -> np.ndarray:
