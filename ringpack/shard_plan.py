@@ -28,14 +28,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from functools import cached_property
+from numbers import Real
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ringpack._files import atomic_write
 from ringpack.cost import CostModel
 from ringpack.errors import PlanError
 
@@ -134,6 +137,16 @@ FLOP_PRICE_RANGE: tuple[float, float] = (0.25, 2.0)
 ROBUST_TOKEN_SLACK = 0.02
 
 
+def _is_int(value: Any) -> bool:
+    """An integer (Python or numpy), not a bool."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _is_finite(value: Any) -> bool:
+    """A finite real number (Python or numpy), not a bool."""
+    return isinstance(value, Real) and not isinstance(value, (bool, np.bool_)) and math.isfinite(value)
+
+
 def _price_range(value: Any) -> tuple[float, float]:
     try:
         low, high = (float(x) for x in value)
@@ -183,11 +196,11 @@ class PlanConfig:
     def __post_init__(self) -> None:
         for name in ("dp", "cp", "tokens_per_rank"):
             value = getattr(self, name)
-            if not isinstance(value, (int, np.integer)) or value < 1:
+            if not _is_int(value) or value < 1:
                 raise PlanError(f"PlanConfig.{name} must be a positive integer, got {value!r}")
         for name in ("samples_per_step", "microbatches_per_rank", "seed", "epoch"):
             value = getattr(self, name)
-            if not isinstance(value, (int, np.integer)) or value < 0:
+            if not _is_int(value) or value < 0:
                 raise PlanError(f"PlanConfig.{name} must be a non-negative integer, got {value!r}")
         if self.strategy not in STRATEGIES:
             raise PlanError(f"PlanConfig.strategy must be one of {STRATEGIES}, got {self.strategy!r}")
@@ -195,14 +208,16 @@ class PlanConfig:
             raise PlanError(f"PlanConfig.packing must be one of {PACKINGS}, got {self.packing!r}")
         if self.overflow not in OVERFLOW_POLICIES:
             raise PlanError(f"PlanConfig.overflow must be one of {OVERFLOW_POLICIES}, got {self.overflow!r}")
-        if self.solver_time_limit_s < 0:
-            raise PlanError("PlanConfig.solver_time_limit_s must be >= 0")
-        if self.cp_token_slack is not None and not (
-            isinstance(self.cp_token_slack, (int, float)) and 0 <= self.cp_token_slack < float("inf")
-        ):
+        if not _is_finite(self.solver_time_limit_s) or self.solver_time_limit_s < 0:
+            raise PlanError(
+                f"PlanConfig.solver_time_limit_s must be a finite number >= 0, got {self.solver_time_limit_s!r}"
+            )
+        if self.cp_token_slack is not None and not (_is_finite(self.cp_token_slack) and self.cp_token_slack >= 0):
             raise PlanError(
                 f"PlanConfig.cp_token_slack must be None or a finite number >= 0, got {self.cp_token_slack!r}"
             )
+        if not isinstance(self.cost, CostModel):
+            raise PlanError(f"PlanConfig.cost must be a CostModel, got {type(self.cost).__name__}")
         if self.pair_price_range is not None:
             object.__setattr__(self, "pair_price_range", _price_range(self.pair_price_range))
 
@@ -236,13 +251,18 @@ class PlanConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PlanConfig:
+        """The config of :meth:`to_dict`'s fields (``dp``, ``cp`` and ``tokens_per_rank`` required).
+
+        Raises:
+            PlanError: not a mapping, a missing or unknown field, or an invalid value (named).
+        """
+        _check_keys(data, "config", required=("dp", "cp", "tokens_per_rank"), optional=[f.name for f in fields(cls)])
         data = dict(data)
-        known = {f.name for f in fields(cls)}
-        unknown = set(data) - known
-        if unknown:
-            raise PlanError(f"unknown PlanConfig fields {sorted(unknown)}")
         if "cost" in data:
-            data["cost"] = CostModel.from_dict(data["cost"])
+            try:
+                data["cost"] = CostModel.from_dict(data["cost"])
+            except ValueError as exc:
+                raise PlanError(f"config.cost: {exc}") from exc
         return cls(**data)
 
 
@@ -466,52 +486,58 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:
-        if data.get("format") != "ringpack-plan":
-            raise PlanError("not a ringpack plan (missing format='ringpack-plan')")
-        if data.get("version") != FORMAT_VERSION:
-            raise PlanError(f"plan format version {data.get('version')} is not supported (want {FORMAT_VERSION})")
-        steps = tuple(
-            Step(
-                microbatches=tuple(
-                    tuple(
-                        MicroBatch(
-                            samples=tuple(int(x) for x in mb["samples"]),
-                            shards=tuple(
-                                RankShard(tuple(Piece(int(a), int(b), int(c)) for a, b, c in shard))
-                                for shard in mb["shards"]
-                            ),
-                            loss_tokens=int(mb["loss_tokens"]),
-                        )
-                        for mb in rank
-                    )
-                    for rank in step["microbatches"]
-                ),
-                lower_bound=step.get("lower_bound"),
-            )
-            for step in data["steps"]
-        )
+        """The plan of :meth:`to_dict`'s document, its hash checked and every invariant validated.
+
+        Every key ``to_dict`` writes is required (``dropped`` and ``origins`` default to empty),
+        unknown keys are refused, and every number must be an integer of the right kind.
+
+        Raises:
+            PlanError: a missing, unknown or mistyped key (named by its path, e.g.
+                ``steps[3].microbatches[0][1].loss_tokens``), a hash mismatch, or a broken invariant.
+        """
+        _check_keys(data, "plan", required=_JSON_KEYS, optional=("dropped", "origins"))
+        _check_format(data)
         plan = cls(
             config=PlanConfig.from_dict(data["config"]),
-            lengths=tuple(int(x) for x in data["lengths"]),
-            steps=steps,
-            dropped=tuple(int(x) for x in data.get("dropped", ())),
-            origins=tuple((int(a), int(b)) for a, b in data.get("origins", ())),
+            lengths=tuple(_int(x, f"lengths[{k}]") for k, x in enumerate(_list(data["lengths"], "lengths"))),
+            steps=tuple(_step_from_dict(step, f"steps[{s}]") for s, step in enumerate(_list(data["steps"], "steps"))),
+            dropped=_ints_of(data.get("dropped", []), "dropped"),
+            origins=tuple(_origin(x, f"origins[{k}]") for k, x in enumerate(_list(data.get("origins", []), "origins"))),
         )
-        _check_hash(plan, data.get("hash"))
-        return plan
+        _check_hash(plan, data["hash"])
+        return plan.validate()
 
     def to_json(self, path: str | Path | None = None) -> str:
         text = json.dumps(self.to_dict(), separators=(",", ":"))
         if path is not None:
-            Path(path).write_text(text)
+            with atomic_write(path) as f:
+                f.write(text.encode())
         return text
 
     @classmethod
     def from_json(cls, text_or_path: str | Path) -> Plan:
+        """A plan from JSON text (starting with ``{``) or a JSON file (:meth:`from_dict`).
+
+        Raises:
+            PlanError: not JSON, or not a valid plan (:meth:`from_dict`); a file is named.
+            FileNotFoundError: no file at the path.
+        """
         text = str(text_or_path)
+        where = "plan JSON"
         if not text.lstrip().startswith("{"):
-            text = Path(text_or_path).read_text()
-        return cls.from_dict(json.loads(text))
+            where = f"plan file {text_or_path}"
+            try:
+                text = Path(text_or_path).read_text(encoding="utf-8")
+            except UnicodeDecodeError as exc:
+                raise PlanError(f"{where} is not UTF-8 text: {exc}") from exc
+        try:
+            data = json.loads(text)
+        except (ValueError, RecursionError) as exc:
+            raise PlanError(f"{where} is not valid JSON: {exc}") from exc
+        try:
+            return cls.from_dict(data)
+        except PlanError as exc:
+            raise PlanError(f"{where}: {exc}") from exc
 
     # --------------------------------------------------------------- Parquet
     def to_table(self) -> pa.Table:
@@ -546,54 +572,69 @@ class Plan:
 
     @classmethod
     def from_table(cls, table: pa.Table) -> Plan:
-        metadata = table.schema.metadata or {}
-        if b"ringpack.shard_plan" not in metadata:
-            raise PlanError("table carries no ringpack plan metadata")
-        meta = json.loads(metadata[b"ringpack.shard_plan"])
-        if meta.get("version") != FORMAT_VERSION:
-            raise PlanError(f"plan format version {meta.get('version')} is not supported (want {FORMAT_VERSION})")
-        missing = [name for name in TABLE_COLUMNS if name not in table.column_names]
-        if missing:
-            raise PlanError(f"plan table lacks columns {missing}")
+        """The plan of :meth:`to_table`'s table, its hash checked and every invariant validated.
+
+        Counts in the metadata are checked against the rows, never trusted for allocation:
+        ``num_steps`` must be the steps the rows hold, every DP rank of every step needs a row,
+        and a table whose micro-batches would need more than ``64 x rows`` (at least ``2**22``)
+        rank shards, mostly empty, is refused as corrupt.
+
+        Raises:
+            PlanError: missing or unknown metadata keys or columns, mistyped or null values,
+                counts that disagree with the rows, a hash mismatch, or a broken invariant.
+        """
+        meta, lengths, origins = _table_metadata(table)
         config = PlanConfig.from_dict(meta["config"])
-        lengths = np.frombuffer(metadata[b"ringpack.lengths"], dtype="<i8")
-        cols = {name: table.column(name).to_numpy().astype(np.int64) for name in TABLE_COLUMNS}
-        steps = _steps_from_columns(cols, config, meta["num_steps"], meta["lower_bounds"], lengths)
-        origins = np.frombuffer(metadata.get(b"ringpack.origins", b""), dtype="<i8").reshape(-1, 2)
+        cols = _table_columns(table)
         plan = cls(
             config=config,
-            lengths=tuple(int(x) for x in lengths),
-            steps=steps,
-            dropped=tuple(meta["dropped"]),
-            origins=tuple((int(a), int(b)) for a, b in origins),
+            lengths=tuple(lengths.tolist()),
+            steps=_steps_from_columns(cols, config, meta, lengths),
+            dropped=_ints_of(meta["dropped"], "dropped"),
+            origins=tuple(map(tuple, origins.tolist())),
         )
-        _check_hash(plan, meta.get("hash"))
-        return plan
+        _check_hash(plan, meta["hash"])
+        return plan.validate()
 
     def write_parquet(self, path: str | Path) -> None:
         import pyarrow.parquet as pq
 
-        pq.write_table(self.to_table(), str(path))
+        with atomic_write(path) as f:
+            pq.write_table(self.to_table(), f)
 
     @classmethod
     def read_parquet(cls, path: str | Path) -> Plan:
+        """A plan from a Parquet file (:meth:`from_table`); every error names the file.
+
+        Raises:
+            PlanError: not a readable Parquet file, a directory, or not a valid plan.
+            FileNotFoundError: no file at ``path``.
+        """
         import pyarrow.parquet as pq
 
+        if Path(path).is_dir():
+            raise PlanError(f"plan file {path} is a directory")
+        if not Path(path).exists():
+            raise FileNotFoundError(f"no plan file at {path}")
         try:
             table = pq.read_table(str(path))
         except Exception as exc:  # pyarrow raises several types for unreadable files
             raise PlanError(f"cannot read plan file {path}: {exc}") from exc
-        return cls.from_table(table)
+        try:
+            return cls.from_table(table)
+        except PlanError as exc:
+            raise PlanError(f"plan file {path}: {exc}") from exc
 
     def save(self, path: str | Path) -> None:
         """Write the plan to ``path``, by suffix: ``.json`` as JSON, anything else as Parquet.
 
         Args:
-            path: the file to write (replaced if it exists). Both formats carry the content hash,
-                which :meth:`load` checks.
+            path: the file to write. It is written under a temporary name and renamed into place,
+                so an existing file is replaced whole or not at all. Both formats carry the
+                content hash, which :meth:`load` checks.
 
         Raises:
-            OSError: the file cannot be written. Parquet needs ``pyarrow``.
+            OSError: the file cannot be written (a directory, a missing folder). Parquet needs ``pyarrow``.
         """
         if str(path).endswith(".json"):
             self.to_json(path)
@@ -608,13 +649,14 @@ class Plan:
             path: the plan file.
 
         Returns:
-            The plan, its content hash checked against the stored one. Not validated: call
-            :meth:`validate` for a file from an untrusted source.
+            The plan, its content hash checked against the stored one and every invariant of
+            :meth:`validate` checked: a plan that loads is a valid plan.
 
         Raises:
-            PlanError: not a ringpack plan, an unsupported format version, an unreadable Parquet
-                file, or a hash mismatch (a corrupt or edited file).
-            FileNotFoundError: no JSON file at ``path``.
+            PlanError: not a ringpack plan, an unsupported format version, an unreadable file,
+                a missing, unknown or mistyped key, a hash mismatch (a corrupt or edited file) or
+                a broken invariant; the message names the file.
+            FileNotFoundError: no file at ``path``.
         """
         return cls.from_json(path) if str(path).endswith(".json") else cls.read_parquet(path)
 
@@ -654,43 +696,199 @@ def microbatch_from_shards(
     return MicroBatch(samples=tuple(int(s) for s in samples), shards=ordered, loss_tokens=loss_tokens)
 
 
-def _check_hash(plan: Plan, stored: str | None) -> None:
-    if stored is not None and stored != plan.content_hash:
+# ------------------------------------------------------------------ reading plan files
+_JSON_KEYS = ("format", "version", "hash", "config", "lengths", "steps")
+_TABLE_META_KEYS = ("format", "version", "hash", "config", "num_steps", "lower_bounds", "dropped")
+_INT64_LIMIT = 2**63
+#: ``from_table``: rank shards allowed per piece row (over a floor), so metadata cannot make a few
+#: rows allocate millions of empty shards.
+_SHARDS_PER_ROW = 64
+_MIN_SHARD_BUDGET = 1 << 22
+
+
+def _check_keys(data: Any, where: str, required: Sequence[str], optional: Sequence[str] = ()) -> None:
+    """Refuse a non-mapping ``data``, a missing ``required`` key or a key in neither list."""
+    if not isinstance(data, dict):
+        raise PlanError(f"{where} must be an object, got {type(data).__name__}")
+    missing = [key for key in required if key not in data]
+    if missing:
+        raise PlanError(f"{where} lacks {', '.join(repr(k) for k in missing)}")
+    unknown = sorted(str(key) for key in set(data) - set(required) - set(optional))
+    if unknown:
+        raise PlanError(f"{where} has unknown keys {unknown}")
+
+
+def _check_format(meta: dict[str, Any]) -> None:
+    if meta["format"] != "ringpack-plan":
+        raise PlanError(f"not a ringpack plan (format {meta['format']!r}, want 'ringpack-plan')")
+    if meta["version"] != FORMAT_VERSION:
+        raise PlanError(f"plan format version {meta['version']!r} is not supported (want {FORMAT_VERSION})")
+
+
+def _int(value: Any, where: str) -> int:
+    """``value`` as an int: an integer (not a bool, not a float) that fits in 64 bits."""
+    if not _is_int(value):
+        raise PlanError(f"{where} must be an integer, got {value!r:.60}")
+    if not -_INT64_LIMIT <= int(value) < _INT64_LIMIT:
+        raise PlanError(f"{where} = {int(value)} does not fit in 64 bits")
+    return int(value)
+
+
+def _list(value: Any, where: str) -> list:
+    if not isinstance(value, list):
+        raise PlanError(f"{where} must be a list, got {type(value).__name__}")
+    return value
+
+
+def _ints_of(values: Any, where: str) -> tuple[int, ...]:
+    return tuple(_int(x, f"{where}[{k}]") for k, x in enumerate(_list(values, where)))
+
+
+def _origin(value: Any, where: str) -> tuple[int, int]:
+    pair = _ints_of(value, where)
+    if len(pair) != 2:
+        raise PlanError(f"{where} must be [input_sample, offset], got {value!r:.60}")
+    return pair[0], pair[1]
+
+
+def _lower_bound(value: Any, where: str) -> float | None:
+    if value is not None and not _is_finite(value):
+        raise PlanError(f"{where} must be a finite number or null, got {value!r:.60}")
+    return value
+
+
+def _step_from_dict(data: Any, where: str) -> Step:
+    _check_keys(data, where, required=("microbatches",), optional=("lower_bound",))
+    ranks = _list(data["microbatches"], f"{where}.microbatches")
+    return Step(
+        microbatches=tuple(
+            tuple(
+                _microbatch_from_dict(mb, f"{where}.microbatches[{d}][{i}]")
+                for i, mb in enumerate(_list(rank, f"{where}.microbatches[{d}]"))
+            )
+            for d, rank in enumerate(ranks)
+        ),
+        lower_bound=_lower_bound(data.get("lower_bound"), f"{where}.lower_bound"),
+    )
+
+
+def _microbatch_from_dict(data: Any, where: str) -> MicroBatch:
+    _check_keys(data, where, required=("samples", "loss_tokens", "shards"))
+    shards = []
+    for c, shard in enumerate(_list(data["shards"], f"{where}.shards")):
+        pieces = []
+        for k, piece in enumerate(_list(shard, f"{where}.shards[{c}]")):
+            triple = _ints_of(piece, f"{where}.shards[{c}][{k}]")
+            if len(triple) != 3:
+                raise PlanError(f"{where}.shards[{c}][{k}] must be [sample, start, stop], got {piece!r:.60}")
+            pieces.append(Piece(*triple))
+        shards.append(RankShard(tuple(pieces)))
+    return MicroBatch(
+        samples=_ints_of(data["samples"], f"{where}.samples"),
+        shards=tuple(shards),
+        loss_tokens=_int(data["loss_tokens"], f"{where}.loss_tokens"),
+    )
+
+
+def _check_hash(plan: Plan, stored: Any) -> None:
+    if not isinstance(stored, str):
+        raise PlanError(f"the plan's hash must be a string, got {stored!r:.60}")
+    if stored != plan.content_hash:
         raise PlanError(
             f"plan hash mismatch: file says {stored[:12]}..., content gives {plan.content_hash[:12]}... "
             "(corrupt or edited)"
         )
 
 
+def _int64_blob(metadata: dict, key: bytes, width: int) -> np.ndarray:
+    """A little-endian int64 array of ``width`` columns stored under ``key`` in the table's metadata."""
+    blob = metadata.get(key, b"")
+    if len(blob) % (8 * width):
+        raise PlanError(f"metadata {key.decode()} has {len(blob)} bytes, not a whole number of {8 * width}-byte rows")
+    return np.frombuffer(blob, dtype="<i8").astype(np.int64).reshape(-1, width)
+
+
+def _table_metadata(table: pa.Table) -> tuple[dict[str, Any], np.ndarray, np.ndarray]:
+    """The plan metadata of a piece table: the JSON document, the lengths and the origins (``[N, 2]``)."""
+    metadata = table.schema.metadata or {}
+    if b"ringpack.shard_plan" not in metadata or b"ringpack.lengths" not in metadata:
+        raise PlanError("table carries no ringpack plan metadata")
+    try:
+        meta = json.loads(metadata[b"ringpack.shard_plan"])
+    except (ValueError, RecursionError) as exc:
+        raise PlanError(f"plan metadata is not valid JSON: {exc}") from exc
+    _check_keys(meta, "plan metadata", required=_TABLE_META_KEYS)
+    _check_format(meta)
+    return meta, _int64_blob(metadata, b"ringpack.lengths", 1)[:, 0], _int64_blob(metadata, b"ringpack.origins", 2)
+
+
+def _table_columns(table: pa.Table) -> dict[str, np.ndarray]:
+    """The piece table's columns as int64 arrays; exactly :data:`TABLE_COLUMNS`, integers, no nulls."""
+    import pyarrow as pa
+
+    if sorted(table.column_names) != sorted(TABLE_COLUMNS):
+        raise PlanError(f"plan table has columns {table.column_names}, want {list(TABLE_COLUMNS)}")
+    cols = {}
+    for name in TABLE_COLUMNS:
+        column = table.column(name)
+        if not pa.types.is_integer(column.type) or column.null_count:
+            raise PlanError(f"plan table column {name!r} must hold integers without nulls, got {column.type}")
+        values = column.to_numpy()
+        if values.dtype == np.uint64 and values.size and int(values.max()) >= _INT64_LIMIT:
+            raise PlanError(f"plan table column {name!r} holds values beyond 64-bit integers")
+        cols[name] = values.astype(np.int64)
+    return cols
+
+
+def _check_table_counts(cols: dict[str, np.ndarray], config: PlanConfig, meta: dict[str, Any]) -> int:
+    """Check the metadata's counts against the rows before anything is allocated; the number of steps."""
+    num_steps = _int(meta["num_steps"], "num_steps")
+    rows = len(cols["step"])
+    for name, bound in (("step", num_steps), ("dp", config.dp), ("microbatch", rows), ("cp", config.cp)):
+        bad = np.flatnonzero((cols[name] < 0) | (cols[name] >= bound))
+        if bad.size:
+            raise PlanError(f"piece row {int(bad[0])}: {name} {int(cols[name][bad[0]])} outside [0, {bound})")
+    held = int(cols["step"].max()) + 1 if rows else 0
+    if num_steps != held:
+        raise PlanError(f"metadata says num_steps={num_steps}, the piece rows hold {held} steps")
+    if num_steps * config.dp > rows:
+        raise PlanError(f"{num_steps} steps x dp={config.dp} need a piece per DP rank and step, the table has {rows}")
+    keys = np.unique(np.stack([cols["step"], cols["dp"], cols["microbatch"]], axis=1), axis=0)
+    if len(keys) * config.cp > max(_MIN_SHARD_BUDGET, _SHARDS_PER_ROW * rows):
+        raise PlanError(f"{len(keys)} micro-batches x cp={config.cp} rank shards for {rows} pieces (corrupt counts)")
+    lower_bounds = _list(meta["lower_bounds"], "lower_bounds")
+    if len(lower_bounds) != num_steps:
+        raise PlanError(f"metadata has {len(lower_bounds)} lower bounds for {num_steps} steps")
+    return num_steps
+
+
 def _steps_from_columns(
-    cols: dict[str, np.ndarray], config: PlanConfig, num_steps: int, lower_bounds: list, lengths: np.ndarray
+    cols: dict[str, np.ndarray], config: PlanConfig, meta: dict[str, Any], lengths: np.ndarray
 ) -> tuple[Step, ...]:
+    """The steps of a piece table whose counts :func:`_check_table_counts` has checked."""
+    num_steps = _check_table_counts(cols, config, meta)
     order = np.lexsort((cols["start"], cols["slot"], cols["cp"], cols["microbatch"], cols["dp"], cols["step"]))
     cols = {k: v[order] for k, v in cols.items()}
     grouped: dict[tuple[int, int, int], dict[str, Any]] = {}
     for s, d, i, c, slot, sample, start, stop in zip(*(cols[name].tolist() for name in TABLE_COLUMNS)):
         mb = grouped.setdefault((s, d, i), {"slots": {}, "shards": [[] for _ in range(config.cp)]})
-        if not 0 <= c < config.cp:
-            raise PlanError(f"step {s}, dp rank {d}, micro-batch {i}: cp rank {c} outside [0, {config.cp})")
-        mb["slots"][slot] = sample
+        if mb["slots"].setdefault(slot, sample) != sample:
+            raise PlanError(f"step {s}, dp rank {d}, micro-batch {i}: slot {slot} holds two samples")
         mb["shards"][c].append(Piece(sample, start, stop))
     steps = []
     for s in range(num_steps):
         ranks = []
         for d in range(config.dp):
             mbs = []
-            i = 0
-            while (s, d, i) in grouped:
-                mb = grouped[(s, d, i)]
+            while (s, d, len(mbs)) in grouped:
+                mb = grouped[(s, d, len(mbs))]
                 samples = tuple(mb["slots"][k] for k in sorted(mb["slots"]))
-                mbs.append(
-                    MicroBatch(
-                        samples=samples,
-                        shards=tuple(RankShard(tuple(p)) for p in mb["shards"]),
-                        loss_tokens=int(sum(int(lengths[x]) - 1 for x in samples if 0 <= x < len(lengths))),
-                    )
-                )
-                i += 1
+                loss = sum(int(lengths[x]) - 1 for x in samples if 0 <= x < len(lengths))
+                mbs.append(MicroBatch(samples, tuple(RankShard(tuple(p)) for p in mb["shards"]), loss))
             ranks.append(tuple(mbs))
-        steps.append(Step(microbatches=tuple(ranks), lower_bound=lower_bounds[s] if s < len(lower_bounds) else None))
+        lower_bound = _lower_bound(meta["lower_bounds"][s], f"lower_bounds[{s}]")
+        steps.append(Step(microbatches=tuple(ranks), lower_bound=lower_bound))
+    built = sum(len(rank) for step in steps for rank in step.microbatches)
+    if built != len(grouped):
+        raise PlanError(f"{len(grouped) - built} micro-batches of the piece table do not follow 0, 1, 2, ... per rank")
     return tuple(steps)

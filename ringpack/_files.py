@@ -1,0 +1,67 @@
+"""Crash-safe, link-safe file writes: every output is written under a fresh temporary name and renamed.
+
+:func:`atomic_write` creates its temporary file with ``O_CREAT | O_EXCL | O_NOFOLLOW`` under an
+unpredictable name (``.NAME.<16 hex>.tmp`` next to the target), so a planted file or symbolic link
+is never written through, and a reader never sees a half-written target: it is either the old file
+or the new one. :func:`temp_target` recognises these names, so cleanup removes only temporaries
+of files a caller owns.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import BinaryIO
+
+__all__ = ["atomic_write", "temp_target"]
+
+_TEMP = re.compile(r"^\.(?P<target>.+)\.[0-9a-f]{16}\.tmp$")
+_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def _create_temp(path: Path) -> tuple[int, Path]:
+    """A new, exclusively created temporary file next to ``path``: its descriptor and path."""
+    for _ in range(16):
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+        try:
+            return os.open(tmp, _FLAGS, 0o666), tmp  # permissions: 0o666 less the umask, as open() gives
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"cannot create a temporary file next to {path}")
+
+
+@contextmanager
+def atomic_write(path: str | os.PathLike) -> Iterator[BinaryIO]:
+    """Write ``path`` atomically: yields a binary file; on a clean exit it is fsynced and renamed onto ``path``.
+
+    Args:
+        path: the target file; its directory must exist. An existing target (or a symbolic link
+            there) is replaced, never written through.
+
+    Raises:
+        OSError: the directory is missing or not writable, or the target is a directory. On any
+            error the temporary file is removed and the target is left as it was.
+    """
+    target = Path(path)
+    if target.is_dir():
+        raise IsADirectoryError(f"{target} is a directory, not a file to write")
+    fd, tmp = _create_temp(target)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def temp_target(name: str) -> str | None:
+    """The target name of a temporary file :func:`atomic_write` made (``None`` for any other name)."""
+    match = _TEMP.match(name)
+    return match.group("target") if match else None
