@@ -101,15 +101,8 @@ def lengths_from_arrow(array: Any, where: str = "column", lists_only: bool = Fal
 
 
 def _read_json(path: Path, column: str | None) -> np.ndarray:
-    text = path.read_text()
     keys = (column,) if column else ("lengths", "length")
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError:
-        try:  # JSON lines: one record per line
-            data = [json.loads(line) for line in text.splitlines() if line.strip()]
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{path} is neither JSON nor JSON lines: {exc}") from exc
+    data = _parse_json(path)
     if isinstance(data, list):
         if data and isinstance(data[0], dict):
             return _values_from_records(data, keys, path)
@@ -122,25 +115,76 @@ def _read_json(path: Path, column: str | None) -> np.ndarray:
     raise DataError(f"{path}: expected a list of lengths or an object with a {keys[0]!r} list")
 
 
-def _values_from_records(records: list, keys: tuple, path: Path) -> np.ndarray:
-    for key in keys:
-        if records and key in records[0]:
+def _parse_json(path: Path) -> Any:
+    """A JSON document, or the list of records of a JSON-lines file; a :class:`DataError` names the file and line."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path} is not UTF-8 text: {exc}") from exc
+    if not text.strip():
+        raise DataError(f"{path} is empty")
+    try:
+        return json.loads(text)
+    except RecursionError as exc:
+        raise DataError(f"{path}: JSON nested too deeply") from exc
+    except json.JSONDecodeError:
+        pass
+    records = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if line.strip():
             try:
-                return _ints([r[key] for r in records], f"{path}, column {key!r}")
-            except KeyError as exc:
-                raise DataError(f"{path}: a record lacks column {key!r}") from exc
+                records.append(json.loads(line))
+            except (json.JSONDecodeError, RecursionError) as exc:
+                raise DataError(f"{path} is neither JSON nor JSON lines: line {number}: {exc}") from exc
+    return records
+
+
+def _values_from_records(records: list, keys: tuple, path: Path) -> np.ndarray:
+    for k, record in enumerate(records):
+        if not isinstance(record, dict):
+            raise DataError(f"{path}: record {k} is {type(record).__name__}, not an object like record 0")
+    for key in keys:
+        if key in records[0]:
+            missing = next((k for k, r in enumerate(records) if key not in r), None)
+            if missing is not None:
+                raise DataError(f"{path}: record {missing} lacks column {key!r}")
+            return _ints([r[key] for r in records], f"{path}, column {key!r}")
     raise DataError(f"{path}: records have no column {' or '.join(repr(k) for k in keys)}")
 
 
 def _ints(values: Any, where: str) -> np.ndarray:
-    arr = np.asarray(values)
+    """``values`` as a 1-D int64 array (integers, or whole finite floats); a :class:`DataError` names the sample."""
+    return _as_int64(values, where, DataError)
+
+
+def _as_int64(values: Any, what: str, error: type[ValueError]) -> np.ndarray:
+    """``values`` as a 1-D int64 array; ``error`` names the first sample that is not an integer of int64's range."""
+    try:
+        arr = np.asarray(values)
+    except (ValueError, TypeError, OverflowError) as exc:  # ragged lists, mixed objects
+        raise error(f"{what}: expected a flat list of integer lengths ({exc})") from exc
     if arr.ndim != 1:
-        raise DataError(f"{where}: expected a flat list of lengths, got shape {arr.shape}")
-    if arr.size and arr.dtype.kind not in "iu":
-        if arr.dtype.kind == "f" and np.all(np.isfinite(arr)) and np.all(arr == np.round(arr)):
-            return arr.astype(np.int64)
-        raise DataError(f"{where}: lengths must be integers, got {arr.dtype}")
+        raise error(f"{what} must be 1-D, got shape {arr.shape}")
+    if not arr.size:
+        return np.zeros(0, dtype=np.int64)
+    if arr.dtype.kind == "f":
+        with np.errstate(invalid="ignore"):
+            bad = ~np.isfinite(arr) | (arr != np.round(arr)) | (np.abs(arr) >= 2.0**63)
+    elif arr.dtype.kind == "u":
+        bad = arr > np.iinfo(np.int64).max
+    elif arr.dtype.kind == "i":
+        bad = np.zeros(arr.shape, dtype=bool)
+    else:  # bools, strings, None, Python ints beyond int64 (object arrays)
+        bad = np.array([isinstance(x, bool) or not _fits_int64(x) for x in arr.tolist()])
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        value = arr[i].item() if isinstance(arr[i], np.generic) else arr[i]
+        raise error(f"{what}: sample {i} has length {value!r:.60}; lengths must be integers of int64's range")
     return arr.astype(np.int64)
+
+
+def _fits_int64(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and -(2**63) <= int(value) < 2**63
 
 
 def read_lengths(path: str | Path, column: str | None = None) -> np.ndarray:
@@ -163,37 +207,57 @@ def read_lengths(path: str | Path, column: str | None = None) -> np.ndarray:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"lengths file {path} does not exist")
+    if not path.is_file():
+        raise DataError(f"lengths file {path} is a directory, not a file")
     suffix = path.suffix.lower()
     if suffix == ".npy":
-        arr = np.load(path, mmap_mode="r", allow_pickle=False)
-        return _ints(np.asarray(arr), f"{path}")
+        return _read_npy(path)
     if suffix in (".json", ".jsonl"):
         return _read_json(path, column)
-    import pyarrow as pa
-
     if suffix in (".parquet", ".pq"):
-        import pyarrow.parquet as pq
-
-        try:
-            names = pq.read_schema(path).names
-        except Exception as exc:
-            raise DataError(f"cannot read Parquet file {path}: {exc}") from exc
-        name = _pick_column(names, column, path)
-        table = pq.read_table(path, columns=[name])
-        return lengths_from_arrow(table.column(name), f"{path}, column {name!r}")
+        return _read_parquet(path, column)
     if suffix in (".arrow", ".feather", ".ipc"):
-        source = pa.memory_map(str(path), "r")
-        try:
-            try:
-                table = pa.ipc.open_file(source).read_all()
-            except pa.ArrowInvalid:
-                source.seek(0)
-                table = pa.ipc.open_stream(source).read_all()
-        except pa.ArrowInvalid as exc:
-            raise DataError(f"cannot read Arrow file {path}: {exc}") from exc
+        table = _read_arrow(path)
         name = _pick_column(table.column_names, column, path)
         return lengths_from_arrow(table.column(name), f"{path}, column {name!r}")
     raise DataError(f"{path}: unknown lengths format {suffix!r} (use .parquet, .arrow/.feather, .json or .npy)")
+
+
+def _read_npy(path: Path) -> np.ndarray:
+    try:
+        arr = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, EOFError, OSError) as exc:  # empty, truncated, not .npy, or pickled objects
+        raise DataError(f"cannot read .npy file {path}: {exc or type(exc).__name__}") from exc
+    return _ints(np.asarray(arr), f"{path}")
+
+
+def _read_parquet(path: Path, column: str | None) -> np.ndarray:
+    import pyarrow.parquet as pq
+
+    try:
+        names = pq.read_schema(path).names
+        name = _pick_column(names, column, path)
+        table = pq.read_table(path, columns=[name])
+    except DataError:
+        raise
+    except Exception as exc:  # pyarrow raises several types for unreadable files
+        raise DataError(f"cannot read Parquet file {path}: {exc}") from exc
+    return lengths_from_arrow(table.column(name), f"{path}, column {name!r}")
+
+
+def _read_arrow(path: Path) -> Any:
+    """The table of an Arrow IPC file or stream (memory-mapped)."""
+    import pyarrow as pa
+
+    try:
+        source = pa.memory_map(str(path), "r")
+        try:
+            return pa.ipc.open_file(source).read_all()
+        except pa.ArrowInvalid:
+            source.seek(0)
+            return pa.ipc.open_stream(source).read_all()
+    except Exception as exc:  # pyarrow raises several types for unreadable files
+        raise DataError(f"cannot read Arrow file {path}: {exc}") from exc
 
 
 # ------------------------------------------------------------------------- validated sources
@@ -205,20 +269,7 @@ def check_lengths(values: Any, what: str = "lengths", error: type[ValueError] = 
     Raises ``error`` (:class:`DataError` unless given; the planner passes ``PlanError``) naming the
     first bad sample: not 1-D, not integer (floats must be whole and finite), or below 1.
     """
-    arr = np.asarray(values)
-    if arr.ndim != 1:
-        raise error(f"{what} must be 1-D, got shape {arr.shape}")
-    if arr.dtype.kind == "f":
-        bad = np.flatnonzero(~np.isfinite(arr) | (arr != np.round(arr)))
-        if bad.size:
-            i = int(bad[0])
-            raise error(f"{what}: sample {i} has length {float(arr[i])!r}; lengths must be integers")
-    elif arr.size and arr.dtype.kind not in "iub":
-        raise error(f"{what} must be integers, got dtype {arr.dtype}")
-    if arr.dtype.kind == "u" and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
-        i = int(np.argmax(arr))
-        raise error(f"{what}: sample {i} has length {int(arr[i])}, more than int64 holds")
-    out = arr.astype(np.int64)
+    out = _as_int64(values, what, error)
     bad = np.flatnonzero(out < 1)
     if bad.size:
         i = int(bad[0])
