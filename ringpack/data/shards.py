@@ -14,12 +14,21 @@ end), which is all a CP rank needs to rebuild exactly the tensors :class:`Packed
 ``row`` is the dataset row the piece came from (``sample`` is the plan's sample; they differ only
 when ``overflow="split"`` cut long rows into documents).
 
-Crash safety and determinism: every file is written under a temporary name and ``os.replace``-d
-into place; ``_progress.json`` records each finished file's sha256; ``manifest.json`` is written
-last (also atomically), so a directory without a manifest is never taken for a finished one.
-Re-running with the same inputs resumes (files whose checksum matches are kept) and produces
-byte-identical files (fixed writer options, no statistics, no timestamps). A directory holding
-shards of another plan or dataset is refused unless ``overwrite=True``.
+Crash safety and determinism: every file is written under a fresh temporary name (created
+exclusively, never through a link) and renamed into place; ``_progress.json``, written before any
+shard, names every file the run may write and records each finished file's sha256;
+``manifest.json`` is written last, so a directory without a manifest is never taken for a finished
+one. Re-running with the same inputs resumes (files whose checksum matches are kept) and produces
+byte-identical files (fixed writer options, no statistics, no timestamps).
+
+Ownership: a run deletes or replaces only files that a ringpack manifest or progress record in the
+directory names; any other file in the way is an error, as is an output directory that holds the
+input. A directory holding shards of another plan or dataset is refused unless ``overwrite=True``.
+
+Reading: :class:`ShardReader` accepts only plain file names inside its directory and checks the
+manifest against itself (one entry per file, every DP rank's steps covered once, counts that add
+up), against the plan and against each file (size, sha256, schema, row groups in plan order)
+before it yields a batch.
 """
 
 from __future__ import annotations
@@ -27,13 +36,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ringpack._files import atomic_write, temp_target
 from ringpack.data.collator import IGNORE_INDEX, check_schedule_options, rank_arrays, to_batch
 from ringpack.lengths import DataError, lengths_from_dataset
 from ringpack.shard_plan import MicroBatch, Plan, PlanConfig
@@ -45,6 +56,7 @@ __all__ = [
     "tokenize_dataset",
     "regex_token_ids",
     "file_sha256",
+    "check_out_dir",
     "MANIFEST",
     "SHARD_FORMAT_VERSION",
 ]
@@ -54,6 +66,8 @@ PROGRESS = "_progress.json"
 PLAN_FILE = "plan.parquet"
 SHARD_FORMAT_VERSION = 1
 _COLUMNS = ("step", "microbatch", "cp", "slot", "sample", "row", "start", "stop", "next_token")
+#: Token ids are stored as int32: every id must be an integer in ``[0, TOKEN_ID_LIMIT)``.
+TOKEN_ID_LIMIT = 1 << 31
 _WRITE_OPTIONS = dict(
     compression="zstd", compression_level=3, write_statistics=False, use_dictionary=False, version="2.6"
 )
@@ -70,17 +84,48 @@ def file_sha256(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
             h.update(block)
 
 
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _write_json(path: Path, obj: Any) -> None:
-    _atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
+    with atomic_write(path) as f:
+        f.write((json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
+
+
+def _plain_name(name: Any, where: str) -> str:
+    """``name`` if it is a plain file name (no folder, not ``.``/``..``, no NUL); else :class:`DataError`."""
+    if (
+        not isinstance(name, str)
+        or name in ("", ".", "..")
+        or any(c in name for c in "/\\\0")
+        or Path(name).name != name
+        or Path(name).is_absolute()
+    ):
+        raise DataError(f"{where}: {name!r:.80} is not a plain file name inside the shard directory")
+    return name
+
+
+def check_out_dir(out: str | os.PathLike, inputs: Iterable[str | os.PathLike | None]) -> None:
+    """Refuse an output directory that is a file, is or holds one of ``inputs``, or lies inside an input folder.
+
+    Args:
+        out: the shard directory (it need not exist yet).
+        inputs: the dataset's local files or folders (a folder is read whole, so shards written
+            inside it would become input of the next run); ``None`` and paths that do not exist
+            (Hub names) are skipped.
+
+    Raises:
+        DataError: naming the output directory and the input.
+    """
+    root = Path(out)
+    if root.exists() and not root.is_dir():
+        raise DataError(f"output directory {out} is a file")
+    root = root.resolve()
+    for item in inputs:
+        if not item or not Path(item).exists():
+            continue
+        source = Path(item).resolve()
+        if source == root or root in source.parents:
+            raise DataError(f"output directory {out} holds {item}, an input of this run; write the shards elsewhere")
+        if source.is_dir() and source in root.parents:
+            raise DataError(f"output directory {out} lies inside the input folder {item}; write the shards elsewhere")
 
 
 def regex_token_ids(text: str, vocab_size: int = 65536) -> list[int]:
@@ -161,13 +206,20 @@ _EXTENSIONS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".arrow
 
 def load_source(source: str | os.PathLike, split: str = "train", cache_dir: str | None = None) -> Any:
     """A ``datasets.Dataset`` from a local path (Parquet, JSON lines, Arrow, CSV, a saved ``datasets``
-    directory, or a folder of such files) or, when no such path exists, a Hub dataset name."""
+    directory, or a folder of such files) or, when no such path exists, a Hub dataset name.
+
+    Raises:
+        DataError: an unknown file type, a folder of mixed or no data files, a missing split, or
+            files ``datasets`` cannot load (empty, malformed); the message names the source.
+        FileNotFoundError: a local-looking path that does not exist (or any name while offline).
+    """
     import datasets
 
     path = Path(source)
     if path.is_dir():
         if any((path / marker).exists() for marker in ("dataset_info.json", "state.json", "dataset_dict.json")):
-            ds = datasets.load_from_disk(str(path))
+            with _loading(path):
+                ds = datasets.load_from_disk(str(path))
             if isinstance(ds, datasets.DatasetDict):
                 if split not in ds:
                     raise DataError(f"{path} holds splits {sorted(ds)}, not {split!r} (pass --split)")
@@ -188,20 +240,48 @@ def load_source(source: str | os.PathLike, split: str = "train", cache_dir: str 
     looks_local = str(source).startswith((".", "/", "~")) or path.suffix in _EXTENSIONS
     if looks_local or os.environ.get("HF_DATASETS_OFFLINE") == "1":
         raise FileNotFoundError(f"no dataset at {source} (and Hub names are not tried offline)")
-    return datasets.load_dataset(str(source), split=split, cache_dir=cache_dir)
+    with _loading(source):
+        return datasets.load_dataset(str(source), split=split, cache_dir=cache_dir)
 
 
 def _load_files(kind: str, files: list[str], cache_dir: str | None) -> Any:
     import datasets
 
-    if kind == "arrow":
-        parts = [datasets.Dataset.from_file(f) for f in files]
-        return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
-    return datasets.load_dataset(kind, data_files=files, split="train", cache_dir=cache_dir)
+    empty = next((f for f in files if os.path.getsize(f) == 0), None)
+    if empty is not None:
+        raise DataError(f"dataset file {empty} is empty")
+    with _loading(files[0] if len(files) == 1 else f"{len(files)} {kind} files under {Path(files[0]).parent}"):
+        if kind == "arrow":
+            parts = [datasets.Dataset.from_file(f) for f in files]
+            return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+        return datasets.load_dataset(kind, data_files=files, split="train", cache_dir=cache_dir)
+
+
+@contextmanager
+def _loading(what: Any) -> Iterator[None]:
+    """Turn what ``datasets`` raises for an unloadable source into a :class:`DataError` naming it.
+
+    ``datasets`` wraps parser errors in its own types (a generation error whose cause holds the
+    parser's message, a bare ``StopIteration`` for an empty file), so the whole chain is reported.
+    """
+    try:
+        yield
+    except DataError:
+        raise
+    except Exception as exc:
+        causes, cause = [], exc
+        while cause is not None and len(causes) < 4:
+            causes.append(f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__)
+            cause = cause.__cause__ or cause.__context__
+        raise DataError(f"cannot load dataset {what}: " + " <- ".join(causes)) from exc
 
 
 def _content_fingerprint(ds: Any, column: str, lengths: np.ndarray) -> str:
-    """SHA-256 of the token ids in dataset order (identity of the input for resume checks)."""
+    """SHA-256 of the token ids in dataset order (identity of the input for resume checks).
+
+    Every id is checked on the way (:func:`_token_ids`): a :class:`DataError` names the first
+    sample whose ids are not integers in ``[0, TOKEN_ID_LIMIT)``.
+    """
     import pyarrow as pa
 
     h = hashlib.sha256(b"ringpack-tokens-v1|")
@@ -210,9 +290,36 @@ def _content_fingerprint(ds: Any, column: str, lengths: np.ndarray) -> str:
     for start in range(0, len(ds), 65536):
         col = arrow[start : start + 65536].column(column)
         col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
-        values = col.flatten().to_numpy(zero_copy_only=False)
-        h.update(np.asarray(values, dtype="<i8").tobytes())
+        values = _token_ids(col.flatten(), lengths[start : start + len(col)], start, column)
+        h.update(values.astype("<i8").tobytes())
     return h.hexdigest()
+
+
+def _token_ids(values: Any, row_lengths: np.ndarray, first_row: int, column: str) -> np.ndarray:
+    """The flat token ids of rows ``first_row...`` as int64, each checked to be an integer in ``[0, TOKEN_ID_LIMIT)``.
+
+    ``values`` is the Arrow array of the rows' ids, ``row_lengths`` each row's count. Whole floats
+    are accepted; a :class:`DataError` names the first sample holding a null, a fraction, a
+    negative id or one beyond int32.
+    """
+    import pyarrow as pa
+
+    if not (pa.types.is_integer(values.type) or pa.types.is_floating(values.type)):
+        raise DataError(f"column {column!r} holds {values.type} values, not integer token ids")
+    ids = values.to_numpy(zero_copy_only=False)  # nulls become NaN
+    with np.errstate(invalid="ignore"):
+        bad = (ids < 0) | (ids >= TOKEN_ID_LIMIT)
+        if ids.dtype.kind == "f":
+            bad |= ~np.isfinite(ids) | (ids != np.round(ids))
+    if not bad.any():
+        return ids.astype(np.int64)
+    k = int(np.flatnonzero(bad)[0])
+    sample = first_row + int(np.searchsorted(np.cumsum(row_lengths), k, side="right"))
+    value = ids[k].item()
+    raise DataError(
+        f"column {column!r}, sample {sample}: token id {'null' if value != value else value!r} is not an integer "
+        f"in [0, {TOKEN_ID_LIMIT}) (ids are stored as int32)"
+    )
 
 
 # --------------------------------------------------------------------------------------- writing
@@ -311,6 +418,7 @@ def write_shards(
     from ringpack.planner import make_plan
 
     out = Path(out_dir)
+    check_out_dir(out, _dataset_files(dataset))
     lengths = lengths_from_dataset(dataset, column)
     plan = make_plan(lengths, config)
     fingerprint = _content_fingerprint(dataset, column, lengths)
@@ -324,20 +432,20 @@ def write_shards(
         "files": [f.name for f in layout],
     }
     out.mkdir(parents=True, exist_ok=True)
-    done = _finished_files(out, identity, overwrite)
-    _clear_stale(out, {f.name for f in layout} | {PLAN_FILE}, overwrite)
+    done, owned = _claim(out, identity, overwrite)
     verified = {
         f.name: done[f.name]
         for f in layout
-        if f.name in done and (out / f.name).exists() and file_sha256(out / f.name) == done[f.name]
+        if f.name in done and (out / f.name).is_file() and file_sha256(out / f.name) == done[f.name]
     }
+    progress_state = {**identity, "files_written": dict(verified), "owned": owned}
+    _write_json(out / PROGRESS, progress_state)  # before anything is removed or written: it names what is ours
+    _remove_stale(out, owned, keep={*identity["files"], PLAN_FILE, PROGRESS})
 
     total_mb = sum(len(step.microbatches[d]) for d in range(config.dp) for step in plan.steps)
     disable = (not progress) if progress is not None else None
     bar = tqdm(total=total_mb, desc=f"ringpack shard -> {out}", unit="mb", disable=disable)
     writer = _ShardWriter(out, plan, dataset, column)
-    progress_state = {**identity, "files_written": dict(verified)}
-    _write_json(out / PROGRESS, progress_state)
     records = []
     for file in layout:
         if file.name not in verified:
@@ -355,26 +463,29 @@ def write_shards(
     return manifest
 
 
-def _finished_files(out: Path, identity: dict[str, Any], overwrite: bool) -> dict[str, str]:
-    """sha256 of the files an earlier run of the same inputs finished in ``out``, by name.
+def _dataset_files(dataset: Any) -> list[str]:
+    """The files behind a ``datasets.Dataset`` (its Arrow cache files), for :func:`check_out_dir`."""
+    return [f["filename"] for f in getattr(dataset, "cache_files", None) or [] if isinstance(f, dict)]
 
-    Raises :class:`DataError` when ``out`` holds another plan's or dataset's shards (or bookkeeping
-    that is not JSON) and ``overwrite`` is false; with ``overwrite`` the bookkeeping is removed.
+
+def _claim(out: Path, identity: dict[str, Any], overwrite: bool) -> tuple[dict[str, str], list[str]]:
+    """Claim ``out`` for this run: the files an earlier run of the same inputs finished there, and every name we own.
+
+    Returns:
+        ``(done, owned)``: sha256 of finished files by name (empty with ``overwrite``), and the
+        sorted names this and earlier runs may have written (their records' files, the plan file,
+        this run's files, the bookkeeping), the only files a run may remove or replace.
+
+    Raises:
+        DataError: a ``manifest.json`` or ``_progress.json`` that is not a ringpack record (never
+            removed, even with ``overwrite``); shards of another plan or dataset without
+            ``overwrite``; a file in the way that no record names.
     """
+    records = _records(out)
     done: dict[str, str] = {}
-    for marker in (MANIFEST, PROGRESS):
-        path = out / marker
-        if not path.exists():
-            continue
-        try:
-            old = json.loads(path.read_text())
-        except ValueError as exc:
-            if not overwrite:
-                raise DataError(
-                    f"{path} is not valid JSON ({exc}); pass overwrite=True / --overwrite to rewrite {out}"
-                ) from exc
-            old = {}
-        same, recorded = _same_run(old, identity, marker)
+    claimed = {PLAN_FILE} if records else set()
+    for marker, old in records.items():
+        same, recorded, names = _same_run(old, identity, marker)
         if not same and not overwrite:
             raise DataError(
                 f"{out} holds shards of another plan or dataset (plan {str(old.get('plan_hash'))[:12]}..., "
@@ -382,35 +493,66 @@ def _finished_files(out: Path, identity: dict[str, Any], overwrite: bool) -> dic
             )
         if same:
             done.update(recorded)
-    if overwrite:
-        (out / MANIFEST).unlink(missing_ok=True)
-        (out / PROGRESS).unlink(missing_ok=True)
-        return {}
-    return done
+        claimed.update(_plain_name(name, f"{out / marker}") for name in names)
+    foreign = [n for n in (*identity["files"], PLAN_FILE) if (out / n).exists() and n not in claimed]
+    if foreign:
+        raise DataError(
+            f"{out / foreign[0]} is in the way and no ringpack record in {out} names it; "
+            "remove it or write the shards elsewhere"
+        )
+    owned = claimed | {*identity["files"], PLAN_FILE, MANIFEST, PROGRESS}
+    return ({} if overwrite else done), sorted(owned)
 
 
-def _same_run(old: dict[str, Any], identity: dict[str, Any], marker: str) -> tuple[bool, dict[str, str]]:
-    """Whether a manifest or progress record ``old`` is of this run's inputs, and the files it records."""
+def _records(out: Path) -> dict[str, dict[str, Any]]:
+    """The ringpack bookkeeping in ``out`` (manifest and progress record), by file name."""
+    records = {}
+    for marker in (MANIFEST, PROGRESS):
+        path = out / marker
+        if not path.exists() and not path.is_symlink():
+            continue
+        try:
+            old = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError, RecursionError) as exc:
+            old = exc
+        if not isinstance(old, dict) or old.get("format") != "ringpack-shards":
+            raise DataError(
+                f"{path} is not a ringpack shard record ({old if isinstance(old, Exception) else 'another format'}); "
+                "ringpack never removes files it did not write: remove it or write the shards elsewhere"
+            )
+        records[marker] = old
+    return records
+
+
+def _same_run(old: dict[str, Any], identity: dict[str, Any], marker: str) -> tuple[bool, dict[str, str], list[Any]]:
+    """Whether a record ``old`` is of this run's inputs, the sha256 of the files it finished, and every name it owns."""
     if marker == PROGRESS:
-        return all(old.get(k) == v for k, v in identity.items()), old.get("files_written") or {}
+        same = all(old.get(k) == v for k, v in identity.items())
+        finished = old.get("files_written")
+        names = [*_as_list(old.get("owned")), *_as_list(old.get("files"))]
+        return same, dict(finished) if isinstance(finished, dict) else {}, names
+    files = [f for f in _as_list(old.get("files")) if isinstance(f, dict)]
     same = (
         all(old.get(k) == identity[k] for k in ("plan_hash", "dataset_fingerprint", "column"))
-        and [f.get("name") for f in old.get("files", [])] == identity["files"]
+        and [f.get("name") for f in files] == identity["files"]
     )
-    return same, {f["name"]: f.get("sha256") for f in old.get("files", [])}
+    plan_file = old.get("plan_file")
+    names = [f.get("name") for f in files] + ([plan_file.get("name")] if isinstance(plan_file, dict) else [])
+    return same, {f.get("name"): f.get("sha256") for f in files}, names
 
 
-def _clear_stale(out: Path, keep: set[str], overwrite: bool) -> None:
-    """Remove shard files this run does not write (any Parquet file with ``overwrite``), temporaries and the manifest.
+def _as_list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
 
-    The manifest is rewritten last, so it is never stale while files change.
-    """
-    for stale in out.glob("*.parquet"):
-        if stale.name not in keep and (overwrite or stale.name.startswith("dp")):
-            stale.unlink()
-    for tmp in out.glob(".*.tmp-*"):
-        tmp.unlink()
-    (out / MANIFEST).unlink(missing_ok=True)
+
+def _remove_stale(out: Path, owned: list[str], keep: set[str]) -> None:
+    """Remove the owned files this run does not write (the manifest too: it is rewritten last) and their temporaries."""
+    for name in owned:
+        if name not in keep:
+            (out / name).unlink(missing_ok=True)
+    for entry in out.iterdir():
+        if temp_target(entry.name) in owned:
+            entry.unlink()
 
 
 class _ShardWriter:
@@ -427,7 +569,7 @@ class _ShardWriter:
         return sum(len(self.plan.steps[s].microbatches[file.dp_rank]) for s in range(file.lo, file.hi))
 
     def write(self, file: _ShardFile, bar: Any) -> str:
-        """Write ``file`` under a temporary name, fsync and move it into place; its sha256."""
+        """Write ``file`` under a fresh temporary name, fsync and rename it into place; its sha256."""
         import pyarrow.parquet as pq
 
         meta = {
@@ -437,16 +579,12 @@ class _ShardWriter:
             "version": SHARD_FORMAT_VERSION,
         }
         schema = _schema(meta)
-        tmp = self.out / f".{file.name}.tmp-{os.getpid()}"
-        with pq.ParquetWriter(str(tmp), schema, **_WRITE_OPTIONS) as writer:
+        with atomic_write(self.out / file.name) as f, pq.ParquetWriter(f, schema, **_WRITE_OPTIONS) as writer:
             for s in range(file.lo, file.hi):
                 for i, mb in enumerate(self.plan.steps[s].microbatches[file.dp_rank]):
                     tokens, rows = self._sample_tokens(mb)
                     writer.write_table(_microbatch_table(mb, tokens, rows, schema, step=s, index=i))
                     bar.update(1)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, self.out / file.name)
         return file_sha256(self.out / file.name)
 
     def _sample_tokens(self, mb: MicroBatch) -> tuple[dict[int, np.ndarray], dict[int, int]]:
@@ -487,9 +625,8 @@ def _write_plan_file(out: Path, plan: Plan) -> dict[str, Any]:
     import pyarrow.parquet as pq
 
     path = out / PLAN_FILE
-    tmp = out / f".{PLAN_FILE}.tmp-{os.getpid()}"
-    pq.write_table(plan.to_table(), str(tmp), **_WRITE_OPTIONS)
-    os.replace(tmp, path)
+    with atomic_write(path) as f:
+        pq.write_table(plan.to_table(), f, **_WRITE_OPTIONS)
     return {"name": PLAN_FILE, "sha256": file_sha256(path), "bytes": path.stat().st_size}
 
 
@@ -543,8 +680,11 @@ class ShardReader:
 
     Raises:
         DataError: no finished shard directory (an interrupted run says so), a manifest of
-            another format or mesh, ranks out of range; while reading: a missing, corrupt or
-            truncated file (named), or row groups that disagree with the plan.
+            another format or mesh or one that disagrees with itself (a file name that is not a
+            plain name in the directory, a file listed twice, a DP rank's steps not covered
+            exactly once, counts that do not add up), ranks out of range; while reading: a
+            missing, corrupt or truncated file (named), a manifest that disagrees with the plan,
+            or row groups that disagree with the plan.
     """
 
     def __init__(
@@ -568,12 +708,14 @@ class ShardReader:
             )
             raise DataError(f"no {MANIFEST} in {self.path}: not a finished ringpack shard directory{hint}")
         try:
-            self.manifest = json.loads(manifest_path.read_text())
-        except ValueError as exc:
+            self.manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        except (ValueError, RecursionError) as exc:
             raise DataError(f"{manifest_path} is corrupt: {exc}") from exc
         m = self.manifest
-        if m.get("format") != "ringpack-shards" or m.get("version") != SHARD_FORMAT_VERSION:
-            raise DataError(f"{manifest_path}: not a ringpack shard manifest of version {SHARD_FORMAT_VERSION}")
+        _check_manifest(m, manifest_path)
+        for name, value in (("dp_rank", dp_rank), ("cp_rank", cp_rank), ("dp_size", dp_size), ("cp_size", cp_size)):
+            if value is not None and not _is_count(value):
+                raise DataError(f"{name} must be an integer, got {value!r}")
         if dp_size is not None and dp_size != m["dp"] or cp_size is not None and cp_size != m["cp"]:
             raise DataError(
                 f"{self.path} was sharded for dp={m['dp']}, cp={m['cp']}; this job runs dp={dp_size}, cp={cp_size} "
@@ -605,6 +747,7 @@ class ShardReader:
         return sum(f["microbatches"] for f in self.files)
 
     def _check(self, entry: dict[str, Any]) -> Path:
+        """The path of a manifest entry's file, checked: present, its sha256 (with ``verify``) and size."""
         path = self.path / entry["name"]
         if not path.is_file():
             raise DataError(f"shard file {path} listed in the manifest is missing")
@@ -616,6 +759,9 @@ class ShardReader:
                     "(corrupt or truncated)"
                 )
             self._verified.add(entry["name"])
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            raise DataError(f"shard file {path} has {size} bytes, the manifest says {entry['bytes']} (truncated?)")
         return path
 
     @property
@@ -631,13 +777,12 @@ class ShardReader:
                 raise DataError(
                     f"{path} holds plan {plan.content_hash[:12]}..., manifest says {self.plan_hash[:12]}..."
                 )
+            _check_manifest_against_plan(self.manifest, plan, self.path / MANIFEST)
             self._plan = plan
         return self._plan
 
     # ----------------------------------------------------------- iterate
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        import pyarrow.parquet as pq
-
         start = self._pending if self._pending is not None else 0
         self._pending = None
         self._cursor = start
@@ -649,29 +794,62 @@ class ShardReader:
                 position += n
                 continue
             path = self._check(entry)
-            try:
-                pf = pq.ParquetFile(str(path))
-            except Exception as exc:
-                raise DataError(f"cannot read shard file {path}: {exc}") from exc
-            if pf.metadata.num_row_groups != n:
-                raise DataError(
-                    f"shard file {path} has {pf.metadata.num_row_groups} row groups, manifest says {n} micro-batches"
-                )
+            pf = self._open(path, entry)
+            order = [
+                (s, i) for s in range(*entry["steps"]) for i in range(len(plan.steps[s].microbatches[self.dp_rank]))
+            ]
             for g in range(max(0, start - position), n):
                 try:
                     table = pf.read_row_group(g)
                 except Exception as exc:
                     raise DataError(f"cannot read row group {g} of shard file {path}: {exc}") from exc
-                batch = self._batch(plan, table, path, g, position + g)
+                batch = self._batch(plan, table, path, g, position + g, order[g])
                 self._cursor = position + g + 1
                 yield batch
             position += n
 
-    def _batch(self, plan: Plan, table: Any, path: Path, group: int, position: int) -> dict[str, Any]:
-        step = int(table.column("step")[0].as_py())
-        index = int(table.column("microbatch")[0].as_py())
-        if not 0 <= step < plan.num_steps or index >= len(plan.steps[step].microbatches[self.dp_rank]):
-            raise DataError(f"{path} row group {group}: step {step} micro-batch {index} is not in the plan")
+    def _open(self, path: Path, entry: dict[str, Any]) -> Any:
+        """The ``ParquetFile`` of a shard, its schema, metadata and row-group count checked against the manifest."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        try:
+            pf = pq.ParquetFile(str(path))
+            schema = pf.schema_arrow
+            meta = json.loads((schema.metadata or {}).get(b"ringpack.shard", b"{}"))
+        except Exception as exc:  # pyarrow raises several types for unreadable files
+            raise DataError(f"cannot read shard file {path}: {exc}") from exc
+        types = {name: schema.field(name).type for name in schema.names}
+        ids = types.get("input_ids")
+        if any(types.get(name) != pa.int64() for name in _COLUMNS) or not (
+            ids is not None and pa.types.is_list(ids) and ids.value_type == pa.int32()
+        ):
+            raise DataError(f"shard file {path} does not have the shard schema (columns {schema.names})")
+        want = {"plan_hash": self.plan_hash, "dp_rank": entry["dp_rank"], "steps": entry["steps"]}
+        if not isinstance(meta, dict) or any(meta.get(k) != v for k, v in want.items()):
+            raise DataError(
+                f"shard file {path} holds another plan's, rank's or steps' shard (its metadata: {meta!r:.120})"
+            )
+        if pf.metadata.num_rows != entry["rows"]:
+            raise DataError(f"shard file {path} has {pf.metadata.num_rows} rows, manifest says {entry['rows']}")
+        if pf.metadata.num_row_groups != entry["microbatches"]:
+            raise DataError(
+                f"shard file {path} has {pf.metadata.num_row_groups} row groups, "
+                f"manifest says {entry['microbatches']} micro-batches"
+            )
+        return pf
+
+    def _batch(
+        self, plan: Plan, table: Any, path: Path, group: int, position: int, expected: tuple[int, int]
+    ) -> dict[str, Any]:
+        where = f"{path} row group {group}"
+        steps = table.column("step").to_numpy()
+        indices = table.column("microbatch").to_numpy()
+        if not len(steps) or (steps != expected[0]).any() or (indices != expected[1]).any():
+            raise DataError(
+                f"{where}: not all rows are of step {expected[0]} micro-batch {expected[1]}, as the plan says"
+            )
+        step, index = expected
         mb = plan.steps[step].microbatches[self.dp_rank][index]
         cp = table.column("cp").to_numpy()
         keep = np.flatnonzero(cp == self.cp_rank)
@@ -709,12 +887,143 @@ class ShardReader:
         return {"version": SHARD_FORMAT_VERSION, "plan_hash": self.plan_hash, "cursor": int(cursor)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Seek to ``state`` (:meth:`state_dict`): the next ``iter()`` yields from its cursor on.
+
+        Raises:
+            DataError: not a reader state, another plan's, or a cursor that is not an integer in
+                ``[0, len(self)]``.
+        """
+        if not isinstance(state, dict) or state.get("version") != SHARD_FORMAT_VERSION:
+            raise DataError(f"not a ShardReader state (version {SHARD_FORMAT_VERSION}): {state!r:.200}")
         if state.get("plan_hash") != self.plan_hash:
             raise DataError(
                 f"reader state is for plan {str(state.get('plan_hash'))[:12]}..., "
                 f"these shards hold {self.plan_hash[:12]}..."
             )
-        cursor = int(state["cursor"])
+        cursor = state.get("cursor")
+        if not _is_count(cursor):
+            raise DataError(f"reader state cursor must be an integer, got {cursor!r}")
         if not 0 <= cursor <= len(self):
             raise DataError(f"reader state cursor {cursor} outside [0, {len(self)}]")
         self._cursor = self._pending = cursor
+
+
+# ------------------------------------------------------------------------------ manifest checks
+def _is_count(value: Any) -> bool:
+    """An integer (Python or numpy), not a bool."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _field(data: Any, key: str, where: str, low: int | None = 0) -> Any:
+    """``data[key]``, which must exist; an integer ``>= low`` unless ``low`` is ``None`` (any value)."""
+    if not isinstance(data, dict) or key not in data:
+        raise DataError(f"{where} lacks {key!r}")
+    value = data[key]
+    if low is not None and (not _is_count(value) or value < low):
+        raise DataError(f"{where}: {key} must be an integer >= {low}, got {value!r:.60}")
+    return value
+
+
+def _check_manifest(m: Any, where: Path) -> None:
+    """Check a manifest against itself before any shard is read.
+
+    Types and plain file names, one entry per file, ``dp``/``cp`` equal to its config's, every DP
+    rank's steps covered by its files exactly once, and each file's micro-batches and row groups
+    equal to the steps it covers. Raises :class:`DataError` naming the manifest and the entry.
+    """
+    if not isinstance(m, dict) or m.get("format") != "ringpack-shards" or m.get("version") != SHARD_FORMAT_VERSION:
+        raise DataError(f"{where}: not a ringpack shard manifest of version {SHARD_FORMAT_VERSION}")
+    num_steps = _field(m, "num_steps", str(where))
+    dp, cp = _field(m, "dp", str(where), low=1), _field(m, "cp", str(where), low=1)
+    config = _field(m, "config", str(where), low=None)
+    if not isinstance(config, dict) or (config.get("dp"), config.get("cp")) != (dp, cp):
+        raise DataError(f"{where}: dp={dp}, cp={cp} disagree with its config")
+    if not isinstance(_field(m, "plan_hash", str(where), low=None), str):
+        raise DataError(f"{where}: plan_hash must be a string")
+    per_step = _field(m, "microbatches_per_step", str(where), low=None)
+    if (
+        not isinstance(per_step, list)
+        or len(per_step) != num_steps
+        or not all(_is_count(x) and x > 0 for x in per_step)
+    ):
+        raise DataError(f"{where}: microbatches_per_step must list a positive count for each of {num_steps} steps")
+    files = _field(m, "files", str(where), low=None)
+    if not isinstance(files, list):
+        raise DataError(f"{where}: files must be a list")
+    names = [_check_entry(_field(m, "plan_file", str(where), low=None), f"{where}, plan_file")]
+    for k, entry in enumerate(files):
+        names.append(_check_entry(entry, f"{where}, files[{k}]"))
+        _check_file_steps(entry, f"{where}, files[{k}] ({entry['name']})", dp, per_step)
+    twice = sorted({n for n in names if names.count(n) > 1} | ({MANIFEST} & set(names)))
+    if twice:
+        raise DataError(f"{where}: {twice[0]!r} is listed twice (or is the manifest itself)")
+    _check_coverage(files, dp, num_steps, where)
+
+
+def _check_entry(entry: Any, where: str) -> str:
+    """A file entry's common fields (plain name, byte count, sha256); its name."""
+    name = _plain_name(_field(entry, "name", where, low=None), where)
+    _field(entry, "bytes", where)
+    digest = _field(entry, "sha256", where, low=None)
+    if not isinstance(digest, str) or len(digest) != 64:
+        raise DataError(f"{where}: sha256 must be 64 hex digits, got {digest!r:.80}")
+    return name
+
+
+def _check_file_steps(entry: dict[str, Any], where: str, dp: int, per_step: list[int]) -> None:
+    """A shard entry's DP rank and step range, and its micro-batch and row-group counts against them."""
+    rank = _field(entry, "dp_rank", where)
+    if rank >= dp:
+        raise DataError(f"{where}: dp_rank {rank} outside [0, {dp})")
+    steps = _field(entry, "steps", where, low=None)
+    if not (isinstance(steps, list) and len(steps) == 2 and all(_is_count(x) for x in steps)):
+        raise DataError(f"{where}: steps must be [first, end), got {steps!r:.60}")
+    lo, hi = steps
+    if not 0 <= lo <= hi <= len(per_step):
+        raise DataError(f"{where}: steps [{lo}, {hi}) outside the plan's [0, {len(per_step)})")
+    want = sum(per_step[lo:hi])
+    for key in ("microbatches", "row_groups"):
+        if _field(entry, key, where) != want:
+            raise DataError(f"{where}: {key} is {entry[key]}, steps [{lo}, {hi}) hold {want} micro-batches")
+    _field(entry, "rows", where)
+    _field(entry, "tokens", where)
+
+
+def _check_coverage(files: list[dict[str, Any]], dp: int, num_steps: int, where: Path) -> None:
+    """Every DP rank's files cover steps ``[0, num_steps)`` exactly once."""
+    spans: dict[int, list[tuple[int, int]]] = {}
+    for entry in files:
+        spans.setdefault(entry["dp_rank"], []).append(tuple(entry["steps"]))
+    if num_steps and len(spans) != dp:
+        missing = next(d for d in range(dp) if d not in spans)  # dp <= len(files) here
+        raise DataError(f"{where}: no file holds dp rank {missing}'s steps")
+    for rank, ranges in spans.items():
+        end = 0
+        for lo, hi in sorted(ranges):
+            if lo != end:
+                what = "are in two files" if lo < end else "are in no file"
+                raise DataError(f"{where}: dp rank {rank}'s steps [{min(lo, end)}, {max(lo, end)}) {what}")
+            end = hi
+        if end != num_steps:
+            raise DataError(f"{where}: dp rank {rank}'s steps [{end}, {num_steps}) are in no file")
+
+
+def _check_manifest_against_plan(m: dict[str, Any], plan: Plan, where: Path) -> None:
+    """The manifest's mesh, steps, micro-batch and token counts equal the plan's."""
+    config = plan.config
+    per_step = [len(step.microbatches[0]) for step in plan.steps]
+    mine = {
+        "dp": config.dp,
+        "cp": config.cp,
+        "num_steps": plan.num_steps,
+        "microbatches_per_step": per_step,
+        "step_loss_tokens": [step.loss_tokens for step in plan.steps],
+    }
+    for key, value in mine.items():
+        if m.get(key) != value:
+            raise DataError(f"{where}: {key} disagrees with the plan in {PLAN_FILE}")
+    for entry in m["files"]:
+        lo, hi = entry["steps"]
+        tokens = sum(mb.num_tokens for s in range(lo, hi) for mb in plan.steps[s].microbatches[entry["dp_rank"]])
+        if entry["tokens"] != tokens:
+            raise DataError(f"{where}: {entry['name']} has {entry['tokens']} tokens, the plan gives it {tokens}")
