@@ -60,6 +60,11 @@ except ImportError:  # pragma: no cover
     _SamplerBase = object  # type: ignore[assignment,misc]
 
 
+def _is_int(value: Any) -> bool:
+    """An integer (Python or numpy), not a bool and not a float: what a state's counters must be."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
 def _encode_microbatch(mb: MicroBatch) -> tuple:
     return (
         mb.samples,
@@ -409,17 +414,20 @@ class BalancedBatchSampler(_SamplerBase):
             "num_samples": len(self.lengths),
         }
         for key, value in mine.items():
-            if state.get(key) != value:
-                raise DataError(f"sampler state was made for {key}={state.get(key)}, this sampler has {key}={value}")
+            if not _is_int(state.get(key)) or state[key] != value:
+                raise DataError(f"sampler state was made for {key}={state.get(key)!r}, this sampler has {key}={value}")
+        epoch, cursor = state.get("epoch"), state.get("cursor")
+        for key, value in (("epoch", epoch), ("cursor", cursor)):
+            if not _is_int(value) or value < 0:
+                raise DataError(f"sampler state {key} must be a non-negative integer, got {value!r}")
         self._restore_switches(state.get("cost_switches", []))
-        epoch = int(state["epoch"])
+        epoch, cursor = int(epoch), int(cursor)
         plan_hash = self.plan(epoch).content_hash
         if state.get("plan_hash") != plan_hash:
             raise DataError(
                 f"sampler state was made for plan {str(state.get('plan_hash'))[:12]}... of epoch {epoch}, but this "
                 f"sampler plans {plan_hash[:12]}... (lengths, plan options or planner version changed)"
             )
-        cursor = int(state["cursor"])
         total = len(self._order(epoch))
         if not 0 <= cursor <= total:
             raise DataError(f"sampler state cursor {cursor} outside [0, {total}] for epoch {epoch}")
@@ -428,10 +436,16 @@ class BalancedBatchSampler(_SamplerBase):
         self._pending = cursor
 
     def _restore_switches(self, switches: Any) -> None:
-        try:
-            restored = [(int(e), int(s), CostModel.from_dict(dict(m))) for e, s, m in switches]
-        except (TypeError, ValueError) as exc:
-            raise DataError(f"sampler state has malformed cost_switches: {exc}") from exc
+        restored = []
+        for k, switch in enumerate(switches if isinstance(switches, list) else [switches]):
+            if not (isinstance(switch, (list, tuple)) and len(switch) == 3 and all(_is_int(x) for x in switch[:2])):
+                raise DataError(
+                    f"sampler state cost_switches[{k}] must be [epoch, step, cost model], got {switch!r:.100}"
+                )
+            try:
+                restored.append((int(switch[0]), int(switch[1]), CostModel.from_dict(switch[2])))
+            except ValueError as exc:
+                raise DataError(f"sampler state cost_switches[{k}]: {exc}") from exc
         self._switches = restored
         self.config = dataclasses.replace(self.config, cost=restored[-1][2] if restored else self._base_cost)
         self._plans.clear()
