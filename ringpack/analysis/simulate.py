@@ -16,10 +16,12 @@ stays flat and a 1M-sample epoch is minutes on 2 cores.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from numbers import Real
 from typing import Any
 
 import numpy as np
@@ -29,7 +31,10 @@ from ringpack.analysis.metrics import PlanMetrics, evaluate_plan
 from ringpack.analysis.report import StrategyResult, build_report, timed
 from ringpack.shard_plan import PlanConfig
 
-__all__ = ["simulate", "synthetic_lengths", "concat_metrics", "SIM_VARIANTS"]
+__all__ = ["simulate", "synthetic_lengths", "concat_metrics", "SIM_VARIANTS", "MAX_LENGTH"]
+
+#: Longest sample :func:`synthetic_lengths` draws: far beyond any context, exact in int64 pair counts.
+MAX_LENGTH = 1 << 40
 
 #: What ``simulate`` compares by default: ringpack, zigzag with ringpack's DP packing, the status
 #: quo (token first-fit + zigzag) and the naive contiguous split.
@@ -48,7 +53,22 @@ def synthetic_lengths(
 
     ``source="stdlib"`` draws with replacement from the embedded corpus (a real heavy tail);
     ``"lognormal"`` draws ``median * exp(sigma * N(0, 1))`` tokens, clipped to ``[1, max_len]``.
+
+    Args:
+        n: samples to draw, ``>= 0``.
+        source: ``"stdlib"`` or ``"lognormal"``.
+        seed: the generator's seed.
+        median, sigma: the log-normal's median (a finite number ``> 0``) and spread (finite, ``>= 0``).
+        max_len: cap on a length (``None``: no cap).
+
+    Returns:
+        int64 ``[n]``, every entry in ``[1, max_len]``.
+
+    Raises:
+        ValueError: an unknown source, a parameter out of range, or log-normal draws beyond
+            :data:`MAX_LENGTH` tokens (lower ``median`` or ``sigma``).
     """
+    _check_draw(n, median, sigma, max_len)
     rng = np.random.default_rng(seed)
     if source == "stdlib":
         from ringpack.data.corpus import stdlib_corpus
@@ -56,13 +76,39 @@ def synthetic_lengths(
         pool = stdlib_corpus().lengths
         out = rng.choice(pool, size=n)
     elif source == "lognormal":
-        out = np.round(median * np.exp(sigma * rng.standard_normal(n))).astype(np.int64)
+        draws = np.round(median * np.exp(sigma * rng.standard_normal(n)))
+        if draws.size and not draws.max() <= MAX_LENGTH:
+            raise ValueError(
+                f"log-normal lengths (median {median:g}, sigma {sigma:g}) reach {draws.max():.3g} tokens, "
+                f"beyond {MAX_LENGTH}; lower median or sigma"
+            )
+        out = draws.astype(np.int64)
     else:
         raise ValueError(f"unknown length source {source!r}; use 'stdlib', 'lognormal' or a lengths file")
     out = np.maximum(out, 1)
     if max_len:
         out = np.minimum(out, max_len)
     return out.astype(np.int64)
+
+
+def _check_draw(n: int, median: float, sigma: float, max_len: int | None) -> None:
+    """Refuse (``ValueError``) a sample count, median, sigma or cap of :func:`synthetic_lengths` out of range."""
+    if not _is_int(n) or n < 0:
+        raise ValueError(f"samples must be an integer >= 0, got {n!r}")
+    if not (_is_real(median) and median > 0):
+        raise ValueError(f"median must be a finite number > 0, got {median!r}")
+    if not (_is_real(sigma) and sigma >= 0):
+        raise ValueError(f"sigma must be a finite number >= 0, got {sigma!r}")
+    if max_len is not None and (not _is_int(max_len) or max_len < 1):
+        raise ValueError(f"max_len must be None or an integer >= 1, got {max_len!r}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, Real) and not isinstance(value, (bool, np.bool_)) and math.isfinite(value)
 
 
 def concat_metrics(parts: Sequence[PlanMetrics], name: str) -> PlanMetrics:
@@ -141,11 +187,22 @@ def simulate(
         with ``format: "ringpack-simulation"`` and a ``planning`` entry (wall and CPU seconds).
 
     Raises:
-        ValueError: no global batch, or samples longer than a CP group with ``overflow="error"``.
+        ValueError: no global batch, no samples or a bad length (:class:`~ringpack.errors.DataError`,
+            naming the sample), ``chunk_steps`` or ``jobs`` below 1, no variants, or samples
+            longer than a CP group with ``overflow="error"``.
     """
+    from ringpack.lengths import check_lengths
+
     if config.samples_per_step <= 0:
         raise ValueError("simulate needs a global batch: set samples_per_step (or --global-batch-tokens)")
-    lengths = _apply_overflow(np.asarray(lengths, dtype=np.int64), config)
+    if not _is_int(chunk_steps) or chunk_steps < 1 or (jobs is not None and (not _is_int(jobs) or jobs < 1)):
+        raise ValueError(f"chunk_steps and jobs must be integers >= 1, got {chunk_steps!r} and {jobs!r}")
+    if not variants:
+        raise ValueError("simulate needs at least one (strategy, packing) variant")
+    lengths = check_lengths(lengths, what="simulated lengths")
+    if not lengths.size:
+        raise ValueError("simulate needs at least one sample")
+    lengths = _apply_overflow(lengths, config)
     comms = list(
         comms or [CommModel.for_model(config.cost, mode="ring"), CommModel.for_model(config.cost, mode="allgather")]
     )
@@ -156,7 +213,7 @@ def simulate(
         for c, ids in enumerate(chunks):
             # make_plan re-shuffles within the chunk: still a uniformly random window of the epoch
             tasks.append((v, c, lengths[ids], cfg))
-    jobs = jobs or min(len(tasks), os.cpu_count() or 1)
+    jobs = min(jobs or os.cpu_count() or 1, len(tasks))
     desc = f"planning {len(lengths):,} samples x {len(variants)} strategies"
     t0 = time.perf_counter()
     parts, busy = _plan_tasks(tasks, jobs, desc if progress else None)
