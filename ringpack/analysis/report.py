@@ -15,10 +15,12 @@ from __future__ import annotations
 import base64
 import html
 import json
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import numpy as np
 
@@ -542,12 +544,30 @@ FIGURE_CAPTIONS = {
 
 
 def render_markdown(doc: dict[str, Any], figures: dict[str, Path]) -> str:
-    lines = [f"# {doc['title']}", "", "```", format_table(doc), "```", ""]
+    """The report as Markdown: the table in a code block, the plots, the definitions.
+
+    Everything quoted from the document is escaped: the code block's fence is longer than any
+    run of backticks in the table (so no name can close it), and text outside it is HTML-escaped
+    and kept on one line (so no name can inject markup).
+    """
+    table = format_table(doc)
+    fence = "`" * max(3, _longest_backtick_run(table) + 1)
+    lines = [f"# {_md_text(doc['title'])}", "", fence, table, fence, ""]
     for key, path in figures.items():
-        lines += [f"![{key}]({path.name})", "", FIGURE_CAPTIONS.get(key, ""), ""]
+        lines += [f"![{_md_text(key)}]({quote(path.name)})", "", FIGURE_CAPTIONS.get(key, ""), ""]
     lines += ["## Definitions", ""]
-    lines += [f"- **{k}**: {v}" for k, v in doc["definitions"].items()]
+    lines += [f"- **{_md_text(k)}**: {_md_text(v)}" for k, v in doc["definitions"].items()]
     return "\n".join(lines) + "\n"
+
+
+def _md_text(text: Any) -> str:
+    """``text`` safe in Markdown outside code: HTML-escaped, one line, Markdown's link and emphasis marks escaped."""
+    escaped = html.escape(" ".join(str(text).split()))
+    return "".join("\\" + c if c in "\\`*_[]|#" else c for c in escaped)
+
+
+def _longest_backtick_run(text: str) -> int:
+    return max((len(run) for run in re.findall(r"`+", text)), default=0)
 
 
 def render_html(doc: dict[str, Any], figures: dict[str, Path]) -> str:
