@@ -8,12 +8,15 @@ Heavy dependencies (torch, pyarrow, datasets, matplotlib) load inside the handle
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
+import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from ringpack.shard_plan import OVERFLOW_POLICIES, PACKINGS, STRATEGIES
 
@@ -22,6 +25,64 @@ if TYPE_CHECKING:
 
 #: ``add_plan_arguments``: the flag has no default and must be given.
 REQUIRED: Any = object()
+#: Largest DP or CP size and token budget a flag accepts: far beyond any cluster, small enough
+#: that sizes and token counts stay exact in int64 arithmetic.
+MAX_RANKS = 1 << 20
+MAX_TOKENS = 1 << 40
+
+
+# ------------------------------------------------------------------------------------- flag types
+def integer(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An ``argparse`` type: an integer in ``[low, high]``; anything else is refused with one line."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text, 10)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+            raise argparse.ArgumentTypeError(f"must be an integer {bound}, got {text!r}")
+        return value
+
+    return parse
+
+
+def real(low: float, *, inclusive: bool = True) -> Callable[[str], float]:
+    """An ``argparse`` type: a finite number ``>= low`` (``> low`` unless ``inclusive``); NaN and inf are refused."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not math.isfinite(value) or value < low or (value == low and not inclusive):
+            bound = f"{'>=' if inclusive else '>'} {low:g}"
+            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text!r}")
+        return value
+
+    return parse
+
+
+def integer_list(low: int) -> Callable[[str], list[int]]:
+    """An ``argparse`` type: comma-separated integers, each ``>= low``, at least one."""
+    item = integer(low)
+
+    def parse(text: str) -> list[int]:
+        values = [item(x.strip()) for x in text.split(",") if x.strip()]
+        if not values:
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+        return values
+
+    return parse
+
+
+POSITIVE = integer(1)
+COUNT = integer(0)
+RANKS = integer(1, MAX_RANKS)
+TOKENS = integer(1, MAX_TOKENS)
+POSITIVE_REAL = real(0.0, inclusive=False)
+NON_NEGATIVE_REAL = real(0.0)
 #: ``PlanConfig`` field <- ``argparse`` destination of its flag.
 _CONFIG_FLAGS = (
     ("dp", "dp"),
@@ -58,9 +119,9 @@ def add_plan_arguments(
     variant declare their own). ``samples_per_step_zero`` says what ``--samples-per-step 0`` means.
     """
     if dp is not None:
-        _add_size_flag(parser, "--dp", dp, "data-parallel size")
-    _add_size_flag(parser, "--cp", cp, "context-parallel size")
-    _add_size_flag(parser, "--tokens-per-rank", tokens_per_rank, "token budget of one CP rank per micro-batch")
+        _add_size_flag(parser, "--dp", dp, RANKS, "data-parallel size")
+    _add_size_flag(parser, "--cp", cp, RANKS, "context-parallel size")
+    _add_size_flag(parser, "--tokens-per-rank", tokens_per_rank, TOKENS, "token budget of one CP rank per micro-batch")
     if strategy:
         parser.add_argument("--strategy", choices=STRATEGIES, default="balanced", help="CP split (default: balanced)")
         parser.add_argument(
@@ -70,23 +131,23 @@ def add_plan_arguments(
     _add_split_and_cost_flags(parser)
 
 
-def _add_size_flag(parser: Any, flag: str, value: Any, what: str) -> None:
+def _add_size_flag(parser: Any, flag: str, value: Any, kind: Callable[[str], int], what: str) -> None:
     if value is REQUIRED:
-        parser.add_argument(flag, type=int, required=True, help=what)
+        parser.add_argument(flag, type=kind, required=True, help=what)
     else:
-        parser.add_argument(flag, type=int, default=value, help=f"{what} (default {value})")
+        parser.add_argument(flag, type=kind, default=value, help=f"{what} (default {value})")
 
 
 def _add_batch_flags(parser: Any, overflow: str, samples_per_step_zero: str) -> None:
     """Global batch, micro-batches, shuffle and overflow flags of :func:`add_plan_arguments`."""
     parser.add_argument(
-        "--samples-per-step", type=int, default=0, help=f"global batch in samples (0: {samples_per_step_zero})"
+        "--samples-per-step", type=COUNT, default=0, help=f"global batch in samples (0: {samples_per_step_zero})"
     )
     parser.add_argument(
-        "--microbatches-per-rank", type=int, default=0, help="micro-batches per DP rank and step (0: fewest that fit)"
+        "--microbatches-per-rank", type=COUNT, default=0, help="micro-batches per DP rank and step (0: fewest that fit)"
     )
-    parser.add_argument("--seed", type=int, default=0, help="shuffle seed (default 0)")
-    parser.add_argument("--epoch", type=int, default=0, help="epoch whose plan is made (default 0)")
+    parser.add_argument("--seed", type=COUNT, default=0, help="shuffle seed (default 0)")
+    parser.add_argument("--epoch", type=COUNT, default=0, help="epoch whose plan is made (default 0)")
     parser.add_argument(
         "--overflow",
         choices=OVERFLOW_POLICIES,
@@ -99,7 +160,7 @@ def _add_split_and_cost_flags(parser: Any) -> None:
     """Solver, CP-split guard and cost-model flags of :func:`add_plan_arguments`."""
     parser.add_argument(
         "--solver-time-limit",
-        type=float,
+        type=NON_NEGATIVE_REAL,
         default=0.0,
         help="CP-SAT refinement per step, deterministic seconds (0: heuristics only)",
     )
@@ -113,7 +174,7 @@ def _add_split_and_cost_flags(parser: Any) -> None:
     )
     parser.add_argument(
         "--cp-token-slack",
-        type=float,
+        type=NON_NEGATIVE_REAL,
         default=None,
         help="balanced CP split: hold every rank within 1+SLACK of the mean tokens (default: 0.02 when the "
         "pair-price range is wide, else tokens free)",
@@ -127,12 +188,14 @@ def _add_split_and_cost_flags(parser: Any) -> None:
 
 
 def _price_range(text: str) -> tuple[float, float]:
-    """``--pair-price-range LOW,HIGH`` as two floats (checked by ``PlanConfig``)."""
+    """``--pair-price-range LOW,HIGH``: two finite numbers with ``0 < LOW <= 1 <= HIGH``."""
     parts = text.split(",")
     try:
         low, high = (float(x) for x in parts)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected LOW,HIGH (two numbers), got {text!r}") from None
+    if not (math.isfinite(high) and 0 < low <= 1.0 <= high):
+        raise argparse.ArgumentTypeError(f"must satisfy 0 < LOW <= 1 <= HIGH (finite), got {text!r}")
     return low, high
 
 
@@ -169,6 +232,45 @@ def plan_config_from_args(args: argparse.Namespace, **overrides: Any):
     if "cost" not in overrides:
         fields["cost"] = cost_model_from_args(args)
     return PlanConfig(**fields, **overrides)
+
+
+# ------------------------------------------------------------------------------- inputs and outputs
+def lengths_from_flag(path: str, column: str | None = None, flag: str = "--lengths") -> np.ndarray:
+    """Validated sample lengths (int64 ``[N]``, each >= 1) from the file ``flag`` names.
+
+    Raises:
+        DataError: an unreadable file, a bad length (the sample named) or no samples at all.
+        FileNotFoundError: no file at ``path``.
+    """
+    from ringpack.errors import DataError
+    from ringpack.lengths import lengths_from_file
+
+    lengths = lengths_from_file(path, column)
+    if not lengths.size:
+        raise DataError(f"{flag} {path} holds no samples")
+    return lengths
+
+
+def check_output_file(path: str, flag: str, inputs: Sequence[str | None] = ()) -> None:
+    """Refuse, before any slow work, an output file that cannot be written or would replace an input.
+
+    Raises:
+        ValueError: ``path`` is a directory, its folder does not exist, or it is one of ``inputs``.
+    """
+    target = Path(path)
+    if target.is_dir():
+        raise ValueError(f"{flag} {path} is a directory; give a file name")
+    if not target.parent.is_dir():
+        raise ValueError(f"{flag} {path}: folder {target.parent} does not exist")
+    for other in inputs:
+        if other and target.exists() and Path(other).exists() and os.path.samefile(target, other):
+            raise ValueError(f"{flag} {path} is an input of this command; write the output elsewhere")
+
+
+def check_output_folder(path: str, flag: str = "--out") -> None:
+    """Refuse an output folder that exists as a file (``ValueError``), before any slow work."""
+    if Path(path).exists() and not Path(path).is_dir():
+        raise ValueError(f"{flag} {path} is a file, not a folder")
 
 
 # ------------------------------------------------------------------------------------------- plan
@@ -218,10 +320,10 @@ def summarize(plan) -> dict:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from ringpack.lengths import read_lengths
     from ringpack.planner.epoch import make_plan
 
-    lengths = read_lengths(args.lengths, args.column)
+    check_output_file(args.out, "--out", inputs=[args.lengths, args.cost_profile, args.model])
+    lengths = lengths_from_flag(args.lengths, args.column)
     config = plan_config_from_args(args)
     t0 = time.perf_counter()
     plan = make_plan(lengths, config).validate()
@@ -291,12 +393,15 @@ def _add_shard_command(subparsers: argparse._SubParsersAction) -> None:
         help="Hugging Face tokenizer.json (or its folder); default: the regex tokenizer with hashed ids",
     )
     p.add_argument(
-        "--vocab-size", type=int, default=65536, help="id range of the regex tokenizer's hashed ids (default: 65536)"
+        "--vocab-size",
+        type=integer(1, 1 << 31),
+        default=65536,
+        help="id range of the regex tokenizer's hashed ids (default: 65536)",
     )
-    p.add_argument("--num-proc", type=int, default=None, help="processes for tokenizing")
+    p.add_argument("--num-proc", type=POSITIVE, default=None, help="processes for tokenizing")
     p.add_argument(
         "--steps-per-file",
-        type=int,
+        type=COUNT,
         default=0,
         help="split each DP rank's file every N steps (0: one file per DP rank)",
     )
@@ -307,12 +412,14 @@ def _add_shard_command(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_shard(args: argparse.Namespace) -> int:
-    from ringpack.data.shards import load_source, write_shards
+    from ringpack.data.shards import check_out_dir, load_source, write_shards
 
-    if args.steps_per_file < 0:
-        raise ValueError("--steps-per-file must be >= 0")
+    check_out_dir(args.out, [args.dataset])
     config = plan_config_from_args(args)
-    ds, tokenized = _token_dataset(args, load_source(args.dataset, split=args.split, cache_dir=args.cache_dir))
+    loaded = load_source(args.dataset, split=args.split, cache_dir=args.cache_dir)
+    if len(loaded) == 0:
+        raise ValueError(f"dataset {args.dataset} holds no rows")
+    ds, tokenized = _token_dataset(args, loaded)
     source = {
         "dataset": str(args.dataset),
         "split": args.split,
@@ -384,10 +491,10 @@ def _add_report_command(subparsers: argparse._SubParsersAction) -> None:
     _add_comparison_arguments(p, dp=4, cp=4, modes="ring", default_out="ringpack-report")
     p.add_argument(
         "--step",
-        type=int,
+        type=COUNT,
         help="step whose per-GPU costs are plotted and tabled (default: the baseline's median-idle step)",
     )
-    p.add_argument("--steps-shown", type=int, default=5, help="steps per plan in the terminal table (default 5)")
+    p.add_argument("--steps-shown", type=COUNT, default=5, help="steps per plan in the terminal table (default 5)")
     p.set_defaults(handler=run_report)
 
 
@@ -399,9 +506,12 @@ def _add_simulate_command(subparsers: argparse._SubParsersAction) -> None:
         "time from the cost model and a ring / all-gather communication model.",
     )
     p.add_argument(
-        "--gpus", default="1024", help="GPUs, comma-separated for several shapes (default 1024); DP = gpus / cp"
+        "--gpus",
+        type=integer_list(1),
+        default=[1024],
+        help="GPUs, comma-separated for several shapes (default 1024); DP = gpus / cp",
     )
-    p.add_argument("--samples", type=int, default=1_000_000, help="samples in the epoch (default 1,000,000)")
+    p.add_argument("--samples", type=POSITIVE, default=1_000_000, help="samples in the epoch (default 1,000,000)")
     p.add_argument("--lengths", help="lengths file to simulate instead of drawn lengths")
     p.add_argument(
         "--dist",
@@ -409,11 +519,11 @@ def _add_simulate_command(subparsers: argparse._SubParsersAction) -> None:
         choices=["stdlib", "lognormal"],
         help="drawn lengths: resampled stdlib corpus (default) or log-normal",
     )
-    p.add_argument("--median", type=float, default=2048, help="log-normal median length (tokens)")
-    p.add_argument("--sigma", type=float, default=1.3, help="log-normal sigma")
+    p.add_argument("--median", type=POSITIVE_REAL, default=2048, help="log-normal median length (tokens)")
+    p.add_argument("--sigma", type=NON_NEGATIVE_REAL, default=1.3, help="log-normal sigma")
     p.add_argument(
         "--global-batch-tokens",
-        type=int,
+        type=COUNT,
         default=0,
         help="tokens per optimizer step (default: dp * cp * tokens-per-rank, one full micro-batch per DP rank)",
     )
@@ -426,8 +536,8 @@ def _add_simulate_command(subparsers: argparse._SubParsersAction) -> None:
         modes="ring,allgather",
         default_out="ringpack-simulation",
     )
-    p.add_argument("--jobs", type=int, default=0, help="worker processes (default: all cores)")
-    p.add_argument("--chunk-steps", type=int, default=8, help="global batches planned per worker task (default 8)")
+    p.add_argument("--jobs", type=COUNT, default=0, help="worker processes (default: all cores)")
+    p.add_argument("--chunk-steps", type=POSITIVE, default=8, help="global batches planned per worker task (default 8)")
     p.set_defaults(handler=run_simulate)
 
 
@@ -486,7 +596,10 @@ def add_variant_plan_arguments(
         samples_per_step_zero="derived",
     )
     g.add_argument(
-        "--tflops", type=float, default=400.0, help="achieved fwd+bwd TFLOP/s per GPU for predicted times (default 400)"
+        "--tflops",
+        type=POSITIVE_REAL,
+        default=400.0,
+        help="achieved fwd+bwd TFLOP/s per GPU for predicted times (default 400)",
     )
     if strategies is None:  # simulate: a curated default set of (strategy, packing) pairs
         g.add_argument(
@@ -508,8 +621,10 @@ def add_comm_arguments(p: argparse.ArgumentParser, modes: str = "ring") -> None:
     g.add_argument(
         "--link", default="nvlink", choices=sorted(LINKS), help="link preset for CP traffic (default nvlink)"
     )
-    g.add_argument("--bandwidth", type=float, help="link bandwidth in GB/s (overrides --link)")
-    g.add_argument("--latency-us", type=float, help="per-message latency in microseconds (overrides --link)")
+    g.add_argument("--bandwidth", type=POSITIVE_REAL, help="link bandwidth in GB/s (overrides --link)")
+    g.add_argument(
+        "--latency-us", type=NON_NEGATIVE_REAL, help="per-message latency in microseconds (overrides --link)"
+    )
     g.add_argument("--modes", default=modes, help=f"attention modes, first is the headline (default {modes})")
 
 
@@ -574,6 +689,13 @@ def plan_from_manifest(path: str):
     return ShardReader(folder, 0, 0).plan
 
 
+def check_outputs(args: argparse.Namespace, inputs: Sequence[str | None]) -> None:
+    """Check ``--out`` (a folder) and ``--json`` (a file, or ``-`` for stdout) of report and simulate."""
+    check_output_folder(args.out)
+    if args.json and args.json != "-":
+        check_output_file(args.json, "--json", inputs=inputs)
+
+
 def _emit(
     doc: dict[str, Any], args: argparse.Namespace, table: str, progress: Any = None, rank_step: int | None = None
 ) -> None:
@@ -598,12 +720,12 @@ def run_report(args: argparse.Namespace) -> int:
     import numpy as np
 
     from ringpack.analysis.report import build_report, format_ranks, format_table, plan_strategies, result_of_plan
-    from ringpack.lengths import read_lengths
     from ringpack.shard_plan import Plan
 
     sources = sum(bool(x) for x in (args.plans, args.manifest, args.lengths, args.corpus))
     if sources != 1:
         raise ValueError("give exactly one input: plan files, --manifest, --lengths or --corpus stdlib")
+    check_outputs(args, inputs=[*args.plans, args.manifest, args.lengths])
     wanted = variants(args)  # validate options before any slow work
     progress = _bar(args, total=2 + (0 if args.no_plots else 4), desc="report")
     if args.plans or args.manifest:
@@ -614,7 +736,7 @@ def run_report(args: argparse.Namespace) -> int:
         lengths = np.asarray(plans[0].lengths)
         model = plans[0].config.cost
     else:
-        lengths = read_lengths(args.lengths) if args.lengths else _corpus_lengths()
+        lengths = lengths_from_flag(args.lengths) if args.lengths else _corpus_lengths()
         model = cost_model(args)
         mean = float(lengths.mean())
         per_step = args.samples_per_step or max(args.dp, int(args.dp * args.cp * args.tokens_per_rank / mean))
@@ -672,20 +794,22 @@ def _bar(args: argparse.Namespace, total: int, desc: str):
 # ---------------------------------------------------------------------------------------- simulate
 def run_simulate(args: argparse.Namespace) -> int:
     from ringpack.analysis.simulate import synthetic_lengths
-    from ringpack.lengths import read_lengths
 
     t0 = time.perf_counter()
+    check_outputs(args, inputs=[args.lengths])
     model = cost_model(args)
     comms = comm_models(args, model)
-    gpus_list = [int(x) for x in str(args.gpus).split(",") if x.strip()]
+    gpus_list = args.gpus
+    for gpus in gpus_list:
+        if gpus % args.cp:
+            raise ValueError(f"--gpus {gpus} is not a multiple of --cp {args.cp}")
+    variants(args)  # validate options before any slow work
     if args.lengths:
-        lengths = read_lengths(args.lengths)
+        lengths = lengths_from_flag(args.lengths)
     else:
         lengths = synthetic_lengths(args.samples, args.dist, seed=args.seed, median=args.median, sigma=args.sigma)
     docs = []
     for gpus in gpus_list:
-        if gpus % args.cp:
-            raise ValueError(f"--gpus {gpus} is not a multiple of --cp {args.cp}")
         out = Path(args.out) / f"dp{gpus // args.cp}xcp{args.cp}" if len(gpus_list) > 1 else Path(args.out)
         docs.append(_simulate_shape(args, lengths, gpus // args.cp, model, comms, out))
     if args.json == "-":
@@ -748,10 +872,10 @@ def _add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
         default="llama3-8b",
         help=f"model preset for layers and linear layers ({', '.join(PRESETS)}; default llama3-8b)",
     )
-    p.add_argument("--heads", type=int, help="query heads (default: the preset's)")
-    p.add_argument("--kv-heads", type=int, help="key/value heads (default: the preset's)")
-    p.add_argument("--head-dim", type=int, help="head dim (default: the preset's)")
-    p.add_argument("--layers", type=int, help="layers the profile covers (default: the preset's)")
+    p.add_argument("--heads", type=POSITIVE, help="query heads (default: the preset's)")
+    p.add_argument("--kv-heads", type=POSITIVE, help="key/value heads (default: the preset's)")
+    p.add_argument("--head-dim", type=POSITIVE, help="head dim (default: the preset's)")
+    p.add_argument("--layers", type=POSITIVE, help="layers the profile covers (default: the preset's)")
     p.add_argument(
         "--mode",
         default="linear",
@@ -771,9 +895,9 @@ def _add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--grid", choices=GRIDS, help="shape grid (default full; quick with --quick; tiny on cpu)")
     p.add_argument("--quick", action="store_true", help="a smaller grid (about a third of the time)")
-    p.add_argument("--reps", type=int, default=5, help="timed repetitions per shard, median taken (default 5)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed runs per shard first (default 1)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--reps", type=POSITIVE, default=5, help="timed repetitions per shard, median taken (default 5)")
+    p.add_argument("--warmup", type=COUNT, default=1, help="untimed runs per shard first (default 1)")
+    p.add_argument("--seed", type=COUNT, default=0)
     p.add_argument(
         "--timer",
         default="gpu",
@@ -793,19 +917,19 @@ def _add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
 def _add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="demo-out", help="folder for the report, JSON and plots (default demo-out/)")
     p.add_argument("--tokenizer", help="Hugging Face tokenizer.json (or its folder) for exact token counts")
-    p.add_argument("--dp", type=int, default=4, help="data-parallel ranks (default 4)")
-    p.add_argument("--cp", type=int, default=4, help="context-parallel ranks per micro-batch (default 4)")
-    p.add_argument("--tokens-per-rank", type=int, default=32768, help="token budget per CP rank (default 32768)")
+    p.add_argument("--dp", type=RANKS, default=4, help="data-parallel ranks (default 4)")
+    p.add_argument("--cp", type=RANKS, default=4, help="context-parallel ranks per micro-batch (default 4)")
+    p.add_argument("--tokens-per-rank", type=TOKENS, default=32768, help="token budget per CP rank (default 32768)")
     p.add_argument(
         "--samples-per-step",
-        type=int,
+        type=COUNT,
         default=0,
         help="global batch in samples (default: about one full micro-batch per DP rank)",
     )
     p.add_argument("--model", default="llama3-8b", help="cost-model preset (default llama3-8b)")
-    p.add_argument("--tflops", type=float, default=400.0, help="achieved fwd+bwd TFLOP/s per GPU (default 400)")
+    p.add_argument("--tflops", type=POSITIVE_REAL, default=400.0, help="achieved fwd+bwd TFLOP/s per GPU (default 400)")
     p.add_argument("--link", default="nvlink", help="CP link preset for the communication model (default nvlink)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=COUNT, default=0)
     p.add_argument("--quick", action="store_true", help="a 300-file subset of the corpus (for tests)")
     p.add_argument("--no-ring-check", action="store_true", help="skip the 2-process ring runtime check")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -814,19 +938,32 @@ def _add_demo_arguments(p: argparse.ArgumentParser) -> None:
 def run_calibrate(args: argparse.Namespace) -> int:
     from ringpack.analysis.calibration.run import run
 
+    for flag, path in (("--out", args.out), ("--report", args.report)):
+        if path and Path(path).is_dir():
+            raise ValueError(f"{flag} {path} is a directory; give a file name")
+    if args.refit and not Path(args.refit).is_file():
+        raise FileNotFoundError(f"--refit: no calibration report at {args.refit}")
     return run(args)
 
 
 def run_demo(args: argparse.Namespace) -> int:
     from ringpack.analysis.demo import run
 
+    check_output_folder(args.out)
     return run(args)
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose usage errors are one line: the flag, what is wrong, where to look."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
     from ringpack import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrorParser(
         prog="ringpack",
         description="Cost-balanced packing and DP x CP sharding of variable-length samples, and its analysis.",
     )
@@ -842,6 +979,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``ringpack COMMAND ...``; the exit code (0 done, 1 bad input or a file error, 2 a usage error).
+
+    Bad input (a ``ValueError``: :class:`~ringpack.errors.PlanError`, :class:`~ringpack.errors.DataError`,
+    ...) and file-system errors (``OSError``: a missing file, a directory where a file is expected,
+    no permission, a closed pipe) end in one line on stderr naming the file, flag, sample or key.
+    Anything else is a bug and keeps its traceback.
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "handler", None):
@@ -849,9 +993,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return int(args.handler(args) or 0)
-    except (ValueError, FileNotFoundError) as exc:  # user mistakes: one clear line, no traceback
-        print(f"ringpack {args.command}: error: {exc}", file=sys.stderr)
-        return 1
+    except BrokenPipeError:  # stdout closed early, e.g. piped to `head`
+        _silence_stdout()
+        return _fail(args.command, "output closed before it was all written (broken pipe)")
+    except (ValueError, OSError) as exc:
+        return _fail(args.command, exc)
+    except KeyboardInterrupt:
+        print(f"ringpack {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _fail(command: str, problem: Any) -> int:
+    """Print ``problem`` as one line on stderr; exit code 1."""
+    text = " ".join(str(problem).split()) or type(problem).__name__
+    print(f"ringpack {command}: error: {text}", file=sys.stderr)
+    return 1
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's final flush of a closed pipe raises nothing."""
+    with contextlib.suppress(OSError, ValueError):
+        sys.stdout.flush()
+    # stdout may be an object without a descriptor (tests, notebooks): then there is nothing to redirect
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 if __name__ == "__main__":
