@@ -132,9 +132,10 @@ class Step:
 #: depends on the kernel, the head shape and the lengths.
 FLOP_PRICE_RANGE: tuple[float, float] = (0.25, 2.0)
 #: The ``balanced`` split's default token guard when prices are uncertain: with every CP rank's
-#: tokens within 2% of the mean and its cost within 0.1% at the model's price, its pairs are
-#: balanced too, so the split stays balanced at any price of a pair.
-ROBUST_TOKEN_SLACK = 0.02
+#: tokens within 1% of the mean and its cost within 0.1% at the model's price, its pairs are
+#: balanced too, so the split stays within about 1% of balance at any pair price from a quarter to
+#: twice the model's, for about 10% more K/V crossing ranks than a 2% guard leaves.
+ROBUST_TOKEN_SLACK = 0.01
 
 
 def _is_int(value: Any) -> bool:
@@ -613,7 +614,7 @@ class Plan:
         import pyarrow.parquet as pq
 
         if Path(path).is_dir():
-            raise PlanError(f"plan file {path} is a directory")
+            raise PlanError(f"plan file {Path(path)} is a directory")
         if not Path(path).exists():
             raise FileNotFoundError(f"no plan file at {path}")
         try:

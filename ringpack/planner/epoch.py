@@ -36,6 +36,7 @@ a DP rank's step cost is the *sum* over its micro-batches; the step costs the ma
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -145,7 +146,7 @@ def split_microbatch(samples: Sequence[int], lengths: Sequence[int], config: Pla
     """Split one micro-batch's samples over the CP group by ``config.strategy``."""
     if config.strategy == "balanced":
         return split_balanced(
-            samples, lengths, config.cp, config.tokens_per_rank, config.cost, token_slack=config.cp_token_slack
+            samples, lengths, config.cp, config.tokens_per_rank, config.cost, token_slack=config.token_slack
         )
     if config.strategy == "zigzag":
         mb = split_zigzag(samples, lengths, config.cp)
@@ -191,7 +192,7 @@ def _plan_step(index: int, ids: np.ndarray, lengths: np.ndarray, config: PlanCon
     groups = _microbatch_groups(ids, bins, dp * m)
     if config.strategy == "balanced":  # all micro-batches of the step at once (the same splits, faster)
         mbs = split_balanced_many(
-            groups, lengths, cp, config.tokens_per_rank, config.cost, token_slack=config.cp_token_slack
+            groups, lengths, cp, config.tokens_per_rank, config.cost, token_slack=config.token_slack
         )
     else:
         mbs = [split_microbatch(members, length_list, config) for members in groups]
@@ -228,36 +229,91 @@ def _pack_first_fit(L: np.ndarray, W: np.ndarray, m_lo: int, config: PlanConfig)
     return fill_empty_bins(PackingProblem(W, L, dp, m, capacity), bins), m
 
 
+def _price_scenarios(
+    L: np.ndarray, W: np.ndarray, lower_bound: float, config: PlanConfig
+) -> list[tuple[np.ndarray, float]]:
+    """``(sample costs, bound of the heaviest DP rank)`` at every price packing must balance.
+
+    Exact prices: the model's. A pair-price range ``(low, high)``: both ends (rank costs are linear
+    in the price, so a packing balanced at both ends is balanced in between).
+    """
+    low, high = config.price_range
+    if (low, high) == (1.0, 1.0):
+        return [(W, lower_bound)]
+    scenarios = []
+    for factor in (low, high):
+        priced = dataclasses.replace(config.cost, pair=config.cost.pair * factor)
+        weights = priced.sample_cost(L)
+        scenarios.append((weights, step_lower_bound(weights, L, config.dp, config.cp, priced) * config.cp))
+    return scenarios
+
+
+def _pack(problem: PackingProblem, lower_bound: float, config: PlanConfig) -> np.ndarray | None:
+    """Greedy, local search and (if enabled) CP-SAT: the bin of every sample, ``None`` if they do not fit."""
+    bins = pack_greedy(problem)
+    if bins is None:
+        return None
+    bins = improve(problem, fill_empty_bins(problem, bins), lower_bound)
+    if config.solver_time_limit_s > 0:
+        bins = refine(problem, bins, lower_bound, config.solver_time_limit_s)
+    return bins
+
+
+def _pack_robust(L: np.ndarray, m: int, scenarios: list[tuple[np.ndarray, float]], config: PlanConfig):
+    """Pack for ``m`` micro-batches per DP rank, balanced in every price scenario at once.
+
+    Each scenario is first packed alone: how heavy its heaviest DP rank then is (``achievable``)
+    is what the step can reach at that price. The joint packing minimises the largest DP-rank load
+    over scenarios, each relative to its achievable load, so no price is given up for another
+    beyond what the samples force. Returns ``(bins, height)`` with ``height`` the largest load
+    relative to the scenario's lower bound (comparable across ``m``), or ``None``.
+    """
+    problem = None
+    if len(scenarios) == 1:
+        weights, bound = scenarios[0]
+        problem = PackingProblem(weights, L, config.dp, m, config.group_capacity)
+        bins = _pack(problem, bound, config)
+        return None if bins is None else (bins, float(problem.heights(bins).max()) / bound)
+    achievable = []
+    for weights, bound in scenarios:
+        alone = PackingProblem(weights, L, config.dp, m, config.group_capacity)
+        bins = _pack(alone, bound, config)
+        if bins is None:
+            return None
+        achievable.append(max(float(alone.heights(bins).max()), bound))
+    columns = np.column_stack([w / a for (w, _), a in zip(scenarios, achievable)])
+    problem = PackingProblem(columns, L, config.dp, m, config.group_capacity)
+    bins = _pack(problem, 1.0, config)
+    loads = problem.dp_loads(bins).max(axis=0) * np.array(achievable)
+    return bins, float(max(load / bound for load, (_, bound) in zip(loads, scenarios)))
+
+
 def _pack_balanced(
     L: np.ndarray, W: np.ndarray, m_lo: int, m_hi: int, lower_bound: float, config: PlanConfig
 ) -> tuple[np.ndarray | None, int]:
-    """``packing="balanced"``: greedy, local search and (if enabled) CP-SAT for ``m = m_lo, ...``.
+    """``packing="balanced"`` for ``m = m_lo, ...`` micro-batches per DP rank (:func:`_pack_robust`).
 
     ``lower_bound``: of the heaviest DP rank's summed weights. With ``microbatches_per_rank=0``,
     one more micro-batch per rank than the fewest that fit is tried only when the token budget
     keeps the step more than :data:`AUTO_MICROBATCH_GAP` above the bound; the better packing is
     kept. Returns the bin of every sample (``None`` if no ``m`` fits) and ``m``.
     """
+    scenarios = _price_scenarios(L, W, lower_bound, config)
     m_fixed = config.microbatches_per_rank
-    best = None  # (max load, m, bins)
+    best = None  # (height over the bound, m, bins)
     first_ok = m_lo
     for m in range(m_lo, m_hi + 1):
-        problem = PackingProblem(W, L, config.dp, m, config.group_capacity)
-        bins = pack_greedy(problem)
-        if bins is None:
+        packed = _pack_robust(L, m, scenarios, config)
+        if packed is None:
             if best is not None:
                 break
             continue
+        bins, top = packed
         if best is None:
             first_ok = m
-        bins = fill_empty_bins(problem, bins)
-        bins = improve(problem, bins, lower_bound)
-        if config.solver_time_limit_s > 0:
-            bins = refine(problem, bins, lower_bound, config.solver_time_limit_s)
-        top = float(problem.dp_loads(bins).max())
         if best is None or top < best[0] * (1 - 1e-9):
             best = (top, m, bins)
-        if m_fixed or top <= lower_bound * (1 + AUTO_MICROBATCH_GAP) or m > first_ok:
+        if m_fixed or top <= 1 + AUTO_MICROBATCH_GAP or m > first_ok:
             break
     if best is None:
         return None, m_hi

@@ -32,7 +32,10 @@ class PackingProblem:
     """The samples of one global batch and the ``dp x m`` bins they go into.
 
     Attributes:
-        weights: ``float64[n]``, each sample's cost (what DP ranks are balanced by).
+        weights: ``float64[n]``, each sample's cost (what DP ranks are balanced by); or
+            ``float64[n, K]``, its cost under each of ``K`` price scenarios, each column normalised
+            to its own lower bound: a DP rank's height is then its largest load over the
+            scenarios, and packing balances every scenario at once.
         tokens: ``int64[n]``, each sample's length.
         dp: DP ranks.
         m: micro-batches (bins) per DP rank.
@@ -50,9 +53,22 @@ class PackingProblem:
         """``dp * m``: the micro-batches of the step."""
         return self.dp * self.m
 
+    @property
+    def columns(self) -> np.ndarray:
+        """``float64[n, K]``: the weights with one column per price scenario (``K = 1`` for one price)."""
+        w = np.asarray(self.weights, dtype=np.float64)
+        return w[:, None] if w.ndim == 1 else w
+
     def dp_loads(self, bins: np.ndarray) -> np.ndarray:
-        """``float64[dp]``: each DP rank's summed weights under ``bins`` (the bin of every sample)."""
-        return np.bincount(bins // self.m, weights=self.weights, minlength=self.dp)
+        """``float64[dp, K]`` (``[dp]`` for 1-D weights): each DP rank's summed weights under ``bins``."""
+        if np.ndim(self.weights) == 1:
+            return np.bincount(bins // self.m, weights=self.weights, minlength=self.dp)
+        return np.stack([np.bincount(bins // self.m, weights=c, minlength=self.dp) for c in self.columns.T], axis=1)
+
+    def heights(self, bins: np.ndarray) -> np.ndarray:
+        """``float64[dp]``: each DP rank's load in its worst price scenario (its load for 1-D weights)."""
+        loads = self.dp_loads(bins)
+        return loads if loads.ndim == 1 else loads.max(axis=1)
 
 
 def pack_greedy(problem: PackingProblem) -> np.ndarray | None:
@@ -62,9 +78,11 @@ def pack_greedy(problem: PackingProblem) -> np.ndarray | None:
     caller then tries more micro-batches). Inside a DP rank the micro-batch with the most free
     tokens is chosen, so a rank's first ``m`` items open its ``m`` micro-batches.
     """
-    weights, tokens, dp, m, capacity = problem.weights, problem.tokens, problem.dp, problem.m, problem.capacity
-    n = len(weights)
-    order = np.lexsort((np.arange(n), -weights))
+    tokens, dp, m, capacity = problem.tokens, problem.dp, problem.m, problem.capacity
+    columns = problem.columns
+    n = len(columns)
+    order = np.lexsort((np.arange(n), -columns.max(axis=1)))
+    scenario_loads = np.zeros((dp, columns.shape[1]))  # only read with several price scenarios
     free = [[capacity] * m for _ in range(dp)]
     # (load, rank) pairs are distinct (one per rank), so which rank is least loaded never depends
     # on the heap's internal layout: heapreplace is pop + push in one sift.
@@ -73,7 +91,8 @@ def pack_greedy(problem: PackingProblem) -> np.ndarray | None:
     rank_free = [capacity] * dp  # most free tokens of any bin of each rank (== max(free[d]))
     most_free = capacity  # an upper bound on max(rank_free), refreshed when a sample exceeds it
     heappop, heappush, heapreplace = heapq.heappop, heapq.heappush, heapq.heapreplace
-    for i, t, wi in zip(order.tolist(), tokens[order].tolist(), weights[order].tolist()):
+    one_price = columns.shape[1] == 1
+    for i, t, wi in zip(order.tolist(), tokens[order].tolist(), columns[order, 0].tolist()):
         if t > most_free:
             most_free = max(rank_free)  # rank_free only shrinks: fail fast once no bin fits
             if t > most_free:
@@ -95,10 +114,15 @@ def pack_greedy(problem: PackingProblem) -> np.ndarray | None:
         free_d[best] = fj - t
         bins[i] = d * m + best
         rank_free[d] = max(free_d)
+        if one_price:
+            key = load + wi
+        else:  # the rank's height: its load in its heaviest scenario
+            scenario_loads[d] += columns[i]
+            key = float(scenario_loads[d].max())
         if popped is None:  # the least-loaded rank fits (the common case)
-            heapreplace(heap, (load + wi, d))
+            heapreplace(heap, (key, d))
         else:
-            heappush(heap, (load + wi, d))
+            heappush(heap, (key, d))
             for item in popped:
                 heappush(heap, item)
     return np.array(bins, dtype=np.int64)
@@ -117,7 +141,7 @@ def fill_empty_bins(problem: PackingProblem, bins: np.ndarray) -> np.ndarray:
     if empty.size == 0:
         return bins
     assert len(bins) >= nbins, "fewer samples than micro-batches"
-    w = np.asarray(problem.weights, dtype=np.float64)
+    w = problem.columns.sum(axis=1)
     for e in empty.tolist():
         d = e // m
         movable = counts[bins] >= 2
@@ -132,25 +156,32 @@ def fill_empty_bins(problem: PackingProblem, bins: np.ndarray) -> np.ndarray:
 
 
 class _LocalSearch:
-    """The state :func:`improve` updates: every sample's bin, DP-rank loads, bin tokens and counts."""
+    """The state :func:`improve` updates: every sample's bin, DP-rank loads per price scenario
+    (``[dp, K]``), their heights (the worst scenario), bin tokens and counts."""
 
     def __init__(self, problem: PackingProblem, bins: np.ndarray) -> None:
         self.m, self.capacity = problem.m, problem.capacity
         self.bins = bins
-        self.w = problem.weights.astype(np.float64)
+        self.w = problem.columns
         self.t = problem.tokens.astype(np.int64)
-        self.loads = np.bincount(bins // self.m, weights=self.w, minlength=problem.dp)
+        self.loads = np.stack([np.bincount(bins // self.m, weights=c, minlength=problem.dp) for c in self.w.T], axis=1)
         self.bin_tok = np.bincount(bins, weights=self.t, minlength=problem.num_bins).astype(np.int64)
         self.counts = np.bincount(bins, minlength=problem.num_bins)
         # improvements smaller than this are rounding, not progress
         self.tol = 1e-12 * max(float(self.loads.max()), 1.0)
         self._tables: dict[str, np.ndarray] = {}
 
+    @property
+    def heights(self) -> np.ndarray:
+        """``float64[dp]``: each DP rank's load in its worst scenario."""
+        return self.loads.max(axis=1)
+
     def best_move(self, h: int, A: np.ndarray, light: np.ndarray) -> tuple[float, int, int] | None:
         """The move of one sample ``A[k]`` of the heaviest rank ``h`` to the bin with most free
-        tokens of a light rank that minimises the larger new load: ``(new max, sample, bin)``."""
+        tokens of a light rank that minimises the larger new height: ``(new max, sample, bin)``."""
         m, capacity, bins, w, t = self.m, self.capacity, self.bins, self.w, self.t
-        top = self.loads[h]
+        top = float(self.loads[h].max())
+        shed = (self.loads[h] - w[A]).max(axis=1)  # h's height without each sample
         best = None
         for d in light.tolist():
             d_bins = np.arange(d * m, (d + 1) * m)
@@ -158,7 +189,7 @@ class _LocalSearch:
             ok = (self.counts[bins[A]] >= 2) & (self.bin_tok[j] + t[A] <= capacity)
             if not ok.any():
                 continue
-            new = np.maximum(top - w[A], self.loads[d] + w[A])
+            new = np.maximum(shed, (self.loads[d] + w[A]).max(axis=1))
             new = np.where(ok, new, np.inf)
             k = int(np.argmin(new))
             if new[k] < top - self.tol and (best is None or new[k] < best[0]):
@@ -166,24 +197,26 @@ class _LocalSearch:
         return best
 
     def best_swap(self, h: int, A: np.ndarray, B: np.ndarray) -> tuple[float, int, int] | None:
-        """The swap of ``a`` in ``A`` (rank ``h``) and a lighter ``b`` in ``B`` (light ranks) that
-        minimises the larger new load, if it lowers ``h``'s load: ``(new max, a, b)``."""
+        """The swap of ``a`` in ``A`` (rank ``h``) and ``b`` in ``B`` (light ranks) that minimises
+        the larger new height, if it lowers ``h``'s height: ``(new max, a, b)``."""
         bins, w, t, capacity, bin_tok = self.bins, self.w, self.t, self.capacity, self.bin_tok
-        top = self.loads[h]
-        shape = (A.size, B.size)
-        # (a, b) tables: the weight h sheds and the tokens that move by the swap
-        delta = np.subtract(w[A][:, None], w[B][None, :], out=self._table("delta", np.float64, shape))
+        top = float(self.loads[h].max())
+        shape, k = (A.size, B.size), w.shape[1]
+        # (a, b, scenario) table of the weight h sheds; (a, b) tables of tokens that move
+        delta = np.subtract(w[A][:, None, :], w[B][None, :, :], out=self._table("delta", np.float64, (*shape, k)))
         dt = np.subtract(t[A][:, None], t[B][None, :], out=self._table("dt", np.int64, shape))
-        # allowed: h gets lighter and both bins stay within capacity
+        # allowed: both bins stay within capacity
         tokens = self._table("tokens", np.int64, shape)
         fits = self._table("fits", np.bool_, shape)
-        ok = np.greater(delta, 0, out=self._table("ok", np.bool_, shape))
-        ok &= np.less_equal(np.add(bin_tok[bins[B]][None, :], dt, out=tokens), capacity, out=fits)
+        ok = np.less_equal(
+            np.add(bin_tok[bins[B]][None, :], dt, out=tokens), capacity, out=self._table("ok", np.bool_, shape)
+        )
         ok &= np.less_equal(np.subtract(bin_tok[bins[A]][:, None], dt, out=tokens), capacity, out=fits)
-        # the larger of the two new loads, +inf where not allowed
-        new = np.subtract(top, delta, out=self._table("new", np.float64, shape))
-        other = np.add(self.loads[bins[B] // self.m][None, :], delta, out=self._table("other", np.float64, shape))
-        np.maximum(new, other, out=new)
+        # the larger of the two new heights, +inf where not allowed
+        scratch = self._table("scratch", np.float64, (*shape, k))
+        new = np.subtract(self.loads[h], delta, out=scratch).max(axis=2, out=self._table("new", np.float64, shape))
+        other = np.add(self.loads[bins[B] // self.m][None, :, :], delta, out=scratch)
+        np.maximum(new, other.max(axis=2, out=self._table("other", np.float64, shape)), out=new)
         new[np.logical_not(ok, out=fits)] = np.inf
         flat_new = new.ravel()
         # the smallest entry, then the lowest index, among the (up to) 16 smallest argpartition finds
@@ -196,10 +229,10 @@ class _LocalSearch:
             return None
         return float(val), int(A[ka]), int(B[kb])
 
-    def _table(self, name: str, dtype: type, shape: tuple[int, int]) -> np.ndarray:
+    def _table(self, name: str, dtype: type, shape: tuple[int, ...]) -> np.ndarray:
         """A reusable ``shape`` array for the swap search: its (sample, sample) tables are refilled
         every iteration, and fresh arrays that size cost more to page in than to compute."""
-        size = shape[0] * shape[1]
+        size = int(np.prod(shape))
         buf = self._tables.get(name)
         if buf is None or buf.size < size:
             buf = self._tables[name] = np.empty(size, dtype=dtype)
@@ -238,8 +271,9 @@ def improve(
 ) -> np.ndarray:
     """Local search on the slowest DP rank: move one sample out, or swap two, while the max drops.
 
-    Each iteration looks at the heaviest DP rank ``h`` and the ``neighbours`` lightest ranks and
-    picks the move or swap that minimises the larger of the two new loads (strictly below ``h``'s
+    A rank's height is its load (with several price scenarios: its load in the worst one). Each
+    iteration looks at the highest DP rank ``h`` and the ``neighbours`` lowest ranks and picks the
+    move or swap that minimises the larger of the two new heights (strictly below ``h``'s
     load; ties by index, a move before a swap). Token capacities hold and no bin is emptied. Stops
     within ``stop_gap`` (relative) of ``lower_bound``, when nothing improves, or after ``max_iters``
     iterations (an iteration count, never a clock, so the result is the same on every machine).
@@ -250,12 +284,12 @@ def improve(
         return bins
     state = _LocalSearch(problem, bins)
     for _ in range(max_iters):
-        loads = state.loads
-        h = int(np.argmax(loads))
-        if loads[h] <= lower_bound * (1 + stop_gap):
+        heights = state.heights
+        h = int(np.argmax(heights))
+        if heights[h] <= lower_bound * (1 + stop_gap):
             break
         ranks = bins // problem.m
-        light = np.argsort(loads, kind="stable")[:neighbours]
+        light = np.argsort(heights, kind="stable")[:neighbours]
         light = light[light != h]
         A = np.flatnonzero(ranks == h)
         move = state.best_move(h, A, light) if A.size else None

@@ -4,7 +4,8 @@ Used by the planner when ``PlanConfig.solver_time_limit_s > 0`` and the heuristi
 than :data:`GAP_THRESHOLD` above the step's lower bound (few dominant samples, tight budgets).
 The model is the packing problem itself: every sample in exactly one ``(DP rank, micro-batch)``
 bin, bins within the group's token budget (``cp * tokens_per_rank``), no bin empty, minimise the
-largest DP-rank load (sum of integer-scaled sample costs). It is warm-started with the heuristic
+largest DP-rank load (sum of integer-scaled sample costs; with several price scenarios, the
+largest load of any rank in any scenario). It is warm-started with the heuristic
 answer (``AddHint``) and the better of the two is kept, judged on the exact float costs.
 
 Determinism: a plan must be identical on every rank, so the solver runs with one worker, a fixed
@@ -42,13 +43,13 @@ def refine(problem: PackingProblem, bins: np.ndarray, lower_bound: float, time_l
     """
     n = len(bins)
     dp, m, nbins = problem.dp, problem.m, problem.num_bins
-    w = np.asarray(problem.weights, dtype=np.float64)
-    best = float(problem.dp_loads(bins).max())
+    w = problem.columns  # one column per price scenario
+    best = float(problem.heights(bins).max())
     if time_limit_s <= 0 or nbins < 2 or best <= lower_bound * (1 + GAP_THRESHOLD) or n * nbins > MAX_BOOLEANS:
         return bins
     from ortools.sat.python import cp_model
 
-    wi, _ = scale_to_int(w, COST_RESOLUTION)
+    wi, _ = scale_to_int(w, COST_RESOLUTION)  # one scale for every column: heights stay comparable
     t = np.asarray(problem.tokens, dtype=np.int64)
     model = cp_model.CpModel()
     x = [[model.NewBoolVar(f"x{i}_{b}") for b in range(nbins)] for i in range(n)]
@@ -58,9 +59,11 @@ def refine(problem: PackingProblem, bins: np.ndarray, lower_bound: float, time_l
         column = [x[i][b] for i in range(n)]
         model.Add(sum(int(t[i]) * column[i] for i in range(n)) <= problem.capacity)
         model.AddBoolOr(column)  # no empty micro-batch
-    top = model.NewIntVar(0, int(wi.sum()), "top")
+    top = model.NewIntVar(0, int(wi.sum(axis=0).max()), "top")
     for d in range(dp):
-        model.Add(sum(int(wi[i]) * x[i][b] for i in range(n) for b in range(d * m, (d + 1) * m)) <= top)
+        for k in range(wi.shape[1]):  # the rank's load in every scenario is at most top
+            terms = (int(wi[i, k]) * x[i][b] for i in range(n) for b in range(d * m, (d + 1) * m))
+            model.Add(sum(terms) <= top)
     model.Minimize(top)
     for i in range(n):
         for b in range(nbins):
@@ -74,5 +77,5 @@ def refine(problem: PackingProblem, bins: np.ndarray, lower_bound: float, time_l
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return bins
     new = np.array([next(b for b in range(nbins) if solver.BooleanValue(x[i][b])) for i in range(n)], dtype=np.int64)
-    new_top = float(problem.dp_loads(new).max())
+    new_top = float(problem.heights(new).max())
     return new if new_top < best * (1 - 1e-12) else bins

@@ -179,7 +179,7 @@ def test_solver_improves_a_hard_small_batch_deterministically():
     for _ in range(5):  # the 6th draw of this generator is a case the heuristics leave 1.5% above the bound
         rng.integers(20000, 60000, size=7), rng.integers(100, 3000, size=rng.integers(5, 20))
     lengths = np.concatenate([rng.integers(20000, 60000, size=7), rng.integers(100, 3000, size=rng.integers(5, 20))])
-    base = dict(dp=4, cp=2, tokens_per_rank=65536)
+    base = dict(dp=4, cp=2, tokens_per_rank=65536, pair_price_range=(1.0, 1.0))  # the gap at one price
     heuristic = plan_costs(make_plan(lengths, PlanConfig(**base)))["gap"][0]
     solved_plan = make_plan(lengths, PlanConfig(solver_time_limit_s=1.0, **base))
     solved = check_plan(solved_plan, lengths)["gap"][0]
