@@ -13,7 +13,8 @@ over micro-batches per DP rank, max over DP ranks per step. ``measured imbalance
 of all steps / (all ranks' measured busy time / GPUs): 1.0 is a plan no rank waits in.
 
 Plans per length mix (held-out seeds): first-fit packing by tokens + zigzag (common practice),
-ringpack's packing + zigzag, ringpack's default, and ringpack planned with a model fitted to the
+ringpack's packing + zigzag, ringpack's default (price-robust with the FLOP model), ringpack
+balanced at the FLOP model's prices alone, and ringpack planned with a model fitted to the
 *other* mixes' timings (what a calibrated or learned model gives). The same shard geometry is timed
 once and reused.
 """
@@ -32,21 +33,22 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import ringpack  # noqa: E402
-from ringpack.analysis.calibration.cases import Case  # noqa: E402
-from ringpack.analysis.calibration.fit import fit_nnls  # noqa: E402
-from ringpack.analysis.calibration.timing import AttentionShape, Clock, time_case  # noqa: E402
-from ringpack.analysis.robustness import imbalance_across_prices  # noqa: E402
-from ringpack.attention.kernels import resolve_backend  # noqa: E402
-from ringpack.cost import PRESETS, CostModel, ModelShape, piece_pairs  # noqa: E402
-from ringpack.shard_plan import Plan  # noqa: E402
+import ringpack
+from ringpack.analysis.calibration.cases import Case
+from ringpack.analysis.calibration.fit import fit_nnls
+from ringpack.analysis.calibration.timing import AttentionShape, Clock, TimingSetup, time_case
+from ringpack.analysis.robustness import imbalance_across_prices
+from ringpack.attention.kernels import resolve_backend
+from ringpack.cost import PRESETS, CostModel, ModelShape, piece_pairs
+from ringpack.shard_plan import Plan
 
 VARIANTS = {
     # name: plan options
     "first-fit + zigzag": dict(packing="first_fit", strategy="zigzag"),
     "ringpack packing + zigzag": dict(strategy="zigzag"),
     "ringpack default": dict(),
-    "ringpack, fitted model": dict(fitted=True),
+    "ringpack at FLOP prices": dict(pair_price_range=(1.0, 1.0)),
+    "ringpack with fitted model": dict(fitted=True),
 }
 
 
@@ -105,8 +107,8 @@ class ShardTimer:
         key = ("attn", tuple((lengths[p.sample], p.start, p.stop) for p in pieces))
         if key not in self.cache:
             case = Case("plan", "", mb, rank, tuple(int(x) for x in lengths))
-            self.cache[key] = time_case(case, self.attn, self.backend, self.device, torch.bfloat16, self.clock,
-                                        self.reps, 1)
+            setup = TimingSetup(self.attn, self.backend, self.device, torch.bfloat16, self.clock, self.reps, 1)
+            self.cache[key] = time_case(case, setup)
         return self.cache[key]
 
     def shard(self, mb, rank: int, lengths) -> float:
@@ -120,9 +122,9 @@ def measure_plan(plan: Plan, timer: ShardTimer, steps: int) -> dict:
     """Measured rank times of the first ``steps`` steps and the rows (features, seconds) they give."""
     lengths = plan.lengths
     step_time, busy, rows = 0.0, 0.0, []
-    for s, step in enumerate(plan.steps[:steps]):
+    for step in plan.steps[:steps]:
         dp_times = []
-        for d, mbs in enumerate(step.microbatches):
+        for mbs in step.microbatches:
             total = 0.0
             for mb in mbs:
                 ranks = [timer.shard(mb, c, lengths) for c in range(len(mb.shards))]
@@ -178,8 +180,15 @@ def main() -> int:
     for fitted_pass in (False, True):
         for name, lengths in data.items():
             per_step = int(args.fill * args.dp * args.cp * args.tokens_per_rank / lengths.mean())
-            base = dict(dp=args.dp, cp=args.cp, tokens_per_rank=args.tokens_per_rank, samples_per_step=per_step,
-                        overflow="split", seed=0, cost=flops)
+            base = dict(
+                dp=args.dp,
+                cp=args.cp,
+                tokens_per_rank=args.tokens_per_rank,
+                samples_per_step=per_step,
+                overflow="split",
+                seed=0,
+                cost=flops,
+            )
             for variant in wanted:
                 options = dict(VARIANTS[variant])
                 if options.pop("fitted", False) != fitted_pass:
@@ -196,16 +205,27 @@ def main() -> int:
                 if fitted_pass:
                     row["fitted_pair_per_token"] = options["cost"].pair / options["cost"].token
                 results.append(row)
-                print(f"{name:5s} {variant:28s} measured {m['measured_imbalance']:.3f}  "
-                      f"step {1e3 * m['step_seconds']:8.1f} ms  ({time.perf_counter() - t0:.0f} s)", flush=True)
+                print(
+                    f"{name:5s} {variant:28s} measured {m['measured_imbalance']:.3f}  "
+                    f"step {1e3 * m['step_seconds']:8.1f} ms  ({time.perf_counter() - t0:.0f} s)",
+                    flush=True,
+                )
     all_rows = [r for rows in measured_rows.values() for r in rows]
     fitted = fit_model(all_rows)
-    meta = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
-                date=time.strftime("%Y-%m-%d"), argv=sys.argv, model=args.model,
-                flop_pair_per_token=flops.pair / flops.token, fitted_pair_per_token=fitted.pair / fitted.token,
-                fitted_segment_per_token=fitted.segment / fitted.token)
+    meta = dict(
+        device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        torch=torch.__version__,
+        date=time.strftime("%Y-%m-%d"),
+        argv=sys.argv,
+        model=args.model,
+        flop_pair_per_token=flops.pair / flops.token,
+        fitted_pair_per_token=fitted.pair / fitted.token,
+        fitted_segment_per_token=fitted.segment / fitted.token,
+    )
     Path(args.out).write_text(json.dumps(dict(meta=meta, rows=results), indent=1))
-    print(f"token:pair price ratio measured {fitted.token / fitted.pair:,.0f}, FLOP model {flops.token / flops.pair:,.0f}")
+    print(
+        f"token:pair price ratio measured {fitted.token / fitted.pair:,.0f}, FLOP model {flops.token / flops.pair:,.0f}"
+    )
     print(f"wrote {args.out}")
     return 0
 

@@ -9,7 +9,7 @@ variant the median step time, tokens/s over all GPUs and each rank's busy time (
 before the gradient all-reduce; the rest of the step is waiting for the slowest rank plus the
 all-reduce). The first step of each variant is a warm-up and is not counted.
 
-Variants on 2 GPUs (``--cp`` decides DP = world / cp):
+
 
 * CP=2: ringpack ``balanced`` (cost packing + balanced split; ``+guard`` with the token guard
   ``cp_token_slack=0.02``), ``zigzag`` and ``contiguous`` splits
@@ -33,14 +33,13 @@ import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = {
-    # name: (cp, packing, strategy[, cp_token_slack])
-    "cp2 balanced": (2, "balanced", "balanced"),
-    "cp2 balanced+guard": (2, "balanced", "balanced", 0.02),
-    "cp2 zigzag": (2, "balanced", "zigzag"),
-    "cp2 contiguous": (2, "balanced", "contiguous"),
-    "cp2 first-fit+zigzag": (2, "first_fit", "zigzag"),
-    "dp2 balanced": (1, "balanced", "balanced"),
-    "dp2 first-fit": (1, "first_fit", "balanced"),
+    # name: (cp, extra arguments of examples/train.py)
+    "cp2 balanced": (2, []),
+    "cp2 zigzag": (2, ["--strategy", "zigzag"]),
+    "cp2 first-fit+zigzag": (2, ["--packing", "first_fit", "--strategy", "zigzag", "--no-learn-cost"]),
+    "cp2 balanced at FLOP prices": (2, ["--no-learn-cost", "--pair-price-range", "1,1"]),
+    "dp2 balanced": (1, []),
+    "dp2 first-fit": (1, ["--packing", "first_fit", "--no-learn-cost"]),
 }
 
 
@@ -57,8 +56,15 @@ def main() -> int:
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--model", default="llama-1b")
     p.add_argument("--tokens-per-gpu", type=int, default=65536)
-    p.add_argument("--steps", type=int, default=4, help="steps per variant (the first is warm-up)")
-    p.add_argument("--samples", type=int, default=400)
+    p.add_argument("--steps", type=int, default=10, help="steps per variant")
+    p.add_argument(
+        "--measure-from",
+        type=int,
+        default=5,
+        help="first step timed (the cost learner fits after step 3 and re-plans from step 5)",
+    )
+    p.add_argument("--samples", type=int, default=800)
+    p.add_argument("--data", choices=["pareto", "stdlib"], default="pareto", help="sample lengths (examples/train.py)")
     p.add_argument("--samples-per-step", type=int, default=48)
     p.add_argument("--len-scale", type=int, default=768, help="Pareto scale of sample lengths")
     p.add_argument(
@@ -75,7 +81,7 @@ def main() -> int:
     world = dist.get_world_size()
     results = []
     for name in args.variants.split(","):
-        cp, packing, strategy, *slack = VARIANTS[name]
+        cp, extra = VARIANTS[name]
         grid = example.make_grid(cp)
         run_args = example.parser().parse_args(
             [
@@ -85,10 +91,6 @@ def main() -> int:
                 args.model,
                 "--dtype",
                 "bf16" if torch.cuda.is_available() else "fp32",
-                "--strategy",
-                strategy,
-                "--packing",
-                packing,
                 "--tokens-per-rank",
                 str(args.tokens_per_gpu),
                 "--samples",
@@ -101,23 +103,29 @@ def main() -> int:
                 str(args.len_scale),
                 "--max-len",
                 str(args.max_len),
+                "--data",
+                args.data,
                 "--quiet",
             ]
+            + extra
             + (["--grad-ckpt"] if args.grad_ckpt else [])
             + (["--cost-profile", args.cost_profile] if args.cost_profile else [])
             + ["--backend", args.backend]
-            + (["--cp-token-slack", str(slack[0])] if slack else [])
         )
         started = time.perf_counter()
         records = example.train(run_args, grid, example.samples_for(run_args))
-        timed = records[1:] or records
+        timed = records[args.measure_from :] or records[1:] or records
+        spread = [(max(r["busy_s"]) - min(r["busy_s"])) / (sum(r["busy_s"]) / world) for r in timed]
         row = dict(
             variant=name,
             dp=world // cp,
             cp=cp,
-            packing=packing,
-            strategy=strategy,
+            packing=run_args.packing,
+            strategy=run_args.strategy,
+            learned=bool(run_args.learn_cost),
+            cost_models=[r["cost_model"] for r in records],
             steps=len(timed),
+            busy_spread=statistics.median(spread),
             step_ms=1e3 * statistics.median(r["step_s"] for r in timed),
             tokens_per_s=sum(r["global_tokens"] for r in timed) / sum(r["step_s"] for r in timed),
             busy_ms=[1e3 * statistics.median(r["busy_s"][k] for r in timed) for k in range(world)],
@@ -130,7 +138,7 @@ def main() -> int:
             busy = " ".join(f"{b:7.1f}" for b in row["busy_ms"])
             print(
                 f"{name:22s} step {row['step_ms']:8.1f} ms  {row['tokens_per_s']:10,.0f} tok/s  "
-                f"busy/rank [{busy}] ms  idle {row['idle_frac']:6.1%}",
+                f"busy/rank [{busy}] ms  spread {row['busy_spread']:6.1%}  idle {row['idle_frac']:6.1%}",
                 flush=True,
             )
         del records

@@ -24,6 +24,7 @@ and gradients against single-process training, so the example is the tested code
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -39,6 +40,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from ringpack.analysis.calibration.online import CostLearner
 from ringpack.cost import PRESETS, CostModel, ModelShape
 from ringpack.data import BalancedBatchSampler, PackedCollator, PackedDataset
 from ringpack.integrations.transformers import causal_lm_loss_sum, register
@@ -89,10 +91,23 @@ def heavy_tailed_samples(n: int, max_len: int, vocab: int, seed: int, scale: int
     return [rng.integers(0, vocab, int(length)) for length in lengths]
 
 
+def corpus_samples(n: int, max_len: int, vocab: int, seed: int, scale: float) -> list[np.ndarray]:
+    """Random token ids with the lengths of the standard-library corpus (``ringpack demo``'s data),
+    ``n`` of them drawn with a seed, scaled by ``scale`` and capped at ``max_len``."""
+    from ringpack.data.corpus import stdlib_corpus
+
+    rng = np.random.default_rng(seed)
+    lengths = rng.choice(stdlib_corpus().lengths, size=n)
+    lengths = np.clip((lengths * scale).astype(np.int64), 1, max_len)
+    return [rng.integers(0, vocab, int(length)) for length in lengths]
+
+
 def samples_for(args: argparse.Namespace) -> list[np.ndarray]:
-    """The run's synthetic data: heavy-tailed lengths up to one CP group's capacity."""
+    """The run's synthetic data: heavy-tailed lengths up to one CP group's capacity (``--data``)."""
     vocab = MODELS[args.model][5]
     max_len = args.max_len or args.cp * args.tokens_per_rank
+    if args.data == "stdlib":
+        return corpus_samples(args.samples, max_len, vocab, args.seed, args.len_scale / 16)
     return heavy_tailed_samples(args.samples, max_len, vocab, args.seed, args.len_scale)
 
 
@@ -164,13 +179,17 @@ def train(args: argparse.Namespace, grid: Grid, samples: list[np.ndarray], on_st
         model.gradient_checkpointing_enable()
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=False)
+    loader = make_loader(args, grid, samples)
+    learner = None
+    if args.learn_cost:  # time every micro-batch and re-plan with the measured prices
+        learner = CostLearner(loader.batch_sampler, grid.cp_rank, device=grid.device)
     records = []
-    for step, batches in enumerate(steps_of(make_loader(args, grid, samples))):
+    for step, batches in enumerate(steps_of(loader)):
         if args.steps and step >= args.steps:
             break
         _sync(grid)
         start = time.perf_counter()
-        loss, tokens = forward_backward(model, batches, grid, args)
+        loss, tokens = forward_backward(model, batches, grid, args, learner)
         _sync(grid)
         busy = time.perf_counter() - start
         all_reduce_grads(model)
@@ -181,7 +200,16 @@ def train(args: argparse.Namespace, grid: Grid, samples: list[np.ndarray], on_st
             on_step(step, model)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        fit = learner.end_step() if learner is not None else None
         records.append(_step_record(step, float(loss), tokens, busy, step_time, grid))
+        records[-1]["cost_model"] = loader.batch_sampler.config.cost.name
+        if fit is not None and grid.rank == 0 and args.verbose:
+            print(
+                f"step {step}: planning with measured prices from step {_switch_step(loader)} "
+                f"(a token costs as much as {fit.model.token / fit.model.pair:,.0f} attention pairs; "
+                f"fit error {fit.rms_error:.1%})",
+                flush=True,
+            )
         if grid.rank == 0 and args.verbose:
             _print_record(records[-1])
     return records
@@ -201,6 +229,7 @@ def make_loader(args: argparse.Namespace, grid: Grid, samples: list[np.ndarray])
         seed=args.seed,
         cost=_cost_model(args.model, args.cost_profile),
         cp_token_slack=args.cp_token_slack,
+        pair_price_range=args.pair_price_range,
     )
     return torch.utils.data.DataLoader(
         PackedDataset(samples),
@@ -211,14 +240,16 @@ def make_loader(args: argparse.Namespace, grid: Grid, samples: list[np.ndarray])
 
 
 def forward_backward(
-    model, batches: list[dict[str, Any]], grid: Grid, args: argparse.Namespace
+    model, batches: list[dict[str, Any]], grid: Grid, args: argparse.Namespace, learner: CostLearner | None = None
 ) -> tuple[torch.Tensor, int]:
-    """Backpropagate one step's micro-batches; this rank's share of the step loss (float64) and its tokens."""
+    """Backpropagate one step's micro-batches; this rank's share of the step loss (float64) and its tokens.
+    ``learner`` (if any) times each micro-batch's forward + backward."""
     total = torch.zeros((), dtype=torch.float64, device=grid.device)
     tokens = 0
     for batch in batches:
-        loss = microbatch_loss(model, batch, grid, args.mode, args.backend) / batch["step_loss_tokens"]
-        loss.backward()
+        with learner.measure(batch) if learner is not None else contextlib.nullcontext():
+            loss = microbatch_loss(model, batch, grid, args.mode, args.backend) / batch["step_loss_tokens"]
+            loss.backward()
         total += loss.detach().double()
         tokens += int(batch["input_ids"].numel())
     return total, tokens
@@ -257,6 +288,12 @@ def _cost_model(name: str, profile: str | None = None) -> CostModel:
     return CostModel.from_shape(ModelShape(name, hidden, layers, heads, kv_heads, ffn, vocab))
 
 
+def _switch_step(loader) -> int:
+    """The step from which the sampler plans with its latest cost model."""
+    switches = loader.batch_sampler.state_dict()["cost_switches"]
+    return switches[-1][1] if switches else 0
+
+
 def _sync(grid: Grid) -> None:
     if grid.device.type == "cuda":
         torch.cuda.synchronize(grid.device)
@@ -275,8 +312,27 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--cp-token-slack", type=float, default=None, help="balanced split: token guard (PlanConfig.cp_token_slack)"
     )
+    p.add_argument(
+        "--pair-price-range",
+        type=lambda text: tuple(float(x) for x in text.split(",")),
+        default=None,
+        metavar="LOW,HIGH",
+        help="planner: stay balanced for pair prices LOW..HIGH x the model's (PlanConfig.pair_price_range)",
+    )
     p.add_argument("--tokens-per-rank", type=int, default=512)
     p.add_argument("--samples", type=int, default=256, help="synthetic heavy-tailed samples")
+    p.add_argument(
+        "--data",
+        choices=["pareto", "stdlib"],
+        default="pareto",
+        help="sample lengths: Pareto (default) or the standard-library corpus's (random token ids either way)",
+    )
+    p.add_argument(
+        "--learn-cost",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="time every micro-batch and plan with the measured prices once fitted (default: on)",
+    )
     p.add_argument("--max-len", type=int, default=0, help="longest sample (default: cp * tokens-per-rank)")
     p.add_argument("--len-scale", type=int, default=16, help="Pareto scale of sample lengths (tokens)")
     p.add_argument("--samples-per-step", type=int, default=64)
