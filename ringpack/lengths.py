@@ -153,7 +153,14 @@ def _values_from_records(records: list, keys: tuple, path: Path) -> np.ndarray:
 
 
 def _ints(values: Any, where: str) -> np.ndarray:
-    """``values`` as a 1-D int64 array (integers, or whole finite floats); a :class:`DataError` names the sample."""
+    """``values`` as a 1-D int64 array (integers, or whole finite floats); a :class:`DataError` names the sample.
+
+    JSON ``true``/``false`` are refused even among integers (numpy would read them as 1 and 0).
+    """
+    if isinstance(values, list):
+        flag = next((i for i, x in enumerate(values) if isinstance(x, bool)), None)
+        if flag is not None:
+            raise DataError(f"{where}: sample {flag} has length {values[flag]!r}; lengths must be integers")
     return _as_int64(values, where, DataError)
 
 
