@@ -25,10 +25,13 @@ if TYPE_CHECKING:
 
 #: ``add_plan_arguments``: the flag has no default and must be given.
 REQUIRED: Any = object()
-#: Largest DP or CP size and token budget a flag accepts: far beyond any cluster, small enough
-#: that sizes and token counts stay exact in int64 arithmetic.
-MAX_RANKS = 1 << 20
+#: Largest DP size, CP size and token budget a flag accepts: far beyond any cluster, small
+#: enough that token counts stay exact in int64 and a plan's cp rank shards per micro-batch stay cheap.
+MAX_DP = 1 << 20
+MAX_CP = 1 << 12
 MAX_TOKENS = 1 << 40
+#: Largest count (samples per step, seeds, steps, ...) a flag accepts: every count stays an int64.
+MAX_COUNT = 1 << 62
 
 
 # ------------------------------------------------------------------------------------- flag types
@@ -77,9 +80,11 @@ def integer_list(low: int) -> Callable[[str], list[int]]:
     return parse
 
 
-POSITIVE = integer(1)
-COUNT = integer(0)
-RANKS = integer(1, MAX_RANKS)
+POSITIVE = integer(1, MAX_COUNT)
+COUNT = integer(0, MAX_COUNT)
+PROCESSES = integer(1, 1024)
+DP_SIZE = integer(1, MAX_DP)
+CP_SIZE = integer(1, MAX_CP)
 TOKENS = integer(1, MAX_TOKENS)
 POSITIVE_REAL = real(0.0, inclusive=False)
 NON_NEGATIVE_REAL = real(0.0)
@@ -119,8 +124,8 @@ def add_plan_arguments(
     variant declare their own). ``samples_per_step_zero`` says what ``--samples-per-step 0`` means.
     """
     if dp is not None:
-        _add_size_flag(parser, "--dp", dp, RANKS, "data-parallel size")
-    _add_size_flag(parser, "--cp", cp, RANKS, "context-parallel size")
+        _add_size_flag(parser, "--dp", dp, DP_SIZE, "data-parallel size")
+    _add_size_flag(parser, "--cp", cp, CP_SIZE, "context-parallel size")
     _add_size_flag(parser, "--tokens-per-rank", tokens_per_rank, TOKENS, "token budget of one CP rank per micro-batch")
     if strategy:
         parser.add_argument("--strategy", choices=STRATEGIES, default="balanced", help="CP split (default: balanced)")
@@ -398,7 +403,7 @@ def _add_shard_command(subparsers: argparse._SubParsersAction) -> None:
         default=65536,
         help="id range of the regex tokenizer's hashed ids (default: 65536)",
     )
-    p.add_argument("--num-proc", type=POSITIVE, default=None, help="processes for tokenizing")
+    p.add_argument("--num-proc", type=PROCESSES, default=None, help="processes for tokenizing")
     p.add_argument(
         "--steps-per-file",
         type=COUNT,
@@ -511,7 +516,7 @@ def _add_simulate_command(subparsers: argparse._SubParsersAction) -> None:
         default=[1024],
         help="GPUs, comma-separated for several shapes (default 1024); DP = gpus / cp",
     )
-    p.add_argument("--samples", type=POSITIVE, default=1_000_000, help="samples in the epoch (default 1,000,000)")
+    p.add_argument("--samples", type=integer(1, 10**9), default=1_000_000, help="samples in the epoch (default 1,000,000)")
     p.add_argument("--lengths", help="lengths file to simulate instead of drawn lengths")
     p.add_argument(
         "--dist",
@@ -536,7 +541,7 @@ def _add_simulate_command(subparsers: argparse._SubParsersAction) -> None:
         modes="ring,allgather",
         default_out="ringpack-simulation",
     )
-    p.add_argument("--jobs", type=COUNT, default=0, help="worker processes (default: all cores)")
+    p.add_argument("--jobs", type=integer(0, 1024), default=0, help="worker processes (default: all cores)")
     p.add_argument("--chunk-steps", type=POSITIVE, default=8, help="global batches planned per worker task (default 8)")
     p.set_defaults(handler=run_simulate)
 
@@ -917,8 +922,8 @@ def _add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
 def _add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="demo-out", help="folder for the report, JSON and plots (default demo-out/)")
     p.add_argument("--tokenizer", help="Hugging Face tokenizer.json (or its folder) for exact token counts")
-    p.add_argument("--dp", type=RANKS, default=4, help="data-parallel ranks (default 4)")
-    p.add_argument("--cp", type=RANKS, default=4, help="context-parallel ranks per micro-batch (default 4)")
+    p.add_argument("--dp", type=DP_SIZE, default=4, help="data-parallel ranks (default 4)")
+    p.add_argument("--cp", type=CP_SIZE, default=4, help="context-parallel ranks per micro-batch (default 4)")
     p.add_argument("--tokens-per-rank", type=TOKENS, default=32768, help="token budget per CP rank (default 32768)")
     p.add_argument(
         "--samples-per-step",

@@ -93,8 +93,8 @@ def synthetic_lengths(
 
 def _check_draw(n: int, median: float, sigma: float, max_len: int | None) -> None:
     """Refuse (``ValueError``) a sample count, median, sigma or cap of :func:`synthetic_lengths` out of range."""
-    if not _is_int(n) or n < 0:
-        raise ValueError(f"samples must be an integer >= 0, got {n!r}")
+    if not _is_int(n) or not 0 <= n < 2**63:
+        raise ValueError(f"samples must be an integer in [0, 2**63), got {n!r}")
     if not (_is_real(median) and median > 0):
         raise ValueError(f"median must be a finite number > 0, got {median!r}")
     if not (_is_real(sigma) and sigma >= 0):
