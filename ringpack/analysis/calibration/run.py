@@ -399,8 +399,11 @@ def run(args: argparse.Namespace) -> int:
 def _run_refit(args: argparse.Namespace) -> int:
     """``ringpack calibrate --refit REPORT``: the fit and the report again from stored measurements (CPU only)."""
     source = Path(args.refit)
-    report = json.loads(source.read_text())
-    if report.get("format") != "ringpack-calibration":
+    try:
+        report = json.loads(source.read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise ValueError(f"--refit {source} is not JSON: {exc}") from exc
+    if not isinstance(report, dict) or report.get("format") != "ringpack-calibration":
         raise ValueError(f"{source} is not a ringpack calibration report")
     result = refit(report)
     out = Path(args.out)
