@@ -153,19 +153,19 @@ def _values_from_records(records: list, keys: tuple, path: Path) -> np.ndarray:
 
 
 def _ints(values: Any, where: str) -> np.ndarray:
-    """``values`` as a 1-D int64 array (integers, or whole finite floats); a :class:`DataError` names the sample.
-
-    JSON ``true``/``false`` are refused even among integers (numpy would read them as 1 and 0).
-    """
-    if isinstance(values, list):
-        flag = next((i for i, x in enumerate(values) if isinstance(x, bool)), None)
-        if flag is not None:
-            raise DataError(f"{where}: sample {flag} has length {values[flag]!r}; lengths must be integers")
+    """``values`` as a 1-D int64 array (integers, or whole finite floats); a :class:`DataError` names the sample."""
     return _as_int64(values, where, DataError)
 
 
 def _as_int64(values: Any, what: str, error: type[ValueError]) -> np.ndarray:
-    """``values`` as a 1-D int64 array; ``error`` names the first sample that is not an integer of int64's range."""
+    """``values`` as a 1-D int64 array; ``error`` names the first sample that is not an integer of int64's range.
+
+    ``True``/``False`` in a list are refused even among integers (numpy would read them as 1 and 0).
+    """
+    if isinstance(values, (list, tuple)):
+        flag = next((i for i, x in enumerate(values) if isinstance(x, (bool, np.bool_))), None)
+        if flag is not None:
+            raise error(f"{what}: sample {flag} has length {values[flag]!r}; lengths must be integers")
     try:
         arr = np.asarray(values)
     except (ValueError, TypeError, OverflowError) as exc:  # ragged lists, mixed objects
