@@ -191,18 +191,7 @@ def simulate(
             naming the sample), ``chunk_steps`` or ``jobs`` below 1, no variants, or samples
             longer than a CP group with ``overflow="error"``.
     """
-    from ringpack.lengths import check_lengths
-
-    if config.samples_per_step <= 0:
-        raise ValueError("simulate needs a global batch: set samples_per_step (or --global-batch-tokens)")
-    if not _is_int(chunk_steps) or chunk_steps < 1 or (jobs is not None and (not _is_int(jobs) or jobs < 1)):
-        raise ValueError(f"chunk_steps and jobs must be integers >= 1, got {chunk_steps!r} and {jobs!r}")
-    if not variants:
-        raise ValueError("simulate needs at least one (strategy, packing) variant")
-    lengths = check_lengths(lengths, what="simulated lengths")
-    if not lengths.size:
-        raise ValueError("simulate needs at least one sample")
-    lengths = _apply_overflow(lengths, config)
+    lengths = _apply_overflow(_checked_lengths(lengths, config, variants, chunk_steps, jobs), config)
     comms = list(
         comms or [CommModel.for_model(config.cost, mode="ring"), CommModel.for_model(config.cost, mode="allgather")]
     )
@@ -239,6 +228,24 @@ def simulate(
     )
     _add_modes(doc, results_by_mode)
     return doc
+
+
+def _checked_lengths(
+    lengths: Any, config: PlanConfig, variants: Sequence[tuple[str, str]], chunk_steps: Any, jobs: Any
+) -> np.ndarray:
+    """:func:`simulate`'s arguments checked (``ValueError`` naming the bad one); the lengths as int64."""
+    from ringpack.lengths import check_lengths
+
+    if config.samples_per_step <= 0:
+        raise ValueError("simulate needs a global batch: set samples_per_step (or --global-batch-tokens)")
+    if not _is_int(chunk_steps) or chunk_steps < 1 or (jobs is not None and (not _is_int(jobs) or jobs < 1)):
+        raise ValueError(f"chunk_steps and jobs must be integers >= 1, got {chunk_steps!r} and {jobs!r}")
+    if not variants:
+        raise ValueError("simulate needs at least one (strategy, packing) variant")
+    lengths = check_lengths(lengths, what="simulated lengths")
+    if not lengths.size:
+        raise ValueError("simulate needs at least one sample")
+    return lengths
 
 
 def _apply_overflow(lengths: np.ndarray, config: PlanConfig) -> np.ndarray:

@@ -393,7 +393,7 @@ def write_shards(
 
     Args:
         dataset: a ``datasets.Dataset`` whose ``column`` holds each row's token ids (a list of
-            integers per row, int32 range).
+            integers per row, each in ``[0, 2**31)``: they are stored as int32).
         out_dir: the output directory (created if missing).
         config: the plan config (mesh, token budget, strategy, ...); the plan is made here.
         column: the token-id column.
@@ -407,8 +407,10 @@ def write_shards(
         config, per-file row groups, rows, tokens, bytes and sha256).
 
     Raises:
-        DataError: ``out_dir`` holds shards of another plan or dataset (or unreadable bookkeeping)
-            and ``overwrite`` is false; a missing column or bad lengths.
+        DataError: ``out_dir`` holds shards of another plan or dataset and ``overwrite`` is false;
+            a file in the way that no ringpack record names, or bookkeeping that is not ringpack's
+            (even with ``overwrite``); ``out_dir`` is or holds the dataset's files; a missing
+            column, a bad length or a token id outside ``[0, 2**31)`` (the sample named).
         PlanError: the lengths cannot be planned under ``config``.
 
     An interrupted run of the same inputs resumes: files whose checksum matches are kept.
@@ -444,23 +446,28 @@ def write_shards(
 
     total_mb = sum(len(step.microbatches[d]) for d in range(config.dp) for step in plan.steps)
     disable = (not progress) if progress is not None else None
-    bar = tqdm(total=total_mb, desc=f"ringpack shard -> {out}", unit="mb", disable=disable)
-    writer = _ShardWriter(out, plan, dataset, column)
-    records = []
-    for file in layout:
-        if file.name not in verified:
-            verified[file.name] = writer.write(file, bar)
-            progress_state["files_written"][file.name] = verified[file.name]
-            _write_json(out / PROGRESS, progress_state)
-        else:
-            bar.update(writer.microbatches(file))
-        records.append(writer.record(file, verified[file.name]))
-    bar.close()
-
+    with tqdm(total=total_mb, desc=f"ringpack shard -> {out}", unit="mb", disable=disable) as bar:
+        records = _write_files(_ShardWriter(out, plan, dataset, column), layout, progress_state, bar)
     manifest = _manifest(identity, plan, lengths, _write_plan_file(out, plan), records, source)
     _write_json(out / MANIFEST, manifest)
     (out / PROGRESS).unlink(missing_ok=True)
     return manifest
+
+
+def _write_files(
+    writer: _ShardWriter, layout: list[_ShardFile], progress_state: dict[str, Any], bar: Any
+) -> list[dict[str, Any]]:
+    """Write the files of ``layout`` not yet finished, each recorded in the progress record; their manifest entries."""
+    finished = progress_state["files_written"]
+    records = []
+    for file in layout:
+        if file.name not in finished:
+            finished[file.name] = writer.write(file, bar)
+            _write_json(writer.out / PROGRESS, progress_state)
+        else:
+            bar.update(writer.microbatches(file))
+        records.append(writer.record(file, finished[file.name]))
+    return records
 
 
 def _dataset_files(dataset: Any) -> list[str]:
