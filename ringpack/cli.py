@@ -51,16 +51,16 @@ def integer(low: int, high: int | None = None) -> Callable[[str], int]:
     return parse
 
 
-def real(low: float, *, inclusive: bool = True) -> Callable[[str], float]:
-    """An ``argparse`` type: a finite number ``>= low`` (``> low`` unless ``inclusive``); NaN and inf are refused."""
+def real(low: float, *, inclusive: bool = True, high: float = math.inf) -> Callable[[str], float]:
+    """An ``argparse`` type: a finite number ``>= low`` (``> low`` unless ``inclusive``) and ``<= high``."""
 
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not math.isfinite(value) or value < low or (value == low and not inclusive):
-            bound = f"{'>=' if inclusive else '>'} {low:g}"
+        if not math.isfinite(value) or value < low or (value == low and not inclusive) or value > high:
+            bound = f"{'>=' if inclusive else '>'} {low:g}" + (f" and <= {high:g}" if high < math.inf else "")
             raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text!r}")
         return value
 
@@ -88,6 +88,10 @@ CP_SIZE = integer(1, MAX_CP)
 TOKENS = integer(1, MAX_TOKENS)
 POSITIVE_REAL = real(0.0, inclusive=False)
 NON_NEGATIVE_REAL = real(0.0)
+#: Hardware rates and latencies (TFLOP/s, GB/s, microseconds): at most 1e9, beyond any hardware,
+#: so their products in FLOP/s or bytes/s stay finite.
+RATE = real(0.0, inclusive=False, high=1e9)
+LATENCY = real(0.0, high=1e9)
 #: ``PlanConfig`` field <- ``argparse`` destination of its flag.
 _CONFIG_FLAGS = (
     ("dp", "dp"),
@@ -516,7 +520,9 @@ def _add_simulate_command(subparsers: argparse._SubParsersAction) -> None:
         default=[1024],
         help="GPUs, comma-separated for several shapes (default 1024); DP = gpus / cp",
     )
-    p.add_argument("--samples", type=integer(1, 10**9), default=1_000_000, help="samples in the epoch (default 1,000,000)")
+    p.add_argument(
+        "--samples", type=integer(1, 10**9), default=1_000_000, help="samples in the epoch (default 1,000,000)"
+    )
     p.add_argument("--lengths", help="lengths file to simulate instead of drawn lengths")
     p.add_argument(
         "--dist",
@@ -602,7 +608,7 @@ def add_variant_plan_arguments(
     )
     g.add_argument(
         "--tflops",
-        type=POSITIVE_REAL,
+        type=RATE,
         default=400.0,
         help="achieved fwd+bwd TFLOP/s per GPU for predicted times (default 400)",
     )
@@ -626,10 +632,8 @@ def add_comm_arguments(p: argparse.ArgumentParser, modes: str = "ring") -> None:
     g.add_argument(
         "--link", default="nvlink", choices=sorted(LINKS), help="link preset for CP traffic (default nvlink)"
     )
-    g.add_argument("--bandwidth", type=POSITIVE_REAL, help="link bandwidth in GB/s (overrides --link)")
-    g.add_argument(
-        "--latency-us", type=NON_NEGATIVE_REAL, help="per-message latency in microseconds (overrides --link)"
-    )
+    g.add_argument("--bandwidth", type=RATE, help="link bandwidth in GB/s (overrides --link)")
+    g.add_argument("--latency-us", type=LATENCY, help="per-message latency in microseconds (overrides --link)")
     g.add_argument("--modes", default=modes, help=f"attention modes, first is the headline (default {modes})")
 
 
@@ -932,7 +936,7 @@ def _add_demo_arguments(p: argparse.ArgumentParser) -> None:
         help="global batch in samples (default: about one full micro-batch per DP rank)",
     )
     p.add_argument("--model", default="llama3-8b", help="cost-model preset (default llama3-8b)")
-    p.add_argument("--tflops", type=POSITIVE_REAL, default=400.0, help="achieved fwd+bwd TFLOP/s per GPU (default 400)")
+    p.add_argument("--tflops", type=RATE, default=400.0, help="achieved fwd+bwd TFLOP/s per GPU (default 400)")
     p.add_argument("--link", default="nvlink", help="CP link preset for the communication model (default nvlink)")
     p.add_argument("--seed", type=COUNT, default=0)
     p.add_argument("--quick", action="store_true", help="a 300-file subset of the corpus (for tests)")

@@ -76,7 +76,8 @@ def synthetic_lengths(
         pool = stdlib_corpus().lengths
         out = rng.choice(pool, size=n)
     elif source == "lognormal":
-        draws = np.round(median * np.exp(sigma * rng.standard_normal(n)))
+        with np.errstate(over="ignore"):  # an overflow to inf is refused just below
+            draws = np.round(median * np.exp(sigma * rng.standard_normal(n)))
         if draws.size and not draws.max() <= MAX_LENGTH:
             raise ValueError(
                 f"log-normal lengths (median {median:g}, sigma {sigma:g}) reach {draws.max():.3g} tokens, "

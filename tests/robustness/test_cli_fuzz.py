@@ -190,10 +190,10 @@ def test_report(inputs, data):
     )
     out = data.draw(pick([fresh(inputs, "report")], [inputs["lengths"]["good.npy"]]))
     flags = planning_flags(inputs) | {
-        "--tflops": pick(["400", "1e-3"], ["0", "nan", "-5", "inf"]),
+        "--tflops": pick(["400", "1e-3"], ["0", "nan", "-5", "inf", "1e308"]),
         "--link": pick(["nvlink", "ib"], ["carrier-pigeon"]),
-        "--bandwidth": pick(["100"], ["0", "nan", "-1"]),
-        "--latency-us": pick(["0", "5"], ["nan", "-1"]),
+        "--bandwidth": pick(["100"], ["0", "nan", "-1", "1e308"]),
+        "--latency-us": pick(["0", "5"], ["nan", "-1", "1e308"]),
         "--modes": pick(["ring", "ring,allgather"], ["tree", ","]),
         "--strategies": pick(["balanced", "zigzag,balanced"], ["nope", ""]),
         "--packings": pick(["first_fit", "balanced,first_fit"], ["nope"]),
@@ -224,7 +224,7 @@ def test_simulate(inputs, data):
         "--gpus": pick(["4", "4,8", "8"], ["3", "0", "a", "", "4,,8", "-4"]),
         "--dist": pick(["stdlib", "lognormal"], ["uniform"]),
         "--median": pick(["400", "20", "3000"], ["-1", "0", "nan", "inf", "1e30"]),
-        "--sigma": pick(["0", "0.5", "1.3"], ["-1", "nan", "60"]),
+        "--sigma": pick(["0", "0.5", "1.3"], ["-1", "nan", "60", "1e300"]),
         "--lengths": pick([str(lengths["good.npy"])], [str(p) for p in lengths.values()]),
         "--global-batch-tokens": numbers("0", "2000", high=100_000),
         "--jobs": pick(["1"], ["-1", "x"]),
