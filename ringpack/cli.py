@@ -25,11 +25,12 @@ if TYPE_CHECKING:
 
 #: ``add_plan_arguments``: the flag has no default and must be given.
 REQUIRED: Any = object()
-#: Largest DP size, CP size and token budget a flag accepts: far beyond any cluster, small
-#: enough that token counts stay exact in int64 and a plan's cp rank shards per micro-batch stay cheap.
+#: Largest DP size, CP size and CP group (cp x tokens per rank) the flags accept: far beyond any
+#: cluster, small enough that a plan's rank shards per micro-batch stay cheap and a planned sample's
+#: causal pair count, about length**2 / 2, stays exact in int64.
 MAX_DP = 1 << 20
 MAX_CP = 1 << 12
-MAX_TOKENS = 1 << 40
+MAX_TOKENS = 1 << 31
 #: Largest count (samples per step, seeds, steps, ...) a flag accepts: every count stays an int64.
 MAX_COUNT = 1 << 62
 
@@ -240,7 +241,13 @@ def plan_config_from_args(args: argparse.Namespace, **overrides: Any):
     fields = {name: given[dest] for name, dest in _CONFIG_FLAGS if dest in given and name not in overrides}
     if "cost" not in overrides:
         fields["cost"] = cost_model_from_args(args)
-    return PlanConfig(**fields, **overrides)
+    config = PlanConfig(**fields, **overrides)
+    if config.group_capacity > MAX_TOKENS:
+        raise ValueError(
+            f"--cp {config.cp} x --tokens-per-rank {config.tokens_per_rank} = {config.group_capacity} tokens per CP "
+            f"group, more than {MAX_TOKENS} (where causal pair counts stop being exact in int64)"
+        )
+    return config
 
 
 # ------------------------------------------------------------------------------- inputs and outputs

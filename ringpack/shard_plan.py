@@ -197,12 +197,12 @@ class PlanConfig:
     def __post_init__(self) -> None:
         for name in ("dp", "cp", "tokens_per_rank"):
             value = getattr(self, name)
-            if not _is_int(value) or value < 1:
-                raise PlanError(f"PlanConfig.{name} must be a positive integer, got {value!r}")
+            if not _is_int(value) or not 1 <= value < _INT64_LIMIT:
+                raise PlanError(f"PlanConfig.{name} must be a positive integer below 2**63, got {value!r}")
         for name in ("samples_per_step", "microbatches_per_rank", "seed", "epoch"):
             value = getattr(self, name)
-            if not _is_int(value) or value < 0:
-                raise PlanError(f"PlanConfig.{name} must be a non-negative integer, got {value!r}")
+            if not _is_int(value) or not 0 <= value < _INT64_LIMIT:
+                raise PlanError(f"PlanConfig.{name} must be a non-negative integer below 2**63, got {value!r}")
         if self.strategy not in STRATEGIES:
             raise PlanError(f"PlanConfig.strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         if self.packing not in PACKINGS:
