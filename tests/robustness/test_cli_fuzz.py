@@ -118,7 +118,7 @@ def mesh(data, cp_high: int = 8) -> list[str]:
         "--cp",
         data.draw(numbers("1", "2", "4", low=1, high=cp_high, good_in_ten=9)),
         "--tokens-per-rank",
-        data.draw(numbers("64", "256", "4096", low=1, high=100_000, good_in_ten=9)),
+        data.draw(numbers("64", "256", "4096", str(2**30), low=1, high=100_000, good_in_ten=9)),
     ]
 
 
