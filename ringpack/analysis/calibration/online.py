@@ -49,8 +49,10 @@ class LearnerConfig:
 
     Attributes:
         warmup_steps: first steps whose timings are ignored (compilation, allocator growth).
-        first_fit_after: steps of timings (after warm-up) before the first fit.
-        refit_every: steps between later fits (each fit is one small collective on every rank).
+        first_fit_after: steps of timings (after warm-up) before the first fit; until a fit is
+            accepted, one is tried after every step.
+        refit_every: steps between fits once one was accepted (each fit is one small collective on
+            every rank).
         window_steps: fits use the timings of at most this many recent steps.
         min_observations: fewest observations (after outliers are dropped) a fit needs.
         max_error: a fit whose relative RMS error on its own observations exceeds this is rejected.
@@ -60,10 +62,10 @@ class LearnerConfig:
     """
 
     warmup_steps: int = 1
-    first_fit_after: int = 2
+    first_fit_after: int = 3
     refit_every: int = 8
     window_steps: int = 64
-    min_observations: int = 8
+    min_observations: int = 6
     max_error: float = 0.2
     min_change: float = 0.03
     lead_steps: int = 1
@@ -286,7 +288,7 @@ class CostLearner:
         readable = self._step - 1 - self.config.warmup_steps  # steps whose timings have been read
         if readable < self.config.first_fit_after:
             return None
-        if self._last_fit and self._step - self._last_fit < self.config.refit_every:
+        if self.history and self._step - self._last_fit < self.config.refit_every:
             return None
         self._last_fit = self._step
         return self._fit_and_switch()
@@ -302,7 +304,9 @@ class CostLearner:
         rows = np.asarray([r for part, _ in gathered for r in part], dtype=np.float64).reshape(-1, len(ROW))
         planned = max(p for _, p in gathered)
         result = fit_rank_times(rows, self.model) if len(rows) else None
-        coef = torch.tensor(_encode(result), dtype=torch.float64)
+        # a tensor where the group's backend can broadcast it (NCCL: the rank's current GPU)
+        where = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" else "cpu"
+        coef = torch.tensor(_encode(result), dtype=torch.float64, device=where)
         dist.broadcast(
             coef, src=dist.get_global_rank(self.group, 0) if self.group is not None else 0, group=self.group
         )  # bit-identical on every rank
