@@ -138,24 +138,29 @@ def main() -> int:
             busy = " ".join(f"{b:7.1f}" for b in row["busy_ms"])
             print(
                 f"{name:22s} step {row['step_ms']:8.1f} ms  {row['tokens_per_s']:10,.0f} tok/s  "
-                f"busy/rank [{busy}] ms  spread {row['busy_spread']:6.1%}  idle {row['idle_frac']:6.1%}",
+                f"busy/rank [{busy}] ms  spread {row['busy_spread']:6.1%}  idle {row['idle_frac']:6.1%}  "
+                f"cost model from step {next((i for i, c in enumerate(row['cost_models']) if c == 'learned'), '-')}",
                 flush=True,
             )
+            _write(args.out, world, results)  # after every variant: a run cut short keeps what it measured
         del records
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     if dist.get_rank() == 0:
-        meta = dict(
-            torch=torch.__version__,
-            world=world,
-            date=time.strftime("%Y-%m-%d"),
-            argv=sys.argv,
-            device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        )
-        Path(args.out).write_text(json.dumps(dict(meta=meta, rows=results), indent=1))
         print(f"wrote {args.out}")
     dist.destroy_process_group()
     return 0
+
+
+def _write(out: str, world: int, rows: list[dict]) -> None:
+    meta = dict(
+        torch=torch.__version__,
+        world=world,
+        date=time.strftime("%Y-%m-%d"),
+        argv=sys.argv,
+        device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+    )
+    Path(out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
 
 
 if __name__ == "__main__":
