@@ -302,16 +302,17 @@ def test_balanced_split_is_robust_to_a_mispriced_cost_model():
     costs 2x more (or tokens do): equal cost with near-equal tokens means near-equal pairs. Without
     the guard the same data is off by up to ~19%, which is what the guard is for."""
     from ringpack.cost import CostModel, rank_costs
-    from ringpack.planner.split import RECOMMENDED_TOKEN_SLACK, split_balanced
+    from ringpack.planner.split import split_balanced
+    from ringpack.shard_plan import ROBUST_TOKEN_SLACK
 
     rng = np.random.default_rng(7)
     flops = CostModel.preset("llama-1b")
     for trial in range(20):
         lengths = np.minimum(32768, (512 * (1 + rng.pareto(1.2, 40))).astype(np.int64)).tolist()
         samples = list(range(len(lengths)))
-        mb = split_balanced(samples, lengths, 2, 1 << 20, flops, token_slack=RECOMMENDED_TOKEN_SLACK)
+        mb = split_balanced(samples, lengths, 2, 1 << 20, flops, token_slack=ROBUST_TOKEN_SLACK)
         tokens = np.array([s.num_tokens for s in mb.shards])
-        assert tokens.max() <= np.ceil(tokens.sum() / 2 * (1 + RECOMMENDED_TOKEN_SLACK)), trial
+        assert tokens.max() <= np.ceil(tokens.sum() / 2 * (1 + ROBUST_TOKEN_SLACK)), trial
         for truth in (
             CostModel(token=flops.token, pair=2 * flops.pair),
             CostModel(token=2 * flops.token, pair=flops.pair),

@@ -25,7 +25,6 @@ from __future__ import annotations
 from ringpack.planner.split.balanced import (
     CP_BALANCE_TOLERANCE,
     LOCKSTEP_MIN_GROUPS,
-    RECOMMENDED_TOKEN_SLACK,
     split_balanced,
     split_balanced_many,
 )
@@ -38,6 +37,5 @@ __all__ = [
     "split_balanced_many",
     "split_zigzag_even",
     "CP_BALANCE_TOLERANCE",
-    "RECOMMENDED_TOKEN_SLACK",
     "LOCKSTEP_MIN_GROUPS",
 ]

@@ -35,7 +35,6 @@ __all__ = [
     "split_balanced",
     "split_balanced_many",
     "CP_BALANCE_TOLERANCE",
-    "RECOMMENDED_TOKEN_SLACK",
     "LOCKSTEP_MIN_GROUPS",
 ]
 
@@ -44,18 +43,6 @@ __all__ = [
 #: a sample that would otherwise stay whole is split instead. Splitting trades K/V traffic for
 #: balance; 0.1% of imbalance is far below run-to-run noise and saves most splits.
 CP_BALANCE_TOLERANCE = 1e-3
-
-
-#: A ``token_slack`` that makes ``balanced`` robust to a mispriced cost model (opt-in through
-#: ``PlanConfig.cp_token_slack``). Why: a rank's time is ``token*tokens + pair*pairs`` with
-#: coefficients a FLOP model misprices by up to 2x (attention kernels run at about half the FLOP
-#: rate of the linear layers; norms, activations and the loss are per-token work FLOPs ignore).
-#: With tokens free, the split trades one rank's tokens for another's attention pairs at the
-#: model's price; holding every rank within ``1 + slack`` of the mean tokens makes equal cost mean
-#: (nearly) equal pairs too, balanced under *any* coefficients. The price (benchmarks/planner.py,
-#: BENCHMARKS.md): more samples cut, so more K/V crossing ranks, and slower planning. A calibrated
-#: profile (``ringpack calibrate``) is the other cure.
-RECOMMENDED_TOKEN_SLACK = 0.02
 
 
 #: From this many micro-batches on, :func:`split_balanced_many` runs the best fit of all of them
@@ -76,7 +63,7 @@ def split_balanced(
 
     1. Every CP rank gets a cost room of ``(1 + tolerance) * sum(sample costs) / cp`` and a token
        room of ``tokens_per_rank``, tightened to ``(1 + token_slack)`` times the mean tokens per
-       rank when ``token_slack`` is given (see :data:`RECOMMENDED_TOKEN_SLACK`; ``None`` leaves
+       rank when ``token_slack`` is given (``PlanConfig.token_slack`` says when it pays; ``None`` leaves
        tokens free for the cost model to trade).
     2. Carving: samples that fit whole on no rank, most expensive first, each put their longest
        suffix an untouched rank holds on a rank of its own: the K/V a split sample sends is
@@ -110,7 +97,8 @@ def split_balanced(
         tokens_per_rank: token budget of every rank.
         cost: the cost model the ranks are balanced by.
         tolerance: see :data:`CP_BALANCE_TOLERANCE`.
-        token_slack: see :data:`RECOMMENDED_TOKEN_SLACK` (>= 0, or ``None``).
+        token_slack: hold every rank within ``1 + token_slack`` of the mean tokens (>= 0), or ``None``
+            for tokens free (``PlanConfig.token_slack`` and ``ROBUST_TOKEN_SLACK`` say when it pays).
 
     Returns:
         The micro-batch with one shard per CP rank.
