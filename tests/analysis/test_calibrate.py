@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from ringpack.analysis.calibration import run as cal
 from ringpack.attention.schedule import compile_schedule
@@ -195,6 +196,31 @@ def parse(*argv: str) -> argparse.Namespace:
     return build_parser().parse_args(["calibrate", *argv])
 
 
+class FlopClock(cal.Clock):
+    """A deterministic clock: a repetition takes its FLOPs (as torch's ``FlopCounterMode`` counts them) at 1 GFLOP/s.
+
+    The dry run's shards take about a millisecond each on the CPU, so on a loaded machine wall-clock
+    noise can swamp their differences and leave the fit no signal; counted work has none.
+    """
+
+    def __init__(self) -> None:
+        super().__init__("cpu")
+
+    @property
+    def kind(self) -> str:
+        return "flops"
+
+    def measure(self, fn, warmup: int, reps: int) -> list[float]:
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(reps):
+            with FlopCounterMode(display=False) as counter:
+                fn()
+            times.append(counter.get_total_flops() * 1e-9)
+        return times
+
+
 def test_cpu_dry_run_writes_a_loadable_profile(tmp_path, capsys):
     out = tmp_path / "prof" / "profile.json"
     args = parse(
@@ -218,14 +244,15 @@ def test_cpu_dry_run_writes_a_loadable_profile(tmp_path, capsys):
         "--out",
         str(out),
     )
-    assert cal.run(args) == 0
+    assert cal.run(args, clock=FlopClock()) == 0
     text = capsys.readouterr().out
     assert "held-out" in text and "r=" in text and "max error" in text
     profile = CostModel.load(out)
-    assert profile.unit == "s" and profile.token > 0 and profile.pair >= 0 and profile.segment >= 0
+    assert profile.unit == "s" and profile.token > 0 and profile.pair > 0 and profile.segment >= 0
     assert profile.name == "tiny-h2kv1d16"
     report = json.loads((tmp_path / "prof" / "profile.report.json").read_text())
     assert report["format"] == "ringpack-calibration" and report["meta"]["backend"] == "reference"
+    assert report["meta"]["timer"] == "flops"  # the clock the run was given timed it
     assert report["linear"]["layer_token_s"] > 0  # mode linear (default) timed the tiny preset's GEMMs
     assert report["profile"] == profile.to_dict()
     assert len(report["eval_rows"]) == report["held_out"]["n"] >= 4

@@ -166,6 +166,9 @@ class CalibrationSettings:
         timer: ``"gpu"`` queues each shard's repetitions behind a GPU sleep, so the host's launch
             time is hidden and the GPU's execution is measured (what a training step that keeps
             the GPU busy sees); ``"wall"`` times from the first launch, host overhead included.
+        clock: the :class:`Clock` that times every repetition, in place of the one ``device`` and
+            ``timer`` pick (CUDA events, or ``perf_counter`` on the CPU); a deterministic clock
+            makes a dry run reproducible.
 
     Raises:
         ValueError: an unknown ``mode`` or ``timer``.
@@ -182,6 +185,7 @@ class CalibrationSettings:
     seed: int = 0
     name: str = "calibrated"
     timer: str = "gpu"
+    clock: Clock | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in ("linear", "attention"):
@@ -259,7 +263,7 @@ def _timing_setup(shape: AttentionShape, settings: CalibrationSettings) -> Timin
         backend=resolve_backend(settings.backend, probe),
         device=device,
         dtype=dtype,
-        clock=Clock(device, queued=settings.timer == "gpu"),
+        clock=settings.clock or Clock(device, queued=settings.timer == "gpu"),
         reps=settings.reps,
         warmup=settings.warmup,
         generator=torch.Generator(device=device).manual_seed(settings.seed),
@@ -349,8 +353,13 @@ def refit(report: dict[str, Any]) -> Calibration:
 # ----------------------------------------------------------------------------------------------- CLI
 
 
-def run(args: argparse.Namespace) -> int:
-    """``ringpack calibrate``: exit 0 with the profile written, 2 when no usable device."""
+def run(args: argparse.Namespace, clock: Clock | None = None) -> int:
+    """``ringpack calibrate``: exit 0 with the profile written, 2 when no usable device.
+
+    Args:
+        args: the parsed ``ringpack calibrate`` arguments.
+        clock: times the repetitions in place of the device's clock (:attr:`CalibrationSettings.clock`).
+    """
     import torch
 
     if getattr(args, "refit", None):
@@ -390,6 +399,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         name=name,
         timer=args.timer,
+        clock=clock,
     )
     result = calibrate(shape, preset, settings, log=log)
     _write(result, args)
