@@ -598,15 +598,17 @@ def render_html(doc: dict[str, Any], figures: dict[str, Path]) -> str:
 def plan_strategies(
     lengths: np.ndarray, config, variants: Sequence[tuple[str, str]] = DEFAULT_VARIANTS, progress: Any = None
 ) -> list:
-    """Plan ``lengths`` once per (strategy, packing) variant of ``config`` with the balancer's ``make_plan``."""
+    """Plan ``lengths`` once per (strategy, packing) variant of ``config`` with the balancer's ``make_plan``.
+
+    ``progress``: a :class:`~ringpack.progress.Progress` counting the steps planned over all variants.
+    """
     import dataclasses
 
     from ringpack.planner import make_plan
 
     plans = []
-    for strategy, packing in variants:
+    for k, (strategy, packing) in enumerate(variants):
         cfg = dataclasses.replace(config, strategy=strategy, packing=packing)
-        plans.append(make_plan(lengths, cfg))
-        if progress is not None:
-            progress.update(1)
+        steps = None if progress is None else progress.part(k, len(variants))
+        plans.append(make_plan(lengths, cfg, progress=steps))
     return plans

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from ringpack._hints import option
 from ringpack.analysis.comm_model import CommModel
 from ringpack.analysis.metrics import PlanMetrics, evaluate_plan
 from ringpack.analysis.report import StrategyResult, build_report, timed
@@ -259,7 +260,7 @@ def _apply_overflow(lengths: np.ndarray, config: PlanConfig) -> np.ndarray:
     if config.overflow == "error":
         raise ValueError(
             f"{int((lengths > capacity).sum())} samples exceed one CP group ({capacity} tokens); "
-            "use overflow 'split' or 'drop'"
+            f"use {option('overflow', 'split')} or {option('overflow', 'drop')}"
         )
     if config.overflow == "drop":
         return lengths[lengths <= capacity]
@@ -279,13 +280,12 @@ def _plan_tasks(
 ) -> tuple[dict[int, dict[int, tuple[PlanMetrics, list]]], float]:
     """Run :func:`_plan_chunk` on every task (``jobs`` processes); ``parts[variant][chunk]`` and CPU seconds.
 
-    ``desc``: the progress bar's label, ``None`` for no bar.
+    ``desc``: the progress label (samples planned, over all variants), ``None`` for no progress.
     """
-    bar = None
-    if desc is not None:
-        from tqdm.auto import tqdm
+    from ringpack.progress import Progress
 
-        bar = tqdm(total=len(tasks), desc=desc, unit="chunk")
+    samples = {(v, c): len(lengths) for v, c, lengths, _ in tasks}
+    bar = Progress(desc or "", "samples", sum(samples.values()), enabled=desc is not None)
     parts: dict[int, dict[int, tuple[PlanMetrics, list]]] = {v: {} for v, *_ in tasks}
     busy = 0.0
 
@@ -294,8 +294,7 @@ def _plan_tasks(
         v, c, metrics, bounds, seconds = result
         parts[v][c] = (metrics, bounds)
         busy += seconds
-        if bar:
-            bar.update(1)
+        bar.update(samples[v, c])
 
     if jobs <= 1:
         for task in tasks:
@@ -304,8 +303,7 @@ def _plan_tasks(
         with ProcessPoolExecutor(max_workers=jobs) as pool:
             for future in as_completed([pool.submit(_plan_chunk, t) for t in tasks]):
                 collect(future.result())
-    if bar:
-        bar.close()
+    bar.close()
     return parts, busy
 
 

@@ -8,7 +8,8 @@ so every rank computes the same plan, with the same number of steps, without com
    ``"error"`` (default) raises naming the sample; ``"drop"`` lists it in ``Plan.dropped``;
    ``"split"`` cuts it into ``ceil(length / capacity)`` near-equal consecutive *documents* that are
    planned as independent samples -- attention does not cross a cut, and the plan's ``lengths``
-   are then those of the documents (see :func:`expand_overflow` for the mapping back).
+   are then those of the documents (see :func:`expand_overflow` for the mapping back). A split
+   that would create more documents than :func:`split_document_limit` allows is refused.
 2. **Shuffled windows.** Samples are permuted by a keyed hash of ``(seed, epoch, index)``
    (splitmix64; identical on every platform and NumPy version) and cut into global batches of
    ``samples_per_step`` (``0``: one step with all). Balancing happens only *inside* a global batch:
@@ -38,11 +39,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
+from ringpack._hints import option
 from ringpack.cost import CostModel
 from ringpack.lengths import check_lengths
 from ringpack.planner.packing import PackingProblem, fill_empty_bins, improve, pack_first_fit, pack_greedy
@@ -56,13 +58,27 @@ from ringpack.planner.split import (
 )
 from ringpack.shard_plan import MicroBatch, Plan, PlanConfig, PlanError, Step
 
-__all__ = ["make_plan", "as_lengths", "expand_overflow", "shuffle_order", "step_lower_bound", "split_microbatch"]
+__all__ = [
+    "make_plan",
+    "as_lengths",
+    "expand_overflow",
+    "shuffle_order",
+    "split_document_limit",
+    "step_lower_bound",
+    "split_microbatch",
+]
 
 #: With ``microbatches_per_rank=0`` the planner uses the fewest micro-batches per DP rank that hold
 #: the tokens, ``m``; when the token budget then keeps the step more than this far above its lower
 #: bound (samples cannot move between DP ranks without overflowing a micro-batch), it also tries
 #: ``m + 1`` and keeps whichever balances better.
 AUTO_MICROBATCH_GAP = 0.01
+#: ``overflow="split"`` may create at most this many documents per input sample (on average), at
+#: least :data:`MIN_SPLIT_DOCUMENTS` and never more than :data:`MAX_SPLIT_DOCUMENTS` in all: a plan
+#: holds every document as objects, so a sample of 2**40 tokens must not become 2**25 of them.
+SPLIT_DOCUMENTS_PER_SAMPLE = 100
+MIN_SPLIT_DOCUMENTS = 100_000
+MAX_SPLIT_DOCUMENTS = 10**8
 
 
 # ----------------------------------------------------------------------------------------- inputs
@@ -74,15 +90,31 @@ def as_lengths(lengths: Any) -> np.ndarray:
     return arr
 
 
+def split_document_limit(num_samples: int) -> int:
+    """The most documents ``overflow="split"`` may leave of ``num_samples`` input samples."""
+    return min(MAX_SPLIT_DOCUMENTS, max(SPLIT_DOCUMENTS_PER_SAMPLE * num_samples, MIN_SPLIT_DOCUMENTS))
+
+
 def expand_overflow(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Cut every sample longer than ``capacity`` into ``ceil(length / capacity)`` near-equal documents.
 
-    Returns ``(doc_lengths, doc_sample, doc_offset)``: document ``k`` is tokens
-    ``[doc_offset[k], doc_offset[k] + doc_lengths[k])`` of input sample ``doc_sample[k]``. Documents
-    keep input order (a cut sample's documents are consecutive). Identity when nothing is too long.
+    Args:
+        lengths: int64 ``[N]``, every entry >= 1.
+        capacity: the most tokens of one document (one CP group's tokens), >= 1.
+
+    Returns:
+        ``(doc_lengths, doc_sample, doc_offset)``, int64 ``[D]``: document ``k`` is tokens
+        ``[doc_offset[k], doc_offset[k] + doc_lengths[k])`` of input sample ``doc_sample[k]``.
+        Documents keep input order (a cut sample's documents are consecutive). Identity when
+        nothing is too long.
+
+    Raises:
+        PlanError: ``D`` would exceed :func:`split_document_limit` (checked before anything of size
+            ``D`` is allocated), naming the sample cut into the most documents.
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     pieces = -(-lengths // capacity)
+    _check_document_count(lengths, pieces, capacity)
     doc_sample = np.repeat(np.arange(len(lengths), dtype=np.int64), pieces)
     first = np.concatenate([[0], np.cumsum(pieces)[:-1]])
     j = np.arange(len(doc_sample), dtype=np.int64) - np.repeat(first, pieces)
@@ -91,6 +123,29 @@ def expand_overflow(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, np.
     doc_offset = (j * L) // k
     doc_end = ((j + 1) * L) // k
     return doc_end - doc_offset, doc_sample, doc_offset
+
+
+def _check_document_count(lengths: np.ndarray, pieces: np.ndarray, capacity: int) -> None:
+    """Refuse a split into more documents than :func:`split_document_limit` allows (bounded time and memory)."""
+    limit = split_document_limit(len(lengths))
+    worst = int(np.argmax(pieces)) if len(pieces) else 0
+    most = int(pieces[worst]) if len(pieces) else 0
+    if most > limit:
+        cut = f"sample {worst} ({int(lengths[worst])} tokens) into {most:,} documents"
+    else:  # every count is at most the limit, so the sum stays far inside int64
+        total = int(pieces.sum())
+        if total <= limit:
+            return
+        cut = (
+            f"{int((pieces > 1).sum()):,} samples into {total:,} documents in all (sample {worst}, "
+            f"{int(lengths[worst])} tokens, into {most:,})"
+        )
+    raise PlanError(
+        f"{option('overflow', 'split')} would cut {cut} of at most {capacity} tokens; a split may leave at most "
+        f"{limit:,} documents of {len(lengths):,} samples ({SPLIT_DOCUMENTS_PER_SAMPLE} per sample, at least "
+        f"{MIN_SPLIT_DOCUMENTS:,}, at most {MAX_SPLIT_DOCUMENTS:,}). Raise {option('tokens_per_rank')} or "
+        f"{option('cp')}, or leave such samples out with {option('overflow', 'drop')}"
+    )
 
 
 def _mix64(x: np.ndarray) -> np.ndarray:
@@ -187,7 +242,8 @@ def _plan_step(index: int, ids: np.ndarray, lengths: np.ndarray, config: PlanCon
         raise PlanError(
             f"step {index}: {len(ids)} samples ({int(L.sum())} tokens) do not fit dp={dp} x {m} micro-batches of "
             f"cp*tokens_per_rank={config.group_capacity} tokens with {config.packing!r} packing; raise "
-            "tokens_per_rank" + (" or microbatches_per_rank (0 chooses it)" if config.microbatches_per_rank else "")
+            + option("tokens_per_rank")
+            + (f" or {option('microbatches_per_rank')} (0 chooses it)" if config.microbatches_per_rank else "")
         )
     groups = _microbatch_groups(ids, bins, dp * m)
     if config.strategy == "balanced":  # all micro-batches of the step at once (the same splits, faster)
@@ -215,7 +271,8 @@ def _microbatch_range(index: int, L: np.ndarray, config: PlanConfig) -> tuple[in
         raise PlanError(
             f"step {index}: {n} samples cannot fill dp={dp} x {m_lo} micro-batches "
             f"({total} tokens, {capacity} tokens per micro-batch); every micro-batch needs a sample: "
-            "use more samples per step, a larger tokens_per_rank, or fewer micro-batches per rank"
+            f"use more samples per step ({option('samples_per_step')}), a larger {option('tokens_per_rank')}, "
+            f"or fewer micro-batches per rank ({option('microbatches_per_rank')})"
         )
     return m_lo, m_hi
 
@@ -330,12 +387,14 @@ def _microbatch_groups(ids: np.ndarray, bins: np.ndarray, num_bins: int) -> list
     return groups
 
 
-def make_plan(lengths: Any, config: PlanConfig) -> Plan:
+def make_plan(lengths: Any, config: PlanConfig, *, progress: Callable[[int, int], None] | None = None) -> Plan:
     """Plan ``lengths`` (one per sample) for ``config``; see the module docstring for the rules.
 
     Args:
         lengths: tokens of every sample, a 1-D integer sequence or array, each >= 1.
         config: parallelism, token budget, cost model, strategies, seed and epoch.
+        progress: called after every step with ``(steps planned, steps in the plan)``
+            (e.g. :meth:`ringpack.progress.Progress.advance_to`).
 
     Returns:
         The validated plan: one :class:`Step` per global batch; the same on every rank for the
@@ -344,7 +403,8 @@ def make_plan(lengths: Any, config: PlanConfig) -> Plan:
     Raises:
         PlanError: invalid or empty ``lengths``; a sample longer than one CP group holds with
             ``overflow="error"``; no sample left after dropping; a global batch whose samples
-            cannot fill, or do not fit, its ``dp x m`` micro-batches.
+            cannot fill, or do not fit, its ``dp x m`` micro-batches; ``overflow="split"`` cutting
+            samples into more documents than :func:`split_document_limit` allows.
     """
     lengths, dropped, origins = _apply_overflow(as_lengths(lengths), config)
     keep = np.ones(len(lengths), dtype=bool)
@@ -358,11 +418,13 @@ def make_plan(lengths: Any, config: PlanConfig) -> Plan:
         )
     min_samples = config.dp * max(config.microbatches_per_rank, 1)
     length_list = lengths.tolist()
-    steps = tuple(
-        _plan_step(s, ids, lengths, config, length_list)
-        for s, ids in enumerate(_windows(order, config.samples_per_step, min_samples))
-    )
-    return Plan(config=config, lengths=tuple(lengths.tolist()), steps=steps, dropped=dropped, origins=origins)
+    windows = _windows(order, config.samples_per_step, min_samples)
+    steps = []
+    for s, ids in enumerate(windows):
+        steps.append(_plan_step(s, ids, lengths, config, length_list))
+        if progress is not None:
+            progress(s + 1, len(windows))
+    return Plan(config=config, lengths=tuple(length_list), steps=tuple(steps), dropped=dropped, origins=origins)
 
 
 def _apply_overflow(
@@ -383,7 +445,8 @@ def _apply_overflow(
         raise PlanError(
             f"sample {first} has {int(lengths[first])} tokens, more than one CP group holds "
             f"(cp={config.cp} x tokens_per_rank={config.tokens_per_rank} = {capacity}); "
-            f"{too_long.size} sample(s) too long. Raise tokens_per_rank or cp, or set overflow='drop' or 'split'"
+            f"{too_long.size} sample(s) too long. Raise {option('tokens_per_rank')} or {option('cp')}, or use "
+            f"{option('overflow', 'drop')} or {option('overflow', 'split')}"
         )
     if config.overflow == "drop":
         return lengths, tuple(int(x) for x in too_long), ()
