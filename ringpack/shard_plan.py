@@ -65,6 +65,15 @@ STRATEGIES = ("balanced", "zigzag", "contiguous")
 PACKINGS = ("balanced", "first_fit")
 OVERFLOW_POLICIES = ("error", "split", "drop")
 TABLE_COLUMNS = ("step", "dp", "microbatch", "cp", "slot", "sample", "start", "stop")
+#: Items a repr lists before it only counts the rest (a plan's objects can hold millions).
+_SHOWN = 4
+
+
+def _preview(items: Sequence[Any], count: int) -> str:
+    """``count`` items as ``[a, b]``, or ``7: [a, b, c, d, ...]`` when there are more than :data:`_SHOWN`."""
+    if count <= _SHOWN:
+        return "[" + ", ".join(map(str, items[:count])) + "]"
+    return f"{count}: [" + ", ".join(map(str, items[:_SHOWN])) + ", ...]"
 
 
 @dataclass(frozen=True)
@@ -90,6 +99,10 @@ class RankShard:
     def num_tokens(self) -> int:
         return sum(p.stop - p.start for p in self.pieces)
 
+    def __repr__(self) -> str:
+        pieces = _preview([f"{p.sample}[{p.start}:{p.stop}]" for p in self.pieces[: _SHOWN + 1]], len(self.pieces))
+        return f"RankShard(tokens={self.num_tokens}, pieces={pieces})"
+
 
 @dataclass(frozen=True)
 class MicroBatch:
@@ -106,6 +119,14 @@ class MicroBatch:
     @property
     def num_tokens(self) -> int:
         return sum(s.num_tokens for s in self.shards)
+
+    def __repr__(self) -> str:
+        ranks = [shard.num_tokens for shard in self.shards]
+        spread = f"{min(ranks)}..{max(ranks)}" if ranks else "-"
+        return (
+            f"MicroBatch(samples={_preview(self.samples[: _SHOWN + 1], len(self.samples))}, "
+            f"tokens={sum(ranks)}, loss_tokens={self.loss_tokens}, cp={len(ranks)}, rank_tokens={spread})"
+        )
 
 
 @dataclass(frozen=True)
@@ -125,6 +146,16 @@ class Step:
     def loss_tokens(self) -> int:
         """Loss tokens of the whole global batch: the denominator for per-token loss."""
         return sum(mb.loss_tokens for rank in self.microbatches for mb in rank)
+
+    def __repr__(self) -> str:
+        mbs = [mb for rank in self.microbatches for mb in rank]
+        per_rank = sorted({len(rank) for rank in self.microbatches})
+        bound = "None" if self.lower_bound is None else f"{self.lower_bound:.6g}"
+        return (
+            f"Step(dp={len(self.microbatches)}, microbatches_per_rank={'/'.join(map(str, per_rank))}, "
+            f"samples={sum(len(mb.samples) for mb in mbs)}, tokens={sum(mb.num_tokens for mb in mbs)}, "
+            f"loss_tokens={self.loss_tokens}, lower_bound={bound})"
+        )
 
 
 #: The default pair-price range of plans made with a FLOP cost model (:attr:`PlanConfig.price_range`):
@@ -280,6 +311,16 @@ class Plan:
     steps: tuple[Step, ...]
     dropped: tuple[int, ...] = ()
     origins: tuple[tuple[int, int], ...] = ()
+
+    def __repr__(self) -> str:
+        c = self.config
+        microbatches = sum(len(rank) for step in self.steps for rank in step.microbatches)
+        tokens = sum(self.lengths) - sum(self.lengths[k] for k in self.dropped)  # the planned samples'
+        return (
+            f"Plan(dp={c.dp}, cp={c.cp}, tokens_per_rank={c.tokens_per_rank}, strategy={c.strategy}, "
+            f"packing={c.packing}, steps={self.num_steps}, microbatches={microbatches}, samples={len(self.lengths)}, "
+            f"dropped={len(self.dropped)}, tokens={tokens}, hash={self.content_hash[:12]})"
+        )
 
     def origin_arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """``(input_sample, offset)`` of every planned sample as int64 arrays (identity when no cuts)."""

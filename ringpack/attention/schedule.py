@@ -148,6 +148,18 @@ class KernelCall:
         """The key/value rows of the buffer the call reads: a slice, or None (all of them)."""
         return slice(*self.k_range) if self.k_range is not None else None
 
+    def __repr__(self) -> str:
+        if self.q_range is not None:
+            rows = f"{self.q_range[0]}:{self.q_range[1]}"
+        else:
+            rows = "all" if self.q_index is None else f"{self.q_index.numel()} gathered"
+        keys = "all" if self.k_range is None else f"{self.k_range[0]}:{self.k_range[1]}"
+        return (
+            f"KernelCall(segments={self.cu_seqlens_q.numel() - 1}, q_rows={rows}, k_rows={keys}, "
+            f"max_seqlen_q={self.max_seqlen_q}, max_seqlen_k={self.max_seqlen_k}, causal={self.causal}, "
+            f"dense={len(self.dense)}, rest={len(self.rest)})"
+        )
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> KernelCall:
         return self._map_tensors(lambda t: t.to(device, non_blocking=non_blocking))
 
@@ -227,6 +239,16 @@ class Schedule(_ScheduleBase):
     @property
     def num_kernel_calls(self) -> int:
         return (self.local is not None) + sum(len(step.calls) for step in self.steps)
+
+    def __repr__(self) -> str:
+        sends = "none" if not self.send_index.numel() else f"{self.send_index.numel()} rows"
+        distances = ", ".join(map(str, self.distances[:6])) + (", ..." if len(self.steps) > 6 else "")
+        return (
+            f"Schedule(cp_rank={self.cp_rank} of {self.cp_size}, tokens={self.num_tokens}, sends={sends}, "
+            f"buffer_tokens={sum(self.buffer_tokens)} over {len(self.buffer_tokens)} ranks, "
+            f"ring_steps={len(self.steps)} (distances {distances or '-'}), kernel_calls={self.num_kernel_calls}, "
+            f"fingerprint={self.fingerprint & 0xFFFFFFFFFFFFFFFF:016x}, device={self.device})"
+        )
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Schedule:
         """A copy with every tensor on ``device``: one transfer per micro-batch, then every layer reuses it.
