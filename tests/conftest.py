@@ -1,4 +1,4 @@
-"""Shared pytest setup: hypothesis profiles sized for a 2-core CI machine.
+"""Shared pytest setup: hypothesis profiles sized for a 2-core CI machine; ``datasets`` stays offline.
 
 Under CI (``CI`` set, as ``.ci/run`` runs) examples are derandomized, so a CI verdict is
 reproducible; local runs explore fresh random examples each time (that is how bugs get found).
@@ -16,3 +16,5 @@ settings.register_profile(
     derandomize=bool(os.environ.get("CI")),
 )
 settings.load_profile("ci")
+
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # every dataset a test loads is local

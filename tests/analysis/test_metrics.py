@@ -12,8 +12,8 @@ from ringpack.analysis.report import build_report, result_of_plan
 from ringpack.cost import CostModel
 from ringpack.planner import make_plan
 from ringpack.shard_plan import PlanConfig
-from tests.analysis import brute
-from tests.balancer.plan_strategies import random_plan
+from tests.helpers import brute
+from tests.helpers.plans import random_plan
 
 REL = 1e-9
 

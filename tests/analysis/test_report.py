@@ -22,7 +22,7 @@ from ringpack.cli import main
 from ringpack.cost import CostModel
 from ringpack.planner import make_plan
 from ringpack.shard_plan import PlanConfig
-from tests.analysis import brute
+from tests.helpers import brute
 
 LENGTHS = np.random.default_rng(0).integers(1, 400, size=80)
 

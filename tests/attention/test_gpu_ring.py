@@ -511,7 +511,7 @@ if pytest is not None:
     @pytest.mark.parametrize("cp", [1, 2, 3, 4])
     def test_engine_bf16_on_one_gpu(cp, backend, dense_threshold):
         """All CP ranks simulated on one GPU (loopback transport): bf16 within the flash bound."""
-        from tests.attention.attn_testlib import Problem, run_all_ranks
+        from tests.helpers.attention import Problem, run_all_ranks
 
         dev = torch.device("cuda")
         scale = HEAD_DIM**-0.5

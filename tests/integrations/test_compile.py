@@ -78,7 +78,7 @@ def test_compiled_attention_equals_eager(backend, compiler):
 
 def test_compiled_llama_equals_eager():
     from ringpack.data import PackedCollator
-    from tests.integrations.helpers import build_model
+    from tests.helpers.training import build_model
 
     torch._dynamo.reset()
     model = build_model("tiny", torch.float64, seed=5)

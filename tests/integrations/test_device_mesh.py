@@ -33,7 +33,7 @@ def _attention_and_grads(fn, schedule, seed: int):
 
 def _llama_logits(mesh_group, pg, microbatch, cp_rank: int):
     from ringpack.data import PackedCollator
-    from tests.integrations.helpers import build_model
+    from tests.helpers.training import build_model
 
     tokens = [np.arange(3 + s, 3 + s + n) % 97 for s, n in enumerate((11, 5, 8))]
     batch = PackedCollator(cp_rank, CP).collate(microbatch, tokens)

@@ -4,7 +4,7 @@
 (``fully_shard`` per decoder layer and root over all four ranks) or DDP over all four ranks, each
 made to sum gradients by :func:`ringpack.integrations.distributed.sum_gradients`. Losses and every
 parameter's gradient of two optimizer steps must equal the per-sample single-process reference of
-``tests/integrations/helpers.py``.
+``tests/helpers/training.py``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from ringpack._spawn import run_ranks
-from tests.integrations.helpers import assert_same_training, example_args, load_example, reference
+from tests.helpers.training import assert_same_training, example_args, load_example, reference
 
 pytest.importorskip("transformers")
 

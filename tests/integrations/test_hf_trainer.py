@@ -4,7 +4,7 @@
 multi-CPU run and wraps the model in DDP), train a tiny fp64 Llama with :class:`RingpackTrainer` at
 DP=2 x CP=2 for two optimizer steps: Trainer's own AdamW, constant learning rate and gradient
 clipping. The step losses (from each rank's share) and the gradients the optimizer gets must equal
-the per-sample single-process reference of ``tests/integrations/helpers.py`` with the same
+the per-sample single-process reference of ``tests/helpers/training.py`` with the same
 optimizer and clipping.
 """
 
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from ringpack._spawn import run_ranks
-from tests.integrations.helpers import assert_same_training, build_model, example_args, load_example, reference
+from tests.helpers.training import assert_same_training, build_model, example_args, load_example, reference
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")

@@ -14,7 +14,7 @@ import pytest
 import torch.distributed as dist
 
 from ringpack._spawn import run_ranks
-from tests.integrations.helpers import assert_same_training, example_args, load_example, reference
+from tests.helpers.training import assert_same_training, example_args, load_example, reference
 
 pytest.importorskip("transformers")
 

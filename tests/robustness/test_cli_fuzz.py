@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from ringpack.data.shards import ShardReader, write_shards
 from ringpack.lengths import lengths_from_file
 from ringpack.shard_plan import Plan, PlanConfig
-from tests.robustness.helpers import (
+from tests.helpers.cli import (
     CP,
     DP,
     TOKENS,

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from ringpack.data.shards import ShardReader, write_shards
 from ringpack.errors import DataError, PlanError
 from ringpack.shard_plan import MicroBatch, Piece, Plan, PlanConfig, RankShard, Step
-from tests.robustness.helpers import CP, DP, TOKENS, small_plan, token_rows
+from tests.helpers.cli import CP, DP, TOKENS, small_plan, token_rows
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 datasets = pytest.importorskip("datasets")

@@ -15,7 +15,7 @@ from ringpack.cost import CostModel
 from ringpack.errors import DataError, PlanError
 from ringpack.lengths import check_lengths, lengths_from_file, read_lengths
 from ringpack.shard_plan import Plan, PlanConfig
-from tests.robustness.helpers import LENGTHS, assert_clean, cost_profiles, lengths_inputs, run_cli, small_plan
+from tests.helpers.cli import LENGTHS, assert_clean, cost_profiles, lengths_inputs, run_cli, small_plan
 
 
 @pytest.fixture(scope="module")

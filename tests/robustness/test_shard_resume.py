@@ -19,7 +19,7 @@ from ringpack import _files
 from ringpack.data import shards as shards_module
 from ringpack.data.shards import ShardReader
 from ringpack.errors import DataError
-from tests.robustness.helpers import assert_clean, digests, run_cli, token_rows, write_jsonl
+from tests.helpers.cli import assert_clean, digests, run_cli, token_rows, write_jsonl
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 pytest.importorskip("datasets")

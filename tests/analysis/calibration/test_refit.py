@@ -21,7 +21,7 @@ from ringpack.cost import CostModel
 from ringpack.planner.split import split_zigzag
 
 DATA = Path(__file__).parent / "data"
-PROFILES = Path(__file__).resolve().parents[2] / "benchmarks" / "profiles"
+PROFILES = Path(__file__).resolve().parents[3] / "benchmarks" / "profiles"
 BACKENDS = ("torch_flash", "cudnn_hybrid")
 
 

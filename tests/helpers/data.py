@@ -1,4 +1,4 @@
-"""Shared helpers of the dataloader tests: small datasets and an exact coverage check."""
+"""Data test helpers: small datasets and an exact coverage check."""
 
 from __future__ import annotations
 

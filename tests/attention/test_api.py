@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ringpack.attention import RingAttention, compile_schedule, ring_attention
-from tests.attention.attn_testlib import Problem, dense_reference, max_errors, run_all_ranks
+from tests.helpers.attention import Problem, dense_reference, max_errors, run_all_ranks
 
 
 def _single_rank_problem():

@@ -1,4 +1,4 @@
-"""Shared helpers of the robustness suite: run the CLI in process, judge how it ended, build small inputs."""
+"""CLI test helpers: run the CLI in process, judge how it ended, build small inputs."""
 
 from __future__ import annotations
 

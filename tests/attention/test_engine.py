@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ringpack.shard_plan import Piece, microbatch_from_shards
-from tests.attention.attn_testlib import (
+from tests.helpers.attention import (
     Problem,
     dense_reference,
     handmade_microbatches,
@@ -189,7 +189,7 @@ def test_forward_row_chunks_of_remote_blocks_are_exact(part_rows):
 def test_split_schedules_do_split():
     """The plans above really exercise dense segments next to a rest in one call, local and remote."""
     from ringpack.attention import compile_schedule
-    from tests.attention.attn_testlib import zigzag_case
+    from tests.helpers.attention import zigzag_case
 
     mb = zigzag_case(2, [40, 3, 1, 17])
     calls = [
@@ -263,7 +263,7 @@ def test_backward_holds_the_largest_dense_segment_back_to_hide_the_dkv_transfer(
     cover the local call's parts exactly once, and the engine stays exact with them (fp64)."""
     from ringpack.attention import compile_schedule
     from ringpack.attention.ring import _overlap_split
-    from tests.attention.attn_testlib import zigzag_case
+    from tests.helpers.attention import zigzag_case
 
     mb = zigzag_case(2, [40, 3, 1, 17])
     local = compile_schedule(mb, 0, dense_threshold=5).local
@@ -278,7 +278,7 @@ def test_backward_holds_the_largest_dense_segment_back_to_hide_the_dkv_transfer(
 
 def test_send_rows_are_a_slice_when_contiguous():
     from ringpack.attention import compile_schedule
-    from tests.attention.attn_testlib import zigzag_case
+    from tests.helpers.attention import zigzag_case
 
     mb = zigzag_case(2, [40, 3, 1, 17])
     for r in range(2):
@@ -327,7 +327,7 @@ def test_first_transfer_order_with_and_without_gradients(monkeypatch, grad, loca
     several parts, both wait until the first part is folded in (its buffers are not held beside it)."""
     from ringpack.attention import compile_schedule, kernels
     from ringpack.attention.ring import _attention_forward
-    from tests.attention.attn_testlib import LoopbackTransport, LoopbackWorld
+    from tests.helpers.attention import LoopbackTransport, LoopbackWorld
 
     events = []
     for table in (kernels._FWD, kernels._DENSE_FWD):

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader
 
 from ringpack.data import BalancedBatchSampler, DataError, MicroBatchTicket, PackedCollator, PackedDataset
 from ringpack.shard_plan import PlanError
-from tests.dataloaders.helpers import Coverage, batch_signature, random_samples
+from tests.helpers.data import Coverage, batch_signature, random_samples
 
 DP, CP, T = 2, 2, 256
 

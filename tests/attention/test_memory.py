@@ -146,7 +146,7 @@ def test_forward_without_gradients_holds_no_block_sized_partials_and_no_buffer_b
       is folded in, so the peak is the local step's own.
     """
     from ringpack.attention.ring import _attention_forward, _local_forward
-    from tests.attention.attn_testlib import LoopbackTransport, LoopbackWorld
+    from tests.helpers.attention import LoopbackTransport, LoopbackWorld
 
     class Receiving(LoopbackTransport):
         """Allocates the received buffer in ``begin``, as the ring does."""

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from ringpack.attention import compile_schedule
 from ringpack.attention.schedule import Schedule, dense_bucket, dense_bucket_up
 from ringpack.shard_plan import MicroBatch, Piece, microbatch_from_shards
-from tests.attention.attn_testlib import handmade_microbatches, random_microbatch, strategy_microbatch, zigzag_case
+from tests.helpers.attention import handmade_microbatches, random_microbatch, strategy_microbatch, zigzag_case
 
 
 def _tokens(mb: MicroBatch, rank: int) -> list[tuple[int, int]]:

@@ -20,7 +20,7 @@ from ringpack.data import shards as shards_mod  # noqa: E402
 from ringpack.data.shards import file_sha256, load_source, regex_token_ids, tokenize_dataset, write_shards  # noqa: E402
 from ringpack.planner.epoch import expand_overflow  # noqa: E402
 from ringpack.shard_plan import PlanConfig  # noqa: E402
-from tests.dataloaders.helpers import Coverage, batch_signature, corpus_jsonl  # noqa: E402
+from tests.helpers.data import Coverage, batch_signature, corpus_jsonl  # noqa: E402
 
 DP, CP, T = 2, 2, 4096
 OPTS = dict(samples_per_step=64, overflow="split", seed=7)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ringpack.attention import kernels
-from tests.attention.attn_testlib import (
+from tests.helpers.attention import (
     Problem,
     dense_reference,
     handmade_microbatches,

@@ -1,4 +1,4 @@
-"""Hypothesis strategies for random valid plans, shared by the plan and cost tests.
+"""Random valid plans (hypothesis strategies) for the plan-contract, cost and metrics tests.
 
 Plans are built independently of the balancer (random packing, random cuts, random rank per
 piece) so the tests exercise the contract, not one planner's habits.

@@ -1,4 +1,4 @@
-"""Shared helpers for the attention tests: plans, inputs, an independent dense reference, a process harness.
+"""Attention test helpers: micro-batches, inputs, an independent dense reference, a process harness.
 
 The dense reference is built from first principles (a full ``[N, N]`` mask from sample ids and
 positions, plain softmax, autograd for the gradients) and shares no code with the runtime.

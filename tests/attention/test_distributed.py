@@ -21,7 +21,7 @@ import torch.distributed as dist
 from ringpack.attention import ScheduleMismatchError, compile_schedule, ring_attention
 from ringpack.attention.schedule import Schedule
 from ringpack.shard_plan import Piece, microbatch_from_shards
-from tests.attention.attn_testlib import (
+from tests.helpers.attention import (
     Problem,
     dense_reference,
     handmade_microbatches,

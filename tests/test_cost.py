@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ringpack.cost import PRESETS, CostModel, ModelShape, piece_pairs, rank_costs, scale_to_int
-from tests.balancer.plan_strategies import random_plan
+from tests.helpers.plans import random_plan
 
 
 def dense_mask_pairs(mb, rank: int) -> int:

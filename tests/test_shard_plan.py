@@ -21,7 +21,7 @@ from ringpack.shard_plan import (
     microbatch_from_shards,
     new_rank_shard,
 )
-from tests.balancer.plan_strategies import random_plan
+from tests.helpers.plans import random_plan
 
 LENGTHS = (5, 3, 7, 1)
 
