@@ -41,6 +41,7 @@ __all__ = ["CostLearner", "LearnerConfig", "FitResult", "fit_rank_times", "micro
 #: Columns of an observation row (float64): where it was measured, what the rank held, how long it took.
 ROW = ("step", "dp", "microbatch", "cp", "tokens", "pairs", "pieces", "coupled", "seconds")
 _FEATURES = slice(4, 7)
+_STATE_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -316,6 +317,46 @@ class CostLearner:
         self.history.append(result)
         self.sampler.set_cost_model(result.model, after=planned, lead_steps=self.config.lead_steps)
         return result
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain-data (JSON-able) state from which a resumed run fits exactly as this one would.
+
+        Holds this rank's observations, the step count and the accepted fits; the models in use are
+        in the sampler's state. Timings not read yet (the last step's CUDA events) are read here,
+        which waits for the GPU. Each rank's state is its own (its observations).
+        """
+        return {
+            "version": _STATE_VERSION,
+            "step": self._step,
+            "last_fit": self._last_fit,
+            "history": [list(_encode(result)) for result in self.history],
+            "rows": [list(row) for row in self._rows],
+            "unread": self._timed(self._unread),
+            "open": self._timed(self._open),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`'s ``state`` (of this rank).
+
+        Raises:
+            ValueError: not a learner state of this version, or rows of the wrong width.
+        """
+        if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
+            raise ValueError(f"not a CostLearner state (version {_STATE_VERSION}): {state!r:.200}")
+        width = len(ROW)
+        for name in ("rows", "unread", "open"):
+            rows = state.get(name)
+            if not isinstance(rows, list) or any(not isinstance(row, list) or len(row) != width for row in rows):
+                raise ValueError(f"CostLearner state {name}: every row needs {width} values ({', '.join(ROW)})")
+        self._step, self._last_fit = int(state["step"]), int(state["last_fit"])
+        self.history = [_decode(values) for values in state["history"]]
+        self._rows = [tuple(row) for row in state["rows"]]
+        self._unread = [(tuple(row[:-1]), None, float(row[-1])) for row in state["unread"]]
+        self._open = [(tuple(row[:-1]), None, float(row[-1])) for row in state["open"]]
+
+    def _timed(self, marks: list[tuple[tuple, Any, Any]]) -> list[list[float]]:
+        """Rows (:data:`ROW`) of timed micro-batches whose marks may still be unread."""
+        return [[*key, stop if start is None else self._timer.seconds(start, stop)] for key, start, stop in marks]
 
     def _acceptable(self, result: FitResult) -> bool:
         cfg = self.config
