@@ -20,11 +20,17 @@ makes them sum:
 Nothing scales the loss, so both are exact in any dtype (a loss multiplied by a world size that is
 not a power of two would round). The mesh convention is ``("dp", "cp")`` with CP innermost: a CP
 group is ``cp`` consecutive ranks (one host's fast links), as in ``examples/train.py``.
+
+:class:`SamplerState` puts the sampler's position and cost-model switches (and a
+:class:`~ringpack.analysis.calibration.online.CostLearner`'s observations) into a
+``torch.distributed.checkpoint`` (DCP) checkpoint next to the model and optimizer, so a resumed run
+plans exactly as the uninterrupted one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +40,15 @@ from torch import nn
 
 from ringpack.attention.api import process_group
 
-__all__ = ["MeshCoordinates", "cp_group", "data_parallel_mesh", "gradient_sync", "mesh_coordinates", "sum_gradients"]
+__all__ = [
+    "MeshCoordinates",
+    "SamplerState",
+    "cp_group",
+    "data_parallel_mesh",
+    "gradient_sync",
+    "mesh_coordinates",
+    "sum_gradients",
+]
 
 
 def cp_group(group: Any, dim: str = "cp") -> dist.ProcessGroup | None:
@@ -143,6 +157,72 @@ def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
     finally:
         for module in modules:
             module.set_requires_gradient_sync(True, recurse=False)
+
+
+class SamplerState:
+    """A :class:`~ringpack.data.BalancedBatchSampler` (and its cost learner) as a DCP ``Stateful``.
+
+    ``dcp.save({"model": ..., "data": SamplerState(sampler, learner)}, checkpoint_id=...)`` stores,
+    under this rank's key (``"rank<r>"``), one JSON text: the sampler's :meth:`state_dict` (epoch,
+    cursor, plan hash, cost-model switches) and the learner's (its observations differ per rank).
+    ``dcp.load`` with a fresh ``SamplerState`` over a sampler built with the same options seeks it
+    (the loader's next ``iter()`` resumes after the last consumed micro-batch) and restores the
+    switches and the learner, so the resumed run plans every later step as the first run would.
+
+    The cursor saved is the sampler's own (exact with ``num_workers=0``) until :meth:`mark_consumed`
+    is called; loader workers run the sampler ahead of the training loop, so with workers call
+    ``mark_consumed(batch)`` for the batches the loop consumes. The loop moving to a new epoch
+    (``sampler.set_epoch``) has consumed none of it yet.
+
+    Args:
+        sampler: this rank's ``BalancedBatchSampler``.
+        learner: the ``CostLearner`` switching its cost model, if the run uses one.
+    """
+
+    def __init__(self, sampler: Any, learner: Any = None) -> None:
+        self.sampler = sampler
+        self.learner = learner
+        self._consumed: tuple[int, int] | None = None  # (epoch, cursor) of the last consumed batch
+
+    def mark_consumed(self, batch: dict[str, Any]) -> None:
+        """The training loop has consumed ``batch`` (a ``PackedCollator`` output)."""
+        self._consumed = (int(batch["epoch"]), int(batch["cursor"]))
+
+    def state_dict(self) -> dict[str, str]:
+        """``{"rank<r>": JSON text}`` (DCP also calls this for the template of a load)."""
+        state: dict[str, Any] = {"sampler": self.sampler.state_dict(cursor=self._cursor())}
+        if self.learner is not None:
+            state["cost_learner"] = self.learner.state_dict()
+        return {_rank_key(): json.dumps(state, sort_keys=True)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Seek the sampler and restore the learner from what :meth:`state_dict` saved for this rank.
+
+        Raises:
+            ValueError: no state for this rank (saved by another world size), or a learner state
+                missing where this run has a learner.
+            DataError: a sampler state made for other sizes, options, data or planner version.
+        """
+        key = _rank_key()
+        if key not in state_dict:
+            raise ValueError(f"the checkpoint has no sampler state for {key} (it holds {sorted(state_dict)})")
+        state = json.loads(state_dict[key])
+        self.sampler.load_state_dict(state["sampler"])
+        if self.learner is not None:
+            if "cost_learner" not in state:
+                raise ValueError("the checkpoint was saved without a cost learner, but this run has one")
+            self.learner.load_state_dict(state["cost_learner"])
+        self._consumed = (self.sampler.epoch, int(state["sampler"]["cursor"]))
+
+    def _cursor(self) -> int | None:
+        if self._consumed is None:
+            return None
+        epoch, cursor = self._consumed
+        return cursor if epoch == self.sampler.epoch else 0
+
+
+def _rank_key() -> str:
+    return f"rank{dist.get_rank() if dist.is_initialized() else 0}"
 
 
 def _fsdp_modules(model: nn.Module) -> list[nn.Module]:
