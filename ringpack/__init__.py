@@ -47,12 +47,17 @@ if TYPE_CHECKING:
     from ringpack.shard_plan import Plan, PlanConfig  # noqa: F401
 
 
-def plan(lengths: Any, **config: Any) -> Plan:
-    """Plan sample lengths into a validated :class:`Plan`: ``make_plan(lengths, PlanConfig(**config))``.
+def plan(lengths: Any, *, column: str | None = None, **config: Any) -> Plan:
+    """Plan samples into a validated :class:`Plan`: ``make_plan(lengths, PlanConfig(**config))``.
 
     Args:
-        lengths: one token count per sample (a sequence, numpy or torch array of integers >= 1),
-            in dataset order.
+        lengths: one token count per sample, in dataset order: a sequence, numpy or torch array of
+            integers >= 1; or where they come from: a ``datasets.Dataset`` / ``IterableDataset``
+            (its ``input_ids`` or a length column), or the path of a saved ``datasets`` folder, a
+            ``.parquet``, ``.arrow``/``.feather``, ``.json``/``.jsonl`` or ``.npy`` file
+            (:func:`ringpack.lengths.sample_lengths`).
+        column: the dataset or file column holding lengths or token lists (``None``: a dataset's
+            ``input_ids``, else the column :mod:`ringpack.lengths` picks).
         **config: :class:`PlanConfig` fields: ``dp``, ``cp``, ``tokens_per_rank`` (required),
             ``strategy``, ``packing``, ``samples_per_step``, ``seed``, ``epoch``, ``cost``, ...
 
@@ -62,10 +67,19 @@ def plan(lengths: Any, **config: Any) -> Plan:
     Raises:
         PlanError: a bad length (naming the sample), a sample longer than a CP group holds under
             ``overflow="error"``, or a step whose samples cannot fill its micro-batches.
+        DataError: a dataset or file that cannot be read, a missing column, or a bad length in it.
+        FileNotFoundError: a path that does not exist.
     """
-    from ringpack.planner import make_plan  # noqa: F401
-    from ringpack.shard_plan import PlanConfig  # noqa: F401
+    import os
 
+    from ringpack.lengths import is_dataset, sample_lengths
+    from ringpack.planner import make_plan
+    from ringpack.shard_plan import PlanConfig
+
+    if is_dataset(lengths) or isinstance(lengths, (str, os.PathLike)):
+        lengths = sample_lengths(lengths, column)
+    elif column is not None:
+        raise TypeError("column= applies to a dataset or a file, not to lengths given directly")
     return make_plan(lengths, PlanConfig(**config))
 
 

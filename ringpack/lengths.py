@@ -7,6 +7,7 @@ error is a :class:`~ringpack.errors.DataError` that names the file, column or sa
   ``.jsonl`` (a list of integers, an object holding one under the column, or JSON lines with the
   column per line); ``.parquet`` / ``.pq`` (one column, read alone); ``.arrow`` / ``.feather`` /
   ``.ipc`` (Arrow IPC file or stream, as Hugging Face ``datasets`` caches are; memory-mapped);
+  a folder written by ``Dataset.save_to_disk`` (read as a dataset, below; needs ``datasets``);
 * a ``datasets.Dataset`` or ``IterableDataset`` (:func:`lengths_from_dataset`): a token-id list
   column read from its Arrow list offsets (no Python loop, no copy of the tokens; ``select`` /
   ``shuffle`` index mappings honoured), an integer length column, or a text column counted with a
@@ -14,11 +15,13 @@ error is a :class:`~ringpack.errors.DataError` that names the file, column or sa
 * anything array-like: list, numpy, torch (:func:`lengths_from_array`).
 
 A column is picked the same way everywhere: an integer column (``length``) is read as is, a list
-column (``input_ids``) gives each list's length from the list *offsets*, without touching the values.
-With ``column=None`` a file's only column is taken, else the first of :data:`DEFAULT_COLUMNS` that exists.
+column (``input_ids``) gives each list's length from the list *offsets*, without touching the values;
+a token-id column (:data:`TOKEN_COLUMNS`) must hold lists. With ``column=None`` a file's only column
+is taken, else the first of :data:`DEFAULT_COLUMNS` that exists; a dataset's token ids come first
+(:data:`DATASET_COLUMNS`: they are what the loaders will return).
 
-``datasets`` is never imported here: its objects are recognised by duck typing, so this module
-loads on machines without it. Tokenizers: ``None`` / ``"regex"`` for the dependency-free regex
+``datasets`` is imported only to open a saved dataset folder; its objects are recognised by duck
+typing, so this module loads on machines without it. Tokenizers: ``None`` / ``"regex"`` for the dependency-free regex
 pre-tokenizer of :mod:`ringpack.data.corpus`, a path to a Hugging Face ``tokenizer.json`` (or its
 folder), a ``tokenizers`` or ``transformers`` tokenizer, or any callable mapping a list of texts to
 a list of token counts.
@@ -34,21 +37,36 @@ from typing import Any
 
 import numpy as np
 
+from ringpack._hints import on_command_line
 from ringpack.errors import DataError
 
 __all__ = [
+    "DATASET_COLUMNS",
     "DEFAULT_COLUMNS",
+    "FORMATS",
+    "TOKEN_COLUMNS",
     "DataError",
     "check_lengths",
+    "is_dataset",
     "lengths_from_array",
     "lengths_from_arrow",
     "lengths_from_dataset",
     "lengths_from_file",
+    "read_arrow_table",
     "read_lengths",
     "sample_lengths",
 ]
 
 DEFAULT_COLUMNS = ("length", "lengths", "num_tokens", "n_tokens", "input_ids", "tokens")
+#: Columns of token ids: they must hold lists (an integer column of that name is refused).
+TOKEN_COLUMNS = ("input_ids", "tokens")
+#: A dataset's columns to take lengths from, in order: its token ids, else a length column.
+DATASET_COLUMNS = TOKEN_COLUMNS + tuple(c for c in DEFAULT_COLUMNS if c not in TOKEN_COLUMNS)
+#: The lengths sources a path may name (help texts and errors quote it).
+FORMATS = "a saved `datasets` folder, .parquet, .arrow/.feather, .json/.jsonl or .npy"
+#: Files in a folder written by ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk``.
+SAVED_DATASET_MARKERS = ("state.json", "dataset_info.json")
+SAVED_DATASET_DICT_MARKER = "dataset_dict.json"
 
 
 def _pick_column(names: list[str], column: str | None, path: Any) -> str:
@@ -62,6 +80,11 @@ def _pick_column(names: list[str], column: str | None, path: Any) -> str:
         if name in names:
             return name
     raise DataError(f"{path}: cannot tell which column holds lengths (columns: {', '.join(names)}); pass column=")
+
+
+def _column_lengths(array: Any, name: str, where: str) -> np.ndarray:
+    """Lengths of column ``name``: integers as they are, lists from their offsets; a token-id column must hold lists."""
+    return lengths_from_arrow(array, where, lists_only=name in TOKEN_COLUMNS)
 
 
 def lengths_from_arrow(array: Any, where: str = "column", lists_only: bool = False) -> np.ndarray:
@@ -214,8 +237,10 @@ def read_lengths(path: str | Path, column: str | None = None) -> np.ndarray:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"lengths file {path} does not exist")
+    if path.is_dir():
+        return _read_saved_dataset(path, column)
     if not path.is_file():
-        raise DataError(f"lengths file {path} is a directory, not a file")
+        raise DataError(f"lengths file {path} is not a regular file")
     suffix = path.suffix.lower()
     if suffix == ".npy":
         return _read_npy(path)
@@ -224,10 +249,32 @@ def read_lengths(path: str | Path, column: str | None = None) -> np.ndarray:
     if suffix in (".parquet", ".pq"):
         return _read_parquet(path, column)
     if suffix in (".arrow", ".feather", ".ipc"):
-        table = _read_arrow(path)
+        table = read_arrow_table(path)
         name = _pick_column(table.column_names, column, path)
-        return lengths_from_arrow(table.column(name), f"{path}, column {name!r}")
-    raise DataError(f"{path}: unknown lengths format {suffix!r} (use .parquet, .arrow/.feather, .json or .npy)")
+        return _column_lengths(table.column(name), name, f"{path}, column {name!r}")
+    raise DataError(f"{path}: unknown lengths format {suffix!r} (use {FORMATS})")
+
+
+def _read_saved_dataset(path: Path, column: str | None) -> np.ndarray:
+    """Lengths of a folder written by ``Dataset.save_to_disk`` (:func:`lengths_from_dataset`)."""
+    if (path / SAVED_DATASET_DICT_MARKER).is_file():
+        splits = sorted(p.name for p in path.iterdir() if p.is_dir())
+        raise DataError(
+            f"{path} holds the splits {splits} of a DatasetDict; give one split's folder, e.g. {path}/train"
+        )
+    if not any((path / marker).is_file() for marker in SAVED_DATASET_MARKERS):
+        raise DataError(f"{path} is a folder but not a saved `datasets` folder (no state.json); give {FORMATS}")
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(f"{path} is a saved `datasets` folder; reading it needs `pip install datasets`") from None
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except Exception as exc:  # datasets raises many types for a damaged folder
+        raise DataError(f"cannot load the saved dataset {path}: {type(exc).__name__}: {exc}") from exc
+    if isinstance(ds, datasets.DatasetDict):  # a folder whose dataset_dict.json is missing
+        raise DataError(f"{path} holds the splits {sorted(ds)} of a DatasetDict; give one split's folder")
+    return lengths_from_dataset(ds, column)
 
 
 def _read_npy(path: Path) -> np.ndarray:
@@ -249,11 +296,15 @@ def _read_parquet(path: Path, column: str | None) -> np.ndarray:
         raise
     except Exception as exc:  # pyarrow raises several types for unreadable files
         raise DataError(f"cannot read Parquet file {path}: {exc}") from exc
-    return lengths_from_arrow(table.column(name), f"{path}, column {name!r}")
+    return _column_lengths(table.column(name), name, f"{path}, column {name!r}")
 
 
-def _read_arrow(path: Path) -> Any:
-    """The table of an Arrow IPC file or stream (memory-mapped)."""
+def read_arrow_table(path: Path) -> Any:
+    """The ``pyarrow.Table`` of an Arrow IPC file (Feather v2) or stream (a ``datasets`` cache), memory-mapped.
+
+    Raises:
+        DataError: not an Arrow IPC file or stream (naming ``path``).
+    """
     import pyarrow as pa
 
     try:
@@ -296,16 +347,17 @@ def lengths_from_array(values: Any) -> np.ndarray:
 
 
 def lengths_from_file(path: str | os.PathLike, column: str | None = None) -> np.ndarray:
-    """Lengths from a Parquet / Arrow / JSON / ``.npy`` file (:func:`read_lengths`), validated."""
+    """Lengths from a lengths file or a saved dataset folder (:func:`read_lengths`), validated."""
     return check_lengths(read_lengths(path, column=column), what=f"lengths of {path}")
 
 
-def _is_hf_dataset(obj: Any) -> bool:
+def is_dataset(obj: Any) -> bool:
+    """Whether ``obj`` is a ``datasets.Dataset`` or ``IterableDataset`` (told without importing ``datasets``)."""
     return type(obj).__module__.startswith("datasets.") and hasattr(obj, "column_names")
 
 
 def _is_iterable_dataset(obj: Any) -> bool:
-    return _is_hf_dataset(obj) and type(obj).__name__ == "IterableDataset"
+    return is_dataset(obj) and type(obj).__name__ == "IterableDataset"
 
 
 def _arrow_table(ds: Any) -> Any:
@@ -377,21 +429,20 @@ def lengths_from_dataset(
     """Lengths of every row of a ``datasets.Dataset`` or ``IterableDataset``.
 
     Exactly one way is used, in this order: ``length_column`` (integers), ``text_column`` with
-    ``tokenizer`` (batched ``map``, ``num_proc`` processes), else the token-id list column
-    ``column`` (default ``"input_ids"``) via Arrow offsets.
+    ``tokenizer`` (batched ``map``, ``num_proc`` processes), else ``column``: a list column (token
+    ids, read from its Arrow offsets) or an integer column (lengths). ``column=None`` takes the
+    first of :data:`DATASET_COLUMNS` the dataset has (``input_ids``, ``tokens``, ``length``, ...).
 
     Returns:
         int64 array ``[N]``, every entry ``>= 1``, in row order (``select``/``shuffle`` honoured).
 
     Raises:
-        DataError: a missing column (listing the columns there are) or a bad length.
+        DataError: a missing column (listing the columns there are), a token-id column
+            (:data:`TOKEN_COLUMNS`) that does not hold lists, or a bad length.
     """
     names = list(ds.column_names or []) if getattr(ds, "column_names", None) is not None else None
     if length_column is None and text_column is None:
-        column = column or "input_ids"
-        if names is not None and column not in names:
-            hint = " (pass text_column= and a tokenizer to count tokens of a text column)" if "text" in names else ""
-            raise DataError(f"dataset has no column {column!r}; its columns are {names}{hint}")
+        column = _dataset_column(names, column)
 
     if _is_iterable_dataset(ds):
         return _lengths_from_iterable(ds, column, length_column, text_column, tokenizer, batch_size)
@@ -402,8 +453,31 @@ def lengths_from_dataset(
     if text_column is not None:
         _need_column(names, text_column)
         return _count_text_tokens(ds, text_column, tokenizer, num_proc, batch_size)
-    lens = lengths_from_arrow(_arrow_table(ds).column(column), f"column {column!r}", lists_only=True)
+    lens = _column_lengths(_arrow_table(ds).column(column), column, f"column {column!r}")
     return check_lengths(_in_row_order(ds, lens), what=f"lengths of column {column!r}")
+
+
+def _dataset_column(names: list[str] | None, column: str | None) -> str:
+    """The column a dataset's lengths come from: ``column``, else the first of :data:`DATASET_COLUMNS` it has."""
+    if names is None:  # a stream whose columns are unknown until read
+        return column or "input_ids"
+    if column is not None:
+        _need_column(names, column)
+        return column
+    found = next((name for name in DATASET_COLUMNS if name in names), None)
+    if found is not None:
+        return found
+    hint = ""
+    if "text" in names:
+        hint = (
+            " (tokenize the text first: `ringpack shard --text-column text` does)"
+            if on_command_line()
+            else " (pass text_column= and a tokenizer to count tokens of a text column)"
+        )
+    raise DataError(
+        f"dataset has no column 'input_ids' nor another of {', '.join(DATASET_COLUMNS[1:])}; "
+        f"its columns are {names}{hint}"
+    )
 
 
 def _need_column(names: list[str] | None, column: str) -> None:
@@ -446,26 +520,16 @@ def _lengths_from_iterable(
     except Exception:  # older datasets: python batches
         batches = ds.iter(batch_size=batch_size)
     for batch in batches:
-        if isinstance(batch, pa.Table):
-            if col not in batch.column_names:
-                raise DataError(f"dataset has no column {col!r}; its columns are {batch.column_names}")
-            values = batch.column(col)
-            if length_column is not None:
-                parts.append(values.to_numpy().astype(np.int64))
-            elif counter is not None:
-                parts.append(np.asarray(counter(values.to_pylist()), dtype=np.int64))
-            else:
-                parts.append(lengths_from_arrow(values, f"column {col!r}", lists_only=True))
+        table = batch if isinstance(batch, pa.Table) else pa.Table.from_pydict(batch)
+        if col not in table.column_names:
+            raise DataError(f"dataset has no column {col!r}; its columns are {table.column_names}")
+        values = table.column(col)
+        if length_column is not None:
+            parts.append(lengths_from_arrow(values, f"column {col!r}"))
+        elif counter is not None:
+            parts.append(np.asarray(counter(values.to_pylist()), dtype=np.int64))
         else:
-            if col not in batch:
-                raise DataError(f"dataset has no column {col!r}; its columns are {sorted(batch)}")
-            values = batch[col]
-            if length_column is not None:
-                parts.append(np.asarray(values, dtype=np.int64))
-            elif counter is not None:
-                parts.append(np.asarray(counter(values), dtype=np.int64))
-            else:
-                parts.append(np.fromiter((len(v) if v is not None else 0 for v in values), dtype=np.int64))
+            parts.append(_column_lengths(values, col, f"column {col!r}"))
     return check_lengths(
         np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64), what=f"lengths of column {col!r}"
     )
@@ -489,7 +553,7 @@ def sample_lengths(source: Any, column: str | None = None, **kwargs: Any) -> np.
             file or array.
         FileNotFoundError: a path that does not exist.
     """
-    if _is_hf_dataset(source):
+    if is_dataset(source):
         return lengths_from_dataset(source, column, **kwargs)
     if isinstance(source, (str, os.PathLike)):
         if kwargs:

@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 
 from ringpack.data.sampler import MicroBatchTicket
-from ringpack.lengths import DataError
+from ringpack.lengths import DataError, is_dataset
 from ringpack.shard_plan import MicroBatch
 
 __all__ = [
@@ -71,8 +71,16 @@ IGNORE_INDEX = -100
 
 try:
     from torch.utils.data import Dataset as _DatasetBase
+    from torch.utils.data import IterableDataset as _TorchStream
 except ImportError:  # pragma: no cover
-    _DatasetBase = object  # type: ignore[assignment,misc]
+    _DatasetBase = _TorchStream = object  # type: ignore[assignment,misc]
+
+#: Why a stream cannot be wrapped, and what to do instead (the plan needs every sample by index).
+STREAM_REFUSAL = (
+    "PackedDataset needs random access to the samples a plan names, and {what} is a stream: materialise it "
+    "(datasets.Dataset.from_generator(lambda: (yield from stream), features=stream.features)) or write balanced "
+    "shards once (`ringpack shard` / ringpack.data.write_shards) and read them with ShardReader"
+)
 
 
 class PackedSamples:
@@ -102,11 +110,16 @@ class PackedDataset(_DatasetBase):
     a :class:`PackedSamples` (the ticket and each sample's ids) for :class:`PackedCollator`, and
     a plain list of id arrays for an ordinary list of indices.
 
+    Streams (``datasets.IterableDataset``, ``torch.utils.data.IterableDataset``) are refused: a
+    plan reorders samples across a whole epoch, so they must be addressable by index.
+
     Raises:
-        DataError: a ``datasets.Dataset`` without ``column``; a row without it or with a null.
+        DataError: a stream (naming the alternatives); a ``datasets.Dataset`` without ``column``;
+            a row without it or with a null.
     """
 
     def __init__(self, dataset: Any, column: str = "input_ids") -> None:
+        _refuse_stream(dataset)
         self.dataset = dataset
         self.column = column
         self._arrow = None
@@ -156,6 +169,14 @@ class PackedDataset(_DatasetBase):
         if not isinstance(ticket, MicroBatchTicket):
             return tokens  # an ordinary batch sampler: behave like a plain dataset
         return PackedSamples(ticket, tokens)
+
+
+def _refuse_stream(dataset: Any) -> None:
+    """Raise :class:`DataError` (:data:`STREAM_REFUSAL`) for a dataset without random access."""
+    if is_dataset(dataset) and not hasattr(dataset, "__len__"):  # datasets.IterableDataset
+        raise DataError(STREAM_REFUSAL.format(what=f"a datasets.{type(dataset).__name__}"))
+    if isinstance(dataset, _TorchStream) and _TorchStream is not object:
+        raise DataError(STREAM_REFUSAL.format(what=f"a torch IterableDataset ({type(dataset).__name__})"))
 
 
 def rank_arrays(
