@@ -1,0 +1,369 @@
+"""Plans of the packings users compare ringpack with, on the same data and the same global batches.
+
+:func:`global_batches` gives the documents and the shuffled global batches :func:`make_plan` plans
+(the same overflow rule, shuffle and cut), so a peer and a ringpack plan of one ``(lengths,
+config)`` see the same data in the same steps.
+
+:func:`make_wlb_plan` is WLB-LLM's workload-aware variable-length packing (Wang et al., OSDI 2025,
+"WLB-LLM: Workload-Balanced 4D Parallelism for Large Language Model Training") as a valid
+:class:`~ringpack.shard_plan.Plan`, its micro-batches split over the CP group by
+``config.strategy``. What it implements, per global batch:
+
+* **Outlier delay.** A document longer than a fraction of one micro-batch's capacity
+  (:attr:`WLBConfig.outlier_fractions`, one queue level per fraction) waits in its level's FIFO queue
+  until the level holds one document per micro-batch of the global batch; those are then released
+  together, one per micro-batch, so no micro-batch gathers several of the longest documents.
+* **Workload-aware packing.** The step's documents (those deferred from the step before first,
+  then the global batch's regular ones, then released outliers), longest first, each go to the
+  micro-batch with the least workload that still has room; the workload is the cost model's
+  whole-sample cost (attention and linear layers, as the paper's ``W_a + W_l``). A micro-batch
+  holds at most ``cp * tokens_per_rank`` tokens, so token counts vary under the cap that memory
+  sets. A document that fits nowhere is deferred to the next step.
+* **Micro-batches.** ``microbatches_per_rank`` per DP rank, or (``0``) the fewest that hold the
+  step's tokens, as the planner picks them; DP rank ``d`` runs micro-batches ``d*m .. d*m+m-1``.
+
+Differences from the paper, so every plan is valid and comparable: every document is planned
+exactly once per epoch (the last step releases every queued outlier and defers nothing, taking
+more micro-batches if it must); the queue levels are fractions of the micro-batch capacity rather
+than fixed token counts; the CP split is the plan's strategy (``zigzag`` is the paper's
+per-document sharding; its per-sequence alternative is never better under a cost model without
+kernel-efficiency terms); pipeline parallelism is not modelled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ringpack.planner.epoch import (
+    _apply_overflow,
+    _microbatch_groups,
+    _windows,
+    as_lengths,
+    shuffle_order,
+    split_microbatch,
+    step_lower_bound,
+)
+from ringpack.planner.split import split_balanced_many
+from ringpack.shard_plan import TABLE_COLUMNS, MicroBatch, Plan, PlanConfig, PlanError, Step
+
+__all__ = [
+    "GlobalBatches",
+    "global_batches",
+    "WLBConfig",
+    "WLBStep",
+    "WLBPacking",
+    "wlb_packing",
+    "make_wlb_plan",
+    "zigzag_pieces",
+    "wlb_zigzag_table",
+]
+
+
+@dataclass(frozen=True)
+class GlobalBatches:
+    """The documents of an epoch and the ids of every global batch, exactly as :func:`make_plan` cuts them.
+
+    Attributes:
+        lengths: int64 ``[N]``, the documents' lengths (input samples after ``config.overflow``).
+        windows: one int64 array of document ids per step, in shuffled order; dropped documents
+            are in none.
+        dropped: ids of documents longer than a CP group that ``overflow="drop"`` leaves out.
+        origins: ``(input sample, offset)`` of every document when ``overflow="split"`` cut some.
+    """
+
+    lengths: np.ndarray
+    windows: list[np.ndarray]
+    dropped: tuple[int, ...]
+    origins: tuple[tuple[int, int], ...]
+
+
+def global_batches(lengths: Any, config: PlanConfig) -> GlobalBatches:
+    """The documents and global batches :func:`~ringpack.planner.make_plan` plans for ``(lengths, config)``.
+
+    Args:
+        lengths: tokens of every sample, a 1-D integer sequence or array, each >= 1.
+        config: the plan config (its overflow rule, ``samples_per_step``, seed and epoch matter).
+
+    Returns:
+        :class:`GlobalBatches`.
+
+    Raises:
+        PlanError: as :func:`make_plan` for bad lengths, ``overflow="error"`` or nothing left.
+    """
+    docs, dropped, origins = _apply_overflow(as_lengths(lengths), config)
+    keep = np.ones(len(docs), dtype=bool)
+    keep[list(dropped)] = False
+    order = shuffle_order(len(docs), config.seed, config.epoch)
+    order = order[keep[order]]
+    if order.size == 0:
+        raise PlanError(f"no samples left to plan: all {len(docs)} are longer than {config.group_capacity} tokens")
+    min_samples = config.dp * max(config.microbatches_per_rank, 1)
+    return GlobalBatches(docs, _windows(order, config.samples_per_step, min_samples), dropped, origins)
+
+
+@dataclass(frozen=True)
+class WLBConfig:
+    """WLB-LLM's knobs.
+
+    Attributes:
+        outlier_fractions: a document longer than ``fraction * cp * tokens_per_rank`` is an outlier
+            of the level of the largest such fraction; one FIFO queue per level. ``()``: no delay.
+    """
+
+    outlier_fractions: tuple[float, ...] = (0.5, 0.25)
+
+    def __post_init__(self) -> None:
+        fractions = tuple(float(f) for f in self.outlier_fractions)
+        if any(not 0 < f <= 1 for f in fractions) or len(set(fractions)) != len(fractions):
+            raise ValueError(f"WLBConfig.outlier_fractions must be distinct numbers in (0, 1], got {fractions}")
+        object.__setattr__(self, "outlier_fractions", tuple(sorted(fractions, reverse=True)))
+
+
+class _OutlierQueues:
+    """One FIFO queue of document ids per outlier level, levels from the longest documents down."""
+
+    def __init__(self, thresholds: Sequence[float]) -> None:
+        self.thresholds = np.asarray(thresholds, dtype=np.float64)  # descending
+        self.levels: list[deque[int]] = [deque() for _ in thresholds]
+
+    def level_of(self, lengths: np.ndarray) -> np.ndarray:
+        """int64 ``[n]``: each length's level, ``-1`` for a regular document."""
+        above = lengths[:, None] > self.thresholds[None, :]
+        return np.where(above.any(axis=1), np.argmax(above, axis=1), -1)
+
+    def hold(self, ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Queue the outliers among ``ids`` (in order) and return the regular ones."""
+        level = self.level_of(lengths[ids])
+        for i, lv in zip(ids[level >= 0].tolist(), level[level >= 0].tolist()):
+            self.levels[lv].append(i)
+        return ids[level < 0]
+
+    def release(self, num_bins: int, everything: bool) -> list[int]:
+        """Every level holding ``num_bins`` documents gives that many, oldest first (all with ``everything``)."""
+        out: list[int] = []
+        for queue in self.levels:
+            count = len(queue) if everything else (len(queue) // num_bins) * num_bins
+            out.extend(queue.popleft() for _ in range(count))
+        return out
+
+    def take(self, count: int) -> list[int]:
+        """The ``count`` oldest documents of the longest levels (to fill a step the delay left short)."""
+        out: list[int] = []
+        for queue in self.levels:
+            while queue and len(out) < count:
+                out.append(queue.popleft())
+        return out
+
+
+@dataclass(frozen=True)
+class WLBStep:
+    """One step of WLB packing: documents ``ids`` in micro-batch ``bins`` (DP rank ``bin // m``, index ``bin % m``)."""
+
+    ids: np.ndarray  # int64 [n], the step's documents in their (window) order
+    bins: np.ndarray  # int64 [n], each document's micro-batch in [0, dp * m)
+    m: int
+    lower_bound: float
+
+    def groups(self, dp: int) -> list[list[int]]:
+        """The documents of every micro-batch, in order, each in window order."""
+        return _microbatch_groups(self.ids, self.bins, dp * self.m)
+
+
+@dataclass(frozen=True)
+class WLBPacking:
+    """WLB packing of an epoch (:func:`wlb_packing`): the documents of :func:`global_batches` and every step."""
+
+    batches: GlobalBatches
+    steps: list[WLBStep]
+
+
+def wlb_packing(lengths: Any, config: PlanConfig, wlb: WLBConfig | None = None) -> WLBPacking:
+    """WLB-LLM's packing of ``lengths`` (see the module docstring), before any CP split.
+
+    Args:
+        lengths: tokens of every sample, a 1-D integer sequence or array, each >= 1.
+        config: the mesh, token budget, cost model, global batch, seed and epoch.
+        wlb: the outlier levels (default :class:`WLBConfig`).
+
+    Returns:
+        :class:`WLBPacking`: one step per global batch, every document in exactly one step (or
+        dropped by ``overflow="drop"``).
+
+    Raises:
+        PlanError: as :func:`global_batches`, or a step whose documents cannot give every
+            micro-batch one while fitting the token budget.
+    """
+    wlb = wlb or WLBConfig()
+    batches = global_batches(lengths, config)
+    L = batches.lengths
+    weights = config.cost.sample_cost(L)
+    queues = _OutlierQueues([f * config.group_capacity for f in wlb.outlier_fractions])
+    deferred = np.zeros(0, dtype=np.int64)
+    steps = []
+    last = len(batches.windows) - 1
+    for s, window in enumerate(batches.windows):
+        num_bins = config.dp * _microbatches(int(L[window].sum()), config)
+        regular = queues.hold(window, L)
+        released = np.asarray(queues.release(num_bins, everything=s == last), dtype=np.int64)
+        ids = np.concatenate([deferred, regular, released]).astype(np.int64)
+        if ids.size < num_bins:
+            ids = np.concatenate([ids, np.asarray(queues.take(num_bins - ids.size), dtype=np.int64)])
+        step, deferred = _wlb_step(s, ids, L, weights, config, s == last)
+        steps.append(step)
+    return WLBPacking(batches, steps)
+
+
+def make_wlb_plan(lengths: Any, config: PlanConfig, wlb: WLBConfig | None = None) -> Plan:
+    """WLB-LLM's packing of ``lengths`` (:func:`wlb_packing`), each micro-batch split by ``config.strategy``.
+
+    Args:
+        lengths: tokens of every sample, a 1-D integer sequence or array, each >= 1.
+        config: as :func:`wlb_packing`, plus the CP split ``strategy``; ``config.packing`` is not
+            used (the returned plan carries ``config`` unchanged).
+        wlb: the outlier levels (default :class:`WLBConfig`).
+
+    Returns:
+        A valid plan: one step per global batch, each with its lower bound.
+
+    Raises:
+        PlanError: as :func:`wlb_packing`.
+    """
+    packing = wlb_packing(lengths, config, wlb)
+    L = packing.batches.lengths
+    length_list = L.tolist()
+    steps = []
+    for step in packing.steps:
+        groups = step.groups(config.dp)
+        if config.strategy == "balanced":
+            mbs = split_balanced_many(
+                groups, L, config.cp, config.tokens_per_rank, config.cost, token_slack=config.token_slack
+            )
+        else:
+            mbs = [split_microbatch(members, length_list, config) for members in groups]
+        ranks = tuple(tuple(mbs[d * step.m : (d + 1) * step.m]) for d in range(config.dp))
+        steps.append(Step(microbatches=ranks, lower_bound=step.lower_bound))
+    batches = packing.batches
+    return Plan(config, tuple(length_list), tuple(steps), dropped=batches.dropped, origins=batches.origins)
+
+
+def zigzag_pieces(lengths: np.ndarray, g: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The non-empty zigzag chunks of samples split over ``g`` ranks, as ``split_zigzag`` cuts them.
+
+    Sample ``i`` of length ``L`` is cut at ``floor(k*L/(2g))`` into ``2g`` chunks; rank ``r`` holds
+    chunks ``r`` and ``2g-1-r``. Returns int64 ``(sample, rank, start, stop)``, one entry per
+    non-empty chunk, sample by sample, chunks in order.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    cuts = (np.arange(2 * g + 1, dtype=np.int64)[None, :] * lengths[:, None]) // (2 * g)
+    start, stop = cuts[:, :-1].ravel(), cuts[:, 1:].ravel()
+    chunk = np.tile(np.arange(2 * g, dtype=np.int64), lengths.size)
+    sample = np.repeat(np.arange(lengths.size, dtype=np.int64), 2 * g)
+    keep = stop > start
+    return sample[keep], np.minimum(chunk, 2 * g - 1 - chunk)[keep], start[keep], stop[keep]
+
+
+def wlb_zigzag_table(packing: WLBPacking, config: PlanConfig) -> dict[str, np.ndarray]:
+    """The piece table (``Plan.piece_arrays`` columns) of :func:`make_wlb_plan` with ``strategy="zigzag"``.
+
+    Vectorised over every micro-batch; a micro-batch whose floor cuts put more than
+    ``tokens_per_rank`` tokens on a rank takes the planner's token-even zigzag, as
+    :func:`split_microbatch` does. Rows are grouped by micro-batch, not in the plan's canonical order.
+    """
+    L = packing.batches.lengths
+    cp, parts = config.cp, []
+    zigzag = dataclasses.replace(config, strategy="zigzag")
+    for s, step in enumerate(packing.steps):
+        order = np.argsort(step.bins, kind="stable")
+        ids, bins = step.ids[order], step.bins[order]
+        slot = np.arange(ids.size) - np.searchsorted(bins, bins)  # position in its micro-batch
+        k, rank, start, stop = zigzag_pieces(L[ids], cp)
+        cell = bins[k] * cp + rank
+        load = np.bincount(cell, weights=stop - start, minlength=config.dp * step.m * cp)
+        over = np.unique(bins[k][load[cell] > config.tokens_per_rank])
+        keep = ~np.isin(bins[k], over)
+        b = bins[k][keep]
+        columns = (np.full(b.size, s), b // step.m, b % step.m, rank[keep], slot[k][keep], ids[k][keep])
+        parts.append(np.stack([*columns, start[keep], stop[keep]]).astype(np.int64))
+        groups = step.groups(config.dp) if over.size else []
+        for b in over.tolist():
+            parts.append(_rows_of(split_microbatch(groups[b], L, zigzag), s, b // step.m, b % step.m))
+    table = np.concatenate(parts, axis=1) if parts else np.zeros((len(TABLE_COLUMNS), 0), dtype=np.int64)
+    return {name: np.ascontiguousarray(table[i]) for i, name in enumerate(TABLE_COLUMNS)}
+
+
+def _rows_of(mb: MicroBatch, step: int, dp: int, index: int) -> np.ndarray:
+    """int64 ``[8, pieces]``: the piece-table columns of one micro-batch."""
+    slot_of = {sample: k for k, sample in enumerate(mb.samples)}
+    rows = [
+        (step, dp, index, c, slot_of[p.sample], p.sample, p.start, p.stop)
+        for c, shard in enumerate(mb.shards)
+        for p in shard.pieces
+    ]
+    return np.asarray(rows, dtype=np.int64).reshape(-1, 8).T
+
+
+def _microbatches(tokens: int, config: PlanConfig) -> int:
+    """Micro-batches per DP rank for a step of ``tokens``: the config's, or the fewest that hold them."""
+    return config.microbatches_per_rank or max(1, math.ceil(tokens / (config.dp * config.group_capacity)))
+
+
+def _wlb_step(
+    index: int, ids: np.ndarray, L: np.ndarray, weights: np.ndarray, config: PlanConfig, last: bool
+) -> tuple[WLBStep, np.ndarray]:
+    """Step ``index`` of documents ``ids``: WLB packing; ``(step, deferred ids)``.
+
+    The last step defers nothing: it takes one more micro-batch per DP rank until everything fits.
+    """
+    m = _microbatches(int(L[ids].sum()), config)
+    while True:
+        if ids.size < config.dp * m:
+            raise PlanError(
+                f"step {index}: {ids.size} documents cannot fill dp={config.dp} x {m} micro-batches of "
+                f"{config.group_capacity} tokens; use more samples per step or a larger tokens_per_rank"
+            )
+        bins = _pack_least_workload(L[ids], weights[ids], config.dp * m, config.group_capacity)
+        if not last or (bins >= 0).all() or config.microbatches_per_rank:
+            break
+        m += 1
+    if last and (bins < 0).any():
+        raise PlanError(
+            f"step {index}: the last step's documents do not fit dp={config.dp} x {m} micro-batches "
+            f"of {config.group_capacity} tokens; raise microbatches_per_rank or tokens_per_rank"
+        )
+    placed = bins >= 0
+    kept = ids[placed]
+    bound = step_lower_bound(weights[kept], L[kept], config.dp, config.cp, config.cost)
+    return WLBStep(kept, bins[placed], m, bound), ids[~placed]
+
+
+def _pack_least_workload(tokens: np.ndarray, weights: np.ndarray, num_bins: int, capacity: int) -> np.ndarray:
+    """Longest document first, each to the least-loaded bin with room: int64 bin per document, -1 if none has room.
+
+    Ties (equal lengths, equal loads) go to the earlier document and the lower bin, so the result
+    is deterministic. With at least ``num_bins`` documents every bin gets one (the first
+    ``num_bins`` documents each open an empty bin).
+    """
+    order = np.lexsort((np.arange(tokens.size), -tokens))
+    free = [capacity] * num_bins
+    heap = [(0.0, b) for b in range(num_bins)]
+    bins = np.full(tokens.size, -1, dtype=np.int64)
+    for i, t, w in zip(order.tolist(), tokens[order].tolist(), weights[order].tolist()):
+        popped = []
+        while heap and free[heap[0][1]] < t:
+            popped.append(heapq.heappop(heap))
+        if heap:
+            load, b = heapq.heappop(heap)
+            bins[i] = b
+            free[b] -= t
+            heapq.heappush(heap, (load + w, b))
+        for item in popped:
+            heapq.heappush(heap, item)
+    return bins
