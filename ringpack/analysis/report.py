@@ -77,6 +77,8 @@ DEFINITIONS: dict[str, str] = {
     "(ring: per layer max(compute, latency + bytes/bandwidth) per ring step; "
     "all-gather: gather + reduce-scatter, exposed)",
     "idle saved": "idle GPU-seconds of the baseline minus this plan's, over the whole plan",
+    "peers": "other systems run on the same documents and global batches with the same cost and communication "
+    "models (ringpack.analysis.peers); '-' (null in JSON) marks a figure with no meaning for one",
 }
 
 SUMMARY_KEYS = (
@@ -177,6 +179,14 @@ class StrategyResult:
         busy = m.model.seconds(m.busy.sum(axis=(1, 2)))
         capacity = m.dp * m.cp * self.step_seconds_comm
         return np.where(capacity > 0, 1.0 - busy / np.where(capacity > 0, capacity, 1.0), 0.0)
+
+    def summary(self) -> dict[str, Any]:
+        """The plan's summary figures, :data:`SUMMARY_KEYS` in order (:func:`summarise`)."""
+        return summarise(self)
+
+    def step_rows(self, detail: bool = True) -> list[dict[str, Any]]:
+        """One row of :data:`STEP_KEYS` per step (:func:`step_rows`)."""
+        return step_rows(self, detail=detail)
 
 
 def timed(
@@ -312,11 +322,19 @@ def build_report(
     detail: bool = True,
     title: str = "ringpack imbalance report",
     extra: dict[str, Any] | None = None,
+    peers: Sequence[Any] = (),
 ) -> dict[str, Any]:
-    """The report document (JSON-able): definitions, models, length statistics, and per plan its summary and steps."""
+    """The report document (JSON-able): definitions, models, length statistics, and per plan its summary and steps.
+
+    ``peers`` (:class:`ringpack.analysis.peers.Peer`: ``name``, ``description`` and a ``result``
+    with ``summary()`` and ``step_rows(detail)``) land in ``doc["peers"]``, entries shaped like the
+    plans' plus their ``description``; a figure with no meaning for a peer is ``None``. The
+    baseline may be a plan or a peer.
+    """
     if not results:
         raise ValueError("a report needs at least one plan")
-    names = [r.name for r in results]
+    rows = [*results, *(p.result for p in peers)]
+    names = [r.name for r in rows]
     if len(set(names)) != len(names):
         raise ValueError(f"plan names must be unique, got {names}")
     if baseline is None:
@@ -324,19 +342,15 @@ def build_report(
     if baseline not in names:
         raise ValueError(f"baseline {baseline!r} is not one of the plans {names}")
     first = results[0].metrics
-    summaries = {r.name: summarise(r) for r in results}
+    summaries = {r.name: r.summary() for r in rows}
     for summary in summaries.values():
         _compare_with_baseline(summary, summaries[baseline])
-    plans = [
-        {
-            "name": r.name,
-            "hash": r.plan_hash,
-            "config": r.config,
-            "summary": summaries[r.name],
-            "steps": step_rows(r, detail=detail),
-        }
-        for r in results
-    ]
+
+    def entry(r: Any) -> dict[str, Any]:
+        steps = r.step_rows(detail=detail)
+        return {"name": r.name, "hash": r.plan_hash, "config": r.config, "summary": summaries[r.name], "steps": steps}
+
+    plans = [entry(r) for r in results]
     doc = {
         "format": REPORT_FORMAT,
         "version": REPORT_VERSION,
@@ -355,6 +369,7 @@ def build_report(
         "definitions": DEFINITIONS,
         "lengths": length_summary(lengths) if lengths is not None else None,
         "plans": plans,
+        "peers": [{"name": p.name, "description": p.description, **entry(p.result)} for p in peers],
     }
     if extra:
         doc.update(extra)
@@ -421,8 +436,8 @@ _SUMMARY_COLUMNS: tuple[tuple[str, Callable[[dict[str, Any]], str]], ...] = (
     ("x.25-2", lambda s: f"{s['imbalance_price_worst']:.3f}"),
     ("idle", lambda s: f"{100 * s['idle_fraction']:.1f}%"),
     ("idle+comm", lambda s: f"{100 * s['idle_fraction_comm']:.1f}%"),
-    ("dp m/m", lambda s: f"{s['dp_max_mean_mean']:.3f}"),
-    ("cp m/m", lambda s: f"{s['cp_max_mean_mean']:.3f}"),
+    ("dp m/m", _optional(lambda x: f"{x:.3f}", "dp_max_mean_mean")),
+    ("cp m/m", _optional(lambda x: f"{x:.3f}", "cp_max_mean_mean")),
     ("gap", _optional(lambda x: f"{100 * x:.1f}%", "gap_mean")),
     ("epoch time", lambda s: _fmt_seconds(s["predicted_seconds"])),
     ("+comm", lambda s: _fmt_seconds(s["predicted_seconds_comm"])),
@@ -435,15 +450,15 @@ _SUMMARY_COLUMNS: tuple[tuple[str, Callable[[dict[str, Any]], str]], ...] = (
 #: Columns of a plan's step table: header and cell of one of its ``steps`` rows.
 _STEP_COLUMNS: tuple[tuple[str, Callable[[dict[str, Any]], str]], ...] = (
     ("step", lambda r: str(r["step"])),
-    ("mb/rank", lambda r: str(r["microbatches_per_rank"])),
+    ("mb/rank", _optional(str, "microbatches_per_rank")),
     ("samples", lambda r: str(r["samples"])),
     ("tokens", lambda r: _fmt_count(r["tokens"])),
     ("step time", lambda r: _fmt_seconds(r["step_seconds"])),
     ("+comm", lambda r: _fmt_seconds(r["step_seconds_comm"])),
     ("imbal", lambda r: f"{r['imbalance']:.3f}"),
     ("idle", lambda r: f"{100 * r['idle_fraction']:.1f}%"),
-    ("dp m/m", lambda r: f"{r['dp_max_mean']:.3f}"),
-    ("cp m/m", lambda r: f"{r['cp_max_mean']:.3f}"),
+    ("dp m/m", _optional(lambda x: f"{x:.3f}", "dp_max_mean")),
+    ("cp m/m", _optional(lambda x: f"{x:.3f}", "cp_max_mean")),
     ("K/V moved", lambda r: _fmt_bytes(r["kv_bytes"])),
     ("2cp-pad", lambda r: str(r["zigzag_rule_padding_tokens"])),
 )
@@ -451,7 +466,8 @@ _SUMMARY_LEGEND = (
     "(* baseline; imbal = step time / mean GPU busy, averaged over steps; x.25-2 = the worst whole-plan "
     "imbalance if a pair truly costs 0.25x to 2x the model's price; idle = share of GPU time waiting "
     "on the slowest rank; gap = above the planner's lower bound; +comm = with the communication model; "
-    "pad = padding the plan needs; 2cp-pad = padding a zigzag with the 2*CP rule would add)"
+    "pad = padding the plan needs; 2cp-pad = padding a zigzag with the 2*CP rule would add; (peer) = another "
+    "system on the same data and models, '-' where a figure has no meaning for it)"
 )
 
 
@@ -459,18 +475,23 @@ def format_table(doc: dict[str, Any], steps_shown: int = 0) -> str:
     """The terminal view: one summary row per plan, then (``steps_shown > 0``) the first steps of each plan."""
     out = _table_heading(doc)
     rows = []
-    for p in doc["plans"]:
-        mark = " *" if p["name"] == doc["baseline"] else ""
+    for p in _rows(doc):
+        mark = (" (peer)" if "description" in p else "") + (" *" if p["name"] == doc["baseline"] else "")
         rows.append([p["name"] + mark, *(cell(p["summary"]) for _, cell in _SUMMARY_COLUMNS)])
     out += ["", text_table(["plan", *(h for h, _ in _SUMMARY_COLUMNS)], rows), _SUMMARY_LEGEND]
     if steps_shown > 0:
-        for p in doc["plans"]:
+        for p in _rows(doc):
             out.append("")
             out.append(f"{p['name']}: first {min(steps_shown, len(p['steps']))} of {len(p['steps'])} steps")
             header = [h for h, _ in _STEP_COLUMNS]
             rows = [[cell(r) for _, cell in _STEP_COLUMNS] for r in p["steps"][:steps_shown]]
             out.append(text_table(header, rows, align="r" * len(header)))
     return "\n".join(out)
+
+
+def _rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """The document's plans, then its peers (documents written before peers existed have none)."""
+    return [*doc["plans"], *doc.get("peers", [])]
 
 
 def _table_heading(doc: dict[str, Any]) -> list[str]:
@@ -492,7 +513,7 @@ def _table_heading(doc: dict[str, Any]) -> list[str]:
 
 def format_ranks(doc: dict[str, Any], plan: str, step: int) -> str:
     """Per-GPU busy time of one step of one plan: a DP x CP grid (compute, predicted)."""
-    p = next(x for x in doc["plans"] if x["name"] == plan)
+    p = next(x for x in _rows(doc) if x["name"] == plan)
     row = p["steps"][min(step, len(p["steps"]) - 1)]
     if row["rank_busy"] is None:
         return ""
@@ -501,7 +522,8 @@ def format_ranks(doc: dict[str, Any], plan: str, step: int) -> str:
     header = ["dp \\ cp", *(str(c) for c in range(doc["cp"])), "DP time"]
     rows = []
     for d, busy in enumerate(row["rank_busy"]):
-        rows.append([str(d), *(f"{b * to_s / scale:.2f}" for b in busy), f"{row['dp_time'][d] * to_s / scale:.2f}"])
+        dp_time = "-" if row["dp_time"] is None else f"{row['dp_time'][d] * to_s / scale:.2f}"
+        rows.append([str(d), *(f"{b * to_s / scale:.2f}" for b in busy), dp_time])
     return (
         f"{plan}, step {row['step']}: busy time per GPU ({unit}, compute); step time "
         f"{row['step_seconds'] / scale:.2f} {unit}, idle {100 * row['idle_fraction']:.1f}%\n"
@@ -523,7 +545,7 @@ def write_report(
     if plots:
         from ringpack.analysis import plots as plotting
 
-        figures = plotting.draw_all(doc, out, rank_step=rank_step, progress=progress)
+        figures = plotting.draw_all({**doc, "plans": _rows(doc)}, out, rank_step=rank_step, progress=progress)
         paths.update(figures)
     paths["html"] = out / "report.html"
     paths["html"].write_text(render_html(doc, figures))

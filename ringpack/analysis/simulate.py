@@ -138,12 +138,20 @@ def concat_metrics(parts: Sequence[PlanMetrics], name: str) -> PlanMetrics:
     )
 
 
-def _plan_chunk(task: tuple[int, int, np.ndarray, PlanConfig]) -> tuple[int, int, PlanMetrics, list, float]:
-    """Worker: plan one chunk of the epoch for one variant; return its metrics and lower bounds."""
+def _plan_chunk(task: tuple[int, int, np.ndarray, Any]) -> tuple[int, int, Any, list, float]:
+    """Worker: plan one chunk of the epoch for one variant or peer; return its metrics and lower bounds.
+
+    A variant's task carries its :class:`PlanConfig`, a peer's a :class:`~ringpack.analysis.peers.PeerJob`;
+    a peer's metrics are its :class:`~ringpack.analysis.peers.PeerPart` (``None`` if it cannot plan the chunk).
+    """
+    from ringpack.analysis.peers import PeerJob, try_measure_peer
     from ringpack.planner import make_plan
 
     variant, chunk, lengths, config = task
     t0 = time.process_time()
+    if isinstance(config, PeerJob):
+        part = try_measure_peer(config.name, lengths, config.config)
+        return variant, chunk, part, [], time.process_time() - t0
     plan = make_plan(lengths, config)
     metrics = evaluate_plan(plan)
     return variant, chunk, metrics, [s.lower_bound for s in plan.steps], time.process_time() - t0
@@ -168,6 +176,7 @@ def simulate(
     jobs: int | None = None,
     progress: bool = True,
     baseline: str | None = None,
+    peers: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Plan an epoch of ``lengths`` for every variant of ``config`` and return the report document.
 
@@ -183,6 +192,8 @@ def simulate(
         jobs: worker processes (``None``: one per core, at most one per task; ``1``: in process).
         progress: show a progress bar.
         baseline: the plan the others are compared with (default: the report's).
+        peers: other systems to run on the same chunks (:data:`ringpack.analysis.peers.PEERS`),
+            reported in ``doc["peers"]``; a peer's delay queues span one chunk.
 
     Returns:
         The report document (:func:`~ringpack.analysis.report.build_report`, ``detail=False``)
@@ -204,14 +215,17 @@ def simulate(
         for c, ids in enumerate(chunks):
             # make_plan re-shuffles within the chunk: still a uniformly random window of the epoch
             tasks.append((v, c, lengths[ids], cfg))
+    tasks += _peer_tasks(peers, config, chunks, lengths, first=len(variants))
     jobs = min(jobs or os.cpu_count() or 1, len(tasks))
-    desc = f"planning {len(lengths):,} samples x {len(variants)} strategies"
+    desc = f"planning {len(lengths):,} samples x {len(variants) + len(peers)} strategies"
     t0 = time.perf_counter()
     parts, busy = _plan_tasks(tasks, jobs, desc if progress else None)
     wall = time.perf_counter() - t0
     results_by_mode = _timed_results(parts, variants, config, comms, len(chunks))
+    peers_by_mode = _timed_peers(parts, len(peers), comms, len(chunks), first=len(variants))
     doc = build_report(
         results_by_mode[comms[0].mode],
+        peers=peers_by_mode[comms[0].mode],
         lengths=lengths,
         baseline=baseline,
         detail=False,
@@ -228,8 +242,35 @@ def simulate(
             },
         },
     )
-    _add_modes(doc, results_by_mode)
+    _add_modes(doc, results_by_mode, peers_by_mode)
     return doc
+
+
+def _peer_tasks(
+    peers: Sequence[str], config: PlanConfig, chunks: list[np.ndarray], lengths: np.ndarray, first: int
+) -> list[tuple[int, int, np.ndarray, Any]]:
+    """One task per peer and chunk, numbered from ``first`` (after the variants)."""
+    from ringpack.analysis.peers import PeerJob
+
+    return [
+        (first + k, c, lengths[ids], PeerJob(name, config))
+        for k, name in enumerate(peers)
+        for c, ids in enumerate(chunks)
+    ]
+
+
+def _timed_peers(
+    parts: dict[int, dict[int, tuple[Any, list]]], count: int, comms: Sequence[CommModel], num_chunks: int, first: int
+) -> dict[str, list]:
+    """Per communication mode, every peer's chunks joined into one report row (in peer order)."""
+    from ringpack.analysis.peers import join_peer_parts, time_peer
+
+    peers_by_mode: dict[str, list] = {comm.mode: [] for comm in comms}
+    for v in range(first, first + count):
+        joined = join_peer_parts([parts[v][c][0] for c in range(num_chunks)])
+        for comm in comms if joined is not None else ():  # a chunk the peer cannot plan leaves it out
+            peers_by_mode[comm.mode].append(time_peer(joined, comm))
+    return peers_by_mode
 
 
 def _checked_lengths(
@@ -326,11 +367,13 @@ def _timed_results(
     return results_by_mode
 
 
-def _add_modes(doc: dict[str, Any], results_by_mode: dict[str, list[StrategyResult]]) -> None:
-    """Each plan's headline figures under every communication mode, as ``plan["modes"][mode]``."""
+def _add_modes(
+    doc: dict[str, Any], results_by_mode: dict[str, list[StrategyResult]], peers_by_mode: dict[str, list]
+) -> None:
+    """Each plan's and peer's headline figures under every communication mode, as ``plan["modes"][mode]``."""
     for mode, results in results_by_mode.items():
-        other = build_report(results, baseline=doc["baseline"], detail=False)
-        for plan, again in zip(doc["plans"], other["plans"]):
+        other = build_report(results, baseline=doc["baseline"], detail=False, peers=peers_by_mode.get(mode, ()))
+        for plan, again in zip([*doc["plans"], *doc["peers"]], [*other["plans"], *other["peers"]]):
             s = again["summary"]
             plan.setdefault("modes", {})[mode] = {
                 "comm_model": other["comm_model"]["description"],
@@ -351,8 +394,8 @@ def format_modes(doc: dict[str, Any]) -> str:
     for mode in modes:
         header += [f"{mode} tok/s", f"{mode} epoch", f"{mode} idle", f"{mode} speedup"]
     rows = []
-    for p in doc["plans"]:
-        row = [p["name"] + (" *" if p["name"] == doc["baseline"] else "")]
+    for p in [*doc["plans"], *doc.get("peers", [])]:
+        row = [p["name"] + (" (peer)" if "description" in p else "") + (" *" if p["name"] == doc["baseline"] else "")]
         for mode in modes:
             m = p["modes"][mode]
             sp = m["speedup_vs_baseline"]
