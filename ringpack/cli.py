@@ -630,6 +630,11 @@ def add_variant_plan_arguments(
         g.add_argument("--strategies", default=strategies, help=f"CP strategies to plan (default {strategies})")
         g.add_argument("--packings", default=",".join(PACKINGS), help="packings to plan (default balanced,first_fit)")
     g.add_argument("--baseline", help="plan the others are compared with (default zigzag/first_fit when present)")
+    g.add_argument(
+        "--peers",
+        help="other systems run on the same data, as extra rows: megatron-dcp (Megatron-Core dynamic CP), "
+        "wlb (WLB-LLM packing), comma-separated, or none (default: both, when planning lengths)",
+    )
 
 
 def add_comm_arguments(p: argparse.ArgumentParser, modes: str = "ring") -> None:
@@ -691,6 +696,13 @@ def variants(args: argparse.Namespace) -> list[tuple[str, str]]:
     return [(s, p) for p in packings for s in strategies]
 
 
+def peer_names(args: argparse.Namespace) -> list[str]:
+    """``--peers`` resolved: every peer by default, ``none`` for none."""
+    from ringpack.analysis.peers import PEERS, parse_peers
+
+    return list(PEERS) if args.peers is None else parse_peers(args.peers)
+
+
 def plan_from_manifest(path: str):
     """The plan a ``ringpack shard`` directory was written from (``manifest.json`` or its folder).
 
@@ -743,8 +755,12 @@ def run_report(args: argparse.Namespace) -> int:
         raise ValueError("give exactly one input: plan files, --manifest, --lengths or --corpus stdlib")
     check_outputs(args, inputs=[*args.plans, args.manifest, args.lengths])
     wanted = variants(args)  # validate options before any slow work
+    peers = peer_names(args)
     progress = _bar(args, total=2 + (0 if args.no_plots else 4), desc="report")
     if args.plans or args.manifest:
+        if args.peers is not None and peers:
+            raise ValueError("--peers runs other systems on lengths: give --lengths or --corpus, not plan files")
+        peers = []
         plans = [Plan.load(p) for p in args.plans] if args.plans else [plan_from_manifest(args.manifest)]
         shapes = {(p.config.dp, p.config.cp) for p in plans}
         if len(shapes) > 1:
@@ -763,7 +779,12 @@ def run_report(args: argparse.Namespace) -> int:
     comms = comm_models(args, model)
     names = _unique_names(plans)
     results = [result_of_plan(p, comms[0], name=n) for p, n in zip(plans, names)]
-    doc = build_report(results, lengths=lengths, baseline=args.baseline)
+    rows = []
+    if peers:
+        from ringpack.analysis.peers import peer_rows
+
+        rows = peer_rows(lengths, config, comms[0], peers)
+    doc = build_report(results, lengths=lengths, baseline=args.baseline, peers=rows)
     if progress:
         progress.update(1)
     step = args.step
@@ -820,6 +841,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         if gpus % args.cp:
             raise ValueError(f"--gpus {gpus} is not a multiple of --cp {args.cp}")
     variants(args)  # validate options before any slow work
+    peer_names(args)
     if args.lengths:
         lengths = lengths_from_flag(args.lengths)
     else:
@@ -857,6 +879,7 @@ def _simulate_shape(
         jobs=args.jobs or None,
         progress=not args.quiet and args.json != "-",
         baseline=args.baseline,
+        peers=peer_names(args),
     )
     paths = write_report(doc, out, plots=not args.no_plots)
     if args.json != "-":
