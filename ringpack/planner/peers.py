@@ -136,8 +136,8 @@ class _OutlierQueues:
 
     def level_of(self, lengths: np.ndarray) -> np.ndarray:
         """int64 ``[n]``: each length's level, ``-1`` for a regular document."""
-        above = lengths[:, None] > self.thresholds[None, :]
-        return np.where(above.any(axis=1), np.argmax(above, axis=1), -1)
+        exceeded = (lengths[:, None] > self.thresholds[None, :]).sum(axis=1)  # thresholds descend
+        return np.where(exceeded > 0, len(self.thresholds) - exceeded, -1)
 
     def hold(self, ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """Queue the outliers among ``ids`` (in order) and return the regular ones."""
