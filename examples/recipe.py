@@ -228,9 +228,9 @@ def train(trainer: Trainer) -> list[float]:
     losses: list[float] = []
     while not (args.steps and trainer.step >= args.steps):
         for batches in steps_of(trainer.loader):
-            start = time.perf_counter()
+            start, lr = time.perf_counter(), trainer.optimizer.param_groups[0]["lr"]
             losses.append(train_step(trainer, batches))
-            _log(trainer, losses[-1], time.perf_counter() - start)
+            _log(trainer, losses[-1], lr, time.perf_counter() - start)
             if _due(args, trainer.step):
                 save(trainer, args.checkpoint_dir)
             if args.steps and trainer.step >= args.steps:
@@ -265,9 +265,8 @@ def run(
     return trainer, train(trainer)
 
 
-def _log(trainer: Trainer, loss: float, seconds: float) -> None:
+def _log(trainer: Trainer, loss: float, lr: float, seconds: float) -> None:
     if trainer.grid.rank == 0 and trainer.args.verbose:
-        lr = trainer.scheduler.get_last_lr()[0]
         cost = trainer.sampler.config.cost.name
         print(
             f"step {trainer.step:5d}  loss {loss:.6f}  lr {lr:.3g}  {seconds * 1e3:8.1f} ms  plan: {cost}", flush=True
