@@ -2,7 +2,10 @@
 
 Every command's flags and handler live here; handlers call the library and return the exit code.
 Heavy dependencies (torch, pyarrow, datasets, matplotlib) load inside the handlers, so
-``ringpack --help`` stays quick. Bad input ends in one line on stderr and exit 1.
+``ringpack --help`` stays quick. Results go to stdout; notes, warnings and progress to stderr
+(the library's ``ringpack.*`` loggers, shown as ``ringpack COMMAND: ...``; progress is a bar on a
+terminal and a line every few seconds elsewhere, off with ``--quiet``). Bad input ends in one line
+on stderr and exit 1; hints in it name flags (``--overflow split``), not Python keywords.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import math
 import os
 import sys
@@ -18,6 +22,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from ringpack._hints import command_line_hints
+from ringpack.lengths import FORMATS as LENGTHS_FORMATS
 from ringpack.shard_plan import OVERFLOW_POLICIES, PACKINGS, STRATEGIES
 
 if TYPE_CHECKING:
@@ -33,6 +39,13 @@ MAX_CP = 1 << 12
 MAX_TOKENS = 1 << 31
 #: Largest count (samples per step, seeds, steps, ...) a flag accepts: every count stays an int64.
 MAX_COUNT = 1 << 62
+#: ``--lengths`` of every command that plans lengths.
+LENGTHS_HELP = f"sample lengths: {LENGTHS_FORMATS}"
+COLUMN_HELP = (
+    "column of lengths or token-id lists (default: a file's only column, else the first there is of "
+    "length, lengths, num_tokens, n_tokens, input_ids, tokens; a saved dataset's input_ids or tokens first)"
+)
+logger = logging.getLogger("ringpack.cli")
 
 
 # ------------------------------------------------------------------------------------- flag types
@@ -117,7 +130,6 @@ def add_plan_arguments(
     dp: int | None = REQUIRED,
     cp: int = REQUIRED,
     tokens_per_rank: int = REQUIRED,
-    overflow: str = "error",
     strategy: bool = True,
     samples_per_step_zero: str = "all in one step",
 ) -> None:
@@ -137,7 +149,7 @@ def add_plan_arguments(
         parser.add_argument(
             "--packing", choices=PACKINGS, default="balanced", help="packing + DP balance (default: balanced)"
         )
-    _add_batch_flags(parser, overflow, samples_per_step_zero)
+    _add_batch_flags(parser, samples_per_step_zero)
     _add_split_and_cost_flags(parser)
 
 
@@ -148,7 +160,7 @@ def _add_size_flag(parser: Any, flag: str, value: Any, kind: Callable[[str], int
         parser.add_argument(flag, type=kind, default=value, help=f"{what} (default {value})")
 
 
-def _add_batch_flags(parser: Any, overflow: str, samples_per_step_zero: str) -> None:
+def _add_batch_flags(parser: Any, samples_per_step_zero: str) -> None:
     """Global batch, micro-batches, shuffle and overflow flags of :func:`add_plan_arguments`."""
     parser.add_argument(
         "--samples-per-step", type=COUNT, default=0, help=f"global batch in samples (0: {samples_per_step_zero})"
@@ -161,8 +173,9 @@ def _add_batch_flags(parser: Any, overflow: str, samples_per_step_zero: str) -> 
     parser.add_argument(
         "--overflow",
         choices=OVERFLOW_POLICIES,
-        default=overflow,
-        help=f"samples longer than cp * tokens-per-rank (default: {overflow})",
+        default="error",
+        help="samples longer than cp * tokens-per-rank: error (default: name the first), split (into documents "
+        "of at most that many tokens) or drop",
     )
 
 
@@ -251,8 +264,27 @@ def plan_config_from_args(args: argparse.Namespace, **overrides: Any):
 
 
 # ------------------------------------------------------------------------------- inputs and outputs
+def add_lengths_arguments(parser: argparse.ArgumentParser, *, required: bool, what: str = "") -> None:
+    """``--lengths`` and ``--column``: the same sources and help on every command that plans lengths."""
+    parser.add_argument("--lengths", required=required, metavar="PATH", help=LENGTHS_HELP + what)
+    parser.add_argument("--column", default=None, help=COLUMN_HELP)
+
+
+def add_quiet_argument(parser: Any, *aliases: str) -> None:
+    """``--quiet``: no progress (bars on a terminal, log lines elsewhere); results and errors still print."""
+    parser.add_argument("--quiet", *aliases, dest="quiet", action="store_true", help="no progress on stderr")
+
+
+def progress(args: argparse.Namespace, desc: str, unit: str, total: int | None = None):
+    """A :class:`~ringpack.progress.Progress` on stderr, off with ``--quiet`` or ``--json -``."""
+    from ringpack.progress import Progress
+
+    quiet = getattr(args, "quiet", False) or getattr(args, "json", None) == "-"
+    return Progress(desc, unit, total, enabled=not quiet)
+
+
 def lengths_from_flag(path: str, column: str | None = None, flag: str = "--lengths") -> np.ndarray:
-    """Validated sample lengths (int64 ``[N]``, each >= 1) from the file ``flag`` names.
+    """Validated sample lengths (int64 ``[N]``, each >= 1) from the file or saved dataset ``flag`` names.
 
     Raises:
         DataError: an unreadable file, a bad length (the sample named) or no samples at all.
@@ -298,13 +330,11 @@ def _add_plan_command(subparsers: argparse._SubParsersAction) -> None:
         help="plan sample lengths into a DP x CP shard plan",
         description="Plan sample lengths into a DP x CP shard plan (balanced packing, DP balance and CP split).",
     )
-    p.add_argument(
-        "--lengths", required=True, help="file of sample lengths: .parquet, .arrow/.feather, .json/.jsonl or .npy"
-    )
-    p.add_argument("--column", default=None, help="column holding lengths or token lists (default: guessed)")
+    add_lengths_arguments(p, required=True)
     add_plan_arguments(p)
     p.add_argument("--out", required=True, help="output plan: .parquet (default) or .json")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    add_quiet_argument(p)
     p.set_defaults(handler=run_plan)
 
 
@@ -342,7 +372,8 @@ def run_plan(args: argparse.Namespace) -> int:
     lengths = lengths_from_flag(args.lengths, args.column)
     config = plan_config_from_args(args)
     t0 = time.perf_counter()
-    plan = make_plan(lengths, config).validate()
+    with progress(args, f"planning {len(lengths):,} samples", "steps") as bar:
+        plan = make_plan(lengths, config, progress=bar.advance_to).validate()
     seconds = time.perf_counter() - t0
     plan.save(args.out)
     summary = summarize(plan)
@@ -368,9 +399,8 @@ def run_plan(args: argparse.Namespace) -> int:
         + f" (planned for x{config.price_range[0]:g}..x{config.price_range[1]:g})"
     )
     if summary["dropped"]:
-        print(
-            f"dropped {summary['dropped']} samples longer than {config.group_capacity} tokens (overflow=drop)",
-            file=sys.stderr,
+        logger.warning(
+            "dropped %d samples longer than %d tokens (--overflow drop)", summary["dropped"], config.group_capacity
         )
     print(f"wrote {args.out} (hash {summary['hash'][:16]})")
     return 0
@@ -391,11 +421,7 @@ def _add_shard_command(subparsers: argparse._SubParsersAction) -> None:
             "Read back with ringpack.data.ShardReader."
         ),
     )
-    p.add_argument(
-        "dataset",
-        metavar="DATASET",
-        help="local Parquet / JSON lines / Arrow / CSV file or folder, a saved `datasets` directory, or a Hub name",
-    )
+    p.add_argument("dataset", metavar="DATASET", help=_shard_sources())
     p.add_argument("--out", required=True, help="output directory")
     add_plan_arguments(p)
     p.add_argument("--split", default="train", help="split of a saved DatasetDict or a Hub dataset (default: train)")
@@ -423,8 +449,15 @@ def _add_shard_command(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--cache-dir", default=None, help="datasets cache directory")
     p.add_argument("--overwrite", action="store_true", help="replace shards of another plan or dataset in --out")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    add_quiet_argument(p, "--no-progress")
     p.set_defaults(handler=run_shard)
+
+
+def _shard_sources() -> str:
+    from ringpack.data.shards import SOURCES
+
+    return SOURCES + " (a .npy file holds lengths, not tokens: plan it with `ringpack plan --lengths`)"
 
 
 def run_shard(args: argparse.Namespace) -> int:
@@ -432,10 +465,11 @@ def run_shard(args: argparse.Namespace) -> int:
 
     check_out_dir(args.out, [args.dataset])
     config = plan_config_from_args(args)
-    loaded = load_source(args.dataset, split=args.split, cache_dir=args.cache_dir)
-    if len(loaded) == 0:
-        raise ValueError(f"dataset {args.dataset} holds no rows")
-    ds, tokenized = _token_dataset(args, loaded)
+    with _datasets_progress(not args.quiet):
+        loaded = load_source(args.dataset, split=args.split, cache_dir=args.cache_dir)
+        if len(loaded) == 0:
+            raise ValueError(f"dataset {args.dataset} holds no rows")
+        ds, tokenized = _token_dataset(args, loaded)
     source = {
         "dataset": str(args.dataset),
         "split": args.split,
@@ -448,7 +482,7 @@ def run_shard(args: argparse.Namespace) -> int:
         config,
         column=args.column,
         steps_per_file=args.steps_per_file,
-        progress=False if args.no_progress else None,
+        progress=not args.quiet,
         overwrite=args.overwrite,
         source=source,
     )
@@ -462,8 +496,54 @@ def run_shard(args: argparse.Namespace) -> int:
         "files": len(manifest["files"]),
         "bytes": sum(f["bytes"] for f in manifest["files"]),
     }
-    print(json.dumps(summary))
+    print(json.dumps(summary) if args.json else _shard_summary(summary, manifest))
     return 0
+
+
+def _shard_summary(summary: dict[str, Any], manifest: dict[str, Any]) -> str:
+    """What ``ringpack shard`` prints when done: what was written, how big, where, and how to read it back."""
+    dp, cp = manifest["dp"], manifest["cp"]
+    dropped = f", {summary['dropped']:,} dropped (--overflow drop)" if summary["dropped"] else ""
+    out = summary["out"]
+    return "\n".join(
+        [
+            f"sharded {summary['samples']:,} samples ({summary['tokens']:,} tokens{dropped}) into "
+            f"{summary['steps']:,} steps for dp={dp} x cp={cp}, {manifest['tokens_per_rank']:,} tokens per rank",
+            f"wrote {summary['files']:,} shard files ({_size(summary['bytes'])}), plan.parquet and manifest.json "
+            f"to {out}",
+            f"plan hash {summary['plan_hash'][:16]}; read with ringpack.ShardReader({out!r}, dp_rank, cp_rank)",
+        ]
+    )
+
+
+def _size(num_bytes: int) -> str:
+    """``1234567`` -> ``"1.2 MB"`` (decimal units)."""
+    value = float(num_bytes)
+    for unit in ("bytes", "kB", "MB", "GB", "TB"):
+        if value < 1000 or unit == "TB":
+            return f"{int(value)} {unit}" if unit == "bytes" else f"{value:.1f} {unit}"
+        value /= 1000
+    raise AssertionError("unreachable")
+
+
+@contextlib.contextmanager
+def _datasets_progress(show: bool):
+    """``datasets``' own bars (loading, tokenizing) while this block runs: on a terminal unless ``--quiet``.
+
+    Off a terminal they would fill a log with carriage returns, so there they are off.
+    """
+    import datasets
+
+    if show and sys.stderr.isatty():
+        yield
+        return
+    was_disabled = datasets.are_progress_bars_disabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not was_disabled:
+            datasets.enable_progress_bars()
 
 
 def _token_dataset(args: argparse.Namespace, ds: Any) -> tuple[Any, dict[str, str] | None]:
@@ -472,10 +552,7 @@ def _token_dataset(args: argparse.Namespace, ds: Any) -> tuple[Any, dict[str, st
 
     if args.column in ds.column_names:
         if args.text_column or args.tokenizer:
-            print(
-                f"ringpack shard: note: using the existing {args.column!r} column; --text-column/--tokenizer ignored",
-                file=sys.stderr,
-            )
+            logger.warning("using the existing %r column; --text-column/--tokenizer ignored", args.column)
         return ds, None
     text = args.text_column or ("text" if "text" in ds.column_names else None)
     if text is None:
@@ -483,6 +560,8 @@ def _token_dataset(args: argparse.Namespace, ds: Any) -> tuple[Any, dict[str, st
             f"{args.dataset} has no column {args.column!r} and no text column to tokenize "
             f"(columns: {list(ds.column_names)}); pass --text-column"
         )
+    if not args.quiet:
+        logger.info("tokenizing column %r of %s rows", text, f"{len(ds):,}")
     ds = tokenize_dataset(
         ds, text, args.tokenizer, column=args.column, vocab_size=args.vocab_size, num_proc=args.num_proc
     )
@@ -502,7 +581,7 @@ def _add_report_command(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("plans", nargs="*", metavar="PLAN", help="plan files (.parquet or .json) to compare")
     p.add_argument("--manifest", help="a `ringpack shard` output (manifest.json or its folder): reports its plan")
-    p.add_argument("--lengths", help="sample lengths file (.npy, .parquet, .json, .txt); planned with every strategy")
+    add_lengths_arguments(p, required=False, what="; planned with every strategy")
     p.add_argument("--corpus", choices=["stdlib"], help="use the embedded standard-library corpus as the lengths")
     _add_comparison_arguments(p, dp=4, cp=4, modes="ring", default_out="ringpack-report")
     p.add_argument(
@@ -530,7 +609,7 @@ def _add_simulate_command(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--samples", type=integer(1, 10**9), default=1_000_000, help="samples in the epoch (default 1,000,000)"
     )
-    p.add_argument("--lengths", help="lengths file to simulate instead of drawn lengths")
+    add_lengths_arguments(p, required=False, what="; simulated instead of drawn lengths")
     p.add_argument(
         "--dist",
         default="stdlib",
@@ -609,7 +688,6 @@ def add_variant_plan_arguments(
         dp=dp,
         cp=cp,
         tokens_per_rank=tokens_per_rank,
-        overflow="split",
         strategy=False,
         samples_per_step_zero="derived",
     )
@@ -656,7 +734,7 @@ def add_output_arguments(p: argparse.ArgumentParser, default_out: str) -> None:
     )
     g.add_argument("--json", help="also write the JSON document here ('-' prints it to stdout instead of the table)")
     g.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
-    g.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_quiet_argument(g)
 
 
 def _list(text: str, allowed: tuple[str, ...], what: str) -> list[str]:
@@ -724,17 +802,14 @@ def check_outputs(args: argparse.Namespace, inputs: Sequence[str | None]) -> Non
         check_output_file(args.json, "--json", inputs=inputs)
 
 
-def _emit(
-    doc: dict[str, Any], args: argparse.Namespace, table: str, progress: Any = None, rank_step: int | None = None
-) -> None:
+def _emit(doc: dict[str, Any], args: argparse.Namespace, table: str, rank_step: int | None = None) -> None:
     from ringpack.analysis.report import write_report
 
     to_stdout = args.json == "-"
     if args.json and not to_stdout:
         Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
-    paths = write_report(doc, args.out, plots=not args.no_plots, rank_step=rank_step, progress=progress)
-    if progress is not None:
-        progress.close()
+    with progress(args, "drawing plots", "plots") as bar:
+        paths = write_report(doc, args.out, plots=not args.no_plots, rank_step=rank_step, progress=bar)
     if to_stdout:
         json.dump(doc, sys.stdout, indent=1)
         print()
@@ -756,7 +831,6 @@ def run_report(args: argparse.Namespace) -> int:
     check_outputs(args, inputs=[*args.plans, args.manifest, args.lengths])
     wanted = variants(args)  # validate options before any slow work
     peers = peer_names(args)
-    progress = _bar(args, total=2 + (0 if args.no_plots else 4), desc="report")
     if args.plans or args.manifest:
         if args.peers is not None and peers:
             raise ValueError("--peers runs other systems on lengths: give --lengths or --corpus, not plan files")
@@ -768,25 +842,27 @@ def run_report(args: argparse.Namespace) -> int:
         lengths = np.asarray(plans[0].lengths)
         model = plans[0].config.cost
     else:
-        lengths = lengths_from_flag(args.lengths) if args.lengths else _corpus_lengths()
+        lengths = lengths_from_flag(args.lengths, args.column) if args.lengths else _corpus_lengths()
         model = cost_model(args)
         mean = float(lengths.mean())
         per_step = args.samples_per_step or max(args.dp, int(args.dp * args.cp * args.tokens_per_rank / mean))
         config = plan_config_from_args(args, samples_per_step=per_step, cost=model)
-        plans = plan_strategies(lengths, config, wanted)
-    if progress:
-        progress.update(1)
+        desc = f"planning {len(lengths):,} samples x {len(wanted)} variants"
+        with progress(args, desc, "steps") as bar:
+            plans = plan_strategies(lengths, config, wanted, progress=bar)
     comms = comm_models(args, model)
     names = _unique_names(plans)
-    results = [result_of_plan(p, comms[0], name=n) for p, n in zip(plans, names)]
+    with progress(args, "costing every rank of every step", "plans", len(plans)) as bar:
+        results = []
+        for plan, name in zip(plans, names):
+            results.append(result_of_plan(plan, comms[0], name=name))
+            bar.update(1)
     rows = []
     if peers:
         from ringpack.analysis.peers import peer_rows
 
         rows = peer_rows(lengths, config, comms[0], peers)
     doc = build_report(results, lengths=lengths, baseline=args.baseline, peers=rows)
-    if progress:
-        progress.update(1)
     step = args.step
     if step is not None and not all(0 <= step < p.num_steps for p in plans):
         raise ValueError(f"--step {step} is outside some plan's steps")
@@ -798,7 +874,7 @@ def run_report(args: argparse.Namespace) -> int:
     best = min(doc["plans"], key=lambda p: p["summary"]["predicted_seconds_comm"])["name"]
     if best != doc["baseline"]:
         table += "\n\n" + format_ranks(doc, best, shown)
-    _emit(doc, args, table, progress, rank_step=shown)
+    _emit(doc, args, table, rank_step=shown)
     return 0
 
 
@@ -820,14 +896,6 @@ def _corpus_lengths() -> np.ndarray:
     return stdlib_corpus().lengths
 
 
-def _bar(args: argparse.Namespace, total: int, desc: str):
-    if getattr(args, "quiet", False) or args.json == "-":
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=desc, unit="stage", file=sys.stderr)
-
-
 # ---------------------------------------------------------------------------------------- simulate
 def run_simulate(args: argparse.Namespace) -> int:
     from ringpack.analysis.simulate import synthetic_lengths
@@ -843,7 +911,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     variants(args)  # validate options before any slow work
     peer_names(args)
     if args.lengths:
-        lengths = lengths_from_flag(args.lengths)
+        lengths = lengths_from_flag(args.lengths, args.column)
     else:
         lengths = synthetic_lengths(args.samples, args.dist, seed=args.seed, median=args.median, sigma=args.sigma)
     docs = []
@@ -881,7 +949,8 @@ def _simulate_shape(
         baseline=args.baseline,
         peers=peer_names(args),
     )
-    paths = write_report(doc, out, plots=not args.no_plots)
+    with progress(args, "drawing plots", "plots") as bar:
+        paths = write_report(doc, out, plots=not args.no_plots, progress=bar)
     if args.json != "-":
         print(f"\n== {doc['title']} ==")
         print(format_table(doc))
@@ -1031,7 +1100,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args.handler(args) or 0)
+        with command_line_hints(), _log_to_stderr(args.command):
+            return int(args.handler(args) or 0)
     except BrokenPipeError:  # stdout closed early, e.g. piped to `head`
         _silence_stdout()
         return _fail(args.command, "output closed before it was all written (broken pipe)")
@@ -1040,6 +1110,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"ringpack {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+class _CommandFormatter(logging.Formatter):
+    """``ringpack COMMAND: message``; warnings say so (``ringpack shard: warning: ...``)."""
+
+    def __init__(self, command: str) -> None:
+        super().__init__()
+        self.command = command
+
+    def format(self, record: logging.LogRecord) -> str:
+        kind = f"{record.levelname.lower()}: " if record.levelno >= logging.WARNING else ""
+        return f"ringpack {self.command}: {kind}{record.getMessage()}"
+
+
+@contextlib.contextmanager
+def _log_to_stderr(command: str):
+    """Show the ``ringpack`` loggers' notes, warnings and progress (INFO and up) on stderr while a command runs.
+
+    The handler writes to the ``sys.stderr`` of this call and is removed afterwards, and the
+    records stop at the ``ringpack`` logger, so a program that calls :func:`main` keeps its own
+    logging as it was.
+    """
+    root = logging.getLogger("ringpack")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_CommandFormatter(command))
+    saved = root.level, root.propagate
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    root.propagate = False
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(saved[0])
+        root.propagate = saved[1]
 
 
 def _fail(command: str, problem: Any) -> int:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -45,8 +46,10 @@ from typing import Any
 import numpy as np
 
 from ringpack._files import atomic_write, temp_target
+from ringpack._hints import on_command_line, option
 from ringpack.data.collator import IGNORE_INDEX, check_schedule_options, rank_arrays, to_batch
-from ringpack.lengths import DataError, lengths_from_dataset
+from ringpack.lengths import DataError, lengths_from_dataset, read_arrow_table
+from ringpack.progress import Progress
 from ringpack.shard_plan import MicroBatch, Plan, PlanConfig
 
 __all__ = [
@@ -68,6 +71,7 @@ SHARD_FORMAT_VERSION = 1
 _COLUMNS = ("step", "microbatch", "cp", "slot", "sample", "row", "start", "stop", "next_token")
 #: Token ids are stored as int32: every id must be an integer in ``[0, TOKEN_ID_LIMIT)``.
 TOKEN_ID_LIMIT = 1 << 31
+logger = logging.getLogger("ringpack.data.shards")
 _WRITE_OPTIONS = dict(
     compression="zstd", compression_level=3, write_statistics=False, use_dictionary=False, version="2.6"
 )
@@ -201,32 +205,60 @@ def tokenize_dataset(
     )
 
 
-_EXTENSIONS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".arrow": "arrow", ".csv": "csv"}
+#: Data file suffixes :func:`load_source` reads, and the ``datasets`` loader of each.
+_EXTENSIONS = {
+    ".parquet": "parquet",
+    ".pq": "parquet",
+    ".jsonl": "json",
+    ".json": "json",
+    ".arrow": "arrow",
+    ".feather": "arrow",
+    ".ipc": "arrow",
+    ".csv": "csv",
+}
+#: What :func:`load_source` reads (help texts and errors quote it).
+SOURCES = (
+    "a saved `datasets` folder, .parquet, .arrow/.feather, .json/.jsonl or .csv file, a folder of such files, "
+    "or a Hub dataset name"
+)
 
 
 def load_source(source: str | os.PathLike, split: str = "train", cache_dir: str | None = None) -> Any:
-    """A ``datasets.Dataset`` from a local path (Parquet, JSON lines, Arrow, CSV, a saved ``datasets``
-    directory, or a folder of such files) or, when no such path exists, a Hub dataset name.
+    """A ``datasets.Dataset`` from a local path or, when no such path exists, a Hub dataset name.
+
+    Args:
+        source: a folder written by ``save_to_disk`` (a ``DatasetDict``'s: ``split`` is taken), a
+            ``.parquet``/``.pq``, ``.arrow``/``.feather``/``.ipc`` (Arrow IPC stream or file),
+            ``.json``/``.jsonl`` or ``.csv`` file, a folder of files of one of these kinds, or a
+            Hub dataset name.
+        split: the split of a saved ``DatasetDict`` or a Hub dataset.
+        cache_dir: the ``datasets`` cache folder (``None``: its default).
 
     Raises:
-        DataError: an unknown file type, a folder of mixed or no data files, a missing split, or
-            files ``datasets`` cannot load (empty, malformed); the message names the source.
+        DataError: an unknown file type (a ``.npy`` file holds lengths, not tokens), a folder of
+            mixed or no data files, a missing split, or files ``datasets`` cannot load (empty,
+            malformed); the message names the source.
         FileNotFoundError: a local-looking path that does not exist (or any name while offline).
     """
     import datasets
 
     path = Path(source)
+    if path.is_file() and path.suffix.lower() == ".npy":
+        where = "`ringpack plan --lengths`" if on_command_line() else "ringpack.plan(path, ...)"
+        raise DataError(f"{path} is a .npy file of lengths, not token ids or text: plan it with {where}")
     if path.is_dir():
         if any((path / marker).exists() for marker in ("dataset_info.json", "state.json", "dataset_dict.json")):
             with _loading(path):
                 ds = datasets.load_from_disk(str(path))
             if isinstance(ds, datasets.DatasetDict):
                 if split not in ds:
-                    raise DataError(f"{path} holds splits {sorted(ds)}, not {split!r} (pass --split)")
+                    raise DataError(
+                        f"{path} holds splits {sorted(ds)}, not {split!r} (choose one with {option('split')})"
+                    )
                 ds = ds[split]
             return ds
-        files = sorted(p for p in path.rglob("*") if p.suffix in _EXTENSIONS and not p.name.startswith("."))
-        kinds = {_EXTENSIONS[p.suffix] for p in files}
+        files = sorted(p for p in path.rglob("*") if p.suffix.lower() in _EXTENSIONS and not p.name.startswith("."))
+        kinds = {_EXTENSIONS[p.suffix.lower()] for p in files}
         if len(kinds) != 1:
             raise DataError(
                 f"{path}: want a saved datasets directory or files of one kind ({', '.join(_EXTENSIONS)}), "
@@ -234,10 +266,10 @@ def load_source(source: str | os.PathLike, split: str = "train", cache_dir: str 
             )
         return _load_files(kinds.pop(), [str(p) for p in files], cache_dir)
     if path.is_file():
-        if path.suffix not in _EXTENSIONS:
-            raise DataError(f"{path}: unknown file type {path.suffix!r}; want one of {', '.join(_EXTENSIONS)}")
-        return _load_files(_EXTENSIONS[path.suffix], [str(path)], cache_dir)
-    looks_local = str(source).startswith((".", "/", "~")) or path.suffix in _EXTENSIONS
+        if path.suffix.lower() not in _EXTENSIONS:
+            raise DataError(f"{path}: unknown file type {path.suffix!r}; want {SOURCES}")
+        return _load_files(_EXTENSIONS[path.suffix.lower()], [str(path)], cache_dir)
+    looks_local = str(source).startswith((".", "/", "~")) or path.suffix.lower() in _EXTENSIONS
     if looks_local or os.environ.get("HF_DATASETS_OFFLINE") == "1":
         raise FileNotFoundError(f"no dataset at {source} (and Hub names are not tried offline)")
     with _loading(source):
@@ -252,9 +284,20 @@ def _load_files(kind: str, files: list[str], cache_dir: str | None) -> Any:
         raise DataError(f"dataset file {empty} is empty")
     with _loading(files[0] if len(files) == 1 else f"{len(files)} {kind} files under {Path(files[0]).parent}"):
         if kind == "arrow":
-            parts = [datasets.Dataset.from_file(f) for f in files]
+            parts = [_arrow_dataset(f) for f in files]
             return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
         return datasets.load_dataset(kind, data_files=files, split="train", cache_dir=cache_dir)
+
+
+def _arrow_dataset(path: str) -> Any:
+    """A ``datasets.Dataset`` of an Arrow IPC stream (as ``datasets`` caches it) or file (Feather v2), memory-mapped."""
+    import datasets
+    import pyarrow as pa
+
+    try:
+        return datasets.Dataset.from_file(path)
+    except pa.ArrowInvalid:  # the IPC file format, which Dataset.from_file does not read
+        return datasets.Dataset(read_arrow_table(Path(path)))
 
 
 @contextmanager
@@ -276,11 +319,11 @@ def _loading(what: Any) -> Iterator[None]:
         raise DataError(f"cannot load dataset {what}: " + " <- ".join(causes)) from exc
 
 
-def _content_fingerprint(ds: Any, column: str, lengths: np.ndarray) -> str:
+def _content_fingerprint(ds: Any, column: str, lengths: np.ndarray, progress: Progress) -> str:
     """SHA-256 of the token ids in dataset order (identity of the input for resume checks).
 
     Every id is checked on the way (:func:`_token_ids`): a :class:`DataError` names the first
-    sample whose ids are not integers in ``[0, TOKEN_ID_LIMIT)``.
+    sample whose ids are not integers in ``[0, TOKEN_ID_LIMIT)``. ``progress`` counts samples.
     """
     import pyarrow as pa
 
@@ -290,8 +333,11 @@ def _content_fingerprint(ds: Any, column: str, lengths: np.ndarray) -> str:
     for start in range(0, len(ds), 65536):
         col = arrow[start : start + 65536].column(column)
         col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+        if not (pa.types.is_list(col.type) or pa.types.is_large_list(col.type)):
+            raise DataError(f"column {column!r} holds {col.type}, not lists of token ids")
         values = _token_ids(col.flatten(), lengths[start : start + len(col)], start, column)
         h.update(values.astype("<i8").tobytes())
+        progress.update(len(col))
     return h.hexdigest()
 
 
@@ -398,7 +444,9 @@ def write_shards(
         config: the plan config (mesh, token budget, strategy, ...); the plan is made here.
         column: the token-id column.
         steps_per_file: split each DP rank's file every this many steps (``0``: one file per DP rank).
-        progress: show a progress bar (``None``: tqdm decides by the terminal).
+        progress: count steps planned, samples checked and micro-batches written
+            (:class:`~ringpack.progress.Progress`: a bar on a terminal, else ``ringpack.progress``
+            log lines); ``None`` is ``True``, ``False`` shows nothing.
         overwrite: replace the shards of another plan or dataset found in ``out_dir``.
         source: where the data came from, recorded in the manifest as given.
 
@@ -415,15 +463,16 @@ def write_shards(
 
     An interrupted run of the same inputs resumes: files whose checksum matches are kept.
     """
-    from tqdm.auto import tqdm
-
     from ringpack.planner import make_plan
 
+    show = progress is not False
     out = Path(out_dir)
     check_out_dir(out, _dataset_files(dataset))
     lengths = lengths_from_dataset(dataset, column)
-    plan = make_plan(lengths, config)
-    fingerprint = _content_fingerprint(dataset, column, lengths)
+    with Progress("planning", "steps", enabled=show) as bar:
+        plan = make_plan(lengths, config, progress=bar.advance_to)
+    with Progress("checking token ids", "samples", len(lengths), enabled=show) as bar:
+        fingerprint = _content_fingerprint(dataset, column, lengths, bar)
     layout = _layout(plan, steps_per_file)
     identity = {
         "format": "ringpack-shards",
@@ -445,8 +494,9 @@ def write_shards(
     _remove_stale(out, owned, keep={*identity["files"], PLAN_FILE, PROGRESS})
 
     total_mb = sum(len(step.microbatches[d]) for d in range(config.dp) for step in plan.steps)
-    disable = (not progress) if progress is not None else None
-    with tqdm(total=total_mb, desc=f"ringpack shard -> {out}", unit="mb", disable=disable) as bar:
+    if verified:
+        logger.info("%s: %d of %d shard files already written, kept", out, len(verified), len(layout))
+    with Progress(f"writing shards to {out}", "micro-batches", total_mb, enabled=show) as bar:
         records = _write_files(_ShardWriter(out, plan, dataset, column), layout, progress_state, bar)
     manifest = _manifest(identity, plan, lengths, _write_plan_file(out, plan), records, source)
     _write_json(out / MANIFEST, manifest)
@@ -496,7 +546,8 @@ def _claim(out: Path, identity: dict[str, Any], overwrite: bool) -> tuple[dict[s
         if not same and not overwrite:
             raise DataError(
                 f"{out} holds shards of another plan or dataset (plan {str(old.get('plan_hash'))[:12]}..., "
-                f"this run plans {identity['plan_hash'][:12]}...); pass overwrite=True / --overwrite, or another --out"
+                f"this run plans {identity['plan_hash'][:12]}...); pass {option('overwrite', True)} "
+                "to replace them, or write elsewhere"
             )
         if same:
             done.update(recorded)
