@@ -3,9 +3,16 @@
     torchrun --nproc_per_node=4 examples/train.py --cp 2 --model tiny --steps 5          # CPU (gloo) or GPU
     torchrun --nproc_per_node=2 examples/train.py --cp 2 --model llama-1b --tokens-per-rank 65536 \
         --dtype bf16 --steps 6 --strategy balanced                                        # 2 GPUs as CP=2
+    torchrun --nproc_per_node=2 examples/train.py --cp 2 --dataset my.jsonl --text-column text \
+        --tokenizer tokenizer.json --overflow split                                       # your own data
 
 What each part does:
 
+* the data is synthetic (random token ids with heavy-tailed lengths, ``--data``) or a real dataset
+  (``--dataset``: a local file or folder that :func:`ringpack.data.load_source` reads, or a Hub
+  name), its ``--column`` of token ids used as is or tokenized from ``--text-column`` with the
+  regex tokenizer (ids hashed into the model's vocabulary) or a ``--tokenizer`` tokenizer.json
+  (the model's vocabulary then is the tokenizer's);
 * ranks form a DP x CP grid (CP groups are consecutive ranks); every rank builds the same plan
   from (lengths, config, seed, epoch) through :class:`BalancedBatchSampler` for its DP rank;
 * :class:`PackedCollator` cuts each micro-batch into this CP rank's tokens, already-shifted labels,
@@ -42,9 +49,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ringpack.analysis.calibration.online import CostLearner
 from ringpack.cost import PRESETS, CostModel, ModelShape
-from ringpack.data import BalancedBatchSampler, PackedCollator, PackedDataset
+from ringpack.data import BalancedBatchSampler, PackedCollator, PackedDataset, lengths_from_dataset
 from ringpack.integrations.transformers import causal_lm_loss_sum, register
-from ringpack.shard_plan import PACKINGS, STRATEGIES
+from ringpack.shard_plan import OVERFLOW_POLICIES, PACKINGS, STRATEGIES
 
 MODELS = {
     # name: (hidden, layers, heads, kv_heads, ffn, vocab); llama-1b is the cost model's preset
@@ -102,8 +109,11 @@ def corpus_samples(n: int, max_len: int, vocab: int, seed: int, scale: float) ->
     return [rng.integers(0, vocab, int(length)) for length in lengths]
 
 
-def samples_for(args: argparse.Namespace) -> list[np.ndarray]:
-    """The run's synthetic data: heavy-tailed lengths up to one CP group's capacity (``--data``)."""
+def samples_for(args: argparse.Namespace) -> Any:
+    """The run's data: ``--dataset`` (:func:`dataset_samples`), else synthetic heavy-tailed lengths up
+    to one CP group's capacity (``--data``), a list of int64 token-id arrays."""
+    if args.dataset:
+        return dataset_samples(args)
     vocab = MODELS[args.model][5]
     max_len = args.max_len or args.cp * args.tokens_per_rank
     if args.data == "stdlib":
@@ -111,13 +121,65 @@ def samples_for(args: argparse.Namespace) -> list[np.ndarray]:
     return heavy_tailed_samples(args.samples, max_len, vocab, args.seed, args.len_scale)
 
 
-def build_model(name: str, dtype: torch.dtype, seed: int, attn: str = "ringpack", device: torch.device | None = None):
-    """A randomly initialised Llama of a named size (no weight download)."""
+def dataset_samples(args: argparse.Namespace) -> Any:
+    """``--dataset`` as a ``datasets.Dataset`` whose ``--column`` holds every row's token ids.
+
+    A dataset without that column is tokenized from ``--text-column`` (regex ids hashed into
+    :func:`data_vocab`, or ``--tokenizer``'s ids). Rank 0 loads and tokenizes first, filling the
+    ``datasets`` cache, and the other ranks then read the cache instead of writing it at once.
+    """
+    from ringpack.data import load_source, tokenize_dataset
+
+    distributed = dist.is_available() and dist.is_initialized()
+    first = not distributed or dist.get_rank() == 0
+    if not first:
+        dist.barrier()
+    ds = load_source(args.dataset, split=args.split, cache_dir=args.cache_dir)
+    if args.column not in ds.column_names:
+        ds = tokenize_dataset(ds, args.text_column, args.tokenizer, column=args.column, vocab_size=data_vocab(args))
+    if first and distributed:
+        dist.barrier()
+    _check_ids(ds, args.column, data_vocab(args))
+    return ds
+
+
+def data_vocab(args: argparse.Namespace) -> int:
+    """The vocabulary the run's token ids index: a ``--tokenizer``'s, else the ``--model``'s."""
+    if getattr(args, "tokenizer", None):
+        from tokenizers import Tokenizer
+
+        path = Path(args.tokenizer)
+        return Tokenizer.from_file(str(path / "tokenizer.json" if path.is_dir() else path)).get_vocab_size()
+    return MODELS[args.model][5]
+
+
+def _check_ids(ds: Any, column: str, vocab: int) -> None:
+    """Refuse token ids the model's embedding cannot look up (naming the largest and the vocabulary)."""
+    import pyarrow.compute as pc
+
+    table = ds.with_format("arrow")[:]
+    largest = pc.max(pc.list_flatten(table.column(column))).as_py()
+    if largest is not None and largest >= vocab:
+        raise ValueError(
+            f"{column!r} holds token id {largest}, beyond the model's vocabulary of {vocab}: "
+            "pass the --tokenizer that made them (the model then takes its vocabulary)"
+        )
+
+
+def build_model(
+    name: str,
+    dtype: torch.dtype,
+    seed: int,
+    attn: str = "ringpack",
+    device: torch.device | None = None,
+    vocab: int | None = None,
+):
+    """A randomly initialised Llama of a named size (no weight download); ``vocab`` overrides its vocabulary."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    hidden, layers, heads, kv_heads, ffn, vocab = MODELS[name]
+    hidden, layers, heads, kv_heads, ffn, default_vocab = MODELS[name]
     config = LlamaConfig(
-        vocab_size=vocab,
+        vocab_size=vocab or default_vocab,
         hidden_size=hidden,
         intermediate_size=ffn,
         num_hidden_layers=layers,
@@ -174,7 +236,8 @@ def steps_of(loader) -> Iterator[list[dict[str, Any]]]:
 def train(args: argparse.Namespace, grid: Grid, samples: list[np.ndarray], on_step=None) -> list[dict[str, Any]]:
     """The training loop; returns per-step records (loss, tokens, times). ``on_step(step, model)``
     lets tests inspect gradients before the optimizer runs."""
-    model = build_model(args.model, DTYPES[args.dtype], args.seed, device=grid.device)
+    vocab = data_vocab(args) if args.dataset else None
+    model = build_model(args.model, DTYPES[args.dtype], args.seed, device=grid.device, vocab=vocab)
     if args.grad_ckpt:
         model.gradient_checkpointing_enable()
     model.train()
@@ -215,10 +278,16 @@ def train(args: argparse.Namespace, grid: Grid, samples: list[np.ndarray], on_st
     return records
 
 
-def make_loader(args: argparse.Namespace, grid: Grid, samples: list[np.ndarray]) -> torch.utils.data.DataLoader:
-    """This rank's loader: the planned micro-batches of its DP rank, cut for its CP rank."""
+def make_loader(args: argparse.Namespace, grid: Grid, samples: Any) -> torch.utils.data.DataLoader:
+    """This rank's loader: the planned micro-batches of its DP rank, cut for its CP rank.
+
+    ``samples``: a list of token-id arrays, or a ``datasets.Dataset`` with ``--column`` (read
+    through its Arrow offsets and rows, never as Python lists).
+    """
+    column = getattr(args, "column", "input_ids")
+    real = hasattr(samples, "column_names")
     sampler = BalancedBatchSampler(
-        [len(s) for s in samples],
+        lengths_from_dataset(samples, column) if real else [len(s) for s in samples],
         grid.dp_rank,
         grid.dp_size,
         grid.cp_size,
@@ -230,9 +299,10 @@ def make_loader(args: argparse.Namespace, grid: Grid, samples: list[np.ndarray])
         cost=_cost_model(args.model, args.cost_profile),
         cp_token_slack=args.cp_token_slack,
         pair_price_range=args.pair_price_range,
+        overflow=getattr(args, "overflow", "error"),
     )
     return torch.utils.data.DataLoader(
-        PackedDataset(samples),
+        PackedDataset(samples, column=column),
         batch_sampler=sampler,
         collate_fn=PackedCollator(grid.cp_rank, grid.cp_size),
         num_workers=args.workers,
@@ -332,6 +402,27 @@ def parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="time every micro-batch and plan with the measured prices once fitted (default: on)",
+    )
+    p.add_argument(
+        "--dataset",
+        metavar="PATH|HUB_NAME",
+        help="train on this dataset instead of synthetic samples: a saved `datasets` folder, .parquet, "
+        ".arrow/.feather, .json/.jsonl or .csv file, a folder of such files, or a Hub name",
+    )
+    p.add_argument("--split", default="train", help="split of a saved DatasetDict or a Hub dataset (default: train)")
+    p.add_argument("--column", default="input_ids", help="token-id column of --dataset (default: input_ids)")
+    p.add_argument("--text-column", default="text", help="tokenized when --dataset has no --column (default: text)")
+    p.add_argument(
+        "--tokenizer",
+        help="Hugging Face tokenizer.json (or its folder) for --text-column; default: the regex tokenizer, "
+        "ids hashed into the model's vocabulary",
+    )
+    p.add_argument("--cache-dir", help="datasets cache folder for --dataset")
+    p.add_argument(
+        "--overflow",
+        choices=OVERFLOW_POLICIES,
+        default="error",
+        help="samples longer than cp * tokens-per-rank: error (default), split into documents, or drop",
     )
     p.add_argument("--max-len", type=int, default=0, help="longest sample (default: cp * tokens-per-rank)")
     p.add_argument("--len-scale", type=int, default=16, help="Pareto scale of sample lengths (tokens)")
