@@ -31,6 +31,7 @@ def test_no_command_prints_help_and_exits_2(capsys):
     assert "COMMAND" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_console_script_runs_demo(tmp_path):
     out = subprocess.run(
         [

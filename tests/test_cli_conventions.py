@@ -171,6 +171,15 @@ def test_hints_name_flags_on_the_command_line_and_keywords_in_python(tmp_path):
     assert "overflow='split'" in str(info.value) and "--" not in str(info.value)
 
 
+def test_an_ambiguous_column_is_named_by_flag_or_keyword(tmp_path):
+    pq.write_table(pa.table({"a": LENGTHS, "b": LENGTHS}), tmp_path / "two.parquet")
+    run = run_cli(["plan", "--lengths", tmp_path / "two.parquet", *MESH, "--out", tmp_path / "p.json"])
+    assert run.code == 1 and "name it with --column" in run.err
+    with pytest.raises(ValueError, match="name it with column$"):
+        ringpack.plan(tmp_path / "two.parquet", dp=1, cp=1, tokens_per_rank=512)
+    assert ringpack.plan(tmp_path / "two.parquet", column="b", dp=1, cp=1, tokens_per_rank=512).validate()
+
+
 # ---------------------------------------------------------------------------------------- progress
 def test_progress_is_logged_off_a_terminal_and_silenced_by_quiet(inputs, tmp_path, monkeypatch):
     monkeypatch.setattr(ringpack.progress, "LOG_INTERVAL_S", 0.0)

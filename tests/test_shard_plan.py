@@ -87,6 +87,7 @@ def test_parquet_and_json_files(tmp_path):
         assert Plan.load(tmp_path / name) == plan
 
 
+@pytest.mark.slow
 def test_hash_is_identical_across_processes(tmp_path):
     plan = small_plan(seed=7)
     path = tmp_path / "plan.json"

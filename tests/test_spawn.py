@@ -7,10 +7,9 @@ import sys
 import time
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-
-from ringpack._spawn import run_ranks  # noqa: E402
+from ringpack._spawn import run_ranks
 
 FAST = dict(start_method="forkserver", preload=["torch", "torch.distributed"])
 
@@ -43,23 +42,27 @@ def hang_on_rank_1(rank: int, world: int) -> int:
     return rank
 
 
+@pytest.mark.slow
 def test_import_is_cheap():
     code = "import sys, ringpack._spawn; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 
 
+@pytest.mark.slow
 def test_results_come_back_per_rank():
     results = run_ranks(sum_ranks, 3, (7,), **FAST)
     assert [r["rank"] for r in results] == [0, 1, 2]
     assert all(r["world"] == 3 and r["sum"] == 6.0 and r["offset"] == 7 and r["threads"] == 1 for r in results)
 
 
+@pytest.mark.slow
 def test_spawn_start_method():
     results = run_ranks(sum_ranks, 2, (0,), start_method="spawn")
     assert [(r["rank"], r["sum"]) for r in results] == [(0, 3.0), (1, 3.0)]
 
 
+@pytest.mark.slow
 def test_child_exception_is_reraised_with_rank_and_traceback():
     with pytest.raises(RuntimeError) as info:
         run_ranks(fail_on_rank_1, 2, name="demo", **FAST)
@@ -69,6 +72,7 @@ def test_child_exception_is_reraised_with_rank_and_traceback():
     assert "rank 0" not in msg
 
 
+@pytest.mark.slow
 def test_failure_does_not_wait_out_a_blocked_peer():
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="rank 0 failed") as info:
@@ -77,6 +81,7 @@ def test_failure_does_not_wait_out_a_blocked_peer():
     assert time.monotonic() - t0 < 30
 
 
+@pytest.mark.slow
 def test_hung_child_is_killed_and_reported():
     t0 = time.monotonic()
     with pytest.raises(TimeoutError, match=r"rank 1 did not finish within 3 s \(killed\)"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import datasets
 import numpy as np
 import pytest
 
@@ -126,7 +127,6 @@ def test_report_cli_from_lengths_plans_every_strategy(tmp_path, capsys):
 
 
 def test_report_cli_from_shard_manifest(tmp_path, capsys):
-    datasets = pytest.importorskip("datasets")
     from ringpack.data.shards import write_shards
 
     rng = np.random.default_rng(1)

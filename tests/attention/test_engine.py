@@ -62,8 +62,6 @@ def test_handmade_plans_are_exact(name, mb, lengths, heads, kv_heads):
 @pytest.mark.parametrize("strategy", ["contiguous", "zigzag", "balanced"])
 @pytest.mark.parametrize("cp", [1, 2, 3, 4])
 def test_strategy_plans_are_exact(strategy, cp):
-    if strategy == "balanced":
-        pytest.importorskip("ringpack.planner.epoch")
     rng = np.random.default_rng(10 + cp)
     for _ in range(3):
         mb, lengths = strategy_microbatch(strategy, rng, cp, num_samples=int(rng.integers(1, 7)))
@@ -106,8 +104,6 @@ def test_handmade_plans_are_exact_with_the_dense_split(name, mb, lengths, thresh
 @pytest.mark.parametrize("strategy", ["contiguous", "zigzag", "balanced"])
 @pytest.mark.parametrize("cp", [1, 2, 3, 4])
 def test_strategy_plans_are_exact_with_the_dense_split(strategy, cp):
-    if strategy == "balanced":
-        pytest.importorskip("ringpack.planner.epoch")
     rng = np.random.default_rng(20 + cp)
     for threshold, buckets in ((1, 1), (4, 8), (9, None), (4, 2)):
         mb, lengths = strategy_microbatch(strategy, rng, cp, num_samples=int(rng.integers(1, 7)))

@@ -534,6 +534,7 @@ if pytest is not None:
                     )
 
     @pytest.mark.multigpu
+    @pytest.mark.slow
     @needs_2_gpus
     def test_two_gpus_with_torchrun():
         """The __main__ check over NCCL on 2 GPUs (ring and all-gather, every plan)."""

@@ -1,6 +1,6 @@
 """What the engine itself holds in memory at its peak (CPU, kernels replaced by stand-ins that only allocate).
 
-The issue's bound is single-GPU attention plus two K/V buffers. Kernel outputs are new tensors
+The bound to hold is single-GPU attention plus two K/V buffers. Kernel outputs are new tensors
 that the engine copies or merges into the rank's result, so its peak is the result plus whatever
 kernel outputs are alive at the same time. These tests count live tensor storages (a dispatch
 mode sees every allocation; a finaliser sees it freed) while a local call runs with several dense

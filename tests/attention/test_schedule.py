@@ -136,8 +136,6 @@ def test_handmade_plans_cover_the_mask_exactly(name, mb, lengths):
 @pytest.mark.parametrize("strategy", ["contiguous", "zigzag", "balanced"])
 @pytest.mark.parametrize("cp", [1, 2, 3, 4, 5])
 def test_strategy_plans_cover_the_mask_exactly(strategy, cp):
-    if strategy == "balanced":
-        pytest.importorskip("ringpack.planner.epoch")
     rng = np.random.default_rng(cp)
     for _ in range(6):
         check_schedule(strategy_microbatch(strategy, rng, cp, num_samples=int(rng.integers(1, 8)))[0])

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import pickle
 
+import datasets
 import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader
+from torchdata.stateful_dataloader import StatefulDataLoader
 
+from ringpack.attention import compile_schedule
 from ringpack.data import BalancedBatchSampler, DataError, MicroBatchTicket, PackedCollator, PackedDataset
 from ringpack.shard_plan import PlanError
 from tests.helpers.data import Coverage, batch_signature, random_samples
@@ -227,8 +230,6 @@ def test_collator_errors(samples):
 
 
 def test_schedule_compiled_unless_disabled(samples):
-    from ringpack.attention import compile_schedule
-
     sampler, ds, _ = make(samples)
     ticket = next(iter(sampler))
     ref = compile_schedule(ticket.microbatch, 1)
@@ -241,7 +242,6 @@ def test_schedule_compiled_unless_disabled(samples):
 def test_schedule_options_reach_compile_schedule(samples):
     """schedule_options pass compile_schedule's kernel-split options through (exact shapes, a low
     threshold); unknown options are refused when the collator is built."""
-    attention = pytest.importorskip("ringpack.attention")
     sampler, ds, _ = make(samples)
     ticket = next(iter(sampler))
     options = {"dense_threshold": 2, "dense_buckets": None}
@@ -251,7 +251,7 @@ def test_schedule_options_reach_compile_schedule(samples):
 
     for rank in range(CP):
         got = PackedCollator(rank, CP, schedule_options=options)(ds.__getitems__(ticket))["schedule"]
-        want = attention.compile_schedule(ticket.microbatch, rank, **options)
+        want = compile_schedule(ticket.microbatch, rank, **options)
         assert dense_parts(got) == dense_parts(want)
         assert any(dense_parts(got)), "threshold 2 makes dense parts in these plans"
     with pytest.raises(DataError, match="unknown schedule option"):
@@ -259,7 +259,6 @@ def test_schedule_options_reach_compile_schedule(samples):
 
 
 def test_hf_dataset_source(samples):
-    datasets = pytest.importorskip("datasets")
     hf = datasets.Dataset.from_dict({"input_ids": [s.tolist() for s in samples], "meta": list(range(len(samples)))})
     sampler = BalancedBatchSampler(hf, 0, 1, CP, T, samples_per_step=40)
     ds = PackedDataset(hf)
@@ -275,7 +274,6 @@ def test_hf_dataset_source(samples):
 def test_real_stateful_dataloader_resume(samples, workers):
     """torchdata's StatefulDataLoader: stop after k batches, save, restore into a fresh loader,
     and the rest of the epoch is bit-identical to an uninterrupted run."""
-    from torchdata.stateful_dataloader import StatefulDataLoader
 
     def loader():
         sampler, ds, coll = make(samples, 1, 0)

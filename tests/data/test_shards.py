@@ -5,22 +5,20 @@ byte-identical on re-run, crash-safe, and loud about corruption and mismatches."
 from __future__ import annotations
 
 import json
-import os
 import shutil
 
 import numpy as np
 import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
 
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-datasets = pytest.importorskip("datasets")
-
-from ringpack.cli import main  # noqa: E402
-from ringpack.data import BalancedBatchSampler, DataError, PackedCollator, PackedDataset, ShardReader  # noqa: E402
-from ringpack.data import shards as shards_mod  # noqa: E402
-from ringpack.data.shards import file_sha256, load_source, regex_token_ids, tokenize_dataset, write_shards  # noqa: E402
-from ringpack.planner.epoch import expand_overflow  # noqa: E402
-from ringpack.shard_plan import PlanConfig  # noqa: E402
-from tests.helpers.data import Coverage, batch_signature, corpus_jsonl  # noqa: E402
+from ringpack.attention import compile_schedule
+from ringpack.cli import main
+from ringpack.data import BalancedBatchSampler, DataError, PackedCollator, PackedDataset, ShardReader
+from ringpack.data import shards as shards_mod
+from ringpack.data.shards import file_sha256, load_source, regex_token_ids, tokenize_dataset, write_shards
+from ringpack.planner.epoch import expand_overflow
+from ringpack.shard_plan import PlanConfig
+from tests.helpers.data import Coverage, batch_signature, corpus_jsonl
 
 DP, CP, T = 2, 2, 4096
 OPTS = dict(samples_per_step=64, overflow="split", seed=7)
@@ -259,9 +257,6 @@ def test_exactly_once_after_mid_epoch_resume_reader_and_loader(corpus):
 
 
 def test_tokenizer_json_with_num_proc(tmp_path, corpus):
-    pytest.importorskip("tokenizers")
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
     vocab = {"[UNK]": 0, "def": 1, "return": 2, "x": 3, "(": 4, ")": 5, ":": 6}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -302,10 +297,9 @@ def test_tokenizer_json_with_num_proc(tmp_path, corpus):
 
 def test_reader_passes_schedule_options(corpus):
     """ShardReader(schedule_options=...) compiles the same schedule as compile_schedule with those options."""
-    attention = pytest.importorskip("ringpack.attention")
     options = {"dense_threshold": 2, "dense_buckets": None}
     batch = next(iter(ShardReader(corpus["out"], 0, 1, schedule=True, schedule_options=options)))
-    want = attention.compile_schedule(batch["microbatch"], 1, **options)
+    want = compile_schedule(batch["microbatch"], 1, **options)
     assert batch["schedule"].local.dense == want.local.dense and batch["schedule"].local.dense
     with pytest.raises(DataError, match="unknown schedule option"):
         ShardReader(corpus["out"], 0, 1, schedule_options={"threshold": 2})

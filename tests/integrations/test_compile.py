@@ -76,6 +76,7 @@ def test_compiled_attention_equals_eager(backend, compiler):
     assert seen and all(ops == ["ringpack.ring_attention.default"] for ops in seen)
 
 
+@pytest.mark.slow
 def test_compiled_llama_equals_eager():
     from ringpack.data import PackedCollator
     from tests.helpers.training import build_model
@@ -144,6 +145,7 @@ def cp_worker(rank: int, world: int) -> dict:
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ring", "allgather"])
 def test_compiled_context_parallel_attention_over_gloo(cp_results, mode):
     for rank, results in enumerate(cp_results):

@@ -95,6 +95,7 @@ def mesh_results():
     return run_ranks(worker, WORLD, timeout_s=60.0, join_s=240.0, name="device mesh")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ring", "allgather"])
 def test_mesh_cp_dimension_equals_process_group(mesh_results, mode):
     for rank, results in enumerate(mesh_results):
@@ -104,6 +105,7 @@ def test_mesh_cp_dimension_equals_process_group(mesh_results, mode):
                 assert torch.equal(a, b), f"rank {rank} {mode} {name}: {what} differs from the process-group path"
 
 
+@pytest.mark.slow
 def test_llama_takes_the_mesh_as_ringpack_group(mesh_results):
     for rank, results in enumerate(mesh_results):
         with_group, with_mesh = results["llama"]
@@ -112,6 +114,7 @@ def test_llama_takes_the_mesh_as_ringpack_group(mesh_results):
             assert torch.equal(a, b), f"rank {rank}: ringpack_group=mesh['cp'] differs from the process group"
 
 
+@pytest.mark.slow
 def test_mesh_coordinates_put_cp_innermost(mesh_results):
     assert [r["coords"] for r in mesh_results] == [(r // CP, DP, r % CP, CP) for r in range(WORLD)]
     assert all(r["same group"] for r in mesh_results)

@@ -14,8 +14,6 @@ import pytest
 from ringpack._spawn import run_ranks
 from tests.helpers.training import assert_same_training, example_args, load_example, reference
 
-pytest.importorskip("transformers")
-
 WORLD, CP, STEPS = 4, 2, 2
 PARALLEL = ("fsdp2", "ddp")
 

@@ -20,9 +20,6 @@ import torch
 from ringpack._spawn import run_ranks
 from tests.helpers.training import assert_same_training, build_model, example_args, load_example, reference
 
-pytest.importorskip("transformers")
-pytest.importorskip("accelerate")
-
 WORLD, CP, STEPS = 4, 2, 2
 LR, MAX_GRAD_NORM = 1e-2, 0.2  # clips the summed gradients (norm ~0.33), not a quarter of them
 
@@ -118,6 +115,7 @@ def test_ringpack_trainer_equals_single_process(trainer_results):
     assert_same_training(losses, trainer_results[0]["grads"], want_losses, want_grads, STEPS, grad_rtol=1e-10)
 
 
+@pytest.mark.slow
 def test_import_ringpack_does_not_import_transformers():
     code = (
         "import sys, ringpack, ringpack.integrations, ringpack.integrations.distributed; "

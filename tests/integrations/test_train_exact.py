@@ -16,8 +16,6 @@ import torch.distributed as dist
 from ringpack._spawn import run_ranks
 from tests.helpers.training import assert_same_training, example_args, load_example, reference
 
-pytest.importorskip("transformers")
-
 CONFIGS = [  # (cp, strategy, packing): world 4 = DP x CP
     (2, "balanced", "balanced"),
     (2, "zigzag", "balanced"),
@@ -51,7 +49,7 @@ def worker(rank: int, world: int) -> dict | None:
 @pytest.fixture(scope="module")
 def distributed_results():
     # forkserver: torch is imported once by the server, not once per rank (the server is shared with the
-    # attention tests' harness when both run in one session: its preload then counts)
+    # attention tests' harness when both run in one pytest process: its preload then counts)
     return run_ranks(
         worker,
         WORLD,

@@ -137,6 +137,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_plans_are_identical_across_processes():
     runs = [
         subprocess.run([sys.executable, "-c", SNIPPET], capture_output=True, text=True, cwd=ROOT, check=True)

@@ -1,7 +1,7 @@
 """Fuzz every ``ringpack`` command's flags and input files: each run ends in a valid result or a clean error.
 
 A clean error is exit 1 (bad input) or 2 (usage) with exactly one ``ringpack CMD: error: ...`` line
-and no traceback; a valid result is checked for the wrong answers bad input used to produce (a plan
+and no traceback; a valid result is checked for the wrong answers bad input can lead to (a plan
 that does not validate or loses tokens, zero or non-finite throughput, lengths that ignore
 ``--median``, shards that do not read back, a file in ``--out`` that the run did not write).
 """
@@ -11,10 +11,10 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import os
 import shutil
 from pathlib import Path
 
+import datasets
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -35,9 +35,6 @@ from tests.helpers.cli import (
     small_plan,
     token_rows,
 )
-
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-datasets = pytest.importorskip("datasets")
 
 BAD_NUMBERS = ("0", "-1", "nan", "inf", "-inf", "1e400", "abc", "", "1.5", "9" * 40, "0x10", "1,2")
 _counter = itertools.count()

@@ -9,12 +9,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import os
 import shutil
 import time
 from pathlib import Path
 from typing import Any
 
+import datasets
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -25,9 +25,6 @@ from ringpack.data.shards import ShardReader, write_shards
 from ringpack.errors import DataError, PlanError
 from ringpack.shard_plan import MicroBatch, Piece, Plan, PlanConfig, RankShard, Step
 from tests.helpers.cli import CP, DP, TOKENS, small_plan, token_rows
-
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-datasets = pytest.importorskip("datasets")
 
 #: What a number in a plan or manifest is replaced with.
 MUTATIONS = (

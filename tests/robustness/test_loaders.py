@@ -94,7 +94,7 @@ def test_plan_config_from_dict_names_missing_and_unknown_fields():
 
 
 def test_plan_load_always_validates(tmp_path):
-    """Deleting the hash no longer lets an edited plan in, and a file names itself in the error."""
+    """An edited plan with its hash deleted is refused, naming the file; so are a directory and a missing file."""
     plan = small_plan()
     plan.save(tmp_path / "plan.json")
     doc = json.loads((tmp_path / "plan.json").read_text())

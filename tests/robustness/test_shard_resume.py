@@ -21,8 +21,6 @@ from ringpack.data.shards import ShardReader
 from ringpack.errors import DataError
 from tests.helpers.cli import assert_clean, digests, run_cli, token_rows, write_jsonl
 
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-pytest.importorskip("datasets")
 if not hasattr(os, "fork"):
     pytest.skip("killing a run at a chosen point needs os.fork", allow_module_level=True)
 

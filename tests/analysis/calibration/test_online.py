@@ -149,6 +149,7 @@ def learned():
     return run_ranks(_learner_worker, DP * CP, timeout_s=60, join_s=180, name="learner")
 
 
+@pytest.mark.slow
 def test_every_rank_learns_the_same_model_and_switches_at_the_same_step(learned):
     first = learned[0]
     assert first["switches"], "the learner switched the planner to a fitted model"
@@ -160,6 +161,7 @@ def test_every_rank_learns_the_same_model_and_switches_at_the_same_step(learned)
     assert epoch == 0 and 3 <= step < first["steps"], "switched after the first fit, at a step not yet planned"
 
 
+@pytest.mark.slow
 def test_a_resumed_sampler_replays_the_switches(learned):
     assert all(r["rest_matches_resume"] for r in learned)
 
