@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from ringpack._hints import on_command_line
+from ringpack._hints import on_command_line, option
 from ringpack.errors import DataError
 
 __all__ = [
@@ -79,7 +79,9 @@ def _pick_column(names: list[str], column: str | None, path: Any) -> str:
     for name in DEFAULT_COLUMNS:
         if name in names:
             return name
-    raise DataError(f"{path}: cannot tell which column holds lengths (columns: {', '.join(names)}); pass column=")
+    raise DataError(
+        f"{path}: cannot tell which column holds lengths (columns: {', '.join(names)}); name it with {option('column')}"
+    )
 
 
 def _column_lengths(array: Any, name: str, where: str) -> np.ndarray:
