@@ -278,7 +278,7 @@ def dcp_schedule(lengths: Any, config: PlanConfig, name: str = DCP) -> DynamicCP
         classes=classes,
         samples=np.bincount(step, minlength=len(batches.windows)),
         loss_tokens=loss,
-        config={**config.to_dict(), "peer": DCP},
+        config={**config.to_dict(), "strategy": "zigzag", "packing": DCP, "peer": DCP},
     )
 
 

@@ -366,7 +366,7 @@ def build_report(
             "description": results[0].comm.describe(),
         },
         "baseline": baseline,
-        "definitions": DEFINITIONS,
+        "definitions": {**DEFINITIONS, **{f"{p.name} (peer)": p.description for p in peers}},
         "lengths": length_summary(lengths) if lengths is not None else None,
         "plans": plans,
         "peers": [{"name": p.name, "description": p.description, **entry(p.result)} for p in peers],
