@@ -121,9 +121,8 @@ def group_sizes(lengths: np.ndarray, tokens_per_rank: int, gpus: int) -> np.ndar
     needed = -(-lengths // tokens_per_rank)
     if needed.size and needed.max() > gpus:
         raise ValueError(f"a sample of {int(lengths.max())} tokens needs more than the {gpus} GPUs of the pool")
-    pow2 = np.left_shift(1, np.ceil(np.log2(np.maximum(needed, 1))).astype(np.int64))
-    sizes = valid_group_sizes(gpus)
-    return sizes[np.searchsorted(sizes, np.minimum(pow2, gpus))]
+    sizes = valid_group_sizes(gpus)  # powers of two, then the pool: the first >= needed is the rounded-up one
+    return sizes[np.searchsorted(sizes, needed)]
 
 
 def zigzag_shares(lengths: np.ndarray, g: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
