@@ -14,22 +14,24 @@ Rows per case:
 * ``torch-cp sdpa-cudnn`` (case a) and ``torch-cp flex-ptrr`` (cases b, c): PyTorch's context
   parallel on the same data.
 
-Times are medians over iterations of the slowest rank (every rank starts together after a
-barrier, from an idle GPU, and the clock stops at a synchronise); ``busy`` lists each rank's own
-time. That wall time charges the host's launch latency to every call, which training hides (the
-host queues later layers while the GPU works), so each row also gets ``gpu_ms``: the GPU time of
-the same call with the host ahead (:func:`queued`), and ``host_ms``, the host time to queue it.
-``--layers L`` queues L calls back to back per timed iteration (forward, then one backward through
-all), as a model's layers do, and reports times per call: a third clock, the wall clock of a
-pipeline of layers, where the host queues one call while the GPU runs the one before. ``MiB`` is each rank's peak memory above its inputs
-during the calls, and for ringpack rows ``of`` the allowance: single-GPU flash attention over the
-rank's own tokens (measured) plus two K/V buffers of the largest compact buffer. Useful TFLOP/s per GPU count only the causal pairs
-the mask keeps: ``4 * head_dim * q_heads * pairs`` forward, x3.5 for forward+backward.
+Times are medians over iterations of the slowest rank (every rank starts together after a barrier,
+from an idle GPU, and the clock stops at a synchronise); ``busy`` lists each rank's own time. That
+wall time charges the host's launch latency to every call, which training hides (the host queues
+later layers while the GPU works), so each row also gets ``gpu_ms``: the GPU time of the same call
+with the host ahead (:func:`queued`), and ``host_ms``, the host time to queue it. ``--layers L``
+queues L calls back to back per timed iteration (forward, then one backward through all), as a
+model's layers do, and reports times per call: a third clock, the wall clock of a pipeline of
+layers, where the host queues one call while the GPU runs the one before. ``MiB`` is each rank's
+peak memory above its inputs during the calls, and for ringpack rows ``of`` the allowance:
+single-GPU flash attention over the rank's own tokens (measured) plus two K/V buffers of the largest
+compact buffer. Useful TFLOP/s per GPU count only the causal pairs the mask keeps: ``4 * head_dim *
+q_heads * pairs`` forward, x3.5 for forward+backward.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
@@ -207,7 +209,10 @@ def init_distributed() -> tuple[int, int, torch.device]:
 
 
 def add_schedule_args(parser: argparse.ArgumentParser) -> None:
-    """``--dense-threshold`` / ``--dense-buckets`` / ``--no-dense-batches``: compile_schedule's kernel-split options (defaults: the library's)."""
+    """``--dense-threshold`` / ``--dense-buckets`` / ``--no-dense-batches``: compile_schedule's kernel-split options.
+
+    The defaults are the library's.
+    """
     from ringpack.attention.schedule import DEFAULT_DENSE_BUCKETS, DEFAULT_DENSE_THRESHOLD
 
     parser.add_argument(
@@ -226,7 +231,9 @@ def add_schedule_args(parser: argparse.ArgumentParser) -> None:
         "--no-dense-batches",
         dest="dense_batches",
         action="store_false",
-        help="hybrid backends: leave runs of equal short samples to the varlen kernel (compile_schedule's dense_batches)",
+        help=(
+            "hybrid backends: leave runs of equal short samples to the varlen kernel (compile_schedule's dense_batches)"
+        ),
     )
 
 
@@ -261,7 +268,9 @@ def main() -> int:
         "--gpu-time-max-ms",
         type=float,
         default=100.0,
-        help="also time rows up to this wall time with the host ahead (gpu_ms; longer calls hide launch latency anyway)",
+        help=(
+            "also time rows up to this wall time with the host ahead (gpu_ms; longer calls hide launch latency anyway)"
+        ),
     )
     parser.add_argument(
         "--forward-part-rows",
@@ -423,16 +432,14 @@ def main() -> int:
                             )
                         whole = split_for("contiguous", lengths, 1, args.slack)  # cp=1: every sample whole
                         solo = compile_schedule(whole, 0, **schedule_options(args)).to(device)
+
+                        def solo_call(backend: str):
+                            """The 1-GPU ringpack call on fresh leaves, made when its row starts."""
+                            ql, kl, vl = leaf(q), leaf(k), leaf(v)
+                            return lambda: ring_attention(ql, kl, vl, solo, backend=backend)
+
                         for backend in args.backends.split(","):
-                            run_row(
-                                f"ideal ringpack {backend} (1 GPU)/2",
-                                lambda backend=backend: (
-                                    lambda ql=leaf(q), kl=leaf(k), vl=leaf(v): ring_attention(
-                                        ql, kl, vl, solo, backend=backend
-                                    )
-                                ),
-                                1,
-                            )
+                            run_row(f"ideal ringpack {backend} (1 GPU)/2", functools.partial(solo_call, backend), 1)
                     for strategy in filter(None, args.strategies.split(",")):
                         mb = split_for(strategy, lengths, world, args.slack)
                         index = local_index(mb, rank, lengths).to(device)

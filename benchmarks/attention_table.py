@@ -3,9 +3,10 @@
     python benchmarks/attention_table.py benchmarks/results/attention-*.json [--filter fwdbwd]
 
 One row per measured implementation: case, tokens per GPU, heads, pass, implementation, slowest
-rank's median ms (per call, with ``x L layers`` when the run queued L calls per iteration), useful TFLOP/s per GPU, fraction of ideal scaling, the same two with the host
-ahead of the GPU (``gpu_ms``, where measured), and peak memory per rank (MiB above the inputs)
-with the allowance where the benchmark computed one.
+rank's median ms (per call, with ``x L layers`` when the run queued L calls per iteration), useful
+TFLOP/s per GPU, fraction of ideal scaling, the same two with the host ahead of the GPU (``gpu_ms``,
+where measured), and peak memory per rank (MiB above the inputs) with the allowance where the
+benchmark computed one.
 """
 
 from __future__ import annotations
@@ -17,7 +18,10 @@ from pathlib import Path
 
 
 def rows_markdown(rows: list[dict], needle: str = "") -> str:
-    head = "| case | tok/GPU | heads q/kv | pass | implementation | ms | useful TF/s/GPU | % of ideal | GPU ms, host ahead | % of ideal (GPU) | peak MiB/rank (allowance) |"
+    head = (
+        "| case | tok/GPU | heads q/kv | pass | implementation | ms | useful TF/s/GPU | % of ideal "
+        "| GPU ms, host ahead | % of ideal (GPU) | peak MiB/rank (allowance) |"
+    )
     lines = [head, "|" + "---|" * 11]
     for row in rows:
         text = " ".join(str(row.get(k, "")) for k in ("case", "shape", "pass", "impl"))
@@ -27,7 +31,8 @@ def rows_markdown(rows: list[dict], needle: str = "") -> str:
         impl = row["impl"] + (f" x{row['layers']} layers" if row.get("layers", 1) > 1 else "")
         if "ms" not in row:
             lines.append(
-                f"| {row['case']} | {row['tokens_per_gpu']} | {heads} | {row['pass']} | {impl} | error: {row.get('error', '')[:60]} | | | | | |"
+                f"| {row['case']} | {row['tokens_per_gpu']} | {heads} | {row['pass']} | {impl} "
+                f"| error: {row.get('error', '')[:60]} | | | | | |"
             )
             continue
         mem = ""
@@ -39,7 +44,8 @@ def rows_markdown(rows: list[dict], needle: str = "") -> str:
         gpu = f"{row['gpu_ms']:.2f}" if row.get("gpu_ms") else ""
         gpu_frac = f"{row['gpu_ideal_frac']:.1%}" if "gpu_ideal_frac" in row else ""
         lines.append(
-            f"| {row['case']} | {row['tokens_per_gpu']} | {heads} | {row['pass']} | {impl} | {row['ms']:.2f} | {row['tflops']:.0f} | {frac} | {gpu} | {gpu_frac} | {mem} |"
+            f"| {row['case']} | {row['tokens_per_gpu']} | {heads} | {row['pass']} | {impl} | {row['ms']:.2f} "
+            f"| {row['tflops']:.0f} | {frac} | {gpu} | {gpu_frac} | {mem} |"
         )
     return "\n".join(lines)
 

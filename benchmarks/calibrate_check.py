@@ -93,9 +93,10 @@ def main() -> int:
         passed = gated["r"] >= args.min_r and gated["max_rel_err"] <= args.max_err
         ok &= passed
         summary.append(
-            f"{report['meta']['backend']:14s} profile held-out r={held['r']:.4f} max err {100 * held['max_rel_err']:5.1f}% "
-            f"mean {100 * held['mean_rel_err']:4.1f}% slowest rank {100 * held['slowest_rank_hit']:3.0f}% | kernel model "
-            f"r={kernel['r']:.4f} max err {100 * kernel['max_rel_err']:5.1f}% mean {100 * kernel['mean_rel_err']:4.1f}% "
+            f"{report['meta']['backend']:14s} profile held-out r={held['r']:.4f} "
+            f"max err {100 * held['max_rel_err']:5.1f}% mean {100 * held['mean_rel_err']:4.1f}% "
+            f"slowest rank {100 * held['slowest_rank_hit']:3.0f}% | kernel model r={kernel['r']:.4f} "
+            f"max err {100 * kernel['max_rel_err']:5.1f}% mean {100 * kernel['mean_rel_err']:4.1f}% "
             f"slowest rank {100 * kernel['slowest_rank_hit']:3.0f}% | pairs-only max err "
             f"{100 * report['baseline']['held_out']['max_rel_err']:5.1f}% | timer {report['meta']['timer']} | "
             f"{time.perf_counter() - started:.0f} s {'ok' if passed else 'FAIL'} ({args.gate})"

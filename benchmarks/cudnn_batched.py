@@ -58,7 +58,8 @@ def run(lengths: list[int], tokens: int, heads: int, kv_heads: int, iters: int) 
 
         def cudnn_bwd():
             return aten._scaled_dot_product_cudnn_attention_backward(
-                batch(dout), batch(q), batch(k), batch(v), c_out, c_lse, seed, offset, None, None, None, length, length, 0.0, True, scale=scale
+                batch(dout), batch(q), batch(k), batch(v), c_out, c_lse, seed, offset,
+                None, None, None, length, length, 0.0, True, scale=scale,
             )  # fmt: skip
 
         f_grads, c_grads = flash_bwd(), cudnn_bwd()
@@ -92,13 +93,16 @@ def main() -> int:
         h, kvh = (int(x) for x in hk.split("x"))
         rows += run([int(x) for x in args.lengths.split(",")], args.tokens, h, kvh, args.iters)
     print(
-        f"{'L':>5} {'n':>4} {'heads':>6} {'flash fwd':>9} {'bwd':>7} {'TF/s':>5} {'cudnn fwd':>9} {'bwd':>7} {'TF/s':>5} {'speedup':>7} {'diff':>8}"
+        f"{'L':>5} {'n':>4} {'heads':>6} {'flash fwd':>9} {'bwd':>7} {'TF/s':>5} "
+        f"{'cudnn fwd':>9} {'bwd':>7} {'TF/s':>5} {'speedup':>7} {'diff':>8}"
     )
     for r in rows:
         speed = (r["flash_fwd_ms"] + r["flash_bwd_ms"]) / (r["cudnn_fwd_ms"] + r["cudnn_bwd_ms"])
         print(
-            f"{r['length']:>5} {r['samples']:>4} {r['heads']:>3}/{r['kv_heads']:<2} {r['flash_fwd_ms']:9.3f} {r['flash_bwd_ms']:7.3f} {r['flash_tflops']:5.0f} "
-            f"{r['cudnn_fwd_ms']:9.3f} {r['cudnn_bwd_ms']:7.3f} {r['cudnn_tflops']:5.0f} {speed:7.2f}x {r['max_rel_diff']:8.1e}"
+            f"{r['length']:>5} {r['samples']:>4} {r['heads']:>3}/{r['kv_heads']:<2} "
+            f"{r['flash_fwd_ms']:9.3f} {r['flash_bwd_ms']:7.3f} {r['flash_tflops']:5.0f} "
+            f"{r['cudnn_fwd_ms']:9.3f} {r['cudnn_bwd_ms']:7.3f} {r['cudnn_tflops']:5.0f} "
+            f"{speed:7.2f}x {r['max_rel_diff']:8.1e}"
         )
     Path(args.out).write_text(json.dumps(rows, indent=1))
     return 0

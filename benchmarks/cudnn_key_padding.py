@@ -82,11 +82,11 @@ def run(shapes: list[tuple[int, int]], heads: int, kv_heads: int, buckets: int, 
         ref = dict(out=ref_out, lse=ref_lse)
         ref.update(zip(("dq", "dk", "dv"), K._cudnn_dense_bwd(dout, q, k, v, ref_out, ref_lse, scale, False)))
         variants = {
-            "exact": (exact_fwd, lambda o, l: K._cudnn_dense_bwd(dout, q, k, v, o, l, scale, False)),
+            "exact": (exact_fwd, lambda o, lse: K._cudnn_dense_bwd(dout, q, k, v, o, lse, scale, False)),
             "tail": (
                 lambda: K.dense_attn_fwd(q, k, v, scale, False, "cudnn_hybrid", dense_keys=down),
-                lambda o, l: K.dense_attn_bwd(
-                    dout, q, k, v, o.to(q.dtype), l, scale, False, "cudnn_hybrid", dense_keys=down
+                lambda o, lse: K.dense_attn_bwd(
+                    dout, q, k, v, o.to(q.dtype), lse, scale, False, "cudnn_hybrid", dense_keys=down
                 ),  # its out is float
             ),
         }
@@ -100,7 +100,8 @@ def run(shapes: list[tuple[int, int]], heads: int, kv_heads: int, buckets: int, 
 
             def bwd(o, lse4, bias=bias):
                 dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(
-                    K._bhsd(dout), K._bhsd(q), K._bhsd(kp), K._bhsd(vp), K._bhsd(o), lse4, seed, offset, bias, None, None, m, up, 0.0, False, scale=scale
+                    K._bhsd(dout), K._bhsd(q), K._bhsd(kp), K._bhsd(vp), K._bhsd(o), lse4, seed, offset,
+                    bias, None, None, m, up, 0.0, False, scale=scale,
                 )  # fmt: skip
                 return K._shd(dq), K._shd(dk)[:n], K._shd(dv)[:n]
 
@@ -150,7 +151,8 @@ def main() -> int:
             continue
         err = max(r["max_err"].values())
         print(
-            f"{r['m']:>6} {r['n']:>6} {r['heads']:>3}/{r['kv_heads']:<2} {r['variant']:>9} {r['keys']:>6} {r['fwd_ms']:8.3f} {r['bwd_ms']:8.3f} {err:8.1e}"
+            f"{r['m']:>6} {r['n']:>6} {r['heads']:>3}/{r['kv_heads']:<2} {r['variant']:>9} {r['keys']:>6} "
+            f"{r['fwd_ms']:8.3f} {r['bwd_ms']:8.3f} {err:8.1e}"
         )
     Path(args.out).write_text(json.dumps(rows, indent=1))
     return 0

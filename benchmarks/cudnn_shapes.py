@@ -112,7 +112,8 @@ def main() -> int:
             continue
         err = f"{r['max_err']:.2e}" if "max_err" in r else ""
         print(
-            f"{int(r['avoid_recompile']):>5} {int(r['causal']):>6} {r['lq']:>6} {r['lk']:>6} {r['phase']:>6} {r['ms']:9.2f} {r['tflops']:6.0f} {err:>8}"
+            f"{int(r['avoid_recompile']):>5} {int(r['causal']):>6} {r['lq']:>6} {r['lk']:>6} {r['phase']:>6} "
+            f"{r['ms']:9.2f} {r['tflops']:6.0f} {err:>8}"
         )
     Path(args.out).write_text(json.dumps(dict(lengths=lengths, rows=rows), indent=1))
     return 0

@@ -15,14 +15,15 @@ default buckets; ``cudnn_hybrid`` with exact dense shapes, ``dense_buckets=None`
 before buckets). The first pass meets every
 shape for the first time ("fresh"); the second repeats the steps with every graph built ("warm").
 
-Columns: total seconds of each pass, the fresh pass's total after 1/8, 1/4 and 1/2 of the steps,
-the mean step of the fresh pass's last quarter and of the warm pass, and the new dense shapes per
-step (cuDNN builds a forward and a backward graph for each) in the first and the last quarter of
-the fresh pass: with buckets that count falls towards zero as training goes on; with exact shapes
-it does not. ``--count-shapes N`` (no GPU) instead compiles the schedules of N such steps and
-prints how many distinct dense shapes each bucket setting has met by step 16, 100, 300, 1000 and
-3000 (summed over the ranks, each of which builds its own), i.e. how far the builds go. Before the first configuration, one untimed ring step on short samples warms NCCL and
-the flash kernels, and one cuDNN call on an unused shape loads cuDNN. Prints a table and writes JSON.
+Columns: total seconds of each pass, the fresh pass's total after 1/8, 1/4 and 1/2 of the steps, the
+mean step of the fresh pass's last quarter and of the warm pass, and the new dense shapes per step
+(cuDNN builds a forward and a backward graph for each) in the first and the last quarter of the
+fresh pass: with buckets that count falls towards zero as training goes on; with exact shapes it
+does not. ``--count-shapes N`` (no GPU) instead compiles the schedules of N such steps and prints
+how many distinct dense shapes each bucket setting has met by step 16, 100, 300, 1000 and 3000
+(summed over the ranks, each of which builds its own), i.e. how far the builds go. Before the first
+configuration, one untimed ring step on short samples warms NCCL and the flash kernels, and one
+cuDNN call on an unused shape loads cuDNN. Prints a table and writes JSON.
 """
 
 from __future__ import annotations
@@ -48,7 +49,10 @@ CONFIGS = f"torch_flash,cudnn_hybrid:{DEFAULT_DENSE_BUCKETS},cudnn_hybrid:none"
 
 
 def parse_configs(text: str) -> list[tuple[str, int | None]]:
-    """``backend[:buckets],...`` -> ``[(backend, dense_buckets)]`` (buckets ``none``: exact shapes; torch_flash has none)."""
+    """``backend[:buckets],...`` -> ``[(backend, dense_buckets)]``.
+
+    Buckets ``none`` mean exact shapes; torch_flash has no buckets.
+    """
     configs = []
     for item in text.split(","):
         backend, _, buckets = item.partition(":")
@@ -227,8 +231,9 @@ def main() -> int:
                 print(
                     f"{tokens:>6d} {args.shape:>5s} x{args.layers} {backend:13s} buckets={str(buckets):5s} "
                     f"fresh {row['fresh_total_s']:7.2f} s (1/8 1/4 1/2: {marks})  warm {row['warm_total_s']:7.2f} s  "
-                    f"last-quarter step fresh {row['fresh_late_mean_ms']:7.1f} / warm {row['warm_late_mean_ms']:7.1f} ms  "
-                    f"new shapes/step {statistics.fmean(new[:quarter]):4.1f} -> {statistics.fmean(new[-quarter:]):4.1f}",
+                    f"last-quarter step fresh {row['fresh_late_mean_ms']:7.1f} "
+                    f"/ warm {row['warm_late_mean_ms']:7.1f} ms  new shapes/step "
+                    f"{statistics.fmean(new[:quarter]):4.1f} -> {statistics.fmean(new[-quarter:]):4.1f}",
                     flush=True,
                 )
                 meta = dict(

@@ -16,10 +16,11 @@ steps (definitions in ``ringpack.planner.bounds`` and ``ringpack.traffic``):
 
 Schemes: ``ringpack`` (balanced packing + balanced CP split), ``ff+contiguous`` and ``ff+zigzag``
 (first-fit packing balanced by token count only, as common samplers do, with the naive and the
-Llama 3 CP splits), ``bal+zigzag`` and ``bal+contiguous`` (ringpack's DP balance with the baseline
-CP splits: isolates what the CP split contributes), and on the ``dominant-few`` set ``ringpack+sat`` (CP-SAT refinement, 0.5
-deterministic seconds per step). ``smp/rk`` is the mean number of samples per DP rank and step. Also timed: planning one 4,096-sample global
-batch for DP=64 x CP=8 (greedy path, median of 7 runs) and reading 1M lengths from Arrow.
+Llama 3 CP splits), ``bal+zigzag`` and ``bal+contiguous`` (ringpack's DP balance with the baseline CP
+splits: isolates what the CP split contributes), and on the ``dominant-few`` set ``ringpack+sat``
+(CP-SAT refinement, 0.5 deterministic seconds per step). ``smp/rk`` is the mean number of samples
+per DP rank and step. Also timed: planning one 4,096-sample global batch for DP=64 x CP=8 (greedy
+path, median of 7 runs) and reading 1M lengths from Arrow.
 """
 
 from __future__ import annotations
@@ -125,8 +126,8 @@ def datasets(quick: bool) -> list[dict]:
 def evaluate(data: dict, scheme: str, cost: CostModel, kv_bpt: int, slack: float | None = None) -> dict:
     guard = {"cp_token_slack": slack} if slack is not None and SCHEMES[scheme]["strategy"] == "balanced" else {}
     config = PlanConfig(
-        dp=data["dp"], cp=data["cp"], tokens_per_rank=data["tokens_per_rank"], samples_per_step=data["samples_per_step"], cost=cost,
-        **SCHEMES[scheme], **guard,
+        dp=data["dp"], cp=data["cp"], tokens_per_rank=data["tokens_per_rank"],
+        samples_per_step=data["samples_per_step"], cost=cost, **SCHEMES[scheme], **guard,
     )  # fmt: skip
     gc.collect()  # a clean heap for every scheme: else a full collection of earlier garbage lands in one
     t0 = time.process_time()
@@ -220,14 +221,20 @@ def main(argv=None) -> int:
     cost = CostModel.preset(args.model)
     kv_bpt = kv_bytes_per_token(PRESETS[args.model])
     results = {
-        "machine": f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cores, Python {platform.python_version()}".strip(),
+        "machine": (
+            f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cores, "
+            f"Python {platform.python_version()}"
+        ).strip(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "model": args.model,
         "cp_token_slack": args.slack,
         "kv_bytes_per_token": kv_bpt,
         "datasets": {},
     }
-    header = f"{'data':18s} {'scheme':15s} {'steps':>5s} {'smp/rk':>6s} {'mb/rk':>5s} {'step/mean':>9s} {'max/mean':>8s} {'gap':>7s} {'worst gap':>9s} {'KV MiB':>8s} {'vs zz':>6s} {'ms/step':>8s}"
+    header = (
+        f"{'data':18s} {'scheme':15s} {'steps':>5s} {'smp/rk':>6s} {'mb/rk':>5s} {'step/mean':>9s} {'max/mean':>8s} "
+        f"{'gap':>7s} {'worst gap':>9s} {'KV MiB':>8s} {'vs zz':>6s} {'ms/step':>8s}"
+    )
     print(header)
     print("-" * len(header))
     for data in datasets(args.quick):
@@ -240,7 +247,8 @@ def main(argv=None) -> int:
         for scheme, r in rows.items():
             r["kv_vs_bal_zigzag"] = r["kv_mib_per_step"] / zz
             print(
-                f"{data['name']:18s} {scheme:15s} {r['steps']:5d} {r['samples_per_dp_rank']:6.0f} {r['microbatches_per_rank']:5.0f} "
+                f"{data['name']:18s} {scheme:15s} {r['steps']:5d} "
+                f"{r['samples_per_dp_rank']:6.0f} {r['microbatches_per_rank']:5.0f} "
                 f"{r['step_over_mean']:9.4f} {r['max_over_mean']:8.4f} {r['gap']:7.2%} {r['gap_worst']:9.2%} "
                 f"{r['kv_mib_per_step']:8.0f} {r['kv_vs_bal_zigzag']:6.2f} {r['ms_per_step']:8.1f}"
             )
@@ -256,7 +264,8 @@ def main(argv=None) -> int:
     arrow = arrow_read_case()
     results["arrow_read_1m"] = arrow
     print(
-        f"read 1M lengths from Arrow: integer column {arrow['length_column_s'] * 1e3:.1f} ms, token-list column {arrow['list_column_s'] * 1e3:.1f} ms"
+        f"read 1M lengths from Arrow: integer column {arrow['length_column_s'] * 1e3:.1f} ms, "
+        f"token-list column {arrow['list_column_s'] * 1e3:.1f} ms"
     )
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2) + "\n")

@@ -39,7 +39,8 @@ def timeline(prof, min_gap_us: float = 15.0) -> str:
     """
     with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
         prof.export_chrome_trace(tmp.name)
-        events = json.load(open(tmp.name))["traceEvents"]
+        with open(tmp.name) as trace:
+            events = json.load(trace)["traceEvents"]
     kernels = sorted(
         (e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"]
     )
@@ -114,7 +115,10 @@ def add_config_args(parser: argparse.ArgumentParser, case: str, backend: str, it
 def config_inputs(
     args: argparse.Namespace, world: int, device: torch.device
 ) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The configuration's sample lengths and the whole micro-batch's bf16 q, k, v (head_dim 128), the same on every rank."""
+    """The configuration's sample lengths and the whole micro-batch's bf16 q, k, v (head_dim 128).
+
+    The same on every rank.
+    """
     lengths = case_lengths(args.case, args.tokens * world, args.seed)
     heads, kv_heads = (int(x) for x in args.shape.split("x"))
     gen = torch.Generator(device=device).manual_seed(args.seed)

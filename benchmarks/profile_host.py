@@ -81,7 +81,10 @@ def main() -> int:
         args.iters,
         args.top,
     )
-    text = f"### rank {rank}: {args.case} {args.tokens} {args.shape} {args.pass_name} {args.mode} {args.strategy}: host {ms:.3f} ms per call\n{table}"
+    text = (
+        f"### rank {rank}: {args.case} {args.tokens} {args.shape} {args.pass_name} {args.mode} {args.strategy}: "
+        f"host {ms:.3f} ms per call\n{table}"
+    )
     write_ranks(text, args.out, world, rank)
     dist.destroy_process_group()
     return 0
