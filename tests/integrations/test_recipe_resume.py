@@ -24,8 +24,6 @@ from ringpack._spawn import run_ranks
 from ringpack.analysis.calibration.online import CostLearner, LearnerConfig, microbatch_features
 from tests.helpers.training import load_example
 
-pytest.importorskip("transformers")
-
 WORLD, CP, STEPS, SPLIT = 4, 2, 4, 2
 # imported once by the forkserver rather than by every rank (if this file's ranks start it first)
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "transformers.models.llama.modeling_llama", __name__]
