@@ -85,6 +85,8 @@ def test_simulate_cli(tmp_path, capsys):
                 "400",
                 "--tokens-per-rank",
                 "4096",
+                "--overflow",
+                "split",  # the lognormal tail holds samples longer than a CP group
                 "--model",
                 "llama-1b",
                 "--jobs",
