@@ -11,6 +11,7 @@ import logging
 import re
 import sys
 
+import datasets
 import numpy as np
 import pyarrow as pa
 import pyarrow.feather as feather
@@ -25,8 +26,6 @@ from ringpack.lengths import FORMATS
 from ringpack.progress import Progress
 from ringpack.shard_plan import Plan, PlanConfig
 from tests.helpers.cli import assert_clean, run_cli
-
-datasets = pytest.importorskip("datasets")
 
 LENGTHS = np.random.default_rng(3).integers(1, 120, size=40)
 ROWS = [np.random.default_rng(int(n)).integers(0, 1000, int(n)).tolist() for n in LENGTHS]

@@ -5,12 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from ringpack.attention import compile_schedule
 from ringpack.cost import CostModel
 from ringpack.planner import make_plan
 from ringpack.shard_plan import PlanConfig
-
-torch = pytest.importorskip("torch")
-from ringpack.attention import compile_schedule  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ to give exactly the tokens of the stream.
 
 from __future__ import annotations
 
+import datasets
 import numpy as np
 import pytest
 import torch
@@ -14,8 +15,6 @@ import torch
 from ringpack.data import BalancedBatchSampler, DataError, PackedCollator, PackedDataset
 from ringpack.lengths import sample_lengths
 from tests.helpers.data import Coverage, random_samples
-
-datasets = pytest.importorskip("datasets")
 
 DP, CP, T = 2, 2, 256
 

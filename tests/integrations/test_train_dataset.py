@@ -13,9 +13,6 @@ from ringpack._spawn import run_ranks
 from ringpack.data.corpus import regex_token_count
 from tests.helpers.training import load_example
 
-pytest.importorskip("datasets")
-pytest.importorskip("transformers")
-
 WORDS = [
     "def",
     "return",
@@ -48,6 +45,7 @@ def worker(rank: int, world: int, argv: list[str]) -> list[dict] | None:
     return records if rank == 0 else None
 
 
+@pytest.mark.slow
 def test_training_on_a_jsonl_dataset(tmp_path):
     texts = write_dataset(tmp_path / "data.jsonl")
     argv = ["--dataset", str(tmp_path / "data.jsonl"), "--cache-dir", str(tmp_path / "cache"), "--cp", "2"]
