@@ -310,6 +310,13 @@ class PackedCollator:
         self.schedule_options = check_schedule_options(schedule_options)
         self.ignore_index = ignore_index
 
+    @classmethod
+    def from_mesh(cls, mesh: Any, *, cp_dim: str = "cp", **options: Any) -> PackedCollator:
+        """The collator of this rank of a DeviceMesh: its position in the ``cp_dim`` dimension (or in
+        a 1-D CP mesh). ``options``: as for the constructor."""
+        sub = mesh[cp_dim] if getattr(mesh, "ndim", 1) > 1 else mesh
+        return cls(sub.get_local_rank(), sub.size(), **options)
+
     def __call__(self, batch: Any) -> dict[str, Any]:
         if not isinstance(batch, PackedSamples):
             raise DataError(

@@ -224,6 +224,26 @@ class BalancedBatchSampler(_SamplerBase):
         self._orders: dict[int, list[tuple[int, int]]] = {}
         self._docs: tuple[np.ndarray, np.ndarray] | None = None  # (row, offset) of each plan sample
 
+    @classmethod
+    def from_mesh(
+        cls, lengths: Any, mesh: Any, tokens_per_rank: int, *, dp_dim: str = "dp", cp_dim: str = "cp", **options: Any
+    ) -> BalancedBatchSampler:
+        """The sampler of this rank of a DeviceMesh with dimensions ``dp_dim`` and ``cp_dim``.
+
+        Args:
+            lengths, tokens_per_rank, options: as for the constructor (``strategy``, ``seed`` and
+                :class:`PlanConfig` fields).
+            mesh: a ``torch.distributed.DeviceMesh`` (2-D ``("dp", "cp")``, or larger with those
+                dimensions); this rank's DP coordinate and both sizes come from it.
+
+        Raises:
+            ValueError: a mesh without one of the two dimensions.
+        """
+        from ringpack.integrations.distributed import mesh_coordinates
+
+        c = mesh_coordinates(mesh, dp_dim, cp_dim)
+        return cls(lengths, c.dp_rank, c.dp_size, c.cp_size, tokens_per_rank, **options)
+
     # ------------------------------------------------------------------ plan
     def plan(self, epoch: int | None = None) -> Plan:
         """The (cached) plan of ``epoch`` (default: the current one), identical on every rank.

@@ -792,6 +792,17 @@ class ShardReader:
         self._cursor = 0
         self._pending: int | None = None
 
+    @classmethod
+    def from_mesh(
+        cls, path: str | os.PathLike, mesh: Any, *, dp_dim: str = "dp", cp_dim: str = "cp", **options: Any
+    ) -> ShardReader:
+        """The reader of this rank of a DeviceMesh with dimensions ``dp_dim`` and ``cp_dim``; the
+        manifest's DP and CP sizes are checked against the mesh's. ``options``: as for the constructor."""
+        from ringpack.integrations.distributed import mesh_coordinates
+
+        c = mesh_coordinates(mesh, dp_dim, cp_dim)
+        return cls(path, c.dp_rank, c.cp_rank, dp_size=c.dp_size, cp_size=c.cp_size, **options)
+
     # -------------------------------------------------------------- views
     @property
     def plan_hash(self) -> str:

@@ -87,7 +87,49 @@ def worker(rank: int, world: int) -> dict:
     with pytest.raises(ValueError, match="no dimension 'tp'"):
         cp_group(mesh, dim="tp")
     results["same group"] = cp_group(mesh["cp"]) is mesh["cp"].get_group()
+    results["data"] = _data_from_mesh(mesh, coords)
     return results
+
+
+def _data_from_mesh(mesh, coords) -> dict:
+    """The sampler, collator and shard reader built from the mesh equal those built from coordinates."""
+    import tempfile
+
+    from ringpack.data import BalancedBatchSampler, PackedCollator, ShardReader, write_shards
+    from ringpack.shard_plan import PlanConfig
+
+    lengths = [(7 * i) % 97 + 1 for i in range(120)]
+    options = dict(samples_per_step=24, seed=1)
+    by_mesh = BalancedBatchSampler.from_mesh(lengths, mesh, 128, **options)
+    by_hand = BalancedBatchSampler(lengths, coords.dp_rank, DP, CP, 128, **options)
+    collator = PackedCollator.from_mesh(mesh)
+    out = {
+        "sampler": [list(t) for t in by_mesh] == [list(t) for t in by_hand] and by_mesh.plan_hash == by_hand.plan_hash,
+        "collator": (collator.cp_rank, collator.cp_size) == (coords.cp_rank, CP),
+        "collator 1-D": PackedCollator.from_mesh(mesh["cp"]).cp_rank == coords.cp_rank,
+    }
+    with tempfile.TemporaryDirectory() as folder:
+        if dist_rank() == 0:
+            import datasets
+
+            rows = datasets.Dataset.from_dict({"input_ids": [list(range(n)) for n in lengths]})
+            write_shards(
+                rows, folder, PlanConfig(dp=DP, cp=CP, tokens_per_rank=128, samples_per_step=24), progress=False
+            )
+        import torch.distributed as dist
+
+        shared = [folder if dist_rank() == 0 else None]
+        dist.broadcast_object_list(shared, src=0)
+        reader = ShardReader.from_mesh(shared[0], mesh)
+        out["reader"] = (reader.dp_rank, reader.cp_rank) == (coords.dp_rank, coords.cp_rank)
+        dist.barrier()
+    return out
+
+
+def dist_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank()
 
 
 @pytest.fixture(scope="module")
@@ -126,3 +168,9 @@ def test_process_group_rejects_other_objects():
     assert process_group(None) is None
     with pytest.raises(TypeError, match="ProcessGroup, a 1-D DeviceMesh or None"):
         process_group("cp")
+
+
+@pytest.mark.slow
+def test_sampler_collator_and_reader_take_the_mesh(mesh_results):
+    for rank, results in enumerate(mesh_results):
+        assert results["data"] == {"sampler": True, "collator": True, "collator 1-D": True, "reader": True}, rank
