@@ -48,7 +48,9 @@ if TYPE_CHECKING:
 
 
 def plan(lengths: Any, *, column: str | None = None, **config: Any) -> Plan:
-    """Plan samples into a validated :class:`Plan`: ``make_plan(lengths, PlanConfig(**config))``.
+    """Plan samples into a :class:`Plan`: ``make_plan(lengths, PlanConfig(**config))``.
+
+    The plan is valid by construction (``Plan.validate()`` checks every invariant).
 
     Args:
         lengths: one token count per sample, in dataset order: a sequence, numpy or torch array of

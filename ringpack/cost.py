@@ -1,4 +1,4 @@
-"""The cost model shared by every strategy, the reports and the simulator (DESIGN.md section 2).
+"""The cost model shared by every strategy, the reports and the simulator (docs/cost-model.md).
 
 A rank's work for one micro-batch costs ``token * tokens + pair * attention_pairs + segment *
 segments``. ``attention_pairs`` is the *exact* number of (query, key) pairs the rank computes under

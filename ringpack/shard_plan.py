@@ -1,6 +1,6 @@
 """The shard plan: the one contract between the balancer, the dataloaders and the attention runtime.
 
-DESIGN.md section 1. A plan says, for every step, which DP rank processes which micro-batches, and
+docs/plan.md describes it. A plan says, for every step, which DP rank processes which micro-batches, and
 for every micro-batch which token ranges ("pieces") of which samples each CP rank holds. Plans are
 plain frozen dataclasses: they serialise to JSON and to an Arrow/Parquet table of pieces, carry a
 content hash that is identical on every process and machine, and are never pickled.

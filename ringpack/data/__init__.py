@@ -1,4 +1,4 @@
-"""ringpack.data: lengths, the DataLoader sampler and collator, balanced Parquet shards (DESIGN.md section 5).
+"""ringpack.data: lengths, the DataLoader sampler and collator, balanced Parquet shards (docs/data.md).
 
 Importing this package needs neither ``datasets`` nor ortools (both are imported lazily, where used).
 """

@@ -14,7 +14,7 @@ worker processes, so the tensors always follow the plan the main process iterate
 A batch is a plain ``dict`` (``pin_memory`` and ``.to(device)`` loops work on it):
 
 ``input_ids`` (int64 ``[T]``)
-    this CP rank's local tokens: its pieces concatenated in canonical order (DESIGN.md section 1).
+    this CP rank's local tokens: its pieces concatenated in canonical order (docs/plan.md).
 ``labels`` (int64 ``[T]``)
     **already shifted** next-token targets: ``labels[i]`` is the token that follows ``input_ids[i]``
     *in the same sample* (it may live on another CP rank: the collator has the whole sample), and
@@ -209,7 +209,7 @@ SCHEDULE_OPTIONS = ("dense_threshold", "dense_buckets", "dense_batches")
 
 def check_schedule_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
     """Validated ``compile_schedule`` options: e.g. ``{"dense_buckets": None}`` for data whose lengths
-    repeat (exact cuDNN shapes, see the README's "Shape buckets")."""
+    repeat (exact cuDNN shapes, see docs/attention.md, shape buckets)."""
     options = dict(options or {})
     unknown = sorted(set(options) - set(SCHEDULE_OPTIONS))
     if unknown:

@@ -1,4 +1,4 @@
-"""The planner: sample lengths + :class:`~ringpack.shard_plan.PlanConfig` -> a validated
+"""The planner: sample lengths + :class:`~ringpack.shard_plan.PlanConfig` ->
 :class:`~ringpack.shard_plan.Plan`.
 
 * :mod:`~ringpack.planner.epoch` -- shuffled windows, overflow handling, one step at a time;

@@ -1,4 +1,4 @@
-"""``make_plan``: sample lengths + :class:`PlanConfig` -> a validated :class:`Plan` (DESIGN.md sections 1-3).
+"""``make_plan``: sample lengths + :class:`PlanConfig` -> a :class:`Plan` (docs/planner.md).
 
 The plan is a pure function of ``(lengths, config)`` -- ``config`` carries ``seed`` and ``epoch`` --
 so every rank computes the same plan, with the same number of steps, without communicating:
@@ -397,7 +397,8 @@ def make_plan(lengths: Any, config: PlanConfig, *, progress: Callable[[int, int]
             (e.g. :meth:`ringpack.progress.Progress.advance_to`).
 
     Returns:
-        The validated plan: one :class:`Step` per global batch; the same on every rank for the
+        The plan, valid by construction (``Plan.validate()`` checks every invariant): one
+        :class:`Step` per global batch; the same on every rank for the
         same ``(lengths, config)``.
 
     Raises:

@@ -1,4 +1,4 @@
-"""``ringpack calibrate``: fit the cost model to measured GPU kernel times (DESIGN.md sections 2 and 6).
+"""``ringpack calibrate``: fit the cost model to measured GPU kernel times (docs/cost-model.md, docs/analysis.md).
 
 The planner balances ``token*tokens + pair*pairs + segment*pieces`` per rank. Calibration replaces
 the FLOP-derived coefficients by seconds measured on the GPU that will train, in four steps:

@@ -34,7 +34,7 @@ class AttentionShape:
             raise ValueError(f"attention shape {self}: need positive sizes and heads a multiple of kv_heads")
 
     def flops_per_pair(self) -> float:
-        """Forward+backward FLOPs of one (query, key) pair over all heads (DESIGN.md section 2)."""
+        """Forward+backward FLOPs of one (query, key) pair over all heads (docs/cost-model.md)."""
         return 4.0 * self.head_dim * self.heads * 3.5
 
 
