@@ -97,7 +97,7 @@ def profiled(thunk, backward: bool, iters: int) -> tuple[float, str]:
 
 
 def add_config_args(parser: argparse.ArgumentParser, case: str, backend: str, iters: int, out: str) -> None:
-    """The options of a tool that looks at one configuration (this one, ``profile_host.py``): case,
+    """The options of a tool that looks at one configuration (this one, ``probes/profile_host.py``): case,
     tokens per GPU, head shape, backend, mode, pass, iterations, balanced slack, schedule options, seed, output."""
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--case", default=case)

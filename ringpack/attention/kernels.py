@@ -168,7 +168,7 @@ def _cudnn_ragged_dense() -> str | None:
 
     ``TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1`` makes PyTorch run dense cuDNN attention through its
     ragged path, with one graph per power-of-two length bucket. With torch 2.11 / cuDNN 9.19 on
-    H200 (``benchmarks/cudnn_shapes.py``) the forward stays exact, but the backward of every length
+    H200 (``benchmarks/probes/cudnn_shapes.py``) the forward stays exact, but the backward of every length
     after the first in a bucket returns wrong dQ (errors of 10^2-10^3 relative to the largest
     value). PyTorch reads the variable once per process, so it is refused here rather than
     silently producing wrong gradients.

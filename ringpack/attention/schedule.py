@@ -38,7 +38,7 @@ training brings new lengths every step, so dense parts run on lengths ``m * 2**e
 rows' results, and their ``lse = +inf`` in backward adds nothing to dK/dV); a causal square is
 padded on its keys too, which only padding rows see; a full block's keys are cut *down*
 (:func:`dense_bucket`) and the key tail goes to the varlen kernel beside it, because padding keys
-would need a mask, which makes cuDNN 1.4-1.7x slower (``benchmarks/cudnn_key_padding.py``).
+would need a mask, which makes cuDNN 1.4-1.7x slower (``benchmarks/probes/cudnn_key_padding.py``).
 Padding adds at most ``2/b`` of a square's work and ``1/b`` of a block's rows, and between 1K and
 128K tokens the dense kernel sees at most about ``5b`` square and ``(7b)**2`` block shapes,
 whatever the data. ``dense_buckets=None`` keeps exact shapes.
@@ -625,7 +625,7 @@ def _equal_batches(seg_len: np.ndarray, eligible: np.ndarray, threshold: int) ->
     ``threshold`` rows, cut into power-of-two groups (bounded graph shapes ``(2**i, L)``; a group
     of one stays in the varlen runs). In memory such a run is a ``[count, L, H, D]`` batch, which
     cuDNN takes as a view, 1.5-1.7x faster than flash varlen on H200 for ``L`` of 256-4096
-    (``benchmarks/cudnn_batched.py``)."""
+    (``benchmarks/probes/cudnn_batched.py``)."""
     idx = np.flatnonzero(eligible & (seg_len >= max(threshold // 16, 1)))
     if idx.size < 2:
         return []

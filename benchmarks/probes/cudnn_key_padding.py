@@ -1,7 +1,7 @@
 """Can cuDNN take a full block's keys padded up to a bucket length, with the padding masked by a
 bias, instead of the flash "key tail" that shape buckets need today?
 
-    python benchmarks/cudnn_key_padding.py --out cudnn_key_padding.json
+    python benchmarks/probes/cudnn_key_padding.py --out cudnn_key_padding.json
 
 For non-causal blocks of ``m`` query rows (a bucket length) x ``n`` keys (not one), bf16, head_dim
 128, it times forward and backward (CUDA events, graphs built beforehand) of:
@@ -23,7 +23,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def _bucket_up(n: int, buckets: int) -> int:

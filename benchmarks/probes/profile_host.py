@@ -2,7 +2,7 @@
 
 Run by torchrun like ``benchmarks/attention.py``, with the same case definitions:
 
-    torchrun --nproc_per_node=2 benchmarks/profile_host.py --tokens 16384 --case short --out host.txt
+    torchrun --nproc_per_node=2 benchmarks/probes/profile_host.py --tokens 16384 --case short --out host.txt
 
 With a small micro-batch the host, not the GPU, can set the pace: the synchronised wall time of
 ``benchmarks/attention.py`` charges every launch to the call, and a step whose host work exceeds
@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from attention import SLEEP_CYCLES_PER_MS, init_distributed, local_index, schedule_options, split_for
 from profile_attention import add_config_args, config_inputs, write_ranks

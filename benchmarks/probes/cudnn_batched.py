@@ -1,6 +1,6 @@
 """Equal-length samples: flash varlen against one batched cuDNN call.
 
-    python benchmarks/cudnn_batched.py --out cudnn_batched.json
+    python benchmarks/probes/cudnn_batched.py --out cudnn_batched.json
 
 A run of ``n`` consecutive samples of one length ``L`` (fixed-length packing, the benchmark's
 "short" case) is, in memory, a ``[n, L, H, D]`` tensor: cuDNN's dense SDPA can take it as a batch
@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from cudnn_key_padding import event_ms
 

@@ -2,8 +2,8 @@
 ``TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1`` (cuDNN's ragged path for BSHD inputs: one graph for every
 sequence length instead of one per length).
 
-    python benchmarks/cudnn_shapes.py --out cudnn_shapes.json            # runs both settings
-    python benchmarks/cudnn_shapes.py --child 0|1 ...                    # one setting (internal)
+    python benchmarks/probes/cudnn_shapes.py --out cudnn_shapes.json            # runs both settings
+    python benchmarks/probes/cudnn_shapes.py --child 0|1 ...                    # one setting (internal)
 
 Each setting runs in its own process (PyTorch may read the variable once). Per setting it times,
 for causal segments and for non-causal blocks (queries != keys), through
@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def _child(avoid: bool, lengths: list[int], heads: int, kv_heads: int) -> list[dict]:
