@@ -401,6 +401,8 @@ class BalancedBatchSampler(_SamplerBase):
         position, e.g. ``batch["cursor"]`` of the last batch the training loop consumed."""
         if cursor is None:
             cursor = self._pending if self._pending is not None else self._cursor
+        if isinstance(cursor, bool) or not isinstance(cursor, (int, np.integer)):
+            raise DataError(f"cursor must be an integer (a batch's 'cursor'), got {cursor!r}")
         if not 0 <= cursor <= len(self):
             raise DataError(f"cursor {cursor} outside [0, {len(self)}] for epoch {self.epoch}")
         return {

@@ -953,6 +953,8 @@ class ShardReader:
     def state_dict(self, cursor: int | None = None) -> dict[str, Any]:
         if cursor is None:
             cursor = self._pending if self._pending is not None else self._cursor
+        if isinstance(cursor, bool) or not isinstance(cursor, (int, np.integer)) or cursor < 0:
+            raise DataError(f"cursor must be a non-negative integer (a batch's 'cursor'), got {cursor!r}")
         return {"version": SHARD_FORMAT_VERSION, "plan_hash": self.plan_hash, "cursor": int(cursor)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -514,6 +514,16 @@ def test_sampler_state_damage():
             sampler.load_state_dict({**state, key: value})
     sampler.load_state_dict(state)  # the original still loads
     assert sampler.state_dict()["cursor"] == 1
+    for cursor in (2.7, True, "1"):  # a position that is not a batch's cursor is refused, not rounded
+        with pytest.raises(DataError, match="cursor"):
+            sampler.state_dict(cursor=cursor)
+
+
+def test_reader_state_of_a_bad_cursor_is_refused(shards):
+    reader = ShardReader(shards[0], 0, 0, schedule=False)
+    for cursor in (2.7, True, "1", -1):
+        with pytest.raises(DataError, match="cursor"):
+            reader.state_dict(cursor=cursor)
 
 
 def token_rows_lengths() -> list[int]:

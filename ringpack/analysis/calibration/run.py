@@ -328,11 +328,13 @@ def refit(report: dict[str, Any]) -> Calibration:
     from ringpack.attention.kernels import HYBRID_BACKENDS
 
     version = report.get("version", 1)
-    if version != REPORT_VERSION or not report.get("microbatches"):
+    if version != REPORT_VERSION:
         raise ValueError(
             f"calibration report version {version} cannot be refitted: only version {REPORT_VERSION} reports store "
             "the micro-batch geometry a refit needs (run ringpack calibrate again)"
         )
+    if not report.get("microbatches"):
+        raise ValueError("calibration report has no 'microbatches' (the geometry a refit needs): it is incomplete")
     meta = dict(report["meta"])
     rows_g, rows_e = report["grid_rows"], report["eval_rows"]
     grid = [(c, float(r["measured_s"])) for c, r in zip(cases_from_geometry(report["microbatches"], rows_g), rows_g)]
@@ -415,7 +417,14 @@ def _run_refit(args: argparse.Namespace) -> int:
         raise ValueError(f"--refit {source} is not JSON: {exc}") from exc
     if not isinstance(report, dict) or report.get("format") != "ringpack-calibration":
         raise ValueError(f"{source} is not a ringpack calibration report")
-    result = refit(report)
+    try:
+        result = refit(report)
+    except ValueError as exc:
+        raise ValueError(f"{source}: {exc}") from exc
+    except (KeyError, TypeError, IndexError) as exc:  # a report of the right format with parts missing
+        raise ValueError(
+            f"{source}: calibration report is incomplete or malformed ({type(exc).__name__}: {exc})"
+        ) from exc
     out = Path(args.out)
     written = {
         out.resolve(),

@@ -198,3 +198,16 @@ def test_hybrid_features_follow_the_dense_shape_buckets():
     assert tails > 0 and padded > 0 and cut["dense_calls"] == exact["dense_calls"]
     assert cut["dense_pairs"] != exact["dense_pairs"] and cut["calls"] == exact["calls"] + tails
     assert cal.rank_features(case, hybrid=True) == cut  # the default is this version's buckets
+
+
+@pytest.mark.parametrize("drop", ["grid_rows", "microbatches", "eval_rows"])
+def test_cli_refit_names_an_incomplete_report(tmp_path, capsys, drop):
+    report = json.loads(gzip.decompress((DATA / "h200-llama-1b-torch_flash.rows.json.gz").read_bytes()))
+    del report[drop]
+    broken = tmp_path / "broken.report.json"
+    broken.write_text(json.dumps(report))
+    from ringpack.cli import main
+
+    assert main(["calibrate", "--refit", str(broken), "--out", str(tmp_path / "p.json")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "broken.report.json" in err[0] and "Traceback" not in err[0]
