@@ -9,6 +9,7 @@ The public API, importable from here::
     plan, Plan, PlanConfig, PlanError, DataError, CostModel       # the plan contract and the planner
     compile_schedule, ring_attention, RingAttention             # the attention runtime (torch)
     BalancedBatchSampler, PackedCollator, PackedDataset, ShardReader   # data loading (torch)
+    CostLearner                                                 # the cost model learned from the run
 
 Names load on first use, so ``import ringpack`` is quick and needs neither torch, ortools nor
 datasets.
@@ -35,10 +36,12 @@ _EXPORTS = {
     "PackedCollator": "ringpack.data",
     "PackedDataset": "ringpack.data",
     "ShardReader": "ringpack.data",
+    "CostLearner": "ringpack.analysis.calibration.online",
 }
 __all__ = ["__version__", "plan", *_EXPORTS]
 
 if TYPE_CHECKING:
+    from ringpack.analysis.calibration.online import CostLearner  # noqa: F401
     from ringpack.attention import RingAttention, compile_schedule, ring_attention  # noqa: F401
     from ringpack.cost import CostModel  # noqa: F401
     from ringpack.data import BalancedBatchSampler, PackedCollator, PackedDataset, ShardReader  # noqa: F401
