@@ -1,7 +1,7 @@
 """The systems users compare ringpack with, priced by ringpack's cost and communication models on the same data.
 
 Both peers run the documents and global batches ringpack's plans run
-(:func:`ringpack.planner.peers.global_batches`: the same overflow rule, shuffle and cut), so every
+(:func:`ringpack.planner.epoch.global_batches`: the same overflow rule, shuffle and cut), so every
 row of a report computes the same tokens and the same exact causal pairs:
 
 * ``wlb``: WLB-LLM's workload-aware variable-length packing with outlier delay and per-document
@@ -249,9 +249,9 @@ def dcp_schedule(lengths: Any, config: PlanConfig, name: str = DCP) -> DynamicCP
         :class:`DynamicCPSchedule` with one step per global batch.
 
     Raises:
-        PlanError: as :func:`~ringpack.planner.peers.global_batches`.
+        PlanError: as :func:`~ringpack.planner.epoch.global_batches`.
     """
-    from ringpack.planner.peers import global_batches
+    from ringpack.planner.epoch import global_batches
 
     batches = global_batches(lengths, config)
     gpus = config.dp * config.cp

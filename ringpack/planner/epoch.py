@@ -60,6 +60,8 @@ from ringpack.shard_plan import MicroBatch, Plan, PlanConfig, PlanError, Step
 
 __all__ = [
     "make_plan",
+    "global_batches",
+    "GlobalBatches",
     "as_lengths",
     "expand_overflow",
     "shuffle_order",
@@ -387,6 +389,50 @@ def _microbatch_groups(ids: np.ndarray, bins: np.ndarray, num_bins: int) -> list
     return groups
 
 
+@dataclasses.dataclass(frozen=True)
+class GlobalBatches:
+    """The documents of an epoch and the ids of every global batch, exactly as :func:`make_plan` cuts them.
+
+    Attributes:
+        lengths: int64 ``[N]``, the documents' lengths (input samples after ``config.overflow``).
+        windows: one int64 array of document ids per step, in shuffled order; dropped documents
+            are in none.
+        dropped: ids of documents longer than a CP group that ``overflow="drop"`` leaves out.
+        origins: ``(input sample, offset)`` of every document when ``overflow="split"`` cut some.
+    """
+
+    lengths: np.ndarray
+    windows: list[np.ndarray]
+    dropped: tuple[int, ...]
+    origins: tuple[tuple[int, int], ...]
+
+
+def global_batches(lengths: Any, config: PlanConfig) -> GlobalBatches:
+    """The documents and global batches :func:`make_plan` plans for ``(lengths, config)``.
+
+    Args:
+        lengths: tokens of every sample, a 1-D integer sequence or array, each >= 1.
+        config: the plan config (its overflow rule, ``samples_per_step``, seed and epoch matter).
+
+    Returns:
+        :class:`GlobalBatches`.
+
+    Raises:
+        PlanError: as :func:`make_plan` for bad lengths, ``overflow="error"`` or nothing left.
+    """
+    docs, dropped, origins = _apply_overflow(as_lengths(lengths), config)
+    keep = np.ones(len(docs), dtype=bool)
+    keep[list(dropped)] = False
+    order = shuffle_order(len(docs), config.seed, config.epoch)
+    order = order[keep[order]]
+    if order.size == 0:
+        raise PlanError(
+            f"no samples left to plan: all {len(docs)} are longer than {config.group_capacity} tokens and were dropped"
+        )
+    min_samples = config.dp * max(config.microbatches_per_rank, 1)
+    return GlobalBatches(docs, _windows(order, config.samples_per_step, min_samples), dropped, origins)
+
+
 def make_plan(lengths: Any, config: PlanConfig, *, progress: Callable[[int, int], None] | None = None) -> Plan:
     """Plan ``lengths`` (one per sample) for ``config``; see the module docstring for the rules.
 
@@ -407,25 +453,17 @@ def make_plan(lengths: Any, config: PlanConfig, *, progress: Callable[[int, int]
             cannot fill, or do not fit, its ``dp x m`` micro-batches; ``overflow="split"`` cutting
             samples into more documents than :func:`split_document_limit` allows.
     """
-    lengths, dropped, origins = _apply_overflow(as_lengths(lengths), config)
-    keep = np.ones(len(lengths), dtype=bool)
-    keep[list(dropped)] = False
-    order = shuffle_order(len(lengths), config.seed, config.epoch)
-    order = order[keep[order]]
-    if order.size == 0:
-        raise PlanError(
-            f"no samples left to plan: all {len(lengths)} are longer than {config.group_capacity} tokens "
-            "and were dropped"
-        )
-    min_samples = config.dp * max(config.microbatches_per_rank, 1)
+    batches = global_batches(lengths, config)
+    lengths, windows = batches.lengths, batches.windows
     length_list = lengths.tolist()
-    windows = _windows(order, config.samples_per_step, min_samples)
     steps = []
     for s, ids in enumerate(windows):
         steps.append(_plan_step(s, ids, lengths, config, length_list))
         if progress is not None:
             progress(s + 1, len(windows))
-    return Plan(config=config, lengths=tuple(length_list), steps=tuple(steps), dropped=dropped, origins=origins)
+    return Plan(
+        config=config, lengths=tuple(length_list), steps=tuple(steps), dropped=batches.dropped, origins=batches.origins
+    )
 
 
 def _apply_overflow(

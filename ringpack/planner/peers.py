@@ -1,8 +1,8 @@
 """Plans of the packings users compare ringpack with, on the same data and the same global batches.
 
-:func:`global_batches` gives the documents and the shuffled global batches :func:`make_plan` plans
-(the same overflow rule, shuffle and cut), so a peer and a ringpack plan of one ``(lengths,
-config)`` see the same data in the same steps.
+:func:`~ringpack.planner.epoch.global_batches` gives the documents and the shuffled global batches
+:func:`make_plan` plans (the same overflow rule, shuffle and cut), so a peer and a ringpack plan of
+one ``(lengths, config)`` see the same data in the same steps.
 
 :func:`make_wlb_plan` is WLB-LLM's workload-aware variable-length packing (Wang et al., OSDI 2025,
 "WLB-LLM: Workload-Balanced 4D Parallelism for Large Language Model Training") as a valid
@@ -43,11 +43,9 @@ from typing import Any
 import numpy as np
 
 from ringpack.planner.epoch import (
-    _apply_overflow,
+    GlobalBatches,
     _microbatch_groups,
-    _windows,
-    as_lengths,
-    shuffle_order,
+    global_batches,
     split_microbatch,
     step_lower_bound,
 )
@@ -55,8 +53,6 @@ from ringpack.planner.split import split_balanced_many
 from ringpack.shard_plan import TABLE_COLUMNS, MicroBatch, Plan, PlanConfig, PlanError, Step
 
 __all__ = [
-    "GlobalBatches",
-    "global_batches",
     "WLBConfig",
     "WLBStep",
     "WLBPacking",
@@ -65,48 +61,6 @@ __all__ = [
     "zigzag_pieces",
     "wlb_zigzag_table",
 ]
-
-
-@dataclass(frozen=True)
-class GlobalBatches:
-    """The documents of an epoch and the ids of every global batch, exactly as :func:`make_plan` cuts them.
-
-    Attributes:
-        lengths: int64 ``[N]``, the documents' lengths (input samples after ``config.overflow``).
-        windows: one int64 array of document ids per step, in shuffled order; dropped documents
-            are in none.
-        dropped: ids of documents longer than a CP group that ``overflow="drop"`` leaves out.
-        origins: ``(input sample, offset)`` of every document when ``overflow="split"`` cut some.
-    """
-
-    lengths: np.ndarray
-    windows: list[np.ndarray]
-    dropped: tuple[int, ...]
-    origins: tuple[tuple[int, int], ...]
-
-
-def global_batches(lengths: Any, config: PlanConfig) -> GlobalBatches:
-    """The documents and global batches :func:`~ringpack.planner.make_plan` plans for ``(lengths, config)``.
-
-    Args:
-        lengths: tokens of every sample, a 1-D integer sequence or array, each >= 1.
-        config: the plan config (its overflow rule, ``samples_per_step``, seed and epoch matter).
-
-    Returns:
-        :class:`GlobalBatches`.
-
-    Raises:
-        PlanError: as :func:`make_plan` for bad lengths, ``overflow="error"`` or nothing left.
-    """
-    docs, dropped, origins = _apply_overflow(as_lengths(lengths), config)
-    keep = np.ones(len(docs), dtype=bool)
-    keep[list(dropped)] = False
-    order = shuffle_order(len(docs), config.seed, config.epoch)
-    order = order[keep[order]]
-    if order.size == 0:
-        raise PlanError(f"no samples left to plan: all {len(docs)} are longer than {config.group_capacity} tokens")
-    min_samples = config.dp * max(config.microbatches_per_rank, 1)
-    return GlobalBatches(docs, _windows(order, config.samples_per_step, min_samples), dropped, origins)
 
 
 @dataclass(frozen=True)
