@@ -286,11 +286,23 @@ def make_loader(args: argparse.Namespace, grid: Grid, samples: Any) -> torch.uti
     """
     column = getattr(args, "column", "input_ids")
     real = hasattr(samples, "column_names")
-    sampler = BalancedBatchSampler(
-        lengths_from_dataset(samples, column) if real else [len(s) for s in samples],
-        grid.dp_rank,
-        grid.dp_size,
-        grid.cp_size,
+    lengths = lengths_from_dataset(samples, column) if real else [len(s) for s in samples]
+    sampler = make_sampler(args, lengths, grid.dp_rank, grid.dp_size, grid.cp_size)
+    return torch.utils.data.DataLoader(
+        PackedDataset(samples, column=column),
+        batch_sampler=sampler,
+        collate_fn=PackedCollator(grid.cp_rank, grid.cp_size),
+        num_workers=args.workers,
+    )
+
+
+def make_sampler(args: argparse.Namespace, lengths: Any, dp_rank: int, dp_size: int, cp_size: int):
+    """The sampler of DP rank ``dp_rank``: the plan options of ``args`` over ``lengths``."""
+    return BalancedBatchSampler(
+        lengths,
+        dp_rank,
+        dp_size,
+        cp_size,
         args.tokens_per_rank,
         strategy=args.strategy,
         packing=args.packing,
@@ -300,12 +312,6 @@ def make_loader(args: argparse.Namespace, grid: Grid, samples: Any) -> torch.uti
         cp_token_slack=args.cp_token_slack,
         pair_price_range=args.pair_price_range,
         overflow=getattr(args, "overflow", "error"),
-    )
-    return torch.utils.data.DataLoader(
-        PackedDataset(samples, column=column),
-        batch_sampler=sampler,
-        collate_fn=PackedCollator(grid.cp_rank, grid.cp_size),
-        num_workers=args.workers,
     )
 
 

@@ -60,23 +60,10 @@ def example_args(cp: int, strategy: str = "balanced", packing: str = "balanced",
 
 def plan_for(args: argparse.Namespace, world: int):
     """The plan every rank of a ``world``-process run of ``args`` follows."""
-    from ringpack.data import BalancedBatchSampler
 
     example = load_example()
     samples = example.samples_for(args)
-    sampler = BalancedBatchSampler(
-        [len(s) for s in samples],
-        0,
-        world // args.cp,
-        args.cp,
-        args.tokens_per_rank,
-        strategy=args.strategy,
-        packing=args.packing,
-        samples_per_step=args.samples_per_step,
-        seed=args.seed,
-        cost=example._cost_model(args.model, args.cost_profile),
-        cp_token_slack=args.cp_token_slack,
-    )
+    sampler = example.make_sampler(args, [len(s) for s in samples], 0, world // args.cp, args.cp)
     return sampler.plan()
 
 
