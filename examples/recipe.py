@@ -51,7 +51,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from train import DTYPES, Grid, build_model, make_loader, microbatch_loss, parser, samples_for, steps_of
+from train import DTYPES, Grid, build_model, data_vocab, make_loader, microbatch_loss, parser, samples_for, steps_of
 from train_fsdp import make_mesh, wrap
 
 from ringpack.analysis.calibration.online import CostLearner
@@ -108,7 +108,8 @@ def build(args: argparse.Namespace, samples: list[np.ndarray], make_learner: Lea
     :func:`default_learner`). Every rank builds the same model from ``args.seed``.
     """
     mesh, grid = make_mesh(args.cp)
-    model = build_model(args.model, DTYPES[args.dtype], args.seed, device=grid.device)
+    vocab = data_vocab(args) if args.dataset else None  # a --tokenizer sizes the embedding
+    model = build_model(args.model, DTYPES[args.dtype], args.seed, device=grid.device, vocab=vocab)
     if args.grad_ckpt:
         model.gradient_checkpointing_enable()
     if args.compile:

@@ -36,7 +36,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from train import DTYPES, Grid, build_model, make_loader, microbatch_loss, parser, samples_for, steps_of
+from train import DTYPES, Grid, build_model, data_vocab, make_loader, microbatch_loss, parser, samples_for, steps_of
 
 from ringpack.integrations.distributed import data_parallel_mesh, gradient_sync, mesh_coordinates, sum_gradients
 
@@ -79,7 +79,8 @@ def train(args: argparse.Namespace, samples: list[np.ndarray], on_step=None) -> 
     """The loop; returns each step's loss (the global per-token mean). ``on_step(step, model)`` runs
     after backward, before the optimizer (every rank calls it: gathering sharded gradients is collective)."""
     mesh, grid = make_mesh(args.cp)
-    model = build_model(args.model, DTYPES[args.dtype], args.seed, device=grid.device)
+    vocab = data_vocab(args) if args.dataset else None  # a --tokenizer sizes the embedding
+    model = build_model(args.model, DTYPES[args.dtype], args.seed, device=grid.device, vocab=vocab)
     if args.grad_ckpt:
         model.gradient_checkpointing_enable()
     model = wrap(model, mesh, args.parallel)
