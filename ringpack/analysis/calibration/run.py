@@ -64,7 +64,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -115,6 +115,8 @@ from ringpack.analysis.calibration.timing import (
 from ringpack.cost import PRESETS, ModelShape
 
 # the public surface of calibration, re-exported here
+
+logger = logging.getLogger("ringpack.calibrate")
 __all__ = [
     "AttentionShape",
     "Case",
@@ -367,17 +369,13 @@ def run(args: argparse.Namespace, clock: Clock | None = None) -> int:
     if getattr(args, "refit", None):
         return _run_refit(args)
     if args.device == "cuda" and not torch.cuda.is_available():
-        print(
-            "ringpack calibrate: error: calibration times GPU kernels and needs a CUDA device, and none is visible. "
-            "Run it on the training GPU (or `--device cpu --backend reference` for a tiny dry run).",
-            file=sys.stderr,
+        logger.error(
+            "calibration times GPU kernels and needs a CUDA device, and none is visible. "
+            "Run it on the training GPU (or `--device cpu --backend reference` for a tiny dry run)."
         )
         return 2
     if args.device == "cpu" and args.backend not in ("reference", "reference_hybrid", "auto"):
-        print(
-            f"ringpack calibrate: error: --device cpu runs only --backend reference (a dry run), not {args.backend!r}",
-            file=sys.stderr,
-        )
+        logger.error(f"--device cpu runs only --backend reference (a dry run), not {args.backend!r}")
         return 2
     if args.model not in PRESETS:
         raise ValueError(f"--model {args.model!r} is not a preset ({', '.join(PRESETS)})")
@@ -389,7 +387,7 @@ def run(args: argparse.Namespace, clock: Clock | None = None) -> int:
     same = (shape.heads, shape.kv_heads, shape.head_dim) == (preset.heads, preset.kv_heads, preset.head_dim)
     name = preset.name if same else f"{preset.name}-h{shape.heads}kv{shape.kv_heads}d{shape.head_dim}"
     grid = args.grid or ("tiny" if args.device == "cpu" else "quick" if args.quick else "full")
-    log = (lambda _: None) if args.quiet else (lambda s: print(s, flush=True))
+    log = (lambda _: None) if args.quiet else logger.info
     settings = CalibrationSettings(
         layers=layers,
         mode=args.mode,

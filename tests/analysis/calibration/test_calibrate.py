@@ -264,12 +264,15 @@ def test_cpu_dry_run_writes_a_loadable_profile(tmp_path, capsys):
 
 
 def test_no_cuda_exits_2_with_a_clear_message(monkeypatch, capsys, tmp_path):
+    from ringpack.cli import main
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert cal.run(parse("--out", str(tmp_path / "p.json"))) == 2
-    err = capsys.readouterr().err
-    assert "needs a CUDA device" in err and "--device cpu --backend reference" in err
+    assert main(["calibrate", "--out", str(tmp_path / "p.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("ringpack calibrate: error:")
+    assert "needs a CUDA device" in err[0] and "--device cpu --backend reference" in err[0]
     assert not (tmp_path / "p.json").exists()
-    assert cal.run(parse("--device", "cpu", "--backend", "torch_flash")) == 2
+    assert main(["calibrate", "--device", "cpu", "--backend", "torch_flash"]) == 2
     assert "reference" in capsys.readouterr().err
 
 
