@@ -262,40 +262,11 @@ def test_cli_reports_overflow_as_an_error(tmp_path, capsys):
     from ringpack.cli import main
 
     np.save(tmp_path / "l.npy", np.array([10, 99999, 20]))
-    code = main(
-        [
-            "plan",
-            "--lengths",
-            str(tmp_path / "l.npy"),
-            "--dp",
-            "1",
-            "--cp",
-            "2",
-            "--tokens-per-rank",
-            "100",
-            "--out",
-            str(tmp_path / "p.json"),
-        ]
-    )
-    assert code == 1
+    argv = ["plan", "--lengths", str(tmp_path / "l.npy"), "--dp", "1", "--cp", "2", "--tokens-per-rank", "100"]
+    argv += ["--out", str(tmp_path / "p.json")]
+    assert main(argv) == 1
     assert "sample 1 has 99999 tokens" in capsys.readouterr().err
-    code = main(
-        [
-            "plan",
-            "--lengths",
-            str(tmp_path / "l.npy"),
-            "--dp",
-            "1",
-            "--cp",
-            "2",
-            "--tokens-per-rank",
-            "100",
-            "--overflow",
-            "drop",
-            "--out",
-            str(tmp_path / "p.json"),
-        ]
-    )
+    code = main([*argv, "--overflow", "drop"])
     assert code == 0 and Plan.load(tmp_path / "p.json").dropped == (1,)
 
 
