@@ -1003,7 +1003,9 @@ def _add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--grid", choices=GRIDS, help="shape grid (default full; quick with --quick; tiny on cpu)")
     p.add_argument("--quick", action="store_true", help="a smaller grid (about a third of the time)")
-    p.add_argument("--reps", type=POSITIVE, default=5, help="timed repetitions per shard, median taken (default 5)")
+    p.add_argument(
+        "--reps", type=POSITIVE, help="timed repetitions per shard, median taken (default 5; 2 with --scope step)"
+    )
     p.add_argument("--warmup", type=COUNT, default=1, help="untimed runs per shard first (default 1)")
     p.add_argument("--seed", type=COUNT, default=0)
     p.add_argument(
@@ -1020,6 +1022,21 @@ def _add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
         "and write a new profile and report",
     )
     p.add_argument("--quiet", action="store_true", help="only the summary")
+    step = p.add_argument_group("the training step (--scope step)")
+    step.add_argument(
+        "--scope",
+        choices=["kernels", "step"],
+        default="kernels",
+        help="kernels: attention kernels and GEMMs (default); step: the whole model's forward+loss+backward "
+        "per rank shard, --model a preset or a transformers config file or folder",
+    )
+    step.add_argument("--grad-ckpt", action="store_true", help="time with activation checkpointing (as training runs)")
+    step.add_argument("--tokens-per-rank", type=TOKENS, default=65536, help="token budget per CP rank (default 65536)")
+    step.add_argument("--cp", type=CP_SIZE, default=2, help="CP size of the split shards timed (default 2)")
+    step.add_argument("--max-len", type=COUNT, default=0, help="longest sample of the mixes (default the budget)")
+    step.add_argument("--fit-mixes", type=POSITIVE, default=3, help="length mixes timed for the fit (default 3)")
+    step.add_argument("--held-out-mixes", type=POSITIVE, default=2, help="length mixes held out (default 2)")
+    step.add_argument("--microbatches", type=POSITIVE, default=2, help="micro-batches timed per plan (default 2)")
 
 
 def _add_demo_arguments(p: argparse.ArgumentParser) -> None:
@@ -1051,6 +1068,12 @@ def run_calibrate(args: argparse.Namespace) -> int:
             raise ValueError(f"{flag} {path} is a directory; give a file name")
     if args.refit and not Path(args.refit).is_file():
         raise FileNotFoundError(f"--refit: no calibration report at {args.refit}")
+    if args.scope == "step":
+        if args.refit:
+            raise ValueError("--refit refits a kernel calibration report; it does not combine with --scope step")
+        from ringpack.analysis.calibration.step import run_step
+
+        return run_step(args)
     return run(args)
 
 

@@ -99,6 +99,10 @@ class CostModel:
             up by it), or ``"custom"``.
         flops_per_second: achieved forward+backward throughput; :meth:`seconds` divides FLOP
             costs by it (unused when ``unit == "s"``).
+        microbatch: fixed cost of one micro-batch on every rank that runs it, whatever it holds
+            (kernel launches, the loss's setup). It is equal on every CP rank of a micro-batch, so it never changes
+            a split; predicted times (reports, :func:`ringpack.analysis.calibration.step.predicted_busy`)
+            add it once per micro-batch. Measured profiles fit it; FLOP models leave it 0.
 
     Raises:
         ValueError: a coefficient that is not a finite number >= 0, ``token`` and ``pair`` both
@@ -111,9 +115,10 @@ class CostModel:
     unit: str = "flop"
     name: str = "custom"
     flops_per_second: float = 4.0e14  # achieved fwd+bwd throughput used to predict times
+    microbatch: float = 0.0
 
     def __post_init__(self) -> None:
-        for field in ("token", "pair", "segment", "flops_per_second"):
+        for field in ("token", "pair", "segment", "flops_per_second", "microbatch"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"CostModel {self.name!r}: {field} must be a finite number >= 0, got {value!r}")
@@ -158,7 +163,11 @@ class CostModel:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields as a JSON-ready dict; ``microbatch`` only when set (so hashes of plans without it ignore it)."""
+        out = asdict(self)
+        if not out["microbatch"]:
+            del out["microbatch"]
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CostModel:

@@ -25,6 +25,7 @@ observation per rank.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -141,7 +142,7 @@ def fit_rank_times(rows: np.ndarray, prior: CostModel, iterations: int = 6) -> F
         coef = fit_nnls(np.column_stack([feats[keep], np.ones(keep.sum())]), times[keep])
         if coef[0] == 0 and coef[1] == 0:
             return None
-        new = CostModel(token=coef[0], pair=coef[1], segment=coef[2], unit="s", name="learned")
+        new = CostModel(token=float(coef[0]), pair=float(coef[1]), segment=float(coef[2]), unit="s", name="learned")
         settled = new == model and coef[3] == overhead
         model, overhead = new, float(coef[3])
         if settled:
@@ -149,6 +150,7 @@ def fit_rank_times(rows: np.ndarray, prior: CostModel, iterations: int = 6) -> F
     feats, times = _observations(rows, model, overhead)
     keep = _inliers(feats, times, model, overhead)
     err = (model.cost(*feats[keep].T) + overhead) / times[keep] - 1
+    model = dataclasses.replace(model, microbatch=overhead)
     return FitResult(
         model, overhead, float(np.sqrt(np.mean(err**2))), float(np.abs(err).max()), int(keep.sum()), int((~keep).sum())
     )
@@ -395,5 +397,5 @@ def _decode(values: Sequence[float]) -> FitResult | None:
     if not values[0]:
         return None
     _, token, pair, segment, overhead, rms, worst, counts = values
-    model = CostModel(token=token, pair=pair, segment=segment, unit="s", name="learned")
+    model = CostModel(token=token, pair=pair, segment=segment, unit="s", name="learned", microbatch=overhead)
     return FitResult(model, overhead, rms, worst, int(counts % 1e6), int(counts // 1e6))

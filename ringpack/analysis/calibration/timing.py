@@ -66,6 +66,26 @@ class _ComputeOnlyTransport:
         return self._home
 
 
+def compute_only_transport(schedule: Any, shape: AttentionShape, dtype: Any, generator: Any = None) -> Any:
+    """A K/V transport for ``schedule`` (on its device) that serves random remote K/V from memory and sends nothing.
+
+    Every remote step reads a ``[2, tokens, kv_heads, head_dim]`` buffer of ``dtype`` drawn once;
+    dK/dV of remote K/V are dropped. The engine then computes exactly what the rank computes in
+    training, without the communication.
+    """
+    import torch
+
+    from ringpack.attention.kernels import accum_dtype
+
+    device = schedule.device
+    kw = dict(device=device, dtype=dtype, generator=generator)
+    kv = (shape.kv_heads, shape.head_dim)
+    buffers = [torch.randn(2, schedule.buffer_tokens[schedule.source(step)], *kv, **kw) for step in schedule.steps]
+    own = schedule.buffer_tokens[schedule.cp_rank]
+    home = torch.zeros(2, own, *kv, device=device, dtype=accum_dtype(dtype)) if own else None
+    return _ComputeOnlyTransport(buffers, home)
+
+
 class Clock:
     """CUDA events on a GPU, ``perf_counter`` (after nothing to sync) on the CPU.
 
@@ -162,7 +182,6 @@ def time_case(case: Case, setup: TimingSetup) -> float:
     """
     import torch
 
-    from ringpack.attention.kernels import accum_dtype
     from ringpack.attention.ring import ContextParallelAttention
 
     shape, device, dtype, clock = setup.shape, setup.device, setup.dtype, setup.clock
@@ -173,13 +192,7 @@ def time_case(case: Case, setup: TimingSetup) -> float:
     k = torch.randn(t, shape.kv_heads, shape.head_dim, **kw).requires_grad_()
     v = torch.randn(t, shape.kv_heads, shape.head_dim, **kw).requires_grad_()
     dout = torch.randn(t, shape.heads, shape.head_dim, **kw)
-    buffers = [
-        torch.randn(2, schedule.buffer_tokens[schedule.source(step)], shape.kv_heads, shape.head_dim, **kw)
-        for step in schedule.steps
-    ]
-    own = schedule.buffer_tokens[schedule.cp_rank]
-    home = torch.zeros(2, own, shape.kv_heads, shape.head_dim, device=device, dtype=accum_dtype(dtype)) if own else None
-    transport = _ComputeOnlyTransport(buffers, home)
+    transport = compute_only_transport(schedule, shape, dtype, setup.generator)
     scale = shape.head_dim**-0.5
 
     def step() -> None:

@@ -1,0 +1,530 @@
+"""``ringpack calibrate --scope step``: a cost profile of the whole training step, timed on one GPU.
+
+The kernel scope (:mod:`ringpack.analysis.calibration.run`) times attention and the decoder's GEMMs.
+A training step runs more: the embedding, norms, RoPE, activations, the loss over the vocabulary,
+the recompute of activation checkpointing, and the host's launches of all of it. This scope times
+what a rank really runs per micro-batch and fits the planner's cost model to it:
+
+1. **Shards.** Micro-batches of ringpack plans over heavy-tailed length mixes (Pareto and
+   log-normal, alternating), planned at CP=1 (whole samples), and at CP=``cp`` with the
+   ``balanced`` and ``zigzag`` splits and with first-fit packing + ``contiguous`` at a quarter
+   of the token budget (small shards, so the per-micro-batch constant is told apart from the
+   per-token price). Every rank shard of the first ``microbatches`` micro-batches of each plan
+   is timed.
+2. **Timer.** A ``transformers`` causal LM (a preset's Llama, or any config file) runs forward,
+   the summed next-token loss and backward over the shard's tokens, with ringpack attention on
+   the training backend; the remote K/V of split samples come from memory (compute only: the
+   ring's transfers overlap the kernels in training, and the communication model prices them).
+   CUDA events bracket each repetition; the host's launches are included, as training pays them.
+3. **Fit.** :func:`~ringpack.analysis.calibration.online.fit_rank_times`, the run-time learner's
+   non-negative least squares with its outlier guard: ``seconds ~ token*tokens + pair*pairs +
+   segment*pieces + microbatch``.
+4. **Held out.** Mixes with seeds the fit never saw, every rank shard's and every micro-batch's
+   (slowest rank's) measured time against the prediction.
+
+The profile (:class:`~ringpack.cost.CostModel`, ``unit="s"``, ``microbatch`` set) is what
+``--cost-profile`` and ``PlanConfig(cost=...)`` take; :func:`predicted_busy` turns it and a plan
+step into each GPU's forward+backward time, as a training loop measures it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ringpack.analysis.calibration.cases import Case, microbatch_geometry, rank_cases
+from ringpack.analysis.calibration.online import ROW, FitResult, fit_rank_times, microbatch_features
+from ringpack.cost import PRESETS, CostModel, ModelShape
+from ringpack.shard_plan import PlanConfig, Step
+
+__all__ = [
+    "StepCalibrationConfig",
+    "StepCalibration",
+    "calibrate_step",
+    "predicted_busy",
+    "step_cases",
+    "model_config",
+]
+
+log = logging.getLogger("ringpack.calibrate")
+
+ATTENTION_NAME = "ringpack_compute_only"
+#: (label, CP size or 0 for the calibrated ``cp``, plan options, fraction of the token budget)
+PLAN_SHAPES = (
+    ("cp1", 1, dict(), 1.0),
+    ("balanced", 0, dict(), 1.0),
+    ("zigzag", 0, dict(strategy="zigzag"), 1.0),
+    ("first-fit+contiguous", 0, dict(packing="first_fit", strategy="contiguous"), 0.25),
+)
+_HELD_OUT_SEED = 1000
+
+
+@dataclass(frozen=True)
+class StepCalibrationConfig:
+    """What :func:`calibrate_step` times.
+
+    Attributes:
+        model: a preset of :data:`ringpack.cost.PRESETS` (its Llama) or the path of a
+            ``transformers`` config (``config.json`` or a folder holding one).
+        backend: ringpack's attention backend, as training uses it (``"auto"``: what it picks).
+        device: ``"cuda"``, or ``"cpu"`` for a dry run (with ``backend="reference"``).
+        dtype: ``"bf16"`` or ``"fp32"`` (``None``: bf16 on a GPU, fp32 on the CPU).
+        grad_ckpt: activation checkpointing, as the training run uses it (its recompute is timed).
+        tokens_per_rank: the token budget of a CP rank in the plans timed (use the run's).
+        cp: the CP size of the split shards (1: whole samples only).
+        max_len: the longest sample of the length mixes (0: ``tokens_per_rank``).
+        fit_mixes, held_out_mixes: length mixes timed for the fit and for the held-out check.
+        microbatches: micro-batches timed per plan (the first ones of its first step).
+        reps, warmup: timed and untimed repetitions per shard (the median is taken).
+        seed: seed of the length mixes and the random inputs.
+    """
+
+    model: str = "llama-1b"
+    backend: str = "auto"
+    device: str = "cuda"
+    dtype: str | None = None
+    grad_ckpt: bool = False
+    tokens_per_rank: int = 65536
+    cp: int = 2
+    max_len: int = 0
+    fit_mixes: int = 3
+    held_out_mixes: int = 2
+    microbatches: int = 2
+    reps: int = 2
+    warmup: int = 1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("tokens_per_rank", "cp", "fit_mixes", "held_out_mixes", "microbatches", "reps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"StepCalibrationConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_len < 0 or self.warmup < 0:
+            raise ValueError("StepCalibrationConfig: max_len and warmup must be >= 0")
+        if self.dtype not in (None, "bf16", "fp32"):
+            raise ValueError(f"StepCalibrationConfig.dtype must be 'bf16' or 'fp32', got {self.dtype!r}")
+
+
+@dataclass(frozen=True)
+class StepCalibration:
+    """A step calibration's result.
+
+    Attributes:
+        profile: the fitted :class:`CostModel` in seconds (``microbatch`` is the fitted constant).
+        fit: the fit and its error on the observations it was fitted on.
+        held_out: relative errors on the held-out shards (``shard_*``) and micro-batches
+            (``microbatch_*``, the slowest rank's time): mean absolute, largest absolute, count.
+        rows: one dict per timed shard (its plan, rank, features, seconds and ``set``: fit or
+            held-out).
+        microbatches: the geometry of every timed micro-batch (``rows[i]["microbatch"]`` indexes it).
+        meta: device, software, model shape and settings.
+    """
+
+    profile: CostModel
+    fit: FitResult
+    held_out: dict[str, float]
+    rows: list[dict[str, Any]]
+    microbatches: list[dict[str, Any]]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report as JSON-ready data (``format: "ringpack-step-calibration"``)."""
+        fit = dataclasses.asdict(self.fit)
+        fit["model"] = self.fit.model.to_dict()
+        return dict(
+            format="ringpack-step-calibration",
+            version=1,
+            profile=self.profile.to_dict(),
+            fit=fit,
+            held_out=self.held_out,
+            meta=self.meta,
+            rows=self.rows,
+            microbatches=self.microbatches,
+        )
+
+
+# ------------------------------------------------------------------------------------- the shards
+
+
+def length_mix(seed: int, total: int, max_len: int) -> np.ndarray:
+    """Sample lengths summing to at least ``total``: Pareto (even seeds) or log-normal (odd), in ``[16, max_len]``."""
+    rng = np.random.default_rng(seed)
+    scale = max(16, max_len // 64)
+    out: list[int] = []
+    while sum(out) < total:
+        if seed % 2 == 0:
+            draw = scale * (1 + rng.pareto(1.1, 64))
+        else:
+            draw = rng.lognormal(np.log(scale * 2), 1.3, 64)
+        out += np.clip(draw.astype(np.int64), 16, max_len).tolist()
+    return np.asarray(out, dtype=np.int64)
+
+
+def step_cases(config: StepCalibrationConfig, seed: int, cost: CostModel) -> list[Case]:
+    """Every rank shard timed for one length mix: the first micro-batches of each :data:`PLAN_SHAPES` plan."""
+    from ringpack.planner import make_plan
+
+    max_len = config.max_len or config.tokens_per_rank
+    cases: list[Case] = []
+    for label, cp, options, fraction in PLAN_SHAPES:
+        cp = cp or config.cp
+        if label != "cp1" and cp == 1:
+            continue
+        budget = max(1, int(config.tokens_per_rank * fraction))
+        lengths = length_mix(seed, config.microbatches * cp * budget, min(max_len, cp * budget))
+        plan = make_plan(lengths, PlanConfig(dp=1, cp=cp, tokens_per_rank=budget, cost=cost, **options))
+        for k, mb in enumerate(plan.steps[0].microbatches[0][: config.microbatches]):
+            cases += rank_cases(label, mb, lengths, f"mix {seed} {label} mb{k}")
+    return cases
+
+
+# ------------------------------------------------------------------------------------- the model
+
+
+def model_config(model: str) -> tuple[Any, ModelShape]:
+    """The ``transformers`` config of ``model`` (a preset or a config path) and its :class:`ModelShape`.
+
+    Raises:
+        ValueError: neither a preset nor an existing config file or folder.
+    """
+    from transformers import AutoConfig, LlamaConfig
+
+    if model in PRESETS:
+        s = PRESETS[model]
+        config = LlamaConfig(
+            vocab_size=s.vocab or 32000,
+            hidden_size=s.hidden,
+            intermediate_size=s.ffn,
+            num_hidden_layers=s.layers,
+            num_attention_heads=s.heads,
+            num_key_value_heads=s.kv_heads,
+            head_dim=s.head_dim,
+            max_position_embeddings=1 << 20,
+            tie_word_embeddings=False,
+        )
+        return config, s
+    path = Path(model)
+    if path.is_dir():
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    elif path.is_file():
+        data = json.loads(path.read_text(encoding="utf-8"))
+        config = AutoConfig.for_model(data.pop("model_type", "llama"), **data)
+    else:
+        raise ValueError(f"--model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a config file or folder")
+    return config, shape_of(config, path.stem if path.is_file() else path.name)
+
+
+def shape_of(config: Any, name: str = "custom") -> ModelShape:
+    """The :class:`ModelShape` of a decoder-only ``transformers`` config (Llama-like field names)."""
+    heads = config.num_attention_heads
+    return ModelShape(
+        name=name,
+        hidden=config.hidden_size,
+        layers=config.num_hidden_layers,
+        heads=heads,
+        kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        ffn=config.intermediate_size,
+        vocab=config.vocab_size,
+        head_dim=getattr(config, "head_dim", None) or 0,
+    )
+
+
+def _compute_only_attention(
+    module: Any,
+    query: Any,
+    key: Any,
+    value: Any,
+    attention_mask: Any,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    ringpack_schedule: Any = None,
+    ringpack_transport: Any = None,
+    ringpack_backend: str = "auto",
+    **kwargs: Any,
+) -> tuple[Any, None]:
+    """transformers' attention function of the timed model: ringpack's engine, remote K/V from memory."""
+    from ringpack.attention.ring import ContextParallelAttention
+
+    q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))
+    scale = q.shape[-1] ** -0.5 if scaling is None else float(scaling)
+    out = ContextParallelAttention.apply(
+        q, k, v, ringpack_schedule, lambda _: ringpack_transport, scale, ringpack_backend, None
+    )
+    return out.unsqueeze(0), None
+
+
+class ModelStepTimer:
+    """Times one rank shard's forward + loss + backward through a randomly initialised causal LM."""
+
+    def __init__(self, config: StepCalibrationConfig) -> None:
+        import torch
+        from transformers import AttentionInterface, AutoModelForCausalLM
+
+        from ringpack.analysis.calibration.timing import AttentionShape, Clock
+        from ringpack.attention.kernels import resolve_backend
+
+        self.device = torch.device(config.device)
+        dtype = config.dtype or ("bf16" if self.device.type == "cuda" else "fp32")
+        self.dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+        hf_config, self.shape = model_config(config.model)
+        hf_config.attention_dropout = 0.0
+        AttentionInterface.register(ATTENTION_NAME, _compute_only_attention)
+        torch.manual_seed(config.seed)
+        model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=ATTENTION_NAME, dtype=self.dtype)
+        self.model = model.to(self.device)
+        if config.grad_ckpt:
+            self.model.gradient_checkpointing_enable()
+        self.model.train()
+        s = self.shape
+        self.heads = AttentionShape(s.heads, s.kv_heads, s.head_dim)
+        probe = torch.empty(1, s.heads, s.head_dim, device=self.device, dtype=self.dtype)
+        self.backend = resolve_backend(config.backend, probe)
+        self.clock = Clock(self.device, queued=False)
+        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.reps, self.warmup = config.reps, config.warmup
+
+    def __call__(self, case: Case) -> float:
+        """Median seconds of the shard's forward + summed loss + backward."""
+        import torch
+
+        from ringpack.analysis.calibration.features import compiled_schedule
+        from ringpack.analysis.calibration.timing import compute_only_transport
+        from ringpack.integrations.transformers import causal_lm_loss_sum
+
+        schedule = compiled_schedule(case).to(self.device)
+        transport = compute_only_transport(schedule, self.heads, self.dtype, self.generator)
+        positions = torch.cat([torch.arange(p.start, p.stop) for p in case.pieces]).to(self.device)
+        vocab = self.model.config.vocab_size
+        ids = torch.randint(0, vocab, (2, positions.numel()), device=self.device, generator=self.generator)
+
+        def step() -> None:
+            logits = self.model(
+                input_ids=ids[0][None],
+                position_ids=positions[None],
+                ringpack_schedule=schedule,
+                ringpack_transport=transport,
+                ringpack_backend=self.backend,
+                use_cache=False,
+            ).logits
+            (causal_lm_loss_sum(logits[0], ids[1]) / positions.numel()).backward()
+
+        return float(np.median(self.clock.measure(step, self.warmup, self.reps)))
+
+
+# ------------------------------------------------------------------------------------- the fit
+
+
+def calibrate_step(config: StepCalibrationConfig, time_shard: Callable[[Case], float] | None = None) -> StepCalibration:
+    """Time the training step on rank shards of planned micro-batches, fit the profile, check it held out.
+
+    Args:
+        config: what is timed.
+        time_shard: seconds of one rank shard's forward+backward (default: :class:`ModelStepTimer`
+            of ``config``; tests pass a deterministic one).
+
+    Returns:
+        The :class:`StepCalibration`; ``profile.name`` is the model preset's (or the config's name).
+
+    Raises:
+        ValueError: a bad config, or timings the fit cannot explain (fewer than six usable shards,
+            or no token or pair signal).
+    """
+    started = time.perf_counter()
+    timer = time_shard or ModelStepTimer(config)
+    shape = getattr(timer, "shape", None) or (PRESETS.get(config.model) or model_config(config.model)[1])
+    prior = CostModel.from_shape(shape)
+    seeds = [config.seed + k for k in range(config.fit_mixes)]
+    held_seeds = [config.seed + _HELD_OUT_SEED + k for k in range(config.held_out_mixes)]
+    if time_shard is None and config.device == "cuda":  # first launches, autotuning and GPU clocks
+        timer(step_cases(config, seeds[0], prior)[0])
+    rows, geometry = [], []
+    for which, mix_seeds in (("fit", seeds), ("held-out", held_seeds)):
+        t0 = time.perf_counter()
+        cases = [c for seed in mix_seeds for c in step_cases(config, seed, prior)]
+        rows += _time_cases(cases, timer, which, geometry)
+        log.info("timed %d %s rank shards in %.1f s", len(cases), which, time.perf_counter() - t0)
+    fit = fit_rank_times(_fit_rows([r for r in rows if r["set"] == "fit"]), prior)
+    if fit is None:
+        raise ValueError("the step timings cannot be fitted: too few shards, or no token or pair signal")
+    profile = dataclasses.replace(fit.model, name=shape.name)
+    held = held_out_errors(profile, [r for r in rows if r["set"] == "held-out"])
+    meta = _meta(config, timer, shape, time.perf_counter() - started)
+    return StepCalibration(profile, fit, held, rows, geometry, meta)
+
+
+def _time_cases(
+    cases: Sequence[Case], timer: Callable[[Case], float], which: str, geometry: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """One row per case; ranks of one micro-batch share its ``microbatch`` index into ``geometry``."""
+    index: dict[int, int] = {}
+    rows = []
+    for case in cases:
+        if id(case.microbatch) not in index:
+            index[id(case.microbatch)] = len(geometry)
+            geometry.append(microbatch_geometry(case))
+        feats, _ = microbatch_features(case.microbatch)
+        tokens, pairs, pieces = (int(x) for x in feats[case.rank])
+        rows.append(
+            dict(
+                set=which,
+                label=case.label,
+                family=case.family,
+                microbatch=index[id(case.microbatch)],
+                rank=case.rank,
+                tokens=tokens,
+                pairs=pairs,
+                pieces=pieces,
+                seconds=float(timer(case)),
+            )
+        )
+    return rows
+
+
+def _fit_rows(rows: Sequence[dict[str, Any]]) -> np.ndarray:
+    """The learner's observation rows (:data:`~ringpack.analysis.calibration.online.ROW`): each shard alone."""
+    out = np.zeros((len(rows), len(ROW)))
+    for i, r in enumerate(rows):
+        out[i] = (0, 0, r["microbatch"], r["rank"], r["tokens"], r["pairs"], r["pieces"], 0, r["seconds"])
+    return out
+
+
+def held_out_errors(profile: CostModel, rows: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Relative errors of ``profile`` on timed rows: per shard, and per micro-batch (its slowest rank).
+
+    Returns:
+        ``shard_mean``, ``shard_max``, ``microbatch_mean``, ``microbatch_max`` (absolute relative
+        errors) and ``shards``, ``microbatches`` (counts); NaN errors without rows.
+    """
+    if not rows:
+        nan = float("nan")
+        return dict(shard_mean=nan, shard_max=nan, microbatch_mean=nan, microbatch_max=nan, shards=0, microbatches=0)
+    feats = np.array([(r["tokens"], r["pairs"], r["pieces"]) for r in rows], dtype=np.float64)
+    measured = np.array([r["seconds"] for r in rows])
+    predicted = profile.cost(*feats.T) + profile.microbatch
+    groups = np.array([r["microbatch"] for r in rows])
+    keys = np.unique(groups)
+    mb_measured = np.array([measured[groups == k].max() for k in keys])
+    mb_predicted = np.array([predicted[groups == k].max() for k in keys])
+    shard = np.abs(predicted / measured - 1)
+    micro = np.abs(mb_predicted / mb_measured - 1)
+    return dict(
+        shard_mean=float(shard.mean()),
+        shard_max=float(shard.max()),
+        microbatch_mean=float(micro.mean()),
+        microbatch_max=float(micro.max()),
+        shards=len(rows),
+        microbatches=len(keys),
+    )
+
+
+def _meta(config: StepCalibrationConfig, timer: Any, shape: ModelShape, wall_s: float) -> dict[str, Any]:
+    meta = dict(
+        config=dataclasses.asdict(config),
+        shape=dataclasses.asdict(shape),
+        date=time.strftime("%Y-%m-%d %H:%M:%S"),
+        wall_s=wall_s,
+    )
+    if isinstance(timer, ModelStepTimer):
+        import torch
+
+        from ringpack.analysis.calibration.timing import device_name
+
+        meta.update(
+            device=device_name(timer.device),
+            backend=timer.backend,
+            dtype=str(timer.dtype).replace("torch.", ""),
+            torch=torch.__version__,
+        )
+    return meta
+
+
+# ------------------------------------------------------------------------------------- predictions
+
+
+def predicted_busy(step: Step, model: CostModel) -> np.ndarray:
+    """Each GPU's forward+backward seconds (or cost units) for one plan step, as a training loop measures it.
+
+    A micro-batch whose samples all stay on their ranks runs each rank at its own pace; one with a
+    sample split over ranks runs every rank at its slowest rank's pace (they exchange K/V every
+    layer). Every rank pays ``model.microbatch`` per micro-batch.
+
+    Args:
+        step: a plan step (``step.microbatches[d]`` are DP rank ``d``'s micro-batches).
+        model: the cost model (a profile in seconds, for times).
+
+    Returns:
+        float64 ``[dp, cp]``: DP rank ``d``, CP rank ``c``'s busy time in the step.
+    """
+    dp = len(step.microbatches)
+    cp = max((len(mb.shards) for rank in step.microbatches for mb in rank), default=1)
+    busy = np.zeros((dp, cp))
+    for d, microbatches in enumerate(step.microbatches):
+        for mb in microbatches:
+            feats, coupled = microbatch_features(mb)
+            cost = model.cost(*feats.T)
+            busy[d, : len(cost)] += (np.full_like(cost, cost.max()) if coupled else cost) + model.microbatch
+    return busy
+
+
+# ------------------------------------------------------------------------------------- command line
+
+
+def run_step(args: Any) -> int:
+    """``ringpack calibrate --scope step``: exit 0 with the profile and report written, 2 without a usable device."""
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        log.error(
+            "step calibration times the model on a GPU, and none is visible. Run it on the training GPU "
+            "(or `--device cpu --backend reference --model tiny` for a dry run)."
+        )
+        return 2
+    config = StepCalibrationConfig(
+        model=args.model,
+        backend=args.backend,
+        device=args.device,
+        grad_ckpt=args.grad_ckpt,
+        tokens_per_rank=args.tokens_per_rank,
+        cp=args.cp,
+        max_len=args.max_len,
+        fit_mixes=args.fit_mixes,
+        held_out_mixes=args.held_out_mixes,
+        microbatches=args.microbatches,
+        reps=args.reps or 2,
+        warmup=args.warmup,
+        seed=args.seed,
+    )
+    result = calibrate_step(config)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result.profile.save(out)
+    report = Path(args.report) if args.report else out.with_name(out.stem + ".report.json")
+    report.write_text(json.dumps(result.to_dict(), indent=1) + "\n")
+    print(format_step_summary(result))
+    print(f"wrote {out} (load with CostModel.load / `ringpack plan --cost-profile {out}`) and {report}")
+    return 0
+
+
+def format_step_summary(result: StepCalibration) -> str:
+    """A few lines: the fitted prices, the fit's error and the held-out errors."""
+    p, f, h = result.profile, result.fit, result.held_out
+    ratio = p.token / p.pair if p.pair else float("inf")
+    return "\n".join(
+        [
+            f"step profile of {p.name}: {p.token * 1e6:.3f} us/token, {p.pair * 1e12:.3f} ps/pair "
+            f"(a token costs {ratio:,.0f} pairs), {p.segment * 1e6:.1f} us/piece, "
+            f"{p.microbatch * 1e3:.2f} ms/micro-batch",
+            f"fit on {f.used} shards ({f.dropped} outliers dropped): rms error {f.rms_error:.1%}, "
+            f"largest {f.max_error:.1%}",
+            f"held out: {h['shards']} shards, mean error {h['shard_mean']:.1%}, largest {h['shard_max']:.1%}; "
+            f"{h['microbatches']} micro-batches (slowest rank), mean {h['microbatch_mean']:.1%}, "
+            f"largest {h['microbatch_max']:.1%}",
+        ]
+    )
