@@ -28,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -73,6 +74,12 @@ def main() -> int:
     p.add_argument("--grad-ckpt", action="store_true")
     p.add_argument("--cost-profile", help="calibrated profile for the planner (ringpack calibrate); default: FLOPs")
     p.add_argument("--backend", default="auto", help="ringpack kernel backend")
+    p.add_argument(
+        "--no-learn",
+        action="store_true",
+        help="plan every variant with --cost-profile (or FLOPs) throughout, without the cost learner; with "
+        "--cost-profile each variant also reports every rank's busy time as the profile predicts it",
+    )
     p.add_argument("--out", default="train.json")
     args = p.parse_args()
 
@@ -111,6 +118,7 @@ def main() -> int:
             + (["--grad-ckpt"] if args.grad_ckpt else [])
             + (["--cost-profile", args.cost_profile] if args.cost_profile else [])
             + ["--backend", args.backend]
+            + (["--no-learn-cost"] if args.no_learn and "--no-learn-cost" not in extra else [])
         )
         started = time.perf_counter()
         records = example.train(run_args, grid, example.samples_for(run_args))
@@ -133,9 +141,17 @@ def main() -> int:
             wall_s=time.perf_counter() - started,
         )
         row["idle_frac"] = 1 - sum(row["busy_ms"]) / (world * row["step_ms"])
+        if args.cost_profile and not run_args.learn_cost:
+            row.update(busy_prediction(example, run_args, cp, world, timed))
         results.append(row)
         if dist.get_rank() == 0:
             busy = " ".join(f"{b:7.1f}" for b in row["busy_ms"])
+            if "predicted_busy_ms" in row:
+                print(
+                    f"{'':22s} predicted busy/rank [{' '.join(f'{b:7.1f}' for b in row['predicted_busy_ms'])}] ms: "
+                    f"total off by at most {row['busy_error']:.1%} per rank, {row['busy_error_step']:.1%} per step",
+                    flush=True,
+                )
             print(
                 f"{name:22s} step {row['step_ms']:8.1f} ms  {row['tokens_per_s']:10,.0f} tok/s  "
                 f"busy/rank [{busy}] ms  spread {row['busy_spread']:6.1%}  idle {row['idle_frac']:6.1%}  "
@@ -150,6 +166,28 @@ def main() -> int:
         print(f"wrote {args.out}")
     dist.destroy_process_group()
     return 0
+
+
+def busy_prediction(example, run_args, cp: int, world: int, timed: list[dict]) -> dict:
+    """Every rank's busy time over the timed steps as the cost profile predicts it, and the error.
+
+    The plan is rebuilt from the same lengths and options (plans are deterministic), so it is the
+    plan the variant ran. ``busy_error``: the largest relative error of a rank's total busy time over
+    the timed steps; ``busy_error_step``: the largest over single (rank, step) pairs.
+    """
+    from ringpack.analysis.calibration.step import predicted_busy
+    from ringpack.cost import CostModel
+
+    model = CostModel.load(run_args.cost_profile)
+    lengths = [len(s) for s in example.samples_for(run_args)]
+    plan = example.make_sampler(run_args, lengths, 0, world // cp, cp).plan()
+    predicted = np.array([predicted_busy(plan.steps[r["step"]], model).reshape(-1) for r in timed])
+    measured = np.array([r["busy_s"] for r in timed])
+    return dict(
+        predicted_busy_ms=(1e3 * np.median(predicted, axis=0)).tolist(),
+        busy_error=float(np.abs(predicted.sum(axis=0) / measured.sum(axis=0) - 1).max()),
+        busy_error_step=float(np.abs(predicted / measured - 1).max()),
+    )
 
 
 def _write(out: str, world: int, rows: list[dict]) -> None:
