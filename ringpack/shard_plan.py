@@ -162,10 +162,13 @@ class Step:
 #: on GPUs attention kernels run at roughly half the FLOP rate of the linear layers, and how far
 #: depends on the kernel, the head shape and the lengths.
 FLOP_PRICE_RANGE: tuple[float, float] = (0.25, 2.0)
-#: The ``balanced`` split's default token guard when prices are uncertain: with every CP rank's
-#: tokens within 1% of the mean and its cost within 0.1% at the model's price, its pairs are
-#: balanced too, so the split stays within about 1% of balance at any pair price from a quarter to
-#: twice the model's, for about 10% more K/V crossing ranks than a 2% guard leaves.
+#: The ``balanced`` split's default token guard. CP ranks synchronise inside every layer, phase by
+#: phase (linear layers sized by a rank's tokens, then attention sized by its pairs), so a split that
+#: trades one rank's tokens for another's pairs is slower than its summed cost says. With every CP
+#: rank's tokens within 1% of the mean and its cost within 0.1% at the model's price, its pairs are
+#: balanced too: each phase is balanced, and the split stays within about 1% of balance at any
+#: pair price from a quarter to twice the model's, for about 10% more K/V crossing ranks than a 2%
+#: guard leaves.
 ROBUST_TOKEN_SLACK = 0.01
 
 
@@ -207,7 +210,10 @@ class PlanConfig:
     default (``None``) is :data:`FLOP_PRICE_RANGE` for a FLOP model (``cost.unit == "flop"``),
     whose price of a pair is only an estimate, and exact prices ``(1.0, 1.0)`` for a measured
     model (``"s"``: a calibrated profile or one learned from the run). ``cp_token_slack=None``
-    means :data:`ROBUST_TOKEN_SLACK` when the range is not exact and no token guard when it is.
+    means :data:`ROBUST_TOKEN_SLACK` whatever the prices: CP ranks meet at every layer's attention,
+    and each reaches it after linear layers sized by its own tokens, so a rank with more tokens holds
+    the others up in every layer even when its total cost matches theirs (``cp_token_slack`` of a
+    large value lets the split trade tokens for pairs freely).
     """
 
     dp: int
@@ -265,7 +271,7 @@ class PlanConfig:
         """The ``balanced`` split's token guard (``cp_token_slack`` with its default resolved)."""
         if self.cp_token_slack is not None:
             return float(self.cp_token_slack)
-        return None if self.price_range == (1.0, 1.0) else ROBUST_TOKEN_SLACK
+        return ROBUST_TOKEN_SLACK
 
     @property
     def group_capacity(self) -> int:
