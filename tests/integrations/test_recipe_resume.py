@@ -211,7 +211,7 @@ def test_learner_state_round_trips_through_json():
         learner.record(_batch(ticket), fake_seconds({"microbatch": ticket.microbatch}, 1))
         if ticket.index + 1 == ticket.microbatches_in_step:
             learner.end_step()
-    model = CostModel(token=1e-4, pair=1e-6, segment=1e-5, unit="s", name="learned")
+    model = CostModel(token=1e-4, pair=1e-6, segment=1e-5, unit="s", name="learned", microbatch=1e-5)
     learner.history.append(FitResult(model, 1e-5, 0.01, 0.03, 12, 1))
     state = json.loads(json.dumps(learner.state_dict()))
     copy = CostLearner(_sampler(), 1, config=config)

@@ -361,8 +361,16 @@ class CostLearner:
         return [[*key, stop if start is None else self._timer.seconds(start, stop)] for key, start, stop in marks]
 
     def _acceptable(self, result: FitResult) -> bool:
+        """A fit the planner may switch to: enough observations, a small error, both prices identified.
+
+        A zero token or pair price means the observations could not tell the two apart (every rank
+        held the same tokens and pairs, as zigzag splits make them): such a fit explains the run but
+        would price any other plan wrongly.
+        """
         cfg = self.config
         if result.used < cfg.min_observations or result.rms_error > cfg.max_error:
+            return False
+        if result.model.token <= 0 or result.model.pair <= 0:
             return False
         return price_change(self.model, result.model) > cfg.min_change
 
@@ -371,10 +379,11 @@ def price_change(old: CostModel, new: CostModel) -> float:
     """How far ``new``'s relative prices (pair and piece, per token) move from ``old``'s (a fraction)."""
 
     def ratios(m: CostModel) -> np.ndarray:
-        return np.array([m.pair, m.segment]) / max(m.token, 1e-300)
+        return np.array([m.pair, m.segment]) / m.token  # inf (or nan) for a free token: any change is total
 
-    a, b = ratios(old), ratios(new)
-    return float(np.max(np.abs(b - a) / np.maximum(np.abs(a), 1e-300)))
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        change = np.abs(ratios(new) - ratios(old)) / np.maximum(ratios(old), 1e-300)
+    return float(np.nan_to_num(change, nan=np.inf).max())
 
 
 def _encode(result: FitResult | None) -> Sequence[float]:

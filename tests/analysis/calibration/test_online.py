@@ -6,11 +6,22 @@ fit must recover; the learner, the sampler switches and the collectives are the 
 
 from __future__ import annotations
 
+import functools
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
 from ringpack._spawn import run_ranks
-from ringpack.analysis.calibration.online import ROW, CostLearner, LearnerConfig, fit_rank_times, microbatch_features
+from ringpack.analysis.calibration.online import (
+    ROW,
+    CostLearner,
+    FitResult,
+    LearnerConfig,
+    fit_rank_times,
+    microbatch_features,
+    price_change,
+)
 from ringpack.cost import CostModel
 from ringpack.shard_plan import Piece, microbatch_from_shards
 
@@ -57,6 +68,29 @@ def test_fit_does_not_depend_on_row_order():
     a = fit_rank_times(rows, FLOPS)
     b = fit_rank_times(rows[np.random.default_rng(2).permutation(len(rows))], FLOPS)
     assert a == b
+
+
+def test_the_fit_carries_its_per_microbatch_constant():
+    fit = fit_rank_times(synthetic_rows(np.random.default_rng(4), 120), FLOPS)
+    assert fit.model.microbatch == fit.overhead == pytest.approx(OVERHEAD, rel=0.2)
+
+
+def test_fits_that_cannot_tell_tokens_from_pairs_are_not_switched_to():
+    """Zigzag ranks all hold the same tokens and pairs: the fit may put everything on one price."""
+    learner = SimpleNamespace(config=LearnerConfig(), model=FLOPS, _acceptable=None)
+    learner._acceptable = functools.partial(CostLearner._acceptable, learner)
+    good = CostModel(token=2e-6, pair=1.5e-10, unit="s", name="learned")
+    assert learner._acceptable(FitResult(good, 0.0, 0.01, 0.02, 20, 0))
+    for blind in (CostModel(token=0.0, pair=3e-10, unit="s"), CostModel(token=2e-6, pair=0.0, unit="s")):
+        assert not learner._acceptable(FitResult(blind, 0.0, 0.01, 0.02, 20, 0))
+
+
+def test_price_change_is_finite_or_infinite_never_a_warning():
+    free_tokens = CostModel(token=0.0, pair=1e-10, unit="s")
+    with np.errstate(all="raise"):
+        assert price_change(FLOPS, free_tokens) == np.inf
+        assert price_change(free_tokens, free_tokens) == np.inf
+        assert price_change(FLOPS, FLOPS) == 0.0
 
 
 def test_fit_needs_enough_observations():
