@@ -185,6 +185,8 @@ def busy_prediction(example, run_args, cp: int, world: int, timed: list[dict]) -
     measured = np.array([r["busy_s"] for r in timed])
     return dict(
         predicted_busy_ms=(1e3 * np.median(predicted, axis=0)).tolist(),
+        predicted_busy_ms_per_step=(1e3 * predicted).tolist(),
+        measured_busy_ms_per_step=(1e3 * measured).tolist(),
         busy_error=float(np.abs(predicted.sum(axis=0) / measured.sum(axis=0) - 1).max()),
         busy_error_step=float(np.abs(predicted / measured - 1).max()),
     )
