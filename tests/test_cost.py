@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -104,3 +106,26 @@ def test_bad_models_are_rejected(tmp_path):
     model.save(tmp_path / "profile.json")
     assert CostModel.load(tmp_path / "profile.json") == model
     assert model.seconds(5.0) == 5.0
+
+
+def test_the_per_microbatch_constant_is_stored_only_when_set(tmp_path):
+    plain = CostModel(token=1e-9, pair=2e-12, unit="s")
+    assert "microbatch" not in plain.to_dict()  # plan hashes of models without one are unaffected
+    timed = CostModel(token=1e-9, pair=2e-12, unit="s", microbatch=4e-3)
+    assert timed.to_dict()["microbatch"] == 4e-3
+    timed.save(tmp_path / "p.json")
+    assert CostModel.load(tmp_path / "p.json") == timed
+    assert np.array_equal(timed.cost([10, 20], [5, 6]), plain.cost([10, 20], [5, 6])), "rank costs leave it out"
+    with pytest.raises(ValueError, match="microbatch"):
+        CostModel(token=1e-9, pair=2e-12, microbatch=-1.0)
+
+
+@given(random_plan())
+def test_reports_add_the_per_microbatch_constant_once_per_microbatch_and_rank(plan):
+    from ringpack.analysis.metrics import evaluate_plan
+
+    base = evaluate_plan(plan)
+    with_constant = dataclasses.replace(plan.config, cost=dataclasses.replace(plan.config.cost, microbatch=7.0))
+    timed = evaluate_plan(dataclasses.replace(plan, config=with_constant))
+    expected = base.cost + 7.0 * base.mb_exists[..., None]
+    assert np.allclose(timed.cost, expected)

@@ -1,0 +1,166 @@
+"""``ringpack calibrate --scope step`` on the CPU: fit, held-out check, predictions, model timer, CLI."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from ringpack.analysis.calibration.online import microbatch_features
+from ringpack.analysis.calibration.step import (
+    StepCalibrationConfig,
+    calibrate_step,
+    held_out_errors,
+    model_config,
+    predicted_busy,
+    step_cases,
+)
+from ringpack.cost import PRESETS, CostModel
+from ringpack.shard_plan import Piece, Step, microbatch_from_shards
+from tests.helpers.cli import run_cli
+
+TRUTH = CostModel(token=3e-6, pair=4e-10, segment=2e-5, unit="s", name="truth", microbatch=5e-3)
+SMALL = dict(tokens_per_rank=4096, cp=2, device="cpu", fit_mixes=3, held_out_mixes=2)
+
+
+def true_seconds(case) -> float:
+    feats, _ = microbatch_features(case.microbatch)
+    return float(TRUTH.cost(*feats[case.rank]) + TRUTH.microbatch)
+
+
+def test_fit_recovers_the_step_prices_and_predicts_held_out_shards():
+    rng = np.random.default_rng(0)
+    result = calibrate_step(
+        StepCalibrationConfig(**SMALL), time_shard=lambda c: true_seconds(c) * (1 + 0.002 * rng.standard_normal())
+    )
+    p = result.profile
+    assert p.unit == "s" and p.name == "llama-1b"
+    assert p.token == pytest.approx(TRUTH.token, rel=0.05)
+    assert p.pair == pytest.approx(TRUTH.pair, rel=0.05)
+    assert p.microbatch == pytest.approx(TRUTH.microbatch, rel=0.2)
+    held = result.held_out
+    assert held["shards"] > 0 and held["microbatches"] > 0
+    assert held["shard_max"] < 0.02 and held["microbatch_max"] < 0.02
+    fit_labels = {r["label"] for r in result.rows if r["set"] == "fit"}
+    held_labels = {r["label"] for r in result.rows if r["set"] == "held-out"}
+    assert fit_labels and held_labels and not fit_labels & held_labels
+    # the report is plain JSON and names every timed micro-batch's geometry
+    doc = json.loads(json.dumps(result.to_dict()))
+    assert doc["format"] == "ringpack-step-calibration" and CostModel.from_dict(doc["profile"]) == p
+    assert all(0 <= r["microbatch"] < len(doc["microbatches"]) for r in doc["rows"])
+
+
+def test_shards_span_whole_samples_split_samples_and_small_microbatches():
+    cases = step_cases(StepCalibrationConfig(**SMALL), seed=3, cost=CostModel.preset("llama-1b"))
+    families = {c.family for c in cases}
+    assert families == {"cp1", "balanced", "zigzag", "first-fit+contiguous"}
+    tokens = [sum(p.stop - p.start for p in c.pieces) for c in cases]
+    assert max(tokens) <= SMALL["tokens_per_rank"] and min(tokens) < SMALL["tokens_per_rank"] // 3
+    assert any(microbatch_features(c.microbatch)[1] for c in cases), "some samples are split over ranks"
+    assert all(len(c.microbatch.shards) == 1 for c in cases if c.family == "cp1")
+
+
+def test_held_out_errors_by_hand():
+    rows = [
+        dict(microbatch=0, rank=0, tokens=100, pairs=0, pieces=0, seconds=2.0),
+        dict(microbatch=0, rank=1, tokens=200, pairs=0, pieces=0, seconds=4.0),
+        dict(microbatch=1, rank=0, tokens=100, pairs=0, pieces=0, seconds=1.0),
+    ]
+    model = CostModel(token=0.02, pair=0.0, unit="s")  # predicts 2, 4, 2 seconds
+    errors = held_out_errors(model, rows)
+    assert errors["shard_max"] == pytest.approx(1.0) and errors["shard_mean"] == pytest.approx(1 / 3)
+    assert errors["microbatch_max"] == pytest.approx(1.0) and errors["microbatch_mean"] == pytest.approx(0.5)
+    assert errors["shards"] == 3 and errors["microbatches"] == 2
+    assert np.isnan(held_out_errors(model, [])["shard_mean"])
+
+
+def test_predicted_busy_runs_coupled_ranks_at_their_slowest_pace():
+    lengths = [100, 60, 40, 30]
+    coupled = microbatch_from_shards([0], [[Piece(0, 0, 70)], [Piece(0, 70, 100)]], lengths)
+    alone = microbatch_from_shards([1, 2], [[Piece(1, 0, 60)], [Piece(2, 0, 40)]], lengths)
+    small = microbatch_from_shards([3], [[Piece(3, 0, 30)], []], lengths)
+    step = Step(microbatches=((coupled, alone), (small,)), lower_bound=0.0)
+    model = CostModel(token=1.0, pair=0.01, segment=0.5, unit="s", microbatch=3.0)
+
+    def rank_cost(mb, c):
+        pieces = mb.shards[c].pieces
+        pairs = sum(q + 1 for p in pieces for q in range(p.start, p.stop))
+        return sum(p.stop - p.start for p in pieces) + 0.01 * pairs + 0.5 * len(pieces)
+
+    slowest = max(rank_cost(coupled, 0), rank_cost(coupled, 1))
+    expected = np.array(
+        [
+            [slowest + rank_cost(alone, 0) + 6.0, slowest + rank_cost(alone, 1) + 6.0],
+            [rank_cost(small, 0) + 3.0, 3.0],
+        ]
+    )
+    assert np.allclose(predicted_busy(step, model), expected)
+
+
+def test_model_config_of_presets_and_config_files(tmp_path):
+    config, shape = model_config("tiny")
+    assert shape == PRESETS["tiny"] and config.hidden_size == shape.hidden and config.vocab_size == shape.vocab
+    (tmp_path / "mine.json").write_text(
+        json.dumps(
+            dict(
+                model_type="llama",
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                vocab_size=100,
+            )
+        )
+    )
+    config, shape = model_config(str(tmp_path / "mine.json"))
+    assert (shape.name, shape.hidden, shape.kv_heads, shape.head_dim, shape.vocab) == ("mine", 64, 2, 16, 100)
+    with pytest.raises(ValueError, match="neither a preset"):
+        model_config(str(tmp_path / "missing.json"))
+
+
+def test_the_model_timer_runs_the_whole_model_on_split_shards():
+    """The real timer on a tiny Llama: remote K/V served from memory, gradients reach every weight."""
+    from ringpack.analysis.calibration.step import ModelStepTimer
+
+    config = StepCalibrationConfig(
+        model="tiny", backend="reference", device="cpu", tokens_per_rank=128, reps=1, warmup=0, fit_mixes=1
+    )
+    timer = ModelStepTimer(config)
+    cases = step_cases(config, seed=0, cost=CostModel.preset("tiny"))
+    remote = next(c for c in cases if microbatch_features(c.microbatch)[1] and c.rank == 1)
+    assert timer(remote) > 0
+    grads = [p.grad for p in timer.model.parameters()]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+    assert timer.model.model.embed_tokens.weight.grad.abs().sum() > 0
+
+
+def test_cli_dry_run_writes_a_profile_the_planner_loads(tmp_path):
+    out = tmp_path / "step.json"
+    run = run_cli(
+        ["calibrate", "--scope", "step", "--model", "tiny", "--device", "cpu", "--backend", "reference"]
+        + ["--tokens-per-rank", "128", "--fit-mixes", "2", "--held-out-mixes", "1", "--microbatches", "1"]
+        + ["--reps", "1", "--warmup", "0", "--out", out]
+    )
+    assert run.code == 0, run.err
+    profile = CostModel.load(out)
+    assert profile.unit == "s" and profile.name == "tiny" and profile.token > 0
+    report = json.loads((tmp_path / "step.report.json").read_text())
+    assert report["format"] == "ringpack-step-calibration" and report["meta"]["config"]["model"] == "tiny"
+    assert "held out:" in run.out and "ms/micro-batch" in run.out
+
+
+def test_cli_refuses_what_step_scope_cannot_do(tmp_path, monkeypatch):
+    report = tmp_path / "r.json"
+    report.write_text("{}")
+    run = run_cli(["calibrate", "--scope", "step", "--refit", report, "--out", tmp_path / "p.json"])
+    assert run.code != 0 and "--scope step" in run.err and len(run.err.strip().splitlines()) == 1
+    run = run_cli(["calibrate", "--scope", "step", "--device", "cpu", "--model", tmp_path / "nope.json"])
+    assert run.code != 0 and "neither a preset" in run.err and len(run.err.strip().splitlines()) == 1
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    run = run_cli(["calibrate", "--scope", "step", "--out", tmp_path / "p.json"])
+    assert run.code == 2 and "needs a GPU" not in run.err and "GPU" in run.err
+    assert len(run.err.strip().splitlines()) == 1
+    assert not (tmp_path / "p.json").exists()
