@@ -5,7 +5,8 @@
 For several length mixes and DP x CP shapes (16K tokens per rank, global batches ~95% full), the
 default plan is made with the FLOP cost model of Llama-3-8B; for each true pair price ``f`` (0.25x
 to 2x the model's) a second plan is made knowing that price exactly
-(``pair_price_range=(1, 1)``, the cost model's pair price times ``f``). Both are priced at ``f``:
+(``pair_price_range=(1, 1)``, the cost model's pair price times ``f``, tokens free to be traded
+for pairs: no token guard). Both are priced at ``f``:
 ``loss = imbalance(default) / imbalance(told) - 1`` (imbalance: plan time over perfectly balanced
 time, ``ringpack.analysis.robustness``). Also shown: the same for the plan balanced at the FLOP
 price alone, and the K/V crossing CP ranks against zigzag's.
@@ -30,6 +31,8 @@ from ringpack.cost import CostModel
 from ringpack.traffic import plan_kv_traffic
 
 SHAPES = ((4, 8), (1, 8), (8, 1))
+#: a plan of the cost model alone: its exact prices, and no token guard on the split
+EXACT = dict(pair_price_range=(1, 1), cp_token_slack=1e9)
 
 
 def mixes(n: int) -> dict[str, np.ndarray]:
@@ -49,13 +52,11 @@ def losses(lengths: np.ndarray, dp: int, cp: int, cost: CostModel) -> dict:
     told = []
     for f in PRICE_FACTORS:
         priced = dataclasses.replace(cost, pair=cost.pair * f)
-        told.append(
-            imbalance_across_prices(ringpack.plan(lengths, cost=priced, pair_price_range=(1, 1), **base), [1])[1]
-        )
+        told.append(imbalance_across_prices(ringpack.plan(lengths, cost=priced, **EXACT, **base), [1])[1])
     started = time.perf_counter()
     default = ringpack.plan(lengths, cost=cost, **base)
     seconds = time.perf_counter() - started
-    exact = ringpack.plan(lengths, cost=cost, pair_price_range=(1, 1), **base)
+    exact = ringpack.plan(lengths, cost=cost, **EXACT, **base)
     zigzag = ringpack.plan(lengths, cost=cost, strategy="zigzag", **base)
     kv = {k: float(plan_kv_traffic(p)["unique"].sum()) for k, p in (("default", default), ("zigzag", zigzag))}
     return {

@@ -1,21 +1,28 @@
-"""End-to-end training throughput: ringpack's plans vs zigzag, contiguous and first-fit packing.
+"""End-to-end training throughput: ringpack's plans vs zigzag and first-fit packing.
 
-    torchrun --nproc_per_node=2 benchmarks/train.py --out train.json
+    torchrun --nproc_per_node=2 benchmarks/train.py --grad-ckpt --max-len 32768 --out train.json
+    torchrun --nproc_per_node=2 benchmarks/train.py --grad-ckpt --max-len 32768 --no-learn \
+        --cost-profile step.json --measure-from 5 --out predicted.json     # check a step profile
 
 Runs the real training example (``examples/train.py``: a randomly initialised Llama, bf16,
-ringpack attention inside transformers) on the same heavy-tailed packed data under several
-(DP x CP, packing, CP split) variants, one after another in one process group, and reports per
-variant the median step time, tokens/s over all GPUs and each rank's busy time (forward+backward
-before the gradient all-reduce; the rest of the step is waiting for the slowest rank plus the
-all-reduce). The first step of each variant is a warm-up and is not counted.
+ringpack attention inside transformers) on the same heavy-tailed packed data (``--data pareto`` or
+``stdlib``) under several (DP x CP, packing, CP split) variants, one after another in one process
+group, and reports per variant the median step time, tokens/s over all GPUs and each rank's busy
+time (forward+backward before the gradient all-reduce; the rest of the step is waiting for the
+slowest rank plus the all-reduce). Steps before ``--measure-from`` are not counted: warm-up, and
+by default the cost learner's first fit (it fits after step 3 and re-plans from step 5).
 
+Variants (``--variants``, comma-separated):
 
-
-* CP=2: ringpack ``balanced`` (cost packing + balanced split; ``+guard`` with the token guard
-  ``cp_token_slack=0.02``), ``zigzag`` and ``contiguous`` splits
-  on ringpack's packing, and ``first_fit + zigzag`` (token-count first-fit packing with per-sample
-  zigzag: what common samplers plus the usual CP split do);
+* CP=2: ringpack ``balanced`` (cost packing + balanced split, learning the prices from the run),
+  ``zigzag`` on ringpack's packing, ``first-fit+zigzag`` (token-count first-fit packing with
+  per-sample zigzag: what common samplers plus the usual CP split do), and ``balanced at FLOP
+  prices`` (the FLOP model alone, no price range, no token guard, no learner);
 * DP=2: ringpack's cost-balanced packing vs token-count first-fit packing.
+
+With ``--cost-profile`` and ``--no-learn`` every variant plans with the profile throughout, and each
+rank's busy time is also predicted from the plan
+(:func:`ringpack.analysis.calibration.step.predicted_busy`) and compared with the measured one.
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ VARIANTS = {
     "cp2 balanced": (2, []),
     "cp2 zigzag": (2, ["--strategy", "zigzag"]),
     "cp2 first-fit+zigzag": (2, ["--packing", "first_fit", "--strategy", "zigzag", "--no-learn-cost"]),
-    "cp2 balanced at FLOP prices": (2, ["--no-learn-cost", "--pair-price-range", "1,1"]),
+    "cp2 balanced at FLOP prices": (2, ["--no-learn-cost", "--pair-price-range", "1,1", "--cp-token-slack", "1e9"]),
     "dp2 balanced": (1, []),
     "dp2 first-fit": (1, ["--packing", "first_fit", "--no-learn-cost"]),
 }
