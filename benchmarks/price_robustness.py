@@ -28,11 +28,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import ringpack
 from ringpack.analysis.robustness import PRICE_FACTORS, imbalance_across_prices
 from ringpack.cost import CostModel
+from ringpack.shard_plan import NO_TOKEN_GUARD
 from ringpack.traffic import plan_kv_traffic
 
 SHAPES = ((4, 8), (1, 8), (8, 1))
 #: a plan of the cost model alone: its exact prices, and no token guard on the split
-EXACT = dict(pair_price_range=(1, 1), cp_token_slack=1e9)
+EXACT = dict(pair_price_range=(1, 1), cp_token_slack=NO_TOKEN_GUARD)
 
 
 def mixes(n: int) -> dict[str, np.ndarray]:

@@ -43,17 +43,15 @@ from ringpack.analysis.calibration.timing import AttentionShape, Clock, TimingSe
 from ringpack.analysis.robustness import imbalance_across_prices
 from ringpack.attention.kernels import resolve_backend
 from ringpack.cost import PRESETS, CostModel, ModelShape, piece_pairs
-from ringpack.shard_plan import Plan
+from ringpack.shard_plan import NO_TOKEN_GUARD, Plan
 
-#: the token guard off: the split trades tokens for pairs as the cost model alone says
-TOKENS_FREE = 1e9
 VARIANTS = {
     # name: plan options
     "first-fit + zigzag": dict(packing="first_fit", strategy="zigzag"),
     "ringpack packing + zigzag": dict(strategy="zigzag"),
     "ringpack default": dict(),
-    "ringpack at FLOP prices": dict(pair_price_range=(1.0, 1.0), cp_token_slack=TOKENS_FREE),
-    "ringpack with fitted model": dict(fitted=True, cp_token_slack=TOKENS_FREE),
+    "ringpack at FLOP prices": dict(pair_price_range=(1.0, 1.0), cp_token_slack=NO_TOKEN_GUARD),
+    "ringpack with fitted model": dict(fitted=True, cp_token_slack=NO_TOKEN_GUARD),
 }
 
 

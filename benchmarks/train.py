@@ -39,13 +39,18 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ringpack.shard_plan import NO_TOKEN_GUARD
+
 ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = {
     # name: (cp, extra arguments of examples/train.py)
     "cp2 balanced": (2, []),
     "cp2 zigzag": (2, ["--strategy", "zigzag"]),
     "cp2 first-fit+zigzag": (2, ["--packing", "first_fit", "--strategy", "zigzag", "--no-learn-cost"]),
-    "cp2 balanced at FLOP prices": (2, ["--no-learn-cost", "--pair-price-range", "1,1", "--cp-token-slack", "1e9"]),
+    "cp2 balanced at FLOP prices": (
+        2,
+        ["--no-learn-cost", "--pair-price-range", "1,1", "--cp-token-slack", str(NO_TOKEN_GUARD)],
+    ),
     "dp2 balanced": (1, []),
     "dp2 first-fit": (1, ["--packing", "first_fit", "--no-learn-cost"]),
 }
@@ -95,84 +100,77 @@ def main() -> int:
     world = dist.get_world_size()
     results = []
     for name in args.variants.split(","):
-        cp, extra = VARIANTS[name]
-        grid = example.make_grid(cp)
-        run_args = example.parser().parse_args(
-            [
-                "--cp",
-                str(cp),
-                "--model",
-                args.model,
-                "--dtype",
-                "bf16" if torch.cuda.is_available() else "fp32",
-                "--tokens-per-rank",
-                str(args.tokens_per_gpu),
-                "--samples",
-                str(args.samples),
-                "--samples-per-step",
-                str(args.samples_per_step),
-                "--steps",
-                str(args.steps),
-                "--len-scale",
-                str(args.len_scale),
-                "--max-len",
-                str(args.max_len),
-                "--data",
-                args.data,
-                "--quiet",
-            ]
-            + extra
-            + (["--grad-ckpt"] if args.grad_ckpt else [])
-            + (["--cost-profile", args.cost_profile] if args.cost_profile else [])
-            + ["--backend", args.backend]
-            + (["--no-learn-cost"] if args.no_learn and "--no-learn-cost" not in extra else [])
-        )
-        started = time.perf_counter()
-        records = example.train(run_args, grid, example.samples_for(run_args))
-        timed = records[args.measure_from :] or records[1:] or records
-        spread = [(max(r["busy_s"]) - min(r["busy_s"])) / (sum(r["busy_s"]) / world) for r in timed]
-        row = dict(
-            variant=name,
-            dp=world // cp,
-            cp=cp,
-            packing=run_args.packing,
-            strategy=run_args.strategy,
-            learned=bool(run_args.learn_cost),
-            cost_models=[r["cost_model"] for r in records],
-            steps=len(timed),
-            busy_spread=statistics.median(spread),
-            step_ms=1e3 * statistics.median(r["step_s"] for r in timed),
-            tokens_per_s=sum(r["global_tokens"] for r in timed) / sum(r["step_s"] for r in timed),
-            busy_ms=[1e3 * statistics.median(r["busy_s"][k] for r in timed) for k in range(world)],
-            loss=[r["loss"] for r in records],
-            wall_s=time.perf_counter() - started,
-        )
-        row["idle_frac"] = 1 - sum(row["busy_ms"]) / (world * row["step_ms"])
-        if args.cost_profile and not run_args.learn_cost:
-            row.update(busy_prediction(example, run_args, cp, world, timed))
+        row = run_variant(example, args, name, world)
         results.append(row)
         if dist.get_rank() == 0:
-            busy = " ".join(f"{b:7.1f}" for b in row["busy_ms"])
-            if "predicted_busy_ms" in row:
-                print(
-                    f"{'':22s} predicted busy/rank [{' '.join(f'{b:7.1f}' for b in row['predicted_busy_ms'])}] ms: "
-                    f"total off by at most {row['busy_error']:.1%} per rank, {row['busy_error_step']:.1%} per step",
-                    flush=True,
-                )
-            print(
-                f"{name:22s} step {row['step_ms']:8.1f} ms  {row['tokens_per_s']:10,.0f} tok/s  "
-                f"busy/rank [{busy}] ms  spread {row['busy_spread']:6.1%}  idle {row['idle_frac']:6.1%}  "
-                f"cost model from step {next((i for i, c in enumerate(row['cost_models']) if c == 'learned'), '-')}",
-                flush=True,
-            )
+            print_row(row)
             _write(args.out, world, results)  # after every variant: a run cut short keeps what it measured
-        del records
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     if dist.get_rank() == 0:
         print(f"wrote {args.out}")
     dist.destroy_process_group()
     return 0
+
+
+def example_args(example, args: argparse.Namespace, cp: int, extra: list[str]) -> argparse.Namespace:
+    """``examples/train.py``'s arguments for one variant of this benchmark's settings."""
+    argv = ["--cp", str(cp), "--model", args.model, "--dtype", "bf16" if torch.cuda.is_available() else "fp32"]
+    argv += ["--tokens-per-rank", str(args.tokens_per_gpu), "--samples", str(args.samples)]
+    argv += ["--samples-per-step", str(args.samples_per_step), "--steps", str(args.steps)]
+    argv += ["--len-scale", str(args.len_scale), "--max-len", str(args.max_len), "--data", args.data, "--quiet"]
+    argv += extra + ["--backend", args.backend] + (["--grad-ckpt"] if args.grad_ckpt else [])
+    argv += ["--cost-profile", args.cost_profile] if args.cost_profile else []
+    argv += ["--no-learn-cost"] if args.no_learn and "--no-learn-cost" not in extra else []
+    return example.parser().parse_args(argv)
+
+
+def run_variant(example, args: argparse.Namespace, name: str, world: int) -> dict:
+    """Train one variant and summarise its timed steps (a collective: every rank calls it)."""
+    cp, extra = VARIANTS[name]
+    grid = example.make_grid(cp)
+    run_args = example_args(example, args, cp, extra)
+    started = time.perf_counter()
+    records = example.train(run_args, grid, example.samples_for(run_args))
+    timed = records[args.measure_from :] or records[1:] or records
+    spread = [(max(r["busy_s"]) - min(r["busy_s"])) / (sum(r["busy_s"]) / world) for r in timed]
+    row = dict(
+        variant=name,
+        dp=world // cp,
+        cp=cp,
+        packing=run_args.packing,
+        strategy=run_args.strategy,
+        learned=bool(run_args.learn_cost),
+        cost_models=[r["cost_model"] for r in records],
+        steps=len(timed),
+        busy_spread=statistics.median(spread),
+        step_ms=1e3 * statistics.median(r["step_s"] for r in timed),
+        tokens_per_s=sum(r["global_tokens"] for r in timed) / sum(r["step_s"] for r in timed),
+        busy_ms=[1e3 * statistics.median(r["busy_s"][k] for r in timed) for k in range(world)],
+        loss=[r["loss"] for r in records],
+        wall_s=time.perf_counter() - started,
+    )
+    row["idle_frac"] = 1 - sum(row["busy_ms"]) / (world * row["step_ms"])
+    if args.cost_profile and not run_args.learn_cost:
+        row.update(busy_prediction(example, run_args, cp, world, timed))
+    return row
+
+
+def print_row(row: dict) -> None:
+    busy = " ".join(f"{b:7.1f}" for b in row["busy_ms"])
+    if "predicted_busy_ms" in row:
+        print(
+            f"{'':22s} predicted busy/rank [{' '.join(f'{b:7.1f}' for b in row['predicted_busy_ms'])}] ms: "
+            f"total off by at most {row['busy_error']:.1%} per rank, {row['busy_error_step']:.1%} per step",
+            flush=True,
+        )
+    learned_from = next((i for i, c in enumerate(row["cost_models"]) if c == "learned"), "-")
+    print(
+        f"{row['variant']:22s} step {row['step_ms']:8.1f} ms  {row['tokens_per_s']:10,.0f} tok/s  "
+        f"busy/rank [{busy}] ms  spread {row['busy_spread']:6.1%}  idle {row['idle_frac']:6.1%}  "
+        f"cost model from step {learned_from}",
+        flush=True,
+    )
 
 
 def busy_prediction(example, run_args, cp: int, world: int, timed: list[dict]) -> dict:

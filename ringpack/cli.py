@@ -199,8 +199,8 @@ def _add_split_and_cost_flags(parser: Any) -> None:
         "--cp-token-slack",
         type=NON_NEGATIVE_REAL,
         default=None,
-        help="balanced CP split: hold every rank within 1+SLACK of the mean tokens (default: 0.02 when the "
-        "pair-price range is wide, else tokens free)",
+        help="balanced CP split: hold every rank within 1+SLACK of the mean tokens (default 0.01; "
+        "a large value turns the guard off)",
     )
     parser.add_argument(
         "--model",
@@ -977,8 +977,8 @@ def _add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--report", help="calibration report JSON (default: the profile's name with .report.json)")
     p.add_argument(
         "--model",
-        default="llama3-8b",
-        help=f"model preset for layers and linear layers ({', '.join(PRESETS)}; default llama3-8b)",
+        help=f"a model preset ({', '.join(PRESETS)}; default llama3-8b), or with --scope step (where it is "
+        "required) also a transformers config file or folder",
     )
     p.add_argument("--heads", type=POSITIVE, help="query heads (default: the preset's)")
     p.add_argument("--kv-heads", type=POSITIVE, help="key/value heads (default: the preset's)")
@@ -986,7 +986,6 @@ def _add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=POSITIVE, help="layers the profile covers (default: the preset's)")
     p.add_argument(
         "--mode",
-        default="linear",
         choices=["linear", "attention"],
         help="linear: also time the linear layers' GEMMs per token (default); attention: attention-only profile",
     )
@@ -1010,7 +1009,6 @@ def _add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=COUNT, default=0)
     p.add_argument(
         "--timer",
-        default="gpu",
         choices=TIMERS,
         help="gpu: each shard's GPU execution, host launch time hidden (default); "
         "wall: from the first launch, host overhead included",
@@ -1022,6 +1020,16 @@ def _add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
         "and write a new profile and report",
     )
     p.add_argument("--quiet", action="store_true", help="only the summary")
+    _add_step_calibrate_arguments(p)
+
+
+#: ``ringpack calibrate`` flags of one scope only (argparse dests; a given one is refused in the other scope)
+KERNEL_SCOPE_FLAGS = ("heads", "kv_heads", "head_dim", "layers", "mode", "grid", "quick", "timer", "refit")
+STEP_SCOPE_FLAGS = ("grad_ckpt", "tokens_per_rank", "cp", "max_len", "fit_mixes", "held_out_mixes", "microbatches")
+
+
+def _add_step_calibrate_arguments(p: argparse.ArgumentParser) -> None:
+    """Options of ``ringpack calibrate --scope step`` (defaults resolved in :func:`run_calibrate`)."""
     step = p.add_argument_group("the training step (--scope step)")
     step.add_argument(
         "--scope",
@@ -1031,12 +1039,12 @@ def _add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
         "per rank shard, --model a preset or a transformers config file or folder",
     )
     step.add_argument("--grad-ckpt", action="store_true", help="time with activation checkpointing (as training runs)")
-    step.add_argument("--tokens-per-rank", type=TOKENS, default=65536, help="token budget per CP rank (default 65536)")
-    step.add_argument("--cp", type=CP_SIZE, default=2, help="CP size of the split shards timed (default 2)")
-    step.add_argument("--max-len", type=COUNT, default=0, help="longest sample of the mixes (default the budget)")
-    step.add_argument("--fit-mixes", type=POSITIVE, default=3, help="length mixes timed for the fit (default 3)")
-    step.add_argument("--held-out-mixes", type=POSITIVE, default=2, help="length mixes held out (default 2)")
-    step.add_argument("--microbatches", type=POSITIVE, default=2, help="micro-batches timed per plan (default 2)")
+    step.add_argument("--tokens-per-rank", type=TOKENS, help="token budget per CP rank (default 65536)")
+    step.add_argument("--cp", type=CP_SIZE, help="CP size of the split shards timed (default 2)")
+    step.add_argument("--max-len", type=COUNT, help="longest sample of the mixes (default the budget)")
+    step.add_argument("--fit-mixes", type=POSITIVE, help="length mixes timed for the fit (default 3)")
+    step.add_argument("--held-out-mixes", type=POSITIVE, help="length mixes held out (default 2)")
+    step.add_argument("--microbatches", type=POSITIVE, help="micro-batches timed per plan (default 2)")
 
 
 def _add_demo_arguments(p: argparse.ArgumentParser) -> None:
@@ -1068,9 +1076,18 @@ def run_calibrate(args: argparse.Namespace) -> int:
             raise ValueError(f"{flag} {path} is a directory; give a file name")
     if args.refit and not Path(args.refit).is_file():
         raise FileNotFoundError(f"--refit: no calibration report at {args.refit}")
+    other_scope = STEP_SCOPE_FLAGS if args.scope == "kernels" else KERNEL_SCOPE_FLAGS
+    given = ["--" + name.replace("_", "-") for name in other_scope if getattr(args, name) not in (None, False)]
+    if given:
+        other = "step" if args.scope == "kernels" else "kernels"
+        which = "this flag applies" if len(given) == 1 else "these flags apply"
+        raise ValueError(f"{', '.join(given)}: {which} only to --scope {other}")
+    report = Path(args.report) if args.report else Path(args.out).with_name(Path(args.out).stem + ".report.json")
+    for path in (Path(args.out), report):  # before minutes of timing, not after
+        path.parent.mkdir(parents=True, exist_ok=True)
     if args.scope == "step":
-        if args.refit:
-            raise ValueError("--refit refits a kernel calibration report; it does not combine with --scope step")
+        if not args.model:
+            raise ValueError("--scope step needs --model: a preset or a transformers config file or folder")
         from ringpack.analysis.calibration.step import run_step
 
         return run_step(args)

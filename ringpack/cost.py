@@ -100,9 +100,10 @@ class CostModel:
         flops_per_second: achieved forward+backward throughput; :meth:`seconds` divides FLOP
             costs by it (unused when ``unit == "s"``).
         microbatch: fixed cost of one micro-batch on every rank that runs it, whatever it holds
-            (kernel launches, the loss's setup). It is equal on every CP rank of a micro-batch, so it never changes
-            a split; predicted times (reports, :func:`ringpack.analysis.calibration.step.predicted_busy`)
-            add it once per micro-batch. Measured profiles fit it; FLOP models leave it 0.
+            (kernel launches, the loss's setup). It is equal on every CP rank of a micro-batch, so
+            splits ignore it, and so do plan costs, bounds and reports (rank costs);
+            :func:`ringpack.analysis.calibration.step.predicted_busy` adds it once per micro-batch
+            to predict a training loop's busy time. Measured profiles fit it; FLOP models leave it 0.
 
     Raises:
         ValueError: a coefficient that is not a finite number >= 0, ``token`` and ``pair`` both

@@ -170,6 +170,9 @@ FLOP_PRICE_RANGE: tuple[float, float] = (0.25, 2.0)
 #: pair price from a quarter to twice the model's, for about 10% more K/V crossing ranks than a 2%
 #: guard leaves.
 ROBUST_TOKEN_SLACK = 0.01
+#: A ``cp_token_slack`` that turns the token guard off: the token budget alone bounds a rank, and the
+#: ``balanced`` split trades tokens for pairs as the cost model says.
+NO_TOKEN_GUARD = 1e9
 
 
 def _is_int(value: Any) -> bool:
@@ -212,8 +215,8 @@ class PlanConfig:
     model (``"s"``: a calibrated profile or one learned from the run). ``cp_token_slack=None``
     means :data:`ROBUST_TOKEN_SLACK` whatever the prices: CP ranks meet at every layer's attention,
     and each reaches it after linear layers sized by its own tokens, so a rank with more tokens holds
-    the others up in every layer even when its total cost matches theirs (``cp_token_slack`` of a
-    large value lets the split trade tokens for pairs freely).
+    the others up in every layer even when its total cost matches theirs (``cp_token_slack=``
+    :data:`NO_TOKEN_GUARD` lets the split trade tokens for pairs freely).
     """
 
     dp: int
@@ -267,7 +270,7 @@ class PlanConfig:
         return FLOP_PRICE_RANGE if self.cost.unit == "flop" else (1.0, 1.0)
 
     @property
-    def token_slack(self) -> float | None:
+    def token_slack(self) -> float:
         """The ``balanced`` split's token guard (``cp_token_slack`` with its default resolved)."""
         if self.cp_token_slack is not None:
             return float(self.cp_token_slack)

@@ -225,7 +225,7 @@ def evaluate(
         tokens=tokens,
         pairs=pairs,
         segments=segments,
-        cost=model.cost(tokens, pairs, segments) + model.microbatch * exists.reshape(grid)[..., None],
+        cost=model.cost(tokens, pairs, segments),
         kv_cross_tokens=per_rank(np.asarray(kv_cross_tokens(arrays, shape=grid), dtype=np.int64)),
         zigzag_padding=_zigzag_padding_grid(sample_cell, sample_length, cp, grid),
         samples=samples,

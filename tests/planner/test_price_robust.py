@@ -17,7 +17,7 @@ import pytest
 import ringpack
 from ringpack.analysis.robustness import PRICE_FACTORS, imbalance_across_prices
 from ringpack.cost import CostModel
-from ringpack.shard_plan import FLOP_PRICE_RANGE, ROBUST_TOKEN_SLACK, PlanConfig, PlanError
+from ringpack.shard_plan import FLOP_PRICE_RANGE, NO_TOKEN_GUARD, ROBUST_TOKEN_SLACK, PlanConfig, PlanError
 
 FLOPS = CostModel.preset("llama3-8b")
 
@@ -39,7 +39,7 @@ def plan(lengths: np.ndarray, dp: int, cp: int, **options) -> ringpack.Plan:
 
 
 #: planning at the model's prices alone: no price range, and tokens free to be traded for pairs
-EXACT = dict(pair_price_range=(1, 1), cp_token_slack=1e9)
+EXACT = dict(pair_price_range=(1, 1), cp_token_slack=NO_TOKEN_GUARD)
 
 
 def losses(lengths: np.ndarray, dp: int, cp: int) -> tuple[np.ndarray, np.ndarray]:

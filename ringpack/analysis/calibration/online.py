@@ -42,6 +42,8 @@ __all__ = ["CostLearner", "LearnerConfig", "FitResult", "fit_rank_times", "micro
 #: Columns of an observation row (float64): where it was measured, what the rank held, how long it took.
 ROW = ("step", "dp", "microbatch", "cp", "tokens", "pairs", "pieces", "coupled", "seconds")
 _FEATURES = slice(4, 7)
+#: a fitted term below this share of every observation's time is set to exactly zero
+NEGLIGIBLE = 1e-9
 _STATE_VERSION = 1
 
 
@@ -128,7 +130,8 @@ def fit_rank_times(rows: np.ndarray, prior: CostModel, iterations: int = 6) -> F
         iterations: fixed-point iterations over which rank of a coupled micro-batch is slowest.
 
     Returns:
-        The fit, or ``None`` when there are too few observations to fit four coefficients.
+        The fit, or ``None`` when there are fewer than five observations, or when the fit prices
+        both tokens and pairs at zero.
         Deterministic: the same rows in any order give the same result.
     """
     rows = rows[np.lexsort(rows[:, ::-1].T)]  # canonical order: results do not depend on gather order
@@ -139,7 +142,9 @@ def fit_rank_times(rows: np.ndarray, prior: CostModel, iterations: int = 6) -> F
         if len(times) < 5:
             return None
         keep = _inliers(feats, times, model, overhead) if keep.size == len(times) else np.ones(len(times), bool)
-        coef = fit_nnls(np.column_stack([feats[keep], np.ones(keep.sum())]), times[keep])
+        design = np.column_stack([feats[keep], np.ones(keep.sum())])
+        coef = fit_nnls(design, times[keep])
+        coef[(design * coef <= NEGLIGIBLE * times[keep, None]).all(axis=0)] = 0.0  # rounding residue, not a price
         if coef[0] == 0 and coef[1] == 0:
             return None
         new = CostModel(token=float(coef[0]), pair=float(coef[1]), segment=float(coef[2]), unit="s", name="learned")
@@ -382,7 +387,9 @@ def price_change(old: CostModel, new: CostModel) -> float:
         return np.array([m.pair, m.segment]) / m.token  # inf (or nan) for a free token: any change is total
 
     with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
-        change = np.abs(ratios(new) - ratios(old)) / np.maximum(ratios(old), 1e-300)
+        a, b = ratios(old), ratios(new)
+        same = (a == b) | (np.isnan(a) & np.isnan(b))
+        change = np.where(same, 0.0, np.abs(b - a) / np.maximum(a, 1e-300))
     return float(np.nan_to_num(change, nan=np.inf).max())
 
 

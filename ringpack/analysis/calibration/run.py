@@ -377,9 +377,10 @@ def run(args: argparse.Namespace, clock: Clock | None = None) -> int:
     if args.device == "cpu" and args.backend not in ("reference", "reference_hybrid", "auto"):
         logger.error(f"--device cpu runs only --backend reference (a dry run), not {args.backend!r}")
         return 2
-    if args.model not in PRESETS:
-        raise ValueError(f"--model {args.model!r} is not a preset ({', '.join(PRESETS)})")
-    preset = PRESETS[args.model]
+    model = args.model or "llama3-8b"
+    if model not in PRESETS:
+        raise ValueError(f"--model {model!r} is not a preset ({', '.join(PRESETS)})")
+    preset = PRESETS[model]
     shape = AttentionShape(
         args.heads or preset.heads, args.kv_heads or preset.kv_heads, args.head_dim or preset.head_dim
     )
@@ -390,7 +391,7 @@ def run(args: argparse.Namespace, clock: Clock | None = None) -> int:
     log = (lambda _: None) if args.quiet else logger.info
     settings = CalibrationSettings(
         layers=layers,
-        mode=args.mode,
+        mode=args.mode or "linear",
         backend=args.backend,
         device=args.device,
         grid=grid,
@@ -398,7 +399,7 @@ def run(args: argparse.Namespace, clock: Clock | None = None) -> int:
         warmup=args.warmup,
         seed=args.seed,
         name=name,
-        timer=args.timer,
+        timer=args.timer or "gpu",
         clock=clock,
     )
     result = calibrate(shape, preset, settings, log=log)

@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from ringpack.analysis.calibration.cases import Case, microbatch_geometry, rank_cases
-from ringpack.analysis.calibration.online import ROW, FitResult, fit_rank_times, microbatch_features
+from ringpack.analysis.calibration.online import ROW, FitResult, LearnerConfig, fit_rank_times, microbatch_features
 from ringpack.cost import PRESETS, CostModel, ModelShape
 from ringpack.shard_plan import PlanConfig, Step
 
@@ -65,6 +65,8 @@ PLAN_SHAPES = (
     ("first-fit+contiguous", 0, dict(packing="first_fit", strategy="contiguous"), 0.25),
 )
 _HELD_OUT_SEED = 1000
+#: the largest relative RMS error of a usable fit (the learner's :class:`LearnerConfig` default)
+MAX_FIT_ERROR = LearnerConfig().max_error
 
 
 @dataclass(frozen=True)
@@ -175,7 +177,7 @@ def step_cases(config: StepCalibrationConfig, seed: int, cost: CostModel) -> lis
     cases: list[Case] = []
     for label, cp, options, fraction in PLAN_SHAPES:
         cp = cp or config.cp
-        if label != "cp1" and cp == 1:
+        if label in ("balanced", "zigzag") and cp == 1:  # the same whole samples as "cp1"
             continue
         budget = max(1, int(config.tokens_per_rank * fraction))
         lengths = length_mix(seed, config.microbatches * cp * budget, min(max_len, cp * budget))
@@ -218,11 +220,23 @@ def model_config(model: str) -> tuple[Any, ModelShape]:
         config = AutoConfig.for_model(data.pop("model_type", "llama"), **data)
     else:
         raise ValueError(f"--model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a config file or folder")
-    return config, shape_of(config, path.stem if path.is_file() else path.name)
+    name = path.parent.resolve().name if path.name == "config.json" else path.stem if path.is_file() else path.name
+    return config, shape_of(config, name or "custom")
 
 
 def shape_of(config: Any, name: str = "custom") -> ModelShape:
-    """The :class:`ModelShape` of a decoder-only ``transformers`` config (Llama-like field names)."""
+    """The :class:`ModelShape` of a decoder-only ``transformers`` config (Llama-like field names).
+
+    Raises:
+        ValueError: a config without one of the fields (named), e.g. ``intermediate_size``.
+    """
+    fields = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+    missing = [f for f in fields if getattr(config, f, None) is None]
+    if missing:
+        raise ValueError(
+            f"model config {name!r} ({type(config).__name__}) lacks {', '.join(missing)}: "
+            "step calibration needs a Llama-like decoder config"
+        )
     heads = config.num_attention_heads
     return ModelShape(
         name=name,
@@ -333,8 +347,9 @@ def calibrate_step(config: StepCalibrationConfig, time_shard: Callable[[Case], f
         The :class:`StepCalibration`; ``profile.name`` is the model preset's (or the config's name).
 
     Raises:
-        ValueError: a bad config, or timings the fit cannot explain (fewer than six usable shards,
-            or no token or pair signal).
+        ValueError: a bad config, or (on a GPU) timings the fit cannot use: fewer than five usable
+            shards, a token or pair price of zero (the shards did not tell them apart), or a fit
+            error above 20% RMS. A CPU dry run logs a warning instead and returns the fit.
     """
     started = time.perf_counter()
     timer = time_shard or ModelStepTimer(config)
@@ -351,12 +366,30 @@ def calibrate_step(config: StepCalibrationConfig, time_shard: Callable[[Case], f
         rows += _time_cases(cases, timer, which, geometry)
         log.info("timed %d %s rank shards in %.1f s", len(cases), which, time.perf_counter() - t0)
     fit = fit_rank_times(_fit_rows([r for r in rows if r["set"] == "fit"]), prior)
-    if fit is None:
-        raise ValueError("the step timings cannot be fitted: too few shards, or no token or pair signal")
+    _check_fit(fit, config)
     profile = dataclasses.replace(fit.model, name=shape.name)
     held = held_out_errors(profile, [r for r in rows if r["set"] == "held-out"])
     meta = _meta(config, timer, shape, time.perf_counter() - started)
     return StepCalibration(profile, fit, held, rows, geometry, meta)
+
+
+def _check_fit(fit: FitResult | None, config: StepCalibrationConfig) -> None:
+    """Refuse (warn, on a CPU dry run) a fit the planner must not use; see :func:`calibrate_step`."""
+    if fit is None:
+        raise ValueError("the step timings cannot be fitted: fewer than five shards, or no token or pair signal")
+    m = fit.model
+    problem = None
+    if m.token <= 0 or m.pair <= 0:
+        problem = f"the fit prices {'tokens' if m.token <= 0 else 'attention pairs'} at zero"
+    elif fit.rms_error > MAX_FIT_ERROR:
+        problem = f"the fit's error is {fit.rms_error:.0%} RMS (at most {MAX_FIT_ERROR:.0%})"
+    if problem is None:
+        return
+    advice = "time larger shards (--tokens-per-rank), more mixes (--fit-mixes) or more repetitions (--reps)"
+    if config.device == "cpu":
+        log.warning("%s; a dry run keeps it, a GPU run would refuse it: %s", problem, advice)
+        return
+    raise ValueError(f"{problem}: {advice}")
 
 
 def _time_cases(
@@ -486,21 +519,22 @@ def run_step(args: Any) -> int:
             "(or `--device cpu --backend reference --model tiny` for a dry run)."
         )
         return 2
+    given = {
+        name: getattr(args, name)
+        for name in ("tokens_per_rank", "cp", "max_len", "fit_mixes", "held_out_mixes", "microbatches", "reps")
+        if getattr(args, name, None) is not None
+    }
     config = StepCalibrationConfig(
         model=args.model,
         backend=args.backend,
         device=args.device,
         grad_ckpt=args.grad_ckpt,
-        tokens_per_rank=args.tokens_per_rank,
-        cp=args.cp,
-        max_len=args.max_len,
-        fit_mixes=args.fit_mixes,
-        held_out_mixes=args.held_out_mixes,
-        microbatches=args.microbatches,
-        reps=args.reps or 2,
         warmup=args.warmup,
         seed=args.seed,
+        **given,
     )
+    if args.quiet:
+        log.setLevel(logging.WARNING)
     result = calibrate_step(config)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

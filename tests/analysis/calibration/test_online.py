@@ -89,7 +89,8 @@ def test_price_change_is_finite_or_infinite_never_a_warning():
     free_tokens = CostModel(token=0.0, pair=1e-10, unit="s")
     with np.errstate(all="raise"):
         assert price_change(FLOPS, free_tokens) == np.inf
-        assert price_change(free_tokens, free_tokens) == np.inf
+        assert price_change(free_tokens, free_tokens) == 0.0
+        assert price_change(free_tokens, FLOPS) == np.inf
         assert price_change(FLOPS, FLOPS) == 0.0
 
 

@@ -52,6 +52,18 @@ def test_fit_recovers_the_step_prices_and_predicts_held_out_shards():
     assert all(0 <= r["microbatch"] < len(doc["microbatches"]) for r in doc["rows"])
 
 
+def test_fits_the_planner_must_not_use_are_refused_on_a_gpu_and_kept_with_a_warning_on_a_dry_run(caplog):
+    def pairs_only(case) -> float:  # a timer that cannot see tokens: the fit prices them at zero
+        feats, _ = microbatch_features(case.microbatch)
+        return float(1e-9 * feats[case.rank][1] + 1e-3)
+
+    with pytest.raises(ValueError, match="prices tokens at zero.*--tokens-per-rank"):
+        calibrate_step(StepCalibrationConfig(**{**SMALL, "device": "cuda"}), time_shard=pairs_only)
+    with caplog.at_level("WARNING", logger="ringpack.calibrate"):
+        result = calibrate_step(StepCalibrationConfig(**SMALL), time_shard=pairs_only)
+    assert result.profile.token == 0 and "dry run keeps it" in caplog.text
+
+
 def test_shards_span_whole_samples_split_samples_and_small_microbatches():
     cases = step_cases(StepCalibrationConfig(**SMALL), seed=3, cost=CostModel.preset("llama-1b"))
     families = {c.family for c in cases}
@@ -60,6 +72,9 @@ def test_shards_span_whole_samples_split_samples_and_small_microbatches():
     assert max(tokens) <= SMALL["tokens_per_rank"] and min(tokens) < SMALL["tokens_per_rank"] // 3
     assert any(microbatch_features(c.microbatch)[1] for c in cases), "some samples are split over ranks"
     assert all(len(c.microbatch.shards) == 1 for c in cases if c.family == "cp1")
+    # at CP=1 the small first-fit shards stay: they tell the per-micro-batch constant from the token price
+    whole = step_cases(StepCalibrationConfig(**{**SMALL, "cp": 1}), seed=3, cost=CostModel.preset("llama-1b"))
+    assert {c.family for c in whole} == {"cp1", "first-fit+contiguous"}
 
 
 def test_held_out_errors_by_hand():
@@ -119,6 +134,10 @@ def test_model_config_of_presets_and_config_files(tmp_path):
     assert (shape.name, shape.hidden, shape.kv_heads, shape.head_dim, shape.vocab) == ("mine", 64, 2, 16, 100)
     with pytest.raises(ValueError, match="neither a preset"):
         model_config(str(tmp_path / "missing.json"))
+    (tmp_path / "gpt").mkdir()
+    (tmp_path / "gpt" / "config.json").write_text(json.dumps(dict(model_type="gpt2", n_embd=64, n_layer=2)))
+    with pytest.raises(ValueError, match="'gpt'.*lacks.*intermediate_size"):
+        model_config(str(tmp_path / "gpt" / "config.json"))
 
 
 def test_the_model_timer_runs_the_whole_model_on_split_shards():
@@ -137,17 +156,29 @@ def test_the_model_timer_runs_the_whole_model_on_split_shards():
     assert timer.model.model.embed_tokens.weight.grad.abs().sum() > 0
 
 
-def test_cli_dry_run_writes_a_profile_the_planner_loads(tmp_path):
-    out = tmp_path / "step.json"
+def test_cli_dry_run_writes_a_profile_the_planner_loads(tmp_path, monkeypatch):
+    from ringpack.analysis.calibration.step import ModelStepTimer
+
+    timed = []
+
+    def deterministic(self, case):  # the real model runs (a tiny one); its CPU wall time is too noisy to fit
+        timed.append(real(self, case))
+        return true_seconds(case)
+
+    real = ModelStepTimer.__call__
+    monkeypatch.setattr(ModelStepTimer, "__call__", deterministic)
+    out = tmp_path / "runs" / "step.json"
     run = run_cli(
         ["calibrate", "--scope", "step", "--model", "tiny", "--device", "cpu", "--backend", "reference"]
         + ["--tokens-per-rank", "128", "--fit-mixes", "2", "--held-out-mixes", "1", "--microbatches", "1"]
         + ["--reps", "1", "--warmup", "0", "--out", out]
     )
     assert run.code == 0, run.err
+    assert timed and all(t > 0 for t in timed)
     profile = CostModel.load(out)
-    assert profile.unit == "s" and profile.name == "tiny" and profile.token > 0
-    report = json.loads((tmp_path / "step.report.json").read_text())
+    assert profile.unit == "s" and profile.name == "tiny"
+    assert profile.pair / profile.token == pytest.approx(TRUTH.pair / TRUTH.token, rel=0.05)
+    report = json.loads((tmp_path / "runs" / "step.report.json").read_text())
     assert report["format"] == "ringpack-step-calibration" and report["meta"]["config"]["model"] == "tiny"
     assert "held out:" in run.out and "ms/micro-batch" in run.out
 
@@ -155,12 +186,21 @@ def test_cli_dry_run_writes_a_profile_the_planner_loads(tmp_path):
 def test_cli_refuses_what_step_scope_cannot_do(tmp_path, monkeypatch):
     report = tmp_path / "r.json"
     report.write_text("{}")
-    run = run_cli(["calibrate", "--scope", "step", "--refit", report, "--out", tmp_path / "p.json"])
-    assert run.code != 0 and "--scope step" in run.err and len(run.err.strip().splitlines()) == 1
+    for argv, says in (
+        (
+            ["--scope", "step", "--model", "tiny", "--refit", report],
+            "--refit: this flag applies only to --scope kernels",
+        ),
+        (["--scope", "step", "--model", "tiny", "--grid", "tiny", "--timer", "wall"], "--grid, --timer: these flags"),
+        (["--cp", "4", "--grad-ckpt"], "--grad-ckpt, --cp: these flags apply only to --scope step"),
+        (["--scope", "step"], "--scope step needs --model"),
+    ):
+        run = run_cli(["calibrate", *argv, "--out", tmp_path / "p.json"])
+        assert run.code != 0 and says in run.err and len(run.err.strip().splitlines()) == 1, (argv, run.err)
     run = run_cli(["calibrate", "--scope", "step", "--device", "cpu", "--model", tmp_path / "nope.json"])
     assert run.code != 0 and "neither a preset" in run.err and len(run.err.strip().splitlines()) == 1
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    run = run_cli(["calibrate", "--scope", "step", "--out", tmp_path / "p.json"])
+    run = run_cli(["calibrate", "--scope", "step", "--model", "tiny", "--out", tmp_path / "p.json"])
     assert run.code == 2 and "needs a GPU" not in run.err and "GPU" in run.err
     assert len(run.err.strip().splitlines()) == 1
     assert not (tmp_path / "p.json").exists()
