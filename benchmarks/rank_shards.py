@@ -152,7 +152,7 @@ def fit_model(rows: list) -> CostModel:
     return CostModel(token=coef[0], pair=coef[1], segment=coef[2], unit="s", name="fitted")
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama3-8b", help="decoder layer shape (a cost-model preset)")
     p.add_argument("--dp", type=int, default=4)
@@ -164,43 +164,35 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--seed", type=int, default=101)
     p.add_argument("--variants", default=",".join(VARIANTS))
-    p.add_argument("--extra", default="{}", help="plan options (a Python dict) added to 'ringpack default'")
+    p.add_argument("--extra", default="{}", help="plan options (a JSON object) added to 'ringpack default'")
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="a tiny layer and budget (CPU dry run)")
     p.add_argument("--out", default="rank_shards.json")
     args = p.parse_args()
-    shape = PRESETS[args.model]
+    args.extra = json.loads(args.extra)
     if args.tiny:
-        shape = ModelShape("tiny", hidden=64, layers=1, heads=4, kv_heads=2, ffn=128)
         args.tokens_per_rank, args.dp, args.cp = 512, 2, 2
-    device = torch.device(args.device)
-    timer = ShardTimer(shape, device, args.reps, Clock(device))
-    flops = CostModel.from_shape(dataclasses.replace(shape, layers=1, vocab=0))
+    return args
+
+
+def measure_variants(args: argparse.Namespace, timer: ShardTimer, flops: CostModel) -> tuple[list, dict]:
+    """Every wanted variant of every mix, measured; the fitted variant last (fitted to the other mixes)."""
     data = mixes(args.mixes, args.seed, cap=args.cp * args.tokens_per_rank, scale=args.tokens_per_rank / 16384)
-    wanted = args.variants.split(",")
     results, measured_rows = [], {}
     t0 = time.perf_counter()
     for fitted_pass in (False, True):
         for name, lengths in data.items():
             per_step = int(args.fill * args.dp * args.cp * args.tokens_per_rank / lengths.mean())
-            base = dict(
-                dp=args.dp,
-                cp=args.cp,
-                tokens_per_rank=args.tokens_per_rank,
-                samples_per_step=per_step,
-                overflow="split",
-                seed=0,
-                cost=flops,
-            )
-            for variant in wanted:
+            base = dict(dp=args.dp, cp=args.cp, tokens_per_rank=args.tokens_per_rank, samples_per_step=per_step)
+            base.update(overflow="split", seed=0, cost=flops)
+            for variant in args.variants.split(","):
                 options = dict(VARIANTS[variant])
                 if options.pop("fitted", False) != fitted_pass:
                     continue
                 if fitted_pass:  # held out: fitted to the other mixes' shards
-                    others = [r for m, rows in measured_rows.items() if m != name for r in rows]
-                    options["cost"] = fit_model(others)
+                    options["cost"] = fit_model([r for m, rows in measured_rows.items() if m != name for r in rows])
                 elif variant == "ringpack default":
-                    options.update(eval(args.extra))
+                    options.update(args.extra)
                 plan = ringpack.plan(lengths, **{**base, **options})
                 m = measure_plan(plan, timer, args.steps)
                 measured_rows.setdefault(name, []).extend(m.pop("rows"))
@@ -213,8 +205,19 @@ def main() -> int:
                     f"step {1e3 * m['step_seconds']:8.1f} ms  ({time.perf_counter() - t0:.0f} s)",
                     flush=True,
                 )
-    all_rows = [r for rows in measured_rows.values() for r in rows]
-    fitted = fit_model(all_rows)
+    return results, measured_rows
+
+
+def main() -> int:
+    args = parse_args()
+    shape = PRESETS[args.model]
+    if args.tiny:
+        shape = ModelShape("tiny", hidden=64, layers=1, heads=4, kv_heads=2, ffn=128)
+    device = torch.device(args.device)
+    timer = ShardTimer(shape, device, args.reps, Clock(device))
+    flops = CostModel.from_shape(dataclasses.replace(shape, layers=1, vocab=0))
+    results, measured_rows = measure_variants(args, timer, flops)
+    fitted = fit_model([r for rows in measured_rows.values() for r in rows])
     meta = dict(
         device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         torch=torch.__version__,
