@@ -101,7 +101,8 @@ class CostModel:
             costs by it (unused when ``unit == "s"``).
         microbatch: fixed cost of one micro-batch on every rank that runs it, whatever it holds
             (kernel launches, the loss's setup). It is equal on every CP rank of a micro-batch, so
-            splits ignore it, and so do plan costs, bounds and reports (rank costs);
+            splits ignore it, and so do plan costs, bounds and reports (rank costs); packing
+            charges it when it weighs one more micro-batch per DP rank, and
             :func:`ringpack.analysis.calibration.step.predicted_busy` adds it once per micro-batch
             to predict a training loop's busy time. Measured profiles fit it; FLOP models leave it 0.
 

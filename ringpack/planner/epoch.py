@@ -355,7 +355,9 @@ def _pack_balanced(
     ``lower_bound``: of the heaviest DP rank's summed weights. With ``microbatches_per_rank=0``,
     one more micro-batch per rank than the fewest that fit is tried only when the token budget
     keeps the step more than :data:`AUTO_MICROBATCH_GAP` above the bound; the better packing is
-    kept. Returns the bin of every sample (``None`` if no ``m`` fits) and ``m``.
+    kept, each charged the cost model's ``microbatch`` constant per micro-batch (a DP rank's load
+    is ``cp`` times its ranks' time, so the charge is ``m * cp * microbatch``). Returns the bin of
+    every sample (``None`` if no ``m`` fits) and ``m``.
     """
     scenarios = _price_scenarios(L, W, lower_bound, config)
     m_fixed = config.microbatches_per_rank
@@ -368,10 +370,11 @@ def _pack_balanced(
                 break
             continue
         bins, top = packed
+        charged = top + (m * config.cp * config.cost.microbatch / lower_bound if lower_bound > 0 else 0.0)
         if best is None:
             first_ok = m
-        if best is None or top < best[0] * (1 - 1e-9):
-            best = (top, m, bins)
+        if best is None or charged < best[0] * (1 - 1e-9):
+            best = (charged, m, bins)
         if m_fixed or top <= 1 + AUTO_MICROBATCH_GAP or m > first_ok:
             break
     if best is None:

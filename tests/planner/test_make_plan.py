@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ringpack
-from ringpack.cost import PRESETS
+from ringpack.cost import PRESETS, CostModel
 from ringpack.planner import make_plan
 from ringpack.planner.epoch import expand_overflow, shuffle_order
 from ringpack.shard_plan import MicroBatch, Piece, Plan, PlanConfig, PlanError, microbatch_from_shards
@@ -285,3 +285,19 @@ def test_first_fit_with_too_few_samples_for_its_micro_batches_is_a_plan_error():
     """Four samples that need four micro-batches cannot fill dp=3 x 2 lockstep slots."""
     with pytest.raises(PlanError, match=r"step 0: 4 samples .* do not fit dp=3 x 2 micro-batches"):
         make_plan([2, 40, 40, 40], PlanConfig(dp=3, cp=1, tokens_per_rank=41, packing="first_fit"))
+
+
+def test_one_more_microbatch_per_rank_must_pay_for_its_fixed_cost():
+    """A measured per-micro-batch constant keeps the planner from adding a micro-batch that balance alone would take."""
+    lengths = np.clip(np.random.default_rng(102).lognormal(7.6, 1.1, 1500).astype(int), 1, 8 * 16384)
+    per_step = int(0.95 * 4 * 8 * 16384 / lengths.mean())
+
+    def counts(microbatch: float) -> list[int]:
+        cost = CostModel(token=2e-7, pair=1e-11, unit="s", microbatch=microbatch)
+        plan = ringpack.plan(
+            lengths, dp=4, cp=8, tokens_per_rank=16384, samples_per_step=per_step, overflow="split", cost=cost
+        )
+        return [len(step.microbatches[0]) for step in plan.steps]
+
+    free, charged = np.array(counts(0.0)), np.array(counts(0.01))
+    assert (charged <= free).all() and (charged < free).any()
