@@ -641,9 +641,10 @@ def _add_simulate_command(subparsers: argparse._SubParsersAction) -> None:
 def _add_calibrate_command(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "calibrate",
-        help="fit the cost model to measured GPU kernel times",
-        description="Time ringpack's attention kernels (and the model's linear layers) on one GPU, "
-        "fit the cost model's coefficients and write a profile the planner loads.",
+        help="fit the cost model to measured GPU times",
+        description="Time ringpack's attention kernels and the model's linear layers (--scope kernels), or the "
+        "whole model's training step per rank shard (--scope step), on one GPU, fit the cost model's "
+        "coefficients and write a profile the planner loads.",
     )
     _add_calibrate_arguments(p)
     p.set_defaults(handler=run_calibrate)
@@ -1069,7 +1070,7 @@ def _add_demo_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
-    from ringpack.analysis.calibration.run import run
+    from ringpack.analysis.calibration.run import report_path, run
 
     for flag, path in (("--out", args.out), ("--report", args.report)):
         if path and Path(path).is_dir():
@@ -1082,8 +1083,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
         other = "step" if args.scope == "kernels" else "kernels"
         which = "this flag applies" if len(given) == 1 else "these flags apply"
         raise ValueError(f"{', '.join(given)}: {which} only to --scope {other}")
-    report = Path(args.report) if args.report else Path(args.out).with_name(Path(args.out).stem + ".report.json")
-    for path in (Path(args.out), report):  # before minutes of timing, not after
+    for path in (Path(args.out), report_path(args)):  # before minutes of timing, not after
         path.parent.mkdir(parents=True, exist_ok=True)
     if args.scope == "step":
         if not args.model:

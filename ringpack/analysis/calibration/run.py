@@ -112,7 +112,7 @@ from ringpack.analysis.calibration.timing import (
     time_case,
     time_linear,
 )
-from ringpack.cost import PRESETS, ModelShape
+from ringpack.cost import PRESETS, CostModel, ModelShape
 
 # the public surface of calibration, re-exported here
 
@@ -424,11 +424,7 @@ def _run_refit(args: argparse.Namespace) -> int:
         raise ValueError(
             f"{source}: calibration report is incomplete or malformed ({type(exc).__name__}: {exc})"
         ) from exc
-    out = Path(args.out)
-    written = {
-        out.resolve(),
-        (Path(args.report) if args.report else out.with_name(out.stem + ".report.json")).resolve(),
-    }
+    written = {Path(args.out).resolve(), report_path(args).resolve()}
     if source.resolve() in written:
         raise ValueError("--refit: --out/--report must not overwrite the measured report")
     _write(result, args)
@@ -436,13 +432,24 @@ def _run_refit(args: argparse.Namespace) -> int:
 
 
 def _write(result: Calibration, args: argparse.Namespace) -> None:
+    write_outputs(result.profile, result.to_dict(), format_summary(result, verbose=not args.quiet), args)
+
+
+def report_path(args: argparse.Namespace) -> Path:
+    """Where a calibration's report goes: ``--report``, or the profile's name with ``.report.json``."""
+    out = Path(args.out)
+    return Path(args.report) if args.report else out.with_name(out.stem + ".report.json")
+
+
+def write_outputs(profile: CostModel, report: dict[str, Any], summary: str, args: argparse.Namespace) -> None:
+    """Write the profile to ``--out`` and the report beside it (:func:`report_path`), then print the summary."""
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    result.profile.save(out)
-    report = Path(args.report) if args.report else out.with_name(out.stem + ".report.json")
-    report.write_text(json.dumps(result.to_dict(), indent=1, default=_json_default) + "\n")
-    print(format_summary(result, verbose=not args.quiet))
-    print(f"wrote {out} (load with CostModel.load / `ringpack plan --cost-profile {out}`) and {report}")
+    profile.save(out)
+    path = report_path(args)
+    path.write_text(json.dumps(report, indent=1, default=_json_default) + "\n")
+    print(summary)
+    print(f"wrote {out} (load with CostModel.load / `ringpack plan --cost-profile {out}`) and {path}")
 
 
 def _json_default(x: Any) -> Any:

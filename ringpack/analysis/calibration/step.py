@@ -513,6 +513,8 @@ def run_step(args: Any) -> int:
     """``ringpack calibrate --scope step``: exit 0 with the profile and report written, 2 without a usable device."""
     import torch
 
+    from ringpack.analysis.calibration.run import write_outputs
+
     if args.device == "cuda" and not torch.cuda.is_available():
         log.error(
             "step calibration times the model on a GPU, and none is visible. Run it on the training GPU "
@@ -536,13 +538,7 @@ def run_step(args: Any) -> int:
     if args.quiet:
         log.setLevel(logging.WARNING)
     result = calibrate_step(config)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    result.profile.save(out)
-    report = Path(args.report) if args.report else out.with_name(out.stem + ".report.json")
-    report.write_text(json.dumps(result.to_dict(), indent=1) + "\n")
-    print(format_step_summary(result))
-    print(f"wrote {out} (load with CostModel.load / `ringpack plan --cost-profile {out}`) and {report}")
+    write_outputs(result.profile, result.to_dict(), format_step_summary(result), args)
     return 0
 
 
