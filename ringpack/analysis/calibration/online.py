@@ -366,18 +366,27 @@ class CostLearner:
         return [[*key, stop if start is None else self._timer.seconds(start, stop)] for key, start, stop in marks]
 
     def _acceptable(self, result: FitResult) -> bool:
-        """A fit the planner may switch to: enough observations, a small error, both prices identified.
-
-        A zero token or pair price means the observations could not tell the two apart (every rank
-        held the same tokens and pairs, as zigzag splits make them): such a fit explains the run but
-        would price any other plan wrongly.
-        """
+        """A fit the planner may switch to: enough observations, no :func:`fit_problem`, new prices."""
         cfg = self.config
-        if result.used < cfg.min_observations or result.rms_error > cfg.max_error:
-            return False
-        if result.model.token <= 0 or result.model.pair <= 0:
+        if result.used < cfg.min_observations or fit_problem(result, cfg.max_error):
             return False
         return price_change(self.model, result.model) > cfg.min_change
+
+
+def fit_problem(result: FitResult, max_error: float) -> str | None:
+    """Why the planner must not use ``result`` (one line), or ``None`` when it may.
+
+    A zero token or pair price means the observations could not tell the two apart (every rank
+    held the same tokens and pairs, as zigzag splits make them): such a fit explains the timings
+    but would price any other plan wrongly. A relative RMS error above ``max_error`` explains too
+    little.
+    """
+    m = result.model
+    if m.token <= 0 or m.pair <= 0:
+        return f"the fit prices {'tokens' if m.token <= 0 else 'attention pairs'} at zero"
+    if result.rms_error > max_error:
+        return f"the fit's error is {result.rms_error:.0%} RMS (at most {max_error:.0%})"
+    return None
 
 
 def price_change(old: CostModel, new: CostModel) -> float:

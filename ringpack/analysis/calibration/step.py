@@ -41,7 +41,14 @@ from typing import Any
 import numpy as np
 
 from ringpack.analysis.calibration.cases import Case, microbatch_geometry, rank_cases
-from ringpack.analysis.calibration.online import ROW, FitResult, LearnerConfig, fit_rank_times, microbatch_features
+from ringpack.analysis.calibration.online import (
+    ROW,
+    FitResult,
+    LearnerConfig,
+    fit_problem,
+    fit_rank_times,
+    microbatch_features,
+)
 from ringpack.cost import PRESETS, CostModel, ModelShape
 from ringpack.shard_plan import PlanConfig, Step
 
@@ -377,12 +384,7 @@ def _check_fit(fit: FitResult | None, config: StepCalibrationConfig) -> None:
     """Refuse (warn, on a CPU dry run) a fit the planner must not use; see :func:`calibrate_step`."""
     if fit is None:
         raise ValueError("the step timings cannot be fitted: fewer than five shards, or no token or pair signal")
-    m = fit.model
-    problem = None
-    if m.token <= 0 or m.pair <= 0:
-        problem = f"the fit prices {'tokens' if m.token <= 0 else 'attention pairs'} at zero"
-    elif fit.rms_error > MAX_FIT_ERROR:
-        problem = f"the fit's error is {fit.rms_error:.0%} RMS (at most {MAX_FIT_ERROR:.0%})"
+    problem = fit_problem(fit, MAX_FIT_ERROR)
     if problem is None:
         return
     advice = "time larger shards (--tokens-per-rank), more mixes (--fit-mixes) or more repetitions (--reps)"
