@@ -254,8 +254,8 @@ def main() -> int:
     parser.add_argument("--passes", default="fwd,fwdbwd")
     parser.add_argument(
         "--peers",
-        default="ideal,torch,flex",
-        help="comparisons to run: ideal kernels, torch CP, flex (compiled; slow to build)",
+        default="ideal,fa4,torch,flex",
+        help="comparisons: ideal kernels (fa4: also bare flash-attn-4), torch CP, flex (compiled; slow to build)",
     )
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--iters", type=int, default=3)
@@ -415,20 +415,27 @@ def main() -> int:
                         return t.detach().clone().requires_grad_(backward)
 
                     if "ideal" in args.peers:
+                        per = f"(1 GPU)/{world}"
                         run_row(
-                            "ideal flash-varlen (1 GPU)/2",
+                            f"ideal flash-varlen {per}",
                             lambda: peers.ideal_flash_varlen(leaf(q), leaf(k), leaf(v), lengths),
                             1,
                         )
+                        if "fa4" in args.peers:
+                            run_row(
+                                f"ideal fa4-varlen {per}",
+                                lambda: peers.ideal_fa4_varlen(leaf(q), leaf(k), leaf(v), lengths),
+                                1,
+                            )
                         if case == "single":
                             run_row(
-                                "ideal cudnn-dense (1 GPU)/2",
+                                f"ideal cudnn-dense {per}",
                                 lambda: peers.ideal_cudnn_dense(leaf(q), leaf(k), leaf(v)),
                                 1,
                             )
                         if "flex" in args.peers:
                             run_row(
-                                "ideal flex (1 GPU)/2", lambda: peers.ideal_flex(leaf(q), leaf(k), leaf(v), lengths), 1
+                                f"ideal flex {per}", lambda: peers.ideal_flex(leaf(q), leaf(k), leaf(v), lengths), 1
                             )
                         whole = split_for("contiguous", lengths, 1, args.slack)  # cp=1: every sample whole
                         solo = compile_schedule(whole, 0, **schedule_options(args)).to(device)
@@ -439,7 +446,7 @@ def main() -> int:
                             return lambda: ring_attention(ql, kl, vl, solo, backend=backend)
 
                         for backend in args.backends.split(","):
-                            run_row(f"ideal ringpack {backend} (1 GPU)/2", functools.partial(solo_call, backend), 1)
+                            run_row(f"ideal ringpack {backend} {per}", functools.partial(solo_call, backend), 1)
                     for strategy in filter(None, args.strategies.split(",")):
                         mb = split_for(strategy, lengths, world, args.slack)
                         index = local_index(mb, rank, lengths).to(device)

@@ -2,6 +2,7 @@
 
 * ``ideal_*``: one GPU runs the whole packed micro-batch; the ideal CP time is that divided by the
   number of GPUs. Kernels: PyTorch's flash varlen kernel (one call, ``cu_seqlens`` = samples),
+  flash-attn-4's varlen kernel (the same call, where the package is installed),
   cuDNN dense causal SDPA (only meaningful for a single sample) and compiled ``flex_attention``
   with a per-sample causal block mask.
 * ``torch_cp_sdpa``: PyTorch's ``context_parallel`` with SDPA and head-tail load balancing, on a
@@ -54,6 +55,24 @@ def ideal_flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length
             )
 
     return lambda: FlashVarlen.apply(q, k, v)
+
+
+def ideal_fa4_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]) -> Thunk:
+    """One flash-attn-4 varlen call over the whole packed batch (its public autograd API, GQA native)."""
+    from flash_attn.cute import flash_attn_varlen_func
+
+    cu = cu_seqlens(lengths, q.device)
+    longest = max(lengths)
+    scale = q.shape[-1] ** -0.5
+
+    def run() -> torch.Tensor:
+        out = flash_attn_varlen_func(
+            q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest,
+            softmax_scale=scale, causal=True,
+        )  # fmt: skip
+        return out[0] if isinstance(out, tuple) else out
+
+    return run
 
 
 def ideal_cudnn_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Thunk:

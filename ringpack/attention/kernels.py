@@ -14,8 +14,9 @@ bottom-right (query ``i`` sees key ``j`` iff ``j <= i + Lk - Lq``), as in flash-
 ``lse`` is float32 (float64 for float64 inputs). Two edge cases are part of the contract because
 the schedule relies on them and every backend agrees on them:
 
-* a segment with **no keys** gives ``out = 0`` and ``lse = +inf`` (what the flash kernels do;
-  the merge treats ``+inf`` as ``-inf``);
+* a segment with **no keys** gives ``out = 0`` and ``lse = +inf`` or ``-inf`` (FlashAttention-2
+  and PyTorch's kernels give ``+inf``, flash-attn-4 ``-inf``; the merge reads both as "no
+  contribution");
 * a segment with **no queries** is allowed and gives ``dk = dv = 0`` for its keys. The schedule
   uses such segments to cover key rows a call does not need, because flash backends leave key rows
   outside every segment uninitialised in ``dk``/``dv``.
@@ -23,10 +24,12 @@ the schedule relies on them and every backend agrees on them:
 The backward takes the *final* (merged) ``out`` and ``lse``, as flash kernels do: with those,
 each call's gradients are exactly its share of the gradient of the whole softmax.
 
-Backends: ``flash_attn`` (the flash-attn package), ``torch_flash`` (PyTorch's built-in flash
+Backends: ``fa4`` (flash-attn-4, :mod:`ringpack.attention.fa4`; Hopper and Blackwell),
+``flash_attn`` (the flash-attn 2 package), ``torch_flash``  (PyTorch's built-in flash
 kernel, CUDA fp16/bf16) and ``reference`` (plain PyTorch, any device; computes in float32 or
-float64; O(Tq * Tk) memory, for tests). ``backend="auto"`` picks the first that applies, after
-``cudnn_hybrid`` where it is the faster choice (:func:`available_backends`).
+float64; O(Tq * Tk) memory, for tests). ``backend="auto"`` picks the first that applies:
+``fa4`` where it runs, then ``cudnn_hybrid`` where it is the faster choice
+(:func:`available_backends`).
 
 **Hybrid backends** pair a varlen kernel with a *dense* one-segment kernel::
 
@@ -55,10 +58,12 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor
 
+from ringpack.attention import fa4
 from ringpack.attention.merge import merge_partial
 
 __all__ = [
     "AUTO_CUDNN_HYBRID",
+    "AUTO_FA4",
     "BACKENDS",
     "HYBRID_BACKENDS",
     "accum_dtype",
@@ -75,7 +80,7 @@ __all__ = [
 ]
 # torch.ops.ringpack.{varlen,dense}_attn_{fwd,bwd} are the traceable custom-op forms (defined below)
 
-BACKENDS = ("flash_attn", "torch_flash", "cudnn_hybrid", "reference", "reference_hybrid")
+BACKENDS = ("fa4", "flash_attn", "torch_flash", "cudnn_hybrid", "reference", "reference_hybrid")
 
 # hybrid backend -> (varlen kernel, dense kernel)
 HYBRID_BACKENDS = {
@@ -90,6 +95,12 @@ HYBRID_BACKENDS = {
 # the schedule's shape buckets bound those shapes, and benchmarks/fresh_lengths.py weighs the builds
 # against the faster steps. Elsewhere (other GPUs, dtypes, head dims) auto keeps flash.
 AUTO_CUDNN_HYBRID = True
+
+# Whether backend="auto" picks fa4 (flash-attn-4) first wherever it runs: compute capability 9.x and
+# 10.x, fp16/bf16, a head dim it supports. On H200 it is 1.29-1.33x cudnn_hybrid on mixed packed
+# micro-batches and at or above cuDNN's dense kernel on single long samples (BENCHMARKS.md), so the
+# dense split no longer pays there and fa4 runs every segment itself.
+AUTO_FA4 = True
 AUTO_CUDNN_HEAD_DIMS = (128,)
 AUTO_CUDNN_CAPABILITY = 9
 AUTO_CUDNN_DTYPES = (torch.bfloat16,)
@@ -127,7 +138,8 @@ def _flash_attn_module():
 
 def available_backends(device: torch.device | str, dtype: torch.dtype, head_dim: int | None = None) -> list[str]:
     """Backends usable for tensors of this device and dtype, best first (``reference_hybrid`` is for
-    tests, never listed). ``cudnn_hybrid`` comes first only where it was benchmarked faster
+    tests, never listed). ``fa4`` comes first wherever it runs (:data:`AUTO_FA4`,
+    :func:`ringpack.attention.fa4.unusable_reason`). ``cudnn_hybrid`` comes next only where it was benchmarked faster
     (:data:`AUTO_CUDNN_HYBRID`: bf16, capability 9.x and a head_dim it was benchmarked with) and
     PyTorch's cuDNN attention is enabled (``torch.backends.cuda.enable_cudnn_sdp(False)``, a common
     workaround for cuDNN trouble, keeps ``auto`` on flash), else last."""
@@ -136,26 +148,20 @@ def available_backends(device: torch.device | str, dtype: torch.dtype, head_dim:
     half = dtype in (torch.float16, torch.bfloat16)
     if device.type == "cuda" and half:
         found = (["flash_attn"] if _flash_attn_module() is not None else []) + ["torch_flash"]
+        if AUTO_FA4 and fa4.unusable_reason(device, dtype, head_dim) is None:
+            found.insert(0, "fa4")
         if _cudnn_usable():
             first = (
                 AUTO_CUDNN_HYBRID
                 and dtype in AUTO_CUDNN_DTYPES
                 and head_dim in AUTO_CUDNN_HEAD_DIMS
-                and _capability(device) == AUTO_CUDNN_CAPABILITY
+                and fa4.capability(device) == AUTO_CUDNN_CAPABILITY
                 and torch.backends.cuda.cudnn_sdp_enabled()
             )
-            found.insert(0 if first else len(found), "cudnn_hybrid")
+            found.insert(int("fa4" in found) if first else len(found), "cudnn_hybrid")
     if dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
         found.append("reference")
     return found
-
-
-def _capability(device: torch.device) -> int:
-    """Major compute capability of a CUDA device (0 if it cannot be read)."""
-    try:
-        return torch.cuda.get_device_capability(device)[0]
-    except Exception:  # no driver in this process
-        return 0
 
 
 @functools.cache
@@ -184,12 +190,14 @@ def _cudnn_ragged_dense() -> str | None:
 
 def resolve_backend(backend: str, q: Tensor) -> str:
     """The backend that runs ``q``'s device and dtype: ``backend`` itself, checked, or for ``"auto"``
-    the first of :func:`available_backends` (cudnn_hybrid where it is the faster choice, else
-    flash_attn if importable on CUDA, else torch_flash on CUDA fp16/bf16, else reference).
+    the first of :func:`available_backends` (fa4 where it runs, else cudnn_hybrid where it is the
+    faster choice, else flash_attn if importable on CUDA, else torch_flash on CUDA fp16/bf16, else
+    reference).
 
     Raises:
         ValueError: an unknown name, or a backend that cannot run ``q`` (CPU or float32/64 tensors
-            for a CUDA kernel, flash-attn not importable, cuDNN unavailable or refused).
+            for a CUDA kernel, flash-attn or flash-attn-4 not importable, a GPU or head dim fa4
+            does not support, cuDNN unavailable or refused).
     """
     if backend == "auto":
         usable = available_backends(q.device, q.dtype, q.shape[-1])
@@ -202,6 +210,8 @@ def resolve_backend(backend: str, q: Tensor) -> str:
         q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16)
     ):
         raise ValueError(f"backend {backend!r} needs CUDA fp16/bf16 tensors, got {q.dtype} on {q.device}")
+    if backend == "fa4" and (reason := fa4.unusable_reason(q.device, q.dtype, q.shape[-1])):
+        raise ValueError(reason)
     if backend == "flash_attn" and _flash_attn_module() is None:
         raise ValueError("backend 'flash_attn' requested but the flash-attn package is not importable")
     if backend == "cudnn_hybrid" and not _cudnn_usable():
@@ -346,8 +356,8 @@ def _flash_attn_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, ca
     return dq, dk, dv
 
 
-_FWD = {"reference": _reference_fwd, "torch_flash": _torch_flash_fwd, "flash_attn": _flash_attn_fwd}
-_BWD = {"reference": _reference_bwd, "torch_flash": _torch_flash_bwd, "flash_attn": _flash_attn_bwd}
+_FWD = {"reference": _reference_fwd, "torch_flash": _torch_flash_fwd, "flash_attn": _flash_attn_fwd, "fa4": fa4.fa4_fwd}
+_BWD = {"reference": _reference_bwd, "torch_flash": _torch_flash_bwd, "flash_attn": _flash_attn_bwd, "fa4": fa4.fa4_bwd}
 for _name in HYBRID_BACKENDS:
     _FWD[_name], _BWD[_name] = _FWD[varlen_backend(_name)], _BWD[varlen_backend(_name)]
 

@@ -1,11 +1,12 @@
-"""GPU checks of the attention runtime: bf16, ``torch_flash`` and ``cudnn_hybrid`` backends, NCCL.
+"""GPU checks of the attention runtime: bf16, ``torch_flash``, ``cudnn_hybrid`` and ``fa4`` backends, NCCL.
 
 Two ways to run it on a machine with 2 GPUs::
 
     torchrun --nproc_per_node=2 tests/attention/test_gpu_ring.py      # prints error tables
     pytest -m "gpu or multigpu" tests/attention/test_gpu_ring.py -v     # also the 1-GPU checks
 
-The torchrun check runs every plan x mode with ``torch_flash``, then with ``cudnn_hybrid`` twice:
+The torchrun check runs every plan x mode with ``torch_flash`` (and ``fa4`` where flash-attn-4
+runs), then with ``cudnn_hybrid`` twice:
 on the same plans with ``dense_threshold=256`` (many dense segments of odd lengths next to short
 ones in one call) and on plans with 8300/4300-token samples at the default threshold (2048; long
 causal-local and remote-full segments). It asserts that the hybrid runs really had dense
@@ -392,6 +393,8 @@ def main() -> int:
         cuda = torch.cuda.is_available()
         layouts = ("contiguous", "head_major", "fused")  # strided q/k/v views must give the same answer
         failures = run_distributed_check("torch_flash" if cuda else "reference", layouts=layouts)
+        if cuda and "fa4" in _usable_flash_backends():
+            failures += run_distributed_check("fa4", layouts=layouts)
         hybrid = "cudnn_hybrid" if cuda else "reference_hybrid"
         tiny = bool(os.environ.get("RINGPACK_TINY"))
         failures += run_distributed_check(hybrid, dense_threshold=8 if tiny else 256, layouts=layouts)
@@ -407,6 +410,14 @@ def main() -> int:
     return 0
 
 
+def _usable_flash_backends() -> list[str]:
+    """The non-hybrid CUDA kernel backends usable here (a hybrid's varlen half is one of these)."""
+    from ringpack.attention.kernels import HYBRID_BACKENDS, available_backends
+
+    usable = available_backends("cuda", DTYPE, HEAD_DIM) if torch.cuda.is_available() else []
+    return [b for b in usable if b != "reference" and b not in HYBRID_BACKENDS]
+
+
 # ------------------------------------------------------------------------------------- pytest side
 
 if pytest is not None:
@@ -416,23 +427,24 @@ if pytest is not None:
     @pytest.mark.gpu
     @needs_cuda
     def test_auto_backend_on_this_gpu():
-        """auto resolves to cudnn_hybrid on Hopper with head_dim 128 (where it is the faster choice), else to flash."""
-        from ringpack.attention import kernels
+        """auto resolves to fa4 where flash-attn-4 runs (Hopper, Blackwell), else to cudnn_hybrid on
+        Hopper with head_dim 128 (where it is the faster choice), else to flash."""
+        from ringpack.attention import fa4, kernels
 
         q = torch.zeros(3, 4, 128, device="cuda", dtype=DTYPE)
-        hopper = torch.cuda.get_device_capability()[0] == 9 and kernels._cudnn_usable()
+        major = torch.cuda.get_device_capability()[0]
+        if fa4.unusable_reason("cuda", DTYPE, 128) is None:
+            assert kernels.resolve_backend("auto", q) == "fa4"
+            assert kernels.resolve_backend("auto", q[..., :64].contiguous()) == "fa4"
+            return
+        hopper = major == 9 and kernels._cudnn_usable()
         assert kernels.resolve_backend("auto", q) == (
             "cudnn_hybrid" if hopper else kernels.available_backends("cuda", DTYPE)[0]
         )
         assert kernels.resolve_backend("auto", q[..., :64].contiguous()) in ("flash_attn", "torch_flash")
 
     def _backends() -> list[str]:
-        from ringpack.attention.kernels import HYBRID_BACKENDS, available_backends
-
-        usable = available_backends("cuda", DTYPE) if torch.cuda.is_available() else []
-        return [
-            b for b in usable if b != "reference" and b not in HYBRID_BACKENDS
-        ]  # a hybrid's varlen half is one of these
+        return _usable_flash_backends()
 
     @pytest.mark.gpu
     @needs_cuda
@@ -451,24 +463,31 @@ if pytest is not None:
                 8,
                 2,
             ),  # causal with zero-query segments: a split local call's rest
+            ([0, 5, 9, 40], [0, 0, 7, 7], False, 8, 2),  # segments with no keys: out = 0, lse = +-inf
         ],
     )
-    def test_flash_kernel_contract(backend, cu_q, cu_k, causal, heads, kv_heads):
-        """Each flash backend against the reference on the same bf16 inputs, with the schedule's edge cases."""
+    @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+    def test_flash_kernel_contract(backend, cu_q, cu_k, causal, heads, kv_heads, dtype):
+        """Each flash backend against the reference on the same fp16/bf16 inputs, with the schedule's edge cases."""
         from ringpack.attention.kernels import varlen_attn_bwd, varlen_attn_fwd
 
         dev = torch.device("cuda")
         gen = torch.Generator(device=dev).manual_seed(0)
         cq, ck = torch.tensor(cu_q, dtype=torch.int32, device=dev), torch.tensor(cu_k, dtype=torch.int32, device=dev)
         mq, mk = max(b - a for a, b in zip(cu_q, cu_q[1:])), max(b - a for a, b in zip(cu_k, cu_k[1:]))
-        q = torch.randn(cu_q[-1], heads, 64, device=dev, generator=gen).to(DTYPE)
-        k, v = (torch.randn(cu_k[-1], kv_heads, 64, device=dev, generator=gen).to(DTYPE) for _ in range(2))
+        q = torch.randn(cu_q[-1], heads, 64, device=dev, generator=gen).to(dtype)
+        k, v = (torch.randn(cu_k[-1], kv_heads, 64, device=dev, generator=gen).to(dtype) for _ in range(2))
         dout = torch.randn_like(q)
         res = {}
         for b in (backend, "reference"):
             out, lse = varlen_attn_fwd(q, k, v, cq, ck, mq, mk, 0.125, causal, b)
             res[b] = (out, lse, *varlen_attn_bwd(dout, q, k, v, out, lse, cq, ck, mq, mk, 0.125, causal, b))
+        keyless = torch.isinf(res["reference"][1])  # queries without keys: lse may be +inf or -inf
         for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), res[backend], res["reference"]):
+            if name == "lse":
+                assert torch.equal(torch.isinf(got), keyless), f"{backend}: lse is infinite on other rows"
+                got, want = got.masked_fill(keyless, 0.0), want.masked_fill(keyless, 0.0)
+            assert bool(torch.isfinite(got).all()), f"{backend} {name}: not finite"
             err, size = max_err(got, want), float(want.float().abs().max())
             assert err <= 2e-2 * max(size, 1.0), f"{backend} {name}: max err {err:.3e} (max |ref| {size:.3e})"
         covered = torch.zeros(cu_k[-1], dtype=torch.bool, device=dev)
@@ -507,8 +526,11 @@ if pytest is not None:
 
     @pytest.mark.gpu
     @needs_cuda
-    @pytest.mark.parametrize("backend,dense_threshold", [("torch_flash", None), ("cudnn_hybrid", 256)])
-    @pytest.mark.parametrize("cp", [1, 2, 3, 4])
+    @pytest.mark.parametrize(
+        "backend,dense_threshold",
+        [("torch_flash", None), ("cudnn_hybrid", 256)] + [("fa4", None)] * ("fa4" in _backends()),
+    )
+    @pytest.mark.parametrize("cp", [1, 2, 3, 4, 8])
     def test_engine_bf16_on_one_gpu(cp, backend, dense_threshold):
         """All CP ranks simulated on one GPU (loopback transport): bf16 within the flash bound."""
         from tests.helpers.attention import Problem, run_all_ranks

@@ -130,15 +130,16 @@ def test_auto_puts_cudnn_hybrid_first_only_where_it_was_benchmarked(monkeypatch)
     """cudnn_hybrid leads the CUDA list for bf16 on capability 9.x with head_dim 128; elsewhere it comes last."""
     monkeypatch.setattr(kernels, "_cudnn_usable", lambda: True)
     monkeypatch.setattr(kernels, "_flash_attn_module", lambda: None)
-    monkeypatch.setattr(kernels, "_capability", lambda device: 9)
+    monkeypatch.setattr(kernels.fa4, "_interface", lambda: "ImportError: no flash-attn-4")
+    monkeypatch.setattr(kernels.fa4, "capability", lambda device: 9)
     assert kernels.available_backends("cuda", torch.bfloat16, 128)[0] == "cudnn_hybrid"
     for head_dim in (64, None):
         assert kernels.available_backends("cuda", torch.bfloat16, head_dim)[:1] == ["torch_flash"]
         assert kernels.available_backends("cuda", torch.bfloat16, head_dim)[-2:] == ["cudnn_hybrid", "reference"]
     assert kernels.available_backends("cuda", torch.float16, 128)[0] == "torch_flash"  # benchmarked in bf16 only
-    monkeypatch.setattr(kernels, "_capability", lambda device: 8)
+    monkeypatch.setattr(kernels.fa4, "capability", lambda device: 8)
     assert kernels.available_backends("cuda", torch.bfloat16, 128)[0] == "torch_flash"
-    monkeypatch.setattr(kernels, "_capability", lambda device: 9)
+    monkeypatch.setattr(kernels.fa4, "capability", lambda device: 9)
     monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: False)  # the user turned cuDNN attention off
     assert kernels.available_backends("cuda", torch.bfloat16, 128)[0] == "torch_flash"
     monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: True)
