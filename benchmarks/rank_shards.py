@@ -78,6 +78,7 @@ class ShardTimer:
     device: torch.device
     reps: int
     clock: Clock
+    backend: str = "auto"
     cache: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -88,7 +89,7 @@ class ShardTimer:
         ]
         self.attn = AttentionShape(s.heads, s.kv_heads, hd)
         probe = torch.empty(1, s.heads, hd, device=self.device, dtype=torch.bfloat16)
-        self.backend = resolve_backend("auto", probe) if self.device.type == "cuda" else "reference"
+        self.backend = resolve_backend(self.backend, probe) if self.device.type == "cuda" else "reference"
 
     def gemms(self, tokens: int) -> float:
         key = ("gemm", tokens)
@@ -166,6 +167,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--extra", default="{}", help="plan options (a JSON object) added to 'ringpack default'")
     p.add_argument("--device", default="cuda")
+    p.add_argument(
+        "--backend", default="auto", help="attention kernels (ringpack.attention.BACKENDS; auto: training's)"
+    )
     p.add_argument("--tiny", action="store_true", help="a tiny layer and budget (CPU dry run)")
     p.add_argument("--out", default="rank_shards.json")
     args = p.parse_args()
@@ -214,7 +218,7 @@ def main() -> int:
     if args.tiny:
         shape = ModelShape("tiny", hidden=64, layers=1, heads=4, kv_heads=2, ffn=128)
     device = torch.device(args.device)
-    timer = ShardTimer(shape, device, args.reps, Clock(device))
+    timer = ShardTimer(shape, device, args.reps, Clock(device), args.backend)
     flops = CostModel.from_shape(dataclasses.replace(shape, layers=1, vocab=0))
     results, measured_rows = measure_variants(args, timer, flops)
     fitted = fit_model([r for rows in measured_rows.values() for r in rows])
@@ -224,6 +228,7 @@ def main() -> int:
         date=time.strftime("%Y-%m-%d"),
         argv=sys.argv,
         model=args.model,
+        backend=timer.backend,
         flop_pair_per_token=flops.pair / flops.token,
         fitted_pair_per_token=fitted.pair / fitted.token,
         fitted_segment_per_token=fitted.segment / fitted.token,
