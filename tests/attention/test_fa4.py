@@ -106,7 +106,7 @@ def test_fa4_calls_bound_seqlens_and_pass_the_contract_arguments(gpu_with_fa4, c
         0.5,
         True,
     )
-    compiled = [r.getMessage() for r in caplog.records if "compiled" in r.getMessage()]
+    compiled = [r.getMessage() for r in caplog.records if "built" in r.getMessage()]
     assert len(compiled) == 2 and "forward" in compiled[0] and "backward" in compiled[1]
 
 
@@ -121,3 +121,13 @@ def test_warm_up_refuses_what_cannot_run():
         fa4.warm_up(6, 4, 128)
     with pytest.raises(ValueError, match="needs CUDA"):
         fa4.warm_up(8, 2, 128, device="cpu")
+
+
+def test_the_gpu_extra_pins_the_tested_range():
+    """pyproject's gpu extras install exactly the flash-attn-4 range the GPU checks ran on."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+    pins = re.findall(r'"flash-attn-4(?:\[cu13\])?([^"]*)"', text)
+    assert pins and all(pin == fa4.TESTED_VERSIONS for pin in pins), pins
