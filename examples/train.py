@@ -48,6 +48,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ringpack.analysis.calibration.online import CostLearner
+from ringpack.attention import warm_up_kernels
 from ringpack.cost import PRESETS, CostModel, ModelShape
 from ringpack.data import BalancedBatchSampler, PackedCollator, PackedDataset, lengths_from_dataset
 from ringpack.integrations.transformers import causal_lm_loss_sum, register
@@ -238,6 +239,11 @@ def train(args: argparse.Namespace, grid: Grid, samples: list[np.ndarray], on_st
     lets tests inspect gradients before the optimizer runs."""
     vocab = data_vocab(args) if args.dataset else None
     model = build_model(args.model, DTYPES[args.dtype], args.seed, device=grid.device, vocab=vocab)
+    if grid.device.type == "cuda":  # flash-attn-4 compiles its kernels here, not in the first steps
+        c = model.config
+        warm_up_kernels(
+            c.num_attention_heads, c.num_key_value_heads, c.head_dim, DTYPES[args.dtype], grid.device, args.backend
+        )
     if args.grad_ckpt:
         model.gradient_checkpointing_enable()
     model.train()

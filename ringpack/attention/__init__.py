@@ -10,7 +10,7 @@ points live in :mod:`ringpack.attention.kernels`, the schedule's parts in
 """
 
 from ringpack.attention.api import MODES, RingAttention, ring_attention
-from ringpack.attention.kernels import BACKENDS, available_backends
+from ringpack.attention.kernels import BACKENDS, available_backends, warm_up_kernels
 from ringpack.attention.schedule import Schedule, ScheduleMismatchError, compile_schedule
 
 __all__ = [
@@ -22,4 +22,5 @@ __all__ = [
     "available_backends",
     "compile_schedule",
     "ring_attention",
+    "warm_up_kernels",
 ]

@@ -131,3 +131,17 @@ def test_the_gpu_extra_pins_the_tested_range():
     text = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
     pins = re.findall(r'"flash-attn-4(?:\[cu13\])?([^"]*)"', text)
     assert pins and all(pin == fa4.TESTED_VERSIONS for pin in pins), pins
+
+
+def test_warm_up_kernels_builds_only_for_fa4(gpu_with_fa4, monkeypatch):
+    built = []
+    monkeypatch.setattr(fa4, "warm_up", lambda *args: built.append(args) or 8)
+    assert kernels.warm_up_kernels(8, 2, 64, torch.float32, "cpu") == 0  # auto on the CPU: reference
+    monkeypatch.setattr(
+        torch,
+        "empty",
+        lambda *a, device=None, dtype=None: types.SimpleNamespace(device=torch.device(device), dtype=dtype, shape=a),
+    )  # a CUDA probe without a GPU
+    assert kernels.warm_up_kernels(8, 2, 64, torch.bfloat16, "cuda", backend="torch_flash") == 0
+    assert kernels.warm_up_kernels(8, 2, 64, torch.bfloat16, "cuda") == 8
+    assert built == [(8, 2, 64, torch.bfloat16, "cuda")]
