@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from ringpack._hints import command_line_hints
+from ringpack.cost import MAX_SAMPLE_TOKENS
 from ringpack.lengths import FORMATS as LENGTHS_FORMATS
 from ringpack.shard_plan import OVERFLOW_POLICIES, PACKINGS, STRATEGIES
 
@@ -31,12 +32,12 @@ if TYPE_CHECKING:
 
 #: ``add_plan_arguments``: the flag has no default and must be given.
 REQUIRED: Any = object()
-#: Largest DP size, CP size and CP group (cp x tokens per rank) the flags accept: far beyond any
-#: cluster, small enough that a plan's rank shards per micro-batch stay cheap and a planned sample's
-#: causal pair count, about length**2 / 2, stays exact in int64.
+#: Largest DP size, CP size and tokens per rank the flags accept: far beyond any cluster, small
+#: enough that a plan's rank shards per micro-batch stay cheap; ``PlanConfig`` refuses a CP group
+#: (cp x tokens per rank) above ``MAX_SAMPLE_TOKENS``, where causal pair counts stop being exact.
 MAX_DP = 1 << 20
 MAX_CP = 1 << 12
-MAX_TOKENS = 1 << 31
+MAX_TOKENS = MAX_SAMPLE_TOKENS
 #: Largest count (samples per step, seeds, steps, ...) a flag accepts: every count stays an int64.
 MAX_COUNT = 1 << 62
 #: ``--lengths`` of every command that plans lengths.
@@ -254,13 +255,7 @@ def plan_config_from_args(args: argparse.Namespace, **overrides: Any):
     fields = {name: given[dest] for name, dest in _CONFIG_FLAGS if dest in given and name not in overrides}
     if "cost" not in overrides:
         fields["cost"] = cost_model_from_args(args)
-    config = PlanConfig(**fields, **overrides)
-    if config.group_capacity > MAX_TOKENS:
-        raise ValueError(
-            f"--cp {config.cp} x --tokens-per-rank {config.tokens_per_rank} = {config.group_capacity} tokens per CP "
-            f"group, more than {MAX_TOKENS} (where causal pair counts stop being exact in int64)"
-        )
-    return config
+    return PlanConfig(**fields, **overrides)
 
 
 # ------------------------------------------------------------------------------- inputs and outputs

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from ringpack._hints import on_command_line, option
+from ringpack.cost import MAX_SAMPLE_TOKENS
 from ringpack.errors import DataError
 
 __all__ = [
@@ -324,10 +325,14 @@ def read_arrow_table(path: Path) -> Any:
 
 
 def check_lengths(values: Any, what: str = "lengths", error: type[ValueError] = DataError) -> np.ndarray:
-    """``values`` as a 1-D int64 array of lengths, each an integer >= 1.
+    """``values`` as a 1-D int64 array of lengths, each an integer in ``[1, MAX_SAMPLE_TOKENS]``.
+
+    Every sample length ringpack plans, reads or loads passes here, so one rule holds everywhere:
+    at most :data:`~ringpack.cost.MAX_SAMPLE_TOKENS` tokens, where causal pair counts stay exact.
 
     Raises ``error`` (:class:`DataError` unless given; the planner passes ``PlanError``) naming the
-    first bad sample: not 1-D, not integer (floats must be whole and finite), or below 1.
+    first bad sample: not 1-D, not integer (floats must be whole and finite), below 1 or above
+    :data:`~ringpack.cost.MAX_SAMPLE_TOKENS`.
     """
     out = _as_int64(values, what, error)
     bad = np.flatnonzero(out < 1)
@@ -337,6 +342,14 @@ def check_lengths(values: Any, what: str = "lengths", error: type[ValueError] = 
             f"{what}: sample {i} has length {int(out[i])} ({bad.size} sample(s) below 1); "
             "every sample needs >= 1 token "
             "(filter empty rows first, e.g. dataset.filter(lambda r: len(r['input_ids']) > 0))"
+        )
+    long = np.flatnonzero(out > MAX_SAMPLE_TOKENS)
+    if long.size:
+        i = int(long[0])
+        raise error(
+            f"{what}: sample {i} has {int(out[i]):,} tokens ({long.size} sample(s) that long); a sample may have at "
+            f"most {MAX_SAMPLE_TOKENS:,} (2**31), the longest whose causal pair count stays exact: cut such "
+            "documents before planning"
         )
     return out
 
