@@ -178,15 +178,9 @@ class _TokenizeMap:
         if self.tokenizer in (None, "regex"):
             return {self.column: [regex_token_ids(t, self.vocab_size) for t in texts]}
         if self._tok is None:
-            path = Path(self.tokenizer)
-            path = path / "tokenizer.json" if path.is_dir() else path
-            if not path.is_file():
-                raise FileNotFoundError(
-                    f"no tokenizer file at {path} (want a Hugging Face tokenizer.json or its folder)"
-                )
-            from tokenizers import Tokenizer
+            from ringpack.data.corpus import load_tokenizer
 
-            self._tok = Tokenizer.from_file(str(path))
+            self._tok = load_tokenizer(self.tokenizer)
         return {
             self.column: [e.ids for e in self._tok.encode_batch([t or "" for t in texts], add_special_tokens=False)]
         }
@@ -202,9 +196,19 @@ def tokenize_dataset(
     num_proc: int | None = None,
     batch_size: int = 256,
 ) -> Any:
-    """Add a token-id column to a ``datasets.Dataset`` from ``text_column`` (batched ``map``, ``num_proc``)."""
+    """Add a token-id column to a ``datasets.Dataset`` from ``text_column`` (batched ``map``, ``num_proc``).
+
+    ``tokenizer``: ``None`` / ``"regex"`` (hashed regex ids below ``vocab_size``) or a Hugging Face
+    ``tokenizer.json`` path or folder, read here first so a bad file is refused before any work
+    (:func:`ringpack.data.corpus.load_tokenizer`: ``FileNotFoundError`` or a :class:`DataError`
+    naming it).
+    """
     if text_column not in ds.column_names:
         raise DataError(f"dataset has no column {text_column!r}; its columns are {list(ds.column_names)}")
+    if tokenizer not in (None, "regex"):
+        from ringpack.data.corpus import load_tokenizer
+
+        load_tokenizer(tokenizer)
     return ds.map(
         _TokenizeMap(tokenizer, vocab_size, column),
         input_columns=[text_column],
