@@ -132,6 +132,7 @@ def _read_json(path: Path, column: str | None) -> np.ndarray:
     if isinstance(data, list):
         if data and isinstance(data[0], dict):
             return _values_from_records(data, keys, path)
+        _no_columns(path, column, "a JSON list of lengths")
         return _ints(data, f"{path}")
     if isinstance(data, dict):
         for key in keys:
@@ -227,15 +228,17 @@ def read_lengths(path: str | Path, column: str | None = None) -> np.ndarray:
         path: a ``.npy``, ``.json``/``.jsonl``, ``.parquet``/``.pq`` or ``.arrow``/``.feather``/``.ipc``
             file (formats in the module docstring).
         column: the column (or JSON key) holding lengths or token-id lists; ``None`` picks a
-            file's only column, else the first of :data:`DEFAULT_COLUMNS` there is.
+            file's only column, else the first of :data:`DEFAULT_COLUMNS` there is. A file
+            without columns (``.npy``, a JSON list of integers) refuses one.
 
     Returns:
         int64 array ``[N]``, one entry per sample in file order.
 
     Raises:
         FileNotFoundError: no file at ``path``.
-        DataError: an unknown suffix, an unreadable file, a missing or ambiguous column, or
-            values that are not integer lengths (naming the file and column).
+        DataError: an unknown suffix, an unreadable file, a missing or ambiguous column, a
+            column for a file without columns, or values that are not integer lengths (naming the
+            file and column).
     """
     path = Path(path)
     if not path.exists():
@@ -246,7 +249,7 @@ def read_lengths(path: str | Path, column: str | None = None) -> np.ndarray:
         raise DataError(f"lengths file {path} is not a regular file")
     suffix = path.suffix.lower()
     if suffix == ".npy":
-        return _read_npy(path)
+        return _read_npy(path, column)
     if suffix in (".json", ".jsonl"):
         return _read_json(path, column)
     if suffix in (".parquet", ".pq"):
@@ -280,7 +283,16 @@ def _read_saved_dataset(path: Path, column: str | None) -> np.ndarray:
     return lengths_from_dataset(ds, column)
 
 
-def _read_npy(path: Path) -> np.ndarray:
+def _no_columns(path: Path, column: str | None, what: str) -> None:
+    """Refuse a ``column`` for a file that has none (it would be ignored)."""
+    if column is not None:
+        raise DataError(
+            f"{path} is {what}, which has no columns: {option('column', column)} does not apply (leave it out)"
+        )
+
+
+def _read_npy(path: Path, column: str | None) -> np.ndarray:
+    _no_columns(path, column, "a .npy array of lengths")
     try:
         arr = np.load(path, mmap_mode="r", allow_pickle=False)
     except (ValueError, EOFError, OSError) as exc:  # empty, truncated, not .npy, or pickled objects

@@ -237,7 +237,7 @@ SOURCES = (
 )
 
 
-def load_source(source: str | os.PathLike, split: str = "train", cache_dir: str | None = None) -> Any:
+def load_source(source: str | os.PathLike, split: str | None = None, cache_dir: str | None = None) -> Any:
     """A ``datasets.Dataset`` from a local path or, when no such path exists, a Hub dataset name.
 
     Args:
@@ -245,13 +245,14 @@ def load_source(source: str | os.PathLike, split: str = "train", cache_dir: str 
             ``.parquet``/``.pq``, ``.arrow``/``.feather``/``.ipc`` (Arrow IPC stream or file),
             ``.json``/``.jsonl`` or ``.csv`` file, a folder of files of one of these kinds, or a
             Hub dataset name.
-        split: the split of a saved ``DatasetDict`` or a Hub dataset.
+        split: the split of a saved ``DatasetDict`` or a Hub dataset (``None``: ``"train"``); a
+            source without splits refuses one.
         cache_dir: the ``datasets`` cache folder (``None``: its default).
 
     Raises:
         DataError: an unknown file type (a ``.npy`` file holds lengths, not tokens), a folder of
-            mixed or no data files, a missing split, or files ``datasets`` cannot load (empty,
-            malformed); the message names the source.
+            mixed or no data files, a missing split, a ``split`` for a source without splits, or
+            files ``datasets`` cannot load (empty, malformed); the message names the source.
         FileNotFoundError: a local-looking path that does not exist (or any name while offline).
     """
     import datasets
@@ -265,11 +266,14 @@ def load_source(source: str | os.PathLike, split: str = "train", cache_dir: str 
             with _loading(path):
                 ds = datasets.load_from_disk(str(path))
             if isinstance(ds, datasets.DatasetDict):
+                split = "train" if split is None else split
                 if split not in ds:
                     raise DataError(
                         f"{path} holds splits {sorted(ds)}, not {split!r} (choose one with {option('split')})"
                     )
                 ds = ds[split]
+            else:
+                _does_not_apply("split", split, path, "a saved Dataset, which has no splits")
             return ds
         files = sorted(p for p in path.rglob("*") if p.suffix.lower() in _EXTENSIONS and not p.name.startswith("."))
         kinds = {_EXTENSIONS[p.suffix.lower()] for p in files}
@@ -278,16 +282,26 @@ def load_source(source: str | os.PathLike, split: str = "train", cache_dir: str 
                 f"{path}: want a saved datasets directory or files of one kind ({', '.join(_EXTENSIONS)}), "
                 f"found {sorted(kinds) or 'none'}"
             )
-        return _load_files(kinds.pop(), [str(p) for p in files], cache_dir)
+        kind = kinds.pop()
+        _does_not_apply("split", split, path, f"a folder of {kind} files, which has no splits")
+        return _load_files(kind, [str(p) for p in files], cache_dir)
     if path.is_file():
         if path.suffix.lower() not in _EXTENSIONS:
             raise DataError(f"{path}: unknown file type {path.suffix!r}; want {SOURCES}")
-        return _load_files(_EXTENSIONS[path.suffix.lower()], [str(path)], cache_dir)
+        kind = _EXTENSIONS[path.suffix.lower()]
+        _does_not_apply("split", split, path, f"a {kind} file, which has no splits")
+        return _load_files(kind, [str(path)], cache_dir)
     looks_local = str(source).startswith((".", "/", "~")) or path.suffix.lower() in _EXTENSIONS
     if looks_local or os.environ.get("HF_DATASETS_OFFLINE") == "1":
         raise FileNotFoundError(f"no dataset at {source} (and Hub names are not tried offline)")
     with _loading(source):
-        return datasets.load_dataset(str(source), split=split, cache_dir=cache_dir)
+        return datasets.load_dataset(str(source), split="train" if split is None else split, cache_dir=cache_dir)
+
+
+def _does_not_apply(name: str, value: Any, source: Path, what: str) -> None:
+    """Refuse an option given for a source it does not apply to (it would be ignored)."""
+    if value is not None:
+        raise DataError(f"{source} is {what}: {option(name, value)} does not apply to it (leave it out)")
 
 
 def _load_files(kind: str, files: list[str], cache_dir: str | None) -> Any:
