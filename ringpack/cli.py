@@ -25,18 +25,16 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from ringpack._hints import command_line_hints
 from ringpack.cost import MAX_SAMPLE_TOKENS
 from ringpack.lengths import FORMATS as LENGTHS_FORMATS
-from ringpack.shard_plan import OVERFLOW_POLICIES, PACKINGS, STRATEGIES
+from ringpack.shard_plan import MAX_CP, MAX_DP, OVERFLOW_POLICIES, PACKINGS, STRATEGIES
 
 if TYPE_CHECKING:
     import numpy as np
 
 #: ``add_plan_arguments``: the flag has no default and must be given.
 REQUIRED: Any = object()
-#: Largest DP size, CP size and tokens per rank the flags accept: far beyond any cluster, small
-#: enough that a plan's rank shards per micro-batch stay cheap; ``PlanConfig`` refuses a CP group
-#: (cp x tokens per rank) above ``MAX_SAMPLE_TOKENS``, where causal pair counts stop being exact.
-MAX_DP = 1 << 20
-MAX_CP = 1 << 12
+#: Largest tokens per rank the flag accepts (DP and CP sizes: ``PlanConfig``'s limits); ``PlanConfig``
+#: also refuses a CP group (cp x tokens per rank) above ``MAX_SAMPLE_TOKENS``, where causal pair
+#: counts stop being exact.
 MAX_TOKENS = MAX_SAMPLE_TOKENS
 #: Largest count (samples per step, seeds, steps, ...) a flag accepts: every count stays an int64.
 MAX_COUNT = 1 << 62

@@ -8,7 +8,8 @@ content hash that is identical on every process and machine, and are never pickl
 Invariants checked by :meth:`Plan.validate` (each names the offending step, DP rank, micro-batch,
 CP rank or sample):
 
-* config: ``dp, cp, tokens_per_rank >= 1``, ``cp * tokens_per_rank <= MAX_SAMPLE_TOKENS``; every
+* config: ``dp, cp, tokens_per_rank >= 1``, ``dp <= MAX_DP``, ``cp <= MAX_CP``,
+  ``cp * tokens_per_rank <= MAX_SAMPLE_TOKENS``; every
   sample length in ``[1, MAX_SAMPLE_TOKENS]`` (:func:`ringpack.lengths.check_lengths`);
 * every step has ``dp`` lists of micro-batches, all of the same non-zero length (DP ranks run in
   lockstep: FSDP and pipeline schedules need the same number of forward passes on every DP rank);
@@ -60,6 +61,8 @@ __all__ = [
     "STRATEGIES",
     "PACKINGS",
     "OVERFLOW_POLICIES",
+    "MAX_DP",
+    "MAX_CP",
 ]
 
 FORMAT_VERSION = 1
@@ -68,6 +71,10 @@ STRATEGIES = ("balanced", "zigzag", "contiguous")
 PACKINGS = ("balanced", "first_fit")
 OVERFLOW_POLICIES = ("error", "split", "drop")
 TABLE_COLUMNS = ("step", "dp", "microbatch", "cp", "slot", "sample", "start", "stop")
+#: Largest DP and CP sizes a :class:`PlanConfig` accepts: far beyond any cluster, small enough that a
+#: plan's rank lists and every micro-batch's ``cp`` rank shards stay cheap to build and check.
+MAX_DP = 1 << 20
+MAX_CP = 1 << 12
 #: Items a repr lists before it only counts the rest (a plan's objects can hold millions).
 _SHOWN = 4
 
@@ -242,6 +249,11 @@ class PlanConfig:
             value = getattr(self, name)
             if not _is_int(value) or not 1 <= value < _INT64_LIMIT:
                 raise PlanError(f"PlanConfig.{name} must be a positive integer below 2**63, got {value!r}")
+        for name, most in (("dp", MAX_DP), ("cp", MAX_CP)):
+            if getattr(self, name) > most:
+                raise PlanError(
+                    f"{option(name)} {getattr(self, name)} is more than {most:,} ranks, the most a plan holds"
+                )
         for name in ("samples_per_step", "microbatches_per_rank", "seed", "epoch"):
             value = getattr(self, name)
             if not _is_int(value) or not 0 <= value < _INT64_LIMIT:

@@ -117,3 +117,19 @@ def test_report_and_plan_refuse_them_in_one_line(tmp_path):
     )
     assert_clean(run)
     assert run.code == 1 and "--cp x --tokens-per-rank = 2 x 2147483648" in run.err, run.err
+
+
+@pytest.mark.parametrize("field, value", [("dp", 2**20 + 1), ("cp", 2**12 + 1), ("cp", 2**31)])
+def test_dp_and_cp_beyond_the_command_lines_limits_are_refused_everywhere(tmp_path, field, value):
+    """The flags' limits are PlanConfig's: a plan file or Python call cannot build millions of rank shards."""
+    sizes = {"dp": 1, "cp": 1, "tokens_per_rank": 1, field: value}
+    with pytest.raises(PlanError, match=f"{field} {value} is more than"):
+        PlanConfig(**sizes)
+    with pytest.raises(PlanError, match=f"{field} {value} is more than"):
+        ringpack.plan([1, 1], **sizes)
+    doc = _plan_holding([5, 6], [1]).to_dict()
+    doc["config"].update(sizes)
+    (tmp_path / "plan.json").write_text(json.dumps(doc))
+    with pytest.raises(PlanError, match=f"{field} {value} is more than"):
+        Plan.load(tmp_path / "plan.json")
+    PlanConfig(**{**sizes, field: 2**20 if field == "dp" else 2**12})
