@@ -1162,6 +1162,7 @@ class OneLineErrorParser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose usage errors are one line: the flag, what is wrong, where to look."""
 
     def error(self, message: str) -> NoReturn:
+        message = " ".join(message.split())  # an argument holding a line break or separator stays on the line
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
