@@ -421,7 +421,7 @@ def parser() -> argparse.ArgumentParser:
         help="train on this dataset instead of synthetic samples: a saved `datasets` folder, .parquet, "
         ".arrow/.feather, .json/.jsonl or .csv file, a folder of such files, or a Hub name",
     )
-    p.add_argument("--split", default="train", help="split of a saved DatasetDict or a Hub dataset (default: train)")
+    p.add_argument("--split", help="split of a saved DatasetDict or a Hub dataset (default: train; files have none)")
     p.add_argument("--column", default="input_ids", help="token-id column of --dataset (default: input_ids)")
     p.add_argument("--text-column", default="text", help="tokenized when --dataset has no --column (default: text)")
     p.add_argument(

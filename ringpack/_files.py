@@ -1,10 +1,14 @@
-"""Crash-safe, link-safe file writes: every output is written under a fresh temporary name and renamed.
+"""Crash-safe, link-safe files: outputs are written under a fresh temporary name and renamed; reads follow no link.
 
 :func:`atomic_write` creates its temporary file with ``O_CREAT | O_EXCL | O_NOFOLLOW`` under an
 unpredictable name (``.NAME.<16 hex>.tmp`` next to the target), so a planted file or symbolic link
 is never written through, and a reader never sees a half-written target: it is either the old file
 or the new one. :func:`temp_target` recognises these names, so cleanup removes only temporaries
 of files a caller owns.
+
+Reading: a folder ringpack writes (a shard directory) never holds a link, so its files are checked
+with :func:`refuse_link` and opened with :func:`open_regular` (``O_NOFOLLOW``): a link planted
+there is refused, never followed, so nothing outside the folder is read.
 """
 
 from __future__ import annotations
@@ -12,12 +16,15 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
-__all__ = ["atomic_write", "temp_target"]
+from ringpack.errors import DataError
+
+__all__ = ["atomic_write", "temp_target", "refuse_link", "open_regular"]
 
 _TEMP = re.compile(r"^\.(?P<target>.+)\.[0-9a-f]{16}\.tmp$")
 _FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
@@ -65,3 +72,41 @@ def temp_target(name: str) -> str | None:
     """The target name of a temporary file :func:`atomic_write` made (``None`` for any other name)."""
     match = _TEMP.match(name)
     return match.group("target") if match else None
+
+
+def refuse_link(path: str | os.PathLike, what: str) -> Path:
+    """``path`` itself, unless it is a symbolic link.
+
+    Args:
+        path: a file inside a folder ringpack wrote (which never holds links).
+        what: how messages name the file (``"shard file"``).
+
+    Raises:
+        DataError: ``path`` is a symbolic link (named with its target), which is never followed.
+    """
+    path = Path(path)
+    if path.is_symlink():
+        raise DataError(
+            f"{what} {path} is a symbolic link (to {os.readlink(path)}); ringpack reads only regular files "
+            f"inside {path.parent} and never follows a link: replace it with the file"
+        )
+    return path
+
+
+def open_regular(path: str | os.PathLike, what: str) -> BinaryIO:
+    """``path`` opened for binary reading without following a symbolic link (:func:`refuse_link`).
+
+    Raises:
+        DataError: a symbolic link, or not a regular file.
+        FileNotFoundError: no file at ``path``.
+    """
+    path = refuse_link(path, what)
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        refuse_link(path, what)  # a link planted since the check (O_NOFOLLOW refused it)
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise DataError(f"{what} {path} is not a regular file")
+    return os.fdopen(fd, "rb")

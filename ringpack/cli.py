@@ -23,20 +23,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from ringpack._hints import command_line_hints
+from ringpack.cost import MAX_SAMPLE_TOKENS
 from ringpack.lengths import FORMATS as LENGTHS_FORMATS
-from ringpack.shard_plan import OVERFLOW_POLICIES, PACKINGS, STRATEGIES
+from ringpack.shard_plan import MAX_CP, MAX_DP, OVERFLOW_POLICIES, PACKINGS, STRATEGIES
 
 if TYPE_CHECKING:
     import numpy as np
 
 #: ``add_plan_arguments``: the flag has no default and must be given.
 REQUIRED: Any = object()
-#: Largest DP size, CP size and CP group (cp x tokens per rank) the flags accept: far beyond any
-#: cluster, small enough that a plan's rank shards per micro-batch stay cheap and a planned sample's
-#: causal pair count, about length**2 / 2, stays exact in int64.
-MAX_DP = 1 << 20
-MAX_CP = 1 << 12
-MAX_TOKENS = 1 << 31
+#: Largest tokens per rank the flag accepts (DP and CP sizes: ``PlanConfig``'s limits); ``PlanConfig``
+#: also refuses a CP group (cp x tokens per rank) above ``MAX_SAMPLE_TOKENS``, where causal pair
+#: counts stop being exact.
+MAX_TOKENS = MAX_SAMPLE_TOKENS
 #: Largest count (samples per step, seeds, steps, ...) a flag accepts: every count stays an int64.
 MAX_COUNT = 1 << 62
 #: ``--lengths`` of every command that plans lengths.
@@ -254,13 +253,7 @@ def plan_config_from_args(args: argparse.Namespace, **overrides: Any):
     fields = {name: given[dest] for name, dest in _CONFIG_FLAGS if dest in given and name not in overrides}
     if "cost" not in overrides:
         fields["cost"] = cost_model_from_args(args)
-    config = PlanConfig(**fields, **overrides)
-    if config.group_capacity > MAX_TOKENS:
-        raise ValueError(
-            f"--cp {config.cp} x --tokens-per-rank {config.tokens_per_rank} = {config.group_capacity} tokens per CP "
-            f"group, more than {MAX_TOKENS} (where causal pair counts stop being exact in int64)"
-        )
-    return config
+    return PlanConfig(**fields, **overrides)
 
 
 # ------------------------------------------------------------------------------- inputs and outputs
@@ -281,6 +274,12 @@ def progress(args: argparse.Namespace, desc: str, unit: str, total: int | None =
 
     quiet = getattr(args, "quiet", False) or getattr(args, "json", None) == "-"
     return Progress(desc, unit, total, enabled=not quiet)
+
+
+def check_column_has_lengths(args: argparse.Namespace, instead: str) -> None:
+    """Refuse ``--column`` without ``--lengths`` (``instead``: the input used then), where it would be ignored."""
+    if args.column is not None and not args.lengths:
+        raise ValueError(f"--column {args.column} names a column of --lengths; it does not apply to {instead}")
 
 
 def lengths_from_flag(path: str, column: str | None = None, flag: str = "--lengths") -> np.ndarray:
@@ -409,6 +408,17 @@ def run_plan(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------ shard
 
 
+#: The regex tokenizer's id range when ``--vocab-size`` is not given.
+DEFAULT_VOCAB = 65536
+#: ``shard`` flags that only apply when the dataset is tokenized (it has no ``--column``), by destination.
+_TOKENIZING_FLAGS = (
+    ("--text-column", "text_column"),
+    ("--tokenizer", "tokenizer"),
+    ("--vocab-size", "vocab_size"),
+    ("--num-proc", "num_proc"),
+)
+
+
 def _add_shard_command(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "shard",
@@ -424,23 +434,25 @@ def _add_shard_command(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("dataset", metavar="DATASET", help=_shard_sources())
     p.add_argument("--out", required=True, help="output directory")
     add_plan_arguments(p)
-    p.add_argument("--split", default="train", help="split of a saved DatasetDict or a Hub dataset (default: train)")
-    p.add_argument("--column", default="input_ids", help="token-id column (default: input_ids)")
     p.add_argument(
-        "--text-column", default=None, help="tokenize this text column when the dataset has no token-id column"
+        "--split", default=None, help="split of a saved DatasetDict or a Hub dataset (default: train; files have none)"
     )
+    p.add_argument("--column", default="input_ids", help="token-id column (default: input_ids)")
+    tokenizing = "; only when the dataset has no token-id column"
+    p.add_argument("--text-column", default=None, help="tokenize this text column (default: text)" + tokenizing)
     p.add_argument(
         "--tokenizer",
         default=None,
-        help="Hugging Face tokenizer.json (or its folder); default: the regex tokenizer with hashed ids",
+        help="Hugging Face tokenizer.json (or its folder); default: the regex tokenizer with hashed ids" + tokenizing,
     )
     p.add_argument(
         "--vocab-size",
         type=integer(1, 1 << 31),
-        default=65536,
-        help="id range of the regex tokenizer's hashed ids (default: 65536)",
+        default=None,
+        help=f"id range of the regex tokenizer's hashed ids (default: {DEFAULT_VOCAB}; not with --tokenizer)"
+        + tokenizing,
     )
-    p.add_argument("--num-proc", type=PROCESSES, default=None, help="processes for tokenizing")
+    p.add_argument("--num-proc", type=PROCESSES, default=None, help="processes for tokenizing" + tokenizing)
     p.add_argument(
         "--steps-per-file",
         type=COUNT,
@@ -547,13 +559,31 @@ def _datasets_progress(show: bool):
 
 
 def _token_dataset(args: argparse.Namespace, ds: Any) -> tuple[Any, dict[str, str] | None]:
-    """``ds`` with its token-id column (tokenized from a text column when it has none) and how it was made."""
+    """``ds`` with its token-id column (tokenized from a text column when it has none) and how it was made.
+
+    A dataset that has the column is used as it is, with a warning naming every tokenizing flag
+    given (they do not apply to it).
+
+    Raises:
+        ValueError: ``--vocab-size`` with ``--tokenizer``, or no column to take ids from.
+    """
     from ringpack.data.shards import tokenize_dataset
 
     if args.column in ds.column_names:
-        if args.text_column or args.tokenizer:
-            logger.warning("using the existing %r column; --text-column/--tokenizer ignored", args.column)
+        given = [flag for flag, dest in _TOKENIZING_FLAGS if getattr(args, dest) is not None]
+        if given:
+            logger.warning(
+                "using the existing %r column of %s; %s ignored (only for tokenizing a dataset without it)",
+                args.column,
+                args.dataset,
+                "/".join(given),
+            )
         return ds, None
+    if args.tokenizer and args.vocab_size is not None:
+        raise ValueError(
+            "--vocab-size sets the id range of the regex tokenizer's hashed ids; "
+            f"--tokenizer {args.tokenizer} has its own vocabulary (leave --vocab-size out)"
+        )
     text = args.text_column or ("text" if "text" in ds.column_names else None)
     if text is None:
         raise ValueError(
@@ -562,10 +592,9 @@ def _token_dataset(args: argparse.Namespace, ds: Any) -> tuple[Any, dict[str, st
         )
     if not args.quiet:
         logger.info("tokenizing column %r of %s rows", text, f"{len(ds):,}")
-    ds = tokenize_dataset(
-        ds, text, args.tokenizer, column=args.column, vocab_size=args.vocab_size, num_proc=args.num_proc
-    )
-    tokenizer = Path(args.tokenizer).name if args.tokenizer else f"regex-blake2b-mod-{args.vocab_size}"
+    vocab_size = DEFAULT_VOCAB if args.vocab_size is None else args.vocab_size
+    ds = tokenize_dataset(ds, text, args.tokenizer, column=args.column, vocab_size=vocab_size, num_proc=args.num_proc)
+    tokenizer = Path(args.tokenizer).name if args.tokenizer else f"regex-blake2b-mod-{vocab_size}"
     return ds, {"text_column": text, "tokenizer": tokenizer}
 
 
@@ -607,17 +636,18 @@ def _add_simulate_command(subparsers: argparse._SubParsersAction) -> None:
         help="GPUs, comma-separated for several shapes (default 1024); DP = gpus / cp",
     )
     p.add_argument(
-        "--samples", type=integer(1, 10**9), default=1_000_000, help="samples in the epoch (default 1,000,000)"
+        "--samples", type=integer(1, 10**9), help=f"drawn samples in the epoch (default {DRAWN['samples']:,})"
     )
     add_lengths_arguments(p, required=False, what="; simulated instead of drawn lengths")
     p.add_argument(
         "--dist",
-        default="stdlib",
         choices=["stdlib", "lognormal"],
         help="drawn lengths: resampled stdlib corpus (default) or log-normal",
     )
-    p.add_argument("--median", type=POSITIVE_REAL, default=2048, help="log-normal median length (tokens)")
-    p.add_argument("--sigma", type=NON_NEGATIVE_REAL, default=1.3, help="log-normal sigma")
+    p.add_argument(
+        "--median", type=POSITIVE_REAL, help=f"log-normal median length in tokens (default {DRAWN['median']:g})"
+    )
+    p.add_argument("--sigma", type=NON_NEGATIVE_REAL, help=f"log-normal sigma (default {DRAWN['sigma']:g})")
     p.add_argument(
         "--global-batch-tokens",
         type=COUNT,
@@ -636,6 +666,28 @@ def _add_simulate_command(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--jobs", type=integer(0, 1024), default=0, help="worker processes (default: all cores)")
     p.add_argument("--chunk-steps", type=POSITIVE, default=8, help="global batches planned per worker task (default 8)")
     p.set_defaults(handler=run_simulate)
+
+
+#: ``simulate``'s drawn lengths when their flags are not given (each flag applies to drawn lengths only;
+#: ``median`` and ``sigma`` to ``--dist lognormal`` only).
+DRAWN = {"samples": 1_000_000, "dist": "stdlib", "median": 2048.0, "sigma": 1.3}
+
+
+def drawn_lengths(args: argparse.Namespace) -> dict[str, Any]:
+    """``synthetic_lengths``' arguments from ``--samples``, ``--dist``, ``--median``, ``--sigma``.
+
+    Raises:
+        ValueError: one of them with ``--lengths``, or ``--median``/``--sigma`` without ``--dist lognormal``.
+    """
+    given = {name: getattr(args, name) for name in DRAWN if getattr(args, name) is not None}
+    if args.lengths and given:
+        flags = ", ".join(f"--{name}" for name in given)
+        raise ValueError(f"{flags} shape drawn lengths; they do not apply to --lengths {args.lengths}")
+    drawn = {**DRAWN, **given}
+    shape = [f"--{name}" for name in ("median", "sigma") if name in given]
+    if shape and drawn["dist"] != "lognormal":
+        raise ValueError(f"{', '.join(shape)} shape log-normal draws; they do not apply to --dist {drawn['dist']}")
+    return drawn
 
 
 def _add_calibrate_command(subparsers: argparse._SubParsersAction) -> None:
@@ -829,6 +881,7 @@ def run_report(args: argparse.Namespace) -> int:
     sources = sum(bool(x) for x in (args.plans, args.manifest, args.lengths, args.corpus))
     if sources != 1:
         raise ValueError("give exactly one input: plan files, --manifest, --lengths or --corpus stdlib")
+    check_column_has_lengths(args, "plan files" if args.plans else "--manifest" if args.manifest else "--corpus")
     check_outputs(args, inputs=[*args.plans, args.manifest, args.lengths])
     wanted = variants(args)  # validate options before any slow work
     peers = peer_names(args)
@@ -902,6 +955,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     from ringpack.analysis.simulate import synthetic_lengths
 
     t0 = time.perf_counter()
+    check_column_has_lengths(args, "drawn lengths (--dist)")
+    drawn = drawn_lengths(args)
     check_outputs(args, inputs=[args.lengths])
     model = cost_model(args)
     comms = comm_models(args, model)
@@ -914,7 +969,9 @@ def run_simulate(args: argparse.Namespace) -> int:
     if args.lengths:
         lengths = lengths_from_flag(args.lengths, args.column)
     else:
-        lengths = synthetic_lengths(args.samples, args.dist, seed=args.seed, median=args.median, sigma=args.sigma)
+        lengths = synthetic_lengths(
+            drawn["samples"], drawn["dist"], seed=args.seed, median=drawn["median"], sigma=drawn["sigma"]
+        )
     docs = []
     for gpus in gpus_list:
         out = Path(args.out) / f"dp{gpus // args.cp}xcp{args.cp}" if len(gpus_list) > 1 else Path(args.out)
@@ -1105,6 +1162,7 @@ class OneLineErrorParser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose usage errors are one line: the flag, what is wrong, where to look."""
 
     def error(self, message: str) -> NoReturn:
+        message = " ".join(message.split())  # an argument holding a line break or separator stays on the line
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 

@@ -24,14 +24,24 @@ from typing import Any
 
 import numpy as np
 
+from ringpack.errors import PlanError
+
 __all__ = [
     "ModelShape",
     "CostModel",
+    "MAX_SAMPLE_TOKENS",
     "PRESETS",
     "piece_pairs",
     "rank_costs",
     "scale_to_int",
 ]
+
+#: The most tokens of one sample, and of one CP group's micro-batch. A sample of ``L`` tokens has
+#: ``L * (L + 1) / 2`` causal pairs, under ``2**61`` here, so pair counts and every per-rank or
+#: per-micro-batch sum of them stay exact in int64. Sample lengths (:func:`ringpack.lengths.check_lengths`)
+#: and plan configs (``cp * tokens_per_rank``) above it are refused, from the Python API, plan
+#: files and the command line alike.
+MAX_SAMPLE_TOKENS = 2**31
 
 
 @dataclass(frozen=True)
@@ -221,10 +231,22 @@ class CostModel:
 def piece_pairs(start: Any, stop: Any) -> np.ndarray:
     """Exact causal (query, key) pairs of pieces ``[start, stop)``: queries attend keys ``0..q``.
 
-    Vectorised over arrays; int64 is exact for samples up to ~4e9 tokens.
+    Args:
+        start, stop: integer arrays (or scalars) of one broadcast shape, ``0 <= start <= stop``.
+
+    Returns:
+        int64 array of that shape, ``(stop*(stop+1) - start*(start+1)) / 2``: exact.
+
+    Raises:
+        PlanError: a ``stop`` above :data:`MAX_SAMPLE_TOKENS`, whose pairs int64 would not hold.
     """
     start = np.asarray(start, dtype=np.int64)
     stop = np.asarray(stop, dtype=np.int64)
+    if stop.size and int(stop.max()) > MAX_SAMPLE_TOKENS:
+        raise PlanError(
+            f"a piece ends at token {int(stop.max()):,}, beyond the {MAX_SAMPLE_TOKENS:,} tokens of the longest sample "
+            "whose causal pairs are counted exactly"
+        )
     return (stop * (stop + 1) - start * (start + 1)) // 2
 
 

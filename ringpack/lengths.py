@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from ringpack._hints import on_command_line, option
+from ringpack.cost import MAX_SAMPLE_TOKENS
 from ringpack.errors import DataError
 
 __all__ = [
@@ -131,6 +132,7 @@ def _read_json(path: Path, column: str | None) -> np.ndarray:
     if isinstance(data, list):
         if data and isinstance(data[0], dict):
             return _values_from_records(data, keys, path)
+        _no_columns(path, column, "a JSON list of lengths")
         return _ints(data, f"{path}")
     if isinstance(data, dict):
         for key in keys:
@@ -226,15 +228,17 @@ def read_lengths(path: str | Path, column: str | None = None) -> np.ndarray:
         path: a ``.npy``, ``.json``/``.jsonl``, ``.parquet``/``.pq`` or ``.arrow``/``.feather``/``.ipc``
             file (formats in the module docstring).
         column: the column (or JSON key) holding lengths or token-id lists; ``None`` picks a
-            file's only column, else the first of :data:`DEFAULT_COLUMNS` there is.
+            file's only column, else the first of :data:`DEFAULT_COLUMNS` there is. A file
+            without columns (``.npy``, a JSON list of integers) refuses one.
 
     Returns:
         int64 array ``[N]``, one entry per sample in file order.
 
     Raises:
         FileNotFoundError: no file at ``path``.
-        DataError: an unknown suffix, an unreadable file, a missing or ambiguous column, or
-            values that are not integer lengths (naming the file and column).
+        DataError: an unknown suffix, an unreadable file, a missing or ambiguous column, a
+            column for a file without columns, or values that are not integer lengths (naming the
+            file and column).
     """
     path = Path(path)
     if not path.exists():
@@ -245,7 +249,7 @@ def read_lengths(path: str | Path, column: str | None = None) -> np.ndarray:
         raise DataError(f"lengths file {path} is not a regular file")
     suffix = path.suffix.lower()
     if suffix == ".npy":
-        return _read_npy(path)
+        return _read_npy(path, column)
     if suffix in (".json", ".jsonl"):
         return _read_json(path, column)
     if suffix in (".parquet", ".pq"):
@@ -279,7 +283,16 @@ def _read_saved_dataset(path: Path, column: str | None) -> np.ndarray:
     return lengths_from_dataset(ds, column)
 
 
-def _read_npy(path: Path) -> np.ndarray:
+def _no_columns(path: Path, column: str | None, what: str) -> None:
+    """Refuse a ``column`` for a file that has none (it would be ignored)."""
+    if column is not None:
+        raise DataError(
+            f"{path} is {what}, which has no columns: {option('column', column)} does not apply (leave it out)"
+        )
+
+
+def _read_npy(path: Path, column: str | None) -> np.ndarray:
+    _no_columns(path, column, "a .npy array of lengths")
     try:
         arr = np.load(path, mmap_mode="r", allow_pickle=False)
     except (ValueError, EOFError, OSError) as exc:  # empty, truncated, not .npy, or pickled objects
@@ -324,10 +337,14 @@ def read_arrow_table(path: Path) -> Any:
 
 
 def check_lengths(values: Any, what: str = "lengths", error: type[ValueError] = DataError) -> np.ndarray:
-    """``values`` as a 1-D int64 array of lengths, each an integer >= 1.
+    """``values`` as a 1-D int64 array of lengths, each an integer in ``[1, MAX_SAMPLE_TOKENS]``.
+
+    Every sample length ringpack plans, reads or loads passes here, so one rule holds everywhere:
+    at most :data:`~ringpack.cost.MAX_SAMPLE_TOKENS` tokens, where causal pair counts stay exact.
 
     Raises ``error`` (:class:`DataError` unless given; the planner passes ``PlanError``) naming the
-    first bad sample: not 1-D, not integer (floats must be whole and finite), or below 1.
+    first bad sample: not 1-D, not integer (floats must be whole and finite), below 1 or above
+    :data:`~ringpack.cost.MAX_SAMPLE_TOKENS`.
     """
     out = _as_int64(values, what, error)
     bad = np.flatnonzero(out < 1)
@@ -337,6 +354,14 @@ def check_lengths(values: Any, what: str = "lengths", error: type[ValueError] = 
             f"{what}: sample {i} has length {int(out[i])} ({bad.size} sample(s) below 1); "
             "every sample needs >= 1 token "
             "(filter empty rows first, e.g. dataset.filter(lambda r: len(r['input_ids']) > 0))"
+        )
+    long = np.flatnonzero(out > MAX_SAMPLE_TOKENS)
+    if long.size:
+        i = int(long[0])
+        raise error(
+            f"{what}: sample {i} has {int(out[i]):,} tokens ({long.size} sample(s) that long); a sample may have at "
+            f"most {MAX_SAMPLE_TOKENS:,} (2**31), the longest whose causal pair count stays exact: cut such "
+            "documents before planning"
         )
     return out
 

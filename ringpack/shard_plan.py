@@ -8,7 +8,9 @@ content hash that is identical on every process and machine, and are never pickl
 Invariants checked by :meth:`Plan.validate` (each names the offending step, DP rank, micro-batch,
 CP rank or sample):
 
-* config: ``dp, cp, tokens_per_rank >= 1``; every sample length ``>= 1``;
+* config: ``dp, cp, tokens_per_rank >= 1``, ``dp <= MAX_DP``, ``cp <= MAX_CP``,
+  ``cp * tokens_per_rank <= MAX_SAMPLE_TOKENS``; every
+  sample length in ``[1, MAX_SAMPLE_TOKENS]`` (:func:`ringpack.lengths.check_lengths`);
 * every step has ``dp`` lists of micro-batches, all of the same non-zero length (DP ranks run in
   lockstep: FSDP and pipeline schedules need the same number of forward passes on every DP rank);
 * every micro-batch lists its samples (non-empty, no repeats) and has exactly ``cp`` rank shards;
@@ -39,8 +41,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ringpack._files import atomic_write
-from ringpack.cost import CostModel
+from ringpack._hints import option
+from ringpack.cost import MAX_SAMPLE_TOKENS, CostModel
 from ringpack.errors import PlanError
+from ringpack.lengths import check_lengths
 
 if TYPE_CHECKING:  # pyarrow is imported lazily: the attention runtime must import without it
     import pyarrow as pa
@@ -57,6 +61,8 @@ __all__ = [
     "STRATEGIES",
     "PACKINGS",
     "OVERFLOW_POLICIES",
+    "MAX_DP",
+    "MAX_CP",
 ]
 
 FORMAT_VERSION = 1
@@ -65,6 +71,10 @@ STRATEGIES = ("balanced", "zigzag", "contiguous")
 PACKINGS = ("balanced", "first_fit")
 OVERFLOW_POLICIES = ("error", "split", "drop")
 TABLE_COLUMNS = ("step", "dp", "microbatch", "cp", "slot", "sample", "start", "stop")
+#: Largest DP and CP sizes a :class:`PlanConfig` accepts: far beyond any cluster, small enough that a
+#: plan's rank lists and every micro-batch's ``cp`` rank shards stay cheap to build and check.
+MAX_DP = 1 << 20
+MAX_CP = 1 << 12
 #: Items a repr lists before it only counts the rest (a plan's objects can hold millions).
 _SHOWN = 4
 
@@ -239,10 +249,21 @@ class PlanConfig:
             value = getattr(self, name)
             if not _is_int(value) or not 1 <= value < _INT64_LIMIT:
                 raise PlanError(f"PlanConfig.{name} must be a positive integer below 2**63, got {value!r}")
+        for name, most in (("dp", MAX_DP), ("cp", MAX_CP)):
+            if getattr(self, name) > most:
+                raise PlanError(
+                    f"{option(name)} {getattr(self, name)} is more than {most:,} ranks, the most a plan holds"
+                )
         for name in ("samples_per_step", "microbatches_per_rank", "seed", "epoch"):
             value = getattr(self, name)
             if not _is_int(value) or not 0 <= value < _INT64_LIMIT:
                 raise PlanError(f"PlanConfig.{name} must be a non-negative integer below 2**63, got {value!r}")
+        if self.group_capacity > MAX_SAMPLE_TOKENS:
+            raise PlanError(
+                f"{option('cp')} x {option('tokens_per_rank')} = {self.cp} x {self.tokens_per_rank} = "
+                f"{self.group_capacity:,} tokens per CP group, more than {MAX_SAMPLE_TOKENS:,} (2**31): a group's "
+                "micro-batch holds samples of up to that many tokens, the longest with exact pair counts"
+            )
         if self.strategy not in STRATEGIES:
             raise PlanError(f"PlanConfig.strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         if self.packing not in PACKINGS:
@@ -401,10 +422,7 @@ class Plan:
                 or sample.
         """
         cfg = self.config
-        lengths = np.asarray(self.lengths, dtype=np.int64)
-        bad = np.flatnonzero(lengths < 1)
-        if bad.size:
-            raise PlanError(f"sample {int(bad[0])} has length {int(lengths[bad[0]])}; lengths must be >= 1")
+        lengths = check_lengths(self.lengths, what="plan lengths", error=PlanError)
         n = len(lengths)
         seen_in = np.full(n, -1, dtype=np.int64)  # flat micro-batch id holding each sample
         for d_sample in self.dropped:

@@ -54,3 +54,13 @@ def test_console_script_runs_demo(tmp_path):
     assert "zigzag/first_fit" in out and "contiguous/first_fit" in out and "balanced/balanced" in out
     assert "report.html" in out
     assert (tmp_path / "demo" / "report.html").is_file() and (tmp_path / "demo" / "rank_costs.png").is_file()
+
+
+@pytest.mark.parametrize("word", ["-:\x1e", "a\nb", "x\u2028y", "\x1c"])
+def test_a_usage_error_stays_one_line_whatever_the_arguments_hold(word, capsys):
+    """``str.splitlines`` breaks at separators such as ``\\x1e``; the message must not."""
+    with pytest.raises(SystemExit) as info:
+        main(["plan", "--lengths", "x.npy", "--dp", "1", "--cp", "1", "--tokens-per-rank", "4", "--out", "p", word])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith("ringpack: error: unrecognized arguments"), repr(err)

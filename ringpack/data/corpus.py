@@ -18,10 +18,13 @@ import sysconfig
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-__all__ = ["Corpus", "stdlib_corpus", "stdlib_files", "regex_token_count", "load_tokenizer_counter"]
+from ringpack.errors import DataError
+
+__all__ = ["Corpus", "stdlib_corpus", "stdlib_files", "regex_token_count", "load_tokenizer", "load_tokenizer_counter"]
 
 _TOKEN_RE = re.compile(r"\w+|[^\w\s]")
 
@@ -46,8 +49,14 @@ def regex_tokenize(text: str) -> list[str]:
     return _TOKEN_RE.findall(text)
 
 
-def load_tokenizer_counter(path: str | Path) -> Callable[[Sequence[str]], list[int]]:
-    """A batch token counter from a Hugging Face ``tokenizer.json`` file or a folder holding one."""
+def load_tokenizer(path: str | Path) -> Any:
+    """The ``tokenizers.Tokenizer`` of a Hugging Face ``tokenizer.json`` file or a folder holding one.
+
+    Raises:
+        FileNotFoundError: no such file (or no ``tokenizer.json`` in the folder).
+        DataError: a file the ``tokenizers`` library cannot read (its reason, in one line, naming the file).
+        ValueError: the ``tokenizers`` package is not installed.
+    """
     path = Path(path)
     if path.is_dir():
         path = path / "tokenizer.json"
@@ -57,7 +66,16 @@ def load_tokenizer_counter(path: str | Path) -> Callable[[Sequence[str]], list[i
         from tokenizers import Tokenizer
     except ImportError as exc:  # optional dependency: pip install ringpack[hf]
         raise ValueError("--tokenizer needs the 'tokenizers' package (pip install 'ringpack[hf]')") from exc
-    tokenizer = Tokenizer.from_file(str(path))
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # the library raises a bare Exception for any file it cannot parse
+        reason = " ".join(str(exc).split()) or type(exc).__name__
+        raise DataError(f"tokenizer file {path} is not a Hugging Face tokenizer.json: {reason:.200}") from None
+
+
+def load_tokenizer_counter(path: str | Path) -> Callable[[Sequence[str]], list[int]]:
+    """A batch token counter from a Hugging Face ``tokenizer.json`` file or its folder (:func:`load_tokenizer`)."""
+    tokenizer = load_tokenizer(path)
 
     def count(texts: Sequence[str]) -> list[int]:
         return [len(enc.ids) for enc in tokenizer.encode_batch(list(texts), add_special_tokens=False)]

@@ -22,10 +22,16 @@ one. Re-running with the same inputs resumes (files whose checksum matches are k
 byte-identical files (fixed writer options, no statistics, no timestamps).
 
 Ownership: a run deletes or replaces only files that a ringpack manifest or progress record in the
-directory names; any other file in the way is an error, as is an output directory that holds the
-input. A directory holding shards of another plan or dataset is refused unless ``overwrite=True``.
+directory names, and only under the names ringpack writes (shard files, ``plan.parquet``, the two
+records, their temporaries); a record naming anything else is not ringpack's and is refused. A file
+is deleted only when it proves to be ringpack's (a regular file whose Parquet footer carries
+ringpack's metadata, or a record); a link is never followed, read or deleted (at a name this run
+writes it is replaced, its target untouched). Any other file in the way is an error, as is an
+output directory that holds the input. A directory holding shards of another plan or dataset is
+refused unless ``overwrite=True``.
 
-Reading: :class:`ShardReader` accepts only plain file names inside its directory and checks the
+Reading: nothing in a shard directory is read through a symbolic link (the reader and the resume
+refuse one). :class:`ShardReader` accepts only plain file names inside its directory and checks the
 manifest against itself (one entry per file, every DP rank's steps covered once, counts that add
 up), against the plan and against each file (size, sha256, schema, row groups in plan order)
 before it yields a batch.
@@ -37,6 +43,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -45,7 +52,7 @@ from typing import Any
 
 import numpy as np
 
-from ringpack._files import atomic_write, temp_target
+from ringpack._files import atomic_write, open_regular, refuse_link, temp_target
 from ringpack._hints import on_command_line, option
 from ringpack.data.collator import IGNORE_INDEX, check_schedule_options, rank_arrays, to_batch
 from ringpack.lengths import DataError, lengths_from_dataset, read_arrow_table
@@ -69,6 +76,8 @@ PROGRESS = "_progress.json"
 PLAN_FILE = "plan.parquet"
 SHARD_FORMAT_VERSION = 1
 _COLUMNS = ("step", "microbatch", "cp", "slot", "sample", "row", "start", "stop", "next_token")
+#: Names of the shard files :func:`_layout` makes (DP rank, DP size, optional step range).
+_SHARD_NAME = re.compile(r"^dp\d{5,}-of-\d{5,}(-steps-\d{6,}-\d{6,})?\.parquet$")
 #: Token ids are stored as int32: every id must be an integer in ``[0, TOKEN_ID_LIMIT)``.
 TOKEN_ID_LIMIT = 1 << 31
 logger = logging.getLogger("ringpack.data.shards")
@@ -79,8 +88,9 @@ _WRITE_OPTIONS = dict(
 
 # ------------------------------------------------------------------------------------- helpers
 def file_sha256(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
+    """The sha256 (hex) of the regular file ``path``; a symbolic link is refused (:class:`DataError`)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_regular(path, "file") as f:
         while True:
             block = f.read(chunk)
             if not block:
@@ -168,15 +178,9 @@ class _TokenizeMap:
         if self.tokenizer in (None, "regex"):
             return {self.column: [regex_token_ids(t, self.vocab_size) for t in texts]}
         if self._tok is None:
-            path = Path(self.tokenizer)
-            path = path / "tokenizer.json" if path.is_dir() else path
-            if not path.is_file():
-                raise FileNotFoundError(
-                    f"no tokenizer file at {path} (want a Hugging Face tokenizer.json or its folder)"
-                )
-            from tokenizers import Tokenizer
+            from ringpack.data.corpus import load_tokenizer
 
-            self._tok = Tokenizer.from_file(str(path))
+            self._tok = load_tokenizer(self.tokenizer)
         return {
             self.column: [e.ids for e in self._tok.encode_batch([t or "" for t in texts], add_special_tokens=False)]
         }
@@ -192,9 +196,19 @@ def tokenize_dataset(
     num_proc: int | None = None,
     batch_size: int = 256,
 ) -> Any:
-    """Add a token-id column to a ``datasets.Dataset`` from ``text_column`` (batched ``map``, ``num_proc``)."""
+    """Add a token-id column to a ``datasets.Dataset`` from ``text_column`` (batched ``map``, ``num_proc``).
+
+    ``tokenizer``: ``None`` / ``"regex"`` (hashed regex ids below ``vocab_size``) or a Hugging Face
+    ``tokenizer.json`` path or folder, read here first so a bad file is refused before any work
+    (:func:`ringpack.data.corpus.load_tokenizer`: ``FileNotFoundError`` or a :class:`DataError`
+    naming it).
+    """
     if text_column not in ds.column_names:
         raise DataError(f"dataset has no column {text_column!r}; its columns are {list(ds.column_names)}")
+    if tokenizer not in (None, "regex"):
+        from ringpack.data.corpus import load_tokenizer
+
+        load_tokenizer(tokenizer)
     return ds.map(
         _TokenizeMap(tokenizer, vocab_size, column),
         input_columns=[text_column],
@@ -223,7 +237,7 @@ SOURCES = (
 )
 
 
-def load_source(source: str | os.PathLike, split: str = "train", cache_dir: str | None = None) -> Any:
+def load_source(source: str | os.PathLike, split: str | None = None, cache_dir: str | None = None) -> Any:
     """A ``datasets.Dataset`` from a local path or, when no such path exists, a Hub dataset name.
 
     Args:
@@ -231,13 +245,14 @@ def load_source(source: str | os.PathLike, split: str = "train", cache_dir: str 
             ``.parquet``/``.pq``, ``.arrow``/``.feather``/``.ipc`` (Arrow IPC stream or file),
             ``.json``/``.jsonl`` or ``.csv`` file, a folder of files of one of these kinds, or a
             Hub dataset name.
-        split: the split of a saved ``DatasetDict`` or a Hub dataset.
+        split: the split of a saved ``DatasetDict`` or a Hub dataset (``None``: ``"train"``); a
+            source without splits refuses one.
         cache_dir: the ``datasets`` cache folder (``None``: its default).
 
     Raises:
         DataError: an unknown file type (a ``.npy`` file holds lengths, not tokens), a folder of
-            mixed or no data files, a missing split, or files ``datasets`` cannot load (empty,
-            malformed); the message names the source.
+            mixed or no data files, a missing split, a ``split`` for a source without splits, or
+            files ``datasets`` cannot load (empty, malformed); the message names the source.
         FileNotFoundError: a local-looking path that does not exist (or any name while offline).
     """
     import datasets
@@ -251,11 +266,14 @@ def load_source(source: str | os.PathLike, split: str = "train", cache_dir: str 
             with _loading(path):
                 ds = datasets.load_from_disk(str(path))
             if isinstance(ds, datasets.DatasetDict):
+                split = "train" if split is None else split
                 if split not in ds:
                     raise DataError(
                         f"{path} holds splits {sorted(ds)}, not {split!r} (choose one with {option('split')})"
                     )
                 ds = ds[split]
+            else:
+                _does_not_apply("split", split, path, "a saved Dataset, which has no splits")
             return ds
         files = sorted(p for p in path.rglob("*") if p.suffix.lower() in _EXTENSIONS and not p.name.startswith("."))
         kinds = {_EXTENSIONS[p.suffix.lower()] for p in files}
@@ -264,16 +282,26 @@ def load_source(source: str | os.PathLike, split: str = "train", cache_dir: str 
                 f"{path}: want a saved datasets directory or files of one kind ({', '.join(_EXTENSIONS)}), "
                 f"found {sorted(kinds) or 'none'}"
             )
-        return _load_files(kinds.pop(), [str(p) for p in files], cache_dir)
+        kind = kinds.pop()
+        _does_not_apply("split", split, path, f"a folder of {kind} files, which has no splits")
+        return _load_files(kind, [str(p) for p in files], cache_dir)
     if path.is_file():
         if path.suffix.lower() not in _EXTENSIONS:
             raise DataError(f"{path}: unknown file type {path.suffix!r}; want {SOURCES}")
-        return _load_files(_EXTENSIONS[path.suffix.lower()], [str(path)], cache_dir)
+        kind = _EXTENSIONS[path.suffix.lower()]
+        _does_not_apply("split", split, path, f"a {kind} file, which has no splits")
+        return _load_files(kind, [str(path)], cache_dir)
     looks_local = str(source).startswith((".", "/", "~")) or path.suffix.lower() in _EXTENSIONS
     if looks_local or os.environ.get("HF_DATASETS_OFFLINE") == "1":
         raise FileNotFoundError(f"no dataset at {source} (and Hub names are not tried offline)")
     with _loading(source):
-        return datasets.load_dataset(str(source), split=split, cache_dir=cache_dir)
+        return datasets.load_dataset(str(source), split="train" if split is None else split, cache_dir=cache_dir)
+
+
+def _does_not_apply(name: str, value: Any, source: Path, what: str) -> None:
+    """Refuse an option given for a source it does not apply to (it would be ignored)."""
+    if value is not None:
+        raise DataError(f"{source} is {what}: {option(name, value)} does not apply to it (leave it out)")
 
 
 def _load_files(kind: str, files: list[str], cache_dir: str | None) -> Any:
@@ -487,7 +515,7 @@ def write_shards(
     verified = {
         f.name: done[f.name]
         for f in layout
-        if f.name in done and (out / f.name).is_file() and file_sha256(out / f.name) == done[f.name]
+        if f.name in done and _regular(out / f.name) and file_sha256(out / f.name) == done[f.name]
     }
     progress_state = {**identity, "files_written": dict(verified), "owned": owned}
     _write_json(out / PROGRESS, progress_state)  # before anything is removed or written: it names what is ours
@@ -543,6 +571,7 @@ def _claim(out: Path, identity: dict[str, Any], overwrite: bool) -> tuple[dict[s
     claimed = {PLAN_FILE} if records else set()
     for marker, old in records.items():
         same, recorded, names = _same_run(old, identity, marker)
+        names = [_own_name(name, out / marker) for name in names]
         if not same and not overwrite:
             raise DataError(
                 f"{out} holds shards of another plan or dataset (plan {str(old.get('plan_hash'))[:12]}..., "
@@ -551,8 +580,8 @@ def _claim(out: Path, identity: dict[str, Any], overwrite: bool) -> tuple[dict[s
             )
         if same:
             done.update(recorded)
-        claimed.update(_plain_name(name, f"{out / marker}") for name in names)
-    foreign = [n for n in (*identity["files"], PLAN_FILE) if (out / n).exists() and n not in claimed]
+        claimed.update(names)
+    foreign = [n for n in (*identity["files"], PLAN_FILE) if _present(out / n) and n not in claimed]
     if foreign:
         raise DataError(
             f"{out / foreign[0]} is in the way and no ringpack record in {out} names it; "
@@ -567,11 +596,12 @@ def _records(out: Path) -> dict[str, dict[str, Any]]:
     records = {}
     for marker in (MANIFEST, PROGRESS):
         path = out / marker
-        if not path.exists() and not path.is_symlink():
+        if not _present(path):
             continue
         try:
-            old = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError, RecursionError) as exc:
+            with open_regular(path, "shard record") as f:
+                old = json.loads(f.read().decode("utf-8"))
+        except (OSError, ValueError, RecursionError) as exc:  # DataError (a link) is a ValueError
             old = exc
         if not isinstance(old, dict) or old.get("format") != "ringpack-shards":
             raise DataError(
@@ -603,13 +633,62 @@ def _as_list(value: Any) -> list[Any]:
     return value if isinstance(value, list) else []
 
 
+def _own_name(name: Any, record: Path) -> str:
+    """``name``, from the shard record ``record``, if it is a plain name ringpack writes; else :class:`DataError`.
+
+    A record naming any other file (a path, a user's file) is not one ringpack wrote: nothing it
+    names is removed or replaced.
+    """
+    name = _plain_name(name, str(record))
+    if not (_SHARD_NAME.match(name) or name in (PLAN_FILE, MANIFEST, PROGRESS)):
+        raise DataError(
+            f"{record} names {name!r:.80}, a file ringpack never writes, so it is not a ringpack shard record; "
+            "ringpack never removes files it did not write: remove the record or write the shards elsewhere"
+        )
+    return name
+
+
+def _present(path: Path) -> bool:
+    """Something is at ``path``: a file, a folder or a link (dangling or not)."""
+    return path.exists() or path.is_symlink()
+
+
+def _regular(path: Path) -> bool:
+    """A regular file, not a symbolic link (which is never followed)."""
+    return not path.is_symlink() and path.is_file()
+
+
+def _wrote(path: Path) -> bool:
+    """Whether ``path`` is a regular file ringpack wrote: a record, or Parquet whose footer carries its metadata."""
+    import pyarrow.parquet as pq
+
+    if not _regular(path):
+        return False
+    if path.name in (MANIFEST, PROGRESS):
+        return True  # read and checked to be a ringpack record by _records
+    try:
+        metadata = pq.read_schema(path).metadata or {}
+    except Exception:  # pyarrow raises several types for files that are not Parquet
+        return False
+    return (b"ringpack.shard" if _SHARD_NAME.match(path.name) else b"ringpack.shard_plan") in metadata
+
+
 def _remove_stale(out: Path, owned: list[str], keep: set[str]) -> None:
-    """Remove the owned files this run does not write (the manifest too: it is rewritten last) and their temporaries."""
+    """Remove the owned files this run does not write (the manifest too: it is rewritten last) and their temporaries.
+
+    Only files that prove to be ringpack's (:func:`_wrote`) are removed; a link, or a file under an
+    owned name that is not ringpack's, stays where it is (with a warning).
+    """
     for name in owned:
-        if name not in keep:
-            (out / name).unlink(missing_ok=True)
+        path = out / name
+        if name in keep or not _present(path):
+            continue
+        if _wrote(path):
+            path.unlink()
+        else:
+            logger.warning("%s left in place: a shard record names it, but it is not a file ringpack wrote", path)
     for entry in out.iterdir():
-        if temp_target(entry.name) in owned:
+        if temp_target(entry.name) in owned and _regular(entry):
             entry.unlink()
 
 
@@ -759,14 +838,17 @@ class ShardReader:
     ) -> None:
         self.path = Path(path)
         self.schedule_options = check_schedule_options(schedule_options)
-        manifest_path = self.path / MANIFEST
+        manifest_path = refuse_link(self.path / MANIFEST, "manifest")
         if not manifest_path.is_file():
             hint = (
                 " (an interrupted `ringpack shard` run: re-run it to resume)" if (self.path / PROGRESS).exists() else ""
             )
             raise DataError(f"no {MANIFEST} in {self.path}: not a finished ringpack shard directory{hint}")
         try:
-            self.manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+            with open_regular(manifest_path, "manifest") as f:
+                self.manifest = json.loads(f.read().decode("utf-8"))
+        except DataError:
+            raise
         except (ValueError, RecursionError) as exc:
             raise DataError(f"{manifest_path} is corrupt: {exc}") from exc
         m = self.manifest
@@ -817,7 +899,7 @@ class ShardReader:
 
     def _check(self, entry: dict[str, Any]) -> Path:
         """The path of a manifest entry's file, checked: present, its sha256 (with ``verify``) and size."""
-        path = self.path / entry["name"]
+        path = refuse_link(self.path / entry["name"], "shard file")
         if not path.is_file():
             raise DataError(f"shard file {path} listed in the manifest is missing")
         if self.verify and entry["name"] not in self._verified:

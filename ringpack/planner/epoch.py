@@ -307,11 +307,18 @@ def _price_scenarios(
     return scenarios
 
 
-def _pack(problem: PackingProblem, lower_bound: float, config: PlanConfig) -> np.ndarray | None:
-    """Greedy, local search and (if enabled) CP-SAT: the bin of every sample, ``None`` if they do not fit."""
+def _pack(
+    problem: PackingProblem, lower_bound: float, config: PlanConfig, start: np.ndarray | None = None
+) -> np.ndarray | None:
+    """Greedy, local search and (if enabled) CP-SAT: the bin of every sample, ``None`` if they do not fit.
+
+    ``start``: a known feasible packing, searched from when greedy packing places no answer.
+    """
     bins = pack_greedy(problem)
     if bins is None:
-        return None
+        if start is None:
+            return None
+        bins = start
     bins = improve(problem, fill_empty_bins(problem, bins), lower_bound)
     if config.solver_time_limit_s > 0:
         bins = refine(problem, bins, lower_bound, config.solver_time_limit_s)
@@ -333,16 +340,20 @@ def _pack_robust(L: np.ndarray, m: int, scenarios: list[tuple[np.ndarray, float]
         problem = PackingProblem(weights, L, config.dp, m, config.group_capacity)
         bins = _pack(problem, bound, config)
         return None if bins is None else (bins, float(problem.heights(bins).max()) / bound)
-    achievable = []
+    achievable, feasible = [], []
     for weights, bound in scenarios:
         alone = PackingProblem(weights, L, config.dp, m, config.group_capacity)
         bins = _pack(alone, bound, config)
         if bins is None:
             return None
         achievable.append(max(float(alone.heights(bins).max()), bound))
+        feasible.append(bins)
     columns = np.column_stack([w / a for (w, _), a in zip(scenarios, achievable)])
     problem = PackingProblem(columns, L, config.dp, m, config.group_capacity)
-    bins = _pack(problem, 1.0, config)
+    # greedy packing is order-dependent: the joint weights' order can strand a sample that each
+    # scenario's own order placed, so the scenario packing best in the joint problem is the fallback
+    start = min(feasible, key=lambda b: float(problem.heights(b).max()))
+    bins = _pack(problem, 1.0, config, start)
     loads = problem.dp_loads(bins).max(axis=0) * np.array(achievable)
     return bins, float(max(load / bound for load, (_, bound) in zip(loads, scenarios)))
 

@@ -31,13 +31,13 @@ def test_a_huge_sample_is_refused_fast_and_small():
     tracemalloc.start()
     t0 = time.perf_counter()
     with pytest.raises(PlanError) as info:
-        make_plan([100, 2**40, 50], config())
+        make_plan([100, 2**31, 50], config())
     seconds = time.perf_counter() - t0
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     message = str(info.value)
-    assert "sample 1 (1099511627776 tokens)" in message
-    assert f"{2**40 // 1024:,} documents" in message  # ceil(2**40 / 1024)
+    assert "sample 1 (2147483648 tokens)" in message
+    assert f"{2**31 // 1024:,} documents" in message  # ceil(2**31 / 1024)
     assert "overflow='drop'" in message and "tokens_per_rank" in message
     assert seconds < 1.0 and peak < 1 << 20, (seconds, peak)  # nothing of the documents' size was built
 
@@ -67,17 +67,17 @@ def test_splits_within_the_limit_still_plan():
 
 def test_the_library_and_the_simulator_share_the_bound():
     with pytest.raises(PlanError, match="sample 0"):
-        ringpack.plan([2**50], dp=1, cp=1, tokens_per_rank=64, overflow="split")
+        ringpack.plan([2**31], dp=1, cp=1, tokens_per_rank=64, overflow="split")
     with pytest.raises(PlanError, match="sample 2"):
-        simulate(np.array([10, 20, 2**45, 30]), config(samples_per_step=2), [("balanced", "balanced")], jobs=1)
+        simulate(np.array([10, 20, 2**31, 30]), config(samples_per_step=2), [("balanced", "balanced")], jobs=1)
 
 
 def test_the_command_line_names_its_flags(tmp_path):
     path = tmp_path / "lengths.json"
-    path.write_text(json.dumps([100, 2**40, 50]))
+    path.write_text(json.dumps([100, 2**31, 50]))
     argv = ["plan", "--lengths", path, "--dp", "1", "--cp", "2", "--tokens-per-rank", "512"]
     run = run_cli([*argv, "--out", tmp_path / "plan.json", "--overflow", "split"])
     assert_clean(run)
-    assert run.code == 1 and "sample 1" in run.err and "1,073,741,824 documents" in run.err
+    assert run.code == 1 and "sample 1" in run.err and "2,097,152 documents" in run.err
     assert "--overflow drop" in run.err and "--tokens-per-rank" in run.err and "overflow=" not in run.err
     assert not (tmp_path / "plan.json").exists()
