@@ -49,6 +49,7 @@ from ringpack.analysis.calibration.online import (
     fit_problem,
     fit_rank_times,
     microbatch_features,
+    usable_rows,
 )
 from ringpack.cost import PRESETS, CostModel, ModelShape
 from ringpack.errors import DataError, PlanError
@@ -467,6 +468,14 @@ def calibrate_step(config: StepCalibrationConfig, time_shard: Callable[[Case], f
         cases = [c for seed in mix_seeds for c in step_cases(config, seed, prior)]
         rows += _time_cases(cases, timer, which, geometry)
         log.info("timed %d %s rank shards in %.1f s", len(cases), which, time.perf_counter() - t0)
+    unusable = int((~usable_rows(_fit_rows(rows))).sum())
+    if unusable:
+        log.warning(
+            "%d of %d shard timings are not a usable time (0, negative or not finite): the fit and the held-out "
+            "check leave them out",
+            unusable,
+            len(rows),
+        )
     fit = fit_rank_times(_fit_rows([r for r in rows if r["set"] == "fit"]), prior)
     _check_fit(fit, config)
     profile = dataclasses.replace(fit.model, name=shape.name)
@@ -478,7 +487,7 @@ def calibrate_step(config: StepCalibrationConfig, time_shard: Callable[[Case], f
 def _check_fit(fit: FitResult | None, config: StepCalibrationConfig) -> None:
     """Refuse (warn, on a CPU dry run) a fit the planner must not use; see :func:`calibrate_step`."""
     if fit is None:
-        raise ValueError("the step timings cannot be fitted: fewer than five shards, or no token or pair signal")
+        raise ValueError("the step timings cannot be fitted: fewer than five usable shards, or no token or pair signal")
     problem = fit_problem(fit, MAX_FIT_ERROR)
     if problem is None:
         return
@@ -528,10 +537,15 @@ def _fit_rows(rows: Sequence[dict[str, Any]]) -> np.ndarray:
 def held_out_errors(profile: CostModel, rows: Sequence[dict[str, Any]]) -> dict[str, float]:
     """Relative errors of ``profile`` on timed rows: per shard, and per micro-batch (its slowest rank).
 
+    Rows of a micro-batch with a time a fit could not use (:func:`usable_rows`: 0, negative, not
+    finite) are left out, as the fit leaves them out.
+
     Returns:
         ``shard_mean``, ``shard_max``, ``microbatch_mean``, ``microbatch_max`` (absolute relative
         errors) and ``shards``, ``microbatches`` (counts); NaN errors without rows.
     """
+    bad = {r["microbatch"] for r, ok in zip(rows, usable_rows(_fit_rows(rows))) if not ok}
+    rows = [r for r in rows if r["microbatch"] not in bad]
     if not rows:
         nan = float("nan")
         return dict(shard_mean=nan, shard_max=nan, microbatch_mean=nan, microbatch_max=nan, shards=0, microbatches=0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 
 import numpy as np
 import pytest
@@ -67,6 +68,27 @@ def test_fits_the_planner_must_not_use_are_refused_on_a_gpu_and_kept_with_a_warn
     with caplog.at_level("WARNING", logger="ringpack.calibrate"):
         result = calibrate_step(StepCalibrationConfig(**SMALL), time_shard=pairs_only)
     assert result.profile.token == 0 and "dry run keeps it" in caplog.text
+
+
+@pytest.mark.parametrize("bad", [0.0, float("nan"), -1e-3, float("inf")])
+def test_bad_shard_timings_are_left_out_of_the_fit_and_the_held_out_check(bad, caplog):
+    calls = []
+
+    def glitchy(case) -> float:  # every 9th shard's clock misbehaves
+        calls.append(case)
+        return bad if len(calls) % 9 == 0 else true_seconds(case)
+
+    with warnings.catch_warnings(), caplog.at_level("WARNING", logger="ringpack.calibrate"):
+        warnings.simplefilter("error")
+        result = calibrate_step(StepCalibrationConfig(**SMALL), time_shard=glitchy)
+    n_bad = len(calls) // 9
+    assert f"{n_bad} of {len(calls)} shard timings are not a usable time" in caplog.text
+    assert result.profile.pair == pytest.approx(TRUTH.pair, rel=0.01)
+    fit_bad = sum(1 for r in result.rows if r["set"] == "fit" and not 0 < r["seconds"] < np.inf)
+    assert result.fit.unusable >= fit_bad > 0
+    held = result.held_out
+    assert np.isfinite(held["shard_max"]) and held["shard_max"] < 0.01
+    assert held["shards"] < sum(1 for r in result.rows if r["set"] == "held-out")
 
 
 def test_shards_span_whole_samples_split_samples_and_small_microbatches():
