@@ -159,19 +159,21 @@ def microbatch_features(mb: MicroBatch) -> tuple[np.ndarray, bool]:
 def usable_rows(rows: np.ndarray) -> np.ndarray:
     """Which observation rows a fit can use (``[n]`` bool).
 
-    A usable row is finite everywhere; its ``step``, ``dp``, ``microbatch`` and ``cp`` are ``>= 0``,
-    ``coupled`` is 0 or 1, its counts lie in ``[0, MAX_COUNT]`` and its time is at least
-    :data:`MIN_SECONDS`. Anything else (a time of 0, a negative time from a clock that stepped back,
-    NaN, infinity, a count that overflows the fit) is a bad observation.
+    A usable row is finite everywhere; its ``step``, ``dp``, ``microbatch`` and ``cp`` are whole
+    numbers in ``[0, MAX_COUNT)``, ``coupled`` is 0 or 1, its counts lie in ``[0, MAX_COUNT]`` and
+    its time is at least :data:`MIN_SECONDS`. Anything else (a time of 0, a negative time from a
+    clock that stepped back, NaN, infinity, a count that overflows the fit) is a bad observation.
+    A finite time that is merely far off (a clock that jumped ahead) is usable: the fit's outlier
+    guard drops it.
 
     Args:
         rows: ``[n, 9]`` float64 rows with the columns of :data:`ROW`.
     """
     rows = np.asarray(rows, dtype=np.float64).reshape(-1, len(ROW))
-    feats = rows[:, _FEATURES]
+    keys, feats = rows[:, :4], rows[:, _FEATURES]
     return (
         np.isfinite(rows).all(axis=1)
-        & (rows[:, :4] >= 0).all(axis=1)
+        & ((keys >= 0) & (keys < MAX_COUNT) & (keys == np.floor(keys))).all(axis=1)
         & ((rows[:, 7] == 0) | (rows[:, 7] == 1))
         & ((feats >= 0) & (feats <= MAX_COUNT)).all(axis=1)
         & (rows[:, 8] >= MIN_SECONDS)
@@ -561,6 +563,8 @@ class CostLearner:
         history = _state_history(state["history"])
         void = [tuple(key) for key in _state_rows(state, "void", ("step", "dp", "microbatch"), default=[])]
         lists = {name: _state_rows(state, name, ROW) for name in ("rows", "unread", "open")}
+        for name in ("unread", "open"):  # warm-up timings are never read: not observations
+            lists[name] = [row for row in lists[name] if not row[0] < self.config.warmup_steps]
         good = {name: usable_rows(np.asarray(rows, dtype=np.float64)) for name, rows in lists.items()}
         kept = {name: [row for row, ok in zip(rows, good[name]) if ok] for name, rows in lists.items()}
         bad = [row for name, rows in lists.items() for row, ok in zip(rows, good[name]) if not ok]
@@ -580,8 +584,12 @@ class CostLearner:
             )
 
     def _timed(self, marks: list[tuple[tuple, Any, Any]]) -> list[list[float]]:
-        """Rows (:data:`ROW`) of timed micro-batches whose marks may still be unread."""
-        return [[*key, stop if start is None else self._timer.seconds(start, stop)] for key, start, stop in marks]
+        """Rows (:data:`ROW`) of timed micro-batches whose marks may still be unread (warm-up ones are never read)."""
+        return [
+            [*key, stop if start is None else self._timer.seconds(start, stop)]
+            for key, start, stop in marks
+            if key[0] >= self.config.warmup_steps
+        ]
 
     def _acceptable(self, result: FitResult) -> bool:
         """A fit the planner may switch to: enough observations, no :func:`fit_problem`, new prices."""

@@ -6,6 +6,7 @@ fit must recover; the learner, the sampler switches and the collectives are the 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -180,6 +181,8 @@ def test_usable_rows_refuses_every_kind_of_bad_observation():
         "nan count": dict(pieces=float("nan")),
         "nan step": dict(step=float("nan")),
         "negative rank": dict(cp=-1),
+        "fractional micro-batch": dict(microbatch=1.5),
+        "step past int64": dict(step=1e308),
         "coupled not 0/1": dict(coupled=0.5),
     }
     rows = np.array([good] + [tuple(change.get(name, v) for name, v in zip(ROW, good)) for change in cases.values()])
@@ -453,6 +456,57 @@ def test_every_rank_learns_the_same_model_and_switches_at_the_same_step(learned)
 @pytest.mark.slow
 def test_a_resumed_sampler_replays_the_switches(learned):
     assert all(r["rest_matches_resume"] for r in learned)
+
+
+def _bad_times_worker(rank: int, world: int) -> dict:
+    """DP=1 x CP=2: rank 1 reports a bad time for every 5th micro-batch, rank 0 never does."""
+    from ringpack.data import BalancedBatchSampler
+
+    sampler = BalancedBatchSampler(_lengths(), 0, 1, 2, 6_000, samples_per_step=40, seed=3, cost=FLOPS)
+    learner = CostLearner(sampler, rank, config=LearnerConfig(warmup_steps=1, first_fit_after=2, refit_every=2))
+    fitted, fit = [], learner._fit
+    learner._fit = lambda rows: (fitted.append(rows.tolist()), fit(rows))[1]  # what each fit was given
+    steps = coupled_bad = 0
+    for k, ticket in enumerate(sampler):
+        feats, coupled = microbatch_features(ticket.microbatch)
+        seconds = true_seconds(feats)
+        seconds = float(seconds.max() if coupled else seconds[rank])
+        if rank == 1 and k % 5 == 0:
+            seconds = [0.0, float("nan"), -1.0, float("inf")][k % 4]
+            coupled_bad += bool(coupled) and ticket.step >= 1
+        learner.record({"microbatch": ticket.microbatch, "microbatch_index": ticket.index}, seconds)
+        if ticket.index + 1 == ticket.microbatches_in_step:
+            learner.end_step()
+            steps += 1
+            if steps == 12:
+                break
+    return {
+        "model": learner.model.to_dict(),
+        "switches": sampler.state_dict()["cost_switches"],
+        "fits": [dataclasses.asdict(f) for f in learner.history],
+        "bad": learner.bad_observations,
+        "coupled_bad": coupled_bad,
+        "fitted": fitted,
+        "void": learner.state_dict()["void"],
+    }
+
+
+@pytest.mark.slow
+def test_ranks_agree_when_one_rank_has_bad_times():
+    """Only rank 1 sees bad times: both ranks still fit the same rows, switch at the same step, never hang."""
+    first, second = run_ranks(_bad_times_worker, 2, timeout_s=60, join_s=180, name="bad-times")
+    assert first["bad"] == 0 and second["bad"] > 0
+    assert second["coupled_bad"] > 0, "some bad times hit micro-batches whose ranks wait on each other"
+    assert first["switches"] and first["switches"] == second["switches"]
+    assert first["model"] == second["model"] and first["fits"] == second["fits"]
+    assert all(f["unusable"] == 0 for f in first["fits"]), "the bad rows never reached the fit"
+    assert first["fitted"] == second["fitted"], "every rank fits the same rows"
+    void = {tuple(key) for key in second["void"]}
+    assert void, "rank 1 lost its time of some coupled micro-batches"
+    seen = {tuple(row[:3]) for rows in first["fitted"] for row in rows if row[7]}
+    assert seen and not seen & void, "rank 0's time of such a micro-batch is left out too"
+    model = CostModel.from_dict(first["model"])
+    assert model.pair / model.token == pytest.approx(TRUTH.pair / TRUTH.token, rel=0.01)
 
 
 def test_rows_have_the_documented_columns():
