@@ -62,6 +62,8 @@ __all__ = [
     "predicted_busy",
     "step_cases",
     "model_config",
+    "check_cpu_budget",
+    "reference_attention_bytes",
 ]
 
 log = logging.getLogger("ringpack.calibrate")

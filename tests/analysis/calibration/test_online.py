@@ -269,6 +269,25 @@ def test_one_bad_timing_does_not_stop_the_run(one_rank_group, bad, caplog):
     assert len(warned) == 1 and "bad observation" in warned[0].getMessage(), "logged once"
 
 
+def test_a_fit_numpy_cannot_make_keeps_the_model_and_is_logged_once(one_rank_group, monkeypatch, caplog):
+    from ringpack.analysis.calibration import online
+
+    def hopeless(rows, prior):
+        raise np.linalg.LinAlgError("SVD did not converge in Linear Least Squares")
+
+    monkeypatch.setattr(online, "fit_rank_times", hopeless)
+    sampler = _single_rank_sampler()
+    learner = CostLearner(sampler, 0, config=LearnerConfig(warmup_steps=0, first_fit_after=1))
+    before = learner.model
+    with caplog.at_level(logging.WARNING, logger="ringpack.analysis.calibration.online"):
+        results = _train(learner, iter(sampler), 6, lambda k, s: s)
+    assert results == [None] * 6 and learner.model == before and not learner.history
+    assert [r.getMessage() for r in caplog.records] == [
+        "CostLearner: no fit could be made (SVD did not converge in Linear Least Squares); "
+        "the planner keeps its cost model"
+    ]
+
+
 def test_record_refuses_what_is_not_a_time():
     sampler = _single_rank_sampler()
     learner = CostLearner(sampler, 0)
