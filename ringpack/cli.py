@@ -1097,7 +1097,9 @@ def _add_step_calibrate_arguments(p: argparse.ArgumentParser) -> None:
         "per rank shard, --model a preset or a transformers config file or folder",
     )
     step.add_argument("--grad-ckpt", action="store_true", help="time with activation checkpointing (as training runs)")
-    step.add_argument("--tokens-per-rank", type=TOKENS, help="token budget per CP rank (default 65536)")
+    step.add_argument(
+        "--tokens-per-rank", type=TOKENS, help="token budget per CP rank (default 65536; 1024 with --device cpu)"
+    )
     step.add_argument("--cp", type=CP_SIZE, help="CP size of the split shards timed (default 2)")
     step.add_argument("--max-len", type=COUNT, help="longest sample of the mixes (default the budget)")
     step.add_argument("--fit-mixes", type=POSITIVE, help="length mixes timed for the fit (default 3)")
@@ -1127,11 +1129,8 @@ def _add_demo_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
-    from ringpack.analysis.calibration.run import report_path, run
+    from ringpack.analysis.calibration.run import run
 
-    for flag, path in (("--out", args.out), ("--report", args.report)):
-        if path and Path(path).is_dir():
-            raise ValueError(f"{flag} {path} is a directory; give a file name")
     if args.refit and not Path(args.refit).is_file():
         raise FileNotFoundError(f"--refit: no calibration report at {args.refit}")
     other_scope = STEP_SCOPE_FLAGS if args.scope == "kernels" else KERNEL_SCOPE_FLAGS
@@ -1140,8 +1139,6 @@ def run_calibrate(args: argparse.Namespace) -> int:
         other = "step" if args.scope == "kernels" else "kernels"
         which = "this flag applies" if len(given) == 1 else "these flags apply"
         raise ValueError(f"{', '.join(given)}: {which} only to --scope {other}")
-    for path in (Path(args.out), report_path(args)):  # before minutes of timing, not after
-        path.parent.mkdir(parents=True, exist_ok=True)
     if args.scope == "step":
         if not args.model:
             raise ValueError("--scope step needs --model: a preset or a transformers config file or folder")

@@ -59,14 +59,25 @@ def fit_nnls(features: np.ndarray, times: np.ndarray, relative: bool = True) -> 
     """Non-negative coefficients ``c`` with ``features @ c ~ times``; ``relative`` weights rows by ``1/times``.
 
     Columns are scaled to unit norm first (pairs are ~1e9, the constant is 1), then unscaled.
+
+    Raises:
+        ValueError: a feature or time that is not finite, a time that is not positive (``relative``),
+            or a relative weighting that overflows (a time too small for its features).
     """
     a = np.asarray(features, dtype=np.float64)
     b = np.asarray(times, dtype=np.float64)
+    if not (np.isfinite(a).all() and np.isfinite(b).all()):
+        raise ValueError("the fit needs finite features and times (a NaN or an infinity is not a measurement)")
     if relative:
         if (b <= 0).any():
-            raise ValueError("relative fit needs positive times")
-        a, b = a / b[:, None], np.ones_like(b)
-    norms = np.linalg.norm(a, axis=0)
+            raise ValueError(f"relative fit needs positive times ({int((b <= 0).sum())} of {b.size} are not)")
+        with np.errstate(over="ignore"):
+            a, b = a / b[:, None], np.ones_like(b)
+        if not np.isfinite(a).all():
+            raise ValueError("relative fit overflows: a time is too small for its features")
+    peak = np.abs(a).max(axis=0, initial=0.0)
+    peak[peak == 0] = 1.0
+    norms = peak * np.linalg.norm(a / peak, axis=0)  # scaled first: the squares of counts near 1e200 overflow
     norms[norms == 0] = 1.0
     return nnls(a / norms, b) / norms
 

@@ -65,6 +65,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -366,6 +367,7 @@ def run(args: argparse.Namespace, clock: Clock | None = None) -> int:
     """
     import torch
 
+    check_outputs(args)  # before minutes of timing, not after
     if getattr(args, "refit", None):
         return _run_refit(args)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -424,9 +426,6 @@ def _run_refit(args: argparse.Namespace) -> int:
         raise ValueError(
             f"{source}: calibration report is incomplete or malformed ({type(exc).__name__}: {exc})"
         ) from exc
-    written = {Path(args.out).resolve(), report_path(args).resolve()}
-    if source.resolve() in written:
-        raise ValueError("--refit: --out/--report must not overwrite the measured report")
     _write(result, args)
     return 0
 
@@ -441,12 +440,41 @@ def report_path(args: argparse.Namespace) -> Path:
     return Path(args.report) if args.report else out.with_name(out.stem + ".report.json")
 
 
+def check_outputs(args: argparse.Namespace) -> None:
+    """Refuse, before any timing or fit, a ``--out`` / ``--report`` that cannot be written (missing folders
+    are made when the outputs are written), that are one file, or that would replace ``--refit``'s report.
+
+    Raises:
+        ValueError: a directory, a path through a file, an unwritable file or folder, ``--report``
+            equal to ``--out``, or either equal to ``--refit`` (the flag is named).
+    """
+    out, report = Path(args.out), report_path(args)
+    for flag, path in (("--out", out), ("--report", report)):
+        if path.is_dir():
+            raise ValueError(f"{flag} {path} is a directory; give a file name")
+        if path.exists():
+            if not path.is_file() or not os.access(path, os.W_OK):
+                raise ValueError(f"{flag} {path} cannot be written (not a writable file)")
+            continue
+        folder = path.parent
+        while not folder.exists():  # the nearest existing folder: the rest is made at write time
+            folder = folder.parent
+        if not folder.is_dir():
+            raise ValueError(f"{flag} {path}: {folder} is a file, not a folder")
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise ValueError(f"{flag} {path}: folder {folder} is not writable")
+    if out.resolve() == report.resolve():
+        raise ValueError(f"--report {report} is the --out profile; give the report its own file")
+    if args.refit and Path(args.refit).resolve() in (out.resolve(), report.resolve()):
+        raise ValueError("--refit: --out/--report must not overwrite the measured report")
+
+
 def write_outputs(profile: CostModel, report: dict[str, Any], summary: str, args: argparse.Namespace) -> None:
     """Write the profile to ``--out`` and the report beside it (:func:`report_path`), then print the summary."""
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out, path = Path(args.out), report_path(args)
+    for folder in (out.parent, path.parent):
+        folder.mkdir(parents=True, exist_ok=True)
     profile.save(out)
-    path = report_path(args)
     path.write_text(json.dumps(report, indent=1, default=_json_default) + "\n")
     print(summary)
     print(f"wrote {out} (load with CostModel.load / `ringpack plan --cost-profile {out}`) and {path}")

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -48,9 +49,11 @@ from ringpack.analysis.calibration.online import (
     fit_problem,
     fit_rank_times,
     microbatch_features,
+    usable_rows,
 )
 from ringpack.cost import PRESETS, CostModel, ModelShape
-from ringpack.shard_plan import PlanConfig, Step
+from ringpack.errors import DataError, PlanError
+from ringpack.shard_plan import PlanConfig, Step, _is_int
 
 __all__ = [
     "StepCalibrationConfig",
@@ -59,6 +62,8 @@ __all__ = [
     "predicted_busy",
     "step_cases",
     "model_config",
+    "check_cpu_budget",
+    "reference_attention_bytes",
 ]
 
 log = logging.getLogger("ringpack.calibrate")
@@ -76,6 +81,15 @@ _HELD_OUT_SEED = 1000
 MAX_FIT_ERROR = LearnerConfig().max_error
 
 
+#: ``tokens_per_rank`` when none is given: the run's usual budget on a GPU; on the CPU (a dry run on
+#: the reference attention, whose memory grows with the square of a rank's tokens) a small one
+DEFAULT_TOKENS_PER_RANK = {"cuda": 65536, "cpu": 1024}
+#: the most memory a CPU dry run lets one reference-attention call take (:func:`reference_attention_bytes`)
+CPU_ATTENTION_BYTES = 4 << 30
+#: the most memory a CPU dry run lets the model's float32 weights and gradients take
+CPU_MODEL_BYTES = 16 << 30
+
+
 @dataclass(frozen=True)
 class StepCalibrationConfig:
     """What :func:`calibrate_step` times.
@@ -87,13 +101,17 @@ class StepCalibrationConfig:
         device: ``"cuda"``, or ``"cpu"`` for a dry run (with ``backend="reference"``).
         dtype: ``"bf16"`` or ``"fp32"`` (``None``: bf16 on a GPU, fp32 on the CPU).
         grad_ckpt: activation checkpointing, as the training run uses it (its recompute is timed).
-        tokens_per_rank: the token budget of a CP rank in the plans timed (use the run's).
+        tokens_per_rank: the token budget of a CP rank in the plans timed (use the run's; ``None``:
+            :data:`DEFAULT_TOKENS_PER_RANK` of the device, 65536 on a GPU and 1024 on the CPU).
         cp: the CP size of the split shards (1: whole samples only).
         max_len: the longest sample of the length mixes (0: ``tokens_per_rank``).
         fit_mixes, held_out_mixes: length mixes timed for the fit and for the held-out check.
         microbatches: micro-batches timed per plan (the first ones of its first step).
         reps, warmup: timed and untimed repetitions per shard (the median is taken).
         seed: seed of the length mixes and the random inputs.
+
+    Raises:
+        PlanError: a field of the wrong kind or out of range (the message names it).
     """
 
     model: str = "llama-1b"
@@ -101,7 +119,7 @@ class StepCalibrationConfig:
     device: str = "cuda"
     dtype: str | None = None
     grad_ckpt: bool = False
-    tokens_per_rank: int = 65536
+    tokens_per_rank: int | None = None
     cp: int = 2
     max_len: int = 0
     fit_mixes: int = 3
@@ -112,13 +130,60 @@ class StepCalibrationConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        for name in ("model", "backend", "device"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise PlanError(f"StepCalibrationConfig.{name} must be a non-empty string, got {getattr(self, name)!r}")
+        if self.device not in DEFAULT_TOKENS_PER_RANK:
+            raise PlanError(f"StepCalibrationConfig.device must be 'cuda' or 'cpu', got {self.device!r}")
+        if self.tokens_per_rank is None:
+            object.__setattr__(self, "tokens_per_rank", DEFAULT_TOKENS_PER_RANK[self.device])
         for name in ("tokens_per_rank", "cp", "fit_mixes", "held_out_mixes", "microbatches", "reps"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"StepCalibrationConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_len < 0 or self.warmup < 0:
-            raise ValueError("StepCalibrationConfig: max_len and warmup must be >= 0")
+            value = getattr(self, name)
+            if not _is_int(value) or not 1 <= value < 2**63:
+                raise PlanError(f"StepCalibrationConfig.{name} must be a whole number >= 1, got {value!r}")
+        for name in ("max_len", "warmup", "seed"):
+            value = getattr(self, name)
+            if not _is_int(value) or not 0 <= value < 2**63:
+                raise PlanError(f"StepCalibrationConfig.{name} must be a whole number >= 0, got {value!r}")
         if self.dtype not in (None, "bf16", "fp32"):
-            raise ValueError(f"StepCalibrationConfig.dtype must be 'bf16' or 'fp32', got {self.dtype!r}")
+            raise PlanError(f"StepCalibrationConfig.dtype must be 'bf16' or 'fp32', got {self.dtype!r}")
+        if not isinstance(self.grad_ckpt, bool):
+            raise PlanError(f"StepCalibrationConfig.grad_ckpt must be True or False, got {self.grad_ckpt!r}")
+
+
+def reference_attention_bytes(tokens: int, heads: int) -> int:
+    """About the peak memory of one reference-attention backward over ``tokens`` queries and keys.
+
+    The reference kernel materialises the scores, probabilities and their gradients as float32
+    ``[heads, tokens, tokens]`` tensors (four at the peak) and a boolean mask of ``[tokens, tokens]``.
+    """
+    return (16 * heads + 1) * tokens**2
+
+
+def check_cpu_budget(config: StepCalibrationConfig, shape: ModelShape) -> None:
+    """Refuse a CPU dry run that would not fit a CPU: the reference attention within
+    :data:`CPU_ATTENTION_BYTES`, the model's float32 weights and gradients within :data:`CPU_MODEL_BYTES`.
+
+    Raises:
+        PlanError: ``tokens_per_rank`` too large for ``shape``'s heads, or a model too large, on
+            the CPU (one line naming the flag and what fits).
+    """
+    if config.device != "cpu":
+        return
+    weights = 8 * shape.params
+    if weights > CPU_MODEL_BYTES:
+        raise PlanError(
+            f"--device cpu: {shape.name} has {shape.params / 1e9:.1f}B parameters, about {weights / 2**30:.0f} GiB "
+            "of float32 weights and gradients; a CPU dry run needs a small model (--model tiny)"
+        )
+    need = reference_attention_bytes(config.tokens_per_rank, shape.heads)
+    if need > CPU_ATTENTION_BYTES:
+        most = math.isqrt(CPU_ATTENTION_BYTES // (16 * shape.heads + 1))
+        raise PlanError(
+            f"--device cpu: at {config.tokens_per_rank} tokens per rank the reference attention of {shape.name} "
+            f"({shape.heads} heads) needs about {need / 2**30:.0f} GiB; a CPU dry run takes --tokens-per-rank "
+            f"of at most {most} for this model (default {DEFAULT_TOKENS_PER_RANK['cpu']} on the CPU)"
+        )
 
 
 @dataclass(frozen=True)
@@ -200,10 +265,15 @@ def step_cases(config: StepCalibrationConfig, seed: int, cost: CostModel) -> lis
 def model_config(model: str) -> tuple[Any, ModelShape]:
     """The ``transformers`` config of ``model`` (a preset or a config path) and its :class:`ModelShape`.
 
+    A config file must name its architecture (``model_type``); nothing is guessed.
+
     Raises:
-        ValueError: neither a preset nor an existing config file or folder.
+        DataError: neither a preset nor an existing config file or folder, a folder without a
+            ``config.json``, a file that is not a JSON object, no ``model_type`` or one
+            ``transformers`` does not know, a config ``transformers`` refuses, or one without the
+            fields of a decoder (:func:`shape_of`); one line naming the file.
     """
-    from transformers import AutoConfig, LlamaConfig
+    from transformers import CONFIG_MAPPING, AutoConfig, LlamaConfig
 
     if model in PRESETS:
         s = PRESETS[model]
@@ -220,27 +290,48 @@ def model_config(model: str) -> tuple[Any, ModelShape]:
         )
         return config, s
     path = Path(model)
-    if path.is_dir():
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
-    elif path.is_file():
-        data = json.loads(path.read_text(encoding="utf-8"))
-        config = AutoConfig.for_model(data.pop("model_type", "llama"), **data)
-    else:
-        raise ValueError(f"--model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a config file or folder")
+    file = path / "config.json" if path.is_dir() else path
+    if path.is_dir() and not file.is_file():
+        raise DataError(f"--model {model}: the folder holds no config.json")
+    if not file.is_file():
+        raise DataError(f"--model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a config file or folder")
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DataError(f"model config {file} is not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise DataError(f"model config {file} is not a JSON object but a {type(data).__name__}")
+    kind = data.pop("model_type", None)
+    if kind is None:
+        raise DataError(
+            f'model config {file} has no model_type (e.g. "model_type": "llama"): '
+            "step calibration times the architecture the config names and does not guess one"
+        )
+    if not isinstance(kind, str) or kind not in CONFIG_MAPPING:
+        raise DataError(f"model config {file}: model_type {kind!r} is not an architecture transformers knows")
+    try:
+        config = AutoConfig.for_model(kind, **data)
+    except Exception as exc:  # transformers' config errors share no base class (ValueError, TypeError, its own)
+        raise DataError(f"model config {file}: transformers refuses it: {_one_line(exc)}") from None
     name = path.parent.resolve().name if path.name == "config.json" else path.stem if path.is_file() else path.name
     return config, shape_of(config, name or "custom")
+
+
+def _one_line(exc: BaseException) -> str:
+    """An exception's message on one line, at most 300 characters."""
+    return " ".join(str(exc).split())[:300] or type(exc).__name__
 
 
 def shape_of(config: Any, name: str = "custom") -> ModelShape:
     """The :class:`ModelShape` of a decoder-only ``transformers`` config (Llama-like field names).
 
     Raises:
-        ValueError: a config without one of the fields (named), e.g. ``intermediate_size``.
+        DataError: a config without one of the fields (named), e.g. ``intermediate_size``.
     """
     fields = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
     missing = [f for f in fields if getattr(config, f, None) is None]
     if missing:
-        raise ValueError(
+        raise DataError(
             f"model config {name!r} ({type(config).__name__}) lacks {', '.join(missing)}: "
             "step calibration needs a Llama-like decoder config"
         )
@@ -295,18 +386,24 @@ class ModelStepTimer:
         dtype = config.dtype or ("bf16" if self.device.type == "cuda" else "fp32")
         self.dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
         hf_config, self.shape = model_config(config.model)
+        s = self.shape
+        check_cpu_budget(config, s)  # before the model is built: its weights, then the attention's memory
+        self.heads = AttentionShape(s.heads, s.kv_heads, s.head_dim)
+        probe = torch.empty(1, s.heads, s.head_dim, device=self.device, dtype=self.dtype)
+        self.backend = resolve_backend(config.backend, probe)
         hf_config.attention_dropout = 0.0
         AttentionInterface.register(ATTENTION_NAME, _compute_only_attention)
         torch.manual_seed(config.seed)
-        model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=ATTENTION_NAME, dtype=self.dtype)
+        try:
+            model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=ATTENTION_NAME, dtype=self.dtype)
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:  # not a causal LM transformers can build
+            raise DataError(
+                f"--model {config.model}: transformers cannot build a causal LM of it: {_one_line(exc)}"
+            ) from None
         self.model = model.to(self.device)
         if config.grad_ckpt:
             self.model.gradient_checkpointing_enable()
         self.model.train()
-        s = self.shape
-        self.heads = AttentionShape(s.heads, s.kv_heads, s.head_dim)
-        probe = torch.empty(1, s.heads, s.head_dim, device=self.device, dtype=self.dtype)
-        self.backend = resolve_backend(config.backend, probe)
         self.clock = Clock(self.device, queued=False)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.reps, self.warmup = config.reps, config.warmup
@@ -361,6 +458,7 @@ def calibrate_step(config: StepCalibrationConfig, time_shard: Callable[[Case], f
     started = time.perf_counter()
     timer = time_shard or ModelStepTimer(config)
     shape = getattr(timer, "shape", None) or (PRESETS.get(config.model) or model_config(config.model)[1])
+    log.info("timing %s on %s at %d tokens per rank", shape.name, config.device, config.tokens_per_rank)
     prior = CostModel.from_shape(shape)
     seeds = [config.seed + k for k in range(config.fit_mixes)]
     held_seeds = [config.seed + _HELD_OUT_SEED + k for k in range(config.held_out_mixes)]
@@ -372,6 +470,14 @@ def calibrate_step(config: StepCalibrationConfig, time_shard: Callable[[Case], f
         cases = [c for seed in mix_seeds for c in step_cases(config, seed, prior)]
         rows += _time_cases(cases, timer, which, geometry)
         log.info("timed %d %s rank shards in %.1f s", len(cases), which, time.perf_counter() - t0)
+    unusable = int((~usable_rows(_fit_rows(rows))).sum())
+    if unusable:
+        log.warning(
+            "%d of %d shard timings are not a usable time (0, negative or not finite): the fit and the held-out "
+            "check leave them out",
+            unusable,
+            len(rows),
+        )
     fit = fit_rank_times(_fit_rows([r for r in rows if r["set"] == "fit"]), prior)
     _check_fit(fit, config)
     profile = dataclasses.replace(fit.model, name=shape.name)
@@ -383,7 +489,7 @@ def calibrate_step(config: StepCalibrationConfig, time_shard: Callable[[Case], f
 def _check_fit(fit: FitResult | None, config: StepCalibrationConfig) -> None:
     """Refuse (warn, on a CPU dry run) a fit the planner must not use; see :func:`calibrate_step`."""
     if fit is None:
-        raise ValueError("the step timings cannot be fitted: fewer than five shards, or no token or pair signal")
+        raise ValueError("the step timings cannot be fitted: fewer than five usable shards, or no token or pair signal")
     problem = fit_problem(fit, MAX_FIT_ERROR)
     if problem is None:
         return
@@ -433,10 +539,15 @@ def _fit_rows(rows: Sequence[dict[str, Any]]) -> np.ndarray:
 def held_out_errors(profile: CostModel, rows: Sequence[dict[str, Any]]) -> dict[str, float]:
     """Relative errors of ``profile`` on timed rows: per shard, and per micro-batch (its slowest rank).
 
+    Rows of a micro-batch with a time a fit could not use (:func:`usable_rows`: 0, negative, not
+    finite) are left out, as the fit leaves them out.
+
     Returns:
         ``shard_mean``, ``shard_max``, ``microbatch_mean``, ``microbatch_max`` (absolute relative
         errors) and ``shards``, ``microbatches`` (counts); NaN errors without rows.
     """
+    bad = {r["microbatch"] for r, ok in zip(rows, usable_rows(_fit_rows(rows))) if not ok}
+    rows = [r for r in rows if r["microbatch"] not in bad]
     if not rows:
         nan = float("nan")
         return dict(shard_mean=nan, shard_max=nan, microbatch_mean=nan, microbatch_max=nan, shards=0, microbatches=0)
@@ -515,8 +626,9 @@ def run_step(args: Any) -> int:
     """``ringpack calibrate --scope step``: exit 0 with the profile and report written, 2 without a usable device."""
     import torch
 
-    from ringpack.analysis.calibration.run import write_outputs
+    from ringpack.analysis.calibration.run import check_outputs, write_outputs
 
+    check_outputs(args)  # before minutes of timing, not after
     if args.device == "cuda" and not torch.cuda.is_available():
         log.error(
             "step calibration times the model on a GPU, and none is visible. Run it on the training GPU "

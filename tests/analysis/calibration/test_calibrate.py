@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import warnings
 
 import numpy as np
 import pytest
@@ -148,6 +149,25 @@ def test_fit_with_noise_is_close_and_never_negative():
     truth = TRUE * np.array([1, 1, 1, 0]) - np.array([0, 0, 0, 1e-6])
     got = cal.fit_nnls(x, np.maximum(x @ truth, 1e-6))
     assert (got >= 0).all() and got[3] == 0.0
+
+
+def test_fit_refuses_non_finite_input_in_one_line_and_scales_huge_counts_without_overflow():
+    x = grid_features()
+    times = x @ TRUE
+    for bad_times, says in (
+        (np.where(np.arange(len(x)) == 3, np.nan, times), "finite features and times"),
+        (np.where(np.arange(len(x)) < 2, 0.0, times), r"positive times \(2 of"),
+        (np.where(np.arange(len(x)) == 0, 5e-324, times), "overflows"),
+    ):
+        with pytest.raises(ValueError, match=says):
+            cal.fit_nnls(x, bad_times)
+    with pytest.raises(ValueError, match="finite features"):
+        cal.fit_nnls(np.where(x == x[0, 0], np.inf, x), times)
+    huge = x * np.array([1.0, 1.0, 1e180, 1.0])  # finite, but its squares overflow a plain norm
+    with warnings.catch_warnings(), np.errstate(all="raise"):
+        warnings.simplefilter("error")
+        got = cal.fit_nnls(huge, huge @ (TRUE / np.array([1.0, 1.0, 1e180, 1.0])))
+    assert np.allclose(got * np.array([1.0, 1.0, 1e180, 1.0]), TRUE, rtol=1e-6)
 
 
 def test_quality_and_pearson():

@@ -6,7 +6,11 @@ fit must recover; the learner, the sampler switches and the collectives are the 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
+import logging
+import warnings
 from types import SimpleNamespace
 
 import numpy as np
@@ -14,6 +18,8 @@ import pytest
 
 from ringpack._spawn import run_ranks
 from ringpack.analysis.calibration.online import (
+    MAX_COUNT,
+    MIN_SECONDS,
     ROW,
     CostLearner,
     FitResult,
@@ -21,8 +27,10 @@ from ringpack.analysis.calibration.online import (
     fit_rank_times,
     microbatch_features,
     price_change,
+    usable_rows,
 )
 from ringpack.cost import CostModel
+from ringpack.errors import DataError, PlanError
 from ringpack.shard_plan import Piece, microbatch_from_shards
 
 TRUTH = CostModel(token=2e-6, pair=1.5e-10, segment=3e-5, unit="s", name="truth")
@@ -125,6 +133,274 @@ def test_config_is_validated():
         LearnerConfig(refit_every=0)
 
 
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("warmup_steps", 1.5),
+        ("warmup_steps", -1),
+        ("warmup_steps", True),
+        ("first_fit_after", 0),
+        ("window_steps", "8"),
+        ("min_observations", 2.0),
+        ("lead_steps", None),
+        ("max_error", float("nan")),
+        ("max_error", 0.0),
+        ("max_error", -0.1),
+        ("max_error", float("inf")),
+        ("min_change", float("nan")),
+        ("min_change", -0.01),
+        ("min_change", "0.1"),
+    ],
+)
+def test_config_refuses_a_bad_value_naming_the_field(field, value):
+    with pytest.raises(PlanError, match=f"LearnerConfig.{field} must be") as info:
+        LearnerConfig(**{field: value})
+    assert "\n" not in str(info.value)
+
+
+def test_config_is_keyword_only():
+    with pytest.raises(TypeError):
+        LearnerConfig(1, 3)  # which field is which is not for the reader to guess
+    assert LearnerConfig(min_change=0).min_change == 0
+
+
+# ------------------------------------------------------------------------------ bad observations
+
+
+def test_usable_rows_refuses_every_kind_of_bad_observation():
+    good = (3, 0, 1, 0, 4096, 8e6, 2, 0, 0.01)
+    cases = {
+        "zero time": dict(seconds=0.0),
+        "negative time": dict(seconds=-0.004),
+        "nan time": dict(seconds=float("nan")),
+        "inf time": dict(seconds=float("inf")),
+        "subnormal time": dict(seconds=5e-324),
+        "huge count": dict(pairs=1e308),
+        "count past int64": dict(tokens=MAX_COUNT * 2),
+        "negative count": dict(pairs=-(2.0**40)),
+        "nan count": dict(pieces=float("nan")),
+        "nan step": dict(step=float("nan")),
+        "negative rank": dict(cp=-1),
+        "fractional micro-batch": dict(microbatch=1.5),
+        "step past int64": dict(step=1e308),
+        "coupled not 0/1": dict(coupled=0.5),
+    }
+    rows = np.array([good] + [tuple(change.get(name, v) for name, v in zip(ROW, good)) for change in cases.values()])
+    assert usable_rows(rows).tolist() == [True] + [False] * len(cases)
+    assert usable_rows(np.array([dict(zip(ROW, good), seconds=MIN_SECONDS)[c] for c in ROW]))[0]
+
+
+def _fit_quietly(rows):
+    """fit_rank_times with every numpy warning an error: a bad row must not even warn."""
+    with warnings.catch_warnings(), np.errstate(all="raise"):
+        warnings.simplefilter("error")
+        return fit_rank_times(rows, FLOPS)
+
+
+@pytest.mark.parametrize("bad", [0.0, -0.003, float("nan"), float("inf"), 5e-324])
+def test_fit_leaves_out_a_bad_time_and_counts_it(bad):
+    rows = synthetic_rows(np.random.default_rng(5), 80, coupled_share=0.0)
+    clean = _fit_quietly(rows)
+    rows[[7, 30, 31], -1] = bad
+    fit = _fit_quietly(rows)
+    assert fit is not None and fit.unusable == 3
+    assert fit.model.pair / fit.model.token == pytest.approx(clean.model.pair / clean.model.token, rel=0.01)
+
+
+def test_fit_leaves_out_counts_that_would_overflow_it():
+    rows = synthetic_rows(np.random.default_rng(6), 80, coupled_share=0.0)
+    rows[3, 5] = 1e308  # pairs
+    rows[9, 4] = -5.0  # tokens, as a wrapped int64 count would be
+    rows[11, 6] = float("inf")
+    fit = _fit_quietly(rows)
+    assert fit is not None and fit.unusable == 3
+    assert fit.model.pair / fit.model.token == pytest.approx(TRUTH.pair / TRUTH.token, rel=0.03)
+
+
+def test_a_coupled_microbatch_with_one_bad_time_is_left_out_whole():
+    """Without the bad rank's time the others cannot say which rank was slowest: all its rows go."""
+    rows = synthetic_rows(np.random.default_rng(7), 60, coupled_share=1.0, noise=0.0)
+    rows[0, -1] = float("nan")  # rank 0 of the first micro-batch; rank 1 (row 1) goes with it
+    fit = _fit_quietly(rows)
+    assert fit.unusable == 2 and fit.used == 59
+
+
+def test_fit_of_nothing_but_bad_rows_is_none_not_an_error():
+    rows = synthetic_rows(np.random.default_rng(8), 20)
+    rows[:, -1] = 0.0
+    assert _fit_quietly(rows) is None
+    with pytest.raises(ValueError, match=r"rows must be \[n, 9\]"):
+        fit_rank_times(np.zeros((4, 3)), FLOPS)
+
+
+def _single_rank_sampler():
+    """The sampler of a one-GPU run: one rank, 4096 tokens, 32 samples a step."""
+    from ringpack.data import BalancedBatchSampler
+
+    lengths = np.random.default_rng(11).integers(100, 4000, 2_000).tolist()
+    return BalancedBatchSampler(lengths, 0, 1, 1, 4096, samples_per_step=32)
+
+
+def _train(learner, tickets, steps: int, seconds_of=None) -> list:
+    """Feed ``steps`` steps of true times (``seconds_of(k, true)`` replaces the k-th micro-batch's) to the learner."""
+    results = []
+    for k, ticket in enumerate(tickets):
+        feats, _ = microbatch_features(ticket.microbatch)
+        seconds = float(true_seconds(feats)[0])
+        learner.record({"microbatch": ticket.microbatch, "microbatch_index": ticket.index}, seconds_of(k, seconds))
+        if ticket.index + 1 == ticket.microbatches_in_step:
+            results.append(learner.end_step())
+            if len(results) == steps:
+                break
+    return results
+
+
+@pytest.mark.parametrize("bad", [0.0, float("nan"), -0.002, float("inf")])
+def test_one_bad_timing_does_not_stop_the_run(one_rank_group, bad, caplog):
+    """One bad micro-batch time among good ones: end_step() goes on, the fit is made, the bad one counted."""
+    sampler = _single_rank_sampler()
+    learner = CostLearner(sampler, 0)
+    with caplog.at_level(logging.WARNING, logger="ringpack.analysis.calibration.online"):
+        results = _train(learner, iter(sampler), 12, lambda k, s: bad if k in (40, 41, 90) else s)
+    assert learner.bad_observations == 3
+    assert any(results), "a fit was accepted"
+    assert learner.model.pair / learner.model.token == pytest.approx(TRUTH.pair / TRUTH.token, rel=0.01)
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "bad observation" in warned[0].getMessage(), "logged once"
+
+
+def test_a_fit_numpy_cannot_make_keeps_the_model_and_is_logged_once(one_rank_group, monkeypatch, caplog):
+    from ringpack.analysis.calibration import online
+
+    def hopeless(rows, prior):
+        raise np.linalg.LinAlgError("SVD did not converge in Linear Least Squares")
+
+    monkeypatch.setattr(online, "fit_rank_times", hopeless)
+    sampler = _single_rank_sampler()
+    learner = CostLearner(sampler, 0, config=LearnerConfig(warmup_steps=0, first_fit_after=1))
+    before = learner.model
+    with caplog.at_level(logging.WARNING, logger="ringpack.analysis.calibration.online"):
+        results = _train(learner, iter(sampler), 6, lambda k, s: s)
+    assert results == [None] * 6 and learner.model == before and not learner.history
+    assert [r.getMessage() for r in caplog.records] == [
+        "CostLearner: no fit could be made (SVD did not converge in Linear Least Squares); "
+        "the planner keeps its cost model"
+    ]
+
+
+def test_record_refuses_what_is_not_a_time():
+    sampler = _single_rank_sampler()
+    learner = CostLearner(sampler, 0)
+    ticket = next(iter(sampler))
+    batch = {"microbatch": ticket.microbatch, "microbatch_index": ticket.index}
+    for seconds in ("0.1", None, True, np.array([0.1, 0.2])):
+        with pytest.raises(TypeError, match="CostLearner.record: seconds must be"):
+            learner.record(batch, seconds)
+    with pytest.raises(TypeError, match="'microbatch' and 'microbatch_index'"):
+        learner.record({"input_ids": 1}, 0.1)
+    learner.record(batch, np.float32(0.01))
+    import torch
+
+    learner.record(batch, torch.tensor(0.01))
+    with pytest.raises(TypeError, match="sampler must be a BalancedBatchSampler"):
+        CostLearner(None, 0)
+    with pytest.raises(PlanError, match="cp_rank must be a whole number"):
+        CostLearner(sampler, 1)
+    with pytest.raises(TypeError, match="config must be a LearnerConfig"):
+        CostLearner(sampler, 0, config={"warmup_steps": 0})
+
+
+# ------------------------------------------------------------------------------- learner state
+
+
+def _state_with_rows(steps: int = 6):
+    """A single-rank learner's state after ``steps`` steps without a fit (no group needed)."""
+    sampler = _single_rank_sampler()
+    learner = CostLearner(sampler, 0, config=LearnerConfig(first_fit_after=100))
+    _train(learner, iter(sampler), steps, lambda k, s: s)
+    return json.loads(json.dumps(learner.state_dict()))
+
+
+@pytest.mark.parametrize(
+    "change, says",
+    [
+        (dict(step=-5), "CostLearner state step: -5 is not a count"),
+        (dict(step=2.7), "CostLearner state step: 2.7 is not a count"),
+        (dict(last_fit="3"), "CostLearner state last_fit: '3' is not a count"),
+        (dict(last_fit=10**6), "CostLearner state last_fit: 1000000 is after step"),
+        (dict(version=7), "CostLearner state version 7"),
+        (dict(history=[[1.0, 2e-6]]), r"CostLearner state history\[0\]: not a fit"),
+        (dict(history=[[1.0, -2e-6, 1e-10, 0, 0, 0, 0, 0, 0]]), r"history\[0\]: not a fit"),
+        (dict(history="none"), "CostLearner state history: a list of fits"),
+        (dict(rows=[[1.0, 2.0]]), "CostLearner state rows: every row needs 9 values"),
+        (dict(unread={"a": 1}), "CostLearner state unread: every row needs 9 values"),
+        (dict(bad_observations=-1), "CostLearner state bad_observations: -1 is not a count"),
+        (dict(void=[[1, 2]]), "CostLearner state void: every row needs 3 values"),
+    ],
+)
+def test_load_refuses_a_malformed_state_in_one_line_naming_the_key(change, says):
+    state = _state_with_rows()
+    learner = CostLearner(_single_rank_sampler(), 0)
+    before = learner.state_dict()
+    with pytest.raises(DataError, match=says) as info:
+        learner.load_state_dict({**state, **change})
+    assert "\n" not in str(info.value)
+    assert learner.state_dict() == before, "a refused state installs nothing"
+
+
+def test_load_refuses_string_seconds_naming_the_row_and_column():
+    state = _state_with_rows()
+    state["rows"][2][-1] = "0.01"
+    with pytest.raises(DataError, match=r"CostLearner state rows\[2\] seconds: '0.01' is not a number"):
+        CostLearner(_single_rank_sampler(), 0).load_state_dict(state)
+
+
+@pytest.mark.parametrize("key", ["version", "step", "last_fit", "history", "rows", "unread", "open"])
+def test_load_names_a_missing_key(key):
+    state = _state_with_rows()
+    del state[key]
+    with pytest.raises(DataError, match=f"CostLearner state lacks '{key}'"):
+        CostLearner(_single_rank_sampler(), 0).load_state_dict(state)
+    with pytest.raises(DataError, match="not a CostLearner state"):
+        CostLearner(_single_rank_sampler(), 0).load_state_dict([state])
+
+
+def test_a_state_with_bad_rows_loads_counts_them_and_fits_next(one_rank_group, caplog):
+    state = _state_with_rows()
+    assert len(state["rows"]) > 20
+    state["rows"][0][-1] = 0.0
+    state["rows"][1][-1] = float("nan")  # what json writes and reads back for a NaN
+    state["rows"][2][-1] = -1.0
+    state["rows"][3][5] = 1e308
+    state["unread"][0][-1] = float("inf")
+    sampler = _single_rank_sampler()
+    learner = CostLearner(sampler, 0, config=LearnerConfig(first_fit_after=1))
+    with caplog.at_level(logging.WARNING, logger="ringpack.analysis.calibration.online"):
+        learner.load_state_dict(state)
+    assert learner.bad_observations == 5
+    assert "dropped 5 bad observation(s)" in caplog.text
+    assert len(learner.state_dict()["rows"]) == len(state["rows"]) - 4
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fit = learner.end_step()  # the next fit: over the rows that were kept
+    assert fit is not None and fit.unusable == 0
+    assert learner.model.pair / learner.model.token == pytest.approx(TRUTH.pair / TRUTH.token, rel=0.01)
+    again = CostLearner(_single_rank_sampler(), 0)
+    again.load_state_dict(json.loads(json.dumps(learner.state_dict())))
+    assert again.bad_observations == 5 and again.history == learner.history
+
+
+def test_a_state_of_an_earlier_version_without_the_new_keys_still_loads():
+    state = _state_with_rows()
+    for key in ("void", "bad_observations"):
+        del state[key]
+    state["history"] = [[1.0, 2e-6, 1.5e-10, 3e-5, 4e-3, 0.01, 0.02, 30 + 1e6 * 2]]  # 8 values: no unusable count
+    learner = CostLearner(_single_rank_sampler(), 0)
+    learner.load_state_dict(state)
+    assert learner.bad_observations == 0
+    assert learner.history[0].used == 30 and learner.history[0].dropped == 2 and learner.history[0].unusable == 0
+
+
 # ------------------------------------------------------------------------------ over real ranks
 
 DP, CP = 2, 2
@@ -199,6 +475,57 @@ def test_every_rank_learns_the_same_model_and_switches_at_the_same_step(learned)
 @pytest.mark.slow
 def test_a_resumed_sampler_replays_the_switches(learned):
     assert all(r["rest_matches_resume"] for r in learned)
+
+
+def _bad_times_worker(rank: int, world: int) -> dict:
+    """DP=1 x CP=2: rank 1 reports a bad time for every 5th micro-batch, rank 0 never does."""
+    from ringpack.data import BalancedBatchSampler
+
+    sampler = BalancedBatchSampler(_lengths(), 0, 1, 2, 6_000, samples_per_step=40, seed=3, cost=FLOPS)
+    learner = CostLearner(sampler, rank, config=LearnerConfig(warmup_steps=1, first_fit_after=2, refit_every=2))
+    fitted, fit = [], learner._fit
+    learner._fit = lambda rows: (fitted.append(rows.tolist()), fit(rows))[1]  # what each fit was given
+    steps = coupled_bad = 0
+    for k, ticket in enumerate(sampler):
+        feats, coupled = microbatch_features(ticket.microbatch)
+        seconds = true_seconds(feats)
+        seconds = float(seconds.max() if coupled else seconds[rank])
+        if rank == 1 and k % 5 == 0:
+            seconds = [0.0, float("nan"), -1.0, float("inf")][k % 4]
+            coupled_bad += bool(coupled) and ticket.step >= 1
+        learner.record({"microbatch": ticket.microbatch, "microbatch_index": ticket.index}, seconds)
+        if ticket.index + 1 == ticket.microbatches_in_step:
+            learner.end_step()
+            steps += 1
+            if steps == 12:
+                break
+    return {
+        "model": learner.model.to_dict(),
+        "switches": sampler.state_dict()["cost_switches"],
+        "fits": [dataclasses.asdict(f) for f in learner.history],
+        "bad": learner.bad_observations,
+        "coupled_bad": coupled_bad,
+        "fitted": fitted,
+        "void": learner.state_dict()["void"],
+    }
+
+
+@pytest.mark.slow
+def test_ranks_agree_when_one_rank_has_bad_times():
+    """Only rank 1 sees bad times: both ranks still fit the same rows, switch at the same step, never hang."""
+    first, second = run_ranks(_bad_times_worker, 2, timeout_s=60, join_s=180, name="bad-times")
+    assert first["bad"] == 0 and second["bad"] > 0
+    assert second["coupled_bad"] > 0, "some bad times hit micro-batches whose ranks wait on each other"
+    assert first["switches"] and first["switches"] == second["switches"]
+    assert first["model"] == second["model"] and first["fits"] == second["fits"]
+    assert all(f["unusable"] == 0 for f in first["fits"]), "the bad rows never reached the fit"
+    assert first["fitted"] == second["fitted"], "every rank fits the same rows"
+    void = {tuple(key) for key in second["void"]}
+    assert void, "rank 1 lost its time of some coupled micro-batches"
+    seen = {tuple(row[:3]) for rows in first["fitted"] for row in rows if row[7]}
+    assert seen and not seen & void, "rank 0's time of such a micro-batch is left out too"
+    model = CostModel.from_dict(first["model"])
+    assert model.pair / model.token == pytest.approx(TRUTH.pair / TRUTH.token, rel=0.01)
 
 
 def test_rows_have_the_documented_columns():

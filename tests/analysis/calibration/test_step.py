@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 
 import numpy as np
 import pytest
@@ -10,14 +11,19 @@ import torch
 
 from ringpack.analysis.calibration.online import microbatch_features
 from ringpack.analysis.calibration.step import (
+    CPU_ATTENTION_BYTES,
+    DEFAULT_TOKENS_PER_RANK,
     StepCalibrationConfig,
     calibrate_step,
+    check_cpu_budget,
     held_out_errors,
     model_config,
     predicted_busy,
+    reference_attention_bytes,
     step_cases,
 )
 from ringpack.cost import PRESETS, CostModel
+from ringpack.errors import DataError, PlanError
 from ringpack.shard_plan import Piece, Step, microbatch_from_shards
 from tests.helpers.cli import run_cli
 
@@ -62,6 +68,27 @@ def test_fits_the_planner_must_not_use_are_refused_on_a_gpu_and_kept_with_a_warn
     with caplog.at_level("WARNING", logger="ringpack.calibrate"):
         result = calibrate_step(StepCalibrationConfig(**SMALL), time_shard=pairs_only)
     assert result.profile.token == 0 and "dry run keeps it" in caplog.text
+
+
+@pytest.mark.parametrize("bad", [0.0, float("nan"), -1e-3, float("inf")])
+def test_bad_shard_timings_are_left_out_of_the_fit_and_the_held_out_check(bad, caplog):
+    calls = []
+
+    def glitchy(case) -> float:  # every 9th shard's clock misbehaves
+        calls.append(case)
+        return bad if len(calls) % 9 == 0 else true_seconds(case)
+
+    with warnings.catch_warnings(), caplog.at_level("WARNING", logger="ringpack.calibrate"):
+        warnings.simplefilter("error")
+        result = calibrate_step(StepCalibrationConfig(**SMALL), time_shard=glitchy)
+    n_bad = len(calls) // 9
+    assert f"{n_bad} of {len(calls)} shard timings are not a usable time" in caplog.text
+    assert result.profile.pair == pytest.approx(TRUTH.pair, rel=0.01)
+    fit_bad = sum(1 for r in result.rows if r["set"] == "fit" and not 0 < r["seconds"] < np.inf)
+    assert result.fit.unusable >= fit_bad > 0
+    held = result.held_out
+    assert np.isfinite(held["shard_max"]) and held["shard_max"] < 0.01
+    assert held["shards"] < sum(1 for r in result.rows if r["set"] == "held-out")
 
 
 def test_shards_span_whole_samples_split_samples_and_small_microbatches():
@@ -204,3 +231,127 @@ def test_cli_refuses_what_step_scope_cannot_do(tmp_path, monkeypatch):
     assert run.code == 2 and "needs a GPU" not in run.err and "GPU" in run.err
     assert len(run.err.strip().splitlines()) == 1
     assert not (tmp_path / "p.json").exists()
+
+
+# ------------------------------------------------------------------------------- the CPU dry run
+
+
+def test_a_cpu_dry_run_defaults_to_a_cpu_sized_budget():
+    assert StepCalibrationConfig(device="cpu").tokens_per_rank == DEFAULT_TOKENS_PER_RANK["cpu"] == 1024
+    assert StepCalibrationConfig().tokens_per_rank == DEFAULT_TOKENS_PER_RANK["cuda"] == 65536
+    assert StepCalibrationConfig(device="cpu", tokens_per_rank=2048).tokens_per_rank == 2048
+    check_cpu_budget(StepCalibrationConfig(device="cpu"), PRESETS["llama-1b"])  # the default fits
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("tokens_per_rank", 2.5),
+        ("tokens_per_rank", 0),
+        ("cp", True),
+        ("reps", "2"),
+        ("warmup", -1),
+        ("max_len", 1.0),
+        ("seed", None),
+        ("device", "tpu"),
+        ("model", ""),
+        ("dtype", "fp8"),
+        ("grad_ckpt", "yes"),
+    ],
+)
+def test_config_refuses_a_bad_field_naming_it(field, value):
+    with pytest.raises(PlanError, match=f"StepCalibrationConfig.{field} must be"):
+        StepCalibrationConfig(**{field: value})
+
+
+def test_cpu_budget_refuses_what_a_cpu_cannot_hold_naming_the_flag():
+    tiny = PRESETS["tiny"]
+    with pytest.raises(
+        PlanError, match=r"--device cpu: at 65536 tokens per rank .* --tokens-per-rank of at most (\d+)"
+    ) as info:
+        check_cpu_budget(StepCalibrationConfig(device="cpu", tokens_per_rank=65536), tiny)
+    most = int(str(info.value).split("at most ")[1].split()[0])
+    assert reference_attention_bytes(most, tiny.heads) <= CPU_ATTENTION_BYTES < reference_attention_bytes(most + 1, 4)
+    check_cpu_budget(StepCalibrationConfig(device="cpu", tokens_per_rank=most), tiny)
+    check_cpu_budget(StepCalibrationConfig(tokens_per_rank=65536), tiny)  # a GPU is not the CPU's business
+    with pytest.raises(PlanError, match="llama3-8b has 8.0B parameters.*--model tiny"):
+        check_cpu_budget(StepCalibrationConfig(device="cpu"), PRESETS["llama3-8b"])
+
+
+def _no_timing(monkeypatch):
+    """Make any shard timing fail the test: bad input must be refused before the model is timed."""
+    from ringpack.analysis.calibration.step import ModelStepTimer
+
+    def timed(self, case):
+        raise AssertionError("a shard was timed")
+
+    monkeypatch.setattr(ModelStepTimer, "__call__", timed)
+
+
+def test_cli_dry_run_without_a_budget_times_cpu_sized_shards(tmp_path, monkeypatch):
+    from ringpack.analysis.calibration.step import ModelStepTimer
+
+    budgets = []
+
+    def deterministic(self, case):  # the shard is planned for real; the model is not run
+        budgets.append(sum(p.stop - p.start for p in case.pieces))
+        return true_seconds(case)
+
+    monkeypatch.setattr(ModelStepTimer, "__call__", deterministic)
+    out = tmp_path / "dry.json"
+    run = run_cli(
+        ["calibrate", "--scope", "step", "--device", "cpu", "--backend", "reference", "--model", "tiny"]
+        + ["--fit-mixes", "2", "--held-out-mixes", "1", "--microbatches", "1", "--out", out]
+    )
+    assert run.code == 0, run.err
+    assert budgets and max(budgets) <= 1024
+    report = json.loads((tmp_path / "dry.report.json").read_text())
+    assert report["meta"]["config"]["tokens_per_rank"] == 1024
+    assert "at 1024 tokens per rank" in run.err
+
+
+@pytest.mark.parametrize(
+    "config, says",
+    [
+        ({"hidden_size": 64}, "has no model_type"),
+        ({"model_type": "nosuchmodel"}, "model_type 'nosuchmodel' is not an architecture transformers knows"),
+        ({"model_type": 7}, "model_type 7 is not an architecture"),
+        ({"model_type": "llama", "hidden_size": "abc"}, "transformers refuses it: .*hidden_size"),
+        ({"model_type": "llama", "num_attention_heads": 0}, "transformers refuses it"),
+        ([1, 2], "is not a JSON object but a list"),
+        ("{bad", "is not JSON"),
+    ],
+)
+@pytest.mark.parametrize("as_folder", [False, True])
+def test_model_config_refuses_a_bad_file_in_one_line_naming_it(tmp_path, config, says, as_folder):
+    file = tmp_path / "m" / "config.json" if as_folder else tmp_path / "m.json"
+    file.parent.mkdir(exist_ok=True)
+    file.write_text(config if isinstance(config, str) else json.dumps(config))
+    with pytest.raises(DataError, match=says) as info:
+        model_config(str(file.parent if as_folder else file))
+    assert str(file) in str(info.value) and "\n" not in str(info.value)
+
+
+def test_model_config_refuses_a_folder_without_a_config(tmp_path):
+    with pytest.raises(DataError, match="the folder holds no config.json"):
+        model_config(str(tmp_path))
+
+
+def test_cli_refuses_bad_outputs_before_any_timing(tmp_path, monkeypatch):
+    _no_timing(monkeypatch)
+    (tmp_path / "afile").write_text("x")
+    report = tmp_path / "old.report.json"
+    report.write_text("{}")
+    step = ["calibrate", "--scope", "step", "--device", "cpu", "--backend", "reference", "--model", "tiny"]
+    for argv, says in (
+        (step + ["--out", tmp_path / "p.json", "--report", tmp_path / "p.json"], "is the --out profile"),
+        (step + ["--out", tmp_path / "a" / ".." / "p.json", "--report", tmp_path / "p.json"], "is the --out profile"),
+        (step + ["--out", tmp_path / "afile" / "p.json"], "afile is a file, not a folder"),
+        (step + ["--out", tmp_path / "p.json", "--report", tmp_path / "afile" / "deep" / "r.json"], "is a file"),
+        (step + ["--out", tmp_path], "is a directory"),
+        (step + ["--tokens-per-rank", "65536", "--out", tmp_path / "p.json"], "--tokens-per-rank of at most"),
+        (["calibrate", "--refit", report, "--out", report], "must not overwrite the measured report"),
+    ):
+        run = run_cli(argv)
+        assert run.code == 1 and says in run.err and len(run.err.strip().splitlines()) == 1, (argv, run.err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "old.report.json"], "nothing written or made"
