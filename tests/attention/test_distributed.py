@@ -160,7 +160,7 @@ MISMATCH_RANKS = [0, 2]
 
 
 def mismatch_checks(rank: int, group) -> list[str]:
-    """Five broken set-ups on a 2-rank group, each followed by a healthy call on the same group."""
+    """Seven broken set-ups on a 2-rank group, each followed by a healthy call on the same group."""
     cp_rank = dist.get_rank(group)
     _, a, lengths = next(c for c in handmade_microbatches() if c[0] == "interleaved")  # cp=2
     b = microbatch_swap(a)
@@ -169,10 +169,14 @@ def mismatch_checks(rank: int, group) -> list[str]:
     k0 = problem.local(problem.k, cp_rank)
     messages = []
 
-    def attempt(sched: Schedule, mode: str = "ring", q=q0, k=k0) -> None:
+    def attempt(sched: Schedule, mode: str = "ring", q=q0, k=k0, grad: bool = False, grad_mode: bool = True) -> None:
+        q, k = (x.detach().requires_grad_(grad) for x in (q, k))
         try:
-            ring_attention(q, k, k, sched, group=group, mode=mode, backend="reference")
+            with torch.set_grad_enabled(grad_mode):
+                out = ring_attention(q, k, k, sched, group=group, mode=mode, backend="reference")
             messages.append("no error")
+            if out.requires_grad:  # a rank that got through would now wait in backward for its peer
+                out.sum().backward()
         except (ScheduleMismatchError, ValueError) as exc:
             messages.append(f"{type(exc).__name__}: {exc}")
         # the group must still work: a correct call right after
@@ -183,6 +187,9 @@ def mismatch_checks(rank: int, group) -> list[str]:
     attempt(compile_schedule(a, cp_rank), mode="ring" if cp_rank == 0 else "allgather")  # different modes
     short = slice(None) if cp_rank == 0 else slice(0, -1)
     attempt(compile_schedule(a, cp_rank), q=q0[short], k=k0[short])  # one rank's tokens do not fit its schedule
+    attempt(compile_schedule(a, cp_rank), grad=cp_rank == 0)  # only rank 0's inputs require grad
+    # both require grad, but rank 1 runs under no_grad (all-gather mode: its backward has collectives too)
+    attempt(compile_schedule(a, cp_rank), mode="allgather", grad=True, grad_mode=cp_rank == 0)
     # rank 0 reuses a schedule object it already checked for another micro-batch: caught in DETAIL mode
     old = compile_schedule(a, cp_rank)
     ring_attention(q0, k0, k0, old, group=group, backend="reference")
@@ -317,13 +324,16 @@ def test_mismatched_plans_raise_on_every_rank_instead_of_hanging(spawned):
     _, results = spawned
     checked = [results[r]["mismatch"] for r in MISMATCH_RANKS]
     for messages in checked:
-        assert len(messages) == 5
+        assert len(messages) == 7
         assert all(m.startswith("ScheduleMismatchError") for m in messages), messages
         assert "micro-batches" in messages[0] and "ranks [0]" in messages[0] and "ranks [1]" in messages[0]
         assert "cp rank" in messages[1]
         assert "modes" in messages[2]
         assert "ranks [1] got q/k/v" in messages[3]
-        assert "micro-batches" in messages[4]
+        for grads in messages[4:6]:  # the ranks that would and would not run the backward, on both
+            assert "whether the call needs gradients" in grads, grads
+            assert "ranks [0]: with gradients; ranks [1]: without gradients" in grads, grads
+        assert "micro-batches" in messages[6]
     assert "q has" in checked[1][3]  # the rank with the bad input says what is wrong
 
 
