@@ -30,7 +30,7 @@ try:
 except ImportError:  # a torch build without distributed support
     DeviceMesh = None
 
-__all__ = ["MODES", "RingAttention", "process_group", "ring_attention", "verify_schedule"]
+__all__ = ["MODES", "RingAttention", "mesh_dimension", "process_group", "ring_attention", "verify_schedule"]
 
 MODES = ("ring", "allgather")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -142,6 +142,36 @@ def process_group(group: dist.ProcessGroup | DeviceMesh | None) -> dist.ProcessG
             )
         return group.get_group()
     raise DataError(f"group must be a ProcessGroup, a 1-D DeviceMesh or None, got {type(group).__name__}")
+
+
+def mesh_dimension(mesh: DeviceMesh, dim: str, argument: str = "mesh") -> DeviceMesh:
+    """The 1-D mesh of dimension ``dim``: ``mesh[dim]`` of a larger mesh, or ``mesh`` itself when it is
+    1-D and of that dimension (or unnamed).
+
+    Args:
+        mesh: a ``torch.distributed.DeviceMesh``.
+        dim: the dimension's name.
+        argument: the caller's name for ``mesh``, for the error message.
+
+    Raises:
+        DataError: ``mesh`` not a DeviceMesh, ``dim`` not a string, a mesh without that dimension,
+            or a 1-D mesh of another dimension (``mesh["dp"]`` given where the CP one belongs).
+    """
+    if DeviceMesh is None or not isinstance(mesh, DeviceMesh):
+        raise DataError(f"{argument} must be a torch.distributed DeviceMesh, got {type(mesh).__name__}")
+    if not isinstance(dim, str):
+        raise DataError(f"the mesh dimension name must be a string, got {dim!r}")
+    names = mesh.mesh_dim_names or ()
+    if mesh.ndim == 1:
+        if names and names[0] != dim:
+            raise DataError(
+                f"{argument} is the 1-D DeviceMesh of dimension {names[0]!r}, not {dim!r}: pass mesh[{dim!r}] "
+                "(or name the dimension it is)"
+            )
+        return mesh
+    if dim not in names:
+        raise DataError(f"{argument}: the DeviceMesh has no dimension {dim!r} (its dimensions: {names})")
+    return mesh[dim]
 
 
 def check_inputs(
