@@ -115,10 +115,9 @@ def ring_attention(
     # transfers and collectives read a tensor's storage as dense rows; kernels need dense rows too.
     q, k, v = (x if x.is_contiguous() else x.contiguous() for x in (q, k, v))
     if torch.compiler.is_compiling():  # the engine as one opaque op (transfers cannot live in a graph)
-        problem = _shape_problem(q, k, v)  # the schedule's fields are read when the op runs
-        if problem:
-            raise DataError(problem)
-        backend, scale = _resolve(backend, softmax_scale, q)
+        # bad shapes or dtypes are reported when the op runs, by the group check (every rank raises);
+        # until then the backend and scale of such inputs need only be placeholders
+        backend, scale = ("reference", 1.0) if _shape_problem(q, k, v) else _resolve(backend, softmax_scale, q)
         return traced.ring_attention_op(q, k, v, schedule, group, mode, scale, backend, part_rows, training)
     check_inputs(q, k, v, schedule, group, mode, needs_grad=training)
     backend, scale = _resolve(backend, softmax_scale, q)
