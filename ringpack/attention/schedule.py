@@ -329,6 +329,8 @@ class _PieceTable:
         rows = []
         for r, shard in enumerate(mb.shards):
             for p in shard.pieces:
+                if not isinstance(p, Piece):
+                    raise PlanError(f"cp rank {r}: microbatch.shards[{r}].pieces must all be Piece objects")
                 if p.sample not in slot_of:
                     raise PlanError(f"cp rank {r}: piece of sample {p.sample}, which the micro-batch does not list")
                 rows.append((r, slot_of[p.sample], p.start, p.stop))
@@ -738,9 +740,6 @@ def _check_microbatch(microbatch: MicroBatch) -> None:
         raise PlanError("microbatch.shards must be a sequence of RankShard, one per CP rank")
     if not isinstance(microbatch.samples, Sequence) or not all(_is_int(x) for x in microbatch.samples):
         raise PlanError(f"microbatch.samples must be a sequence of sample indices, got {microbatch.samples!r:.100}")
-    for r, shard in enumerate(microbatch.shards):
-        if not all(isinstance(p, Piece) for p in shard.pieces):
-            raise PlanError(f"cp rank {r}: microbatch.shards[{r}].pieces must all be Piece objects")
 
 
 def _check_pieces(rank, slot, start, stop, samples) -> None:
