@@ -144,6 +144,8 @@ class CostModel:
     @classmethod
     def from_shape(cls, shape: ModelShape, flops_per_second: float = 4.0e14) -> CostModel:
         """FLOPs of one forward+backward: 6 per weight per token; 4*d*H per pair forward, x3.5."""
+        if not isinstance(shape, ModelShape):
+            raise PlanError(f"shape must be a ModelShape, got {type(shape).__name__}")
         token = 6.0 * shape.params
         pair = 4.0 * shape.head_dim * shape.heads * 3.5 * shape.layers
         return cls(token=token, pair=pair, unit="flop", name=shape.name, flops_per_second=flops_per_second)

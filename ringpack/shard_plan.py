@@ -366,7 +366,16 @@ class Plan:
         return len(self.steps)
 
     def microbatch(self, step: int, dp_rank: int, index: int) -> MicroBatch:
-        return self.steps[step].microbatches[dp_rank][index]
+        """Micro-batch ``index`` of DP rank ``dp_rank`` in step ``step``; PlanError naming an index out of range."""
+        for name, value, count in (("step", step, len(self.steps)), ("dp_rank", dp_rank, self.config.dp)):
+            if not _is_int(value) or not 0 <= value < count:
+                raise PlanError(f"{name} must be an integer in [0, {count}), got {value!r}")
+        mbs = self.steps[step].microbatches[dp_rank]
+        if not _is_int(index) or not 0 <= index < len(mbs):
+            raise PlanError(
+                f"index must be an integer in [0, {len(mbs)}) (step {step}, dp rank {dp_rank}), got {index!r}"
+            )
+        return mbs[index]
 
     def iter_microbatches(self) -> Iterator[tuple[int, int, int, MicroBatch]]:
         """Yield ``(step, dp_rank, index, microbatch)`` in plan order."""
@@ -649,9 +658,13 @@ class Plan:
         rank shards, mostly empty, is refused as corrupt.
 
         Raises:
-            PlanError: missing or unknown metadata keys or columns, mistyped or null values,
-                counts that disagree with the rows, a hash mismatch, or a broken invariant.
+            PlanError: not a pyarrow Table, missing or unknown metadata keys or columns, mistyped or
+                null values, counts that disagree with the rows, a hash mismatch, or a broken invariant.
         """
+        import pyarrow as pa
+
+        if not isinstance(table, pa.Table):
+            raise PlanError(f"table must be a pyarrow Table of a plan, got {type(table).__name__}")
         meta, lengths, origins = _table_metadata(table)
         config = PlanConfig.from_dict(meta["config"])
         cols = _table_columns(table)

@@ -1,15 +1,18 @@
 """Public entry points: :func:`ring_attention` (shaped like ``flash_attn_varlen_func``) and :class:`RingAttention`.
 
 Before the first transfer of a schedule in a process group, the ranks all-gather one small row
-(schedule fingerprint, CP rank and size, mode, K/V shape and dtype, and whether the local inputs
-match the schedule) and every rank raises the same :class:`ScheduleMismatchError` naming the ranks
-that disagree. That is how ranks given different micro-batches fail fast instead of hanging in a
-send that is never received. The check runs once per schedule (one micro-batch), not per layer.
+(schedule fingerprint, CP rank and size, mode, K/V shape and dtype, whether gradients are needed,
+and whether the local inputs match the schedule) and every rank raises the same
+:class:`ScheduleMismatchError` naming the ranks that disagree. That is how ranks given different
+micro-batches, or of which only some will run a backward, fail fast instead of hanging in a
+transfer that is never matched. The check runs once per schedule (one micro-batch), not per layer.
 """
 
 from __future__ import annotations
 
 import functools
+import math
+import numbers
 
 import torch
 import torch.distributed as dist
@@ -17,20 +20,26 @@ from torch import Tensor, nn
 
 from ringpack.attention import ring, traced
 from ringpack.attention.allgather import AllGatherTransport, all_gather_flat
-from ringpack.attention.kernels import resolve_backend
+from ringpack.attention.kernels import BACKENDS, resolve_backend
 from ringpack.attention.ring import ContextParallelAttention, RingTransport
 from ringpack.attention.schedule import Schedule, ScheduleMismatchError
+from ringpack.errors import DataError
 
 try:
     from torch.distributed.device_mesh import DeviceMesh
 except ImportError:  # a torch build without distributed support
     DeviceMesh = None
 
-__all__ = ["MODES", "RingAttention", "process_group", "ring_attention", "verify_schedule"]
+__all__ = ["MODES", "RingAttention", "mesh_dimension", "process_group", "ring_attention", "verify_schedule"]
 
 MODES = ("ring", "allgather")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_ROW = ("fingerprint", "cp_rank", "cp_size", "mode", "kv_heads", "head_dim", "dtype", "bad_input")
+# The group check's row. "grad" (whether this rank will run the backward) rides in the all-gather
+# that a schedule's first use makes anyway: one more int64 in the message, no extra collective or
+# host synchronisation, and nothing on calls that find the schedule checked. Measured on 2 gloo CPU
+# processes: the all-gather takes 0.2-0.4 ms with 8 or 9 ints alike (latency, not bytes); the host
+# checks of every call (argument types, shapes) take about 3.5 us, 0.5 us more than before them.
+_ROW = ("fingerprint", "cp_rank", "cp_size", "mode", "kv_heads", "head_dim", "dtype", "grad", "bad_input")
 
 
 def ring_attention(
@@ -82,19 +91,22 @@ def ring_attention(
 
     Raises:
         NotImplementedError: ``causal=False``.
-        ValueError: an unknown ``mode`` or ``backend``, a backend that cannot run these tensors,
-            a DeviceMesh of more than one dimension, or (with ``cp_size == 1``) q/k/v that do not
-            fit each other or the schedule.
-        TypeError: a ``group`` that is neither a ProcessGroup, a DeviceMesh nor None.
+        DataError: (a ``ValueError``) ``q``, ``k``, ``v`` that are not tensors, a ``schedule`` that
+            is not a :class:`Schedule`, a ``group`` that is neither a ProcessGroup, a 1-D
+            DeviceMesh nor None, an unknown ``mode`` or ``backend``, a backend that cannot run
+            these tensors, a ``softmax_scale`` that is not a finite positive number, a ``causal``
+            that is not a bool; and (with ``cp_size == 1``) q/k/v that do not fit each other or the
+            schedule: not ``[tokens, heads, head_dim]``, no heads or an empty head dim, a dtype
+            other than float16, bfloat16, float32 or float64. Each message names the argument.
         ScheduleMismatchError: on every rank, before any transfer, when the ranks hold schedules of
-            different micro-batches or CP ranks, disagree on mode, K/V heads, head dim or dtype,
-            or some rank's q/k/v do not fit its schedule.
+            different micro-batches or CP ranks, disagree on mode, K/V heads, head dim, dtype or
+            on whether this call needs gradients (only some ranks would run the backward), or
+            some rank's q/k/v do not fit its schedule.
     """
+    _check_arguments(q, k, v, schedule, softmax_scale, causal, backend)
     if not causal:
         raise NotImplementedError("ring_attention supports causal attention only")
     _check_mode(mode)
-    backend = resolve_backend(backend, q)
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     group = process_group(group)
     # without gradients, remote blocks go in row chunks: the forward then holds small partial results
     training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
@@ -103,8 +115,12 @@ def ring_attention(
     # transfers and collectives read a tensor's storage as dense rows; kernels need dense rows too.
     q, k, v = (x if x.is_contiguous() else x.contiguous() for x in (q, k, v))
     if torch.compiler.is_compiling():  # the engine as one opaque op (transfers cannot live in a graph)
-        return traced.ring_attention_op(q, k, v, schedule, group, mode, scale, backend, part_rows)
-    check_inputs(q, k, v, schedule, group, mode)
+        # bad shapes or dtypes are reported when the op runs, by the group check (every rank raises);
+        # until then the backend and scale of such inputs need only be placeholders
+        backend, scale = ("reference", 1.0) if _shape_problem(q, k, v) else _resolve(backend, softmax_scale, q)
+        return traced.ring_attention_op(q, k, v, schedule, group, mode, scale, backend, part_rows, training)
+    check_inputs(q, k, v, schedule, group, mode, needs_grad=training)
+    backend, scale = _resolve(backend, softmax_scale, q)
     return ContextParallelAttention.apply(q, k, v, schedule, transport_factory(mode, group), scale, backend, part_rows)
 
 
@@ -112,35 +128,76 @@ def process_group(group: dist.ProcessGroup | DeviceMesh | None) -> dist.ProcessG
     """The process group behind ``group``: a ProcessGroup or None as it is, a 1-D DeviceMesh's group.
 
     Raises:
-        ValueError: a DeviceMesh of more than one dimension (pass its CP dimension, ``mesh["cp"]``).
-        TypeError: anything else.
+        DataError: a DeviceMesh of more than one dimension (pass its CP dimension, ``mesh["cp"]``),
+            or anything that is neither a ProcessGroup, a DeviceMesh nor None.
     """
     if group is None or isinstance(group, dist.ProcessGroup):
         return group
     if DeviceMesh is not None and isinstance(group, DeviceMesh):
         if group.ndim != 1:
-            raise ValueError(
-                f"the CP group must be a 1-D DeviceMesh, got one of dims {group.mesh_dim_names or group.ndim}; "
+            raise DataError(
+                f"group: the CP group must be a 1-D DeviceMesh, got one of dims {group.mesh_dim_names or group.ndim}; "
                 "pass its CP dimension, e.g. mesh['cp']"
             )
         return group.get_group()
-    raise TypeError(f"group must be a ProcessGroup, a 1-D DeviceMesh or None, got {type(group).__name__}")
+    raise DataError(f"group must be a ProcessGroup, a 1-D DeviceMesh or None, got {type(group).__name__}")
+
+
+def mesh_dimension(mesh: DeviceMesh, dim: str, argument: str = "mesh") -> DeviceMesh:
+    """The 1-D mesh of dimension ``dim``: ``mesh[dim]`` of a larger mesh, or ``mesh`` itself when it is
+    1-D and of that dimension (or unnamed).
+
+    Args:
+        mesh: a ``torch.distributed.DeviceMesh``.
+        dim: the dimension's name.
+        argument: the caller's name for ``mesh``, for the error message.
+
+    Raises:
+        DataError: ``mesh`` not a DeviceMesh, ``dim`` not a string, a mesh without that dimension,
+            or a 1-D mesh of another dimension (``mesh["dp"]`` given where the CP one belongs).
+    """
+    if DeviceMesh is None or not isinstance(mesh, DeviceMesh):
+        raise DataError(f"{argument} must be a torch.distributed DeviceMesh, got {type(mesh).__name__}")
+    if not isinstance(dim, str):
+        raise DataError(f"the mesh dimension name must be a string, got {dim!r}")
+    names = mesh.mesh_dim_names or ()
+    if mesh.ndim == 1:
+        if names and names[0] != dim:
+            raise DataError(
+                f"{argument} is the 1-D DeviceMesh of dimension {names[0]!r}, not {dim!r}: pass mesh[{dim!r}] "
+                "(or name the dimension it is)"
+            )
+        return mesh
+    if dim not in names:
+        raise DataError(f"{argument}: the DeviceMesh has no dimension {dim!r} (its dimensions: {names})")
+    return mesh[dim]
 
 
 def check_inputs(
-    q: Tensor, k: Tensor, v: Tensor, schedule: Schedule, group: dist.ProcessGroup | None, mode: str
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    schedule: Schedule,
+    group: dist.ProcessGroup | None,
+    mode: str,
+    *,
+    needs_grad: bool,
 ) -> None:
     """Raise unless this rank's q/k/v fit ``schedule`` and the group agrees on it (collective when ``cp_size > 1``).
 
+    ``needs_grad``: whether this call will run a backward on this rank (its output requires grad).
+
     Raises:
-        ValueError: (with ``cp_size == 1``) q/k/v that do not fit each other or the schedule.
+        DataError: (with ``cp_size == 1``) q/k/v that do not fit each other or the schedule.
         ScheduleMismatchError: as :func:`ring_attention` says, on every rank of the group.
     """
     problem = _input_problem(q, k, v, schedule)
     if schedule.cp_size > 1:
-        verify_schedule(schedule, group if group is not None else dist.group.WORLD, mode, k, problem)
+        verify_schedule(
+            schedule, group if group is not None else dist.group.WORLD, mode, k, problem, needs_grad=needs_grad
+        )
     if problem:
-        raise ValueError(problem)
+        raise DataError(problem)
 
 
 def transport_factory(mode: str, group: dist.ProcessGroup | None) -> ring.TransportFactory:
@@ -163,8 +220,9 @@ class RingAttention(nn.Module):
     schedule and returns ``out (T, H, D)`` in ``q``'s dtype, raising as :func:`ring_attention` does.
 
     Raises:
-        ValueError: an unknown ``mode``, a DeviceMesh of more than one dimension.
-        TypeError: a ``group`` that is neither a ProcessGroup, a DeviceMesh nor None.
+        DataError: an unknown ``mode`` or ``backend``, a ``softmax_scale`` that is not a finite
+            positive number, a DeviceMesh of more than one dimension, or a ``group`` that is
+            neither a ProcessGroup, a DeviceMesh nor None.
     """
 
     def __init__(
@@ -176,6 +234,8 @@ class RingAttention(nn.Module):
     ) -> None:
         super().__init__()
         _check_mode(mode)
+        _check_backend(backend)
+        _check_scale(softmax_scale)
         group = process_group(group)
         self.group, self.mode, self.softmax_scale, self.backend = group, mode, softmax_scale, backend
 
@@ -189,42 +249,105 @@ class RingAttention(nn.Module):
 
 
 def _check_mode(mode: str) -> None:
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if not isinstance(mode, str) or mode not in MODES:
+        raise DataError(f"mode must be one of {MODES}, got {mode!r}")
 
 
-def _input_problem(q: Tensor, k: Tensor, v: Tensor, schedule: Schedule) -> str | None:
-    """Why this rank's inputs cannot run ``schedule`` (None if they can)."""
+def _check_backend(backend: str) -> None:
+    if not isinstance(backend, str) or (backend != "auto" and backend not in BACKENDS):
+        raise DataError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
+
+
+def _check_scale(scale: float | None) -> None:
+    # comparisons rather than math.isfinite: under torch.compile the scale may be a symbolic float
+    if scale is not None and (
+        isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not 0 < scale < math.inf
+    ):
+        raise DataError(f"softmax_scale must be None or a finite number > 0, got {scale!r}")
+
+
+def _check_arguments(q, k, v, schedule, softmax_scale, causal, backend) -> None:
+    """Raise :class:`DataError` naming the argument unless each has the type :func:`ring_attention`
+    takes. Local (no collective): without tensors or a schedule there is nothing to tell the group."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, Tensor):
+            raise DataError(f"{name} must be a torch.Tensor [tokens, heads, head_dim], got {type(x).__name__}")
+    if not isinstance(schedule, Schedule):
+        raise DataError(
+            f"schedule must be a Schedule (compile_schedule(microbatch, cp_rank)), got {type(schedule).__name__}"
+        )
+    if not isinstance(causal, bool):
+        raise DataError(f"causal must be True, got {causal!r}")
+    _check_backend(backend)
+    _check_scale(softmax_scale)
+
+
+def _resolve(backend: str, softmax_scale: float | None, q: Tensor) -> tuple[str, float]:
+    """The backend that runs ``q`` and the softmax scale (default ``1 / sqrt(D)``), after the input checks."""
+    try:
+        backend = resolve_backend(backend, q)
+    except ValueError as exc:
+        raise DataError(f"backend: {exc}") from exc
+    return backend, q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+
+
+def _shape_problem(q: Tensor, k: Tensor, v: Tensor) -> str | None:
+    """Why q, k, v cannot be attention inputs at all (None if they can): their metadata only."""
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         return f"q, k, v must be [tokens, heads, head_dim]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
     if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
         return f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit together"
+    if not (q.dtype == k.dtype == v.dtype):
+        return f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}"
+    if q.dtype not in _DTYPES:
+        return f"q, k, v must be float16, bfloat16, float32 or float64, got {q.dtype}"
+    if q.shape[1] < 1:
+        return f"q has no heads: {tuple(q.shape)}"
+    if k.shape[1] < 1:
+        return f"k and v have no key/value heads: {tuple(k.shape)}"
+    if q.shape[2] < 1:
+        return f"q, k, v have head_dim 0: {tuple(q.shape)}"
     if q.shape[1] % k.shape[1]:
         return f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})"
+    return None
+
+
+def _input_problem(q: Tensor, k: Tensor, v: Tensor, schedule: Schedule) -> str | None:
+    """Why this rank's inputs cannot run ``schedule`` (None if they can)."""
+    problem = _shape_problem(q, k, v)
+    if problem:
+        return problem
     if q.shape[0] != schedule.num_tokens:
         return (
             f"cp rank {schedule.cp_rank}: q has {q.shape[0]} tokens "
             f"but the schedule's rank shard has {schedule.num_tokens}"
         )
-    if not (q.dtype == k.dtype == v.dtype):
-        return f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}"
     if schedule.device != q.device:
         return f"schedule is on {schedule.device} but q is on {q.device}; call schedule.to(device) once per micro-batch"
     return None
 
 
 def verify_schedule(
-    schedule: Schedule, group: dist.ProcessGroup, mode: str, k: Tensor, problem: str | None = None
+    schedule: Schedule,
+    group: dist.ProcessGroup,
+    mode: str,
+    k: Tensor,
+    problem: str | None = None,
+    *,
+    needs_grad: bool = False,
 ) -> None:
     """Check once per (schedule, group, mode, K/V shape) that every rank runs the same plan; raise otherwise.
 
     Collective over ``group``: every rank must call it (``ring_attention`` does). Raises
-    :class:`ScheduleMismatchError` on every rank, before any point-to-point transfer.
+    :class:`ScheduleMismatchError` on every rank, before any point-to-point transfer. ``needs_grad``:
+    whether this rank will run the call's backward; the backward moves K/V and dK/dV between ranks,
+    so either every rank of the group runs it or none.
 
     A schedule object is checked on its first use only, so one schedule object must serve one
     micro-batch (the collator compiles one per micro-batch). With ``TORCH_DISTRIBUTED_DEBUG=DETAIL``
     every call is checked, at the price of one small all-gather and a host synchronisation per call:
-    that also catches a rank that reuses an old schedule object for a new micro-batch.
+    that also catches a rank that reuses an old schedule object for a new micro-batch, or that
+    changes whether it needs gradients after the first layer.
     """
     key = (id(group), mode, tuple(k.shape[1:]), k.dtype)
     if key in schedule.verified and problem is None and dist.get_debug_level() != dist.DebugLevel.DETAIL:
@@ -236,8 +359,9 @@ def verify_schedule(
             schedule.cp_size,
             MODES.index(mode),
             k.shape[1] if k.dim() == 3 else -1,
-            k.shape[-1],
+            k.shape[-1] if k.dim() else -1,
             _DTYPES.index(k.dtype) if k.dtype in _DTYPES else -1,
+            int(bool(needs_grad)),
             int(problem is not None),
         ],
         dtype=torch.int64,
@@ -270,6 +394,7 @@ def _disagreement(rows: list[list[int]], me: int, problem: str | None) -> str | 
         ("kv_heads", "numbers of key/value heads"),
         ("head_dim", "head dims"),
         ("dtype", "dtypes"),
+        ("grad", "whether the call needs gradients"),
     ):
         values = cols[name]
         if len(set(values)) > 1:
@@ -277,12 +402,21 @@ def _disagreement(rows: list[list[int]], me: int, problem: str | None) -> str | 
             for g, value in enumerate(values):
                 groups.setdefault(value, []).append(g)
             shown = "; ".join(f"ranks {ranks}: {_show(name, value)}" for value, ranks in groups.items())
-            return f"CP ranks disagree on {what}: {shown}"
+            hint = _HINTS.get(name, "")
+            return f"CP ranks disagree on {what}: {shown}{hint}"
     bad = [g for g in range(size) if cols["bad_input"][g]]
     if bad:
         mine = f" (this rank: {problem})" if problem else ""
         return f"ranks {bad} got q/k/v that do not match their schedule{mine}"
     return None
+
+
+_HINTS = {
+    "grad": (
+        " (the backward moves K/V and their gradients between all CP ranks: give every rank the same "
+        "torch.is_grad_enabled() and requires_grad on q/k/v)"
+    ),
+}
 
 
 def _show(name: str, value: int) -> str:
@@ -292,4 +426,6 @@ def _show(name: str, value: int) -> str:
         return MODES[value]
     if name == "dtype":
         return str(_DTYPES[value]) if 0 <= value < len(_DTYPES) else "other"
+    if name == "grad":
+        return "with gradients" if value else "without gradients"
     return str(value)

@@ -21,6 +21,8 @@ import time
 import torch
 from torch import Tensor
 
+from ringpack.errors import DataError
+
 __all__ = [
     "MIN_SEQLEN_BOUND",
     "TESTED_VERSIONS",
@@ -174,14 +176,14 @@ def warm_up(
         The number of kernel variants compiled now (0 when all were compiled already).
 
     Raises:
-        ValueError: fa4 cannot run this shape here (:func:`unusable_reason`), or ``heads`` is not
+        DataError: (a ``ValueError``) fa4 cannot run this shape here (:func:`unusable_reason`), or ``heads`` is not
             a positive multiple of a positive ``kv_heads``.
     """
     if kv_heads < 1 or heads < 1 or heads % kv_heads:
-        raise ValueError(f"heads={heads} must be a positive multiple of kv_heads={kv_heads}")
+        raise DataError(f"heads={heads} must be a positive multiple of kv_heads={kv_heads}")
     reason = unusable_reason(device, dtype, head_dim)
     if reason:
-        raise ValueError(reason)
+        raise DataError(reason)
     before = compiled_kernels()
     start = time.perf_counter()
     for segments in (2, MANY_SEGMENTS + 1):

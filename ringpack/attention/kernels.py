@@ -60,6 +60,7 @@ from torch import Tensor
 
 from ringpack.attention import fa4
 from ringpack.attention.merge import merge_partial
+from ringpack.errors import DataError
 
 __all__ = [
     "AUTO_CUDNN_HYBRID",
@@ -143,7 +144,13 @@ def available_backends(device: torch.device | str, dtype: torch.dtype, head_dim:
     :func:`ringpack.attention.fa4.unusable_reason`). ``cudnn_hybrid`` comes next only where it was benchmarked faster
     (:data:`AUTO_CUDNN_HYBRID`: bf16, capability 9.x and a head_dim it was benchmarked with) and
     PyTorch's cuDNN attention is enabled (``torch.backends.cuda.enable_cudnn_sdp(False)``, a common
-    workaround for cuDNN trouble, keeps ``auto`` on flash), else last."""
+    workaround for cuDNN trouble, keeps ``auto`` on flash), else last.
+
+    Raises:
+        DataError: ``device`` is not a torch device or device string, ``dtype`` not a torch dtype.
+    """
+    if not isinstance(device, (torch.device, str)) or not isinstance(dtype, torch.dtype):
+        raise DataError(f"available_backends needs a torch device and dtype, got {device!r} and {dtype!r}")
     device = torch.device(device)
     found = []
     half = dtype in (torch.float16, torch.bfloat16)
@@ -196,27 +203,27 @@ def resolve_backend(backend: str, q: Tensor) -> str:
     reference).
 
     Raises:
-        ValueError: an unknown name, or a backend that cannot run ``q`` (CPU or float32/64 tensors
+        DataError: (a ``ValueError``) an unknown name, or a backend that cannot run ``q`` (CPU or float32/64 tensors
             for a CUDA kernel, flash-attn or flash-attn-4 not importable, a GPU or head dim fa4
             does not support, cuDNN unavailable or refused).
     """
     if backend == "auto":
         usable = available_backends(q.device, q.dtype, q.shape[-1])
         if not usable:
-            raise ValueError(f"no attention backend supports {q.dtype} on {q.device}")
+            raise DataError(f"no attention backend supports {q.dtype} on {q.device}")
         return usable[0]
     if backend not in BACKENDS:
-        raise ValueError(f"unknown attention backend {backend!r}; choose 'auto' or one of {BACKENDS}")
+        raise DataError(f"unknown attention backend {backend!r}; choose 'auto' or one of {BACKENDS}")
     if backend not in ("reference", "reference_hybrid") and (
         q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16)
     ):
-        raise ValueError(f"backend {backend!r} needs CUDA fp16/bf16 tensors, got {q.dtype} on {q.device}")
+        raise DataError(f"backend {backend!r} needs CUDA fp16/bf16 tensors, got {q.dtype} on {q.device}")
     if backend == "fa4" and (reason := fa4.unusable_reason(q.device, q.dtype, q.shape[-1])):
-        raise ValueError(reason)
+        raise DataError(reason)
     if backend == "flash_attn" and _flash_attn_module() is None:
-        raise ValueError("backend 'flash_attn' requested but the flash-attn package is not importable")
+        raise DataError("backend 'flash_attn' requested but the flash-attn package is not importable")
     if backend == "cudnn_hybrid" and not _cudnn_usable():
-        raise ValueError(_cudnn_ragged_dense() or "backend 'cudnn_hybrid' requested but cuDNN is not available")
+        raise DataError(_cudnn_ragged_dense() or "backend 'cudnn_hybrid' requested but cuDNN is not available")
     return backend
 
 
@@ -242,7 +249,7 @@ def warm_up_kernels(
         The number of kernel variants built now.
 
     Raises:
-        ValueError: the backend cannot run this dtype, device or head dim (:func:`resolve_backend`).
+        DataError: the backend cannot run this dtype, device or head dim (:func:`resolve_backend`).
     """
     probe = torch.empty(1, heads, head_dim, device=device, dtype=dtype)
     if resolve_backend(backend, probe) != "fa4":

@@ -55,7 +55,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ringpack.shard_plan import MicroBatch
+from ringpack.errors import PlanError
+from ringpack.shard_plan import MicroBatch, Piece, RankShard
 from ringpack.traffic import needed_pieces
 
 try:  # torch.compile passes a schedule to the engine's custom op as an opaque runtime input
@@ -72,6 +73,7 @@ __all__ = [
     "RingStep",
     "Schedule",
     "ScheduleMismatchError",
+    "check_dense_options",
     "compile_schedule",
     "dense_bucket",
     "dense_bucket_up",
@@ -322,14 +324,24 @@ class _PieceTable:
     def from_microbatch(cls, mb: MicroBatch) -> _PieceTable:
         cp = len(mb.shards)
         slot_of = {sample: k for k, sample in enumerate(mb.samples)}
+        if len(slot_of) != len(mb.samples):
+            raise PlanError(f"microbatch lists a sample twice: {list(mb.samples)}")
         rows = []
         for r, shard in enumerate(mb.shards):
             for p in shard.pieces:
+                if not isinstance(p, Piece):
+                    raise PlanError(f"cp rank {r}: microbatch.shards[{r}].pieces must all be Piece objects")
                 if p.sample not in slot_of:
-                    raise ValueError(f"cp rank {r}: piece of sample {p.sample}, which the micro-batch does not list")
+                    raise PlanError(f"cp rank {r}: piece of sample {p.sample}, which the micro-batch does not list")
                 rows.append((r, slot_of[p.sample], p.start, p.stop))
-        table = np.array(rows, dtype=np.int64).reshape(-1, 4)
-        rank, slot, start, stop = (np.ascontiguousarray(table[:, j]) for j in range(4))
+        table = np.array(rows).reshape(-1, 4)
+        if table.size and table.dtype.kind not in "iu":  # floats would be truncated, None cannot be cast
+            bad = next((row for row in rows if not all(_is_int(x) and abs(x) < 2**62 for x in row[2:])), rows[0])
+            raise PlanError(
+                f"cp rank {bad[0]}: piece [{bad[2]}, {bad[3]}) of sample {mb.samples[bad[1]]} "
+                "must have integer bounds below 2**62"
+            )
+        rank, slot, start, stop = (np.ascontiguousarray(table[:, j], dtype=np.int64) for j in range(4))
         _check_pieces(rank, slot, start, stop, mb.samples)
         length = stop - start
         offset = _exclusive_cumsum_by(rank, length)
@@ -399,14 +411,19 @@ def compile_schedule(
         dim of the ``q``/``k``/``v`` it runs on.
 
     Raises:
-        ValueError: ``cp_rank`` out of range, a bad ``dense_threshold`` or ``dense_buckets``, or
-            pieces that are empty, out of canonical order, overlapping, or of a sample the
-            micro-batch does not list.
+        PlanError: (a ``ValueError``) a ``microbatch`` that is not a :class:`MicroBatch`, a
+            ``cp_rank`` that is not an integer in range, a bad ``dense_threshold``,
+            ``dense_buckets`` or ``dense_batches``, or pieces that do not tile their samples:
+            empty, starting below 0, out of canonical order, overlapping, leaving a gap (tokens in
+            no piece), of a sample the micro-batch does not list, or a listed sample in no piece.
+            Each message names the argument, or the CP rank, sample and piece.
     """
+    _check_microbatch(microbatch)
     cp = len(microbatch.shards)
-    if not 0 <= cp_rank < cp:
-        raise ValueError(f"cp_rank {cp_rank} is outside the micro-batch's {cp} rank shards")
-    dense = _dense_options(dense_threshold, dense_buckets, dense_batches)
+    if not _is_int(cp_rank) or not 0 <= cp_rank < cp:
+        raise PlanError(f"cp_rank must be an integer in [0, {cp}) (the micro-batch's rank shards), got {cp_rank!r}")
+    cp_rank = int(cp_rank)
+    dense = check_dense_options(dense_threshold, dense_buckets, dense_batches)
     table = _PieceTable.from_microbatch(microbatch)
     mine = np.flatnonzero(table.rank == cp_rank)
     num_tokens = int((table.stop[mine] - table.start[mine]).sum())
@@ -432,13 +449,29 @@ def compile_schedule(
     )
 
 
-def _dense_options(threshold: int | None, buckets: int | None, batches: bool) -> tuple | None:
-    """The validated dense split options as ``(threshold, buckets, batches)``, or None (no split)."""
-    if threshold is not None and threshold < 1:
-        raise ValueError(f"dense_threshold must be >= 1 or None, got {threshold}")
-    if buckets is not None and (buckets < 1 or buckets & (buckets - 1)):
-        raise ValueError(f"dense_buckets must be a power of two or None, got {buckets}")
-    return None if threshold is None else (threshold, buckets, batches)
+def check_dense_options(
+    dense_threshold: int | None = DEFAULT_DENSE_THRESHOLD,
+    dense_buckets: int | None = DEFAULT_DENSE_BUCKETS,
+    dense_batches: bool = True,
+) -> tuple | None:
+    """:func:`compile_schedule`'s dense split options, validated, as ``(threshold, buckets, batches)``
+    (None: no split).
+
+    Raises:
+        PlanError: a ``dense_threshold`` that is not None or an integer >= 1, a ``dense_buckets``
+            that is not None or a power of two, a ``dense_batches`` that is not a bool.
+    """
+    if dense_threshold is not None and (not _is_int(dense_threshold) or dense_threshold < 1):
+        raise PlanError(f"dense_threshold must be None or an integer >= 1, got {dense_threshold!r}")
+    if dense_buckets is not None and (
+        not _is_int(dense_buckets) or dense_buckets < 1 or dense_buckets & (dense_buckets - 1)
+    ):
+        raise PlanError(f"dense_buckets must be None or a power of two, got {dense_buckets!r}")
+    if not isinstance(dense_batches, (bool, np.bool_)):
+        raise PlanError(f"dense_batches must be True or False, got {dense_batches!r}")
+    if dense_threshold is None:
+        return None
+    return int(dense_threshold), None if dense_buckets is None else int(dense_buckets), bool(dense_batches)
 
 
 def _local_call(table: _PieceTable, mine: np.ndarray, dense: tuple | None) -> KernelCall:
@@ -695,27 +728,60 @@ def _cut_run(run: np.ndarray, lengths: np.ndarray, max_rows: int) -> list[np.nda
 # ---------------------------------------------------------------------------------------- helpers
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _check_microbatch(microbatch: MicroBatch) -> None:
+    """Raise :class:`PlanError` unless ``microbatch`` is a MicroBatch of rank shards of pieces and integer samples."""
+    if not isinstance(microbatch, MicroBatch):
+        raise PlanError(f"microbatch must be a ringpack MicroBatch, got {type(microbatch).__name__}")
+    if not isinstance(microbatch.shards, Sequence) or not all(isinstance(s, RankShard) for s in microbatch.shards):
+        raise PlanError("microbatch.shards must be a sequence of RankShard, one per CP rank")
+    if not isinstance(microbatch.samples, Sequence) or not all(_is_int(x) for x in microbatch.samples):
+        raise PlanError(f"microbatch.samples must be a sequence of sample indices, got {microbatch.samples!r:.100}")
+
+
 def _check_pieces(rank, slot, start, stop, samples) -> None:
+    """Raise :class:`PlanError` unless the pieces tile each listed sample's tokens ``[0, n)``: none
+    empty or negative, canonical order per rank, no overlap, no gap, every sample in some piece."""
+    bad = np.flatnonzero(start < 0)
+    if bad.size:
+        i = bad[0]
+        raise PlanError(f"cp rank {rank[i]}: piece [{start[i]}, {stop[i]}) of sample {samples[slot[i]]} starts below 0")
     bad = np.flatnonzero(start >= stop)
     if bad.size:
         i = bad[0]
-        raise ValueError(f"cp rank {rank[i]}: empty piece [{start[i]}, {stop[i]}) of sample {samples[slot[i]]}")
+        raise PlanError(f"cp rank {rank[i]}: empty piece [{start[i]}, {stop[i]}) of sample {samples[slot[i]]}")
     same_rank = rank[1:] == rank[:-1]
     order = (slot[1:] > slot[:-1]) | ((slot[1:] == slot[:-1]) & (start[1:] > start[:-1]))
     bad = np.flatnonzero(same_rank & ~order)
     if bad.size:
         i = bad[0] + 1
-        raise ValueError(
+        raise PlanError(
             f"cp rank {rank[i]}: pieces are not in canonical order at sample {samples[slot[i]]} [{start[i]}, {stop[i]})"
         )
     by_sample = np.lexsort((start, slot))
     s_slot, s_start, s_stop = slot[by_sample], start[by_sample], stop[by_sample]
-    bad = np.flatnonzero((s_slot[1:] == s_slot[:-1]) & (s_start[1:] < s_stop[:-1]))
+    same = s_slot[1:] == s_slot[:-1]
+    bad = np.flatnonzero(same & (s_start[1:] < s_stop[:-1]))
     if bad.size:
         i = by_sample[bad[0] + 1]
-        raise ValueError(
+        raise PlanError(
             f"sample {samples[slot[i]]}: piece [{start[i]}, {stop[i]}) on cp rank {rank[i]} overlaps another piece"
         )
+    first = np.r_[True, ~same] if s_slot.size else np.zeros(0, dtype=bool)
+    gap_from = np.where(first, 0, np.r_[0, s_stop[:-1]])  # where each piece should start
+    bad = np.flatnonzero(s_start != gap_from)
+    if bad.size:
+        i = by_sample[bad[0]]
+        raise PlanError(
+            f"sample {samples[slot[i]]}: tokens [{gap_from[bad[0]]}, {start[i]}) are in no piece "
+            f"(the next piece, [{start[i]}, {stop[i]}), is on cp rank {rank[i]})"
+        )
+    missing = np.setdiff1d(np.arange(len(samples)), slot)
+    if missing.size:
+        raise PlanError(f"sample {samples[missing[0]]} is listed in the micro-batch but is in no piece")
 
 
 def _exclusive_cumsum_by(group: np.ndarray, values: np.ndarray) -> np.ndarray:

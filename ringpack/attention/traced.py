@@ -42,6 +42,7 @@ def ring_attention_op(
     softmax_scale: float,
     backend: str,
     part_rows: int | None,
+    needs_grad: bool,
 ) -> Tensor:
     """:func:`~ringpack.attention.ring_attention` for traced code, after its argument handling.
 
@@ -51,6 +52,7 @@ def ring_attention_op(
         group: the CP process group (None: the world).
         softmax_scale: the resolved scale.
         part_rows: the forward's row chunking (None with gradients).
+        needs_grad: whether the caller's output requires grad (the group checks that all ranks agree).
 
     Returns:
         ``out``: ``(T, H, D)`` in ``q``'s dtype, differentiable w.r.t. ``q``, ``k``, ``v``.
@@ -59,8 +61,8 @@ def ring_attention_op(
         ValueError, ScheduleMismatchError: as ``ring_attention``, when the op runs.
     """
     if not OPAQUE_SCHEDULE:
-        return _outside_graph(q, k, v, schedule, group, mode, softmax_scale, backend, part_rows)
-    out, _ = _forward_op(q, k, v, schedule, _group_name(group), mode, softmax_scale, backend, part_rows)
+        return _outside_graph(q, k, v, schedule, group, mode, softmax_scale, backend, part_rows, needs_grad)
+    out, _ = _forward_op(q, k, v, schedule, _group_name(group), mode, softmax_scale, backend, part_rows, needs_grad)
     return out
 
 
@@ -78,10 +80,10 @@ def _group(name: str) -> dist.ProcessGroup | None:
 
 
 @torch.compiler.disable
-def _outside_graph(q, k, v, schedule, group, mode, softmax_scale, backend, part_rows) -> Tensor:
+def _outside_graph(q, k, v, schedule, group, mode, softmax_scale, backend, part_rows, needs_grad) -> Tensor:
     from ringpack.attention.api import check_inputs, transport_factory
 
-    check_inputs(q, k, v, schedule, group, mode)
+    check_inputs(q, k, v, schedule, group, mode, needs_grad=needs_grad)
     make_transport = transport_factory(mode, group)
     return ContextParallelAttention.apply(q, k, v, schedule, make_transport, softmax_scale, backend, part_rows)
 
@@ -96,12 +98,13 @@ def ring_attention_forward(
     softmax_scale: float,
     backend: str,
     part_rows: int | None,
+    needs_grad: bool,
 ) -> tuple[Tensor, Tensor]:
     """The op's implementation: check, then the engine's forward; ``(out [T, H, D], lse [H, T])``."""
     from ringpack.attention.api import check_inputs, transport_factory
 
     group = _group(group_name)
-    check_inputs(q, k, v, schedule, group, mode)
+    check_inputs(q, k, v, schedule, group, mode, needs_grad=needs_grad)
     out, lse = _attention_forward(q, k, v, schedule, transport_factory(mode, group), softmax_scale, backend, part_rows)
     return out.contiguous(), lse.contiguous()  # the strides the fake implementation promises
 
@@ -127,7 +130,7 @@ def ring_attention_backward(
     return tuple(g.contiguous() for g in grads)
 
 
-def _forward_fake(q, k, v, schedule, group_name, mode, softmax_scale, backend, part_rows):
+def _forward_fake(q, k, v, schedule, group_name, mode, softmax_scale, backend, part_rows, needs_grad):
     return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=accum_dtype(q.dtype))
 
 
@@ -136,7 +139,7 @@ def _backward_fake(dout, q, k, v, out, lse, schedule, group_name, mode, softmax_
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, schedule, group_name, mode, softmax_scale, backend, _ = inputs
+    q, k, v, schedule, group_name, mode, softmax_scale, backend, _, _ = inputs
     ctx.save_for_backward(q, k, v, *output)
     ctx.args = (schedule, group_name, mode, softmax_scale, backend)
 
@@ -144,7 +147,7 @@ def _setup_context(ctx, inputs, output) -> None:
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = _backward_op(dout, q, k, v, out, lse, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 if OPAQUE_SCHEDULE:

@@ -61,6 +61,7 @@ __all__ = [
     "PackedSamples",
     "PackedCollator",
     "SCHEDULE_OPTIONS",
+    "check_schedule_flag",
     "check_schedule_options",
     "rank_arrays",
     "to_batch",
@@ -114,12 +115,17 @@ class PackedDataset(_DatasetBase):
     plan reorders samples across a whole epoch, so they must be addressable by index.
 
     Raises:
-        DataError: a stream (naming the alternatives); a ``datasets.Dataset`` without ``column``;
-            a row without it or with a null.
+        DataError: a stream (naming the alternatives); a ``dataset`` without ``len()`` and
+            ``dataset[i]``; a ``column`` that is not a string; a ``datasets.Dataset`` without
+            ``column``; a row without it or with a null.
     """
 
     def __init__(self, dataset: Any, column: str = "input_ids") -> None:
         _refuse_stream(dataset)
+        if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+            raise DataError(f"dataset must be a map-style dataset (len() and dataset[i]), got {type(dataset).__name__}")
+        if not isinstance(column, str):
+            raise DataError(f"column must be the name of the token-id field, got {column!r}")
         self.dataset = dataset
         self.column = column
         self._arrow = None
@@ -209,12 +215,34 @@ SCHEDULE_OPTIONS = ("dense_threshold", "dense_buckets", "dense_batches")
 
 def check_schedule_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
     """Validated ``compile_schedule`` options: e.g. ``{"dense_buckets": None}`` for data whose lengths
-    repeat (exact cuDNN shapes, see docs/attention.md, shape buckets)."""
+    repeat (exact cuDNN shapes, see docs/attention.md, shape buckets).
+
+    Raises:
+        DataError: not a mapping (or None), an unknown option, or a bad value (named).
+    """
+    if options is not None and not isinstance(options, Mapping):
+        raise DataError(f"schedule_options must be a dict of {list(SCHEDULE_OPTIONS)}, got {type(options).__name__}")
     options = dict(options or {})
-    unknown = sorted(set(options) - set(SCHEDULE_OPTIONS))
+    unknown = sorted(set(options) - set(SCHEDULE_OPTIONS), key=str)
     if unknown:
-        raise DataError(f"unknown schedule option(s) {unknown}; choose from {list(SCHEDULE_OPTIONS)}")
+        raise DataError(f"schedule_options: unknown schedule option(s) {unknown}; choose from {list(SCHEDULE_OPTIONS)}")
+    from ringpack.attention.schedule import check_dense_options
+
+    try:
+        check_dense_options(**options)
+    except ValueError as exc:
+        raise DataError(f"schedule_options: {exc}") from exc
     return options
+
+
+def check_schedule_flag(schedule: Any) -> None:
+    """Raise :class:`DataError` unless ``schedule`` (of a collator or reader) is ``"auto"``, True, False or None."""
+    if not (schedule is None or isinstance(schedule, bool) or (isinstance(schedule, str) and schedule == "auto")):
+        raise DataError(f"schedule must be 'auto', True or False, got {schedule!r}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
 def _schedule(microbatch: MicroBatch, cp_rank: int, mode: Any, options: Mapping[str, Any] | None = None) -> Any:
@@ -298,12 +326,15 @@ class PackedCollator:
         ignore_index: int = IGNORE_INDEX,
         schedule_options: Mapping[str, Any] | None = None,
     ) -> None:
-        if not isinstance(cp_size, (int, np.integer)) or cp_size < 1:
+        if not _is_int(cp_size) or cp_size < 1:
             raise DataError(f"cp_size must be a positive integer, got {cp_size!r}")
-        if not isinstance(cp_rank, (int, np.integer)) or not 0 <= cp_rank < cp_size:
+        if not _is_int(cp_rank) or not 0 <= cp_rank < cp_size:
             raise DataError(f"cp_rank must be in [0, {cp_size}), got {cp_rank!r}")
-        if schedule not in ("auto", True, False, None):
-            raise DataError(f"schedule must be 'auto', True or False, got {schedule!r}")
+        check_schedule_flag(schedule)
+        if not _is_int(ignore_index):
+            raise DataError(
+                f"ignore_index must be an integer (the label of a sample's last token), got {ignore_index!r}"
+            )
         self.cp_rank = int(cp_rank)
         self.cp_size = int(cp_size)
         self.schedule = schedule
@@ -313,8 +344,15 @@ class PackedCollator:
     @classmethod
     def from_mesh(cls, mesh: Any, *, cp_dim: str = "cp", **options: Any) -> PackedCollator:
         """The collator of this rank of a DeviceMesh: its position in the ``cp_dim`` dimension (or in
-        a 1-D CP mesh). ``options``: as for the constructor."""
-        sub = mesh[cp_dim] if getattr(mesh, "ndim", 1) > 1 else mesh
+        a 1-D mesh of that dimension, or unnamed). ``options``: as for the constructor.
+
+        Raises:
+            DataError: not a DeviceMesh, no dimension ``cp_dim``, a 1-D mesh of another dimension
+                (``mesh["dp"]``), or a bad option.
+        """
+        from ringpack.attention.api import mesh_dimension
+
+        sub = mesh_dimension(mesh, cp_dim)
         return cls(sub.get_local_rank(), sub.size(), **options)
 
     def __call__(self, batch: Any) -> dict[str, Any]:
@@ -338,7 +376,21 @@ class PackedCollator:
 
         ``offsets``/``row_lengths`` (from the ticket) locate plan documents inside longer dataset
         rows when ``overflow="split"`` cut them; by default each token array is the whole sample.
+
+        Raises:
+            DataError: ``microbatch`` not a MicroBatch of this CP size, ``tokens`` not one token
+                array per sample, ``offsets``/``row_lengths`` not one per sample, or a sample whose
+                tokens are not the plan's (the dataset changed, or a document runs past its row).
         """
+        if not isinstance(microbatch, MicroBatch):
+            raise DataError(f"microbatch must be a ringpack MicroBatch, got {type(microbatch).__name__}")
+        if not hasattr(tokens, "__len__") or isinstance(tokens, (str, bytes)):
+            raise DataError(f"tokens must be a sequence of token-id arrays, got {type(tokens).__name__}")
+        for name, values in (("offsets", offsets), ("row_lengths", row_lengths)):
+            if values is not None and (not hasattr(values, "__len__") or len(values) != len(microbatch.samples)):
+                raise DataError(
+                    f"{name} must hold one integer per sample of the micro-batch ({len(microbatch.samples)})"
+                )
         if len(microbatch.shards) != self.cp_size:
             raise DataError(
                 f"micro-batch has {len(microbatch.shards)} CP shards but the collator is for cp_size={self.cp_size}"
@@ -359,6 +411,11 @@ class PackedCollator:
                 raise DataError(
                     f"sample {sample} has {len(ids)} tokens but the plan has {want}: the dataset changed "
                     "since its lengths were taken (re-create the sampler from the current dataset)"
+                )
+            if offsets[k] + extent[sample] > len(ids):
+                raise DataError(
+                    f"sample {sample}: tokens [{offsets[k]}, {offsets[k] + extent[sample]}) of its row, "
+                    f"which has {len(ids)} tokens"
                 )
             by_sample[sample] = ids[offsets[k] : offsets[k] + extent[sample]]
         starts = np.array([p.start for p in shard.pieces], dtype=np.int64)

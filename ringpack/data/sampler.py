@@ -47,10 +47,11 @@ from typing import Any
 import numpy as np
 
 from ringpack.cost import CostModel
+from ringpack.errors import PlanError
 from ringpack.lengths import DataError, sample_lengths
 from ringpack.shard_plan import MicroBatch, Piece, Plan, PlanConfig, RankShard
 
-__all__ = ["BalancedBatchSampler", "MicroBatchTicket", "STATE_VERSION"]
+__all__ = ["BalancedBatchSampler", "MicroBatchTicket", "STATE_VERSION", "check_plan_options"]
 
 STATE_VERSION = 1
 
@@ -63,6 +64,24 @@ except ImportError:  # pragma: no cover
 def _is_int(value: Any) -> bool:
     """An integer (Python or numpy), not a bool and not a float: what a state's counters must be."""
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def check_plan_options(options: dict[str, Any], set_by: dict[str, str], where: str = "plan option") -> None:
+    """Raise unless every key of ``options`` is a :class:`PlanConfig` field the caller leaves to them.
+
+    ``set_by`` maps the fields the caller sets itself to what sets them (``{"cp": "cp_size"}``);
+    ``where`` names the options in messages.
+
+    Raises:
+        DataError: a field the caller sets (naming what sets it).
+        PlanError: a name that is no PlanConfig field.
+    """
+    fields = {f.name for f in dataclasses.fields(PlanConfig)}
+    for key in options:
+        if key in set_by:
+            raise DataError(f"{where} {key}= is set by {set_by[key]}, not here")
+        if key not in fields:
+            raise PlanError(f"unknown {where} {key!r}; PlanConfig fields are {sorted(fields - set(set_by))}")
 
 
 def _encode_microbatch(mb: MicroBatch) -> tuple:
@@ -181,9 +200,10 @@ class BalancedBatchSampler(_SamplerBase):
     See the module docstring for the handshake with the collator and for resume semantics.
 
     Raises:
-        DataError: a bad length (naming the sample), ``dp_rank`` outside ``[0, dp_size)``, or
-            ``epoch=`` among the options (use :meth:`set_epoch`).
-        PlanError: an invalid plan option (naming the field); when iterating, lengths that cannot
+        DataError: a bad length (naming the sample), a ``dp_size`` that is not a positive integer,
+            ``dp_rank`` outside ``[0, dp_size)``, or ``epoch=`` (use :meth:`set_epoch`), ``dp=``,
+            ``cp=`` or ``tokens_per_rank=`` among the options.
+        PlanError: an unknown or invalid plan option (naming the field); when iterating, lengths that cannot
             be planned (a sample longer than a CP group holds under ``overflow="error"``).
     """
 
@@ -198,11 +218,12 @@ class BalancedBatchSampler(_SamplerBase):
         seed: int = 0,
         **plan_options: Any,
     ) -> None:
-        if "epoch" in plan_options:
-            raise DataError("set the epoch with sampler.set_epoch(e), not epoch=")
-        self.lengths = sample_lengths(lengths)
-        if not isinstance(dp_rank, (int, np.integer)) or not 0 <= dp_rank < dp_size:
+        check_plan_options(plan_options, {"epoch": "sampler.set_epoch(e)", "dp": "dp_size", "cp": "cp_size"})
+        if not _is_int(dp_size) or dp_size < 1:
+            raise DataError(f"dp_size must be a positive integer, got {dp_size!r}")
+        if not _is_int(dp_rank) or not 0 <= dp_rank < dp_size:
             raise DataError(f"dp_rank must be in [0, {dp_size}), got {dp_rank!r}")
+        self.lengths = sample_lengths(lengths)
         # Validates every option (PlanError, a ValueError, names the bad field).
         self.config = PlanConfig(
             dp=dp_size,
@@ -237,7 +258,8 @@ class BalancedBatchSampler(_SamplerBase):
                 dimensions); this rank's DP coordinate and both sizes come from it.
 
         Raises:
-            ValueError: a mesh without one of the two dimensions.
+            DataError: ``mesh`` not a DeviceMesh, ``dp_dim`` equal to ``cp_dim``, or a mesh without
+                one of the two dimensions; and whatever the constructor raises.
         """
         from ringpack.integrations.distributed import mesh_coordinates
 

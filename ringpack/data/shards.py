@@ -54,7 +54,7 @@ import numpy as np
 
 from ringpack._files import atomic_write, open_regular, refuse_link, temp_target
 from ringpack._hints import on_command_line, option
-from ringpack.data.collator import IGNORE_INDEX, check_schedule_options, rank_arrays, to_batch
+from ringpack.data.collator import IGNORE_INDEX, check_schedule_flag, check_schedule_options, rank_arrays, to_batch
 from ringpack.lengths import DataError, lengths_from_dataset, read_arrow_table
 from ringpack.progress import Progress
 from ringpack.shard_plan import MicroBatch, Plan, PlanConfig
@@ -816,7 +816,9 @@ class ShardReader:
     ``load_state_dict`` resume mid-epoch by seeking.
 
     Raises:
-        DataError: no finished shard directory (an interrupted run says so), a manifest of
+        DataError: a ``path`` that is not a str or path, ranks or sizes that are not
+            non-negative integers, a ``verify`` that is not a bool, a bad ``schedule`` or
+            ``schedule_options``; no finished shard directory (an interrupted run says so), a manifest of
             another format or mesh or one that disagrees with itself (a file name that is not a
             plain name in the directory, a file listed twice, a DP rank's steps not covered
             exactly once, counts that do not add up), ranks out of range; while reading: a
@@ -836,6 +838,14 @@ class ShardReader:
         schedule: Any = "auto",
         schedule_options: Mapping[str, Any] | None = None,
     ) -> None:
+        if not isinstance(path, (str, os.PathLike)):
+            raise DataError(f"path must be a shard directory (a str or os.PathLike), got {type(path).__name__}")
+        for name, value in (("dp_rank", dp_rank), ("cp_rank", cp_rank), ("dp_size", dp_size), ("cp_size", cp_size)):
+            if (value is not None or name.endswith("rank")) and not (_is_count(value) and value >= 0):
+                raise DataError(f"{name} must be a non-negative integer, got {value!r}")
+        if not isinstance(verify, (bool, np.bool_)):
+            raise DataError(f"verify must be True or False, got {verify!r}")
+        check_schedule_flag(schedule)
         self.path = Path(path)
         self.schedule_options = check_schedule_options(schedule_options)
         manifest_path = refuse_link(self.path / MANIFEST, "manifest")
@@ -853,9 +863,6 @@ class ShardReader:
             raise DataError(f"{manifest_path} is corrupt: {exc}") from exc
         m = self.manifest
         _check_manifest(m, manifest_path)
-        for name, value in (("dp_rank", dp_rank), ("cp_rank", cp_rank), ("dp_size", dp_size), ("cp_size", cp_size)):
-            if value is not None and not _is_count(value):
-                raise DataError(f"{name} must be an integer, got {value!r}")
         if dp_size is not None and dp_size != m["dp"] or cp_size is not None and cp_size != m["cp"]:
             raise DataError(
                 f"{self.path} was sharded for dp={m['dp']}, cp={m['cp']}; this job runs dp={dp_size}, cp={cp_size} "

@@ -31,14 +31,17 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch.distributed as dist
 from torch import nn
 
-from ringpack.attention.api import process_group
+from ringpack.attention.api import DeviceMesh, mesh_dimension, process_group
+from ringpack.data.sampler import BalancedBatchSampler
+from ringpack.errors import DataError
 
 __all__ = [
     "MeshCoordinates",
@@ -63,15 +66,11 @@ def cp_group(group: Any, dim: str = "cp") -> dist.ProcessGroup | None:
         The process group to pass as ``ring_attention(..., group=)`` or ``ringpack_group=``.
 
     Raises:
-        ValueError: an N-D mesh without a dimension named ``dim``.
-        TypeError: anything else.
+        DataError: a mesh without a dimension named ``dim``, a 1-D mesh of another dimension
+            (``mesh["dp"]``), or anything that is neither a ProcessGroup, a DeviceMesh nor None.
     """
-    ndim = getattr(group, "ndim", None)
-    if ndim is not None and ndim > 1:
-        names = group.mesh_dim_names or ()
-        if dim not in names:
-            raise ValueError(f"the DeviceMesh has no dimension {dim!r} (its dimensions: {names})")
-        group = group[dim]
+    if DeviceMesh is not None and isinstance(group, DeviceMesh):
+        group = mesh_dimension(group, dim, "group")
     return process_group(group)
 
 
@@ -93,19 +92,46 @@ def mesh_coordinates(mesh: Any, dp_dim: str = "dp", cp_dim: str = "cp") -> MeshC
     ``PackedCollator(c.cp_rank, c.cp_size)`` then feed the rank its share of the plan.
 
     Raises:
-        ValueError: a mesh without one of the two dimensions.
+        DataError: ``mesh`` not a DeviceMesh, ``dp_dim`` and ``cp_dim`` not two different names,
+            or a mesh without one of the two dimensions (a 1-D mesh has one of them at most).
     """
+    if DeviceMesh is None or not isinstance(mesh, DeviceMesh):
+        raise DataError(
+            f"mesh must be a torch.distributed DeviceMesh with dimensions {dp_dim!r} and {cp_dim!r}, "
+            f"got {type(mesh).__name__}"
+        )
+    for name, value in (("dp_dim", dp_dim), ("cp_dim", cp_dim)):
+        if not isinstance(value, str):
+            raise DataError(f"{name} must be the name of a mesh dimension, got {value!r}")
+    if dp_dim == cp_dim:
+        raise DataError(f"dp_dim and cp_dim must name two different mesh dimensions, both are {dp_dim!r}")
     names = mesh.mesh_dim_names or ()
-    for name in (dp_dim, cp_dim):
+    for argument, name in (("dp_dim", dp_dim), ("cp_dim", cp_dim)):
         if name not in names:
-            raise ValueError(f"the DeviceMesh has no dimension {name!r} (its dimensions: {names})")
+            raise DataError(f"mesh: the DeviceMesh has no dimension {name!r} ({argument}; its dimensions: {names})")
     dp, cp = mesh[dp_dim], mesh[cp_dim]
     return MeshCoordinates(dp.get_local_rank(), dp.size(), cp.get_local_rank(), cp.size(), cp.get_group())
 
 
 def data_parallel_mesh(mesh: Any, dims: tuple[str, ...] = ("dp", "cp")) -> Any:
     """The 1-D mesh of all ranks of ``dims`` (every rank whose gradients are summed), for
-    ``fully_shard(..., mesh=)`` or DDP's ``process_group=mesh.get_group()``."""
+    ``fully_shard(..., mesh=)`` or DDP's ``process_group=mesh.get_group()``.
+
+    Raises:
+        DataError: ``mesh`` not a DeviceMesh, or ``dims`` not a non-empty tuple of distinct
+            dimension names of it.
+    """
+    if DeviceMesh is None or not isinstance(mesh, DeviceMesh):
+        raise DataError(f"mesh must be a torch.distributed DeviceMesh, got {type(mesh).__name__}")
+    names = mesh.mesh_dim_names or ()
+    if (
+        not isinstance(dims, (tuple, list))
+        or not dims
+        or len(set(dims)) != len(dims)
+        or not all(isinstance(d, str) and d in names for d in dims)
+    ):
+        raise DataError(f"dims must be distinct dimension names of the mesh (its dimensions: {names}), got {dims!r}")
+    dims = tuple(dims)
     return mesh[dims]._flatten("_".join(dims)) if len(dims) > 1 else mesh[dims[0]]
 
 
@@ -120,8 +146,10 @@ def sum_gradients(model: nn.Module) -> nn.Module:
         model: an ``nn.Module`` containing ``FSDPModule`` s, or a ``DistributedDataParallel``.
 
     Raises:
+        DataError: ``model`` is not an ``nn.Module``.
         NotImplementedError: FSDP2 modules in a torch without ``set_gradient_divide_factor``.
     """
+    _check_module(model)
     if isinstance(model, nn.parallel.DistributedDataParallel):
         model.register_comm_hook(model.process_group, _sum_hook)
         return model
@@ -144,7 +172,13 @@ def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
     docstring). FSDP2: ``set_requires_gradient_sync(enabled)`` on every FSDP module, restored on exit
     (not required, as FSDP2 reduces each backward's own gradients, but it skips a reduce-scatter per
     micro-batch at the price of holding unsharded gradients). Anything else: no effect.
+
+    Raises:
+        DataError: ``model`` is not an ``nn.Module`` or ``enabled`` not a bool (on entering).
     """
+    _check_module(model)
+    if not isinstance(enabled, (bool, np.bool_)):
+        raise DataError(f"enabled must be True or False, got {enabled!r}")
     if isinstance(model, nn.parallel.DistributedDataParallel):
         with contextlib.nullcontext() if enabled else model.no_sync():
             yield
@@ -177,15 +211,30 @@ class SamplerState:
     Args:
         sampler: this rank's ``BalancedBatchSampler``.
         learner: the ``CostLearner`` switching its cost model, if the run uses one.
+
+    Raises:
+        DataError: ``sampler`` is not a ``BalancedBatchSampler``, or ``learner`` neither None nor an
+            object with ``state_dict`` and ``load_state_dict``.
     """
 
     def __init__(self, sampler: Any, learner: Any = None) -> None:
+        if not isinstance(sampler, BalancedBatchSampler):
+            raise DataError(f"sampler must be a ringpack BalancedBatchSampler, got {type(sampler).__name__}")
+        if learner is not None and not (hasattr(learner, "state_dict") and hasattr(learner, "load_state_dict")):
+            raise DataError(f"learner must be None or a CostLearner, got {type(learner).__name__}")
         self.sampler = sampler
         self.learner = learner
         self._consumed: tuple[int, int] | None = None  # (epoch, cursor) of the last consumed batch
 
     def mark_consumed(self, batch: dict[str, Any]) -> None:
-        """The training loop has consumed ``batch`` (a ``PackedCollator`` output)."""
+        """The training loop has consumed ``batch`` (a ``PackedCollator`` output).
+
+        Raises:
+            DataError: ``batch`` is not a mapping with integer ``"epoch"`` and ``"cursor"``.
+        """
+        if not isinstance(batch, Mapping) or not all(_is_int(batch.get(key)) for key in ("epoch", "cursor")):
+            got = sorted(batch) if isinstance(batch, Mapping) else type(batch).__name__
+            raise DataError(f"batch must be a PackedCollator batch with integer 'epoch' and 'cursor', got {got}")
         self._consumed = (int(batch["epoch"]), int(batch["cursor"]))
 
     def state_dict(self) -> dict[str, str]:
@@ -199,18 +248,28 @@ class SamplerState:
         """Seek the sampler and restore the learner from what :meth:`state_dict` saved for this rank.
 
         Raises:
-            ValueError: no state for this rank (saved by another world size), or a learner state
-                missing where this run has a learner.
-            DataError: a sampler state made for other sizes, options, data or planner version.
+            DataError: ``state_dict`` not a mapping, no state for this rank (saved by another world
+                size), a rank state that is not the JSON object :meth:`state_dict` writes, a learner
+                state missing where this run has a learner, or a sampler state made for other sizes,
+                options, data or planner version.
         """
+        if not isinstance(state_dict, Mapping):
+            raise DataError(
+                f"state_dict must be the mapping SamplerState.state_dict() made, got {type(state_dict).__name__}"
+            )
         key = _rank_key()
         if key not in state_dict:
-            raise ValueError(f"the checkpoint has no sampler state for {key} (it holds {sorted(state_dict)})")
-        state = json.loads(state_dict[key])
+            raise DataError(f"the checkpoint has no sampler state for {key} (it holds {sorted(map(str, state_dict))})")
+        try:
+            state = json.loads(state_dict[key])
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise DataError(f"the checkpoint's sampler state for {key} is not JSON text: {exc}") from exc
+        if not isinstance(state, dict) or not isinstance(state.get("sampler"), dict):
+            raise DataError(f"the checkpoint's sampler state for {key} holds no 'sampler' object: {str(state)[:100]}")
         self.sampler.load_state_dict(state["sampler"])
         if self.learner is not None:
             if "cost_learner" not in state:
-                raise ValueError("the checkpoint was saved without a cost learner, but this run has one")
+                raise DataError("the checkpoint was saved without a cost learner, but this run has one")
             self.learner.load_state_dict(state["cost_learner"])
         self._consumed = (self.sampler.epoch, int(state["sampler"]["cursor"]))
 
@@ -219,6 +278,15 @@ class SamplerState:
             return None
         epoch, cursor = self._consumed
         return cursor if epoch == self.sampler.epoch else 0
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _check_module(model: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise DataError(f"model must be a torch.nn.Module, got {type(model).__name__}")
 
 
 def _rank_key() -> str:

@@ -39,7 +39,7 @@ device only).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,11 +47,19 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from transformers import Trainer
+from transformers.utils import logging
 
+from ringpack.attention import BACKENDS, MODES
 from ringpack.data import BalancedBatchSampler, PackedCollator, PackedDataset
+from ringpack.data.collator import check_schedule_options
+from ringpack.data.sampler import check_plan_options
+from ringpack.errors import DataError, PlanError
 from ringpack.integrations.distributed import MeshCoordinates, gradient_sync, mesh_coordinates, sum_gradients
 from ringpack.integrations.transformers import causal_lm_loss_sum, register
 from ringpack.lengths import sample_lengths
+from ringpack.shard_plan import STRATEGIES, PlanConfig
+
+logger = logging.get_logger(__name__)
 
 __all__ = ["PlannedSteps", "RingpackConfig", "RingpackTrainer"]
 
@@ -72,6 +80,13 @@ class RingpackConfig:
             ``packing``, ``cost``, ``overflow``, ...). The plan's seed is ``args.data_seed`` or
             ``args.seed``.
         schedule_options: ``compile_schedule`` options for the collator (``dense_threshold``, ...).
+
+    Raises:
+        PlanError: a ``cp_size`` or ``tokens_per_rank`` that is not a positive integer, an unknown
+            ``strategy``, ``plan_options`` that are not a dict of other PlanConfig fields with valid
+            values (the fields set here or by the Trainer, such as ``cp`` or ``seed``, are refused).
+        DataError: an unknown ``mode`` or ``backend``, a ``column`` that is not a string, bad
+            ``schedule_options``.
     """
 
     cp_size: int = 1
@@ -84,6 +99,42 @@ class RingpackConfig:
     plan_options: dict[str, Any] = field(default_factory=dict)
     schedule_options: dict[str, Any] | None = None
 
+    def __post_init__(self) -> None:
+        for name in ("cp_size", "tokens_per_rank"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise PlanError(f"RingpackConfig.{name} must be a positive integer, got {value!r}")
+        if self.strategy not in STRATEGIES:
+            raise PlanError(f"RingpackConfig.strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        if not isinstance(self.mode, str) or self.mode not in MODES:
+            raise DataError(f"RingpackConfig.mode must be one of {MODES}, got {self.mode!r}")
+        if not isinstance(self.backend, str) or (self.backend != "auto" and self.backend not in BACKENDS):
+            raise DataError(f"RingpackConfig.backend must be 'auto' or one of {BACKENDS}, got {self.backend!r}")
+        if not isinstance(self.column, str):
+            raise DataError(f"RingpackConfig.column must be the name of the token-id field, got {self.column!r}")
+        if not isinstance(self.plan_options, Mapping):
+            raise PlanError(f"RingpackConfig.plan_options must be a dict, got {type(self.plan_options).__name__}")
+        check_plan_options(self.plan_options, _SET_BY_TRAINER, "RingpackConfig.plan_options")
+        try:  # the option values, checked now rather than when training starts
+            PlanConfig(dp=1, cp=self.cp_size, tokens_per_rank=self.tokens_per_rank, **self.plan_options)
+        except PlanError as exc:
+            raise PlanError(f"RingpackConfig.plan_options: {exc}") from exc
+        try:
+            check_schedule_options(self.schedule_options)
+        except DataError as exc:
+            raise DataError(f"RingpackConfig.{exc}") from exc
+
+
+#: PlanConfig fields that RingpackConfig or the Trainer set, and what sets them.
+_SET_BY_TRAINER = {
+    "dp": "the mesh (the world over cp_size)",
+    "cp": "RingpackConfig.cp_size",
+    "tokens_per_rank": "RingpackConfig.tokens_per_rank",
+    "strategy": "RingpackConfig.strategy",
+    "seed": "TrainingArguments.data_seed or seed",
+    "epoch": "the Trainer's epoch",
+}
+
 
 class PlannedSteps:
     """A loader of optimizer steps: each item is one step's micro-batches for this rank.
@@ -95,6 +146,10 @@ class PlannedSteps:
     """
 
     def __init__(self, loader: torch.utils.data.DataLoader, sampler: BalancedBatchSampler) -> None:
+        if not isinstance(loader, torch.utils.data.DataLoader):
+            raise DataError(f"loader must be a torch DataLoader, got {type(loader).__name__}")
+        if not isinstance(sampler, BalancedBatchSampler):
+            raise DataError(f"sampler must be the loader's BalancedBatchSampler, got {type(sampler).__name__}")
         self.loader, self.sampler, self.dataset = loader, sampler, loader.dataset
 
     def __len__(self) -> int:
@@ -106,6 +161,12 @@ class PlannedSteps:
     def __iter__(self) -> Iterator[dict[str, Any]]:
         step: list[dict[str, Any]] = []
         for batch in self.loader:
+            if batch["microbatch_index"] != len(step):  # a step trained without some of its micro-batches
+                raise DataError(
+                    f"step {batch['step']} of epoch {batch['epoch']}: the loader gave micro-batch "
+                    f"{batch['microbatch_index']} of {batch['microbatches_in_step']} after {len(step)} of them; "
+                    "resume the sampler at a step boundary (a cursor after a step's last micro-batch)"
+                )
             step.append(batch)
             if batch["microbatch_index"] + 1 == batch["microbatches_in_step"]:
                 yield {"microbatches": step, "input_ids": torch.cat([b["input_ids"] for b in step])}
@@ -125,20 +186,40 @@ class RingpackTrainer(Trainer):
             CP innermost).
 
     Raises:
+        DataError: (a ``ValueError``) ``ringpack`` not a :class:`RingpackConfig`, a ``mesh`` that is
+            not a DeviceMesh with dimensions ``"dp"`` and ``"cp"``, a model without
+            ``set_attn_implementation`` (not a transformers model); when training: a ``train_dataset``
+            that is missing or a stream, ``RingpackConfig.lengths`` with another count than its rows.
+        PlanError: a world that is not a multiple of ``cp_size``, or a mesh whose CP dimension is
+            not the ``cp_size`` the given config names.
         ValueError: ``gradient_accumulation_steps`` other than 1, ``DataParallel`` (several devices
-            per process), a world that is not a multiple of ``cp_size``, or a model whose attention
-            does not go through transformers' ``AttentionInterface``.
+            per process), or a model whose attention does not go through transformers'
+            ``AttentionInterface``.
     """
 
     def __init__(self, *args: Any, ringpack: RingpackConfig | None = None, mesh: Any = None, **kwargs: Any) -> None:
+        if ringpack is not None and not isinstance(ringpack, RingpackConfig):
+            raise DataError(f"ringpack must be a RingpackConfig, got {type(ringpack).__name__}")
+        coordinates = None if mesh is None else mesh_coordinates(mesh)  # before Trainer's set-up: fail fast
+        if coordinates is not None and ringpack is not None and coordinates.cp_size != ringpack.cp_size:
+            raise PlanError(
+                f"RingpackConfig.cp_size={ringpack.cp_size} but the mesh's 'cp' dimension has "
+                f"{coordinates.cp_size} ranks"
+            )
         super().__init__(*args, **kwargs)
-        self.ringpack = ringpack or RingpackConfig()
+        if ringpack is None:
+            ringpack = RingpackConfig(cp_size=coordinates.cp_size if coordinates is not None else 1)
+        self.ringpack = ringpack
         if self.args.gradient_accumulation_steps != 1:
             raise ValueError("the plan sets each step's micro-batches: use gradient_accumulation_steps=1")
         if self.args.n_gpu > 1:
             raise ValueError("RingpackTrainer runs one process per device; launch with torchrun or accelerate launch")
+        if not hasattr(self.model, "set_attn_implementation"):
+            raise DataError(
+                f"model must be a transformers model (set_attn_implementation), got {type(self.model).__name__}"
+            )
         self.mesh = mesh if mesh is not None else _grid_mesh(self.args, self.ringpack.cp_size)
-        self.coordinates = _coordinates(self.mesh)
+        self.coordinates = coordinates if coordinates is not None else _coordinates(self.mesh)
         register()
         self.model.set_attn_implementation("ringpack")
         if self.model.config._attn_implementation != "ringpack":
@@ -149,11 +230,11 @@ class RingpackTrainer(Trainer):
     def get_train_dataloader(self) -> PlannedSteps:
         """This rank's planned steps (:class:`PlannedSteps`); ``self.sampler`` is the plan's sampler."""
         if self.train_dataset is None:
-            raise ValueError("RingpackTrainer: training requires a train_dataset")
+            raise DataError("RingpackTrainer: training requires a train_dataset")
         config, c, args = self.ringpack, self.coordinates, self.args
         dataset = PackedDataset(self.train_dataset, config.column)
         self.sampler = BalancedBatchSampler(
-            _lengths(self.train_dataset, config),
+            _lengths(dataset, config),
             c.dp_rank,
             c.dp_size,
             c.cp_size,
@@ -162,6 +243,12 @@ class RingpackTrainer(Trainer):
             seed=args.data_seed if args.data_seed is not None else args.seed,
             **config.plan_options,
         )
+        dropped = self.sampler.dropped  # overflow="drop" leaves samples out by request: say how many
+        if dropped:
+            logger.warning(
+                "ringpack: overflow='drop' leaves out %d of %d training rows (longer than %d tokens), e.g. row %d",
+                len(dropped), len(dataset), self.sampler.config.group_capacity, dropped[0],
+            )  # fmt: skip
         workers = args.dataloader_num_workers
         loader = torch.utils.data.DataLoader(
             dataset,
@@ -217,7 +304,7 @@ def _grid_mesh(args: Any, cp_size: int) -> Any:
     """A ``("dp", "cp")`` DeviceMesh over the world (None for one process)."""
     world = args.world_size
     if world % cp_size:
-        raise ValueError(f"world size {world} is not a multiple of cp_size={cp_size}")
+        raise PlanError(f"world size {world} is not a multiple of RingpackConfig.cp_size={cp_size}")
     if world == 1:
         return None
     from torch.distributed.device_mesh import init_device_mesh
@@ -229,16 +316,27 @@ def _coordinates(mesh: Any) -> MeshCoordinates:
     """This rank's place in ``mesh`` (one process: the only place)."""
     if mesh is None:
         if dist.is_initialized() and dist.get_world_size() > 1:
-            raise ValueError("a distributed run needs a DeviceMesh")
+            raise DataError("a distributed run needs a DeviceMesh")
         return MeshCoordinates(0, 1, 0, 1, None)
     return mesh_coordinates(mesh)
 
 
-def _lengths(dataset: Any, config: RingpackConfig) -> np.ndarray:
-    """Token count of each row: given, read from a ``datasets.Dataset`` column, or counted row by row."""
+def _lengths(rows: PackedDataset, config: RingpackConfig) -> np.ndarray:
+    """Token count of each row: given (one per row, or the plan would leave rows out or name rows
+    that do not exist), read from a ``datasets.Dataset`` column, or counted row by row."""
     if config.lengths is not None:
-        return sample_lengths(config.lengths)
+        lengths = sample_lengths(config.lengths)
+        if len(lengths) != len(rows):
+            raise DataError(
+                f"RingpackConfig.lengths has {len(lengths)} entries but train_dataset has {len(rows)} rows: "
+                "give one token count per row"
+            )
+        return lengths
+    dataset = rows.dataset
     if hasattr(dataset, "column_names"):  # a datasets.Dataset: read its column, not its rows
         return sample_lengths(dataset, config.column)
-    rows = PackedDataset(dataset, config.column)
     return sample_lengths([len(rows[i]) for i in range(len(rows))])
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))

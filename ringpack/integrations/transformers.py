@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from ringpack.errors import DataError
+
 ATTENTION_NAME = "ringpack"
 
 
@@ -60,24 +62,31 @@ def ringpack_attention_forward(
         ``(out, None)`` with ``out`` of shape ``(1, T, H, D)`` (no attention weights).
 
     Raises:
-        ValueError: no schedule, a batch other than 1, dropout, or an attention mask; and whatever
+        DataError: (a ``ValueError``) no schedule, query/key/value that are not 4-D tensors, a
+            batch other than 1, dropout, or an attention mask; and whatever
             :func:`~ringpack.attention.ring_attention` raises.
     """
     from ringpack.attention import ring_attention
 
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 4:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise DataError(
+                f"ringpack attention: {name} must be a (batch, heads, tokens, head_dim) tensor, got {shape}"
+            )
     if ringpack_schedule is None:
-        raise ValueError(
+        raise DataError(
             "attn_implementation='ringpack' needs ringpack_schedule=... in the model's forward call "
             "(the schedule PackedCollator builds for this CP rank)"
         )
     if query.shape[0] != 1:
-        raise ValueError(
+        raise DataError(
             f"ringpack attention takes one packed sequence per CP rank (batch 1), got batch {query.shape[0]}"
         )
     if dropout:
-        raise ValueError("ringpack attention does not implement attention dropout; set attention_dropout=0")
+        raise DataError("ringpack attention does not implement attention dropout; set attention_dropout=0")
     if attention_mask is not None:
-        raise ValueError("ringpack attention builds its own per-sample causal mask; do not pass attention_mask")
+        raise DataError("ringpack attention builds its own per-sample causal mask; do not pass attention_mask")
     q = query[0].transpose(0, 1)  # [T, H, D]
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
@@ -107,8 +116,25 @@ def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
 
     Divide by the global batch's loss tokens (``Step.loss_tokens``) and all-reduce the gradient
     (sum) over DP x CP to get exactly the single-device per-token mean.
+
+    Args:
+        logits: ``(..., T, V)`` floating-point scores.
+        labels: integer ``(..., T)`` targets, as many as ``logits`` has rows.
+
+    Raises:
+        DataError: ``logits`` or ``labels`` not tensors of those kinds, or of other token counts.
     """
+    if not isinstance(logits, torch.Tensor) or logits.dim() < 2 or not logits.is_floating_point():
+        raise DataError(f"logits must be a floating-point (..., tokens, vocab) tensor, got {_describe(logits)}")
+    if not isinstance(labels, torch.Tensor) or labels.is_floating_point() or labels.is_complex():
+        raise DataError(f"labels must be an integer tensor of target ids, got {_describe(labels)}")
+    if labels.numel() * logits.shape[-1] != logits.numel():
+        raise DataError(f"labels {tuple(labels.shape)} do not match logits {tuple(logits.shape)}: one label per row")
     logits = logits.reshape(-1, logits.shape[-1])
     if logits.dtype in (torch.float16, torch.bfloat16):  # low-precision logits: reduce in fp32
         logits = logits.float()
     return torch.nn.functional.cross_entropy(logits, labels.reshape(-1), ignore_index=-100, reduction="sum")
+
+
+def _describe(x: Any) -> str:
+    return f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__

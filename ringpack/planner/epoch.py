@@ -465,8 +465,13 @@ def make_plan(lengths: Any, config: PlanConfig, *, progress: Callable[[int, int]
         PlanError: invalid or empty ``lengths``; a sample longer than one CP group holds with
             ``overflow="error"``; no sample left after dropping; a global batch whose samples
             cannot fill, or do not fit, its ``dp x m`` micro-batches; ``overflow="split"`` cutting
-            samples into more documents than :func:`split_document_limit` allows.
+            samples into more documents than :func:`split_document_limit` allows; a ``config``
+            that is not a PlanConfig, a ``progress`` that is not callable.
     """
+    if not isinstance(config, PlanConfig):
+        raise PlanError(f"config must be a PlanConfig, got {type(config).__name__}")
+    if progress is not None and not callable(progress):
+        raise PlanError(f"progress must be None or a callable, got {type(progress).__name__}")
     batches = global_batches(lengths, config)
     lengths, windows = batches.lengths, batches.windows
     length_list = lengths.tolist()

@@ -25,10 +25,12 @@ from tests.helpers.attention import (
     Problem,
     dense_reference,
     handmade_microbatches,
+    max_abs_error,
     max_errors,
     random_microbatch,
     run_processes,
     strategy_microbatch,
+    within,
 )
 
 TOL = 1e-10
@@ -149,7 +151,7 @@ def suite_worker(rank: int, world: int, have_planner: bool) -> list[tuple]:
                     errors[f"{mode}-{layout}"] = max_errors(
                         problem, cp_rank, ref, _run_strided(problem, sched, cp_rank, group, mode, layout)
                     )
-        agree = max(float((got["ring"][x] - got["allgather"][x]).abs().sum()) for x in got["ring"])
+        agree = {x: max_abs_error(got["ring"][x], got["allgather"][x]) for x in got["ring"]}
         report.append((name, cp, cp_rank, errors, agree, len(sched.steps)))
     return report
 
@@ -158,7 +160,7 @@ MISMATCH_RANKS = [0, 2]
 
 
 def mismatch_checks(rank: int, group) -> list[str]:
-    """Five broken set-ups on a 2-rank group, each followed by a healthy call on the same group."""
+    """Seven broken set-ups on a 2-rank group, each followed by a healthy call on the same group."""
     cp_rank = dist.get_rank(group)
     _, a, lengths = next(c for c in handmade_microbatches() if c[0] == "interleaved")  # cp=2
     b = microbatch_swap(a)
@@ -167,10 +169,14 @@ def mismatch_checks(rank: int, group) -> list[str]:
     k0 = problem.local(problem.k, cp_rank)
     messages = []
 
-    def attempt(sched: Schedule, mode: str = "ring", q=q0, k=k0) -> None:
+    def attempt(sched: Schedule, mode: str = "ring", q=q0, k=k0, grad: bool = False, grad_mode: bool = True) -> None:
+        q, k = (x.detach().requires_grad_(grad) for x in (q, k))
         try:
-            ring_attention(q, k, k, sched, group=group, mode=mode, backend="reference")
+            with torch.set_grad_enabled(grad_mode):
+                out = ring_attention(q, k, k, sched, group=group, mode=mode, backend="reference")
             messages.append("no error")
+            if out.requires_grad:  # a rank that got through would now wait in backward for its peer
+                out.sum().backward()
         except (ScheduleMismatchError, ValueError) as exc:
             messages.append(f"{type(exc).__name__}: {exc}")
         # the group must still work: a correct call right after
@@ -181,6 +187,9 @@ def mismatch_checks(rank: int, group) -> list[str]:
     attempt(compile_schedule(a, cp_rank), mode="ring" if cp_rank == 0 else "allgather")  # different modes
     short = slice(None) if cp_rank == 0 else slice(0, -1)
     attempt(compile_schedule(a, cp_rank), q=q0[short], k=k0[short])  # one rank's tokens do not fit its schedule
+    attempt(compile_schedule(a, cp_rank), grad=cp_rank == 0)  # only rank 0's inputs require grad
+    # both require grad, but rank 1 runs under no_grad (all-gather mode: its backward has collectives too)
+    attempt(compile_schedule(a, cp_rank), mode="allgather", grad=True, grad_mode=cp_rank == 0)
     # rank 0 reuses a schedule object it already checked for another micro-batch: caught in DETAIL mode
     old = compile_schedule(a, cp_rank)
     ring_attention(q0, k0, k0, old, group=group, backend="reference")
@@ -253,19 +262,53 @@ def spawned():
     return have_planner, run_processes(4, worker, have_planner)
 
 
+def failing_rows(rows: list[tuple]) -> tuple[list, list]:
+    """The report rows whose errors against the reference, or ring against all-gather, are not all
+    finite and below TOL (a NaN or inf counts as an error: a comparison with NaN is false)."""
+    bad = [
+        (name, cp_rank, errors)
+        for name, _, cp_rank, errors, _, _ in rows
+        if not all(within(e, TOL) for e in errors.values())
+    ]
+    disagree = [(name, cp_rank, agree) for name, _, cp_rank, _, agree, _ in rows if not within(agree, TOL)]
+    return bad, disagree
+
+
+@pytest.mark.parametrize("where", ["out", "dq", "every tensor"])
+def test_the_multiprocess_check_fails_on_nan(where):
+    """The parent's check of the workers' report rows, fed a real run whose results hold a NaN
+    (the output, a gradient beside a finite output, or everything)."""
+    from tests.helpers.attention import run_all_ranks
+
+    _, mb, lengths = next(c for c in handmade_microbatches() if c[0] == "skip-rank")
+    problem = Problem.make(mb, lengths, 4, 2, 8, seed=1)
+    ref = dense_reference(problem)
+    results = run_all_ranks(problem)
+
+    def rows() -> list[tuple]:
+        report = []
+        for r, got in enumerate(results):
+            errors = max_errors(problem, r, ref, got)
+            agree = {x: max_abs_error(got[x], got[x].clone()) for x in got}
+            report.append(("skip-rank", 4, r, {"ring": errors, "allgather": errors}, agree, 1))
+        return report
+
+    assert failing_rows(rows()) == ([], [])
+    for got in results:
+        for tensor in got.values() if where == "every tensor" else [got[where]]:
+            tensor.view(-1)[:1] = float("nan")
+    bad, disagree = failing_rows(rows())
+    assert len(bad) == len(results) and len(disagree) == len(results), (bad, disagree)
+
+
 @pytest.mark.slow
 def test_ring_and_allgather_match_dense_reference_on_1_to_4_ranks(spawned):
     have_planner, results = spawned
     rows = [row for result in results for row in result["suite"]]
     expected = sum(cp for _, cp, *_ in build_cases(have_planner))
     assert len(rows) == expected, "every rank of every case reported"
-    bad = [
-        (name, cp_rank, errors)
-        for name, cp, cp_rank, errors, agree, _ in rows
-        if max(max(e.values()) for e in errors.values()) >= TOL
-    ]
-    assert not bad, f"errors above {TOL}: {bad[:5]}"
-    disagree = [(name, cp_rank, agree) for name, _, cp_rank, _, agree, _ in rows if agree >= TOL]
+    bad, disagree = failing_rows(rows)
+    assert not bad, f"errors not below {TOL}: {bad[:5]}"
     assert not disagree, disagree[:5]
     assert any(steps > 0 for *_, steps in rows) and any(steps == 0 for *_, steps in rows)
     assert all("out_no_grad" in row[3]["ring-hybrid"] for row in rows), "the forward without gradients was checked"
@@ -281,13 +324,16 @@ def test_mismatched_plans_raise_on_every_rank_instead_of_hanging(spawned):
     _, results = spawned
     checked = [results[r]["mismatch"] for r in MISMATCH_RANKS]
     for messages in checked:
-        assert len(messages) == 5
+        assert len(messages) == 7
         assert all(m.startswith("ScheduleMismatchError") for m in messages), messages
         assert "micro-batches" in messages[0] and "ranks [0]" in messages[0] and "ranks [1]" in messages[0]
         assert "cp rank" in messages[1]
         assert "modes" in messages[2]
         assert "ranks [1] got q/k/v" in messages[3]
-        assert "micro-batches" in messages[4]
+        for grads in messages[4:6]:  # the ranks that would and would not run the backward, on both
+            assert "whether the call needs gradients" in grads, grads
+            assert "ranks [0]: with gradients; ranks [1]: without gradients" in grads, grads
+        assert "micro-batches" in messages[6]
     assert "q has" in checked[1][3]  # the rank with the bad input says what is wrong
 
 

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from ringpack.shard_plan import Piece, microbatch_from_shards
 from tests.helpers.attention import (
     Problem,
+    assert_within,
     dense_reference,
     handmade_microbatches,
     max_errors,
@@ -38,19 +39,40 @@ def assert_exact(
     dense_buckets: int | None = 8,
     part_rows: int | None = None,
 ) -> None:
-    ref = dense_reference(problem, scale)
-    for r, got in enumerate(
-        run_all_ranks(
-            problem,
-            scale,
-            backend=backend,
-            dense_threshold=dense_threshold,
-            dense_buckets=dense_buckets,
-            part_rows=part_rows,
-        )
-    ):
-        errors = max_errors(problem, r, ref, got)
-        assert max(errors.values()) < TOL, f"rank {r}: {errors}"
+    results = run_all_ranks(
+        problem,
+        scale,
+        backend=backend,
+        dense_threshold=dense_threshold,
+        dense_buckets=dense_buckets,
+        part_rows=part_rows,
+    )
+    check_ranks(problem, dense_reference(problem, scale), results)
+
+
+def check_ranks(problem: Problem, ref: dict, results: list[dict[str, torch.Tensor]]) -> None:
+    """Every rank's out/dq/dk/dv within TOL of the dense reference; a NaN or inf fails."""
+    assert len(results) == len(problem.mb.shards)
+    for r, got in enumerate(results):
+        assert set(got) == {"out", "dq", "dk", "dv"}, sorted(got)
+        assert_within(max_errors(problem, r, ref, got), TOL, f"rank {r}")
+
+
+@pytest.mark.parametrize("where", ["out", "dq", "every tensor"])
+@pytest.mark.parametrize("one_element", [True, False])
+def test_the_check_fails_on_nan(where, one_element):
+    """NaN compares false with everything: the check must still fail on a NaN output, a NaN
+    gradient beside a finite output, or a run that is NaN in every tensor."""
+    name, mb, lengths = next(c for c in handmade_microbatches() if c[0] == "balanced-like")
+    problem = Problem.make(mb, lengths, 4, 2, 8, seed=3)
+    ref = dense_reference(problem)
+    results = run_all_ranks(problem)
+    check_ranks(problem, ref, results)  # the real results pass
+    for got in results:
+        for tensor in got.values() if where == "every tensor" else [got[where]]:
+            (tensor.view(-1)[:1] if one_element else tensor).fill_(float("nan"))
+    with pytest.raises(AssertionError, match="inf"):
+        check_ranks(problem, ref, results)
 
 
 @pytest.mark.parametrize("name,mb,lengths", handmade_microbatches(), ids=lambda x: x if isinstance(x, str) else "")
@@ -341,7 +363,7 @@ def test_first_transfer_order_with_and_without_gradients(monkeypatch, grad, loca
         [Piece(1, 0, 40)] if local_parts == 2 else []
     )  # a second local sample: the local result is copied from two parts
     lengths = [80, 40]
-    mb = microbatch_from_shards([0, 1], [[Piece(0, 0, 40)], [Piece(0, 40, 80), *tail]], lengths)
+    mb = microbatch_from_shards([0, 1][:local_parts], [[Piece(0, 0, 40)], [Piece(0, 40, 80), *tail]], lengths)
     scheds = [compile_schedule(mb, r, dense_threshold=16, dense_buckets=None) for r in range(2)]
     assert len(scheds[1].local.dense) == local_parts and not scheds[1].local.rest
     problem = Problem.make(mb, dict(enumerate(lengths)), 2, 1, 4, seed=1)

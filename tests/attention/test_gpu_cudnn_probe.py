@@ -61,7 +61,9 @@ def _bhsd(x):
 
 
 def _rel(got, want) -> float:
-    return float((got.float() - want.float()).abs().max()) / max(float(want.float().abs().max()), 1e-6)
+    """Max error relative to max |want|; ``inf`` for a NaN or inf in either (a NaN would pass ``< TOL``)."""
+    err = float((got.float() - want.float()).abs().max()) / max(float(want.float().abs().max()), 1e-6)
+    return err if math.isfinite(err) else math.inf
 
 
 def _inputs(lq, lk, heads, kv_heads, d=128, pad=3, seed=0):

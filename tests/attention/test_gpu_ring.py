@@ -23,6 +23,7 @@ Everything here skips cleanly without CUDA (pytest) and needs neither ortools no
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -237,7 +238,14 @@ def layout_inputs(x: dict[str, dict[int, torch.Tensor]], mb, rank: int, layout: 
 
 
 def max_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((got.float() - ref.float()).abs().max()) if ref.numel() else 0.0
+    """``max |got - ref|`` in fp32; ``inf`` for other shapes or a NaN/inf in either, which then fails
+    every bound (a NaN would compare false and slip through, also through the group's MAX)."""
+    if got.shape != ref.shape:
+        return math.inf
+    if not ref.numel():
+        return 0.0
+    err = float((got.float() - ref.float()).abs().max())  # torch's max propagates NaN
+    return err if math.isfinite(err) else math.inf
 
 
 # ------------------------------------------------------------------------------------ 2-GPU check

@@ -6,6 +6,7 @@ positions, plain softmax, autograd for the gradients) and shares no code with th
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -168,15 +169,36 @@ def dense_reference(problem: Problem, scale: float | None = None) -> dict[str, d
     return {"out": split(out), "dq": split(q.grad), "dk": split(k.grad), "dv": split(v.grad)}
 
 
+def max_abs_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """``max |got - want|`` as a float: ``inf`` when the shapes differ or either holds a NaN or an
+    infinity, so a broken result can never pass ``error < tol`` (every comparison with NaN is false,
+    and Python's ``max`` over values with a NaN in them returns whatever came first)."""
+    if tuple(got.shape) != tuple(want.shape):
+        return math.inf
+    if not want.numel():
+        return 0.0
+    got, want = got.detach().double().cpu(), want.detach().double().cpu()
+    if not (bool(torch.isfinite(got).all()) and bool(torch.isfinite(want).all())):
+        return math.inf
+    return float((got - want).abs().max())
+
+
 def max_errors(
     problem: Problem, rank: int, ref: dict[str, dict[int, torch.Tensor]], got: dict[str, torch.Tensor]
 ) -> dict[str, float]:
-    """Max abs error of a rank's out/dq/dk/dv against the dense reference's slices."""
-    errors = {}
-    for name, value in got.items():
-        expected = problem.local(ref[name], rank)
-        errors[name] = float((value.double().cpu() - expected).abs().max()) if expected.numel() else 0.0
-    return errors
+    """Max abs error of a rank's out/dq/dk/dv against the dense reference's slices (:func:`max_abs_error`)."""
+    return {name: max_abs_error(value, problem.local(ref[name], rank)) for name, value in got.items()}
+
+
+def within(errors: dict[str, float], tol: float) -> bool:
+    """Whether every error is a finite number below ``tol`` (NaN and inf are not)."""
+    return all(math.isfinite(e) and e < tol for e in errors.values())
+
+
+def assert_within(errors: dict[str, float], tol: float, where: str = "") -> None:
+    """Fail naming every error that is not a finite number below ``tol``."""
+    bad = {name: e for name, e in errors.items() if not (math.isfinite(e) and e < tol)}
+    assert not bad, f"{where}: errors not below {tol}: {bad} (all: {errors})"
 
 
 # --------------------------------------------------------------------------------------- loopback

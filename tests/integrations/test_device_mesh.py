@@ -164,9 +164,10 @@ def test_mesh_coordinates_put_cp_innermost(mesh_results):
 
 def test_process_group_rejects_other_objects():
     from ringpack.attention.api import process_group
+    from ringpack.errors import DataError
 
     assert process_group(None) is None
-    with pytest.raises(TypeError, match="ProcessGroup, a 1-D DeviceMesh or None"):
+    with pytest.raises(DataError, match="group must be a ProcessGroup, a 1-D DeviceMesh or None"):
         process_group("cp")
 
 

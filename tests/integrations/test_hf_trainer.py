@@ -123,3 +123,72 @@ def test_import_ringpack_does_not_import_transformers():
         "assert 'transformers' not in sys.modules and 'accelerate' not in sys.modules, 'imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+# ------------------------------------------------------------------ nothing is left out in silence
+
+ROWS = [list(range(2 + (7 * i) % 11)) for i in range(10)]
+ROWS[7] = list(range(20))  # the longest row: 20 tokens
+
+
+def _trainer(tmp_path, model=None, **config):
+    """A one-process RingpackTrainer over ROWS (no training run: the tests read its loader)."""
+    from transformers import TrainingArguments
+
+    from ringpack.integrations.trainer import RingpackConfig, RingpackTrainer
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], disable_tqdm=True, max_steps=1)
+    model = build_model("tiny", torch.float64, 0) if model is None else model
+    config = {"tokens_per_rank": 24, "plan_options": {"samples_per_step": 5}, **config}
+    return RingpackTrainer(model=model, args=args, train_dataset=ROWS, ringpack=RingpackConfig(**config))
+
+
+@pytest.mark.parametrize("count", [len(ROWS) - 1, len(ROWS) + 1])
+def test_lengths_must_give_one_count_per_row(tmp_path, count):
+    from ringpack.errors import DataError
+
+    lengths = ([len(r) for r in ROWS] + [4])[:count]
+    trainer = _trainer(tmp_path, lengths=lengths)
+    with pytest.raises(DataError, match=f"RingpackConfig.lengths has {count} entries but train_dataset has 10 rows"):
+        trainer.get_train_dataloader()
+
+
+def test_an_epoch_trains_every_row_once(tmp_path):
+    trainer = _trainer(tmp_path, lengths=[len(r) for r in ROWS])
+    steps = list(trainer.get_train_dataloader())
+    rows = sorted(s for step in steps for batch in step["microbatches"] for s in batch["microbatch"].samples)
+    assert rows == list(range(len(ROWS)))
+    assert len(steps) == trainer.sampler.num_steps == 2
+    assert all(len(step["microbatches"]) > 1 for step in steps), "the resume test below needs steps of several"
+
+
+def test_a_step_started_in_the_middle_is_refused(tmp_path):
+    """A sampler resumed inside a step would give the Trainer a step without its first micro-batches."""
+    from ringpack.errors import DataError
+
+    trainer = _trainer(tmp_path)
+    loader = trainer.get_train_dataloader()
+    state = trainer.sampler.state_dict(cursor=1)  # after the first micro-batch of step 0
+    trainer.sampler.load_state_dict(state)
+    with pytest.raises(DataError, match="step 0 of epoch 0: the loader gave micro-batch 1 of"):
+        next(iter(loader))
+
+
+def test_dropped_rows_are_reported(tmp_path, monkeypatch):
+    from ringpack.integrations import trainer as trainer_module
+
+    warnings = []
+    monkeypatch.setattr(trainer_module.logger, "warning", lambda *args: warnings.append(args[0] % args[1:]))
+    trainer = _trainer(tmp_path, tokens_per_rank=16, plan_options={"samples_per_step": 5, "overflow": "drop"})
+    trainer.get_train_dataloader()
+    assert trainer.sampler.dropped == (7,)  # the only row longer than 16 tokens (cp_size=1)
+    assert warnings == [
+        "ringpack: overflow='drop' leaves out 1 of 10 training rows (longer than 16 tokens), e.g. row 7"
+    ]
+
+
+def test_a_model_without_attention_interface_is_refused(tmp_path):
+    from ringpack.errors import DataError
+
+    with pytest.raises(DataError, match="model must be a transformers model"):
+        _trainer(tmp_path, model=torch.nn.Linear(2, 2))
