@@ -25,9 +25,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ringpack.attention.checks import check_inputs
 from ringpack.attention.kernels import accum_dtype
 from ringpack.attention.ring import ContextParallelAttention, _attention_backward, _attention_forward
 from ringpack.attention.schedule import OPAQUE_SCHEDULE, Schedule
+from ringpack.attention.transports import transport_factory
 
 __all__ = ["ring_attention_op"]
 
@@ -81,8 +83,6 @@ def _group(name: str) -> dist.ProcessGroup | None:
 
 @torch.compiler.disable
 def _outside_graph(q, k, v, schedule, group, mode, softmax_scale, backend, part_rows, needs_grad) -> Tensor:
-    from ringpack.attention.api import check_inputs, transport_factory
-
     check_inputs(q, k, v, schedule, group, mode, needs_grad=needs_grad)
     make_transport = transport_factory(mode, group)
     return ContextParallelAttention.apply(q, k, v, schedule, make_transport, softmax_scale, backend, part_rows)
@@ -101,8 +101,6 @@ def ring_attention_forward(
     needs_grad: bool,
 ) -> tuple[Tensor, Tensor]:
     """The op's implementation: check, then the engine's forward; ``(out [T, H, D], lse [H, T])``."""
-    from ringpack.attention.api import check_inputs, transport_factory
-
     group = _group(group_name)
     check_inputs(q, k, v, schedule, group, mode, needs_grad=needs_grad)
     out, lse = _attention_forward(q, k, v, schedule, transport_factory(mode, group), softmax_scale, backend, part_rows)
@@ -123,8 +121,6 @@ def ring_attention_backward(
     backend: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The gradient op's implementation: the engine's backward; ``(dq, dk, dv)`` like q, k, v."""
-    from ringpack.attention.api import transport_factory
-
     make_transport = transport_factory(mode, _group(group_name))
     grads = _attention_backward(dout.contiguous(), q, k, v, out, lse, schedule, make_transport, softmax_scale, backend)
     return tuple(g.contiguous() for g in grads)
