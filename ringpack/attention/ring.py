@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import numpy as np
@@ -45,7 +45,11 @@ __all__ = [
     "FORWARD_ONLY_PART_ROWS",
     "ContextParallelAttention",
     "KVTransport",
+    "PassConfig",
     "RingTransport",
+    "TransportFactory",
+    "attention_backward",
+    "attention_forward",
     "pack_kv",
 ]
 
@@ -237,6 +241,30 @@ class RingTransport:
 # ----------------------------------------------------------------------------------------- engine
 
 
+@dataclass(frozen=True)
+class PassConfig:
+    """The constants of one engine pass (forward or backward) that its helpers share.
+
+    Attributes:
+        softmax_scale: the scaling of ``QK^T`` before the softmax.
+        backend: a resolved kernel backend (:func:`~ringpack.attention.kernels.resolve_backend`).
+        make_transport: builds the pass's K/V mover from its schedule; unused (may be None) when
+            the schedule has no remote steps.
+        part_rows: the forward without gradients: a non-causal dense segment's rows go in chunks
+            of at most about that many (:data:`FORWARD_ONLY_PART_ROWS`, :func:`_row_chunks`);
+            None: blocks run whole. The backward ignores it.
+    """
+
+    softmax_scale: float
+    backend: str
+    make_transport: TransportFactory | None = None
+    part_rows: int | None = None
+
+    def splits(self, call: KernelCall) -> bool:
+        """Whether ``call`` runs split: it has dense segments and the backend has a dense kernel."""
+        return bool(call.dense) and dense_backend(self.backend) is not None
+
+
 def _take(x: Tensor, rows: Rows, dim: int = 0) -> Tensor:
     """Rows ``rows`` of ``x`` along ``dim``: a gather for an index, a view for a range (contiguous for the kernels)."""
     if rows is None:
@@ -246,44 +274,41 @@ def _take(x: Tensor, rows: Rows, dim: int = 0) -> Tensor:
     return x[rows] if dim == 0 else x[:, rows].contiguous()
 
 
-def _fwd_call(q: Tensor, k: Tensor, v: Tensor, call: KernelCall, scale: float, backend: str) -> tuple[Tensor, Tensor]:
+def _fwd_call(q: Tensor, k: Tensor, v: Tensor, call: KernelCall, config: PassConfig) -> tuple[Tensor, Tensor]:
     return varlen_attn_fwd(
         _take(q, call.rows), _take(k, call.keys), _take(v, call.keys), call.cu_seqlens_q, call.cu_seqlens_k,
-        call.max_seqlen_q, call.max_seqlen_k, scale, call.causal, backend,
+        call.max_seqlen_q, call.max_seqlen_k, config.softmax_scale, call.causal, config.backend,
     )  # fmt: skip
 
 
-def _bwd_call(dout, q, k, v, out, lse, call: KernelCall, scale: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+def _bwd_call(dout, q, k, v, out, lse, call: KernelCall, config: PassConfig) -> tuple[Tensor, Tensor, Tensor]:
     idx, keys = call.rows, call.keys
     return varlen_attn_bwd(
         _take(dout, idx), _take(q, idx), _take(k, keys), _take(v, keys), _take(out, idx), _take(lse, idx, dim=1),
-        call.cu_seqlens_q, call.cu_seqlens_k, call.max_seqlen_q, call.max_seqlen_k, scale, call.causal, backend,
+        call.cu_seqlens_q, call.cu_seqlens_k, call.max_seqlen_q, call.max_seqlen_k, config.softmax_scale,
+        call.causal, config.backend,
     )  # fmt: skip
 
 
-def _splits(call: KernelCall, backend: str) -> bool:
-    return bool(call.dense) and dense_backend(backend) is not None
-
-
 def _fwd_parts(
-    q: Tensor, k: Tensor, v: Tensor, call: KernelCall, scale: float, backend: str, part_rows: int | None = None
+    q: Tensor, k: Tensor, v: Tensor, call: KernelCall, config: PassConfig
 ) -> Iterator[tuple[Rows, Tensor, Tensor, tuple | None]]:
     """One call's partial results as ``(local query rows, out, lse, second)``: one part, or with a
     hybrid backend one part per dense segment (largest first) and the varlen ``rest`` (disjoint rows). ``second``
     is ``None`` or a second ``(out, lse)`` of the same rows (a dense part whose key tail went
     through the varlen kernel), to be merged in the same pass. A generator: each kernel runs when
     its part is asked for, so a caller that folds a part in before asking for the next holds one
-    part's tensors at a time (peak memory). ``part_rows``: a non-causal dense segment's rows go
-    in chunks of at most about that many (:func:`_row_chunks`)."""
-    if not _splits(call, backend):
-        yield (call.rows, *_fwd_call(q, k, v, call, scale, backend), None)
+    part's tensors at a time (peak memory). A non-causal dense segment's rows go in chunks of
+    ``config.part_rows`` (:func:`_row_chunks`; a causal one is never cut)."""
+    if not config.splits(call):
+        yield (call.rows, *_fwd_call(q, k, v, call, config), None)
         return
     # a helper builds each part, so this frame keeps no reference to the last one
     for segment in _largest_first(call.dense):
-        for chunk in _row_chunks(segment, call.causal, part_rows):
-            yield _dense_fwd_part(q, k, v, chunk, call.causal, scale, backend)
+        for chunk in _row_chunks(segment, call.causal, config.part_rows):
+            yield _dense_fwd_part(q, k, v, chunk, call.causal, config)
     for rest in call.rest:
-        yield (rest.rows, *_fwd_call(q, k, v, rest, scale, backend), None)
+        yield (rest.rows, *_fwd_call(q, k, v, rest, config), None)
 
 
 #: Forward without gradients: the most query rows of one partial result of a remote dense block
@@ -356,32 +381,34 @@ def _dense_inputs(q, k, v, segment: DenseSegment, causal: bool):
     return _padded(q, q0, nq, q_run), k[k0 : k0 + nk], v[k0 : k0 + nk], k_run
 
 
-def _dense_fwd_part(q, k, v, segment: DenseSegment, causal: bool, scale: float, backend: str):
+def _dense_fwd_part(q, k, v, segment: DenseSegment, causal: bool, config: PassConfig):
     n = segment.batch * segment.q_len  # the real rows (padding after them)
     qp, kp, vp, dense_keys = _dense_inputs(q, k, v, segment, causal)
-    parts = dense_attn_fwd_parts(qp, kp, vp, scale, causal, backend, dense_keys=dense_keys, batch=segment.batch)
+    parts = dense_attn_fwd_parts(
+        qp, kp, vp, config.softmax_scale, causal, config.backend, dense_keys=dense_keys, batch=segment.batch
+    )
     first, *second = ((o[:n], lse[:, :n]) for o, lse in parts)
     return (_rows(segment.q_start, n, q.shape[0]), *first, second[0] if second else None)
 
 
 def _bwd_parts(
-    dout, q, k, v, out, lse, call: KernelCall, scale: float, backend: str
+    dout, q, k, v, out, lse, call: KernelCall, config: PassConfig
 ) -> Iterator[tuple[Rows, Tensor, Rows, Tensor, Tensor]]:
     """One call's gradients as ``(query rows, dq, key rows, dk, dv)``; key rows ``None``: the whole
     buffer. With a split, one part per dense segment (largest first), then the varlen ``rest`` (if any).
     A generator, like :func:`_fwd_parts`."""
-    if not _splits(call, backend):
-        yield (call.rows, *_bwd_call_parts(dout, q, k, v, out, lse, call, scale, backend))
+    if not config.splits(call):
+        yield (call.rows, *_bwd_call_parts(dout, q, k, v, out, lse, call, config))
         return
     # helpers build each part, so this frame keeps no reference to the last one
     for segment in _largest_first(call.dense):
-        yield from _dense_bwd_parts(dout, q, k, v, out, lse, segment, call.causal, scale, backend)
+        yield from _dense_bwd_parts(dout, q, k, v, out, lse, segment, call.causal, config)
     for rest in call.rest:
-        yield (rest.rows, *_bwd_call_parts(dout, q, k, v, out, lse, rest, scale, backend))
+        yield (rest.rows, *_bwd_call_parts(dout, q, k, v, out, lse, rest, config))
 
 
 def _dense_bwd_parts(
-    dout, q, k, v, out, lse, segment: DenseSegment, causal: bool, scale: float, backend: str
+    dout, q, k, v, out, lse, segment: DenseSegment, causal: bool, config: PassConfig
 ) -> Iterator[tuple[Rows, Tensor, Rows, Tensor, Tensor]]:
     """A dense segment's gradients as :func:`_bwd_parts` yields them: one part, or with a key split
     the dense kernel's (its first ``k_run`` keys) and then the key tail's (the rest), each added
@@ -391,7 +418,7 @@ def _dense_bwd_parts(
     qp, kp, vp, dense_keys = _dense_inputs(q, k, v, segment, causal)
     dop, outp, lsep = _padded(dout, q0, n, run), _padded(out, q0, n, run), _padded_lse(lse, q0, n, run)
     for dq, dk, dv in dense_attn_bwd_parts(
-        dop, qp, kp, vp, outp, lsep, scale, causal, backend, dense_keys=dense_keys, batch=batch
+        dop, qp, kp, vp, outp, lsep, config.softmax_scale, causal, config.backend, dense_keys=dense_keys, batch=batch
     ):
         keys = min(dk.shape[0], nk)  # this part's real key rows (a padded causal square's extra rows dropped)
         yield _rows(q0, n, q.shape[0]), dq[:n], _rows(k0, keys, k.shape[0]), dk[:keys], dv[:keys]
@@ -406,9 +433,9 @@ def _rows(start: int, n: int, total: int) -> slice | None:
 
 
 def _bwd_call_parts(
-    dout, q, k, v, out, lse, call: KernelCall, scale: float, backend: str
+    dout, q, k, v, out, lse, call: KernelCall, config: PassConfig
 ) -> tuple[Tensor, slice | None, Tensor, Tensor]:
-    dq, dk, dv = _bwd_call(dout, q, k, v, out, lse, call, scale, backend)
+    dq, dk, dv = _bwd_call(dout, q, k, v, out, lse, call, config)
     return dq, call.keys, dk, dv
 
 
@@ -433,8 +460,7 @@ def _local_forward(
     v: Tensor,
     call: KernelCall,
     out_dtype: torch.dtype,
-    scale: float,
-    backend: str,
+    config: PassConfig,
     then=None,
     then_after_fold: bool = False,
 ) -> tuple[Tensor, Tensor]:
@@ -442,10 +468,10 @@ def _local_forward(
     ``then``: called once the first local kernel is queued (see :func:`_after_first`), or with
     ``then_after_fold`` once its part has been copied into ``out`` and dropped (a transfer whose
     buffers ``then`` allocates is then not held beside that part: the forward without gradients)."""
-    parts = _fwd_parts(q, k, v, call, scale, backend)
+    parts = _fwd_parts(q, k, v, call, config)
     if not then_after_fold:
         parts, then = _after_first(parts, then), None
-    if not _splits(call, backend):
+    if not config.splits(call):
         ((_, out, lse, _),) = parts
         if then is not None:
             then()
@@ -472,7 +498,7 @@ def _local_forward(
 
 
 def _local_backward(
-    dout, q, k, v, out, lse, calls, scale: float, backend: str, grads: list | None = None, then=None
+    dout, q, k, v, out, lse, calls, config: PassConfig, grads: list | None = None, then=None
 ) -> list | None:
     """Fold the gradients of local ``calls`` into ``grads = [dq, dk, dv]`` (created by the first part).
 
@@ -482,7 +508,7 @@ def _local_backward(
     ``then``: see :func:`_local_forward`.
     """
     # chain keeps no reference to a part it passed on (a generator's loop variable would, through the next kernel)
-    parts = itertools.chain.from_iterable(_bwd_parts(dout, q, k, v, out, lse, call, scale, backend) for call in calls)
+    parts = itertools.chain.from_iterable(_bwd_parts(dout, q, k, v, out, lse, call, config) for call in calls)
     for q_rows, dq_c, k_rows, dk_c, dv_c in _after_first(parts, then):
         if grads is None:
             grads = [
@@ -503,7 +529,7 @@ def _local_backward(
     return grads
 
 
-def _overlap_split(call: KernelCall | None, backend: str) -> tuple[list[KernelCall], list[KernelCall]]:
+def _overlap_split(call: KernelCall | None, config: PassConfig) -> tuple[list[KernelCall], list[KernelCall]]:
     """The local backward as ``(before, after)`` the remote steps.
 
     The dK/dV of the last remote step travel home after its kernels; local work queued after them
@@ -513,7 +539,7 @@ def _overlap_split(call: KernelCall | None, backend: str) -> tuple[list[KernelCa
     """
     if call is None:
         return [], []
-    if not _splits(call, backend) or (not call.rest and len(call.dense) == 1):
+    if not config.splits(call) or (not call.rest and len(call.dense) == 1):
         return [call], []
     big = max(range(len(call.dense)), key=lambda i: _work(call.dense[i]))
     others = call.dense[:big] + call.dense[big + 1 :]
@@ -521,10 +547,10 @@ def _overlap_split(call: KernelCall | None, backend: str) -> tuple[list[KernelCa
     return before, [replace(call, dense=(call.dense[big],), rest=())]
 
 
-def _one_local_part(call: KernelCall, backend: str, rows: int) -> bool:
+def _one_local_part(call: KernelCall, config: PassConfig, rows: int) -> bool:
     """Whether the local call's result is one kernel's output, adopted as the rank's (no copy, so
     nothing to gain by allocating the first transfer's buffers after it)."""
-    if not _splits(call, backend):
+    if not config.splits(call):
         return True
     return (
         not call.rest
@@ -533,48 +559,42 @@ def _one_local_part(call: KernelCall, backend: str, rows: int) -> bool:
     )
 
 
-def _attention_forward(
-    q,
-    k,
-    v,
-    schedule: Schedule,
-    make_transport: TransportFactory,
-    scale: float,
-    backend: str,
-    part_rows: int | None = None,
-):
-    """Returns ``(out [T, H, D] in q's dtype, lse [H, T] in the accumulation dtype)``.
+def attention_forward(q: Tensor, k: Tensor, v: Tensor, schedule: Schedule, config: PassConfig) -> tuple[Tensor, Tensor]:
+    """The engine's forward over this rank's ``q [T, H, D]``, ``k``/``v [T, H_kv, D]`` (contiguous,
+    fitting ``schedule``, which the group agrees on: :func:`~ringpack.attention.checks.check_inputs`).
 
-    ``part_rows`` (the forward without gradients, whose peak is the whole pass's): remote dense
-    blocks go in row chunks of at most that many rows (:data:`FORWARD_ONLY_PART_ROWS`), and where
-    the local result is copied from several parts, the first transfer's buffers are allocated once
-    the first part has been copied into the output, so they are not held beside it (the transfer
-    then overlaps the other local kernels, not the first)."""
+    Returns ``(out [T, H, D] in q's dtype, lse [H, T] in the accumulation dtype)``.
+
+    With ``config.part_rows`` (the forward without gradients, whose peak is the whole pass's):
+    remote dense blocks go in row chunks of at most that many rows (:data:`FORWARD_ONLY_PART_ROWS`),
+    and where the local result is copied from several parts, the first transfer's buffers are
+    allocated once the first part has been copied into the output, so they are not held beside it
+    (the transfer then overlaps the other local kernels, not the first)."""
     acc = accum_dtype(q.dtype)
     if not schedule.steps:
         if schedule.local is None:
             return q.new_zeros(q.shape), q.new_zeros((q.shape[1], 0), dtype=acc)
-        out, lse = _local_forward(q, k, v, schedule.local, q.dtype, scale, backend)
+        out, lse = _local_forward(q, k, v, schedule.local, q.dtype, config)
         return out, lse.to(acc)
-    transport = make_transport(schedule)
+    transport = config.make_transport(schedule)
     # With one remote step every row gets at most one remote part, so the running output stays in
     # q's dtype (merge_partial computes in float and rounds once); more steps accumulate in float.
     out_dtype = q.dtype if len(schedule.steps) == 1 else acc
-    out, lse = _local_forward_then_send(q, k, v, schedule, transport, out_dtype, scale, backend, part_rows)
+    out, lse = _local_forward_then_send(q, k, v, schedule, transport, out_dtype, config)
     for i, step in enumerate(schedule.steps):
         buf = transport.buffer(i)
-        _merge_remote_step(out, lse, q, buf, step.calls, scale, backend, part_rows)
+        _merge_remote_step(out, lse, q, buf, step.calls, config)
     return out.to(q.dtype), lse
 
 
 def _local_forward_then_send(
-    q, k, v, schedule: Schedule, transport: KVTransport, out_dtype, scale: float, backend: str, part_rows: int | None
+    q, k, v, schedule: Schedule, transport: KVTransport, out_dtype, config: PassConfig
 ) -> tuple[Tensor, Tensor]:
     """The local result (``out`` in ``out_dtype``, ``lse`` in the accumulation dtype), with the first
     transfer started beside it: issued once the first local kernel is queued, waiting for the
-    packing only. Without gradients (``part_rows``), where the local result is copied from several
-    parts, its buffers are allocated (and it is issued) once the first part is folded in, so they
-    are not held beside it. A rank without tokens starts the transfer and returns zeros."""
+    packing only. Without gradients (``config.part_rows``), where the local result is copied from
+    several parts, its buffers are allocated (and it is issued) once the first part is folded in,
+    so they are not held beside it. A rank without tokens starts the transfer and returns zeros."""
     acc = accum_dtype(q.dtype)
 
     def begin() -> None:
@@ -584,32 +604,31 @@ def _local_forward_then_send(
         begin()
         transport.start()
         return q.new_zeros(q.shape, dtype=out_dtype), q.new_zeros((q.shape[1], 0), dtype=acc)
-    lean = part_rows is not None and not _one_local_part(schedule.local, backend, q.shape[0])
+    lean = config.part_rows is not None and not _one_local_part(schedule.local, config, q.shape[0])
     if not lean:
         begin()
     then = (lambda: (begin(), transport.start())) if lean else transport.start
-    out, lse = _local_forward(q, k, v, schedule.local, out_dtype, scale, backend, then=then, then_after_fold=lean)
+    out, lse = _local_forward(q, k, v, schedule.local, out_dtype, config, then=then, then_after_fold=lean)
     return out.to(out_dtype), lse.to(acc)
 
 
-def _merge_remote_step(
-    out: Tensor, lse: Tensor, q: Tensor, buf: Tensor, calls, scale: float, backend: str, part_rows: int | None
-) -> None:
+def _merge_remote_step(out: Tensor, lse: Tensor, q: Tensor, buf: Tensor, calls, config: PassConfig) -> None:
     """Fold one remote step's partial results (its ``calls`` against the received ``buf``) into ``out``/``lse``."""
     for call in calls:
-        for rows, part_out, part_lse, second in _fwd_parts(q, buf[0], buf[1], call, scale, backend, part_rows):
+        for rows, part_out, part_lse, second in _fwd_parts(q, buf[0], buf[1], call, config):
             merge_partial(out, lse, part_out, part_lse, rows, part2=second)
             del part_out, part_lse, second
 
 
-def _attention_backward(
-    dout, q, k, v, out, lse, schedule: Schedule, make_transport: TransportFactory, scale: float, backend: str
-):
-    """Returns ``(dq, dk, dv)`` in the dtypes of q, k, v, given the final ``out`` and ``lse``."""
+def attention_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, schedule: Schedule, config: PassConfig
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The engine's backward: ``(dq, dk, dv)`` in the dtypes of q, k, v, given a contiguous ``dout``
+    and the final ``out`` and ``lse`` of :func:`attention_forward`."""
     if not schedule.steps:
         if schedule.local is None:
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        return tuple(_local_backward(dout, q, k, v, out, lse, [schedule.local], scale, backend))
+        return tuple(_local_backward(dout, q, k, v, out, lse, [schedule.local], config))
     # With one remote step, a query row gets at most one remote dQ part and a sent key row its
     # dK/dV from one rank: the kernels' outputs are already rounded to q's dtype, so keeping dQ and
     # the dK/dV in transit in that dtype and summing each element once (in float, rounded once)
@@ -620,21 +639,21 @@ def _attention_backward(
     # rounding.) More steps accumulate, and pass around, float sums.
     one_step = len(schedule.steps) == 1
     grad_dtype = q.dtype if one_step else lse.dtype
-    transport = make_transport(schedule)
+    transport = config.make_transport(schedule)
     transport.begin(_send_kv(k, v, schedule, transport.send_capacity), grad_dtype=grad_dtype)
-    before, after = _overlap_split(schedule.local, backend)
-    grads = _local_backward(dout, q, k, v, out, lse, before, scale, backend, then=transport.start)
+    before, after = _overlap_split(schedule.local, config)
+    grads = _local_backward(dout, q, k, v, out, lse, before, config, then=transport.start)
     if grads is None:  # a rank without tokens
         grads = [torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)]
     if not one_step:
         grads[0] = grads[0].to(lse.dtype)
     for i, step in enumerate(schedule.steps):
         buf = transport.buffer(i)
-        dkv = _remote_step_backward(grads[0], dout, q, buf, out, lse, step.calls, grad_dtype, scale, backend)
+        dkv = _remote_step_backward(grads[0], dout, q, buf, out, lse, step.calls, grad_dtype, config)
         del buf  # the received K/V are not needed any more (peak memory)
         transport.push_grad(i, None if dkv is None else [g.to(grad_dtype) for g in dkv])
         del dkv
-    grads = _local_backward(dout, q, k, v, out, lse, after, scale, backend, grads)  # hides the dK/dV transfer home
+    grads = _local_backward(dout, q, k, v, out, lse, after, config, grads)  # hides the dK/dV transfer home
     home = transport.finish()
     dq, dk, dv = grads
     del grads
@@ -647,7 +666,7 @@ def _attention_backward(
 
 
 def _remote_step_backward(
-    dq: Tensor, dout, q, buf: Tensor, out, lse, calls, grad_dtype, scale: float, backend: str
+    dq: Tensor, dout, q, buf: Tensor, out, lse, calls, grad_dtype, config: PassConfig
 ) -> list[Tensor] | None:
     """Add one remote step's dQ into ``dq`` and return the received buffer's dK/dV (``None``: no
     query of this rank used it). One call sums in ``grad_dtype``; several calls (levels) may share
@@ -655,7 +674,7 @@ def _remote_step_backward(
     dkv = None
     sum_dtype = grad_dtype if len(calls) <= 1 else lse.dtype
     for call in calls:
-        for q_rows, dq_c, k_rows, dk_c, dv_c in _bwd_parts(dout, q, buf[0], buf[1], out, lse, call, scale, backend):
+        for q_rows, dq_c, k_rows, dk_c, dv_c in _bwd_parts(dout, q, buf[0], buf[1], out, lse, call, config):
             _add_rows(dq, q_rows, dq_c)
             if dkv is None and k_rows is None and dk_c.dtype == sum_dtype:
                 dkv = [dk_c, dv_c]  # a part over the whole buffer (zeros where it has no queries) is the sum so far
@@ -674,7 +693,7 @@ class ContextParallelAttention(torch.autograd.Function):
 
     Inputs are this rank's ``q [T, H, D]``, ``k``/``v [T, H_kv, D]``; ``make_transport`` builds the
     K/V mover (ring or all-gather) for one pass; ``part_rows`` (optional): see
-    :func:`_attention_forward` (:func:`~ringpack.attention.ring_attention` passes
+    :func:`attention_forward` (:func:`~ringpack.attention.ring_attention` passes
     :data:`FORWARD_ONLY_PART_ROWS` when no gradient is needed). Only ``out`` is returned; ``lse`` is
     kept for the backward. Call through :func:`ringpack.attention.ring_attention`, which validates
     inputs and checks that the group agrees on the schedule first.
@@ -692,16 +711,14 @@ class ContextParallelAttention(torch.autograd.Function):
         backend: str,
         part_rows: int | None = None,
     ):
-        out, lse = _attention_forward(q, k, v, schedule, make_transport, softmax_scale, backend, part_rows)
+        config = PassConfig(softmax_scale, backend, make_transport, part_rows)
+        out, lse = attention_forward(q, k, v, schedule, config)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.schedule, ctx.make_transport = schedule, make_transport
-        ctx.softmax_scale, ctx.backend = softmax_scale, backend
+        ctx.schedule, ctx.config = schedule, config
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _attention_backward(
-            dout.contiguous(), q, k, v, out, lse, ctx.schedule, ctx.make_transport, ctx.softmax_scale, ctx.backend
-        )
+        dq, dk, dv = attention_backward(dout.contiguous(), q, k, v, out, lse, ctx.schedule, ctx.config)
         return dq, dk, dv, None, None, None, None, None

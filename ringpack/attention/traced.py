@@ -27,7 +27,7 @@ from torch import Tensor
 
 from ringpack.attention.checks import check_inputs
 from ringpack.attention.kernels import accum_dtype
-from ringpack.attention.ring import ContextParallelAttention, _attention_backward, _attention_forward
+from ringpack.attention.ring import ContextParallelAttention, PassConfig, attention_backward, attention_forward
 from ringpack.attention.schedule import OPAQUE_SCHEDULE, Schedule
 from ringpack.attention.transports import transport_factory
 
@@ -103,7 +103,8 @@ def ring_attention_forward(
     """The op's implementation: check, then the engine's forward; ``(out [T, H, D], lse [H, T])``."""
     group = _group(group_name)
     check_inputs(q, k, v, schedule, group, mode, needs_grad=needs_grad)
-    out, lse = _attention_forward(q, k, v, schedule, transport_factory(mode, group), softmax_scale, backend, part_rows)
+    config = PassConfig(softmax_scale, backend, transport_factory(mode, group), part_rows)
+    out, lse = attention_forward(q, k, v, schedule, config)
     return out.contiguous(), lse.contiguous()  # the strides the fake implementation promises
 
 
@@ -121,8 +122,8 @@ def ring_attention_backward(
     backend: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The gradient op's implementation: the engine's backward; ``(dq, dk, dv)`` like q, k, v."""
-    make_transport = transport_factory(mode, _group(group_name))
-    grads = _attention_backward(dout.contiguous(), q, k, v, out, lse, schedule, make_transport, softmax_scale, backend)
+    config = PassConfig(softmax_scale, backend, transport_factory(mode, _group(group_name)))
+    grads = attention_backward(dout.contiguous(), q, k, v, out, lse, schedule, config)
     return tuple(g.contiguous() for g in grads)
 
 

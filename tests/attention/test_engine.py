@@ -280,17 +280,17 @@ def test_backward_holds_the_largest_dense_segment_back_to_hide_the_dkv_transfer(
     """_overlap_split moves the largest local dense segment after the remote steps; the two halves
     cover the local call's parts exactly once, and the engine stays exact with them (fp64)."""
     from ringpack.attention import compile_schedule
-    from ringpack.attention.ring import _overlap_split
+    from ringpack.attention.ring import PassConfig, _overlap_split
     from tests.helpers.attention import zigzag_case
 
     mb = zigzag_case(2, [40, 3, 1, 17])
     local = compile_schedule(mb, 0, dense_threshold=5).local
     assert local.dense and local.rest
-    before, after = _overlap_split(local, "reference_hybrid")
+    before, after = _overlap_split(local, PassConfig(1.0, "reference_hybrid"))
     assert [c.dense for c in after] == [(max(local.dense, key=lambda d: d[1] * d[3]),)] and after[0].rest == ()
     moved = set(local.dense) - set(after[0].dense)
     assert set(before[0].dense) == moved if moved else before == list(local.rest)
-    assert _overlap_split(local, "reference") == ([local], [])  # no dense kernel: nothing to split
+    assert _overlap_split(local, PassConfig(1.0, "reference")) == ([local], [])  # no dense kernel: nothing to split
     assert_exact(Problem.make(mb, [40, 3, 1, 17], 4, 2, 8, seed=5), backend="reference_hybrid", dense_threshold=5)
 
 
@@ -344,7 +344,7 @@ def test_first_transfer_order_with_and_without_gradients(monkeypatch, grad, loca
     right after that kernel is queued; without gradients, where the local result is copied from
     several parts, both wait until the first part is folded in (its buffers are not held beside it)."""
     from ringpack.attention import compile_schedule, kernels
-    from ringpack.attention.ring import _attention_forward
+    from ringpack.attention.ring import PassConfig, attention_forward
     from tests.helpers.attention import LoopbackTransport, LoopbackWorld
 
     events = []
@@ -371,7 +371,8 @@ def test_first_transfer_order_with_and_without_gradients(monkeypatch, grad, loca
     world = LoopbackWorld(
         scheds, [problem.local(problem.k, r) for r in range(2)], [problem.local(problem.v, r) for r in range(2)]
     )
-    _attention_forward(q, k, v, scheds[1], lambda s: Spy(s, world), 0.5, "reference_hybrid", None if grad else 64)
+    config = PassConfig(0.5, "reference_hybrid", lambda s: Spy(s, world), None if grad else 64)
+    attention_forward(q, k, v, scheds[1], config)
     local = ["kernel"] * local_parts
     if grad or local_parts == 1:
         assert events[: local_parts + 2] == ["begin", "kernel", "start", *local[1:]]

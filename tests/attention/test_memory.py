@@ -102,7 +102,7 @@ def test_forward_holds_one_part_beside_the_result(stub_kernels, monkeypatch, run
     q, k, v = _inputs(sched.num_tokens)
     part_rows = max([d.q_run * d.batch for d in local.dense] + [int(c.cu_seqlens_q[-1]) for c in local.rest])
     with LiveBytes([q, k, v]) as mem:
-        out, lse = ring._attention_forward(q, k, v, sched, None, 0.5, "reference_hybrid")
+        out, lse = ring.attention_forward(q, k, v, sched, ring.PassConfig(0.5, "reference_hybrid"))
     result = out.numel() * out.element_size() + lse.numel() * lse.element_size()
     one_part = _rows_bytes(part_rows, HEADS) + part_rows * HEADS * 4  # its out and lse
     assert mem.peak <= result + one_part + 4096, f"peak {mem.peak} B: result {result} + one part {one_part}"
@@ -112,12 +112,12 @@ def test_backward_holds_one_part_beside_the_gradients(stub_kernels, monkeypatch)
     monkeypatch.setattr(schedule, "LOCAL_RUN_ROWS", 64)
     sched = compile_schedule(_one_rank(LENGTHS), 0, dense_threshold=64, dense_buckets=2)
     q, k, v = _inputs(sched.num_tokens)
-    out, lse = ring._attention_forward(q, k, v, sched, None, 0.5, "reference_hybrid")
+    out, lse = ring.attention_forward(q, k, v, sched, ring.PassConfig(0.5, "reference_hybrid"))
     dout = torch.randn_like(out)
     local = sched.local
     part_rows = max([d.q_run * d.batch for d in local.dense] + [int(c.cu_seqlens_q[-1]) for c in local.rest])
     with LiveBytes([q, k, v, out, lse, dout]) as mem:
-        grads = ring._attention_backward(dout, q, k, v, out, lse, sched, None, 0.5, "reference_hybrid")
+        grads = ring.attention_backward(dout, q, k, v, out, lse, sched, ring.PassConfig(0.5, "reference_hybrid"))
     result = sum(g.numel() * g.element_size() for g in grads)
     # one part's dq/dk/dv and its padded lse (the dense parts' padding rows are views: no copies)
     one_part = _rows_bytes(part_rows, HEADS + 2 * KV_HEADS) + part_rows * HEADS * 4
@@ -145,7 +145,7 @@ def test_forward_without_gradients_holds_no_block_sized_partials_and_no_buffer_b
       receive buffer is allocated before it (the transfer overlaps its kernel); without, after it
       is folded in, so the peak is the local step's own.
     """
-    from ringpack.attention.ring import _attention_forward, _local_forward
+    from ringpack.attention.ring import PassConfig, _local_forward, attention_forward
     from tests.helpers.attention import LoopbackTransport, LoopbackWorld
 
     class Receiving(LoopbackTransport):
@@ -177,12 +177,11 @@ def test_forward_without_gradients_holds_no_block_sized_partials_and_no_buffer_b
         return mem.peak - out.numel() * out.element_size() - lse.numel() * lse.element_size()
 
     def forward(part_rows):
-        return _attention_forward(
-            qs[1], ks[1], vs[1], scheds[1], lambda s: Receiving(s, world), 0.5, "reference_hybrid", part_rows
-        )
+        config = PassConfig(0.5, "reference_hybrid", lambda s: Receiving(s, world), part_rows)
+        return attention_forward(qs[1], ks[1], vs[1], scheds[1], config)
 
     local = beside_result(
-        lambda: _local_forward(qs[1], ks[1], vs[1], scheds[1].local, torch.float32, 0.5, "reference_hybrid")
+        lambda: _local_forward(qs[1], ks[1], vs[1], scheds[1].local, torch.float32, PassConfig(0.5, "reference_hybrid"))
     )
     with_grad, without = beside_result(lambda: forward(None)), beside_result(lambda: forward(64))
     row = _rows_bytes(1, HEADS) + HEADS * 4  # one query row's output and lse

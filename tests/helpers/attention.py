@@ -257,7 +257,7 @@ def run_all_ranks(
     """Forward and backward of every CP rank of ``problem`` in this process, through the real engine
     (``part_rows``: the forward's row chunks of remote dense blocks, as without gradients)."""
     from ringpack.attention import compile_schedule
-    from ringpack.attention.ring import _attention_backward, _attention_forward
+    from ringpack.attention.ring import PassConfig, attention_backward, attention_forward
 
     cp = len(problem.mb.shards)
     schedules = [
@@ -267,12 +267,11 @@ def run_all_ranks(
     q, k, v, dout = ([problem.local(t, r) for r in range(cp)] for t in (problem.q, problem.k, problem.v, problem.dout))
     world = LoopbackWorld(schedules, k, v)
     scale = q[0].shape[-1] ** -0.5 if scale is None else scale
+    config = PassConfig(scale, backend, world.transport, part_rows)
     results = []
     for r in range(cp):
-        out, lse = _attention_forward(q[r], k[r], v[r], schedules[r], world.transport, scale, backend, part_rows)
-        dq, dk, dv = _attention_backward(
-            dout[r], q[r], k[r], v[r], out, lse, schedules[r], world.transport, scale, backend
-        )
+        out, lse = attention_forward(q[r], k[r], v[r], schedules[r], config)
+        dq, dk, dv = attention_backward(dout[r], q[r], k[r], v[r], out, lse, schedules[r], config)
         results.append(
             {
                 "out": out,
