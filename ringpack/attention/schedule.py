@@ -47,9 +47,9 @@ whatever the data. ``dense_buckets=None`` keeps exact shapes.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
-from typing import NamedTuple
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -68,12 +68,13 @@ except ImportError:  # older torch: compiled code calls the engine outside the g
 __all__ = [
     "DEFAULT_DENSE_BUCKETS",
     "DEFAULT_DENSE_THRESHOLD",
+    "DENSE_KEYWORDS",
+    "DenseOptions",
     "DenseSegment",
     "KernelCall",
     "RingStep",
     "Schedule",
     "ScheduleMismatchError",
-    "check_dense_options",
     "compile_schedule",
     "dense_bucket",
     "dense_bucket_up",
@@ -92,6 +93,58 @@ DEFAULT_DENSE_BUCKETS = 32
 
 class ScheduleMismatchError(ValueError):
     """Ranks of one CP group hold schedules (or inputs) that do not belong together."""
+
+
+@dataclass(frozen=True)
+class DenseOptions:
+    """How :func:`compile_schedule` marks work for a hybrid backend's dense kernel (other backends
+    ignore the marks; docs/attention.md, "The dense split"). Its keywords are ``dense_<field>``
+    (:data:`DENSE_KEYWORDS`).
+
+    Attributes:
+        threshold: segments of at least this many queries and keys (by area,
+            :func:`is_dense_segment`) are marked; ``None`` marks none (no split).
+        buckets: the dense parts' lengths per octave, a power of two (docs/attention.md, "Shape
+            buckets"); ``None`` keeps exact shapes.
+        batches: runs of equal short local segments go to the dense kernel as batched calls.
+
+    Raises:
+        PlanError: a ``threshold`` that is not None or an integer >= 1, ``buckets`` that are not
+            None or a power of two, ``batches`` that are not a bool; the message names the keyword.
+    """
+
+    threshold: int | None = DEFAULT_DENSE_THRESHOLD
+    buckets: int | None = DEFAULT_DENSE_BUCKETS
+    batches: bool = True
+
+    def __post_init__(self) -> None:
+        threshold, buckets, batches = self.threshold, self.buckets, self.batches
+        if threshold is not None and (not _is_int(threshold) or threshold < 1):
+            raise PlanError(f"dense_threshold must be None or an integer >= 1, got {threshold!r}")
+        if buckets is not None and (not _is_int(buckets) or buckets < 1 or buckets & (buckets - 1)):
+            raise PlanError(f"dense_buckets must be None or a power of two, got {buckets!r}")
+        if not isinstance(batches, (bool, np.bool_)):
+            raise PlanError(f"dense_batches must be True or False, got {batches!r}")
+        object.__setattr__(self, "threshold", None if threshold is None else int(threshold))
+        object.__setattr__(self, "buckets", None if buckets is None else int(buckets))
+        object.__setattr__(self, "batches", bool(batches))
+
+    @classmethod
+    def from_keywords(cls, options: Mapping[str, Any]) -> DenseOptions:
+        """The options named by :func:`compile_schedule`'s keywords (``{"dense_buckets": None}``:
+        what ``schedule_options`` of the collator and the shard reader carry).
+
+        Raises:
+            PlanError: a key that is not one of :data:`DENSE_KEYWORDS`, or a bad value.
+        """
+        unknown = sorted(set(options) - set(DENSE_KEYWORDS), key=str)
+        if unknown:
+            raise PlanError(f"unknown schedule option(s) {unknown}; choose from {list(DENSE_KEYWORDS)}")
+        return cls(**{key.removeprefix("dense_"): value for key, value in options.items()})
+
+
+#: :func:`compile_schedule`'s keywords of the :class:`DenseOptions` fields.
+DENSE_KEYWORDS = tuple(f"dense_{f.name}" for f in fields(DenseOptions))
 
 
 class DenseSegment(NamedTuple):
@@ -423,7 +476,7 @@ def compile_schedule(
     if not _is_int(cp_rank) or not 0 <= cp_rank < cp:
         raise PlanError(f"cp_rank must be an integer in [0, {cp}) (the micro-batch's rank shards), got {cp_rank!r}")
     cp_rank = int(cp_rank)
-    dense = check_dense_options(dense_threshold, dense_buckets, dense_batches)
+    dense = DenseOptions(dense_threshold, dense_buckets, dense_batches)
     table = _PieceTable.from_microbatch(microbatch)
     mine = np.flatnonzero(table.rank == cp_rank)
     num_tokens = int((table.stop[mine] - table.start[mine]).sum())
@@ -449,32 +502,7 @@ def compile_schedule(
     )
 
 
-def check_dense_options(
-    dense_threshold: int | None = DEFAULT_DENSE_THRESHOLD,
-    dense_buckets: int | None = DEFAULT_DENSE_BUCKETS,
-    dense_batches: bool = True,
-) -> tuple | None:
-    """:func:`compile_schedule`'s dense split options, validated, as ``(threshold, buckets, batches)``
-    (None: no split).
-
-    Raises:
-        PlanError: a ``dense_threshold`` that is not None or an integer >= 1, a ``dense_buckets``
-            that is not None or a power of two, a ``dense_batches`` that is not a bool.
-    """
-    if dense_threshold is not None and (not _is_int(dense_threshold) or dense_threshold < 1):
-        raise PlanError(f"dense_threshold must be None or an integer >= 1, got {dense_threshold!r}")
-    if dense_buckets is not None and (
-        not _is_int(dense_buckets) or dense_buckets < 1 or dense_buckets & (dense_buckets - 1)
-    ):
-        raise PlanError(f"dense_buckets must be None or a power of two, got {dense_buckets!r}")
-    if not isinstance(dense_batches, (bool, np.bool_)):
-        raise PlanError(f"dense_batches must be True or False, got {dense_batches!r}")
-    if dense_threshold is None:
-        return None
-    return int(dense_threshold), None if dense_buckets is None else int(dense_buckets), bool(dense_batches)
-
-
-def _local_call(table: _PieceTable, mine: np.ndarray, dense: tuple | None) -> KernelCall:
+def _local_call(table: _PieceTable, mine: np.ndarray, dense: DenseOptions) -> KernelCall:
     """One causal segment per run of same-sample local pieces (exact: see module docstring)."""
     slot, length = table.slot[mine], table.stop[mine] - table.start[mine]
     run_id = np.cumsum(np.r_[True, slot[1:] != slot[:-1]]) - 1
@@ -483,7 +511,7 @@ def _local_call(table: _PieceTable, mine: np.ndarray, dense: tuple | None) -> Ke
 
 
 def _remote_calls(
-    table: _PieceTable, mine: np.ndarray, theirs: np.ndarray, num_tokens: int, dense: tuple | None
+    table: _PieceTable, mine: np.ndarray, theirs: np.ndarray, num_tokens: int, dense: DenseOptions
 ) -> tuple[KernelCall, ...]:
     """Non-causal calls of this rank's queries against source rank's compact buffer (usually one call)."""
     src = theirs[table.needed[theirs]]
@@ -522,7 +550,7 @@ def _remote_calls(
     )
 
 
-def _noncausal_call(q_lo, q_hi, k_lo, k_hi, buffer_len: int, num_tokens: int, dense: tuple | None) -> KernelCall:
+def _noncausal_call(q_lo, q_hi, k_lo, k_hi, buffer_len: int, num_tokens: int, dense: DenseOptions) -> KernelCall:
     """Segments (q rows [q_lo, q_hi) gathered) x (keys [k_lo, k_hi)); key gaps become zero-query segments."""
     q_len, k_len = q_hi - q_lo, k_hi - k_lo
     gap = k_lo - np.r_[0, k_hi[:-1]]
@@ -588,9 +616,9 @@ def _bucket_step(length: np.ndarray, buckets: int) -> np.ndarray:
     return np.left_shift(1, np.maximum(octave - (int(buckets).bit_length() - 1), 0))
 
 
-def _make_call(seg_q, seg_k, seg_q_start, causal: bool, num_tokens: int, dense: tuple | None) -> KernelCall:
+def _make_call(seg_q, seg_k, seg_q_start, causal: bool, num_tokens: int, dense: DenseOptions) -> KernelCall:
     """The call of segments ``seg_q[b]`` queries (local rows ``seg_q_start[b]`` on) x ``seg_k[b]`` keys,
-    plus its dense split (``dense = (threshold, buckets, batches)``; ``None``: no split)."""
+    plus its dense split (none when ``dense.threshold`` is None)."""
     call = KernelCall(
         cu_seqlens_q=_cu(seg_q),
         cu_seqlens_k=_cu(seg_k),
@@ -599,14 +627,13 @@ def _make_call(seg_q, seg_k, seg_q_start, causal: bool, num_tokens: int, dense: 
         causal=causal,
         **_query_rows(seg_q_start, seg_q, num_tokens),
     )
-    if dense is None:
+    if dense.threshold is None:
         return call
-    threshold, buckets, batched = dense
-    long = is_dense_segment(seg_q, seg_k, threshold)
-    batches = _equal_batches(seg_q, ~long, threshold) if causal and batched else []
+    long = is_dense_segment(seg_q, seg_k, dense.threshold)
+    batches = _equal_batches(seg_q, ~long, dense.threshold) if causal and dense.batches else []
     if not long.any() and not batches:
         return call
-    dense_parts = _dense_segments(seg_q, seg_k, seg_q_start, long, causal, buckets)
+    dense_parts = _dense_segments(seg_q, seg_k, seg_q_start, long, causal, dense.buckets)
     for first, count in batches:  # equal-length short segments, one batched dense call per power-of-two group
         a, n = int(seg_q_start[first]), int(seg_q[first])
         dense_parts += (DenseSegment(a, n, a, n, n, n, count),)

@@ -60,7 +60,6 @@ __all__ = [
     "PackedDataset",
     "PackedSamples",
     "PackedCollator",
-    "SCHEDULE_OPTIONS",
     "check_schedule_flag",
     "check_schedule_options",
     "rank_arrays",
@@ -209,27 +208,22 @@ def rank_arrays(
     return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids, "cu_seqlens": cu.astype(np.int32)}
 
 
-# compile_schedule's keyword options a collator or shard reader passes through (the kernel split only)
-SCHEDULE_OPTIONS = ("dense_threshold", "dense_buckets", "dense_batches")
-
-
 def check_schedule_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
-    """Validated ``compile_schedule`` options: e.g. ``{"dense_buckets": None}`` for data whose lengths
-    repeat (exact cuDNN shapes, see docs/attention.md, shape buckets).
+    """Validated ``compile_schedule`` options, the kernel split's only
+    (:class:`~ringpack.attention.schedule.DenseOptions` by their keywords): e.g.
+    ``{"dense_buckets": None}`` for data whose lengths repeat (exact cuDNN shapes, see
+    docs/attention.md, shape buckets).
 
     Raises:
         DataError: not a mapping (or None), an unknown option, or a bad value (named).
     """
-    if options is not None and not isinstance(options, Mapping):
-        raise DataError(f"schedule_options must be a dict of {list(SCHEDULE_OPTIONS)}, got {type(options).__name__}")
-    options = dict(options or {})
-    unknown = sorted(set(options) - set(SCHEDULE_OPTIONS), key=str)
-    if unknown:
-        raise DataError(f"schedule_options: unknown schedule option(s) {unknown}; choose from {list(SCHEDULE_OPTIONS)}")
-    from ringpack.attention.schedule import check_dense_options
+    from ringpack.attention.schedule import DENSE_KEYWORDS, DenseOptions
 
+    if options is not None and not isinstance(options, Mapping):
+        raise DataError(f"schedule_options must be a dict of {list(DENSE_KEYWORDS)}, got {type(options).__name__}")
+    options = dict(options or {})
     try:
-        check_dense_options(**options)
+        DenseOptions.from_keywords(options)
     except ValueError as exc:
         raise DataError(f"schedule_options: {exc}") from exc
     return options
@@ -304,7 +298,8 @@ class PackedCollator:
         schedule: ``"auto"`` or ``True``: compile each micro-batch's attention schedule for this
             rank; ``False``: leave ``batch["schedule"]`` ``None``.
         ignore_index: the label of every sample's last token.
-        schedule_options: keyword options of ``compile_schedule`` (:data:`SCHEDULE_OPTIONS`).
+        schedule_options: keyword options of ``compile_schedule``, the dense split's only
+            (:data:`~ringpack.attention.schedule.DENSE_KEYWORDS`).
 
     Called with what :class:`PackedDataset` returns for a ticket, it returns the batch dict of
     the module docstring (int64 ``input_ids``, ``labels``, ``position_ids`` ``[T]``; int32

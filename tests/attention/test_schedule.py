@@ -410,3 +410,31 @@ def test_dense_bucket_lengths():
 def test_dense_threshold_is_validated():
     with pytest.raises(ValueError, match="dense_threshold"):
         compile_schedule(zigzag_case(2, [4]), 0, dense_threshold=0)
+
+
+def test_dense_options_are_compile_schedules_keywords():
+    """DenseOptions declares the dense split once: its fields are compile_schedule's dense_* keywords
+    (with their defaults), the collator's schedule_options accept exactly those, and values are
+    normalised to plain ints and bools."""
+    import inspect
+
+    from ringpack.attention.schedule import DENSE_KEYWORDS, DenseOptions
+    from ringpack.data.collator import check_schedule_options
+    from ringpack.errors import DataError, PlanError
+
+    params = inspect.signature(compile_schedule).parameters
+    assert tuple(name for name in params if name.startswith("dense_")) == DENSE_KEYWORDS
+    defaults = DenseOptions()
+    assert [getattr(defaults, k.removeprefix("dense_")) for k in DENSE_KEYWORDS] == [
+        params[k].default for k in DENSE_KEYWORDS
+    ]
+    options = DenseOptions.from_keywords({"dense_threshold": np.int64(8), "dense_batches": np.bool_(False)})
+    assert options == DenseOptions(8, defaults.buckets, False)
+    assert type(options.threshold) is int and type(options.batches) is bool
+    with pytest.raises(PlanError, match=r"unknown schedule option\(s\) \['threshold'\]"):
+        DenseOptions.from_keywords({"threshold": 8})
+    with pytest.raises(PlanError, match="dense_batches"):
+        DenseOptions(batches="yes")
+    assert check_schedule_options(dict.fromkeys(DENSE_KEYWORDS[:2])) == dict.fromkeys(DENSE_KEYWORDS[:2])
+    with pytest.raises(DataError, match="schedule_options: unknown"):
+        check_schedule_options({"dense_split": True})
