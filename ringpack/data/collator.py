@@ -40,13 +40,14 @@ A batch is a plain ``dict`` (``pin_memory`` and ``.to(device)`` loops work on it
     gradients with SUM).
 ``schedule``
     ``ringpack.attention.compile_schedule(microbatch, cp_rank, **schedule_options)`` (host tensors;
-    ``.to(device)``), or ``None`` with ``schedule=False``.
+    ``.to(device)``), or ``None`` with ``compile_schedules=False``.
 ``microbatch``, ``epoch``, ``step``, ``microbatch_index``, ``microbatches_in_step``, ``cursor``, ``plan_hash``
     where the batch sits; ``cursor`` feeds ``sampler.state_dict(cursor=...)`` for exact resume.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -229,10 +230,28 @@ def check_schedule_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
     return options
 
 
-def check_schedule_flag(schedule: Any) -> None:
-    """Raise :class:`DataError` unless ``schedule`` (of a collator or reader) is ``"auto"``, True, False or None."""
+def check_schedule_flag(schedule: Any, name: str = "schedule") -> None:
+    """Raise :class:`DataError` unless ``schedule`` (the flag ``name`` of a collator or reader: whether
+    it compiles attention schedules) is ``"auto"``, True, False or None."""
     if not (schedule is None or isinstance(schedule, bool) or (isinstance(schedule, str) and schedule == "auto")):
-        raise DataError(f"schedule must be 'auto', True or False, got {schedule!r}")
+        raise DataError(f"{name} must be 'auto', True or False, got {schedule!r}")
+
+
+_UNSET = object()
+
+
+def _renamed_flag(compile_schedules: Any, schedule: Any) -> Any:
+    """``compile_schedules``, or the value given by its old name ``schedule=`` (a DeprecationWarning)."""
+    if schedule is _UNSET:
+        return compile_schedules
+    if not (isinstance(compile_schedules, str) and compile_schedules == "auto"):
+        raise DataError("PackedCollator: pass compile_schedules= only (schedule= is its old name)")
+    warnings.warn(
+        "PackedCollator(schedule=...) is renamed compile_schedules=...; the old name will be removed",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return schedule
 
 
 def _is_int(value: Any) -> bool:
@@ -295,11 +314,12 @@ class PackedCollator:
 
     Args:
         cp_rank, cp_size: this process's CP rank and the CP group's size.
-        schedule: ``"auto"`` or ``True``: compile each micro-batch's attention schedule for this
-            rank; ``False``: leave ``batch["schedule"]`` ``None``.
+        compile_schedules: ``"auto"`` or ``True``: compile each micro-batch's attention schedule
+            for this rank; ``False``: leave ``batch["schedule"]`` ``None``.
         ignore_index: the label of every sample's last token.
         schedule_options: keyword options of ``compile_schedule``, the dense split's only
             (:data:`~ringpack.attention.schedule.DENSE_KEYWORDS`).
+        schedule: the old name of ``compile_schedules`` (a ``DeprecationWarning``).
 
     Called with what :class:`PackedDataset` returns for a ticket, it returns the batch dict of
     the module docstring (int64 ``input_ids``, ``labels``, ``position_ids`` ``[T]``; int32
@@ -307,9 +327,10 @@ class PackedCollator:
     everything it needs arrives with the ticket, so it pickles into workers as a few integers.
 
     Raises:
-        DataError: bad ranks or options; when called: a batch without its ticket (the dataset
-            is not wrapped in :class:`PackedDataset`), or samples whose token counts differ from
-            the plan's (the dataset changed since its lengths were taken).
+        DataError: bad ranks or options, ``compile_schedules`` and ``schedule`` both given; when
+            called: a batch without its ticket (the dataset is not wrapped in
+            :class:`PackedDataset`), or samples whose token counts differ from the plan's (the
+            dataset changed since its lengths were taken).
     """
 
     def __init__(
@@ -317,22 +338,24 @@ class PackedCollator:
         cp_rank: int,
         cp_size: int,
         *,
-        schedule: Any = "auto",
+        compile_schedules: Any = "auto",
         ignore_index: int = IGNORE_INDEX,
         schedule_options: Mapping[str, Any] | None = None,
+        schedule: Any = _UNSET,
     ) -> None:
+        compile_schedules = _renamed_flag(compile_schedules, schedule)
         if not _is_int(cp_size) or cp_size < 1:
             raise DataError(f"cp_size must be a positive integer, got {cp_size!r}")
         if not _is_int(cp_rank) or not 0 <= cp_rank < cp_size:
             raise DataError(f"cp_rank must be in [0, {cp_size}), got {cp_rank!r}")
-        check_schedule_flag(schedule)
+        check_schedule_flag(compile_schedules, "compile_schedules")
         if not _is_int(ignore_index):
             raise DataError(
                 f"ignore_index must be an integer (the label of a sample's last token), got {ignore_index!r}"
             )
         self.cp_rank = int(cp_rank)
         self.cp_size = int(cp_size)
-        self.schedule = schedule
+        self.compile_schedules = compile_schedules
         self.schedule_options = check_schedule_options(schedule_options)
         self.ignore_index = ignore_index
 
@@ -425,4 +448,6 @@ class PackedCollator:
         arrays = rank_arrays(starts, pieces, nexts, self.ignore_index)
         meta = dict(meta or {})
         meta.setdefault("step_loss_tokens", None)
-        return to_batch(arrays, microbatch, self.cp_rank, meta, self.schedule, self.ignore_index, self.schedule_options)
+        return to_batch(
+            arrays, microbatch, self.cp_rank, meta, self.compile_schedules, self.ignore_index, self.schedule_options
+        )

@@ -23,7 +23,7 @@ def make(samples, dp_rank=0, cp_rank=0, dp=DP, cp=CP, tokens=T, **kw):
     kw.setdefault("samples_per_step", 40)
     lengths = [len(s) for s in samples]
     sampler = BalancedBatchSampler(lengths, dp_rank=dp_rank, dp_size=dp, cp_size=cp, tokens_per_rank=tokens, **kw)
-    return sampler, PackedDataset(samples), PackedCollator(cp_rank, cp, schedule=False)
+    return sampler, PackedDataset(samples), PackedCollator(cp_rank, cp, compile_schedules=False)
 
 
 def collate_all(samples, sampler, dataset, collator, start_state=None):
@@ -233,10 +233,25 @@ def test_schedule_compiled_unless_disabled(samples):
     sampler, ds, _ = make(samples)
     ticket = next(iter(sampler))
     ref = compile_schedule(ticket.microbatch, 1)
-    for schedule in ("auto", True):
-        batch = PackedCollator(1, CP, schedule=schedule)(ds.__getitems__(ticket))
+    for flag in ("auto", True):
+        batch = PackedCollator(1, CP, compile_schedules=flag)(ds.__getitems__(ticket))
         assert type(batch["schedule"]) is type(ref) and batch["schedule"].fingerprint == ref.fingerprint
-    assert PackedCollator(1, CP, schedule=False)(ds.__getitems__(ticket))["schedule"] is None
+    assert PackedCollator(1, CP, compile_schedules=False)(ds.__getitems__(ticket))["schedule"] is None
+
+
+def test_old_schedule_keyword_still_works_with_a_warning(samples):
+    """schedule= is the old name of compile_schedules=: it still decides, with a DeprecationWarning
+    that points at the caller; giving both names, or a bad value under the new one, is a DataError."""
+    sampler, ds, _ = make(samples)
+    ticket = next(iter(sampler))
+    with pytest.warns(DeprecationWarning, match="compile_schedules") as caught:
+        collator = PackedCollator(1, CP, schedule=False)
+    assert caught[0].filename == __file__
+    assert collator(ds.__getitems__(ticket))["schedule"] is None
+    with pytest.raises(DataError, match="compile_schedules= only"):
+        PackedCollator(1, CP, compile_schedules=True, schedule=False)
+    with pytest.raises(DataError, match="compile_schedules must be"):
+        PackedCollator(1, CP, compile_schedules="yes")
 
 
 def test_schedule_options_reach_compile_schedule(samples):
@@ -264,7 +279,7 @@ def test_hf_dataset_source(samples):
     ds = PackedDataset(hf)
     cov = Coverage(samples)
     for c in range(CP):
-        coll = PackedCollator(c, CP, schedule=False)
+        coll = PackedCollator(c, CP, compile_schedules=False)
         loader = DataLoader(ds, batch_sampler=sampler, collate_fn=coll, num_workers=1)
         cov.add_all(loader)
     cov.check_exactly_once()
