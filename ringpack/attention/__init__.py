@@ -1,4 +1,4 @@
-"""Varlen context-parallel attention that executes any shard plan exactly.
+"""Varlen context-parallel attention that executes any shard plan exactly (docs/attention.md).
 
 Per micro-batch, on the host: ``schedule = compile_schedule(microbatch, cp_rank).to(device)``.
 Per layer: ``out = ring_attention(q, k, v, schedule, group=cp_group, mode="ring" | "allgather")``.

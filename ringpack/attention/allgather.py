@@ -1,14 +1,10 @@
 """All-gather context parallelism (the Llama 3 form) on the same schedule as the ring.
 
-Every rank gathers the compact K/V buffers of the whole CP group in one collective (started before
-the local kernel so the two overlap), runs exactly the ring's per-step kernel calls against the
-gathered buffers, and returns dK/dV to their owners with one reduce-scatter. Fewer, larger
-messages than the ring and no dependency chain between steps; it holds all compact buffers at
-once, which is cheap with GQA (only K/V heads travel) and at moderate lengths.
-
-Collectives need equal sizes, so buffers are padded to the largest compact buffer of the group.
-Only :class:`AllGatherTransport` lives here: the attention loop, the merge and the gradient
-bookkeeping are the ring's (:mod:`ringpack.attention.ring`).
+:class:`AllGatherTransport` gathers the compact K/V buffers of the whole CP group in one collective
+(started before the local kernel, so the two overlap; buffers padded to the group's largest, as
+collectives need equal sizes) and returns dK/dV to their owners with one reduce-scatter. The kernel
+calls, the merge and the gradient bookkeeping are the ring's (:mod:`ringpack.attention.ring`). See
+docs/attention.md, "Ring and all-gather".
 """
 
 from __future__ import annotations

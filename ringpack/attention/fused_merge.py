@@ -1,17 +1,12 @@
 """One-kernel log-sum-exp merge on CUDA (Triton), for the merges whose rows are a range.
 
-:func:`ringpack.attention.merge.merge_partial` in plain torch runs about eight kernels: two passes
-over ``[n, H, D]`` with broadcast weights plus a float temporary when the running output is in the
-input dtype. The forward of a remote step is short, so those passes are a tenth of it (0.35 ms
-of 3.5 ms on H200 for 8K query rows with 32 heads). This kernel reads the running output and the
-partial (or two partials of the same rows: a dense call whose keys were split) once, writes the
-merged output and lse once, and computes in float32 like the torch path (its log-sum-exp is the
-textbook ``m + log(e^(a-m) + e^(b-m))``, which agrees with ``torch.logaddexp`` to float32
-rounding; outputs round once to the output dtype).
-
-It is used only where it applies: CUDA tensors, Triton importable, rows given as a slice or all
-rows, float32/float16/bfloat16 outputs with a float32 lse. Everything else (CPU, float64 tests,
-gathered rows) takes the torch path, which is the reference the GPU tests compare this against.
+It reads the running output and the partial (or two partials of the same rows: a dense call whose
+keys were split) once and writes the merged output and lse once, where the torch path
+(:func:`ringpack.attention.merge.merge_partial`) runs about eight kernels; it computes in float32
+like the torch path and rounds outputs once. Used only where it applies: CUDA tensors, Triton
+importable, rows given as a slice or all rows, float32/float16/bfloat16 outputs with a float32 lse;
+everything else takes the torch path, the reference the GPU tests compare it against. See
+docs/attention.md, "Ring and all-gather" (precision).
 """
 
 from __future__ import annotations
@@ -99,7 +94,9 @@ def fused_merge(
 ) -> None:
     """In place: rows ``index`` of ``out [T, H, D]`` / ``lse [H, T]`` merged with ``part_out [n, H, D]``
     / ``part_lse [H, n]``, and with ``part2`` (a second such pair) in the same pass if given (see
-    :func:`ringpack.attention.merge.merge_partial` for the contract)."""
+    :func:`ringpack.attention.merge.merge_partial` for the contract). Its log-sum-exp is the textbook
+    ``m + log(e^(a-m) + e^(b-m))``, which agrees with the torch path's ``torch.logaddexp`` to float32
+    rounding."""
     rows_out = out if index is None else out[index]
     rows_lse = lse if index is None else lse[:, index]
     n, heads, head_dim = rows_out.shape

@@ -1,51 +1,19 @@
-"""Varlen attention kernels behind one contract.
-
-Every ring step of the runtime is one call of::
+"""Varlen attention kernels behind one contract (docs/attention.md, "The kernel contract")::
 
     varlen_attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                     softmax_scale, causal, backend) -> (out[Tq, H, D], lse[H, Tq])
     varlen_attn_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                     max_seqlen_k, softmax_scale, causal, backend) -> (dq, dk, dv)
 
-``q`` is ``[Tq, H, D]``, ``k``/``v`` are ``[Tk, H_kv, D]`` with ``H % H_kv == 0`` (GQA: query head
-``h`` reads key/value head ``h // (H // H_kv)``). Segment ``b`` pairs queries
-``q[cu_q[b]:cu_q[b+1]]`` with keys ``k[cu_k[b]:cu_k[b+1]]``; with ``causal`` the mask is aligned
-bottom-right (query ``i`` sees key ``j`` iff ``j <= i + Lk - Lq``), as in flash-attn >= 2.1.
-``lse`` is float32 (float64 for float64 inputs). Two edge cases are part of the contract because
-the schedule relies on them and every backend agrees on them:
-
-* a segment with **no keys** gives ``out = 0`` and ``lse = +inf`` or ``-inf`` (FlashAttention-2
-  and PyTorch's kernels give ``+inf``, flash-attn-4 ``-inf``; the merge reads both as "no
-  contribution");
-* a segment with **no queries** is allowed and gives ``dk = dv = 0`` for its keys. The schedule
-  uses such segments to cover key rows a call does not need, because flash backends leave key rows
-  outside every segment uninitialised in ``dk``/``dv``.
-
-The backward takes the *final* (merged) ``out`` and ``lse``, as flash kernels do: with those,
-each call's gradients are exactly its share of the gradient of the whole softmax.
-
-Backends: ``fa4`` (flash-attn-4, :mod:`ringpack.attention.fa4`; Hopper and Blackwell),
-``flash_attn`` (the flash-attn 2 package), ``torch_flash``  (PyTorch's built-in flash
-kernel, CUDA fp16/bf16) and ``reference`` (plain PyTorch, any device; computes in float32 or
-float64; O(Tq * Tk) memory, for tests). ``backend="auto"`` picks the first that applies:
-``fa4`` where it runs, then ``cudnn_hybrid`` where it is the faster choice
-(:func:`available_backends`).
-
-**Hybrid backends** pair a varlen kernel with a *dense* one-segment kernel::
-
-    dense_attn_fwd(q, k, v, softmax_scale, causal, backend) -> (out[Lq, H, D], lse[H, Lq])
-    dense_attn_bwd(dout, q, k, v, out, lse, softmax_scale, causal, backend) -> (dq, dk, dv)
-
-(one segment, same conventions; ``causal`` needs ``Lq == Lk``; ``dense_keys=n`` hands keys past
-``n`` of a non-causal segment to the varlen kernel, see :func:`dense_attn_fwd`). The engine sends
-the long segments the schedule marked (:attr:`KernelCall.dense`) to the dense kernel one by one
-and the rest of the call to the varlen kernel. ``cudnn_hybrid``: cuDNN dense SDPA
-(``aten._scaled_dot_product_cudnn_attention``, ~1.8x flash on long causal segments on H200) +
-``torch_flash``; ``reference_hybrid``: ``reference`` for both, to test the splitting on CPU.
-Given to :func:`varlen_attn_fwd`/``bwd``, a hybrid name means its varlen kernel.
-
-The entry points are ``torch.library`` custom ops with fake implementations, so code that
-calls them can be traced by ``torch.compile``.
+``q [Tq, H, D]``, ``k``/``v [Tk, H_kv, D]`` with ``H % H_kv == 0``; segment ``b`` pairs queries
+``q[cu_q[b]:cu_q[b+1]]`` with keys ``k[cu_k[b]:cu_k[b+1]]``; ``causal`` is aligned bottom-right
+(query ``i`` sees key ``j`` iff ``j <= i + Lk - Lq``); ``lse`` is float32 (float64 for float64
+inputs). Every backend agrees that a segment with no keys gives ``out = 0`` and ``lse = +-inf``, and
+one with no queries ``dk = dv = 0`` for its keys. The backward takes the final (merged) ``out`` and
+``lse``. Hybrid backends add a dense one-segment kernel (:func:`dense_attn_fwd`,
+:func:`dense_attn_bwd`) for the segments the schedule marked. The entry points are
+``torch.library`` custom ops with fake implementations; ``backend="auto"`` picks the first backend
+of :func:`available_backends` (docs/attention.md, "Kernel backends").
 """
 
 from __future__ import annotations

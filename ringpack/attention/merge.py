@@ -1,5 +1,7 @@
 """The log-sum-exp merge of partial attention results: one implementation for the engine's steps
-and for a dense call whose keys are split between two kernels (``kernels.dense_attn_fwd_parts``)."""
+and for a dense call whose keys are split between two kernels (``kernels.dense_attn_fwd_parts``).
+See docs/attention.md, "Ring and all-gather" (precision).
+"""
 
 from __future__ import annotations
 

@@ -1,20 +1,14 @@
 """The context-parallel attention engine: one autograd.Function, two ways to move K/V.
 
-:class:`ContextParallelAttention` runs a :class:`~ringpack.attention.schedule.Schedule`: the local
-causal call, then one group of non-causal calls per remote step, merging partial outputs by
-log-sum-exp in float32 (float64 for float64 inputs). Where the remote K/V come from is the job of
-a :class:`KVTransport`:
-
-* :class:`RingTransport` (here): compact K/V buffers travel around the CP group with
-  ``batch_isend_irecv``, double-buffered so the transfer of step ``i+1`` is in flight while the
-  kernels of step ``i`` run. Distances nobody needs are jumped over (a hop of several ranks), so
-  they cost neither a transfer nor a kernel. In backward the K/V travel again together with an
-  accumulator of their dK/dV, which returns home after the last step.
-* :class:`~ringpack.attention.allgather.AllGatherTransport`: the Llama 3 form, one all-gather of
-  the compact buffers, dK/dV home by one reduce-scatter.
-
-The loops over steps, the merge and the gradient bookkeeping exist once, here; transports only
-move bytes.
+:class:`ContextParallelAttention` (through :func:`attention_forward` and
+:func:`attention_backward`, which the traced op runs too) executes a
+:class:`~ringpack.attention.schedule.Schedule`: the local causal call, then one group of non-causal
+calls per remote step, merging partial outputs by log-sum-exp in float32 (float64 for float64
+inputs). A :class:`KVTransport` brings the remote K/V and takes their dK/dV home:
+:class:`RingTransport` (here: point to point, double-buffered, skipped distances jumped over) or
+:class:`~ringpack.attention.allgather.AllGatherTransport`. The loops over steps, the merge and the
+gradient bookkeeping exist once, here; transports only move bytes. :class:`PassConfig` holds one
+pass's constants. See docs/attention.md, "Ring and all-gather" and "Memory".
 """
 
 from __future__ import annotations
@@ -352,7 +346,7 @@ def _largest_first(dense: tuple[DenseSegment, ...]) -> list[DenseSegment]:
 
 def _padded(x: Tensor, start: int, n: int, run: int) -> Tensor:
     """Rows ``start:start+run`` of ``x`` for a dense kernel padded past its ``n`` real rows to a
-    bucket shape (schedule "shape buckets"): a view where ``x`` has those rows (the extra rows are
+    bucket shape (docs/attention.md, "Shape buckets"): a view where ``x`` has those rows (the extra rows are
     other tokens' data: finite, unseen by the real rows, their results dropped), else the real rows
     followed by zeros."""
     if start + run <= x.shape[0]:

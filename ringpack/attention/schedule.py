@@ -4,44 +4,13 @@ A :class:`Schedule` is compiled once per micro-batch and CP rank on the host (a 
 is the intended place), moved to the device once with :meth:`Schedule.to`, and reused by every
 attention layer, forward and backward: the hot path does no host work besides launching kernels.
 
-Why plain varlen calls are exact. For a local piece ``q = [a, b)`` of sample X and a piece
-``k = [a', b')`` of X anywhere, exactly one holds: ``k`` is ``q`` (the causal diagonal),
-``b' <= a`` (a full block) or ``a' >= b`` (nothing). Hence:
-
-* **Local step**: the local pieces of one sample, concatenated in canonical order, form one causal
-  segment (every key of an earlier local piece precedes every query of a later one), so one causal
-  call with ``Lq == Lk`` per segment covers all local tokens.
-* **Remote step** at distance ``t`` (source rank ``(r - t) mod C``): a query piece of X needs the
-  pieces of X on the source that end at or before its start, a *prefix* of them, hence one
-  contiguous, unmasked key range. Only query rows that need keys are gathered (``q_index``); query
-  pieces with the same prefix share a segment (zigzag's two chunks); distinct nested prefixes of
-  one sample go to separate calls ("levels"). Key rows a call does not use are covered by
-  zero-query segments (the kernel contract in :mod:`ringpack.attention.kernels`).
-
-Communication. A rank sends only its *needed* pieces (:func:`ringpack.traffic.needed_pieces`:
-another rank holds a later piece of the same sample), concatenated in canonical order into one
-compact buffer (``send_index``); a key prefix stays contiguous there. Distances at which no rank
-needs anything are skipped by every rank, and a micro-batch with no split sample compiles to one
-local call and no transfer.
-
-Dense split (hybrid backends only; others ignore it). With ``dense_threshold=n`` every call marks
-its long segments (:func:`is_dense_segment`) as :class:`DenseSegment` entries for the dense kernel
-and keeps the rest as varlen calls (:attr:`KernelCall.rest`). A remote rest keeps every key
-segment, with no queries for the long ones (so their dK/dV rows are zeroed); a local rest is one
-causal call per run of short segments, reading rows as views instead of gathering them. Runs of
-equal short local segments (fixed-length packing) are a ``[n, L, H, D]`` view that the dense
-kernel takes as one batched call (``dense_batches``).
-
-Shape buckets (``dense_buckets=b``). cuDNN builds a graph (about 0.1 s) for every new shape, and
-training brings new lengths every step, so dense parts run on lengths ``m * 2**e`` with
-``b <= m < 2b``: query rows are padded *up* (:func:`dense_bucket_up`; the engine drops the padding
-rows' results, and their ``lse = +inf`` in backward adds nothing to dK/dV); a causal square is
-padded on its keys too, which only padding rows see; a full block's keys are cut *down*
-(:func:`dense_bucket`) and the key tail goes to the varlen kernel beside it, because padding keys
-would need a mask, which makes cuDNN 1.4-1.7x slower (``benchmarks/probes/cudnn_key_padding.py``).
-Padding adds at most ``2/b`` of a square's work and ``1/b`` of a block's rows, and between 1K and
-128K tokens the dense kernel sees at most about ``5b`` square and ``(7b)**2`` block shapes,
-whatever the data. ``dense_buckets=None`` keeps exact shapes.
+What a schedule promises: its local causal call and its remote steps' calls cover every (query,
+key) pair of the per-sample causal mask of this rank's queries exactly once, as plain varlen calls;
+a rank sends only the pieces another rank needs, in one compact buffer; distances nobody needs are
+skipped by every rank alike. With :class:`DenseOptions` it also marks long segments for a hybrid
+backend's dense kernel (:class:`DenseSegment`, padded to shape buckets) and keeps the rest as varlen
+calls (:attr:`KernelCall.rest`). Why that is exact, the dense split and shape buckets:
+docs/attention.md, "The schedule" and "Kernel backends".
 """
 
 from __future__ import annotations
@@ -86,7 +55,7 @@ __all__ = [
 # 1.5x the distinct cuDNN shapes, and 1024 gained nothing more (BENCHMARKS.md).
 DEFAULT_DENSE_THRESHOLD = 2048
 
-# Dense lengths per octave ("Shape buckets" above): a dense part is padded by under 1/32 of a side.
+# Dense lengths per octave (docs/attention.md, "Shape buckets"): a dense part is padded by under 1/32 of a side.
 # 32 ran the heavy-tailed mix 3-7% faster than 16 for 1.7x the cuDNN shapes (BENCHMARKS.md).
 DEFAULT_DENSE_BUCKETS = 32
 
@@ -177,7 +146,7 @@ class KernelCall:
     rest call); ``None``: the whole buffer. ``max_seqlen_*`` are Python ints, so launching needs no
     host synchronisation.
 
-    The dense split (module docstring), used only by hybrid backends: ``dense`` lists the long
+    The dense split (:class:`DenseOptions`), used only by hybrid backends: ``dense`` lists the long
     segments (and batches of equal short ones) as :class:`DenseSegment`; ``rest`` is the call
     without them, as varlen calls (empty if nothing is left). Empty ``dense``: no split.
     """
@@ -454,7 +423,7 @@ def compile_schedule(
         dense_threshold: segments of at least this many queries and keys (by area, see
             :func:`is_dense_segment`) are marked for a hybrid backend's dense kernel; ``None`` marks
             none.
-        dense_buckets: the dense parts' lengths per octave, a power of two (module docstring,
+        dense_buckets: the dense parts' lengths per octave, a power of two (docs/attention.md,
             "Shape buckets"); ``None`` keeps exact shapes.
         dense_batches: give runs of equal short local segments to the dense kernel as batched calls.
 
@@ -503,7 +472,7 @@ def compile_schedule(
 
 
 def _local_call(table: _PieceTable, mine: np.ndarray, dense: DenseOptions) -> KernelCall:
-    """One causal segment per run of same-sample local pieces (exact: see module docstring)."""
+    """One causal segment per run of same-sample local pieces (exact: docs/attention.md, "The schedule")."""
     slot, length = table.slot[mine], table.stop[mine] - table.start[mine]
     run_id = np.cumsum(np.r_[True, slot[1:] != slot[:-1]]) - 1
     run_len = np.bincount(run_id, weights=length).astype(np.int64)

@@ -1,21 +1,16 @@
 """Launch a transfer that waits only for the tensors it moves, not for kernels queued after them.
 
-PyTorch's NCCL process group makes its communication stream wait for everything queued on the
-*current* stream when a transfer is issued. The engine wants the opposite order on the host: pack
-the send buffer, queue the local attention kernel, and only then issue the transfer, because
-issuing a batched point-to-point call takes a few hundred microseconds of host time during which
-the GPU would otherwise sit idle (0.4-0.5 ms per forward on H200).
-Issuing the transfer from a side stream that waits on an event recorded right after the packing
-keeps the transfer independent of the local kernel, so both run at once.
+NCCL makes a transfer wait for everything queued on the current stream. The engine packs the send
+buffer, marks it (:func:`mark`), queues the local kernel and only then issues the transfer, from a
+side stream that waits for the mark alone (:func:`issued_after`): the transfer, and the host time
+of issuing it, overlap the kernel. On CPU (gloo) there are no streams and both are no-ops.
 
-Memory safety with PyTorch's caching allocator, which recycles a block for the next allocation
-on the same stream without waiting for the kernels that used it before: every buffer the
-transfer reads or writes is allocated on the compute stream *before* the mark is recorded, so any
-earlier user of its memory was queued before the mark and the transfer waits for it; the caller
-keeps the buffers alive until the compute stream has waited for the transfer (``work.wait()``).
-A buffer allocated after the local kernel is queued could reuse a block that kernel still uses,
-and the transfer would overwrite it (wrong dK/dV in backward).
-On CPU (gloo) there are no streams and every helper is a no-op.
+Invariant (PyTorch's caching allocator hands a block to the next allocation on the same stream
+without waiting for the kernels that used it): every buffer the transfer reads or writes is
+allocated on the compute stream *before* the mark, and stays alive until the compute stream has
+waited for the transfer (``work.wait()``). A buffer allocated after the local kernel is queued
+could share that kernel's memory and be overwritten (wrong dK/dV in backward). See
+docs/attention.md, "Ring and all-gather".
 """
 
 from __future__ import annotations

@@ -1,22 +1,13 @@
 """The context-parallel engine as one custom op, for code that ``torch.compile`` traces.
 
-Eager calls of :func:`~ringpack.attention.ring_attention` run the autograd function
-:class:`~ringpack.attention.ring.ContextParallelAttention` directly. A graph cannot hold that
-engine: it posts point-to-point transfers and waits on them, and it reads the schedule's host
-integers to size buffers and pick kernels. So while being traced, ``ring_attention`` calls
-``torch.ops.ringpack.ring_attention`` instead: one opaque node per attention call whose inputs are
-``q``, ``k``, ``v``, the schedule and constants (CP group name, mode, scale, backend), with
-``torch.ops.ringpack.ring_attention_bwd`` as its gradient. Both run the engine functions eager code
-runs, so compiled and eager results are the same numbers.
-
-The schedule enters the op as an opaque *reference* object (:class:`~ringpack.attention.Schedule`
-is registered as one): the graph takes it as a runtime input and never reads its fields, so it
-neither specialises on a micro-batch's integers nor recompiles for the next micro-batch's schedule;
-only ``q``'s token count changes, an ordinary dynamic dimension. The op checks the inputs against
-the schedule (and the group's agreement on it) when it runs, as eager calls do.
-
-Where torch has no opaque objects (:data:`~ringpack.attention.schedule.OPAQUE_SCHEDULE` is
-False) the engine runs outside the graph instead: correct, with one graph break per call.
+While traced, :func:`~ringpack.attention.ring_attention` calls ``torch.ops.ringpack.ring_attention``
+(gradient: ``ring_attention_bwd``) instead of the autograd function: a graph cannot hold the
+engine's transfers and host reads. The op's inputs are ``q``, ``k``, ``v``, the schedule (an opaque
+*reference* object the graph never reads, so a new micro-batch's schedule reuses the graph) and
+constants (CP group name, mode, scale, backend). Both ops run the engine functions eager code runs,
+and check the inputs and the group's agreement when they run. Where torch has no opaque objects
+(:data:`~ringpack.attention.schedule.OPAQUE_SCHEDULE` is False) the engine runs outside the graph:
+one graph break per call. See docs/integrations.md, "torch.compile".
 """
 
 from __future__ import annotations
