@@ -288,7 +288,7 @@ def _price_scenarios(
 #: With several price scenarios the local search stops when :data:`PLATEAU_PATIENCE` iterations
 #: lowered the highest DP rank by less than this fraction (``improve(min_progress=...)``).
 PLATEAU_PROGRESS = 1e-4
-PLATEAU_PATIENCE = 8
+PLATEAU_PATIENCE = 4
 
 
 def _pack(problem: PackingProblem, lower_bound: float, config: PlanConfig) -> np.ndarray | None:
