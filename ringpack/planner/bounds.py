@@ -178,9 +178,11 @@ def robust_bound(
     a, b = _split_costs(L, cost)
     desc = np.argsort(-L, kind="stable")
     a, b, L = a[desc], b[desc], L[desc]
-    # the samples ascending by length (= by pair share of cost), grouped by length: one zonotope edge each
+    # the samples ascending by length (= by pair share of cost), grouped by length: one zonotope
+    # edge per length, and the zonotope's lower chain (the edges added in that order from 0)
     lengths_up, first_up = np.unique(L[::-1], return_index=True)
     edges = np.stack([np.add.reduceat(a[::-1], first_up), np.add.reduceat(b[::-1], first_up)], axis=1)
+    chain = np.concatenate([[[0.0, 0.0]], np.cumsum(edges, axis=0)])
     unit = np.stack([a[::-1][first_up], b[::-1][first_up]], axis=1)  # one sample of each length
     ca, cb = np.cumsum(a), np.cumsum(b)
     best = 1.0
@@ -193,59 +195,79 @@ def robust_bound(
             continue
         # the small samples: all but the c longest (a length tied with the c-th keeps its other samples)
         keep = int(np.searchsorted(lengths_up, L[c - 1]))  # lengths below the c-th longest
-        tied_left = int((L[c:] == L[c - 1]).sum())
-        vectors = edges[:keep]
-        if tied_left:
-            vectors = np.concatenate([vectors, unit[keep : keep + 1] * tied_left])
-        if not len(vectors):
+        tied_left = int(np.searchsorted(-L, -L[c - 1], side="right")) - c
+        polygon = _zonotope_outer(chain, edges, keep, unit[keep] * tied_left if tied_left else None)
+        if polygon is None:
             continue
         big = np.array([ca[c - 1], cb[c - 1]])
-        group = _split_lp(big, vectors, c, dp - c, prices, scale)
-        best = max(best, min(shared, group))
+        best = max(best, min(shared, _split_lp(big, polygon, c, dp - c, prices, scale)))
     return best
 
 
-def _split_lp(big: np.ndarray, vectors: np.ndarray, c: int, rest: int, prices: np.ndarray, scale: np.ndarray) -> float:
+def _split_lp(big: np.ndarray, polygon: np.ndarray, c: int, rest: int, prices: np.ndarray, scale: np.ndarray) -> float:
     """``min over x in Z of max over prices of max(G(x), H(x))`` (see :func:`robust_bound`).
 
     ``G = (big + x) / (c * scale)`` is the mean of the ``c`` ranks holding the long samples,
-    ``H = (S - x) / (rest * scale)`` the mean of the others, both at each price; ``Z`` is the
-    zonotope of ``vectors`` (``[k, 2]``, ascending in pair share).
+    ``H = (S - x) / (rest * scale)`` the mean of the others, both at each price; ``polygon``
+    holds the zonotope ``Z`` of the small samples: its vertex 0 is the origin, the last of its
+    lower chain (the middle vertex) their sum ``S`` (:func:`_zonotope_outer`).
     """
-    total = vectors.sum(axis=0)
+    total = polygon[(len(polygon) + 1) // 2]
     unit = np.where(total > 0, total, 1.0)  # x in units of the small samples' totals: well conditioned
-    polygon = _zonotope_outer(vectors / unit, ZONOTOPE_FACETS)
     direction = np.stack([np.ones_like(prices), prices], axis=1) * unit
     slopes = np.concatenate([direction / (c * scale)[:, None], -direction / (rest * scale)[:, None]])
     offsets = np.concatenate(
         [(big[0] + prices * big[1]) / (c * scale), (total[0] + prices * total[1]) / (rest * scale)]
     )
-    return _min_max_affine(polygon, slopes, offsets)
+    return _min_max_affine(polygon / unit, slopes, offsets)
 
 
-def _zonotope_outer(vectors: np.ndarray, facets: int) -> np.ndarray:
-    """A convex polygon (counter-clockwise vertices) holding the zonotope of ``vectors``.
+def _zonotope_outer(chain: np.ndarray, edges: np.ndarray, keep: int, tied: np.ndarray | None) -> np.ndarray | None:
+    """A convex polygon (counter-clockwise vertices) holding the zonotope of ``edges[:keep]`` and ``tied``.
 
-    ``vectors`` are in the positive quadrant, ascending in angle: the zonotope's lower chain adds
-    them in that order from 0 to their sum, its upper chain is that chain reflected through the
-    middle. With more than ``2 * facets`` vectors the chain keeps every few vertices and, between
-    two kept ones, the meeting point of the first and last edge's lines (outside the chain).
+    The edges are in the positive quadrant, ascending in angle, ``chain`` their running sums from
+    0; ``tied`` (or ``None``) is one more edge, the last. The zonotope's lower chain adds the
+    edges in order from 0 to their sum ``S``, its upper chain is that chain reflected through
+    ``S / 2``. With more than ``2 * ZONOTOPE_FACETS`` edges the chain keeps every few vertices and,
+    between two kept ones, the meeting point of the first and last edge's lines (outside the
+    chain). ``None`` without edges.
     """
-    chain = np.concatenate([[[0.0, 0.0]], np.cumsum(vectors, axis=0)])
-    k = len(vectors)
-    if k > 2 * facets:
-        keep = np.unique(np.linspace(0, k, facets + 1).round().astype(np.int64))
-        start, stop = keep[:-1], keep[1:]
-        d1, d2 = vectors[start], vectors[stop - 1]
-        gap = chain[stop] - chain[start]
+    k = keep + (tied is not None)
+    if k == 0:
+        return None
+
+    def vertex(i: np.ndarray) -> np.ndarray:
+        if tied is None:
+            return chain[i]
+        return np.where((i > keep)[:, None], chain[keep] + tied, chain[np.minimum(i, keep)])
+
+    def edge(i: np.ndarray) -> np.ndarray:
+        return edges[i] if tied is None else np.where((i == keep)[:, None], tied, edges[np.minimum(i, len(edges) - 1)])
+
+    if k <= 2 * ZONOTOPE_FACETS:
+        points = vertex(np.arange(k + 1))
+    else:
+        cut = np.unique(np.linspace(0, k, ZONOTOPE_FACETS + 1).round().astype(np.int64))
+        start, stop = cut[:-1], cut[1:]
+        p0, p1, d1, d2 = vertex(start), vertex(stop), edge(start), edge(stop - 1)
+        gap = p1 - p0
         det = d1[:, 0] * d2[:, 1] - d1[:, 1] * d2[:, 0]  # >= 0: the chain turns left
         with np.errstate(divide="ignore", invalid="ignore"):
             t = (gap[:, 0] * d2[:, 1] - gap[:, 1] * d2[:, 0]) / det
-        corner = chain[start] + np.where(det > 0, t, 0.0)[:, None] * d1
+        corner = p0 + np.where(det > 0, t, 0.0)[:, None] * d1
         points = np.empty((2 * len(start) + 1, 2))
-        points[0:-1:2], points[1::2], points[-1] = chain[start], corner, chain[-1]
-        chain = points
-    return np.concatenate([chain, chain[-1] - chain[1:-1]])
+        points[0:-1:2], points[1::2], points[-1] = p0, corner, p1[-1]
+    return np.concatenate([points, points[-1] - points[1:-1]])
+
+
+_COMBINATIONS: dict[tuple[int, int], np.ndarray] = {}
+
+
+def _combinations(n: int, k: int) -> np.ndarray:
+    """``int64[C(n, k), k]``: every ``k``-subset of ``range(n)`` (cached)."""
+    if (n, k) not in _COMBINATIONS:
+        _COMBINATIONS[n, k] = np.array(list(combinations(range(n), k)), dtype=np.int64).reshape(-1, k)
+    return _COMBINATIONS[n, k]
 
 
 def _min_max_affine(polygon: np.ndarray, slopes: np.ndarray, offsets: np.ndarray) -> float:
@@ -257,14 +279,14 @@ def _min_max_affine(polygon: np.ndarray, slopes: np.ndarray, offsets: np.ndarray
     """
     nxt = np.roll(polygon, -1, axis=0)
     candidates = [polygon]
-    pairs = np.array(list(combinations(range(len(offsets)), 2)))
+    pairs = _combinations(len(offsets), 2)
     du, da = slopes[pairs[:, 0]] - slopes[pairs[:, 1]], offsets[pairs[:, 0]] - offsets[pairs[:, 1]]
     sp, sq = polygon @ du.T + da, nxt @ du.T + da
     e, p = np.nonzero((sp * sq <= 0) & (sp != sq))
     t = sp[e, p] / (sp[e, p] - sq[e, p])
     candidates.append(polygon[e] + t[:, None] * (nxt[e] - polygon[e]))
     if len(offsets) >= 3:
-        tri = np.array(list(combinations(range(len(offsets)), 3)))
+        tri = _combinations(len(offsets), 3)
         r1, r2 = slopes[tri[:, 0]] - slopes[tri[:, 1]], slopes[tri[:, 0]] - slopes[tri[:, 2]]
         c1, c2 = offsets[tri[:, 1]] - offsets[tri[:, 0]], offsets[tri[:, 2]] - offsets[tri[:, 0]]
         det = r1[:, 0] * r2[:, 1] - r1[:, 1] * r2[:, 0]

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 from ringpack.planner.split.baselines import zigzag_even_shards
 from ringpack.planner.split.best_fit import best_fit
-from ringpack.planner.split.pieces import piece_cost
 from ringpack.planner.split.problem import RankFill, Slice, SplitProblem
 from ringpack.planner.split.suffix_cuts import cut_suffixes
 
@@ -184,7 +183,8 @@ def _deal_front_back(problem: SplitProblem, k: int, take: list[int], share: list
                 pieces.append((hi - back, hi))
         for start, stop in pieces:
             held.shards[r].append((k, start, stop))
-            held.cost[r] += piece_cost(start, stop, a, b, seg)
+            # piece_cost inlined (the same operations in the same order, so the same floats)
+            held.cost[r] += a * (stop - start) + b * 0.5 * (stop * (stop + 1) - start * (start + 1)) + seg
             held.tokens[r] += stop - start
         lo += front
         hi -= back

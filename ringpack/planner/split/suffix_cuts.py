@@ -34,7 +34,7 @@ def cut_suffixes(
     tokens of the new pieces other ranks need (the K/V sent) and, with ``probe``, whether some last
     piece went to another rank than the longest-last rule picks (else both rules give the same cuts).
     """
-    cp, a, b, seg = problem.cp, problem.token, problem.pair, problem.segment
+    a, b, seg = problem.token, problem.pair, problem.segment
     room, troom, shards = fill.room, fill.token_room, fill.shards
     kv = 0
     differs = False
@@ -50,10 +50,9 @@ def cut_suffixes(
                 # the densest remaining tokens (this suffix) go to the rank that needs the densest
                 # content to reach its cost: the highest cost room per free token
                 r, best_need = -1, -math.inf
-                for q in range(cp):
-                    tq = troom[q]
+                for q, (rq, tq) in enumerate(zip(room, troom)):
                     if tq > 0:
-                        need = room[q] / tq
+                        need = rq / tq
                         if need > best_need:
                             r, best_need = q, need
                 if probe and last_rank < 0 and not differs:
