@@ -67,6 +67,7 @@ __all__ = [
     "split_document_limit",
     "step_lower_bound",
     "split_microbatch",
+    "plan_step",
 ]
 
 #: With ``microbatches_per_rank=0`` the planner uses the fewest micro-batches per DP rank that hold
@@ -412,6 +413,23 @@ def global_batches(lengths: Any, config: PlanConfig) -> GlobalBatches:
         )
     min_samples = config.dp * max(config.microbatches_per_rank, 1)
     return GlobalBatches(docs, _windows(order, config.samples_per_step, min_samples), dropped, origins)
+
+
+def plan_step(batches: GlobalBatches, index: int, config: PlanConfig, length_list: list[int] | None = None) -> Step:
+    """Step ``index`` of the plan of ``batches`` (:func:`global_batches` of the lengths and ``config``).
+
+    The same step :func:`make_plan` plans as ``steps[index]``: steps depend on each other only
+    through the global batches, so any step can be planned alone (and with another cost model:
+    ``config.cost`` may differ from the one ``batches`` were cut with; nothing else may).
+    ``length_list`` is ``batches.lengths.tolist()``, when the caller keeps it for many steps.
+
+    Raises:
+        PlanError: as :func:`make_plan` for this step's global batch.
+        IndexError: ``index`` outside the steps.
+    """
+    ids = batches.windows[index]
+    length_list = batches.lengths.tolist() if length_list is None else length_list
+    return _plan_step(index, ids, batches.lengths, config, length_list)
 
 
 def make_plan(lengths: Any, config: PlanConfig, *, progress: Callable[[int, int], None] | None = None) -> Plan:
