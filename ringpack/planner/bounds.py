@@ -12,7 +12,8 @@ Definitions (the same as :mod:`ringpack.planner.epoch`; all in the plan's cost u
 * ``step_cost[s]`` -- the max over DP ranks (DP ranks synchronise once a step): the critical path.
 
 ``imbalance = step_cost / mean(rank_cost)`` is the "max/mean" the benchmark reports (1.0 is perfect;
-it is >= the plain ``max(rank_cost) / mean(rank_cost)``), and ``model_gap = step_cost / lower_bound - 1``.
+it is >= the plain ``max(rank_cost) / mean(rank_cost)``), and ``gap = step_cost / lower_bound - 1``
+at the model's prices.
 
 Bounds (docs/planner.md, "The lower bound"): :func:`step_lower_bound` bounds a step's cost at one
 price. A plan balanced for a pair-price range (``PlanConfig.price_range``) is judged at every price
@@ -21,7 +22,8 @@ lines in ``f`` (:func:`bound_lines`), so the worst ratio of step cost to bound l
 range or at a kink of the envelope (:func:`price_points`). No plan can be within 1 of the bound at
 every price at once when a few long samples pin the bound at the high end while the mean pins it
 at the low end; :func:`robust_bound` is a proven lower bound on that ratio, and
-``gap = max over the price points of step_cost / (robust_bound * bound) - 1`` is what a user sees.
+``robust_gap = max over the price points of step_cost / (robust_bound * bound) - 1`` is how far a
+price-robust plan is from the best one can be.
 """
 
 from __future__ import annotations
@@ -378,13 +380,26 @@ def critical_path(rank_cost: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def plan_costs(plan: Plan) -> dict[str, np.ndarray]:
-    """Per-step cost arrays of ``plan`` (see the module docstring), plus ``imbalance`` and ``gap``."""
+    """Per-step cost arrays of ``plan`` (see the module docstring), plus ``imbalance`` and the gaps.
+
+    Returns a dict of arrays: ``mb_rank_cost[S, D, M, C]``, ``rank_cost[S, D, C]``, ``dp_cost[S, D]``,
+    ``step_cost[S]``, ``mean_rank_cost[S]``, ``lower_bound[S]`` (``Step.lower_bound``, at the model's
+    prices; NaN where unknown), ``imbalance[S]``, ``gap[S]`` (``step_cost / lower_bound - 1``), and
+    over the plan's pair-price range (``config.price_range``; only the model's prices when it is
+    ``(1, 1)``): ``robust_bound[S]`` (:func:`robust_bound`, 1 for exact prices), ``robust_gap[S]``
+    (the largest over the step's :func:`price_points` of ``step cost / (robust_bound * bound) - 1``;
+    ``gap`` for exact prices) and ``worst_price[S]`` (the price factor where it is largest).
+    """
     cfg = plan.config
     a = plan.piece_arrays
     m = max((len(step.microbatches[0]) for step in plan.steps), default=0)
     per_rank, _, _ = rank_grid(a, cfg.dp, cfg.cp, shape=(plan.num_steps, cfg.dp, max(m, 1)))
-    tokens = per_rank(a["stop"] - a["start"])
-    mb_rank = cfg.cost.cost(tokens, per_rank(piece_pairs(a["start"], a["stop"])), per_rank(None))
+    tokens, pairs, pieces = (
+        per_rank(a["stop"] - a["start"]),
+        per_rank(piece_pairs(a["start"], a["stop"])),
+        per_rank(None),
+    )
+    mb_rank = cfg.cost.cost(tokens, pairs, pieces)
     rank_cost = mb_rank.sum(axis=2)
     dp_cost, step_cost = critical_path(mb_rank)
     mean = rank_cost.reshape(plan.num_steps, -1).mean(axis=1)
@@ -392,6 +407,10 @@ def plan_costs(plan: Plan) -> dict[str, np.ndarray]:
     with np.errstate(divide="ignore", invalid="ignore"):
         imbalance = step_cost / mean
         gap = step_cost / bounds - 1.0
+    robust = np.ones(plan.num_steps)
+    robust_gap, worst = gap.copy(), np.ones(plan.num_steps)
+    if cfg.price_range != (1.0, 1.0) and cfg.cost.pair > 0 and plan.num_steps:
+        robust, robust_gap, worst = _robust_gaps(plan, a, tokens, pairs, pieces)
     return {
         "mb_rank_cost": mb_rank,
         "rank_cost": rank_cost,
@@ -401,4 +420,36 @@ def plan_costs(plan: Plan) -> dict[str, np.ndarray]:
         "lower_bound": bounds,
         "imbalance": imbalance,
         "gap": gap,
+        "robust_bound": robust,
+        "robust_gap": robust_gap,
+        "worst_price": worst,
     }
+
+
+def _robust_gaps(
+    plan: Plan, arrays: Mapping[str, np.ndarray], tokens: np.ndarray, pairs: np.ndarray, pieces: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(robust_bound, robust_gap, worst_price)`` per step of a plan balanced for a pair-price range."""
+    cfg, S = plan.config, plan.num_steps
+    lengths = np.asarray(plan.lengths, dtype=np.int64)
+    first = np.asarray(arrays["start"]) == 0  # every planned sample has one piece starting at 0
+    step_of, sample_of = np.asarray(arrays["step"])[first], np.asarray(arrays["sample"])[first]
+    order = np.argsort(step_of, kind="stable")
+    edges = np.searchsorted(step_of[order], np.arange(S + 1))
+    profiles = [
+        price_profile(lengths[sample_of[order[edges[s] : edges[s + 1]]]], cfg.dp, cfg.cp, cfg.cost, cfg.price_range)
+        for s in range(S)
+    ]
+    width = max(p.prices.size for p in profiles)
+    prices = np.array([np.resize(p.prices, width) for p in profiles])  # (S, P), a step's own points repeated
+    lows = np.array([np.resize(p.bounds, width) for p in profiles])
+    robust = np.array([p.robust for p in profiles])
+    costs = np.empty((S, width))
+    base = cfg.cost.token * tokens + cfg.cost.segment * pieces
+    for j in range(width):
+        costs[:, j] = critical_path(base + (cfg.cost.pair * prices[:, j])[:, None, None, None] * pairs)[1]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = costs / (lows * robust[:, None])
+    at = np.argmax(ratio, axis=1)
+    rows = np.arange(S)
+    return robust, ratio[rows, at] - 1.0, prices[rows, at]
