@@ -290,6 +290,8 @@ def _price_scenarios(
 #: lowered the highest DP rank by less than this fraction (``improve(min_progress=...)``).
 PLATEAU_PROGRESS = 1e-4
 PLATEAU_PATIENCE = 4
+#: ... from this many samples in the step on (below, the full search is cheap).
+PLATEAU_MIN_SAMPLES = 512
 
 
 def _pack(problem: PackingProblem, lower_bound: float, config: PlanConfig) -> np.ndarray | None:
@@ -297,7 +299,9 @@ def _pack(problem: PackingProblem, lower_bound: float, config: PlanConfig) -> np
     bins = pack_greedy(problem)
     if bins is None:
         return None
-    plateau = {} if np.ndim(problem.weights) == 1 else {"min_progress": PLATEAU_PROGRESS, "patience": PLATEAU_PATIENCE}
+    plateau = {}
+    if np.ndim(problem.weights) == 2 and len(problem.tokens) >= PLATEAU_MIN_SAMPLES:
+        plateau = {"min_progress": PLATEAU_PROGRESS, "patience": PLATEAU_PATIENCE}
     bins = improve(problem, fill_empty_bins(problem, bins), lower_bound, **plateau)
     if config.solver_time_limit_s > 0:
         bins = refine(problem, bins, lower_bound, config.solver_time_limit_s)

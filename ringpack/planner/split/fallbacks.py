@@ -219,8 +219,12 @@ def _longest_back_chunk(problem: SplitProblem, lo: int, hi: int, t: int, share: 
         c1, c2 = cost(1), cost(2)
         slope = c2 - c1
         if b * (hi - lo - t) > 1e-9 * abs(c1) and slope > 0:
-            g = 1 + math.floor((share - c1) / slope) if share >= c1 else 0
-            g = min(max(g, 0), t - 1)
+            if share < c1:
+                g = 0
+            elif share - c1 < slope * t:
+                g = min(1 + math.floor((share - c1) / slope), t - 1)
+            else:  # beyond the inner costs (also an infinite share)
+                g = t - 1
             while g >= 1 and cost(g) > share:
                 g -= 1
             while g + 1 <= t - 1 and cost(g + 1) <= share:
