@@ -222,9 +222,9 @@ class StepStream:
 
     def _plan(self, s: int, cost: CostModel) -> Step:
         """Step ``s`` planned with ``cost`` (in any thread)."""
-        if self._length_list is None:
-            self._length_list = self.batches.lengths.tolist()
         config = self.config if cost == self.config.cost else dataclasses.replace(self.config, cost=cost)
+        if self._length_list is None and config.strategy != "balanced":  # the other splits read it
+            self._length_list = self.batches.lengths.tolist()
         return plan_step(self.batches, s, config, self._length_list)
 
     def _plan_here(self, s: int) -> Step:
