@@ -215,16 +215,17 @@ def _longest_back_chunk(problem: SplitProblem, lo: int, hi: int, t: int, share: 
         return c
 
     inner = -1  # the largest g in [1, t) with cost(g) <= share (0: none), when the slope is safe
+    slope = b * (hi - lo - t)  # each inner step: the front's last token out, a denser back token in
     if t >= 3:
-        c1, c2 = cost(1), cost(2)
-        slope = c2 - c1
-        if b * (hi - lo - t) > 1e-9 * abs(c1) and slope > 0:
+        c1 = a * t + 2 * seg + b * 0.5 * ((lo + t - 1) * (lo + t) - lo1) + b * hi  # cost(1), about
+        if slope > 1e-9 * abs(c1):
             if share < c1:
                 g = 0
             elif share - c1 < slope * t:
                 g = min(1 + math.floor((share - c1) / slope), t - 1)
             else:  # beyond the inner costs (also an infinite share)
                 g = t - 1
+            # the estimate, checked on the costs as the search computes them
             while g >= 1 and cost(g) > share:
                 g -= 1
             while g + 1 <= t - 1 and cost(g + 1) <= share:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from ringpack.planner.split.pieces import piece_cost, suffix_start
+from ringpack.planner.split.pieces import suffix_start
 from ringpack.planner.split.problem import RankFill, Slice, SplitProblem
 
 __all__ = ["cut_suffixes", "choose_suffix_cuts"]
@@ -64,7 +64,8 @@ def cut_suffixes(
                 start = 0
             if start < stop - troom[r]:  # no more tokens than the rank has room for
                 start = stop - troom[r]
-            added_cost = piece_cost(start, stop, a, b, seg)
+            # piece_cost inlined (the same operations in the same order, so the same floats)
+            added_cost = a * (stop - start) + b * 0.5 * (stop * (stop + 1) - start * (start + 1)) + seg
             if r == last_rank:  # adjacent to this sample's previous piece on the same rank: merge
                 old = shards[r].pop()
                 shards[r].append((k, start, old[2]))
