@@ -291,7 +291,7 @@ def _price_scenarios(
 #: With several price scenarios the local search stops when :data:`PLATEAU_PATIENCE` iterations
 #: lowered the highest DP rank by less than this fraction (``improve(min_progress=...)``).
 PLATEAU_PROGRESS = 1e-4
-PLATEAU_PATIENCE = 4
+PLATEAU_PATIENCE = 2
 #: ... from this many samples in the step on (below, the full search is cheap).
 PLATEAU_MIN_SAMPLES = 512
 
