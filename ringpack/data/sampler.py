@@ -15,15 +15,18 @@ rank holds), not just sample ids. So:
    with the samples' token ids;
 3. :class:`~ringpack.data.collator.PackedCollator` cuts this CP rank's pieces out of them.
 
-The plan is computed once per epoch, in the process that iterates the sampler (the main process);
-workers never re-plan, so they cannot disagree with it. A ticket crossing into a worker is ordinary
+The plan is computed in the process that iterates the sampler (the main process), step by step: a
+background thread (:class:`~ringpack.planner.stream.StepStream`) plans each epoch's steps in
+order, ``lookahead_steps`` ahead of the step being handed out, and only that window is held.
+Workers never re-plan, so they cannot disagree with it. A ticket crossing into a worker is ordinary
 ``DataLoader`` mechanics (the index queue); it pickles as plain integers (``__reduce__``), never as
 a pickled plan object. Plans themselves are only ever stored as JSON/Parquet.
 
-Determinism: the plan of an epoch is a pure function of ``(lengths, config, seed, epoch)``; every
-DP rank computes the same plan independently (no communication) and takes its own micro-batches.
-All DP ranks therefore run the same number of micro-batches in every step. ``plan_hash`` lets a
-trainer check agreement across ranks once (all-gather the hash).
+Determinism: the plan of an epoch is a pure function of ``(lengths, config, seed, epoch)`` (and the
+cost models switched to), and a streamed step equals the whole-epoch plan's; every DP rank computes
+the same steps independently (no communication) and takes its own micro-batches. All DP ranks
+therefore run the same number of micro-batches in every step. ``plan_key`` (carried by every
+ticket as ``plan_hash``) lets a trainer check agreement across ranks once (all-gather it).
 
 Resume semantics
 ----------------
@@ -32,7 +35,8 @@ sampler has *yielded* in the epoch — the StatefulDataLoader convention: ``torc
 ``StatefulDataLoader`` snapshots its batch sampler's state each time it hands out an index and
 restores the snapshot of the last batch delivered to the training loop, so prefetching by workers
 is accounted for. ``load_state_dict`` *seeks* (the next ``iter()`` starts at ``cursor``), it never
-replays. With a plain ``DataLoader`` and workers the sampler runs ahead of the training loop by the
+replays; it plans only the step the cursor is in (to check it against the state's digest) and the
+steps after it. With a plain ``DataLoader`` and workers the sampler runs ahead of the training loop by the
 prefetch depth; use the ``cursor`` the collator puts in every batch: ``sampler.state_dict(cursor=
 batch["cursor"])`` is the state that resumes right after that batch. So N micro-batches consumed
 equal k consumed, save, restore, N-k consumed, bit for bit.
@@ -183,8 +187,10 @@ class BalancedBatchSampler(_SamplerBase):
             ``microbatches_per_rank``, ``packing``, ``overflow``, ``cost``, ...).
 
     Iterating yields one :class:`MicroBatchTicket` per micro-batch of this DP rank in the current
-    epoch's plan (a ``list`` of dataset rows carrying the micro-batch's pieces on every CP rank).
-    ``len(sampler)`` is this rank's micro-batches in the current epoch (equal on every DP rank).
+    epoch's plan (a ``list`` of dataset rows carrying the micro-batch's pieces on every CP rank),
+    planned a few steps ahead in a background thread; an error planning a step is raised when
+    iteration reaches it. ``len(sampler)`` is this rank's micro-batches in the current epoch (equal
+    on every DP rank; without ``microbatches_per_rank`` it plans the steps not planned yet).
     See the module docstring for the handshake with the collator and for resume semantics.
 
     Raises:
