@@ -231,7 +231,13 @@ def _longest_back_chunk(problem: SplitProblem, lo: int, hi: int, t: int, share: 
             while g + 1 <= t - 1 and cost(g + 1) <= share:
                 g += 1
             inner = g
-    glo, ghi = 0, t
+    if inner >= 0:
+        whole_back = cost(t) <= share
+        if not whole_back:  # monotone over [1, t]: the search ends at the crossing
+            return inner
+        if inner == t - 1:
+            return t
+    glo, ghi = 0, t  # the search itself (the costs do not rise steadily here)
     while glo < ghi:
         g = (glo + ghi + 1) // 2
         if (g <= inner) if (inner >= 0 and g < t) else (cost(g) <= share):
