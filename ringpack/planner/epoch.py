@@ -288,11 +288,14 @@ def _price_scenarios(
     return scenarios, profile.robust
 
 
-#: With several price scenarios the local search stops when :data:`PLATEAU_PATIENCE` iterations
-#: lowered the highest DP rank by less than this fraction (``improve(min_progress=...)``).
+#: With several price scenarios and at least :data:`PLATEAU_MIN_SAMPLES` samples in the step, the
+#: local search looks at the :data:`PLATEAU_NEIGHBOURS` lightest DP ranks and stops when
+#: :data:`PLATEAU_PATIENCE` iterations lowered the highest one by less than this fraction: every
+#: rank then sits at the top at one price or another, and lowering them one at a time buys nothing
+#: (below that size the full search is cheap).
 PLATEAU_PROGRESS = 1e-4
 PLATEAU_PATIENCE = 2
-#: ... from this many samples in the step on (below, the full search is cheap).
+PLATEAU_NEIGHBOURS = 4
 PLATEAU_MIN_SAMPLES = 512
 
 
@@ -303,7 +306,7 @@ def _pack(problem: PackingProblem, lower_bound: float, config: PlanConfig) -> np
         return None
     plateau = {}
     if np.ndim(problem.weights) == 2 and len(problem.tokens) >= PLATEAU_MIN_SAMPLES:
-        plateau = {"min_progress": PLATEAU_PROGRESS, "patience": PLATEAU_PATIENCE}
+        plateau = {"min_progress": PLATEAU_PROGRESS, "patience": PLATEAU_PATIENCE, "neighbours": PLATEAU_NEIGHBOURS}
     bins = improve(problem, fill_empty_bins(problem, bins), lower_bound, **plateau)
     if config.solver_time_limit_s > 0:
         bins = refine(problem, bins, lower_bound, config.solver_time_limit_s)
