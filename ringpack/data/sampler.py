@@ -300,14 +300,19 @@ class BalancedBatchSampler(_SamplerBase):
             )
         return steps
 
-    def _schedule(self, epoch: int) -> list[tuple[int, CostModel]]:
-        """The cost models of ``epoch``'s steps: ``[(first step, model), ...]`` from step 0."""
-        return [(0, self._cost_at(epoch, 0))] + [(s, model) for e, s, model in self._switches if e == epoch and s > 0]
+    def _schedule(self, epoch: int, switches: Sequence[tuple[int, int, CostModel]] | None = None) -> list:
+        """The cost models of ``epoch``'s steps, ``[(first step, model), ...]`` from step 0, under
+        ``switches`` (default: the sampler's)."""
+        switches = self._switches if switches is None else switches
+        inside = [(s, model) for e, s, model in switches if e == epoch and s > 0]
+        return [(0, self._cost_at(epoch, 0, switches)), *inside]
 
-    def _cost_at(self, epoch: int, step: int) -> CostModel:
-        """The cost model in use at ``(epoch, step)``."""
+    def _cost_at(
+        self, epoch: int, step: int, switches: Sequence[tuple[int, int, CostModel]] | None = None
+    ) -> CostModel:
+        """The cost model in use at ``(epoch, step)`` under ``switches`` (default: the sampler's)."""
         cost = self._base_cost
-        for e, s, model in self._switches:
+        for e, s, model in self._switches if switches is None else switches:
             if (e, s) <= (epoch, step):
                 cost = model
         return cost
@@ -378,11 +383,7 @@ class BalancedBatchSampler(_SamplerBase):
     def _plan_key(self, epoch: int, switches: Sequence[tuple[int, int, CostModel]]) -> str:
         if self._lengths_hash is None:
             self._lengths_hash = hashlib.sha256(np.ascontiguousarray(self.lengths, dtype="<i8").tobytes()).hexdigest()
-        start = self._base_cost
-        for e, s, model in switches:
-            if (e, s) <= (epoch, 0):
-                start = model
-        config = dataclasses.replace(self.config, epoch=epoch, cost=start).to_dict()
+        config = dataclasses.replace(self.config, epoch=epoch, cost=self._cost_at(epoch, 0, switches)).to_dict()
         inside = [[s, model.to_dict()] for e, s, model in switches if e == epoch and s > 0]
         text = json.dumps([PLAN_KEY_FORMAT, config, self._lengths_hash, inside], sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()
@@ -636,17 +637,9 @@ class _Trial:
         self.switches = switches
 
     def _stream(self, epoch: int) -> StepStream:
-        sampler, switches = self.sampler, self.switches
-
-        def cost_at(step: int) -> CostModel:
-            cost = sampler._base_cost
-            for e, s, model in switches:
-                if (e, s) <= (epoch, step):
-                    cost = model
-            return cost
-
-        schedule = [(0, cost_at(0))] + [(s, m) for e, s, m in switches if e == epoch and s > 0]
-        config = dataclasses.replace(sampler.config, epoch=epoch, cost=cost_at(0))
+        sampler = self.sampler
+        schedule = sampler._schedule(epoch, self.switches)
+        config = dataclasses.replace(sampler.config, epoch=epoch, cost=schedule[0][1])
         return StepStream(sampler.lengths, config, schedule, sampler.lookahead_steps)
 
     def check_step(self, epoch: int, cursor: int, step: int, start: int, digest: str | None) -> _EpochSteps:
