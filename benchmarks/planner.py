@@ -9,7 +9,10 @@ steps (definitions in ``ringpack.planner.bounds`` and ``ringpack.traffic``):
   over the mean cost of all DP x CP ranks; 1.0 is perfect balance;
 * ``max/mean``   -- plain max over mean of the DP x CP ranks' summed costs (ignores that CP ranks
   wait for each other inside a micro-batch; always <= step/mean);
-* ``gap``        -- step cost over the step's proven lower bound, minus 1;
+* ``gap``        -- over the plan's pair-price range, the largest of step cost over the best a
+  price-robust plan can do (``robust_bound`` times the bound at that price), minus 1
+  (``robust_gap`` of ``ringpack.planner.bounds.plan_costs``); ``mgap`` is step cost over the bound
+  at the model's prices, minus 1 (its ``gap``);
 * ``KV MiB``     -- K/V bytes that must cross CP ranks per step (unique compacted buffers, all
   layers of one forward pass of llama3-8b, bf16); ring mode moves (cp-1) times that;
 * ``ms/step``    -- planning time per global batch (process CPU time, one core).
@@ -19,8 +22,10 @@ Schemes: ``ringpack`` (balanced packing + balanced CP split), ``ff+contiguous`` 
 Llama 3 CP splits), ``bal+zigzag`` and ``bal+contiguous`` (ringpack's DP balance with the baseline CP
 splits: isolates what the CP split contributes), and on the ``dominant-few`` set ``ringpack+sat``
 (CP-SAT refinement, 0.5 deterministic seconds per step). ``smp/rk`` is the mean number of samples
-per DP rank and step. Also timed: planning one 4,096-sample global batch for DP=64 x CP=8 (greedy
-path, median of 7 runs) and reading 1M lengths from Arrow.
+per DP rank and step. Also timed: planning one global batch of 4,096 and of 8,192 samples for
+DP=64 x CP=8 with the default settings (median of 7 runs; the 8,192 target is 100 ms on one core),
+the first micro-batch of a ``BalancedBatchSampler`` over a 1M-sample epoch (which plans one step,
+not the epoch), and reading 1M lengths from Arrow.
 """
 
 from __future__ import annotations
@@ -148,17 +153,19 @@ def evaluate(data: dict, scheme: str, cost: CostModel, kv_bpt: int, slack: float
         "step_over_mean": float(np.median(costs["imbalance"])),
         "step_over_mean_worst": float(np.max(costs["imbalance"])),
         "max_over_mean": float(np.median(rank.max(axis=1) / rank.mean(axis=1))),
-        "gap": float(np.median(costs["gap"])),
-        "gap_worst": float(np.max(costs["gap"])),
+        "gap": float(np.median(costs["robust_gap"])),
+        "gap_worst": float(np.max(costs["robust_gap"])),
+        "model_gap": float(np.median(costs["gap"])),
+        "model_gap_worst": float(np.max(costs["gap"])),
         "kv_mib_per_step": float(np.median(kv_step) / 2**20),
         "ms_per_step": 1e3 * seconds / plan.num_steps,
         "hash": plan.content_hash[:16],
     }
 
 
-def timing_case(cost: CostModel, repeats: int = 7, slack: float | None = None) -> dict:
-    """4,096 samples, DP=64 x CP=8: the greedy path (heuristics only), one core."""
-    lengths = synthetic("lognormal", 4096, 3)
+def timing_case(cost: CostModel, samples: int, repeats: int = 7, slack: float | None = None) -> dict:
+    """One global batch of ``samples`` lognormal lengths, DP=64 x CP=8, default settings, one core."""
+    lengths = synthetic("lognormal", samples, 3)
     out = {}
     for strategy in ("balanced", "contiguous"):
         guard = {"cp_token_slack": slack} if slack is not None and strategy == "balanced" else {}
@@ -173,14 +180,42 @@ def timing_case(cost: CostModel, repeats: int = 7, slack: float | None = None) -
         t0 = time.process_time()
         plan.validate()
         validate = time.process_time() - t0
+        costs = plan_costs(plan)
         out[strategy] = {
             "median_ms": 1e3 * float(np.median(times)),
             "best_ms": 1e3 * float(np.min(times)),
             "validate_ms": 1e3 * validate,
+            "gap": float(costs["robust_gap"][0]),
+            "model_gap": float(costs["gap"][0]),
         }
-    out["samples"], out["dp"], out["cp"], out["tokens_per_rank"] = 4096, 64, 8, 32768
+    out["samples"], out["dp"], out["cp"], out["tokens_per_rank"] = samples, 64, 8, 32768
     out["microbatches_per_rank"] = len(plan.steps[0].microbatches[0])
     return out
+
+
+def first_batch_case(cost: CostModel, samples: int = 1_000_000, per_step: int = 8192) -> dict:
+    """Wall time from a new ``BalancedBatchSampler`` over ``samples`` lognormal lengths (DP=64 x
+    CP=8, ``per_step`` samples a step) to its first micro-batch, and to the first of its second step."""
+    from ringpack.data.sampler import BalancedBatchSampler
+
+    lengths = synthetic("lognormal", samples, 6)
+    gc.collect()
+    t0 = time.perf_counter()
+    sampler = BalancedBatchSampler(lengths, 0, 64, 8, 32768, samples_per_step=per_step, cost=cost)
+    it = iter(sampler)
+    first = next(it)
+    first_s = time.perf_counter() - t0
+    while next(it).step == 0:
+        pass
+    second_s = time.perf_counter() - t0
+    return {
+        "samples": samples,
+        "samples_per_step": per_step,
+        "steps": sampler.num_steps,
+        "first_microbatch_s": first_s,
+        "second_step_s": second_s,
+        "first_step": first.step,
+    }
 
 
 def arrow_read_case(n: int = 1_000_000) -> dict:
@@ -233,7 +268,7 @@ def main(argv=None) -> int:
     }
     header = (
         f"{'data':18s} {'scheme':15s} {'steps':>5s} {'smp/rk':>6s} {'mb/rk':>5s} {'step/mean':>9s} {'max/mean':>8s} "
-        f"{'gap':>7s} {'worst gap':>9s} {'KV MiB':>8s} {'vs zz':>6s} {'ms/step':>8s}"
+        f"{'gap':>7s} {'worst gap':>9s} {'mgap':>7s} {'KV MiB':>8s} {'vs zz':>6s} {'ms/step':>8s}"
     )
     print(header)
     print("-" * len(header))
@@ -250,16 +285,28 @@ def main(argv=None) -> int:
                 f"{data['name']:18s} {scheme:15s} {r['steps']:5d} "
                 f"{r['samples_per_dp_rank']:6.0f} {r['microbatches_per_rank']:5.0f} "
                 f"{r['step_over_mean']:9.4f} {r['max_over_mean']:8.4f} {r['gap']:7.2%} {r['gap_worst']:9.2%} "
+                f"{r['model_gap']:7.2%} "
                 f"{r['kv_mib_per_step']:8.0f} {r['kv_vs_bal_zigzag']:6.2f} {r['ms_per_step']:8.1f}"
             )
         config = {k: data[k] for k in ("dp", "cp", "tokens_per_rank", "samples_per_step")}
         results["datasets"][data["name"]] = {"samples": int(len(data["lengths"])), "config": config, "schemes": rows}
-    timing = timing_case(cost, slack=args.slack)
-    results["timing_4096_dp64_cp8"] = timing
+    print()
+    for samples in (4096, 8192):
+        timing = timing_case(cost, samples, slack=args.slack)
+        results[f"timing_{samples}_dp64_cp8"] = timing
+        b = timing["balanced"]
+        print(
+            f"plan {samples:,} samples, DP=64 x CP=8 ({timing['microbatches_per_rank']} micro-batch/rank): "
+            f"balanced {b['median_ms']:.1f} ms (best {b['best_ms']:.1f}; gap {b['gap']:.2%}, at the model's "
+            f"prices {b['model_gap']:.2%}), contiguous {timing['contiguous']['median_ms']:.1f} ms; "
+            f"validate() {b['validate_ms']:.1f} ms"
+        )
+    first = first_batch_case(cost)
+    results["sampler_first_microbatch_1m"] = first
     print(
-        f"\nplan 4,096 samples, DP=64 x CP=8 ({timing['microbatches_per_rank']} micro-batch/rank): "
-        f"balanced {timing['balanced']['median_ms']:.1f} ms (best {timing['balanced']['best_ms']:.1f}), "
-        f"contiguous {timing['contiguous']['median_ms']:.1f} ms; validate() {timing['balanced']['validate_ms']:.1f} ms"
+        f"sampler over {first['samples']:,} samples ({first['steps']} steps of {first['samples_per_step']:,}): "
+        f"first micro-batch after {first['first_microbatch_s'] * 1e3:.0f} ms, second step's after "
+        f"{first['second_step_s'] * 1e3:.0f} ms (wall)"
     )
     arrow = arrow_read_case()
     results["arrow_read_1m"] = arrow

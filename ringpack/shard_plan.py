@@ -704,7 +704,7 @@ class Plan:
             raise PlanError(f"cannot read plan file {path}: {exc}") from exc
         try:
             return cls.from_table(table)
-        except PlanError as exc:
+        except (PlanError, UnicodeDecodeError) as exc:  # damaged bytes can leave names undecodable
             raise PlanError(f"plan file {path}: {exc}") from exc
 
     def save(self, path: str | Path) -> None:

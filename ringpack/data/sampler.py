@@ -15,15 +15,18 @@ rank holds), not just sample ids. So:
    with the samples' token ids;
 3. :class:`~ringpack.data.collator.PackedCollator` cuts this CP rank's pieces out of them.
 
-The plan is computed once per epoch, in the process that iterates the sampler (the main process);
-workers never re-plan, so they cannot disagree with it. A ticket crossing into a worker is ordinary
+The plan is computed in the process that iterates the sampler (the main process), step by step: a
+background thread (:class:`~ringpack.planner.stream.StepStream`) plans each epoch's steps in
+order, ``lookahead_steps`` ahead of the step being handed out, and only that window is held.
+Workers never re-plan, so they cannot disagree with it. A ticket crossing into a worker is ordinary
 ``DataLoader`` mechanics (the index queue); it pickles as plain integers (``__reduce__``), never as
 a pickled plan object. Plans themselves are only ever stored as JSON/Parquet.
 
-Determinism: the plan of an epoch is a pure function of ``(lengths, config, seed, epoch)``; every
-DP rank computes the same plan independently (no communication) and takes its own micro-batches.
-All DP ranks therefore run the same number of micro-batches in every step. ``plan_hash`` lets a
-trainer check agreement across ranks once (all-gather the hash).
+Determinism: the plan of an epoch is a pure function of ``(lengths, config, seed, epoch)`` (and the
+cost models switched to), and a streamed step equals the whole-epoch plan's; every DP rank computes
+the same steps independently (no communication) and takes its own micro-batches. All DP ranks
+therefore run the same number of micro-batches in every step. ``plan_key`` (carried by every
+ticket as ``plan_hash``) lets a trainer check agreement across ranks once (all-gather it).
 
 Resume semantics
 ----------------
@@ -32,7 +35,8 @@ sampler has *yielded* in the epoch — the StatefulDataLoader convention: ``torc
 ``StatefulDataLoader`` snapshots its batch sampler's state each time it hands out an index and
 restores the snapshot of the last batch delivered to the training loop, so prefetching by workers
 is accounted for. ``load_state_dict`` *seeks* (the next ``iter()`` starts at ``cursor``), it never
-replays. With a plain ``DataLoader`` and workers the sampler runs ahead of the training loop by the
+replays; it plans only the step the cursor is in (to check it against the state's digest) and the
+steps after it. With a plain ``DataLoader`` and workers the sampler runs ahead of the training loop by the
 prefetch depth; use the ``cursor`` the collator puts in every batch: ``sampler.state_dict(cursor=
 batch["cursor"])`` is the state that resumes right after that batch. So N micro-batches consumed
 equal k consumed, save, restore, N-k consumed, bit for bit.
@@ -40,7 +44,11 @@ equal k consumed, save, restore, N-k consumed, bit for bit.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import hashlib
+import json
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -49,11 +57,14 @@ import numpy as np
 from ringpack.cost import CostModel
 from ringpack.errors import PlanError
 from ringpack.lengths import DataError, sample_lengths
-from ringpack.shard_plan import MicroBatch, Piece, Plan, PlanConfig, RankShard
+from ringpack.planner.stream import LOOKAHEAD_STEPS, StepStream
+from ringpack.shard_plan import MicroBatch, Piece, Plan, PlanConfig, RankShard, Step
 
 __all__ = ["BalancedBatchSampler", "MicroBatchTicket", "STATE_VERSION", "check_plan_options"]
 
-STATE_VERSION = 1
+#: Version 2: a state names the step its cursor is in and that step's digest (checked by planning
+#: it again), not the whole plan's hash; version-1 states still load.
+STATE_VERSION = 2
 
 try:  # a real torch Sampler where torch is installed (it always is for DataLoader users)
     from torch.utils.data import Sampler as _SamplerBase
@@ -195,8 +206,10 @@ class BalancedBatchSampler(_SamplerBase):
             ``microbatches_per_rank``, ``packing``, ``overflow``, ``cost``, ...).
 
     Iterating yields one :class:`MicroBatchTicket` per micro-batch of this DP rank in the current
-    epoch's plan (a ``list`` of dataset rows carrying the micro-batch's pieces on every CP rank).
-    ``len(sampler)`` is this rank's micro-batches in the current epoch (equal on every DP rank).
+    epoch's plan (a ``list`` of dataset rows carrying the micro-batch's pieces on every CP rank),
+    planned a few steps ahead in a background thread; an error planning a step is raised when
+    iteration reaches it. ``len(sampler)`` is this rank's micro-batches in the current epoch (equal
+    on every DP rank; without ``microbatches_per_rank`` it plans the steps not planned yet).
     See the module docstring for the handshake with the collator and for resume semantics.
 
     Raises:
@@ -241,9 +254,12 @@ class BalancedBatchSampler(_SamplerBase):
         self.epoch = 0
         self._cursor = 0  # micro-batches yielded in this epoch (by the live iterator, or restored)
         self._pending: int | None = None  # cursor the next __iter__ starts at (set by load_state_dict)
-        self._plans: dict[int, Plan] = {}
-        self._orders: dict[int, list[tuple[int, int]]] = {}
+        #: steps planned ahead of the one the loader is in (a window of this many + 1 is kept)
+        self.lookahead_steps = LOOKAHEAD_STEPS
+        self._epochs: dict[int, _EpochSteps] = {}  # the current epoch's (and at most one more)
+        self._whole: tuple[int, int, Plan] | None = None  # (epoch, switches, plan) of plan()
         self._docs: tuple[np.ndarray, np.ndarray] | None = None  # (row, offset) of each plan sample
+        self._lengths_hash: str | None = None
 
     @classmethod
     def from_mesh(
@@ -268,38 +284,57 @@ class BalancedBatchSampler(_SamplerBase):
 
     # ------------------------------------------------------------------ plan
     def plan(self, epoch: int | None = None) -> Plan:
-        """The (cached) plan of ``epoch`` (default: the current one), identical on every rank.
+        """The whole plan of ``epoch`` (default: the current one), identical on every rank.
 
-        Steps before a cost-model switch (:meth:`set_cost_model`) are planned with the model in use
-        before it, later ones with the new model; the samples of every step do not depend on the
-        cost model, so the spliced plan still plans every sample once.
+        Plans every step of the epoch (in this thread, once; the last one asked for is kept):
+        for checks and tools, not needed to train, which streams the steps. Steps before a
+        cost-model switch (:meth:`set_cost_model`) are planned with the model in use before it,
+        later ones with the new model; the samples of every step do not depend on the cost model,
+        so the spliced plan still plans every sample once.
         """
         epoch = self.epoch if epoch is None else int(epoch)
-        if epoch not in self._plans:
-            if len(self._plans) >= 2:  # keep the current epoch's plan and this one
-                for old in [e for e in self._plans if e != self.epoch]:
-                    self._plans.pop(old)
-                    self._orders.pop(old, None)
-            self._plans[epoch] = self._spliced_plan(epoch)
-        return self._plans[epoch]
+        if self._whole is not None and self._whole[:2] == (epoch, len(self._switches)):
+            return self._whole[2]
+        steps = self._steps_of(epoch)
+        stream = steps.stream
+        batches = stream.batches
+        plan = Plan(
+            config=dataclasses.replace(self.config, epoch=epoch, cost=self._cost_at(epoch, stream.num_steps - 1)),
+            lengths=tuple(batches.lengths.tolist()),
+            steps=tuple(stream.peek(s) for s in range(stream.num_steps)),
+            dropped=batches.dropped,
+            origins=batches.origins,
+        )
+        if any(e == epoch and s > 0 for e, s, _ in self._switches):
+            plan.validate()
+        self._whole = (epoch, len(self._switches), plan)
+        return plan
 
-    def _spliced_plan(self, epoch: int) -> Plan:
-        from ringpack.planner import make_plan
+    def _steps_of(self, epoch: int) -> _EpochSteps:
+        """The streamed steps of ``epoch`` (made on first use; at most two epochs are kept)."""
+        steps = self._epochs.get(epoch)
+        if steps is None:
+            for old in [e for e in self._epochs if e != self.epoch]:
+                self._epochs.pop(old).close()
+            config = dataclasses.replace(self.config, epoch=epoch, cost=self._cost_at(epoch, 0))
+            steps = self._epochs[epoch] = _EpochSteps(
+                self, StepStream(self.lengths, config, self._schedule(epoch), self.lookahead_steps)
+            )
+        return steps
 
-        def planned(cost: CostModel) -> Plan:
-            return make_plan(self.lengths, dataclasses.replace(self.config, epoch=epoch, cost=cost))
+    def _schedule(self, epoch: int, switches: Sequence[tuple[int, int, CostModel]] | None = None) -> list:
+        """The cost models of ``epoch``'s steps, ``[(first step, model), ...]`` from step 0, under
+        ``switches`` (default: the sampler's)."""
+        switches = self._switches if switches is None else switches
+        inside = [(s, model) for e, s, model in switches if e == epoch and s > 0]
+        return [(0, self._cost_at(epoch, 0, switches)), *inside]
 
-        plan = planned(self._cost_at(epoch, 0))
-        for e, step, cost in self._switches:
-            if e == epoch and 0 < step < plan.num_steps:
-                tail = planned(cost)
-                plan = dataclasses.replace(plan, config=tail.config, steps=plan.steps[:step] + tail.steps[step:])
-        return plan.validate() if any(e == epoch and s > 0 for e, s, _ in self._switches) else plan
-
-    def _cost_at(self, epoch: int, step: int) -> CostModel:
-        """The cost model in use at ``(epoch, step)``."""
+    def _cost_at(
+        self, epoch: int, step: int, switches: Sequence[tuple[int, int, CostModel]] | None = None
+    ) -> CostModel:
+        """The cost model in use at ``(epoch, step)`` under ``switches`` (default: the sampler's)."""
         cost = self._base_cost
-        for e, s, model in self._switches:
+        for e, s, model in self._switches if switches is None else switches:
             if (e, s) <= (epoch, step):
                 cost = model
         return cost
@@ -310,7 +345,7 @@ class BalancedBatchSampler(_SamplerBase):
         cursor = self._pending if self._pending is not None else self._cursor
         if cursor == 0:
             return self.epoch, -1
-        return self.epoch, self._order(self.epoch)[cursor - 1][0]
+        return self.epoch, self._steps_of(self.epoch).locate(cursor - 1)[0]
 
     def set_cost_model(self, cost: CostModel, after: tuple[int, int], lead_steps: int = 0) -> tuple[int, int]:
         """Plan with ``cost`` from the step ``lead_steps + 1`` steps after ``after = (epoch, step)``.
@@ -319,68 +354,87 @@ class BalancedBatchSampler(_SamplerBase):
         :meth:`planned_through` over all ranks), so that no rank has already delivered a
         micro-batch of a re-planned step; :class:`~ringpack.analysis.calibration.online.CostLearner`
         agrees on it with one all-reduce. Every rank must make the same calls. Past the epoch's last
-        step the model applies from the next epoch. Returns the ``(epoch, step)`` of the switch;
-        the switch is recorded in :meth:`state_dict`.
+        step the model applies from the next epoch. Steps planned ahead from the switch on are
+        planned again, in the background; those handed out never are. Returns the ``(epoch, step)``
+        of the switch; the switch is recorded in :meth:`state_dict`.
         """
         epoch, step = int(after[0]), int(after[1]) + 1 + int(lead_steps)
         if (epoch, step) <= self.planned_through():
             raise DataError(f"cost model switch at epoch {epoch} step {step}: this rank has already planned past it")
-        if step >= self.plan(epoch).num_steps:
+        if step >= self._steps_of(epoch).stream.num_steps:
             epoch, step = epoch + 1, 0
         self._switches.append((epoch, step, cost))
         self.config = dataclasses.replace(self.config, cost=cost)
-        for e in [e for e in self._plans if e >= epoch]:
-            self._plans.pop(e)
-            self._orders.pop(e, None)
+        self._whole = None
+        for e, steps in self._epochs.items():
+            if e >= epoch:
+                steps.reschedule(self._schedule(e), step if e == epoch else 0)
         return epoch, step
 
-    def _order(self, epoch: int) -> list[tuple[int, int]]:
-        """(step, index) of each of this rank's micro-batches of ``epoch``, in yield order."""
-        if epoch not in self._orders:
-            plan = self.plan(epoch)
-            self._orders[epoch] = [
-                (s, i) for s, step in enumerate(plan.steps) for i in range(len(step.microbatches[self.dp_rank]))
-            ]
-        return self._orders[epoch]
-
     def __getstate__(self) -> dict[str, Any]:
-        # Copies (e.g. into worker processes) carry lengths + config and re-plan on demand: plan
-        # objects are never pickled.
+        # Copies (e.g. into worker processes) carry lengths + config and plan on demand: plans,
+        # streams and threads are never pickled.
         state = dict(self.__dict__)
-        state["_plans"], state["_orders"], state["_docs"] = {}, {}, None
+        state["_epochs"], state["_whole"], state["_docs"] = {}, None, None
         return state
 
-    def _doc_map(self, plan: Plan) -> tuple[np.ndarray, np.ndarray]:
+    def _doc_map(self, plan: Plan | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Dataset row and token offset of every plan sample (identity unless overflow="split" cut rows)."""
         if self._docs is None:
-            self._docs = plan.origin_arrays()
+            origins = self._steps_of(self.epoch).stream.batches.origins if plan is None else plan.origins
+            n = len(self._steps_of(self.epoch).stream.batches.lengths) if plan is None else len(plan.lengths)
+            if origins:
+                table = np.asarray(origins, dtype=np.int64).reshape(-1, 2)
+                self._docs = table[:, 0].copy(), table[:, 1].copy()
+            else:
+                self._docs = np.arange(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
         return self._docs
 
     @property
     def plan_hash(self) -> str:
+        """Content hash of the current epoch's whole plan (:meth:`plan`: plans the whole epoch)."""
         return self.plan().content_hash
 
     @property
+    def plan_key(self) -> str:
+        """SHA-256 of what decides the current epoch's plan: the lengths, the config with its seed
+        and epoch, the cost models of its steps. Equal on ranks that plan the same steps; cheap.
+        Every ticket carries it as ``plan_hash``."""
+        return self._plan_key(self.epoch, self._switches)
+
+    def _plan_key(self, epoch: int, switches: Sequence[tuple[int, int, CostModel]]) -> str:
+        if self._lengths_hash is None:
+            self._lengths_hash = hashlib.sha256(np.ascontiguousarray(self.lengths, dtype="<i8").tobytes()).hexdigest()
+        config = dataclasses.replace(self.config, epoch=epoch, cost=self._cost_at(epoch, 0, switches)).to_dict()
+        inside = [[s, model.to_dict()] for e, s, model in switches if e == epoch and s > 0]
+        text = json.dumps([PLAN_KEY_FORMAT, config, self._lengths_hash, inside], sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    @property
     def num_steps(self) -> int:
-        """Optimizer steps in the current epoch (equal on every DP rank)."""
-        return self.plan().num_steps
+        """Optimizer steps in the current epoch (equal on every DP rank; plans nothing)."""
+        return self._steps_of(self.epoch).stream.num_steps
 
     @property
     def dropped(self) -> tuple[int, ...]:
-        """Samples the plan leaves out (only with ``overflow="drop"``)."""
-        return self.plan().dropped
+        """Samples the plan leaves out (only with ``overflow="drop"``; plans nothing)."""
+        return self._steps_of(self.epoch).stream.batches.dropped
 
     def __len__(self) -> int:
-        return len(self._order(self.epoch))
+        """This rank's micro-batches in the current epoch: immediate with ``microbatches_per_rank``
+        set, else every step's count is needed (steps not planned yet are planned for it, once)."""
+        return self._steps_of(self.epoch).total()
 
     def ticket(self, position: int, epoch: int | None = None) -> MicroBatchTicket:
         """The ticket at 0-based ``position`` of this rank's micro-batches in ``epoch``."""
         epoch = self.epoch if epoch is None else epoch
-        plan = self.plan(epoch)
-        s, i = self._order(epoch)[position]
-        step = plan.steps[s]
+        steps = self._steps_of(epoch)
+        s, i, _ = steps.locate(position)
+        return self._ticket(steps.peek(s), s, i, position, epoch)
+
+    def _ticket(self, step: Step, s: int, i: int, position: int, epoch: int) -> MicroBatchTicket:
         mbs = step.microbatches[self.dp_rank]
-        doc_row, doc_offset = self._doc_map(plan)
+        doc_row, doc_offset = self._doc_map()
         samples = np.asarray(mbs[i].samples, dtype=np.int64)
         rows = doc_row[samples]
         return MicroBatchTicket(
@@ -394,8 +448,15 @@ class BalancedBatchSampler(_SamplerBase):
             microbatches_in_step=len(mbs),
             cursor=position + 1,
             step_loss_tokens=step.loss_tokens,
-            plan_hash=plan.content_hash,
+            plan_hash=self._ticket_key(epoch),
         )
+
+    def _ticket_key(self, epoch: int) -> str:
+        """:attr:`plan_key` of ``epoch`` with the switches made so far (cached per switch count)."""
+        keys = self._steps_of(epoch)._keys
+        if len(self._switches) not in keys:
+            keys[len(self._switches)] = self._plan_key(epoch, self._switches)
+        return keys[len(self._switches)]
 
     # ------------------------------------------------------------- iterate
     def set_epoch(self, epoch: int) -> None:
@@ -405,17 +466,26 @@ class BalancedBatchSampler(_SamplerBase):
         self.epoch = int(epoch)
         self._cursor = 0
         self._pending = None
+        if self.epoch in self._epochs:  # from the top: positions count from step 0 again
+            self._epochs[self.epoch].restart()
 
     def __iter__(self) -> Iterator[MicroBatchTicket]:
         epoch = self.epoch
         position = self._pending if self._pending is not None else 0
         self._pending = None
         self._cursor = position
-        while position < len(self._order(epoch)):  # re-read: a cost-model switch may re-plan later steps
-            ticket = self.ticket(position, epoch)
-            position += 1
-            self._cursor = position
-            yield ticket
+        steps = self._steps_of(epoch)
+        s, i, _ = steps.locate(position)
+        while s < steps.stream.num_steps:
+            step = steps.get(s)  # planned ahead in the background; a planning error is raised here
+            count = len(step.microbatches[self.dp_rank])
+            while i < count:
+                ticket = self._ticket(step, s, i, position, epoch)
+                position += 1
+                self._cursor = position
+                yield ticket
+                i += 1
+            s, i = s + 1, 0
 
     # --------------------------------------------------------------- state
     def state_dict(self, cursor: int | None = None) -> dict[str, Any]:
@@ -425,8 +495,13 @@ class BalancedBatchSampler(_SamplerBase):
             cursor = self._pending if self._pending is not None else self._cursor
         if isinstance(cursor, bool) or not isinstance(cursor, (int, np.integer)):
             raise DataError(f"cursor must be an integer (a batch's 'cursor'), got {cursor!r}")
-        if not 0 <= cursor <= len(self):
-            raise DataError(f"cursor {cursor} outside [0, {len(self)}] for epoch {self.epoch}")
+        if cursor < 0:
+            raise DataError(f"cursor {cursor} is negative")
+        steps = self._steps_of(self.epoch)
+        step, start, digest = -1, 0, None
+        if cursor > 0:
+            step, _, start = steps.locate(int(cursor) - 1)
+            digest = steps.stream.digest(step)
         return {
             "version": STATE_VERSION,
             "epoch": self.epoch,
@@ -436,20 +511,29 @@ class BalancedBatchSampler(_SamplerBase):
             "cp_size": int(self.config.cp),
             "tokens_per_rank": int(self.config.tokens_per_rank),
             "num_samples": int(len(self.lengths)),
-            "plan_hash": self.plan_hash,
+            "plan_key": self.plan_key,
+            "step": step,
+            "step_start": int(start),
+            "step_hash": digest,
             "cost_switches": [[e, s, model.to_dict()] for e, s, model in self._switches],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Seek to ``state``: the next ``iter()`` yields from its cursor on (no replay).
 
-        A state made for other DP/CP sizes, another token budget, seed or dataset, or a plan that
-        no longer matches (different lengths, config or planner version) is a clear error.
-        The DP rank may differ: cursors are equal on every DP rank (lockstep), so one rank's
-        state resumes any rank.
+        The whole state is checked before anything changes: a missing or ill-typed key, a state
+        made for other DP/CP sizes, another token budget, seed or dataset, or a plan that no longer
+        matches (different lengths, config, cost models or planner version: the step the cursor
+        is in is planned again and compared) is a :class:`DataError` naming it, and the sampler is
+        left as it was. The DP rank may differ: cursors are equal on every DP rank (lockstep), so
+        one rank's state resumes any rank. Planning the first step to resume from starts here.
+        States of version 1 (whole-plan hashes) are checked by planning their whole epoch.
         """
-        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
-            raise DataError(f"not a BalancedBatchSampler state (version {STATE_VERSION}): {state!r:.200}")
+        if not isinstance(state, dict):
+            raise DataError(f"not a BalancedBatchSampler state (a dict of version {STATE_VERSION}): {state!r:.200}")
+        version = state.get("version")
+        if version not in (1, STATE_VERSION):
+            raise DataError(f"sampler state key 'version': {version!r} is not a BalancedBatchSampler state version")
         mine = {
             "seed": self.config.seed,
             "dp_size": self.config.dp,
@@ -458,39 +542,216 @@ class BalancedBatchSampler(_SamplerBase):
             "num_samples": len(self.lengths),
         }
         for key, value in mine.items():
-            if not _is_int(state.get(key)) or state[key] != value:
-                raise DataError(f"sampler state was made for {key}={state.get(key)!r}, this sampler has {key}={value}")
-        epoch, cursor = state.get("epoch"), state.get("cursor")
-        for key, value in (("epoch", epoch), ("cursor", cursor)):
-            if not _is_int(value) or value < 0:
-                raise DataError(f"sampler state {key} must be a non-negative integer, got {value!r}")
-        self._restore_switches(state.get("cost_switches", []))
-        epoch, cursor = int(epoch), int(cursor)
-        plan_hash = self.plan(epoch).content_hash
-        if state.get("plan_hash") != plan_hash:
-            raise DataError(
-                f"sampler state was made for plan {str(state.get('plan_hash'))[:12]}... of epoch {epoch}, but this "
-                f"sampler plans {plan_hash[:12]}... (lengths, plan options or planner version changed)"
-            )
-        total = len(self._order(epoch))
-        if not 0 <= cursor <= total:
-            raise DataError(f"sampler state cursor {cursor} outside [0, {total}] for epoch {epoch}")
+            got = _state_int(state, key)
+            if got != value:
+                raise DataError(f"sampler state was made for {key}={got!r}, this sampler has {key}={value}")
+        epoch, cursor = _state_int(state, "epoch", low=0), _state_int(state, "cursor", low=0)
+        switches = _parse_switches(state.get("cost_switches", []))
+        trial = _Trial(self, switches)
+        if version == 1:
+            steps = trial.check_whole_plan(epoch, cursor, _state_str(state, "plan_hash"))
+        else:
+            key = _state_str(state, "plan_key")
+            if key != self._plan_key(epoch, switches):
+                raise DataError(
+                    f"sampler state was made for plan {key[:12]}... of epoch {epoch}, but this sampler plans "
+                    f"{self._plan_key(epoch, switches)[:12]}... (lengths, plan options or cost models changed)"
+                )
+            step = _state_int(state, "step", low=-1)
+            start = _state_int(state, "step_start", low=0)
+            digest = None if step < 0 else _state_str(state, "step_hash")
+            steps = trial.check_step(epoch, cursor, step, start, digest)
+        # everything checked: install
+        for old in self._epochs.values():
+            old.close()
+        self._switches = switches
+        self.config = dataclasses.replace(self.config, cost=switches[-1][2] if switches else self._base_cost)
+        self._epochs = {epoch: steps}
+        self._whole = None
         self.epoch = epoch
         self._cursor = cursor
         self._pending = cursor
 
-    def _restore_switches(self, switches: Any) -> None:
-        restored = []
-        for k, switch in enumerate(switches if isinstance(switches, list) else [switches]):
-            if not (isinstance(switch, (list, tuple)) and len(switch) == 3 and all(_is_int(x) for x in switch[:2])):
+
+PLAN_KEY_FORMAT = "ringpack-sampler-plan-v1"
+
+
+class _EpochSteps:
+    """One epoch's steps as the sampler sees them: the stream, and where each step starts among
+    this rank's micro-batches (known from an anchor step on, extended as steps are counted)."""
+
+    def __init__(self, owner: BalancedBatchSampler, stream: StepStream, anchor: tuple[int, int] = (0, 0)) -> None:
+        self.stream = stream
+        self._lo = anchor[0]  # starts[j] is where step lo + j starts
+        self._starts = [anchor[1]]
+        self._total: int | None = None
+        self._close = weakref.finalize(owner, stream.close)  # the thread ends with the sampler
+        self._keys: dict[int, str] = {}  # plan key by number of cost switches
+
+    def close(self) -> None:
+        self._close()
+
+    def restart(self) -> None:
+        """Count positions from step 0 again (the epoch starts over; what is known of steps stays)."""
+        if self._lo != 0:
+            self._lo, self._starts = 0, [0]
+
+    def get(self, s: int) -> Step:
+        return self.stream.get(s)
+
+    def peek(self, s: int) -> Step:
+        return self.stream.peek(s)
+
+    def reschedule(self, costs: list[tuple[int, CostModel]], first: int) -> None:
+        """A new cost schedule from step ``first`` on: steps after it may hold other counts now."""
+        self.stream.set_costs(costs)
+        keep = first - self._lo + 1  # the start of step `first` depends on earlier steps only
+        if keep < len(self._starts):
+            del self._starts[max(keep, 1) :]
+        self._total = None
+
+    def start(self, s: int) -> int:
+        """Where step ``s`` starts among this rank's micro-batches of the epoch."""
+        while s < self._lo:  # before the anchor: count backwards
+            self._lo -= 1
+            self._starts.insert(0, self._starts[0] - self.stream.count(self._lo))
+        while s >= self._lo + len(self._starts):
+            last = self._lo + len(self._starts) - 1
+            self._starts.append(self._starts[-1] + self.stream.count(last))
+        return self._starts[s - self._lo]
+
+    def locate(self, position: int) -> tuple[int, int, int]:
+        """``(step, index in the step, start of the step)`` of a 0-based position; ``(num_steps, 0,
+        total)`` at the end of the epoch. Raises DataError past it."""
+        n = self.stream.num_steps
+        if position < 0:
+            raise DataError(f"position {position} is negative")
+        # the step of the last start at or before the position
+        while position < self._starts[0] and self._lo > 0:
+            self.start(self._lo - 1)
+        j = bisect.bisect_right(self._starts, position) - 1
+        s = self._lo + j
+        while True:
+            if s >= n:
+                total = self.start(n)
+                if position == total:
+                    return n, 0, total
+                raise DataError(f"cursor {position} outside [0, {total}] for epoch {self.stream.config.epoch}")
+            start = self.start(s)
+            if position < start + self.stream.count(s):
+                return s, position - start, start
+            s += 1
+
+    def total(self) -> int:
+        """This rank's micro-batches in the epoch."""
+        if self._total is None:
+            fixed = self.stream.config.microbatches_per_rank
+            self._total = fixed * self.stream.num_steps if fixed else self.start(self.stream.num_steps)
+        return self._total
+
+
+class _Trial:
+    """Checks a state against this sampler with the state's cost models, changing nothing; the
+    epoch's steps it planned to check are what the sampler continues from."""
+
+    def __init__(self, sampler: BalancedBatchSampler, switches: list[tuple[int, int, CostModel]]) -> None:
+        self.sampler = sampler
+        self.switches = switches
+
+    def _stream(self, epoch: int) -> StepStream:
+        sampler = self.sampler
+        schedule = sampler._schedule(epoch, self.switches)
+        config = dataclasses.replace(sampler.config, epoch=epoch, cost=schedule[0][1])
+        return StepStream(sampler.lengths, config, schedule, sampler.lookahead_steps)
+
+    def check_step(self, epoch: int, cursor: int, step: int, start: int, digest: str | None) -> _EpochSteps:
+        """The state's step (holding micro-batch ``cursor - 1``) planned again and compared."""
+        stream = self._stream(epoch)
+        try:
+            if step < 0:
+                if cursor != 0:
+                    raise DataError(f"sampler state cursor {cursor} needs the step it is in (state key 'step' is -1)")
+                return _EpochSteps(self.sampler, stream)
+            if step >= stream.num_steps:
                 raise DataError(
-                    f"sampler state cost_switches[{k}] must be [epoch, step, cost model], got {switch!r:.100}"
+                    f"sampler state key 'step': step {step} outside [0, {stream.num_steps}) of epoch {epoch}"
                 )
-            try:
-                restored.append((int(switch[0]), int(switch[1]), CostModel.from_dict(switch[2])))
-            except ValueError as exc:
-                raise DataError(f"sampler state cost_switches[{k}]: {exc}") from exc
-        self._switches = restored
-        self.config = dataclasses.replace(self.config, cost=restored[-1][2] if restored else self._base_cost)
-        self._plans.clear()
-        self._orders.clear()
+            stream.get(step)  # the thread plans on from here
+            count = stream.count(step)
+            if not start < cursor <= start + count:
+                raise DataError(
+                    f"sampler state cursor {cursor} is not in step {step} (its micro-batches are "
+                    f"{start + 1}..{start + count} of the epoch)"
+                )
+            if stream.digest(step) != digest:
+                raise DataError(
+                    f"sampler state was made for another plan of step {step} of epoch {epoch} (planner version "
+                    "or options changed)"
+                )
+        except BaseException:
+            stream.close()
+            raise
+        return _EpochSteps(self.sampler, stream, (step, start))
+
+    def check_whole_plan(self, epoch: int, cursor: int, plan_hash: str) -> _EpochSteps:
+        """A version-1 state: the whole epoch planned and its content hash compared."""
+        stream = self._stream(epoch)
+        try:
+            steps = [stream.peek(s) for s in range(stream.num_steps)]
+            batches = stream.batches
+            last = stream.num_steps - 1
+            plan = Plan(
+                config=dataclasses.replace(stream.config, cost=stream.cost_at(last)),
+                lengths=tuple(batches.lengths.tolist()),
+                steps=tuple(steps),
+                dropped=batches.dropped,
+                origins=batches.origins,
+            )
+            if plan.content_hash != plan_hash:
+                raise DataError(
+                    f"sampler state was made for plan {plan_hash[:12]}... of epoch {epoch}, but this sampler plans "
+                    f"{plan.content_hash[:12]}... (lengths, plan options or planner version changed)"
+                )
+            epoch_steps = _EpochSteps(self.sampler, stream)
+            epoch_steps.locate(cursor)  # raises past the end
+        except BaseException:
+            stream.close()
+            raise
+        return epoch_steps
+
+
+def _state_int(state: dict[str, Any], key: str, low: int | None = None) -> int:
+    """``state[key]`` as an int (``DataError`` naming the key when missing, not an integer, or below ``low``)."""
+    if key not in state:
+        raise DataError(f"sampler state lacks key {key!r}")
+    value = state[key]
+    if not _is_int(value):
+        raise DataError(f"sampler state key {key!r} must be an integer, got {value!r:.100}")
+    if low is not None and value < low:
+        raise DataError(f"sampler state key {key!r} must be >= {low}, got {value!r}")
+    return int(value)
+
+
+def _state_str(state: dict[str, Any], key: str) -> str:
+    """``state[key]`` as a string (``DataError`` naming the key when missing or not a string)."""
+    if key not in state:
+        raise DataError(f"sampler state lacks key {key!r}")
+    value = state[key]
+    if not isinstance(value, str):
+        raise DataError(f"sampler state key {key!r} must be a string, got {value!r:.100}")
+    return value
+
+
+def _parse_switches(switches: Any) -> list[tuple[int, int, CostModel]]:
+    """A state's ``cost_switches``: ``[[epoch, step, cost model], ...]`` (``DataError`` naming the entry)."""
+    if not isinstance(switches, list):
+        raise DataError(f"sampler state key 'cost_switches' must be a list, got {switches!r:.100}")
+    restored = []
+    for k, switch in enumerate(switches):
+        if not (isinstance(switch, (list, tuple)) and len(switch) == 3 and all(_is_int(x) for x in switch[:2])):
+            raise DataError(f"sampler state cost_switches[{k}] must be [epoch, step, cost model], got {switch!r:.100}")
+        try:
+            restored.append((int(switch[0]), int(switch[1]), CostModel.from_dict(switch[2])))
+        except ValueError as exc:
+            raise DataError(f"sampler state cost_switches[{k}]: {exc}") from exc
+    return restored

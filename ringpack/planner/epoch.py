@@ -38,15 +38,14 @@ a DP rank's step cost is the *sum* over its micro-batches; the step costs the ma
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from ringpack._hints import option
-from ringpack.cost import CostModel
 from ringpack.lengths import check_lengths
+from ringpack.planner.bounds import PriceProfile, price_profile, step_lower_bound
 from ringpack.planner.packing import PackingProblem, fill_empty_bins, improve, pack_first_fit, pack_greedy
 from ringpack.planner.solver import refine
 from ringpack.planner.split import (
@@ -68,6 +67,7 @@ __all__ = [
     "split_document_limit",
     "step_lower_bound",
     "split_microbatch",
+    "plan_step",
 ]
 
 #: With ``microbatches_per_rank=0`` the planner uses the fewest micro-batches per DP rank that hold
@@ -165,37 +165,14 @@ def shuffle_order(n: int, seed: int, epoch: int) -> np.ndarray:
     """A permutation of ``range(n)`` that depends only on ``(n, seed, epoch)``, on every platform.
 
     Sorts indices by a splitmix64 hash keyed with ``seed`` and ``epoch`` (no NumPy RNG stream,
-    whose output may change between NumPy versions).
+    whose output may change between NumPy versions). The hashes are distinct (an odd multiple plus
+    a key, then the finaliser, are bijections of 64-bit integers), so any sort gives this order and
+    the fastest is used.
     """
     with np.errstate(over="ignore"):
         key = _mix64(np.array([(seed * 0x9E3779B97F4A7C15 + epoch * 0xD1B54A32D192ED03 + 1) % 2**64], dtype=np.uint64))
         h = _mix64(np.arange(n, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15) + key)
-    return np.argsort(h, kind="stable")
-
-
-# ------------------------------------------------------------------------------------ lower bound
-def step_lower_bound(weights: np.ndarray, lengths: np.ndarray, dp: int, cp: int, cost: CostModel) -> float:
-    """A proven lower bound on the step cost (the slowest DP rank's sum of micro-batch costs).
-
-    ``weights`` are whole-sample costs (``CostModel.sample_cost``). A micro-batch costs at least
-    the mean of its CP ranks, and the CP ranks of a micro-batch together hold exactly its
-    samples' tokens and pairs and at least one segment per sample, so a DP rank costs at least
-    ``sum(weights of its samples) / cp``. Hence the step costs at least
-
-    * ``sum(weights) / (dp * cp)`` (some DP rank has at least the mean);
-    * ``(w[k*dp-k] + ... + w[k*dp]) / cp`` for every ``k >= 0`` with ``w`` sorted descending
-      (pigeonhole: some DP rank holds ``k+1`` of the ``k*dp+1`` costliest samples);
-    * ``token + pair*L + segment`` for every sample (the piece holding its last token).
-    """
-    w = np.sort(np.asarray(weights, dtype=np.float64))[::-1]
-    n = len(w)
-    bound = math.fsum(w.tolist()) / (dp * cp)  # exactly rounded: identical on every CPU and NumPy build
-    cs = np.concatenate([[0.0], np.cumsum(w)])
-    k = np.arange(0, (n - 1) // dp + 1)
-    if k.size:
-        bound = max(bound, float((cs[k * dp + 1] - cs[k * dp - k]).max()) / cp)
-    last_token = cost.token + cost.pair * float(np.max(lengths)) + cost.segment
-    return max(bound, last_token)
+    return np.argsort(h, kind="quicksort")
 
 
 # -------------------------------------------------------------------------------------- CP split
@@ -290,72 +267,95 @@ def _pack_first_fit(L: np.ndarray, W: np.ndarray, m_lo: int, config: PlanConfig)
 
 def _price_scenarios(
     L: np.ndarray, W: np.ndarray, lower_bound: float, config: PlanConfig
-) -> list[tuple[np.ndarray, float]]:
-    """``(sample costs, bound of the heaviest DP rank)`` at every price packing must balance.
+) -> tuple[list[tuple[np.ndarray, float]], float]:
+    """``(sample costs, bound of the heaviest DP rank)`` at every price packing must balance, and
+    the best any packing can do relative to those bounds at once.
 
-    Exact prices: the model's. A pair-price range ``(low, high)``: both ends (rank costs are linear
-    in the price, so a packing balanced at both ends is balanced in between).
+    Exact prices: the model's, and 1. A pair-price range: its ends and the kinks of the step's
+    lower bound between them (:func:`~ringpack.planner.bounds.price_points`: rank costs are linear
+    in the price, so a packing within a factor of the bound at these points is within it at every
+    price of the range), and :func:`~ringpack.planner.bounds.robust_bound`.
     """
-    low, high = config.price_range
-    if (low, high) == (1.0, 1.0):
-        return [(W, lower_bound)]
+    if config.price_range == (1.0, 1.0):
+        return [(W, lower_bound)], 1.0
+    profile: PriceProfile = price_profile(L, config.dp, config.cp, config.cost, config.price_range)
+    if profile.prices.size == 1:  # prices without pairs: one scenario
+        return [(W, lower_bound)], 1.0
     scenarios = []
-    for factor in (low, high):
+    for factor, bound in zip(profile.prices.tolist(), profile.bounds.tolist()):
         priced = dataclasses.replace(config.cost, pair=config.cost.pair * factor)
-        weights = priced.sample_cost(L)
-        scenarios.append((weights, step_lower_bound(weights, L, config.dp, config.cp, priced) * config.cp))
-    return scenarios
+        scenarios.append((priced.sample_cost(L), bound * config.cp))
+    return scenarios, profile.robust
+
+
+#: With several price scenarios and at least :data:`PLATEAU_MIN_SAMPLES` samples in the step, the
+#: local search looks at the :data:`PLATEAU_NEIGHBOURS` lightest DP ranks and stops when
+#: :data:`PLATEAU_PATIENCE` iterations lowered the highest one by less than this fraction: every
+#: rank then sits at the top at one price or another, and lowering them one at a time buys nothing
+#: (below that size the full search is cheap).
+PLATEAU_PROGRESS = 1e-4
+PLATEAU_PATIENCE = 2
+PLATEAU_NEIGHBOURS = 4
+PLATEAU_MIN_SAMPLES = 512
 
 
 def _pack(
-    problem: PackingProblem, lower_bound: float, config: PlanConfig, start: np.ndarray | None = None
+    problem: PackingProblem,
+    lower_bound: float,
+    config: PlanConfig,
+    fallback: Callable[[], np.ndarray | None] | None = None,
 ) -> np.ndarray | None:
     """Greedy, local search and (if enabled) CP-SAT: the bin of every sample, ``None`` if they do not fit.
 
-    ``start``: a known feasible packing, searched from when greedy packing places no answer.
+    ``fallback``: called for a feasible packing to search from when greedy packing places no answer.
     """
     bins = pack_greedy(problem)
+    if bins is None and fallback is not None:
+        bins = fallback()
     if bins is None:
-        if start is None:
-            return None
-        bins = start
-    bins = improve(problem, fill_empty_bins(problem, bins), lower_bound)
+        return None
+    plateau = {}
+    if np.ndim(problem.weights) == 2 and len(problem.tokens) >= PLATEAU_MIN_SAMPLES:
+        plateau = {"min_progress": PLATEAU_PROGRESS, "patience": PLATEAU_PATIENCE, "neighbours": PLATEAU_NEIGHBOURS}
+    bins = improve(problem, fill_empty_bins(problem, bins), lower_bound, **plateau)
     if config.solver_time_limit_s > 0:
         bins = refine(problem, bins, lower_bound, config.solver_time_limit_s)
     return bins
 
 
-def _pack_robust(L: np.ndarray, m: int, scenarios: list[tuple[np.ndarray, float]], config: PlanConfig):
+def _pack_robust(
+    L: np.ndarray, m: int, scenarios: list[tuple[np.ndarray, float]], robust: float, config: PlanConfig
+) -> tuple[np.ndarray, float] | None:
     """Pack for ``m`` micro-batches per DP rank, balanced in every price scenario at once.
 
-    Each scenario is first packed alone: how heavy its heaviest DP rank then is (``achievable``)
-    is what the step can reach at that price. The joint packing minimises the largest DP-rank load
-    over scenarios, each relative to its achievable load, so no price is given up for another
-    beyond what the samples force. Returns ``(bins, height)`` with ``height`` the largest load
-    relative to the scenario's lower bound (comparable across ``m``), or ``None``.
+    Each scenario's costs are divided by its bound, so a DP rank's height (its largest load over
+    the scenarios) is how far it is from the bound at its worst price; packing minimises the
+    largest height, and stops within reach of ``robust``, the best any packing can do. Returns
+    ``(bins, height)`` with ``height`` the largest height over ``robust`` (comparable across
+    ``m``), or ``None`` when the samples do not fit.
     """
-    problem = None
     if len(scenarios) == 1:
         weights, bound = scenarios[0]
         problem = PackingProblem(weights, L, config.dp, m, config.group_capacity)
         bins = _pack(problem, bound, config)
         return None if bins is None else (bins, float(problem.heights(bins).max()) / bound)
-    achievable, feasible = [], []
-    for weights, bound in scenarios:
-        alone = PackingProblem(weights, L, config.dp, m, config.group_capacity)
-        bins = _pack(alone, bound, config)
-        if bins is None:
-            return None
-        achievable.append(max(float(alone.heights(bins).max()), bound))
-        feasible.append(bins)
-    columns = np.column_stack([w / a for (w, _), a in zip(scenarios, achievable)])
+    columns = np.column_stack([w / bound for w, bound in scenarios])
     problem = PackingProblem(columns, L, config.dp, m, config.group_capacity)
-    # greedy packing is order-dependent: the joint weights' order can strand a sample that each
-    # scenario's own order placed, so the scenario packing best in the joint problem is the fallback
-    start = min(feasible, key=lambda b: float(problem.heights(b).max()))
-    bins = _pack(problem, 1.0, config, start)
-    loads = problem.dp_loads(bins).max(axis=0) * np.array(achievable)
-    return bins, float(max(load / bound for load, (_, bound) in zip(loads, scenarios)))
+    bins = _pack(problem, robust, config, lambda: _scenario_start(L, m, scenarios, config))
+    return None if bins is None else (bins, float(problem.heights(bins).max()) / robust)
+
+
+def _scenario_start(
+    L: np.ndarray, m: int, scenarios: list[tuple[np.ndarray, float]], config: PlanConfig
+) -> np.ndarray | None:
+    """A feasible packing for when greedy packing of the joint prices places no answer: greedy
+    packing is order-dependent, and the joint weights' order can strand a sample that one price's
+    own order places. The first scenario whose greedy packing fits (None if none does)."""
+    for weights, _ in scenarios:
+        bins = pack_greedy(PackingProblem(weights, L, config.dp, m, config.group_capacity))
+        if bins is not None:
+            return bins
+    return None
 
 
 def _pack_balanced(
@@ -370,12 +370,12 @@ def _pack_balanced(
     is ``cp`` times its ranks' time, so the charge is ``m * cp * microbatch``). Returns the bin of
     every sample (``None`` if no ``m`` fits) and ``m``.
     """
-    scenarios = _price_scenarios(L, W, lower_bound, config)
+    scenarios, robust = _price_scenarios(L, W, lower_bound, config)
     m_fixed = config.microbatches_per_rank
     best = None  # (height over the bound, m, bins)
     first_ok = m_lo
     for m in range(m_lo, m_hi + 1):
-        packed = _pack_robust(L, m, scenarios, config)
+        packed = _pack_robust(L, m, scenarios, robust, config)
         if packed is None:
             if best is not None:
                 break
@@ -445,6 +445,24 @@ def global_batches(lengths: Any, config: PlanConfig) -> GlobalBatches:
         )
     min_samples = config.dp * max(config.microbatches_per_rank, 1)
     return GlobalBatches(docs, _windows(order, config.samples_per_step, min_samples), dropped, origins)
+
+
+def plan_step(batches: GlobalBatches, index: int, config: PlanConfig, length_list: list[int] | None = None) -> Step:
+    """Step ``index`` of the plan of ``batches`` (:func:`global_batches` of the lengths and ``config``).
+
+    The same step :func:`make_plan` plans as ``steps[index]``: steps depend on each other only
+    through the global batches, so any step can be planned alone (and with another cost model:
+    ``config.cost`` may differ from the one ``batches`` were cut with; nothing else may).
+    ``length_list`` is ``batches.lengths.tolist()``, when the caller keeps it for many steps.
+
+    Raises:
+        PlanError: as :func:`make_plan` for this step's global batch.
+        IndexError: ``index`` outside the steps.
+    """
+    ids = batches.windows[index]
+    if length_list is None:  # only the per-micro-batch splits read it
+        length_list = [] if config.strategy == "balanced" else batches.lengths.tolist()
+    return _plan_step(index, ids, batches.lengths, config, length_list)
 
 
 def make_plan(lengths: Any, config: PlanConfig, *, progress: Callable[[int, int], None] | None = None) -> Plan:

@@ -82,7 +82,9 @@ def pack_greedy(problem: PackingProblem) -> np.ndarray | None:
     columns = problem.columns
     n = len(columns)
     order = np.lexsort((np.arange(n), -columns.max(axis=1)))
-    scenario_loads = np.zeros((dp, columns.shape[1]))  # only read with several price scenarios
+    # each rank's load in every scenario, as Python floats (only with several price scenarios:
+    # a few additions per sample, far cheaper than numpy calls on rows of two or three)
+    scenario_loads = [[0.0] * columns.shape[1] for _ in range(dp)]
     free = [[capacity] * m for _ in range(dp)]
     # (load, rank) pairs are distinct (one per rank), so which rank is least loaded never depends
     # on the heap's internal layout: heapreplace is pop + push in one sift.
@@ -92,7 +94,8 @@ def pack_greedy(problem: PackingProblem) -> np.ndarray | None:
     most_free = capacity  # an upper bound on max(rank_free), refreshed when a sample exceeds it
     heappop, heappush, heapreplace = heapq.heappop, heapq.heappush, heapq.heapreplace
     one_price = columns.shape[1] == 1
-    for i, t, wi in zip(order.tolist(), tokens[order].tolist(), columns[order, 0].tolist()):
+    rows = [()] * n if one_price else columns[order].tolist()
+    for i, t, wi, row in zip(order.tolist(), tokens[order].tolist(), columns[order, 0].tolist(), rows):
         if t > most_free:
             most_free = max(rank_free)  # rank_free only shrinks: fail fast once no bin fits
             if t > most_free:
@@ -117,8 +120,8 @@ def pack_greedy(problem: PackingProblem) -> np.ndarray | None:
         if one_price:
             key = load + wi
         else:  # the rank's height: its load in its heaviest scenario
-            scenario_loads[d] += columns[i]
-            key = float(scenario_loads[d].max())
+            scenario_loads[d] = loads_d = [x + y for x, y in zip(scenario_loads[d], row)]
+            key = max(loads_d)
         if popped is None:  # the least-loaded rank fits (the common case)
             heapreplace(heap, (key, d))
         else:
@@ -201,33 +204,38 @@ class _LocalSearch:
         the larger new height, if it lowers ``h``'s height: ``(new max, a, b)``."""
         bins, w, t, capacity, bin_tok = self.bins, self.w, self.t, self.capacity, self.bin_tok
         top = float(self.loads[h].max())
-        shape, k = (A.size, B.size), w.shape[1]
-        # (a, b, scenario) table of the weight h sheds; (a, b) tables of tokens that move
-        delta = np.subtract(w[A][:, None, :], w[B][None, :, :], out=self._table("delta", np.float64, (*shape, k)))
+        shape = (A.size, B.size)
+        wA, wB, other_loads = w[A], w[B], self.loads[bins[B] // self.m]
+        # (a, b) tables, one price scenario at a time (2-D passes; a reduction over a short last
+        # axis is far slower): the weight h sheds, h's new load and the other rank's, largest so far
+        delta = self._table("delta", np.float64, shape)
+        scratch = self._table("scratch", np.float64, shape)
+        new = self._table("new", np.float64, shape)
+        other = self._table("other", np.float64, shape)
+        for k in range(w.shape[1]):
+            np.subtract(wA[:, k : k + 1], wB[None, :, k], out=delta)
+            np.subtract(self.loads[h, k], delta, out=new if k == 0 else scratch)
+            if k:
+                np.maximum(new, scratch, out=new)
+            np.add(other_loads[None, :, k], delta, out=other if k == 0 else scratch)
+            if k:
+                np.maximum(other, scratch, out=other)
+        np.maximum(new, other, out=new)
+        # allowed: both bins stay within capacity (tokens that move: dt = t[a] - t[b])
         dt = np.subtract(t[A][:, None], t[B][None, :], out=self._table("dt", np.int64, shape))
-        # allowed: both bins stay within capacity
         tokens = self._table("tokens", np.int64, shape)
         fits = self._table("fits", np.bool_, shape)
         ok = np.less_equal(
             np.add(bin_tok[bins[B]][None, :], dt, out=tokens), capacity, out=self._table("ok", np.bool_, shape)
         )
         ok &= np.less_equal(np.subtract(bin_tok[bins[A]][:, None], dt, out=tokens), capacity, out=fits)
-        # the larger of the two new heights, +inf where not allowed
-        scratch = self._table("scratch", np.float64, (*shape, k))
-        new = np.subtract(self.loads[h], delta, out=scratch).max(axis=2, out=self._table("new", np.float64, shape))
-        other = np.add(self.loads[bins[B] // self.m][None, :, :], delta, out=scratch)
-        np.maximum(new, other.max(axis=2, out=self._table("other", np.float64, shape)), out=new)
         new[np.logical_not(ok, out=fits)] = np.inf
-        flat_new = new.ravel()
-        # the smallest entry, then the lowest index, among the (up to) 16 smallest argpartition finds
-        cand = min(16, flat_new.size)
-        part = np.argpartition(flat_new, cand - 1)[:cand] if cand < flat_new.size else np.arange(flat_new.size)
-        flat = int(part[np.lexsort((part, flat_new[part]))[0]])
+        flat = int(np.argmin(new))  # the smallest entry, the lowest index among equals
         ka, kb = divmod(flat, B.size)
-        val = flat_new[flat]
+        val = float(new[ka, kb])
         if not val < top - self.tol:
             return None
-        return float(val), int(A[ka]), int(B[kb])
+        return val, int(A[ka]), int(B[kb])
 
     def _table(self, name: str, dtype: type, shape: tuple[int, ...]) -> np.ndarray:
         """A reusable ``shape`` array for the swap search: its (sample, sample) tables are refilled
@@ -268,6 +276,8 @@ def improve(
     max_iters: int = 200,
     neighbours: int = 8,
     stop_gap: float = 1e-4,
+    min_progress: float = 0.0,
+    patience: int = 8,
 ) -> np.ndarray:
     """Local search on the slowest DP rank: move one sample out, or swap two, while the max drops.
 
@@ -275,18 +285,24 @@ def improve(
     iteration looks at the highest DP rank ``h`` and the ``neighbours`` lowest ranks and picks the
     move or swap that minimises the larger of the two new heights (strictly below ``h``'s
     load; ties by index, a move before a swap). Token capacities hold and no bin is emptied. Stops
-    within ``stop_gap`` (relative) of ``lower_bound``, when nothing improves, or after ``max_iters``
-    iterations (an iteration count, never a clock, so the result is the same on every machine).
-    Returns new bins.
+    within ``stop_gap`` (relative) of ``lower_bound``, when nothing improves, after ``max_iters``
+    iterations, or, with ``min_progress > 0``, when ``patience`` iterations lowered the largest
+    height by less than that fraction (a plateau of equally high ranks, lowered one at a time:
+    with several price scenarios every rank is at the top in one of them). Iteration counts, never
+    a clock, so the result is the same on every machine. Returns new bins.
     """
     bins = bins.copy()
     if problem.dp < 2 or len(bins) < 2:
         return bins
     state = _LocalSearch(problem, bins)
+    tops: list[float] = []
     for _ in range(max_iters):
         heights = state.heights
         h = int(np.argmax(heights))
         if heights[h] <= lower_bound * (1 + stop_gap):
+            break
+        tops.append(float(heights[h]))
+        if min_progress > 0 and len(tops) > patience and tops[-1] > tops[-1 - patience] * (1 - min_progress):
             break
         ranks = bins // problem.m
         light = np.argsort(heights, kind="stable")[:neighbours]

@@ -169,7 +169,7 @@ def test_joint_price_packing_succeeds_whenever_every_price_alone_does(case):
     config = PlanConfig(dp=dp, cp=1, tokens_per_rank=capacity)
     scenarios = [(w, float(w.sum()) / dp) for w in weights]
     alone = [_pack(PackingProblem(w, tokens, dp, m, capacity), bound, config) for w, bound in scenarios]
-    packed = _pack_robust(tokens, m, scenarios, config)
+    packed = _pack_robust(tokens, m, scenarios, 1.0, config)
     if any(bins is None for bins in alone):
         return
     assert packed is not None

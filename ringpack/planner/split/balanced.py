@@ -144,17 +144,21 @@ def split_balanced_many(
     carvings, table = carve_batch(batch)
     if lockstep is None:
         lockstep = len(groups) >= LOCKSTEP_MIN_GROUPS
-    placed = None
+    placed = whole = None
     if lockstep and int(batch.whole.counts.min()) > 0:
         placed = best_fit_lockstep(batch, table, [None if c is None else c.fill for c in carvings])
+        if any(c is not None for c in carvings):  # for micro-batches planned again without carving
+            whole = placed if table is batch.whole else best_fit_lockstep(batch, batch.whole, [None] * len(groups))
     out = []
     for g, samples in enumerate(groups):
         # one group at a time: its temporary pieces are freed before the next group's
         carving, carvings[g] = carvings[g], None
-        placement = None
+        placement = uncarved = None
         if placed is not None:
             placement, placed[g] = placed[g], None
-        shards = _split_one(batch.problems[g], carving, placement)
+        if whole is not None and carving is not None:
+            uncarved, whole[g] = whole[g], None
+        shards = _split_one(batch.problems[g], carving, placement, uncarved)
         out.append(microbatch_from_slots(samples, shards, lengths, batch.totals[g]))
     return out
 
@@ -163,10 +167,13 @@ def _split_one(
     problem: SplitProblem,
     carving: Carving | None,
     placement: tuple[list[float], list[int], list[int]] | None,
+    uncarved: tuple[list[float], list[int], list[int]] | None = None,
 ) -> list[list[Slice]]:
     """The shards of one micro-batch: carving (if any), best fit, suffix cuts, fallbacks.
 
-    ``placement``: the micro-batch's lockstep best fit, ``None`` to run best fit here.
+    ``placement``: the micro-batch's lockstep best fit, ``None`` to run best fit here;
+    ``uncarved``: its lockstep best fit of the whole samples, for planning it again without
+    carving (``None``: run that best fit here).
     """
     items = problem.whole_samples if carving is None else carving.items
     if placement is not None:
@@ -181,8 +188,13 @@ def _split_one(
         cut_suffixes(problem, fill, leftovers, items.stops)
         if fill.max_cost() <= problem.accept:
             return fill.shards
-        fill = RankFill.empty(problem)
-        leftovers = best_fit(problem, problem.whole_samples, fill)
+        if uncarved is not None:
+            fill, leftovers = fill_from_lockstep(
+                problem, problem.whole_samples, uncarved, [[] for _ in range(problem.cp)]
+            )
+        else:
+            fill = RankFill.empty(problem)
+            leftovers = best_fit(problem, problem.whole_samples, fill)
     best = choose_suffix_cuts(problem, fill, leftovers)
     if best[0] > problem.accept:
         best = retry_with_fallbacks(problem, best)

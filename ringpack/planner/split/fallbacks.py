@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 from ringpack.planner.split.baselines import zigzag_even_shards
 from ringpack.planner.split.best_fit import best_fit
-from ringpack.planner.split.pieces import piece_cost
 from ringpack.planner.split.problem import RankFill, Slice, SplitProblem
 from ringpack.planner.split.suffix_cuts import cut_suffixes
 
@@ -42,9 +41,18 @@ def retry_with_fallbacks(problem: SplitProblem, best: tuple[float, Shards]) -> t
 
 
 def _candidates(problem: SplitProblem) -> Iterator[tuple[Shards, float]]:
-    """The fallbacks in order, each computed only when asked for: ``(shards, largest rank cost)``."""
-    yield _balanced_shards(problem, 2.0 * problem.ideal)
-    yield _balanced_shards(problem, problem.ideal)
+    """The fallbacks in order, each computed only when asked for: ``(shards, largest rank cost)``.
+
+    Best fit with a zigzag threshold no sample exceeds is the first pass's density cut, which
+    lost already (the first pass always ends with best fit of the whole samples and both suffix
+    cuts): such a candidate, or one zigzagging the same samples as the one before, is skipped.
+    """
+    zigzagged = 0
+    for over in (2.0 * problem.ideal, problem.ideal):
+        count = sum(1 for w in problem.costs if w > over)
+        if count > zigzagged:
+            yield _balanced_shards(problem, over)
+        zigzagged = count
     for theta in (0.5, 0.1, 0.0):
         yield _hybrid_shards(problem, theta)
     yield zigzag_even_shards(problem.lens, problem.cp, problem.token, problem.pair, problem.segment)
@@ -97,19 +105,25 @@ def _place_short_whole(problem: SplitProblem, is_long: set[int], held: _Held) ->
     room. Returns the samples no rank takes (to be zigzagged)."""
     lens, w, cp, cap = problem.lens, problem.costs, problem.cp, problem.cap
     even = -(-sum(lens) // cp)
+    limits = (even,) if even >= problem.tokens_per_rank else (even, problem.tokens_per_rank)
     cost_r, tok_r = held.cost, held.tokens
+    ranks = range(cp)
     unplaced = []
     for k in problem.order:
         if k in is_long:
             continue
         lk, wk = lens[k], w[k]
         best = -1
-        for limit in (even, problem.tokens_per_rank):
-            for r in range(cp):
-                if tok_r[r] + lk <= limit and cost_r[r] + wk <= cap and (best < 0 or cost_r[r] < cost_r[best]):
-                    best = r
-            if best >= 0:
+        for limit in limits:
+            # the cheapest rank with the tokens (first on ties) is the one to take it, if any is:
+            # a cheaper rank stays within the cost room whenever a dearer one does
+            fits, cheapest = limit - lk, 0.0
+            for r in ranks:
+                if tok_r[r] <= fits and (best < 0 or cost_r[r] < cheapest):
+                    best, cheapest = r, cost_r[r]
+            if best >= 0 and cheapest + wk <= cap:
                 break
+            best = -1
         if best < 0:
             unplaced.append(k)
             continue
@@ -169,7 +183,8 @@ def _deal_front_back(problem: SplitProblem, k: int, take: list[int], share: list
                 pieces.append((hi - back, hi))
         for start, stop in pieces:
             held.shards[r].append((k, start, stop))
-            held.cost[r] += piece_cost(start, stop, a, b, seg)
+            # piece_cost inlined (the same operations in the same order, so the same floats)
+            held.cost[r] += a * (stop - start) + b * 0.5 * (stop * (stop + 1) - start * (start + 1)) + seg
             held.tokens[r] += stop - start
         lo += front
         hi -= back
@@ -177,18 +192,55 @@ def _deal_front_back(problem: SplitProblem, k: int, take: list[int], share: list
 
 
 def _longest_back_chunk(problem: SplitProblem, lo: int, hi: int, t: int, share: float) -> int:
-    """The largest ``g <= t`` with ``cost([lo, lo + t - g)) + cost([hi - g, hi)) <= share`` (0 if none)."""
+    """The largest ``g <= t`` with ``cost([lo, lo + t - g)) + cost([hi - g, hi)) <= share`` (0 if none).
+
+    The answer of a binary search over ``g`` (midpoints rounded up). Between the ends the cost is
+    linear in ``g`` (each step trades the front's last token for a denser back token), so where
+    that slope stands far above rounding the search runs on the crossing point found directly
+    (a few cost evaluations instead of one per halving); otherwise on the costs themselves.
+    """
     a, b, seg = problem.token, problem.pair, problem.segment
-    glo, ghi = 0, t
-    while glo < ghi:
-        g = (glo + ghi + 1) // 2
+    # piece_cost inlined (the same operations in the same order, so the same floats)
+    lo1, hi1 = lo * (lo + 1), hi * (hi + 1)
+
+    def cost(g: int) -> float:
         f = t - g
         c = 0.0
         if f:
-            c += piece_cost(lo, lo + f, a, b, seg)
+            e = lo + f
+            c += a * f + b * 0.5 * (e * (e + 1) - lo1) + seg
         if g:
-            c += piece_cost(hi - g, hi, a, b, seg)
-        if c <= share:
+            s = hi - g
+            c += a * g + b * 0.5 * (hi1 - s * (s + 1)) + seg
+        return c
+
+    inner = -1  # the largest g in [1, t) with cost(g) <= share (0: none), when the slope is safe
+    slope = b * (hi - lo - t)  # each inner step: the front's last token out, a denser back token in
+    if t >= 3:
+        c1 = a * t + 2 * seg + b * 0.5 * ((lo + t - 1) * (lo + t) - lo1) + b * hi  # cost(1), about
+        if slope > 1e-9 * abs(c1):
+            if share < c1:
+                g = 0
+            elif share - c1 < slope * t:
+                g = min(1 + math.floor((share - c1) / slope), t - 1)
+            else:  # beyond the inner costs (also an infinite share)
+                g = t - 1
+            # the estimate, checked on the costs as the search computes them
+            while g >= 1 and cost(g) > share:
+                g -= 1
+            while g + 1 <= t - 1 and cost(g + 1) <= share:
+                g += 1
+            inner = g
+    if inner >= 0:
+        whole_back = cost(t) <= share
+        if not whole_back:  # monotone over [1, t]: the search ends at the crossing
+            return inner
+        if inner == t - 1:
+            return t
+    glo, ghi = 0, t  # the search itself (the costs do not rise steadily here)
+    while glo < ghi:
+        g = (glo + ghi + 1) // 2
+        if (g <= inner) if (inner >= 0 and g < t) else (cost(g) <= share):
             glo = g
         else:
             ghi = g - 1

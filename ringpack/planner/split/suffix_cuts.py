@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from ringpack.planner.split.pieces import piece_cost, suffix_start
+from ringpack.planner.split.pieces import suffix_start
 from ringpack.planner.split.problem import RankFill, Slice, SplitProblem
 
 __all__ = ["cut_suffixes", "choose_suffix_cuts"]
@@ -34,7 +34,7 @@ def cut_suffixes(
     tokens of the new pieces other ranks need (the K/V sent) and, with ``probe``, whether some last
     piece went to another rank than the longest-last rule picks (else both rules give the same cuts).
     """
-    cp, a, b, seg = problem.cp, problem.token, problem.pair, problem.segment
+    a, b, seg = problem.token, problem.pair, problem.segment
     room, troom, shards = fill.room, fill.token_room, fill.shards
     kv = 0
     differs = False
@@ -50,10 +50,9 @@ def cut_suffixes(
                 # the densest remaining tokens (this suffix) go to the rank that needs the densest
                 # content to reach its cost: the highest cost room per free token
                 r, best_need = -1, -math.inf
-                for q in range(cp):
-                    tq = troom[q]
+                for q, (rq, tq) in enumerate(zip(room, troom)):
                     if tq > 0:
-                        need = room[q] / tq
+                        need = rq / tq
                         if need > best_need:
                             r, best_need = q, need
                 if probe and last_rank < 0 and not differs:
@@ -65,7 +64,8 @@ def cut_suffixes(
                 start = 0
             if start < stop - troom[r]:  # no more tokens than the rank has room for
                 start = stop - troom[r]
-            added_cost = piece_cost(start, stop, a, b, seg)
+            # piece_cost inlined (the same operations in the same order, so the same floats)
+            added_cost = a * (stop - start) + b * 0.5 * (stop * (stop + 1) - start * (start + 1)) + seg
             if r == last_rank:  # adjacent to this sample's previous piece on the same rank: merge
                 old = shards[r].pop()
                 shards[r].append((k, start, old[2]))
