@@ -38,6 +38,7 @@ a DP rank's step cost is the *sum* over its micro-batches; the step costs the ma
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -56,6 +57,8 @@ from ringpack.planner.split import (
     split_zigzag_even,
 )
 from ringpack.shard_plan import MicroBatch, Plan, PlanConfig, PlanError, Step
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "make_plan",
@@ -444,7 +447,24 @@ def global_batches(lengths: Any, config: PlanConfig) -> GlobalBatches:
             f"no samples left to plan: all {len(docs)} are longer than {config.group_capacity} tokens and were dropped"
         )
     min_samples = config.dp * max(config.microbatches_per_rank, 1)
+    _warn_one_step(order.size, config)
     return GlobalBatches(docs, _windows(order, config.samples_per_step, min_samples), dropped, origins)
+
+
+#: More samples than this per DP rank in the single step of ``samples_per_step=0`` is called out:
+#: a whole epoch as one optimizer step is almost never what a training run means.
+ONE_STEP_SAMPLES_PER_RANK = 1024
+
+
+def _warn_one_step(num_samples: int, config: PlanConfig) -> None:
+    if config.samples_per_step == 0 and num_samples > ONE_STEP_SAMPLES_PER_RANK * config.dp:
+        log.warning(
+            "%s puts all %s samples into one optimizer step (one global batch for the epoch); set %s "
+            "to the global batch in samples",
+            option("samples_per_step", 0),
+            f"{num_samples:,}",
+            option("samples_per_step"),
+        )
 
 
 def plan_step(batches: GlobalBatches, index: int, config: PlanConfig, length_list: list[int] | None = None) -> Step:
