@@ -55,6 +55,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ringpack.attention.ranges import concat_ranges
 from ringpack.errors import PlanError
 from ringpack.shard_plan import MicroBatch, Piece, RankShard
 from ringpack.traffic import needed_pieces
@@ -428,7 +429,7 @@ def compile_schedule(
     mine = np.flatnonzero(table.rank == cp_rank)
     num_tokens = int((table.stop[mine] - table.start[mine]).sum())
     mine_needed = mine[table.needed[mine]]
-    send_index = _concat_ranges(table.offset[mine_needed], table.stop[mine_needed] - table.start[mine_needed])
+    send_index = concat_ranges(table.offset[mine_needed], table.stop[mine_needed] - table.start[mine_needed])
     steps = tuple(
         RingStep(
             distance=t,
@@ -543,7 +544,7 @@ def _as_range(index: np.ndarray) -> tuple[int, int] | None:
 
 def _query_rows(seg_q_start, seg_q, num_tokens: int) -> dict:
     """A call's ``q_index``/``q_range``: neither for all local rows in order, a range when contiguous, else an index."""
-    q_index = _concat_ranges(seg_q_start, seg_q)
+    q_index = concat_ranges(seg_q_start, seg_q)
     q_range = _as_range(q_index)
     if q_range is not None and q_index.size == num_tokens:
         return dict(q_index=None)
@@ -790,16 +791,6 @@ def _exclusive_cumsum_by(group: np.ndarray, values: np.ndarray) -> np.ndarray:
     starts = np.r_[True, group[1:] != group[:-1]] if group.size else np.zeros(0, dtype=bool)
     base = np.maximum.accumulate(np.where(starts, np.arange(group.size), 0)) if group.size else group
     return total - total[base]
-
-
-def _concat_ranges(lo: np.ndarray, length: np.ndarray) -> np.ndarray:
-    """``concat(arange(lo[i], lo[i] + length[i]))`` without a Python loop."""
-    length = np.asarray(length, dtype=np.int64)
-    total = int(length.sum())
-    if total == 0:
-        return np.zeros(0, dtype=np.int64)
-    seg_start = np.cumsum(length) - length
-    return np.arange(total, dtype=np.int64) + np.repeat(np.asarray(lo, dtype=np.int64) - seg_start, length)
 
 
 def _cu(lengths: np.ndarray) -> Tensor:
