@@ -55,6 +55,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ringpack.attention.exchange import TargetedExchange, compile_exchange
 from ringpack.attention.ranges import concat_ranges
 from ringpack.errors import PlanError
 from ringpack.shard_plan import MicroBatch, Piece, RankShard
@@ -204,6 +205,9 @@ class Schedule(_ScheduleBase):
     steps, in the same order on every rank. ``fingerprint`` is a 64-bit hash of the micro-batch's
     piece table, identical on every rank that compiled the same micro-batch; the runtime compares
     it across the group once per schedule (``verified`` caches that check and is never pickled).
+    ``exchange`` is the rank's targeted exchange map (``mode="p2p"``,
+    :class:`~ringpack.attention.exchange.TargetedExchange`): its partners, the rows it sends each,
+    and its sources' steps on the rows it receives.
 
     For ``torch.compile`` a schedule is an opaque *reference* object (where torch supports them):
     the graph takes it as a runtime input of one engine op and never reads its fields, so a new
@@ -220,6 +224,7 @@ class Schedule(_ScheduleBase):
     local: KernelCall | None
     steps: tuple[RingStep, ...]
     send_range: tuple[int, int] | None = None
+    exchange: TargetedExchange | None = field(default=None, compare=False, repr=False)
     verified: set = field(default_factory=set, compare=False, repr=False)
 
     @property
@@ -278,6 +283,7 @@ class Schedule(_ScheduleBase):
             send_index=fn(self.send_index),
             local=None if self.local is None else self.local._map_tensors(fn),
             steps=tuple(replace(st, calls=tuple(c._map_tensors(fn) for c in st.calls)) for st in self.steps),
+            exchange=None if self.exchange is None else self.exchange.map_tensors(fn),
             verified=set(),
         )
 
@@ -320,6 +326,8 @@ class _PieceTable:
     needed: np.ndarray  # bool: some other rank holds a later piece of the same sample
     compact: np.ndarray  # first row in its rank's compact send buffer (-1 if not needed)
     cp_size: int
+    by_sample: np.ndarray  # rows in (sample, start) order
+    sample_bounds: np.ndarray  # sample slot k's pieces: by_sample[sample_bounds[k]:sample_bounds[k + 1]]
 
     @classmethod
     def from_microbatch(cls, mb: MicroBatch) -> _PieceTable:
@@ -343,13 +351,14 @@ class _PieceTable:
                 "must have integer bounds below 2**62"
             )
         rank, slot, start, stop = (np.ascontiguousarray(table[:, j], dtype=np.int64) for j in range(4))
-        _check_pieces(rank, slot, start, stop, mb.samples)
+        by_sample = _check_pieces(rank, slot, start, stop, mb.samples)
         length = stop - start
         offset = _exclusive_cumsum_by(rank, length)
 
         needed = needed_pieces(np.zeros_like(rank), rank, slot, start, stop) > 0
         compact = np.where(needed, _exclusive_cumsum_by(rank, np.where(needed, length, 0)), -1)
-        return cls(rank, slot, start, stop, offset, needed, compact, cp)
+        bounds = np.searchsorted(slot[by_sample], np.arange(len(mb.samples) + 1))
+        return cls(rank, slot, start, stop, offset, needed, compact, cp, by_sample, bounds)
 
     def buffer_tokens(self) -> tuple[int, ...]:
         sizes = np.bincount(self.rank, weights=np.where(self.needed, self.stop - self.start, 0), minlength=self.cp_size)
@@ -447,6 +456,7 @@ def compile_schedule(
         send_range=_as_range(send_index),
         local=_local_call(table, mine, dense) if num_tokens else None,
         steps=steps,
+        exchange=compile_exchange(table, mine, cp_rank, steps),
     )
 
 
@@ -743,9 +753,10 @@ def _check_microbatch(microbatch: MicroBatch) -> None:
         raise PlanError(f"microbatch.samples must be a sequence of sample indices, got {microbatch.samples!r:.100}")
 
 
-def _check_pieces(rank, slot, start, stop, samples) -> None:
+def _check_pieces(rank, slot, start, stop, samples) -> np.ndarray:
     """Raise :class:`PlanError` unless the pieces tile each listed sample's tokens ``[0, n)``: none
-    empty or negative, canonical order per rank, no overlap, no gap, every sample in some piece."""
+    empty or negative, canonical order per rank, no overlap, no gap, every sample in some piece.
+    Returns the pieces' order by (sample, start)."""
     bad = np.flatnonzero(start < 0)
     if bad.size:
         i = bad[0]
@@ -783,6 +794,7 @@ def _check_pieces(rank, slot, start, stop, samples) -> None:
     missing = np.setdiff1d(np.arange(len(samples)), slot)
     if missing.size:
         raise PlanError(f"sample {samples[missing[0]]} is listed in the micro-batch but is in no piece")
+    return by_sample
 
 
 def _exclusive_cumsum_by(group: np.ndarray, values: np.ndarray) -> np.ndarray:

@@ -1,0 +1,231 @@
+"""The targeted exchange map of one CP rank: which rows of its compact K/V buffer go to which rank,
+which rows it receives, and its remote kernel calls re-indexed onto what it receives.
+
+Which rows: rank ``r`` needs the pieces of a sample X on rank ``s`` that end at or before ``r``'s
+last piece of X starts (:func:`ringpack.traffic.needed_pieces`). They are a prefix of ``s``'s
+pieces of X, hence one contiguous range of ``s``'s compact send buffer (its needed pieces in
+canonical order). Sender and receiver derive every range from the micro-batch alone, so both agree
+on sizes and row order without telling each other.
+
+What ``r`` receives from ``s`` is those ranges, one per shared sample, concatenated in ``s``'s
+buffer order: a compressed copy of the rows of ``s``'s buffer that ``r`` reads. The schedule's
+remote step for ``s`` indexes the full compact buffer; every key range of its calls lies in the
+received rows, and the rows between them are covered by zero-query segments only. So the calls are
+remapped onto the compressed buffer (a key boundary ``x`` becomes the number of received rows before
+``x``; zero-query segments shrink, empty ones go), dense segments included: the engine runs the
+same kernels on fewer rows, and a rank holds only the rows it reads.
+
+Cost: :func:`compile_exchange` reads the rank's own pieces and the other pieces of the samples it
+holds (:func:`neighbourhood`, through the piece table's sample index), then the schedule's steps of
+its sources only (found by bisection): time in the rank's pieces and partners, not in the CP group
+size.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ringpack.attention.ranges import concat_ranges
+
+__all__ = ["TargetedExchange", "compile_exchange", "exchange_ranges", "neighbourhood"]
+
+
+@dataclass(frozen=True)
+class TargetedExchange:
+    """One CP rank's part of the targeted exchange (``mode="p2p"``) of one micro-batch.
+
+    ``sources[i]`` (a CP rank) sends this rank ``recv_tokens[i]`` K/V rows, which the calls of
+    ``steps[i]`` (a :class:`~ringpack.attention.schedule.RingStep`, ``distance = (rank - source) mod
+    C``) read. ``dests[j]`` receives ``send_tokens[j]`` rows of this rank's compact send buffer:
+    rows ``send_ranges[j] = (a, b)`` when they are one range, else ``send_index[j]`` (int64).
+    A rank that only sends has one step without calls or source (distance 0), the one in which its
+    sends complete; a rank with no partner has no step. Sources and destinations come in order of
+    ring distance, each one's rows in buffer order.
+    """
+
+    sources: tuple[int, ...]
+    recv_tokens: tuple[int, ...]
+    steps: tuple[Any, ...]
+    dests: tuple[int, ...]
+    send_tokens: tuple[int, ...]
+    send_ranges: tuple[tuple[int, int] | None, ...]
+    send_index: tuple[Tensor | None, ...]
+
+    @property
+    def partners(self) -> int:
+        """How many other ranks this rank exchanges with."""
+        return len(set(self.sources) | set(self.dests))
+
+    def map_tensors(self, fn: Callable[[Tensor], Tensor]) -> TargetedExchange:
+        """A copy with ``fn`` applied to every tensor (send indices and the steps' calls)."""
+        return replace(
+            self,
+            steps=tuple(replace(st, calls=tuple(c._map_tensors(fn) for c in st.calls)) for st in self.steps),
+            send_index=tuple(None if t is None else fn(t) for t in self.send_index),
+        )
+
+
+def neighbourhood(table: Any, mine: np.ndarray) -> np.ndarray:
+    """Rows of the piece table holding the samples of rows ``mine`` (one rank's pieces, canonical
+    order): every piece of each, in (sample, start) order, through ``table.by_sample`` and
+    ``table.sample_bounds``. Its size is the rank's pieces plus their samples' pieces elsewhere."""
+    slots = table.slot[mine]
+    if not slots.size:
+        return np.zeros(0, dtype=np.int64)
+    own = slots[np.r_[True, slots[1:] != slots[:-1]]]  # canonical order: slots ascend
+    lo = table.sample_bounds[own]
+    return table.by_sample[concat_ranges(lo, table.sample_bounds[own + 1] - lo)]
+
+
+def exchange_ranges(table: Any, rows: np.ndarray, cp_rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ranges rank ``cp_rank`` receives and sends, from the piece table's ``rows`` (its
+    :func:`neighbourhood`).
+
+    Returns:
+        ``(receives, sends)``, int64 ``[n, 3]`` arrays of ``(partner, lo, count)``: rows
+        ``lo:lo+count`` of the holder's compact send buffer (the partner's for a receive, this
+        rank's for a send), one per shared sample and partner, sorted by partner then ``lo``.
+    """
+    if not rows.size:
+        return np.zeros((0, 3), dtype=np.int64), np.zeros((0, 3), dtype=np.int64)
+    cols = ("rank", "slot", "start", "stop", "compact")
+    rank, slot, start, stop, compact = (getattr(table, c)[rows] for c in cols)
+    order = np.lexsort((rank, slot))  # by (sample, rank); stable, so each group keeps start order
+    rank, slot, start, stop, compact = (x[order] for x in (rank, slot, start, stop, compact))
+    head = np.r_[True, (slot[1:] != slot[:-1]) | (rank[1:] != rank[:-1])]
+    first = np.flatnonzero(head)
+    group = np.cumsum(head) - 1
+    g_slot, g_rank = slot[first], rank[first]
+    g_last_start = start[np.r_[first[1:], rank.size] - 1]
+    own = np.flatnonzero(g_rank == cp_rank)
+    own_of = own[np.searchsorted(g_slot[own], g_slot)]  # this rank's group of each group's sample
+    other = np.flatnonzero(g_rank != cp_rank)
+    # receive: the other group's pieces ending by this rank's last start; send: own pieces ending by theirs
+    holder = np.r_[other, own_of[other]]
+    limit = np.r_[g_last_start[own_of[other]], g_last_start[other]]
+    count = _prefix_rows(group, start, stop, first, holder, limit)
+    lo = compact[first[holder]]
+    partner = np.r_[g_rank[other], g_rank[other]]
+    out = []
+    for part in (slice(0, other.size), slice(other.size, None)):
+        p, a, n = partner[part], lo[part], count[part]
+        keep = n > 0
+        p, a, n = p[keep], a[keep], n[keep]
+        by = np.lexsort((a, p))
+        out.append(np.stack([p[by], a[by], n[by]], axis=1).reshape(-1, 3))
+    return out[0], out[1]
+
+
+def _prefix_rows(group, start, stop, first, holder, limit) -> np.ndarray:
+    """Rows of the pieces of group ``holder[i]`` that end at or before ``limit[i]`` (groups' pieces
+    are consecutive from ``first[g]``, stops ascending): one vectorised search over all queries,
+    on keys ranked densely so that ``group * width + rank`` cannot overflow."""
+    cum = np.r_[0, np.cumsum(stop - start)]
+    values = np.unique(np.r_[stop, limit])
+    width = values.size + 1
+    keys = group * width + np.searchsorted(values, stop)
+    pos = np.searchsorted(keys, holder * width + np.searchsorted(values, limit), side="right")
+    return cum[pos] - cum[first[holder]]
+
+
+def compile_exchange(table: Any, mine: np.ndarray, cp_rank: int, steps: Sequence[Any]) -> TargetedExchange:
+    """The :class:`TargetedExchange` of rank ``cp_rank``.
+
+    Args:
+        table: the micro-batch's piece table (``ringpack.attention.schedule``), with its sample index.
+        mine: the table rows of this rank's pieces, in canonical order.
+        cp_rank: this rank.
+        steps: the rank's ring steps (its schedule's ``steps``, ascending distance, calls on the host).
+
+    Returns:
+        The exchange map, its steps' calls remapped onto the compressed receive buffers.
+    """
+    cp = table.cp_size
+    receives, sends = exchange_ranges(table, neighbourhood(table, mine), cp_rank)
+    sources, recv_tokens, own_steps = [], [], []
+    for src, lo, count in _by_partner(receives, cp_rank, cp, sign=1):
+        distance = (cp_rank - src) % cp
+        i = bisect.bisect_left(steps, distance, key=lambda st: st.distance)
+        assert i < len(steps) and steps[i].distance == distance, "every source has a ring step"
+        sources.append(src)
+        recv_tokens.append(int(count.sum()))
+        own_steps.append(_remap_step(steps[i], lo, count))
+    dests, send_tokens, send_ranges, send_index = [], [], [], []
+    for dst, lo, count in _by_partner(sends, cp_rank, cp, sign=-1):
+        dests.append(dst)
+        send_tokens.append(int(count.sum()))
+        one = bool((lo[1:] == lo[:-1] + count[:-1]).all())
+        send_ranges.append((int(lo[0]), int(lo[-1] + count[-1])) if one else None)
+        send_index.append(None if one else torch.from_numpy(concat_ranges(lo, count)))
+    if dests and not sources:  # sends complete in a step of its own
+        own_steps.append(replace(steps[0], distance=0, calls=()))
+    return TargetedExchange(
+        sources=tuple(sources),
+        recv_tokens=tuple(recv_tokens),
+        steps=tuple(own_steps),
+        dests=tuple(dests),
+        send_tokens=tuple(send_tokens),
+        send_ranges=tuple(send_ranges),
+        send_index=tuple(send_index),
+    )
+
+
+def _by_partner(ranges: np.ndarray, cp_rank: int, cp: int, sign: int):
+    """``(partner, lo, count)`` per partner of ``ranges`` (sorted by partner), in order of ring
+    distance: ``(rank - partner) mod C`` for sources (``sign=1``), ``(partner - rank) mod C`` for
+    destinations."""
+    if not ranges.size:
+        return []
+    cuts = np.flatnonzero(ranges[1:, 0] != ranges[:-1, 0]) + 1
+    groups = np.split(ranges, cuts)
+    groups.sort(key=lambda g: (sign * (cp_rank - int(g[0, 0]))) % cp)
+    return [(int(g[0, 0]), g[:, 1], g[:, 2]) for g in groups]
+
+
+def _remap_step(step: Any, lo: np.ndarray, count: np.ndarray) -> Any:
+    """``step`` with its calls' key rows moved from the full compact buffer onto the received rows
+    (ranges ``lo:lo+count``, ascending, concatenated)."""
+    cum = np.r_[0, np.cumsum(count)]
+
+    def received_before(x):
+        """Received rows before full-buffer row ``x`` (the compressed index of ``x``)."""
+        x = np.asarray(x, dtype=np.int64)
+        i = np.searchsorted(lo, x, side="right") - 1
+        at = np.maximum(i, 0)
+        return np.where(i < 0, 0, cum[at] + np.minimum(x - lo[at], count[at]))
+
+    return replace(step, calls=tuple(_remap_call(call, received_before) for call in step.calls))
+
+
+def _remap_call(call: Any, received_before: Callable[[np.ndarray], np.ndarray]) -> Any:
+    """A remote call (and its dense parts and rest calls) on the compressed buffer; segments left
+    with neither queries nor keys are dropped."""
+    assert call.k_range is None, "remote calls read their whole buffer"
+    cu_q = call.cu_seqlens_q.numpy().astype(np.int64)
+    old_k = call.cu_seqlens_k.numpy().astype(np.int64)
+    cu_k = received_before(old_k)
+    seg_q, seg_k = np.diff(cu_q), np.diff(cu_k)
+    assert np.array_equal(seg_k[seg_q > 0], np.diff(old_k)[seg_q > 0]), "a call reads only received rows"
+    kept = np.r_[0, np.flatnonzero((seg_q > 0) | (seg_k > 0)) + 1]
+    return replace(
+        call,
+        cu_seqlens_q=torch.from_numpy(cu_q[kept].astype(np.int32)),
+        cu_seqlens_k=torch.from_numpy(cu_k[kept].astype(np.int32)),
+        max_seqlen_k=int(seg_k.max()),
+        dense=tuple(_remap_dense(d, received_before) for d in call.dense),
+        rest=tuple(_remap_call(r, received_before) for r in call.rest),
+    )
+
+
+def _remap_dense(segment: Any, received_before: Callable[[np.ndarray], np.ndarray]) -> Any:
+    """A dense segment of a remote call with its keys' first row on the compressed buffer."""
+    k_start = int(received_before(segment.k_start))
+    assert int(received_before(segment.k_start + segment.k_len)) - k_start == segment.k_len, "keys were received"
+    return segment._replace(k_start=k_start)
