@@ -1,4 +1,4 @@
-"""The context-parallel attention engine: one autograd.Function, two ways to move K/V.
+"""The context-parallel attention engine: one autograd.Function, three ways to move K/V.
 
 :class:`ContextParallelAttention` runs a :class:`~ringpack.attention.schedule.Schedule`: the local
 causal call, then one group of non-causal calls per remote step, merging partial outputs by
@@ -12,6 +12,8 @@ a :class:`KVTransport`:
   accumulator of their dK/dV, which returns home after the last step.
 * :class:`~ringpack.attention.allgather.AllGatherTransport`: the Llama 3 form, one all-gather of
   the compact buffers, dK/dV home by one reduce-scatter.
+* :class:`~ringpack.attention.p2p.TargetedTransport`: each needed piece straight to the ranks that
+  need it, one batch of point-to-point transfers per pass, on the steps of this rank's sources.
 
 The loops over steps, the merge and the gradient bookkeeping exist once, here; transports only
 move bytes.
@@ -125,6 +127,14 @@ class KVTransport(Protocol):
 
 
 TransportFactory = Callable[[Schedule], KVTransport]
+
+
+def pass_schedule(schedule: Schedule, make_transport: TransportFactory) -> Schedule:
+    """The schedule one engine pass runs: ``make_transport.pass_schedule(schedule)`` where the
+    factory has one (the targeted exchange runs only the steps of this rank's sources), else
+    ``schedule``."""
+    own = getattr(make_transport, "pass_schedule", None)
+    return schedule if own is None else own(schedule)
 
 
 class _P2P:
@@ -550,6 +560,7 @@ def _attention_forward(
     the local result is copied from several parts, the first transfer's buffers are allocated once
     the first part has been copied into the output, so they are not held beside it (the transfer
     then overlaps the other local kernels, not the first)."""
+    schedule = pass_schedule(schedule, make_transport)
     acc = accum_dtype(q.dtype)
     if not schedule.steps:
         if schedule.local is None:
@@ -606,6 +617,7 @@ def _attention_backward(
     dout, q, k, v, out, lse, schedule: Schedule, make_transport: TransportFactory, scale: float, backend: str
 ):
     """Returns ``(dq, dk, dv)`` in the dtypes of q, k, v, given the final ``out`` and ``lse``."""
+    schedule = pass_schedule(schedule, make_transport)
     if not schedule.steps:
         if schedule.local is None:
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
