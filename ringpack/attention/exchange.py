@@ -84,15 +84,16 @@ def neighbourhood(table: Any, mine: np.ndarray) -> np.ndarray:
     return table.by_sample[concat_ranges(lo, table.sample_bounds[own + 1] - lo)]
 
 
-def exchange_ranges(table: Any, rows: np.ndarray, cp_rank: int) -> tuple[np.ndarray, np.ndarray]:
-    """The ranges rank ``cp_rank`` receives and sends, from the piece table's ``rows`` (its
-    :func:`neighbourhood`).
+def exchange_ranges(table: Any, mine: np.ndarray, cp_rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ranges rank ``cp_rank`` (its pieces: table rows ``mine``) receives and sends, read from
+    its :func:`neighbourhood` only.
 
     Returns:
         ``(receives, sends)``, int64 ``[n, 3]`` arrays of ``(partner, lo, count)``: rows
         ``lo:lo+count`` of the holder's compact send buffer (the partner's for a receive, this
         rank's for a send), one per shared sample and partner, sorted by partner then ``lo``.
     """
+    rows = neighbourhood(table, mine)
     if not rows.size:
         return np.zeros((0, 3), dtype=np.int64), np.zeros((0, 3), dtype=np.int64)
     cols = ("rank", "slot", "start", "stop", "compact")
@@ -135,20 +136,20 @@ def _prefix_rows(group, start, stop, first, holder, limit) -> np.ndarray:
     return cum[pos] - cum[first[holder]]
 
 
-def compile_exchange(table: Any, mine: np.ndarray, cp_rank: int, steps: Sequence[Any]) -> TargetedExchange:
-    """The :class:`TargetedExchange` of rank ``cp_rank``.
+def compile_exchange(
+    receives: np.ndarray, sends: np.ndarray, cp_rank: int, cp: int, steps: Sequence[Any]
+) -> TargetedExchange:
+    """The :class:`TargetedExchange` of rank ``cp_rank`` of ``cp``.
 
     Args:
-        table: the micro-batch's piece table (``ringpack.attention.schedule``), with its sample index.
-        mine: the table rows of this rank's pieces, in canonical order.
+        receives, sends: the rank's :func:`exchange_ranges`.
         cp_rank: this rank.
+        cp: the CP group size.
         steps: the rank's ring steps (its schedule's ``steps``, ascending distance, calls on the host).
 
     Returns:
         The exchange map, its steps' calls remapped onto the compressed receive buffers.
     """
-    cp = table.cp_size
-    receives, sends = exchange_ranges(table, neighbourhood(table, mine), cp_rank)
     sources, recv_tokens, own_steps = [], [], []
     for src, lo, count in _by_partner(receives, cp_rank, cp, sign=1):
         distance = (cp_rank - src) % cp

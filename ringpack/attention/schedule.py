@@ -55,7 +55,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ringpack.attention.exchange import TargetedExchange, compile_exchange
+from ringpack.attention.exchange import TargetedExchange, compile_exchange, exchange_ranges
 from ringpack.attention.ranges import concat_ranges
 from ringpack.errors import PlanError
 from ringpack.shard_plan import MicroBatch, Piece, RankShard
@@ -364,22 +364,44 @@ class _PieceTable:
         sizes = np.bincount(self.rank, weights=np.where(self.needed, self.stop - self.start, 0), minlength=self.cp_size)
         return tuple(int(x) for x in sizes)
 
-    def distances(self) -> list[int]:
-        """The ring distances ``t`` at which some rank ``r`` needs keys of rank ``(r - t) mod C``
-        (every rank computes the same list, so all skip the same distances)."""
-        need, ranks = self.need_matrix(), np.arange(self.cp_size)
-        return [t for t in range(1, self.cp_size) if need[ranks, (ranks - t) % self.cp_size].any()]
+    def rows_of(self, rank: int) -> np.ndarray:
+        """The rows of ``rank``'s pieces (rows are in rank order: a search, not a scan)."""
+        lo, hi = np.searchsorted(self.rank, (rank, rank + 1))
+        return np.arange(lo, hi)
 
-    def need_matrix(self) -> np.ndarray:
-        """``need[r, s]``: rank r has a query piece that needs keys held by rank s != r."""
-        slots = int(self.slot.max(initial=-1)) + 1
-        first_stop = np.full((slots, self.cp_size), np.iinfo(np.int64).max, dtype=np.int64)
-        np.minimum.at(first_stop, (self.slot, self.rank), self.stop)
-        last_start = np.full((slots, self.cp_size), -1, dtype=np.int64)
-        np.maximum.at(last_start, (self.slot, self.rank), self.start)
-        need = (first_stop[:, None, :] <= last_start[:, :, None]).any(axis=0)
-        np.fill_diagonal(need, False)
-        return need
+    def distances(self, max_pairs: int = 1 << 20) -> list[int]:
+        """The ring distances ``t`` at which some rank ``r`` needs keys of rank ``(r - t) mod C``
+        (every rank computes the same list, so all skip the same distances).
+
+        From the pairs of ranks holding one sample (rank ``r`` needs ``s`` when ``s``'s first piece
+        of it ends by ``r``'s last start), taken ``max_pairs`` at a time and stopping once every
+        distance is found: work in the sum over samples of their rank counts squared, memory
+        bounded, whatever the group size."""
+        order = np.lexsort((self.rank, self.slot))  # by (sample, rank); stable: start order kept
+        slot, rank = self.slot[order], self.rank[order]
+        if not slot.size:
+            return []
+        head = np.r_[True, (slot[1:] != slot[:-1]) | (rank[1:] != rank[:-1])]
+        first = np.flatnonzero(head)
+        g_slot, g_rank = slot[first], rank[first]
+        first_stop = self.stop[order][first]
+        last_start = self.start[order][np.r_[first[1:], slot.size] - 1]
+        # each group pairs with every group of its sample: group i's partners are groups lo[i]:hi[i]
+        new_slot = np.r_[True, g_slot[1:] != g_slot[:-1]]
+        lo = np.maximum.accumulate(np.where(new_slot, np.arange(g_slot.size), 0))
+        hi = np.r_[np.flatnonzero(new_slot)[1:], g_slot.size][np.cumsum(new_slot) - 1]
+        count = np.where(hi - lo > 1, hi - lo, 0)  # a sample on one rank pairs with nothing
+        found = np.zeros(self.cp_size, dtype=bool)
+        cum = np.cumsum(count)
+        done = 0
+        while done < g_slot.size and not found[1:].all():
+            stop = max(int(np.searchsorted(cum, (cum[done - 1] if done else 0) + max_pairs, side="right")), done + 1)
+            i = np.repeat(np.arange(done, stop), count[done:stop])
+            j = concat_ranges(lo[done:stop], count[done:stop])
+            need = (first_stop[j] <= last_start[i]) & (i != j)
+            found[(g_rank[i[need]] - g_rank[j[need]]) % self.cp_size] = True
+            done = stop
+        return (np.flatnonzero(found[1:]) + 1).tolist()
 
     def fingerprint(self, samples: Sequence[int]) -> int:
         h = hashlib.blake2b(digest_size=8, person=b"ringpack-sched")
@@ -435,16 +457,18 @@ def compile_schedule(
     cp_rank = int(cp_rank)
     dense = check_dense_options(dense_threshold, dense_buckets, dense_batches)
     table = _PieceTable.from_microbatch(microbatch)
-    mine = np.flatnonzero(table.rank == cp_rank)
+    mine = table.rows_of(cp_rank)
     num_tokens = int((table.stop[mine] - table.start[mine]).sum())
     mine_needed = mine[table.needed[mine]]
     send_index = concat_ranges(table.offset[mine_needed], table.stop[mine_needed] - table.start[mine_needed])
+    receives, sends = exchange_ranges(table, mine, cp_rank)  # from this rank's samples only
+    sources = set(receives[:, 0].tolist())
     steps = tuple(
         RingStep(
             distance=t,
-            calls=_remote_calls(table, mine, np.flatnonzero(table.rank == (cp_rank - t) % cp), num_tokens, dense),
+            calls=_remote_calls(table, mine, table.rows_of(src), num_tokens, dense) if src in sources else (),
         )
-        for t in table.distances()
+        for t, src in ((t, (cp_rank - t) % cp) for t in table.distances())
     )
     return Schedule(
         cp_rank=cp_rank,
@@ -456,7 +480,7 @@ def compile_schedule(
         send_range=_as_range(send_index),
         local=_local_call(table, mine, dense) if num_tokens else None,
         steps=steps,
-        exchange=compile_exchange(table, mine, cp_rank, steps),
+        exchange=compile_exchange(receives, sends, cp_rank, cp, steps),
     )
 
 
