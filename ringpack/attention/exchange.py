@@ -79,7 +79,7 @@ def neighbourhood(table: Any, mine: np.ndarray) -> np.ndarray:
     slots = table.slot[mine]
     if not slots.size:
         return np.zeros(0, dtype=np.int64)
-    own = slots[np.r_[True, slots[1:] != slots[:-1]]]  # canonical order: slots ascend
+    own = slots[_starts(slots)]  # canonical order: slots ascend
     lo = table.sample_bounds[own]
     return table.by_sample[concat_ranges(lo, table.sample_bounds[own + 1] - lo)]
 
@@ -100,20 +100,20 @@ def exchange_ranges(table: Any, mine: np.ndarray, cp_rank: int) -> tuple[np.ndar
     rank, slot, start, stop, compact = (getattr(table, c)[rows] for c in cols)
     order = np.lexsort((rank, slot))  # by (sample, rank); stable, so each group keeps start order
     rank, slot, start, stop, compact = (x[order] for x in (rank, slot, start, stop, compact))
-    head = np.r_[True, (slot[1:] != slot[:-1]) | (rank[1:] != rank[:-1])]
+    head = _starts(slot) | _starts(rank)
     first = np.flatnonzero(head)
     group = np.cumsum(head) - 1
     g_slot, g_rank = slot[first], rank[first]
-    g_last_start = start[np.r_[first[1:], rank.size] - 1]
+    g_last_start = start[np.append(first[1:], rank.size) - 1]
     own = np.flatnonzero(g_rank == cp_rank)
     own_of = own[np.searchsorted(g_slot[own], g_slot)]  # this rank's group of each group's sample
     other = np.flatnonzero(g_rank != cp_rank)
     # receive: the other group's pieces ending by this rank's last start; send: own pieces ending by theirs
-    holder = np.r_[other, own_of[other]]
-    limit = np.r_[g_last_start[own_of[other]], g_last_start[other]]
+    holder = np.concatenate((other, own_of[other]))
+    limit = np.concatenate((g_last_start[own_of[other]], g_last_start[other]))
     count = _prefix_rows(group, start, stop, first, holder, limit)
     lo = compact[first[holder]]
-    partner = np.r_[g_rank[other], g_rank[other]]
+    partner = np.tile(g_rank[other], 2)
     out = []
     for part in (slice(0, other.size), slice(other.size, None)):
         p, a, n = partner[part], lo[part], count[part]
@@ -124,12 +124,27 @@ def exchange_ranges(table: Any, mine: np.ndarray, cp_rank: int) -> tuple[np.ndar
     return out[0], out[1]
 
 
+def _starts(x: np.ndarray) -> np.ndarray:
+    """Where a run of equal values of ``x`` (non-empty) begins."""
+    head = np.empty(x.size, dtype=bool)
+    head[0] = True
+    np.not_equal(x[1:], x[:-1], out=head[1:])
+    return head
+
+
+def _cumsum0(x: np.ndarray) -> np.ndarray:
+    """``[0, x[0], x[0] + x[1], ...]``."""
+    out = np.zeros(x.size + 1, dtype=np.int64)
+    np.cumsum(x, out=out[1:])
+    return out
+
+
 def _prefix_rows(group, start, stop, first, holder, limit) -> np.ndarray:
     """Rows of the pieces of group ``holder[i]`` that end at or before ``limit[i]`` (groups' pieces
     are consecutive from ``first[g]``, stops ascending): one vectorised search over all queries,
     on keys ranked densely so that ``group * width + rank`` cannot overflow."""
-    cum = np.r_[0, np.cumsum(stop - start)]
-    values = np.unique(np.r_[stop, limit])
+    cum = _cumsum0(stop - start)
+    values = np.unique(np.concatenate((stop, limit)))
     width = values.size + 1
     keys = group * width + np.searchsorted(values, stop)
     pos = np.searchsorted(keys, holder * width + np.searchsorted(values, limit), side="right")
@@ -193,7 +208,7 @@ def _by_partner(ranges: np.ndarray, cp_rank: int, cp: int, sign: int):
 def _remap_step(step: Any, lo: np.ndarray, count: np.ndarray) -> Any:
     """``step`` with its calls' key rows moved from the full compact buffer onto the received rows
     (ranges ``lo:lo+count``, ascending, concatenated)."""
-    cum = np.r_[0, np.cumsum(count)]
+    cum = _cumsum0(count)
 
     def received_before(x):
         """Received rows before full-buffer row ``x`` (the compressed index of ``x``)."""
@@ -213,8 +228,8 @@ def _remap_call(call: Any, received_before: Callable[[np.ndarray], np.ndarray]) 
     old_k = call.cu_seqlens_k.numpy().astype(np.int64)
     cu_k = received_before(old_k)
     seg_q, seg_k = np.diff(cu_q), np.diff(cu_k)
-    assert np.array_equal(seg_k[seg_q > 0], np.diff(old_k)[seg_q > 0]), "a call reads only received rows"
-    kept = np.r_[0, np.flatnonzero((seg_q > 0) | (seg_k > 0)) + 1]
+    assert (seg_k == np.diff(old_k))[seg_q > 0].all(), "a call reads only received rows"
+    kept = np.append(0, np.flatnonzero((seg_q > 0) | (seg_k > 0)) + 1)
     return replace(
         call,
         cu_seqlens_q=torch.from_numpy(cu_q[kept].astype(np.int32)),
@@ -227,6 +242,6 @@ def _remap_call(call: Any, received_before: Callable[[np.ndarray], np.ndarray]) 
 
 def _remap_dense(segment: Any, received_before: Callable[[np.ndarray], np.ndarray]) -> Any:
     """A dense segment of a remote call with its keys' first row on the compressed buffer."""
-    k_start = int(received_before(segment.k_start))
-    assert int(received_before(segment.k_start + segment.k_len)) - k_start == segment.k_len, "keys were received"
+    k_start, k_stop = received_before(np.array((segment.k_start, segment.k_start + segment.k_len))).tolist()
+    assert k_stop - k_start == segment.k_len, "a dense segment reads only received rows"
     return segment._replace(k_start=k_start)
