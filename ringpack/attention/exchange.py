@@ -15,10 +15,11 @@ remapped onto the compressed buffer (a key boundary ``x`` becomes the number of 
 ``x``; zero-query segments shrink, empty ones go), dense segments included: the engine runs the
 same kernels on fewer rows, and a rank holds only the rows it reads.
 
-Cost: :func:`compile_exchange` reads the rank's own pieces and the other pieces of the samples it
-holds (:func:`neighbourhood`, through the piece table's sample index), then the schedule's steps of
-its sources only (found by bisection): time in the rank's pieces and partners, not in the CP group
-size.
+Cost: :func:`exchange_ranges` reads the rank's own pieces and the other pieces of the samples it
+holds (:func:`neighbourhood`, through the piece table's sample index); :func:`compile_exchange`
+then remaps the schedule's steps of its sources only (found by bisection): time in the rank's
+pieces and partners, not in the CP group size. :func:`ring_distances` (which distances the ring
+visits, a property of the whole micro-batch) works on each sample's pairs of ranks.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from torch import Tensor
 
 from ringpack.attention.ranges import concat_ranges
 
-__all__ = ["TargetedExchange", "compile_exchange", "exchange_ranges", "neighbourhood"]
+__all__ = ["TargetedExchange", "compile_exchange", "exchange_ranges", "neighbourhood", "ring_distances"]
 
 
 @dataclass(frozen=True)
@@ -98,13 +99,10 @@ def exchange_ranges(table: Any, mine: np.ndarray, cp_rank: int) -> tuple[np.ndar
         return np.zeros((0, 3), dtype=np.int64), np.zeros((0, 3), dtype=np.int64)
     cols = ("rank", "slot", "start", "stop", "compact")
     rank, slot, start, stop, compact = (getattr(table, c)[rows] for c in cols)
-    order = np.lexsort((rank, slot))  # by (sample, rank); stable, so each group keeps start order
+    order, first, last = _sample_rank_groups(rank, slot)
     rank, slot, start, stop, compact = (x[order] for x in (rank, slot, start, stop, compact))
-    head = _starts(slot) | _starts(rank)
-    first = np.flatnonzero(head)
-    group = np.cumsum(head) - 1
-    g_slot, g_rank = slot[first], rank[first]
-    g_last_start = start[np.append(first[1:], rank.size) - 1]
+    group = np.repeat(np.arange(first.size), last - first + 1)
+    g_slot, g_rank, g_last_start = slot[first], rank[first], start[last]
     own = np.flatnonzero(g_rank == cp_rank)
     own_of = own[np.searchsorted(g_slot[own], g_slot)]  # this rank's group of each group's sample
     other = np.flatnonzero(g_rank != cp_rank)
@@ -122,6 +120,50 @@ def exchange_ranges(table: Any, mine: np.ndarray, cp_rank: int) -> tuple[np.ndar
         by = np.lexsort((a, p))
         out.append(np.stack([p[by], a[by], n[by]], axis=1).reshape(-1, 3))
     return out[0], out[1]
+
+
+def ring_distances(table: Any, max_pairs: int = 1 << 20) -> list[int]:
+    """The ring distances ``t`` at which some rank ``r`` needs keys of rank ``(r - t) mod C`` in the
+    piece table's micro-batch (the same list on every rank).
+
+    From the pairs of ranks holding one sample (``r`` needs ``s`` when ``s``'s first piece of it
+    ends by ``r``'s last start), ``max_pairs`` at a time, stopping once every distance is found:
+    work in the sum over samples of their rank counts squared, memory bounded, where a samples x
+    ranks x ranks table would grow with the square of the group."""
+    if not table.rank.size:
+        return []
+    order, first, last = _sample_rank_groups(table.rank, table.slot)
+    g_slot, g_rank = table.slot[order[first]], table.rank[order[first]]
+    first_stop, last_start = table.stop[order[first]], table.start[order[last]]
+    # group i pairs with every other group of its sample: groups lo[i]:lo[i] + count[i]
+    new_slot = _starts(g_slot)
+    sample_first = np.flatnonzero(new_slot)
+    sample_of = np.cumsum(new_slot) - 1
+    lo = sample_first[sample_of]
+    count = np.append(sample_first[1:], g_slot.size)[sample_of] - lo
+    count[count == 1] = 0  # a sample on one rank pairs with nothing
+    cum = np.cumsum(count)
+    found = np.zeros(table.cp_size, dtype=bool)
+    done = 0
+    while done < g_slot.size and not found[1:].all():
+        upto = (cum[done - 1] if done else 0) + max_pairs
+        stop = max(int(np.searchsorted(cum, upto, side="right")), done + 1)
+        i = np.repeat(np.arange(done, stop), count[done:stop])
+        j = concat_ranges(lo[done:stop], count[done:stop])
+        need = (first_stop[j] <= last_start[i]) & (i != j)
+        found[(g_rank[i[need]] - g_rank[j[need]]) % table.cp_size] = True
+        done = stop
+    return (np.flatnonzero(found[1:]) + 1).tolist()
+
+
+def _sample_rank_groups(rank: np.ndarray, slot: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Pieces (non-empty, each rank's in canonical order) grouped by (sample, rank): ``order``
+    sorts them so (stable: each group in start order), and group ``g`` is sorted rows
+    ``first[g]..last[g]``."""
+    order = np.lexsort((rank, slot))
+    head = _starts(slot[order]) | _starts(rank[order])
+    first = np.flatnonzero(head)
+    return order, first, np.append(first[1:], order.size) - 1
 
 
 def _starts(x: np.ndarray) -> np.ndarray:

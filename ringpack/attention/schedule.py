@@ -55,7 +55,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ringpack.attention.exchange import TargetedExchange, compile_exchange, exchange_ranges
+from ringpack.attention.exchange import TargetedExchange, compile_exchange, exchange_ranges, ring_distances
 from ringpack.attention.ranges import concat_ranges
 from ringpack.errors import PlanError
 from ringpack.shard_plan import MicroBatch, Piece, RankShard
@@ -369,39 +369,10 @@ class _PieceTable:
         lo, hi = np.searchsorted(self.rank, (rank, rank + 1))
         return np.arange(lo, hi)
 
-    def distances(self, max_pairs: int = 1 << 20) -> list[int]:
+    def distances(self) -> list[int]:
         """The ring distances ``t`` at which some rank ``r`` needs keys of rank ``(r - t) mod C``
-        (every rank computes the same list, so all skip the same distances).
-
-        From the pairs of ranks holding one sample (rank ``r`` needs ``s`` when ``s``'s first piece
-        of it ends by ``r``'s last start), taken ``max_pairs`` at a time and stopping once every
-        distance is found: work in the sum over samples of their rank counts squared, memory
-        bounded, whatever the group size."""
-        order = np.lexsort((self.rank, self.slot))  # by (sample, rank); stable: start order kept
-        slot, rank = self.slot[order], self.rank[order]
-        if not slot.size:
-            return []
-        head = np.r_[True, (slot[1:] != slot[:-1]) | (rank[1:] != rank[:-1])]
-        first = np.flatnonzero(head)
-        g_slot, g_rank = slot[first], rank[first]
-        first_stop = self.stop[order][first]
-        last_start = self.start[order][np.r_[first[1:], slot.size] - 1]
-        # each group pairs with every group of its sample: group i's partners are groups lo[i]:hi[i]
-        new_slot = np.r_[True, g_slot[1:] != g_slot[:-1]]
-        lo = np.maximum.accumulate(np.where(new_slot, np.arange(g_slot.size), 0))
-        hi = np.r_[np.flatnonzero(new_slot)[1:], g_slot.size][np.cumsum(new_slot) - 1]
-        count = np.where(hi - lo > 1, hi - lo, 0)  # a sample on one rank pairs with nothing
-        found = np.zeros(self.cp_size, dtype=bool)
-        cum = np.cumsum(count)
-        done = 0
-        while done < g_slot.size and not found[1:].all():
-            stop = max(int(np.searchsorted(cum, (cum[done - 1] if done else 0) + max_pairs, side="right")), done + 1)
-            i = np.repeat(np.arange(done, stop), count[done:stop])
-            j = concat_ranges(lo[done:stop], count[done:stop])
-            need = (first_stop[j] <= last_start[i]) & (i != j)
-            found[(g_rank[i[need]] - g_rank[j[need]]) % self.cp_size] = True
-            done = stop
-        return (np.flatnonzero(found[1:]) + 1).tolist()
+        (every rank computes the same list, so all skip the same distances): :func:`ring_distances`."""
+        return ring_distances(self)
 
     def fingerprint(self, samples: Sequence[int]) -> int:
         h = hashlib.blake2b(digest_size=8, person=b"ringpack-sched")

@@ -436,11 +436,12 @@ def _ring_distances_brute(mb: MicroBatch) -> list[int]:
 )
 def test_ring_distances_come_from_the_pairs_of_ranks_sharing_a_sample(seed, cp, n, max_pairs):
     """The distances every rank skips to, from each sample's rank pairs in chunks of any size."""
+    from ringpack.attention.exchange import ring_distances
     from ringpack.attention.schedule import _PieceTable
 
     mb, _ = random_microbatch(np.random.default_rng(seed), cp, num_samples=n, max_pieces=8)
     want = _ring_distances_brute(mb)
-    assert _PieceTable.from_microbatch(mb).distances(max_pairs=max_pairs) == want
+    assert ring_distances(_PieceTable.from_microbatch(mb), max_pairs=max_pairs) == want
     assert compile_schedule(mb, 0).distances == tuple(want)
 
 
