@@ -117,12 +117,12 @@ class TargetedTransport:
             else:
                 sends.append((k.index_select(0, index), v.index_select(0, index)))
         self._recv = [self._empty(n, self._dtype) for n in ex.recv_tokens]
-        ops = self._ops(sends, self._dests, self._recv, self._sources, _KV_TAG)
-        self._first = (ops, sends, mark(k))  # every buffer allocated before the mark (streams)
+        self._first = (sends, mark(k))  # every buffer allocated before the mark (streams)
 
     def start(self) -> None:
-        ops, sends, after = self._first
+        sends, after = self._first
         del self._first
+        ops = self._ops(sends, self._dests, self._recv, self._sources, _KV_TAG)  # host work behind the local kernel
         self._works, self._sent = _post(ops, after, self._device), sends
 
     def _empty(self, tokens: int, dtype: torch.dtype) -> Tensor:
