@@ -3,10 +3,11 @@
 One spawn of 8 processes serves every group size: sub-groups of 2 to 7 ranks on scattered global
 ranks, and the world. Every rank walks the same case list and runs the cases of its groups. Each
 case runs forward and backward (and a forward without gradients) against the dense reference to
-1e-10, and counts what the transport posts: the bytes of its sends (which must add up to the
-``p2p`` traffic of the micro-batch: each needed piece once per rank that needs it; the backward
-sends the K/V again and returns as many dK/dV), its batches (one per pass and direction) and
-its transfers (two per partner and batch: K and V, or dK and dV).
+1e-10 (the corner cases in ring and all-gather mode too), and counts what the targeted transport
+posts: the bytes of its sends (which must add up to the ``p2p`` traffic of the micro-batch: each
+needed piece once per rank that needs it; the backward sends the K/V again and returns as many
+dK/dV), its batches (one per pass and direction) and its transfers (two per partner and batch:
+K and V, or dK and dV).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ GROUPS = {
     8: list(range(WORLD)),
 }
 HEADS = [(4, 2), (4, 1), (3, 3), (2, 1)]
+CORNER_CASES = {name for name, _, _ in targeted_microbatches()}
 
 
 def build_cases() -> list[tuple[str, object, dict[int, int], int, int]]:
@@ -79,11 +81,11 @@ def _count_posts() -> None:
     p2p._post = counted
 
 
-def _run(problem: Problem, sched, rank: int, group) -> tuple[dict, list]:
-    """Forward and backward; the batches each posted."""
+def _run(problem: Problem, sched, rank: int, group, mode: str = "p2p") -> tuple[dict, list]:
+    """Forward and backward; the batches each posted (by the targeted transport)."""
     q, k, v = (problem.local(x, rank).requires_grad_() for x in (problem.q, problem.k, problem.v))
     start = len(POSTED)
-    out = ring_attention(q, k, v, sched, group=group, mode="p2p", backend="reference")
+    out = ring_attention(q, k, v, sched, group=group, mode=mode, backend="reference")
     forward = POSTED[start:]
     out.backward(problem.local(problem.dout, rank))
     backward = POSTED[start + len(forward) :]
@@ -109,6 +111,10 @@ def worker(rank: int, world: int) -> list[dict]:
             q, k, v = (problem.local(x, cp_rank) for x in (problem.q, problem.k, problem.v))
             out = ring_attention(q, k, v, sched, group=group, mode="p2p", backend="reference")
         errors["out_no_grad"] = max_errors(problem, cp_rank, ref, {"out": out})["out"]
+        if name in CORNER_CASES:  # the other modes on the same plans
+            for mode in ("ring", "allgather"):
+                other = max_errors(problem, cp_rank, ref, _run(problem, sched, cp_rank, group, mode)[0])
+                errors.update({f"{mode}:{x}": e for x, e in other.items()})
         ex = sched.exchange
         report.append(
             {
@@ -143,11 +149,15 @@ def test_the_cases_cover_every_group_size_and_the_corner_cases():
 
 @pytest.mark.slow
 def test_p2p_matches_the_dense_reference_on_2_to_8_ranks(spawned):
+    """Every rank of every case, and ring and all-gather on the corner cases."""
     expected = sum(len(mb.shards) for _, mb, *_ in build_cases())
     assert len(spawned) == expected, "every rank of every case reported"
     bad = [(row["name"], row["cp_rank"], row["errors"]) for row in spawned if not within(row["errors"], TOL)]
     assert not bad, f"errors not below {TOL}: {bad[:5]}"
     assert {row["cp"] for row in spawned if row["links"]} == set(range(2, WORLD + 1)), "exchanges at every size"
+    assert all(
+        "ring:dk" in row["errors"] and "allgather:dv" in row["errors"] for row in spawned if row["name"] in CORNER_CASES
+    )
 
 
 @pytest.mark.slow
