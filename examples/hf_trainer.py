@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from ringpack.attention import MODES
 from ringpack.integrations.trainer import RingpackConfig, RingpackTrainer
 
 
@@ -104,7 +105,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cp", type=int, default=1, help="context-parallel size (DP = world / cp)")
     p.add_argument("--tokens-per-rank", type=int, default=1024, help="one CP rank's tokens per micro-batch")
     p.add_argument("--strategy", default="balanced", help="CP split: balanced, zigzag or contiguous")
-    p.add_argument("--mode", choices=["ring", "allgather"], default="ring")
+    p.add_argument("--mode", choices=MODES, default="ring")
     p.add_argument("--samples-per-step", type=int, default=64, help="samples in one optimizer step (all ranks)")
     p.add_argument("--config", help="AutoConfig name or path of the model (default: a small Llama)")
     p.add_argument("--dataset", help="datasets.save_to_disk folder with input_ids (default: synthetic)")

@@ -48,7 +48,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ringpack.analysis.calibration.online import CostLearner
-from ringpack.attention import warm_up_kernels
+from ringpack.attention import MODES, warm_up_kernels
 from ringpack.cost import PRESETS, CostModel, ModelShape
 from ringpack.data import BalancedBatchSampler, PackedCollator, PackedDataset, lengths_from_dataset
 from ringpack.integrations.transformers import causal_lm_loss_sum, register
@@ -388,7 +388,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--strategy", choices=STRATEGIES, default="balanced")
     p.add_argument("--packing", choices=PACKINGS, default="balanced")
-    p.add_argument("--mode", choices=["ring", "allgather"], default="ring")
+    p.add_argument("--mode", choices=MODES, default="ring")
     p.add_argument("--backend", default="auto", help="ringpack kernel backend")
     p.add_argument("--cost-profile", help="calibrated cost profile for the planner (ringpack calibrate)")
     p.add_argument(

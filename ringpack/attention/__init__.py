@@ -1,7 +1,7 @@
 """Varlen context-parallel attention that executes any shard plan exactly (docs/attention.md).
 
 Per micro-batch, on the host: ``schedule = compile_schedule(microbatch, cp_rank).to(device)``.
-Per layer: ``out = ring_attention(q, k, v, schedule, group=cp_group, mode="ring" | "allgather")``.
+Per layer: ``out = ring_attention(q, k, v, schedule, group=cp_group, mode="ring" | "allgather" | "p2p")``.
 
 This package imports only torch, numpy and ringpack's plan and traffic modules (no ortools,
 datasets or pyarrow), so it runs on GPU machines with a bare PyTorch install. Kernel-level entry

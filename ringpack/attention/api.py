@@ -61,8 +61,10 @@ def ring_attention(
             device (:meth:`Schedule.to`).
         group: the CP group: a ProcessGroup or a 1-D DeviceMesh (``mesh["cp"]``); default: the
             world when ``schedule.cp_size > 1`` (unused when it is 1).
-        mode: ``"ring"`` (K/V pass around the group point to point, overlapping the kernels) or
-            ``"allgather"`` (one all-gather of K/V, dK/dV home by one reduce-scatter).
+        mode: ``"ring"`` (K/V pass around the group point to point, overlapping the kernels),
+            ``"allgather"`` (one all-gather of K/V, dK/dV home by one reduce-scatter) or ``"p2p"``
+            (the targeted exchange: each needed piece straight to the ranks that need it, in one
+            batch of point-to-point transfers with this rank's partners, dK/dV back the same way).
         softmax_scale: the scaling of ``QK^T`` before the softmax; default ``1 / sqrt(D)``.
         causal: must be True, the only mask there is.
         backend: the kernels. ``"auto"`` (the fastest available for ``q``'s device, dtype and
@@ -87,6 +89,8 @@ def ring_attention(
             that is not a bool; and (with ``cp_size == 1``) q/k/v that do not fit each other or the
             schedule: not ``[tokens, heads, head_dim]``, no heads or an empty head dim, a dtype
             other than float16, bfloat16, float32 or float64. Each message names the argument.
+        DataError: (``mode="p2p"``) a schedule without its exchange map (not made by
+            ``compile_schedule``).
         ScheduleMismatchError: on every rank, before any transfer, when the ranks hold schedules of
             different micro-batches or CP ranks, disagree on mode, K/V heads, head dim, dtype or
             on whether this call needs gradients (only some ranks would run the backward), or
@@ -168,7 +172,7 @@ class RingAttention(nn.Module):
     Args:
         group: the CP group, a ProcessGroup or a 1-D DeviceMesh (default: the world when a
             schedule's ``cp_size > 1``).
-        mode: ``"ring"`` or ``"allgather"``.
+        mode: ``"ring"``, ``"allgather"`` or ``"p2p"`` (:func:`ring_attention`).
         softmax_scale: default ``1 / sqrt(D)``.
         backend: as in :func:`ring_attention`.
 

@@ -1,4 +1,4 @@
-"""The context-parallel attention engine: one autograd.Function, two ways to move K/V.
+"""The context-parallel attention engine: one autograd.Function, three ways to move K/V.
 
 :class:`ContextParallelAttention` (through :func:`attention_forward` and
 :func:`attention_backward`, which the traced op runs too) executes a
@@ -6,7 +6,9 @@
 calls per remote step, merging partial outputs by log-sum-exp in float32 (float64 for float64
 inputs). A :class:`KVTransport` brings the remote K/V and takes their dK/dV home:
 :class:`RingTransport` (here: point to point, double-buffered, skipped distances jumped over) or
-:class:`~ringpack.attention.allgather.AllGatherTransport`. The loops over steps, the merge and the
+:class:`~ringpack.attention.allgather.AllGatherTransport` or
+:class:`~ringpack.attention.p2p.TargetedTransport` (each needed piece straight to the ranks that
+need it, one batch of point-to-point transfers per pass). The loops over steps, the merge and the
 gradient bookkeeping exist once, here; transports only move bytes. :class:`PassConfig` holds one
 pass's constants. See docs/attention.md, "Ring and all-gather" and "Memory".
 """
@@ -123,6 +125,14 @@ class KVTransport(Protocol):
 
 
 TransportFactory = Callable[[Schedule], KVTransport]
+
+
+def pass_schedule(schedule: Schedule, make_transport: TransportFactory) -> Schedule:
+    """The schedule one engine pass runs: ``make_transport.pass_schedule(schedule)`` where the
+    factory has one (the targeted exchange runs only the steps of this rank's sources), else
+    ``schedule``."""
+    own = getattr(make_transport, "pass_schedule", None)
+    return schedule if own is None else own(schedule)
 
 
 class _P2P:
@@ -564,6 +574,7 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, schedule: Schedule, confi
     and where the local result is copied from several parts, the first transfer's buffers are
     allocated once the first part has been copied into the output, so they are not held beside it
     (the transfer then overlaps the other local kernels, not the first)."""
+    schedule = pass_schedule(schedule, config.make_transport)
     acc = accum_dtype(q.dtype)
     if not schedule.steps:
         if schedule.local is None:
@@ -619,6 +630,7 @@ def attention_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The engine's backward: ``(dq, dk, dv)`` in the dtypes of q, k, v, given a contiguous ``dout``
     and the final ``out`` and ``lse`` of :func:`attention_forward`."""
+    schedule = pass_schedule(schedule, config.make_transport)
     if not schedule.steps:
         if schedule.local is None:
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)

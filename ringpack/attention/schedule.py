@@ -24,6 +24,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ringpack.attention.exchange import TargetedExchange, compile_exchange, exchange_ranges, ring_distances
+from ringpack.attention.ranges import concat_ranges
 from ringpack.errors import PlanError
 from ringpack.shard_plan import MicroBatch, Piece, RankShard
 from ringpack.traffic import needed_pieces
@@ -225,6 +227,9 @@ class Schedule(_ScheduleBase):
     steps, in the same order on every rank. ``fingerprint`` is a 64-bit hash of the micro-batch's
     piece table, identical on every rank that compiled the same micro-batch; the runtime compares
     it across the group once per schedule (``verified`` caches that check and is never pickled).
+    ``exchange`` is the rank's targeted exchange map (``mode="p2p"``,
+    :class:`~ringpack.attention.exchange.TargetedExchange`): its partners, the rows it sends each,
+    and its sources' steps on the rows it receives.
 
     For ``torch.compile`` a schedule is an opaque *reference* object (where torch supports them):
     the graph takes it as a runtime input of one engine op and never reads its fields, so a new
@@ -241,6 +246,7 @@ class Schedule(_ScheduleBase):
     local: KernelCall | None
     steps: tuple[RingStep, ...]
     send_range: tuple[int, int] | None = None
+    exchange: TargetedExchange | None = field(default=None, compare=False, repr=False)
     verified: set = field(default_factory=set, compare=False, repr=False)
 
     @property
@@ -299,6 +305,7 @@ class Schedule(_ScheduleBase):
             send_index=fn(self.send_index),
             local=None if self.local is None else self.local._map_tensors(fn),
             steps=tuple(replace(st, calls=tuple(c._map_tensors(fn) for c in st.calls)) for st in self.steps),
+            exchange=None if self.exchange is None else self.exchange.map_tensors(fn),
             verified=set(),
         )
 
@@ -341,6 +348,8 @@ class _PieceTable:
     needed: np.ndarray  # bool: some other rank holds a later piece of the same sample
     compact: np.ndarray  # first row in its rank's compact send buffer (-1 if not needed)
     cp_size: int
+    by_sample: np.ndarray  # rows in (sample, start) order
+    sample_bounds: np.ndarray  # sample slot k's pieces: by_sample[sample_bounds[k]:sample_bounds[k + 1]]
 
     @classmethod
     def from_microbatch(cls, mb: MicroBatch) -> _PieceTable:
@@ -364,34 +373,28 @@ class _PieceTable:
                 "must have integer bounds below 2**62"
             )
         rank, slot, start, stop = (np.ascontiguousarray(table[:, j], dtype=np.int64) for j in range(4))
-        _check_pieces(rank, slot, start, stop, mb.samples)
+        by_sample = _check_pieces(rank, slot, start, stop, mb.samples)
         length = stop - start
         offset = _exclusive_cumsum_by(rank, length)
 
         needed = needed_pieces(np.zeros_like(rank), rank, slot, start, stop) > 0
         compact = np.where(needed, _exclusive_cumsum_by(rank, np.where(needed, length, 0)), -1)
-        return cls(rank, slot, start, stop, offset, needed, compact, cp)
+        bounds = np.searchsorted(slot[by_sample], np.arange(len(mb.samples) + 1))
+        return cls(rank, slot, start, stop, offset, needed, compact, cp, by_sample, bounds)
 
     def buffer_tokens(self) -> tuple[int, ...]:
         sizes = np.bincount(self.rank, weights=np.where(self.needed, self.stop - self.start, 0), minlength=self.cp_size)
         return tuple(int(x) for x in sizes)
 
+    def rows_of(self, rank: int) -> np.ndarray:
+        """The rows of ``rank``'s pieces (rows are in rank order: a search, not a scan)."""
+        lo, hi = np.searchsorted(self.rank, (rank, rank + 1))
+        return np.arange(lo, hi)
+
     def distances(self) -> list[int]:
         """The ring distances ``t`` at which some rank ``r`` needs keys of rank ``(r - t) mod C``
-        (every rank computes the same list, so all skip the same distances)."""
-        need, ranks = self.need_matrix(), np.arange(self.cp_size)
-        return [t for t in range(1, self.cp_size) if need[ranks, (ranks - t) % self.cp_size].any()]
-
-    def need_matrix(self) -> np.ndarray:
-        """``need[r, s]``: rank r has a query piece that needs keys held by rank s != r."""
-        slots = int(self.slot.max(initial=-1)) + 1
-        first_stop = np.full((slots, self.cp_size), np.iinfo(np.int64).max, dtype=np.int64)
-        np.minimum.at(first_stop, (self.slot, self.rank), self.stop)
-        last_start = np.full((slots, self.cp_size), -1, dtype=np.int64)
-        np.maximum.at(last_start, (self.slot, self.rank), self.start)
-        need = (first_stop[:, None, :] <= last_start[:, :, None]).any(axis=0)
-        np.fill_diagonal(need, False)
-        return need
+        (every rank computes the same list, so all skip the same distances): :func:`ring_distances`."""
+        return ring_distances(self)
 
     def fingerprint(self, samples: Sequence[int]) -> int:
         h = hashlib.blake2b(digest_size=8, person=b"ringpack-sched")
@@ -447,16 +450,18 @@ def compile_schedule(
     cp_rank = int(cp_rank)
     dense = DenseOptions(dense_threshold, dense_buckets, dense_batches)
     table = _PieceTable.from_microbatch(microbatch)
-    mine = np.flatnonzero(table.rank == cp_rank)
+    mine = table.rows_of(cp_rank)
     num_tokens = int((table.stop[mine] - table.start[mine]).sum())
     mine_needed = mine[table.needed[mine]]
-    send_index = _concat_ranges(table.offset[mine_needed], table.stop[mine_needed] - table.start[mine_needed])
+    send_index = concat_ranges(table.offset[mine_needed], table.stop[mine_needed] - table.start[mine_needed])
+    receives, sends = exchange_ranges(table, mine, cp_rank)  # from this rank's samples only
+    sources = set(receives[:, 0].tolist())
     steps = tuple(
         RingStep(
             distance=t,
-            calls=_remote_calls(table, mine, np.flatnonzero(table.rank == (cp_rank - t) % cp), num_tokens, dense),
+            calls=_remote_calls(table, mine, table.rows_of(src), num_tokens, dense) if src in sources else (),
         )
-        for t in table.distances()
+        for t, src in ((t, (cp_rank - t) % cp) for t in table.distances())
     )
     return Schedule(
         cp_rank=cp_rank,
@@ -468,6 +473,7 @@ def compile_schedule(
         send_range=_as_range(send_index),
         local=_local_call(table, mine, dense) if num_tokens else None,
         steps=steps,
+        exchange=compile_exchange(receives, sends, cp_rank, cp, steps),
     )
 
 
@@ -540,7 +546,7 @@ def _as_range(index: np.ndarray) -> tuple[int, int] | None:
 
 def _query_rows(seg_q_start, seg_q, num_tokens: int) -> dict:
     """A call's ``q_index``/``q_range``: neither for all local rows in order, a range when contiguous, else an index."""
-    q_index = _concat_ranges(seg_q_start, seg_q)
+    q_index = concat_ranges(seg_q_start, seg_q)
     q_range = _as_range(q_index)
     if q_range is not None and q_index.size == num_tokens:
         return dict(q_index=None)
@@ -738,9 +744,10 @@ def _check_microbatch(microbatch: MicroBatch) -> None:
         raise PlanError(f"microbatch.samples must be a sequence of sample indices, got {microbatch.samples!r:.100}")
 
 
-def _check_pieces(rank, slot, start, stop, samples) -> None:
+def _check_pieces(rank, slot, start, stop, samples) -> np.ndarray:
     """Raise :class:`PlanError` unless the pieces tile each listed sample's tokens ``[0, n)``: none
-    empty or negative, canonical order per rank, no overlap, no gap, every sample in some piece."""
+    empty or negative, canonical order per rank, no overlap, no gap, every sample in some piece.
+    Returns the pieces' order by (sample, start)."""
     bad = np.flatnonzero(start < 0)
     if bad.size:
         i = bad[0]
@@ -778,6 +785,7 @@ def _check_pieces(rank, slot, start, stop, samples) -> None:
     missing = np.setdiff1d(np.arange(len(samples)), slot)
     if missing.size:
         raise PlanError(f"sample {samples[missing[0]]} is listed in the micro-batch but is in no piece")
+    return by_sample
 
 
 def _exclusive_cumsum_by(group: np.ndarray, values: np.ndarray) -> np.ndarray:
@@ -786,16 +794,6 @@ def _exclusive_cumsum_by(group: np.ndarray, values: np.ndarray) -> np.ndarray:
     starts = np.r_[True, group[1:] != group[:-1]] if group.size else np.zeros(0, dtype=bool)
     base = np.maximum.accumulate(np.where(starts, np.arange(group.size), 0)) if group.size else group
     return total - total[base]
-
-
-def _concat_ranges(lo: np.ndarray, length: np.ndarray) -> np.ndarray:
-    """``concat(arange(lo[i], lo[i] + length[i]))`` without a Python loop."""
-    length = np.asarray(length, dtype=np.int64)
-    total = int(length.sum())
-    if total == 0:
-        return np.zeros(0, dtype=np.int64)
-    seg_start = np.cumsum(length) - length
-    return np.arange(total, dtype=np.int64) + np.repeat(np.asarray(lo, dtype=np.int64) - seg_start, length)
 
 
 def _cu(lengths: np.ndarray) -> Tensor:

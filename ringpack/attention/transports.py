@@ -2,7 +2,8 @@
 
 ``"ring"``: :class:`~ringpack.attention.ring.RingTransport` (point to point, double-buffered);
 ``"allgather"``: :class:`~ringpack.attention.allgather.AllGatherTransport` (one all-gather, one
-reduce-scatter). See docs/attention.md, "Ring and all-gather".
+reduce-scatter); ``"p2p"``: :class:`~ringpack.attention.p2p.TargetedTransports` (each needed piece
+straight to the ranks that need it). See docs/attention.md, "Ring and all-gather".
 """
 
 from __future__ import annotations
@@ -12,15 +13,18 @@ import functools
 import torch.distributed as dist
 
 from ringpack.attention.allgather import AllGatherTransport
+from ringpack.attention.p2p import TargetedTransports
 from ringpack.attention.ring import RingTransport, TransportFactory
 
 __all__ = ["MODES", "transport_factory"]
 
-MODES = ("ring", "allgather")
+MODES = ("ring", "allgather", "p2p")
 
 
 def transport_factory(mode: str, group: dist.ProcessGroup | None) -> TransportFactory:
     """What builds the K/V mover of ``mode`` (one of :data:`MODES`) over ``group`` (None: the world)
     for one engine pass: called with the pass's :class:`~ringpack.attention.schedule.Schedule`."""
-    transport = RingTransport if mode == "ring" else AllGatherTransport
-    return functools.partial(transport, group=group if group is not None else dist.group.WORLD)
+    group = group if group is not None else dist.group.WORLD
+    if mode == "p2p":
+        return TargetedTransports(group)
+    return functools.partial(RingTransport if mode == "ring" else AllGatherTransport, group=group)

@@ -72,7 +72,7 @@ class RingpackConfig:
         cp_size: ranks per CP group (the world must be a multiple).
         tokens_per_rank: one CP rank's token budget in one micro-batch.
         strategy: the CP split (``"balanced"``, ``"zigzag"``, ``"contiguous"``).
-        mode: ``"ring"`` or ``"allgather"`` (:func:`~ringpack.attention.ring_attention`).
+        mode: ``"ring"``, ``"allgather"`` or ``"p2p"`` (:func:`~ringpack.attention.ring_attention`).
         backend: the attention kernels (``"auto"``, ``"flash_attn"``, ``"reference"``, ...).
         column: the token-id field of dict rows.
         lengths: token count of each dataset row (default: read from the dataset).

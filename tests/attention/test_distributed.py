@@ -3,8 +3,8 @@
 One spawn of 4 processes serves every world size: sub-groups ``[2]`` (CP=1 on a non-zero global
 rank), ``[1, 3]`` (CP=2 on non-adjacent global ranks), ``[1, 2, 3]`` (CP=3) and the world (CP=4).
 Every rank walks the same case list and runs the cases of the groups it belongs to, so a group's
-cases run in the same order on all its ranks. Each case runs ring and all-gather mode, checks
-out/dq/dk/dv against the dense reference to 1e-10 and the two modes against each other. The
+cases run in the same order on all its ranks. Each case runs ring, all-gather and p2p mode, checks
+out/dq/dk/dv against the dense reference to 1e-10 and the other modes against ring. The
 mismatch cases check that ranks given different plans (or inputs) all raise instead of hanging,
 and that the group is still usable afterwards. Every collective has a 60 s timeout.
 """
@@ -35,6 +35,7 @@ from tests.helpers.attention import (
 
 TOL = 1e-10
 GROUPS = {1: [2], 2: [1, 3], 3: [1, 2, 3], 4: [0, 1, 2, 3]}
+MODES = ("ring", "allgather", "p2p")
 
 
 def build_cases(have_planner: bool) -> list[tuple[str, int, object, dict, int, int]]:
@@ -137,21 +138,18 @@ def suite_worker(rank: int, world: int, have_planner: bool) -> list[tuple]:
         problem = Problem.make(mb, lengths, heads, kv_heads, 8, seed=zlib.crc32(name.encode()) % 10_000)
         sched = compile_schedule(mb, cp_rank)
         ref = dense_reference(problem)
-        got = {mode: _run_case(problem, sched, cp_rank, group, mode) for mode in ("ring", "allgather")}
+        got = {mode: _run_case(problem, sched, cp_rank, group, mode) for mode in MODES}
         errors = {mode: max_errors(problem, cp_rank, ref, got[mode]) for mode in got}
         errors.update(
-            {
-                f"{mode}-hybrid": _forwards_with_the_dense_split(problem, mb, cp_rank, group, mode, ref)
-                for mode in ("ring", "allgather")
-            }
+            {f"{mode}-hybrid": _forwards_with_the_dense_split(problem, mb, cp_rank, group, mode, ref) for mode in MODES}
         )
-        if name.startswith(("hand:", "zigzag:")):  # strided layouts of q/k/v, both modes
-            for mode in ("ring", "allgather"):
+        if name.startswith(("hand:", "zigzag:")):  # strided layouts of q/k/v, every mode
+            for mode in MODES:
                 for layout in ("head_major", "fused"):
                     errors[f"{mode}-{layout}"] = max_errors(
                         problem, cp_rank, ref, _run_strided(problem, sched, cp_rank, group, mode, layout)
                     )
-        agree = {x: max_abs_error(got["ring"][x], got["allgather"][x]) for x in got["ring"]}
+        agree = {f"{mode}:{x}": max_abs_error(got["ring"][x], got[mode][x]) for mode in MODES[1:] for x in got["ring"]}
         report.append((name, cp, cp_rank, errors, agree, len(sched.steps)))
     return report
 
@@ -302,7 +300,7 @@ def test_the_multiprocess_check_fails_on_nan(where):
 
 
 @pytest.mark.slow
-def test_ring_and_allgather_match_dense_reference_on_1_to_4_ranks(spawned):
+def test_every_mode_matches_the_dense_reference_on_1_to_4_ranks(spawned):
     have_planner, results = spawned
     rows = [row for result in results for row in result["suite"]]
     expected = sum(cp for _, cp, *_ in build_cases(have_planner))
@@ -312,7 +310,11 @@ def test_ring_and_allgather_match_dense_reference_on_1_to_4_ranks(spawned):
     assert not disagree, disagree[:5]
     assert any(steps > 0 for *_, steps in rows) and any(steps == 0 for *_, steps in rows)
     assert all("out_no_grad" in row[3]["ring-hybrid"] for row in rows), "the forward without gradients was checked"
-    strided = {cp for _, cp, _, errors, _, _ in rows if "ring-head_major" in errors and "allgather-fused" in errors}
+    strided = {
+        cp
+        for _, cp, _, errors, _, _ in rows
+        if all(f"{m}-head_major" in errors and f"{m}-fused" in errors for m in MODES)
+    }
     assert strided == {1, 2, 3, 4}, f"strided q/k/v were checked on every group size, got {strided}"
     # without gradients remote dense blocks ran in row chunks; with gradients never
     chunked = [result["chunked"] for result in results]

@@ -275,7 +275,7 @@ def run_distributed_check(
         sched = compile_schedule(mb, rank, **compile_kw)
         coverage += split_coverage(sched)
         sched = sched.to(device)
-        for mode, layout in ((m, lay) for m in ("ring", "allgather") for lay in layouts):
+        for mode, layout in ((m, lay) for m in ("ring", "allgather", "p2p") for lay in layouts):
             got = run_rank(x, mb, rank, sched, mode, layout, backend)
             table.add(name, mode, layout, group_errors(got, ref, flash, mb, rank, device))
     coverage = coverage.to(device)

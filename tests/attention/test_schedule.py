@@ -438,3 +438,62 @@ def test_dense_options_are_compile_schedules_keywords():
     assert check_schedule_options(dict.fromkeys(DENSE_KEYWORDS[:2])) == dict.fromkeys(DENSE_KEYWORDS[:2])
     with pytest.raises(DataError, match="schedule_options: unknown"):
         check_schedule_options({"dense_split": True})
+
+
+# ------------------------------------------------------------------ compile cost against the group size
+
+
+def _ring_distances_brute(mb: MicroBatch) -> list[int]:
+    """Distances ``(r - s) mod C`` of every rank pair where ``r`` holds a piece of a sample starting
+    at or after the end of a piece of it on ``s``: straight from the pieces."""
+    cp = len(mb.shards)
+    found = set()
+    for r, mine in enumerate(mb.shards):
+        for s, theirs in enumerate(mb.shards):
+            if r != s and any(p.sample == o.sample and p.start >= o.stop for p in mine.pieces for o in theirs.pieces):
+                found.add((r - s) % cp)
+    return sorted(found)
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    cp=st.integers(1, 12),
+    n=st.integers(1, 8),
+    max_pairs=st.sampled_from([1, 3, 1 << 20]),
+)
+def test_ring_distances_come_from_the_pairs_of_ranks_sharing_a_sample(seed, cp, n, max_pairs):
+    """The distances every rank skips to, from each sample's rank pairs in chunks of any size."""
+    from ringpack.attention.exchange import ring_distances
+    from ringpack.attention.schedule import _PieceTable
+
+    mb, _ = random_microbatch(np.random.default_rng(seed), cp, num_samples=n, max_pieces=8)
+    want = _ring_distances_brute(mb)
+    assert ring_distances(_PieceTable.from_microbatch(mb), max_pairs=max_pairs) == want
+    assert compile_schedule(mb, 0).distances == tuple(want)
+
+
+def test_a_rank_compiles_remote_calls_for_its_sources_only(monkeypatch):
+    """In a group of 64 where every rank sends one rank and receives from one (32 ring distances),
+    a rank compiles one step's calls; the other steps are empty without looking at their ranks."""
+    from ringpack.attention import schedule as schedule_module
+
+    cp = 64
+    lengths, shards = {}, [[] for _ in range(cp)]
+    for r in range(cp):  # rank r's sample ends on rank 3r + 1 (a bijection: odd distances 2r + 1)
+        lengths[r] = 6
+        shards[r].append(Piece(r, 0, 3))
+        shards[(3 * r + 1) % cp].append(Piece(r, 3, 6))
+    mb = microbatch_from_shards(list(range(cp)), shards, lengths)
+    calls = []
+    remote_calls = schedule_module._remote_calls
+
+    def counted(table, mine, theirs, *args):
+        calls.append(theirs.size)
+        return remote_calls(table, mine, theirs, *args)
+
+    monkeypatch.setattr(schedule_module, "_remote_calls", counted)
+    sched = compile_schedule(mb, 5)
+    assert len(sched.steps) == 32 and sum(bool(step.calls) for step in sched.steps) == 1
+    assert calls == [2], "one source, its two pieces read"
+    assert sched.exchange.sources == (44,) and sched.exchange.dests == ((3 * 5 + 1) % cp,)

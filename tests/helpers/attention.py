@@ -99,6 +99,81 @@ def handmade_microbatches() -> list[tuple[str, MicroBatch, dict[int, int]]]:
     return cases
 
 
+def targeted_microbatches() -> list[tuple[str, MicroBatch, dict[int, int]]]:
+    """Corner cases of the targeted exchange on up to 8 ranks: (name, micro-batch, lengths by sample id)."""
+    P = Piece
+    cases = []
+
+    def add(name: str, lengths: dict[int, int], shards: list[list[Piece]]) -> None:
+        cases.append((name, microbatch_from_shards(list(lengths), shards, lengths), lengths))
+
+    # a sample over ranks 0 and 5 only of 8: rank 0 only sends, rank 5 only receives, 4 ranks idle
+    add(
+        "ranks-0-and-5-of-8",
+        {0: 12, 1: 5, 2: 3, 3: 7},
+        [[P(0, 0, 7)], [P(1, 0, 5)], [], [P(2, 0, 3)], [], [P(0, 7, 12), P(3, 0, 7)], [], []],
+    )
+    # rank 3 needs pieces from all 7 others (a sample each, the first of them a length-1 piece)
+    others = [0, 1, 2, 4, 5, 6, 7]
+    lengths = {10 + j: 3 + j for j in range(7)} | {1: 4}
+    shards: list[list[Piece]] = [[] for _ in range(8)]
+    for j, q in enumerate(others):
+        shards[q].append(P(10 + j, 0, 1 if j == 0 else 2))
+        shards[3].append(P(10 + j, 1 if j == 0 else 2, 3 + j))
+    shards[3].append(P(1, 0, 4))
+    add("all-to-one-of-8", lengths, shards)
+    # rank 6's pieces are needed by all 7 others (a sample each)
+    lengths = {20 + j: 2 + j for j in range(7)}
+    shards = [[] for _ in range(8)]
+    for j, q in enumerate([0, 1, 2, 3, 4, 5, 7]):
+        shards[6].append(P(20 + j, 0, 1 + j % 2))
+        shards[q].append(P(20 + j, 1 + j % 2, 2 + j))
+    add("one-to-all-of-8", lengths, shards)
+    # interleaved pieces of one sample on three ranks (nested prefixes: several calls per step), an idle rank
+    add(
+        "interleaved-of-5",
+        {0: 20, 1: 6},
+        [
+            [P(0, 0, 2), P(0, 9, 11), P(0, 18, 20)],
+            [P(0, 2, 5), P(0, 11, 14)],
+            [P(1, 0, 3)],
+            [P(0, 5, 9), P(0, 14, 18), P(1, 3, 6)],
+            [],
+        ],
+    )
+    # length-1 pieces, placed in reverse rank order: every rank needs every later rank's piece
+    add(
+        "length-1-reverse-of-6",
+        {0: 6, 1: 1},
+        [[P(0, 5 - r, 6 - r)] + ([P(1, 0, 1)] if r == 2 else []) for r in range(6)],
+    )
+    # no split sample at all (no exchange), idle ranks
+    add(
+        "no-split-of-8",
+        {0: 3, 1: 1, 2: 4, 3: 2},
+        [[P(0, 0, 3)], [], [P(1, 0, 1), P(2, 0, 4)], [], [], [P(3, 0, 2)], [], []],
+    )
+    # a chain over 7 ranks and a sample from rank 6 back to rank 2: every rank sends and receives
+    add(
+        "chain-of-7",
+        {0: 14, 1: 5, 2: 3},
+        [
+            [P(0, 2 * r, 2 * r + 2)]
+            + ([P(1, 3, 5)] if r == 2 else [])
+            + ([P(1, 0, 3)] if r == 6 else [])
+            + ([P(2, 0, 3)] if r == 4 else [])
+            for r in range(7)
+        ],
+    )
+    # pairs exchanging both ways (ranks 1 and 4), and a pair at the group's ends (0 and 5)
+    add(
+        "pairs-of-6",
+        {0: 9, 1: 7, 2: 4},
+        [[P(2, 0, 1)], [P(0, 0, 5), P(1, 4, 7)], [], [], [P(0, 5, 9), P(1, 0, 4)], [P(2, 1, 4)]],
+    )
+    return cases
+
+
 def zigzag_case(cp: int, lengths: Sequence[int]) -> MicroBatch:
     return split_zigzag(list(range(len(lengths))), list(lengths), cp)
 
@@ -245,6 +320,65 @@ class LoopbackTransport:
         return None
 
 
+class LoopbackTargeted:
+    """A transport factory for the targeted exchange without a process group: each rank's step
+    reads the rows its source's exchange map sends it, and its dK/dV go to those rows."""
+
+    def __init__(self, world: LoopbackWorld, schedules: list) -> None:
+        self.world, self.schedules = world, schedules
+
+    def pass_schedule(self, schedule):
+        from ringpack.attention.p2p import targeted_schedule
+
+        return targeted_schedule(schedule)
+
+    def rows(self, src: int, dst: int) -> torch.Tensor:
+        """The rows of ``src``'s compact buffer that its exchange map sends ``dst``."""
+        ex = self.schedules[src].exchange
+        j = ex.dests.index(dst)
+        rows = ex.send_ranges[j]
+        return torch.arange(*rows) if rows is not None else ex.send_index[j].cpu()
+
+    def __call__(self, schedule) -> LoopbackTargetedTransport:
+        return LoopbackTargetedTransport(schedule, self)
+
+
+class LoopbackTargetedTransport:
+    """A KVTransport of the targeted exchange without a process group."""
+
+    send_capacity = None
+
+    def __init__(self, schedule, factory: LoopbackTargeted) -> None:
+        self.rank, self.exchange, self.factory = schedule.cp_rank, schedule.exchange, factory
+
+    def begin(self, kv, grad_dtype=None):
+        pass
+
+    def start(self):
+        pass
+
+    def buffer(self, i):
+        kv = self.factory.world.kv
+        if i >= len(self.exchange.sources):  # a rank that only sends
+            return kv[self.rank][:, :0]
+        src = self.exchange.sources[i]
+        buf = kv[src][:, self.factory.rows(src, self.rank).to(kv[src].device)]
+        assert buf.shape[1] == self.exchange.recv_tokens[i], "the sender's rows are what the receiver expects"
+        return buf
+
+    def push_grad(self, i, dkv):
+        if dkv is None or i >= len(self.exchange.sources):
+            return
+        src = self.exchange.sources[i]
+        acc = self.factory.world.dkv[src]
+        rows = self.factory.rows(src, self.rank).to(acc.device)
+        for j, grad in enumerate(dkv):
+            acc[j].index_add_(0, rows, grad.to(acc.dtype))
+
+    def finish(self):
+        return None
+
+
 def run_all_ranks(
     problem: Problem,
     scale: float | None = None,
@@ -253,9 +387,11 @@ def run_all_ranks(
     dense_threshold: int | None = 4096,
     dense_buckets: int | None = 8,
     part_rows: int | None = None,
+    mode: str = "ring",
 ) -> list[dict[str, torch.Tensor]]:
     """Forward and backward of every CP rank of ``problem`` in this process, through the real engine
-    (``part_rows``: the forward's row chunks of remote dense blocks, as without gradients)."""
+    (``part_rows``: the forward's row chunks of remote dense blocks, as without gradients;
+    ``mode="p2p"``: the targeted exchange's steps and rows)."""
     from ringpack.attention import compile_schedule
     from ringpack.attention.ring import PassConfig, attention_backward, attention_forward
 
@@ -266,8 +402,9 @@ def run_all_ranks(
     ]
     q, k, v, dout = ([problem.local(t, r) for r in range(cp)] for t in (problem.q, problem.k, problem.v, problem.dout))
     world = LoopbackWorld(schedules, k, v)
+    make_transport = LoopbackTargeted(world, schedules) if mode == "p2p" else world.transport
     scale = q[0].shape[-1] ** -0.5 if scale is None else scale
-    config = PassConfig(scale, backend, world.transport, part_rows)
+    config = PassConfig(scale, backend, make_transport, part_rows)
     results = []
     for r in range(cp):
         out, lse = attention_forward(q[r], k[r], v[r], schedules[r], config)

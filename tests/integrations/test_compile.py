@@ -126,12 +126,12 @@ def _run_inputs(schedule):
 
 
 def cp_worker(rank: int, world: int) -> dict:
-    """Ring and all-gather attention over 2 gloo ranks, compiled and eager, over three micro-batches."""
+    """Ring, all-gather and p2p attention over 2 gloo ranks, compiled and eager, over three micro-batches."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     results = {}
-    for mode in ("ring", "allgather"):
+    for mode in ("ring", "allgather", "p2p"):
         torch._dynamo.reset()
         attention = lambda q, k, v, s: ring_attention(q, k, v, s, mesh, mode, backend="reference")
         compiled = torch.compile(attention, fullgraph=True, backend="aot_eager", dynamic=True)
@@ -146,7 +146,7 @@ def cp_worker(rank: int, world: int) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["ring", "allgather"])
+@pytest.mark.parametrize("mode", ["ring", "allgather", "p2p"])
 def test_compiled_context_parallel_attention_over_gloo(cp_results, mode):
     for rank, results in enumerate(cp_results):
         assert results[mode] == [True, True, True], f"rank {rank}: compiled results differ from eager"

@@ -1,0 +1,289 @@
+"""The targeted exchange map of one CP rank: which rows of its compact K/V buffer go to which rank,
+which rows it receives, and its remote kernel calls re-indexed onto what it receives.
+
+Which rows: rank ``r`` needs the pieces of a sample X on rank ``s`` that end at or before ``r``'s
+last piece of X starts (:func:`ringpack.traffic.needed_pieces`). They are a prefix of ``s``'s
+pieces of X, hence one contiguous range of ``s``'s compact send buffer (its needed pieces in
+canonical order). Sender and receiver derive every range from the micro-batch alone, so both agree
+on sizes and row order without telling each other.
+
+What ``r`` receives from ``s`` is those ranges, one per shared sample, concatenated in ``s``'s
+buffer order: a compressed copy of the rows of ``s``'s buffer that ``r`` reads. The schedule's
+remote step for ``s`` indexes the full compact buffer; every key range of its calls lies in the
+received rows, and the rows between them are covered by zero-query segments only. So the calls are
+remapped onto the compressed buffer (a key boundary ``x`` becomes the number of received rows before
+``x``; zero-query segments shrink, empty ones go), dense segments included: the engine runs the
+same kernels on fewer rows, and a rank holds only the rows it reads.
+
+Cost: :func:`exchange_ranges` reads the rank's own pieces and the other pieces of the samples it
+holds (:func:`neighbourhood`, through the piece table's sample index); :func:`compile_exchange`
+then remaps the schedule's steps of its sources only (found by bisection): time in the rank's
+pieces and partners, not in the CP group size. :func:`ring_distances` (which distances the ring
+visits, a property of the whole micro-batch) works on each sample's pairs of ranks.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ringpack.attention.ranges import concat_ranges
+
+__all__ = ["TargetedExchange", "compile_exchange", "exchange_ranges", "neighbourhood", "ring_distances"]
+
+
+@dataclass(frozen=True)
+class TargetedExchange:
+    """One CP rank's part of the targeted exchange (``mode="p2p"``) of one micro-batch.
+
+    ``sources[i]`` (a CP rank) sends this rank ``recv_tokens[i]`` K/V rows, which the calls of
+    ``steps[i]`` (a :class:`~ringpack.attention.schedule.RingStep`, ``distance = (rank - source) mod
+    C``) read. ``dests[j]`` receives ``send_tokens[j]`` rows of this rank's compact send buffer:
+    rows ``send_ranges[j] = (a, b)`` when they are one range, else ``send_index[j]`` (int64).
+    A rank that only sends has one step without calls or source (distance 0), the one in which its
+    sends complete; a rank with no partner has no step. Sources and destinations come in order of
+    ring distance, each one's rows in buffer order.
+    """
+
+    sources: tuple[int, ...]
+    recv_tokens: tuple[int, ...]
+    steps: tuple[Any, ...]
+    dests: tuple[int, ...]
+    send_tokens: tuple[int, ...]
+    send_ranges: tuple[tuple[int, int] | None, ...]
+    send_index: tuple[Tensor | None, ...]
+
+    @property
+    def partners(self) -> int:
+        """How many other ranks this rank exchanges with."""
+        return len(set(self.sources) | set(self.dests))
+
+    def map_tensors(self, fn: Callable[[Tensor], Tensor]) -> TargetedExchange:
+        """A copy with ``fn`` applied to every tensor (send indices and the steps' calls)."""
+        return replace(
+            self,
+            steps=tuple(replace(st, calls=tuple(c._map_tensors(fn) for c in st.calls)) for st in self.steps),
+            send_index=tuple(None if t is None else fn(t) for t in self.send_index),
+        )
+
+
+def neighbourhood(table: Any, mine: np.ndarray) -> np.ndarray:
+    """Rows of the piece table holding the samples of rows ``mine`` (one rank's pieces, canonical
+    order): every piece of each, in (sample, start) order, through ``table.by_sample`` and
+    ``table.sample_bounds``. Its size is the rank's pieces plus their samples' pieces elsewhere."""
+    slots = table.slot[mine]
+    if not slots.size:
+        return np.zeros(0, dtype=np.int64)
+    own = slots[_starts(slots)]  # canonical order: slots ascend
+    lo = table.sample_bounds[own]
+    return table.by_sample[concat_ranges(lo, table.sample_bounds[own + 1] - lo)]
+
+
+def exchange_ranges(table: Any, mine: np.ndarray, cp_rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ranges rank ``cp_rank`` (its pieces: table rows ``mine``) receives and sends, read from
+    its :func:`neighbourhood` only.
+
+    Returns:
+        ``(receives, sends)``, int64 ``[n, 3]`` arrays of ``(partner, lo, count)``: rows
+        ``lo:lo+count`` of the holder's compact send buffer (the partner's for a receive, this
+        rank's for a send), one per shared sample and partner, sorted by partner then ``lo``.
+    """
+    rows = neighbourhood(table, mine)
+    if not rows.size:
+        return np.zeros((0, 3), dtype=np.int64), np.zeros((0, 3), dtype=np.int64)
+    cols = ("rank", "slot", "start", "stop", "compact")
+    rank, slot, start, stop, compact = (getattr(table, c)[rows] for c in cols)
+    order, first, last = _sample_rank_groups(rank, slot)
+    rank, slot, start, stop, compact = (x[order] for x in (rank, slot, start, stop, compact))
+    group = np.repeat(np.arange(first.size), last - first + 1)
+    g_slot, g_rank, g_last_start = slot[first], rank[first], start[last]
+    own = np.flatnonzero(g_rank == cp_rank)
+    own_of = own[np.searchsorted(g_slot[own], g_slot)]  # this rank's group of each group's sample
+    other = np.flatnonzero(g_rank != cp_rank)
+    # receive: the other group's pieces ending by this rank's last start; send: own pieces ending by theirs
+    holder = np.concatenate((other, own_of[other]))
+    limit = np.concatenate((g_last_start[own_of[other]], g_last_start[other]))
+    count = _prefix_rows(group, start, stop, first, holder, limit)
+    lo = compact[first[holder]]
+    partner = np.tile(g_rank[other], 2)
+    out = []
+    for part in (slice(0, other.size), slice(other.size, None)):
+        p, a, n = partner[part], lo[part], count[part]
+        keep = n > 0
+        p, a, n = p[keep], a[keep], n[keep]
+        by = np.lexsort((a, p))
+        out.append(np.stack([p[by], a[by], n[by]], axis=1).reshape(-1, 3))
+    return out[0], out[1]
+
+
+def ring_distances(table: Any, max_pairs: int = 1 << 20) -> list[int]:
+    """The ring distances ``t`` at which some rank ``r`` needs keys of rank ``(r - t) mod C`` in the
+    piece table's micro-batch (the same list on every rank).
+
+    From the pairs of ranks holding one sample (``r`` needs ``s`` when ``s``'s first piece of it
+    ends by ``r``'s last start), ``max_pairs`` at a time, stopping once every distance is found:
+    work in the sum over samples of their rank counts squared, memory bounded, where a samples x
+    ranks x ranks table would grow with the square of the group."""
+    if not table.rank.size:
+        return []
+    order, first, last = _sample_rank_groups(table.rank, table.slot)
+    g_slot, g_rank = table.slot[order[first]], table.rank[order[first]]
+    first_stop, last_start = table.stop[order[first]], table.start[order[last]]
+    # group i pairs with every other group of its sample: groups lo[i]:lo[i] + count[i]
+    new_slot = _starts(g_slot)
+    sample_first = np.flatnonzero(new_slot)
+    sample_of = np.cumsum(new_slot) - 1
+    lo = sample_first[sample_of]
+    count = np.append(sample_first[1:], g_slot.size)[sample_of] - lo
+    count[count == 1] = 0  # a sample on one rank pairs with nothing
+    cum = np.cumsum(count)
+    found = np.zeros(table.cp_size, dtype=bool)
+    done = 0
+    while done < g_slot.size and not found[1:].all():
+        upto = (cum[done - 1] if done else 0) + max_pairs
+        stop = max(int(np.searchsorted(cum, upto, side="right")), done + 1)
+        i = np.repeat(np.arange(done, stop), count[done:stop])
+        j = concat_ranges(lo[done:stop], count[done:stop])
+        need = (first_stop[j] <= last_start[i]) & (i != j)
+        found[(g_rank[i[need]] - g_rank[j[need]]) % table.cp_size] = True
+        done = stop
+    return (np.flatnonzero(found[1:]) + 1).tolist()
+
+
+def _sample_rank_groups(rank: np.ndarray, slot: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Pieces (non-empty, each rank's in canonical order) grouped by (sample, rank): ``order``
+    sorts them so (stable: each group in start order), and group ``g`` is sorted rows
+    ``first[g]..last[g]``."""
+    order = np.lexsort((rank, slot))
+    head = _starts(slot[order]) | _starts(rank[order])
+    first = np.flatnonzero(head)
+    return order, first, np.append(first[1:], order.size) - 1
+
+
+def _starts(x: np.ndarray) -> np.ndarray:
+    """Where a run of equal values of ``x`` (non-empty) begins."""
+    head = np.empty(x.size, dtype=bool)
+    head[0] = True
+    np.not_equal(x[1:], x[:-1], out=head[1:])
+    return head
+
+
+def _cumsum0(x: np.ndarray) -> np.ndarray:
+    """``[0, x[0], x[0] + x[1], ...]``."""
+    out = np.zeros(x.size + 1, dtype=np.int64)
+    np.cumsum(x, out=out[1:])
+    return out
+
+
+def _prefix_rows(group, start, stop, first, holder, limit) -> np.ndarray:
+    """Rows of the pieces of group ``holder[i]`` that end at or before ``limit[i]`` (groups' pieces
+    are consecutive from ``first[g]``, stops ascending): one vectorised search over all queries,
+    on keys ranked densely so that ``group * width + rank`` cannot overflow."""
+    cum = _cumsum0(stop - start)
+    values = np.unique(np.concatenate((stop, limit)))
+    width = values.size + 1
+    keys = group * width + np.searchsorted(values, stop)
+    pos = np.searchsorted(keys, holder * width + np.searchsorted(values, limit), side="right")
+    return cum[pos] - cum[first[holder]]
+
+
+def compile_exchange(
+    receives: np.ndarray, sends: np.ndarray, cp_rank: int, cp: int, steps: Sequence[Any]
+) -> TargetedExchange:
+    """The :class:`TargetedExchange` of rank ``cp_rank`` of ``cp``.
+
+    Args:
+        receives, sends: the rank's :func:`exchange_ranges`.
+        cp_rank: this rank.
+        cp: the CP group size.
+        steps: the rank's ring steps (its schedule's ``steps``, ascending distance, calls on the host).
+
+    Returns:
+        The exchange map, its steps' calls remapped onto the compressed receive buffers.
+    """
+    sources, recv_tokens, own_steps = [], [], []
+    for src, lo, count in _by_partner(receives, cp_rank, cp, sign=1):
+        distance = (cp_rank - src) % cp
+        i = bisect.bisect_left(steps, distance, key=lambda st: st.distance)
+        assert i < len(steps) and steps[i].distance == distance, "every source has a ring step"
+        sources.append(src)
+        recv_tokens.append(int(count.sum()))
+        own_steps.append(_remap_step(steps[i], lo, count))
+    dests, send_tokens, send_ranges, send_index = [], [], [], []
+    for dst, lo, count in _by_partner(sends, cp_rank, cp, sign=-1):
+        dests.append(dst)
+        send_tokens.append(int(count.sum()))
+        one = bool((lo[1:] == lo[:-1] + count[:-1]).all())
+        send_ranges.append((int(lo[0]), int(lo[-1] + count[-1])) if one else None)
+        send_index.append(None if one else torch.from_numpy(concat_ranges(lo, count)))
+    if dests and not sources:  # sends complete in a step of its own
+        own_steps.append(replace(steps[0], distance=0, calls=()))
+    return TargetedExchange(
+        sources=tuple(sources),
+        recv_tokens=tuple(recv_tokens),
+        steps=tuple(own_steps),
+        dests=tuple(dests),
+        send_tokens=tuple(send_tokens),
+        send_ranges=tuple(send_ranges),
+        send_index=tuple(send_index),
+    )
+
+
+def _by_partner(ranges: np.ndarray, cp_rank: int, cp: int, sign: int):
+    """``(partner, lo, count)`` per partner of ``ranges`` (sorted by partner), in order of ring
+    distance: ``(rank - partner) mod C`` for sources (``sign=1``), ``(partner - rank) mod C`` for
+    destinations."""
+    if not ranges.size:
+        return []
+    cuts = np.flatnonzero(ranges[1:, 0] != ranges[:-1, 0]) + 1
+    groups = np.split(ranges, cuts)
+    groups.sort(key=lambda g: (sign * (cp_rank - int(g[0, 0]))) % cp)
+    return [(int(g[0, 0]), g[:, 1], g[:, 2]) for g in groups]
+
+
+def _remap_step(step: Any, lo: np.ndarray, count: np.ndarray) -> Any:
+    """``step`` with its calls' key rows moved from the full compact buffer onto the received rows
+    (ranges ``lo:lo+count``, ascending, concatenated)."""
+    cum = _cumsum0(count)
+
+    def received_before(x):
+        """Received rows before full-buffer row ``x`` (the compressed index of ``x``)."""
+        x = np.asarray(x, dtype=np.int64)
+        i = np.searchsorted(lo, x, side="right") - 1
+        at = np.maximum(i, 0)
+        return np.where(i < 0, 0, cum[at] + np.minimum(x - lo[at], count[at]))
+
+    return replace(step, calls=tuple(_remap_call(call, received_before) for call in step.calls))
+
+
+def _remap_call(call: Any, received_before: Callable[[np.ndarray], np.ndarray]) -> Any:
+    """A remote call (and its dense parts and rest calls) on the compressed buffer; segments left
+    with neither queries nor keys are dropped."""
+    assert call.k_range is None, "remote calls read their whole buffer"
+    cu_q = call.cu_seqlens_q.numpy().astype(np.int64)
+    old_k = call.cu_seqlens_k.numpy().astype(np.int64)
+    cu_k = received_before(old_k)
+    seg_q, seg_k = np.diff(cu_q), np.diff(cu_k)
+    assert (seg_k == np.diff(old_k))[seg_q > 0].all(), "a call reads only received rows"
+    kept = np.append(0, np.flatnonzero((seg_q > 0) | (seg_k > 0)) + 1)
+    return replace(
+        call,
+        cu_seqlens_q=torch.from_numpy(cu_q[kept].astype(np.int32)),
+        cu_seqlens_k=torch.from_numpy(cu_k[kept].astype(np.int32)),
+        max_seqlen_k=int(seg_k.max()),
+        dense=tuple(_remap_dense(d, received_before) for d in call.dense),
+        rest=tuple(_remap_call(r, received_before) for r in call.rest),
+    )
+
+
+def _remap_dense(segment: Any, received_before: Callable[[np.ndarray], np.ndarray]) -> Any:
+    """A dense segment of a remote call with its keys' first row on the compressed buffer."""
+    k_start, k_stop = received_before(np.array((segment.k_start, segment.k_start + segment.k_len))).tolist()
+    assert k_stop - k_start == segment.k_len, "a dense segment reads only received rows"
+    return segment._replace(k_start=k_start)

@@ -1,0 +1,17 @@
+"""Index arithmetic on runs of rows, shared by the schedule compiler and the exchange map."""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["concat_ranges"]
+
+
+def concat_ranges(lo: np.ndarray, length: np.ndarray) -> np.ndarray:
+    """``concat(arange(lo[i], lo[i] + length[i]))`` as int64, without a Python loop."""
+    length = np.asarray(length, dtype=np.int64)
+    total = int(length.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    seg_start = np.cumsum(length) - length
+    return np.arange(total, dtype=np.int64) + np.repeat(np.asarray(lo, dtype=np.int64) - seg_start, length)
