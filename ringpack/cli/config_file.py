@@ -61,7 +61,8 @@ def _keys(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
 def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Fill every setting not given on the command line: from ``--config`` if it holds it, else the default.
 
-    Sets ``args.given``: the destinations given on the command line or in the file.
+    Sets ``args.given``: the destinations given on the command line or in the file, and
+    ``args.from_file``: those of them the file gave.
 
     Raises:
         DataError: the file cannot be read or holds an unknown key or a bad value (the file and key named).
@@ -69,13 +70,14 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """
     path = getattr(args, "config", UNSET)
     loaded = read_config(path, parser) if path not in (UNSET, None) else {}
-    given, missing = set(), []
+    given, from_file, missing = set(), set(), []
     for action in settings(parser):
         if getattr(args, action.dest, UNSET) is not UNSET:
             given.add(action.dest)
         elif action.dest in loaded:
             setattr(args, action.dest, loaded[action.dest])
             given.add(action.dest)
+            from_file.add(action.dest)
         elif action.fallback is REQUIRED:
             missing.append(action.option_strings[0] if action.option_strings else action.metavar or action.dest)
         else:
@@ -85,7 +87,7 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     for action in parser._actions:  # --config, --write-config: not settings, yet filled alike
         if getattr(args, action.dest, None) is UNSET:
             setattr(args, action.dest, action.fallback)
-    args.given = frozenset(given)
+    args.given, args.from_file = frozenset(given), frozenset(from_file)
 
 
 def read_config(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
@@ -111,7 +113,7 @@ def read_config(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
             raise DataError(f"--config {path}: keys {named[action.dest]!r} and {key!r} set the same flag; give one")
         named[action.dest] = str(key)
         if value is not None:  # null: as if the key were absent
-            out[action.dest] = _value(action, value, f"--config {path}: {key}")
+            out[action.dest] = _value(action, value, f"--config {path}: key {key!r}")
     return out
 
 
@@ -119,6 +121,10 @@ def _load(path: Path) -> dict[str, Any]:
     kind = SUFFIXES.get(path.suffix.lower())
     if kind is None:
         raise DataError(f"--config {path}: give a .toml, .json, .yaml or .yml file")
+    if not path.exists():
+        raise FileNotFoundError(f"--config {path}: no such file")
+    if not path.is_file():
+        raise DataError(f"--config {path} is a folder, not a file")
     text = path.read_text(encoding="utf-8")
     try:
         if kind == "JSON":
@@ -141,10 +147,10 @@ def _load(path: Path) -> dict[str, Any]:
 def _toml_reader() -> Any:
     try:
         import tomllib
-    except ModuleNotFoundError:  # Python 3.10
+    except ImportError:  # Python 3.10
         try:
             import tomli as tomllib
-        except ModuleNotFoundError:
+        except ImportError:
             raise DataError(
                 "reading a TOML --config needs Python 3.11+ or the tomli package (pip install tomli); "
                 "or give a .json file"
@@ -155,7 +161,7 @@ def _toml_reader() -> Any:
 def _yaml() -> Any:
     try:
         import yaml
-    except ModuleNotFoundError:
+    except ImportError:
         raise DataError(
             "reading a YAML --config needs PyYAML (pip install pyyaml); or give a .toml or .json file"
         ) from None

@@ -77,15 +77,22 @@ def samples_per_step(args: argparse.Namespace, lengths: np.ndarray, dp: int | No
 
 
 def check_one_global_batch(args: argparse.Namespace) -> str | None:
-    """Which of ``--samples-per-step`` and ``--global-batch-tokens`` was given (``None``: neither).
+    """Which of ``--samples-per-step`` and ``--global-batch-tokens`` states the batch (``None``: neither was given).
+
+    ``--global-batch-tokens 0`` (not used) states nothing; one on the command line wins over the
+    other in ``--config``.
 
     Raises:
-        ValueError: both were given (on the command line or in ``--config``).
+        ValueError: both were given on the command line, or both in ``--config``.
     """
-    given = getattr(args, "given", frozenset())
-    if {"samples_per_step", "global_batch_tokens"} <= given:
-        raise ValueError("--samples-per-step and --global-batch-tokens both state the global batch; give one")
-    return next((name for name in ("samples_per_step", "global_batch_tokens") if name in given), None)
+    pair = ("samples_per_step", "global_batch_tokens")
+    given = set(getattr(args, "given", ())) - ({"global_batch_tokens"} if args.global_batch_tokens == 0 else set())
+    if set(pair) <= given:
+        typed = [name for name in pair if name not in getattr(args, "from_file", ())]
+        if len(typed) != 1:
+            raise ValueError("--samples-per-step and --global-batch-tokens both state the global batch; give one")
+        return typed[0]
+    return next((name for name in pair if name in given), None)
 
 
 def progress(args: argparse.Namespace, desc: str, unit: str, total: int | None = None):

@@ -83,8 +83,11 @@ def run_plan(args: argparse.Namespace) -> int:
         plan = make_plan(lengths, config, progress=bar.advance_to).validate()
     seconds = time.perf_counter() - t0
     plan.save(args.out)
-    if args.write_config:
-        write_config(args.write_config, written_settings(args, args.command_parser))
+    if args.write_config:  # the batch as the plan has it, so the file makes this plan again
+        settings = written_settings(args, args.command_parser)
+        write_config(
+            args.write_config, {**settings, "samples_per_step": config.samples_per_step, "global_batch_tokens": 0}
+        )
     summary = summarize(plan)
     summary["plan_seconds"] = round(seconds, 4)
     summary["out"] = str(args.out)
