@@ -10,7 +10,7 @@ import pytest
 import ringpack.cli.demo
 from ringpack.analysis.demo import DemoConfig
 from ringpack.shard_plan import global_batch_samples
-from tests.helpers.cli import assert_clean, run_cli
+from tests.helpers.cli import assert_clean, run_cli, token_rows
 
 LENGTHS = np.random.default_rng(7).integers(1, 3000, size=300)
 MESH = ["--dp", "2", "--cp", "2", "--tokens-per-rank", "4096", "--model", "tiny"]
@@ -90,3 +90,15 @@ def test_the_demo_reads_its_batch_as_every_command_does(monkeypatch, tmp_path):
         max(4, int(5000 / LENGTHS.mean())),  # at least one sample per DP rank
     ]
     assert DemoConfig().samples_per_step_of(LENGTHS) == max(4, int(4 * 4 * 32768 / LENGTHS.mean()))
+
+
+def test_shard_sizes_its_batch_from_the_token_ids_it_writes(tmp_path):
+    rows = token_rows(40)
+    ids = tmp_path / "ids.jsonl"
+    ids.write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows))
+    argv = ["shard", ids, "--dp", "2", "--cp", "2", "--tokens-per-rank", "256", "--cache-dir", tmp_path / "cache"]
+    run = run_cli([*argv, "--global-batch-tokens", "600", "--out", tmp_path / "shards", "--quiet"])
+    assert run.code == 0, run.err
+    manifest = json.loads((tmp_path / "shards" / "manifest.json").read_text())
+    mean = np.mean([len(r) for r in rows])
+    assert manifest["config"]["samples_per_step"] == max(2, int(600 / mean))
