@@ -10,7 +10,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from ringpack import __version__
 from ringpack._hints import command_line_hints
+from ringpack.cli import calibrate, demo, plan, report, shard, simulate
+from ringpack.cli.config_file import resolve
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -23,9 +26,6 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``ringpack`` parser with every subcommand (``plan shard report simulate calibrate demo``)."""
-    from ringpack import __version__
-    from ringpack.cli import calibrate, demo, plan, report, shard, simulate
-
     parser = OneLineErrorParser(
         prog="ringpack",
         description="Cost-balanced packing and DP x CP sharding of variable-length samples, and its analysis.",
@@ -39,8 +39,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse(argv: Sequence[str]) -> argparse.Namespace:
     """``argv`` parsed as :func:`main` parses it: every setting not given filled from ``--config`` or its default."""
-    from ringpack.cli.config_file import resolve
-
     args = build_parser().parse_args(argv)
     if getattr(args, "command_parser", None) is not None:
         resolve(args, args.command_parser)
@@ -62,8 +60,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         with command_line_hints(), _log_to_stderr(args.command):
-            from ringpack.cli.config_file import resolve
-
             resolve(args, args.command_parser)
             return int(args.handler(args) or 0)
     except BrokenPipeError:  # stdout closed early, e.g. piped to `head`

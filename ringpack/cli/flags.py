@@ -17,6 +17,7 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from ringpack.analysis.comm_model import LINKS
 from ringpack.cost import MAX_SAMPLE_TOKENS, CostModel
 from ringpack.lengths import FORMATS as LENGTHS_FORMATS
 from ringpack.shard_plan import MAX_CP, PACKINGS, STRATEGIES, PlanConfig
@@ -313,8 +314,6 @@ def add_tflops_flag(parser: Any) -> None:
 
 
 def add_link_flag(parser: Any) -> None:
-    from ringpack.analysis.comm_model import LINKS
-
     flag(parser, "--link", default="nvlink", choices=sorted(LINKS), help="link preset of the CP traffic")
 
 

@@ -7,18 +7,20 @@ import dataclasses
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import numpy as np
 
 from ringpack.cli.flags import config_fields
-
-if TYPE_CHECKING:
-    import numpy as np
+from ringpack.cost import PRESETS, CostModel
+from ringpack.errors import DataError
+from ringpack.lengths import lengths_from_file
+from ringpack.progress import Progress
+from ringpack.shard_plan import PlanConfig, global_batch_samples
 
 
 def cost_model_from_arg(value: str, flag: str = "--model"):
     """The ``CostModel`` a flag names: a preset name, or the path of a calibrated profile JSON."""
-    from ringpack.cost import PRESETS, CostModel
-
     if value in PRESETS:
         return CostModel.preset(value)
     if Path(value).is_file():
@@ -47,8 +49,6 @@ def plan_config_from_args(args: argparse.Namespace, **overrides: Any):
     Fields whose flag the command did not declare keep ``PlanConfig``'s default; ``cost`` comes
     from :func:`cost_model` unless overridden.
     """
-    from ringpack.shard_plan import PlanConfig
-
     given = vars(args)
     names = [name for name in config_fields(PlanConfig) if name != "cost"]
     fields = {name: given[name] for name in names if name in given and name not in overrides}
@@ -66,8 +66,6 @@ def samples_per_step(args: argparse.Namespace, lengths: np.ndarray, dp: int | No
     Raises:
         ValueError: both flags given.
     """
-    from ringpack.shard_plan import global_batch_samples
-
     dp = args.dp if dp is None else dp
     if check_one_global_batch(args) == "samples_per_step" or not args.global_batch_tokens:
         return args.samples_per_step
@@ -97,8 +95,6 @@ def check_one_global_batch(args: argparse.Namespace) -> str | None:
 
 def progress(args: argparse.Namespace, desc: str, unit: str, total: int | None = None):
     """A :class:`~ringpack.progress.Progress` on stderr, off with ``--quiet`` or ``--json -``."""
-    from ringpack.progress import Progress
-
     quiet = getattr(args, "quiet", False) or getattr(args, "json", None) == "-"
     return Progress(desc, unit, total, enabled=not quiet)
 
@@ -116,9 +112,6 @@ def lengths_from_flag(path: str, column: str | None = None, flag: str = "--lengt
         DataError: an unreadable file, a bad length (the sample named) or no samples at all.
         FileNotFoundError: no file at ``path``.
     """
-    from ringpack.errors import DataError
-    from ringpack.lengths import lengths_from_file
-
     lengths = lengths_from_file(path, column)
     if not lengths.size:
         raise DataError(f"{flag} {path} holds no samples")

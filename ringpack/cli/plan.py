@@ -8,9 +8,15 @@ import logging
 import time
 from typing import Any
 
+import numpy as np
+
+from ringpack.analysis.robustness import PRICE_FACTORS, imbalance_across_prices
 from ringpack.cli.config_file import add_config_file_flag, write_config, written_settings
 from ringpack.cli.flags import REQUIRED, add_lengths_flags, add_plan_flags, add_quiet_flag, flag, new_command
 from ringpack.cli.inputs import check_output_file, lengths_from_flag, plan_config_from_args, progress, samples_per_step
+from ringpack.planner.bounds import plan_costs
+from ringpack.planner.epoch import make_plan
+from ringpack.traffic import plan_kv_traffic
 
 logger = logging.getLogger("ringpack.cli")
 
@@ -44,12 +50,6 @@ def add_command(subparsers: Any) -> None:
 
 def summarize(plan) -> dict:
     """Summary numbers of a plan: what ``ringpack plan`` prints (``--json``: as they are)."""
-    import numpy as np
-
-    from ringpack.analysis.robustness import PRICE_FACTORS, imbalance_across_prices
-    from ringpack.planner.bounds import plan_costs
-    from ringpack.traffic import plan_kv_traffic
-
     costs = plan_costs(plan)
     kv = plan_kv_traffic(plan)
     per_step_unique = np.bincount(kv["step"], weights=kv["unique"], minlength=plan.num_steps)
@@ -70,8 +70,6 @@ def summarize(plan) -> dict:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from ringpack.planner.epoch import make_plan
-
     inputs = [args.lengths, args.cost, args.config]
     check_output_file(args.out, "--out", inputs=inputs)
     if args.write_config:

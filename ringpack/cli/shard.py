@@ -13,6 +13,7 @@ from typing import Any
 from ringpack.cli.config_file import add_config_file_flag
 from ringpack.cli.flags import COUNT, PROCESSES, REQUIRED, add_plan_flags, add_quiet_flag, flag, integer, new_command
 from ringpack.cli.inputs import plan_config_from_args, samples_per_step
+from ringpack.lengths import lengths_from_dataset
 
 logger = logging.getLogger("ringpack.cli")
 #: The regex tokenizer's id range when ``--vocab-size`` is not given.
@@ -27,7 +28,7 @@ _TOKENIZING_FLAGS = (
 
 
 def add_command(subparsers: Any) -> None:
-    from ringpack.data.shards import SOURCES
+    from ringpack.data.shards import SOURCES  # ringpack.data.shards loads torch: imported where a run needs it
 
     p = new_command(
         subparsers,
@@ -93,8 +94,6 @@ def run_shard(args: argparse.Namespace) -> int:
             raise ValueError(f"dataset {args.dataset} holds no rows")
         ds, tokenized = _token_dataset(args, loaded)
     if args.global_batch_tokens:
-        from ringpack.lengths import lengths_from_dataset
-
         per_step = samples_per_step(args, lengths_from_dataset(ds, args.column))
         config = plan_config_from_args(args, samples_per_step=per_step)
     source = {
