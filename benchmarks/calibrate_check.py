@@ -29,8 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ringpack.analysis.calibration import run as cal
-from ringpack.cli import build_parser
+from ringpack.cli import main as ringpack_cli
 
 
 def main() -> int:
@@ -84,7 +83,7 @@ def main() -> int:
         if args.quick:
             argv.append("--quick")
         started = time.perf_counter()
-        code = cal.run(build_parser().parse_args(["calibrate", *argv]))
+        code = ringpack_cli(["calibrate", *argv])
         if code:
             return code
         report = json.loads(path.with_name(path.stem + ".report.json").read_text())

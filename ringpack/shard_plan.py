@@ -63,6 +63,8 @@ __all__ = [
     "OVERFLOW_POLICIES",
     "MAX_DP",
     "MAX_CP",
+    "field_doc",
+    "global_batch_samples",
 ]
 
 FORMAT_VERSION = 1
@@ -205,15 +207,24 @@ def _price_range(value: Any) -> tuple[float, float]:
     return low, high
 
 
-@dataclass(frozen=True)
+def field_doc(help: str, **command_line: Any) -> dict[str, Any]:
+    """A config field's metadata: its one-line ``help`` and how a command line reads it.
+
+    ``command_line`` holds ``type`` (``int``, ``float``, ``str``, ``bool``, or the field's own
+    class), ``choices``, inclusive bounds ``low`` / ``high``, ``metavar``, ``default_text`` (the
+    default as a user types it, where the field's is ``None``), ``flag`` (where the flag is not
+    the field's name with dashes), ``spellings`` (more names of that flag) and ``aliases`` (old
+    flag names, accepted and not shown). ``ringpack.cli`` builds every flag of a config from these.
+    """
+    return {"help": help, **command_line}
+
+
+@dataclass(frozen=True, kw_only=True)
 class PlanConfig:
     """Everything that decides a plan besides the sample lengths (a plan is a pure function of both).
 
-    ``samples_per_step`` is the global batch in samples (``0``: all samples in one step);
-    ``microbatches_per_rank`` fixes how many micro-batches each DP rank runs per step (``0``:
-    the fewest that hold the tokens, plus one when the token budget would otherwise keep the step
-    more than 1% above its lower bound). ``packing`` is ``"balanced"`` (cost-driven) or
-    ``"first_fit"`` (token-count first fit, the common baseline).
+    Every field is keyword-only and documented by its ``help`` (``dataclasses.fields(PlanConfig)``;
+    ``ringpack plan --help`` shows the same text).
 
     Price robustness: ``pair_price_range = (low, high)`` says how far the true price of an
     attention pair may lie from the cost model's, as factors (``(0.25, 2.0)``: a quarter to twice
@@ -229,20 +240,96 @@ class PlanConfig:
     :data:`NO_TOKEN_GUARD` lets the split trade tokens for pairs freely).
     """
 
-    dp: int
-    cp: int
-    tokens_per_rank: int
-    strategy: str = "balanced"
-    packing: str = "balanced"
-    samples_per_step: int = 0
-    microbatches_per_rank: int = 0
-    seed: int = 0
-    epoch: int = 0
-    overflow: str = "error"
-    solver_time_limit_s: float = 0.0
-    cp_token_slack: float | None = None
-    cost: CostModel = field(default_factory=lambda: CostModel.preset("llama3-8b"))
-    pair_price_range: tuple[float, float] | None = None
+    dp: int = field(
+        metadata=field_doc(
+            "data-parallel size: DP ranks, each running its share of every step", type=int, low=1, high=MAX_DP
+        )
+    )
+    cp: int = field(
+        metadata=field_doc("context-parallel size: CP ranks that split every micro-batch", type=int, low=1, high=MAX_CP)
+    )
+    tokens_per_rank: int = field(
+        metadata=field_doc("token budget of one CP rank per micro-batch", type=int, low=1, high=MAX_SAMPLE_TOKENS)
+    )
+    strategy: str = field(
+        default="balanced",
+        metadata=field_doc(
+            "CP split of each micro-batch: balanced (by cost), zigzag or contiguous", type=str, choices=STRATEGIES
+        ),
+    )
+    packing: str = field(
+        default="balanced",
+        metadata=field_doc(
+            "packing and DP balance: balanced (by cost) or first_fit (token-count first fit, the common baseline)",
+            type=str,
+            choices=PACKINGS,
+        ),
+    )
+    samples_per_step: int = field(
+        default=0, metadata=field_doc("global batch in samples (0: all samples in one step)", type=int, low=0)
+    )
+    microbatches_per_rank: int = field(
+        default=0,
+        metadata=field_doc(
+            "micro-batches per DP rank and step (0: the fewest that hold the tokens, plus one where the token "
+            "budget would otherwise keep the step more than 1% above its lower bound)",
+            type=int,
+            low=0,
+        ),
+    )
+    seed: int = field(default=0, metadata=field_doc("shuffle seed", type=int, low=0))
+    epoch: int = field(
+        default=0, metadata=field_doc("epoch whose plan is made (with the seed, the shuffle key)", type=int, low=0)
+    )
+    overflow: str = field(
+        default="error",
+        metadata=field_doc(
+            "samples longer than cp x tokens per rank: error (name the first), split (into documents of at most "
+            "that many tokens) or drop",
+            type=str,
+            choices=OVERFLOW_POLICIES,
+        ),
+    )
+    solver_time_limit_s: float = field(
+        default=0.0,
+        metadata=field_doc(
+            "CP-SAT refinement of each step, in deterministic seconds (0: heuristics only)",
+            type=float,
+            low=0.0,
+            aliases=("--solver-time-limit",),
+        ),
+    )
+    cp_token_slack: float | None = field(
+        default=None,
+        metadata=field_doc(
+            "balanced CP split: hold every rank within 1 + slack of the micro-batch's mean tokens (a large value "
+            "turns the guard off)",
+            type=float,
+            low=0.0,
+            default_text=str(ROBUST_TOKEN_SLACK),
+        ),
+    )
+    cost: CostModel = field(
+        default_factory=lambda: CostModel.preset("llama3-8b"),
+        metadata=field_doc(
+            "cost model of a rank's tokens, attention pairs and pieces: a preset (llama3-8b, llama-1b, tiny) or a "
+            "calibrated profile JSON",
+            type=CostModel,
+            flag="--model",
+            spellings=("--cost-profile",),
+            metavar="MODEL",
+        ),
+    )
+    pair_price_range: tuple[float, float] | None = field(
+        default=None,
+        metadata=field_doc(
+            "stay balanced while the true price of an attention pair is LOW..HIGH times the cost model's (1,1 "
+            "balances the model's prices alone)",
+            type=tuple,
+            metavar="LOW,HIGH",
+            default_text="0.25,2 for FLOP models, 1,1 for measured profiles",
+        ),
+    )
 
     def __post_init__(self) -> None:
         for name in ("dp", "cp", "tokens_per_rank"):
@@ -326,6 +413,31 @@ class PlanConfig:
             except ValueError as exc:
                 raise PlanError(f"config.cost: {exc}") from exc
         return cls(**data)
+
+
+def global_batch_samples(lengths: Any, tokens: int | str, *, dp: int, cp: int, tokens_per_rank: int) -> int:
+    """``samples_per_step`` of a global batch stated in tokens: about ``tokens`` tokens of mean-length samples.
+
+    Args:
+        lengths: the sample lengths (their mean sizes the batch).
+        tokens: tokens per optimizer step, or ``"auto"``: ``dp * cp * tokens_per_rank``, one full
+            micro-batch per DP rank.
+        dp, cp, tokens_per_rank: the mesh and budget of the plan.
+
+    Returns:
+        ``max(dp, int(tokens / mean length))``: at least one sample per DP rank.
+
+    Raises:
+        PlanError: ``tokens`` neither ``"auto"`` nor an integer >= 1, or no lengths.
+    """
+    if tokens == "auto":
+        tokens = dp * cp * tokens_per_rank
+    if not _is_int(tokens) or tokens < 1:
+        raise PlanError(f"{option('global_batch_tokens')} must be 'auto' or an integer >= 1, got {tokens!r}")
+    mean = float(np.mean(lengths)) if len(lengths) else 0.0
+    if not mean > 0:
+        raise PlanError(f"{option('global_batch_tokens')} needs sample lengths to size the batch; there are none")
+    return max(dp, int(tokens / mean))
 
 
 @dataclass(frozen=True)

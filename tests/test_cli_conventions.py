@@ -20,7 +20,7 @@ import pytest
 
 import ringpack
 import ringpack.progress
-from ringpack.cli import LENGTHS_HELP, build_parser
+from ringpack.cli import LENGTHS_HELP, build_parser, parse
 from ringpack.errors import PlanError
 from ringpack.lengths import FORMATS
 from ringpack.progress import Progress
@@ -150,7 +150,7 @@ def test_a_dataset_dict_folder_names_its_splits(tmp_path):
     ],
 )
 def test_one_overflow_default(argv):
-    assert build_parser().parse_args(argv).overflow == "error"
+    assert parse(argv).overflow == "error"
 
 
 def test_hints_name_flags_on_the_command_line_and_keywords_in_python(tmp_path):

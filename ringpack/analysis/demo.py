@@ -12,61 +12,140 @@ Runs anywhere Python runs (the corpus is the interpreter's own standard library)
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ringpack.analysis.comm_model import LINKS
 from ringpack.analysis.report import DEFAULT_VARIANTS
+from ringpack.cost import CostModel
+from ringpack.shard_plan import PlanConfig, field_doc, global_batch_samples
 
-__all__ = ["run"]
+__all__ = ["DemoConfig", "run_demo"]
 
 #: Progress-bar stages besides planning: corpus, report, the four plots.
 _FIXED_STAGES = 1 + 1 + 4
 
 
-def run(args: argparse.Namespace) -> int:
-    """``ringpack demo``: exit 0, or 1 when the ring check finds a mismatch."""
+def _plan_field(name: str, default: Any) -> Any:
+    """A field that means what :class:`PlanConfig`'s field ``name`` means (its help), with the demo's default."""
+    return field(default=default, metadata=PlanConfig.__dataclass_fields__[name].metadata)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DemoConfig:
+    """What :func:`run_demo` plans and where it writes; each field's ``help`` says what it sets."""
+
+    out: str = field(default="demo-out", metadata=field_doc("folder for the report, JSON and plots", type=str))
+    tokenizer: str | None = field(
+        default=None,
+        metadata=field_doc(
+            "Hugging Face tokenizer.json (or its folder) for exact token counts",
+            type=str,
+            default_text="the regex tokenizer",
+        ),
+    )
+    dp: int = _plan_field("dp", 4)
+    cp: int = _plan_field("cp", 4)
+    tokens_per_rank: int = _plan_field("tokens_per_rank", 32768)
+    samples_per_step: int = field(
+        default=0, metadata=field_doc("global batch in samples (0: global_batch_tokens decides)", type=int, low=0)
+    )
+    global_batch_tokens: int | str = field(
+        default="auto",
+        metadata=field_doc(
+            "global batch in tokens where samples_per_step is 0: samples per step = max(dp, tokens / mean length); "
+            "auto: dp x cp x tokens_per_rank, one full micro-batch per DP rank; 0: all samples in one step",
+            type=int,
+        ),
+    )
+    cost: CostModel = field(
+        default_factory=lambda: CostModel.preset("llama3-8b"), metadata=PlanConfig.__dataclass_fields__["cost"].metadata
+    )
+    tflops: float = field(
+        default=400.0, metadata=field_doc("achieved fwd+bwd TFLOP/s per GPU of a FLOP cost model", type=float)
+    )
+    link: str = field(
+        default="nvlink", metadata=field_doc("link preset of the CP traffic", type=str, choices=tuple(sorted(LINKS)))
+    )
+    seed: int = _plan_field("seed", 0)
+    quick: bool = field(default=False, metadata=field_doc("a 300-file subset of the corpus (for tests)", type=bool))
+    ring_check: bool = field(
+        default=True,
+        metadata=field_doc(
+            "the 2-process ring runtime check (off with --no-ring-check)", type=bool, flag="--no-ring-check"
+        ),
+    )
+
+    def cost_model(self) -> CostModel:
+        """``cost``, a FLOP model running at ``tflops``."""
+        if self.cost.unit != "flop":
+            return self.cost
+        return dataclasses.replace(self.cost, flops_per_second=self.tflops * 1e12)
+
+    def samples_per_step_of(self, lengths: np.ndarray) -> int:
+        """``samples_per_step``, or where it is 0 the global batch of ``global_batch_tokens`` (0: one step)."""
+        if self.samples_per_step or not self.global_batch_tokens:
+            return self.samples_per_step
+        return global_batch_samples(
+            lengths, self.global_batch_tokens, dp=self.dp, cp=self.cp, tokens_per_rank=self.tokens_per_rank
+        )
+
+
+def run_demo(config: DemoConfig = DemoConfig(), *, progress: bool = True) -> int:
+    """The demo: plan the corpus with every variant, write the report, run the ring check, print it all.
+
+    Args:
+        config: what is planned and where the report goes.
+        progress: a bar of the demo's stages on stderr.
+
+    Returns:
+        0, or 1 when the ring check finds a mismatch.
+
+    Raises:
+        PlanError: a config the planner refuses (named).
+    """
     from ringpack.analysis import plots
     from ringpack.analysis.report import write_report
     from ringpack.data.corpus import stdlib_corpus
 
     t0 = time.perf_counter()
-    check = not args.no_ring_check
-    bar = _progress_bar(args, total=_FIXED_STAGES + len(DEFAULT_VARIANTS) + int(check))
+    check = config.ring_check
+    bar = _progress_bar(progress, total=_FIXED_STAGES + len(DEFAULT_VARIANTS) + int(check))
 
     bar.set_description("corpus: tokenizing the stdlib")
-    corpus = stdlib_corpus(tokenizer=args.tokenizer)
+    corpus = stdlib_corpus(tokenizer=config.tokenizer)
     lengths = corpus.lengths
-    if args.quick:  # a seeded subset: same pipeline, a few seconds
-        lengths = lengths[np.random.default_rng(args.seed).permutation(lengths.size)[:300]]
+    if config.quick:  # a seeded subset: same pipeline, a few seconds
+        lengths = lengths[np.random.default_rng(config.seed).permutation(lengths.size)[:300]]
     bar.update(1)
 
-    doc = _plan_and_report(args, lengths, corpus, bar)
+    doc = _plan_and_report(config, lengths, corpus, bar)
     step = plots.default_rank_step(doc)
     bar.update(1)
-    paths = write_report(doc, Path(args.out), rank_step=step, progress=_PlotProgress(bar))
+    paths = write_report(doc, Path(config.out), rank_step=step, progress=_PlotProgress(bar))
 
     ring, ring_note = None, ""
     if check:
         bar.set_description("ring check: 2 CPU processes")
-        ring, ring_note = _ring_check(corpus.lengths, args.seed)
+        ring, ring_note = _ring_check(corpus.lengths, config.seed)
         bar.update(1)
     bar.close()
 
-    _print_results(args, doc, corpus, lengths.size, step)
+    _print_results(config, doc, corpus, lengths.size, step)
     _print_ring_check(ring, ring_note)
-    out = Path(args.out)
+    out = Path(config.out)
     print(f"\nwrote {out}/: " + ", ".join(p.name for p in paths.values()))
     print(f"open {out / 'report.html'} for the report with its plots; done in {time.perf_counter() - t0:.1f} s")
     return 0 if ring is None or ring.ok else 1
 
 
-def _progress_bar(args: argparse.Namespace, total: int) -> Any:
+def _progress_bar(show: bool, total: int) -> Any:
     from tqdm.auto import tqdm
 
     return tqdm(
@@ -74,7 +153,7 @@ def _progress_bar(args: argparse.Namespace, total: int) -> Any:
         desc="demo",
         unit="stage",
         file=sys.stderr,
-        disable=args.quiet,
+        disable=not show,
         bar_format="{desc:<34} {bar} {n_fmt}/{total_fmt} [{elapsed}]",
     )
 
@@ -90,29 +169,27 @@ class _PlotProgress:
         self.bar.update(n)
 
 
-def _plan_and_report(args: argparse.Namespace, lengths: np.ndarray, corpus: Any, bar: Any) -> dict[str, Any]:
+def _plan_and_report(config: DemoConfig, lengths: np.ndarray, corpus: Any, bar: Any) -> dict[str, Any]:
     """Plan ``lengths`` with every default variant and build the report document."""
     from ringpack.analysis.comm_model import CommModel
     from ringpack.analysis.report import build_report, result_of_plan
-    from ringpack.cost import CostModel
     from ringpack.planner import make_plan
-    from ringpack.shard_plan import PlanConfig
 
-    model = dataclasses.replace(CostModel.preset(args.model), flops_per_second=args.tflops * 1e12)
-    config = PlanConfig(
-        dp=args.dp,
-        cp=args.cp,
-        tokens_per_rank=args.tokens_per_rank,
-        samples_per_step=_samples_per_step(args, lengths),
-        seed=args.seed,
+    model = config.cost_model()
+    plan_config = PlanConfig(
+        dp=config.dp,
+        cp=config.cp,
+        tokens_per_rank=config.tokens_per_rank,
+        samples_per_step=config.samples_per_step_of(lengths),
+        seed=config.seed,
         overflow="split",
         cost=model,
     )
-    comm = CommModel.for_model(model, link=args.link)
+    comm = CommModel.for_model(model, link=config.link)
     results = []
     for strategy, packing in DEFAULT_VARIANTS:
         bar.set_description(f"plan: {strategy}/{packing}")
-        plan = make_plan(lengths, dataclasses.replace(config, strategy=strategy, packing=packing))
+        plan = make_plan(lengths, dataclasses.replace(plan_config, strategy=strategy, packing=packing))
         results.append(result_of_plan(plan, comm))
         bar.update(1)
 
@@ -121,28 +198,25 @@ def _plan_and_report(args: argparse.Namespace, lengths: np.ndarray, corpus: Any,
         results,
         lengths=lengths,
         title="ringpack demo: the standard-library corpus, every strategy",
-        extra={"corpus": {"root": str(corpus.root), "counter": corpus.counter, "quick": bool(args.quick)}},
+        extra={"corpus": {"root": str(corpus.root), "counter": corpus.counter, "quick": bool(config.quick)}},
     )
 
 
-def _samples_per_step(args: argparse.Namespace, lengths: np.ndarray) -> int:
-    """``--samples-per-step``, or about one full micro-batch per DP rank of mean-length samples."""
-    return args.samples_per_step or max(args.dp, int(args.dp * args.cp * args.tokens_per_rank / lengths.mean()))
-
-
-def _print_results(args: argparse.Namespace, doc: dict[str, Any], corpus: Any, samples: int, step: int) -> None:
+def _print_results(config: DemoConfig, doc: dict[str, Any], corpus: Any, samples: int, step: int) -> None:
     """The corpus and planning lines, the summary table and the per-GPU grids of two plans."""
     from ringpack.analysis.report import format_ranks, format_table
 
     print(
         f"corpus: {samples} standard-library files under {corpus.root} ({corpus.counter})"
-        + (" [--quick: a 300-file subset]" if args.quick else "")
+        + (" [--quick: a 300-file subset]" if config.quick else "")
     )
     per_step = doc["plans"][0]["config"]["samples_per_step"]
+    model = config.cost_model()
+    speed = f" at {model.flops_per_second / 1e12:.0f} TFLOP/s" if model.unit == "flop" else ""
     print(
-        f"plans: {len(doc['plans'])} (CP strategy/packing), DP={args.dp} x CP={args.cp}, {args.tokens_per_rank:,} "
-        f"tokens per rank, {per_step} samples per step, cost model {doc['cost_model']['name']} at "
-        f"{args.tflops:.0f} TFLOP/s\n"
+        f"plans: {len(doc['plans'])} (CP strategy/packing), DP={config.dp} x CP={config.cp}, "
+        f"{config.tokens_per_rank:,} tokens per rank, {per_step} samples per step, cost model "
+        f"{doc['cost_model']['name']}{speed}\n"
     )
     print(format_table(doc))
     print()

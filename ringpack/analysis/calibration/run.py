@@ -51,7 +51,8 @@ The profile is a :class:`CostModel` in seconds for one forward+backward of the *
 ``report``/``simulate``/``shard`` and ``PlanConfig(cost=CostModel.load(PATH))`` use it. Its name is
 the model preset's, because the communication model looks the K/V shape up by that name.
 
-This module is the entry point (:func:`calibrate`, :func:`refit`, the CLI); the steps live in
+This module is the entry point (:func:`calibrate_kernels` from a :class:`KernelCalibrationConfig`,
+:func:`calibrate`, :func:`refit_file`, :func:`save_calibration`); the steps live in
 :mod:`~ringpack.analysis.calibration.cases` (the grid and held-out shards),
 :mod:`~ringpack.analysis.calibration.features` (what the models see of a shard),
 :mod:`~ringpack.analysis.calibration.timing` (step 2) and :mod:`~ringpack.analysis.calibration.fit`
@@ -61,19 +62,19 @@ attention runtime, so they run on a bare GPU machine.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ringpack._hints import option
 from ringpack.analysis.calibration.cases import (
     EVAL_STRATEGIES,
     GRIDS,
@@ -113,7 +114,9 @@ from ringpack.analysis.calibration.timing import (
     time_case,
     time_linear,
 )
-from ringpack.cost import PRESETS, CostModel, ModelShape
+from ringpack.cost import PRESETS, ModelShape
+from ringpack.errors import DataError
+from ringpack.shard_plan import field_doc
 
 # the public surface of calibration, re-exported here
 
@@ -123,6 +126,7 @@ __all__ = [
     "Case",
     "Calibration",
     "CalibrationSettings",
+    "KernelCalibrationConfig",
     "Clock",
     "EVAL_STRATEGIES",
     "EngineSettings",
@@ -131,6 +135,8 @@ __all__ = [
     "TimingSetup",
     "analyse",
     "calibrate",
+    "calibrate_kernels",
+    "check_outputs",
     "compiled_schedule",
     "eval_cases",
     "fit_nnls",
@@ -143,7 +149,9 @@ __all__ = [
     "rank_cases",
     "rank_features",
     "refit",
-    "run",
+    "refit_file",
+    "report_path",
+    "save_calibration",
     "schedule_calls",
     "segment_pairs",
     "segment_tiles",
@@ -355,129 +363,199 @@ def refit(report: dict[str, Any]) -> Calibration:
     )
 
 
-# ----------------------------------------------------------------------------------------------- CLI
+# ------------------------------------------------------------------------------- from a config, to files
 
 
-def run(args: argparse.Namespace, clock: Clock | None = None) -> int:
-    """``ringpack calibrate``: exit 0 with the profile written, 2 when no usable device.
+@dataclass(frozen=True, kw_only=True)
+class KernelCalibrationConfig:
+    """What ``ringpack calibrate`` (the kernel scope) times: a model preset's attention and linear layers.
+
+    Each field's ``help`` says what it sets; :func:`calibrate_kernels` resolves the ``None`` ones.
+
+    Raises:
+        ValueError: a model that is not a preset, or a field out of range (named).
+    """
+
+    model: str = field(
+        default="llama3-8b",
+        metadata=field_doc(f"model preset timed: its heads, layers and linear layers ({', '.join(PRESETS)})", type=str),
+    )
+    heads: int | None = field(default=None, metadata=field_doc("query heads (default: the preset's)", type=int, low=1))
+    kv_heads: int | None = field(
+        default=None, metadata=field_doc("key/value heads (default: the preset's)", type=int, low=1)
+    )
+    head_dim: int | None = field(default=None, metadata=field_doc("head dim (default: the preset's)", type=int, low=1))
+    layers: int | None = field(
+        default=None, metadata=field_doc("layers the profile covers (default: the preset's)", type=int, low=1)
+    )
+    mode: str = field(
+        default="linear",
+        metadata=field_doc(
+            "linear: also time the linear layers' GEMMs per token; attention: an attention-only profile",
+            type=str,
+            choices=("linear", "attention"),
+        ),
+    )
+    backend: str = field(
+        default="auto",
+        metadata=field_doc(
+            "attention kernel backend timed: auto (what training picks), or one of ringpack.attention.BACKENDS",
+            type=str,
+        ),
+    )
+    device: str = field(
+        default="cuda",
+        metadata=field_doc("cuda, or cpu for a dry run with the reference backend", type=str, choices=("cuda", "cpu")),
+    )
+    grid: str | None = field(
+        default=None,
+        metadata=field_doc(
+            "shape grid", type=str, choices=GRIDS, default_text="full; quick with quick; tiny on the cpu"
+        ),
+    )
+    quick: bool = field(default=False, metadata=field_doc("a smaller grid (about a third of the time)", type=bool))
+    reps: int = field(default=5, metadata=field_doc("timed repetitions per shard, the median taken", type=int, low=1))
+    warmup: int = field(default=1, metadata=field_doc("untimed runs per shard first", type=int, low=0))
+    seed: int = field(default=0, metadata=field_doc("seed of the shards timed and of their inputs", type=int, low=0))
+    timer: str = field(
+        default="gpu",
+        metadata=field_doc(
+            "gpu: each shard's GPU execution, host launch time hidden; wall: from the first launch, host overhead "
+            "included",
+            type=str,
+            choices=TIMERS,
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        if self.model not in PRESETS:
+            raise ValueError(f"{option('model')} {self.model!r} is not a preset ({', '.join(PRESETS)})")
+        CalibrationSettings(mode=self.mode, timer=self.timer)  # the same checks as the settings it resolves to
+
+    def attention_shape(self) -> AttentionShape:
+        """The heads timed: the preset's, with ``heads`` / ``kv_heads`` / ``head_dim`` where given."""
+        preset = PRESETS[self.model]
+        return AttentionShape(
+            self.heads or preset.heads, self.kv_heads or preset.kv_heads, self.head_dim or preset.head_dim
+        )
+
+    def settings(self, clock: Clock | None = None) -> CalibrationSettings:
+        """The :class:`CalibrationSettings` of this config (the profile named for the preset and any changed heads)."""
+        preset, shape = PRESETS[self.model], self.attention_shape()
+        same = (shape.heads, shape.kv_heads, shape.head_dim) == (preset.heads, preset.kv_heads, preset.head_dim)
+        name = preset.name if same else f"{preset.name}-h{shape.heads}kv{shape.kv_heads}d{shape.head_dim}"
+        grid = self.grid or ("tiny" if self.device == "cpu" else "quick" if self.quick else "full")
+        return CalibrationSettings(
+            layers=self.layers or preset.layers,
+            mode=self.mode,
+            backend=self.backend,
+            device=self.device,
+            grid=grid,
+            reps=self.reps,
+            warmup=self.warmup,
+            seed=self.seed,
+            name=name,
+            timer=self.timer,
+            clock=clock,
+        )
+
+
+def calibrate_kernels(
+    config: KernelCalibrationConfig, *, clock: Clock | None = None, log: Callable[[str], None] = print
+) -> Calibration:
+    """Time and fit the kernels of ``config``'s preset (:func:`calibrate` with the settings the config resolves to).
 
     Args:
-        args: the parsed ``ringpack calibrate`` arguments.
+        config: what is timed.
         clock: times the repetitions in place of the device's clock (:attr:`CalibrationSettings.clock`).
+        log: receives one progress line per stage.
+
+    Returns:
+        The :class:`Calibration` (save it with :func:`save_calibration`).
+
+    Raises:
+        ValueError: timings without signal (see :func:`calibrate`).
     """
-    import torch
-
-    check_outputs(args)  # before minutes of timing, not after
-    if getattr(args, "refit", None):
-        return _run_refit(args)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        logger.error(
-            "calibration times GPU kernels and needs a CUDA device, and none is visible. "
-            "Run it on the training GPU (or `--device cpu --backend reference` for a tiny dry run)."
-        )
-        return 2
-    if args.device == "cpu" and args.backend not in ("reference", "reference_hybrid", "auto"):
-        logger.error(f"--device cpu runs only --backend reference (a dry run), not {args.backend!r}")
-        return 2
-    model = args.model or "llama3-8b"
-    if model not in PRESETS:
-        raise ValueError(f"--model {model!r} is not a preset ({', '.join(PRESETS)})")
-    preset = PRESETS[model]
-    shape = AttentionShape(
-        args.heads or preset.heads, args.kv_heads or preset.kv_heads, args.head_dim or preset.head_dim
-    )
-    layers = args.layers or preset.layers
-    same = (shape.heads, shape.kv_heads, shape.head_dim) == (preset.heads, preset.kv_heads, preset.head_dim)
-    name = preset.name if same else f"{preset.name}-h{shape.heads}kv{shape.kv_heads}d{shape.head_dim}"
-    grid = args.grid or ("tiny" if args.device == "cpu" else "quick" if args.quick else "full")
-    log = (lambda _: None) if args.quiet else logger.info
-    settings = CalibrationSettings(
-        layers=layers,
-        mode=args.mode or "linear",
-        backend=args.backend,
-        device=args.device,
-        grid=grid,
-        reps=args.reps or 5,
-        warmup=args.warmup,
-        seed=args.seed,
-        name=name,
-        timer=args.timer or "gpu",
-        clock=clock,
-    )
-    result = calibrate(shape, preset, settings, log=log)
-    _write(result, args)
-    return 0
+    return calibrate(config.attention_shape(), PRESETS[config.model], config.settings(clock), log=log)
 
 
-def _run_refit(args: argparse.Namespace) -> int:
-    """``ringpack calibrate --refit REPORT``: the fit and the report again from stored measurements (CPU only)."""
-    source = Path(args.refit)
+def refit_file(path: str | Path) -> Calibration:
+    """:func:`refit` of the calibration report stored at ``path``.
+
+    Raises:
+        DataError: not JSON, not a calibration report, or one that cannot be refitted (the file named).
+        FileNotFoundError: no file at ``path``.
+    """
+    source = Path(path)
     try:
         report = json.loads(source.read_text(encoding="utf-8"))
     except ValueError as exc:
-        raise ValueError(f"--refit {source} is not JSON: {exc}") from exc
+        raise DataError(f"{option('refit')} {source} is not JSON: {exc}") from exc
     if not isinstance(report, dict) or report.get("format") != "ringpack-calibration":
-        raise ValueError(f"{source} is not a ringpack calibration report")
+        raise DataError(f"{source} is not a ringpack calibration report")
     try:
-        result = refit(report)
+        return refit(report)
     except ValueError as exc:
-        raise ValueError(f"{source}: {exc}") from exc
+        raise DataError(f"{source}: {exc}") from exc
     except (KeyError, TypeError, IndexError) as exc:  # a report of the right format with parts missing
-        raise ValueError(
+        raise DataError(
             f"{source}: calibration report is incomplete or malformed ({type(exc).__name__}: {exc})"
         ) from exc
-    _write(result, args)
-    return 0
 
 
-def _write(result: Calibration, args: argparse.Namespace) -> None:
-    write_outputs(result.profile, result.to_dict(), format_summary(result, verbose=not args.quiet), args)
+def report_path(out: str | Path, report: str | Path | None = None) -> Path:
+    """Where a calibration's report goes: ``report``, or the profile ``out``'s name with ``.report.json``."""
+    out = Path(out)
+    return Path(report) if report else out.with_name(out.stem + ".report.json")
 
 
-def report_path(args: argparse.Namespace) -> Path:
-    """Where a calibration's report goes: ``--report``, or the profile's name with ``.report.json``."""
-    out = Path(args.out)
-    return Path(args.report) if args.report else out.with_name(out.stem + ".report.json")
-
-
-def check_outputs(args: argparse.Namespace) -> None:
-    """Refuse, before any timing or fit, a ``--out`` / ``--report`` that cannot be written (missing folders
-    are made when the outputs are written), that are one file, or that would replace ``--refit``'s report.
+def check_outputs(out: str | Path, report: str | Path | None = None, refit: str | Path | None = None) -> None:
+    """Refuse, before any timing or fit, a profile ``out`` / ``report`` that cannot be written (missing folders
+    are made when the outputs are written), that are one file, or that would replace ``refit``'s report.
 
     Raises:
-        ValueError: a directory, a path through a file, an unwritable file or folder, ``--report``
-            equal to ``--out``, or either equal to ``--refit`` (the flag is named).
+        ValueError: a directory, a path through a file, an unwritable file or folder, ``report``
+            equal to ``out``, or either equal to ``refit`` (the option is named).
     """
-    out, report = Path(args.out), report_path(args)
-    for flag, path in (("--out", out), ("--report", report)):
+    out, report = Path(out), report_path(out, report)
+    for name, path in (("out", out), ("report", report)):
         if path.is_dir():
-            raise ValueError(f"{flag} {path} is a directory; give a file name")
+            raise ValueError(f"{option(name)} {path} is a directory; give a file name")
         if path.exists():
             if not path.is_file() or not os.access(path, os.W_OK):
-                raise ValueError(f"{flag} {path} cannot be written (not a writable file)")
+                raise ValueError(f"{option(name)} {path} cannot be written (not a writable file)")
             continue
         folder = path.parent
         while not folder.exists():  # the nearest existing folder: the rest is made at write time
             folder = folder.parent
         if not folder.is_dir():
-            raise ValueError(f"{flag} {path}: {folder} is a file, not a folder")
+            raise ValueError(f"{option(name)} {path}: {folder} is a file, not a folder")
         if not os.access(folder, os.W_OK | os.X_OK):
-            raise ValueError(f"{flag} {path}: folder {folder} is not writable")
+            raise ValueError(f"{option(name)} {path}: folder {folder} is not writable")
     if out.resolve() == report.resolve():
-        raise ValueError(f"--report {report} is the --out profile; give the report its own file")
-    if args.refit and Path(args.refit).resolve() in (out.resolve(), report.resolve()):
-        raise ValueError("--refit: --out/--report must not overwrite the measured report")
+        raise ValueError(f"{option('report')} {report} is the {option('out')} profile; give the report its own file")
+    if refit and Path(refit).resolve() in (out.resolve(), report.resolve()):
+        raise ValueError(
+            f"{option('refit')}: {option('out')}/{option('report')} must not overwrite the measured report"
+        )
 
 
-def write_outputs(profile: CostModel, report: dict[str, Any], summary: str, args: argparse.Namespace) -> None:
-    """Write the profile to ``--out`` and the report beside it (:func:`report_path`), then print the summary."""
-    out, path = Path(args.out), report_path(args)
+def save_calibration(result: Any, out: str | Path, report: str | Path | None = None) -> tuple[Path, Path]:
+    """Write a calibration's profile to ``out`` and its report beside it (:func:`report_path`).
+
+    Args:
+        result: a :class:`Calibration` or a step calibration (anything with ``profile`` and ``to_dict()``).
+        out, report: the profile's path and the report's (``None``: beside the profile).
+
+    Returns:
+        ``(profile path, report path)``; missing folders are made.
+    """
+    out, path = Path(out), report_path(out, report)
     for folder in (out.parent, path.parent):
         folder.mkdir(parents=True, exist_ok=True)
-    profile.save(out)
-    path.write_text(json.dumps(report, indent=1, default=_json_default) + "\n")
-    print(summary)
-    print(f"wrote {out} (load with CostModel.load / `ringpack plan --cost-profile {out}`) and {path}")
+    result.profile.save(out)
+    path.write_text(json.dumps(result.to_dict(), indent=1, default=_json_default) + "\n")
+    return out, path
 
 
 def _json_default(x: Any) -> Any:

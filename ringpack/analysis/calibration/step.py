@@ -51,9 +51,9 @@ from ringpack.analysis.calibration.online import (
     microbatch_features,
     usable_rows,
 )
-from ringpack.cost import PRESETS, CostModel, ModelShape
+from ringpack.cost import MAX_SAMPLE_TOKENS, PRESETS, CostModel, ModelShape
 from ringpack.errors import DataError, PlanError
-from ringpack.shard_plan import PlanConfig, Step, _is_int
+from ringpack.shard_plan import MAX_CP, PlanConfig, Step, _is_int, field_doc
 
 __all__ = [
     "StepCalibrationConfig",
@@ -64,6 +64,7 @@ __all__ = [
     "model_config",
     "check_cpu_budget",
     "reference_attention_bytes",
+    "format_step_summary",
 ]
 
 log = logging.getLogger("ringpack.calibrate")
@@ -90,44 +91,70 @@ CPU_ATTENTION_BYTES = 4 << 30
 CPU_MODEL_BYTES = 16 << 30
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StepCalibrationConfig:
-    """What :func:`calibrate_step` times.
-
-    Attributes:
-        model: a preset of :data:`ringpack.cost.PRESETS` (its Llama) or the path of a
-            ``transformers`` config (``config.json`` or a folder holding one).
-        backend: ringpack's attention backend, as training uses it (``"auto"``: what it picks).
-        device: ``"cuda"``, or ``"cpu"`` for a dry run (with ``backend="reference"``).
-        dtype: ``"bf16"`` or ``"fp32"`` (``None``: bf16 on a GPU, fp32 on the CPU).
-        grad_ckpt: activation checkpointing, as the training run uses it (its recompute is timed).
-        tokens_per_rank: the token budget of a CP rank in the plans timed (use the run's; ``None``:
-            :data:`DEFAULT_TOKENS_PER_RANK` of the device, 65536 on a GPU and 1024 on the CPU).
-        cp: the CP size of the split shards (1: whole samples only).
-        max_len: the longest sample of the length mixes (0: ``tokens_per_rank``).
-        fit_mixes, held_out_mixes: length mixes timed for the fit and for the held-out check.
-        microbatches: micro-batches timed per plan (the first ones of its first step).
-        reps, warmup: timed and untimed repetitions per shard (the median is taken).
-        seed: seed of the length mixes and the random inputs.
+    """What :func:`calibrate_step` times (``ringpack calibrate --scope step``); each field's ``help`` says what it sets.
 
     Raises:
         PlanError: a field of the wrong kind or out of range (the message names it).
     """
 
-    model: str = "llama-1b"
-    backend: str = "auto"
-    device: str = "cuda"
-    dtype: str | None = None
-    grad_ckpt: bool = False
-    tokens_per_rank: int | None = None
-    cp: int = 2
-    max_len: int = 0
-    fit_mixes: int = 3
-    held_out_mixes: int = 2
-    microbatches: int = 2
-    reps: int = 2
-    warmup: int = 1
-    seed: int = 0
+    model: str = field(
+        default="llama-1b",
+        metadata=field_doc(
+            "a preset of ringpack.cost.PRESETS (its Llama) or a transformers config (config.json or its folder)",
+            type=str,
+        ),
+    )
+    backend: str = field(
+        default="auto",
+        metadata=field_doc(
+            "attention kernel backend timed: auto (what training picks), or one of ringpack.attention.BACKENDS",
+            type=str,
+        ),
+    )
+    device: str = field(
+        default="cuda",
+        metadata=field_doc("cuda, or cpu for a dry run with the reference backend", type=str, choices=("cuda", "cpu")),
+    )
+    dtype: str | None = field(
+        default=None,
+        metadata=field_doc(
+            "dtype of the model and inputs",
+            type=str,
+            choices=("bf16", "fp32"),
+            default_text="bf16 on a GPU, fp32 on the cpu",
+        ),
+    )
+    grad_ckpt: bool = field(
+        default=False, metadata=field_doc("time with activation checkpointing (as training runs)", type=bool)
+    )
+    tokens_per_rank: int | None = field(
+        default=None,
+        metadata=field_doc(
+            "token budget of a CP rank in the plans timed (use the run's)",
+            type=int,
+            low=1,
+            high=MAX_SAMPLE_TOKENS,
+            default_text=f"{DEFAULT_TOKENS_PER_RANK['cuda']}; {DEFAULT_TOKENS_PER_RANK['cpu']} on the cpu",
+        ),
+    )
+    cp: int = field(
+        default=2,
+        metadata=field_doc("CP size of the split shards timed (1: whole samples only)", type=int, low=1, high=MAX_CP),
+    )
+    max_len: int = field(
+        default=0, metadata=field_doc("longest sample of the length mixes (0: the token budget)", type=int, low=0)
+    )
+    fit_mixes: int = field(default=3, metadata=field_doc("length mixes timed for the fit", type=int, low=1))
+    held_out_mixes: int = field(default=2, metadata=field_doc("length mixes held out of the fit", type=int, low=1))
+    microbatches: int = field(
+        default=2,
+        metadata=field_doc("micro-batches timed per plan (the first ones of its first step)", type=int, low=1),
+    )
+    reps: int = field(default=2, metadata=field_doc("timed repetitions per shard, the median taken", type=int, low=1))
+    warmup: int = field(default=1, metadata=field_doc("untimed runs per shard first", type=int, low=0))
+    seed: int = field(default=0, metadata=field_doc("seed of the shards timed and of their inputs", type=int, low=0))
 
     def __post_init__(self) -> None:
         for name in ("model", "backend", "device"):
@@ -619,41 +646,7 @@ def predicted_busy(step: Step, model: CostModel) -> np.ndarray:
     return busy
 
 
-# ------------------------------------------------------------------------------------- command line
-
-
-def run_step(args: Any) -> int:
-    """``ringpack calibrate --scope step``: exit 0 with the profile and report written, 2 without a usable device."""
-    import torch
-
-    from ringpack.analysis.calibration.run import check_outputs, write_outputs
-
-    check_outputs(args)  # before minutes of timing, not after
-    if args.device == "cuda" and not torch.cuda.is_available():
-        log.error(
-            "step calibration times the model on a GPU, and none is visible. Run it on the training GPU "
-            "(or `--device cpu --backend reference --model tiny` for a dry run)."
-        )
-        return 2
-    given = {
-        name: getattr(args, name)
-        for name in ("tokens_per_rank", "cp", "max_len", "fit_mixes", "held_out_mixes", "microbatches", "reps")
-        if getattr(args, name, None) is not None
-    }
-    config = StepCalibrationConfig(
-        model=args.model,
-        backend=args.backend,
-        device=args.device,
-        grad_ckpt=args.grad_ckpt,
-        warmup=args.warmup,
-        seed=args.seed,
-        **given,
-    )
-    if args.quiet:
-        log.setLevel(logging.WARNING)
-    result = calibrate_step(config)
-    write_outputs(result.profile, result.to_dict(), format_step_summary(result), args)
-    return 0
+# ------------------------------------------------------------------------------------- summary
 
 
 def format_step_summary(result: StepCalibration) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import warnings
 
@@ -13,7 +12,6 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ringpack.analysis.calibration import run as cal
 from ringpack.attention.schedule import compile_schedule
-from ringpack.cli import build_parser
 from ringpack.cost import CostModel
 from ringpack.planner.split import split_balanced, split_contiguous, split_zigzag
 from ringpack.shard_plan import PlanConfig
@@ -212,10 +210,6 @@ def test_compute_only_timer_runs_multi_step_schedules():
 
 
 # ---------------------------------------------------------------------------------------------- CLI
-def parse(*argv: str) -> argparse.Namespace:
-    return build_parser().parse_args(["calibrate", *argv])
-
-
 class FlopClock(cal.Clock):
     """A deterministic clock: a repetition takes its FLOPs (as torch's ``FlopCounterMode`` counts them) at 1 GFLOP/s.
 
@@ -241,31 +235,14 @@ class FlopClock(cal.Clock):
         return times
 
 
-def test_cpu_dry_run_writes_a_loadable_profile(tmp_path, capsys):
+def test_cpu_dry_run_writes_a_loadable_profile(tmp_path):
     out = tmp_path / "prof" / "profile.json"
-    args = parse(
-        "--device",
-        "cpu",
-        "--backend",
-        "reference",
-        "--model",
-        "tiny",
-        "--heads",
-        "2",
-        "--kv-heads",
-        "1",
-        "--head-dim",
-        "16",
-        "--reps",
-        "1",
-        "--warmup",
-        "0",
-        "--quiet",
-        "--out",
-        str(out),
+    config = cal.KernelCalibrationConfig(
+        device="cpu", backend="reference", model="tiny", heads=2, kv_heads=1, head_dim=16, reps=1, warmup=0
     )
-    assert cal.run(args, clock=FlopClock()) == 0
-    text = capsys.readouterr().out
+    result = cal.calibrate_kernels(config, clock=FlopClock(), log=lambda _: None)
+    assert cal.save_calibration(result, out) == (out, tmp_path / "prof" / "profile.report.json")
+    text = cal.format_summary(result, verbose=False)
     assert "held-out" in text and "r=" in text and "max error" in text
     profile = CostModel.load(out)
     assert profile.unit == "s" and profile.token > 0 and profile.pair > 0 and profile.segment >= 0
@@ -298,4 +275,4 @@ def test_no_cuda_exits_2_with_a_clear_message(monkeypatch, capsys, tmp_path):
 
 def test_unknown_model_is_a_user_error():
     with pytest.raises(ValueError, match="not a preset"):
-        cal.run(parse("--device", "cpu", "--model", "gpt-5"))
+        cal.KernelCalibrationConfig(device="cpu", model="gpt-5")

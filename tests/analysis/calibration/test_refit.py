@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from ringpack.analysis.calibration import run as cal
-from ringpack.cli import build_parser
+from ringpack.cli import main
 from ringpack.cost import CostModel
 from ringpack.planner.split import split_zigzag
 
@@ -143,8 +143,6 @@ def test_reports_of_an_older_format_are_refused_in_one_line(tmp_path, capsys):
     assert "microbatches" not in report and report.get("version", 1) == 1
     with pytest.raises(ValueError, match="version 1 cannot be refitted"):
         cal.refit(report)
-    from ringpack.cli import main
-
     assert main(["calibrate", "--refit", str(old), "--out", str(tmp_path / "p.json")]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "cannot be refitted" in err[0]
@@ -154,14 +152,7 @@ def test_reports_of_an_older_format_are_refused_in_one_line(tmp_path, capsys):
 def test_cli_refit_writes_a_loadable_profile_and_never_overwrites_the_source(tmp_path, capsys):
     src = tmp_path / "old.report.json"
     src.write_bytes(gzip.decompress((DATA / "h200-llama-1b-torch_flash.rows.json.gz").read_bytes()))
-    assert (
-        cal.run(
-            build_parser().parse_args(
-                ["calibrate", "--refit", str(src), "--out", str(tmp_path / "new.json"), "--quiet"]
-            )
-        )
-        == 0
-    )
+    assert main(["calibrate", "--refit", str(src), "--out", str(tmp_path / "new.json"), "--quiet"]) == 0
     out = capsys.readouterr().out
     assert "profile model" in out and "kernel model" in out and "same on every rank" in out
     profile = CostModel.load(tmp_path / "new.json")
@@ -170,11 +161,9 @@ def test_cli_refit_writes_a_loadable_profile_and_never_overwrites_the_source(tmp
     assert len(report["microbatches"]) == 1 + max(r["microbatch"] for r in report["grid_rows"] + report["eval_rows"])
     assert np.isfinite(report["kernel_model"]["held_out"]["r"])
     with pytest.raises(ValueError, match="overwrite"):
-        cal.run(
-            build_parser().parse_args(
-                ["calibrate", "--refit", str(src), "--out", str(tmp_path / "x.json"), "--report", str(src)]
-            )
-        )
+        cal.check_outputs(tmp_path / "x.json", report=src, refit=src)
+    assert main(["calibrate", "--refit", str(src), "--out", str(tmp_path / "x.json"), "--report", str(src)]) == 1
+    assert "must not overwrite" in capsys.readouterr().err
 
 
 def test_hybrid_features_follow_the_dense_shape_buckets():
@@ -206,8 +195,6 @@ def test_cli_refit_names_an_incomplete_report(tmp_path, capsys, drop):
     del report[drop]
     broken = tmp_path / "broken.report.json"
     broken.write_text(json.dumps(report))
-    from ringpack.cli import main
-
     assert main(["calibrate", "--refit", str(broken), "--out", str(tmp_path / "p.json")]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "broken.report.json" in err[0] and "Traceback" not in err[0]

@@ -1,0 +1,123 @@
+"""The ``ringpack`` parser and :func:`main`: one line on stderr and a non-zero exit for bad input."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from ringpack import __version__
+from ringpack._hints import command_line_hints
+from ringpack.cli import calibrate, demo, plan, report, shard, simulate
+from ringpack.cli.config_file import resolve
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose usage errors are one line: the flag, what is wrong, where to look."""
+
+    def error(self, message: str) -> NoReturn:
+        message = " ".join(message.split())  # an argument holding a line break or separator stays on the line
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``ringpack`` parser with every subcommand (``plan shard report simulate calibrate demo``)."""
+    parser = OneLineErrorParser(
+        prog="ringpack",
+        description="Cost-balanced packing and DP x CP sharding of variable-length samples, and its analysis.",
+    )
+    parser.add_argument("--version", action="version", version=f"ringpack {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for command in (plan, shard, report, simulate, calibrate, demo):
+        command.add_command(subparsers)
+    return parser
+
+
+def parse(argv: Sequence[str]) -> argparse.Namespace:
+    """``argv`` parsed as :func:`main` parses it: every setting not given filled from ``--config`` or its default."""
+    args = build_parser().parse_args(argv)
+    if getattr(args, "command_parser", None) is not None:
+        resolve(args, args.command_parser)
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``ringpack COMMAND ...``; the exit code (0 done, 1 bad input or a file error, 2 a usage error).
+
+    Bad input (a ``ValueError``: :class:`~ringpack.errors.PlanError`, :class:`~ringpack.errors.DataError`,
+    ...) and file-system errors (``OSError``: a missing file, a directory where a file is expected,
+    no permission, a closed pipe) end in one line on stderr naming the file, flag, sample or key.
+    Anything else is a bug and keeps its traceback.
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "handler", None):
+        parser.print_help()
+        return 2
+    try:
+        with command_line_hints(), _log_to_stderr(args.command):
+            resolve(args, args.command_parser)
+            return int(args.handler(args) or 0)
+    except BrokenPipeError:  # stdout closed early, e.g. piped to `head`
+        _silence_stdout()
+        return _fail(args.command, "output closed before it was all written (broken pipe)")
+    except (ValueError, OSError) as exc:
+        return _fail(args.command, exc)
+    except KeyboardInterrupt:
+        print(f"ringpack {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+class _CommandFormatter(logging.Formatter):
+    """``ringpack COMMAND: message``; warnings say so (``ringpack shard: warning: ...``)."""
+
+    def __init__(self, command: str) -> None:
+        super().__init__()
+        self.command = command
+
+    def format(self, record: logging.LogRecord) -> str:
+        kind = f"{record.levelname.lower()}: " if record.levelno >= logging.WARNING else ""
+        return f"ringpack {self.command}: {kind}{record.getMessage()}"
+
+
+@contextlib.contextmanager
+def _log_to_stderr(command: str):
+    """Show the ``ringpack`` loggers' notes, warnings and progress (INFO and up) on stderr while a command runs.
+
+    The handler writes to the ``sys.stderr`` of this call and is removed afterwards, and the
+    records stop at the ``ringpack`` logger, so a program that calls :func:`main` keeps its own
+    logging as it was.
+    """
+    root = logging.getLogger("ringpack")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_CommandFormatter(command))
+    saved = root.level, root.propagate
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    root.propagate = False
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(saved[0])
+        root.propagate = saved[1]
+
+
+def _fail(command: str, problem: Any) -> int:
+    """Print ``problem`` as one line on stderr; exit code 1."""
+    text = " ".join(str(problem).split()) or type(problem).__name__
+    print(f"ringpack {command}: error: {text}", file=sys.stderr)
+    return 1
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's final flush of a closed pipe raises nothing."""
+    with contextlib.suppress(OSError, ValueError):
+        sys.stdout.flush()
+    # stdout may be an object without a descriptor (tests, notebooks): then there is nothing to redirect
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -1,0 +1,56 @@
+"""``ringpack demo`` (= ``make demo``): the standard-library corpus through every strategy (docs/analysis.md)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ringpack.analysis.demo import DemoConfig, run_demo
+from ringpack.cli.flags import (
+    add_config_flags,
+    add_field_flag,
+    add_global_batch_flag,
+    add_link_flag,
+    add_quiet_flag,
+    add_tflops_flag,
+    config_fields,
+    field_default,
+    new_command,
+)
+from ringpack.cli.inputs import check_one_global_batch, check_output_folder, cost_model
+from ringpack.shard_plan import PlanConfig
+
+#: ``DemoConfig`` fields that are ``PlanConfig`` fields: their flags are the planner's, with the demo's defaults.
+PLAN_FIELDS = ("dp", "cp", "tokens_per_rank", "samples_per_step", "seed", "cost")
+#: ``DemoConfig`` fields whose flags every command that has them shares.
+SHARED = ("global_batch_tokens", "tflops", "link")
+
+
+def add_command(subparsers: Any) -> None:
+    p = new_command(
+        subparsers,
+        "demo",
+        help="the embedded standard-library corpus through every strategy: report, plots, ring check",
+        description="Plan the standard-library corpus with every CP strategy and packing, write the imbalance "
+        "report and its plots, and check the ring runtime on 2 CPU processes.",
+        examples=["ringpack demo --out demo-out/", "ringpack demo --quick --no-ring-check --quiet"],
+    )
+    demo, plan = config_fields(DemoConfig), config_fields(PlanConfig)
+    add_config_flags(p, DemoConfig, skip=(*PLAN_FIELDS, *SHARED))
+    g = p.add_argument_group("planning (PlanConfig fields)")
+    for name in PLAN_FIELDS:
+        add_field_flag(g, plan[name], field_default(demo[name]))
+    add_global_batch_flag(g, field_default(demo["global_batch_tokens"]))
+    add_tflops_flag(g)
+    add_link_flag(g)
+    add_quiet_flag(p)
+    p.set_defaults(handler=run_demo_command, command_parser=p)
+
+
+def run_demo_command(args: argparse.Namespace) -> int:
+    check_output_folder(args.out)
+    batch = check_one_global_batch(args)
+    fields = {name: getattr(args, name) for name in config_fields(DemoConfig) if name != "cost"}
+    if batch == "samples_per_step":  # stated in samples, 0 included (all samples in one step)
+        fields["global_batch_tokens"] = 0
+    return run_demo(DemoConfig(**fields, cost=cost_model(args)), progress=not args.quiet)

@@ -1,0 +1,122 @@
+"""``ringpack plan``: sample lengths into a DP x CP shard plan file (docs/planner.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from typing import Any
+
+import numpy as np
+
+from ringpack.analysis.robustness import PRICE_FACTORS, imbalance_across_prices
+from ringpack.cli.config_file import add_config_file_flag, write_config, written_settings
+from ringpack.cli.flags import REQUIRED, add_lengths_flags, add_plan_flags, add_quiet_flag, flag, new_command
+from ringpack.cli.inputs import check_output_file, lengths_from_flag, plan_config_from_args, progress, samples_per_step
+from ringpack.planner.bounds import plan_costs
+from ringpack.planner.epoch import make_plan
+from ringpack.traffic import plan_kv_traffic
+
+logger = logging.getLogger("ringpack.cli")
+
+
+def add_command(subparsers: Any) -> None:
+    p = new_command(
+        subparsers,
+        "plan",
+        help="plan sample lengths into a DP x CP shard plan",
+        description="Plan sample lengths into a DP x CP shard plan (balanced packing, DP balance and CP split).",
+        examples=[
+            "ringpack plan --lengths lengths.npy --dp 8 --cp 4 --tokens-per-rank 32768 --samples-per-step 512 "
+            "--out plan.parquet",
+            "ringpack plan --config run.toml --out plan.json --write-config used.toml",
+        ],
+    )
+    add_lengths_flags(p, required=True)
+    add_plan_flags(p)
+    flag(p, "--out", default=REQUIRED, help="output plan: .parquet (default) or .json")
+    flag(p, "--json", default=False, action="store_true", help="print the summary as JSON")
+    add_quiet_flag(p)
+    add_config_file_flag(p)
+    flag(
+        p,
+        "--write-config",
+        metavar="FILE",
+        help="write the settings of this run as a --config file (.toml, .json, .yaml)",
+    )
+    p.set_defaults(handler=run_plan, command_parser=p)
+
+
+def summarize(plan) -> dict:
+    """Summary numbers of a plan: what ``ringpack plan`` prints (``--json``: as they are)."""
+    costs = plan_costs(plan)
+    kv = plan_kv_traffic(plan)
+    per_step_unique = np.bincount(kv["step"], weights=kv["unique"], minlength=plan.num_steps)
+    prices = imbalance_across_prices(plan, PRICE_FACTORS)
+    return {
+        "hash": plan.content_hash,
+        "steps": plan.num_steps,
+        "microbatches": int(sum(len(step.microbatches) * len(step.microbatches[0]) for step in plan.steps)),
+        "samples": len(plan.lengths) - len(plan.dropped),
+        "dropped": len(plan.dropped),
+        "imbalance_median": float(np.median(costs["imbalance"])),
+        "imbalance_max": float(np.max(costs["imbalance"])),
+        "gap_median": float(np.nanmedian(costs["gap"])),
+        "gap_max": float(np.nanmax(costs["gap"])),
+        "kv_tokens_per_step_median": float(np.median(per_step_unique)),
+        "imbalance_by_pair_price": {str(f): round(v, 6) for f, v in prices.items()},
+    }
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    inputs = [args.lengths, args.cost, args.config]
+    check_output_file(args.out, "--out", inputs=inputs)
+    if args.write_config:
+        check_output_file(args.write_config, "--write-config", inputs=[*inputs, args.out])
+    lengths = lengths_from_flag(args.lengths, args.column)
+    config = plan_config_from_args(args, samples_per_step=samples_per_step(args, lengths))
+    t0 = time.perf_counter()
+    with progress(args, f"planning {len(lengths):,} samples", "steps") as bar:
+        plan = make_plan(lengths, config, progress=bar.advance_to).validate()
+    seconds = time.perf_counter() - t0
+    plan.save(args.out)
+    if args.write_config:  # the batch as the plan has it, so the file makes this plan again
+        settings = written_settings(args, args.command_parser)
+        write_config(
+            args.write_config, {**settings, "samples_per_step": config.samples_per_step, "global_batch_tokens": 0}
+        )
+    summary = summarize(plan)
+    summary["plan_seconds"] = round(seconds, 4)
+    summary["out"] = str(args.out)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    _print_summary(summary, config, seconds)
+    if args.write_config:
+        print(f"wrote {args.write_config} (rerun with --config {args.write_config})")
+    return 0
+
+
+def _print_summary(summary: dict[str, Any], config: Any, seconds: float) -> None:
+    print(
+        f"planned {summary['samples']} samples into {summary['steps']} steps, {summary['microbatches']} micro-batches "
+        f"(dp={config.dp} x cp={config.cp}, {config.tokens_per_rank} tokens/rank, strategy={config.strategy}) "
+        f"in {seconds:.3f} s"
+    )
+    print(
+        f"step cost / mean rank cost: median {summary['imbalance_median']:.4f}, worst {summary['imbalance_max']:.4f}; "
+        f"gap to lower bound: median {summary['gap_median']:.2%}, worst {summary['gap_max']:.2%}"
+    )
+    print(f"K/V tokens sent across CP ranks per step (median): {summary['kv_tokens_per_step_median']:.0f}")
+    prices = summary["imbalance_by_pair_price"]
+    print(
+        "plan time / balanced time if a pair really costs x the model's price: "
+        + ", ".join(f"x{f}: {v:.4f}" for f, v in prices.items())
+        + f" (planned for x{config.price_range[0]:g}..x{config.price_range[1]:g})"
+    )
+    if summary["dropped"]:
+        logger.warning(
+            "dropped %d samples longer than %d tokens (--overflow drop)", summary["dropped"], config.group_capacity
+        )
+    print(f"wrote {summary['out']} (hash {summary['hash'][:16]})")

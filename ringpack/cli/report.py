@@ -1,0 +1,131 @@
+"""``ringpack report``: the imbalance report of plan files, a shard manifest's plan, or lengths (docs/analysis.md)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ringpack.analysis.metrics import plan_label
+from ringpack.analysis.plots import default_rank_step
+from ringpack.analysis.report import build_report, format_ranks, format_table, plan_strategies, result_of_plan
+from ringpack.cli.compare import add_compare_flags, check_outputs, comm_models, emit, peer_names, peer_rows, variants
+from ringpack.cli.config_file import add_config_file_flag
+from ringpack.cli.flags import COUNT, EXPLORE_MESH, add_lengths_flags, flag, new_command
+from ringpack.cli.inputs import (
+    check_column_has_lengths,
+    cost_model,
+    lengths_from_flag,
+    plan_config_from_args,
+    progress,
+    samples_per_step,
+)
+from ringpack.shard_plan import Plan
+
+
+def add_command(subparsers: Any) -> None:
+    p = new_command(
+        subparsers,
+        "report",
+        help="imbalance report of a plan, shard manifest or lengths",
+        description="Imbalance report (terminal table, report.json, PNG plots, report.html/.md) of plan files, "
+        "a shard manifest's plan, or sample lengths planned with every strategy.",
+        examples=[
+            "ringpack report plan.parquet --out report/",
+            "ringpack report --lengths lengths.npy --dp 8 --cp 4 --tokens-per-rank 32768 --samples-per-step 512 "
+            "--out report/",
+        ],
+    )
+    flag(p, "plans", nargs="*", default=[], metavar="PLAN", help="plan files (.parquet or .json) to compare")
+    flag(p, "--manifest", help="a `ringpack shard` output (manifest.json or its folder): reports its plan")
+    add_lengths_flags(p, required=False, what="; planned with every strategy")
+    flag(p, "--corpus", choices=["stdlib"], help="use the embedded standard-library corpus as the lengths")
+    add_compare_flags(p, defaults=EXPLORE_MESH, skip=(), modes="ring", out="ringpack-report")
+    flag(
+        p,
+        "--step",
+        type=COUNT,
+        help="step whose per-GPU costs are plotted and tabled (default: the baseline's median-idle step)",
+    )
+    flag(p, "--steps-shown", type=COUNT, default=5, help="steps per plan in the terminal table")
+    add_config_file_flag(p)
+    p.set_defaults(handler=run_report, command_parser=p)
+
+
+def run_report(args: argparse.Namespace) -> int:
+    sources = sum(bool(x) for x in (args.plans, args.manifest, args.lengths, args.corpus))
+    if sources != 1:
+        raise ValueError("give exactly one input: plan files, --manifest, --lengths or --corpus stdlib")
+    check_column_has_lengths(args, "plan files" if args.plans else "--manifest" if args.manifest else "--corpus")
+    check_outputs(args, inputs=[*args.plans, args.manifest, args.lengths, args.config])
+    wanted = variants(args)  # validate options before any slow work
+    peers = peer_names(args)
+    if args.plans or args.manifest:
+        if args.peers is not None and peers:
+            raise ValueError("--peers runs other systems on lengths: give --lengths or --corpus, not plan files")
+        peers = []
+        plans = [Plan.load(p) for p in args.plans] if args.plans else [_plan_from_manifest(args.manifest)]
+        shapes = {(p.config.dp, p.config.cp) for p in plans}
+        if len(shapes) > 1:
+            raise ValueError(f"plans are for different DP x CP shapes {sorted(shapes)}; report one shape at a time")
+        lengths = np.asarray(plans[0].lengths)
+        model = plans[0].config.cost
+    else:
+        lengths = lengths_from_flag(args.lengths, args.column) if args.lengths else _corpus_lengths()
+        model = cost_model(args, tflops=True)
+        config = plan_config_from_args(args, samples_per_step=samples_per_step(args, lengths), cost=model)
+        desc = f"planning {len(lengths):,} samples x {len(wanted)} variants"
+        with progress(args, desc, "steps") as bar:
+            plans = plan_strategies(lengths, config, wanted, progress=bar)
+    comms = comm_models(args, model)
+    names = _unique_names(plans)
+    with progress(args, "costing every rank of every step", "plans", len(plans)) as bar:
+        results = []
+        for plan, name in zip(plans, names):
+            results.append(result_of_plan(plan, comms[0], name=name))
+            bar.update(1)
+    rows = peer_rows(lengths, config, comms[0], peers) if peers else []
+    doc = build_report(results, lengths=lengths, baseline=args.baseline, peers=rows)
+    step = args.step
+    if step is not None and not all(0 <= step < p.num_steps for p in plans):
+        raise ValueError(f"--step {step} is outside some plan's steps")
+    shown = default_rank_step(doc) if step is None else step
+    table = format_table(doc, steps_shown=args.steps_shown)
+    table += "\n\n" + format_ranks(doc, doc["baseline"], shown)
+    best = min(doc["plans"], key=lambda p: p["summary"]["predicted_seconds_comm"])["name"]
+    if best != doc["baseline"]:
+        table += "\n\n" + format_ranks(doc, best, shown)
+    emit(doc, args, table, rank_step=shown)
+    return 0
+
+
+def _plan_from_manifest(path: str) -> Plan:
+    """The plan a ``ringpack shard`` directory was written from (``manifest.json`` or its folder).
+
+    Read through :class:`~ringpack.data.shards.ShardReader`, which checks the plan file's
+    checksum and hash against the manifest.
+    """
+    from ringpack.data.shards import ShardReader  # loads torch: only when a manifest is reported
+
+    folder = Path(path)
+    if folder.is_file():
+        folder = folder.parent
+    return ShardReader(folder, 0, 0).plan
+
+
+def _unique_names(plans: list[Plan]) -> list[str]:
+    names = [plan_label(p.config) for p in plans]
+    seen: dict[str, int] = {}
+    out = []
+    for n in names:
+        seen[n] = seen.get(n, 0) + 1
+        out.append(n if names.count(n) == 1 else f"{n}#{seen[n]}")
+    return out
+
+
+def _corpus_lengths() -> np.ndarray:
+    from ringpack.data.corpus import stdlib_corpus  # the ringpack.data package loads torch
+
+    return stdlib_corpus().lengths

@@ -1,0 +1,212 @@
+"""``ringpack shard``: a dataset as balanced Parquet shards plus a manifest (docs/data.md)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from ringpack.cli.config_file import add_config_file_flag
+from ringpack.cli.flags import COUNT, PROCESSES, REQUIRED, add_plan_flags, add_quiet_flag, flag, integer, new_command
+from ringpack.cli.inputs import plan_config_from_args, samples_per_step
+from ringpack.lengths import lengths_from_dataset
+
+logger = logging.getLogger("ringpack.cli")
+#: The regex tokenizer's id range when ``--vocab-size`` is not given.
+DEFAULT_VOCAB = 65536
+#: ``shard`` flags that only apply when the dataset is tokenized (it has no ``--column``), by destination.
+_TOKENIZING_FLAGS = (
+    ("--text-column", "text_column"),
+    ("--tokenizer", "tokenizer"),
+    ("--vocab-size", "vocab_size"),
+    ("--num-proc", "num_proc"),
+)
+
+
+def add_command(subparsers: Any) -> None:
+    from ringpack.data.shards import SOURCES  # ringpack.data.shards loads torch: imported where a run needs it
+
+    p = new_command(
+        subparsers,
+        "shard",
+        help="write a dataset as balanced Parquet shards plus a manifest",
+        description=(
+            "Plan DATASET for a DP x CP mesh and write one Parquet file per DP rank (or per DP rank and step range), "
+            "one row group per micro-batch, plus manifest.json (plan hash, config, row counts, sha256s) "
+            "and plan.parquet. "
+            "Re-running with the same inputs resumes an interrupted run and gives byte-identical files. "
+            "Read back with ringpack.data.ShardReader."
+        ),
+        examples=[
+            "ringpack shard data.jsonl --out shards/ --dp 2 --cp 2 --tokens-per-rank 4096 --samples-per-step 64",
+        ],
+    )
+    sources = SOURCES + " (a .npy file holds lengths, not tokens: plan it with `ringpack plan --lengths`)"
+    flag(p, "dataset", nargs="?", default=REQUIRED, metavar="DATASET", help=sources)
+    flag(p, "--out", default=REQUIRED, help="output directory")
+    add_plan_flags(p)
+    flag(p, "--split", help="split of a saved DatasetDict or a Hub dataset (default: train; files have none)")
+    flag(p, "--column", default="input_ids", help="token-id column")
+    tokenizing = "; only when the dataset has no token-id column"
+    flag(p, "--text-column", help="tokenize this text column (default: text)" + tokenizing)
+    flag(
+        p,
+        "--tokenizer",
+        help="Hugging Face tokenizer.json (or its folder); default: the regex tokenizer with hashed ids" + tokenizing,
+    )
+    flag(
+        p,
+        "--vocab-size",
+        type=integer(1, 1 << 31),
+        help=f"id range of the regex tokenizer's hashed ids (default: {DEFAULT_VOCAB}; not with --tokenizer)"
+        + tokenizing,
+    )
+    flag(p, "--num-proc", type=PROCESSES, help="processes for tokenizing" + tokenizing)
+    flag(
+        p,
+        "--steps-per-file",
+        type=COUNT,
+        default=0,
+        help="split each DP rank's file every N steps (0: one file per DP rank)",
+    )
+    flag(p, "--cache-dir", help="datasets cache directory")
+    flag(
+        p, "--overwrite", default=False, action="store_true", help="replace shards of another plan or dataset in --out"
+    )
+    flag(p, "--json", default=False, action="store_true", help="print the summary as one JSON object")
+    add_quiet_flag(p)
+    add_config_file_flag(p)
+    p.set_defaults(handler=run_shard, command_parser=p)
+
+
+def run_shard(args: argparse.Namespace) -> int:
+    from ringpack.data.shards import check_out_dir, load_source, write_shards
+
+    check_out_dir(args.out, [args.dataset])
+    config = plan_config_from_args(args)  # the flags checked before the dataset is loaded
+    with _datasets_progress(not args.quiet):
+        loaded = load_source(args.dataset, split=args.split, cache_dir=args.cache_dir)
+        if len(loaded) == 0:
+            raise ValueError(f"dataset {args.dataset} holds no rows")
+        ds, tokenized = _token_dataset(args, loaded)
+    if args.global_batch_tokens:
+        per_step = samples_per_step(args, lengths_from_dataset(ds, args.column))
+        config = plan_config_from_args(args, samples_per_step=per_step)
+    source = {
+        "dataset": str(args.dataset),
+        "split": args.split,
+        "column": args.column,
+        "tokenized_from": tokenized,
+    }
+    manifest = write_shards(
+        ds,
+        args.out,
+        config,
+        column=args.column,
+        steps_per_file=args.steps_per_file,
+        progress=not args.quiet,
+        overwrite=args.overwrite,
+        source=source,
+    )
+    summary = {
+        "out": str(args.out),
+        "plan_hash": manifest["plan_hash"],
+        "steps": manifest["num_steps"],
+        "samples": manifest["num_samples"],
+        "tokens": manifest["num_tokens"],
+        "dropped": len(manifest["dropped"]),
+        "files": len(manifest["files"]),
+        "bytes": sum(f["bytes"] for f in manifest["files"]),
+    }
+    print(json.dumps(summary) if args.json else _shard_summary(summary, manifest))
+    return 0
+
+
+def _shard_summary(summary: dict[str, Any], manifest: dict[str, Any]) -> str:
+    """What ``ringpack shard`` prints when done: what was written, how big, where, and how to read it back."""
+    dp, cp = manifest["dp"], manifest["cp"]
+    dropped = f", {summary['dropped']:,} dropped (--overflow drop)" if summary["dropped"] else ""
+    out = summary["out"]
+    return "\n".join(
+        [
+            f"sharded {summary['samples']:,} samples ({summary['tokens']:,} tokens{dropped}) into "
+            f"{summary['steps']:,} steps for dp={dp} x cp={cp}, {manifest['tokens_per_rank']:,} tokens per rank",
+            f"wrote {summary['files']:,} shard files ({_size(summary['bytes'])}), plan.parquet and manifest.json "
+            f"to {out}",
+            f"plan hash {summary['plan_hash'][:16]}; read with ringpack.ShardReader({out!r}, dp_rank, cp_rank)",
+        ]
+    )
+
+
+def _size(num_bytes: int) -> str:
+    """``1234567`` -> ``"1.2 MB"`` (decimal units)."""
+    value = float(num_bytes)
+    for unit in ("bytes", "kB", "MB", "GB", "TB"):
+        if value < 1000 or unit == "TB":
+            return f"{int(value)} {unit}" if unit == "bytes" else f"{value:.1f} {unit}"
+        value /= 1000
+    raise AssertionError("unreachable")
+
+
+@contextlib.contextmanager
+def _datasets_progress(show: bool):
+    """``datasets``' own bars (loading, tokenizing) while this block runs: on a terminal unless ``--quiet``.
+
+    Off a terminal they would fill a log with carriage returns, so there they are off.
+    """
+    import datasets
+
+    if show and sys.stderr.isatty():
+        yield
+        return
+    was_disabled = datasets.are_progress_bars_disabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not was_disabled:
+            datasets.enable_progress_bars()
+
+
+def _token_dataset(args: argparse.Namespace, ds: Any) -> tuple[Any, dict[str, str] | None]:
+    """``ds`` with its token-id column (tokenized from a text column when it has none) and how it was made.
+
+    A dataset that has the column is used as it is, with a warning naming every tokenizing flag
+    given (they do not apply to it).
+
+    Raises:
+        ValueError: ``--vocab-size`` with ``--tokenizer``, or no column to take ids from.
+    """
+    from ringpack.data.shards import tokenize_dataset
+
+    if args.column in ds.column_names:
+        given = [flag for flag, dest in _TOKENIZING_FLAGS if getattr(args, dest) is not None]
+        if given:
+            logger.warning(
+                "using the existing %r column of %s; %s ignored (only for tokenizing a dataset without it)",
+                args.column,
+                args.dataset,
+                "/".join(given),
+            )
+        return ds, None
+    if args.tokenizer and args.vocab_size is not None:
+        raise ValueError(
+            "--vocab-size sets the id range of the regex tokenizer's hashed ids; "
+            f"--tokenizer {args.tokenizer} has its own vocabulary (leave --vocab-size out)"
+        )
+    text = args.text_column or ("text" if "text" in ds.column_names else None)
+    if text is None:
+        raise ValueError(
+            f"{args.dataset} has no column {args.column!r} and no text column to tokenize "
+            f"(columns: {list(ds.column_names)}); pass --text-column"
+        )
+    if not args.quiet:
+        logger.info("tokenizing column %r of %s rows", text, f"{len(ds):,}")
+    vocab_size = DEFAULT_VOCAB if args.vocab_size is None else args.vocab_size
+    ds = tokenize_dataset(ds, text, args.tokenizer, column=args.column, vocab_size=vocab_size, num_proc=args.num_proc)
+    tokenizer = Path(args.tokenizer).name if args.tokenizer else f"regex-blake2b-mod-{vocab_size}"
+    return ds, {"text_column": text, "tokenizer": tokenizer}

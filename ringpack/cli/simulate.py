@@ -1,0 +1,164 @@
+"""``ringpack simulate``: a whole epoch planned for a cluster shape, its speed predicted (docs/analysis.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ringpack.analysis.report import format_table, write_report
+from ringpack.analysis.simulate import format_modes, simulate, synthetic_lengths
+from ringpack.cli.compare import add_compare_flags, check_outputs, comm_models, peer_names, variants
+from ringpack.cli.config_file import add_config_file_flag
+from ringpack.cli.flags import (
+    EXPLORE_MESH,
+    NON_NEGATIVE_REAL,
+    POSITIVE,
+    POSITIVE_REAL,
+    add_lengths_flags,
+    flag,
+    integer,
+    integer_list,
+    new_command,
+)
+from ringpack.cli.inputs import (
+    check_column_has_lengths,
+    cost_model,
+    lengths_from_flag,
+    plan_config_from_args,
+    progress,
+    samples_per_step,
+)
+
+#: ``simulate``'s drawn lengths when their flags are not given (each flag applies to drawn lengths only;
+#: ``median`` and ``sigma`` to ``--dist lognormal`` only).
+DRAWN = {"samples": 1_000_000, "dist": "stdlib", "median": 2048.0, "sigma": 1.3}
+#: ``simulate``'s defaults: the exploring mesh (``dp`` comes from ``--gpus``) and a batch of one full
+#: micro-batch per DP rank, since an epoch in one step is no epoch to simulate.
+DEFAULTS = {"cp": EXPLORE_MESH["cp"], "tokens_per_rank": EXPLORE_MESH["tokens_per_rank"], "global_batch_tokens": "auto"}
+
+
+def add_command(subparsers: Any) -> None:
+    p = new_command(
+        subparsers,
+        "simulate",
+        help="simulate an epoch at cluster scale",
+        description="Plan a whole epoch for a cluster shape with every strategy and predict tokens/s and idle "
+        "time from the cost model and a ring / all-gather communication model.",
+        examples=["ringpack simulate --gpus 1024,8192 --cp 8 --samples 1000000 --overflow split --out sim/"],
+    )
+    flag(
+        p,
+        "--gpus",
+        type=integer_list(1),
+        default=[1024],
+        help="GPUs, comma-separated for several shapes; DP = gpus / cp",
+    )
+    g = p.add_argument_group("lengths")
+    flag(g, "--samples", type=integer(1, 10**9), help=f"drawn samples in the epoch (default {DRAWN['samples']:,})")
+    add_lengths_flags(g, required=False, what="; simulated instead of drawn lengths")
+    flag(
+        g,
+        "--dist",
+        choices=["stdlib", "lognormal"],
+        help="drawn lengths: resampled stdlib corpus (default) or log-normal",
+    )
+    flag(g, "--median", type=POSITIVE_REAL, help=f"log-normal median length in tokens (default {DRAWN['median']:g})")
+    flag(g, "--sigma", type=NON_NEGATIVE_REAL, help=f"log-normal sigma (default {DRAWN['sigma']:g})")
+    add_compare_flags(p, defaults=DEFAULTS, skip=("dp",), modes="ring,allgather", out="ringpack-simulation")
+    flag(p, "--jobs", type=integer(0, 1024), default=0, help="worker processes (0: all cores)")
+    flag(p, "--chunk-steps", type=POSITIVE, default=8, help="global batches planned per worker task")
+    add_config_file_flag(p)
+    p.set_defaults(handler=run_simulate, command_parser=p)
+
+
+def drawn_lengths(args: argparse.Namespace) -> dict[str, Any]:
+    """``synthetic_lengths``' arguments from ``--samples``, ``--dist``, ``--median``, ``--sigma``.
+
+    Raises:
+        ValueError: one of them with ``--lengths``, or ``--median``/``--sigma`` without ``--dist lognormal``.
+    """
+    given = {name: getattr(args, name) for name in DRAWN if getattr(args, name) is not None}
+    if args.lengths and given:
+        flags = ", ".join(f"--{name}" for name in given)
+        raise ValueError(f"{flags} shape drawn lengths; they do not apply to --lengths {args.lengths}")
+    drawn = {**DRAWN, **given}
+    shape = [f"--{name}" for name in ("median", "sigma") if name in given]
+    if shape and drawn["dist"] != "lognormal":
+        raise ValueError(f"{', '.join(shape)} shape log-normal draws; they do not apply to --dist {drawn['dist']}")
+    return drawn
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    check_column_has_lengths(args, "drawn lengths (--dist)")
+    drawn = drawn_lengths(args)
+    check_outputs(args, inputs=[args.lengths, args.config])
+    model = cost_model(args, tflops=True)
+    comms = comm_models(args, model)
+    for gpus in args.gpus:
+        if gpus % args.cp:
+            raise ValueError(f"--gpus {gpus} is not a multiple of --cp {args.cp}")
+    variants(args)  # validate options before any slow work
+    peer_names(args)
+    if args.lengths:
+        lengths = lengths_from_flag(args.lengths, args.column)
+    else:
+        lengths = synthetic_lengths(
+            drawn["samples"], drawn["dist"], seed=args.seed, median=drawn["median"], sigma=drawn["sigma"]
+        )
+    docs = []
+    for gpus in args.gpus:
+        out = Path(args.out) / f"dp{gpus // args.cp}xcp{args.cp}" if len(args.gpus) > 1 else Path(args.out)
+        docs.append(_simulate_shape(args, lengths, gpus // args.cp, model, comms, out))
+    if args.json == "-":
+        json.dump(docs[0] if len(docs) == 1 else docs, sys.stdout, indent=1)
+        print()
+    elif args.json:
+        Path(args.json).write_text(json.dumps(docs[0] if len(docs) == 1 else docs, indent=1) + "\n")
+    if args.json != "-":
+        print(f"total {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+def _simulate_shape(
+    args: argparse.Namespace, lengths: np.ndarray, dp: int, model: Any, comms: list, out: Path
+) -> dict[str, Any]:
+    """Simulate one cluster shape (``dp`` x ``--cp``), write its report to ``out`` and print its tables."""
+    per_step = samples_per_step(args, lengths, dp=dp)
+    if not per_step:
+        raise ValueError(
+            "--samples-per-step 0 puts every sample in one step, and simulate plans an epoch of many: give "
+            "--samples-per-step N or --global-batch-tokens (auto: one full micro-batch per DP rank)"
+        )
+    config = plan_config_from_args(args, dp=dp, samples_per_step=per_step, cost=model)
+    doc = simulate(
+        lengths,
+        config,
+        variants(args),
+        comms,
+        chunk_steps=args.chunk_steps,
+        jobs=args.jobs or None,
+        progress=not args.quiet and args.json != "-",
+        baseline=args.baseline,
+        peers=peer_names(args),
+    )
+    with progress(args, "drawing plots", "plots") as bar:
+        paths = write_report(doc, out, plots=not args.no_plots, progress=bar)
+    if args.json != "-":
+        print(f"\n== {doc['title']} ==")
+        print(format_table(doc))
+        print()
+        print(format_modes(doc))
+        plan = doc["planning"]
+        print(
+            f"\nplanned {len(doc['plans'])} strategies in {plan['wall_seconds']:.1f} s wall "
+            f"({plan['worker_cpu_seconds']:.1f} CPU s in {plan['jobs']} workers); wrote {out}/: "
+            + ", ".join(p.name for p in paths.values())
+        )
+    return doc
