@@ -64,6 +64,8 @@ def summarize(plan) -> dict:
         "imbalance_max": float(np.max(costs["imbalance"])),
         "gap_median": float(np.nanmedian(costs["gap"])),
         "gap_max": float(np.nanmax(costs["gap"])),
+        "robust_gap_median": float(np.nanmedian(costs["robust_gap"])),
+        "robust_gap_max": float(np.nanmax(costs["robust_gap"])),
         "kv_tokens_per_step_median": float(np.median(per_step_unique)),
         "imbalance_by_pair_price": {str(f): round(v, 6) for f, v in prices.items()},
     }
@@ -107,6 +109,11 @@ def _print_summary(summary: dict[str, Any], config: Any, seconds: float) -> None
     print(
         f"step cost / mean rank cost: median {summary['imbalance_median']:.4f}, worst {summary['imbalance_max']:.4f}; "
         f"gap to lower bound: median {summary['gap_median']:.2%}, worst {summary['gap_max']:.2%}"
+    )
+    print(
+        f"over the pair-price range {config.price_range[0]:g}-{config.price_range[1]:g}x, against the robust bound "
+        f"(the best any plan can stay at every price of the range at once): gap median "
+        f"{summary['robust_gap_median']:.2%}, worst {summary['robust_gap_max']:.2%}"
     )
     print(f"K/V tokens sent across CP ranks per step (median): {summary['kv_tokens_per_step_median']:.0f}")
     prices = summary["imbalance_by_pair_price"]
