@@ -16,16 +16,15 @@ stays flat and a 1M-sample epoch is minutes on 2 cores.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import time
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from numbers import Real
 from typing import Any
 
 import numpy as np
 
+from ringpack._checks import is_finite, is_int
 from ringpack._hints import option
 from ringpack.analysis.comm_model import CommModel
 from ringpack.analysis.metrics import PlanMetrics, evaluate_plan
@@ -95,22 +94,14 @@ def synthetic_lengths(
 
 def _check_draw(n: int, median: float, sigma: float, max_len: int | None) -> None:
     """Refuse (``ValueError``) a sample count, median, sigma or cap of :func:`synthetic_lengths` out of range."""
-    if not _is_int(n) or not 0 <= n < 2**63:
+    if not is_int(n) or not 0 <= n < 2**63:
         raise ValueError(f"samples must be an integer in [0, 2**63), got {n!r}")
-    if not (_is_real(median) and median > 0):
+    if not (is_finite(median) and median > 0):
         raise ValueError(f"median must be a finite number > 0, got {median!r}")
-    if not (_is_real(sigma) and sigma >= 0):
+    if not (is_finite(sigma) and sigma >= 0):
         raise ValueError(f"sigma must be a finite number >= 0, got {sigma!r}")
-    if max_len is not None and (not _is_int(max_len) or max_len < 1):
+    if max_len is not None and (not is_int(max_len) or max_len < 1):
         raise ValueError(f"max_len must be None or an integer >= 1, got {max_len!r}")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
-
-
-def _is_real(value: Any) -> bool:
-    return isinstance(value, Real) and not isinstance(value, (bool, np.bool_)) and math.isfinite(value)
 
 
 def concat_metrics(parts: Sequence[PlanMetrics], name: str) -> PlanMetrics:
@@ -281,7 +272,7 @@ def _checked_lengths(
 
     if config.samples_per_step <= 0:
         raise ValueError("simulate needs a global batch: set samples_per_step (or --global-batch-tokens)")
-    if not _is_int(chunk_steps) or chunk_steps < 1 or (jobs is not None and (not _is_int(jobs) or jobs < 1)):
+    if not is_int(chunk_steps) or chunk_steps < 1 or (jobs is not None and (not is_int(jobs) or jobs < 1)):
         raise ValueError(f"chunk_steps and jobs must be integers >= 1, got {chunk_steps!r} and {jobs!r}")
     if not variants:
         raise ValueError("simulate needs at least one (strategy, packing) variant")

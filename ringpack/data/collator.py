@@ -52,6 +52,7 @@ from typing import Any
 
 import numpy as np
 
+from ringpack._checks import is_int
 from ringpack.data.sampler import MicroBatchTicket
 from ringpack.lengths import DataError, is_dataset
 from ringpack.shard_plan import MicroBatch
@@ -241,10 +242,6 @@ def check_schedule_flag(schedule: Any) -> None:
         raise DataError(f"schedule must be 'auto', True or False, got {schedule!r}")
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
-
-
 def _schedule(microbatch: MicroBatch, cp_rank: int, mode: Any, options: Mapping[str, Any] | None = None) -> Any:
     if mode is False or mode is None:
         return None
@@ -326,12 +323,12 @@ class PackedCollator:
         ignore_index: int = IGNORE_INDEX,
         schedule_options: Mapping[str, Any] | None = None,
     ) -> None:
-        if not _is_int(cp_size) or cp_size < 1:
+        if not is_int(cp_size) or cp_size < 1:
             raise DataError(f"cp_size must be a positive integer, got {cp_size!r}")
-        if not _is_int(cp_rank) or not 0 <= cp_rank < cp_size:
+        if not is_int(cp_rank) or not 0 <= cp_rank < cp_size:
             raise DataError(f"cp_rank must be in [0, {cp_size}), got {cp_rank!r}")
         check_schedule_flag(schedule)
-        if not _is_int(ignore_index):
+        if not is_int(ignore_index):
             raise DataError(
                 f"ignore_index must be an integer (the label of a sample's last token), got {ignore_index!r}"
             )

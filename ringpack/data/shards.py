@@ -52,6 +52,7 @@ from typing import Any
 
 import numpy as np
 
+from ringpack._checks import is_bool, is_int
 from ringpack._files import atomic_write, open_regular, refuse_link, temp_target
 from ringpack._hints import on_command_line, option
 from ringpack.data.collator import IGNORE_INDEX, check_schedule_flag, check_schedule_options, rank_arrays, to_batch
@@ -841,9 +842,9 @@ class ShardReader:
         if not isinstance(path, (str, os.PathLike)):
             raise DataError(f"path must be a shard directory (a str or os.PathLike), got {type(path).__name__}")
         for name, value in (("dp_rank", dp_rank), ("cp_rank", cp_rank), ("dp_size", dp_size), ("cp_size", cp_size)):
-            if (value is not None or name.endswith("rank")) and not (_is_count(value) and value >= 0):
+            if (value is not None or name.endswith("rank")) and not (is_int(value) and value >= 0):
                 raise DataError(f"{name} must be a non-negative integer, got {value!r}")
-        if not isinstance(verify, (bool, np.bool_)):
+        if not is_bool(verify):
             raise DataError(f"verify must be True or False, got {verify!r}")
         check_schedule_flag(schedule)
         self.path = Path(path)
@@ -1042,7 +1043,7 @@ class ShardReader:
     def state_dict(self, cursor: int | None = None) -> dict[str, Any]:
         if cursor is None:
             cursor = self._pending if self._pending is not None else self._cursor
-        if isinstance(cursor, bool) or not isinstance(cursor, (int, np.integer)) or cursor < 0:
+        if not is_int(cursor) or cursor < 0:
             raise DataError(f"cursor must be a non-negative integer (a batch's 'cursor'), got {cursor!r}")
         return {"version": SHARD_FORMAT_VERSION, "plan_hash": self.plan_hash, "cursor": int(cursor)}
 
@@ -1061,7 +1062,7 @@ class ShardReader:
                 f"these shards hold {self.plan_hash[:12]}..."
             )
         cursor = state.get("cursor")
-        if not _is_count(cursor):
+        if not is_int(cursor):
             raise DataError(f"reader state cursor must be an integer, got {cursor!r}")
         if not 0 <= cursor <= len(self):
             raise DataError(f"reader state cursor {cursor} outside [0, {len(self)}]")
@@ -1069,9 +1070,6 @@ class ShardReader:
 
 
 # ------------------------------------------------------------------------------ manifest checks
-def _is_count(value: Any) -> bool:
-    """An integer (Python or numpy), not a bool."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
 def _field(data: Any, key: str, where: str, low: int | None = 0) -> Any:
@@ -1079,7 +1077,7 @@ def _field(data: Any, key: str, where: str, low: int | None = 0) -> Any:
     if not isinstance(data, dict) or key not in data:
         raise DataError(f"{where} lacks {key!r}")
     value = data[key]
-    if low is not None and (not _is_count(value) or value < low):
+    if low is not None and (not is_int(value) or value < low):
         raise DataError(f"{where}: {key} must be an integer >= {low}, got {value!r:.60}")
     return value
 
@@ -1101,11 +1099,7 @@ def _check_manifest(m: Any, where: Path) -> None:
     if not isinstance(_field(m, "plan_hash", str(where), low=None), str):
         raise DataError(f"{where}: plan_hash must be a string")
     per_step = _field(m, "microbatches_per_step", str(where), low=None)
-    if (
-        not isinstance(per_step, list)
-        or len(per_step) != num_steps
-        or not all(_is_count(x) and x > 0 for x in per_step)
-    ):
+    if not isinstance(per_step, list) or len(per_step) != num_steps or not all(is_int(x) and x > 0 for x in per_step):
         raise DataError(f"{where}: microbatches_per_step must list a positive count for each of {num_steps} steps")
     files = _field(m, "files", str(where), low=None)
     if not isinstance(files, list):
@@ -1136,7 +1130,7 @@ def _check_file_steps(entry: dict[str, Any], where: str, dp: int, per_step: list
     if rank >= dp:
         raise DataError(f"{where}: dp_rank {rank} outside [0, {dp})")
     steps = _field(entry, "steps", where, low=None)
-    if not (isinstance(steps, list) and len(steps) == 2 and all(_is_count(x) for x in steps)):
+    if not (isinstance(steps, list) and len(steps) == 2 and all(is_int(x) for x in steps)):
         raise DataError(f"{where}: steps must be [first, end), got {steps!r:.60}")
     lo, hi = steps
     if not 0 <= lo <= hi <= len(per_step):

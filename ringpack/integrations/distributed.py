@@ -35,10 +35,10 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch.distributed as dist
 from torch import nn
 
+from ringpack._checks import is_bool, is_int
 from ringpack.attention.api import DeviceMesh, mesh_dimension, process_group
 from ringpack.data.sampler import BalancedBatchSampler
 from ringpack.errors import DataError
@@ -177,7 +177,7 @@ def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
         DataError: ``model`` is not an ``nn.Module`` or ``enabled`` not a bool (on entering).
     """
     _check_module(model)
-    if not isinstance(enabled, (bool, np.bool_)):
+    if not is_bool(enabled):
         raise DataError(f"enabled must be True or False, got {enabled!r}")
     if isinstance(model, nn.parallel.DistributedDataParallel):
         with contextlib.nullcontext() if enabled else model.no_sync():
@@ -232,7 +232,7 @@ class SamplerState:
         Raises:
             DataError: ``batch`` is not a mapping with integer ``"epoch"`` and ``"cursor"``.
         """
-        if not isinstance(batch, Mapping) or not all(_is_int(batch.get(key)) for key in ("epoch", "cursor")):
+        if not isinstance(batch, Mapping) or not all(is_int(batch.get(key)) for key in ("epoch", "cursor")):
             got = sorted(batch) if isinstance(batch, Mapping) else type(batch).__name__
             raise DataError(f"batch must be a PackedCollator batch with integer 'epoch' and 'cursor', got {got}")
         self._consumed = (int(batch["epoch"]), int(batch["cursor"]))
@@ -278,10 +278,6 @@ class SamplerState:
             return None
         epoch, cursor = self._consumed
         return cursor if epoch == self.sampler.epoch else 0
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
 def _check_module(model: Any) -> None:

@@ -31,15 +31,15 @@ import math
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from numbers import Real
 from typing import Any
 
 import numpy as np
 
+from ringpack._checks import is_finite, is_int, is_real
 from ringpack.analysis.calibration.fit import fit_nnls
 from ringpack.cost import CostModel, piece_pairs
 from ringpack.errors import DataError, PlanError
-from ringpack.shard_plan import MicroBatch, _is_finite, _is_int
+from ringpack.shard_plan import MicroBatch
 
 __all__ = [
     "CostLearner",
@@ -110,11 +110,11 @@ class LearnerConfig:
             "min_observations",
         ):
             value, low = getattr(self, name), 0 if name in ("warmup_steps", "lead_steps") else 1
-            if not _is_int(value) or not low <= value < 2**63:
+            if not is_int(value) or not low <= value < 2**63:
                 raise PlanError(f"LearnerConfig.{name} must be a whole number >= {low}, got {value!r}")
         for name, low in (("max_error", "> 0"), ("min_change", ">= 0")):
             value = getattr(self, name)
-            if not _is_finite(value) or value < 0 or (value == 0 and low == "> 0"):
+            if not is_finite(value) or value < 0 or (value == 0 and low == "> 0"):
                 raise PlanError(f"LearnerConfig.{name} must be a finite number {low}, got {value!r}")
 
 
@@ -352,7 +352,7 @@ class CostLearner:
                     f"got {type(sampler).__name__}"
                 )
         cp = getattr(sampler.config, "cp", None)
-        if not _is_int(cp_rank) or cp_rank < 0 or (_is_int(cp) and cp_rank >= cp):
+        if not is_int(cp_rank) or cp_rank < 0 or (is_int(cp) and cp_rank >= cp):
             raise PlanError(
                 f"CostLearner: cp_rank must be a whole number in [0, {cp}) (the sampler's CP size), got {cp_rank!r}"
             )
@@ -419,7 +419,7 @@ class CostLearner:
                 "CostLearner: batch must be a collator batch with 'microbatch' and 'microbatch_index', "
                 f"got {type(batch).__name__}"
             ) from None
-        if not isinstance(mb, MicroBatch) or not _is_int(index):
+        if not isinstance(mb, MicroBatch) or not is_int(index):
             raise TypeError(
                 f"CostLearner: batch['microbatch'] must be a MicroBatch and batch['microbatch_index'] an integer, "
                 f"got {type(mb).__name__} and {type(index).__name__}"
@@ -613,15 +613,10 @@ def _describe_row(row: Sequence[float]) -> str:
     )
 
 
-def _is_number(value: Any) -> bool:
-    """A real number (Python or numpy; NaN and infinity included), not a bool."""
-    return isinstance(value, Real) and not isinstance(value, (bool, np.bool_))
-
-
 def _state_count(state: dict[str, Any], key: str, default: int | None = None) -> int:
     """``state[key]``, a whole number >= 0 (``default`` when absent and one is given)."""
     value = state.get(key, default)
-    if not _is_int(value) or value < 0:
+    if not is_int(value) or value < 0:
         raise DataError(f"CostLearner state {key}: {value!r} is not a count (a whole number >= 0)")
     return int(value)
 
@@ -636,7 +631,7 @@ def _state_rows(
         raise DataError(f"CostLearner state {key}: every row needs {width} values ({', '.join(columns)})")
     for i, row in enumerate(rows):
         for name, value in zip(columns, row):
-            if not _is_number(value):
+            if not is_real(value):
                 raise DataError(f"CostLearner state {key}[{i}] {name}: {value!r} is not a number")
     return [tuple(map(float, row)) for row in rows]
 
@@ -650,7 +645,7 @@ def _state_history(history: Any) -> list[FitResult]:
         if (
             not isinstance(values, (list, tuple))
             or len(values) not in (_ENCODED - 1, _ENCODED)
-            or not all(_is_finite(v) and v >= 0 for v in values)
+            or not all(is_finite(v) and v >= 0 for v in values)
             or values[0] != 1
         ):
             raise DataError(f"CostLearner state history[{i}]: not a fit ({_ENCODED} finite numbers >= 0, the first 1)")

@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from ringpack._checks import is_int
 from ringpack.analysis.calibration.cases import Case, microbatch_geometry, rank_cases
 from ringpack.analysis.calibration.online import (
     ROW,
@@ -53,7 +54,7 @@ from ringpack.analysis.calibration.online import (
 )
 from ringpack.cost import PRESETS, CostModel, ModelShape
 from ringpack.errors import DataError, PlanError
-from ringpack.shard_plan import PlanConfig, Step, _is_int
+from ringpack.shard_plan import PlanConfig, Step
 
 __all__ = [
     "StepCalibrationConfig",
@@ -139,11 +140,11 @@ class StepCalibrationConfig:
             object.__setattr__(self, "tokens_per_rank", DEFAULT_TOKENS_PER_RANK[self.device])
         for name in ("tokens_per_rank", "cp", "fit_mixes", "held_out_mixes", "microbatches", "reps"):
             value = getattr(self, name)
-            if not _is_int(value) or not 1 <= value < 2**63:
+            if not is_int(value) or not 1 <= value < 2**63:
                 raise PlanError(f"StepCalibrationConfig.{name} must be a whole number >= 1, got {value!r}")
         for name in ("max_len", "warmup", "seed"):
             value = getattr(self, name)
-            if not _is_int(value) or not 0 <= value < 2**63:
+            if not is_int(value) or not 0 <= value < 2**63:
                 raise PlanError(f"StepCalibrationConfig.{name} must be a whole number >= 0, got {value!r}")
         if self.dtype not in (None, "bf16", "fp32"):
             raise PlanError(f"StepCalibrationConfig.dtype must be 'bf16' or 'fp32', got {self.dtype!r}")
