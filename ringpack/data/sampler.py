@@ -49,6 +49,7 @@ import numpy as np
 from ringpack.cost import CostModel
 from ringpack.errors import PlanError
 from ringpack.lengths import DataError, sample_lengths
+from ringpack.mesh import mesh_coordinates
 from ringpack.shard_plan import MicroBatch, Piece, Plan, PlanConfig, RankShard
 
 __all__ = ["BalancedBatchSampler", "MicroBatchTicket", "STATE_VERSION", "check_plan_options"]
@@ -261,8 +262,6 @@ class BalancedBatchSampler(_SamplerBase):
             DataError: ``mesh`` not a DeviceMesh, ``dp_dim`` equal to ``cp_dim``, or a mesh without
                 one of the two dimensions; and whatever the constructor raises.
         """
-        from ringpack.integrations.distributed import mesh_coordinates
-
         c = mesh_coordinates(mesh, dp_dim, cp_dim)
         return cls(lengths, c.dp_rank, c.dp_size, c.cp_size, tokens_per_rank, **options)
 

@@ -57,6 +57,7 @@ from ringpack._files import atomic_write, open_regular, refuse_link, temp_target
 from ringpack._hints import on_command_line, option
 from ringpack.data.collator import IGNORE_INDEX, check_schedule_flag, check_schedule_options, rank_arrays, to_batch
 from ringpack.lengths import DataError, lengths_from_dataset, read_arrow_table
+from ringpack.mesh import mesh_coordinates
 from ringpack.progress import Progress
 from ringpack.shard_plan import MicroBatch, Plan, PlanConfig
 
@@ -888,8 +889,6 @@ class ShardReader:
     ) -> ShardReader:
         """The reader of this rank of a DeviceMesh with dimensions ``dp_dim`` and ``cp_dim``; the
         manifest's DP and CP sizes are checked against the mesh's. ``options``: as for the constructor."""
-        from ringpack.integrations.distributed import mesh_coordinates
-
         c = mesh_coordinates(mesh, dp_dim, cp_dim)
         return cls(path, c.dp_rank, c.cp_rank, dp_size=c.dp_size, cp_size=c.cp_size, **options)
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
@@ -42,6 +41,7 @@ from ringpack._checks import is_bool, is_int
 from ringpack.attention.api import DeviceMesh, mesh_dimension, process_group
 from ringpack.data.sampler import BalancedBatchSampler
 from ringpack.errors import DataError
+from ringpack.mesh import MeshCoordinates, mesh_coordinates
 
 __all__ = [
     "MeshCoordinates",
@@ -72,45 +72,6 @@ def cp_group(group: Any, dim: str = "cp") -> dist.ProcessGroup | None:
     if DeviceMesh is not None and isinstance(group, DeviceMesh):
         group = mesh_dimension(group, dim, "group")
     return process_group(group)
-
-
-@dataclass(frozen=True)
-class MeshCoordinates:
-    """This rank's place in a DP x CP grid: what ``BalancedBatchSampler`` and ``PackedCollator`` take."""
-
-    dp_rank: int
-    dp_size: int
-    cp_rank: int
-    cp_size: int
-    cp_group: dist.ProcessGroup | None
-
-
-def mesh_coordinates(mesh: Any, dp_dim: str = "dp", cp_dim: str = "cp") -> MeshCoordinates:
-    """This rank's DP and CP coordinates in a DeviceMesh with dimensions ``dp_dim`` and ``cp_dim``.
-
-    ``BalancedBatchSampler(lengths, c.dp_rank, c.dp_size, c.cp_size, ...)`` and
-    ``PackedCollator(c.cp_rank, c.cp_size)`` then feed the rank its share of the plan.
-
-    Raises:
-        DataError: ``mesh`` not a DeviceMesh, ``dp_dim`` and ``cp_dim`` not two different names,
-            or a mesh without one of the two dimensions (a 1-D mesh has one of them at most).
-    """
-    if DeviceMesh is None or not isinstance(mesh, DeviceMesh):
-        raise DataError(
-            f"mesh must be a torch.distributed DeviceMesh with dimensions {dp_dim!r} and {cp_dim!r}, "
-            f"got {type(mesh).__name__}"
-        )
-    for name, value in (("dp_dim", dp_dim), ("cp_dim", cp_dim)):
-        if not isinstance(value, str):
-            raise DataError(f"{name} must be the name of a mesh dimension, got {value!r}")
-    if dp_dim == cp_dim:
-        raise DataError(f"dp_dim and cp_dim must name two different mesh dimensions, both are {dp_dim!r}")
-    names = mesh.mesh_dim_names or ()
-    for argument, name in (("dp_dim", dp_dim), ("cp_dim", cp_dim)):
-        if name not in names:
-            raise DataError(f"mesh: the DeviceMesh has no dimension {name!r} ({argument}; its dimensions: {names})")
-    dp, cp = mesh[dp_dim], mesh[cp_dim]
-    return MeshCoordinates(dp.get_local_rank(), dp.size(), cp.get_local_rank(), cp.size(), cp.get_group())
 
 
 def data_parallel_mesh(mesh: Any, dims: tuple[str, ...] = ("dp", "cp")) -> Any:

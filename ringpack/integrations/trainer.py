@@ -55,9 +55,10 @@ from ringpack.data import BalancedBatchSampler, PackedCollator, PackedDataset
 from ringpack.data.collator import check_schedule_options
 from ringpack.data.sampler import check_plan_options
 from ringpack.errors import DataError, PlanError
-from ringpack.integrations.distributed import MeshCoordinates, gradient_sync, mesh_coordinates, sum_gradients
+from ringpack.integrations.distributed import gradient_sync, sum_gradients
 from ringpack.integrations.transformers import causal_lm_loss_sum, register
 from ringpack.lengths import sample_lengths
+from ringpack.mesh import MeshCoordinates, mesh_coordinates
 from ringpack.shard_plan import STRATEGIES, PlanConfig
 
 logger = logging.get_logger(__name__)
