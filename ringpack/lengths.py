@@ -22,7 +22,7 @@ is taken, else the first of :data:`DEFAULT_COLUMNS` that exists; a dataset's tok
 
 ``datasets`` is imported only to open a saved dataset folder; its objects are recognised by duck
 typing, so this module loads on machines without it. Tokenizers: ``None`` / ``"regex"`` for the dependency-free regex
-pre-tokenizer of :mod:`ringpack.data.corpus`, a path to a Hugging Face ``tokenizer.json`` (or its
+pre-tokenizer of :mod:`ringpack.tokenizer`, a path to a Hugging Face ``tokenizer.json`` (or its
 folder), a ``tokenizers`` or ``transformers`` tokenizer, or any callable mapping a list of texts to
 a list of token counts.
 """
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,7 @@ import numpy as np
 from ringpack._hints import on_command_line, option
 from ringpack.cost import MAX_SAMPLE_TOKENS
 from ringpack.errors import DataError
+from ringpack.tokenizer import make_counter
 
 __all__ = [
     "DATASET_COLUMNS",
@@ -399,31 +400,6 @@ def _indices(ds: Any) -> np.ndarray | None:
         return None
     table = getattr(idx, "table", idx)
     return table.column(0).to_numpy().astype(np.int64, copy=False)
-
-
-def _regex_counter(texts: Sequence[str]) -> list[int]:
-    from ringpack.data.corpus import regex_token_count
-
-    return [regex_token_count(t or "") for t in texts]
-
-
-def make_counter(tokenizer: Any) -> Callable[[Sequence[str]], list[int]]:
-    """A batch token counter: ``None``/"regex", a tokenizer.json path, a tokenizer object, or a callable."""
-    if tokenizer is None or tokenizer == "regex":
-        return _regex_counter
-    if isinstance(tokenizer, (str, os.PathLike)):
-        from ringpack.data.corpus import load_tokenizer_counter
-
-        return load_tokenizer_counter(Path(tokenizer))
-    if hasattr(tokenizer, "encode_batch"):  # a `tokenizers.Tokenizer`
-        return lambda texts: [len(e.ids) for e in tokenizer.encode_batch(list(texts), add_special_tokens=False)]
-    if callable(tokenizer) and hasattr(tokenizer, "pad_token_id"):  # a transformers tokenizer
-        return lambda texts: [len(x) for x in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
-    if callable(tokenizer):
-        return tokenizer
-    raise DataError(
-        f"tokenizer must be None, 'regex', a tokenizer.json path or a callable, got {type(tokenizer).__name__}"
-    )
 
 
 class _CountMap:

@@ -60,6 +60,7 @@ from ringpack.lengths import DataError, lengths_from_dataset, read_arrow_table
 from ringpack.mesh import mesh_coordinates
 from ringpack.progress import Progress
 from ringpack.shard_plan import MicroBatch, Plan, PlanConfig
+from ringpack.tokenizer import load_tokenizer, regex_token_ids
 
 __all__ = [
     "write_shards",
@@ -144,26 +145,6 @@ def check_out_dir(out: str | os.PathLike, inputs: Iterable[str | os.PathLike | N
             raise DataError(f"output directory {out} lies inside the input folder {item}; write the shards elsewhere")
 
 
-def regex_token_ids(text: str, vocab_size: int = 65536) -> list[int]:
-    """Token ids for the regex pre-tokenizer of :mod:`corpus`: ``blake2b-64(token) mod vocab_size``.
-
-    A stable hash (identical on every machine and Python version, unlike ``hash()``); distinct
-    tokens may share an id (a hashed vocabulary). Use ``--tokenizer tokenizer.json`` for a real
-    model's ids.
-    """
-    from ringpack.data.corpus import regex_tokenize
-
-    cache: dict[str, int] = {}
-    out = []
-    for tok in regex_tokenize(text or ""):
-        tid = cache.get(tok)
-        if tid is None:
-            digest = hashlib.blake2b(tok.encode("utf-8", "surrogatepass"), digest_size=8).digest()
-            tid = cache[tok] = int.from_bytes(digest, "little") % vocab_size
-        out.append(tid)
-    return out
-
-
 class _TokenizeMap:
     """Picklable batched ``map`` function: texts -> ``input_ids`` (regex-hash ids or a tokenizer.json)."""
 
@@ -180,8 +161,6 @@ class _TokenizeMap:
         if self.tokenizer in (None, "regex"):
             return {self.column: [regex_token_ids(t, self.vocab_size) for t in texts]}
         if self._tok is None:
-            from ringpack.data.corpus import load_tokenizer
-
             self._tok = load_tokenizer(self.tokenizer)
         return {
             self.column: [e.ids for e in self._tok.encode_batch([t or "" for t in texts], add_special_tokens=False)]
@@ -202,14 +181,12 @@ def tokenize_dataset(
 
     ``tokenizer``: ``None`` / ``"regex"`` (hashed regex ids below ``vocab_size``) or a Hugging Face
     ``tokenizer.json`` path or folder, read here first so a bad file is refused before any work
-    (:func:`ringpack.data.corpus.load_tokenizer`: ``FileNotFoundError`` or a :class:`DataError`
+    (:func:`ringpack.tokenizer.load_tokenizer`: ``FileNotFoundError`` or a :class:`DataError`
     naming it).
     """
     if text_column not in ds.column_names:
         raise DataError(f"dataset has no column {text_column!r}; its columns are {list(ds.column_names)}")
     if tokenizer not in (None, "regex"):
-        from ringpack.data.corpus import load_tokenizer
-
         load_tokenizer(tokenizer)
     return ds.map(
         _TokenizeMap(tokenizer, vocab_size, column),
