@@ -467,13 +467,13 @@ def _add_shard_command(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _shard_sources() -> str:
-    from ringpack.data.shards import SOURCES
+    from ringpack.data.shard_writer import SOURCES
 
     return SOURCES + " (a .npy file holds lengths, not tokens: plan it with `ringpack plan --lengths`)"
 
 
 def run_shard(args: argparse.Namespace) -> int:
-    from ringpack.data.shards import check_out_dir, load_source, write_shards
+    from ringpack.data.shard_writer import check_out_dir, load_source, write_shards
 
     check_out_dir(args.out, [args.dataset])
     config = plan_config_from_args(args)
@@ -567,7 +567,7 @@ def _token_dataset(args: argparse.Namespace, ds: Any) -> tuple[Any, dict[str, st
     Raises:
         ValueError: ``--vocab-size`` with ``--tokenizer``, or no column to take ids from.
     """
-    from ringpack.data.shards import tokenize_dataset
+    from ringpack.data.shard_writer import tokenize_dataset
 
     if args.column in ds.column_names:
         given = [flag for flag, dest in _TOKENIZING_FLAGS if getattr(args, dest) is not None]
@@ -840,7 +840,7 @@ def plan_from_manifest(path: str):
     Read through :class:`~ringpack.data.shards.ShardReader`, which checks the plan file's
     checksum and hash against the manifest.
     """
-    from ringpack.data.shards import ShardReader
+    from ringpack.data.shard_writer import ShardReader
 
     folder = Path(path)
     if folder.is_file():

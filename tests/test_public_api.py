@@ -21,7 +21,7 @@ PUBLIC = {
     "BalancedBatchSampler": "ringpack.data.sampler",
     "PackedCollator": "ringpack.data.collator",
     "PackedDataset": "ringpack.data.collator",
-    "ShardReader": "ringpack.data.shards",
+    "ShardReader": "ringpack.data.shard_writer",
     "CostLearner": "ringpack.analysis.calibration.online",
 }
 

@@ -15,7 +15,7 @@ from ringpack.attention import compile_schedule
 from ringpack.cli import main
 from ringpack.data import BalancedBatchSampler, DataError, PackedCollator, PackedDataset, ShardReader
 from ringpack.data import shards as shards_mod
-from ringpack.data.shards import file_sha256, load_source, regex_token_ids, tokenize_dataset, write_shards
+from ringpack.data.shard_writer import file_sha256, load_source, regex_token_ids, tokenize_dataset, write_shards
 from ringpack.planner.epoch import expand_overflow
 from ringpack.shard_plan import PlanConfig
 from tests.helpers.data import Coverage, batch_signature, corpus_jsonl

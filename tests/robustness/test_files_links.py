@@ -12,7 +12,7 @@ import pytest
 
 from ringpack import _files
 from ringpack.data import shards as shards_module
-from ringpack.data.shards import ShardReader, file_sha256
+from ringpack.data.shard_writer import ShardReader, file_sha256
 from ringpack.errors import DataError
 from tests.helpers.cli import assert_clean, digests, run_cli, token_rows, write_jsonl
 
