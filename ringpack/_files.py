@@ -8,11 +8,13 @@ of files a caller owns.
 
 Reading: a folder ringpack writes (a shard directory) never holds a link, so its files are checked
 with :func:`refuse_link` and opened with :func:`open_regular` (``O_NOFOLLOW``): a link planted
-there is refused, never followed, so nothing outside the folder is read.
+there is refused, never followed, so nothing outside the folder is read; :func:`file_sha256` reads
+that way too.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import secrets
@@ -24,7 +26,7 @@ from typing import BinaryIO
 
 from ringpack.errors import DataError
 
-__all__ = ["atomic_write", "temp_target", "refuse_link", "open_regular"]
+__all__ = ["atomic_write", "file_sha256", "temp_target", "refuse_link", "open_regular"]
 
 _TEMP = re.compile(r"^\.(?P<target>.+)\.[0-9a-f]{16}\.tmp$")
 _FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
@@ -110,3 +112,14 @@ def open_regular(path: str | os.PathLike, what: str) -> BinaryIO:
         os.close(fd)
         raise DataError(f"{what} {path} is not a regular file")
     return os.fdopen(fd, "rb")
+
+
+def file_sha256(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
+    """The sha256 (hex) of the regular file ``path``; a symbolic link is refused (:class:`DataError`)."""
+    h = hashlib.sha256()
+    with open_regular(path, "file") as f:
+        while True:
+            block = f.read(chunk)
+            if not block:
+                return h.hexdigest()
+            h.update(block)

@@ -467,13 +467,14 @@ def _add_shard_command(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _shard_sources() -> str:
-    from ringpack.data.shard_writer import SOURCES
+    from ringpack.data.sources import SOURCES
 
     return SOURCES + " (a .npy file holds lengths, not tokens: plan it with `ringpack plan --lengths`)"
 
 
 def run_shard(args: argparse.Namespace) -> int:
-    from ringpack.data.shard_writer import check_out_dir, load_source, write_shards
+    from ringpack.data.shard_writer import check_out_dir, write_shards
+    from ringpack.data.sources import load_source
 
     check_out_dir(args.out, [args.dataset])
     config = plan_config_from_args(args)
@@ -567,7 +568,7 @@ def _token_dataset(args: argparse.Namespace, ds: Any) -> tuple[Any, dict[str, st
     Raises:
         ValueError: ``--vocab-size`` with ``--tokenizer``, or no column to take ids from.
     """
-    from ringpack.data.shard_writer import tokenize_dataset
+    from ringpack.data.sources import tokenize_dataset
 
     if args.column in ds.column_names:
         given = [flag for flag, dest in _TOKENIZING_FLAGS if getattr(args, dest) is not None]
@@ -837,10 +838,10 @@ def peer_names(args: argparse.Namespace) -> list[str]:
 def plan_from_manifest(path: str):
     """The plan a ``ringpack shard`` directory was written from (``manifest.json`` or its folder).
 
-    Read through :class:`~ringpack.data.shards.ShardReader`, which checks the plan file's
+    Read through :class:`~ringpack.data.shard_reader.ShardReader`, which checks the plan file's
     checksum and hash against the manifest.
     """
-    from ringpack.data.shard_writer import ShardReader
+    from ringpack.data.shard_reader import ShardReader
 
     folder = Path(path)
     if folder.is_file():

@@ -21,7 +21,7 @@ PUBLIC = {
     "BalancedBatchSampler": "ringpack.data.sampler",
     "PackedCollator": "ringpack.data.collator",
     "PackedDataset": "ringpack.data.collator",
-    "ShardReader": "ringpack.data.shard_writer",
+    "ShardReader": "ringpack.data.shard_reader",
     "CostLearner": "ringpack.analysis.calibration.online",
 }
 

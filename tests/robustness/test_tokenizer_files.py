@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ringpack.data.shard_writer import load_source, tokenize_dataset
+from ringpack.data.sources import load_source, tokenize_dataset
 from ringpack.errors import DataError
 from ringpack.tokenizer import load_tokenizer, load_tokenizer_counter, make_counter
 from tests.helpers.cli import assert_clean, run_cli, token_rows, write_jsonl
