@@ -6,7 +6,7 @@ row of a report computes the same tokens and the same exact causal pairs:
 
 * ``wlb``: WLB-LLM's workload-aware variable-length packing with outlier delay and per-document
   (zigzag) sharding, a real :class:`~ringpack.shard_plan.Plan`
-  (:func:`ringpack.planner.peers.make_wlb_plan`), measured exactly as ringpack's plans are.
+  (:func:`ringpack.planner.wlb.make_wlb_plan`), measured exactly as ringpack's plans are.
 * ``megatron-dcp``: Megatron-Core's dynamic context parallelism, modelled here: it has no fixed
   CP groups, so no plan describes it.
 
@@ -568,7 +568,7 @@ def try_measure_peer(name: str, lengths: Any, config: PlanConfig) -> PeerPart | 
 def _measure_wlb(lengths: Any, config: PlanConfig) -> PeerPart:
     """WLB packing with per-document zigzag, measured from its piece table (the plan :func:`make_wlb_plan` makes)."""
     from ringpack.analysis.metrics import evaluate
-    from ringpack.planner.peers import WLBConfig, wlb_packing, wlb_zigzag_table
+    from ringpack.planner.wlb import WLBConfig, wlb_packing, wlb_zigzag_table
 
     wlb = WLBConfig()
     cfg = dataclasses.replace(config, strategy="zigzag")

@@ -35,8 +35,8 @@ from ringpack.cli import main
 from ringpack.cost import CostModel
 from ringpack.planner import make_plan
 from ringpack.planner.epoch import expand_overflow, global_batches
-from ringpack.planner.peers import WLBConfig, make_wlb_plan, wlb_packing, wlb_zigzag_table
 from ringpack.planner.split import split_zigzag
+from ringpack.planner.wlb import WLBConfig, make_wlb_plan, wlb_packing, wlb_zigzag_table
 from ringpack.shard_plan import PlanConfig, PlanError
 from tests.helpers import brute
 
