@@ -27,7 +27,7 @@ Definitions (README "Analysis and reports" states them too):
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,7 +36,7 @@ from ringpack.analysis.comm_model import kv_cross_tokens
 from ringpack.cost import CostModel, piece_pairs
 from ringpack.planner.bounds import critical_path, rank_grid
 
-__all__ = ["PlanMetrics", "evaluate", "evaluate_plan", "zigzag_rule_padding", "plan_label"]
+__all__ = ["PlanMetrics", "concat_metrics", "evaluate", "evaluate_plan", "zigzag_rule_padding", "plan_label"]
 
 
 @dataclass
@@ -158,6 +158,31 @@ class PlanMetrics:
             "zigzag_rule_padding_tokens": int(self.zigzag_padding.sum()),
             "kv_cross_tokens": int(self.kv_cross_tokens.sum()),
         }
+
+
+def concat_metrics(parts: Sequence[PlanMetrics], name: str) -> PlanMetrics:
+    """Stack the steps of several metrics of one strategy (micro-batch axis padded to the widest)."""
+    M = max(p.cost.shape[2] for p in parts)
+
+    def pad(a: np.ndarray) -> np.ndarray:
+        if a.shape[2] == M:
+            return a
+        width = [(0, 0)] * a.ndim
+        width[2] = (0, M - a.shape[2])
+        return np.pad(a, width)
+
+    first = parts[0]
+    fields = ("mb_exists", "tokens", "pairs", "segments", "cost", "kv_cross_tokens", "zigzag_padding")
+    stacked = {f: np.concatenate([pad(getattr(p, f)) for p in parts], axis=0) for f in fields}
+    return PlanMetrics(
+        name=name,
+        dp=first.dp,
+        cp=first.cp,
+        model=first.model,
+        samples=np.concatenate([p.samples for p in parts]),
+        loss_tokens=np.concatenate([p.loss_tokens for p in parts]),
+        **stacked,
+    )
 
 
 def zigzag_rule_padding(lengths: np.ndarray, cp: int) -> np.ndarray:

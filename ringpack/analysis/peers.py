@@ -52,6 +52,7 @@ from typing import Any
 import numpy as np
 
 from ringpack.analysis.comm_model import CommModel, microbatch_seconds
+from ringpack.analysis.metrics import concat_metrics
 from ringpack.analysis.robustness import PRICE_FACTORS
 from ringpack.cost import CostModel, piece_pairs
 from ringpack.shard_plan import PlanConfig
@@ -589,8 +590,6 @@ def _measure_wlb(lengths: Any, config: PlanConfig) -> PeerPart:
 
 def join_peer_parts(parts: Sequence[PeerPart | None]) -> PeerPart | None:
     """One peer's chunks (simulate) as one part, steps in chunk order; ``None`` if any chunk is ``None``."""
-    from ringpack.analysis.simulate import concat_metrics
-
     if any(p is None for p in parts):
         return None
     first = parts[0]

@@ -27,11 +27,11 @@ import numpy as np
 from ringpack._checks import is_finite, is_int
 from ringpack._hints import option
 from ringpack.analysis.comm_model import CommModel
-from ringpack.analysis.metrics import PlanMetrics, evaluate_plan
+from ringpack.analysis.metrics import PlanMetrics, concat_metrics, evaluate_plan
 from ringpack.analysis.report import StrategyResult, build_report, timed
 from ringpack.shard_plan import PlanConfig
 
-__all__ = ["simulate", "synthetic_lengths", "concat_metrics", "SIM_VARIANTS", "MAX_LENGTH"]
+__all__ = ["simulate", "synthetic_lengths", "SIM_VARIANTS", "MAX_LENGTH"]
 
 #: Longest sample :func:`synthetic_lengths` draws: far beyond any context, exact in int64 pair counts.
 MAX_LENGTH = 1 << 40
@@ -102,31 +102,6 @@ def _check_draw(n: int, median: float, sigma: float, max_len: int | None) -> Non
         raise ValueError(f"sigma must be a finite number >= 0, got {sigma!r}")
     if max_len is not None and (not is_int(max_len) or max_len < 1):
         raise ValueError(f"max_len must be None or an integer >= 1, got {max_len!r}")
-
-
-def concat_metrics(parts: Sequence[PlanMetrics], name: str) -> PlanMetrics:
-    """Stack the steps of several metrics of one strategy (micro-batch axis padded to the widest)."""
-    M = max(p.cost.shape[2] for p in parts)
-
-    def pad(a: np.ndarray) -> np.ndarray:
-        if a.shape[2] == M:
-            return a
-        width = [(0, 0)] * a.ndim
-        width[2] = (0, M - a.shape[2])
-        return np.pad(a, width)
-
-    first = parts[0]
-    fields = ("mb_exists", "tokens", "pairs", "segments", "cost", "kv_cross_tokens", "zigzag_padding")
-    stacked = {f: np.concatenate([pad(getattr(p, f)) for p in parts], axis=0) for f in fields}
-    return PlanMetrics(
-        name=name,
-        dp=first.dp,
-        cp=first.cp,
-        model=first.model,
-        samples=np.concatenate([p.samples for p in parts]),
-        loss_tokens=np.concatenate([p.loss_tokens for p in parts]),
-        **stacked,
-    )
 
 
 def _plan_chunk(task: tuple[int, int, np.ndarray, Any]) -> tuple[int, int, Any, list, float]:
