@@ -110,7 +110,7 @@ def _plan_chunk(task: tuple[int, int, np.ndarray, Any]) -> tuple[int, int, Any, 
     A variant's task carries its :class:`PlanConfig`, a peer's a :class:`~ringpack.analysis.peers.PeerJob`;
     a peer's metrics are its :class:`~ringpack.analysis.peers.PeerPart` (``None`` if it cannot plan the chunk).
     """
-    from ringpack.analysis.peers import PeerJob, try_measure_peer
+    from ringpack.analysis.dynamic_cp import PeerJob, try_measure_peer
     from ringpack.planner import make_plan
 
     variant, chunk, lengths, config = task
@@ -216,7 +216,7 @@ def _peer_tasks(
     peers: Sequence[str], config: PlanConfig, chunks: list[np.ndarray], lengths: np.ndarray, first: int
 ) -> list[tuple[int, int, np.ndarray, Any]]:
     """One task per peer and chunk, numbered from ``first`` (after the variants)."""
-    from ringpack.analysis.peers import PeerJob
+    from ringpack.analysis.dynamic_cp import PeerJob
 
     return [
         (first + k, c, lengths[ids], PeerJob(name, config))
@@ -229,7 +229,7 @@ def _timed_peers(
     parts: dict[int, dict[int, tuple[Any, list]]], count: int, comms: Sequence[CommModel], num_chunks: int, first: int
 ) -> dict[str, list]:
     """Per communication mode, every peer's chunks joined into one report row (in peer order)."""
-    from ringpack.analysis.peers import join_peer_parts, time_peer
+    from ringpack.analysis.dynamic_cp import join_peer_parts, time_peer
 
     peers_by_mode: dict[str, list] = {comm.mode: [] for comm in comms}
     for v in range(first, first + count):

@@ -15,8 +15,7 @@ import numpy as np
 import pytest
 
 from ringpack.analysis.comm_model import CommModel
-from ringpack.analysis.metrics import evaluate_plan
-from ringpack.analysis.peers import (
+from ringpack.analysis.dynamic_cp import (
     DCP,
     PEERS,
     WLB,
@@ -29,6 +28,7 @@ from ringpack.analysis.peers import (
     valid_group_sizes,
     zigzag_shares,
 )
+from ringpack.analysis.metrics import evaluate_plan
 from ringpack.analysis.report import STEP_KEYS, SUMMARY_KEYS, build_report, format_table, result_of_plan
 from ringpack.analysis.simulate import simulate
 from ringpack.cli import main
