@@ -830,7 +830,7 @@ def variants(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 def peer_names(args: argparse.Namespace) -> list[str]:
     """``--peers`` resolved: every peer by default, ``none`` for none."""
-    from ringpack.analysis.dynamic_cp import PEERS, parse_peers
+    from ringpack.analysis.peer_runner import PEERS, parse_peers
 
     return list(PEERS) if args.peers is None else parse_peers(args.peers)
 
@@ -914,7 +914,7 @@ def run_report(args: argparse.Namespace) -> int:
             bar.update(1)
     rows = []
     if peers:
-        from ringpack.analysis.dynamic_cp import peer_rows
+        from ringpack.analysis.peer_runner import peer_rows
 
         rows = peer_rows(lengths, config, comms[0], peers)
     doc = build_report(results, lengths=lengths, baseline=args.baseline, peers=rows)

@@ -28,7 +28,13 @@ from ringpack._checks import is_finite, is_int
 from ringpack._hints import option
 from ringpack.analysis.comm_model import CommModel
 from ringpack.analysis.metrics import PlanMetrics, concat_metrics, evaluate_plan
-from ringpack.analysis.report import StrategyResult, build_report, timed
+from ringpack.analysis.peer_runner import PeerJob, join_peer_parts, time_peer, try_measure_peer
+from ringpack.analysis.report import StrategyResult, _fmt_count, _fmt_seconds, build_report, text_table, timed
+from ringpack.data.corpus import stdlib_corpus
+from ringpack.lengths import check_lengths
+from ringpack.planner import make_plan
+from ringpack.planner.epoch import expand_overflow, shuffle_order
+from ringpack.progress import Progress
 from ringpack.shard_plan import PlanConfig
 
 __all__ = ["simulate", "synthetic_lengths", "SIM_VARIANTS", "MAX_LENGTH"]
@@ -71,8 +77,6 @@ def synthetic_lengths(
     _check_draw(n, median, sigma, max_len)
     rng = np.random.default_rng(seed)
     if source == "stdlib":
-        from ringpack.data.corpus import stdlib_corpus
-
         pool = stdlib_corpus().lengths
         out = rng.choice(pool, size=n)
     elif source == "lognormal":
@@ -107,12 +111,9 @@ def _check_draw(n: int, median: float, sigma: float, max_len: int | None) -> Non
 def _plan_chunk(task: tuple[int, int, np.ndarray, Any]) -> tuple[int, int, Any, list, float]:
     """Worker: plan one chunk of the epoch for one variant or peer; return its metrics and lower bounds.
 
-    A variant's task carries its :class:`PlanConfig`, a peer's a :class:`~ringpack.analysis.peers.PeerJob`;
-    a peer's metrics are its :class:`~ringpack.analysis.peers.PeerPart` (``None`` if it cannot plan the chunk).
+    A variant's task carries its :class:`PlanConfig`, a peer's a :class:`~ringpack.analysis.peer_runner.PeerJob`;
+    a peer's metrics are its :class:`~ringpack.analysis.peer_runner.PeerPart` (``None`` if it cannot plan the chunk).
     """
-    from ringpack.analysis.dynamic_cp import PeerJob, try_measure_peer
-    from ringpack.planner import make_plan
-
     variant, chunk, lengths, config = task
     t0 = time.process_time()
     if isinstance(config, PeerJob):
@@ -158,7 +159,7 @@ def simulate(
         jobs: worker processes (``None``: one per core, at most one per task; ``1``: in process).
         progress: show a progress bar.
         baseline: the plan the others are compared with (default: the report's).
-        peers: other systems to run on the same chunks (:data:`ringpack.analysis.peers.PEERS`),
+        peers: other systems to run on the same chunks (:data:`ringpack.analysis.peer_runner.PEERS`),
             reported in ``doc["peers"]``; a peer's delay queues span one chunk.
 
     Returns:
@@ -216,8 +217,6 @@ def _peer_tasks(
     peers: Sequence[str], config: PlanConfig, chunks: list[np.ndarray], lengths: np.ndarray, first: int
 ) -> list[tuple[int, int, np.ndarray, Any]]:
     """One task per peer and chunk, numbered from ``first`` (after the variants)."""
-    from ringpack.analysis.dynamic_cp import PeerJob
-
     return [
         (first + k, c, lengths[ids], PeerJob(name, config))
         for k, name in enumerate(peers)
@@ -229,8 +228,6 @@ def _timed_peers(
     parts: dict[int, dict[int, tuple[Any, list]]], count: int, comms: Sequence[CommModel], num_chunks: int, first: int
 ) -> dict[str, list]:
     """Per communication mode, every peer's chunks joined into one report row (in peer order)."""
-    from ringpack.analysis.dynamic_cp import join_peer_parts, time_peer
-
     peers_by_mode: dict[str, list] = {comm.mode: [] for comm in comms}
     for v in range(first, first + count):
         joined = join_peer_parts([parts[v][c][0] for c in range(num_chunks)])
@@ -243,8 +240,6 @@ def _checked_lengths(
     lengths: Any, config: PlanConfig, variants: Sequence[tuple[str, str]], chunk_steps: Any, jobs: Any
 ) -> np.ndarray:
     """:func:`simulate`'s arguments checked (``ValueError`` naming the bad one); the lengths as int64."""
-    from ringpack.lengths import check_lengths
-
     if config.samples_per_step <= 0:
         raise ValueError("simulate needs a global batch: set samples_per_step (or --global-batch-tokens)")
     if not is_int(chunk_steps) or chunk_steps < 1 or (jobs is not None and (not is_int(jobs) or jobs < 1)):
@@ -259,8 +254,6 @@ def _checked_lengths(
 
 def _apply_overflow(lengths: np.ndarray, config: PlanConfig) -> np.ndarray:
     """The epoch's samples after ``config.overflow``: over-long ones dropped, cut into documents, or an error."""
-    from ringpack.planner.epoch import expand_overflow
-
     capacity = config.group_capacity
     if not (lengths > capacity).any():
         return lengths
@@ -276,8 +269,6 @@ def _apply_overflow(lengths: np.ndarray, config: PlanConfig) -> np.ndarray:
 
 def _epoch_chunks(lengths: np.ndarray, config: PlanConfig, chunk_steps: int) -> list[np.ndarray]:
     """The epoch's shuffled sample ids cut into chunks of ``chunk_steps`` global batches."""
-    from ringpack.planner.epoch import shuffle_order
-
     order = shuffle_order(len(lengths), config.seed, config.epoch)
     return _chunks(order, config.samples_per_step, chunk_steps, config.dp * max(config.microbatches_per_rank, 1))
 
@@ -289,8 +280,6 @@ def _plan_tasks(
 
     ``desc``: the progress label (samples planned, over all variants), ``None`` for no progress.
     """
-    from ringpack.progress import Progress
-
     samples = {(v, c): len(lengths) for v, c, lengths, _ in tasks}
     bar = Progress(desc or "", "samples", sum(samples.values()), enabled=desc is not None)
     parts: dict[int, dict[int, tuple[PlanMetrics, list]]] = {v: {} for v, *_ in tasks}
@@ -353,8 +342,6 @@ def _add_modes(
 
 def format_modes(doc: dict[str, Any]) -> str:
     """Per strategy and communication mode: predicted tokens/s, epoch time and idle share."""
-    from ringpack.analysis.report import _fmt_count, _fmt_seconds, text_table
-
     modes = list(doc["plans"][0].get("modes", {}))
     header = ["plan"]
     for mode in modes:
