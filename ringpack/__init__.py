@@ -36,18 +36,18 @@ _EXPORTS = {
     "PackedCollator": "ringpack.data",
     "PackedDataset": "ringpack.data",
     "ShardReader": "ringpack.data",
-    "CostLearner": "ringpack.analysis.calibration.online",
+    "CostLearner": "ringpack.training.cost_learner",
 }
 __all__ = ["__version__", "plan", *_EXPORTS]
 
 if TYPE_CHECKING:
-    from ringpack.analysis.calibration.online import CostLearner  # noqa: F401
     from ringpack.attention import RingAttention, compile_schedule, ring_attention  # noqa: F401
     from ringpack.cost import CostModel  # noqa: F401
     from ringpack.data import BalancedBatchSampler, PackedCollator, PackedDataset, ShardReader  # noqa: F401
     from ringpack.errors import DataError, PlanError  # noqa: F401
     from ringpack.planner import make_plan  # noqa: F401
     from ringpack.shard_plan import Plan, PlanConfig  # noqa: F401
+    from ringpack.training.cost_learner import CostLearner  # noqa: F401
 
 
 def plan(lengths: Any, *, column: str | None = None, **config: Any) -> Plan:

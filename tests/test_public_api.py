@@ -22,7 +22,7 @@ PUBLIC = {
     "PackedCollator": "ringpack.data.collator",
     "PackedDataset": "ringpack.data.collator",
     "ShardReader": "ringpack.data.shard_reader",
-    "CostLearner": "ringpack.analysis.calibration.online",
+    "CostLearner": "ringpack.training.cost_learner",
 }
 
 

@@ -22,7 +22,7 @@ not a power of two would round). The mesh convention is ``("dp", "cp")`` with CP
 group is ``cp`` consecutive ranks (one host's fast links), as in ``examples/train.py``.
 
 :class:`SamplerState` puts the sampler's position and cost-model switches (and a
-:class:`~ringpack.analysis.calibration.online.CostLearner`'s observations) into a
+:class:`~ringpack.training.cost_learner.CostLearner`'s observations) into a
 ``torch.distributed.checkpoint`` (DCP) checkpoint next to the model and optimizer, so a resumed run
 plans exactly as the uninterrupted one.
 """

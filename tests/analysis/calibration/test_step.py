@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 
-from ringpack.analysis.calibration.online import microbatch_features
 from ringpack.analysis.calibration.step import (
     CPU_ATTENTION_BYTES,
     DEFAULT_TOKENS_PER_RANK,
@@ -25,6 +24,7 @@ from ringpack.analysis.calibration.step import (
 from ringpack.cost import PRESETS, CostModel
 from ringpack.errors import DataError, PlanError
 from ringpack.shard_plan import Piece, Step, microbatch_from_shards
+from ringpack.training.cost_learner import microbatch_features
 from tests.helpers.cli import run_cli
 
 TRUTH = CostModel(token=3e-6, pair=4e-10, segment=2e-5, unit="s", name="truth", microbatch=5e-3)

@@ -17,7 +17,10 @@ import numpy as np
 import pytest
 
 from ringpack._spawn import run_ranks
-from ringpack.analysis.calibration.online import (
+from ringpack.cost import CostModel
+from ringpack.errors import DataError, PlanError
+from ringpack.shard_plan import Piece, microbatch_from_shards
+from ringpack.training.cost_learner import (
     MAX_COUNT,
     MIN_SECONDS,
     ROW,
@@ -29,9 +32,6 @@ from ringpack.analysis.calibration.online import (
     price_change,
     usable_rows,
 )
-from ringpack.cost import CostModel
-from ringpack.errors import DataError, PlanError
-from ringpack.shard_plan import Piece, microbatch_from_shards
 
 TRUTH = CostModel(token=2e-6, pair=1.5e-10, segment=3e-5, unit="s", name="truth")
 OVERHEAD = 4e-3
@@ -260,7 +260,7 @@ def test_one_bad_timing_does_not_stop_the_run(one_rank_group, bad, caplog):
     """One bad micro-batch time among good ones: end_step() goes on, the fit is made, the bad one counted."""
     sampler = _single_rank_sampler()
     learner = CostLearner(sampler, 0)
-    with caplog.at_level(logging.WARNING, logger="ringpack.analysis.calibration.online"):
+    with caplog.at_level(logging.WARNING, logger="ringpack.training.cost_learner"):
         results = _train(learner, iter(sampler), 12, lambda k, s: bad if k in (40, 41, 90) else s)
     assert learner.bad_observations == 3
     assert any(results), "a fit was accepted"
@@ -270,7 +270,7 @@ def test_one_bad_timing_does_not_stop_the_run(one_rank_group, bad, caplog):
 
 
 def test_a_fit_numpy_cannot_make_keeps_the_model_and_is_logged_once(one_rank_group, monkeypatch, caplog):
-    from ringpack.analysis.calibration import online
+    from ringpack.training import cost_learner as online
 
     def hopeless(rows, prior):
         raise np.linalg.LinAlgError("SVD did not converge in Linear Least Squares")
@@ -279,7 +279,7 @@ def test_a_fit_numpy_cannot_make_keeps_the_model_and_is_logged_once(one_rank_gro
     sampler = _single_rank_sampler()
     learner = CostLearner(sampler, 0, config=LearnerConfig(warmup_steps=0, first_fit_after=1))
     before = learner.model
-    with caplog.at_level(logging.WARNING, logger="ringpack.analysis.calibration.online"):
+    with caplog.at_level(logging.WARNING, logger="ringpack.training.cost_learner"):
         results = _train(learner, iter(sampler), 6, lambda k, s: s)
     assert results == [None] * 6 and learner.model == before and not learner.history
     assert [r.getMessage() for r in caplog.records] == [
@@ -375,7 +375,7 @@ def test_a_state_with_bad_rows_loads_counts_them_and_fits_next(one_rank_group, c
     state["unread"][0][-1] = float("inf")
     sampler = _single_rank_sampler()
     learner = CostLearner(sampler, 0, config=LearnerConfig(first_fit_after=1))
-    with caplog.at_level(logging.WARNING, logger="ringpack.analysis.calibration.online"):
+    with caplog.at_level(logging.WARNING, logger="ringpack.training.cost_learner"):
         learner.load_state_dict(state)
     assert learner.bad_observations == 5
     assert "dropped 5 bad observation(s)" in caplog.text
