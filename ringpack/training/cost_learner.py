@@ -1,31 +1,22 @@
-"""Learn the cost model from the training run itself: time every micro-batch, fit, re-plan.
+"""Learn the cost model from the training run itself: time every micro-batch, fit, re-plan (docs/training.md).
 
-The planner balances a linear cost ``token * tokens + pair * pairs + segment * pieces`` per CP rank.
-FLOP prices are wrong on real GPUs (attention runs at about half the FLOP rate of the linear
-layers), and an offline calibration of kernels misses the rest of the training step (embedding,
-norms, loss over the vocabulary, recompute under activation checkpointing). The run's own timings
-have none of these gaps. :class:`CostLearner`:
+:class:`CostLearner` times each micro-batch's forward + backward on every rank (CUDA events, read a
+step later, no host synchronisation); every ``refit_every`` steps it gathers all ranks' timings
+(one small collective), fits the prices with :func:`~ringpack.cost_fit.fit_rank_times` and
+broadcasts rank 0's answer, so every rank holds bit-identical numbers; when the prices move enough,
+it tells the sampler to plan with them from a step no rank has handed out yet, so every rank
+switches at the same step and plans stay identical everywhere.
 
-1. times each micro-batch's forward + backward on every rank (:meth:`CostLearner.measure`: two
-   CUDA events, no host synchronisation; events are read one step later, when they are done);
-2. every ``refit_every`` steps gathers all ranks' timings (one small collective), fits the
-   coefficients by non-negative least squares (:func:`fit_rank_times`), and broadcasts rank 0's
-   answer so every rank holds bit-identical numbers;
-3. when the new prices differ enough from the current ones, tells the sampler to plan with them
-   from a step that no rank has handed to its loader yet (agreed by all-reduce), so every rank
-   switches at the same step and plans stay identical everywhere.
-
-CP ranks of a micro-batch that exchange K/V wait on each other every layer, so each of them
-measures about the time of the slowest: such a micro-batch gives one observation, the slowest
-rank's features against the longest time, the slowest rank being the one the current fit
-predicts (iterated to a fixed point). Micro-batches whose samples all stay on one rank give one
-observation per rank.
+It lives in the training layer, above the data loaders and below the integrations: it steers a
+:class:`~ringpack.data.BalancedBatchSampler` (through its public methods) and runs
+``torch.distributed`` collectives (torch is imported when it first times or fits), and the
+integrations' checkpoints store its state. The fit itself is pure numpy, on the ground floor next to
+the cost model (:mod:`ringpack.cost_fit`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import math
 import time
@@ -36,33 +27,25 @@ from typing import Any
 import numpy as np
 
 from ringpack._checks import is_finite, is_int, is_real
-from ringpack.analysis.calibration.fit import fit_nnls
-from ringpack.cost import CostModel, piece_pairs
+from ringpack.cost import CostModel
+from ringpack.cost_fit import (
+    MIN_SECONDS,
+    ROW,
+    FitResult,
+    fit_problem,
+    fit_rank_times,
+    microbatch_features,
+    price_change,
+    usable_rows,
+    without_microbatches,
+)
 from ringpack.errors import DataError, PlanError
 from ringpack.shard_plan import MicroBatch
 
-__all__ = [
-    "CostLearner",
-    "LearnerConfig",
-    "FitResult",
-    "fit_rank_times",
-    "microbatch_features",
-    "usable_rows",
-]
+__all__ = ["CostLearner", "LearnerConfig"]
 
 log = logging.getLogger(__name__)
 
-#: Columns of an observation row (float64): where it was measured, what the rank held, how long it took.
-ROW = ("step", "dp", "microbatch", "cp", "tokens", "pairs", "pieces", "coupled", "seconds")
-_FEATURES = slice(4, 7)
-#: a fitted term below this share of every observation's time is set to exactly zero
-NEGLIGIBLE = 1e-9
-#: The shortest time an observation may report. A micro-batch's forward + backward never takes less
-#: (CUDA events resolve about 0.5 us); a shorter time is a clock artefact, and dividing counts by it
-#: in the relative fit would overflow.
-MIN_SECONDS = 1e-9
-#: The largest count (tokens, pairs, pieces) an observation may hold: what a plan's int64 can count.
-MAX_COUNT = float(2**63)
 _STATE_VERSION = 1
 _STATE_KEYS = ("version", "step", "last_fit", "history", "rows", "unread", "open")
 _ENCODED = 9  # values of an encoded FitResult (_encode); states written before ``unusable`` hold 8
@@ -118,162 +101,6 @@ class LearnerConfig:
                 raise PlanError(f"LearnerConfig.{name} must be a finite number {low}, got {value!r}")
 
 
-@dataclass(frozen=True)
-class FitResult:
-    """A fitted model and how well it explains the observations it was fitted on.
-
-    ``model`` is in seconds per token / pair / piece (``unit="s"``); ``overhead`` the fitted seconds
-    per micro-batch and rank (equal on every rank, so the planner ignores it); ``rms_error`` and
-    ``max_error`` are relative; ``used`` / ``dropped`` count observations kept and outliers;
-    ``unusable`` counts rows left out before the fit (:func:`usable_rows`: a time or count that is
-    not finite, not positive or out of range, or another rank of the same coupled micro-batch with
-    one).
-    """
-
-    model: CostModel
-    overhead: float
-    rms_error: float
-    max_error: float
-    used: int
-    dropped: int
-    unusable: int = 0
-
-
-def microbatch_features(mb: MicroBatch) -> tuple[np.ndarray, bool]:
-    """``([cp, 3] float64 tokens/pairs/pieces of every CP rank, coupled)`` of one micro-batch.
-
-    ``coupled``: some sample has pieces on two ranks, so the ranks exchange K/V and wait on each other.
-    """
-    feats = np.zeros((len(mb.shards), 3))
-    owner: dict[int, int] = {}
-    coupled = False
-    for c, shard in enumerate(mb.shards):
-        starts = np.fromiter((p.start for p in shard.pieces), dtype=np.int64, count=len(shard.pieces))
-        stops = np.fromiter((p.stop for p in shard.pieces), dtype=np.int64, count=len(shard.pieces))
-        feats[c] = (stops - starts).sum(), piece_pairs(starts, stops).sum(), len(shard.pieces)
-        for p in shard.pieces:
-            coupled |= owner.setdefault(p.sample, c) != c
-    return feats, coupled
-
-
-def usable_rows(rows: np.ndarray) -> np.ndarray:
-    """Which observation rows a fit can use (``[n]`` bool).
-
-    A usable row is finite everywhere; its ``step``, ``dp``, ``microbatch`` and ``cp`` are whole
-    numbers in ``[0, MAX_COUNT)``, ``coupled`` is 0 or 1, its counts lie in ``[0, MAX_COUNT]`` and
-    its time is at least :data:`MIN_SECONDS`. Anything else (a time of 0, a negative time from a
-    clock that stepped back, NaN, infinity, a count that overflows the fit) is a bad observation.
-    A finite time that is merely far off (a clock that jumped ahead) is usable: the fit's outlier
-    guard drops it.
-
-    Args:
-        rows: ``[n, 9]`` float64 rows with the columns of :data:`ROW`.
-    """
-    rows = np.asarray(rows, dtype=np.float64).reshape(-1, len(ROW))
-    keys, feats = rows[:, :4], rows[:, _FEATURES]
-    return (
-        np.isfinite(rows).all(axis=1)
-        & ((keys >= 0) & (keys < MAX_COUNT) & (keys == np.floor(keys))).all(axis=1)
-        & ((rows[:, 7] == 0) | (rows[:, 7] == 1))
-        & ((feats >= 0) & (feats <= MAX_COUNT)).all(axis=1)
-        & (rows[:, 8] >= MIN_SECONDS)
-    )
-
-
-def _without_microbatches(rows: np.ndarray, keys: np.ndarray) -> np.ndarray:
-    """``[n]`` bool: rows that are not a coupled rank of one of the micro-batches ``keys`` (``[m, 3]``
-    finite step, dp, micro-batch). A coupled micro-batch is one observation of all its ranks: without
-    one rank's time, the others' cannot say which rank was slowest."""
-    if not len(keys):
-        return np.ones(len(rows), dtype=bool)
-    keys = np.asarray(keys, dtype=np.float64).reshape(-1, 3)
-    _, ids = np.unique(np.concatenate([keys, np.nan_to_num(rows[:, :3], nan=-1.0)]), axis=0, return_inverse=True)
-    ids = ids.reshape(-1)
-    return ~(np.isin(ids[len(keys) :], ids[: len(keys)]) & (rows[:, 7] != 0))
-
-
-def fit_rank_times(rows: np.ndarray, prior: CostModel, iterations: int = 6) -> FitResult | None:
-    """Fit ``seconds ~ token*tokens + pair*pairs + segment*pieces + overhead`` to observation rows.
-
-    Args:
-        rows: ``[n, 9]`` float64 rows with the columns of :data:`ROW` (any order; every rank of a
-            micro-batch present once). Rows :func:`usable_rows` refuses are left out, with every
-            other rank of their micro-batch when it is coupled, and counted in ``unusable``.
-        prior: the model in use; it picks the slowest rank of coupled micro-batches in the first
-            iteration.
-        iterations: fixed-point iterations over which rank of a coupled micro-batch is slowest.
-
-    Returns:
-        The fit, or ``None`` when there are fewer than five usable observations, or when the fit
-        prices both tokens and pairs at zero.
-        Deterministic: the same rows in any order give the same result.
-
-    Raises:
-        ValueError: ``rows`` is not an ``[n, 9]`` array of numbers.
-    """
-    rows = np.asarray(rows, dtype=np.float64)
-    if rows.ndim != 2 or rows.shape[1] != len(ROW):
-        raise ValueError(f"fit_rank_times: rows must be [n, {len(ROW)}] ({', '.join(ROW)}), got {rows.shape}")
-    ok = usable_rows(rows)
-    ok &= _without_microbatches(rows, rows[~ok & np.isfinite(rows[:, :3]).all(axis=1), :3])
-    unusable = int((~ok).sum())
-    rows = rows[ok]
-    rows = rows[np.lexsort(rows[:, ::-1].T)]  # canonical order: results do not depend on gather order
-    model, overhead = prior, 0.0
-    keep = np.ones(0, dtype=bool)
-    for _ in range(iterations):
-        feats, times = _observations(rows, model, overhead)
-        if len(times) < 5:
-            return None
-        keep = _inliers(feats, times, model, overhead) if keep.size == len(times) else np.ones(len(times), bool)
-        design = np.column_stack([feats[keep], np.ones(keep.sum())])
-        coef = fit_nnls(design, times[keep])
-        coef[(design * coef <= NEGLIGIBLE * times[keep, None]).all(axis=0)] = 0.0  # rounding residue, not a price
-        if not np.isfinite(coef).all() or (coef[0] == 0 and coef[1] == 0):
-            return None
-        new = CostModel(token=float(coef[0]), pair=float(coef[1]), segment=float(coef[2]), unit="s", name="learned")
-        settled = new == model and coef[3] == overhead
-        model, overhead = new, float(coef[3])
-        if settled:
-            break
-    feats, times = _observations(rows, model, overhead)
-    keep = _inliers(feats, times, model, overhead)
-    err = (model.cost(*feats[keep].T) + overhead) / times[keep] - 1
-    model = dataclasses.replace(model, microbatch=overhead)
-    return FitResult(
-        model,
-        overhead,
-        float(np.sqrt(np.mean(err**2))),
-        float(np.abs(err).max()),
-        int(keep.sum()),
-        int((~keep).sum()),
-        unusable,
-    )
-
-
-def _observations(rows: np.ndarray, model: CostModel, overhead: float) -> tuple[np.ndarray, np.ndarray]:
-    """Features and times to fit: every rank of an uncoupled micro-batch; the predicted slowest
-    rank of a coupled one, against the longest time any of its ranks measured."""
-    alone = rows[:, 7] == 0
-    feats, times = [rows[alone, _FEATURES]], [rows[alone, 8]]
-    coupled = rows[~alone]
-    if len(coupled):
-        keys = coupled[:, :3]
-        starts = np.flatnonzero(np.r_[True, (keys[1:] != keys[:-1]).any(axis=1)])
-        predicted = model.cost(*coupled[:, _FEATURES].T) + overhead
-        slowest = [s + int(np.argmax(predicted[s:e])) for s, e in zip(starts, np.r_[starts[1:], len(coupled)])]
-        feats.append(coupled[slowest, _FEATURES])
-        times.append(np.maximum.reduceat(coupled[:, 8], starts))
-    return np.concatenate(feats), np.concatenate(times)
-
-
-def _inliers(feats: np.ndarray, times: np.ndarray, model: CostModel, overhead: float) -> np.ndarray:
-    """Observations whose relative residual is within 4 robust sigmas (at least 5%) of the median."""
-    err = (model.cost(*feats.T) + overhead) / times - 1
-    mad = 1.4826 * np.median(np.abs(err - np.median(err)))
-    return np.abs(err - np.median(err)) <= max(4 * mad, 0.05)
-
-
 # ------------------------------------------------------------------------------------ the learner
 class _Timer:
     """Start/stop marks of one micro-batch: CUDA events on a GPU (read later, no sync), else the host clock."""
@@ -325,7 +152,7 @@ class CostLearner:
     The sampler's ``state_dict`` records every switch, so a resumed run plans exactly as this one did.
 
     A bad observation never stops the run: a time of 0, a negative one (a clock that stepped back),
-    NaN, infinity, or counts no fit can hold (:func:`usable_rows`) is left out of every fit, counted
+    NaN, infinity, or counts no fit can hold (:func:`~ringpack.cost_fit.usable_rows`) is left out of every fit, counted
     in :attr:`bad_observations` and logged once (a warning of this module's logger). When one rank
     of a coupled micro-batch has a bad time, the fits leave out the other ranks' times of it too.
     When numpy cannot fit the observations, the planner keeps its model (logged once). Every rank
@@ -492,7 +319,7 @@ class CostLearner:
         rows = np.asarray([r for part, _, _ in gathered for r in part], dtype=np.float64).reshape(-1, len(ROW))
         void = np.asarray([k for _, part, _ in gathered for k in part], dtype=np.float64).reshape(-1, 3)
         planned = max(p for _, _, p in gathered)
-        result = self._fit(rows[_without_microbatches(rows, void)])
+        result = self._fit(rows[without_microbatches(rows, void)])
         # a tensor where the group's backend can broadcast it (NCCL: the rank's current GPU)
         where = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" else "cpu"
         coef = torch.tensor(_encode(result), dtype=torch.float64, device=where)
@@ -507,7 +334,7 @@ class CostLearner:
         return result
 
     def _fit(self, rows: np.ndarray) -> FitResult | None:
-        """:func:`fit_rank_times` of the gathered rows, or ``None`` (logged once) when numpy cannot fit them."""
+        """The fit of the gathered rows; ``None`` (logged once) if numpy cannot fit them."""
         if not len(rows):
             return None
         try:
@@ -539,7 +366,7 @@ class CostLearner:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from :meth:`state_dict`'s ``state`` (of this rank).
 
-        Rows holding a bad observation (:func:`usable_rows`) are dropped, counted in
+        Rows holding a bad observation (:func:`~ringpack.cost_fit.usable_rows`) are dropped, counted in
         :attr:`bad_observations` and logged; nothing is installed unless the whole state is valid.
 
         Raises:
@@ -599,7 +426,7 @@ class CostLearner:
         return price_change(self.model, result.model) > cfg.min_change
 
 
-#: what a usable observation is (:func:`usable_rows`), for the log
+#: what a usable observation is (:func:`~ringpack.cost_fit.usable_rows`), for the log
 _USABLE = f"a time must be a finite number of seconds >= {MIN_SECONDS:g}, and counts finite numbers in [0, 2**63]"
 
 
@@ -654,35 +481,6 @@ def _state_history(history: Any) -> list[FitResult]:
         except ValueError as exc:  # a CostModel the fit could not have made
             raise DataError(f"CostLearner state history[{i}]: {exc}") from None
     return out
-
-
-def fit_problem(result: FitResult, max_error: float) -> str | None:
-    """Why the planner must not use ``result`` (one line), or ``None`` when it may.
-
-    A zero token or pair price means the observations could not tell the two apart (every rank
-    held the same tokens and pairs, as zigzag splits make them): such a fit explains the timings
-    but would price any other plan wrongly. A relative RMS error above ``max_error`` explains too
-    little.
-    """
-    m = result.model
-    if m.token <= 0 or m.pair <= 0:
-        return f"the fit prices {'tokens' if m.token <= 0 else 'attention pairs'} at zero"
-    if result.rms_error > max_error:
-        return f"the fit's error is {result.rms_error:.0%} RMS (at most {max_error:.0%})"
-    return None
-
-
-def price_change(old: CostModel, new: CostModel) -> float:
-    """How far ``new``'s relative prices (pair and piece, per token) move from ``old``'s (a fraction)."""
-
-    def ratios(m: CostModel) -> np.ndarray:
-        return np.array([m.pair, m.segment]) / m.token  # inf (or nan) for a free token: any change is total
-
-    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
-        a, b = ratios(old), ratios(new)
-        same = (a == b) | (np.isnan(a) & np.isnan(b))
-        change = np.where(same, 0.0, np.abs(b - a) / np.maximum(a, 1e-300))
-    return float(np.nan_to_num(change, nan=np.inf).max())
 
 
 def _encode(result: FitResult | None) -> Sequence[float]:

@@ -22,8 +22,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ringpack.cost import CostModel
+from ringpack.cost_fit import microbatch_features, usable_rows
 from ringpack.data import BalancedBatchSampler
-from ringpack.training.cost_learner import CostLearner, LearnerConfig, microbatch_features, usable_rows
+from ringpack.training.cost_learner import CostLearner, LearnerConfig
 from tests.helpers.cli import assert_clean, run_cli
 
 TRUTH = CostModel(token=2e-6, pair=1.5e-10, segment=3e-5, unit="s", name="truth")

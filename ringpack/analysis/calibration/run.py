@@ -97,9 +97,7 @@ from ringpack.analysis.calibration.fit import (
     REPORT_VERSION,
     Calibration,
     analyse,
-    fit_nnls,
     fit_profile,
-    nnls,
     pearson,
     profile_model,
     quality,
@@ -114,6 +112,7 @@ from ringpack.analysis.calibration.timing import (
     time_linear,
 )
 from ringpack.cost import PRESETS, CostModel, ModelShape
+from ringpack.cost_fit import fit_nnls, nnls
 
 # the public surface of calibration, re-exported here
 

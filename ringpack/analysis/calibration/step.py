@@ -16,7 +16,7 @@ what a rank really runs per micro-batch and fits the planner's cost model to it:
    the training backend; the remote K/V of split samples come from memory (compute only: the
    ring's transfers overlap the kernels in training, and the communication model prices them).
    CUDA events bracket each repetition; the host's launches are included, as training pays them.
-3. **Fit.** :func:`~ringpack.training.cost_learner.fit_rank_times`, the run-time learner's
+3. **Fit.** :func:`~ringpack.cost_fit.fit_rank_times`, the run-time learner's
    non-negative least squares with its outlier guard: ``seconds ~ token*tokens + pair*pairs +
    segment*pieces + microbatch``.
 4. **Held out.** Mixes with seeds the fit never saw, every rank shard's and every micro-batch's
@@ -44,17 +44,10 @@ import numpy as np
 from ringpack._checks import is_int
 from ringpack.analysis.calibration.cases import Case, microbatch_geometry, rank_cases
 from ringpack.cost import PRESETS, CostModel, ModelShape
+from ringpack.cost_fit import ROW, FitResult, fit_problem, fit_rank_times, microbatch_features, usable_rows
 from ringpack.errors import DataError, PlanError
 from ringpack.shard_plan import PlanConfig, Step
-from ringpack.training.cost_learner import (
-    ROW,
-    FitResult,
-    LearnerConfig,
-    fit_problem,
-    fit_rank_times,
-    microbatch_features,
-    usable_rows,
-)
+from ringpack.training.cost_learner import LearnerConfig
 
 __all__ = [
     "StepCalibrationConfig",
@@ -530,7 +523,7 @@ def _time_cases(
 
 
 def _fit_rows(rows: Sequence[dict[str, Any]]) -> np.ndarray:
-    """The learner's observation rows (:data:`~ringpack.training.cost_learner.ROW`): each shard alone."""
+    """The learner's observation rows (:data:`~ringpack.cost_fit.ROW`): each shard alone."""
     out = np.zeros((len(rows), len(ROW)))
     for i, r in enumerate(rows):
         out[i] = (0, 0, r["microbatch"], r["rank"], r["tokens"], r["pairs"], r["pieces"], 0, r["seconds"])

@@ -22,9 +22,9 @@ from ringpack.analysis.calibration.step import (
     step_cases,
 )
 from ringpack.cost import PRESETS, CostModel
+from ringpack.cost_fit import microbatch_features
 from ringpack.errors import DataError, PlanError
 from ringpack.shard_plan import Piece, Step, microbatch_from_shards
-from ringpack.training.cost_learner import microbatch_features
 from tests.helpers.cli import run_cli
 
 TRUTH = CostModel(token=3e-6, pair=4e-10, segment=2e-5, unit="s", name="truth", microbatch=5e-3)
