@@ -8,7 +8,7 @@ import sys
 import ringpack
 
 PUBLIC = {
-    "plan": "ringpack",
+    "plan": "ringpack.planner.api",
     "make_plan": "ringpack.planner.epoch",
     "Plan": "ringpack.shard_plan",
     "PlanConfig": "ringpack.shard_plan",
