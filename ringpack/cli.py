@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -20,15 +21,44 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
+import numpy as np
+
+from ringpack import __version__
 from ringpack._hints import command_line_hints
-from ringpack.cost import MAX_SAMPLE_TOKENS
+from ringpack.analysis import demo
+from ringpack.analysis.calibration import run as calibration
+from ringpack.analysis.calibration.cases import GRIDS
+from ringpack.analysis.calibration.step import run_step
+from ringpack.analysis.calibration.timing import TIMERS
+from ringpack.analysis.comm_model import LINKS, CommModel
+from ringpack.analysis.metrics import plan_label
+from ringpack.analysis.peer_runner import PEERS, parse_peers, peer_rows
+from ringpack.analysis.plots import default_rank_step
+from ringpack.analysis.report import (
+    build_report,
+    format_ranks,
+    format_table,
+    plan_strategies,
+    result_of_plan,
+    write_report,
+)
+from ringpack.analysis.robustness import PRICE_FACTORS, imbalance_across_prices
+from ringpack.analysis.simulate import SIM_VARIANTS, format_modes, simulate, synthetic_lengths
+from ringpack.cost import MAX_SAMPLE_TOKENS, PRESETS, CostModel
+from ringpack.data.corpus import stdlib_corpus
+from ringpack.data.shard_reader import ShardReader
+from ringpack.data.shard_writer import check_out_dir, write_shards
+from ringpack.data.sources import SOURCES, load_source, tokenize_dataset
+from ringpack.errors import DataError
 from ringpack.lengths import FORMATS as LENGTHS_FORMATS
-from ringpack.shard_plan import MAX_CP, MAX_DP, OVERFLOW_POLICIES, PACKINGS, STRATEGIES
-
-if TYPE_CHECKING:
-    import numpy as np
+from ringpack.lengths import lengths_from_file
+from ringpack.planner.bounds import plan_costs
+from ringpack.planner.epoch import make_plan
+from ringpack.progress import Progress
+from ringpack.shard_plan import MAX_CP, MAX_DP, OVERFLOW_POLICIES, PACKINGS, STRATEGIES, Plan, PlanConfig
+from ringpack.traffic import plan_kv_traffic
 
 #: ``add_plan_arguments``: the flag has no default and must be given.
 REQUIRED: Any = object()
@@ -223,8 +253,6 @@ def _price_range(text: str) -> tuple[float, float]:
 
 def cost_model_from_arg(value: str, flag: str = "--model"):
     """The ``CostModel`` a flag names: a preset name, or the path of a calibrated profile JSON."""
-    from ringpack.cost import PRESETS, CostModel
-
     if value in PRESETS:
         return CostModel.preset(value)
     if Path(value).is_file():
@@ -247,8 +275,6 @@ def plan_config_from_args(args: argparse.Namespace, **overrides: Any):
     Fields whose flag the command did not declare keep ``PlanConfig``'s default; ``cost`` comes
     from :func:`cost_model_from_args` unless overridden.
     """
-    from ringpack.shard_plan import PlanConfig
-
     given = vars(args)
     fields = {name: given[dest] for name, dest in _CONFIG_FLAGS if dest in given and name not in overrides}
     if "cost" not in overrides:
@@ -270,8 +296,6 @@ def add_quiet_argument(parser: Any, *aliases: str) -> None:
 
 def progress(args: argparse.Namespace, desc: str, unit: str, total: int | None = None):
     """A :class:`~ringpack.progress.Progress` on stderr, off with ``--quiet`` or ``--json -``."""
-    from ringpack.progress import Progress
-
     quiet = getattr(args, "quiet", False) or getattr(args, "json", None) == "-"
     return Progress(desc, unit, total, enabled=not quiet)
 
@@ -289,9 +313,6 @@ def lengths_from_flag(path: str, column: str | None = None, flag: str = "--lengt
         DataError: an unreadable file, a bad length (the sample named) or no samples at all.
         FileNotFoundError: no file at ``path``.
     """
-    from ringpack.errors import DataError
-    from ringpack.lengths import lengths_from_file
-
     lengths = lengths_from_file(path, column)
     if not lengths.size:
         raise DataError(f"{flag} {path} holds no samples")
@@ -339,12 +360,6 @@ def _add_plan_command(subparsers: argparse._SubParsersAction) -> None:
 
 def summarize(plan) -> dict:
     """Summary numbers of a plan: what ``ringpack plan`` prints (``--json``: as they are)."""
-    import numpy as np
-
-    from ringpack.analysis.robustness import PRICE_FACTORS, imbalance_across_prices
-    from ringpack.planner.bounds import plan_costs
-    from ringpack.traffic import plan_kv_traffic
-
     costs = plan_costs(plan)
     kv = plan_kv_traffic(plan)
     per_step_unique = np.bincount(kv["step"], weights=kv["unique"], minlength=plan.num_steps)
@@ -365,8 +380,6 @@ def summarize(plan) -> dict:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from ringpack.planner.epoch import make_plan
-
     check_output_file(args.out, "--out", inputs=[args.lengths, args.cost_profile, args.model])
     lengths = lengths_from_flag(args.lengths, args.column)
     config = plan_config_from_args(args)
@@ -467,15 +480,10 @@ def _add_shard_command(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _shard_sources() -> str:
-    from ringpack.data.sources import SOURCES
-
     return SOURCES + " (a .npy file holds lengths, not tokens: plan it with `ringpack plan --lengths`)"
 
 
 def run_shard(args: argparse.Namespace) -> int:
-    from ringpack.data.shard_writer import check_out_dir, write_shards
-    from ringpack.data.sources import load_source
-
     check_out_dir(args.out, [args.dataset])
     config = plan_config_from_args(args)
     with _datasets_progress(not args.quiet):
@@ -568,8 +576,6 @@ def _token_dataset(args: argparse.Namespace, ds: Any) -> tuple[Any, dict[str, st
     Raises:
         ValueError: ``--vocab-size`` with ``--tokenizer``, or no column to take ids from.
     """
-    from ringpack.data.sources import tokenize_dataset
-
     if args.column in ds.column_names:
         given = [flag for flag, dest in _TOKENIZING_FLAGS if getattr(args, dest) is not None]
         if given:
@@ -770,8 +776,6 @@ def add_variant_plan_arguments(
 
 
 def add_comm_arguments(p: argparse.ArgumentParser, modes: str = "ring") -> None:
-    from ringpack.analysis.comm_model import LINKS
-
     g = p.add_argument_group("communication model")
     g.add_argument(
         "--link", default="nvlink", choices=sorted(LINKS), help="link preset for CP traffic (default nvlink)"
@@ -801,8 +805,6 @@ def _list(text: str, allowed: tuple[str, ...], what: str) -> list[str]:
 
 def cost_model(args: argparse.Namespace):
     """The planner's cost model (:func:`cost_model_from_args`), a FLOP one at ``--tflops``."""
-    import dataclasses
-
     model = cost_model_from_args(args)
     if model.unit == "flop":
         model = dataclasses.replace(model, flops_per_second=args.tflops * 1e12)
@@ -810,8 +812,6 @@ def cost_model(args: argparse.Namespace):
 
 
 def comm_models(args: argparse.Namespace, model) -> list:
-    from ringpack.analysis.comm_model import CommModel
-
     modes = _list(args.modes, ("ring", "allgather"), "modes")
     bw = None if args.bandwidth is None else args.bandwidth * 1e9
     lat = None if args.latency_us is None else args.latency_us * 1e-6
@@ -820,8 +820,6 @@ def comm_models(args: argparse.Namespace, model) -> list:
 
 def variants(args: argparse.Namespace) -> list[tuple[str, str]]:
     if args.strategies is None and args.packings is None:
-        from ringpack.analysis.simulate import SIM_VARIANTS
-
         return list(SIM_VARIANTS)
     strategies = _list(args.strategies or ",".join(STRATEGIES), STRATEGIES, "strategies")
     packings = _list(args.packings or ",".join(PACKINGS), PACKINGS, "packings")
@@ -830,8 +828,6 @@ def variants(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 def peer_names(args: argparse.Namespace) -> list[str]:
     """``--peers`` resolved: every peer by default, ``none`` for none."""
-    from ringpack.analysis.peer_runner import PEERS, parse_peers
-
     return list(PEERS) if args.peers is None else parse_peers(args.peers)
 
 
@@ -841,8 +837,6 @@ def plan_from_manifest(path: str):
     Read through :class:`~ringpack.data.shard_reader.ShardReader`, which checks the plan file's
     checksum and hash against the manifest.
     """
-    from ringpack.data.shard_reader import ShardReader
-
     folder = Path(path)
     if folder.is_file():
         folder = folder.parent
@@ -857,8 +851,6 @@ def check_outputs(args: argparse.Namespace, inputs: Sequence[str | None]) -> Non
 
 
 def _emit(doc: dict[str, Any], args: argparse.Namespace, table: str, rank_step: int | None = None) -> None:
-    from ringpack.analysis.report import write_report
-
     to_stdout = args.json == "-"
     if args.json and not to_stdout:
         Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
@@ -874,11 +866,6 @@ def _emit(doc: dict[str, Any], args: argparse.Namespace, table: str, rank_step: 
 
 # ------------------------------------------------------------------------------------------ report
 def run_report(args: argparse.Namespace) -> int:
-    import numpy as np
-
-    from ringpack.analysis.report import build_report, format_ranks, format_table, plan_strategies, result_of_plan
-    from ringpack.shard_plan import Plan
-
     sources = sum(bool(x) for x in (args.plans, args.manifest, args.lengths, args.corpus))
     if sources != 1:
         raise ValueError("give exactly one input: plan files, --manifest, --lengths or --corpus stdlib")
@@ -914,15 +901,11 @@ def run_report(args: argparse.Namespace) -> int:
             bar.update(1)
     rows = []
     if peers:
-        from ringpack.analysis.peer_runner import peer_rows
-
         rows = peer_rows(lengths, config, comms[0], peers)
     doc = build_report(results, lengths=lengths, baseline=args.baseline, peers=rows)
     step = args.step
     if step is not None and not all(0 <= step < p.num_steps for p in plans):
         raise ValueError(f"--step {step} is outside some plan's steps")
-    from ringpack.analysis.plots import default_rank_step
-
     shown = default_rank_step(doc) if step is None else step
     table = format_table(doc, steps_shown=args.steps_shown)
     table += "\n\n" + format_ranks(doc, doc["baseline"], shown)
@@ -934,8 +917,6 @@ def run_report(args: argparse.Namespace) -> int:
 
 
 def _unique_names(plans) -> list[str]:
-    from ringpack.analysis.metrics import plan_label
-
     names = [plan_label(p.config) for p in plans]
     seen: dict[str, int] = {}
     out = []
@@ -946,15 +927,11 @@ def _unique_names(plans) -> list[str]:
 
 
 def _corpus_lengths() -> np.ndarray:
-    from ringpack.data.corpus import stdlib_corpus
-
     return stdlib_corpus().lengths
 
 
 # ---------------------------------------------------------------------------------------- simulate
 def run_simulate(args: argparse.Namespace) -> int:
-    from ringpack.analysis.simulate import synthetic_lengths
-
     t0 = time.perf_counter()
     check_column_has_lengths(args, "drawn lengths (--dist)")
     drawn = drawn_lengths(args)
@@ -991,9 +968,6 @@ def _simulate_shape(
     args: argparse.Namespace, lengths: np.ndarray, dp: int, model: Any, comms: list, out: Path
 ) -> dict[str, Any]:
     """Simulate one cluster shape (``dp`` x ``--cp``), write its report to ``out`` and print its tables."""
-    from ringpack.analysis.report import format_table, write_report
-    from ringpack.analysis.simulate import format_modes, simulate
-
     batch_tokens = args.global_batch_tokens or dp * args.cp * args.tokens_per_rank
     per_step = args.samples_per_step or max(dp, int(batch_tokens / float(lengths.mean())))
     config = plan_config_from_args(args, dp=dp, samples_per_step=per_step, cost=model)
@@ -1026,10 +1000,6 @@ def _simulate_shape(
 
 def _add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``ringpack calibrate``."""
-    from ringpack.analysis.calibration.cases import GRIDS
-    from ringpack.analysis.calibration.timing import TIMERS
-    from ringpack.cost import PRESETS
-
     p.add_argument(
         "--out", default="ringpack-profile.json", help="profile JSON to write (default ringpack-profile.json)"
     )
@@ -1130,8 +1100,6 @@ def _add_demo_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
-    from ringpack.analysis.calibration.run import run
-
     if args.refit and not Path(args.refit).is_file():
         raise FileNotFoundError(f"--refit: no calibration report at {args.refit}")
     other_scope = STEP_SCOPE_FLAGS if args.scope == "kernels" else KERNEL_SCOPE_FLAGS
@@ -1143,17 +1111,13 @@ def run_calibrate(args: argparse.Namespace) -> int:
     if args.scope == "step":
         if not args.model:
             raise ValueError("--scope step needs --model: a preset or a transformers config file or folder")
-        from ringpack.analysis.calibration.step import run_step
-
         return run_step(args)
-    return run(args)
+    return calibration.run(args)
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from ringpack.analysis.demo import run
-
     check_output_folder(args.out)
-    return run(args)
+    return demo.run(args)
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -1165,8 +1129,6 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ringpack import __version__
-
     parser = OneLineErrorParser(
         prog="ringpack",
         description="Cost-balanced packing and DP x CP sharding of variable-length samples, and its analysis.",

@@ -21,7 +21,20 @@ from typing import Any
 
 import numpy as np
 
-from ringpack.analysis.report import DEFAULT_VARIANTS
+from ringpack.analysis import plots, ringcheck
+from ringpack.analysis.comm_model import CommModel
+from ringpack.analysis.report import (
+    DEFAULT_VARIANTS,
+    build_report,
+    format_ranks,
+    format_table,
+    result_of_plan,
+    write_report,
+)
+from ringpack.cost import CostModel
+from ringpack.data.corpus import stdlib_corpus
+from ringpack.planner import make_plan
+from ringpack.shard_plan import PlanConfig
 
 __all__ = ["run"]
 
@@ -31,10 +44,6 @@ _FIXED_STAGES = 1 + 1 + 4
 
 def run(args: argparse.Namespace) -> int:
     """``ringpack demo``: exit 0, or 1 when the ring check finds a mismatch."""
-    from ringpack.analysis import plots
-    from ringpack.analysis.report import write_report
-    from ringpack.data.corpus import stdlib_corpus
-
     t0 = time.perf_counter()
     check = not args.no_ring_check
     bar = _progress_bar(args, total=_FIXED_STAGES + len(DEFAULT_VARIANTS) + int(check))
@@ -92,12 +101,6 @@ class _PlotProgress:
 
 def _plan_and_report(args: argparse.Namespace, lengths: np.ndarray, corpus: Any, bar: Any) -> dict[str, Any]:
     """Plan ``lengths`` with every default variant and build the report document."""
-    from ringpack.analysis.comm_model import CommModel
-    from ringpack.analysis.report import build_report, result_of_plan
-    from ringpack.cost import CostModel
-    from ringpack.planner import make_plan
-    from ringpack.shard_plan import PlanConfig
-
     model = dataclasses.replace(CostModel.preset(args.model), flops_per_second=args.tflops * 1e12)
     config = PlanConfig(
         dp=args.dp,
@@ -132,8 +135,6 @@ def _samples_per_step(args: argparse.Namespace, lengths: np.ndarray) -> int:
 
 def _print_results(args: argparse.Namespace, doc: dict[str, Any], corpus: Any, samples: int, step: int) -> None:
     """The corpus and planning lines, the summary table and the per-GPU grids of two plans."""
-    from ringpack.analysis.report import format_ranks, format_table
-
     print(
         f"corpus: {samples} standard-library files under {corpus.root} ({corpus.counter})"
         + (" [--quick: a 300-file subset]" if args.quick else "")
@@ -168,8 +169,6 @@ def _print_ring_check(ring: Any, note: str) -> None:
 def _ring_check(lengths: np.ndarray, seed: int) -> tuple[Any, str]:
     """(result, note): the 2-process check, or why it did not run."""
     import torch
-
-    from ringpack.analysis import ringcheck
 
     if torch.cuda.is_available():
         return None, "skipped: a GPU is present (the GPU test suite checks the runtime there)"

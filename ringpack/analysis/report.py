@@ -13,6 +13,7 @@ compared without re-planning. Its keys are listed in :data:`SUMMARY_KEYS` and :d
 from __future__ import annotations
 
 import base64
+import dataclasses
 import html
 import json
 import re
@@ -24,9 +25,11 @@ from urllib.parse import quote
 
 import numpy as np
 
+from ringpack.analysis import plots as plotting
 from ringpack.analysis.comm_model import CommModel, microbatch_seconds
 from ringpack.analysis.metrics import PlanMetrics, evaluate_plan
 from ringpack.analysis.robustness import imbalance_across_prices
+from ringpack.planner import make_plan
 from ringpack.shard_plan import PACKINGS, STRATEGIES
 
 __all__ = [
@@ -543,8 +546,6 @@ def write_report(
     paths["json"].write_text(json.dumps(doc, indent=1) + "\n")
     figures: dict[str, Path] = {}
     if plots:
-        from ringpack.analysis import plots as plotting
-
         figures = plotting.draw_all({**doc, "plans": _rows(doc)}, out, rank_step=rank_step, progress=progress)
         paths.update(figures)
     paths["html"] = out / "report.html"
@@ -624,10 +625,6 @@ def plan_strategies(
 
     ``progress``: a :class:`~ringpack.progress.Progress` counting the steps planned over all variants.
     """
-    import dataclasses
-
-    from ringpack.planner import make_plan
-
     plans = []
     for k, (strategy, packing) in enumerate(variants):
         cfg = dataclasses.replace(config, strategy=strategy, packing=packing)

@@ -53,6 +53,9 @@ from typing import Any
 import numpy as np
 
 from ringpack._checks import is_int
+from ringpack.attention import compile_schedule
+from ringpack.attention.api import mesh_dimension
+from ringpack.attention.schedule import check_dense_options
 from ringpack.data.sampler import MicroBatchTicket
 from ringpack.lengths import DataError, is_dataset
 from ringpack.shard_plan import MicroBatch
@@ -227,8 +230,6 @@ def check_schedule_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
     unknown = sorted(set(options) - set(SCHEDULE_OPTIONS), key=str)
     if unknown:
         raise DataError(f"schedule_options: unknown schedule option(s) {unknown}; choose from {list(SCHEDULE_OPTIONS)}")
-    from ringpack.attention.schedule import check_dense_options
-
     try:
         check_dense_options(**options)
     except ValueError as exc:
@@ -245,8 +246,6 @@ def check_schedule_flag(schedule: Any) -> None:
 def _schedule(microbatch: MicroBatch, cp_rank: int, mode: Any, options: Mapping[str, Any] | None = None) -> Any:
     if mode is False or mode is None:
         return None
-    from ringpack.attention import compile_schedule
-
     return compile_schedule(microbatch, cp_rank, **(options or {}))
 
 
@@ -347,8 +346,6 @@ class PackedCollator:
             DataError: not a DeviceMesh, no dimension ``cp_dim``, a 1-D mesh of another dimension
                 (``mesh["dp"]``), or a bad option.
         """
-        from ringpack.attention.api import mesh_dimension
-
         sub = mesh_dimension(mesh, cp_dim)
         return cls(sub.get_local_rank(), sub.size(), **options)
 

@@ -50,6 +50,7 @@ from ringpack.cost import CostModel
 from ringpack.errors import PlanError
 from ringpack.lengths import DataError, sample_lengths
 from ringpack.mesh import mesh_coordinates
+from ringpack.planner import make_plan
 from ringpack.shard_plan import MicroBatch, Piece, Plan, PlanConfig, RankShard
 
 __all__ = ["BalancedBatchSampler", "MicroBatchTicket", "STATE_VERSION", "check_plan_options"]
@@ -283,8 +284,6 @@ class BalancedBatchSampler(_SamplerBase):
         return self._plans[epoch]
 
     def _spliced_plan(self, epoch: int) -> Plan:
-        from ringpack.planner import make_plan
-
         def planned(cost: CostModel) -> Plan:
             return make_plan(self.lengths, dataclasses.replace(self.config, epoch=epoch, cost=cost))
 

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from ringpack.analysis.calibration.cases import Case
+from ringpack.attention.schedule import compile_schedule
 from ringpack.cost import piece_pairs
 
 # the profile model: what the planner's CostModel prices (tokens, pairs, pieces) plus two constants
@@ -143,8 +144,6 @@ _SCHEDULES: dict[tuple[int, EngineSettings], tuple[Case, Any]] = {}
 
 def compiled_schedule(case: Case, settings: EngineSettings = EngineSettings()) -> Any:
     """The case's compiled schedule (CPU, torch), compiled once per case object and settings."""
-    from ringpack.attention.schedule import compile_schedule
-
     key = (id(case), settings)
     hit = _SCHEDULES.get(key)
     if hit is None or hit[0] is not case:

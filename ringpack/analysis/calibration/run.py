@@ -111,6 +111,7 @@ from ringpack.analysis.calibration.timing import (
     time_case,
     time_linear,
 )
+from ringpack.attention.kernels import HYBRID_BACKENDS, resolve_backend
 from ringpack.cost import PRESETS, CostModel, ModelShape
 from ringpack.cost_fit import fit_nnls, nnls
 
@@ -221,8 +222,6 @@ def calibrate(
     Raises:
         ValueError: ``mode="linear"`` without a model, or timings without signal.
     """
-    from ringpack.attention.kernels import HYBRID_BACKENDS
-
     if settings.mode == "linear" and model is None:
         raise ValueError("mode 'linear' needs a model shape for the linear layers' GEMMs")
     setup = _timing_setup(shape, settings)
@@ -252,8 +251,6 @@ def calibrate(
 def _timing_setup(shape: AttentionShape, settings: CalibrationSettings) -> TimingSetup:
     """The device, dtype, resolved backend, clock and input generator ``settings`` ask for."""
     import torch
-
-    from ringpack.attention.kernels import resolve_backend
 
     device = torch.device(settings.device)
     dtype = settings.dtype
@@ -327,8 +324,6 @@ def refit(report: dict[str, Any]) -> Calibration:
     Raises:
         ValueError: a report of another format version.
     """
-    from ringpack.attention.kernels import HYBRID_BACKENDS
-
     version = report.get("version", 1)
     if version != REPORT_VERSION:
         raise ValueError(

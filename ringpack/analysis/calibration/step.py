@@ -43,9 +43,16 @@ import numpy as np
 
 from ringpack._checks import is_int
 from ringpack.analysis.calibration.cases import Case, microbatch_geometry, rank_cases
+from ringpack.analysis.calibration.features import compiled_schedule
+from ringpack.analysis.calibration.run import check_outputs, write_outputs
+from ringpack.analysis.calibration.timing import AttentionShape, Clock, compute_only_transport, device_name
+from ringpack.attention.kernels import resolve_backend
+from ringpack.attention.ring import ContextParallelAttention
 from ringpack.cost import PRESETS, CostModel, ModelShape
 from ringpack.cost_fit import ROW, FitResult, fit_problem, fit_rank_times, microbatch_features, usable_rows
 from ringpack.errors import DataError, PlanError
+from ringpack.integrations.transformers import causal_lm_loss_sum
+from ringpack.planner import make_plan
 from ringpack.shard_plan import PlanConfig, Step
 from ringpack.training.cost_learner import LearnerConfig
 
@@ -237,8 +244,6 @@ def length_mix(seed: int, total: int, max_len: int) -> np.ndarray:
 
 def step_cases(config: StepCalibrationConfig, seed: int, cost: CostModel) -> list[Case]:
     """Every rank shard timed for one length mix: the first micro-batches of each :data:`PLAN_SHAPES` plan."""
-    from ringpack.planner import make_plan
-
     max_len = config.max_len or config.tokens_per_rank
     cases: list[Case] = []
     for label, cp, options, fraction in PLAN_SHAPES:
@@ -356,8 +361,6 @@ def _compute_only_attention(
     **kwargs: Any,
 ) -> tuple[Any, None]:
     """transformers' attention function of the timed model: ringpack's engine, remote K/V from memory."""
-    from ringpack.attention.ring import ContextParallelAttention
-
     q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))
     scale = q.shape[-1] ** -0.5 if scaling is None else float(scaling)
     out = ContextParallelAttention.apply(
@@ -372,9 +375,6 @@ class ModelStepTimer:
     def __init__(self, config: StepCalibrationConfig) -> None:
         import torch
         from transformers import AttentionInterface, AutoModelForCausalLM
-
-        from ringpack.analysis.calibration.timing import AttentionShape, Clock
-        from ringpack.attention.kernels import resolve_backend
 
         self.device = torch.device(config.device)
         dtype = config.dtype or ("bf16" if self.device.type == "cuda" else "fp32")
@@ -405,10 +405,6 @@ class ModelStepTimer:
     def __call__(self, case: Case) -> float:
         """Median seconds of the shard's forward + summed loss + backward."""
         import torch
-
-        from ringpack.analysis.calibration.features import compiled_schedule
-        from ringpack.analysis.calibration.timing import compute_only_transport
-        from ringpack.integrations.transformers import causal_lm_loss_sum
 
         schedule = compiled_schedule(case).to(self.device)
         transport = compute_only_transport(schedule, self.heads, self.dtype, self.generator)
@@ -574,8 +570,6 @@ def _meta(config: StepCalibrationConfig, timer: Any, shape: ModelShape, wall_s: 
     if isinstance(timer, ModelStepTimer):
         import torch
 
-        from ringpack.analysis.calibration.timing import device_name
-
         meta.update(
             device=device_name(timer.device),
             backend=timer.backend,
@@ -619,8 +613,6 @@ def predicted_busy(step: Step, model: CostModel) -> np.ndarray:
 def run_step(args: Any) -> int:
     """``ringpack calibrate --scope step``: exit 0 with the profile and report written, 2 without a usable device."""
     import torch
-
-    from ringpack.analysis.calibration.run import check_outputs, write_outputs
 
     check_outputs(args)  # before minutes of timing, not after
     if args.device == "cuda" and not torch.cuda.is_available():
