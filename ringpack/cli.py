@@ -58,6 +58,7 @@ from ringpack.planner.bounds import plan_costs
 from ringpack.planner.epoch import make_plan
 from ringpack.progress import Progress
 from ringpack.shard_plan import MAX_CP, MAX_DP, OVERFLOW_POLICIES, PACKINGS, STRATEGIES, Plan, PlanConfig
+from ringpack.tokenizer import NO_SPECIAL_TOKENS, TOKENIZERS
 from ringpack.traffic import plan_kv_traffic
 
 #: ``add_plan_arguments``: the flag has no default and must be given.
@@ -456,7 +457,7 @@ def _add_shard_command(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--tokenizer",
         default=None,
-        help="Hugging Face tokenizer.json (or its folder); default: the regex tokenizer with hashed ids" + tokenizing,
+        help=f"{TOKENIZERS}; {NO_SPECIAL_TOKENS}; default: the regex tokenizer with hashed ids" + tokenizing,
     )
     p.add_argument(
         "--vocab-size",
@@ -1080,7 +1081,7 @@ def _add_step_calibrate_arguments(p: argparse.ArgumentParser) -> None:
 
 def _add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="demo-out", help="folder for the report, JSON and plots (default demo-out/)")
-    p.add_argument("--tokenizer", help="Hugging Face tokenizer.json (or its folder) for exact token counts")
+    p.add_argument("--tokenizer", help=f"for exact token counts: {TOKENIZERS}; {NO_SPECIAL_TOKENS}")
     p.add_argument("--dp", type=DP_SIZE, default=4, help="data-parallel ranks (default 4)")
     p.add_argument("--cp", type=CP_SIZE, default=4, help="context-parallel ranks per micro-batch (default 4)")
     p.add_argument("--tokens-per-rank", type=TOKENS, default=32768, help="token budget per CP rank (default 32768)")

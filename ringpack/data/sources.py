@@ -19,31 +19,32 @@ from typing import Any
 from ringpack._hints import on_command_line, option
 from ringpack.errors import DataError
 from ringpack.lengths import read_arrow_table
-from ringpack.tokenizer import load_tokenizer, regex_token_ids
+from ringpack.tokenizer import load_tokenizer, regex_token_ids, token_encoder
 
 __all__ = ["SOURCES", "load_source", "tokenize_dataset"]
 
 
 class _TokenizeMap:
-    """Picklable batched ``map`` function: texts -> ``input_ids`` (regex-hash ids or a tokenizer.json)."""
+    """Picklable batched ``map`` function: texts -> ``input_ids`` (regex-hash ids, or a tokenizer's, no special tokens).
 
-    def __init__(self, tokenizer: Any, vocab_size: int, column: str) -> None:
+    ``loaded``: the tokenizer already read from ``tokenizer`` (not pickled: each worker reads its own).
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, column: str, loaded: Any = None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.column = column
-        self._tok = None
+        self._encode = None if loaded is None else token_encoder(loaded)
 
     def __getstate__(self) -> dict:
-        return {"tokenizer": self.tokenizer, "vocab_size": self.vocab_size, "column": self.column, "_tok": None}
+        return {"tokenizer": self.tokenizer, "vocab_size": self.vocab_size, "column": self.column, "_encode": None}
 
     def __call__(self, texts: list[str]) -> dict[str, list[list[int]]]:
         if self.tokenizer in (None, "regex"):
             return {self.column: [regex_token_ids(t, self.vocab_size) for t in texts]}
-        if self._tok is None:
-            self._tok = load_tokenizer(self.tokenizer)
-        return {
-            self.column: [e.ids for e in self._tok.encode_batch([t or "" for t in texts], add_special_tokens=False)]
-        }
+        if self._encode is None:
+            self._encode = token_encoder(load_tokenizer(self.tokenizer))
+        return {self.column: self._encode([t or "" for t in texts])}
 
 
 def tokenize_dataset(
@@ -58,17 +59,28 @@ def tokenize_dataset(
 ) -> Any:
     """Add a token-id column to a ``datasets.Dataset`` from ``text_column`` (batched ``map``, ``num_proc``).
 
-    ``tokenizer``: ``None`` / ``"regex"`` (hashed regex ids below ``vocab_size``) or a Hugging Face
-    ``tokenizer.json`` path or folder, read here first so a bad file is refused before any work
-    (:func:`ringpack.tokenizer.load_tokenizer`: ``FileNotFoundError`` or a :class:`DataError`
-    naming it).
+    Args:
+        ds: the dataset.
+        text_column: the column of texts.
+        tokenizer: ``None`` / ``"regex"`` (hashed regex ids below ``vocab_size``), or what
+            :func:`ringpack.tokenizer.load_tokenizer` reads (a ``tokenizer.json`` file or folder, a
+            ``save_pretrained`` folder, a Hub name), read here first so a bad one is refused before
+            any work. No BOS, EOS or other special token is added: the ids are each text's alone.
+        column: the token-id column to add.
+        vocab_size, num_proc, batch_size: the regex ids' range, the ``map``'s processes and batch size.
+
+    Returns:
+        The dataset with ``column``.
+
+    Raises:
+        DataError: no ``text_column``; a tokenizer file or folder that cannot be read (named).
+        FileNotFoundError: a tokenizer that is nowhere (the message says what to pass).
     """
     if text_column not in ds.column_names:
         raise DataError(f"dataset has no column {text_column!r}; its columns are {list(ds.column_names)}")
-    if tokenizer not in (None, "regex"):
-        load_tokenizer(tokenizer)
+    loaded = None if tokenizer in (None, "regex") else load_tokenizer(tokenizer)
     return ds.map(
-        _TokenizeMap(tokenizer, vocab_size, column),
+        _TokenizeMap(tokenizer, vocab_size, column, loaded),
         input_columns=[text_column],
         batched=True,
         batch_size=batch_size,
