@@ -2,14 +2,12 @@
 
 :func:`atomic_write` creates its temporary file with ``O_CREAT | O_EXCL | O_NOFOLLOW`` under an
 unpredictable name (``.NAME.<16 hex>.tmp`` next to the target), so a planted file or symbolic link
-is never written through, and a reader never sees a half-written target: it is either the old file
-or the new one. :func:`temp_target` recognises these names, so cleanup removes only temporaries
-of files a caller owns.
-
-Reading: a folder ringpack writes (a shard directory) never holds a link, so its files are checked
-with :func:`refuse_link` and opened with :func:`open_regular` (``O_NOFOLLOW``): a link planted
-there is refused, never followed, so nothing outside the folder is read; :func:`file_sha256` reads
-that way too.
+is never written through, and a reader sees either the old file or the new one, never half of one;
+:func:`temp_target` recognises these names, so cleanup removes only temporaries of files a caller
+owns. A folder ringpack writes (a shard directory) never holds a link, so its files are checked with
+:func:`refuse_link` and opened with :func:`open_regular` (``O_NOFOLLOW``), as :func:`file_sha256`
+reads them: a link planted there is refused, so nothing outside the folder is read (docs/data.md,
+"Balanced shards").
 """
 
 from __future__ import annotations

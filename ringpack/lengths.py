@@ -1,30 +1,15 @@
-"""Sample lengths (token counts per sample), the planner's only input, from wherever samples live.
+"""Sample lengths (token counts per sample), the planner's only input, from wherever samples live (docs/data.md).
 
 Every reader returns a 1-D ``int64`` array with one entry per sample, in source order, and every
-error is a :class:`~ringpack.errors.DataError` that names the file, column or sample:
-
-* files (:func:`read_lengths`): ``.npy`` (a 1-D integer array, memory-mapped); ``.json`` /
-  ``.jsonl`` (a list of integers, an object holding one under the column, or JSON lines with the
-  column per line); ``.parquet`` / ``.pq`` (one column, read alone); ``.arrow`` / ``.feather`` /
-  ``.ipc`` (Arrow IPC file or stream, as Hugging Face ``datasets`` caches are; memory-mapped);
-  a folder written by ``Dataset.save_to_disk`` (read as a dataset, below; needs ``datasets``);
-* a ``datasets.Dataset`` or ``IterableDataset`` (:func:`lengths_from_dataset`): a token-id list
-  column read from its Arrow list offsets (no Python loop, no copy of the tokens; ``select`` /
-  ``shuffle`` index mappings honoured), an integer length column, or a text column counted with a
-  tokenizer by a batched ``map`` over ``num_proc`` processes;
-* anything array-like: list, numpy, torch (:func:`lengths_from_array`).
-
-A column is picked the same way everywhere: an integer column (``length``) is read as is, a list
-column (``input_ids``) gives each list's length from the list *offsets*, without touching the values;
-a token-id column (:data:`TOKEN_COLUMNS`) must hold lists. With ``column=None`` a file's only column
-is taken, else the first of :data:`DEFAULT_COLUMNS` that exists; a dataset's token ids come first
-(:data:`DATASET_COLUMNS`: they are what the loaders will return).
-
-``datasets`` is imported only to open a saved dataset folder; its objects are recognised by duck
-typing, so this module loads on machines without it. Tokenizers: ``None`` / ``"regex"`` for the dependency-free regex
-pre-tokenizer of :mod:`ringpack.tokenizer`, a path to a Hugging Face ``tokenizer.json`` (or its
-folder), a ``tokenizers`` or ``transformers`` tokenizer, or any callable mapping a list of texts to
-a list of token counts.
+error is a :class:`~ringpack.errors.DataError` naming the file, column or sample:
+:func:`read_lengths` reads ``.npy``, JSON / JSON lines, Parquet, Arrow IPC (``datasets`` caches)
+files and saved ``datasets`` folders; :func:`lengths_from_dataset` a ``datasets.Dataset`` or
+``IterableDataset`` (a token-id list column from its Arrow offsets without touching the values, an
+integer length column, or a text column counted by a tokenizer of :mod:`ringpack.tokenizer` in a
+batched ``map``); :func:`lengths_from_array` anything array-like. A column is picked the same way
+everywhere (:data:`DEFAULT_COLUMNS`, :data:`DATASET_COLUMNS`, :data:`TOKEN_COLUMNS`), and
+:func:`check_lengths` holds every length to ``[1, MAX_SAMPLE_TOKENS]``. ``datasets`` objects are
+recognised by duck typing, so this module loads without ``datasets``.
 """
 
 from __future__ import annotations

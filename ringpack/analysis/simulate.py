@@ -1,11 +1,11 @@
-"""``ringpack simulate``: plan a whole epoch for a cluster this machine is not, and predict its speed.
+"""``ringpack simulate``: plan an epoch for a cluster this machine is not, and predict its speed (docs/analysis.md).
 
 For a cluster shape (``dp x cp`` GPUs), a length distribution and a model, every strategy plans the
-full epoch with the balancer's :func:`~ringpack.planner.make_plan`; every step is priced with the
-planner's cost code (:mod:`ringpack.analysis.metrics`) and timed under the communication model
-(:mod:`ringpack.analysis.comm_model`, ring and all-gather). Output: predicted tokens/s, epoch time,
-idle fraction, K/V bytes and padding per strategy, as the same report document ``ringpack report``
-writes (terminal table, JSON, plots, HTML).
+full epoch with :func:`~ringpack.planner.make_plan`; every step is priced with the planner's cost
+code (:mod:`ringpack.analysis.metrics`) and timed under the communication model
+(:mod:`ringpack.analysis.comm_model`, ring and all-gather), with the peers of
+:mod:`ringpack.analysis.peer_runner` on the same chunks. Output: the report document ``ringpack
+report`` writes (predicted tokens/s, epoch time, idle fraction, K/V bytes and padding per strategy).
 
 Scale: the epoch is planned in chunks of ``chunk_steps`` global batches (the planner's shuffle
 first, so chunks are random windows of the epoch, exactly as ``make_plan`` would cut them), chunks

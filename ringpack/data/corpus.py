@@ -1,12 +1,11 @@
-"""The embedded default corpus: the running interpreter's standard library, one document per file.
+"""The embedded default corpus: the running interpreter's standard library, one document per file (docs/data.md).
 
 It exists on every machine with Python, is real text with a heavy-tailed length distribution
 (a few huge modules, many small ones), and needs no download, which makes it the default for
-``make demo``, the planner benchmark and the end-to-end dataloader tests.
-
-Token counts come from :mod:`ringpack.tokenizer`: by default its regex pre-tokenizer, which is
-all the planner needs (it balances relative costs); ``tokenizer=`` takes what
-:func:`~ringpack.tokenizer.load_tokenizer` reads, for exact counts of a real model's tokenizer.
+``make demo``, the planner benchmark and the end-to-end dataloader tests. Token counts come from
+:mod:`ringpack.tokenizer`: by default its regex pre-tokenizer, which is all the planner needs (it
+balances relative costs); ``tokenizer=`` takes what :func:`~ringpack.tokenizer.load_tokenizer`
+reads, for exact counts of a real model's tokenizer.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
-"""The calibration's fit: NNLS, the profile and kernel models, and how well they predict.
+"""The calibration's fit: the profile and kernel models, and how well they predict (docs/cost-model.md).
 
-Pure numpy on measured times: :func:`analyse` is shared by a fresh calibration (after timing on
-the GPU) and by a refit of a stored report, so both produce the same :class:`Calibration`.
+Pure numpy on measured times, fitted by the NNLS of :mod:`ringpack.cost_fit`: :func:`analyse` is
+shared by a fresh calibration (after timing on the GPU) and by a refit of a stored report, so both
+produce the same :class:`Calibration`.
 """
 
 from __future__ import annotations
