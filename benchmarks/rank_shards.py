@@ -38,11 +38,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import ringpack
 from ringpack.analysis.calibration.cases import Case
-from ringpack.analysis.calibration.fit import fit_nnls
 from ringpack.analysis.calibration.timing import AttentionShape, Clock, TimingSetup, time_case
 from ringpack.analysis.robustness import imbalance_across_prices
 from ringpack.attention.kernels import resolve_backend
 from ringpack.cost import PRESETS, CostModel, ModelShape, piece_pairs
+from ringpack.cost_fit import fit_nnls
 from ringpack.shard_plan import NO_TOKEN_GUARD, Plan
 
 VARIANTS = {

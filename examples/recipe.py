@@ -54,8 +54,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train import DTYPES, Grid, build_model, data_vocab, make_loader, microbatch_loss, parser, samples_for, steps_of
 from train_fsdp import make_mesh, wrap
 
-from ringpack.analysis.calibration.online import CostLearner
 from ringpack.integrations.distributed import SamplerState
+from ringpack.training import CostLearner
 
 CHECKPOINT_PREFIX = "step-"
 LearnerFactory = Callable[[Any, Grid], "CostLearner | None"]

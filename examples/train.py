@@ -47,12 +47,12 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ringpack.analysis.calibration.online import CostLearner
 from ringpack.attention import MODES, warm_up_kernels
 from ringpack.cost import PRESETS, CostModel, ModelShape
 from ringpack.data import BalancedBatchSampler, PackedCollator, PackedDataset, lengths_from_dataset
 from ringpack.integrations.transformers import causal_lm_loss_sum, register
 from ringpack.shard_plan import OVERFLOW_POLICIES, PACKINGS, STRATEGIES
+from ringpack.training import CostLearner
 
 MODELS = {
     # name: (hidden, layers, heads, kv_heads, ffn, vocab); llama-1b is the cost model's preset

@@ -2,17 +2,17 @@
 
 :func:`atomic_write` creates its temporary file with ``O_CREAT | O_EXCL | O_NOFOLLOW`` under an
 unpredictable name (``.NAME.<16 hex>.tmp`` next to the target), so a planted file or symbolic link
-is never written through, and a reader never sees a half-written target: it is either the old file
-or the new one. :func:`temp_target` recognises these names, so cleanup removes only temporaries
-of files a caller owns.
-
-Reading: a folder ringpack writes (a shard directory) never holds a link, so its files are checked
-with :func:`refuse_link` and opened with :func:`open_regular` (``O_NOFOLLOW``): a link planted
-there is refused, never followed, so nothing outside the folder is read.
+is never written through, and a reader sees either the old file or the new one, never half of one;
+:func:`temp_target` recognises these names, so cleanup removes only temporaries of files a caller
+owns. A folder ringpack writes (a shard directory) never holds a link, so its files are checked with
+:func:`refuse_link` and opened with :func:`open_regular` (``O_NOFOLLOW``), as :func:`file_sha256`
+reads them: a link planted there is refused, so nothing outside the folder is read (docs/data.md,
+"Balanced shards").
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import secrets
@@ -24,7 +24,7 @@ from typing import BinaryIO
 
 from ringpack.errors import DataError
 
-__all__ = ["atomic_write", "temp_target", "refuse_link", "open_regular"]
+__all__ = ["atomic_write", "file_sha256", "temp_target", "refuse_link", "open_regular"]
 
 _TEMP = re.compile(r"^\.(?P<target>.+)\.[0-9a-f]{16}\.tmp$")
 _FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
@@ -110,3 +110,14 @@ def open_regular(path: str | os.PathLike, what: str) -> BinaryIO:
         os.close(fd)
         raise DataError(f"{what} {path} is not a regular file")
     return os.fdopen(fd, "rb")
+
+
+def file_sha256(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
+    """The sha256 (hex) of the regular file ``path``; a symbolic link is refused (:class:`DataError`)."""
+    h = hashlib.sha256()
+    with open_regular(path, "file") as f:
+        while True:
+            block = f.read(chunk)
+            if not block:
+                return h.hexdigest()
+            h.update(block)

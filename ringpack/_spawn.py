@@ -16,6 +16,7 @@ Only the standard library at import time: torch is imported inside the functions
 
 from __future__ import annotations
 
+import multiprocessing.connection
 import os
 import pickle
 import socket
@@ -24,6 +25,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 __all__ = ["free_port", "run_ranks"]
@@ -56,8 +58,6 @@ def _child(rank: int, launch: _Launch) -> None:
     result: Any
     dist = None
     try:
-        from datetime import timedelta
-
         import torch
         import torch.distributed as dist
 
@@ -155,8 +155,6 @@ def _wait(procs: list, join_s: float, fail_grace_s: float) -> float | None:
 
     Returns the monotonic time of the first failure seen, or ``None``.
     """
-    import multiprocessing.connection
-
     deadline = time.monotonic() + join_s
     first_failure = None
     while True:

@@ -15,15 +15,14 @@ Integer solvers get costs through :func:`scale_to_int`, one place, so every solv
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
-from numbers import Real
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ringpack._checks import is_finite
 from ringpack.errors import PlanError
 
 __all__ = [
@@ -132,7 +131,7 @@ class CostModel:
     def __post_init__(self) -> None:
         for field in ("token", "pair", "segment", "flops_per_second", "microbatch"):
             value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value) or value < 0:
+            if not is_finite(value) or value < 0:
                 raise ValueError(f"CostModel {self.name!r}: {field} must be a finite number >= 0, got {value!r}")
         if self.flops_per_second == 0:
             raise ValueError(f"CostModel {self.name!r}: flops_per_second must be > 0")

@@ -1,4 +1,4 @@
-"""The exceptions ringpack raises for bad input; each is a ``ValueError`` and names what is wrong.
+"""The exceptions ringpack raises for bad input; each is a ``ValueError`` naming what is wrong (docs/plan.md).
 
 * :class:`PlanError` -- a plan or a planning request breaks the plan contract (a sample, step or
   rank is named);

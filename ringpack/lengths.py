@@ -1,37 +1,22 @@
-"""Sample lengths (token counts per sample), the planner's only input, from wherever samples live.
+"""Sample lengths (token counts per sample), the planner's only input, from wherever samples live (docs/data.md).
 
 Every reader returns a 1-D ``int64`` array with one entry per sample, in source order, and every
-error is a :class:`~ringpack.errors.DataError` that names the file, column or sample:
-
-* files (:func:`read_lengths`): ``.npy`` (a 1-D integer array, memory-mapped); ``.json`` /
-  ``.jsonl`` (a list of integers, an object holding one under the column, or JSON lines with the
-  column per line); ``.parquet`` / ``.pq`` (one column, read alone); ``.arrow`` / ``.feather`` /
-  ``.ipc`` (Arrow IPC file or stream, as Hugging Face ``datasets`` caches are; memory-mapped);
-  a folder written by ``Dataset.save_to_disk`` (read as a dataset, below; needs ``datasets``);
-* a ``datasets.Dataset`` or ``IterableDataset`` (:func:`lengths_from_dataset`): a token-id list
-  column read from its Arrow list offsets (no Python loop, no copy of the tokens; ``select`` /
-  ``shuffle`` index mappings honoured), an integer length column, or a text column counted with a
-  tokenizer by a batched ``map`` over ``num_proc`` processes;
-* anything array-like: list, numpy, torch (:func:`lengths_from_array`).
-
-A column is picked the same way everywhere: an integer column (``length``) is read as is, a list
-column (``input_ids``) gives each list's length from the list *offsets*, without touching the values;
-a token-id column (:data:`TOKEN_COLUMNS`) must hold lists. With ``column=None`` a file's only column
-is taken, else the first of :data:`DEFAULT_COLUMNS` that exists; a dataset's token ids come first
-(:data:`DATASET_COLUMNS`: they are what the loaders will return).
-
-``datasets`` is imported only to open a saved dataset folder; its objects are recognised by duck
-typing, so this module loads on machines without it. Tokenizers: ``None`` / ``"regex"`` for the dependency-free regex
-pre-tokenizer of :mod:`ringpack.data.corpus`, a path to a Hugging Face ``tokenizer.json`` (or its
-folder), a ``tokenizers`` or ``transformers`` tokenizer, or any callable mapping a list of texts to
-a list of token counts.
+error is a :class:`~ringpack.errors.DataError` naming the file, column or sample:
+:func:`read_lengths` reads ``.npy``, JSON / JSON lines, Parquet, Arrow IPC (``datasets`` caches)
+files and saved ``datasets`` folders; :func:`lengths_from_dataset` a ``datasets.Dataset`` or
+``IterableDataset`` (a token-id list column from its Arrow offsets without touching the values, an
+integer length column, or a text column counted by a tokenizer of :mod:`ringpack.tokenizer` in a
+batched ``map``); :func:`lengths_from_array` anything array-like. A column is picked the same way
+everywhere (:data:`DEFAULT_COLUMNS`, :data:`DATASET_COLUMNS`, :data:`TOKEN_COLUMNS`), and
+:func:`check_lengths` holds every length to ``[1, MAX_SAMPLE_TOKENS]``. ``datasets`` objects are
+recognised by duck typing, so this module loads without ``datasets``.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +25,7 @@ import numpy as np
 from ringpack._hints import on_command_line, option
 from ringpack.cost import MAX_SAMPLE_TOKENS
 from ringpack.errors import DataError
+from ringpack.tokenizer import make_counter
 
 __all__ = [
     "DATASET_COLUMNS",
@@ -399,31 +385,6 @@ def _indices(ds: Any) -> np.ndarray | None:
         return None
     table = getattr(idx, "table", idx)
     return table.column(0).to_numpy().astype(np.int64, copy=False)
-
-
-def _regex_counter(texts: Sequence[str]) -> list[int]:
-    from ringpack.data.corpus import regex_token_count
-
-    return [regex_token_count(t or "") for t in texts]
-
-
-def make_counter(tokenizer: Any) -> Callable[[Sequence[str]], list[int]]:
-    """A batch token counter: ``None``/"regex", a tokenizer.json path, a tokenizer object, or a callable."""
-    if tokenizer is None or tokenizer == "regex":
-        return _regex_counter
-    if isinstance(tokenizer, (str, os.PathLike)):
-        from ringpack.data.corpus import load_tokenizer_counter
-
-        return load_tokenizer_counter(Path(tokenizer))
-    if hasattr(tokenizer, "encode_batch"):  # a `tokenizers.Tokenizer`
-        return lambda texts: [len(e.ids) for e in tokenizer.encode_batch(list(texts), add_special_tokens=False)]
-    if callable(tokenizer) and hasattr(tokenizer, "pad_token_id"):  # a transformers tokenizer
-        return lambda texts: [len(x) for x in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
-    if callable(tokenizer):
-        return tokenizer
-    raise DataError(
-        f"tokenizer must be None, 'regex', a tokenizer.json path or a callable, got {type(tokenizer).__name__}"
-    )
 
 
 class _CountMap:

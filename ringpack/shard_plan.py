@@ -30,16 +30,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from functools import cached_property
-from numbers import Real
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ringpack._checks import is_finite, is_int
 from ringpack._files import atomic_write
 from ringpack._hints import option
 from ringpack.cost import MAX_SAMPLE_TOKENS, CostModel
@@ -187,16 +186,6 @@ ROBUST_TOKEN_SLACK = 0.01
 NO_TOKEN_GUARD = 1e9
 
 
-def _is_int(value: Any) -> bool:
-    """An integer (Python or numpy), not a bool."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
-
-
-def _is_finite(value: Any) -> bool:
-    """A finite real number (Python or numpy), not a bool."""
-    return isinstance(value, Real) and not isinstance(value, (bool, np.bool_)) and math.isfinite(value)
-
-
 def _price_range(value: Any) -> tuple[float, float]:
     try:
         low, high = (float(x) for x in value)
@@ -334,7 +323,7 @@ class PlanConfig:
     def __post_init__(self) -> None:
         for name in ("dp", "cp", "tokens_per_rank"):
             value = getattr(self, name)
-            if not _is_int(value) or not 1 <= value < _INT64_LIMIT:
+            if not is_int(value) or not 1 <= value < _INT64_LIMIT:
                 raise PlanError(f"PlanConfig.{name} must be a positive integer below 2**63, got {value!r}")
         for name, most in (("dp", MAX_DP), ("cp", MAX_CP)):
             if getattr(self, name) > most:
@@ -343,7 +332,7 @@ class PlanConfig:
                 )
         for name in ("samples_per_step", "microbatches_per_rank", "seed", "epoch"):
             value = getattr(self, name)
-            if not _is_int(value) or not 0 <= value < _INT64_LIMIT:
+            if not is_int(value) or not 0 <= value < _INT64_LIMIT:
                 raise PlanError(f"PlanConfig.{name} must be a non-negative integer below 2**63, got {value!r}")
         if self.group_capacity > MAX_SAMPLE_TOKENS:
             raise PlanError(
@@ -357,11 +346,11 @@ class PlanConfig:
             raise PlanError(f"PlanConfig.packing must be one of {PACKINGS}, got {self.packing!r}")
         if self.overflow not in OVERFLOW_POLICIES:
             raise PlanError(f"PlanConfig.overflow must be one of {OVERFLOW_POLICIES}, got {self.overflow!r}")
-        if not _is_finite(self.solver_time_limit_s) or self.solver_time_limit_s < 0:
+        if not is_finite(self.solver_time_limit_s) or self.solver_time_limit_s < 0:
             raise PlanError(
                 f"PlanConfig.solver_time_limit_s must be a finite number >= 0, got {self.solver_time_limit_s!r}"
             )
-        if self.cp_token_slack is not None and not (_is_finite(self.cp_token_slack) and self.cp_token_slack >= 0):
+        if self.cp_token_slack is not None and not (is_finite(self.cp_token_slack) and self.cp_token_slack >= 0):
             raise PlanError(
                 f"PlanConfig.cp_token_slack must be None or a finite number >= 0, got {self.cp_token_slack!r}"
             )
@@ -432,7 +421,7 @@ def global_batch_samples(lengths: Any, tokens: int | str, *, dp: int, cp: int, t
     """
     if tokens == "auto":
         tokens = dp * cp * tokens_per_rank
-    if not _is_int(tokens) or tokens < 1:
+    if not is_int(tokens) or tokens < 1:
         raise PlanError(f"{option('global_batch_tokens')} must be 'auto' or an integer >= 1, got {tokens!r}")
     mean = float(np.mean(lengths)) if len(lengths) else 0.0
     if not mean > 0:
@@ -480,10 +469,10 @@ class Plan:
     def microbatch(self, step: int, dp_rank: int, index: int) -> MicroBatch:
         """Micro-batch ``index`` of DP rank ``dp_rank`` in step ``step``; PlanError naming an index out of range."""
         for name, value, count in (("step", step, len(self.steps)), ("dp_rank", dp_rank, self.config.dp)):
-            if not _is_int(value) or not 0 <= value < count:
+            if not is_int(value) or not 0 <= value < count:
                 raise PlanError(f"{name} must be an integer in [0, {count}), got {value!r}")
         mbs = self.steps[step].microbatches[dp_rank]
-        if not _is_int(index) or not 0 <= index < len(mbs):
+        if not is_int(index) or not 0 <= index < len(mbs):
             raise PlanError(
                 f"index must be an integer in [0, {len(mbs)}) (step {step}, dp rank {dp_rank}), got {index!r}"
             )
@@ -921,7 +910,7 @@ def _check_format(meta: dict[str, Any]) -> None:
 
 def _int(value: Any, where: str) -> int:
     """``value`` as an int: an integer (not a bool, not a float) that fits in 64 bits."""
-    if not _is_int(value):
+    if not is_int(value):
         raise PlanError(f"{where} must be an integer, got {value!r:.60}")
     if not -_INT64_LIMIT <= int(value) < _INT64_LIMIT:
         raise PlanError(f"{where} = {int(value)} does not fit in 64 bits")
@@ -946,7 +935,7 @@ def _origin(value: Any, where: str) -> tuple[int, int]:
 
 
 def _lower_bound(value: Any, where: str) -> float | None:
-    if value is not None and not _is_finite(value):
+    if value is not None and not is_finite(value):
         raise PlanError(f"{where} must be a finite number or null, got {value!r:.60}")
     return value
 

@@ -1,23 +1,12 @@
-"""Which K/V pieces cross CP ranks, and how many bytes: one implementation for the attention
-runtime, the planner, benchmarks and reports.
+"""Which K/V pieces cross CP ranks, and how many bytes: one implementation for the runtime, the planner,
+benchmarks and reports (docs/planner.md, "CP split strategies").
 
-Attention semantics: a query at position ``q`` of a sample attends the keys ``0..q`` of that
-sample wherever they live. So a piece ``p = [start, stop)`` of sample ``X`` held by CP rank ``r``
-is **needed** by rank ``r' != r`` iff ``r'`` holds a piece of ``X`` with ``start' >= p.stop`` (a
-later piece's queries see all of ``p``; an earlier piece sees none of it). The runtime sends
-exactly the needed pieces, compacted into one buffer per rank.
-
-Three totals per micro-batch, in bytes (``tokens * bytes_per_token``):
-
-* ``unique`` -- tokens of pieces some other rank needs, each counted once (the compacted buffers);
-* ``p2p`` -- each needed piece counted once per rank that needs it (point-to-point sends);
-* ``ring`` -- ring mode passes every rank's compacted buffer through all ``cp - 1`` other ranks:
-  ``(cp - 1) * unique``.
-
-``bytes_per_token`` is what one token's K *and* V weigh on the wire; :func:`kv_bytes_per_token`
-gives ``2 * kv_heads * head_dim * dtype_bytes * layers`` -- every layer of one forward pass.
-The backward pass of ring attention sends K/V again plus dK/dV (about twice the forward bytes);
-the totals here are forward only. ``bytes_per_token=1`` counts tokens.
+A query at position ``q`` of a sample attends the keys ``0..q`` of that sample wherever they live,
+so a piece ``[start, stop)`` of sample ``X`` held by CP rank ``r`` is **needed** by rank ``r' != r``
+iff ``r'`` holds a piece of ``X`` with ``start' >= stop`` (:func:`needed_pieces`). The runtime sends
+exactly the needed pieces, compacted into one buffer per rank; :func:`kv_traffic` and
+:func:`plan_kv_traffic` count their bytes (:class:`KVTraffic`), forward pass only, with
+:func:`kv_bytes_per_token` giving what one token's K and V weigh (``bytes_per_token=1`` counts tokens).
 """
 
 from __future__ import annotations
@@ -36,7 +25,14 @@ __all__ = ["KVTraffic", "kv_bytes_per_token", "needed_pieces", "kv_traffic", "pl
 
 @dataclass(frozen=True)
 class KVTraffic:
-    """Bytes of K/V crossing CP ranks (see the module docstring for the three definitions)."""
+    """Bytes of K/V crossing the CP ranks of a micro-batch (``tokens * bytes_per_token``), forward pass only.
+
+    Attributes:
+        unique: tokens of pieces some other rank needs, each counted once (the compacted buffers).
+        p2p: each needed piece counted once per rank that needs it (point-to-point sends).
+        ring: what a ring relays: every rank's compacted buffer through all ``cp - 1`` other ranks,
+            ``(cp - 1) * unique``. The backward sends K/V again plus dK/dV (about twice the forward).
+    """
 
     unique: int
     p2p: int

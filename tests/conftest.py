@@ -18,3 +18,4 @@ settings.register_profile(
 settings.load_profile("ci")
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # every dataset a test loads is local
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # and every tokenizer: a Hub name is looked up in the cache only

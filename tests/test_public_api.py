@@ -8,7 +8,7 @@ import sys
 import ringpack
 
 PUBLIC = {
-    "plan": "ringpack",
+    "plan": "ringpack.planner.api",
     "make_plan": "ringpack.planner.epoch",
     "Plan": "ringpack.shard_plan",
     "PlanConfig": "ringpack.shard_plan",
@@ -21,8 +21,8 @@ PUBLIC = {
     "BalancedBatchSampler": "ringpack.data.sampler",
     "PackedCollator": "ringpack.data.collator",
     "PackedDataset": "ringpack.data.collator",
-    "ShardReader": "ringpack.data.shards",
-    "CostLearner": "ringpack.analysis.calibration.online",
+    "ShardReader": "ringpack.data.shard_reader",
+    "CostLearner": "ringpack.training.cost_learner",
 }
 
 

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ringpack.cost import PRESETS, CostModel
+from ringpack.traffic import kv_bytes_per_token, needed_pieces
 
 __all__ = ["CommModel", "LINKS", "ATTN_FORWARD_SHARE", "kv_cross_tokens", "microbatch_seconds"]
 
@@ -79,8 +80,6 @@ class CommModel:
         latency: float | None = None,
     ) -> CommModel:
         """K/V size from the cost model's preset shape (llama3-8b's when the model is not a preset)."""
-        from ringpack.traffic import kv_bytes_per_token
-
         shape = PRESETS.get(model.name, PRESETS["llama3-8b"])
         if link not in LINKS:
             raise ValueError(f"unknown link {link!r}; known: {', '.join(LINKS)}")
@@ -111,8 +110,6 @@ def kv_cross_tokens(arrays: Mapping[str, np.ndarray], shape: tuple[int, int, int
     The rule and its vectorised implementation are the balancer's
     (:func:`ringpack.traffic.needed_pieces`); this only names the micro-batch of each row.
     """
-    from ringpack.traffic import needed_pieces
-
     step, dp, mb = (np.asarray(arrays[k], dtype=np.int64) for k in ("step", "dp", "microbatch"))
     if step.size == 0:
         return np.zeros(0, dtype=np.int64)

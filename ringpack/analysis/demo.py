@@ -21,9 +21,19 @@ from typing import Any
 
 import numpy as np
 
-from ringpack.analysis.comm_model import LINKS
-from ringpack.analysis.report import DEFAULT_VARIANTS
+from ringpack.analysis import plots, ringcheck
+from ringpack.analysis.comm_model import LINKS, CommModel
+from ringpack.analysis.report import (
+    DEFAULT_VARIANTS,
+    build_report,
+    format_ranks,
+    format_table,
+    result_of_plan,
+    write_report,
+)
 from ringpack.cost import CostModel
+from ringpack.data.corpus import stdlib_corpus
+from ringpack.planner import make_plan
 from ringpack.shard_plan import PlanConfig, field_doc, global_batch_samples
 
 __all__ = ["DemoConfig", "run_demo"]
@@ -110,9 +120,6 @@ def run_demo(config: DemoConfig = DemoConfig(), *, progress: bool = True) -> int
     Raises:
         PlanError: a config the planner refuses (named).
     """
-    from ringpack.analysis import plots
-    from ringpack.analysis.report import write_report
-    from ringpack.data.corpus import stdlib_corpus
 
     t0 = time.perf_counter()
     check = config.ring_check
@@ -171,9 +178,6 @@ class _PlotProgress:
 
 def _plan_and_report(config: DemoConfig, lengths: np.ndarray, corpus: Any, bar: Any) -> dict[str, Any]:
     """Plan ``lengths`` with every default variant and build the report document."""
-    from ringpack.analysis.comm_model import CommModel
-    from ringpack.analysis.report import build_report, result_of_plan
-    from ringpack.planner import make_plan
 
     model = config.cost_model()
     plan_config = PlanConfig(
@@ -204,8 +208,6 @@ def _plan_and_report(config: DemoConfig, lengths: np.ndarray, corpus: Any, bar: 
 
 def _print_results(config: DemoConfig, doc: dict[str, Any], corpus: Any, samples: int, step: int) -> None:
     """The corpus and planning lines, the summary table and the per-GPU grids of two plans."""
-    from ringpack.analysis.report import format_ranks, format_table
-
     print(
         f"corpus: {samples} standard-library files under {corpus.root} ({corpus.counter})"
         + (" [--quick: a 300-file subset]" if config.quick else "")
@@ -242,8 +244,6 @@ def _print_ring_check(ring: Any, note: str) -> None:
 def _ring_check(lengths: np.ndarray, seed: int) -> tuple[Any, str]:
     """(result, note): the 2-process check, or why it did not run."""
     import torch
-
-    from ringpack.analysis import ringcheck
 
     if torch.cuda.is_available():
         return None, "skipped: a GPU is present (the GPU test suite checks the runtime there)"

@@ -1,33 +1,20 @@
-"""Every figure a report prints, computed from a plan's piece table in a few numpy passes.
+"""Every figure a report prints, computed from a plan's piece table in a few numpy passes (docs/analysis.md).
 
 One implementation of cost: per-piece tokens and exact causal pairs come from
-:func:`ringpack.cost.piece_pairs` and are priced by :meth:`CostModel.cost`, the same code
-the planner balances with (``rank_costs`` is that formula per shard object; this module applies it
-to :attr:`Plan.piece_arrays` columns, one row per piece, with no Python loop over pieces).
-
-Definitions (README "Analysis and reports" states them too):
-
-* a **rank's cost** in a micro-batch: ``token*tokens + pair*pairs + segment*pieces`` of its shard;
-* a **micro-batch's time** is the max over its CP ranks (they synchronise every attention layer);
-* a **DP rank's time** in a step is the sum over its micro-batches;
-* the **step time** is the max over DP ranks (DP ranks synchronise once a step);
-* a GPU (one ``(dp, cp)`` rank) is **busy** for the sum of its own costs over the step's
-  micro-batches; **idle fraction** = ``1 - sum(busy) / (dp*cp * step time)``, the share of GPU time
-  spent waiting on the slowest rank;
-* **max/mean** = the busiest GPU's busy cost over the mean GPU's (1.0 is perfect balance);
-  **CP max/mean** is the same inside each micro-batch (averaged over micro-batches) and **DP
-  max/mean** compares the DP ranks' times;
-* **padding**: ringpack plans need none (0). ``zigzag_rule_padding`` is what a zigzag
-  implementation that requires every sample length to be a multiple of ``2*cp`` (TransformerEngine,
-  ring-flash-attention) would add to the same micro-batches: ``(-L) mod 2cp`` tokens per sample;
-* **K/V bytes** crossing ranks: bytes of K and V (all layers, one forward) of the pieces some other
-  CP rank of the micro-batch needs, counted by the balancer's function
-  (see :func:`ringpack.analysis.comm_model.kv_cross_tokens`).
+:func:`ringpack.cost.piece_pairs` and are priced by :meth:`CostModel.cost`, the code the planner
+balances with, applied to :attr:`Plan.piece_arrays` columns with no Python loop over pieces.
+:class:`PlanMetrics` holds per step, DP rank, micro-batch and CP rank: a rank's cost; a
+micro-batch's time (the max over its CP ranks); a DP rank's time (the sum over its micro-batches);
+the step time (the max over DP ranks); each GPU's busy cost; the K/V crossing ranks
+(:func:`ringpack.analysis.comm_model.kv_cross_tokens`); and the padding a zigzag that needs every
+sample to be a multiple of ``2*cp`` would add (:func:`zigzag_rule_padding`; ringpack pads nothing).
+The figures derived from them (idle fraction, max/mean, imbalance) are defined in docs/analysis.md,
+"The figures". :func:`concat_metrics` stacks the steps of several parts of one plan.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,7 +23,7 @@ from ringpack.analysis.comm_model import kv_cross_tokens
 from ringpack.cost import CostModel, piece_pairs
 from ringpack.planner.bounds import critical_path, rank_grid
 
-__all__ = ["PlanMetrics", "evaluate", "evaluate_plan", "zigzag_rule_padding", "plan_label"]
+__all__ = ["PlanMetrics", "concat_metrics", "evaluate", "evaluate_plan", "zigzag_rule_padding", "plan_label"]
 
 
 @dataclass
@@ -158,6 +145,31 @@ class PlanMetrics:
             "zigzag_rule_padding_tokens": int(self.zigzag_padding.sum()),
             "kv_cross_tokens": int(self.kv_cross_tokens.sum()),
         }
+
+
+def concat_metrics(parts: Sequence[PlanMetrics], name: str) -> PlanMetrics:
+    """Stack the steps of several metrics of one strategy (micro-batch axis padded to the widest)."""
+    M = max(p.cost.shape[2] for p in parts)
+
+    def pad(a: np.ndarray) -> np.ndarray:
+        if a.shape[2] == M:
+            return a
+        width = [(0, 0)] * a.ndim
+        width[2] = (0, M - a.shape[2])
+        return np.pad(a, width)
+
+    first = parts[0]
+    fields = ("mb_exists", "tokens", "pairs", "segments", "cost", "kv_cross_tokens", "zigzag_padding")
+    stacked = {f: np.concatenate([pad(getattr(p, f)) for p in parts], axis=0) for f in fields}
+    return PlanMetrics(
+        name=name,
+        dp=first.dp,
+        cp=first.cp,
+        model=first.model,
+        samples=np.concatenate([p.samples for p in parts]),
+        loss_tokens=np.concatenate([p.loss_tokens for p in parts]),
+        **stacked,
+    )
 
 
 def zigzag_rule_padding(lengths: np.ndarray, cp: int) -> np.ndarray:

@@ -13,6 +13,7 @@ compared without re-planning. Its keys are listed in :data:`SUMMARY_KEYS` and :d
 from __future__ import annotations
 
 import base64
+import dataclasses
 import html
 import json
 import re
@@ -24,9 +25,11 @@ from urllib.parse import quote
 
 import numpy as np
 
+from ringpack.analysis import plots as plotting
 from ringpack.analysis.comm_model import CommModel, microbatch_seconds
 from ringpack.analysis.metrics import PlanMetrics, evaluate_plan
 from ringpack.analysis.robustness import imbalance_across_prices
+from ringpack.planner import make_plan
 from ringpack.shard_plan import PACKINGS, STRATEGIES
 
 __all__ = [
@@ -78,7 +81,7 @@ DEFINITIONS: dict[str, str] = {
     "all-gather: gather + reduce-scatter, exposed)",
     "idle saved": "idle GPU-seconds of the baseline minus this plan's, over the whole plan",
     "peers": "other systems run on the same documents and global batches with the same cost and communication "
-    "models (ringpack.analysis.peers); '-' (null in JSON) marks a figure with no meaning for one",
+    "models (ringpack.analysis.peer_runner); '-' (null in JSON) marks a figure with no meaning for one",
 }
 
 SUMMARY_KEYS = (
@@ -326,7 +329,7 @@ def build_report(
 ) -> dict[str, Any]:
     """The report document (JSON-able): definitions, models, length statistics, and per plan its summary and steps.
 
-    ``peers`` (:class:`ringpack.analysis.peers.Peer`: ``name``, ``description`` and a ``result``
+    ``peers`` (:class:`ringpack.analysis.peer_runner.Peer`: ``name``, ``description`` and a ``result``
     with ``summary()`` and ``step_rows(detail)``) land in ``doc["peers"]``, entries shaped like the
     plans' plus their ``description``; a figure with no meaning for a peer is ``None``. The
     baseline may be a plan or a peer.
@@ -543,8 +546,6 @@ def write_report(
     paths["json"].write_text(json.dumps(doc, indent=1) + "\n")
     figures: dict[str, Path] = {}
     if plots:
-        from ringpack.analysis import plots as plotting
-
         figures = plotting.draw_all({**doc, "plans": _rows(doc)}, out, rank_step=rank_step, progress=progress)
         paths.update(figures)
     paths["html"] = out / "report.html"
@@ -624,10 +625,6 @@ def plan_strategies(
 
     ``progress``: a :class:`~ringpack.progress.Progress` counting the steps planned over all variants.
     """
-    import dataclasses
-
-    from ringpack.planner import make_plan
-
     plans = []
     for k, (strategy, packing) in enumerate(variants):
         cfg = dataclasses.replace(config, strategy=strategy, packing=packing)

@@ -15,6 +15,12 @@ from typing import Any
 
 import numpy as np
 
+from ringpack._spawn import run_ranks
+from ringpack.attention import compile_schedule, ring_attention
+from ringpack.planner import make_plan
+from ringpack.shard_plan import PlanConfig
+from ringpack.traffic import needed_pieces
+
 __all__ = ["RingCheck", "pick_microbatch", "run_ring_check"]
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16
@@ -38,9 +44,6 @@ def pick_microbatch(lengths: np.ndarray, cp: int = 2, budget: int = 1024, seed: 
     It holds one sample longer than a rank's budget, so the plan must cut it across ranks and the
     runtime must move K/V; the rest are short samples the balancer keeps whole.
     """
-    from ringpack.planner import make_plan
-    from ringpack.shard_plan import PlanConfig
-
     rng = np.random.default_rng(seed)
     lengths = np.asarray(lengths, dtype=np.int64)
     # one sample longer than a rank holds (the balancer must cut it, so K/V crosses ranks) ...
@@ -106,8 +109,6 @@ def _local(t: dict, shard) -> Any:
 
 def _worker(rank: int, world: int, mb, lengths: list[int], seed: int) -> dict:
     """One CP rank (in a process of its own, gloo group joined by :func:`ringpack._spawn.run_ranks`)."""
-    from ringpack.attention import compile_schedule, ring_attention
-
     q_all, k_all, v_all, d_all = _inputs(mb, lengths, seed)
     shard = mb.shards[rank]
     sched = compile_schedule(mb, rank)
@@ -127,9 +128,6 @@ def _worker(rank: int, world: int, mb, lengths: list[int], seed: int) -> dict:
 
 def run_ring_check(mb, lengths: list[int], seed: int = 0, timeout_s: float = 120.0, tol: float = 1e-9) -> RingCheck:
     """Run ``mb`` on ``len(mb.shards)`` gloo processes and compare with :func:`_dense_reference`."""
-    from ringpack._spawn import run_ranks
-    from ringpack.traffic import needed_pieces
-
     t0 = time.perf_counter()
     results = run_ranks(
         _worker,

@@ -1,11 +1,11 @@
-"""``ringpack simulate``: plan a whole epoch for a cluster this machine is not, and predict its speed.
+"""``ringpack simulate``: plan an epoch for a cluster this machine is not, and predict its speed (docs/analysis.md).
 
 For a cluster shape (``dp x cp`` GPUs), a length distribution and a model, every strategy plans the
-full epoch with the balancer's :func:`~ringpack.planner.make_plan`; every step is priced with the
-planner's cost code (:mod:`ringpack.analysis.metrics`) and timed under the communication model
-(:mod:`ringpack.analysis.comm_model`, ring and all-gather). Output: predicted tokens/s, epoch time,
-idle fraction, K/V bytes and padding per strategy, as the same report document ``ringpack report``
-writes (terminal table, JSON, plots, HTML).
+full epoch with :func:`~ringpack.planner.make_plan`; every step is priced with the planner's cost
+code (:mod:`ringpack.analysis.metrics`) and timed under the communication model
+(:mod:`ringpack.analysis.comm_model`, ring and all-gather), with the peers of
+:mod:`ringpack.analysis.peer_runner` on the same chunks. Output: the report document ``ringpack
+report`` writes (predicted tokens/s, epoch time, idle fraction, K/V bytes and padding per strategy).
 
 Scale: the epoch is planned in chunks of ``chunk_steps`` global batches (the planner's shuffle
 first, so chunks are random windows of the epoch, exactly as ``make_plan`` would cut them), chunks
@@ -16,23 +16,28 @@ stays flat and a 1M-sample epoch is minutes on 2 cores.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import time
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from numbers import Real
 from typing import Any
 
 import numpy as np
 
+from ringpack._checks import is_finite, is_int
 from ringpack._hints import option
 from ringpack.analysis.comm_model import CommModel
-from ringpack.analysis.metrics import PlanMetrics, evaluate_plan
-from ringpack.analysis.report import StrategyResult, build_report, timed
+from ringpack.analysis.metrics import PlanMetrics, concat_metrics, evaluate_plan
+from ringpack.analysis.peer_runner import PeerJob, join_peer_parts, time_peer, try_measure_peer
+from ringpack.analysis.report import StrategyResult, _fmt_count, _fmt_seconds, build_report, text_table, timed
+from ringpack.data.corpus import stdlib_corpus
+from ringpack.lengths import check_lengths
+from ringpack.planner import make_plan
+from ringpack.planner.epoch import expand_overflow, shuffle_order
+from ringpack.progress import Progress
 from ringpack.shard_plan import PlanConfig
 
-__all__ = ["simulate", "synthetic_lengths", "concat_metrics", "SIM_VARIANTS", "MAX_LENGTH"]
+__all__ = ["simulate", "synthetic_lengths", "SIM_VARIANTS", "MAX_LENGTH"]
 
 #: Longest sample :func:`synthetic_lengths` draws: far beyond any context, exact in int64 pair counts.
 MAX_LENGTH = 1 << 40
@@ -72,8 +77,6 @@ def synthetic_lengths(
     _check_draw(n, median, sigma, max_len)
     rng = np.random.default_rng(seed)
     if source == "stdlib":
-        from ringpack.data.corpus import stdlib_corpus
-
         pool = stdlib_corpus().lengths
         out = rng.choice(pool, size=n)
     elif source == "lognormal":
@@ -95,58 +98,22 @@ def synthetic_lengths(
 
 def _check_draw(n: int, median: float, sigma: float, max_len: int | None) -> None:
     """Refuse (``ValueError``) a sample count, median, sigma or cap of :func:`synthetic_lengths` out of range."""
-    if not _is_int(n) or not 0 <= n < 2**63:
+    if not is_int(n) or not 0 <= n < 2**63:
         raise ValueError(f"samples must be an integer in [0, 2**63), got {n!r}")
-    if not (_is_real(median) and median > 0):
+    if not (is_finite(median) and median > 0):
         raise ValueError(f"median must be a finite number > 0, got {median!r}")
-    if not (_is_real(sigma) and sigma >= 0):
+    if not (is_finite(sigma) and sigma >= 0):
         raise ValueError(f"sigma must be a finite number >= 0, got {sigma!r}")
-    if max_len is not None and (not _is_int(max_len) or max_len < 1):
+    if max_len is not None and (not is_int(max_len) or max_len < 1):
         raise ValueError(f"max_len must be None or an integer >= 1, got {max_len!r}")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
-
-
-def _is_real(value: Any) -> bool:
-    return isinstance(value, Real) and not isinstance(value, (bool, np.bool_)) and math.isfinite(value)
-
-
-def concat_metrics(parts: Sequence[PlanMetrics], name: str) -> PlanMetrics:
-    """Stack the steps of several metrics of one strategy (micro-batch axis padded to the widest)."""
-    M = max(p.cost.shape[2] for p in parts)
-
-    def pad(a: np.ndarray) -> np.ndarray:
-        if a.shape[2] == M:
-            return a
-        width = [(0, 0)] * a.ndim
-        width[2] = (0, M - a.shape[2])
-        return np.pad(a, width)
-
-    first = parts[0]
-    fields = ("mb_exists", "tokens", "pairs", "segments", "cost", "kv_cross_tokens", "zigzag_padding")
-    stacked = {f: np.concatenate([pad(getattr(p, f)) for p in parts], axis=0) for f in fields}
-    return PlanMetrics(
-        name=name,
-        dp=first.dp,
-        cp=first.cp,
-        model=first.model,
-        samples=np.concatenate([p.samples for p in parts]),
-        loss_tokens=np.concatenate([p.loss_tokens for p in parts]),
-        **stacked,
-    )
 
 
 def _plan_chunk(task: tuple[int, int, np.ndarray, Any]) -> tuple[int, int, Any, list, float]:
     """Worker: plan one chunk of the epoch for one variant or peer; return its metrics and lower bounds.
 
-    A variant's task carries its :class:`PlanConfig`, a peer's a :class:`~ringpack.analysis.peers.PeerJob`;
-    a peer's metrics are its :class:`~ringpack.analysis.peers.PeerPart` (``None`` if it cannot plan the chunk).
+    A variant's task carries its :class:`PlanConfig`, a peer's a :class:`~ringpack.analysis.peer_runner.PeerJob`;
+    a peer's metrics are its :class:`~ringpack.analysis.peer_runner.PeerPart` (``None`` if it cannot plan the chunk).
     """
-    from ringpack.analysis.peers import PeerJob, try_measure_peer
-    from ringpack.planner import make_plan
-
     variant, chunk, lengths, config = task
     t0 = time.process_time()
     if isinstance(config, PeerJob):
@@ -192,7 +159,7 @@ def simulate(
         jobs: worker processes (``None``: one per core, at most one per task; ``1``: in process).
         progress: show a progress bar.
         baseline: the plan the others are compared with (default: the report's).
-        peers: other systems to run on the same chunks (:data:`ringpack.analysis.peers.PEERS`),
+        peers: other systems to run on the same chunks (:data:`ringpack.analysis.peer_runner.PEERS`),
             reported in ``doc["peers"]``; a peer's delay queues span one chunk.
 
     Returns:
@@ -250,8 +217,6 @@ def _peer_tasks(
     peers: Sequence[str], config: PlanConfig, chunks: list[np.ndarray], lengths: np.ndarray, first: int
 ) -> list[tuple[int, int, np.ndarray, Any]]:
     """One task per peer and chunk, numbered from ``first`` (after the variants)."""
-    from ringpack.analysis.peers import PeerJob
-
     return [
         (first + k, c, lengths[ids], PeerJob(name, config))
         for k, name in enumerate(peers)
@@ -263,8 +228,6 @@ def _timed_peers(
     parts: dict[int, dict[int, tuple[Any, list]]], count: int, comms: Sequence[CommModel], num_chunks: int, first: int
 ) -> dict[str, list]:
     """Per communication mode, every peer's chunks joined into one report row (in peer order)."""
-    from ringpack.analysis.peers import join_peer_parts, time_peer
-
     peers_by_mode: dict[str, list] = {comm.mode: [] for comm in comms}
     for v in range(first, first + count):
         joined = join_peer_parts([parts[v][c][0] for c in range(num_chunks)])
@@ -277,11 +240,9 @@ def _checked_lengths(
     lengths: Any, config: PlanConfig, variants: Sequence[tuple[str, str]], chunk_steps: Any, jobs: Any
 ) -> np.ndarray:
     """:func:`simulate`'s arguments checked (``ValueError`` naming the bad one); the lengths as int64."""
-    from ringpack.lengths import check_lengths
-
     if config.samples_per_step <= 0:
         raise ValueError("simulate needs a global batch: set samples_per_step (or --global-batch-tokens)")
-    if not _is_int(chunk_steps) or chunk_steps < 1 or (jobs is not None and (not _is_int(jobs) or jobs < 1)):
+    if not is_int(chunk_steps) or chunk_steps < 1 or (jobs is not None and (not is_int(jobs) or jobs < 1)):
         raise ValueError(f"chunk_steps and jobs must be integers >= 1, got {chunk_steps!r} and {jobs!r}")
     if not variants:
         raise ValueError("simulate needs at least one (strategy, packing) variant")
@@ -293,8 +254,6 @@ def _checked_lengths(
 
 def _apply_overflow(lengths: np.ndarray, config: PlanConfig) -> np.ndarray:
     """The epoch's samples after ``config.overflow``: over-long ones dropped, cut into documents, or an error."""
-    from ringpack.planner.epoch import expand_overflow
-
     capacity = config.group_capacity
     if not (lengths > capacity).any():
         return lengths
@@ -310,8 +269,6 @@ def _apply_overflow(lengths: np.ndarray, config: PlanConfig) -> np.ndarray:
 
 def _epoch_chunks(lengths: np.ndarray, config: PlanConfig, chunk_steps: int) -> list[np.ndarray]:
     """The epoch's shuffled sample ids cut into chunks of ``chunk_steps`` global batches."""
-    from ringpack.planner.epoch import shuffle_order
-
     order = shuffle_order(len(lengths), config.seed, config.epoch)
     return _chunks(order, config.samples_per_step, chunk_steps, config.dp * max(config.microbatches_per_rank, 1))
 
@@ -323,8 +280,6 @@ def _plan_tasks(
 
     ``desc``: the progress label (samples planned, over all variants), ``None`` for no progress.
     """
-    from ringpack.progress import Progress
-
     samples = {(v, c): len(lengths) for v, c, lengths, _ in tasks}
     bar = Progress(desc or "", "samples", sum(samples.values()), enabled=desc is not None)
     parts: dict[int, dict[int, tuple[PlanMetrics, list]]] = {v: {} for v, *_ in tasks}
@@ -387,8 +342,6 @@ def _add_modes(
 
 def format_modes(doc: dict[str, Any]) -> str:
     """Per strategy and communication mode: predicted tokens/s, epoch time and idle share."""
-    from ringpack.analysis.report import _fmt_count, _fmt_seconds, text_table
-
     modes = list(doc["plans"][0].get("modes", {}))
     header = ["plan"]
     for mode in modes:

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ringpack._checks import is_int
 from ringpack.attention.exchange import TargetedExchange, compile_exchange, exchange_ranges, ring_distances
 from ringpack.attention.ranges import concat_ranges
 from ringpack.errors import PlanError
@@ -90,9 +91,9 @@ class DenseOptions:
 
     def __post_init__(self) -> None:
         threshold, buckets, batches = self.threshold, self.buckets, self.batches
-        if threshold is not None and (not _is_int(threshold) or threshold < 1):
+        if threshold is not None and (not is_int(threshold) or threshold < 1):
             raise PlanError(f"dense_threshold must be None or an integer >= 1, got {threshold!r}")
-        if buckets is not None and (not _is_int(buckets) or buckets < 1 or buckets & (buckets - 1)):
+        if buckets is not None and (not is_int(buckets) or buckets < 1 or buckets & (buckets - 1)):
             raise PlanError(f"dense_buckets must be None or a power of two, got {buckets!r}")
         if not isinstance(batches, (bool, np.bool_)):
             raise PlanError(f"dense_batches must be True or False, got {batches!r}")
@@ -367,7 +368,7 @@ class _PieceTable:
                 rows.append((r, slot_of[p.sample], p.start, p.stop))
         table = np.array(rows).reshape(-1, 4)
         if table.size and table.dtype.kind not in "iu":  # floats would be truncated, None cannot be cast
-            bad = next((row for row in rows if not all(_is_int(x) and abs(x) < 2**62 for x in row[2:])), rows[0])
+            bad = next((row for row in rows if not all(is_int(x) and abs(x) < 2**62 for x in row[2:])), rows[0])
             raise PlanError(
                 f"cp rank {bad[0]}: piece [{bad[2]}, {bad[3]}) of sample {mb.samples[bad[1]]} "
                 "must have integer bounds below 2**62"
@@ -445,7 +446,7 @@ def compile_schedule(
     """
     _check_microbatch(microbatch)
     cp = len(microbatch.shards)
-    if not _is_int(cp_rank) or not 0 <= cp_rank < cp:
+    if not is_int(cp_rank) or not 0 <= cp_rank < cp:
         raise PlanError(f"cp_rank must be an integer in [0, {cp}) (the micro-batch's rank shards), got {cp_rank!r}")
     cp_rank = int(cp_rank)
     dense = DenseOptions(dense_threshold, dense_buckets, dense_batches)
@@ -730,17 +731,13 @@ def _cut_run(run: np.ndarray, lengths: np.ndarray, max_rows: int) -> list[np.nda
 # ---------------------------------------------------------------------------------------- helpers
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
-
-
 def _check_microbatch(microbatch: MicroBatch) -> None:
     """Raise :class:`PlanError` unless ``microbatch`` is a MicroBatch of rank shards of pieces and integer samples."""
     if not isinstance(microbatch, MicroBatch):
         raise PlanError(f"microbatch must be a ringpack MicroBatch, got {type(microbatch).__name__}")
     if not isinstance(microbatch.shards, Sequence) or not all(isinstance(s, RankShard) for s in microbatch.shards):
         raise PlanError("microbatch.shards must be a sequence of RankShard, one per CP rank")
-    if not isinstance(microbatch.samples, Sequence) or not all(_is_int(x) for x in microbatch.samples):
+    if not isinstance(microbatch.samples, Sequence) or not all(is_int(x) for x in microbatch.samples):
         raise PlanError(f"microbatch.samples must be a sequence of sample indices, got {microbatch.samples!r:.100}")
 
 

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ringpack.analysis import peers as peer_systems
+from ringpack.analysis import peer_runner as peer_systems
 from ringpack.analysis.comm_model import CommModel
 from ringpack.analysis.report import write_report
 from ringpack.cli.flags import (
@@ -64,7 +64,7 @@ def peer_names(args: argparse.Namespace) -> list[str]:
 
 
 def peer_rows(lengths: Any, config: Any, comm: CommModel, names: Sequence[str]) -> list:
-    """The peers' report rows on ``lengths`` (:func:`ringpack.analysis.peers.peer_rows`)."""
+    """The peers' report rows on ``lengths`` (:func:`ringpack.analysis.peer_runner.peer_rows`)."""
     return peer_systems.peer_rows(lengths, config, comm, names)
 
 

@@ -22,6 +22,8 @@ from ringpack.cli.inputs import (
     progress,
     samples_per_step,
 )
+from ringpack.data.corpus import stdlib_corpus
+from ringpack.data.shard_reader import ShardReader
 from ringpack.shard_plan import Plan
 
 
@@ -104,11 +106,9 @@ def run_report(args: argparse.Namespace) -> int:
 def _plan_from_manifest(path: str) -> Plan:
     """The plan a ``ringpack shard`` directory was written from (``manifest.json`` or its folder).
 
-    Read through :class:`~ringpack.data.shards.ShardReader`, which checks the plan file's
+    Read through :class:`~ringpack.data.shard_reader.ShardReader`, which checks the plan file's
     checksum and hash against the manifest.
     """
-    from ringpack.data.shards import ShardReader  # loads torch: only when a manifest is reported
-
     folder = Path(path)
     if folder.is_file():
         folder = folder.parent
@@ -126,6 +126,4 @@ def _unique_names(plans: list[Plan]) -> list[str]:
 
 
 def _corpus_lengths() -> np.ndarray:
-    from ringpack.data.corpus import stdlib_corpus  # the ringpack.data package loads torch
-
     return stdlib_corpus().lengths

@@ -13,6 +13,8 @@ from typing import Any
 from ringpack.cli.config_file import add_config_file_flag
 from ringpack.cli.flags import COUNT, PROCESSES, REQUIRED, add_plan_flags, add_quiet_flag, flag, integer, new_command
 from ringpack.cli.inputs import plan_config_from_args, samples_per_step
+from ringpack.data.shard_writer import check_out_dir, write_shards
+from ringpack.data.sources import SOURCES, load_source, tokenize_dataset
 from ringpack.lengths import lengths_from_dataset
 
 logger = logging.getLogger("ringpack.cli")
@@ -28,8 +30,6 @@ _TOKENIZING_FLAGS = (
 
 
 def add_command(subparsers: Any) -> None:
-    from ringpack.data.shards import SOURCES  # ringpack.data.shards loads torch: imported where a run needs it
-
     p = new_command(
         subparsers,
         "shard",
@@ -84,8 +84,6 @@ def add_command(subparsers: Any) -> None:
 
 
 def run_shard(args: argparse.Namespace) -> int:
-    from ringpack.data.shards import check_out_dir, load_source, write_shards
-
     check_out_dir(args.out, [args.dataset])
     config = plan_config_from_args(args)  # the flags checked before the dataset is loaded
     with _datasets_progress(not args.quiet):
@@ -181,8 +179,6 @@ def _token_dataset(args: argparse.Namespace, ds: Any) -> tuple[Any, dict[str, st
     Raises:
         ValueError: ``--vocab-size`` with ``--tokenizer``, or no column to take ids from.
     """
-    from ringpack.data.shards import tokenize_dataset
-
     if args.column in ds.column_names:
         given = [flag for flag, dest in _TOKENIZING_FLAGS if getattr(args, dest) is not None]
         if given:

@@ -5,7 +5,9 @@ Importing this package needs neither ``datasets`` nor ortools (both are imported
 
 from ringpack.data.collator import IGNORE_INDEX, PackedCollator, PackedDataset, PackedSamples
 from ringpack.data.sampler import BalancedBatchSampler, MicroBatchTicket
-from ringpack.data.shards import ShardReader, load_source, tokenize_dataset, write_shards
+from ringpack.data.shard_reader import ShardReader
+from ringpack.data.shard_writer import write_shards
+from ringpack.data.sources import load_source, tokenize_dataset
 from ringpack.lengths import DataError, lengths_from_dataset, sample_lengths
 
 __all__ = [

@@ -53,6 +53,10 @@ from typing import Any
 
 import numpy as np
 
+from ringpack._checks import is_int
+from ringpack.attention import compile_schedule
+from ringpack.attention.api import mesh_dimension
+from ringpack.attention.schedule import DENSE_KEYWORDS, DenseOptions
 from ringpack.data.sampler import MicroBatchTicket
 from ringpack.lengths import DataError, is_dataset
 from ringpack.shard_plan import MicroBatch
@@ -218,8 +222,6 @@ def check_schedule_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
     Raises:
         DataError: not a mapping (or None), an unknown option, or a bad value (named).
     """
-    from ringpack.attention.schedule import DENSE_KEYWORDS, DenseOptions
-
     if options is not None and not isinstance(options, Mapping):
         raise DataError(f"schedule_options must be a dict of {list(DENSE_KEYWORDS)}, got {type(options).__name__}")
     options = dict(options or {})
@@ -254,15 +256,9 @@ def _renamed_flag(compile_schedules: Any, schedule: Any) -> Any:
     return schedule
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
-
-
 def _schedule(microbatch: MicroBatch, cp_rank: int, mode: Any, options: Mapping[str, Any] | None = None) -> Any:
     if mode is False or mode is None:
         return None
-    from ringpack.attention import compile_schedule
-
     return compile_schedule(microbatch, cp_rank, **(options or {}))
 
 
@@ -344,12 +340,12 @@ class PackedCollator:
         schedule: Any = _UNSET,
     ) -> None:
         compile_schedules = _renamed_flag(compile_schedules, schedule)
-        if not _is_int(cp_size) or cp_size < 1:
+        if not is_int(cp_size) or cp_size < 1:
             raise DataError(f"cp_size must be a positive integer, got {cp_size!r}")
-        if not _is_int(cp_rank) or not 0 <= cp_rank < cp_size:
+        if not is_int(cp_rank) or not 0 <= cp_rank < cp_size:
             raise DataError(f"cp_rank must be in [0, {cp_size}), got {cp_rank!r}")
         check_schedule_flag(compile_schedules, "compile_schedules")
-        if not _is_int(ignore_index):
+        if not is_int(ignore_index):
             raise DataError(
                 f"ignore_index must be an integer (the label of a sample's last token), got {ignore_index!r}"
             )
@@ -368,8 +364,6 @@ class PackedCollator:
             DataError: not a DeviceMesh, no dimension ``cp_dim``, a 1-D mesh of another dimension
                 (``mesh["dp"]``), or a bad option.
         """
-        from ringpack.attention.api import mesh_dimension
-
         sub = mesh_dimension(mesh, cp_dim)
         return cls(sub.get_local_rank(), sub.size(), **options)
 

@@ -1,32 +1,24 @@
-"""The embedded default corpus: the running interpreter's standard library, one document per file.
+"""The embedded default corpus: the running interpreter's standard library, one document per file (docs/data.md).
 
 It exists on every machine with Python, is real text with a heavy-tailed length distribution
 (a few huge modules, many small ones), and needs no download, which makes it the default for
-``make demo``, the planner benchmark and the end-to-end dataloader tests.
-
-Token counting: by default a documented regex pre-tokenizer, one token per run of word
-characters and one per other non-space character (``\\w+|[^\\w\\s]``). On source code that comes
-within roughly +-30% of a byte-level BPE's count, which is all the planner needs (it balances
-relative costs); pass ``tokenizer=`` a Hugging Face ``tokenizer.json`` (or a folder holding one) for
-exact counts of a real model's tokenizer.
+``make demo``, the planner benchmark and the end-to-end dataloader tests. Token counts come from
+:mod:`ringpack.tokenizer`: by default its regex pre-tokenizer, which is all the planner needs (it
+balances relative costs); ``tokenizer=`` takes what :func:`~ringpack.tokenizer.load_tokenizer`
+reads, for exact counts of a real model's tokenizer.
 """
 
 from __future__ import annotations
 
-import re
 import sysconfig
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-from ringpack.errors import DataError
+from ringpack.tokenizer import load_tokenizer_counter, regex_token_count
 
-__all__ = ["Corpus", "stdlib_corpus", "stdlib_files", "regex_token_count", "load_tokenizer", "load_tokenizer_counter"]
-
-_TOKEN_RE = re.compile(r"\w+|[^\w\s]")
+__all__ = ["Corpus", "stdlib_corpus", "stdlib_files"]
 
 
 @dataclass(frozen=True)
@@ -37,50 +29,6 @@ class Corpus:
     lengths: np.ndarray
     root: Path
     counter: str
-
-
-def regex_token_count(text: str) -> int:
-    """Number of ``\\w+|[^\\w\\s]`` matches: the default, dependency-free token counter."""
-    return len(_TOKEN_RE.findall(text))
-
-
-def regex_tokenize(text: str) -> list[str]:
-    """The default tokenizer's tokens (used where real ids are needed, e.g. sharding the corpus)."""
-    return _TOKEN_RE.findall(text)
-
-
-def load_tokenizer(path: str | Path) -> Any:
-    """The ``tokenizers.Tokenizer`` of a Hugging Face ``tokenizer.json`` file or a folder holding one.
-
-    Raises:
-        FileNotFoundError: no such file (or no ``tokenizer.json`` in the folder).
-        DataError: a file the ``tokenizers`` library cannot read (its reason, in one line, naming the file).
-        ValueError: the ``tokenizers`` package is not installed.
-    """
-    path = Path(path)
-    if path.is_dir():
-        path = path / "tokenizer.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"no tokenizer file at {path} (want a Hugging Face tokenizer.json or its folder)")
-    try:
-        from tokenizers import Tokenizer
-    except ImportError as exc:  # optional dependency: pip install ringpack[hf]
-        raise ValueError("--tokenizer needs the 'tokenizers' package (pip install 'ringpack[hf]')") from exc
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as exc:  # the library raises a bare Exception for any file it cannot parse
-        reason = " ".join(str(exc).split()) or type(exc).__name__
-        raise DataError(f"tokenizer file {path} is not a Hugging Face tokenizer.json: {reason:.200}") from None
-
-
-def load_tokenizer_counter(path: str | Path) -> Callable[[Sequence[str]], list[int]]:
-    """A batch token counter from a Hugging Face ``tokenizer.json`` file or its folder (:func:`load_tokenizer`)."""
-    tokenizer = load_tokenizer(path)
-
-    def count(texts: Sequence[str]) -> list[int]:
-        return [len(enc.ids) for enc in tokenizer.encode_batch(list(texts), add_special_tokens=False)]
-
-    return count
 
 
 def stdlib_files(root: Path | None = None) -> list[Path]:

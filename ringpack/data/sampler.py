@@ -54,9 +54,11 @@ from typing import Any
 
 import numpy as np
 
+from ringpack._checks import is_int
 from ringpack.cost import CostModel
 from ringpack.errors import PlanError
 from ringpack.lengths import DataError, sample_lengths
+from ringpack.mesh import mesh_coordinates
 from ringpack.planner.stream import LOOKAHEAD_STEPS, StepStream
 from ringpack.shard_plan import MicroBatch, Piece, Plan, PlanConfig, RankShard, Step
 
@@ -70,11 +72,6 @@ try:  # a real torch Sampler where torch is installed (it always is for DataLoad
     from torch.utils.data import Sampler as _SamplerBase
 except ImportError:  # pragma: no cover
     _SamplerBase = object  # type: ignore[assignment,misc]
-
-
-def _is_int(value: Any) -> bool:
-    """An integer (Python or numpy), not a bool and not a float: what a state's counters must be."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
 def check_plan_options(options: dict[str, Any], set_by: dict[str, str], where: str = "plan option") -> None:
@@ -232,9 +229,9 @@ class BalancedBatchSampler(_SamplerBase):
         **plan_options: Any,
     ) -> None:
         check_plan_options(plan_options, {"epoch": "sampler.set_epoch(e)", "dp": "dp_size", "cp": "cp_size"})
-        if not _is_int(dp_size) or dp_size < 1:
+        if not is_int(dp_size) or dp_size < 1:
             raise DataError(f"dp_size must be a positive integer, got {dp_size!r}")
-        if not _is_int(dp_rank) or not 0 <= dp_rank < dp_size:
+        if not is_int(dp_rank) or not 0 <= dp_rank < dp_size:
             raise DataError(f"dp_rank must be in [0, {dp_size}), got {dp_rank!r}")
         self.lengths = sample_lengths(lengths)
         # Validates every option (PlanError, a ValueError, names the bad field).
@@ -277,8 +274,6 @@ class BalancedBatchSampler(_SamplerBase):
             DataError: ``mesh`` not a DeviceMesh, ``dp_dim`` equal to ``cp_dim``, or a mesh without
                 one of the two dimensions; and whatever the constructor raises.
         """
-        from ringpack.integrations.distributed import mesh_coordinates
-
         c = mesh_coordinates(mesh, dp_dim, cp_dim)
         return cls(lengths, c.dp_rank, c.dp_size, c.cp_size, tokens_per_rank, **options)
 
@@ -352,7 +347,7 @@ class BalancedBatchSampler(_SamplerBase):
 
         ``after`` must be at or past what every rank's sampler has handed out (the maximum of
         :meth:`planned_through` over all ranks), so that no rank has already delivered a
-        micro-batch of a re-planned step; :class:`~ringpack.analysis.calibration.online.CostLearner`
+        micro-batch of a re-planned step; :class:`~ringpack.training.CostLearner`
         agrees on it with one all-reduce. Every rank must make the same calls. Past the epoch's last
         step the model applies from the next epoch. Steps planned ahead from the switch on are
         planned again, in the background; those handed out never are. Returns the ``(epoch, step)``
@@ -725,7 +720,7 @@ def _state_int(state: dict[str, Any], key: str, low: int | None = None) -> int:
     if key not in state:
         raise DataError(f"sampler state lacks key {key!r}")
     value = state[key]
-    if not _is_int(value):
+    if not is_int(value):
         raise DataError(f"sampler state key {key!r} must be an integer, got {value!r:.100}")
     if low is not None and value < low:
         raise DataError(f"sampler state key {key!r} must be >= {low}, got {value!r}")
@@ -748,7 +743,7 @@ def _parse_switches(switches: Any) -> list[tuple[int, int, CostModel]]:
         raise DataError(f"sampler state key 'cost_switches' must be a list, got {switches!r:.100}")
     restored = []
     for k, switch in enumerate(switches):
-        if not (isinstance(switch, (list, tuple)) and len(switch) == 3 and all(_is_int(x) for x in switch[:2])):
+        if not (isinstance(switch, (list, tuple)) and len(switch) == 3 and all(is_int(x) for x in switch[:2])):
             raise DataError(f"sampler state cost_switches[{k}] must be [epoch, step, cost model], got {switch!r:.100}")
         try:
             restored.append((int(switch[0]), int(switch[1]), CostModel.from_dict(switch[2])))

@@ -22,7 +22,7 @@ not a power of two would round). The mesh convention is ``("dp", "cp")`` with CP
 group is ``cp`` consecutive ranks (one host's fast links), as in ``examples/train.py``.
 
 :class:`SamplerState` puts the sampler's position and cost-model switches (and a
-:class:`~ringpack.analysis.calibration.online.CostLearner`'s observations) into a
+:class:`~ringpack.training.cost_learner.CostLearner`'s observations) into a
 ``torch.distributed.checkpoint`` (DCP) checkpoint next to the model and optimizer, so a resumed run
 plans exactly as the uninterrupted one.
 """
@@ -32,16 +32,16 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch.distributed as dist
 from torch import nn
 
+from ringpack._checks import is_bool, is_int
 from ringpack.attention.api import DeviceMesh, mesh_dimension, process_group
 from ringpack.data.sampler import BalancedBatchSampler
 from ringpack.errors import DataError
+from ringpack.mesh import MeshCoordinates, mesh_coordinates
 
 __all__ = [
     "MeshCoordinates",
@@ -72,45 +72,6 @@ def cp_group(group: Any, dim: str = "cp") -> dist.ProcessGroup | None:
     if DeviceMesh is not None and isinstance(group, DeviceMesh):
         group = mesh_dimension(group, dim, "group")
     return process_group(group)
-
-
-@dataclass(frozen=True)
-class MeshCoordinates:
-    """This rank's place in a DP x CP grid: what ``BalancedBatchSampler`` and ``PackedCollator`` take."""
-
-    dp_rank: int
-    dp_size: int
-    cp_rank: int
-    cp_size: int
-    cp_group: dist.ProcessGroup | None
-
-
-def mesh_coordinates(mesh: Any, dp_dim: str = "dp", cp_dim: str = "cp") -> MeshCoordinates:
-    """This rank's DP and CP coordinates in a DeviceMesh with dimensions ``dp_dim`` and ``cp_dim``.
-
-    ``BalancedBatchSampler(lengths, c.dp_rank, c.dp_size, c.cp_size, ...)`` and
-    ``PackedCollator(c.cp_rank, c.cp_size)`` then feed the rank its share of the plan.
-
-    Raises:
-        DataError: ``mesh`` not a DeviceMesh, ``dp_dim`` and ``cp_dim`` not two different names,
-            or a mesh without one of the two dimensions (a 1-D mesh has one of them at most).
-    """
-    if DeviceMesh is None or not isinstance(mesh, DeviceMesh):
-        raise DataError(
-            f"mesh must be a torch.distributed DeviceMesh with dimensions {dp_dim!r} and {cp_dim!r}, "
-            f"got {type(mesh).__name__}"
-        )
-    for name, value in (("dp_dim", dp_dim), ("cp_dim", cp_dim)):
-        if not isinstance(value, str):
-            raise DataError(f"{name} must be the name of a mesh dimension, got {value!r}")
-    if dp_dim == cp_dim:
-        raise DataError(f"dp_dim and cp_dim must name two different mesh dimensions, both are {dp_dim!r}")
-    names = mesh.mesh_dim_names or ()
-    for argument, name in (("dp_dim", dp_dim), ("cp_dim", cp_dim)):
-        if name not in names:
-            raise DataError(f"mesh: the DeviceMesh has no dimension {name!r} ({argument}; its dimensions: {names})")
-    dp, cp = mesh[dp_dim], mesh[cp_dim]
-    return MeshCoordinates(dp.get_local_rank(), dp.size(), cp.get_local_rank(), cp.size(), cp.get_group())
 
 
 def data_parallel_mesh(mesh: Any, dims: tuple[str, ...] = ("dp", "cp")) -> Any:
@@ -177,7 +138,7 @@ def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
         DataError: ``model`` is not an ``nn.Module`` or ``enabled`` not a bool (on entering).
     """
     _check_module(model)
-    if not isinstance(enabled, (bool, np.bool_)):
+    if not is_bool(enabled):
         raise DataError(f"enabled must be True or False, got {enabled!r}")
     if isinstance(model, nn.parallel.DistributedDataParallel):
         with contextlib.nullcontext() if enabled else model.no_sync():
@@ -232,7 +193,7 @@ class SamplerState:
         Raises:
             DataError: ``batch`` is not a mapping with integer ``"epoch"`` and ``"cursor"``.
         """
-        if not isinstance(batch, Mapping) or not all(_is_int(batch.get(key)) for key in ("epoch", "cursor")):
+        if not isinstance(batch, Mapping) or not all(is_int(batch.get(key)) for key in ("epoch", "cursor")):
             got = sorted(batch) if isinstance(batch, Mapping) else type(batch).__name__
             raise DataError(f"batch must be a PackedCollator batch with integer 'epoch' and 'cursor', got {got}")
         self._consumed = (int(batch["epoch"]), int(batch["cursor"]))
@@ -278,10 +239,6 @@ class SamplerState:
             return None
         epoch, cursor = self._consumed
         return cursor if epoch == self.sampler.epoch else 0
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
 def _check_module(model: Any) -> None:

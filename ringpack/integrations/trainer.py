@@ -49,14 +49,16 @@ import torch.distributed as dist
 from transformers import Trainer
 from transformers.utils import logging
 
+from ringpack._checks import is_int
 from ringpack.attention import BACKENDS, MODES
 from ringpack.data import BalancedBatchSampler, PackedCollator, PackedDataset
 from ringpack.data.collator import check_schedule_options
 from ringpack.data.sampler import check_plan_options
 from ringpack.errors import DataError, PlanError
-from ringpack.integrations.distributed import MeshCoordinates, gradient_sync, mesh_coordinates, sum_gradients
+from ringpack.integrations.distributed import gradient_sync, sum_gradients
 from ringpack.integrations.transformers import causal_lm_loss_sum, register
 from ringpack.lengths import sample_lengths
+from ringpack.mesh import MeshCoordinates, mesh_coordinates
 from ringpack.shard_plan import STRATEGIES, PlanConfig
 
 logger = logging.get_logger(__name__)
@@ -102,7 +104,7 @@ class RingpackConfig:
     def __post_init__(self) -> None:
         for name in ("cp_size", "tokens_per_rank"):
             value = getattr(self, name)
-            if not _is_int(value) or value < 1:
+            if not is_int(value) or value < 1:
                 raise PlanError(f"RingpackConfig.{name} must be a positive integer, got {value!r}")
         if self.strategy not in STRATEGIES:
             raise PlanError(f"RingpackConfig.strategy must be one of {STRATEGIES}, got {self.strategy!r}")
@@ -336,7 +338,3 @@ def _lengths(rows: PackedDataset, config: RingpackConfig) -> np.ndarray:
     if hasattr(dataset, "column_names"):  # a datasets.Dataset: read its column, not its rows
         return sample_lengths(dataset, config.column)
     return sample_lengths([len(rows[i]) for i in range(len(rows))])
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ringpack.attention import ring_attention
 from ringpack.errors import DataError
 
 ATTENTION_NAME = "ringpack"
@@ -66,8 +67,6 @@ def ringpack_attention_forward(
             batch other than 1, dropout, or an attention mask; and whatever
             :func:`~ringpack.attention.ring_attention` raises.
     """
-    from ringpack.attention import ring_attention
-
     for name, x in (("query", query), ("key", key), ("value", value)):
         if not isinstance(x, torch.Tensor) or x.dim() != 4:
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 
 from ringpack.analysis.comm_model import CommModel, kv_cross_tokens, microbatch_seconds
-from ringpack.analysis.metrics import evaluate_plan, zigzag_rule_padding
+from ringpack.analysis.metrics import concat_metrics, evaluate_plan, zigzag_rule_padding
 from ringpack.analysis.report import build_report, result_of_plan
 from ringpack.cost import CostModel
 from ringpack.planner import make_plan
@@ -151,3 +151,15 @@ def test_comm_times_grow_as_links_slow_down():
         times.append(r.step_seconds_comm.sum())
         assert (r.step_seconds_comm >= r.metrics.step_seconds * (1 - 1e-12)).all()
     assert times[0] <= times[1] < times[2]
+
+
+def test_concat_metrics_equals_one_plan_per_part():
+    lengths = np.random.default_rng(2).integers(1, 3000, size=200)
+    cfg = PlanConfig(
+        dp=4, cp=2, tokens_per_rank=4096, samples_per_step=25, overflow="split", cost=CostModel.preset("llama-1b")
+    )
+    parts = [evaluate_plan(make_plan(lengths[i : i + 100], cfg)) for i in (0, 100)]
+    whole = concat_metrics(parts, "x")
+    assert whole.num_steps == sum(p.num_steps for p in parts)
+    np.testing.assert_allclose(whole.step_cost, np.concatenate([p.step_cost for p in parts]))
+    assert whole.tokens.sum() == lengths.sum()

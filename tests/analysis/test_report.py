@@ -127,7 +127,7 @@ def test_report_cli_from_lengths_plans_every_strategy(tmp_path, capsys):
 
 
 def test_report_cli_from_shard_manifest(tmp_path, capsys):
-    from ringpack.data.shards import write_shards
+    from ringpack.data.shard_writer import write_shards
 
     rng = np.random.default_rng(1)
     rows = [rng.integers(0, 100, size=int(n)).tolist() for n in LENGTHS[:40]]

@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 
 from ringpack.analysis.comm_model import CommModel
-from ringpack.analysis.metrics import evaluate_plan
-from ringpack.analysis.simulate import concat_metrics, simulate, synthetic_lengths
+from ringpack.analysis.simulate import simulate, synthetic_lengths
 from ringpack.cli import main
 from ringpack.cost import CostModel
-from ringpack.planner import make_plan
 from ringpack.shard_plan import PlanConfig
 
 
@@ -55,16 +52,6 @@ def test_parallel_and_serial_agree():
     b = simulate(lengths, config(), variants, chunk_steps=3, jobs=2, progress=False)
     for pa, pb in zip(a["plans"], b["plans"]):
         assert pa["summary"] == pb["summary"]
-
-
-def test_concat_metrics_equals_one_plan_per_part():
-    lengths = np.random.default_rng(2).integers(1, 3000, size=200)
-    cfg = config(samples_per_step=25)
-    parts = [evaluate_plan(make_plan(lengths[i : i + 100], cfg)) for i in (0, 100)]
-    whole = concat_metrics(parts, "x")
-    assert whole.num_steps == sum(p.num_steps for p in parts)
-    np.testing.assert_allclose(whole.step_cost, np.concatenate([p.step_cost for p in parts]))
-    assert whole.tokens.sum() == lengths.sum()
 
 
 def test_simulate_cli(tmp_path, capsys):

@@ -11,13 +11,16 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from ringpack._files import file_sha256
 from ringpack.attention import compile_schedule
 from ringpack.cli import main
 from ringpack.data import BalancedBatchSampler, DataError, PackedCollator, PackedDataset, ShardReader
-from ringpack.data import shards as shards_mod
-from ringpack.data.shards import file_sha256, load_source, regex_token_ids, tokenize_dataset, write_shards
+from ringpack.data import shard_writer as shards_mod
+from ringpack.data.shard_writer import write_shards
+from ringpack.data.sources import load_source, tokenize_dataset
 from ringpack.planner.epoch import expand_overflow
 from ringpack.shard_plan import PlanConfig
+from ringpack.tokenizer import regex_token_ids
 from tests.helpers.data import Coverage, batch_signature, corpus_jsonl
 
 DP, CP, T = 2, 2, 4096

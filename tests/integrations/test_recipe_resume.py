@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from ringpack._spawn import run_ranks
-from ringpack.analysis.calibration.online import CostLearner, LearnerConfig, microbatch_features
+from ringpack.cost_fit import microbatch_features
+from ringpack.training.cost_learner import CostLearner, LearnerConfig
 from tests.helpers.training import load_example
 
 WORLD, CP, STEPS, SPLIT = 4, 2, 4, 2
@@ -201,8 +202,8 @@ def test_sampler_state_refuses_another_ranks_or_a_missing_learner_state():
 def test_learner_state_round_trips_through_json():
     import json
 
-    from ringpack.analysis.calibration.online import FitResult
     from ringpack.cost import CostModel
+    from ringpack.cost_fit import FitResult
 
     config = LearnerConfig(first_fit_after=100)  # no fit: one process has no group to gather over
     sampler = _sampler()

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ringpack._spawn import run_ranks
-from ringpack.data.corpus import regex_token_count
+from ringpack.tokenizer import regex_token_count
 from tests.helpers.training import load_example
 
 WORDS = [

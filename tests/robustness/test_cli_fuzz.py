@@ -20,7 +20,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ringpack.data.shards import ShardReader, write_shards
+from ringpack.data.shard_reader import ShardReader
+from ringpack.data.shard_writer import write_shards
 from ringpack.lengths import lengths_from_file
 from ringpack.shard_plan import Plan, PlanConfig
 from tests.helpers.cli import (

@@ -21,7 +21,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ringpack.data.shards import ShardReader, write_shards
+from ringpack.data.shard_reader import ShardReader
+from ringpack.data.shard_writer import write_shards
 from ringpack.errors import DataError, PlanError
 from ringpack.shard_plan import MicroBatch, Piece, Plan, PlanConfig, RankShard, Step
 from tests.helpers.cli import CP, DP, TOKENS, small_plan, token_rows

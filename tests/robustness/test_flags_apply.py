@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import ringpack
-from ringpack.data.shards import load_source
+from ringpack.data.sources import load_source
 from ringpack.errors import DataError
 from ringpack.lengths import read_lengths
 from tests.helpers.cli import assert_clean, run_cli, token_rows, write_jsonl

@@ -21,16 +21,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ringpack.analysis.calibration.online import CostLearner, LearnerConfig, microbatch_features, usable_rows
 from ringpack.cost import CostModel
+from ringpack.cost_fit import microbatch_features, usable_rows
 from ringpack.data import BalancedBatchSampler
+from ringpack.training.cost_learner import CostLearner, LearnerConfig
 from tests.helpers.cli import assert_clean, run_cli
 
 TRUTH = CostModel(token=2e-6, pair=1.5e-10, segment=3e-5, unit="s", name="truth")
 OVERHEAD = 4e-3
 BAD_TIMES = (0.0, -0.0, -1e-3, -3600.0, math.nan, math.inf, -math.inf, 5e-324, 1e-12)
 BAD_COUNTS = (1e308, 2.0**64, -1.0, -(2.0**40), math.nan, math.inf)
-LOGGER = "ringpack.analysis.calibration.online"
+LOGGER = "ringpack.training.cost_learner"
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from ringpack import _files
-from ringpack.data import shards as shards_module
-from ringpack.data.shards import ShardReader
+from ringpack.data import shard_writer as shards_module
+from ringpack.data.shard_reader import ShardReader
 from ringpack.errors import DataError
 from tests.helpers.cli import assert_clean, digests, run_cli, token_rows, write_jsonl
 

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from ringpack.data.corpus import load_tokenizer, load_tokenizer_counter
-from ringpack.data.shards import load_source, tokenize_dataset
+from ringpack.data.sources import load_source, tokenize_dataset
 from ringpack.errors import DataError
-from ringpack.lengths import make_counter
+from ringpack.tokenizer import load_tokenizer, load_tokenizer_counter, make_counter
 from tests.helpers.cli import assert_clean, run_cli, token_rows, write_jsonl
 
 MESH = ["--dp", 1, "--cp", 1, "--tokens-per-rank", 512]

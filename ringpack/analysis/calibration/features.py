@@ -1,26 +1,9 @@
-"""What the calibration's cost models see of a rank shard: planner terms and kernel launches.
+"""What the calibration's cost models see of a rank shard: planner terms and kernel launches (docs/cost-model.md).
 
 The profile model uses the planner's own terms (tokens, causal pairs, pieces); the kernel model
 uses what the compiled schedule launches (varlen calls, tiles, the launch grid, remote rows,
-dense calls). Both are computed on the CPU from a :class:`~ringpack.analysis.calibration.cases.Case`,
-so a stored report can be refitted without a GPU. The kernel model's terms (:func:`rank_features`):
-
-* ``ring``: 1 when the micro-batch has remote steps (some sample is split). Every rank of the
-  micro-batch then runs the ring path (K/V packing, float32 accumulators, merges), so it is a
-  constant of the micro-batch, like ``overhead``.
-* ``calls``: varlen kernel calls (each a forward and a backward launch, plus prologues).
-* ``tiles``: ``block_q x block_k`` tiles the varlen calls compute (partial and masked tiles whole).
-* ``grid_q`` / ``grid_k``: the launch grid of the varlen calls. Flash-attention's varlen kernels
-  launch ``ceil(max_seqlen / block)`` tiles for *every* segment of a call (forward and the
-  backward's pre/post-processing over queries, the backward's main kernel over keys); tiles past a
-  segment's end exit at once but still cost a block launch, so a call of many short segments and
-  one long one pays ``segments x longest`` of them.
-* ``remote_rows``: query rows of the remote steps (gathered, merged by log-sum-exp, their dQ
-  scattered back); ``buffer_tokens``: remote K/V rows a rank reads and accumulates dK/dV for.
-* ``dense_calls`` / ``dense_tiles``: with a hybrid backend, the long segments the schedule marked
-  run one by one on the dense kernel, a launch each at their own tile rate, counted at their kernel
-  shape (``q_run x k_run``, padding included, times ``batch``); a dense block's keys past ``k_run``
-  count as a varlen call over the padded rows.
+dense calls: :func:`rank_features` lists them). Both are computed on the CPU from a
+:class:`~ringpack.analysis.calibration.cases.Case`, so a stored report can be refitted without a GPU.
 """
 
 from __future__ import annotations
@@ -32,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from ringpack.analysis.calibration.cases import Case
+from ringpack.attention.schedule import compile_schedule
 from ringpack.cost import piece_pairs
 
 # the profile model: what the planner's CostModel prices (tokens, pairs, pieces) plus two constants
@@ -143,8 +127,6 @@ _SCHEDULES: dict[tuple[int, EngineSettings], tuple[Case, Any]] = {}
 
 def compiled_schedule(case: Case, settings: EngineSettings = EngineSettings()) -> Any:
     """The case's compiled schedule (CPU, torch), compiled once per case object and settings."""
-    from ringpack.attention.schedule import compile_schedule
-
     key = (id(case), settings)
     hit = _SCHEDULES.get(key)
     if hit is None or hit[0] is not case:
@@ -183,8 +165,25 @@ def rank_features(
         settings: how the engine whose times are fitted split its kernel calls.
 
     Returns:
-        :data:`PROFILE_FEATURES` and :data:`KERNEL_FEATURES` by name (floats; the kernel terms are
-        described in the module docstring), plus ``segments`` and ``dense_pairs`` (diagnostics).
+        :data:`PROFILE_FEATURES` and :data:`KERNEL_FEATURES` by name (floats), plus ``segments``
+        and ``dense_pairs`` (diagnostics). The kernel terms:
+
+        * ``ring``: 1 when the micro-batch has remote steps (some sample is split). Every rank of the
+          micro-batch then runs the ring path (K/V packing, float32 accumulators, merges), so it is a
+          constant of the micro-batch, like ``overhead``.
+        * ``calls``: varlen kernel calls (each a forward and a backward launch, plus prologues).
+        * ``tiles``: ``block_q x block_k`` tiles the varlen calls compute (partial and masked tiles whole).
+        * ``grid_q`` / ``grid_k``: the launch grid of the varlen calls. Flash-attention's varlen kernels
+          launch ``ceil(max_seqlen / block)`` tiles for *every* segment of a call (forward and the
+          backward's pre/post-processing over queries, the backward's main kernel over keys); tiles past a
+          segment's end exit at once but still cost a block launch, so a call of many short segments and
+          one long one pays ``segments x longest`` of them.
+        * ``remote_rows``: query rows of the remote steps (gathered, merged by log-sum-exp, their dQ
+          scattered back); ``buffer_tokens``: remote K/V rows a rank reads and accumulates dK/dV for.
+        * ``dense_calls`` / ``dense_tiles``: with a hybrid backend, the long segments the schedule marked
+          run one by one on the dense kernel, a launch each at their own tile rate, counted at their kernel
+          shape (``q_run x k_run``, padding included, times ``batch``); a dense block's keys past ``k_run``
+          count as a varlen call over the padded rows.
     """
     schedule = compiled_schedule(case, settings)
     f = planner_features(case)

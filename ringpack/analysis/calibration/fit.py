@@ -1,7 +1,8 @@
-"""The calibration's fit: NNLS, the profile and kernel models, and how well they predict.
+"""The calibration's fit: the profile and kernel models, and how well they predict (docs/cost-model.md).
 
-Pure numpy on measured times: :func:`analyse` is shared by a fresh calibration (after timing on
-the GPU) and by a refit of a stored report, so both produce the same :class:`Calibration`.
+Pure numpy on measured times, fitted by the NNLS of :mod:`ringpack.cost_fit`: :func:`analyse` is
+shared by a fresh calibration (after timing on the GPU) and by a refit of a stored report, so both
+produce the same :class:`Calibration`.
 """
 
 from __future__ import annotations
@@ -23,63 +24,7 @@ from ringpack.analysis.calibration.features import (
     rank_features,
 )
 from ringpack.cost import CostModel
-
-
-def nnls(a: np.ndarray, b: np.ndarray, max_iter: int | None = None) -> np.ndarray:
-    """Non-negative least squares ``min ||a x - b||, x >= 0`` (Lawson-Hanson active set; small problems)."""
-    a = np.asarray(a, dtype=np.float64)
-    b = np.asarray(b, dtype=np.float64)
-    m, n = a.shape
-    x = np.zeros(n)
-    passive = np.zeros(n, dtype=bool)
-    tol = 10 * np.finfo(np.float64).eps * np.abs(a).sum(axis=0).max(initial=0.0) * max(m, n)
-    w = a.T @ (b - a @ x)
-    for _ in range(max_iter or 3 * n + 10):
-        if passive.all() or np.max(np.where(passive, -np.inf, w)) <= tol:
-            break
-        passive[int(np.argmax(np.where(passive, -np.inf, w)))] = True
-        while True:
-            z = np.zeros(n)
-            z[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
-            if z[passive].min() > 0:
-                x = z
-                break
-            neg = passive & (z <= 0)
-            alpha = np.min(x[neg] / (x[neg] - z[neg]))
-            x = x + alpha * (z - x)
-            passive &= x > tol
-            x[~passive] = 0.0
-            if not passive.any():
-                break
-        w = a.T @ (b - a @ x)
-    return x
-
-
-def fit_nnls(features: np.ndarray, times: np.ndarray, relative: bool = True) -> np.ndarray:
-    """Non-negative coefficients ``c`` with ``features @ c ~ times``; ``relative`` weights rows by ``1/times``.
-
-    Columns are scaled to unit norm first (pairs are ~1e9, the constant is 1), then unscaled.
-
-    Raises:
-        ValueError: a feature or time that is not finite, a time that is not positive (``relative``),
-            or a relative weighting that overflows (a time too small for its features).
-    """
-    a = np.asarray(features, dtype=np.float64)
-    b = np.asarray(times, dtype=np.float64)
-    if not (np.isfinite(a).all() and np.isfinite(b).all()):
-        raise ValueError("the fit needs finite features and times (a NaN or an infinity is not a measurement)")
-    if relative:
-        if (b <= 0).any():
-            raise ValueError(f"relative fit needs positive times ({int((b <= 0).sum())} of {b.size} are not)")
-        with np.errstate(over="ignore"):
-            a, b = a / b[:, None], np.ones_like(b)
-        if not np.isfinite(a).all():
-            raise ValueError("relative fit overflows: a time is too small for its features")
-    peak = np.abs(a).max(axis=0, initial=0.0)
-    peak[peak == 0] = 1.0
-    norms = peak * np.linalg.norm(a / peak, axis=0)  # scaled first: the squares of counts near 1e200 overflow
-    norms[norms == 0] = 1.0
-    return nnls(a / norms, b) / norms
+from ringpack.cost_fit import fit_nnls
 
 
 def pearson(x: Sequence[float], y: Sequence[float]) -> float:

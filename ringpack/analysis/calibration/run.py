@@ -98,9 +98,7 @@ from ringpack.analysis.calibration.fit import (
     REPORT_VERSION,
     Calibration,
     analyse,
-    fit_nnls,
     fit_profile,
-    nnls,
     pearson,
     profile_model,
     quality,
@@ -114,7 +112,9 @@ from ringpack.analysis.calibration.timing import (
     time_case,
     time_linear,
 )
+from ringpack.attention.kernels import HYBRID_BACKENDS, resolve_backend
 from ringpack.cost import PRESETS, ModelShape
+from ringpack.cost_fit import fit_nnls, nnls
 from ringpack.errors import DataError
 from ringpack.shard_plan import field_doc
 
@@ -230,8 +230,6 @@ def calibrate(
     Raises:
         ValueError: ``mode="linear"`` without a model, or timings without signal.
     """
-    from ringpack.attention.kernels import HYBRID_BACKENDS
-
     if settings.mode == "linear" and model is None:
         raise ValueError("mode 'linear' needs a model shape for the linear layers' GEMMs")
     setup = _timing_setup(shape, settings)
@@ -261,8 +259,6 @@ def calibrate(
 def _timing_setup(shape: AttentionShape, settings: CalibrationSettings) -> TimingSetup:
     """The device, dtype, resolved backend, clock and input generator ``settings`` ask for."""
     import torch
-
-    from ringpack.attention.kernels import resolve_backend
 
     device = torch.device(settings.device)
     dtype = settings.dtype
@@ -336,8 +332,6 @@ def refit(report: dict[str, Any]) -> Calibration:
     Raises:
         ValueError: a report of another format version.
     """
-    from ringpack.attention.kernels import HYBRID_BACKENDS
-
     version = report.get("version", 1)
     if version != REPORT_VERSION:
         raise ValueError(

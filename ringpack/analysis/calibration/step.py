@@ -16,7 +16,7 @@ what a rank really runs per micro-batch and fits the planner's cost model to it:
    the training backend; the remote K/V of split samples come from memory (compute only: the
    ring's transfers overlap the kernels in training, and the communication model prices them).
    CUDA events bracket each repetition; the host's launches are included, as training pays them.
-3. **Fit.** :func:`~ringpack.analysis.calibration.online.fit_rank_times`, the run-time learner's
+3. **Fit.** :func:`~ringpack.cost_fit.fit_rank_times`, the run-time learner's
    non-negative least squares with its outlier guard: ``seconds ~ token*tokens + pair*pairs +
    segment*pieces + microbatch``.
 4. **Held out.** Mixes with seeds the fit never saw, every rank shard's and every micro-batch's
@@ -41,19 +41,19 @@ from typing import Any
 
 import numpy as np
 
+from ringpack._checks import is_int
 from ringpack.analysis.calibration.cases import Case, microbatch_geometry, rank_cases
-from ringpack.analysis.calibration.online import (
-    ROW,
-    FitResult,
-    LearnerConfig,
-    fit_problem,
-    fit_rank_times,
-    microbatch_features,
-    usable_rows,
-)
+from ringpack.analysis.calibration.features import compiled_schedule
+from ringpack.analysis.calibration.timing import AttentionShape, Clock, compute_only_transport, device_name
+from ringpack.attention.kernels import resolve_backend
+from ringpack.attention.ring import ContextParallelAttention
 from ringpack.cost import MAX_SAMPLE_TOKENS, PRESETS, CostModel, ModelShape
+from ringpack.cost_fit import ROW, FitResult, fit_problem, fit_rank_times, microbatch_features, usable_rows
 from ringpack.errors import DataError, PlanError
-from ringpack.shard_plan import MAX_CP, PlanConfig, Step, _is_int, field_doc
+from ringpack.integrations.transformers import causal_lm_loss_sum
+from ringpack.planner import make_plan
+from ringpack.shard_plan import MAX_CP, PlanConfig, Step, field_doc
+from ringpack.training.cost_learner import LearnerConfig
 
 __all__ = [
     "StepCalibrationConfig",
@@ -166,11 +166,11 @@ class StepCalibrationConfig:
             object.__setattr__(self, "tokens_per_rank", DEFAULT_TOKENS_PER_RANK[self.device])
         for name in ("tokens_per_rank", "cp", "fit_mixes", "held_out_mixes", "microbatches", "reps"):
             value = getattr(self, name)
-            if not _is_int(value) or not 1 <= value < 2**63:
+            if not is_int(value) or not 1 <= value < 2**63:
                 raise PlanError(f"StepCalibrationConfig.{name} must be a whole number >= 1, got {value!r}")
         for name in ("max_len", "warmup", "seed"):
             value = getattr(self, name)
-            if not _is_int(value) or not 0 <= value < 2**63:
+            if not is_int(value) or not 0 <= value < 2**63:
                 raise PlanError(f"StepCalibrationConfig.{name} must be a whole number >= 0, got {value!r}")
         if self.dtype not in (None, "bf16", "fp32"):
             raise PlanError(f"StepCalibrationConfig.dtype must be 'bf16' or 'fp32', got {self.dtype!r}")
@@ -270,8 +270,6 @@ def length_mix(seed: int, total: int, max_len: int) -> np.ndarray:
 
 def step_cases(config: StepCalibrationConfig, seed: int, cost: CostModel) -> list[Case]:
     """Every rank shard timed for one length mix: the first micro-batches of each :data:`PLAN_SHAPES` plan."""
-    from ringpack.planner import make_plan
-
     max_len = config.max_len or config.tokens_per_rank
     cases: list[Case] = []
     for label, cp, options, fraction in PLAN_SHAPES:
@@ -389,8 +387,6 @@ def _compute_only_attention(
     **kwargs: Any,
 ) -> tuple[Any, None]:
     """transformers' attention function of the timed model: ringpack's engine, remote K/V from memory."""
-    from ringpack.attention.ring import ContextParallelAttention
-
     q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))
     scale = q.shape[-1] ** -0.5 if scaling is None else float(scaling)
     out = ContextParallelAttention.apply(
@@ -405,9 +401,6 @@ class ModelStepTimer:
     def __init__(self, config: StepCalibrationConfig) -> None:
         import torch
         from transformers import AttentionInterface, AutoModelForCausalLM
-
-        from ringpack.analysis.calibration.timing import AttentionShape, Clock
-        from ringpack.attention.kernels import resolve_backend
 
         self.device = torch.device(config.device)
         dtype = config.dtype or ("bf16" if self.device.type == "cuda" else "fp32")
@@ -438,10 +431,6 @@ class ModelStepTimer:
     def __call__(self, case: Case) -> float:
         """Median seconds of the shard's forward + summed loss + backward."""
         import torch
-
-        from ringpack.analysis.calibration.features import compiled_schedule
-        from ringpack.analysis.calibration.timing import compute_only_transport
-        from ringpack.integrations.transformers import causal_lm_loss_sum
 
         schedule = compiled_schedule(case).to(self.device)
         transport = compute_only_transport(schedule, self.heads, self.dtype, self.generator)
@@ -556,7 +545,7 @@ def _time_cases(
 
 
 def _fit_rows(rows: Sequence[dict[str, Any]]) -> np.ndarray:
-    """The learner's observation rows (:data:`~ringpack.analysis.calibration.online.ROW`): each shard alone."""
+    """The learner's observation rows (:data:`~ringpack.cost_fit.ROW`): each shard alone."""
     out = np.zeros((len(rows), len(ROW)))
     for i, r in enumerate(rows):
         out[i] = (0, 0, r["microbatch"], r["rank"], r["tokens"], r["pairs"], r["pieces"], 0, r["seconds"])
@@ -606,8 +595,6 @@ def _meta(config: StepCalibrationConfig, timer: Any, shape: ModelShape, wall_s: 
     )
     if isinstance(timer, ModelStepTimer):
         import torch
-
-        from ringpack.analysis.calibration.timing import device_name
 
         meta.update(
             device=device_name(timer.device),

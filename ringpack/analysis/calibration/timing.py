@@ -16,6 +16,8 @@ import numpy as np
 
 from ringpack.analysis.calibration.cases import Case
 from ringpack.analysis.calibration.features import compiled_schedule
+from ringpack.attention.kernels import accum_dtype
+from ringpack.attention.ring import ContextParallelAttention
 from ringpack.cost import ModelShape
 
 TIMERS = ("gpu", "wall")
@@ -74,8 +76,6 @@ def compute_only_transport(schedule: Any, shape: AttentionShape, dtype: Any, gen
     training, without the communication.
     """
     import torch
-
-    from ringpack.attention.kernels import accum_dtype
 
     device = schedule.device
     kw = dict(device=device, dtype=dtype, generator=generator)
@@ -181,8 +181,6 @@ def time_case(case: Case, setup: TimingSetup) -> float:
     Shards slower than 50 ms get at most 3 repetitions.
     """
     import torch
-
-    from ringpack.attention.ring import ContextParallelAttention
 
     shape, device, dtype, clock = setup.shape, setup.device, setup.dtype, setup.clock
     schedule = compiled_schedule(case).to(device)

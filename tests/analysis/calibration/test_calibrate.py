@@ -114,19 +114,6 @@ def grid_features() -> np.ndarray:
     return np.stack([cal.planner_features(c) for c in cal.grid_cases("quick")])
 
 
-def test_nnls_matches_lstsq_when_unconstrained_and_clamps_otherwise():
-    rng = np.random.default_rng(1)
-    a = rng.random((40, 4))
-    x = np.array([1.0, 0.5, 2.0, 0.25])
-    assert np.allclose(cal.nnls(a, a @ x), x, rtol=1e-10)
-    b = a @ np.array([1.0, -0.5, 2.0, 0.0]) + 0.01 * rng.standard_normal(40)
-    got = cal.nnls(a, b)
-    assert (got >= 0).all() and got[1] == 0.0
-    # KKT: the gradient vanishes on free coefficients and points outward on clamped ones
-    grad = a.T @ (a @ got - b)
-    assert np.allclose(grad[got > 0], 0.0, atol=1e-9) and (grad[got == 0] >= -1e-9).all()
-
-
 def test_fit_recovers_exact_coefficients():
     x = grid_features()
     for relative in (True, False):

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 
-from ringpack.analysis.calibration.online import microbatch_features
 from ringpack.analysis.calibration.step import (
     CPU_ATTENTION_BYTES,
     DEFAULT_TOKENS_PER_RANK,
@@ -23,6 +22,7 @@ from ringpack.analysis.calibration.step import (
     step_cases,
 )
 from ringpack.cost import PRESETS, CostModel
+from ringpack.cost_fit import microbatch_features
 from ringpack.errors import DataError, PlanError
 from ringpack.shard_plan import Piece, Step, microbatch_from_shards
 from tests.helpers.cli import run_cli

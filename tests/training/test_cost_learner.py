@@ -17,70 +17,15 @@ import numpy as np
 import pytest
 
 from ringpack._spawn import run_ranks
-from ringpack.analysis.calibration.online import (
-    MAX_COUNT,
-    MIN_SECONDS,
-    ROW,
-    CostLearner,
-    FitResult,
-    LearnerConfig,
-    fit_rank_times,
-    microbatch_features,
-    price_change,
-    usable_rows,
-)
 from ringpack.cost import CostModel
+from ringpack.cost_fit import (
+    ROW,
+    FitResult,
+    microbatch_features,
+)
 from ringpack.errors import DataError, PlanError
-from ringpack.shard_plan import Piece, microbatch_from_shards
-
-TRUTH = CostModel(token=2e-6, pair=1.5e-10, segment=3e-5, unit="s", name="truth")
-OVERHEAD = 4e-3
-FLOPS = CostModel.preset("llama-1b")
-
-
-def true_seconds(feats: np.ndarray) -> np.ndarray:
-    return TRUTH.cost(*feats.T) + OVERHEAD
-
-
-def synthetic_rows(rng: np.random.Generator, n: int, coupled_share: float = 0.3, noise: float = 0.01) -> np.ndarray:
-    """Rows of 2-rank micro-batches; coupled ones report the slower rank's time on both ranks."""
-    rows = []
-    for mb in range(n):
-        feats = np.column_stack(
-            [rng.integers(2_000, 60_000, 2), rng.integers(10**6, 10**9, 2), rng.integers(1, 40, 2)]
-        ).astype(float)
-        seconds = true_seconds(feats) * (1 + noise * rng.standard_normal(2))
-        coupled = rng.random() < coupled_share
-        if coupled:
-            seconds[:] = seconds.max()
-        for c in range(2):
-            rows.append((mb // 4, 0, mb % 4, c, *feats[c], float(coupled), seconds[c]))
-    return np.asarray(rows)
-
-
-def test_fit_recovers_the_true_prices_with_noise_outliers_and_coupled_microbatches():
-    rng = np.random.default_rng(0)
-    rows = synthetic_rows(rng, 200)
-    rows[::37, -1] *= 3.0  # stragglers: a rank paused by something else
-    fit = fit_rank_times(rows, FLOPS)
-    assert fit is not None
-    assert fit.model.unit == "s"
-    assert fit.model.pair / fit.model.token == pytest.approx(TRUTH.pair / TRUTH.token, rel=0.03)
-    assert fit.model.token == pytest.approx(TRUTH.token, rel=0.05)
-    assert fit.dropped >= len(rows[::37]) // 2, "outliers were dropped"
-    assert fit.rms_error < 0.03
-
-
-def test_fit_does_not_depend_on_row_order():
-    rows = synthetic_rows(np.random.default_rng(1), 60)
-    a = fit_rank_times(rows, FLOPS)
-    b = fit_rank_times(rows[np.random.default_rng(2).permutation(len(rows))], FLOPS)
-    assert a == b
-
-
-def test_the_fit_carries_its_per_microbatch_constant():
-    fit = fit_rank_times(synthetic_rows(np.random.default_rng(4), 120), FLOPS)
-    assert fit.model.microbatch == fit.overhead == pytest.approx(OVERHEAD, rel=0.2)
+from ringpack.training.cost_learner import CostLearner, LearnerConfig
+from tests.helpers.timings import FLOPS, TRUTH, true_seconds
 
 
 def test_fits_that_cannot_tell_tokens_from_pairs_are_not_switched_to():
@@ -91,41 +36,6 @@ def test_fits_that_cannot_tell_tokens_from_pairs_are_not_switched_to():
     assert learner._acceptable(FitResult(good, 0.0, 0.01, 0.02, 20, 0))
     for blind in (CostModel(token=0.0, pair=3e-10, unit="s"), CostModel(token=2e-6, pair=0.0, unit="s")):
         assert not learner._acceptable(FitResult(blind, 0.0, 0.01, 0.02, 20, 0))
-
-
-def test_price_change_is_finite_or_infinite_never_a_warning():
-    free_tokens = CostModel(token=0.0, pair=1e-10, unit="s")
-    with np.errstate(all="raise"):
-        assert price_change(FLOPS, free_tokens) == np.inf
-        assert price_change(free_tokens, free_tokens) == 0.0
-        assert price_change(free_tokens, FLOPS) == np.inf
-        assert price_change(FLOPS, FLOPS) == 0.0
-
-
-def test_fit_needs_enough_observations():
-    rows = synthetic_rows(np.random.default_rng(3), 2, coupled_share=0.0)
-    assert fit_rank_times(rows[:4], FLOPS) is None
-
-
-def test_a_coupled_microbatch_is_one_observation_of_its_slowest_rank():
-    """If every rank were taken at face value, the fast rank of a coupled micro-batch (which only
-    waited) would pull the price of whatever it holds up; the fit must not be fooled."""
-    rng = np.random.default_rng(4)
-    rows = synthetic_rows(rng, 150, coupled_share=1.0, noise=0.0)
-    fit = fit_rank_times(rows, FLOPS)
-    assert fit.model.pair / fit.model.token == pytest.approx(TRUTH.pair / TRUTH.token, rel=0.02)
-    assert fit.used == 150
-
-
-def test_microbatch_features():
-    mb = microbatch_from_shards([0, 1], [[Piece(0, 0, 4), Piece(1, 0, 2)], [Piece(0, 4, 6)]], {0: 6, 1: 2})
-    feats, coupled = microbatch_features(mb)
-    assert coupled
-    assert feats.tolist() == [[6, 10 + 3, 2], [2, 21 - 10, 1]]
-    alone, coupled = microbatch_features(
-        microbatch_from_shards([0, 1], [[Piece(0, 0, 6)], [Piece(1, 0, 2)]], {0: 6, 1: 2})
-    )
-    assert not coupled and alone[:, 0].tolist() == [6, 2]
 
 
 def test_config_is_validated():
@@ -167,72 +77,6 @@ def test_config_is_keyword_only():
 # ------------------------------------------------------------------------------ bad observations
 
 
-def test_usable_rows_refuses_every_kind_of_bad_observation():
-    good = (3, 0, 1, 0, 4096, 8e6, 2, 0, 0.01)
-    cases = {
-        "zero time": dict(seconds=0.0),
-        "negative time": dict(seconds=-0.004),
-        "nan time": dict(seconds=float("nan")),
-        "inf time": dict(seconds=float("inf")),
-        "subnormal time": dict(seconds=5e-324),
-        "huge count": dict(pairs=1e308),
-        "count past int64": dict(tokens=MAX_COUNT * 2),
-        "negative count": dict(pairs=-(2.0**40)),
-        "nan count": dict(pieces=float("nan")),
-        "nan step": dict(step=float("nan")),
-        "negative rank": dict(cp=-1),
-        "fractional micro-batch": dict(microbatch=1.5),
-        "step past int64": dict(step=1e308),
-        "coupled not 0/1": dict(coupled=0.5),
-    }
-    rows = np.array([good] + [tuple(change.get(name, v) for name, v in zip(ROW, good)) for change in cases.values()])
-    assert usable_rows(rows).tolist() == [True] + [False] * len(cases)
-    assert usable_rows(np.array([dict(zip(ROW, good), seconds=MIN_SECONDS)[c] for c in ROW]))[0]
-
-
-def _fit_quietly(rows):
-    """fit_rank_times with every numpy warning an error: a bad row must not even warn."""
-    with warnings.catch_warnings(), np.errstate(all="raise"):
-        warnings.simplefilter("error")
-        return fit_rank_times(rows, FLOPS)
-
-
-@pytest.mark.parametrize("bad", [0.0, -0.003, float("nan"), float("inf"), 5e-324])
-def test_fit_leaves_out_a_bad_time_and_counts_it(bad):
-    rows = synthetic_rows(np.random.default_rng(5), 80, coupled_share=0.0)
-    clean = _fit_quietly(rows)
-    rows[[7, 30, 31], -1] = bad
-    fit = _fit_quietly(rows)
-    assert fit is not None and fit.unusable == 3
-    assert fit.model.pair / fit.model.token == pytest.approx(clean.model.pair / clean.model.token, rel=0.01)
-
-
-def test_fit_leaves_out_counts_that_would_overflow_it():
-    rows = synthetic_rows(np.random.default_rng(6), 80, coupled_share=0.0)
-    rows[3, 5] = 1e308  # pairs
-    rows[9, 4] = -5.0  # tokens, as a wrapped int64 count would be
-    rows[11, 6] = float("inf")
-    fit = _fit_quietly(rows)
-    assert fit is not None and fit.unusable == 3
-    assert fit.model.pair / fit.model.token == pytest.approx(TRUTH.pair / TRUTH.token, rel=0.03)
-
-
-def test_a_coupled_microbatch_with_one_bad_time_is_left_out_whole():
-    """Without the bad rank's time the others cannot say which rank was slowest: all its rows go."""
-    rows = synthetic_rows(np.random.default_rng(7), 60, coupled_share=1.0, noise=0.0)
-    rows[0, -1] = float("nan")  # rank 0 of the first micro-batch; rank 1 (row 1) goes with it
-    fit = _fit_quietly(rows)
-    assert fit.unusable == 2 and fit.used == 59
-
-
-def test_fit_of_nothing_but_bad_rows_is_none_not_an_error():
-    rows = synthetic_rows(np.random.default_rng(8), 20)
-    rows[:, -1] = 0.0
-    assert _fit_quietly(rows) is None
-    with pytest.raises(ValueError, match=r"rows must be \[n, 9\]"):
-        fit_rank_times(np.zeros((4, 3)), FLOPS)
-
-
 def _single_rank_sampler():
     """The sampler of a one-GPU run: one rank, 4096 tokens, 32 samples a step."""
     from ringpack.data import BalancedBatchSampler
@@ -260,7 +104,7 @@ def test_one_bad_timing_does_not_stop_the_run(one_rank_group, bad, caplog):
     """One bad micro-batch time among good ones: end_step() goes on, the fit is made, the bad one counted."""
     sampler = _single_rank_sampler()
     learner = CostLearner(sampler, 0)
-    with caplog.at_level(logging.WARNING, logger="ringpack.analysis.calibration.online"):
+    with caplog.at_level(logging.WARNING, logger="ringpack.training.cost_learner"):
         results = _train(learner, iter(sampler), 12, lambda k, s: bad if k in (40, 41, 90) else s)
     assert learner.bad_observations == 3
     assert any(results), "a fit was accepted"
@@ -270,7 +114,7 @@ def test_one_bad_timing_does_not_stop_the_run(one_rank_group, bad, caplog):
 
 
 def test_a_fit_numpy_cannot_make_keeps_the_model_and_is_logged_once(one_rank_group, monkeypatch, caplog):
-    from ringpack.analysis.calibration import online
+    from ringpack.training import cost_learner as online
 
     def hopeless(rows, prior):
         raise np.linalg.LinAlgError("SVD did not converge in Linear Least Squares")
@@ -279,7 +123,7 @@ def test_a_fit_numpy_cannot_make_keeps_the_model_and_is_logged_once(one_rank_gro
     sampler = _single_rank_sampler()
     learner = CostLearner(sampler, 0, config=LearnerConfig(warmup_steps=0, first_fit_after=1))
     before = learner.model
-    with caplog.at_level(logging.WARNING, logger="ringpack.analysis.calibration.online"):
+    with caplog.at_level(logging.WARNING, logger="ringpack.training.cost_learner"):
         results = _train(learner, iter(sampler), 6, lambda k, s: s)
     assert results == [None] * 6 and learner.model == before and not learner.history
     assert [r.getMessage() for r in caplog.records] == [
@@ -375,7 +219,7 @@ def test_a_state_with_bad_rows_loads_counts_them_and_fits_next(one_rank_group, c
     state["unread"][0][-1] = float("inf")
     sampler = _single_rank_sampler()
     learner = CostLearner(sampler, 0, config=LearnerConfig(first_fit_after=1))
-    with caplog.at_level(logging.WARNING, logger="ringpack.analysis.calibration.online"):
+    with caplog.at_level(logging.WARNING, logger="ringpack.training.cost_learner"):
         learner.load_state_dict(state)
     assert learner.bad_observations == 5
     assert "dropped 5 bad observation(s)" in caplog.text
@@ -553,3 +397,11 @@ def test_sampler_switch_keeps_earlier_steps_and_refuses_steps_already_handed_out
     seen = sorted(s for t in first + rest for s in t)
     assert seen == sorted(s for st in after.steps for mb in st.microbatches[0] for s in mb.samples)
     assert [t.microbatch for t in rest] == [mb for st in after.steps for mb in st.microbatches[0]][len(first) :]
+
+
+def test_the_learner_imports_from_every_documented_path():
+    import ringpack
+    from ringpack.analysis.calibration.online import CostLearner as Old
+    from ringpack.training import CostLearner as New
+
+    assert Old is New is ringpack.CostLearner and New.__module__ == "ringpack.training.cost_learner"

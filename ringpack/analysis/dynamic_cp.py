@@ -1,50 +1,24 @@
-"""The systems users compare ringpack with, priced by ringpack's cost and communication models on the same data.
+"""Megatron-Core's dynamic context parallelism, modelled: where each sample runs, how long a step takes.
 
-Both peers run the documents and global batches ringpack's plans run
-(:func:`ringpack.planner.epoch.global_batches`: the same overflow rule, shuffle and cut), so every
-row of a report computes the same tokens and the same exact causal pairs:
+See docs/analysis.md, "Peers".
 
-* ``wlb``: WLB-LLM's workload-aware variable-length packing with outlier delay and per-document
-  (zigzag) sharding, a real :class:`~ringpack.shard_plan.Plan`
-  (:func:`ringpack.planner.peers.make_wlb_plan`), measured exactly as ringpack's plans are.
-* ``megatron-dcp``: Megatron-Core's dynamic context parallelism, modelled here: it has no fixed
-  CP groups, so no plan describes it.
-
-**How dynamic CP runs.** Its scheduler sees the sequence lengths of the whole global batch. A
-sequence of ``L`` tokens needs ``ceil(L / max_seqlen_per_rank)`` GPUs rounded up to a power of
-two, and runs on a CP sub-group of that size carved out of the DP x CP pool (sizes that divide the
-pool, or the whole pool). Longest sequences first, sequences are placed on the least-loaded
-sub-group of their size, or on a new one of free GPUs, until the pool is balanced; such a round
-is one micro-batch on every GPU, and the pool re-forms its sub-groups for the next round. Inside a
-sub-group each sequence is split zigzag (TransformerEngine's THD layout: ``2g`` chunks, rank ``r``
-takes chunks ``r`` and ``2g-1-r``, lengths padded to a multiple of ``2g``) and K/V travels in a
-ring of the sub-group's ranks.
-
-**The model of it** (:func:`dcp_schedule`), per global batch:
-
-1. sample ``i`` gets group size ``g_i``: the smallest valid size at least
-   ``ceil(L_i / tokens_per_rank)`` rounded up to a power of two;
-2. its work is split zigzag over its ``g_i`` ranks, each rank priced by the cost model (exact
-   pairs); K/V of chunks another rank needs crosses (the rule of :mod:`ringpack.traffic`), timed
-   as a ring of ``g_i`` ranks by the communication model;
-3. groups are aligned blocks of ``g`` GPUs: the largest size first, each size's samples costliest
-   first onto the least-loaded block of that size (LPT). Every block of a size has one history,
-   so its GPUs are free together: a sample starts when its block is free and holds the block for
-   its slowest rank's time;
-4. a GPU is busy for its own ranks' costs; the step time is the latest GPU's finish.
-
-The model is optimistic for the peer: its scheduler prices samples with the true cost model
-(Megatron-Core's estimates attention alone, ``L^2 / g``), rounds cost no barrier, padding costs no
-compute, and changing sub-groups costs nothing. Its figures are an upper bound on dynamic CP's
-speed under these models. Figures without a meaning for it are ``None``: micro-batches, DP and
-CP max/mean, and the gap (the planner's lower bound assumes fixed CP groups).
+Dynamic CP has no fixed CP groups, so no plan describes it. Per global batch
+(:func:`~ringpack.planner.epoch.global_batches`: the documents and batches ringpack plans), a
+sample of ``L`` tokens runs on a CP sub-group of ``ceil(L / tokens_per_rank)`` GPUs rounded up
+to a size the ``dp * cp`` pool offers (:func:`group_sizes`), split zigzag inside it
+(:func:`zigzag_shares`, each rank priced by the cost model, K/V that crosses timed as a ring);
+sub-groups are aligned GPU blocks filled largest size first, costliest sample first onto the
+least-loaded block (:func:`dcp_schedule`), and the step time is the latest GPU's finish
+(:func:`timed_schedule`). The model is optimistic for the peer: its scheduler prices samples
+with the true cost model, rounds cost no barrier, padding costs no compute and re-forming
+sub-groups costs nothing. Figures without a meaning for it (micro-batches, DP and CP max/mean,
+the gap to the planner's bound) are ``None``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import heapq
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,15 +26,15 @@ from typing import Any
 import numpy as np
 
 from ringpack.analysis.comm_model import CommModel, microbatch_seconds
+from ringpack.analysis.report import STEP_KEYS, SUMMARY_KEYS
 from ringpack.analysis.robustness import PRICE_FACTORS
 from ringpack.cost import CostModel, piece_pairs
+from ringpack.planner.epoch import global_batches
 from ringpack.shard_plan import PlanConfig
+from ringpack.traffic import needed_pieces
 
 __all__ = [
     "DCP",
-    "WLB",
-    "PEERS",
-    "PEER_DESCRIPTIONS",
     "valid_group_sizes",
     "group_sizes",
     "zigzag_shares",
@@ -70,30 +44,9 @@ __all__ = [
     "concat_schedules",
     "ScheduleResult",
     "timed_schedule",
-    "PeerPart",
-    "PeerJob",
-    "Peer",
-    "parse_peers",
-    "measure_peer",
-    "try_measure_peer",
-    "join_peer_parts",
-    "time_peer",
-    "peer_rows",
 ]
 
-logger = logging.getLogger(__name__)
-
 DCP = "megatron-dcp"
-WLB = "wlb"
-#: The peers ``ringpack report`` and ``ringpack simulate`` can add, in report order.
-PEERS: tuple[str, ...] = (DCP, WLB)
-PEER_DESCRIPTIONS: dict[str, str] = {
-    DCP: "Megatron-Core dynamic context parallelism: each sample on a CP sub-group of ceil_pow2(L / tokens_per_rank) "
-    "GPUs of the DP x CP pool, split zigzag inside it; modelled (LPT of sub-groups onto aligned GPU blocks, "
-    "step = latest GPU), optimistic for the peer",
-    WLB: "WLB-LLM: workload-aware variable-length packing (least-workload micro-batch, longest document first) with "
-    "outlier delay queues, per-document zigzag sharding; a real plan",
-}
 
 
 # ------------------------------------------------------------------------------------ group sizes
@@ -131,8 +84,6 @@ def zigzag_shares(lengths: np.ndarray, g: int) -> tuple[np.ndarray, np.ndarray, 
     Returns ``(tokens, pairs, segments, kv_cross)``, int64 ``[n, g]``: rank ``r`` holds chunks
     ``r`` and ``2g-1-r``; ``kv_cross`` counts its tokens another rank needs (:func:`needed_pieces`).
     """
-    from ringpack.traffic import needed_pieces
-
     lengths = np.asarray(lengths, dtype=np.int64)
     n = lengths.size
     cuts = (np.arange(2 * g + 1, dtype=np.int64)[None, :] * lengths[:, None]) // (2 * g)
@@ -251,8 +202,6 @@ def dcp_schedule(lengths: Any, config: PlanConfig, name: str = DCP) -> DynamicCP
     Raises:
         PlanError: as :func:`~ringpack.planner.epoch.global_batches`.
     """
-    from ringpack.planner.epoch import global_batches
-
     batches = global_batches(lengths, config)
     gpus = config.dp * config.cp
     ids = np.concatenate(batches.windows)
@@ -381,8 +330,6 @@ class ScheduleResult:
 
     def summary(self) -> dict[str, Any]:
         """The report's summary keys; ``None`` where a figure has no meaning for dynamic CP."""
-        from ringpack.analysis.report import SUMMARY_KEYS
-
         m, model, gpus = self.metrics, self.metrics.model, self.metrics.gpus
         step_cost, busy_total = self.step_cost, float(self.busy.sum())
         capacity = gpus * float(step_cost.sum())
@@ -429,8 +376,6 @@ class ScheduleResult:
 
     def step_rows(self, detail: bool = True) -> list[dict[str, Any]]:
         """The report's step rows; ``None`` where a figure has no meaning (``rank_busy[d][c]``: GPU ``d*cp + c``)."""
-        from ringpack.analysis.report import STEP_KEYS
-
         m, model = self.metrics, self.metrics.model
         step_cost, mean_busy = self.step_cost, self.busy.mean(axis=1)
         tokens = m.per_step([c.lengths for c in m.classes])
@@ -490,142 +435,3 @@ def timed_schedule(schedule: DynamicCPSchedule, comm: CommModel) -> ScheduleResu
         kv_ring_tokens=schedule.per_step([k * (c.size - 1) for k, c in zip(kv, classes)]),
         padding=schedule.per_step([(-c.lengths) % (2 * c.size) * (c.size > 1) for c in classes]),
     )
-
-
-# -------------------------------------------------------------------------------- peers in reports
-@dataclass
-class PeerPart:
-    """A peer measured on (a chunk of) an epoch, before any communication model.
-
-    ``metrics`` is a :class:`~ringpack.analysis.metrics.PlanMetrics` (``wlb``: a real plan, with
-    ``bounds`` its steps' lower bounds) or a :class:`DynamicCPSchedule` (``megatron-dcp``).
-    """
-
-    name: str
-    metrics: Any
-    bounds: list[float | None]
-    config: dict[str, Any]
-    plan_hash: str | None = None
-
-
-@dataclass(frozen=True)
-class PeerJob:
-    """What a worker needs to measure peer ``name`` on a chunk of lengths (simulate's tasks)."""
-
-    name: str
-    config: PlanConfig
-
-
-@dataclass
-class Peer:
-    """One peer's report row: its name, what it is, and its figures (``result.summary()``, ``result.step_rows()``)."""
-
-    name: str
-    description: str
-    result: Any  # report.StrategyResult (wlb) or ScheduleResult (megatron-dcp)
-
-
-def parse_peers(text: str) -> list[str]:
-    """``--peers``: ``none``, or a comma-separated list of :data:`PEERS` (``ValueError`` naming an unknown one)."""
-    items = [x.strip() for x in text.split(",") if x.strip()]
-    if items == ["none"]:
-        return []
-    unknown = [x for x in items if x not in PEERS]
-    if unknown or not items or len(set(items)) != len(items):
-        raise ValueError(f"--peers: {text!r}: give 'none' or distinct names of {', '.join(PEERS)}")
-    return [p for p in PEERS if p in items]
-
-
-def measure_peer(name: str, lengths: Any, config: PlanConfig) -> PeerPart:
-    """Plan or schedule ``lengths`` as peer ``name`` on ``config``'s mesh, budget, cost model and global batches.
-
-    Raises:
-        ValueError: an unknown peer; :class:`~ringpack.errors.PlanError` as the peer's planner.
-    """
-    if name == DCP:
-        schedule = dcp_schedule(lengths, config)
-        return PeerPart(DCP, schedule, [None] * schedule.num_steps, schedule.config)
-    if name == WLB:
-        return _measure_wlb(lengths, config)
-    raise ValueError(f"unknown peer {name!r}; known: {', '.join(PEERS)}")
-
-
-def try_measure_peer(name: str, lengths: Any, config: PlanConfig) -> PeerPart | None:
-    """:func:`measure_peer`, or ``None`` with a warning when the peer cannot plan the data (a :class:`PlanError`).
-
-    A peer is an extra row: data ringpack plans but a peer cannot (a fixed ``microbatches_per_rank``
-    too small for WLB's deferred documents, say) leaves the row out rather than failing the report.
-    """
-    from ringpack.errors import PlanError
-
-    try:
-        return measure_peer(name, lengths, config)
-    except PlanError as exc:
-        logger.warning("peer %s left out: %s", name, exc)
-        return None
-
-
-def _measure_wlb(lengths: Any, config: PlanConfig) -> PeerPart:
-    """WLB packing with per-document zigzag, measured from its piece table (the plan :func:`make_wlb_plan` makes)."""
-    from ringpack.analysis.metrics import evaluate
-    from ringpack.planner.peers import WLBConfig, wlb_packing, wlb_zigzag_table
-
-    wlb = WLBConfig()
-    cfg = dataclasses.replace(config, strategy="zigzag")
-    packing = wlb_packing(lengths, cfg, wlb)
-    shape = (len(packing.steps), cfg.dp, max(step.m for step in packing.steps))
-    metrics = evaluate(
-        wlb_zigzag_table(packing, cfg),
-        packing.batches.lengths,
-        dp=cfg.dp,
-        cp=cfg.cp,
-        model=cfg.cost,
-        name=WLB,
-        shape=shape,
-    )
-    described = {**cfg.to_dict(), "packing": WLB, "peer": WLB, "wlb": dataclasses.asdict(wlb)}
-    return PeerPart(WLB, metrics, [step.lower_bound for step in packing.steps], described)
-
-
-def join_peer_parts(parts: Sequence[PeerPart | None]) -> PeerPart | None:
-    """One peer's chunks (simulate) as one part, steps in chunk order; ``None`` if any chunk is ``None``."""
-    from ringpack.analysis.simulate import concat_metrics
-
-    if any(p is None for p in parts):
-        return None
-    first = parts[0]
-    if len(parts) == 1:
-        return first
-    if isinstance(first.metrics, DynamicCPSchedule):
-        metrics = concat_schedules([p.metrics for p in parts])
-    else:
-        metrics = concat_metrics([p.metrics for p in parts], first.name)
-    return PeerPart(first.name, metrics, [b for p in parts for b in p.bounds], first.config)
-
-
-def time_peer(part: PeerPart, comm: CommModel) -> Peer:
-    """The report row of a measured peer under ``comm``."""
-    from ringpack.analysis.report import timed
-
-    if isinstance(part.metrics, DynamicCPSchedule):
-        result = timed_schedule(part.metrics, comm)
-    else:
-        result = timed(part.metrics, comm, part.bounds, config=part.config, plan_hash=part.plan_hash)
-    return Peer(part.name, PEER_DESCRIPTIONS[part.name], result)
-
-
-def peer_rows(lengths: Any, config: PlanConfig, comm: CommModel, names: Sequence[str] = PEERS) -> list[Peer]:
-    """Report rows of the peers ``names`` on ``lengths`` (as :func:`make_plan` plans them) under ``comm``.
-
-    Args:
-        lengths: sample lengths, 1-D integers >= 1.
-        config: the plan config ringpack's rows use (mesh, budget, cost model, global batch, overflow).
-        comm: the communication model of the report's headline times.
-        names: peers of :data:`PEERS`.
-
-    Returns:
-        One :class:`Peer` per name, in order; a peer that cannot plan the data is left out with a
-        warning (:func:`try_measure_peer`).
-    """
-    parts = [try_measure_peer(name, lengths, config) for name in names]
-    return [time_peer(part, comm) for part in parts if part is not None]

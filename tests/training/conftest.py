@@ -1,4 +1,4 @@
-"""Fixtures of the calibration tests."""
+"""Fixtures of the training-layer tests."""
 
 from __future__ import annotations
 

@@ -1,0 +1,531 @@
+"""Write a dataset's balanced shards once (``ringpack shard``), crash-safe and byte-reproducible (docs/data.md).
+
+:func:`write_shards` plans the dataset, checks every token id, and writes the layout of
+:mod:`~ringpack.data.shard_format`. Every file is written under a fresh temporary name and renamed
+into place; ``_progress.json``, written before any shard, names every file the run may write, and
+``manifest.json`` is written last, so a directory without a manifest is never taken for a finished
+one. Re-running the same inputs resumes and gives byte-identical files. A run deletes or replaces
+only files a ringpack record in the directory names, under the names ringpack writes, and only
+when they prove to be ringpack's; a link is never followed. Notes go to the ``ringpack.data.shards``
+logger.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ringpack._files import atomic_write, file_sha256, open_regular, temp_target
+from ringpack._hints import option
+from ringpack.data.collator import IGNORE_INDEX
+from ringpack.data.shard_format import (
+    MANIFEST,
+    PIECE_COLUMNS,
+    PLAN_FILE,
+    PROGRESS,
+    SHARD_FORMAT_VERSION,
+    SHARD_NAME,
+    plain_name,
+)
+from ringpack.errors import DataError
+from ringpack.lengths import lengths_from_dataset
+from ringpack.planner import make_plan
+from ringpack.progress import Progress
+from ringpack.shard_plan import MicroBatch, Plan, PlanConfig
+
+__all__ = ["TOKEN_ID_LIMIT", "check_out_dir", "write_shards"]
+
+#: Token ids are stored as int32: every id must be an integer in ``[0, TOKEN_ID_LIMIT)``.
+TOKEN_ID_LIMIT = 1 << 31
+logger = logging.getLogger("ringpack.data.shards")  # the documented name of the shard notes
+_WRITE_OPTIONS = dict(
+    compression="zstd", compression_level=3, write_statistics=False, use_dictionary=False, version="2.6"
+)
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    with atomic_write(path) as f:
+        f.write((json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
+
+
+def check_out_dir(out: str | os.PathLike, inputs: Iterable[str | os.PathLike | None]) -> None:
+    """Refuse an output directory that is a file, is or holds one of ``inputs``, or lies inside an input folder.
+
+    Args:
+        out: the shard directory (it need not exist yet).
+        inputs: the dataset's local files or folders (a folder is read whole, so shards written
+            inside it would become input of the next run); ``None`` and paths that do not exist
+            (Hub names) are skipped.
+
+    Raises:
+        DataError: naming the output directory and the input.
+    """
+    root = Path(out)
+    if root.exists() and not root.is_dir():
+        raise DataError(f"output directory {out} is a file")
+    root = root.resolve()
+    for item in inputs:
+        if not item or not Path(item).exists():
+            continue
+        source = Path(item).resolve()
+        if source == root or root in source.parents:
+            raise DataError(f"output directory {out} holds {item}, an input of this run; write the shards elsewhere")
+        if source.is_dir() and source in root.parents:
+            raise DataError(f"output directory {out} lies inside the input folder {item}; write the shards elsewhere")
+
+
+def _content_fingerprint(ds: Any, column: str, lengths: np.ndarray, progress: Progress) -> str:
+    """SHA-256 of the token ids in dataset order (identity of the input for resume checks).
+
+    Every id is checked on the way (:func:`_token_ids`): a :class:`DataError` names the first
+    sample whose ids are not integers in ``[0, TOKEN_ID_LIMIT)``. ``progress`` counts samples.
+    """
+    import pyarrow as pa
+
+    h = hashlib.sha256(b"ringpack-tokens-v1|")
+    h.update(np.asarray(lengths, dtype="<i8").tobytes())
+    arrow = ds.with_format("arrow")
+    for start in range(0, len(ds), 65536):
+        col = arrow[start : start + 65536].column(column)
+        col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+        if not (pa.types.is_list(col.type) or pa.types.is_large_list(col.type)):
+            raise DataError(f"column {column!r} holds {col.type}, not lists of token ids")
+        values = _token_ids(col.flatten(), lengths[start : start + len(col)], start, column)
+        h.update(values.astype("<i8").tobytes())
+        progress.update(len(col))
+    return h.hexdigest()
+
+
+def _token_ids(values: Any, row_lengths: np.ndarray, first_row: int, column: str) -> np.ndarray:
+    """The flat token ids of rows ``first_row...`` as int64, each checked to be an integer in ``[0, TOKEN_ID_LIMIT)``.
+
+    ``values`` is the Arrow array of the rows' ids, ``row_lengths`` each row's count. Whole floats
+    are accepted; a :class:`DataError` names the first sample holding a null, a fraction, a
+    negative id or one beyond int32.
+    """
+    import pyarrow as pa
+
+    if not (pa.types.is_integer(values.type) or pa.types.is_floating(values.type)):
+        raise DataError(f"column {column!r} holds {values.type} values, not integer token ids")
+    ids = values.to_numpy(zero_copy_only=False)  # nulls become NaN
+    with np.errstate(invalid="ignore"):
+        bad = (ids < 0) | (ids >= TOKEN_ID_LIMIT)
+        if ids.dtype.kind == "f":
+            bad |= ~np.isfinite(ids) | (ids != np.round(ids))
+    if not bad.any():
+        return ids.astype(np.int64)
+    k = int(np.flatnonzero(bad)[0])
+    sample = first_row + int(np.searchsorted(np.cumsum(row_lengths), k, side="right"))
+    value = ids[k].item()
+    raise DataError(
+        f"column {column!r}, sample {sample}: token id {'null' if value != value else value!r} is not an integer "
+        f"in [0, {TOKEN_ID_LIMIT}) (ids are stored as int32)"
+    )
+
+
+@dataclass(frozen=True)
+class _ShardFile:
+    """One output file: DP rank ``dp_rank``'s micro-batches of steps ``[lo, hi)``."""
+
+    name: str
+    dp_rank: int
+    lo: int
+    hi: int
+
+
+def _layout(plan: Plan, steps_per_file: int) -> list[_ShardFile]:
+    """The output files in write order: per DP rank, one file or one per ``steps_per_file`` steps."""
+    dp, n = plan.config.dp, plan.num_steps
+    if steps_per_file <= 0:
+        return [_ShardFile(f"dp{d:05d}-of-{dp:05d}.parquet", d, 0, n) for d in range(dp)]
+    return [
+        _ShardFile(f"dp{d:05d}-of-{dp:05d}-steps-{lo:06d}-{hi - 1:06d}.parquet", d, lo, hi)
+        for d in range(dp)
+        for lo, hi in ((lo, min(lo + steps_per_file, n)) for lo in range(0, n, steps_per_file))
+    ]
+
+
+def _schema(meta: dict[str, Any]) -> Any:
+    import pyarrow as pa
+
+    fields = [pa.field(name, pa.int64()) for name in PIECE_COLUMNS] + [pa.field("input_ids", pa.list_(pa.int32()))]
+    return pa.schema(fields, metadata={b"ringpack.shard": json.dumps(meta, sort_keys=True).encode()})
+
+
+def _microbatch_table(
+    mb: MicroBatch, tokens: dict[int, np.ndarray], rows: dict[int, int], schema: Any, *, step: int, index: int
+) -> Any:
+    """One row group: a row per piece of micro-batch ``index`` of ``step`` (``tokens``/``rows`` by plan sample)."""
+    import pyarrow as pa
+
+    cols: dict[str, list[int]] = {name: [] for name in PIECE_COLUMNS}
+    pieces: list[np.ndarray] = []
+    slot_of = {sample: k for k, sample in enumerate(mb.samples)}
+    for c, shard in enumerate(mb.shards):
+        for p in shard.pieces:
+            ids = tokens[p.sample]
+            values = (step, index, c, slot_of[p.sample], p.sample, rows[p.sample], p.start, p.stop)
+            for name, value in zip(PIECE_COLUMNS, values):
+                cols[name].append(value)
+            cols["next_token"].append(int(ids[p.stop]) if p.stop < len(ids) else IGNORE_INDEX)
+            pieces.append(ids[p.start : p.stop])
+    lens = np.fromiter((len(x) for x in pieces), dtype=np.int32, count=len(pieces))
+    offsets = np.zeros(len(pieces) + 1, dtype=np.int32)
+    np.cumsum(lens, out=offsets[1:])
+    values = np.concatenate(pieces).astype(np.int32)
+    arrays = [pa.array(np.asarray(cols[name], dtype=np.int64)) for name in PIECE_COLUMNS]
+    arrays.append(pa.ListArray.from_arrays(pa.array(offsets), pa.array(values)))
+    return pa.Table.from_arrays(arrays, schema=schema)
+
+
+def write_shards(
+    dataset: Any,
+    out_dir: str | os.PathLike,
+    config: PlanConfig,
+    *,
+    column: str = "input_ids",
+    steps_per_file: int = 0,
+    progress: bool | None = None,
+    overwrite: bool = False,
+    source: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Plan ``dataset`` and write its balanced shards (the layout of :mod:`~ringpack.data.shard_format`).
+
+    Args:
+        dataset: a ``datasets.Dataset`` whose ``column`` holds each row's token ids (a list of
+            integers per row, each in ``[0, 2**31)``: they are stored as int32).
+        out_dir: the output directory (created if missing).
+        config: the plan config (mesh, token budget, strategy, ...); the plan is made here.
+        column: the token-id column.
+        steps_per_file: split each DP rank's file every this many steps (``0``: one file per DP rank).
+        progress: count steps planned, samples checked and micro-batches written
+            (:class:`~ringpack.progress.Progress`: a bar on a terminal, else ``ringpack.progress``
+            log lines); ``None`` is ``True``, ``False`` shows nothing.
+        overwrite: replace the shards of another plan or dataset found in ``out_dir``.
+        source: where the data came from, recorded in the manifest as given.
+
+    Returns:
+        The manifest, also written to ``out_dir/manifest.json`` (plan hash, dataset fingerprint,
+        config, per-file row groups, rows, tokens, bytes and sha256).
+
+    Raises:
+        DataError: ``out_dir`` holds shards of another plan or dataset and ``overwrite`` is false;
+            a file in the way that no ringpack record names, or bookkeeping that is not ringpack's
+            (even with ``overwrite``); ``out_dir`` is or holds the dataset's files; a missing
+            column, a bad length or a token id outside ``[0, 2**31)`` (the sample named).
+        PlanError: the lengths cannot be planned under ``config``.
+
+    An interrupted run of the same inputs resumes: files whose checksum matches are kept.
+    """
+    show = progress is not False
+    out = Path(out_dir)
+    check_out_dir(out, _dataset_files(dataset))
+    lengths = lengths_from_dataset(dataset, column)
+    with Progress("planning", "steps", enabled=show) as bar:
+        plan = make_plan(lengths, config, progress=bar.advance_to)
+    with Progress("checking token ids", "samples", len(lengths), enabled=show) as bar:
+        fingerprint = _content_fingerprint(dataset, column, lengths, bar)
+    layout = _layout(plan, steps_per_file)
+    identity = {
+        "format": "ringpack-shards",
+        "version": SHARD_FORMAT_VERSION,
+        "plan_hash": plan.content_hash,
+        "dataset_fingerprint": fingerprint,
+        "column": column,
+        "files": [f.name for f in layout],
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    done, owned = _claim(out, identity, overwrite)
+    verified = {
+        f.name: done[f.name]
+        for f in layout
+        if f.name in done and _regular(out / f.name) and file_sha256(out / f.name) == done[f.name]
+    }
+    progress_state = {**identity, "files_written": dict(verified), "owned": owned}
+    _write_json(out / PROGRESS, progress_state)  # before anything is removed or written: it names what is ours
+    _remove_stale(out, owned, keep={*identity["files"], PLAN_FILE, PROGRESS})
+
+    total_mb = sum(len(step.microbatches[d]) for d in range(config.dp) for step in plan.steps)
+    if verified:
+        logger.info("%s: %d of %d shard files already written, kept", out, len(verified), len(layout))
+    with Progress(f"writing shards to {out}", "micro-batches", total_mb, enabled=show) as bar:
+        records = _write_files(_ShardWriter(out, plan, dataset, column), layout, progress_state, bar)
+    manifest = _manifest(identity, plan, lengths, _write_plan_file(out, plan), records, source)
+    _write_json(out / MANIFEST, manifest)
+    (out / PROGRESS).unlink(missing_ok=True)
+    return manifest
+
+
+def _write_files(
+    writer: _ShardWriter, layout: list[_ShardFile], progress_state: dict[str, Any], bar: Any
+) -> list[dict[str, Any]]:
+    """Write the files of ``layout`` not yet finished, each recorded in the progress record; their manifest entries."""
+    finished = progress_state["files_written"]
+    records = []
+    for file in layout:
+        if file.name not in finished:
+            finished[file.name] = writer.write(file, bar)
+            _write_json(writer.out / PROGRESS, progress_state)
+        else:
+            bar.update(writer.microbatches(file))
+        records.append(writer.record(file, finished[file.name]))
+    return records
+
+
+def _dataset_files(dataset: Any) -> list[str]:
+    """The files behind a ``datasets.Dataset`` (its Arrow cache files), for :func:`check_out_dir`."""
+    return [f["filename"] for f in getattr(dataset, "cache_files", None) or [] if isinstance(f, dict)]
+
+
+def _claim(out: Path, identity: dict[str, Any], overwrite: bool) -> tuple[dict[str, str], list[str]]:
+    """Claim ``out`` for this run: the files an earlier run of the same inputs finished there, and every name we own.
+
+    Returns:
+        ``(done, owned)``: sha256 of finished files by name (empty with ``overwrite``), and the
+        sorted names this and earlier runs may have written (their records' files, the plan file,
+        this run's files, the bookkeeping), the only files a run may remove or replace.
+
+    Raises:
+        DataError: a ``manifest.json`` or ``_progress.json`` that is not a ringpack record (never
+            removed, even with ``overwrite``); shards of another plan or dataset without
+            ``overwrite``; a file in the way that no record names.
+    """
+    records = _records(out)
+    done: dict[str, str] = {}
+    claimed = {PLAN_FILE} if records else set()
+    for marker, old in records.items():
+        same, recorded, names = _same_run(old, identity, marker)
+        names = [_own_name(name, out / marker) for name in names]
+        if not same and not overwrite:
+            raise DataError(
+                f"{out} holds shards of another plan or dataset (plan {str(old.get('plan_hash'))[:12]}..., "
+                f"this run plans {identity['plan_hash'][:12]}...); pass {option('overwrite', True)} "
+                "to replace them, or write elsewhere"
+            )
+        if same:
+            done.update(recorded)
+        claimed.update(names)
+    foreign = [n for n in (*identity["files"], PLAN_FILE) if _present(out / n) and n not in claimed]
+    if foreign:
+        raise DataError(
+            f"{out / foreign[0]} is in the way and no ringpack record in {out} names it; "
+            "remove it or write the shards elsewhere"
+        )
+    owned = claimed | {*identity["files"], PLAN_FILE, MANIFEST, PROGRESS}
+    return ({} if overwrite else done), sorted(owned)
+
+
+def _records(out: Path) -> dict[str, dict[str, Any]]:
+    """The ringpack bookkeeping in ``out`` (manifest and progress record), by file name."""
+    records = {}
+    for marker in (MANIFEST, PROGRESS):
+        path = out / marker
+        if not _present(path):
+            continue
+        try:
+            with open_regular(path, "shard record") as f:
+                old = json.loads(f.read().decode("utf-8"))
+        except (OSError, ValueError, RecursionError) as exc:  # DataError (a link) is a ValueError
+            old = exc
+        if not isinstance(old, dict) or old.get("format") != "ringpack-shards":
+            raise DataError(
+                f"{path} is not a ringpack shard record ({old if isinstance(old, Exception) else 'another format'}); "
+                "ringpack never removes files it did not write: remove it or write the shards elsewhere"
+            )
+        records[marker] = old
+    return records
+
+
+def _same_run(old: dict[str, Any], identity: dict[str, Any], marker: str) -> tuple[bool, dict[str, str], list[Any]]:
+    """Whether a record ``old`` is of this run's inputs, the sha256 of the files it finished, and every name it owns."""
+    if marker == PROGRESS:
+        same = all(old.get(k) == v for k, v in identity.items())
+        finished = old.get("files_written")
+        names = [*_as_list(old.get("owned")), *_as_list(old.get("files"))]
+        return same, dict(finished) if isinstance(finished, dict) else {}, names
+    files = [f for f in _as_list(old.get("files")) if isinstance(f, dict)]
+    same = (
+        all(old.get(k) == identity[k] for k in ("plan_hash", "dataset_fingerprint", "column"))
+        and [f.get("name") for f in files] == identity["files"]
+    )
+    plan_file = old.get("plan_file")
+    names = [f.get("name") for f in files] + ([plan_file.get("name")] if isinstance(plan_file, dict) else [])
+    return same, {f.get("name"): f.get("sha256") for f in files}, names
+
+
+def _as_list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
+def _own_name(name: Any, record: Path) -> str:
+    """``name``, from the shard record ``record``, if it is a plain name ringpack writes; else :class:`DataError`.
+
+    A record naming any other file (a path, a user's file) is not one ringpack wrote: nothing it
+    names is removed or replaced.
+    """
+    name = plain_name(name, str(record))
+    if not (SHARD_NAME.match(name) or name in (PLAN_FILE, MANIFEST, PROGRESS)):
+        raise DataError(
+            f"{record} names {name!r:.80}, a file ringpack never writes, so it is not a ringpack shard record; "
+            "ringpack never removes files it did not write: remove the record or write the shards elsewhere"
+        )
+    return name
+
+
+def _present(path: Path) -> bool:
+    """Something is at ``path``: a file, a folder or a link (dangling or not)."""
+    return path.exists() or path.is_symlink()
+
+
+def _regular(path: Path) -> bool:
+    """A regular file, not a symbolic link (which is never followed)."""
+    return not path.is_symlink() and path.is_file()
+
+
+def _wrote(path: Path) -> bool:
+    """Whether ``path`` is a regular file ringpack wrote: a record, or Parquet whose footer carries its metadata."""
+    import pyarrow.parquet as pq
+
+    if not _regular(path):
+        return False
+    if path.name in (MANIFEST, PROGRESS):
+        return True  # read and checked to be a ringpack record by _records
+    try:
+        metadata = pq.read_schema(path).metadata or {}
+    except Exception:  # pyarrow raises several types for files that are not Parquet
+        return False
+    return (b"ringpack.shard" if SHARD_NAME.match(path.name) else b"ringpack.shard_plan") in metadata
+
+
+def _remove_stale(out: Path, owned: list[str], keep: set[str]) -> None:
+    """Remove the owned files this run does not write (the manifest too: it is rewritten last) and their temporaries.
+
+    Only files that prove to be ringpack's (:func:`_wrote`) are removed; a link, or a file under an
+    owned name that is not ringpack's, stays where it is (with a warning).
+    """
+    for name in owned:
+        path = out / name
+        if name in keep or not _present(path):
+            continue
+        if _wrote(path):
+            path.unlink()
+        else:
+            logger.warning("%s left in place: a shard record names it, but it is not a file ringpack wrote", path)
+    for entry in out.iterdir():
+        if temp_target(entry.name) in owned and _regular(entry):
+            entry.unlink()
+
+
+class _ShardWriter:
+    """Writes the shard files of one plan of one dataset into ``out``."""
+
+    def __init__(self, out: Path, plan: Plan, dataset: Any, column: str) -> None:
+        self.out = out
+        self.plan = plan
+        self.arrow = dataset.with_format("arrow")
+        self.column = column
+        self.doc_row, self.doc_offset = plan.origin_arrays()
+
+    def microbatches(self, file: _ShardFile) -> int:
+        return sum(len(self.plan.steps[s].microbatches[file.dp_rank]) for s in range(file.lo, file.hi))
+
+    def write(self, file: _ShardFile, bar: Any) -> str:
+        """Write ``file`` under a fresh temporary name, fsync and rename it into place; its sha256."""
+        import pyarrow.parquet as pq
+
+        meta = {
+            "plan_hash": self.plan.content_hash,
+            "dp_rank": file.dp_rank,
+            "steps": [file.lo, file.hi],
+            "version": SHARD_FORMAT_VERSION,
+        }
+        schema = _schema(meta)
+        with atomic_write(self.out / file.name) as f, pq.ParquetWriter(f, schema, **_WRITE_OPTIONS) as writer:
+            for s in range(file.lo, file.hi):
+                for i, mb in enumerate(self.plan.steps[s].microbatches[file.dp_rank]):
+                    tokens, rows = self._sample_tokens(mb)
+                    writer.write_table(_microbatch_table(mb, tokens, rows, schema, step=s, index=i))
+                    bar.update(1)
+        return file_sha256(self.out / file.name)
+
+    def _sample_tokens(self, mb: MicroBatch) -> tuple[dict[int, np.ndarray], dict[int, int]]:
+        """Token ids and dataset row of each plan sample of ``mb`` (documents cut from rows by ``origins``)."""
+        samples = np.asarray(mb.samples, dtype=np.int64)
+        rows = self.doc_row[samples]
+        col = self.arrow[rows.tolist()].column(self.column).combine_chunks()
+        offs = col.offsets.to_numpy().astype(np.int64)
+        vals = col.values.to_numpy(zero_copy_only=False)
+        tokens = {}
+        for k, sample in enumerate(mb.samples):
+            a = offs[k] + self.doc_offset[sample]
+            tokens[sample] = vals[a : a + self.plan.lengths[sample]]
+        return tokens, dict(zip(mb.samples, rows.tolist()))
+
+    def record(self, file: _ShardFile, sha256: str) -> dict[str, Any]:
+        """The manifest entry of a written ``file``."""
+        import pyarrow.parquet as pq
+
+        path = self.out / file.name
+        md = pq.ParquetFile(str(path)).metadata
+        mbs = [mb for s in range(file.lo, file.hi) for mb in self.plan.steps[s].microbatches[file.dp_rank]]
+        return {
+            "name": file.name,
+            "dp_rank": file.dp_rank,
+            "steps": [file.lo, file.hi],
+            "microbatches": len(mbs),
+            "row_groups": md.num_row_groups,
+            "rows": md.num_rows,
+            "tokens": int(sum(mb.num_tokens for mb in mbs)),
+            "bytes": path.stat().st_size,
+            "sha256": sha256,
+        }
+
+
+def _write_plan_file(out: Path, plan: Plan) -> dict[str, Any]:
+    """Write ``plan.parquet`` atomically; its manifest entry."""
+    import pyarrow.parquet as pq
+
+    path = out / PLAN_FILE
+    with atomic_write(path) as f:
+        pq.write_table(plan.to_table(), f, **_WRITE_OPTIONS)
+    return {"name": PLAN_FILE, "sha256": file_sha256(path), "bytes": path.stat().st_size}
+
+
+def _manifest(
+    identity: dict[str, Any],
+    plan: Plan,
+    lengths: np.ndarray,
+    plan_file: dict[str, Any],
+    records: list[dict[str, Any]],
+    source: dict[str, Any] | None,
+) -> dict[str, Any]:
+    config = plan.config
+    doc_row, _ = plan.origin_arrays()
+    return {
+        "format": "ringpack-shards",
+        "version": SHARD_FORMAT_VERSION,
+        "plan_hash": plan.content_hash,
+        "dataset_fingerprint": identity["dataset_fingerprint"],
+        "column": identity["column"],
+        "config": config.to_dict(),
+        "dp": config.dp,
+        "cp": config.cp,
+        "tokens_per_rank": config.tokens_per_rank,
+        "num_steps": plan.num_steps,
+        "num_samples": int(len(lengths)),
+        "num_tokens": int(lengths.sum()),
+        "dropped": [int(doc_row[x]) for x in plan.dropped],
+        "microbatches_per_step": [len(step.microbatches[0]) for step in plan.steps],
+        "step_loss_tokens": [step.loss_tokens for step in plan.steps],
+        "source": source or {},
+        "plan_file": plan_file,
+        "files": records,
+    }

@@ -1,0 +1,217 @@
+"""Datasets to shard: a local file, folder or saved dataset, or a Hub name, and their tokenizing (docs/data.md).
+
+:func:`load_source` opens what ``ringpack shard DATASET`` names as a ``datasets.Dataset`` (a saved
+``datasets`` folder, Parquet, Arrow/Feather, JSON/JSON lines or CSV files, a folder of one kind of
+them, or a Hub dataset name); :func:`tokenize_dataset` adds a token-id column from a text column with
+the tokenizers of :mod:`ringpack.tokenizer`. What ``datasets`` raises for a source it cannot load
+becomes one :class:`DataError` naming the source, and an option that does not apply to a source is
+refused, never ignored.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from ringpack._hints import on_command_line, option
+from ringpack.errors import DataError
+from ringpack.lengths import read_arrow_table
+from ringpack.tokenizer import load_tokenizer, regex_token_ids, token_encoder
+
+__all__ = ["SOURCES", "load_source", "tokenize_dataset"]
+
+
+class _TokenizeMap:
+    """Picklable batched ``map`` function: texts -> ``input_ids`` (regex-hash ids, or a tokenizer's, no special tokens).
+
+    ``loaded``: the tokenizer already read from ``tokenizer`` (not pickled: each worker reads its own).
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, column: str, loaded: Any = None) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.column = column
+        self._encode = None if loaded is None else token_encoder(loaded)
+
+    def __getstate__(self) -> dict:
+        return {"tokenizer": self.tokenizer, "vocab_size": self.vocab_size, "column": self.column, "_encode": None}
+
+    def __call__(self, texts: list[str]) -> dict[str, list[list[int]]]:
+        if self.tokenizer in (None, "regex"):
+            return {self.column: [regex_token_ids(t, self.vocab_size) for t in texts]}
+        if self._encode is None:
+            self._encode = token_encoder(load_tokenizer(self.tokenizer))
+        return {self.column: self._encode([t or "" for t in texts])}
+
+
+def tokenize_dataset(
+    ds: Any,
+    text_column: str,
+    tokenizer: Any = None,
+    *,
+    column: str = "input_ids",
+    vocab_size: int = 65536,
+    num_proc: int | None = None,
+    batch_size: int = 256,
+) -> Any:
+    """Add a token-id column to a ``datasets.Dataset`` from ``text_column`` (batched ``map``, ``num_proc``).
+
+    Args:
+        ds: the dataset.
+        text_column: the column of texts.
+        tokenizer: ``None`` / ``"regex"`` (hashed regex ids below ``vocab_size``), or what
+            :func:`ringpack.tokenizer.load_tokenizer` reads (a ``tokenizer.json`` file or folder, a
+            ``save_pretrained`` folder, a Hub name), read here first so a bad one is refused before
+            any work. No BOS, EOS or other special token is added: the ids are each text's alone.
+        column: the token-id column to add.
+        vocab_size, num_proc, batch_size: the regex ids' range, the ``map``'s processes and batch size.
+
+    Returns:
+        The dataset with ``column``.
+
+    Raises:
+        DataError: no ``text_column``; a tokenizer file or folder that cannot be read (named).
+        FileNotFoundError: a tokenizer that is nowhere (the message says what to pass).
+    """
+    if text_column not in ds.column_names:
+        raise DataError(f"dataset has no column {text_column!r}; its columns are {list(ds.column_names)}")
+    loaded = None if tokenizer in (None, "regex") else load_tokenizer(tokenizer)
+    return ds.map(
+        _TokenizeMap(tokenizer, vocab_size, column, loaded),
+        input_columns=[text_column],
+        batched=True,
+        batch_size=batch_size,
+        num_proc=num_proc,
+        desc="tokenizing",
+    )
+
+
+#: Data file suffixes :func:`load_source` reads, and the ``datasets`` loader of each.
+_EXTENSIONS = {
+    ".parquet": "parquet",
+    ".pq": "parquet",
+    ".jsonl": "json",
+    ".json": "json",
+    ".arrow": "arrow",
+    ".feather": "arrow",
+    ".ipc": "arrow",
+    ".csv": "csv",
+}
+#: What :func:`load_source` reads (help texts and errors quote it).
+SOURCES = (
+    "a saved `datasets` folder, .parquet, .arrow/.feather, .json/.jsonl or .csv file, a folder of such files, "
+    "or a Hub dataset name"
+)
+
+
+def load_source(source: str | os.PathLike, split: str | None = None, cache_dir: str | None = None) -> Any:
+    """A ``datasets.Dataset`` from a local path or, when no such path exists, a Hub dataset name.
+
+    Args:
+        source: a folder written by ``save_to_disk`` (a ``DatasetDict``'s: ``split`` is taken), a
+            ``.parquet``/``.pq``, ``.arrow``/``.feather``/``.ipc`` (Arrow IPC stream or file),
+            ``.json``/``.jsonl`` or ``.csv`` file, a folder of files of one of these kinds, or a
+            Hub dataset name.
+        split: the split of a saved ``DatasetDict`` or a Hub dataset (``None``: ``"train"``); a
+            source without splits refuses one.
+        cache_dir: the ``datasets`` cache folder (``None``: its default).
+
+    Raises:
+        DataError: an unknown file type (a ``.npy`` file holds lengths, not tokens), a folder of
+            mixed or no data files, a missing split, a ``split`` for a source without splits, or
+            files ``datasets`` cannot load (empty, malformed); the message names the source.
+        FileNotFoundError: a local-looking path that does not exist (or any name while offline).
+    """
+    import datasets
+
+    path = Path(source)
+    if path.is_file() and path.suffix.lower() == ".npy":
+        where = "`ringpack plan --lengths`" if on_command_line() else "ringpack.plan(path, ...)"
+        raise DataError(f"{path} is a .npy file of lengths, not token ids or text: plan it with {where}")
+    if path.is_dir():
+        if any((path / marker).exists() for marker in ("dataset_info.json", "state.json", "dataset_dict.json")):
+            with _loading(path):
+                ds = datasets.load_from_disk(str(path))
+            if isinstance(ds, datasets.DatasetDict):
+                split = "train" if split is None else split
+                if split not in ds:
+                    raise DataError(
+                        f"{path} holds splits {sorted(ds)}, not {split!r} (choose one with {option('split')})"
+                    )
+                ds = ds[split]
+            else:
+                _does_not_apply("split", split, path, "a saved Dataset, which has no splits")
+            return ds
+        files = sorted(p for p in path.rglob("*") if p.suffix.lower() in _EXTENSIONS and not p.name.startswith("."))
+        kinds = {_EXTENSIONS[p.suffix.lower()] for p in files}
+        if len(kinds) != 1:
+            raise DataError(
+                f"{path}: want a saved datasets directory or files of one kind ({', '.join(_EXTENSIONS)}), "
+                f"found {sorted(kinds) or 'none'}"
+            )
+        kind = kinds.pop()
+        _does_not_apply("split", split, path, f"a folder of {kind} files, which has no splits")
+        return _load_files(kind, [str(p) for p in files], cache_dir)
+    if path.is_file():
+        if path.suffix.lower() not in _EXTENSIONS:
+            raise DataError(f"{path}: unknown file type {path.suffix!r}; want {SOURCES}")
+        kind = _EXTENSIONS[path.suffix.lower()]
+        _does_not_apply("split", split, path, f"a {kind} file, which has no splits")
+        return _load_files(kind, [str(path)], cache_dir)
+    looks_local = str(source).startswith((".", "/", "~")) or path.suffix.lower() in _EXTENSIONS
+    if looks_local or os.environ.get("HF_DATASETS_OFFLINE") == "1":
+        raise FileNotFoundError(f"no dataset at {source} (and Hub names are not tried offline)")
+    with _loading(source):
+        return datasets.load_dataset(str(source), split="train" if split is None else split, cache_dir=cache_dir)
+
+
+def _does_not_apply(name: str, value: Any, source: Path, what: str) -> None:
+    """Refuse an option given for a source it does not apply to (it would be ignored)."""
+    if value is not None:
+        raise DataError(f"{source} is {what}: {option(name, value)} does not apply to it (leave it out)")
+
+
+def _load_files(kind: str, files: list[str], cache_dir: str | None) -> Any:
+    import datasets
+
+    empty = next((f for f in files if os.path.getsize(f) == 0), None)
+    if empty is not None:
+        raise DataError(f"dataset file {empty} is empty")
+    with _loading(files[0] if len(files) == 1 else f"{len(files)} {kind} files under {Path(files[0]).parent}"):
+        if kind == "arrow":
+            parts = [_arrow_dataset(f) for f in files]
+            return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+        return datasets.load_dataset(kind, data_files=files, split="train", cache_dir=cache_dir)
+
+
+def _arrow_dataset(path: str) -> Any:
+    """A ``datasets.Dataset`` of an Arrow IPC stream (as ``datasets`` caches it) or file (Feather v2), memory-mapped."""
+    import datasets
+    import pyarrow as pa
+
+    try:
+        return datasets.Dataset.from_file(path)
+    except pa.ArrowInvalid:  # the IPC file format, which Dataset.from_file does not read
+        return datasets.Dataset(read_arrow_table(Path(path)))
+
+
+@contextmanager
+def _loading(what: Any) -> Iterator[None]:
+    """Turn what ``datasets`` raises for an unloadable source into a :class:`DataError` naming it.
+
+    ``datasets`` wraps parser errors in its own types (a generation error whose cause holds the
+    parser's message, a bare ``StopIteration`` for an empty file), so the whole chain is reported.
+    """
+    try:
+        yield
+    except DataError:
+        raise
+    except Exception as exc:
+        causes, cause = [], exc
+        while cause is not None and len(causes) < 4:
+            causes.append(f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__)
+            cause = cause.__cause__ or cause.__context__
+        raise DataError(f"cannot load dataset {what}: " + " <- ".join(causes)) from exc
