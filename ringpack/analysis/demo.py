@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -67,16 +66,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _progress_bar(args: argparse.Namespace, total: int) -> Any:
-    from tqdm.auto import tqdm
+    """The demo's stages: a bar on a terminal, a plain log line now and then elsewhere (:class:`Progress`)."""
+    from ringpack.progress import Progress
 
-    return tqdm(
-        total=total,
-        desc="demo",
-        unit="stage",
-        file=sys.stderr,
-        disable=args.quiet,
-        bar_format="{desc:<34} {bar} {n_fmt}/{total_fmt} [{elapsed}]",
-    )
+    return Progress("demo", "stages", total, enabled=not args.quiet)
 
 
 class _PlotProgress:
