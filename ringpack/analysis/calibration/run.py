@@ -134,12 +134,15 @@ __all__ = [
     "compiled_schedule",
     "eval_cases",
     "fit_nnls",
+    "fit_quality",
+    "flop_rate",
     "format_summary",
     "grid_cases",
     "nnls",
     "pearson",
     "planner_features",
     "quality",
+    "quality_line",
     "rank_cases",
     "rank_features",
     "refit",
@@ -284,7 +287,7 @@ def _time_linear_layers(model: ModelShape, setup: TimingSetup, log: Callable[[st
     linear = time_linear(model, 8192 if setup.device.type == "cuda" else 16, setup)
     log(
         f"  linear layers: {linear['layer_token_s'] * 1e9:.2f} ns/token/layer, "
-        f"head {linear['head_token_s'] * 1e9:.2f} ns/token ({linear['gemm_tflops']:.0f} TFLOP/s)"
+        f"head {linear['head_token_s'] * 1e9:.2f} ns/token ({flop_rate(linear['gemm_tflops'] * 1e12)})"
     )
     return linear
 
@@ -431,7 +434,54 @@ def _run_refit(args: argparse.Namespace) -> int:
 
 
 def _write(result: Calibration, args: argparse.Namespace) -> None:
-    write_outputs(result.profile, result.to_dict(), format_summary(result, verbose=not args.quiet), args)
+    h = result.held_out
+    quality = fit_quality("kernels", result.meta.get("device"), h["max_rel_err"], h["mean_rel_err"], h["n"])
+    profile = dataclasses.replace(result.profile, fit_quality=quality)
+    summary = format_summary(result) if not args.quiet else quality_line(profile)
+    write_outputs(profile, result.to_dict(), summary, args)
+
+
+#: The first line of a CPU dry run's summary.
+DRY_RUN_NOTE = "CPU dry run: the pipeline is checked, the timings say nothing about a GPU"
+
+
+def fit_quality(scope: str, device: str | None, max_error: float, mean_error: float, shards: int) -> dict[str, Any]:
+    """The ``fit_quality`` a profile carries (:class:`~ringpack.cost.CostModel`): the calibration's
+    ``scope``, the ``device`` timed (``"cpu"`` for a dry run) and the held-out relative errors
+    (``None`` where there were no held-out shards)."""
+
+    def finite(x: float) -> float | None:
+        return float(x) if np.isfinite(x) else None
+
+    return dict(
+        scope=scope,
+        device=device,
+        held_out_max_error=finite(max_error),
+        held_out_mean_error=finite(mean_error),
+        held_out_shards=int(shards),
+    )
+
+
+def quality_line(profile: CostModel) -> str:
+    """One line on a profile's held-out errors and, when it has one, why it should not be trusted."""
+    q = profile.fit_quality or {}
+    worst, mean = q.get("held_out_max_error"), q.get("held_out_mean_error")
+    errors = "no held-out shards" if worst is None else f"held-out error mean {mean:.1%}, largest {worst:.1%}"
+    problem = profile.fit_problem()
+    return f"profile {profile.name}: {errors} over {q.get('held_out_shards', 0)} shards" + (
+        f"; {problem}" if problem else ""
+    )
+
+
+def flop_rate(flops_per_second: float) -> str:
+    """``5.2e14`` -> ``"520 TFLOP/s"``, ``3.1e9`` -> ``"3.1 GFLOP/s"``: a rate readable on a GPU and on a CPU."""
+    if not np.isfinite(flops_per_second) or flops_per_second <= 0:
+        return "no FLOP rate"
+    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6)):
+        if flops_per_second >= scale:
+            value = flops_per_second / scale
+            return f"{value:.0f} {prefix}FLOP/s" if value >= 10 else f"{value:.1f} {prefix}FLOP/s"
+    return f"{flops_per_second:.0f} FLOP/s"
 
 
 def report_path(args: argparse.Namespace) -> Path:
@@ -490,9 +540,9 @@ def _pct(x: float) -> str:
     return f"{100 * x:5.1f}%"
 
 
-def _pair_tflops(result: Calibration) -> float:
+def _pair_rate(result: Calibration) -> str:
     pair_s = result.per_layer["pair_s"]
-    return AttentionShape(**result.meta["shape"]).flops_per_pair() / pair_s / 1e12 if pair_s else float("nan")
+    return flop_rate(AttentionShape(**result.meta["shape"]).flops_per_pair() / pair_s if pair_s else float("nan"))
 
 
 def _fit_line(label: str, q: dict[str, Any]) -> str:
@@ -505,10 +555,10 @@ def _fit_line(label: str, q: dict[str, Any]) -> str:
     return line
 
 
-def format_summary(result: Calibration, verbose: bool = True) -> str:
-    """The held-out table (one row per CP rank, with ``verbose``) and the fit-quality lines."""
-    lines = _held_out_table(result) if verbose else []
-    return "\n".join(lines + _profile_lines(result) + _kernel_and_baseline_lines(result))
+def format_summary(result: Calibration) -> str:
+    """The held-out table (one row per CP rank) and the fit-quality lines; a CPU dry run says it is one first."""
+    lines = [DRY_RUN_NOTE] if result.meta.get("device") == "cpu" else []
+    return "\n".join(lines + _held_out_table(result) + _profile_lines(result) + _kernel_and_baseline_lines(result))
 
 
 def _held_out_table(result: Calibration) -> list[str]:
@@ -532,7 +582,7 @@ def _profile_lines(result: Calibration) -> list[str]:
     pl, t, h = result.per_layer, result.train, result.held_out
     return [
         f"profile model, per layer: {pl['token_s'] * 1e9:.3f} ns/token + {pl['pair_s'] * 1e12:.4f} ps/pair + "
-        f"{pl['segment_s'] * 1e6:.2f} us/piece; pairs at {_pair_tflops(result):.0f} TFLOP/s",
+        f"{pl['segment_s'] * 1e6:.2f} us/piece; pairs at {_pair_rate(result)}",
         "  + per micro-batch constants, the same on every rank (not in the profile: they never change which rank is "
         f"slowest): {pl['overhead_s'] * 1e6:.1f} us, + {pl['ring_overhead_s'] * 1e6:.1f} us "
         "when a sample is split (ring path)",

@@ -626,7 +626,7 @@ def run_step(args: Any) -> int:
     """``ringpack calibrate --scope step``: exit 0 with the profile and report written, 2 without a usable device."""
     import torch
 
-    from ringpack.analysis.calibration.run import check_outputs, write_outputs
+    from ringpack.analysis.calibration.run import check_outputs, fit_quality, quality_line, write_outputs
 
     check_outputs(args)  # before minutes of timing, not after
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -649,10 +649,18 @@ def run_step(args: Any) -> int:
         seed=args.seed,
         **given,
     )
-    if args.quiet:
+    level = log.level
+    if args.quiet:  # progress off for this run only
         log.setLevel(logging.WARNING)
-    result = calibrate_step(config)
-    write_outputs(result.profile, result.to_dict(), format_step_summary(result), args)
+    try:
+        result = calibrate_step(config)
+    finally:
+        log.setLevel(level)
+    h = result.held_out
+    device = result.meta.get("device", config.device)
+    quality = fit_quality("step", device, h["shard_max"], h["shard_mean"], h["shards"])
+    profile = dataclasses.replace(result.profile, fit_quality=quality)
+    write_outputs(profile, result.to_dict(), quality_line(profile) if args.quiet else format_step_summary(result), args)
     return 0
 
 
@@ -660,8 +668,12 @@ def format_step_summary(result: StepCalibration) -> str:
     """A few lines: the fitted prices, the fit's error and the held-out errors."""
     p, f, h = result.profile, result.fit, result.held_out
     ratio = p.token / p.pair if p.pair else float("inf")
+    from ringpack.analysis.calibration.run import DRY_RUN_NOTE
+
+    dry_run = result.meta.get("device", result.meta.get("config", {}).get("device")) == "cpu"
     return "\n".join(
-        [
+        ([DRY_RUN_NOTE] if dry_run else [])
+        + [
             f"step profile of {p.name}: {p.token * 1e6:.3f} us/token, {p.pair * 1e12:.3f} ps/pair "
             f"(a token costs {ratio:,.0f} pairs), {p.segment * 1e6:.1f} us/piece, "
             f"{p.microbatch * 1e3:.2f} ms/micro-batch",

@@ -241,7 +241,8 @@ class FlopClock(cal.Clock):
         return times
 
 
-def test_cpu_dry_run_writes_a_loadable_profile(tmp_path, capsys):
+@pytest.mark.parametrize("quiet", [True, False])
+def test_cpu_dry_run_writes_a_loadable_profile(tmp_path, capsys, caplog, quiet):
     out = tmp_path / "prof" / "profile.json"
     args = parse(
         "--device",
@@ -260,14 +261,26 @@ def test_cpu_dry_run_writes_a_loadable_profile(tmp_path, capsys):
         "1",
         "--warmup",
         "0",
-        "--quiet",
+        *(["--quiet"] if quiet else []),
         "--out",
         str(out),
     )
     assert cal.run(args, clock=FlopClock()) == 0
-    text = capsys.readouterr().out
-    assert "held-out" in text and "r=" in text and "max error" in text
-    profile = CostModel.load(out)
+    lines = capsys.readouterr().out.splitlines()
+    if quiet:  # one line on the fit, one on the files: no table
+        assert len(lines) == 2 and lines[1].startswith(f"wrote {out}")
+        assert lines[0].startswith("profile tiny-h2kv1d16: held-out error mean ") and "timed on a CPU" in lines[0]
+    else:
+        assert lines[0].startswith("CPU dry run:") and any("r=" in line and "max error" in line for line in lines)
+        pairs = next(line for line in lines if "pairs at" in line)
+        assert "pairs at 0 " not in pairs and "FLOP/s" in pairs  # a CPU's rate in its own unit
+    with caplog.at_level("WARNING", logger="ringpack.cost"):
+        profile = CostModel.load(out)
+    assert profile.fit_quality["device"] == "cpu" and profile.fit_quality["scope"] == "kernels"
+    assert [r.getMessage() for r in caplog.records if r.name == "ringpack.cost"] == [
+        f"cost profile {out}: {profile.fit_problem()}; plans balanced by it may be unbalanced on the training GPU "
+        "(calibrate there: ringpack calibrate --scope step)"
+    ]
     assert profile.unit == "s" and profile.token > 0 and profile.pair > 0 and profile.segment >= 0
     assert profile.name == "tiny-h2kv1d16"
     report = json.loads((tmp_path / "prof" / "profile.report.json").read_text())
