@@ -1,4 +1,4 @@
-"""Where the time of one ringpack attention configuration goes, per rank (torch.profiler, GPU kernels).
+r"""Where the time of one ringpack attention configuration goes, per rank (torch.profiler, GPU kernels).
 
 Run by torchrun like ``benchmarks/attention.py`` and with the same case definitions:
 

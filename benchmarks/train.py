@@ -1,4 +1,4 @@
-"""End-to-end training throughput: ringpack's plans vs zigzag and first-fit packing.
+r"""End-to-end training throughput: ringpack's plans vs zigzag and first-fit packing.
 
     torchrun --nproc_per_node=2 benchmarks/train.py --grad-ckpt --max-len 32768 --out train.json
     torchrun --nproc_per_node=2 benchmarks/train.py --grad-ckpt --max-len 32768 --no-learn \

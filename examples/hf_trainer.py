@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node=4 examples/hf_trainer.py --cp 2 --max-steps 20            # DP=2 x CP=2
     accelerate launch --num_processes 4 examples/hf_trainer.py --cp 2 --max-steps 20
-    python examples/hf_trainer.py --max-steps 5                                          # one process
+    python examples/hf_trainer.py --max-steps 5 --output-dir my-model                     # one process, saved
 
 Without arguments: a small Llama initialised from a config and synthetic token sequences with
 heavy-tailed lengths (no download). ``--config`` takes any causal LM's ``AutoConfig`` name or path
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -67,12 +68,20 @@ def train_dataset(args: argparse.Namespace, vocab: int):
 
 def main() -> int:
     args = parser().parse_args()
+    if args.output_dir:
+        return train(args, args.output_dir)
+    with tempfile.TemporaryDirectory(prefix="ringpack-hf-trainer-") as scratch:  # nothing is kept
+        return train(args, scratch)
+
+
+def train(args: argparse.Namespace, output_dir: str) -> int:
+    """Train with ``RingpackTrainer``; with ``--output-dir`` the final model is saved there."""
     from transformers import TrainingArguments
 
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     model = build_model(args.config, dtype)
     training_args = TrainingArguments(
-        output_dir=args.output_dir,
+        output_dir=output_dir,
         max_steps=args.max_steps,
         learning_rate=args.lr,
         warmup_steps=min(10, args.max_steps // 10),
@@ -97,6 +106,8 @@ def main() -> int:
         ringpack=ringpack,
     )
     trainer.train()
+    if args.output_dir:
+        trainer.save_model(args.output_dir)
     return 0
 
 
@@ -115,7 +126,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--bf16", action="store_true", help="bfloat16 weights (GPU)")
     p.add_argument("--workers", type=int, default=0, help="DataLoader workers")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output-dir", default="hf-trainer-out")
+    p.add_argument(
+        "--output-dir", help="save the trained model here (default: keep nothing, train in a temporary folder)"
+    )
     return p
 
 

@@ -51,7 +51,17 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from train import DTYPES, Grid, build_model, data_vocab, make_loader, microbatch_loss, parser, samples_for, steps_of
+from train import (
+    DTYPES,
+    Grid,
+    build_model,
+    data_vocab,
+    make_loader,
+    microbatch_loss,
+    parser,
+    planned_steps,
+    samples_for,
+)
 from train_fsdp import make_mesh, wrap
 
 from ringpack.integrations.distributed import SamplerState
@@ -225,21 +235,17 @@ def train(trainer: Trainer) -> list[float]:
     """Train from ``trainer.step`` to ``args.steps`` finished steps (0: to the end of the current epoch),
     saving every ``args.checkpoint_every`` steps and at the end when ``args.checkpoint_dir`` is set.
     Returns the loss of every step run."""
-    args, sampler = trainer.args, trainer.sampler
+    args = trainer.args
     losses: list[float] = []
-    while not (args.steps and trainer.step >= args.steps):
-        for batches in steps_of(trainer.loader):
+    left = max(args.steps - trainer.step, 0) if args.steps else 0
+    log = (lambda line: print(line, flush=True)) if trainer.grid.rank == 0 and args.verbose else None
+    if not (args.steps and left == 0):
+        for batches in planned_steps(trainer.loader, left, log):
             start, lr = time.perf_counter(), trainer.optimizer.param_groups[0]["lr"]
             losses.append(train_step(trainer, batches))
             _log(trainer, losses[-1], lr, time.perf_counter() - start)
             if _due(args, trainer.step):
                 save(trainer, args.checkpoint_dir)
-            if args.steps and trainer.step >= args.steps:
-                break
-        else:
-            if not args.steps:
-                break
-            sampler.set_epoch(sampler.epoch + 1)  # the loader's next iter() plans the next epoch
     if losses and args.checkpoint_dir and not _due(args, trainer.step):
         save(trainer, args.checkpoint_dir)
     return losses

@@ -1,4 +1,4 @@
-"""Train a Llama-style model with DP x CP on packed data planned by ringpack.
+r"""Train a Llama-style model with DP x CP on packed data planned by ringpack.
 
     torchrun --nproc_per_node=4 examples/train.py --cp 2 --model tiny --steps 5          # CPU (gloo) or GPU
     torchrun --nproc_per_node=2 examples/train.py --cp 2 --model llama-1b --tokens-per-rank 65536 \
@@ -50,7 +50,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from ringpack.attention import MODES, warm_up_kernels
 from ringpack.cost import PRESETS, CostModel, ModelShape
 from ringpack.data import BalancedBatchSampler, PackedCollator, PackedDataset, lengths_from_dataset
-from ringpack.integrations.transformers import causal_lm_loss_sum, register
+from ringpack.integrations.transformers import (
+    causal_lm_loss_sum,
+)  # importing it registers attn_implementation='ringpack'
 from ringpack.shard_plan import OVERFLOW_POLICIES, PACKINGS, STRATEGIES
 from ringpack.training import CostLearner
 
@@ -191,8 +193,6 @@ def build_model(
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
-    if attn == "ringpack":
-        register()
     model = LlamaForCausalLM._from_config(config, attn_implementation=attn, dtype=dtype)
     return model.to(device or torch.device("cpu"))
 
@@ -234,6 +234,34 @@ def steps_of(loader) -> Iterator[list[dict[str, Any]]]:
     assert not current, "the last step ended early"
 
 
+def planned_steps(loader, steps: int, log=None) -> Iterator[list[dict[str, Any]]]:
+    """The run's optimizer steps: the rest of the sampler's epoch (``steps=0``), or ``steps`` of them,
+    continuing into the next epochs (each with its own plan) when an epoch has fewer.
+
+    Args:
+        loader: a DataLoader whose ``batch_sampler`` is a :class:`BalancedBatchSampler`.
+        steps: how many steps to yield; 0 for the rest of the current epoch.
+        log: called with one line each time the run continues into another epoch.
+    """
+    sampler, done, fresh = loader.batch_sampler, 0, False
+    while True:
+        in_epoch = 0
+        for batches in steps_of(loader):
+            yield batches
+            done, in_epoch = done + 1, in_epoch + 1
+            if steps and done >= steps:
+                return
+        if not steps or (fresh and in_epoch == 0):  # a sampler resumed at its epoch's end yields none first
+            return
+        fresh = True
+        sampler.set_epoch(sampler.epoch + 1)  # the loader's next iter() plans the next epoch
+        if log is not None:
+            log(
+                f"epoch {sampler.epoch - 1} ended after {in_epoch} steps; continuing with epoch {sampler.epoch} "
+                f"({done} of --steps {steps} done)"
+            )
+
+
 def train(args: argparse.Namespace, grid: Grid, samples: list[np.ndarray], on_step=None) -> list[dict[str, Any]]:
     """The training loop; returns per-step records (loss, tokens, times). ``on_step(step, model)``
     lets tests inspect gradients before the optimizer runs."""
@@ -253,9 +281,7 @@ def train(args: argparse.Namespace, grid: Grid, samples: list[np.ndarray], on_st
     if args.learn_cost:  # time every micro-batch and re-plan with the measured prices
         learner = CostLearner(loader.batch_sampler, grid.cp_rank, device=grid.device)
     records = []
-    for step, batches in enumerate(steps_of(loader)):
-        if args.steps and step >= args.steps:
-            break
+    for step, batches in enumerate(planned_steps(loader, args.steps, _log_line(grid, args))):
         _sync(grid)
         start = time.perf_counter()
         loss, tokens = forward_backward(model, batches, grid, args, learner)
@@ -271,7 +297,7 @@ def train(args: argparse.Namespace, grid: Grid, samples: list[np.ndarray], on_st
         optimizer.zero_grad(set_to_none=True)
         fit = learner.end_step() if learner is not None else None
         records.append(_step_record(step, float(loss), tokens, busy, step_time, grid))
-        records[-1]["cost_model"] = loader.batch_sampler.config.cost.name
+        records[-1].update(epoch=batches[0]["epoch"], cost_model=loader.batch_sampler.config.cost.name)
         if fit is not None and grid.rank == 0 and args.verbose:
             print(
                 f"step {step}: planning with measured prices from step {_switch_step(loader)} "
@@ -376,6 +402,11 @@ def _switch_step(loader) -> int:
     return switches[-1][1] if switches else 0
 
 
+def _log_line(grid: Grid, args: argparse.Namespace):
+    """What prints one line of the run on rank 0 (``None`` elsewhere and with ``--quiet``)."""
+    return (lambda line: print(line, flush=True)) if grid.rank == 0 and args.verbose else None
+
+
 def _sync(grid: Grid) -> None:
     if grid.device.type == "cuda":
         torch.cuda.synchronize(grid.device)
@@ -439,7 +470,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-len", type=int, default=0, help="longest sample (default: cp * tokens-per-rank)")
     p.add_argument("--len-scale", type=int, default=16, help="Pareto scale of sample lengths (tokens)")
     p.add_argument("--samples-per-step", type=int, default=64)
-    p.add_argument("--steps", type=int, default=0, help="stop after this many steps (0: one epoch)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=0,
+        help="optimizer steps, continuing into the next epochs if need be (0: one epoch)",
+    )
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=0)

@@ -36,7 +36,17 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from train import DTYPES, Grid, build_model, data_vocab, make_loader, microbatch_loss, parser, samples_for, steps_of
+from train import (
+    DTYPES,
+    Grid,
+    build_model,
+    data_vocab,
+    make_loader,
+    microbatch_loss,
+    parser,
+    planned_steps,
+    samples_for,
+)
 
 from ringpack.integrations.distributed import data_parallel_mesh, gradient_sync, mesh_coordinates, sum_gradients
 
@@ -87,9 +97,8 @@ def train(args: argparse.Namespace, samples: list[np.ndarray], on_step=None) -> 
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=False)
     losses = []
-    for step, batches in enumerate(steps_of(make_loader(args, grid, samples))):
-        if args.steps and step >= args.steps:
-            break
+    log = (lambda line: print(line, flush=True)) if grid.rank == 0 and args.verbose else None
+    for step, batches in enumerate(planned_steps(make_loader(args, grid, samples), args.steps, log)):
         loss = torch.zeros((), dtype=torch.float64, device=grid.device)
         for index, batch in enumerate(batches):
             with gradient_sync(model, enabled=index + 1 == len(batches)):

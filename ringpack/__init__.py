@@ -12,13 +12,16 @@ The public API, importable from here::
     CostLearner                                                 # the cost model learned from the run
 
 Names load on first use, so ``import ringpack`` is quick and needs neither torch, ortools nor
-datasets.
+datasets. Where transformers is installed, ``attn_implementation="ringpack"`` works once ringpack is
+imported (:mod:`ringpack.integrations.autoregister`), without importing transformers here.
 """
 
 from __future__ import annotations
 
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
+
+from ringpack.integrations import autoregister as _autoregister
 
 __version__ = "0.1.0"
 
@@ -50,6 +53,8 @@ if TYPE_CHECKING:
     from ringpack.planner.api import plan  # noqa: F401
     from ringpack.shard_plan import Plan, PlanConfig  # noqa: F401
     from ringpack.training.cost_learner import CostLearner  # noqa: F401
+
+_autoregister.install()  # attn_implementation="ringpack" once transformers' models load
 
 
 def __getattr__(name: str) -> Any:

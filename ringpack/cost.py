@@ -14,9 +14,13 @@ Integer solvers get costs through :func:`scale_to_int`, one place, so every solv
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from collections.abc import Iterable
+import logging
+import math
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, fields
+from numbers import Real
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +33,7 @@ __all__ = [
     "ModelShape",
     "CostModel",
     "MAX_SAMPLE_TOKENS",
+    "POOR_FIT_ERROR",
     "PRESETS",
     "piece_pairs",
     "rank_costs",
@@ -41,6 +46,11 @@ __all__ = [
 #: and plan configs (``cp * tokens_per_rank``) above it are refused, from the Python API, plan
 #: files and the command line alike.
 MAX_SAMPLE_TOKENS = 2**31
+#: A profile whose largest held-out error is above this is a poor fit: :meth:`CostModel.load` warns.
+POOR_FIT_ERROR = 0.20
+
+logger = logging.getLogger(__name__)
+_warned_profiles: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -114,10 +124,18 @@ class CostModel:
             charges it when it weighs one more micro-batch per DP rank, and
             :func:`ringpack.analysis.calibration.step.predicted_busy` adds it once per micro-batch
             to predict a training loop's busy time. Measured profiles fit it; FLOP models leave it 0.
+        fit_quality: how well a calibrated profile predicted held-out timings, as ``ringpack
+            calibrate`` writes it (``None`` for models that were not measured): ``scope``,
+            ``device`` (``"cpu"`` for a dry run), ``held_out_max_error`` and
+            ``held_out_mean_error`` (relative), ``held_out_shards``. It describes the prices
+            without changing them: equality, hashing and :meth:`to_dict` (so plan hashes) leave
+            it out; :meth:`save` and :meth:`load` keep it, and :meth:`load` warns on a poor fit
+            (:meth:`fit_problem`).
 
     Raises:
         ValueError: a coefficient that is not a finite number >= 0, ``token`` and ``pair`` both
-            zero, ``flops_per_second`` not a finite number > 0, or an unknown unit.
+            zero, ``flops_per_second`` not a finite number > 0, an unknown unit, or a
+            ``fit_quality`` that is not a mapping of its fields (the field is named).
     """
 
     token: float
@@ -127,6 +145,7 @@ class CostModel:
     name: str = "custom"
     flops_per_second: float = 4.0e14  # achieved fwd+bwd throughput used to predict times
     microbatch: float = 0.0
+    fit_quality: Mapping[str, Any] | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         for field in ("token", "pair", "segment", "flops_per_second", "microbatch"):
@@ -139,6 +158,21 @@ class CostModel:
             raise ValueError(f"CostModel {self.name!r}: token and pair coefficients are both zero")
         if self.unit not in ("flop", "s"):
             raise ValueError(f"CostModel {self.name!r}: unit must be 'flop' or 's', got {self.unit!r}")
+        if self.fit_quality is not None:
+            _check_fit_quality(self.fit_quality, self.name)
+
+    def fit_problem(self) -> str | None:
+        """Why this profile's prices should not be trusted, or ``None``: it was timed on a CPU (a
+        dry run), or its largest held-out error is above :data:`POOR_FIT_ERROR`. Models without
+        ``fit_quality`` have none."""
+        quality = self.fit_quality or {}
+        problems = []
+        if quality.get("device") == "cpu":
+            problems.append("it was timed on a CPU (a dry run), so its prices are not a GPU's")
+        worst = quality.get("held_out_max_error")
+        if worst is not None and math.isfinite(worst) and worst > POOR_FIT_ERROR:
+            problems.append(f"its held-out timings were off by up to {worst:.0%} (over {POOR_FIT_ERROR:.0%})")
+        return "; ".join(problems) or None
 
     @classmethod
     def from_shape(cls, shape: ModelShape, flops_per_second: float = 4.0e14) -> CostModel:
@@ -167,17 +201,33 @@ class CostModel:
         """
         try:
             data = json.loads(Path(path).read_text(encoding="utf-8"))
-            return cls.from_dict(data)
+            model = cls.from_dict(data)
         except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
             raise ValueError(f"cost profile {path}: {exc}") from exc
+        problem = model.fit_problem()
+        if problem and str(path) not in _warned_profiles:  # once per file and process
+            _warned_profiles.add(str(path))
+            logger.warning(
+                "cost profile %s: %s; plans balanced by it may be unbalanced on the training GPU "
+                "(calibrate there: ringpack calibrate --scope step)",
+                path,
+                problem,
+            )
+        return model
 
     def save(self, path: str | Path) -> None:
-        """Write the fields as JSON to ``path`` (what :meth:`load` and ``--cost-profile`` read)."""
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+        """Write the fields as JSON to ``path`` (what :meth:`load` and ``--cost-profile`` read), with
+        ``fit_quality`` when set."""
+        data = self.to_dict()
+        if self.fit_quality is not None:
+            data["fit_quality"] = dict(self.fit_quality)
+        Path(path).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields as a JSON-ready dict; ``microbatch`` only when set (so hashes of plans without it ignore it)."""
+        """The prices as a JSON-ready dict (what plan hashes cover): ``microbatch`` only when set, so
+        hashes of plans without it ignore it; never ``fit_quality``, which does not change a price."""
         out = asdict(self)
+        del out["fit_quality"]
         if not out["microbatch"]:
             del out["microbatch"]
         return out
@@ -227,6 +277,19 @@ class CostModel:
         """Predicted seconds for a cost (identity for calibrated profiles)."""
         cost = np.asarray(cost, dtype=np.float64)
         return cost if self.unit == "s" else cost / self.flops_per_second
+
+
+def _check_fit_quality(quality: Any, name: str) -> None:
+    """Refuse a ``fit_quality`` that is not a mapping, or whose checked fields have the wrong type."""
+    if not isinstance(quality, Mapping):
+        raise ValueError(f"CostModel {name!r}: fit_quality must be a mapping of its fields, got {quality!r}")
+    for key in ("held_out_max_error", "held_out_mean_error"):
+        value = quality.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, Real)):
+            raise ValueError(f"CostModel {name!r}: fit_quality {key} must be a number, got {value!r}")
+    device = quality.get("device")
+    if device is not None and not isinstance(device, str):
+        raise ValueError(f"CostModel {name!r}: fit_quality device must be a string, got {device!r}")
 
 
 def piece_pairs(start: Any, stop: Any) -> np.ndarray:

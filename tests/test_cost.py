@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -130,3 +131,92 @@ def test_plan_costs_and_reports_leave_the_per_microbatch_constant_out(plan):
     assert np.array_equal(evaluate_plan(again).cost, evaluate_plan(plan).cost)
     costs, costs_again = plan_costs(plan), plan_costs(again)
     assert all(np.array_equal(costs[k], costs_again[k], equal_nan=True) for k in costs)
+
+
+GOOD_FIT = dict(
+    scope="step", device="NVIDIA H200", held_out_max_error=0.03, held_out_mean_error=0.008, held_out_shards=48
+)
+
+
+def test_fit_quality_travels_with_the_profile_and_leaves_prices_and_plan_hashes_alone(tmp_path):
+    import ringpack
+
+    plain = CostModel(token=1e-6, pair=2e-10, segment=1e-5, unit="s", name="llama-1b")
+    measured = dataclasses.replace(plain, fit_quality=GOOD_FIT)
+    assert measured == plain and hash(measured) == hash(plain) and measured.to_dict() == plain.to_dict()
+    plain.save(tmp_path / "plain.json")
+    measured.save(tmp_path / "measured.json")
+    assert "fit_quality" not in (tmp_path / "plain.json").read_text()  # files of unmeasured models unchanged
+    loaded = CostModel.load(tmp_path / "measured.json")
+    assert loaded.fit_quality == GOOD_FIT and loaded.fit_problem() is None
+    lengths = np.random.default_rng(1).integers(1, 3000, 300)
+    config = dict(dp=2, cp=2, tokens_per_rank=4096, samples_per_step=64)
+    with_fit = ringpack.plan(lengths, cost=loaded, **config)
+    assert with_fit.content_hash == ringpack.plan(lengths, cost=plain, **config).content_hash
+    with_fit.save(tmp_path / "plan.json")
+    assert ringpack.Plan.load(tmp_path / "plan.json").content_hash == with_fit.content_hash
+
+
+@pytest.mark.parametrize(
+    "quality, says",
+    [
+        ({**GOOD_FIT, "held_out_max_error": 0.31}, "its held-out timings were off by up to 31% (over 20%)"),
+        ({**GOOD_FIT, "device": "cpu"}, "it was timed on a CPU (a dry run), so its prices are not a GPU's"),
+    ],
+)
+def test_loading_a_poor_profile_warns_once_in_one_line(tmp_path, caplog, quality, says):
+    path = tmp_path / "profile.json"
+    CostModel(token=1e-6, pair=2e-10, unit="s", fit_quality=quality).save(path)
+    with caplog.at_level("WARNING", logger="ringpack.cost"):
+        CostModel.load(path)
+        CostModel.load(path)
+    messages = [r.getMessage() for r in caplog.records if r.name == "ringpack.cost"]
+    assert len(messages) == 1 and "\n" not in messages[0]
+    assert messages[0].startswith(f"cost profile {path}: {says}; plans balanced by it may be unbalanced")
+
+
+def test_loading_a_good_or_unmeasured_profile_is_silent(tmp_path, caplog):
+    for name, quality in (("good.json", GOOD_FIT), ("plain.json", None), ("no-errors.json", {"scope": "step"})):
+        CostModel(token=1e-6, pair=2e-10, unit="s", fit_quality=quality).save(tmp_path / name)
+        with caplog.at_level("WARNING", logger="ringpack.cost"):
+            CostModel.load(tmp_path / name)
+    assert not [r for r in caplog.records if r.name == "ringpack.cost"]
+
+
+@pytest.mark.parametrize(
+    "quality, says",
+    [
+        ("bad", "fit_quality must be a mapping"),
+        ({"held_out_max_error": "3%"}, "fit_quality held_out_max_error must be a number"),
+        ({"held_out_mean_error": True}, "fit_quality held_out_mean_error must be a number"),
+        ({"device": 0}, "fit_quality device must be a string"),
+    ],
+)
+def test_a_bad_fit_quality_is_refused_naming_the_field(tmp_path, quality, says):
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"token": 1e-6, "pair": 2e-10, "unit": "s", "fit_quality": quality}))
+    with pytest.raises(ValueError, match=f"cost profile {path}: .*{says}"):
+        CostModel.load(path)
+
+
+def test_plan_with_a_dry_run_profile_warns_in_one_line_and_plans_as_without_its_fit(tmp_path):
+    from tests.helpers.cli import run_cli
+
+    np.save(tmp_path / "lengths.npy", np.random.default_rng(2).integers(1, 3000, 200))
+    plain = CostModel(token=2.5, pair=1.2e-5, segment=0.11, unit="s", name="llama3-8b")
+    dry = dataclasses.replace(plain, fit_quality={**GOOD_FIT, "device": "cpu", "held_out_max_error": 3.1})
+    hashes = []
+    for name, model in (("plain", plain), ("dry", dry)):
+        model.save(tmp_path / f"{name}.json")
+        argv = ["plan", "--lengths", tmp_path / "lengths.npy", "--dp", "2", "--cp", "2", "--tokens-per-rank", "4096"]
+        argv += ["--samples-per-step", "64", "--cost-profile", tmp_path / f"{name}.json", "--json"]
+        run = run_cli([*argv, "--quiet", "--out", tmp_path / f"{name}.plan.json"])
+        assert run.code == 0, run.err
+        hashes.append(json.loads((tmp_path / f"{name}.plan.json").read_text())["hash"])
+        warnings = [line for line in run.err.splitlines() if "warning" in line]
+        assert warnings == ([] if name == "plain" else [warnings[0]])
+    assert hashes[0] == hashes[1]
+    assert warnings[0].startswith(
+        f"ringpack plan: warning: cost profile {tmp_path / 'dry.json'}: it was timed on a CPU"
+    )
+    assert "off by up to 310% (over 20%)" in warnings[0]

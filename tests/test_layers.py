@@ -57,8 +57,10 @@ LAZY = {
     "triton",
     "yaml",
 }
-#: (importer, imported) pairs allowed to break the rules: none.
-KNOWN: set[tuple[str, str]] = set()
+#: (importer, imported) pairs allowed to break the rules. The transformers registration hook imports
+#: ringpack's transformers integration only once transformers itself loads: that module needs the
+#: optional package, so it is imported as one.
+KNOWN: set[tuple[str, str]] = {("ringpack.integrations.autoregister", "ringpack.integrations.transformers")}
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,6 @@ Runs anywhere Python runs (the corpus is the interpreter's own standard library)
 from __future__ import annotations
 
 import dataclasses
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +33,7 @@ from ringpack.analysis.report import (
 from ringpack.cost import CostModel
 from ringpack.data.corpus import stdlib_corpus
 from ringpack.planner import make_plan
+from ringpack.progress import Progress
 from ringpack.shard_plan import PlanConfig, field_doc, global_batch_samples
 
 __all__ = ["DemoConfig", "run_demo"]
@@ -153,16 +153,8 @@ def run_demo(config: DemoConfig = DemoConfig(), *, progress: bool = True) -> int
 
 
 def _progress_bar(show: bool, total: int) -> Any:
-    from tqdm.auto import tqdm
-
-    return tqdm(
-        total=total,
-        desc="demo",
-        unit="stage",
-        file=sys.stderr,
-        disable=not show,
-        bar_format="{desc:<34} {bar} {n_fmt}/{total_fmt} [{elapsed}]",
-    )
+    """The demo's stages: a bar on a terminal, a plain log line now and then elsewhere (:class:`Progress`)."""
+    return Progress("demo", "stages", total, enabled=show)
 
 
 class _PlotProgress:

@@ -50,11 +50,15 @@ WLB = "wlb"
 #: The peers ``ringpack report`` and ``ringpack simulate`` can add, in report order.
 PEERS: tuple[str, ...] = (DCP, WLB)
 PEER_DESCRIPTIONS: dict[str, str] = {
-    DCP: "Megatron-Core dynamic context parallelism: each sample on a CP sub-group of ceil_pow2(L / tokens_per_rank) "
-    "GPUs of the DP x CP pool, split zigzag inside it; modelled (LPT of sub-groups onto aligned GPU blocks, "
-    "step = latest GPU), optimistic for the peer",
-    WLB: "WLB-LLM: workload-aware variable-length packing (least-workload micro-batch, longest document first) with "
-    "outlier delay queues, per-document zigzag sharding; a real plan",
+    DCP: "Megatron-Core dynamic context parallelism, modelled (optimistic for it): each sample on a CP sub-group of "
+    "ceil_pow2(L / tokens_per_rank) GPUs of the DP x CP pool, split zigzag inside it, sub-groups placed LPT onto "
+    "aligned GPU blocks (step = latest GPU). Each step holds the documents of ringpack's; no gap (the lower bound "
+    "assumes fixed CP groups)",
+    WLB: "WLB-LLM, a real plan: workload-aware packing (least-workload micro-batch, longest document first), "
+    "per-document zigzag, and outlier delay queues that move long documents into later global batches. So its "
+    "steps hold other documents than ringpack's, which trains each global batch as drawn: its step figures (imbal, "
+    "gap) are not the same work per step, while epoch time and tok/s cover the same documents in another order. Its "
+    "gap is against the lower bound of the documents it put in each step",
 }
 
 

@@ -11,9 +11,23 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["draw_all", "plot_lengths", "plot_rank_costs", "plot_imbalance", "plot_idle_saved", "default_rank_step"]
+__all__ = [
+    "draw_all",
+    "plot_lengths",
+    "plot_rank_costs",
+    "plot_imbalance",
+    "plot_idle_saved",
+    "default_rank_step",
+    "overlapping_lines",
+]
 
 DPI = 110
+
+
+def median_idle(plan: dict[str, Any]) -> float:
+    """The median over a report entry's steps of their idle share (0 for an entry without steps)."""
+    idle = [r["idle_fraction"] for r in plan["steps"]]
+    return float(np.median(idle)) if idle else 0.0
 
 
 def _plt():
@@ -98,13 +112,28 @@ def plot_lengths(doc: dict[str, Any], path: Path) -> Path:
 
 # ------------------------------------------------------------------------------------- rank costs
 def default_rank_step(doc: dict[str, Any]) -> int:
-    """A typical step: the one whose baseline idle share is the median (every plan has that many steps)."""
-    base = next((p for p in doc["plans"] if p["name"] == doc["baseline"]), doc["plans"][0])
-    n = min(len(p["steps"]) for p in doc["plans"])
-    if n == 0:
+    """A typical step of every plan: the one whose idle share is nearest each plan's median step.
+
+    Each plan ranks its steps by idle share; the step chosen is the one whose worst distance from
+    the middle rank, over the plans, is least (the first such step on ties). The step a table or
+    plot shows then is neither plan's best nor its worst.
+
+    Args:
+        doc: a report document (``doc["plans"]``, each with ``steps`` rows holding ``idle_fraction``).
+
+    Returns:
+        A step index every plan has (0 for plans without steps).
+    """
+    plans = [p for p in doc["plans"] if p["steps"]]
+    n = min((len(p["steps"]) for p in plans), default=0)
+    if n <= 1:
         return 0
-    idle = np.array([r["idle_fraction"] for r in base["steps"][:n]])
-    return int(np.argsort(idle, kind="stable")[(n - 1) // 2])
+    distance = np.zeros(n)
+    for p in plans:
+        idle = np.array([r["idle_fraction"] for r in p["steps"][:n]])
+        rank = np.argsort(np.argsort(idle, kind="stable"), kind="stable") / (n - 1)  # 0: least idle, 1: most
+        distance = np.maximum(distance, np.abs(rank - 0.5))
+    return int(np.argmin(distance))
 
 
 def plot_rank_costs(doc: dict[str, Any], path: Path, step: int | None = None) -> Path | None:
@@ -136,7 +165,10 @@ def plot_rank_costs(doc: dict[str, Any], path: Path, step: int | None = None) ->
         )
         ax.axhline(step_time, color="black", ls="--", lw=1)
         ax.text(gpu_gap[-1] + 0.5, step_time, " step", va="bottom", ha="right", fontsize=8)
-        ax.set_title(f"{p['name']}: idle {100 * row['idle_fraction']:.1f}%", color=base)
+        ax.set_title(
+            f"{p['name']}: idle {100 * row['idle_fraction']:.1f}% (median step {100 * median_idle(p):.1f}%)",
+            color=base,
+        )
         if dp * cp <= 32:
             centers = [gpu_gap[d * cp : (d + 1) * cp].mean() for d in range(dp)]
             ax.set_xticks(centers, [f"DP {d}" for d in range(dp)], fontsize=8)
@@ -149,33 +181,67 @@ def plot_rank_costs(doc: dict[str, Any], path: Path, step: int | None = None) ->
         ax.set_visible(False)
     ax0 = axes.flat[0]
     ax0.set_ylim(0, top / scale * 1.12)
+    steps = min(len(p["steps"]) for p in plans)
     fig.suptitle(
-        f"Per-GPU busy time in step {step} (compute, predicted); dashed: step time, the gap above a bar is idle"
+        f"Per-GPU busy time in step {step} of 0-{steps - 1} (compute, predicted); "
+        "dashed: step time, the gap above a bar is idle"
     )
     fig.tight_layout()
     return _save(fig, path)
 
 
 # -------------------------------------------------------------------------------------- imbalance
+#: One marker per plan (cycled), so lines that coincide still show every plan's points.
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">")
+#: Two plans' imbalance series closer than this (relative, every step) are drawn on top of each other.
+_SAME_LINE_RTOL = 2e-3
+
+
+def overlapping_lines(doc: dict[str, Any]) -> dict[str, str]:
+    """``{plan: earlier plan}`` for each plan whose per-step imbalance equals an earlier plan's, to the width of a line.
+
+    Such lines lie on top of each other in :func:`plot_imbalance`; its legend names the plan each
+    one covers.
+    """
+    series = {p["name"]: np.array([r["imbalance"] for r in p["steps"]]) for p in doc["plans"]}
+    same: dict[str, str] = {}
+    names = list(series)
+    for k, name in enumerate(names):
+        for other in names[:k]:
+            a, b = series[name], series[other]
+            if a.shape == b.shape and a.size and np.allclose(a, b, rtol=_SAME_LINE_RTOL, atol=0.0):
+                same[name] = same.get(other, other)
+                break
+    return same
+
+
 def plot_imbalance(doc: dict[str, Any], path: Path) -> Path:
+    """Imbalance and idle share per step, one line per plan: each plan its colour and marker, the
+    baseline dashed; a plan whose line covers another's says so in the legend."""
     plt = _plt()
     colors = _colors(doc)
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
     max_steps = max(len(p["steps"]) for p in doc["plans"])
-    marker = "o" if max_steps <= 40 else None
+    every = max(1, -(-max_steps // 40))  # at most about 40 markers per line
+    same = overlapping_lines(doc)
     for k, p in enumerate(doc["plans"]):
         steps = np.array([r["step"] for r in p["steps"]])
         imb = np.array([r["imbalance"] for r in p["steps"]])
         idle = np.array([r["idle_fraction"] for r in p["steps"]]) * 100
+        baseline, covers = p["name"] == doc["baseline"], p["name"] in same
         style = dict(
             color=colors[p["name"]],
-            lw=1.6 if p["name"] != doc["baseline"] else 2.2,
-            marker=marker,
-            ms=3,
-            ls="-" if p["name"] != doc["baseline"] else "--",
-            zorder=20 if p["name"] == doc["baseline"] else 10 - k,
-        )  # dashed baseline on top, then the first plan
-        ax1.plot(steps, imb, label=p["name"], **style)
+            lw=2.2 if baseline else 1.6,
+            ls=(0, (2, 2)) if covers else "--" if baseline else "-",  # a covering line leaves gaps to see through
+            marker=_MARKERS[k % len(_MARKERS)],
+            markevery=every,
+            ms=4 if covers else 7,  # a covering line's markers sit inside those of the line it covers
+            mfc="none",
+            mew=1.2,
+            zorder=10 + k,
+        )
+        label = p["name"] + (f" (on top of {same[p['name']]})" if p["name"] in same else "")
+        ax1.plot(steps, imb, label=label, **style)
         ax2.plot(steps, idle, **style)
     ax1.axhline(1.0, color="gray", lw=0.8)
     ax1.set_ylabel("imbalance\n(step time / mean GPU busy)")
@@ -191,7 +257,10 @@ def plot_imbalance(doc: dict[str, Any], path: Path) -> Path:
         title="plan (strategy/packing)",
         title_fontsize=8,
     )
-    fig.suptitle(f"Imbalance over steps per plan (DP={doc['dp']} x CP={doc['cp']}; compute only; dashed: baseline)")
+    fig.suptitle(
+        f"Imbalance over steps per plan (DP={doc['dp']} x CP={doc['cp']}; compute only; "
+        f"dashed: baseline {doc['baseline']})"
+    )
     fig.tight_layout()
     return _save(fig, path)
 

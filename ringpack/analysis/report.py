@@ -17,6 +17,7 @@ import dataclasses
 import html
 import json
 import re
+import textwrap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,7 @@ import numpy as np
 from ringpack.analysis import plots as plotting
 from ringpack.analysis.comm_model import CommModel, microbatch_seconds
 from ringpack.analysis.metrics import PlanMetrics, evaluate_plan
+from ringpack.analysis.plots import median_idle
 from ringpack.analysis.robustness import imbalance_across_prices
 from ringpack.planner import make_plan
 from ringpack.shard_plan import PACKINGS, STRATEGIES
@@ -43,6 +45,8 @@ __all__ = [
     "build_report",
     "length_summary",
     "format_table",
+    "format_ranks",
+    "median_idle",
     "write_report",
     "plan_strategies",
     "DEFAULT_VARIANTS",
@@ -70,7 +74,8 @@ DEFINITIONS: dict[str, str] = {
     "max/mean": "busiest GPU's busy / mean GPU busy",
     "dp max/mean": "slowest DP rank time / mean DP rank time",
     "cp max/mean": "per micro-batch, slowest CP rank / mean CP rank, averaged over the step's micro-batches",
-    "gap": "step time / the planner's proven lower bound - 1 (how far from the best any plan could do)",
+    "gap": "step time / the planner's proven lower bound of the step's documents - 1 (how far from the best any plan "
+    "of them could do); a peer that moves documents between steps is measured against the bound of its own steps",
     "padding": "tokens the plan pads: always 0 for ringpack plans (no divisibility rule)",
     "zigzag-rule padding": "tokens a zigzag implementation requiring every sample to be a multiple of 2*cp "
     "(TransformerEngine, ring-flash-attention) would add to the same micro-batches: sum of (-L) mod 2cp",
@@ -80,8 +85,9 @@ DEFINITIONS: dict[str, str] = {
     "(ring: per layer max(compute, latency + bytes/bandwidth) per ring step; "
     "all-gather: gather + reduce-scatter, exposed)",
     "idle saved": "idle GPU-seconds of the baseline minus this plan's, over the whole plan",
-    "peers": "other systems run on the same documents and global batches with the same cost and communication "
-    "models (ringpack.analysis.peer_runner); '-' (null in JSON) marks a figure with no meaning for one",
+    "peers": "other systems run on the same documents with the same cost and communication models "
+    "(ringpack.analysis.peer_runner), each described under the table; '-' (null in JSON) marks a figure with no "
+    "meaning for one",
 }
 
 SUMMARY_KEYS = (
@@ -470,8 +476,12 @@ _SUMMARY_LEGEND = (
     "imbalance if a pair truly costs 0.25x to 2x the model's price; idle = share of GPU time waiting "
     "on the slowest rank; gap = above the planner's lower bound; +comm = with the communication model; "
     "pad = padding the plan needs; 2cp-pad = padding a zigzag with the 2*CP rule would add; (peer) = another "
-    "system on the same data and models, '-' where a figure has no meaning for it)"
+    "system on the same data and models, described below, '-' where a figure has no meaning for it)"
 )
+
+
+#: Width the notes under the summary table wrap at.
+_NOTE_WIDTH = 110
 
 
 def format_table(doc: dict[str, Any], steps_shown: int = 0) -> str:
@@ -482,6 +492,7 @@ def format_table(doc: dict[str, Any], steps_shown: int = 0) -> str:
         mark = (" (peer)" if "description" in p else "") + (" *" if p["name"] == doc["baseline"] else "")
         rows.append([p["name"] + mark, *(cell(p["summary"]) for _, cell in _SUMMARY_COLUMNS)])
     out += ["", text_table(["plan", *(h for h, _ in _SUMMARY_COLUMNS)], rows), _SUMMARY_LEGEND]
+    out += _peer_notes(doc)
     if steps_shown > 0:
         for p in _rows(doc):
             out.append("")
@@ -490,6 +501,19 @@ def format_table(doc: dict[str, Any], steps_shown: int = 0) -> str:
             rows = [[cell(r) for _, cell in _STEP_COLUMNS] for r in p["steps"][:steps_shown]]
             out.append(text_table(header, rows, align="r" * len(header)))
     return "\n".join(out)
+
+
+def _peer_notes(doc: dict[str, Any]) -> list[str]:
+    """What each peer row is and how its figures compare with the plans' (its description), wrapped."""
+    return [
+        textwrap.fill(
+            f"{p['name']} (peer): {p['description']}",
+            width=_NOTE_WIDTH,
+            subsequent_indent="    ",
+            break_on_hyphens=False,
+        )
+        for p in doc.get("peers", [])
+    ]
 
 
 def _rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
@@ -515,7 +539,7 @@ def _table_heading(doc: dict[str, Any]) -> list[str]:
 
 
 def format_ranks(doc: dict[str, Any], plan: str, step: int) -> str:
-    """Per-GPU busy time of one step of one plan: a DP x CP grid (compute, predicted)."""
+    """Per-GPU busy time of one step of one plan: a DP x CP grid (compute, predicted), with the plan's median idle."""
     p = next(x for x in _rows(doc) if x["name"] == plan)
     row = p["steps"][min(step, len(p["steps"]) - 1)]
     if row["rank_busy"] is None:
@@ -529,8 +553,8 @@ def format_ranks(doc: dict[str, Any], plan: str, step: int) -> str:
         rows.append([str(d), *(f"{b * to_s / scale:.2f}" for b in busy), dp_time])
     return (
         f"{plan}, step {row['step']}: busy time per GPU ({unit}, compute); step time "
-        f"{row['step_seconds'] / scale:.2f} {unit}, idle {100 * row['idle_fraction']:.1f}%\n"
-        + text_table(header, rows, align="r" * len(header))
+        f"{row['step_seconds'] / scale:.2f} {unit}, idle {100 * row['idle_fraction']:.1f}% "
+        f"(median step of the plan: {100 * median_idle(p):.1f}%)\n" + text_table(header, rows, align="r" * len(header))
     )
 
 
@@ -558,9 +582,11 @@ def write_report(
 FIGURE_CAPTIONS = {
     "lengths": "Sample lengths: how many samples of each length (log-log). "
     "Dashed lines: one rank's and one CP group's token budget.",
-    "rank_costs": "Busy time of every GPU in one step, per plan; "
+    "rank_costs": "Busy time of every GPU in one step, per plan: by default a typical step, the one nearest every "
+    "plan's median idle share (each title gives the step's idle share and the plan's median); "
     "the dashed line is the step time, so the gap above each bar is idle time.",
-    "imbalance": "Per step: imbalance (step time / mean GPU busy) and the share of GPU time spent idle, per plan.",
+    "imbalance": "Per step: imbalance (step time / mean GPU busy) and the share of GPU time spent idle, per plan; "
+    "each plan has its own marker, and a plan whose line lies on another's is dotted and says so in the legend.",
     "idle_saved": "Idle GPU time per plan over all steps, and predicted throughput with communication.",
     "throughput": "Predicted tokens/s and idle share per strategy.",
 }
@@ -584,8 +610,10 @@ def render_markdown(doc: dict[str, Any], figures: dict[str, Path]) -> str:
 
 
 def _md_text(text: Any) -> str:
-    """``text`` safe in Markdown outside code: HTML-escaped, one line, Markdown's link and emphasis marks escaped."""
-    escaped = html.escape(" ".join(str(text).split()))
+    """``text`` safe in Markdown outside code: ``&``, ``<`` and ``>`` HTML-escaped, one line, Markdown's
+    link and emphasis marks backslash-escaped. Quotes stay as they are: outside a tag they are plain
+    text, and an entity for them would meet the ``#`` escape (``&\\#x27;``) and show as typed."""
+    escaped = html.escape(" ".join(str(text).split()), quote=False)
     return "".join("\\" + c if c in "\\`*_[]|#" else c for c in escaped)
 
 

@@ -18,8 +18,10 @@ from ringpack.analysis.calibration.run import (
     calibrate_kernels,
     check_outputs,
     format_summary,
+    quality_line,
     refit_file,
     save_calibration,
+    with_fit_quality,
 )
 from ringpack.analysis.calibration.step import StepCalibrationConfig, calibrate_step, format_step_summary
 from ringpack.cli.flags import add_field_flag, add_quiet_flag, config_fields, field_default, flag, new_command, shown
@@ -103,18 +105,20 @@ def run_calibrate(args: argparse.Namespace) -> int:
         raise ValueError("--scope step needs --model: a preset or a transformers config file or folder")
     check_outputs(args.out, args.report, args.refit)  # before minutes of timing, not after
     if args.refit:
-        result = refit_file(args.refit)
-        summary = format_summary(result, verbose=not args.quiet)
+        result, scope = refit_file(args.refit), "kernels"
     elif not _device_usable(args):
         return 2
     elif args.scope == "step":
-        result = _calibrate_step(args)
-        summary = format_step_summary(result)
+        result, scope = _calibrate_step(args), "step"
     else:
         config = KernelCalibrationConfig(**_given(args, KERNELS))
-        result = calibrate_kernels(config, log=(lambda _: None) if args.quiet else logger.info)
-        summary = format_summary(result, verbose=not args.quiet)
-    out, report = save_calibration(result, args.out, args.report)
+        result, scope = calibrate_kernels(config, log=(lambda _: None) if args.quiet else logger.info), "kernels"
+    profile = with_fit_quality(result, scope)
+    if args.quiet:  # one line on the fit, one on the files
+        summary = quality_line(profile)
+    else:
+        summary = format_step_summary(result) if scope == "step" else format_summary(result)
+    out, report = save_calibration(result, args.out, args.report, profile)
     print(summary)
     print(f"wrote {out} (load with CostModel.load / `ringpack plan --cost-profile {out}`) and {report}")
     return 0

@@ -187,6 +187,9 @@ class RingpackTrainer(Trainer):
         mesh: a DeviceMesh with dimensions ``"dp"`` and ``"cp"`` (default: one over the whole world,
             CP innermost).
 
+    ``TrainingArguments.ddp_find_unused_parameters`` left at ``None`` is set to ``False``: every
+    parameter of a causal LM takes part in its forward.
+
     Raises:
         DataError: (a ``ValueError``) ``ringpack`` not a :class:`RingpackConfig`, a ``mesh`` that is
             not a DeviceMesh with dimensions ``"dp"`` and ``"cp"``, a model without
@@ -202,6 +205,11 @@ class RingpackTrainer(Trainer):
     def __init__(self, *args: Any, ringpack: RingpackConfig | None = None, mesh: Any = None, **kwargs: Any) -> None:
         if ringpack is not None and not isinstance(ringpack, RingpackConfig):
             raise DataError(f"ringpack must be a RingpackConfig, got {type(ringpack).__name__}")
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if getattr(training_args, "ddp_find_unused_parameters", False) is None:
+            # a causal LM's forward uses every parameter: DDP's search for unused ones (transformers'
+            # default without activation checkpointing) would only cost a graph traversal and a warning
+            training_args.ddp_find_unused_parameters = False
         coordinates = None if mesh is None else mesh_coordinates(mesh)  # before Trainer's set-up: fail fast
         if coordinates is not None and ringpack is not None and coordinates.cp_size != ringpack.cp_size:
             raise PlanError(

@@ -6,9 +6,12 @@ absent from transformers' mask interface, which makes the model skip mask constr
 the standard interface (Llama, Qwen2/3, Mistral, Gemma, ...) then runs each layer's attention
 through :func:`ringpack.attention.ring_attention`; no model code is copied or patched.
 
-Per forward, pass what the collator produced for this CP rank::
+The name is registered when this module is imported and, where transformers is installed, as
+soon as transformers' models load in a process that imported ringpack
+(:mod:`ringpack.integrations.autoregister`); :func:`register` does it explicitly. Per forward,
+pass what the collator produced for this CP rank::
 
-    register()
+    import ringpack  # registers attn_implementation="ringpack"
     model = AutoModelForCausalLM.from_config(config, attn_implementation="ringpack")
     out = model(input_ids=batch["input_ids"][None], position_ids=batch["position_ids"][None],
                 ringpack_schedule=batch["schedule"], ringpack_group=mesh["cp"])
@@ -21,6 +24,7 @@ model: ringpack's labels are already shifted per sample (see :func:`causal_lm_lo
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -103,9 +107,20 @@ def ringpack_attention_forward(
 
 
 def register() -> str:
-    """Register ringpack with transformers (idempotent); returns the ``attn_implementation`` name."""
-    from transformers import AttentionInterface
+    """Register ringpack with transformers' ``AttentionInterface`` (idempotent).
 
+    Returns:
+        The ``attn_implementation`` name, ``"ringpack"``.
+
+    Raises:
+        ImportError: transformers is not installed, or too old to have ``AttentionInterface``.
+    """
+    try:
+        from transformers import AttentionInterface
+    except ImportError as exc:
+        raise ImportError(
+            "attn_implementation='ringpack' needs transformers >= 4.48 (AttentionInterface): pip install 'ringpack[hf]'"
+        ) from exc
     AttentionInterface.register(ATTENTION_NAME, ringpack_attention_forward)
     return ATTENTION_NAME
 
@@ -137,3 +152,9 @@ def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
 
 def _describe(x: Any) -> str:
     return f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+
+
+# importing this module is enough for attn_implementation="ringpack"; without transformers,
+# causal_lm_loss_sum still works and register() says what to install
+with contextlib.suppress(ImportError):
+    register()

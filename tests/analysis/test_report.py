@@ -165,3 +165,103 @@ def test_plots_render(tmp_path):
     paths = write_report(doc, tmp_path, rank_step=0)
     for key in ("lengths", "rank_costs", "imbalance", "idle_saved"):
         assert paths[key].stat().st_size > 10_000
+
+
+def _doc_with_idle(idle_by_plan: dict[str, list[float]], baseline: str) -> dict:
+    """A minimal report document whose plans have the given per-step idle shares (imbalance 1/(1-idle))."""
+    plans = [
+        {
+            "name": name,
+            "steps": [
+                {"step": s, "idle_fraction": x, "imbalance": 1 / (1 - x), "rank_busy": [[1.0]], "step_seconds": 1.0}
+                for s, x in enumerate(idle)
+            ],
+        }
+        for name, idle in idle_by_plan.items()
+    ]
+    return {"plans": plans, "baseline": baseline, "dp": 1, "cp": 1}
+
+
+def test_the_default_per_gpu_step_is_typical_of_every_plan():
+    """The baseline's median step here is ringpack's worst: the step shown must be neither plan's extreme."""
+    from ringpack.analysis.plots import default_rank_step
+
+    doc = _doc_with_idle(
+        {"ringpack": [0.02, 0.03, 0.01, 0.025, 0.15], "zigzag/first_fit *": [0.1, 0.4, 0.2, 0.3, 0.25]},
+        baseline="zigzag/first_fit *",
+    )
+    step = default_rank_step(doc)
+    for p in doc["plans"]:
+        idle = [r["idle_fraction"] for r in p["steps"]]
+        assert idle[step] not in (min(idle), max(idle)), (p["name"], step)
+    assert step == 3  # the baseline's median step, 4, is ringpack's worst
+
+
+def test_per_gpu_grid_names_the_plans_median_step():
+    from ringpack.analysis.report import format_ranks
+
+    plans = [small_plan(s, "first_fit") for s in ("balanced", "zigzag")]
+    comm = CommModel.for_model(plans[0].config.cost)
+    doc = build_report([result_of_plan(p, comm) for p in plans], lengths=LENGTHS)
+    idle = sorted(r["idle_fraction"] for r in doc["plans"][0]["steps"])
+    median = float(np.median(idle))
+    text = format_ranks(doc, doc["plans"][0]["name"], 0)
+    assert f"(median step of the plan: {100 * median:.1f}%)" in text.splitlines()[0]
+
+
+def test_imbalance_plot_shows_a_line_that_covers_another(tmp_path, monkeypatch):
+    """Plans with the same per-step imbalance are drawn on top of each other: each keeps its own
+    marker, the covering line is dotted and the legend names the line it covers."""
+    from ringpack.analysis import plots
+
+    doc = _doc_with_idle(
+        {"a": [0.1, 0.2, 0.3], "b": [0.1, 0.2, 0.3], "c": [0.5, 0.1, 0.2], "d": [0.1, 0.2, 0.3]}, baseline="c"
+    )
+    assert plots.overlapping_lines(doc) == {"b": "a", "d": "a"}
+    figures = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: figures.append(fig) or path)
+    plots.plot_imbalance(doc, tmp_path / "imbalance.png")
+    ax = figures[0].axes[0]
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels == ["a", "b (on top of a)", "c", "d (on top of a)"]
+    lines = {line.get_label(): line for line in ax.get_lines() if not line.get_label().startswith("_")}
+    assert len({line.get_marker() for line in lines.values()}) == 4
+    assert lines["b (on top of a)"].get_linestyle() != lines["a"].get_linestyle()
+
+
+def test_markdown_report_keeps_apostrophes(tmp_path):
+    plans = [small_plan(s) for s in ("balanced", "zigzag")]
+    comm = CommModel.for_model(plans[0].config.cost)
+    doc = build_report([result_of_plan(p, comm) for p in plans], lengths=LENGTHS)
+    paths = write_report(doc, tmp_path, plots=False)
+    markdown = paths["md"].read_text()
+    assert "one CP rank's shard" in markdown
+    assert "&#x27;" not in markdown and "&\\#x27;" not in markdown and "&\\#" not in markdown
+
+
+def test_peer_rows_are_explained_under_the_table_and_in_the_pages(tmp_path):
+    """A peer can win a report; the table, report.md and report.html say what its figures compare."""
+    from ringpack.analysis.peers import peer_rows
+
+    plan = small_plan("zigzag", "first_fit")
+    comm = CommModel.for_model(plan.config.cost)
+    peers = peer_rows(LENGTHS, plan.config, comm)
+    doc = build_report([result_of_plan(plan, comm)], lengths=LENGTHS, peers=peers)
+    table = format_table(doc)
+    notes = " ".join(table.split("(* baseline", 1)[1].split())  # the legend and the notes, unwrapped
+    assert "wlb (peer): WLB-LLM" in notes and "megatron-dcp (peer): Megatron-Core" in notes
+    assert "move long documents into later global batches" in notes
+    assert "gap is against the lower bound of the documents it put in each step" in notes
+    assert "no gap (the lower bound assumes fixed CP groups)" in notes
+    assert all(len(line) <= 110 for line in table.split("(* baseline", 1)[1].splitlines()[1:])
+    paths = write_report(doc, tmp_path, plots=False)
+    for page in (paths["md"], paths["html"]):
+        text = " ".join(page.read_text().split())
+        assert "move long documents into later global batches" in text, page.name
+
+
+def test_gap_definition_names_its_bound():
+    from ringpack.analysis.report import DEFINITIONS
+
+    assert "lower bound of the step's documents" in DEFINITIONS["gap"]
+    assert "bound of its own steps" in DEFINITIONS["gap"]

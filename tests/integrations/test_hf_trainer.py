@@ -87,11 +87,18 @@ def worker(rank: int, world: int, out_dir: str) -> dict:
     )
     trainer.train()
     wrapped = type(trainer.model_wrapped).__name__
+    unused = trainer.model_wrapped.find_unused_parameters  # no per-step search DDP warns about
     accumulating = training_arguments(out_dir, args.seed)
     accumulating.gradient_accumulation_steps = 2
     with pytest.raises(ValueError, match="gradient_accumulation_steps=1"):
         RingpackTrainer(model=trainer.model, args=accumulating, train_dataset=[], ringpack=ringpack)
-    return dict(shares=shares, grads=grads if rank == 0 else None, wrapped=wrapped, steps=trainer.state.global_step)
+    return dict(
+        shares=shares,
+        grads=grads if rank == 0 else None,
+        wrapped=wrapped,
+        unused=unused,
+        steps=trainer.state.global_step,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +110,7 @@ def trainer_results(tmp_path_factory):
 @pytest.mark.slow
 def test_ringpack_trainer_equals_single_process(trainer_results):
     assert [r["wrapped"] for r in trainer_results] == ["DistributedDataParallel"] * WORLD
+    assert [r["unused"] for r in trainer_results] == [False] * WORLD
     assert [r["steps"] for r in trainer_results] == [STEPS] * WORLD
     losses = [sum(r["shares"][step] for r in trainer_results) for step in range(STEPS)]
     want_losses, want_grads = reference(

@@ -113,7 +113,7 @@ from ringpack.analysis.calibration.timing import (
     time_linear,
 )
 from ringpack.attention.kernels import HYBRID_BACKENDS, resolve_backend
-from ringpack.cost import PRESETS, ModelShape
+from ringpack.cost import PRESETS, CostModel, ModelShape
 from ringpack.cost_fit import fit_nnls, nnls
 from ringpack.errors import DataError
 from ringpack.shard_plan import field_doc
@@ -140,12 +140,15 @@ __all__ = [
     "compiled_schedule",
     "eval_cases",
     "fit_nnls",
+    "fit_quality",
+    "flop_rate",
     "format_summary",
     "grid_cases",
     "nnls",
     "pearson",
     "planner_features",
     "quality",
+    "quality_line",
     "rank_cases",
     "rank_features",
     "refit",
@@ -288,7 +291,7 @@ def _time_linear_layers(model: ModelShape, setup: TimingSetup, log: Callable[[st
     linear = time_linear(model, 8192 if setup.device.type == "cuda" else 16, setup)
     log(
         f"  linear layers: {linear['layer_token_s'] * 1e9:.2f} ns/token/layer, "
-        f"head {linear['head_token_s'] * 1e9:.2f} ns/token ({linear['gemm_tflops']:.0f} TFLOP/s)"
+        f"head {linear['head_token_s'] * 1e9:.2f} ns/token ({flop_rate(linear['gemm_tflops'] * 1e12)})"
     )
     return linear
 
@@ -503,6 +506,60 @@ def report_path(out: str | Path, report: str | Path | None = None) -> Path:
     return Path(report) if report else out.with_name(out.stem + ".report.json")
 
 
+def with_fit_quality(result: Any, scope: str) -> CostModel:
+    """``result``'s profile carrying how well it predicted its held-out shards (:func:`fit_quality`);
+    ``scope``: ``"kernels"`` (a :class:`Calibration`) or ``"step"`` (a step calibration)."""
+    h, device = result.held_out, result.meta.get("device", result.meta.get("config", {}).get("device"))
+    if scope == "step":
+        quality = fit_quality("step", device, h["shard_max"], h["shard_mean"], h["shards"])
+    else:
+        quality = fit_quality("kernels", device, h["max_rel_err"], h["mean_rel_err"], h["n"])
+    return dataclasses.replace(result.profile, fit_quality=quality)
+
+
+#: The first line of a CPU dry run's summary.
+DRY_RUN_NOTE = "CPU dry run: the pipeline is checked, the timings say nothing about a GPU"
+
+
+def fit_quality(scope: str, device: str | None, max_error: float, mean_error: float, shards: int) -> dict[str, Any]:
+    """The ``fit_quality`` a profile carries (:class:`~ringpack.cost.CostModel`): the calibration's
+    ``scope``, the ``device`` timed (``"cpu"`` for a dry run) and the held-out relative errors
+    (``None`` where there were no held-out shards)."""
+
+    def finite(x: float) -> float | None:
+        return float(x) if np.isfinite(x) else None
+
+    return dict(
+        scope=scope,
+        device=device,
+        held_out_max_error=finite(max_error),
+        held_out_mean_error=finite(mean_error),
+        held_out_shards=int(shards),
+    )
+
+
+def quality_line(profile: CostModel) -> str:
+    """One line on a profile's held-out errors and, when it has one, why it should not be trusted."""
+    q = profile.fit_quality or {}
+    worst, mean = q.get("held_out_max_error"), q.get("held_out_mean_error")
+    errors = "no held-out shards" if worst is None else f"held-out error mean {mean:.1%}, largest {worst:.1%}"
+    problem = profile.fit_problem()
+    return f"profile {profile.name}: {errors} over {q.get('held_out_shards', 0)} shards" + (
+        f"; {problem}" if problem else ""
+    )
+
+
+def flop_rate(flops_per_second: float) -> str:
+    """``5.2e14`` -> ``"520 TFLOP/s"``, ``3.1e9`` -> ``"3.1 GFLOP/s"``: a rate readable on a GPU and on a CPU."""
+    if not np.isfinite(flops_per_second) or flops_per_second <= 0:
+        return "no FLOP rate"
+    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6)):
+        if flops_per_second >= scale:
+            value = flops_per_second / scale
+            return f"{value:.0f} {prefix}FLOP/s" if value >= 10 else f"{value:.1f} {prefix}FLOP/s"
+    return f"{flops_per_second:.0f} FLOP/s"
+
+
 def check_outputs(out: str | Path, report: str | Path | None = None, refit: str | Path | None = None) -> None:
     """Refuse, before any timing or fit, a profile ``out`` / ``report`` that cannot be written (missing folders
     are made when the outputs are written), that are one file, or that would replace ``refit``'s report.
@@ -534,12 +591,15 @@ def check_outputs(out: str | Path, report: str | Path | None = None, refit: str 
         )
 
 
-def save_calibration(result: Any, out: str | Path, report: str | Path | None = None) -> tuple[Path, Path]:
+def save_calibration(
+    result: Any, out: str | Path, report: str | Path | None = None, profile: CostModel | None = None
+) -> tuple[Path, Path]:
     """Write a calibration's profile to ``out`` and its report beside it (:func:`report_path`).
 
     Args:
         result: a :class:`Calibration` or a step calibration (anything with ``profile`` and ``to_dict()``).
         out, report: the profile's path and the report's (``None``: beside the profile).
+        profile: the profile to write instead of ``result.profile`` (:func:`with_fit_quality`'s).
 
     Returns:
         ``(profile path, report path)``; missing folders are made.
@@ -547,7 +607,7 @@ def save_calibration(result: Any, out: str | Path, report: str | Path | None = N
     out, path = Path(out), report_path(out, report)
     for folder in (out.parent, path.parent):
         folder.mkdir(parents=True, exist_ok=True)
-    result.profile.save(out)
+    (profile or result.profile).save(out)
     path.write_text(json.dumps(result.to_dict(), indent=1, default=_json_default) + "\n")
     return out, path
 
@@ -562,9 +622,9 @@ def _pct(x: float) -> str:
     return f"{100 * x:5.1f}%"
 
 
-def _pair_tflops(result: Calibration) -> float:
+def _pair_rate(result: Calibration) -> str:
     pair_s = result.per_layer["pair_s"]
-    return AttentionShape(**result.meta["shape"]).flops_per_pair() / pair_s / 1e12 if pair_s else float("nan")
+    return flop_rate(AttentionShape(**result.meta["shape"]).flops_per_pair() / pair_s if pair_s else float("nan"))
 
 
 def _fit_line(label: str, q: dict[str, Any]) -> str:
@@ -577,10 +637,10 @@ def _fit_line(label: str, q: dict[str, Any]) -> str:
     return line
 
 
-def format_summary(result: Calibration, verbose: bool = True) -> str:
-    """The held-out table (one row per CP rank, with ``verbose``) and the fit-quality lines."""
-    lines = _held_out_table(result) if verbose else []
-    return "\n".join(lines + _profile_lines(result) + _kernel_and_baseline_lines(result))
+def format_summary(result: Calibration) -> str:
+    """The held-out table (one row per CP rank) and the fit-quality lines; a CPU dry run says it is one first."""
+    lines = [DRY_RUN_NOTE] if result.meta.get("device") == "cpu" else []
+    return "\n".join(lines + _held_out_table(result) + _profile_lines(result) + _kernel_and_baseline_lines(result))
 
 
 def _held_out_table(result: Calibration) -> list[str]:
@@ -604,7 +664,7 @@ def _profile_lines(result: Calibration) -> list[str]:
     pl, t, h = result.per_layer, result.train, result.held_out
     return [
         f"profile model, per layer: {pl['token_s'] * 1e9:.3f} ns/token + {pl['pair_s'] * 1e12:.4f} ps/pair + "
-        f"{pl['segment_s'] * 1e6:.2f} us/piece; pairs at {_pair_tflops(result):.0f} TFLOP/s",
+        f"{pl['segment_s'] * 1e6:.2f} us/piece; pairs at {_pair_rate(result)}",
         "  + per micro-batch constants, the same on every rank (not in the profile: they never change which rank is "
         f"slowest): {pl['overhead_s'] * 1e6:.1f} us, + {pl['ring_overhead_s'] * 1e6:.1f} us "
         "when a sample is split (ring path)",

@@ -44,6 +44,7 @@ import numpy as np
 from ringpack._checks import is_int
 from ringpack.analysis.calibration.cases import Case, microbatch_geometry, rank_cases
 from ringpack.analysis.calibration.features import compiled_schedule
+from ringpack.analysis.calibration.run import DRY_RUN_NOTE
 from ringpack.analysis.calibration.timing import AttentionShape, Clock, compute_only_transport, device_name
 from ringpack.attention.kernels import resolve_backend
 from ringpack.attention.ring import ContextParallelAttention
@@ -640,8 +641,10 @@ def format_step_summary(result: StepCalibration) -> str:
     """A few lines: the fitted prices, the fit's error and the held-out errors."""
     p, f, h = result.profile, result.fit, result.held_out
     ratio = p.token / p.pair if p.pair else float("inf")
+    dry_run = result.meta.get("device", result.meta.get("config", {}).get("device")) == "cpu"
     return "\n".join(
-        [
+        ([DRY_RUN_NOTE] if dry_run else [])
+        + [
             f"step profile of {p.name}: {p.token * 1e6:.3f} us/token, {p.pair * 1e12:.3f} ps/pair "
             f"(a token costs {ratio:,.0f} pairs), {p.segment * 1e6:.1f} us/piece, "
             f"{p.microbatch * 1e3:.2f} ms/micro-batch",

@@ -222,16 +222,25 @@ class FlopClock(cal.Clock):
         return times
 
 
-def test_cpu_dry_run_writes_a_loadable_profile(tmp_path):
+def test_cpu_dry_run_writes_a_loadable_profile(tmp_path, caplog):
     out = tmp_path / "prof" / "profile.json"
     config = cal.KernelCalibrationConfig(
         device="cpu", backend="reference", model="tiny", heads=2, kv_heads=1, head_dim=16, reps=1, warmup=0
     )
     result = cal.calibrate_kernels(config, clock=FlopClock(), log=lambda _: None)
-    assert cal.save_calibration(result, out) == (out, tmp_path / "prof" / "profile.report.json")
-    text = cal.format_summary(result, verbose=False)
-    assert "held-out" in text and "r=" in text and "max error" in text
-    profile = CostModel.load(out)
+    profile = cal.with_fit_quality(result, "kernels")
+    assert cal.save_calibration(result, out, profile=profile) == (out, tmp_path / "prof" / "profile.report.json")
+    text = cal.format_summary(result)
+    assert text.startswith("CPU dry run:") and "held-out" in text and "r=" in text and "max error" in text
+    pairs = next(line for line in text.splitlines() if "pairs at" in line)
+    assert "pairs at 0 " not in pairs and "FLOP/s" in pairs  # a CPU's rate in its own unit
+    line = cal.quality_line(profile)
+    assert line.startswith("profile tiny-h2kv1d16: held-out error mean ") and "timed on a CPU" in line
+    with caplog.at_level("WARNING", logger="ringpack.cost"):
+        profile = CostModel.load(out)
+    assert profile.fit_quality["device"] == "cpu" and profile.fit_quality["scope"] == "kernels"
+    warned = [r.getMessage() for r in caplog.records if r.name == "ringpack.cost"]
+    assert len(warned) == 1 and str(out) in warned[0] and profile.fit_problem() in warned[0]
     assert profile.unit == "s" and profile.token > 0 and profile.pair > 0 and profile.segment >= 0
     assert profile.name == "tiny-h2kv1d16"
     report = json.loads((tmp_path / "prof" / "profile.report.json").read_text())
@@ -245,6 +254,23 @@ def test_cpu_dry_run_writes_a_loadable_profile(tmp_path):
     cfg = PlanConfig(dp=1, cp=2, tokens_per_rank=512, cost=CostModel.load(out))
     mb = split_balanced([0, 1, 2], [300, 200, 100], 2, cfg.tokens_per_rank, cfg.cost)
     assert sum(s.num_tokens for s in mb.shards) == 600
+
+
+@pytest.mark.parametrize("quiet", [True, False])
+def test_quiet_prints_one_line_on_the_fit_and_one_on_the_files(tmp_path, capsys, quiet):
+    from ringpack.cli import main
+
+    out = tmp_path / "profile.json"
+    argv = ["calibrate", "--device", "cpu", "--backend", "reference", "--model", "tiny", "--heads", "2"]
+    argv += ["--kv-heads", "1", "--head-dim", "16", "--reps", "1", "--warmup", "0", "--out", str(out)]
+    assert main(argv + (["--quiet"] if quiet else [])) == 0
+    lines = capsys.readouterr().out.splitlines()
+    if quiet:
+        assert len(lines) == 2 and lines[0].startswith("profile tiny-h2kv1d16: held-out error mean ")
+        assert lines[1].startswith(f"wrote {out}")
+    else:
+        assert lines[0].startswith("CPU dry run:") and len(lines) > 4
+    assert CostModel.load(out).fit_quality["scope"] == "kernels"
 
 
 def test_no_cuda_exits_2_with_a_clear_message(monkeypatch, capsys, tmp_path):

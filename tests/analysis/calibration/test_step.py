@@ -208,6 +208,32 @@ def test_cli_dry_run_writes_a_profile_the_planner_loads(tmp_path, monkeypatch):
     report = json.loads((tmp_path / "runs" / "step.report.json").read_text())
     assert report["format"] == "ringpack-step-calibration" and report["meta"]["config"]["model"] == "tiny"
     assert "held out:" in run.out and "ms/micro-batch" in run.out
+    assert run.out.splitlines()[0].startswith("CPU dry run:")
+    assert profile.fit_quality["scope"] == "step" and profile.fit_quality["device"] == "cpu"
+    assert profile.fit_quality["held_out_shards"] == report["held_out"]["shards"] > 0
+    assert profile.fit_quality["held_out_max_error"] == pytest.approx(report["held_out"]["shard_max"])
+
+
+def test_quiet_prints_one_line_on_the_fit_and_the_profile_carries_it(tmp_path, monkeypatch, caplog):
+    import ringpack.analysis.calibration.step as step
+    import ringpack.cli.calibrate as command
+
+    real, level = step.calibrate_step, step.log.level
+    monkeypatch.setattr(command, "calibrate_step", lambda config: real(config, time_shard=true_seconds))
+    out = tmp_path / "step.json"
+    argv = ["calibrate", "--scope", "step", "--model", "tiny", "--device", "cpu", "--backend", "reference"]
+    run = run_cli(
+        [*argv, "--tokens-per-rank", "256", "--fit-mixes", "2", "--held-out-mixes", "1", "--quiet", "--out", out]
+    )
+    assert run.code == 0, run.err
+    lines = run.out.splitlines()
+    assert len(lines) == 2 and lines[1].startswith(f"wrote {out}"), lines
+    assert lines[0].startswith("profile tiny: held-out error mean 0.0%, largest 0.0% over ")
+    assert "timed on a CPU (a dry run)" in lines[0]
+    assert step.log.level == level  # --quiet silenced this run only
+    with caplog.at_level("WARNING", logger="ringpack.cost"):
+        profile = CostModel.load(out)
+    assert profile.fit_quality["device"] == "cpu" and "timed on a CPU" in caplog.text
 
 
 def test_cli_refuses_what_step_scope_cannot_do(tmp_path, monkeypatch):
