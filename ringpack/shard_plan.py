@@ -1,29 +1,14 @@
 """The shard plan: the one contract between the balancer, the dataloaders and the attention runtime.
 
-docs/plan.md describes it. A plan says, for every step, which DP rank processes which micro-batches, and
-for every micro-batch which token ranges ("pieces") of which samples each CP rank holds. Plans are
-plain frozen dataclasses: they serialise to JSON and to an Arrow/Parquet table of pieces, carry a
+A plan says, for every step, which DP rank processes which micro-batches, and for every
+micro-batch which token ranges ("pieces") of which samples each CP rank holds. Plans are plain
+frozen dataclasses (:class:`Plan`, :class:`Step`, :class:`MicroBatch`, :class:`Piece`,
+:class:`PlanConfig`): they serialise to JSON and to an Arrow/Parquet table of pieces, carry a
 content hash that is identical on every process and machine, and are never pickled.
+:meth:`Plan.validate` checks every invariant (listed in its docstring) and names the offending
+step, DP rank, micro-batch, CP rank or sample.
 
-Invariants checked by :meth:`Plan.validate` (each names the offending step, DP rank, micro-batch,
-CP rank or sample):
-
-* config: ``dp, cp, tokens_per_rank >= 1``, ``dp <= MAX_DP``, ``cp <= MAX_CP``,
-  ``cp * tokens_per_rank <= MAX_SAMPLE_TOKENS``; every
-  sample length in ``[1, MAX_SAMPLE_TOKENS]`` (:func:`ringpack.lengths.check_lengths`);
-* every step has ``dp`` lists of micro-batches, all of the same non-zero length (DP ranks run in
-  lockstep: FSDP and pipeline schedules need the same number of forward passes on every DP rank);
-* every micro-batch lists its samples (non-empty, no repeats) and has exactly ``cp`` rank shards;
-* every piece names a sample of its micro-batch and satisfies ``0 <= start < stop <= length``;
-* each rank shard is in canonical order (sample's slot in the micro-batch, then ``start``) and
-  holds at most ``tokens_per_rank`` tokens;
-* the pieces of each sample of a micro-batch tile ``[0, length)`` exactly (no gap, no overlap);
-* every sample of the plan is in exactly one micro-batch, except those listed in ``dropped``,
-  which are in none;
-* ``loss_tokens`` of a micro-batch is ``sum(length - 1)`` over its samples (next-token targets
-  never cross a sample boundary);
-* ``origins`` is empty (planned sample ``k`` is input sample ``k``) or gives, for every planned
-  sample, the input sample and token offset it was cut from (``overflow="split"``), in order.
+See docs/plan.md ("The objects", "Invariants", "File formats", "Content hash").
 """
 
 from __future__ import annotations
@@ -522,7 +507,24 @@ class Plan:
 
     # ------------------------------------------------------------ validation
     def validate(self) -> Plan:
-        """Check every invariant of the module docstring.
+        """Check every invariant of the plan (docs/plan.md, "Invariants").
+
+        * config: ``dp, cp, tokens_per_rank >= 1``, ``dp <= MAX_DP``, ``cp <= MAX_CP``,
+          ``cp * tokens_per_rank <= MAX_SAMPLE_TOKENS``; every
+          sample length in ``[1, MAX_SAMPLE_TOKENS]`` (:func:`ringpack.lengths.check_lengths`);
+        * every step has ``dp`` lists of micro-batches, all of the same non-zero length (DP ranks run in
+          lockstep: FSDP and pipeline schedules need the same number of forward passes on every DP rank);
+        * every micro-batch lists its samples (non-empty, no repeats) and has exactly ``cp`` rank shards;
+        * every piece names a sample of its micro-batch and satisfies ``0 <= start < stop <= length``;
+        * each rank shard is in canonical order (sample's slot in the micro-batch, then ``start``) and
+          holds at most ``tokens_per_rank`` tokens;
+        * the pieces of each sample of a micro-batch tile ``[0, length)`` exactly (no gap, no overlap);
+        * every sample of the plan is in exactly one micro-batch, except those listed in ``dropped``,
+          which are in none;
+        * ``loss_tokens`` of a micro-batch is ``sum(length - 1)`` over its samples (next-token targets
+          never cross a sample boundary);
+        * ``origins`` is empty (planned sample ``k`` is input sample ``k``) or gives, for every planned
+          sample, the input sample and token offset it was cut from (``overflow="split"``), in order.
 
         Returns:
             ``self``, so calls chain (``Plan.load(path).validate()``).

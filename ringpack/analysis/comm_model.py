@@ -1,33 +1,19 @@
 """The communication model: how long a micro-batch takes once K/V has to travel between CP ranks.
 
-Small on purpose; every assumption is here.
+Small on purpose. Which pieces move and what a token weighs is :mod:`ringpack.traffic`'s; this
+module turns those bytes into seconds, per layer:
 
-**What moves.** Only K/V of pieces that some *other* CP rank of the micro-batch needs (a query at
-position ``q`` of a sample needs that sample's keys ``0..q``, wherever they live). Which pieces those
-are and what a token weighs (``2 (K and V) * kv_heads * head_dim * dtype_bytes`` per layer) is the
-balancer's code (:mod:`ringpack.traffic`); this module only turns bytes into seconds.
+* **ring** (the default runtime): ``C`` ring steps forward (K/V) and backward (K/V and dK/dV,
+  twice the bytes), each step's transfer ``latency + B / bandwidth`` for the largest rank's buffer
+  ``B``, overlapped with the rank's attention work spread evenly over the steps
+  (``ATTN_FORWARD_SHARE`` of it forward); nothing moves when no rank needs another's K/V;
+* **all-gather**: a K/V all-gather and a dK/dV reduce-scatter, ``(C-1) * (latency + B / bandwidth)``
+  each, not overlapped.
 
-**Ring mode** (the default runtime). Per layer, the forward runs ``C`` ring steps: step 0 on local
-K/V, then ``C - 1`` steps, each on the buffer received from the previous rank while the next one is
-in flight (double buffering). The backward runs the same ring again carrying K/V *and* dK/dV
-(twice the bytes). The slowest link of a ring step carries the largest rank's buffer ``B``, so one
-step's transfer takes ``latency + B / bandwidth``; a rank's attention work of a pass, ``a``, is
-spread evenly over the ``C`` steps and overlaps transfers::
+Linear layers never overlap communication. Not modelled (the same for every strategy): the DP
+gradient all-reduce, pipeline bubbles, kernel efficiency by segment length.
 
-    pass time = a/C + (C-1) * max(a/C, latency + bytes_of_pass / bandwidth)
-
-with the forward taking ``ATTN_FORWARD_SHARE`` of the attention cost (backward ~2.5x forward) and
-moving ``B``, the backward the rest and moving ``2B``. When no rank needs anything (every sample
-whole on one rank) there is no transfer and no latency: ring steps with nothing to do are skipped.
-Linear layers (the token and segment terms of the cost) never overlap attention communication.
-
-**All-gather mode** (Llama 3 style). Per layer the forward all-gathers K/V (a ring all-gather of
-``C`` equal chunks, padded to the largest ``B``: ``(C-1) * (latency + B / bandwidth)``) and the
-backward reduce-scatters dK/dV (the same), neither overlapped with compute.
-
-Not modelled (identical for every strategy, so it does not change a comparison): DP gradient
-all-reduce, pipeline bubbles, kernel efficiency differences between short and long segments
-(calibrate the cost model for those).
+See docs/analysis.md, "The communication model".
 """
 
 from __future__ import annotations

@@ -1,25 +1,16 @@
 """The targeted exchange map of one CP rank: which rows of its compact K/V buffer go to which rank,
 which rows it receives, and its remote kernel calls re-indexed onto what it receives.
 
-Which rows: rank ``r`` needs the pieces of a sample X on rank ``s`` that end at or before ``r``'s
-last piece of X starts (:func:`ringpack.traffic.needed_pieces`). They are a prefix of ``s``'s
-pieces of X, hence one contiguous range of ``s``'s compact send buffer (its needed pieces in
-canonical order). Sender and receiver derive every range from the micro-batch alone, so both agree
-on sizes and row order without telling each other.
+Rank ``r`` needs a prefix of rank ``s``'s pieces of each shared sample
+(:func:`ringpack.traffic.needed_pieces`), hence one contiguous range of ``s``'s compact send
+buffer; both sides derive every range from the micro-batch alone, so they agree on sizes and row
+order without telling each other. The schedule's remote calls are remapped onto the compressed
+received rows (zero-query segments shrink, empty ones go), so the engine runs the same kernels on
+fewer rows. :func:`exchange_ranges` and :func:`compile_exchange` take time in the rank's pieces
+and partners, not in the CP group size (:func:`neighbourhood`); :func:`ring_distances` gives the
+distances the ring visits.
 
-What ``r`` receives from ``s`` is those ranges, one per shared sample, concatenated in ``s``'s
-buffer order: a compressed copy of the rows of ``s``'s buffer that ``r`` reads. The schedule's
-remote step for ``s`` indexes the full compact buffer; every key range of its calls lies in the
-received rows, and the rows between them are covered by zero-query segments only. So the calls are
-remapped onto the compressed buffer (a key boundary ``x`` becomes the number of received rows before
-``x``; zero-query segments shrink, empty ones go), dense segments included: the engine runs the
-same kernels on fewer rows, and a rank holds only the rows it reads.
-
-Cost: :func:`exchange_ranges` reads the rank's own pieces and the other pieces of the samples it
-holds (:func:`neighbourhood`, through the piece table's sample index); :func:`compile_exchange`
-then remaps the schedule's steps of its sources only (found by bisection): time in the rank's
-pieces and partners, not in the CP group size. :func:`ring_distances` (which distances the ring
-visits, a property of the whole micro-batch) works on each sample's pairs of ranks.
+See docs/attention.md, "Targeted exchange".
 """
 
 from __future__ import annotations

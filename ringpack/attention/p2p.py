@@ -1,22 +1,16 @@
 """The targeted K/V exchange (``mode="p2p"``): every needed piece goes only to the ranks that need it.
 
-Per engine pass a rank posts one ``batch_isend_irecv`` of point-to-point sends and receives with
-its partners (the ranks of :class:`~ringpack.attention.exchange.TargetedExchange`), started once
-the local kernel is queued; the first remote step waits for it. In backward the K/V travel again
-the same way and, after the last remote step, each rank returns the dK/dV of what it received to
-the owners in a second batch, which the local work after the remote steps hides; the owner sums
-the returns of all its destinations. The bytes are the ``p2p`` traffic of
-:func:`ringpack.traffic.kv_traffic`: each needed piece once per rank that needs it.
+Per engine pass a rank posts one ``batch_isend_irecv`` with its partners
+(:class:`~ringpack.attention.exchange.TargetedExchange`), started once the local kernel is queued;
+in backward the K/V travel again and each rank returns the dK/dV of what it received to the owners
+in a second batch, which the owner sums. The bytes are the ``p2p`` traffic of
+:func:`ringpack.traffic.kv_traffic`. Point-to-point rather than ``all_to_all_single``: host work
+in the partners, not in the group size.
 
-Point-to-point rather than ``all_to_all_single``: the collective takes a split size for every rank
-of the group (host work and arguments in the group size, where this mode's are in the partners)
-and on NCCL is itself grouped sends and receives; batched P2P needs no equal sizes and skips the
-ranks a rank does not exchange with.
+The engine runs :func:`targeted_schedule`; only :class:`TargetedTransport` and its factory live
+here, the loop, merge and gradient bookkeeping are the engine's (:mod:`ringpack.attention.ring`).
 
-The engine runs :func:`targeted_schedule`: the schedule with the rank's own steps, one per source,
-whose calls read the compressed buffers it receives. Only :class:`TargetedTransport` and its
-factory live here; the loop, the merge and the gradient bookkeeping are the engine's
-(:mod:`ringpack.attention.ring`).
+See docs/attention.md, "Targeted exchange".
 """
 
 from __future__ import annotations

@@ -1,48 +1,17 @@
 """``PackedDataset`` + ``PackedCollator``: one CP rank's tensors for a planned micro-batch.
 
-Use with :class:`~ringpack.data.sampler.BalancedBatchSampler`::
+The sampler (:class:`~ringpack.data.sampler.BalancedBatchSampler`) yields a ticket per
+micro-batch; ``PackedDataset.__getitems__`` fetches those samples' token ids and passes the ticket
+along; :class:`PackedCollator` cuts out this CP rank's pieces. Nothing re-plans in worker
+processes, so the tensors always follow the plan the main process iterates.
 
-    sampler = BalancedBatchSampler(lengths, dp_rank, dp_size, cp_size, tokens_per_rank)
-    loader = DataLoader(PackedDataset(hf_dataset), batch_sampler=sampler,
-                        collate_fn=PackedCollator(cp_rank, cp_size), num_workers=2)
+A batch is a plain ``dict``: ``input_ids``, **already shifted** ``labels`` (``-100`` at every
+sample's last token: do not shift again), ``position_ids`` within each sample, ``cu_seqlens`` /
+``max_seqlen``, ``sample_ids``, the loss-token counts (``step_loss_tokens`` is the loss
+denominator), the compiled ``schedule`` and where the batch sits (``cursor`` feeds
+``sampler.state_dict(cursor=...)``).
 
-The sampler yields a ticket per micro-batch (sample indices + the micro-batch's plan, see
-:mod:`ringpack.data.sampler`); ``PackedDataset.__getitems__`` fetches those samples' token
-ids and passes the ticket along; the collator cuts out this CP rank's pieces. Nothing re-plans in
-worker processes, so the tensors always follow the plan the main process iterates.
-
-A batch is a plain ``dict`` (``pin_memory`` and ``.to(device)`` loops work on it):
-
-``input_ids`` (int64 ``[T]``)
-    this CP rank's local tokens: its pieces concatenated in canonical order (docs/plan.md).
-``labels`` (int64 ``[T]``)
-    **already shifted** next-token targets: ``labels[i]`` is the token that follows ``input_ids[i]``
-    *in the same sample* (it may live on another CP rank: the collator has the whole sample), and
-    ``-100`` (``ignore_index``) for the last token of every sample, so no loss crosses a sample
-    boundary. Compute the loss as ``cross_entropy(logits[T, V], labels, ignore_index=-100,
-    reduction="sum")`` *without* shifting again (for Hugging Face models pass ``shift_labels=``
-    / do not pass ``labels=``, which would shift a second time).
-``position_ids`` (int64 ``[T]``)
-    positions within each sample (``start..stop-1`` of every piece): RoPE needs no re-indexing.
-``cu_seqlens`` (int32 ``[P+1]``), ``max_seqlen`` (int)
-    offsets of the P local pieces in ``input_ids`` (the local view, for a plain varlen kernel; the
-    ring runtime uses ``schedule``, which knows the pieces on the other ranks).
-``sample_ids`` (int64 ``[P]``)
-    the sample of each local piece.
-``num_loss_tokens`` (int)
-    labels on this rank that are not ``-100``.
-``microbatch_loss_tokens`` (int)
-    ``sum(len - 1)`` over the micro-batch's samples (all CP ranks): ``MicroBatch.loss_tokens``.
-``step_loss_tokens`` (int)
-    loss tokens of the whole global batch of the step (every DP and CP rank): the denominator that
-    makes the per-token loss independent of how the step was packed
-    (``loss = sum_over_micro_batches(loss_sum) / step_loss_tokens`` on every rank, then all-reduce
-    gradients with SUM).
-``schedule``
-    ``ringpack.attention.compile_schedule(microbatch, cp_rank, **schedule_options)`` (host tensors;
-    ``.to(device)``), or ``None`` with ``compile_schedules=False``.
-``microbatch``, ``epoch``, ``step``, ``microbatch_index``, ``microbatches_in_step``, ``cursor``, ``plan_hash``
-    where the batch sits; ``cursor`` feeds ``sampler.state_dict(cursor=...)`` for exact resume.
+See docs/data.md, "`PackedDataset` and `PackedCollator`", for every key's dtype, shape and meaning.
 """
 
 from __future__ import annotations
@@ -318,7 +287,7 @@ class PackedCollator:
         schedule: the old name of ``compile_schedules`` (a ``DeprecationWarning``).
 
     Called with what :class:`PackedDataset` returns for a ticket, it returns the batch dict of
-    the module docstring (int64 ``input_ids``, ``labels``, ``position_ids`` ``[T]``; int32
+    docs/data.md (int64 ``input_ids``, ``labels``, ``position_ids`` ``[T]``; int32
     ``cu_seqlens`` ``[P+1]``; the schedule and plan metadata). The collator holds no plan:
     everything it needs arrives with the ticket, so it pickles into workers as a few integers.
 

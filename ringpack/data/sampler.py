@@ -1,45 +1,19 @@
 """``BalancedBatchSampler``: this DP rank's micro-batches of a balanced plan, for ``DataLoader(batch_sampler=...)``.
 
-How the sampler and the collator talk (the handshake)
------------------------------------------------------
-``DataLoader`` hands a batch sampler's output only to the dataset, and the collate function only
-sees what the dataset returns. The collator needs the micro-batch's *plan* (which pieces each CP
-rank holds), not just sample ids. So:
+Each item is a :class:`MicroBatchTicket`: a ``list`` of sample indices in canonical order that
+also carries the micro-batch's plan and where it sits (epoch, step, index, cursor, the step's loss
+tokens, the plan hash). :class:`~ringpack.data.collator.PackedDataset` hands it with the token ids
+to :class:`~ringpack.data.collator.PackedCollator`, so workers never re-plan; a ticket pickles as
+plain integers.
 
-1. the sampler yields a :class:`MicroBatchTicket` per micro-batch: a ``list`` of sample indices (in
-   the micro-batch's canonical order, so any code that treats it as a list of indices still works)
-   that also carries the micro-batch's plan (its pieces on every CP rank) and where it sits
-   (epoch, step, index in the step, cursor, the step's global loss-token count, the plan hash);
-2. :class:`~ringpack.data.collator.PackedDataset` wraps the user's dataset; its
-   ``__getitems__`` (which ``DataLoader`` calls with the whole ticket) returns the ticket together
-   with the samples' token ids;
-3. :class:`~ringpack.data.collator.PackedCollator` cuts this CP rank's pieces out of them.
+The epoch's plan is a pure function of ``(lengths, config, seed, epoch)``, planned in the main
+process by a background thread (:class:`~ringpack.planner.stream.StepStream`), ``lookahead_steps``
+ahead; every DP rank plans alike without communicating. ``state_dict()`` / ``load_state_dict()``
+resume exactly: ``cursor`` counts the micro-batches yielded (the ``StatefulDataLoader``
+convention), ``load_state_dict`` seeks and never replays, and with a plain ``DataLoader``
+``state_dict(cursor=batch["cursor"])`` resumes right after that batch.
 
-The plan is computed in the process that iterates the sampler (the main process), step by step: a
-background thread (:class:`~ringpack.planner.stream.StepStream`) plans each epoch's steps in
-order, ``lookahead_steps`` ahead of the step being handed out, and only that window is held.
-Workers never re-plan, so they cannot disagree with it. A ticket crossing into a worker is ordinary
-``DataLoader`` mechanics (the index queue); it pickles as plain integers (``__reduce__``), never as
-a pickled plan object. Plans themselves are only ever stored as JSON/Parquet.
-
-Determinism: the plan of an epoch is a pure function of ``(lengths, config, seed, epoch)`` (and the
-cost models switched to), and a streamed step equals the whole-epoch plan's; every DP rank computes
-the same steps independently (no communication) and takes its own micro-batches. All DP ranks
-therefore run the same number of micro-batches in every step. ``plan_key`` (carried by every
-ticket as ``plan_hash``) lets a trainer check agreement across ranks once (all-gather it).
-
-Resume semantics
-----------------
-``state_dict()`` is ``{"epoch", "cursor", ...}`` where ``cursor`` counts the micro-batches this
-sampler has *yielded* in the epoch — the StatefulDataLoader convention: ``torchdata``'s
-``StatefulDataLoader`` snapshots its batch sampler's state each time it hands out an index and
-restores the snapshot of the last batch delivered to the training loop, so prefetching by workers
-is accounted for. ``load_state_dict`` *seeks* (the next ``iter()`` starts at ``cursor``), it never
-replays; it plans only the step the cursor is in (to check it against the state's digest) and the
-steps after it. With a plain ``DataLoader`` and workers the sampler runs ahead of the training loop by the
-prefetch depth; use the ``cursor`` the collator puts in every batch: ``sampler.state_dict(cursor=
-batch["cursor"])`` is the state that resumes right after that batch. So N micro-batches consumed
-equal k consumed, save, restore, N-k consumed, bit for bit.
+See docs/data.md, "The sampler".
 """
 
 from __future__ import annotations
@@ -207,7 +181,7 @@ class BalancedBatchSampler(_SamplerBase):
     planned a few steps ahead in a background thread; an error planning a step is raised when
     iteration reaches it. ``len(sampler)`` is this rank's micro-batches in the current epoch (equal
     on every DP rank; without ``microbatches_per_rank`` it plans the steps not planned yet).
-    See the module docstring for the handshake with the collator and for resume semantics.
+    See docs/data.md, "The sampler", for the handshake with the collator and for resume semantics.
 
     Raises:
         DataError: a bad length (naming the sample), a ``dp_size`` that is not a positive integer,

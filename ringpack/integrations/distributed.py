@@ -1,30 +1,18 @@
 """ringpack under PyTorch's distributed tools: DeviceMesh, FSDP2 (``fully_shard``) and DDP.
 
-ringpack's loss rule: every rank's loss is the *sum* of its token losses divided by the global
-batch's loss tokens (``batch["step_loss_tokens"]``), and the gradients are *summed* over all ranks,
-DP and CP alike; the step is then exactly the single-device per-token mean, however the samples
-were packed, split or distributed. FSDP2 and DDP *average* gradients over their ranks instead
-(they divide by the group size), which would scale every step by ``1 / world``. :func:`sum_gradients`
-makes them sum:
-
-* FSDP2: every ``FSDPModule`` gets ``set_gradient_divide_factor(1.0)`` and
-  ``set_force_sum_reduction_for_comms(True)`` (a plain SUM reduce-scatter / all-reduce with no
-  division; without forcing SUM, a factor of 1 becomes NCCL's ``PREMUL_SUM``, which gloo lacks).
-  Shard over every rank of the DP x CP grid (:func:`data_parallel_mesh`): CP ranks hold different
-  tokens of the same samples, so their gradients are summed like those of DP ranks.
-* DDP: a communication hook that all-reduces each bucket with SUM and divides by nothing. DDP
-  reduces a parameter's *accumulated* gradient, so with a SUM the micro-batches before a step's
-  last one must not be reduced: run them under :func:`gradient_sync` (``no_sync``), or their
-  gradients are counted once per rank.
-
-Nothing scales the loss, so both are exact in any dtype (a loss multiplied by a world size that is
-not a power of two would round). The mesh convention is ``("dp", "cp")`` with CP innermost: a CP
-group is ``cp`` consecutive ranks (one host's fast links), as in ``examples/train.py``.
+ringpack's loss rule: every rank's loss is the *sum* of its token losses over the global batch's
+loss tokens (``batch["step_loss_tokens"]``), and gradients are *summed* over all ranks, DP and CP
+alike, so a step is exactly the single-device per-token mean. FSDP2 and DDP average instead;
+:func:`sum_gradients` makes them sum (FSDP2: divide factor 1 with forced SUM reductions, sharded
+over the whole grid, :func:`data_parallel_mesh`; DDP: a SUM communication hook, with the
+micro-batches before a step's last one under :func:`gradient_sync`). Nothing scales the loss, so
+both are exact in any dtype. Meshes are ``("dp", "cp")`` with CP innermost.
 
 :class:`SamplerState` puts the sampler's position and cost-model switches (and a
-:class:`~ringpack.training.cost_learner.CostLearner`'s observations) into a
-``torch.distributed.checkpoint`` (DCP) checkpoint next to the model and optimizer, so a resumed run
-plans exactly as the uninterrupted one.
+:class:`~ringpack.training.cost_learner.CostLearner`'s observations) into a DCP checkpoint, so a
+resumed run plans exactly as the uninterrupted one.
+
+See docs/integrations.md ("DeviceMesh", "FSDP2", "DDP") and docs/training.md, "Loss scaling".
 """
 
 from __future__ import annotations

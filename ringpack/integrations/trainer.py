@@ -1,40 +1,19 @@
 """Hugging Face ``Trainer`` on ringpack's plan: balanced DP x CP batches and context-parallel attention.
 
-::
+:class:`RingpackTrainer` takes the usual Trainer arguments plus ``ringpack=RingpackConfig(cp_size,
+tokens_per_rank, plan_options=...)``; launch one process per device (``torchrun`` or ``accelerate
+launch``) on a ``("dp", "cp")`` grid with CP innermost. It wires a
+:class:`~ringpack.data.BalancedBatchSampler` per DP rank and a :class:`~ringpack.data.PackedCollator`
+per CP rank (one Trainer batch is one planned optimizer step, so ``gradient_accumulation_steps``
+stays 1), ``attn_implementation="ringpack"`` with the CP group, the loss rule (each micro-batch's
+loss sum over the global batch's loss tokens, gradients summed by
+:func:`~ringpack.integrations.distributed.sum_gradients`) and a logged loss that is the global
+per-token mean.
 
-    from ringpack.integrations.trainer import RingpackConfig, RingpackTrainer
+Not wired: evaluation through ringpack attention, Trainer's data skipping on resume (the sampler
+resumes exactly), DeepSpeed and ``DataParallel``.
 
-    trainer = RingpackTrainer(
-        model=model,                      # a causal LM whose attention goes through transformers' AttentionInterface
-        args=TrainingArguments(output_dir="out", max_steps=1000, learning_rate=3e-4),
-        train_dataset=dataset,            # rows of token ids ("input_ids"), any lengths, no padding
-        ringpack=RingpackConfig(cp_size=2, tokens_per_rank=16384, plan_options={"samples_per_step": 256}),
-    )
-    trainer.train()
-
-Launch one process per device with ``torchrun`` or ``accelerate launch``; the world is a DP x CP grid
-with CP innermost (a CP group is ``cp_size`` consecutive ranks, one host's fast links).
-
-What the trainer wires:
-
-* data: a :class:`~ringpack.data.BalancedBatchSampler` per DP rank and a
-  :class:`~ringpack.data.PackedCollator` per CP rank. One Trainer batch is one optimizer step of
-  the plan, ``{"microbatches": [batch, ...], "input_ids": this rank's tokens}``: the plan decides how
-  many micro-batches a step has, so ``gradient_accumulation_steps`` must stay 1;
-* model: ``attn_implementation="ringpack"`` (set on the model), the CP group of a ``("dp", "cp")``
-  DeviceMesh passed to every attention layer with each micro-batch's schedule;
-* loss: each micro-batch's token-loss *sum* over the global batch's loss tokens, backpropagated per
-  micro-batch with the gradient reduction on the step's last one only; gradients are *summed* over
-  all ranks (:func:`~ringpack.integrations.distributed.sum_gradients` on the DDP or FSDP2 model
-  accelerate prepared), so each step is exactly the single-device per-token mean. Clipping, the
-  optimizer and the scheduler are Trainer's and see those summed gradients;
-* logging: ``training_step`` returns the rank's share of the step loss times the world size, so the
-  mean over processes that Trainer logs is the global per-token mean.
-
-Not wired: evaluation and prediction through ringpack attention (evaluate a model with a standard
-attention implementation), Trainer's data skipping on resume (ringpack's sampler resumes exactly
-from ``trainer.sampler.state_dict(cursor=...)``), DeepSpeed and ``DataParallel`` (one process per
-device only).
+See docs/integrations.md, "Hugging Face Trainer".
 """
 
 from __future__ import annotations

@@ -1,25 +1,15 @@
 """Run Hugging Face causal LMs context-parallel on packed data: ``attn_implementation="ringpack"``.
 
-:func:`register` adds ringpack to transformers' ``AttentionInterface``. The name is deliberately
-absent from transformers' mask interface, which makes the model skip mask construction (no dense
-``[T, T]`` mask is ever built; the schedule is the mask). Any model whose attention modules call
-the standard interface (Llama, Qwen2/3, Mistral, Gemma, ...) then runs each layer's attention
-through :func:`ringpack.attention.ring_attention`; no model code is copied or patched.
+:func:`register` adds ringpack to transformers' ``AttentionInterface`` (done on import of this
+module, and by :mod:`ringpack.integrations.autoregister` once transformers' models load). The name
+is absent from transformers' mask interface, so no dense ``[T, T]`` mask is built: the schedule is
+the mask. Any model whose attention calls the standard interface (Llama, Qwen2/3, Mistral, Gemma,
+...) then runs each layer through :func:`ringpack.attention.ring_attention`; no model code is
+copied or patched. Per forward, pass the collator's ``input_ids`` and ``position_ids`` (``[None]``),
+``ringpack_schedule=batch["schedule"]`` and ``ringpack_group=mesh["cp"]``; do not pass labels
+(they are already shifted per sample: :func:`causal_lm_loss_sum`).
 
-The name is registered when this module is imported and, where transformers is installed, as
-soon as transformers' models load in a process that imported ringpack
-(:mod:`ringpack.integrations.autoregister`); :func:`register` does it explicitly. Per forward,
-pass what the collator produced for this CP rank::
-
-    import ringpack  # registers attn_implementation="ringpack"
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="ringpack")
-    out = model(input_ids=batch["input_ids"][None], position_ids=batch["position_ids"][None],
-                ringpack_schedule=batch["schedule"], ringpack_group=mesh["cp"])
-
-``position_ids`` are positions within each sample, so RoPE is exact; the schedule tells every
-layer which keys each local query needs, wherever they live. Extra forward kwargs reach the
-attention function through transformers' ``**kwargs`` plumbing. Labels are *not* passed to the
-model: ringpack's labels are already shifted per sample (see :func:`causal_lm_loss_sum`).
+See docs/training.md, "Hugging Face transformers".
 """
 
 from __future__ import annotations

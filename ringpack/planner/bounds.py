@@ -1,29 +1,18 @@
 """Lower bounds on a step's cost, and the costs of a plan, vectorised over its piece table: what the
 planner balances and the benchmark reports.
 
-Definitions (the same as :mod:`ringpack.planner.epoch`; all in the plan's cost unit):
+Per GPU ``(d, c)`` of step ``s``: ``mb_rank_cost[s, d, i, c]`` (CP rank ``c`` in micro-batch ``i``),
+``rank_cost[s, d, c]`` (its sum over micro-batches), ``dp_cost[s, d]`` (the sum over micro-batches
+of the max over CP ranks) and ``step_cost[s]`` (the max over DP ranks: the critical path), all in
+the plan's cost unit. ``imbalance = step_cost / mean(rank_cost)`` and ``gap = step_cost /
+lower_bound - 1``.
 
-* ``mb_rank_cost[s, d, i, c]`` -- cost of CP rank ``c`` in micro-batch ``i`` of DP rank ``d`` at
-  step ``s``: ``CostModel.cost(tokens, exact causal pairs, segments)`` of its pieces (0 where
-  a DP rank runs fewer micro-batches than the step's maximum, which never happens in valid plans);
-* ``rank_cost[s, d, c]`` -- the sum over micro-batches: the work of GPU ``(d, c)`` in step ``s``;
-* ``dp_cost[s, d]`` -- the sum over micro-batches of the max over CP ranks: DP rank ``d``'s time,
-  since the CP ranks of a micro-batch wait on each other every layer;
-* ``step_cost[s]`` -- the max over DP ranks (DP ranks synchronise once a step): the critical path.
+:func:`step_lower_bound` bounds a step's cost at one price; for a pair-price range,
+:func:`bound_lines` (the bound as an envelope of lines in the price factor), :func:`price_points`
+(where the worst ratio lies) and :func:`robust_bound` (a proven bound on that ratio, giving
+``robust_gap``) judge a price-robust plan.
 
-``imbalance = step_cost / mean(rank_cost)`` is the "max/mean" the benchmark reports (1.0 is perfect;
-it is >= the plain ``max(rank_cost) / mean(rank_cost)``), and ``gap = step_cost / lower_bound - 1``
-at the model's prices.
-
-Bounds (docs/planner.md, "The lower bound"): :func:`step_lower_bound` bounds a step's cost at one
-price. A plan balanced for a pair-price range (``PlanConfig.price_range``) is judged at every price
-of the range: rank costs are linear in the price factor ``f`` and the bound is the upper envelope of
-lines in ``f`` (:func:`bound_lines`), so the worst ratio of step cost to bound lies at an end of the
-range or at a kink of the envelope (:func:`price_points`). No plan can be within 1 of the bound at
-every price at once when a few long samples pin the bound at the high end while the mean pins it
-at the low end; :func:`robust_bound` is a proven lower bound on that ratio, and
-``robust_gap = max over the price points of step_cost / (robust_bound * bound) - 1`` is how far a
-price-robust plan is from the best one can be.
+See docs/planner.md, "The lower bound".
 """
 
 from __future__ import annotations

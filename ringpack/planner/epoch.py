@@ -1,38 +1,19 @@
-"""``make_plan``: sample lengths + :class:`PlanConfig` -> a :class:`Plan` (docs/planner.md).
+"""``make_plan``: sample lengths + :class:`PlanConfig` -> a :class:`Plan`.
 
-The plan is a pure function of ``(lengths, config)`` -- ``config`` carries ``seed`` and ``epoch`` --
-so every rank computes the same plan, with the same number of steps, without communicating:
-
-1. **Inputs.** Lengths must be integers >= 1 (else :class:`PlanError` naming the sample). A sample
-   longer than one CP group holds (``cp * tokens_per_rank`` tokens) follows ``config.overflow``:
-   ``"error"`` (default) raises naming the sample; ``"drop"`` lists it in ``Plan.dropped``;
-   ``"split"`` cuts it into ``ceil(length / capacity)`` near-equal consecutive *documents* that are
-   planned as independent samples -- attention does not cross a cut, and the plan's ``lengths``
-   are then those of the documents (see :func:`expand_overflow` for the mapping back). A split
-   that would create more documents than :func:`split_document_limit` allows is refused.
-2. **Shuffled windows.** Samples are permuted by a keyed hash of ``(seed, epoch, index)``
-   (splitmix64; identical on every platform and NumPy version) and cut into global batches of
-   ``samples_per_step`` (``0``: one step with all). Balancing happens only *inside* a global batch:
-   the data order stays random, never sorted by length. A last global batch too small to give every
-   DP rank its micro-batches joins the one before it, so no sample is lost.
-3. **Packing + DP balance** (:mod:`ringpack.planner.packing`): ``m`` micro-batches per DP rank
-   and samples into the ``dp x m`` bins, every bin non-empty and within ``cp * tokens_per_rank``
-   tokens. ``packing="balanced"``: cost-descending greedy (least-loaded DP rank that fits), then
-   local search (moves and swaps off the heaviest rank), then -- only when
-   ``solver_time_limit_s > 0`` and the gap to the lower bound is still above 0.1% -- CP-SAT
-   warm-started from the heuristic, with a deterministic time limit (:mod:`ringpack.planner.solver`);
-   the better answer is kept. ``solver_time_limit_s=0`` (the default) is heuristics only.
-   ``packing="first_fit"``: the token-count baseline. ``microbatches_per_rank=0`` picks the fewest
-   micro-batches that hold the tokens; if the token budget then keeps the step more than
-   :data:`AUTO_MICROBATCH_GAP` above its bound, one more is tried and the better kept.
-   A step with fewer samples than ``dp * m`` bins raises :class:`PlanError` naming the step and the
-   counts (except the last global batch, which joins the one before it).
-4. **CP split** of every micro-batch by ``strategy`` (:mod:`ringpack.planner.split`).
-5. **Lower bound** (:func:`step_lower_bound`) on every step.
+The plan is a pure function of ``(lengths, config)`` (``config`` carries ``seed`` and ``epoch``),
+so every rank computes the same plan, with the same number of steps, without communicating. The
+stages: check the inputs and apply ``config.overflow`` (:func:`expand_overflow`,
+:func:`split_document_limit`); shuffle by a keyed hash and cut into global batches
+(:func:`global_batches`); pack and balance over DP ranks (:mod:`ringpack.planner.packing`,
+:mod:`ringpack.planner.solver`); split every micro-batch over the CP ranks
+(:mod:`ringpack.planner.split`); bound every step (:func:`step_lower_bound`). :func:`plan_step`
+plans one step alone.
 
 Step cost, the quantity balanced and bounded: a micro-batch costs the *max* over its CP ranks of
-``CostModel.cost(tokens, exact causal pairs, segments)`` (CP ranks wait on each other every layer);
-a DP rank's step cost is the *sum* over its micro-batches; the step costs the max over DP ranks.
+``CostModel.cost(tokens, exact causal pairs, segments)``; a DP rank's step cost is the *sum* over
+its micro-batches; the step costs the max over DP ranks.
+
+See docs/planner.md, "The stages".
 """
 
 from __future__ import annotations
@@ -486,7 +467,7 @@ def plan_step(batches: GlobalBatches, index: int, config: PlanConfig, length_lis
 
 
 def make_plan(lengths: Any, config: PlanConfig, *, progress: Callable[[int, int], None] | None = None) -> Plan:
-    """Plan ``lengths`` (one per sample) for ``config``; see the module docstring for the rules.
+    """Plan ``lengths`` (one per sample) for ``config``; docs/planner.md gives the rules.
 
     Args:
         lengths: tokens of every sample, a 1-D integer sequence or array, each >= 1.

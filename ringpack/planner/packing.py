@@ -1,20 +1,15 @@
 """Packing + DP balance: samples of one global batch into ``dp x m`` micro-batch bins.
 
-A bin is one micro-batch of one DP rank (``bin = dp_rank * m + index``). Every bin holds at most
-``capacity`` tokens (``cp * tokens_per_rank``), which every CP split strategy spreads over the
-CP ranks within ``tokens_per_rank`` each. A DP rank's load is the sum of its samples' weights:
-with a cost weight, ``sum / cp`` is exactly what a perfectly balanced CP split costs, so
-balancing loads balances the step.
+A bin is one micro-batch of one DP rank (``bin = dp_rank * m + index``), holding at most
+``capacity = cp * tokens_per_rank`` tokens. A DP rank's load is the sum of its samples' weights;
+with cost weights, ``sum / cp`` is what a perfectly balanced CP split costs.
 
-* :func:`pack_greedy` -- cost-descending, least-loaded DP rank that fits (LPT), inside a rank the
-  micro-batch with the most free tokens; a heap, O(n log dp).
-* :func:`improve` -- local search on the slowest DP rank: the best single move or pairwise swap
-  with a light rank, vectorised with numpy, until nothing improves or the lower bound is reached.
-* :func:`pack_first_fit` -- the common baseline: first fit in (shuffled) sample order into
-  micro-batches by token count, micro-batches dealt to DP ranks to even out token counts.
+* :func:`pack_greedy`: cost-descending, least-loaded DP rank that fits (LPT), O(n log dp);
+* :func:`improve`: local search (moves and swaps off the slowest DP rank), vectorised;
+* :func:`pack_first_fit`: the token-count baseline;
+* :func:`fill_empty_bins`: no bin is left empty.
 
-Bins are never left empty: :func:`fill_empty_bins` moves the cheapest samples into empty bins.
-All functions are deterministic (ties broken by index).
+All are deterministic (ties broken by index). See docs/planner.md, "The stages".
 """
 
 from __future__ import annotations

@@ -1,20 +1,14 @@
 """CP-SAT refinement of the DP packing: exact-ish answers for small or hard global batches.
 
-Used by the planner when ``PlanConfig.solver_time_limit_s > 0`` and the heuristic packing is more
-than :data:`GAP_THRESHOLD` above the step's lower bound (few dominant samples, tight budgets).
-The model is the packing problem itself: every sample in exactly one ``(DP rank, micro-batch)``
-bin, bins within the group's token budget (``cp * tokens_per_rank``), no bin empty, minimise the
-largest DP-rank load (sum of integer-scaled sample costs; with several price scenarios, the
-largest load of any rank in any scenario). It is warm-started with the heuristic
-answer (``AddHint``) and the better of the two is kept, judged on the exact float costs.
+Used when ``PlanConfig.solver_time_limit_s > 0`` and the heuristic packing is more than
+:data:`GAP_THRESHOLD` above the step's lower bound. The model is the packing problem itself (every
+sample in one non-empty bin within ``cp * tokens_per_rank`` tokens, minimise the largest DP-rank
+load, or the largest over price scenarios), warm-started from the heuristic; the better answer on
+the exact float costs is kept. It runs with one worker, a fixed seed and a deterministic time
+limit (never wall-clock), so every rank gets the same answer with the same OR-Tools version.
+``ortools`` is imported here only, lazily.
 
-Determinism: a plan must be identical on every rank, so the solver runs with one worker, a fixed
-seed and a *deterministic* time limit (``max_deterministic_time`` = ``solver_time_limit_s``; CP-SAT's
-deterministic time is an operation count calibrated to roughly seconds) and no wall-clock limit:
-the same inputs give the same answer on every machine with the same OR-Tools version, however
-loaded. (Pin OR-Tools across a job, as for any library that computes the plan.)
-
-``ortools`` is imported here only, lazily: the rest of ringpack imports without it.
+See docs/planner.md, "The CP-SAT refinement".
 """
 
 from __future__ import annotations

@@ -1,33 +1,15 @@
 """Plans of the packings users compare ringpack with, on the same data and the same global batches.
 
-:func:`~ringpack.planner.epoch.global_batches` gives the documents and the shuffled global batches
-:func:`make_plan` plans (the same overflow rule, shuffle and cut), so a peer and a ringpack plan of
-one ``(lengths, config)`` see the same data in the same steps.
+:func:`make_wlb_plan` is WLB-LLM's workload-aware variable-length packing (Wang et al., OSDI 2025)
+as a valid :class:`~ringpack.shard_plan.Plan`: outlier documents wait in per-level queues
+(:attr:`WLBConfig.outlier_fractions`) and are released one per micro-batch; the step's documents,
+longest first, go to the micro-batch with the least workload that has room; micro-batches are
+split over the CP group by ``config.strategy``. It starts from the documents and global batches
+:func:`make_plan` sees (:func:`~ringpack.planner.epoch.global_batches`), and every document is
+planned exactly once per epoch.
 
-:func:`make_wlb_plan` is WLB-LLM's workload-aware variable-length packing (Wang et al., OSDI 2025,
-"WLB-LLM: Workload-Balanced 4D Parallelism for Large Language Model Training") as a valid
-:class:`~ringpack.shard_plan.Plan`, its micro-batches split over the CP group by
-``config.strategy``. What it implements, per global batch:
-
-* **Outlier delay.** A document longer than a fraction of one micro-batch's capacity
-  (:attr:`WLBConfig.outlier_fractions`, one queue level per fraction) waits in its level's FIFO queue
-  until the level holds one document per micro-batch of the global batch; those are then released
-  together, one per micro-batch, so no micro-batch gathers several of the longest documents.
-* **Workload-aware packing.** The step's documents (those deferred from the step before first,
-  then the global batch's regular ones, then released outliers), longest first, each go to the
-  micro-batch with the least workload that still has room; the workload is the cost model's
-  whole-sample cost (attention and linear layers, as the paper's ``W_a + W_l``). A micro-batch
-  holds at most ``cp * tokens_per_rank`` tokens, so token counts vary under the cap that memory
-  sets. A document that fits nowhere is deferred to the next step.
-* **Micro-batches.** ``microbatches_per_rank`` per DP rank, or (``0``) the fewest that hold the
-  step's tokens, as the planner picks them; DP rank ``d`` runs micro-batches ``d*m .. d*m+m-1``.
-
-Differences from the paper, so every plan is valid and comparable: every document is planned
-exactly once per epoch (the last step releases every queued outlier and defers nothing, taking
-more micro-batches if it must); the queue levels are fractions of the micro-batch capacity rather
-than fixed token counts; the CP split is the plan's strategy (``zigzag`` is the paper's
-per-document sharding; its per-sequence alternative is never better under a cost model without
-kernel-efficiency terms); pipeline parallelism is not modelled.
+See docs/analysis.md, "Peers: Megatron-Core dynamic CP and WLB-LLM", for the rules and the
+differences from the paper.
 """
 
 from __future__ import annotations
@@ -140,7 +122,7 @@ class WLBPacking:
 
 
 def wlb_packing(lengths: Any, config: PlanConfig, wlb: WLBConfig | None = None) -> WLBPacking:
-    """WLB-LLM's packing of ``lengths`` (see the module docstring), before any CP split.
+    """WLB-LLM's packing of ``lengths`` (docs/analysis.md, "Peers"), before any CP split.
 
     Args:
         lengths: tokens of every sample, a 1-D integer sequence or array, each >= 1.

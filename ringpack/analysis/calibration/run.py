@@ -1,63 +1,18 @@
-"""``ringpack calibrate``: fit the cost model to measured GPU kernel times (docs/cost-model.md, docs/analysis.md).
+"""``ringpack calibrate`` (the kernel scope): fit the cost model to measured GPU kernel times.
 
-The planner balances ``token*tokens + pair*pairs + segment*pieces`` per rank. Calibration replaces
-the FLOP-derived coefficients by seconds measured on the GPU that will train, in four steps:
+Times ringpack's own attention engine forward and backward (the chosen kernel backend) on a grid
+of rank shards, one CP rank at a time on one GPU, plus the linear layers' GEMMs per token; fits the
+planner's ``token``, ``pair`` and ``segment`` prices (and, as a diagnostic, a per-rank kernel model)
+by non-negative least squares; and checks both on held-out micro-batches. The profile is a
+:class:`CostModel` in seconds for one forward + backward of the whole model.
 
-1. **Grid.** Rank shards built to span what plans produce: single samples of 128 to 64K tokens,
-   packs of many short samples (64 to 2K, round and odd lengths), long samples split at several
-   offsets over 2 CP ranks (so ranks hold suffix pieces: a causal diagonal *plus* full blocks), and
-   zigzag splits over 2 and 4 ranks (several pieces per sample, several remote steps), and
-   plan-shaped micro-batches (heavy-tailed mixes split by every strategy, seeds 1-2).
-2. **Timer.** Each shard runs ringpack's own attention engine (:class:`ContextParallelAttention`
-   on its compiled schedule, the chosen kernel backend) forward and backward, timed with CUDA
-   events, median of a few repetitions; with ``timer="gpu"`` (default) the repetitions are queued
-   behind a GPU sleep, so the events see the GPU's execution and not the host's launch pace. CP
-   ranks are timed one at a time on one GPU: a transport without communication serves the remote
-   K/V buffers from memory, so a rank's time is its compute (kernels, gathers, log-sum-exp merges);
-   communication is the comm model's business.
-   With ``mode="linear"`` (the default) the model's linear layers are timed too: the GEMMs of one
-   decoder layer (q/k/v, o, gate/up, down) and the output head, forward (``x @ W``) and backward
-   (``dY @ W^T``, ``X^T @ dY``), per token. Norms, activations and RoPE are not timed (they are
-   memory-bound and small next to the GEMMs).
-3. **Fit.** Non-negative least squares (Lawson-Hanson, numpy only), weighted by ``1 / measured`` so
-   every shard counts by its *relative* error, of two models of the per-layer attention time:
+Entry points: :func:`calibrate_kernels` (from a :class:`KernelCalibrationConfig`),
+:func:`calibrate`, :func:`refit_file` (``--refit``: the fit again from a stored report, no GPU)
+and :func:`save_calibration`. The steps live in :mod:`~ringpack.analysis.calibration.cases` (grid
+and held-out shards), :mod:`~ringpack.analysis.calibration.features`,
+:mod:`~ringpack.analysis.calibration.timing` and :mod:`~ringpack.analysis.calibration.fit`.
 
-   * the **profile model**, ``overhead + ring*[a sample of the micro-batch is split] + token*tokens
-     + pair*pairs + segment*pieces``: the planner's three terms plus two constants that are equal
-     on every rank of a micro-batch (the engine's fixed cost, and the ring path every rank runs
-     once any sample is split), so they never change which rank is slowest. The constants are
-     reported (``per_layer``), not put in the profile; ``predicted_s`` includes them.
-   * the **kernel model** (:func:`rank_features`), a diagnostic on what the schedule launches:
-     varlen calls, ``Bq x Bk`` tiles computed, the varlen *launch grid* (flash kernels launch
-     ``ceil(max_seqlen / block)`` tiles for every segment of a call, so a call of many short
-     segments and one long one pays ``segments x longest``), remote query rows and K/V rows (gather,
-     merge, dK/dV accumulation) and, for hybrid backends, dense (cuDNN) calls and tiles at their own
-     rate. The block size is chosen from 64/128 by fit. Its terms are per rank, not per piece,
-     so the planner's additive cost cannot hold them; the gap between the two models' held-out
-     errors is what per-piece pricing leaves on the table (mostly zigzag ranks of many short pieces
-     next to a long one, whose empty launched tiles cost milliseconds).
-
-4. **Evaluation.** Held-out micro-batches (heavy-tailed Pareto mixes, split by ``contiguous``,
-   ``zigzag`` and ``balanced`` over 2 CP ranks, with lengths and seeds the grid never saw): every
-   rank's measured time against both models' predictions; Pearson correlation, largest and mean
-   relative error and how often the slowest rank is predicted right, as a table and in the JSON
-   report. ``ringpack calibrate --refit REPORT.json`` redoes steps 3-4 from a stored report's
-   measurements without a GPU (the report stores every micro-batch's geometry; only reports of
-   the current format version do).
-
-The profile is a :class:`CostModel` in seconds for one forward+backward of the *whole model*
-(attention coefficients x layers, plus the linear layers' per-token time in ``token``), saved with
-:meth:`CostModel.save`; ``ringpack plan --cost-profile PATH``, ``--model PATH`` of
-``report``/``simulate``/``shard`` and ``PlanConfig(cost=CostModel.load(PATH))`` use it. Its name is
-the model preset's, because the communication model looks the K/V shape up by that name.
-
-This module is the entry point (:func:`calibrate_kernels` from a :class:`KernelCalibrationConfig`,
-:func:`calibrate`, :func:`refit_file`, :func:`save_calibration`); the steps live in
-:mod:`~ringpack.analysis.calibration.cases` (the grid and held-out shards),
-:mod:`~ringpack.analysis.calibration.features` (what the models see of a shard),
-:mod:`~ringpack.analysis.calibration.timing` (step 2) and :mod:`~ringpack.analysis.calibration.fit`
-(steps 3-4). They import only numpy, torch (lazily), the balancer's cost/plan/split and the
-attention runtime, so they run on a bare GPU machine.
+See docs/analysis.md, "`ringpack calibrate`", and docs/cost-model.md, "Calibrated profiles".
 """
 
 from __future__ import annotations

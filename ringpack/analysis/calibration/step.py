@@ -1,30 +1,18 @@
 """``ringpack calibrate --scope step``: a cost profile of the whole training step, timed on one GPU.
 
-The kernel scope (:mod:`ringpack.analysis.calibration.run`) times attention and the decoder's GEMMs.
-A training step runs more: the embedding, norms, RoPE, activations, the loss over the vocabulary,
-the recompute of activation checkpointing, and the host's launches of all of it. This scope times
-what a rank really runs per micro-batch and fits the planner's cost model to it:
+Where the kernel scope (:mod:`ringpack.analysis.calibration.run`) times attention and the GEMMs,
+this scope times what a rank runs per micro-batch: a ``transformers`` causal LM's forward, summed
+next-token loss and backward (embedding, norms, RoPE, the vocabulary loss, activation
+checkpointing's recompute and the host's launches included), with ringpack attention and remote
+K/V served from memory. The shards are the rank shards of ringpack plans of heavy-tailed mixes;
+the fit is :func:`~ringpack.cost_fit.fit_rank_times` (``token*tokens + pair*pairs +
+segment*pieces + microbatch``), checked on held-out mixes.
 
-1. **Shards.** Micro-batches of ringpack plans over heavy-tailed length mixes (Pareto and
-   log-normal, alternating), planned at CP=1 (whole samples), and at CP=``cp`` with the
-   ``balanced`` and ``zigzag`` splits and with first-fit packing + ``contiguous`` at a quarter
-   of the token budget (small shards, so the per-micro-batch constant is told apart from the
-   per-token price). Every rank shard of the first ``microbatches`` micro-batches of each plan
-   is timed.
-2. **Timer.** A ``transformers`` causal LM (a preset's Llama, or any config file) runs forward,
-   the summed next-token loss and backward over the shard's tokens, with ringpack attention on
-   the training backend; the remote K/V of split samples come from memory (compute only: the
-   ring's transfers overlap the kernels in training, and the communication model prices them).
-   CUDA events bracket each repetition; the host's launches are included, as training pays them.
-3. **Fit.** :func:`~ringpack.cost_fit.fit_rank_times`, the run-time learner's
-   non-negative least squares with its outlier guard: ``seconds ~ token*tokens + pair*pairs +
-   segment*pieces + microbatch``.
-4. **Held out.** Mixes with seeds the fit never saw, every rank shard's and every micro-batch's
-   (slowest rank's) measured time against the prediction.
+Entry points: :func:`calibrate_step` (from a :class:`StepCalibrationConfig`) and
+:func:`predicted_busy` (each GPU's forward + backward time for a plan step under a profile).
 
-The profile (:class:`~ringpack.cost.CostModel`, ``unit="s"``, ``microbatch`` set) is what
-``--cost-profile`` and ``PlanConfig(cost=...)`` take; :func:`predicted_busy` turns it and a plan
-step into each GPU's forward+backward time, as a training loop measures it.
+See docs/cost-model.md, "The training step (`--scope step`)", and docs/analysis.md,
+"`ringpack calibrate`".
 """
 
 from __future__ import annotations

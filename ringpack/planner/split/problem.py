@@ -1,20 +1,18 @@
 """The balanced CP split's working objects: one micro-batch's problem and the CP ranks being filled.
 
-* :class:`SplitProblem`: the micro-batch's samples (lengths, costs, the order to place them in),
-  the CP degree, every rank's cost and token room, the cost coefficients and the tolerances.
-  Every step of the split reads it; none changes it.
-* :class:`Items`: what is left to place of each sample, a prefix ``[0, stop)`` with its cost. For
-  the whole micro-batch that is every sample whole (:attr:`SplitProblem.whole_samples`); after
-  last pieces are carved (:mod:`~ringpack.planner.split.last_pieces`) it is what precedes them.
-* :class:`RankFill` (mutable): each rank's cost and token room left and the pieces it holds, which
-  the steps fill in place.
+* :class:`SplitProblem`: the micro-batch's samples (lengths, costs, placement order), the CP
+  degree, every rank's cost and token room, the cost coefficients and the tolerances; read by
+  every step of the split, changed by none.
+* :class:`Items`: what is left to place of each sample, a prefix ``[0, stop)`` with its cost
+  (every sample whole, :attr:`SplitProblem.whole_samples`, or what precedes carved last pieces).
+* :class:`RankFill` (mutable): each rank's cost and token room left and its pieces.
 
-Why plain lists and floats: the split's inner loops run once per sample or piece and index by
-position in the micro-batch (the *slot*); Python lists and floats are far cheaper there than numpy
-scalars. The steps copy the fields they use into locals before their loops. The records are plain
-slotted dataclasses, not frozen ones, because a planner step builds them for hundreds of
-micro-batches and a frozen dataclass costs three times as much to create; :class:`SplitProblem`
-and :class:`Items` are nevertheless never assigned to after creation.
+Plain lists and floats, indexed by slot, because the inner loops run once per sample or piece and
+numpy scalars cost far more there; slotted, not frozen, dataclasses because a planner step builds
+them for hundreds of micro-batches (:class:`SplitProblem` and :class:`Items` are still never
+assigned to after creation).
+
+See docs/planner.md, "CP split strategies".
 """
 
 from __future__ import annotations
