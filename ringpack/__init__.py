@@ -1,4 +1,4 @@
-"""ringpack: long-context training on packed data, with no slow rank (README.md, docs/).
+"""ringpack: long-context training on packed data, with no slow rank (README.md; docs/plan.md is the contract).
 
 The planner packs variable-length samples into micro-batches and splits them across data-parallel
 (DP) and context-parallel (CP) ranks by a cost model of causal attention; the attention runtime

@@ -5,6 +5,8 @@ command line needs the flag (``--tokens-per-rank``, ``--overflow split``), a use
 the keyword. The CLI runs every command inside :func:`command_line_hints`; library code spells each
 option it suggests through :func:`option`, which reads that context. A flag is the keyword with
 dashes (``tokens_per_rank`` -> ``--tokens-per-rank``), which holds for every option suggested.
+
+See docs/planner.md, "`ringpack plan`" (error hints name flags).
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@ one whose error explains the run.
 
 Only the standard library at import time: torch is imported inside the functions, so
 ``import ringpack._spawn`` stays cheap.
+
+See docs/analysis.md, "`ringpack demo`".
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ returns, so the count goes to the ``ringpack.progress`` logger instead, at INFO,
 :data:`LOG_INTERVAL_S` seconds and once more when such work ends: work that finishes sooner logs
 nothing. Applications choose what they see through ``logging``; the ``ringpack`` command line
 shows these lines on stderr (``--quiet`` turns progress off).
+
+See docs/planner.md, "`ringpack plan`".
 """
 
 from __future__ import annotations

@@ -1,1 +1,4 @@
-"""ringpack.analysis"""
+"""ringpack.analysis
+
+See docs/analysis.md.
+"""

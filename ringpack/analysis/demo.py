@@ -8,6 +8,8 @@ Runs anywhere Python runs (the corpus is the interpreter's own standard library)
    in the output folder (``demo-out/``);
 4. on a machine without a GPU, a check that the ring runtime on 2 CPU processes (gloo) gives the
    same attention outputs and gradients as single-process attention on one planned micro-batch.
+
+See docs/analysis.md, "`ringpack demo`".
 """
 
 from __future__ import annotations

@@ -2,6 +2,8 @@
 
 Every function takes the JSON document, so plots can be redrawn from a saved ``report.json``.
 Each plan keeps one colour across all figures; times are the cost model's predicted seconds.
+
+See docs/analysis.md, "The figures".
 """
 
 from __future__ import annotations

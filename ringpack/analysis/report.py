@@ -8,6 +8,8 @@ The JSON document (``format: "ringpack-report"``, ``version: 1``) is the source 
 the table and the plots are drawn from it, so ``ringpack report`` output can be re-plotted or
 compared without re-planning. Its keys are listed in :data:`SUMMARY_KEYS` and :data:`STEP_KEYS`
 (tests pin them: add keys, never rename).
+
+See docs/analysis.md, "`ringpack report`".
 """
 
 from __future__ import annotations

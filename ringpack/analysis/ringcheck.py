@@ -5,6 +5,8 @@ One micro-batch planned by the balancer (``balanced`` strategy, CP=2) is execute
 float64 with the reference kernels, forward and backward. The same attention is computed in this
 process as plain dense causal attention per sample (no ringpack code), and outputs and q/k/v
 gradients are compared token by token.
+
+See docs/analysis.md, "`ringpack demo`".
 """
 
 from __future__ import annotations

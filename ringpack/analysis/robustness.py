@@ -7,6 +7,8 @@ imbalance over a *range* of prices: for a factor ``f`` a rank costs
 time (the sum over steps of the critical path) over the time of a perfectly balanced plan of the
 same work (the sum over steps of the mean GPU's busy cost), both at that price. Each rank's cost is
 linear in ``f``, so a plan balanced at both ends of a range is close to balanced inside it.
+
+See docs/cost-model.md, "Why FLOPs misprice attention".
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""Index arithmetic on runs of rows, shared by the schedule compiler and the exchange map."""
+"""Index arithmetic on runs of rows, shared by the schedule compiler and the exchange map.
+
+See docs/attention.md, "The schedule".
+"""
 
 from __future__ import annotations
 

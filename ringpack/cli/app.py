@@ -1,4 +1,7 @@
-"""The ``ringpack`` parser and :func:`main`: one line on stderr and a non-zero exit for bad input."""
+"""The ``ringpack`` parser and :func:`main`: one line on stderr and a non-zero exit for bad input.
+
+See docs/planner.md, "`ringpack plan`".
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""What ``report`` and ``simulate`` share: the variants they plan, the peers, the communication model, the output."""
+"""What ``report`` and ``simulate`` share: the variants they plan, the peers, the communication model, the output.
+
+See docs/analysis.md, "`ringpack report`".
+"""
 
 from __future__ import annotations
 

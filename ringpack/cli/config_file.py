@@ -5,6 +5,8 @@ A file holds the same keys as the command's flags (the destination, a field name
 through the flag's own type and choices, so a file is checked as the command line is; flags given
 on the command line override the file, and the file overrides the defaults. TOML needs Python 3.11
 (``tomllib``) or the ``tomli`` package, YAML the ``PyYAML`` package; JSON always works.
+
+See docs/planner.md, "Config files".
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""What commands read from their flags: lengths, the cost model, the plan config, the global batch; output checks."""
+"""What commands read from their flags: lengths, the cost model, the plan config, the global batch; output checks.
+
+See docs/planner.md, "`ringpack plan`".
+"""
 
 from __future__ import annotations
 

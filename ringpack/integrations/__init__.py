@@ -1,1 +1,4 @@
-"""Integrations of ringpack's attention runtime with model libraries."""
+"""Integrations of ringpack's attention runtime with model libraries.
+
+See docs/integrations.md.
+"""

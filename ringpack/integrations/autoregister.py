@@ -8,6 +8,8 @@ that answers for ``transformers.modeling_utils`` alone, once: it lets the other 
 module and wraps that module's ``exec_module`` to run :func:`ringpack.integrations.transformers.register`
 after it. Nothing here imports torch or transformers; where transformers is not installed the
 finder is never asked.
+
+See docs/training.md, "Hugging Face transformers".
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@
 * :mod:`~ringpack.planner.bounds` -- plan costs and lower bounds.
 
 Importing the planner needs neither ortools nor datasets (the solver loads ortools when used).
+
+See docs/planner.md.
 """
 
 from ringpack.planner.epoch import make_plan, split_microbatch

@@ -11,6 +11,8 @@ The thread is a daemon that sleeps while the window is full and ends when the ep
 when the stream is closed or no longer used, and at interpreter exit (joined there). An exception
 raised while planning a step is kept with that step and raised again, the same object, in the
 thread that asks for the step. A forked child plans in a thread of its own.
+
+See docs/data.md, "The sampler".
 """
 
 from __future__ import annotations

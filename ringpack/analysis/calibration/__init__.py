@@ -6,4 +6,6 @@
 * :mod:`~ringpack.analysis.calibration.fit` -- the fitted models and their held-out quality (NNLS:
   :mod:`ringpack.cost_fit`);
 * :mod:`~ringpack.analysis.calibration.run` -- ``calibrate`` and ``refit``, end to end.
+
+See docs/analysis.md, "`ringpack calibrate`".
 """

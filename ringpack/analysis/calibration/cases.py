@@ -7,6 +7,8 @@ fit. A report stores every micro-batch's geometry (:func:`microbatch_geometry`),
 calibration can be refitted without a GPU (:func:`cases_from_geometry`).
 
 numpy and the balancer only: no torch, so the cases can be built and inspected anywhere.
+
+See docs/analysis.md, "`ringpack calibrate`".
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 Ranks are timed one at a time on one GPU with a transport that serves remote K/V from memory, so
 a rank's time is its compute; communication is the comm model's business. torch is imported
 inside the functions, so the analysis package stays importable without it.
+
+See docs/analysis.md, "`ringpack calibrate`".
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@ of one micro-batch through the split's parts, each in a module of its own:
 * :mod:`~ringpack.planner.split.best_fit`: samples placed whole by best fit;
 * :mod:`~ringpack.planner.split.suffix_cuts`: the samples that fit whole nowhere cut from the back;
 * :mod:`~ringpack.planner.split.fallbacks`: other splits for tight token budgets.
+
+See docs/planner.md, "CP split strategies".
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ and zigzag with token counts even to one over the whole micro-batch.
 planner's other strategies); ``zigzag_even`` is zigzag's fallback when floor cuts overflow a tight
 token budget and the balanced split's last resort, and its per-sample chunks
 (:func:`zigzag_even_chunks`) also spread the costliest samples in the balanced split's best fit.
+
+See docs/planner.md, "CP split strategies".
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ computing every sample's cost and every micro-batch's placement order in one arr
 instead of one per micro-batch, removes most of the per-micro-batch overhead. The per-slot lists
 of each :class:`~ringpack.planner.split.problem.SplitProblem` are slices of the same flat arrays,
 so the problems are exactly those of one micro-batch alone.
+
+See docs/planner.md, "CP split strategies".
 """
 
 from __future__ import annotations

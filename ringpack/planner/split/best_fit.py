@@ -10,6 +10,8 @@ longest sample), since cut pieces could not fill it then.
 :func:`best_fit` places one micro-batch; :func:`best_fit_lockstep` places many at once with numpy
 (one array operation per sample position instead of one loop per sample) and picks exactly the same
 ranks, which the tests check.
+
+See docs/planner.md, "CP split strategies".
 """
 
 from __future__ import annotations

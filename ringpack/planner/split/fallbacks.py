@@ -6,6 +6,8 @@ cut more samples but balance more surely, in order: the costliest samples zigzag
 (:func:`_balanced_shards`), whole short samples around deficit-driven zigzag of the long ones
 (:func:`_hybrid_shards`), and every sample zigzagged with tokens even to one
 (:func:`~ringpack.planner.split.baselines.zigzag_even_shards`), which always fits.
+
+See docs/planner.md, "CP split strategies".
 """
 
 from __future__ import annotations

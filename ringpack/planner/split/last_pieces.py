@@ -5,6 +5,8 @@ pieces, so that traffic is least when the last piece is as long as a rank holds.
 else is placed, each sample that fits whole on no rank (most expensive first, while untouched ranks
 last) puts its longest suffix an empty rank holds on the next empty rank. What is left of it, a
 prefix that other ranks need the K/V of in any case, is then placed like a whole sample.
+
+See docs/planner.md, "CP split strategies".
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ piece), which is cheaper than building :class:`~ringpack.shard_plan.Piece` objec
 the cost model; the pieces become a MicroBatch once, at the end. :func:`suffix_start` repeats
 :func:`piece_cost`'s arithmetic operation for operation (the same floats), so a suffix it finds
 within a room stays within it when :func:`piece_cost` prices it: change the two together.
+
+See docs/planner.md, "CP split strategies".
 """
 
 from __future__ import annotations

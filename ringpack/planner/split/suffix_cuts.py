@@ -5,6 +5,8 @@ holding later pieces, so its last piece should be long, and the last tokens are 
 attends to all before it), which is what a rank with much cost room and few free tokens needs.
 :func:`cut_suffixes` cuts by one rule; :func:`choose_suffix_cuts` tries both rules and keeps the
 balanced cut that sends less K/V.
+
+See docs/planner.md, "CP split strategies".
 """
 
 from __future__ import annotations
