@@ -11,7 +11,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 PIP := $(BIN)/python -m pip --disable-pip-version-check
 
-.PHONY: install demo test clean
+.PHONY: install demo test test-slow test-all clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv --system-site-packages $(VENV)
@@ -24,7 +24,15 @@ install: $(VENV)/.installed
 demo: install
 	$(BIN)/ringpack demo
 
+# test: everything but the tests marked slow (process groups, subprocesses, whole doc pages);
+# test-slow: those; CI runs both (.ci/run).
 test: install
+	$(BIN)/python -m pytest -q -m "not slow"
+
+test-slow: install
+	$(BIN)/python -m pytest -q -m slow
+
+test-all: install
 	$(BIN)/python -m pytest -q
 
 clean:

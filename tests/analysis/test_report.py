@@ -241,7 +241,7 @@ def test_markdown_report_keeps_apostrophes(tmp_path):
 
 def test_peer_rows_are_explained_under_the_table_and_in_the_pages(tmp_path):
     """A peer can win a report; the table, report.md and report.html say what its figures compare."""
-    from ringpack.analysis.peers import peer_rows
+    from ringpack.analysis.peer_runner import peer_rows
 
     plan = small_plan("zigzag", "first_fit")
     comm = CommModel.for_model(plan.config.cost)
