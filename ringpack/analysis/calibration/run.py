@@ -117,6 +117,25 @@ __all__ = [
 ]
 
 
+def backend_field() -> Any:
+    """The ``backend`` field of both calibration configs: the attention kernels timed."""
+    return field(
+        default="auto",
+        metadata=field_doc(
+            "attention kernel backend timed: auto (what training picks), or one of ringpack.attention.BACKENDS",
+            type=str,
+        ),
+    )
+
+
+def device_field() -> Any:
+    """The ``device`` field of both calibration configs."""
+    return field(
+        default="cuda",
+        metadata=field_doc("cuda, or cpu for a dry run with the reference backend", type=str, choices=("cuda", "cpu")),
+    )
+
+
 @dataclass(frozen=True)
 class CalibrationSettings:
     """What :func:`calibrate` times and how.
@@ -348,17 +367,8 @@ class KernelCalibrationConfig:
             choices=("linear", "attention"),
         ),
     )
-    backend: str = field(
-        default="auto",
-        metadata=field_doc(
-            "attention kernel backend timed: auto (what training picks), or one of ringpack.attention.BACKENDS",
-            type=str,
-        ),
-    )
-    device: str = field(
-        default="cuda",
-        metadata=field_doc("cuda, or cpu for a dry run with the reference backend", type=str, choices=("cuda", "cpu")),
-    )
+    backend: str = backend_field()
+    device: str = device_field()
     grid: str | None = field(
         default=None,
         metadata=field_doc(

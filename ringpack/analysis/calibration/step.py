@@ -32,7 +32,7 @@ import numpy as np
 from ringpack._checks import is_int
 from ringpack.analysis.calibration.cases import Case, microbatch_geometry, rank_cases
 from ringpack.analysis.calibration.features import compiled_schedule
-from ringpack.analysis.calibration.run import DRY_RUN_NOTE
+from ringpack.analysis.calibration.run import DRY_RUN_NOTE, backend_field, device_field
 from ringpack.analysis.calibration.timing import AttentionShape, Clock, compute_only_transport, device_name
 from ringpack.attention.kernels import resolve_backend
 from ringpack.attention.ring import ContextParallelAttention
@@ -95,17 +95,8 @@ class StepCalibrationConfig:
             type=str,
         ),
     )
-    backend: str = field(
-        default="auto",
-        metadata=field_doc(
-            "attention kernel backend timed: auto (what training picks), or one of ringpack.attention.BACKENDS",
-            type=str,
-        ),
-    )
-    device: str = field(
-        default="cuda",
-        metadata=field_doc("cuda, or cpu for a dry run with the reference backend", type=str, choices=("cuda", "cpu")),
-    )
+    backend: str = backend_field()
+    device: str = device_field()
     dtype: str | None = field(
         default=None,
         metadata=field_doc(
