@@ -539,8 +539,10 @@ if pytest is not None:
         [("torch_flash", None), ("cudnn_hybrid", 256)] + [("fa4", None)] * ("fa4" in _backends()),
     )
     @pytest.mark.parametrize("cp", [1, 2, 3, 4, 8])
-    def test_engine_bf16_on_one_gpu(cp, backend, dense_threshold):
-        """All CP ranks simulated on one GPU (loopback transport): bf16 within the flash bound."""
+    @pytest.mark.parametrize("mode", ["ring", "p2p"])
+    def test_engine_bf16_on_one_gpu(cp, backend, dense_threshold, mode):
+        """All CP ranks simulated on one GPU (loopback transports; ``p2p``: the targeted exchange's
+        steps and rows): bf16 within the flash bound."""
         from tests.helpers.attention import Problem, run_all_ranks
 
         dev = torch.device("cuda")
@@ -552,7 +554,7 @@ if pytest is not None:
                 mb, lengths, *({s: t.to(DTYPE) for s, t in x[n].items()} for n in ("q", "k", "v", "dout"))
             )
             for rank, got in enumerate(
-                run_all_ranks(problem, scale, backend=backend, device=dev, dense_threshold=dense_threshold)
+                run_all_ranks(problem, scale, backend=backend, device=dev, dense_threshold=dense_threshold, mode=mode)
             ):
                 for t in NAMES:
                     r, f = local(ref[t], mb, rank), local(flash[t], mb, rank)
@@ -560,7 +562,7 @@ if pytest is not None:
                         continue
                     limit = BOUND_FACTOR * max_err(f, r) + EPS_REL * float(r.abs().max())
                     assert max_err(got[t], r) <= limit, (
-                        f"{backend} {name} cp={cp} rank {rank} {t}: {max_err(got[t], r):.3e} > {limit:.3e}"
+                        f"{backend} {mode} {name} cp={cp} rank {rank} {t}: {max_err(got[t], r):.3e} > {limit:.3e}"
                     )
 
     @pytest.mark.multigpu
