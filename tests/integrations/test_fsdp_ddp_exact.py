@@ -4,7 +4,8 @@
 (``fully_shard`` per decoder layer and root over all four ranks) or DDP over all four ranks, each
 made to sum gradients by :func:`ringpack.integrations.distributed.sum_gradients`. Losses and every
 parameter's gradient of two optimizer steps must equal the per-sample single-process reference of
-``tests/helpers/training.py``.
+``tests/helpers/training.py``. The pool layout too: one CP group of all four ranks (``dp=1, cp=4``)
+with the targeted K/V exchange, under FSDP2.
 """
 
 from __future__ import annotations
@@ -15,20 +16,21 @@ from ringpack._spawn import run_ranks
 from tests.helpers.training import assert_same_training, example_args, load_example, reference
 
 WORLD, CP, STEPS = 4, 2, 2
-PARALLEL = ("fsdp2", "ddp")
+#: name -> (parallel, cp, K/V exchange mode)
+RUNS = {"fsdp2": ("fsdp2", CP, "ring"), "ddp": ("ddp", CP, "ring"), "fsdp2 pool p2p": ("fsdp2", WORLD, "p2p")}
 
 
 def worker(rank: int, world: int) -> dict | None:
     example = load_example("train_fsdp")
     results = {}
-    for parallel in PARALLEL:
-        args = example_args(CP, steps=STEPS)
-        args.parallel = parallel
+    for name, (parallel, cp, mode) in RUNS.items():
+        args = example_args(cp, steps=STEPS)
+        args.parallel, args.mode = parallel, mode
         grads = []
         losses = example.train(
             args, example.samples_for(args), on_step=lambda step, model: grads.append(example.full_gradients(model))
         )
-        results[parallel] = dict(losses=losses, grads=grads)
+        results[name] = dict(losses=losses, grads=grads)
     return results if rank == 0 else None
 
 
@@ -38,8 +40,8 @@ def distributed_results():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("parallel", PARALLEL)
-def test_training_equals_single_process(distributed_results, parallel):
-    got = distributed_results[parallel]
-    want_losses, want_grads = reference(example_args(CP, steps=STEPS), WORLD, STEPS)
+@pytest.mark.parametrize("name", RUNS)
+def test_training_equals_single_process(distributed_results, name):
+    got = distributed_results[name]
+    want_losses, want_grads = reference(example_args(RUNS[name][1], steps=STEPS), WORLD, STEPS)
     assert_same_training(got["losses"], got["grads"], want_losses, want_grads, STEPS, grad_rtol=1e-10)
