@@ -17,10 +17,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ringpack.cost import piece_pairs
 from ringpack.planner.packing import PackingProblem, improve, pack_greedy
 from ringpack.planner.split.strategies import split_groups
 from ringpack.shard_plan import MicroBatch, PlanConfig, RankShard
+from ringpack.traffic import kv_traffic
 
 __all__ = ["split_over_nodes", "node_groups", "arrange_nodes", "NODE_TOLERANCE"]
 
@@ -32,6 +32,10 @@ NODE_TOLERANCE = 1e-3
 #: two iterations that lower the highest node by less than 0.01% end it.
 PLATEAU_MIN_ITEMS = 512
 PLATEAU = {"min_progress": 1e-4, "patience": 2, "neighbours": 4}
+
+#: A group of several nodes keeps the token guard while its split sends at most this fraction more
+#: K/V than the split without it (the guard's designed price is about a tenth, ``ROBUST_TOKEN_SLACK``).
+GUARD_KV_ALLOWANCE = 0.25
 
 _EMPTY = RankShard()
 #: ``(first node, nodes, slots)``: a node group of a micro-batch and the positions of its samples.
@@ -97,40 +101,23 @@ def _split_parts(
 
 
 def _split_group(part: tuple, lengths: Sequence[int], config: PlanConfig) -> MicroBatch:
-    """A group of several nodes split by the plan's strategy, with the token guard and, for
-    ``balanced``, without it: the one with fewer pieces is kept unless it costs more.
+    """A group of several nodes split by the plan's strategy; for ``balanced``, with the token guard
+    unless that sends over :data:`GUARD_KV_ALLOWANCE` more K/V than the split without it.
 
-    Why both: such a group holds a sample bigger than a node, whose pieces leave little room for
-    the guard; where the guard cannot hold, the split falls back to zigzagging every sample of the
-    group over all its ranks (:mod:`~ringpack.planner.split.fallbacks`), which sends far more K/V
-    across nodes than the guard saves. Without the guard a rank is still held to ``tokens_per_rank``.
+    Why: such a group holds a sample bigger than a node, whose dense pieces leave ranks with few
+    tokens, so the guard (every rank within ``1 + token_slack`` of the mean tokens) often cannot
+    hold there and the split falls back to zigzagging samples over all the group's ranks
+    (:mod:`~ringpack.planner.split.fallbacks`): several times the K/V, across nodes, for balance
+    at other pair prices that the guard buys elsewhere for about a tenth more K/V. Without the guard
+    a rank is still held to ``tokens_per_rank`` and balanced at the model's prices.
     """
     cp = part[2] * config.gpus_per_node
     guarded = _split_parts([part], lengths, config, cp, config.token_slack)[0]
     if config.strategy != "balanced":
         return guarded
     free = _split_parts([part], lengths, config, cp, None)[0]
-    pieces = [sum(len(shard.pieces) for shard in mb.shards) for mb in (guarded, free)]
-    if pieces[1] < pieces[0]:
-        top = [_worst_rank(mb, config) for mb in (guarded, free)]
-        if top[1] <= top[0] * (1.0 + NODE_TOLERANCE):
-            return free
-    return guarded
-
-
-def _worst_rank(mb: MicroBatch, config: PlanConfig) -> float:
-    """The largest rank cost of ``mb`` over its mean, at the worst price of the plan's pair-price range."""
-    cost = config.cost
-    tokens, pairs, pieces = (np.zeros(len(mb.shards)) for _ in range(3))
-    for r, shard in enumerate(mb.shards):
-        starts = np.array([p.start for p in shard.pieces], dtype=np.int64)
-        stops = np.array([p.stop for p in shard.pieces], dtype=np.int64)
-        tokens[r], pairs[r], pieces[r] = (stops - starts).sum(), piece_pairs(starts, stops).sum(), len(starts)
-    worst = 0.0
-    for factor in sorted({*config.price_range, 1.0}):
-        ranks = cost.token * tokens + cost.pair * factor * pairs + cost.segment * pieces
-        worst = max(worst, float(ranks.max() / ranks.mean()))
-    return worst
+    sent = [kv_traffic(mb).p2p for mb in (guarded, free)]
+    return free if sent[0] > sent[1] * (1.0 + GUARD_KV_ALLOWANCE) else guarded
 
 
 # ------------------------------------------------------------------------------ samples to nodes
