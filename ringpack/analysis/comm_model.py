@@ -1,21 +1,19 @@
 """The communication model: how long a micro-batch takes once K/V has to travel between CP ranks.
 
-Small on purpose. Which pieces move and what a token weighs is :mod:`ringpack.traffic`'s; this
-module turns those bytes into seconds, per layer, over two link classes: within a node
-(``bandwidth``, ``latency``) and, with ``gpus_per_node``, across nodes (``inter_bandwidth``,
-``inter_latency``; without it every rank pair is on the first class):
+Which pieces move and what a token weighs is :mod:`ringpack.traffic`'s; this module turns bytes
+into seconds, per layer, on two link classes: within a node (``bandwidth``, ``latency``) and, with
+``gpus_per_node``, across nodes (``inter_bandwidth``, ``inter_latency``); without it, all on the first.
 
-* **ring**: ``C`` ring steps forward (K/V) and backward (K/V and dK/dV, twice the bytes), each
-  step's transfer ``latency + B / bandwidth`` for the largest rank's buffer ``B`` over the ring's
-  slowest hop, overlapped with the rank's attention spread evenly over the steps;
-* **all-gather**: a K/V all-gather and a dK/dV reduce-scatter, each the buffers of the ranks of
-  the rank's node at ``bandwidth`` and of the others at ``inter_bandwidth``, not overlapped;
+* **ring**: ``C`` steps forward (K/V) and backward (K/V and dK/dV), each ``latency + B / bandwidth``
+  for the largest buffer ``B`` over the ring's slowest hop, overlapped with attention step by step;
+* **all-gather**: a K/V all-gather and a dK/dV reduce-scatter, the node's buffers on its links and
+  the other nodes' on the links between, not overlapped;
 * **p2p** (targeted): one exchange per layer and direction of the pieces each rank needs
-  (:func:`exchange_volumes`), overlapped with the rank's attention on its own K/V; backward sends
-  K/V again, then the dK/dV back.
+  (:func:`exchange_volumes`), overlapped with attention on the rank's own K/V; backward sends
+  K/V again, then dK/dV back.
 
-Linear layers never overlap communication. Not modelled: the DP gradient all-reduce, pipeline
-bubbles, kernel efficiency by segment length. See docs/analysis.md, "The communication model".
+Linear layers never overlap communication; the DP all-reduce is not modelled (docs/analysis.md,
+"The communication model").
 """
 
 from __future__ import annotations

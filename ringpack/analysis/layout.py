@@ -265,7 +265,8 @@ def _reason(ranked: list[LayoutCandidate]) -> str:
     rival = other_kind[0] if other_kind else (others[0] if others else None)
 
     def split(c: LayoutCandidate) -> str:
-        exposed = max(c.step_seconds - c.compute_seconds, 0.0)
+        exposed = c.step_seconds - c.compute_seconds
+        exposed = exposed if exposed > 1e-9 * c.step_seconds else 0.0  # rounding, not communication
         return (
             f"{c.step_seconds:.3g} s a step = {c.compute_seconds:.3g} s compute + {exposed:.3g} s exposed communication"
         )

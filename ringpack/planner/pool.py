@@ -22,7 +22,7 @@ from ringpack.planner.split.strategies import split_groups
 from ringpack.shard_plan import MicroBatch, PlanConfig, RankShard
 from ringpack.traffic import kv_traffic
 
-__all__ = ["split_over_nodes", "node_groups", "arrange_nodes", "NODE_TOLERANCE"]
+__all__ = ["split_over_nodes", "node_groups", "node_need", "arrange_nodes", "NODE_TOLERANCE", "TIGHT_FILL"]
 
 #: A sample may cost this fraction more than a node's share of its micro-batch before it takes two
 #: nodes (the CP split's own tolerance, :data:`~ringpack.planner.split.CP_BALANCE_TOLERANCE`).
@@ -33,6 +33,10 @@ NODE_TOLERANCE = 1e-3
 PLATEAU_MIN_ITEMS = 512
 PLATEAU = {"min_progress": 1e-4, "patience": 2, "neighbours": 4}
 
+#: From this share of the nodes' tokens on, every node holds about the same tokens, so a sample
+#: needs as many nodes as its cost beyond its tokens' price (its attention pairs) is over a node's
+#: share of that cost: a node holding it cannot shed the short samples' tokens elsewhere.
+TIGHT_FILL = 0.9
 #: A group of several nodes keeps the token guard while its split sends at most this fraction more
 #: K/V than the split without it (the guard's designed price is about a tenth, ``ROBUST_TOKEN_SLACK``).
 GUARD_KV_ALLOWANCE = 0.25
@@ -124,13 +128,10 @@ def _split_group(part: tuple, lengths: Sequence[int], config: PlanConfig) -> Mic
 def node_groups(lengths: np.ndarray, config: PlanConfig) -> list[NodeGroup]:
     """The node groups of one micro-batch whose samples have ``lengths``: ``(first node, nodes, slots)``.
 
-    Each sample needs ``k = max(ceil(tokens / node tokens), ceil(cost / node share))`` nodes, at
-    most all, with a node's tokens ``gpus_per_node * tokens_per_rank`` and its share the
-    micro-batch's cost over the nodes times ``1 + NODE_TOLERANCE``, at each end of the plan's
-    pair-price range (a dense sample's part of the cost grows with the price). A sample enters the
-    packing as ``k`` shares of ``1/k`` of its cost and ``ceil(tokens / k)`` tokens; greedy packing
-    by cost (by tokens if that places no answer) and the local search put the shares on nodes, and
-    nodes holding shares of one sample join one group. Where no packing fits, every node is one group.
+    Each sample needs ``k`` nodes (:func:`node_need`) and enters the packing as ``k`` shares of
+    ``1/k`` of its cost and ``ceil(tokens / k)`` tokens; greedy packing by cost (by tokens if that
+    places no answer) and the local search put the shares on nodes, and nodes holding shares of one
+    sample join one group. Where no packing fits, every node is one group.
 
     Args:
         lengths: int64 ``[n]``, the micro-batch's samples in micro-batch order (their positions are
@@ -146,14 +147,7 @@ def node_groups(lengths: np.ndarray, config: PlanConfig) -> list[NodeGroup]:
     L = np.asarray(lengths, dtype=np.int64)
     node_tokens = config.gpus_per_node * config.tokens_per_rank
     priced = _priced_costs(L, config)
-    node_share = priced.sum(axis=0) / nodes * (1.0 + NODE_TOLERANCE)
-    k = np.maximum(-(-L // node_tokens), np.ceil(priced / node_share).max(axis=1))
-    # beyond its tokens' price: a node holding the sample still holds its share of the step's tokens
-    token_price = config.cost.token * float(L.sum()) / nodes
-    beyond = node_share - token_price
-    if (beyond > 0).all():
-        k = np.maximum(k, np.ceil((priced - config.cost.token * L[:, None]) / beyond).max(axis=1))
-    k = np.clip(k, 1, nodes).astype(np.int64)
+    k = node_need(L, config)
     owner = np.repeat(np.arange(len(L), dtype=np.int64), k)
     tokens = (-(-L // k))[owner]
     weights, bound = _share_weights(priced, k, owner, nodes)
@@ -166,6 +160,29 @@ def node_groups(lengths: np.ndarray, config: PlanConfig) -> list[NodeGroup]:
     plateau = PLATEAU if np.ndim(weights) == 2 and len(tokens) >= PLATEAU_MIN_ITEMS else {}
     bins = improve(problem, bins, bound, **plateau)
     return _groups_of(bins, owner, k, nodes)
+
+
+def node_need(lengths: np.ndarray, config: PlanConfig) -> np.ndarray:
+    """``int64[n]``: the nodes each sample of one micro-batch needs, from 1 to all of the group's.
+
+    ``k = max(ceil(tokens / node tokens), ceil(cost / node share))``, with a node's tokens
+    ``gpus_per_node * tokens_per_rank`` and its share the micro-batch's cost over the nodes times
+    ``1 + NODE_TOLERANCE``, at each end of the plan's pair-price range (a dense sample's part of
+    the cost grows with the price). With the nodes' tokens at least :data:`TIGHT_FILL` full, also
+    ``ceil(cost beyond its tokens' price / a node's share of that cost)``: every node then holds
+    about the mean tokens, so only the rest of the cost can differ between nodes.
+    """
+    nodes = config.nodes_per_group
+    L = np.asarray(lengths, dtype=np.int64)
+    node_tokens = config.gpus_per_node * config.tokens_per_rank
+    priced = _priced_costs(L, config)
+    node_share = priced.sum(axis=0) / nodes * (1.0 + NODE_TOLERANCE)
+    k = np.maximum(-(-L // node_tokens), np.ceil(priced / node_share).max(axis=1))
+    if float(L.sum()) / (nodes * node_tokens) >= TIGHT_FILL:  # every node holds about its share of the tokens
+        beyond = node_share - config.cost.token * float(L.sum()) / nodes  # a node's share of the rest
+        if (beyond > 0).all():
+            k = np.maximum(k, np.ceil((priced - config.cost.token * L[:, None]) / beyond).max(axis=1))
+    return np.clip(k, 1, nodes).astype(np.int64)
 
 
 def _priced_costs(L: np.ndarray, config: PlanConfig) -> np.ndarray:
