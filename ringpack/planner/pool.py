@@ -6,9 +6,9 @@ packed into the nodes by cost (:mod:`~ringpack.planner.packing`'s greedy and loc
 node holding at most ``G * tokens_per_rank`` tokens), then each node's samples are split over its
 ranks by the plan's strategy, so a split sample's pieces stay in one node. A sample bigger than a
 node (by tokens, or by cost) enters the packing as ``k`` equal shares, ``k`` the fewest nodes it
-needs, and the nodes its shares land on are split together, their ranks arranged so that the other
-samples split there still lie in one node. Work grows with the samples and the nodes, never with
-their product or with ``cp`` squared.
+needs, and the nodes its shares land on are split together (without the token guard), their ranks
+arranged so that the other samples split there still lie in one node. Work grows with the samples
+and the nodes, never with their product or with ``cp`` squared.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import numpy as np
 from ringpack.planner.packing import PackingProblem, improve, pack_greedy
 from ringpack.planner.split.strategies import split_groups
 from ringpack.shard_plan import MicroBatch, PlanConfig, RankShard
-from ringpack.traffic import kv_traffic
 
 __all__ = ["split_over_nodes", "node_groups", "node_need", "arrange_nodes", "NODE_TOLERANCE", "TIGHT_FILL"]
 
@@ -37,10 +36,6 @@ PLATEAU = {"min_progress": 1e-4, "patience": 2, "neighbours": 4}
 #: needs as many nodes as its cost beyond its tokens' price (its attention pairs) is over a node's
 #: share of that cost: a node holding it cannot shed the short samples' tokens elsewhere.
 TIGHT_FILL = 0.9
-#: A group of several nodes keeps the token guard while its split sends at most this fraction more
-#: K/V than the split without it (the guard's designed price is about a tenth, ``ROBUST_TOKEN_SLACK``).
-GUARD_KV_ALLOWANCE = 0.25
-
 _EMPTY = RankShard()
 #: ``(first node, nodes, slots)``: a node group of a micro-batch and the positions of its samples.
 NodeGroup = tuple[int, int, np.ndarray]
@@ -105,23 +100,15 @@ def _split_parts(
 
 
 def _split_group(part: tuple, lengths: Sequence[int], config: PlanConfig) -> MicroBatch:
-    """A group of several nodes split by the plan's strategy; for ``balanced``, with the token guard
-    unless that sends over :data:`GUARD_KV_ALLOWANCE` more K/V than the split without it.
+    """A group of several nodes split by the plan's strategy over all its ranks, without the token guard.
 
-    Why: such a group holds a sample bigger than a node, whose dense pieces leave ranks with few
-    tokens, so the guard (every rank within ``1 + token_slack`` of the mean tokens) often cannot
-    hold there and the split falls back to zigzagging samples over all the group's ranks
-    (:mod:`~ringpack.planner.split.fallbacks`): several times the K/V, across nodes, for balance
-    at other pair prices that the guard buys elsewhere for about a tenth more K/V. Without the guard
-    a rank is still held to ``tokens_per_rank`` and balanced at the model's prices.
+    Why without: such a group holds a sample bigger than a node, whose dense pieces leave ranks
+    with few tokens, so the guard (every rank within ``1 + token_slack`` of the mean tokens) rarely
+    holds there, and the split then falls back to zigzagging the group's samples over all its ranks
+    (:mod:`~ringpack.planner.split.fallbacks`): several times the K/V, across nodes, and seconds of
+    planning per step at a thousand ranks. A rank is still held to ``tokens_per_rank``.
     """
-    cp = part[2] * config.gpus_per_node
-    guarded = _split_parts([part], lengths, config, cp, config.token_slack)[0]
-    if config.strategy != "balanced":
-        return guarded
-    free = _split_parts([part], lengths, config, cp, None)[0]
-    sent = [kv_traffic(mb).p2p for mb in (guarded, free)]
-    return free if sent[0] > sent[1] * (1.0 + GUARD_KV_ALLOWANCE) else guarded
+    return _split_parts([part], lengths, config, part[2] * config.gpus_per_node, None)[0]
 
 
 # ------------------------------------------------------------------------------ samples to nodes
