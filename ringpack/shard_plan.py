@@ -57,10 +57,11 @@ STRATEGIES = ("balanced", "zigzag", "contiguous")
 PACKINGS = ("balanced", "first_fit")
 OVERFLOW_POLICIES = ("error", "split", "drop")
 TABLE_COLUMNS = ("step", "dp", "microbatch", "cp", "slot", "sample", "start", "stop")
-#: Largest DP and CP sizes a :class:`PlanConfig` accepts: far beyond any cluster, small enough that a
-#: plan's rank lists and every micro-batch's ``cp`` rank shards stay cheap to build and check.
+#: Largest DP and CP sizes a :class:`PlanConfig` accepts: far beyond any cluster (a CP group may be
+#: the whole pool), small enough that a plan's rank lists and every micro-batch's ``cp`` rank shards
+#: stay cheap to build and check.
 MAX_DP = 1 << 20
-MAX_CP = 1 << 12
+MAX_CP = 1 << 16
 #: Items a repr lists before it only counts the rest (a plan's objects can hold millions).
 _SHOWN = 4
 
@@ -304,6 +305,17 @@ class PlanConfig:
             default_text="0.25,2 for FLOP models, 1,1 for measured profiles",
         ),
     )
+    gpus_per_node: int | None = field(
+        default=None,
+        metadata=field_doc(
+            "GPUs of one node, when a CP group spans nodes: each node's share of a micro-batch is split alone, and "
+            "only samples bigger than a node take several (whole) nodes (default: one flat group)",
+            type=int,
+            low=1,
+            high=MAX_CP,
+            default_text="none",
+        ),
+    )
 
     def __post_init__(self) -> None:
         for name in ("dp", "cp", "tokens_per_rank"):
@@ -343,6 +355,20 @@ class PlanConfig:
             raise PlanError(f"PlanConfig.cost must be a CostModel, got {type(self.cost).__name__}")
         if self.pair_price_range is not None:
             object.__setattr__(self, "pair_price_range", _price_range(self.pair_price_range))
+        self._check_nodes()
+
+    def _check_nodes(self) -> None:
+        """``gpus_per_node``: ``None``, or a size that a CP group fills whole nodes of or fits inside one."""
+        node = self.gpus_per_node
+        if node is None:
+            return
+        if not is_int(node) or not 1 <= node <= MAX_CP:
+            raise PlanError(f"{option('gpus_per_node')} must be None or an integer in [1, {MAX_CP:,}], got {node!r}")
+        if self.cp % node and node % self.cp:
+            raise PlanError(
+                f"{option('gpus_per_node')} {node} and {option('cp')} {self.cp}: a CP group must fill whole nodes "
+                "or fit inside one (one must divide the other)"
+            )
 
     @property
     def price_range(self) -> tuple[float, float]:
@@ -363,6 +389,13 @@ class PlanConfig:
         """Tokens one CP group can hold in one micro-batch."""
         return self.cp * self.tokens_per_rank
 
+    @property
+    def nodes_per_group(self) -> int:
+        """Nodes a CP group spans: ``cp / gpus_per_node`` when it spans several, else 1 (flat, or inside one node)."""
+        if self.gpus_per_node is None or self.cp <= self.gpus_per_node:
+            return 1
+        return self.cp // self.gpus_per_node
+
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["cost"] = self.cost.to_dict()
@@ -370,6 +403,8 @@ class PlanConfig:
             del out["pair_price_range"]  # the default: plan files and hashes carry set fields only
         else:
             out["pair_price_range"] = list(self.pair_price_range)
+        if self.gpus_per_node is None:
+            del out["gpus_per_node"]  # flat: plans without a topology keep their files and hashes
         return {k: (int(v) if isinstance(v, np.integer) else v) for k, v in out.items()}
 
     @classmethod

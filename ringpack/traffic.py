@@ -7,6 +7,8 @@ iff ``r'`` holds a piece of ``X`` with ``start' >= stop`` (:func:`needed_pieces`
 exactly the needed pieces, compacted into one buffer per rank; :func:`kv_traffic` and
 :func:`plan_kv_traffic` count their bytes (:class:`KVTraffic`), forward pass only, with
 :func:`kv_bytes_per_token` giving what one token's K and V weigh (``bytes_per_token=1`` counts tokens).
+:func:`receivers` lists the ranks needing each piece, and :func:`exchange_tokens` what every rank
+sends and receives in the targeted exchange, within its node and across nodes.
 """
 
 from __future__ import annotations
@@ -20,7 +22,15 @@ if TYPE_CHECKING:
     from ringpack.cost import ModelShape
     from ringpack.shard_plan import MicroBatch, Plan
 
-__all__ = ["KVTraffic", "kv_bytes_per_token", "needed_pieces", "kv_traffic", "plan_kv_traffic"]
+__all__ = [
+    "KVTraffic",
+    "kv_bytes_per_token",
+    "needed_pieces",
+    "receivers",
+    "exchange_tokens",
+    "kv_traffic",
+    "plan_kv_traffic",
+]
 
 
 @dataclass(frozen=True)
@@ -32,11 +42,14 @@ class KVTraffic:
         p2p: each needed piece counted once per rank that needs it (point-to-point sends).
         ring: what a ring relays: every rank's compacted buffer through all ``cp - 1`` other ranks,
             ``(cp - 1) * unique``. The backward sends K/V again plus dK/dV (about twice the forward).
+        p2p_inter: the part of ``p2p`` sent to ranks of another node (CP rank ``c`` on node
+            ``c // gpus_per_node``); 0 when no ``gpus_per_node`` is given.
     """
 
     unique: int
     p2p: int
     ring: int
+    p2p_inter: int = 0
 
 
 def kv_bytes_per_token(shape: ModelShape, dtype_bytes: int = 2, layers: int | None = None) -> int:
@@ -57,14 +70,31 @@ def needed_pieces(
     Returns:
         int64 ``[n]``; ``needed > 0`` marks the pieces of the compacted send buffers.
     """
+    if len(start) == 0:
+        return np.zeros(0, dtype=np.int64)
+    found = _holders(group, cp, sample, start, stop)
+    return found.hi - found.lo - found.own
+
+
+@dataclass(frozen=True)
+class _Holders:
+    """Per piece, the ranks holding a later part of its sample: ``ranks[lo[i]:hi[i]]`` hold a piece of
+    piece ``i``'s sample (in its micro-batch) starting at or after ``stop[i]``; ``own[i]`` is 1 when
+    piece ``i``'s own rank is one of them, else 0."""
+
+    lo: np.ndarray
+    hi: np.ndarray
+    own: np.ndarray
+    ranks: np.ndarray
+
+
+def _holders(group, cp, sample, start, stop) -> _Holders:
+    """:class:`_Holders` of every piece (arguments as for :func:`needed_pieces`, at least one piece)."""
     group = np.asarray(group, dtype=np.int64)
     cp = np.asarray(cp, dtype=np.int64)
     sample = np.asarray(sample, dtype=np.int64)
     start = np.asarray(start, dtype=np.int64)
     stop = np.asarray(stop, dtype=np.int64)
-    n = len(start)
-    if n == 0:
-        return np.zeros(0, dtype=np.int64)
     # dense id of (group, sample) and of (group, sample, rank)
     _, gx = np.unique(np.stack([group, sample]), axis=1, return_inverse=True)
     gx = gx.reshape(-1)
@@ -75,15 +105,82 @@ def needed_pieces(
     rank_max = np.full(uniq.shape[1], -1, dtype=np.int64)
     np.maximum.at(rank_max, gxr, start)
     owner_gx = uniq[0]
-    # for each piece: count ranks r' of the same (group, sample) with rank_max >= stop, minus its own
+    # for each piece: the ranks r' of the same (group, sample) with rank_max >= stop, its own included
     span = int(max(stop.max(), rank_max.max())) + 2
     composite = owner_gx * span + rank_max
-    composite.sort()
+    order = np.argsort(composite, kind="stable")
+    composite = composite[order]
     hi = np.searchsorted(composite, gx * span + span - 1, side="right")
     lo = np.searchsorted(composite, gx * span + stop, side="left")
-    count = hi - lo
-    count -= (rank_max[gxr] >= stop).astype(np.int64)
-    return count
+    own = (rank_max[gxr] >= stop).astype(np.int64)
+    return _Holders(lo, hi, own, uniq[1][order])
+
+
+def receivers(
+    group: np.ndarray, cp: np.ndarray, sample: np.ndarray, start: np.ndarray, stop: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Every (piece, rank that needs it) pair of the targeted exchange: what :func:`needed_pieces` counts.
+
+    Args:
+        group, cp, sample, start, stop: as for :func:`needed_pieces`, one entry per piece.
+
+    Returns:
+        ``(piece, rank)``, int64 ``[K]`` with ``K = needed_pieces(...).sum()``: piece ``piece[j]``
+        (its index in the arguments) goes to CP rank ``rank[j]`` of its micro-batch; grouped by
+        piece, in piece order.
+    """
+    if len(start) == 0:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    found = _holders(group, cp, sample, start, stop)
+    count = found.hi - found.lo
+    piece = np.repeat(np.arange(len(count), dtype=np.int64), count)
+    first = np.cumsum(count) - count  # where each piece's run starts among the pairs
+    rank = found.ranks[np.arange(len(piece), dtype=np.int64) - np.repeat(first - found.lo, count)]
+    other = rank != np.asarray(cp, dtype=np.int64)[piece]
+    return piece[other], rank[other]
+
+
+def exchange_tokens(
+    group: np.ndarray,
+    cp: np.ndarray,
+    sample: np.ndarray,
+    start: np.ndarray,
+    stop: np.ndarray,
+    num_groups: int,
+    cp_size: int,
+    gpus_per_node: int | None = None,
+) -> dict[str, np.ndarray]:
+    """What every rank sends and receives in the targeted exchange, in tokens, within and across nodes.
+
+    Args:
+        group: int64 ``[n]``, each piece's micro-batch, in ``[0, num_groups)``.
+        cp, sample, start, stop: as for :func:`needed_pieces`.
+        num_groups: micro-batches.
+        cp_size: CP ranks of a micro-batch.
+        gpus_per_node: CP rank ``c`` is on node ``c // gpus_per_node``; ``None``: all on one node.
+
+    Returns:
+        int64 ``[num_groups, cp_size]`` arrays ``send_intra``, ``send_inter``, ``recv_intra`` and
+        ``recv_inter``: tokens of the needed pieces a rank sends to (receives from) ranks of its own
+        node and of other nodes, a piece once per rank that needs it. Without ``gpus_per_node`` the
+        ``_inter`` arrays are zero.
+    """
+    piece, to = receivers(group, cp, sample, start, stop)
+    g = np.asarray(group, dtype=np.int64)[piece]
+    frm = np.asarray(cp, dtype=np.int64)[piece]
+    tokens = (np.asarray(stop, dtype=np.int64) - np.asarray(start, dtype=np.int64))[piece]
+    if gpus_per_node is None:
+        inter = np.zeros(len(piece), dtype=bool)
+    else:
+        inter = frm // gpus_per_node != to // gpus_per_node
+    size = num_groups * cp_size
+    out = {}
+    for name, rank in (("send", frm), ("recv", to)):
+        cell = g * cp_size + rank
+        for part, mask in (("intra", ~inter), ("inter", inter)):
+            summed = np.bincount(cell[mask], weights=tokens[mask], minlength=size)
+            out[f"{name}_{part}"] = summed.astype(np.int64).reshape(num_groups, cp_size)
+    return out
 
 
 def _traffic_arrays(group, cp_rank, sample, start, stop, cp: int, bytes_per_token: int, num_groups: int):
@@ -94,28 +191,39 @@ def _traffic_arrays(group, cp_rank, sample, start, stop, cp: int, bytes_per_toke
     return unique, p2p, unique * (cp - 1)
 
 
-def kv_traffic(mb: MicroBatch, bytes_per_token: int = 1) -> KVTraffic:
-    """K/V bytes crossing the CP ranks of one micro-batch."""
+def _inter_bytes(group, cp_rank, sample, start, stop, cp: int, bytes_per_token: int, num_groups: int, node: int):
+    """Per micro-batch: the ``p2p`` bytes sent to ranks of another node (nodes of ``node`` ranks)."""
+    sent = exchange_tokens(group, cp_rank, sample, start, stop, num_groups, cp, node)["send_inter"]
+    return sent.sum(axis=1) * bytes_per_token
+
+
+def kv_traffic(mb: MicroBatch, bytes_per_token: int = 1, gpus_per_node: int | None = None) -> KVTraffic:
+    """K/V bytes crossing the CP ranks of one micro-batch (with ``gpus_per_node``, also those crossing nodes)."""
     rows = [(c, p.sample, p.start, p.stop) for c, shard in enumerate(mb.shards) for p in shard.pieces]
     if not rows:
         return KVTraffic(0, 0, 0)
     arr = np.array(rows, dtype=np.int64)
     group = np.zeros(len(arr), dtype=np.int64)
-    u, p, r = _traffic_arrays(group, arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 3], len(mb.shards), bytes_per_token, 1)
-    return KVTraffic(int(u[0]), int(p[0]), int(r[0]))
+    cols = (group, arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 3], len(mb.shards), bytes_per_token, 1)
+    u, p, r = _traffic_arrays(*cols)
+    inter = 0 if gpus_per_node is None else int(_inter_bytes(*cols, gpus_per_node)[0])
+    return KVTraffic(int(u[0]), int(p[0]), int(r[0]), inter)
 
 
 def plan_kv_traffic(plan: Plan, bytes_per_token: int = 1) -> dict[str, np.ndarray]:
     """Per micro-batch K/V traffic of a whole plan, vectorised over its piece table.
 
     Returns int64 arrays, one row per micro-batch in plan order: ``step``, ``dp``, ``microbatch``,
-    ``unique``, ``p2p``, ``ring``. Per-step totals: ``np.bincount(out["step"], out["ring"])``.
+    ``unique``, ``p2p``, ``ring``, and for a plan with ``gpus_per_node`` also ``p2p_inter`` (the
+    part of ``p2p`` crossing nodes). Per-step totals: ``np.bincount(out["step"], out["ring"])``.
     """
     a = plan.piece_arrays
     keys = np.stack([a["step"], a["dp"], a["microbatch"]])
     uniq, group = np.unique(keys, axis=1, return_inverse=True)
     group = group.reshape(-1)
-    u, p, r = _traffic_arrays(
-        group, a["cp"], a["sample"], a["start"], a["stop"], plan.config.cp, bytes_per_token, uniq.shape[1]
-    )
-    return {"step": uniq[0], "dp": uniq[1], "microbatch": uniq[2], "unique": u, "p2p": p, "ring": r}
+    cols = (group, a["cp"], a["sample"], a["start"], a["stop"], plan.config.cp, bytes_per_token, uniq.shape[1])
+    u, p, r = _traffic_arrays(*cols)
+    out = {"step": uniq[0], "dp": uniq[1], "microbatch": uniq[2], "unique": u, "p2p": p, "ring": r}
+    if plan.config.gpus_per_node is not None:
+        out["p2p_inter"] = _inter_bytes(*cols, plan.config.gpus_per_node)
+    return out

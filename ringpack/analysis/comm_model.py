@@ -1,19 +1,19 @@
 """The communication model: how long a micro-batch takes once K/V has to travel between CP ranks.
 
-Small on purpose. Which pieces move and what a token weighs is :mod:`ringpack.traffic`'s; this
-module turns those bytes into seconds, per layer:
+Which pieces move and what a token weighs is :mod:`ringpack.traffic`'s; this module turns bytes
+into seconds, per layer, on two link classes: within a node (``bandwidth``, ``latency``) and, with
+``gpus_per_node``, across nodes (``inter_bandwidth``, ``inter_latency``); without it, all on the first.
 
-* **ring** (the default runtime): ``C`` ring steps forward (K/V) and backward (K/V and dK/dV,
-  twice the bytes), each step's transfer ``latency + B / bandwidth`` for the largest rank's buffer
-  ``B``, overlapped with the rank's attention work spread evenly over the steps
-  (``ATTN_FORWARD_SHARE`` of it forward); nothing moves when no rank needs another's K/V;
-* **all-gather**: a K/V all-gather and a dK/dV reduce-scatter, ``(C-1) * (latency + B / bandwidth)``
-  each, not overlapped.
+* **ring**: ``C`` steps forward (K/V) and backward (K/V and dK/dV), each ``latency + B / bandwidth``
+  for the largest buffer ``B`` over the ring's slowest hop, overlapped with attention step by step;
+* **all-gather**: a K/V all-gather and a dK/dV reduce-scatter, the node's buffers on its links and
+  the other nodes' on the links between, not overlapped;
+* **p2p** (targeted): one exchange per layer and direction of the pieces each rank needs
+  (:func:`exchange_volumes`), overlapped with attention on the rank's own K/V; backward sends
+  K/V again, then dK/dV back.
 
-Linear layers never overlap communication. Not modelled (the same for every strategy): the DP
-gradient all-reduce, pipeline bubbles, kernel efficiency by segment length.
-
-See docs/analysis.md, "The communication model".
+Linear layers never overlap communication; the DP all-reduce is not modelled (docs/analysis.md,
+"The communication model").
 """
 
 from __future__ import annotations
@@ -23,13 +23,24 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ringpack.cost import PRESETS, CostModel
-from ringpack.traffic import kv_bytes_per_token, needed_pieces
+from ringpack.cost import PRESETS, CostModel, piece_pairs
+from ringpack.traffic import exchange_tokens, kv_bytes_per_token, needed_pieces
 
-__all__ = ["CommModel", "LINKS", "ATTN_FORWARD_SHARE", "kv_cross_tokens", "microbatch_seconds"]
+__all__ = [
+    "CommModel",
+    "ExchangeVolumes",
+    "LINKS",
+    "MODES",
+    "ATTN_FORWARD_SHARE",
+    "kv_cross_tokens",
+    "exchange_volumes",
+    "microbatch_seconds",
+]
 
 #: Forward share of attention FLOPs in fwd+bwd (backward ~2.5x forward, as in the cost model's 3.5).
 ATTN_FORWARD_SHARE = 1.0 / 3.5
+#: The K/V exchanges the model times (the attention runtime's modes).
+MODES = ("ring", "allgather", "p2p")
 
 #: Named links: (bandwidth bytes/s per direction, latency s per message).
 LINKS: dict[str, tuple[float, float]] = {
@@ -41,19 +52,39 @@ LINKS: dict[str, tuple[float, float]] = {
 
 @dataclass(frozen=True)
 class CommModel:
-    """Link bandwidth (bytes/s, one direction), per-message latency (s), and the attention mode."""
+    """Links, the attention mode and the K/V size a token moves.
+
+    Attributes:
+        bandwidth, latency: the link between two ranks of one node (bytes/s one direction, s per
+            message); every rank pair's link when ``gpus_per_node`` is ``None``.
+        mode: ``"ring"``, ``"allgather"`` or ``"p2p"`` (:data:`MODES`).
+        kv_bytes_per_token_layer, layers: K and V bytes of one token in one layer, and the layers.
+        gpus_per_node: CP rank ``c`` of a micro-batch is on node ``c // gpus_per_node``; ``None``: flat.
+        inter_bandwidth, inter_latency: the link between ranks of two nodes (with ``gpus_per_node``).
+
+    Raises:
+        ValueError: an unknown mode, a bandwidth <= 0, a latency < 0, ``layers < 1``, negative K/V
+            bytes or a ``gpus_per_node`` < 1.
+    """
 
     bandwidth: float = LINKS["nvlink"][0]
     latency: float = LINKS["nvlink"][1]
     mode: str = "ring"
     kv_bytes_per_token_layer: float = 2 * 8 * 128 * 2  # llama3-8b, bf16
     layers: int = 32
+    gpus_per_node: int | None = None
+    inter_bandwidth: float = LINKS["ib"][0]
+    inter_latency: float = LINKS["ib"][1]
 
     def __post_init__(self) -> None:
-        if self.mode not in ("ring", "allgather"):
-            raise ValueError(f"CommModel.mode must be 'ring' or 'allgather', got {self.mode!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"CommModel.mode must be one of {MODES}, got {self.mode!r}")
         if self.bandwidth <= 0 or self.latency < 0 or self.layers < 1 or self.kv_bytes_per_token_layer < 0:
             raise ValueError("CommModel needs bandwidth > 0, latency >= 0, layers >= 1, kv bytes >= 0")
+        if self.inter_bandwidth <= 0 or self.inter_latency < 0:
+            raise ValueError("CommModel needs inter_bandwidth > 0 and inter_latency >= 0")
+        if self.gpus_per_node is not None and not (isinstance(self.gpus_per_node, int) and self.gpus_per_node >= 1):
+            raise ValueError(f"CommModel.gpus_per_node must be None or an integer >= 1, got {self.gpus_per_node!r}")
 
     @classmethod
     def for_model(
@@ -64,18 +95,28 @@ class CommModel:
         dtype_bytes: int = 2,
         bandwidth: float | None = None,
         latency: float | None = None,
+        gpus_per_node: int | None = None,
+        inter_link: str = "ib",
+        inter_bandwidth: float | None = None,
+        inter_latency: float | None = None,
     ) -> CommModel:
-        """K/V size from the cost model's preset shape (llama3-8b's when the model is not a preset)."""
+        """K/V size from the cost model's preset shape (llama3-8b's when the model is not a preset);
+        ``link`` within a node, ``inter_link`` across nodes of ``gpus_per_node`` (each overridable)."""
         shape = PRESETS.get(model.name, PRESETS["llama3-8b"])
-        if link not in LINKS:
-            raise ValueError(f"unknown link {link!r}; known: {', '.join(LINKS)}")
+        for name in (link, inter_link):
+            if name not in LINKS:
+                raise ValueError(f"unknown link {name!r}; known: {', '.join(LINKS)}")
         bw, lat = LINKS[link]
+        inter_bw, inter_lat = LINKS[inter_link]
         return cls(
             bandwidth=bw if bandwidth is None else bandwidth,
             latency=lat if latency is None else latency,
             mode=mode,
             kv_bytes_per_token_layer=kv_bytes_per_token(shape, dtype_bytes, layers=1),
             layers=shape.layers,
+            gpus_per_node=gpus_per_node,
+            inter_bandwidth=inter_bw if inter_bandwidth is None else inter_bandwidth,
+            inter_latency=inter_lat if inter_latency is None else inter_latency,
         )
 
     @property
@@ -83,11 +124,47 @@ class CommModel:
         """K/V bytes of one token over all layers (what one forward moves per needed token)."""
         return self.kv_bytes_per_token_layer * self.layers
 
+    def node_size(self, cp: int) -> int:
+        """Ranks of a CP group of ``cp`` that share a node: ``min(cp, gpus_per_node)`` (``cp`` when flat)."""
+        return cp if self.gpus_per_node is None else min(cp, self.gpus_per_node)
+
+    def to_dict(self) -> dict[str, float | int | str]:
+        """The fields as a JSON-ready dict; the links between nodes only with ``gpus_per_node``."""
+        out = dict(self.__dict__)
+        if self.gpus_per_node is None:
+            for name in ("gpus_per_node", "inter_bandwidth", "inter_latency"):
+                del out[name]
+        return out
+
     def describe(self) -> str:
-        return (
+        text = (
             f"{self.mode}, {self.bandwidth / 1e9:.0f} GB/s, {self.latency * 1e6:.0f} us latency, "
             f"{self.kv_bytes_per_token_layer:.0f} B of K/V per token per layer x {self.layers} layers"
         )
+        if self.gpus_per_node is not None:
+            text += (
+                f"; across nodes of {self.gpus_per_node} GPUs {self.inter_bandwidth / 1e9:.0f} GB/s, "
+                f"{self.inter_latency * 1e6:.0f} us"
+            )
+        return text
+
+
+@dataclass(frozen=True)
+class ExchangeVolumes:
+    """What each CP rank moves in the targeted exchange and how much of its attention needs it.
+
+    Every array has the shape of the rank arrays it goes with (CP rank last). Tokens, one layer's
+    forward: ``send_intra`` / ``send_inter`` (pieces sent to ranks of its node / of other nodes,
+    once per receiver), ``recv_intra`` / ``recv_inter`` (pieces received); ``remote_pairs``: the
+    rank's causal pairs whose key is on another rank (the rest run on its own K/V, during the
+    exchange).
+    """
+
+    send_intra: np.ndarray
+    send_inter: np.ndarray
+    recv_intra: np.ndarray
+    recv_inter: np.ndarray
+    remote_pairs: np.ndarray
 
 
 def kv_cross_tokens(arrays: Mapping[str, np.ndarray], shape: tuple[int, int, int] | None = None) -> np.ndarray:
@@ -107,31 +184,115 @@ def kv_cross_tokens(arrays: Mapping[str, np.ndarray], shape: tuple[int, int, int
     return np.where(need > 0, stop - start, 0)
 
 
+def exchange_volumes(
+    arrays: Mapping[str, np.ndarray], cp: int, shape: tuple[int, int, int], gpus_per_node: int | None = None
+) -> ExchangeVolumes:
+    """The targeted exchange of every rank of a piece table, as ``(S, D, M, C)`` arrays (:class:`ExchangeVolumes`).
+
+    Args:
+        arrays: the plan's piece table (``Plan.piece_arrays`` columns).
+        cp: CP ranks of a micro-batch (``C``).
+        shape: ``(S, D, M)``, the grid of micro-batches.
+        gpus_per_node: nodes of that many CP ranks (``None``: one node, every byte ``_intra``).
+
+    A piece's local pairs are its own causal pairs and those against the same sample's earlier
+    pieces on the same rank; the rest of its pairs are remote.
+    """
+    step, dp, mb = (np.asarray(arrays[k], dtype=np.int64) for k in ("step", "dp", "microbatch"))
+    c, sample = np.asarray(arrays["cp"], dtype=np.int64), np.asarray(arrays["sample"], dtype=np.int64)
+    start, stop = np.asarray(arrays["start"], dtype=np.int64), np.asarray(arrays["stop"], dtype=np.int64)
+    S, D, M = shape
+    cell = (step * D + dp) * M + mb
+    moved = exchange_tokens(cell, c, sample, start, stop, S * D * M, cp, gpus_per_node)
+    # tokens of the same sample on the same rank before each piece (same cell)
+    order = np.lexsort((start, c, sample, cell))
+    length = stop - start
+    run = np.ones(len(order), dtype=bool)
+    if len(order):
+        key = np.stack([cell[order], sample[order], c[order]])
+        run[1:] = (key[:, 1:] != key[:, :-1]).any(axis=0)
+    before = np.cumsum(length[order]) - length[order]
+    base = np.maximum.accumulate(np.where(run, before, 0))
+    earlier = np.empty_like(length)
+    earlier[order] = before - base
+    local = length * (length + 1) // 2 + length * earlier
+    remote = np.zeros(S * D * M * cp, dtype=np.int64)
+    np.add.at(remote, cell * cp + c, piece_pairs(start, stop) - local)
+    grid = (S, D, M, cp)
+    return ExchangeVolumes(
+        *(moved[k].reshape(grid) for k in ("send_intra", "send_inter", "recv_intra", "recv_inter")),
+        remote.reshape(grid),
+    )
+
+
 def microbatch_seconds(
-    tokens: np.ndarray, pairs: np.ndarray, segments: np.ndarray, kv_cross: np.ndarray, model: CostModel, comm: CommModel
+    tokens: np.ndarray,
+    pairs: np.ndarray,
+    segments: np.ndarray,
+    kv_cross: np.ndarray,
+    model: CostModel,
+    comm: CommModel,
+    volumes: ExchangeVolumes | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Predicted seconds of each CP rank ``(..., C)`` and exposed communication seconds, per the module's model.
 
     Arrays have the CP rank as their last axis; ``kv_cross`` counts tokens (all layers' bytes are
-    ``kv_cross * comm.kv_bytes_per_token``).
+    ``kv_cross * comm.kv_bytes_per_token``). ``volumes`` (:func:`exchange_volumes`) is what mode
+    ``"p2p"`` times; the other modes ignore it.
+
+    Raises:
+        ValueError: mode ``"p2p"`` without ``volumes``.
     """
     linear = model.seconds(model.cost(tokens, 0, segments))
     attn = model.seconds(model.cost(0, pairs, 0)) if model.pair else np.zeros(np.shape(pairs))
+    if comm.mode == "p2p":
+        if volumes is None:
+            raise ValueError("the p2p communication model needs the exchange volumes (exchange_volumes)")
+        seconds = linear + _p2p_attention(attn, pairs, volumes, comm)
+        return seconds, seconds - (linear + attn)
     cp = np.shape(tokens)[-1]
     largest = (np.asarray(kv_cross, dtype=np.float64) * comm.kv_bytes_per_token_layer).max(axis=-1, keepdims=True)
     moves = largest > 0
     if cp == 1 or not moves.any():
         return linear + attn, np.zeros_like(linear)
     L = comm.layers
+    node = comm.node_size(cp)
     if comm.mode == "ring":
+        # a ring over several nodes has a hop between nodes: every step waits for it
+        bw, lat = (comm.bandwidth, comm.latency) if node == cp else (comm.inter_bandwidth, comm.inter_latency)
         total = np.zeros_like(attn)
         for share, factor in ((ATTN_FORWARD_SHARE, 1.0), (1.0 - ATTN_FORWARD_SHARE, 2.0)):
             a_step = attn * share / L / cp
-            transfer = np.where(moves, comm.latency + factor * largest / comm.bandwidth, 0.0)
+            transfer = np.where(moves, lat + factor * largest / bw, 0.0)
             total += L * (a_step + (cp - 1) * np.maximum(a_step, transfer))
         ring = total
     else:
-        collective = np.where(moves, (cp - 1) * (comm.latency + largest / comm.bandwidth), 0.0)
-        ring = attn + L * 2 * collective
+        # the node's other ranks' buffers over the node's links, the other nodes' over the links between
+        collective = (node - 1) * (comm.latency + largest / comm.bandwidth)
+        if node < cp:
+            collective = (
+                collective + (cp - node) * largest / comm.inter_bandwidth + (cp // node - 1) * comm.inter_latency
+            )
+        ring = attn + L * 2 * np.where(moves, collective, 0.0)
     seconds = linear + ring
     return seconds, seconds - (linear + attn)
+
+
+def _p2p_attention(attn: np.ndarray, pairs: np.ndarray, volumes: ExchangeVolumes, comm: CommModel) -> np.ndarray:
+    """Attention seconds with the targeted exchange: per layer, forward ``max(local, exchange) +
+    remote``, backward ``max(local, exchange) + remote + exchange`` (K/V again, then dK/dV back)."""
+    L = comm.layers
+    b = comm.kv_bytes_per_token_layer
+    intra = np.maximum(volumes.send_intra, volumes.recv_intra) * b
+    inter = np.maximum(volumes.send_inter, volumes.recv_inter) * b
+    t_intra = np.where(intra > 0, comm.latency + intra / comm.bandwidth, 0.0)
+    t_inter = np.where(inter > 0, comm.inter_latency + inter / comm.inter_bandwidth, 0.0)
+    exchange = np.maximum(t_intra, t_inter)  # the two link classes carry their parts at once
+    pairs = np.asarray(pairs, dtype=np.float64)
+    remote_share = np.divide(volumes.remote_pairs, pairs, out=np.zeros_like(pairs), where=pairs > 0)
+    total = np.zeros_like(attn)
+    for share, grads in ((ATTN_FORWARD_SHARE, 0.0), (1.0 - ATTN_FORWARD_SHARE, 1.0)):
+        a = attn * share / L
+        remote = a * remote_share
+        total += L * (np.maximum(a - remote, exchange) + remote + grads * exchange)
+    return total

@@ -372,7 +372,7 @@ def build_report(
         "cost_model": first.model.to_dict(),
         "cost_unit": first.model.unit,
         "comm_model": {
-            **results[0].comm.__dict__,
+            **results[0].comm.to_dict(),
             "kv_bytes_per_token": results[0].comm.kv_bytes_per_token,
             "description": results[0].comm.describe(),
         },

@@ -29,14 +29,9 @@ from ringpack._hints import option
 from ringpack.lengths import check_lengths
 from ringpack.planner.bounds import PriceProfile, price_profile, step_lower_bound
 from ringpack.planner.packing import PackingProblem, fill_empty_bins, improve, pack_first_fit, pack_greedy
+from ringpack.planner.pool import split_over_nodes
 from ringpack.planner.solver import refine
-from ringpack.planner.split import (
-    split_balanced,
-    split_balanced_many,
-    split_contiguous,
-    split_zigzag,
-    split_zigzag_even,
-)
+from ringpack.planner.split.strategies import split_groups
 from ringpack.shard_plan import MicroBatch, Plan, PlanConfig, PlanError, Step
 
 log = logging.getLogger(__name__)
@@ -161,19 +156,18 @@ def shuffle_order(n: int, seed: int, epoch: int) -> np.ndarray:
 
 # -------------------------------------------------------------------------------------- CP split
 def split_microbatch(samples: Sequence[int], lengths: Sequence[int], config: PlanConfig) -> MicroBatch:
-    """Split one micro-batch's samples over the CP group by ``config.strategy``."""
-    if config.strategy == "balanced":
-        return split_balanced(
-            samples, lengths, config.cp, config.tokens_per_rank, config.cost, token_slack=config.token_slack
-        )
-    if config.strategy == "zigzag":
-        mb = split_zigzag(samples, lengths, config.cp)
-        if max(shard.num_tokens for shard in mb.shards) > config.tokens_per_rank:
-            # floor cuts can leave a rank one token per sample over a tight budget; the token-even
-            # zigzag keeps the same front/back chunk pairing and always fits a micro-batch that fits
-            mb = split_zigzag_even(samples, lengths, config.cp)
-        return mb
-    return split_contiguous(samples, lengths, config.cp)
+    """Split one micro-batch's samples over the CP group by ``config.strategy`` (node by node when the
+    group spans nodes, :func:`~ringpack.planner.pool.split_over_nodes`)."""
+    return _split([samples], lengths, config)[0]
+
+
+def _split(groups: Sequence[Sequence[int]], lengths: Sequence[int], config: PlanConfig) -> list[MicroBatch]:
+    """Every micro-batch of ``groups`` split by ``config``: over its nodes, or over the CP group."""
+    if config.nodes_per_group > 1:
+        return split_over_nodes(groups, lengths, config)
+    return split_groups(
+        groups, lengths, config.cp, config.tokens_per_rank, config.cost, config.strategy, config.token_slack
+    )
 
 
 # ------------------------------------------------------------------------------------------ steps
@@ -209,12 +203,8 @@ def _plan_step(index: int, ids: np.ndarray, lengths: np.ndarray, config: PlanCon
             + (f" or {option('microbatches_per_rank')} (0 chooses it)" if config.microbatches_per_rank else "")
         )
     groups = _microbatch_groups(ids, bins, dp * m)
-    if config.strategy == "balanced":  # all micro-batches of the step at once (the same splits, faster)
-        mbs = split_balanced_many(
-            groups, lengths, cp, config.tokens_per_rank, config.cost, token_slack=config.token_slack
-        )
-    else:
-        mbs = [split_microbatch(members, length_list, config) for members in groups]
+    # balanced splits read the lengths array, the others index a list (faster per sample)
+    mbs = _split(groups, lengths if config.strategy == "balanced" else length_list, config)
     ranks = tuple(tuple(mbs[d * m : (d + 1) * m]) for d in range(dp))
     return Step(microbatches=ranks, lower_bound=bound)
 

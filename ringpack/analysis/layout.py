@@ -1,0 +1,280 @@
+"""The layout choice: which CP size, or the pool, and which K/V exchange, for a user's lengths and cluster.
+
+:func:`choose_layout` plans the first global batches of the lengths with every fixed CP size
+(powers of two, up to the nodes the longest sample needs) and with the pool (``dp=1, cp=world``,
+split node by node), times each step under ring, all-gather and targeted (``p2p``) exchange (the
+cost model's compute plus :mod:`~ringpack.analysis.comm_model`'s communication, the slowest rank),
+and ranks the layouts by predicted tokens/s, with a one-line reason for the winner. It lives here,
+not in the planner, because it needs the communication model.
+
+See docs/planner.md, "Choosing the layout".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ringpack.analysis.comm_model import MODES, CommModel, exchange_volumes, kv_cross_tokens, microbatch_seconds
+from ringpack.cost import CostModel, piece_pairs
+from ringpack.errors import PlanError
+from ringpack.lengths import check_lengths
+from ringpack.planner.bounds import critical_path, rank_grid
+from ringpack.planner.epoch import global_batches, plan_step
+from ringpack.shard_plan import Plan, PlanConfig, global_batch_samples
+
+__all__ = ["LayoutCandidate", "LayoutChoice", "choose_layout", "cp_sizes", "TIE"]
+
+#: Layouts whose predicted step time is within this fraction of the fastest tie; the simplest of
+#: them wins (the smallest CP size, a fixed size before the pool, ring before all-gather before p2p).
+TIE = 0.005
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutCandidate:
+    """One layout and exchange, as planned and timed on the sampled steps.
+
+    Attributes:
+        name: ``"cp=8"`` (fixed CP size, ``dp = world / 8``) or ``"pool"`` (``dp=1, cp=world``,
+            planned node by node).
+        mode: the K/V exchange timed (``"ring"``, ``"allgather"``, ``"p2p"``).
+        dp, cp, gpus_per_node: the :class:`~ringpack.shard_plan.PlanConfig` fields of the layout
+            (``gpus_per_node`` set for the pool only).
+        feasible: whether the layout plans these lengths; ``note`` says why not.
+        step_seconds: mean predicted step time (compute and exposed communication, slowest rank).
+        compute_seconds: mean step time of the compute alone (the cost model's critical path).
+        tokens_per_second: tokens of the sampled steps over their predicted time.
+        inter_node_bytes: mean K/V bytes per step the targeted exchange sends between nodes (0
+            for a layout inside one node).
+        note: what kept the layout out, or ``""``.
+    """
+
+    name: str
+    mode: str
+    dp: int
+    cp: int
+    gpus_per_node: int | None
+    feasible: bool
+    step_seconds: float = float("nan")
+    compute_seconds: float = float("nan")
+    tokens_per_second: float = 0.0
+    inter_node_bytes: float = 0.0
+    note: str = ""
+
+    @property
+    def label(self) -> str:
+        """``"pool, p2p"``, ``"cp=8, ring"``."""
+        return f"{self.name}, {self.mode}"
+
+    def plan_kwargs(self) -> dict[str, Any]:
+        """The :func:`ringpack.plan` keywords of the layout: ``dp``, ``cp`` and, for the pool, ``gpus_per_node``."""
+        out: dict[str, Any] = {"dp": self.dp, "cp": self.cp}
+        if self.gpus_per_node is not None:
+            out["gpus_per_node"] = self.gpus_per_node
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutChoice:
+    """Every candidate, fastest first (infeasible ones last), and why the first won.
+
+    Attributes:
+        candidates: the :class:`LayoutCandidate` of every layout and mode.
+        reason: one line: the winner, its tokens/s against the runner-up, and where the runner-up's
+            time goes.
+        steps: the global batches planned and timed.
+    """
+
+    candidates: tuple[LayoutCandidate, ...]
+    reason: str
+    steps: int
+
+    @property
+    def best(self) -> LayoutCandidate:
+        return self.candidates[0]
+
+
+def cp_sizes(world: int, gpus_per_node: int, longest: int, tokens_per_rank: int) -> list[int]:
+    """The fixed CP sizes compared: the powers of two dividing the node, then twice as many ranks each
+    time (whole nodes, dividing ``world``, below it) until a CP group holds the longest sample, and
+    one size more."""
+    sizes = [c for c in (1 << i for i in range(gpus_per_node.bit_length())) if gpus_per_node % c == 0]
+    extra = 1  # one size of whole nodes beyond the first that holds the longest sample
+    c = sizes[-1]
+    while c * tokens_per_rank < longest or extra:
+        if c * tokens_per_rank >= longest:
+            extra -= 1
+        c *= 2
+        if c >= world or world % c:
+            break
+        sizes.append(c)
+    return [c for c in sizes if c < world and world % c == 0]
+
+
+def choose_layout(
+    lengths: Any,
+    world: int,
+    gpus_per_node: int,
+    tokens_per_rank: int,
+    cost: CostModel | None = None,
+    comm: CommModel | None = None,
+    *,
+    modes: Sequence[str] = MODES,
+    sizes: Sequence[int] | None = None,
+    steps: int = 3,
+    samples_per_step: int | None = None,
+    **config: Any,
+) -> LayoutChoice:
+    """Rank the fixed CP sizes and the pool, under each exchange, by predicted tokens/s on ``lengths``.
+
+    Args:
+        lengths: tokens of every sample (a 1-D integer sequence or array, each >= 1).
+        world: GPUs of the cluster; a multiple of ``gpus_per_node``.
+        gpus_per_node: GPUs of one node.
+        tokens_per_rank: every rank's token budget per micro-batch.
+        cost: the cost model (default the ``llama3-8b`` FLOP model).
+        comm: the links (default :meth:`CommModel.for_model` of ``cost``: NVLink within a node, IB
+            across); its ``mode`` and ``gpus_per_node`` are set per candidate.
+        modes: the exchanges to time (:data:`~ringpack.analysis.comm_model.MODES`).
+        sizes: the fixed CP sizes (default :func:`cp_sizes`); each must divide ``world``.
+        steps: global batches planned and timed per layout (the first ones of the epoch).
+        samples_per_step: the global batch in samples, the same for every layout (default
+            :func:`~ringpack.shard_plan.global_batch_samples` ``"auto"`` of the pool: ``world x
+            tokens_per_rank`` tokens of mean-length samples).
+        **config: other :class:`~ringpack.shard_plan.PlanConfig` fields for every plan (``strategy``,
+            ``overflow``, ``seed``, ``pair_price_range``, ...; not ``dp``, ``cp``, ``gpus_per_node``).
+
+    Returns:
+        :class:`LayoutChoice`. A fixed size whose CP group cannot hold the longest sample under the
+        config's ``overflow`` (``"error"`` by default) is listed as infeasible.
+
+    Raises:
+        PlanError: bad lengths; ``world``, ``gpus_per_node``, ``tokens_per_rank``, ``steps`` or
+            ``sizes`` out of range; ``config`` naming ``dp``, ``cp`` or ``gpus_per_node``; an
+            unknown mode; or no layout that plans the lengths.
+    """
+    L = check_lengths(lengths, error=PlanError)
+    _check_shape(world, gpus_per_node, steps, config, modes)
+    cost = CostModel.preset("llama3-8b") if cost is None else cost
+    comm = CommModel.for_model(cost) if comm is None else comm
+    if sizes is None:
+        sizes = cp_sizes(world, gpus_per_node, int(L.max()), tokens_per_rank)
+    bad = [c for c in sizes if not (isinstance(c, int) and c >= 1 and world % c == 0)]
+    if bad:
+        raise PlanError(f"sizes: CP size {bad[0]!r} does not divide world={world}")
+    if samples_per_step is None:
+        samples_per_step = global_batch_samples(L, "auto", dp=1, cp=world, tokens_per_rank=tokens_per_rank)
+    base = {"tokens_per_rank": tokens_per_rank, "cost": cost, "samples_per_step": samples_per_step, **config}
+    layouts = [(f"cp={c}", world // c, c, None) for c in sizes] + [("pool", 1, world, gpus_per_node)]
+    candidates = []
+    for name, dp, cp, node in layouts:
+        planned = _plan_steps(L, PlanConfig(dp=dp, cp=cp, gpus_per_node=node, **base), steps)
+        for mode in modes:
+            link = dataclasses.replace(comm, mode=mode, gpus_per_node=gpus_per_node)
+            if isinstance(planned, str):
+                candidates.append(LayoutCandidate(name, mode, dp, cp, node, False, note=planned))
+            else:
+                candidates.append(_timed(name, mode, planned, link))
+    ranked = _rank(candidates)
+    if not ranked[0].feasible:
+        raise PlanError(f"no layout plans these lengths: {ranked[0].label}: {ranked[0].note}")
+    return LayoutChoice(tuple(ranked), _reason(ranked), steps)
+
+
+def _check_shape(world: Any, node: Any, steps: Any, config: dict, modes: Sequence[str]) -> None:
+    for name, value in (("world", world), ("gpus_per_node", node), ("steps", steps)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise PlanError(f"{name} must be an integer >= 1, got {value!r}")
+    if world % node:
+        raise PlanError(f"world={world} is not a whole number of nodes of gpus_per_node={node}")
+    named = [k for k in ("dp", "cp", "gpus_per_node") if k in config]
+    if named:
+        raise PlanError(f"choose_layout sets {named[0]} itself for every layout; leave it out")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes:
+        raise PlanError(f"modes must be some of {MODES}, got {list(modes)!r}")
+
+
+def _plan_steps(L: np.ndarray, config: PlanConfig, steps: int) -> Plan | str:
+    """The first ``steps`` steps of ``config``'s plan of ``L`` as a plan, or why it cannot be planned."""
+    try:
+        batches = global_batches(L, config)
+        planned = tuple(plan_step(batches, s, config) for s in range(min(steps, len(batches.windows))))
+    except PlanError as exc:
+        return str(exc)
+    return Plan(config=config, lengths=tuple(batches.lengths.tolist()), steps=planned)
+
+
+def _timed(name: str, mode: str, plan: Plan, comm: CommModel) -> LayoutCandidate:
+    """A planned layout timed under ``comm``: per rank compute and exposed communication, the critical path."""
+    cfg = plan.config
+    a = plan.piece_arrays
+    M = max(len(step.microbatches[0]) for step in plan.steps)
+    shape = (plan.num_steps, cfg.dp, M)
+    per_rank, _, _ = rank_grid(a, cfg.dp, cfg.cp, shape)
+    tokens, pairs, segments = (
+        per_rank(a["stop"] - a["start"]),
+        per_rank(piece_pairs(a["start"], a["stop"])),
+        per_rank(None),
+    )
+    cross = per_rank(np.asarray(kv_cross_tokens(a, shape=shape), dtype=np.int64))
+    volumes = exchange_volumes(a, cfg.cp, shape, comm.gpus_per_node) if comm.mode == "p2p" else None
+    seconds, _ = microbatch_seconds(tokens, pairs, segments, cross, cfg.cost, comm, volumes)
+    compute = critical_path(cfg.cost.seconds(cfg.cost.cost(tokens, pairs, segments)))[1]
+    step = critical_path(seconds)[1]
+    inter = 0.0
+    if comm.gpus_per_node is not None and cfg.cp > comm.gpus_per_node:
+        moved = volumes if volumes is not None else exchange_volumes(a, cfg.cp, shape, comm.gpus_per_node)
+        inter = float(moved.send_inter.sum()) * comm.kv_bytes_per_token / plan.num_steps
+    total_tokens = float(tokens.sum())
+    return LayoutCandidate(
+        name,
+        comm.mode,
+        cfg.dp,
+        cfg.cp,
+        cfg.gpus_per_node,
+        True,
+        step_seconds=float(step.mean()),
+        compute_seconds=float(compute.mean()),
+        tokens_per_second=total_tokens / float(step.sum()) if step.sum() > 0 else 0.0,
+        inter_node_bytes=inter,
+    )
+
+
+def _rank(candidates: list[LayoutCandidate]) -> list[LayoutCandidate]:
+    """Fastest first; within :data:`TIE` of the fastest, the simplest first; infeasible ones last."""
+    feasible = sorted((c for c in candidates if c.feasible), key=lambda c: c.step_seconds)
+    if feasible:
+        fastest = feasible[0].step_seconds
+        tied = [c for c in feasible if c.step_seconds <= fastest * (1.0 + TIE)]
+        simplest = min(tied, key=lambda c: (c.name == "pool", c.cp, MODES.index(c.mode)))
+        feasible.remove(simplest)
+        feasible.insert(0, simplest)
+    return feasible + [c for c in candidates if not c.feasible]
+
+
+def _reason(ranked: list[LayoutCandidate]) -> str:
+    """One line on why the winner won: its tokens/s against the best layout of the other kind (or
+    the runner-up), and where each one's step time goes."""
+    best = ranked[0]
+    others = [c for c in ranked[1:] if c.feasible]
+    other_kind = [c for c in others if (c.name == "pool") != (best.name == "pool")]
+    rival = other_kind[0] if other_kind else (others[0] if others else None)
+
+    def split(c: LayoutCandidate) -> str:
+        exposed = c.step_seconds - c.compute_seconds
+        exposed = exposed if exposed > 1e-9 * c.step_seconds else 0.0  # rounding, not communication
+        return (
+            f"{c.step_seconds:.3g} s a step = {c.compute_seconds:.3g} s compute + {exposed:.3g} s exposed communication"
+        )
+
+    if rival is None:
+        return f"{best.label}: the only layout that plans these lengths ({split(best)})"
+    ratio = best.tokens_per_second / rival.tokens_per_second if rival.tokens_per_second > 0 else float("inf")
+    why = "the same speed, and simpler" if ratio < 1.0 + TIE else f"{ratio:.2f}x the tokens/s"
+    infeasible = [c.name for c in ranked if not c.feasible and c.mode == best.mode]
+    cannot = f"; {', '.join(infeasible)}: cannot plan these lengths" if infeasible else ""
+    return f"{best.label}: {why} of {rival.label} ({split(best)}, against {split(rival)}){cannot}"

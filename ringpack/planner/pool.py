@@ -1,0 +1,304 @@
+"""CP groups that span nodes, up to the whole pool: a micro-batch split node by node (docs/planner.md, "Pool plans").
+
+With ``PlanConfig.gpus_per_node = G`` a CP group of ``cp`` ranks is ``cp / G`` nodes, CP rank ``c``
+on node ``c // G``. :func:`split_over_nodes` splits a micro-batch in two levels: its samples are
+packed into the nodes by cost (:mod:`~ringpack.planner.packing`'s greedy and local search, each
+node holding at most ``G * tokens_per_rank`` tokens), then each node's samples are split over its
+ranks by the plan's strategy, so a split sample's pieces stay in one node. A sample bigger than a
+node (by tokens, or by cost) enters the packing as ``k`` equal shares, ``k`` the fewest nodes it
+needs, and the nodes its shares land on are split together (without the token guard), their ranks
+arranged so that the other samples split there still lie in one node. Work grows with the samples
+and the nodes, never with their product or with ``cp`` squared.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from ringpack.planner.packing import PackingProblem, improve, pack_greedy
+from ringpack.planner.split.strategies import split_groups
+from ringpack.shard_plan import MicroBatch, PlanConfig, RankShard
+
+__all__ = ["split_over_nodes", "node_groups", "node_need", "arrange_nodes", "NODE_TOLERANCE", "TIGHT_FILL"]
+
+#: A sample may cost this fraction more than a node's share of its micro-batch before it takes two
+#: nodes (the CP split's own tolerance, :data:`~ringpack.planner.split.CP_BALANCE_TOLERANCE`).
+NODE_TOLERANCE = 1e-3
+#: The local search over nodes with a pair-price range stops on a plateau, as the DP packing does
+#: (docs/planner.md, "The stages"): from this many shares on, the lightest 4 nodes are searched and
+#: two iterations that lower the highest node by less than 0.01% end it.
+PLATEAU_MIN_ITEMS = 512
+PLATEAU = {"min_progress": 1e-4, "patience": 2, "neighbours": 4}
+
+#: From this share of the nodes' tokens on, every node holds about the same tokens, so a sample
+#: needs as many nodes as its cost beyond its tokens' price (its attention pairs) is over a node's
+#: share of that cost: a node holding it cannot shed the short samples' tokens elsewhere.
+TIGHT_FILL = 0.9
+_EMPTY = RankShard()
+#: ``(first node, nodes, slots)``: a node group of a micro-batch and the positions of its samples.
+NodeGroup = tuple[int, int, np.ndarray]
+
+
+def split_over_nodes(groups: Sequence[Sequence[int]], lengths: Sequence[int], config: PlanConfig) -> list[MicroBatch]:
+    """Every micro-batch of ``groups`` split over the nodes of its CP group, then inside its node groups.
+
+    Args:
+        groups: the micro-batches' sample ids, each in micro-batch order.
+        lengths: tokens of every sample, indexed by id (a sequence or a 1-D integer array).
+        config: a plan config whose CP group spans nodes (``config.nodes_per_group > 1``).
+
+    Returns:
+        One :class:`MicroBatch` per group with ``config.cp`` rank shards: each node group's samples
+        (in micro-batch order within it) and pieces at its ranks, groups in node order; ranks of a
+        node that got no sample hold nothing.
+
+    Raises:
+        ValueError: a group holds more than ``cp * tokens_per_rank`` tokens, or ``config`` has no
+            CP group over several nodes.
+    """
+    G = config.gpus_per_node
+    if config.nodes_per_group < 2:
+        raise ValueError(f"split_over_nodes needs a CP group over several nodes, got cp={config.cp}, gpus_per_node={G}")
+    single, multi = [], []  # (micro-batch, first node, nodes, sample ids)
+    for g, members in enumerate(groups):
+        members = list(members)
+        L = np.array([int(lengths[x]) for x in members], dtype=np.int64)
+        if int(L.sum()) > config.group_capacity:
+            raise ValueError(
+                f"micro-batch holds {int(L.sum())} tokens, more than cp*tokens_per_rank={config.group_capacity}"
+            )
+        for first, count, slots in node_groups(L, config):
+            (single if count == 1 else multi).append((g, first, count, [members[k] for k in slots.tolist()]))
+    split = _split_parts(single, lengths, config, G, config.token_slack)
+    for part in multi:  # each at its own size; its ranks arranged so that small splits stay in a node
+        split.append(arrange_nodes(_split_group(part, lengths, config), G))
+    placed: list[list[tuple[int, MicroBatch]]] = [[] for _ in groups]
+    for (g, first, _, _), mb in zip(single + multi, split):
+        placed[g].append((first, mb))
+    out = []
+    for parts in placed:
+        parts.sort(key=lambda item: item[0])
+        shards = [_EMPTY] * config.cp
+        samples: list[int] = []
+        loss = 0
+        for first, mb in parts:
+            shards[first * G : first * G + len(mb.shards)] = mb.shards
+            samples.extend(mb.samples)
+            loss += mb.loss_tokens
+        out.append(MicroBatch(samples=tuple(samples), shards=tuple(shards), loss_tokens=loss))
+    return out
+
+
+def _split_parts(
+    parts: list, lengths: Sequence[int], config: PlanConfig, cp: int, token_slack: float | None
+) -> list[MicroBatch]:
+    """The node groups ``parts`` (all of ``cp`` ranks) split by the plan's strategy, in order."""
+    ids = [ids for *_, ids in parts]
+    return split_groups(ids, lengths, cp, config.tokens_per_rank, config.cost, config.strategy, token_slack)
+
+
+def _split_group(part: tuple, lengths: Sequence[int], config: PlanConfig) -> MicroBatch:
+    """A group of several nodes split by the plan's strategy over all its ranks, without the token guard.
+
+    Why without: such a group holds a sample bigger than a node, whose dense pieces leave ranks
+    with few tokens, so the guard (every rank within ``1 + token_slack`` of the mean tokens) rarely
+    holds there, and the split then falls back to zigzagging the group's samples over all its ranks
+    (:mod:`~ringpack.planner.split.fallbacks`): several times the K/V, across nodes, and seconds of
+    planning per step at a thousand ranks. A rank is still held to ``tokens_per_rank``.
+    """
+    return _split_parts([part], lengths, config, part[2] * config.gpus_per_node, None)[0]
+
+
+# ------------------------------------------------------------------------------ samples to nodes
+def node_groups(lengths: np.ndarray, config: PlanConfig) -> list[NodeGroup]:
+    """The node groups of one micro-batch whose samples have ``lengths``: ``(first node, nodes, slots)``.
+
+    Each sample needs ``k`` nodes (:func:`node_need`) and enters the packing as ``k`` shares of
+    ``1/k`` of its cost and ``ceil(tokens / k)`` tokens; greedy packing by cost (by tokens if that
+    places no answer) and the local search put the shares on nodes, and nodes holding shares of one
+    sample join one group. Where no packing fits, every node is one group.
+
+    Args:
+        lengths: int64 ``[n]``, the micro-batch's samples in micro-batch order (their positions are
+            the slots returned).
+        config: the plan config (``gpus_per_node``, ``cp``, ``tokens_per_rank``, ``cost``, the price range).
+
+    Returns:
+        The groups in node order, each ``(first node, nodes, int64 slots in micro-batch order)``,
+        the largest first; nodes that hold no sample are in none. Deterministic: ties go to the
+        lower node.
+    """
+    nodes = config.nodes_per_group
+    L = np.asarray(lengths, dtype=np.int64)
+    node_tokens = config.gpus_per_node * config.tokens_per_rank
+    priced = _priced_costs(L, config)
+    k = node_need(L, config)
+    owner = np.repeat(np.arange(len(L), dtype=np.int64), k)
+    tokens = (-(-L // k))[owner]
+    weights, bound = _share_weights(priced, k, owner, nodes)
+    problem = PackingProblem(weights, tokens, nodes, 1, node_tokens)
+    bins = pack_greedy(problem)
+    if bins is None:  # cost order strands a share: token order (worst fit by tokens) places more
+        bins = pack_greedy(PackingProblem(tokens.astype(np.float64), tokens, nodes, 1, node_tokens))
+    if bins is None:
+        return [(0, nodes, np.arange(len(L), dtype=np.int64))]
+    plateau = PLATEAU if np.ndim(weights) == 2 and len(tokens) >= PLATEAU_MIN_ITEMS else {}
+    bins = improve(problem, bins, bound, **plateau)
+    return _groups_of(bins, owner, k, nodes)
+
+
+def node_need(lengths: np.ndarray, config: PlanConfig) -> np.ndarray:
+    """``int64[n]``: the nodes each sample of one micro-batch needs, from 1 to all of the group's.
+
+    ``k = max(ceil(tokens / node tokens), ceil(cost / node share))``, with a node's tokens
+    ``gpus_per_node * tokens_per_rank`` and its share the micro-batch's cost over the nodes times
+    ``1 + NODE_TOLERANCE``, at each end of the plan's pair-price range (a dense sample's part of
+    the cost grows with the price). With the nodes' tokens at least :data:`TIGHT_FILL` full, also
+    ``ceil(cost beyond its tokens' price / a node's share of that cost)``: every node then holds
+    about the mean tokens, so only the rest of the cost can differ between nodes.
+    """
+    nodes = config.nodes_per_group
+    L = np.asarray(lengths, dtype=np.int64)
+    node_tokens = config.gpus_per_node * config.tokens_per_rank
+    priced = _priced_costs(L, config)
+    node_share = priced.sum(axis=0) / nodes * (1.0 + NODE_TOLERANCE)
+    k = np.maximum(-(-L // node_tokens), np.ceil(priced / node_share).max(axis=1))
+    if float(L.sum()) / (nodes * node_tokens) >= TIGHT_FILL:  # every node holds about its share of the tokens
+        beyond = node_share - config.cost.token * float(L.sum()) / nodes  # a node's share of the rest
+        if (beyond > 0).all():
+            k = np.maximum(k, np.ceil((priced - config.cost.token * L[:, None]) / beyond).max(axis=1))
+    return np.clip(k, 1, nodes).astype(np.int64)
+
+
+def _priced_costs(L: np.ndarray, config: PlanConfig) -> np.ndarray:
+    """``float64[n, P]``: each sample's cost at the model's prices (``P = 1``) or, over a pair-price
+    range, at its two ends (a node's load over the mean load is a ratio of two lines in the price,
+    largest at an end)."""
+    cost = config.cost
+    low, high = config.price_range
+    base = cost.sample_cost(L)
+    if (low, high) == (1.0, 1.0) or cost.pair == 0:
+        return base[:, None]
+    pairs = (L * (L + 1) // 2).astype(np.float64)
+    return np.column_stack([base + cost.pair * (f - 1.0) * pairs for f in (low, high)])
+
+
+def _share_weights(priced: np.ndarray, k: np.ndarray, owner: np.ndarray, nodes: int) -> tuple[np.ndarray, float]:
+    """The shares' weights for the packing, and the height no packing can beat.
+
+    One price: cost units, the bound the larger of a node's mean and the largest share. A price
+    range: one column per end, each share's cost there over the nodes' mean cost there, so a node's
+    height is its worst load relative to the mean.
+    """
+    if priced.shape[1] == 1:
+        w = (priced[:, 0] / k)[owner]
+        return w, max(float(w.sum()) / nodes, float(w.max()))
+    w = (priced / k[:, None])[owner] / (priced.sum(axis=0) / nodes)
+    return w, max(1.0, float(w.max()))
+
+
+def _groups_of(bins: np.ndarray, owner: np.ndarray, k: np.ndarray, nodes: int) -> list[NodeGroup]:
+    """Node groups from the node of every share: nodes holding shares of one sample are joined."""
+    parent = list(range(nodes))
+
+    def root(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    spread = owner[k[owner] > 1]
+    for sample in np.unique(spread).tolist():
+        held = np.unique(bins[owner == sample]).tolist()
+        for node in held[1:]:
+            a, b = root(held[0]), root(node)
+            if a != b:
+                parent[max(a, b)] = min(a, b)
+    roots = np.array([root(x) for x in range(nodes)], dtype=np.int64)
+    sample_root = np.full(len(k), -1, dtype=np.int64)
+    sample_root[owner] = roots[bins]  # a sample's shares all have one root now
+    used = np.unique(sample_root)
+    sizes = np.bincount(roots, minlength=nodes)[used]
+    order = np.lexsort((used, -sizes))  # largest group first, then by its lowest node
+    groups, first = [], 0
+    for g in order.tolist():
+        groups.append((first, int(sizes[g]), np.flatnonzero(sample_root == used[g])))
+        first += int(sizes[g])
+    return groups
+
+
+# -------------------------------------------------------------------------- ranks to nodes
+def arrange_nodes(mb: MicroBatch, gpus_per_node: int) -> MicroBatch:
+    """``mb`` (a group of whole nodes) with its rank shards reordered so that split samples cross nodes least.
+
+    A group's ranks are interchangeable (a shard costs the same on any of them), so the order is
+    free. Ranks linked by samples split over at most ``gpus_per_node`` ranks form components, each
+    kept inside one node where it fits (first fit, in order); the components come in the order of
+    the pieces of the samples split over more ranks than a node holds, earliest tokens first, so
+    those samples' consecutive pieces share nodes. The arrangement is kept when fewer split samples
+    cross nodes than in the split's own order. Costs and pieces are unchanged.
+    """
+    G, cp = gpus_per_node, len(mb.shards)
+    ranks_of: dict[int, list[int]] = {}
+    first_start: dict[tuple[int, int], int] = {}
+    for r, shard in enumerate(mb.shards):
+        for p in shard.pieces:
+            ranks_of.setdefault(p.sample, []).append(r)
+            key = (p.sample, r)
+            first_start[key] = min(first_start.get(key, p.start), p.start)
+    parent = list(range(cp))
+
+    def root(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    wide = []  # samples over more ranks than a node holds
+    for sample, ranks in ranks_of.items():
+        held = sorted(set(ranks))
+        if len(held) > G:
+            wide.append(sample)
+        elif len(held) > 1:
+            for r in held[1:]:
+                a, b = root(held[0]), root(r)
+                if a != b:
+                    parent[max(a, b)] = min(a, b)
+    # ranks in order: the wide samples' ranks by their piece's start, then every other rank
+    sequence = [
+        r for sample in wide for _, r in sorted((first_start[(sample, r)], r) for r in set(ranks_of[sample]))
+    ] + list(range(cp))
+    members: dict[int, list[int]] = {}
+    for r in range(cp):
+        members.setdefault(root(r), []).append(r)
+    room = [G] * (cp // G)
+    slots: list[list[int]] = [[] for _ in room]
+    done = set()
+    for r in sequence:
+        c = root(r)
+        if c in done:
+            continue
+        done.add(c)
+        component = members[c]
+        node = next((n for n, free in enumerate(room) if free >= len(component)), None)
+        if node is None:  # larger than any node's room: its ranks fill the nodes in order
+            for q in component:
+                n = next(n for n, free in enumerate(room) if free)
+                slots[n].append(q)
+                room[n] -= 1
+            continue
+        slots[node].extend(component)
+        room[node] -= len(component)
+    order = [r for node in slots for r in node]
+    position = [0] * cp
+    for new, old in enumerate(order):
+        position[old] = new
+    crossing = [0, 0]  # split samples over several nodes: as planned, arranged
+    for ranks in ranks_of.values():
+        crossing[0] += len({r // G for r in ranks}) > 1
+        crossing[1] += len({position[r] // G for r in ranks}) > 1
+    if crossing[1] >= crossing[0]:
+        return mb
+    return MicroBatch(samples=mb.samples, shards=tuple(mb.shards[r] for r in order), loss_tokens=mb.loss_tokens)

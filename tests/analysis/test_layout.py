@@ -1,0 +1,58 @@
+"""The layout choice (ringpack/analysis/layout.py): fixed CP sizes and the pool, ranked by predicted tokens/s."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import ringpack
+from ringpack.analysis.layout import choose_layout, cp_sizes
+from ringpack.errors import PlanError
+
+
+def test_equal_short_samples_need_no_context_parallelism():
+    """Every layout balances equal samples perfectly and none moves K/V: the simplest, pure DP, wins."""
+    choice = choose_layout(np.full(2000, 1024), world=16, gpus_per_node=8, tokens_per_rank=16384, steps=2)
+    assert (choice.best.name, choice.best.mode, choice.best.dp, choice.best.cp) == ("cp=1", "ring", 16, 1)
+    assert choice.reason.startswith("cp=1, ring: the same speed, and simpler of pool")
+    assert {c.name for c in choice.candidates} == {"cp=1", "cp=2", "cp=4", "cp=8", "pool"}
+
+
+def test_one_huge_sample_takes_the_pool():
+    """A sample costing most of the step: fixed groups of up to 8 ranks cannot hold it, one of 16
+    runs it on half the GPUs while the others idle; the pool spreads it over all 32."""
+    lengths = np.concatenate([[120_000], np.random.default_rng(0).integers(200, 800, 200)])
+    choice = choose_layout(
+        lengths, world=32, gpus_per_node=8, tokens_per_rank=8192, steps=1, samples_per_step=0, pair_price_range=(1, 1)
+    )
+    best = choice.best
+    assert best.name == "pool" and best.plan_kwargs() == {"dp": 1, "cp": 32, "gpus_per_node": 8}
+    fixed = min((c for c in choice.candidates if c.feasible and c.name != "pool"), key=lambda c: c.step_seconds)
+    assert fixed.name == "cp=16" and best.tokens_per_second > 1.3 * fixed.tokens_per_second
+    assert "cp=1, cp=2, cp=4, cp=8: cannot plan these lengths" in choice.reason
+    infeasible = [c for c in choice.candidates if not c.feasible]
+    assert infeasible and all("sample 0 has 120000 tokens" in c.note for c in infeasible)
+    assert choice.candidates.index(infeasible[0]) == len(choice.candidates) - len(infeasible)  # last
+    plan = ringpack.plan(lengths, tokens_per_rank=8192, samples_per_step=0, **best.plan_kwargs())
+    assert plan.config.gpus_per_node == 8
+
+
+def test_the_sizes_compared_reach_the_longest_sample_and_one_more():
+    assert cp_sizes(1024, 8, 131072, 16384) == [1, 2, 4, 8, 16]
+    assert cp_sizes(1024, 8, 300_000, 16384) == [1, 2, 4, 8, 16, 32, 64]
+    assert cp_sizes(16, 8, 60_000, 8192) == [1, 2, 4, 8]  # the next size is the whole pool
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(world=12, gpus_per_node=8), "world=12 is not a whole number of nodes of gpus_per_node=8"),
+        (dict(world=16, gpus_per_node=8, dp=2), "choose_layout sets dp itself"),
+        (dict(world=16, gpus_per_node=8, modes=["tree"]), "modes must be some of"),
+        (dict(world=16, gpus_per_node=8, sizes=[3]), "CP size 3 does not divide world=16"),
+        (dict(world=0, gpus_per_node=8), "world must be an integer >= 1"),
+    ],
+)
+def test_bad_arguments_are_one_line(kwargs, match):
+    with pytest.raises(PlanError, match=match):
+        choose_layout([100] * 64, tokens_per_rank=4096, **kwargs)

@@ -1,0 +1,201 @@
+"""Pool plans: one CP group over nodes (``world=``, ``gpus_per_node``), split node by node."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import tracemalloc
+
+import numpy as np
+import pytest
+
+import ringpack
+from ringpack.analysis.simulate import synthetic_lengths
+from ringpack.cost import CostModel
+from ringpack.planner import make_plan, split_microbatch
+from ringpack.planner.pool import arrange_nodes, node_need
+from ringpack.shard_plan import MicroBatch, Piece, PlanConfig, PlanError, microbatch_from_shards
+
+COST = CostModel.preset("llama3-8b")
+
+
+def ranks_of(mb: MicroBatch) -> dict[int, list[int]]:
+    """The ranks holding each sample's pieces."""
+    out: dict[int, set[int]] = {}
+    for r, shard in enumerate(mb.shards):
+        for p in shard.pieces:
+            out.setdefault(p.sample, set()).add(r)
+    return {s: sorted(r) for s, r in out.items()}
+
+
+def lognormal(n: int, seed: int = 0, median: int = 1500, max_len: int = 65536) -> np.ndarray:
+    return synthetic_lengths(n, "lognormal", seed=seed, median=median, sigma=1.3, max_len=max_len)
+
+
+# ------------------------------------------------------------------------------- the spelling
+def test_world_is_one_cp_group_over_the_pool():
+    L = lognormal(300)
+    pool = ringpack.plan(L, world=32, gpus_per_node=8, tokens_per_rank=16384, samples_per_step=100)
+    same = ringpack.plan(L, dp=1, cp=32, gpus_per_node=8, tokens_per_rank=16384, samples_per_step=100)
+    assert pool.content_hash == same.content_hash
+    assert (pool.config.dp, pool.config.cp) == (1, 32)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"world": 8, "cp": 8}, "give world or cp, not both"),
+        ({"world": 8, "dp": 1}, "give world or dp, not both"),
+        ({"world": 0}, "world must be an integer >= 1"),
+        ({"world": 2.0}, "world must be an integer >= 1"),
+    ],
+)
+def test_world_refuses_a_second_spelling_and_bad_sizes(kwargs, match):
+    with pytest.raises(PlanError, match=match):
+        ringpack.plan([100, 200], tokens_per_rank=512, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "cp, node, match",
+    [
+        (12, 8, "gpus_per_node 8 and cp 12: a CP group must fill whole nodes or fit inside one"),
+        (8, 0, r"gpus_per_node must be None or an integer in \[1, "),
+        (8, 2.5, "gpus_per_node must be None or an integer"),
+    ],
+)
+def test_gpus_per_node_must_tile_the_cp_group(cp, node, match):
+    with pytest.raises(PlanError, match=match):
+        PlanConfig(dp=1, cp=cp, tokens_per_rank=64, gpus_per_node=node)
+
+
+# ------------------------------------------------------------------------------- hash neutral
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(dp=4, cp=4, tokens_per_rank=32768, samples_per_step=64),
+        dict(dp=2, cp=8, tokens_per_rank=16384, samples_per_step=64, strategy="zigzag", overflow="split"),
+        dict(dp=1, cp=16, tokens_per_rank=8192, samples_per_step=80, overflow="drop", pair_price_range=(1, 1)),
+    ],
+)
+def test_plans_without_a_topology_are_unchanged(kw):
+    """No ``gpus_per_node``: the config's dict and every hash as before the field existed; a CP
+    group inside one node: the same pieces as the flat plan, only the config differs."""
+    L = lognormal(400, seed=3)
+    flat = make_plan(L, PlanConfig(**kw))
+    assert "gpus_per_node" not in flat.config.to_dict()
+    assert make_plan(L, PlanConfig.from_dict(flat.config.to_dict())).content_hash == flat.content_hash
+    inside = make_plan(L, PlanConfig(**kw, gpus_per_node=16))
+    assert inside.config.to_dict()["gpus_per_node"] == 16
+    assert inside.steps == flat.steps and inside.content_hash != flat.content_hash
+
+
+# ------------------------------------------------------------------------------- the plans
+def _check_node_groups(plan, node: int) -> int:
+    """Nodes joined by the samples crossing them form groups of consecutive nodes, each holding a
+    sample that needs more than one node; returns the split samples that cross nodes."""
+    crossing = 0
+    lengths = np.asarray(plan.lengths)
+    for _, _, _, mb in plan.iter_microbatches():
+        need = dict(zip(mb.samples, node_need(lengths[list(mb.samples)], plan.config).tolist()))
+        where = {s: sorted({r // node for r in ranks}) for s, ranks in ranks_of(mb).items()}
+        group = list(range(plan.config.cp // node))  # union-find over the nodes
+        for nodes in where.values():
+            for n in nodes[1:]:
+                a, b = group[nodes[0]], group[n]
+                group = [min(a, b) if g in (a, b) else g for g in group]
+        for root in set(group):
+            members = [n for n, g in enumerate(group) if g == root]
+            assert members == list(range(members[0], members[0] + len(members))), members
+            if len(members) > 1:
+                held = [s for s, nodes in where.items() if nodes[0] in members]
+                assert max(need[s] for s in held) > 1, "nodes joined without a sample that needs them"
+        crossing += sum(len(nodes) > 1 for nodes in where.values())
+    return crossing
+
+
+@pytest.mark.parametrize("prices", [None, (1.0, 1.0)])
+def test_pool_plans_are_valid_and_split_samples_stay_in_a_node(prices):
+    L = lognormal(1500, seed=1, max_len=131072)
+    plan = ringpack.plan(
+        L, world=64, gpus_per_node=8, tokens_per_rank=16384, samples_per_step=250, pair_price_range=prices
+    )
+    plan.validate()  # every sample exactly once, token budgets, tiling, canonical order
+    crossing = _check_node_groups(plan, 8)
+    split = sum(len(r) > 1 for _, _, _, mb in plan.iter_microbatches() for r in ranks_of(mb).values())
+    assert split and crossing <= split // 4, (crossing, split)
+
+
+def test_a_sample_gets_the_fewest_ranks_its_cost_needs_and_whole_nodes_beyond_one():
+    """Without the token guard: a sample costing under a rank's share stays whole; one of 1.5 ranks
+    takes two ranks of one node; one bigger than a node takes whole, consecutive nodes."""
+    tiny = [256] * 400
+    seen = {}
+    for big in (6000, 9000, 30000, 60000):
+        L = np.array([big, *tiny])
+        plan = ringpack.plan(
+            L, world=16, gpus_per_node=4, tokens_per_rank=32768, samples_per_step=len(L), pair_price_range=(1, 1),
+            cp_token_slack=1e9,
+        )  # fmt: skip
+        mb = plan.steps[0].microbatches[0][0]
+        share = COST.sample_cost(L).sum() / 16  # a rank's share of the step's cost
+        need = COST.sample_cost([big])[0] / share
+        ranks = ranks_of(mb)[0]
+        seen[big] = (round(need, 2), ranks)
+        nodes = sorted({r // 4 for r in ranks})
+        assert nodes == list(range(nodes[0], nodes[0] + len(nodes)))  # consecutive nodes
+        if need <= 4:  # fits a node: its ranks, the fewest its cost needs (or one more) in one node
+            assert len(nodes) == 1 and np.ceil(need) <= len(ranks) <= np.ceil(need) + 1
+        else:  # whole nodes: as many as its cost needs
+            assert len(nodes) == np.ceil(need / 4)
+    assert seen[6000][1] == [0] and len(seen[9000][1]) == 2, seen
+
+
+def test_split_microbatch_splits_a_pool_micro_batch_node_by_node():
+    L = lognormal(200, seed=5, max_len=131072)
+    config = PlanConfig(dp=1, cp=32, tokens_per_rank=32768, gpus_per_node=8)
+    plan = make_plan(L, dataclasses.replace(config, samples_per_step=len(L)))
+    mb = plan.steps[0].microbatches[0][0]
+    assert split_microbatch(list(mb.samples), L, config) == mb
+
+
+def test_arranging_ranks_keeps_a_small_split_inside_one_node():
+    """A sample over ranks 0 and 9 of a two-node group: moved into one node, costs unchanged."""
+    shards = [[] for _ in range(16)]
+    shards[0].append(Piece(0, 0, 50))
+    shards[9].append(Piece(0, 50, 100))
+    for r in range(16):
+        if r not in (0, 9):
+            shards[r].append(Piece(r + 1, 0, 40))
+    lengths = [100] + [40] * 16
+    mb = microbatch_from_shards([0, *range(1, 17)], shards, lengths)
+    arranged = arrange_nodes(mb, 8)
+    where = ranks_of(arranged)[0]
+    assert len({r // 8 for r in where}) == 1
+    assert sorted(map(repr, arranged.shards)) == sorted(map(repr, mb.shards))
+    assert arrange_nodes(arranged, 8) is arranged  # nothing left to improve: the same object
+
+
+# ------------------------------------------------------------------------------- scale
+def _planned(world: int) -> tuple[float, int, int, int]:
+    """Plan one global batch of ``world`` ranks (90% of their tokens): seconds, peak traced bytes, pieces, samples."""
+    L = synthetic_lengths(world * 8, "lognormal", seed=0, median=800, sigma=1.2, max_len=32768)
+    L = L[: int(np.searchsorted(np.cumsum(L), 0.9 * world * 8192))]
+    tracemalloc.start()
+    start = time.perf_counter()
+    plan = ringpack.plan(
+        L, world=world, gpus_per_node=8, tokens_per_rank=8192, samples_per_step=len(L), microbatches_per_rank=1,
+        pair_price_range=(1, 1),
+    )  # fmt: skip
+    seconds = time.perf_counter() - start
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return seconds, peak, len(plan.piece_arrays["start"]), len(L)
+
+
+def test_pool_planning_memory_grows_linearly_with_the_pool():
+    """Four times the ranks (and samples): the planner's peak memory and the plan's pieces grow about
+    four times, not sixteen (a zigzag over the pool would give every sample two pieces per rank)."""
+    _, small_peak, small_pieces, small_n = _planned(64)
+    _, big_peak, big_pieces, big_n = _planned(256)
+    assert big_peak < 8 * small_peak, (small_peak, big_peak)
+    assert small_pieces <= 2 * (small_n + 64) and big_pieces <= 2 * (big_n + 256), (small_pieces, big_pieces)
