@@ -83,7 +83,8 @@ class DemoConfig:
         default=400.0, metadata=field_doc("achieved fwd+bwd TFLOP/s per GPU of a FLOP cost model", type=float)
     )
     link: str = field(
-        default="nvlink", metadata=field_doc("link preset of the CP traffic", type=str, choices=tuple(sorted(LINKS)))
+        default="nvlink",
+        metadata=field_doc("link preset of the CP traffic within a node", type=str, choices=tuple(sorted(LINKS))),
     )
     seed: int = _plan_field("seed", 0)
     quick: bool = field(default=False, metadata=field_doc("a 300-file subset of the corpus (for tests)", type=bool))

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ringpack.analysis import peer_runner as peer_systems
-from ringpack.analysis.comm_model import CommModel
+from ringpack.analysis.comm_model import MODES, CommModel
 from ringpack.analysis.report import write_report
 from ringpack.cli.flags import (
     add_comm_flags,
@@ -54,11 +54,18 @@ def variants(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 
 def comm_models(args: argparse.Namespace, model) -> list[CommModel]:
-    """One communication model per ``--modes`` entry, from ``--link``, ``--bandwidth`` and ``--latency-us``."""
-    modes = _list(args.modes, ("ring", "allgather"), "modes")
+    """One communication model per ``--modes`` entry, from ``--link``, ``--bandwidth`` and ``--latency-us``
+    within a node and, with ``--gpus-per-node``, ``--inter-link`` between nodes."""
+    modes = _list(args.modes, MODES, "modes")
     bw = None if args.bandwidth is None else args.bandwidth * 1e9
     lat = None if args.latency_us is None else args.latency_us * 1e-6
-    return [CommModel.for_model(model, link=args.link, mode=m, bandwidth=bw, latency=lat) for m in modes]
+    node = getattr(args, "gpus_per_node", None)
+    return [
+        CommModel.for_model(
+            model, link=args.link, mode=m, bandwidth=bw, latency=lat, gpus_per_node=node, inter_link=args.inter_link
+        )
+        for m in modes
+    ]
 
 
 def peer_names(args: argparse.Namespace) -> list[str]:

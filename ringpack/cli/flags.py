@@ -314,20 +314,23 @@ def add_tflops_flag(parser: Any) -> None:
 
 
 def add_link_flag(parser: Any) -> None:
-    flag(parser, "--link", default="nvlink", choices=sorted(LINKS), help="link preset of the CP traffic")
+    flag(parser, "--link", default="nvlink", choices=sorted(LINKS), help="link preset of the CP traffic within a node")
 
 
 def add_comm_flags(parser: Any, modes: str) -> None:
     """The communication model of ``report`` and ``simulate`` (``modes``: the command's default)."""
     g = parser.add_argument_group("communication model")
     add_link_flag(g)
+    flag(
+        g, "--inter-link", default="ib", choices=sorted(LINKS), help="link preset between nodes (with --gpus-per-node)"
+    )
     flag(g, "--bandwidth", type=RATE, help="link bandwidth in GB/s (overrides --link)")
     flag(g, "--latency-us", type=LATENCY, help="per-message latency in microseconds (overrides --link)")
     flag(
         g,
         "--modes",
         default=modes,
-        help="attention modes (ring, allgather), comma-separated; the first is the headline",
+        help="attention modes (ring, allgather, p2p: targeted), comma-separated; the first is the headline",
     )
 
 

@@ -60,7 +60,9 @@ def plan_config_from_args(args: argparse.Namespace, **overrides: Any):
     return PlanConfig(**fields, **overrides)
 
 
-def samples_per_step(args: argparse.Namespace, lengths: np.ndarray, dp: int | None = None) -> int:
+def samples_per_step(
+    args: argparse.Namespace, lengths: np.ndarray, dp: int | None = None, cp: int | None = None
+) -> int:
     """The global batch in samples: ``--samples-per-step``, or ``--global-batch-tokens`` of ``lengths``.
 
     A batch given in one of the two (on the command line or in ``--config``) wins over the other's
@@ -70,11 +72,10 @@ def samples_per_step(args: argparse.Namespace, lengths: np.ndarray, dp: int | No
         ValueError: both flags given.
     """
     dp = args.dp if dp is None else dp
+    cp = args.cp if cp is None else cp
     if check_one_global_batch(args) == "samples_per_step" or not args.global_batch_tokens:
         return args.samples_per_step
-    return global_batch_samples(
-        lengths, args.global_batch_tokens, dp=dp, cp=args.cp, tokens_per_rank=args.tokens_per_rank
-    )
+    return global_batch_samples(lengths, args.global_batch_tokens, dp=dp, cp=cp, tokens_per_rank=args.tokens_per_rank)
 
 
 def check_one_global_batch(args: argparse.Namespace) -> str | None:

@@ -14,6 +14,7 @@ from ringpack.analysis.robustness import PRICE_FACTORS, imbalance_across_prices
 from ringpack.cli.config_file import add_config_file_flag, write_config, written_settings
 from ringpack.cli.flags import REQUIRED, add_lengths_flags, add_plan_flags, add_quiet_flag, flag, new_command
 from ringpack.cli.inputs import check_output_file, lengths_from_flag, plan_config_from_args, progress, samples_per_step
+from ringpack.cli.layout import add_layout_flags, choice_to_dict, layout_table, resolve_layout
 from ringpack.planner.bounds import plan_costs
 from ringpack.planner.epoch import make_plan
 from ringpack.traffic import plan_kv_traffic
@@ -31,10 +32,13 @@ def add_command(subparsers: Any) -> None:
             "ringpack plan --lengths lengths.npy --dp 8 --cp 4 --tokens-per-rank 32768 --samples-per-step 512 "
             "--out plan.parquet",
             "ringpack plan --config run.toml --out plan.json --write-config used.toml",
+            "ringpack plan --lengths lengths.npy --world 64 --gpus-per-node 8 --cp auto --tokens-per-rank 16384 "
+            "--global-batch-tokens auto --out plan.parquet",
         ],
     )
     add_lengths_flags(p, required=True)
     add_plan_flags(p)
+    add_layout_flags(p)
     flag(p, "--out", default=REQUIRED, help="output plan: .parquet (default) or .json")
     flag(p, "--json", default=False, action="store_true", help="print the summary as JSON")
     add_quiet_flag(p)
@@ -77,6 +81,9 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.write_config:
         check_output_file(args.write_config, "--write-config", inputs=[*inputs, args.out])
     lengths = lengths_from_flag(args.lengths, args.column)
+    choice = resolve_layout(args, lengths)
+    if choice is not None and not args.json:
+        print(layout_table(choice))
     config = plan_config_from_args(args, samples_per_step=samples_per_step(args, lengths))
     t0 = time.perf_counter()
     with progress(args, f"planning {len(lengths):,} samples", "steps") as bar:
@@ -91,6 +98,8 @@ def run_plan(args: argparse.Namespace) -> int:
     summary = summarize(plan)
     summary["plan_seconds"] = round(seconds, 4)
     summary["out"] = str(args.out)
+    if choice is not None:
+        summary["layout"] = choice_to_dict(choice)
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0

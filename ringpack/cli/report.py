@@ -22,6 +22,7 @@ from ringpack.cli.inputs import (
     progress,
     samples_per_step,
 )
+from ringpack.cli.layout import add_layout_flags, layout_table, resolve_layout
 from ringpack.data.corpus import stdlib_corpus
 from ringpack.data.shard_reader import ShardReader
 from ringpack.shard_plan import Plan
@@ -45,6 +46,7 @@ def add_command(subparsers: Any) -> None:
     add_lengths_flags(p, required=False, what="; planned with every strategy")
     flag(p, "--corpus", choices=["stdlib"], help="use the embedded standard-library corpus as the lengths")
     add_compare_flags(p, defaults=EXPLORE_MESH, skip=(), modes="ring", out="ringpack-report")
+    add_layout_flags(p)
     flag(
         p,
         "--step",
@@ -77,6 +79,12 @@ def run_report(args: argparse.Namespace) -> int:
     else:
         lengths = lengths_from_flag(args.lengths, args.column) if args.lengths else _corpus_lengths()
         model = cost_model(args, tflops=True)
+        choice = resolve_layout(args, lengths)
+        if choice is not None:
+            if "modes" not in args.given:  # the chosen exchange is the headline
+                args.modes = choice.best.mode
+            if args.json != "-":
+                print(layout_table(choice) + "\n")
         config = plan_config_from_args(args, samples_per_step=samples_per_step(args, lengths), cost=model)
         desc = f"planning {len(lengths):,} samples x {len(wanted)} variants"
         with progress(args, desc, "steps") as bar:

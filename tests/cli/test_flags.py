@@ -43,8 +43,10 @@ def field_actions(parser: argparse.ArgumentParser) -> dict[str, list[argparse.Ac
 
 
 def base_help(action: argparse.Action) -> str:
-    """An action's help without the ``(default: ...)`` / ``(required)`` the command adds."""
-    return re.sub(r" \((default: [^()]*(\([^()]*\))?[^()]*|required)\)$", "", action.help)
+    """An action's help without the ``(default: ...)`` / ``(required)`` the command adds, nor what
+    ``--cp auto`` and ``--world`` add to ``--cp`` and ``--dp`` (:mod:`ringpack.cli.layout`)."""
+    text = re.sub(r" \((default: [^()]*(\([^()]*\))?[^()]*|required)\)$", "", action.help)
+    return text.replace(" (required unless --world is given)", "").split("; auto: the fastest layout")[0]
 
 
 # ------------------------------------------------------------------------------ one flag per field
@@ -115,7 +117,7 @@ OWN_MEANING = {"--out", "--json", "--lengths", "--tokenizer"}
 #: The per-command defaults the docs list: plan and shard write what training loads, so the mesh
 #: must be given there; simulate and the demo plan epochs of many steps; simulate compares modes.
 COMMAND_DEFAULTS = {
-    ("plan", "--dp"): REQUIRED,
+    ("plan", "--dp"): None,  # or --world
     ("plan", "--cp"): REQUIRED,
     ("plan", "--tokens-per-rank"): REQUIRED,
     ("shard", "--dp"): REQUIRED,

@@ -1,0 +1,159 @@
+"""``--cp auto`` and ``--world`` of ``plan`` and ``report``: the layout chosen for the cluster (docs/planner.md).
+
+With ``--world N``, ``--dp`` is ``N / cp``; with ``--cp auto`` the fixed CP sizes and the pool
+(``dp=1, cp=N``, split node by node) are planned on the first global batches and timed under
+ring, all-gather and targeted exchange (:func:`~ringpack.analysis.layout.choose_layout`), and the
+fastest one is planned. See docs/planner.md, "Choosing the layout".
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+from ringpack.analysis.comm_model import CommModel
+from ringpack.analysis.layout import LayoutChoice, choose_layout
+from ringpack.cli.flags import CP_SIZE, POSITIVE, REQUIRED, config_fields, flag
+from ringpack.cli.inputs import cost_model, samples_per_step
+from ringpack.shard_plan import PlanConfig
+
+logger = logging.getLogger("ringpack.cli")
+
+#: ``--cp``'s value that asks for the layout to be chosen.
+AUTO = "auto"
+#: GPUs per node assumed by ``--cp auto`` when ``--gpus-per-node`` is not given (said on stderr).
+DEFAULT_GPUS_PER_NODE = 8
+#: Layouts listed under the choice (the rest are in ``--json``).
+SHOWN = 6
+#: The :class:`PlanConfig` fields ``choose_layout`` sets per layout or takes as arguments of its own.
+_SET_PER_LAYOUT = ("dp", "cp", "gpus_per_node", "tokens_per_rank", "cost", "samples_per_step")
+
+
+def cp_or_auto(text: str) -> int | str:
+    """``--cp``: a CP size, or ``auto``."""
+    return AUTO if text.strip().lower() == AUTO else CP_SIZE(text)
+
+
+def add_layout_flags(parser: argparse.ArgumentParser) -> None:
+    """``--world``, and ``auto`` as a value of ``parser``'s ``--cp``; ``--dp`` stops being required."""
+    actions = {a.dest: a for a in parser._actions}
+    cp, dp = actions["cp"], actions["dp"]
+    cp.type = cp_or_auto
+    cp.help = _insert(cp.help, "; auto: the fastest layout for --world GPUs (fixed CP sizes and the pool)")
+    if dp.fallback is REQUIRED:
+        dp.fallback = None
+        dp.help = dp.help.replace(" (required)", " (required unless --world is given)")
+    flag(
+        parser,
+        "--world",
+        type=POSITIVE,
+        help="GPUs of the cluster: --dp becomes world / cp; with --cp auto the layout is chosen for them",
+    )
+
+
+def _insert(help_text: str, more: str) -> str:
+    """``more`` added to a flag's help before its ``(default: ...)`` / ``(required)``."""
+    head, paren, tail = help_text.partition(" (")
+    return head + more + paren + tail
+
+
+def resolve_layout(args: argparse.Namespace, lengths: Any) -> LayoutChoice | None:
+    """Set ``args.dp`` (and, for ``--cp auto``, ``args.cp`` and ``args.gpus_per_node``) from ``--world``.
+
+    Returns the choice for ``--cp auto`` (print it with :func:`layout_table`), else ``None``. The
+    layouts share every other planning flag and the global batch in samples, as ``--samples-per-step``
+    or ``--global-batch-tokens`` give it for the whole cluster (``auto``: the pool's).
+
+    Raises:
+        ValueError: ``--cp auto`` without ``--world`` or with ``--dp``, ``--dp`` and ``--world`` that
+            disagree, or a ``--world`` that ``--cp`` does not divide;
+            :class:`~ringpack.errors.PlanError` when no layout plans the lengths.
+        SystemExit: neither ``--dp`` nor ``--world`` (a usage error, exit 2).
+    """
+    world = args.world
+    if args.cp == AUTO:
+        if world is None:
+            raise ValueError("--cp auto needs --world N (the cluster's GPUs) to choose the layout for")
+        if "dp" in args.given:
+            raise ValueError("--cp auto sets --dp itself (world / cp); leave --dp out")
+        return _choose(args, lengths)
+    if world is None:
+        if args.dp is None:
+            args.command_parser.error("the following arguments are required: --dp (or --world)")
+        return None
+    if world % args.cp:
+        raise ValueError(f"--world {world} is not a multiple of --cp {args.cp}")
+    if "dp" in args.given and args.dp * args.cp != world:
+        raise ValueError(f"--dp {args.dp} x --cp {args.cp} is not --world {world}; give --dp or --world")
+    args.dp = world // args.cp
+    return None
+
+
+def _choose(args: argparse.Namespace, lengths: Any) -> LayoutChoice:
+    """:func:`choose_layout` for the flags; sets ``args.dp``, ``args.cp`` and ``args.gpus_per_node``."""
+    node = args.gpus_per_node
+    if node is None:
+        node = min(DEFAULT_GPUS_PER_NODE, args.world)
+        logger.info("--cp auto: assuming %d GPUs per node (set --gpus-per-node)", node)
+    given = vars(args)
+    shared = {n: given[n] for n in config_fields(PlanConfig) if n in given and n not in _SET_PER_LAYOUT}
+    cost = cost_model(args)
+    batch = samples_per_step(args, lengths, dp=1, cp=args.world)
+    choice = choose_layout(
+        lengths,
+        args.world,
+        node,
+        args.tokens_per_rank,
+        cost,
+        CommModel.for_model(cost),
+        samples_per_step=batch or None,
+        **shared,
+    )
+    best = choice.best
+    args.dp, args.cp, args.gpus_per_node = best.dp, best.cp, best.gpus_per_node
+    return choice
+
+
+def layout_table(choice: LayoutChoice) -> str:
+    """The choice as text: the chosen layout, its reason, and the fastest :data:`SHOWN` layouts."""
+    lines = [f"layout for these lengths ({choice.steps} global batches planned per layout): {choice.reason}"]
+    lines.append(f"  {'layout':<10} {'exchange':<10} {'tokens/s':>12} {'step s':>10} {'compute s':>10}")
+    for c in choice.candidates[:SHOWN]:
+        if not c.feasible:
+            lines.append(f"  {c.name:<10} {c.mode:<10} cannot plan: {c.note}")
+            continue
+        lines.append(
+            f"  {c.name:<10} {c.mode:<10} {c.tokens_per_second:>12,.0f} {c.step_seconds:>10.4g} "
+            f"{c.compute_seconds:>10.4g}"
+        )
+    best = choice.best
+    lines.append(
+        f"planning with dp={best.dp} x cp={best.cp}"
+        + (f", gpus_per_node={best.gpus_per_node}" if best.gpus_per_node else "")
+        + f"; run attention with mode={best.mode!r}"
+    )
+    return "\n".join(lines)
+
+
+def choice_to_dict(choice: LayoutChoice) -> dict[str, Any]:
+    """The choice as JSON-ready data (``--json``): the reason and every candidate's figures."""
+    return {
+        "reason": choice.reason,
+        "steps": choice.steps,
+        "candidates": [
+            {
+                "layout": c.name,
+                "mode": c.mode,
+                "dp": c.dp,
+                "cp": c.cp,
+                "gpus_per_node": c.gpus_per_node,
+                "feasible": c.feasible,
+                "tokens_per_second": c.tokens_per_second if c.feasible else None,
+                "step_seconds": c.step_seconds if c.feasible else None,
+                "compute_seconds": c.compute_seconds if c.feasible else None,
+                "note": c.note,
+            }
+            for c in choice.candidates
+        ],
+    }
