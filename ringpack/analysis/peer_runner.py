@@ -108,9 +108,13 @@ def parse_peers(text: str) -> list[str]:
 def measure_peer(name: str, lengths: Any, config: PlanConfig) -> PeerPart:
     """Plan or schedule ``lengths`` as peer ``name`` on ``config``'s mesh, budget, cost model and global batches.
 
+    A ``config.batch_window`` is ringpack's own and not applied: a peer starts from the global
+    batches as drawn.
+
     Raises:
         ValueError: an unknown peer; :class:`~ringpack.errors.PlanError` as the peer's planner.
     """
+    config = dataclasses.replace(config, batch_window=0)
     if name == DCP:
         schedule = dcp_schedule(lengths, config)
         return PeerPart(DCP, schedule, [None] * schedule.num_steps, schedule.config)
