@@ -27,7 +27,7 @@ __all__ = ["BalancedWindows", "WindowMoves", "GATHER_THRESHOLDS", "MOVE_PRICE"]
 
 #: A block's candidate gatherings: the samples costlier than each of these multiples of a DP
 #: rank's mean load per step (the block's cost over ``steps * dp``) move into the receiving step.
-GATHER_THRESHOLDS = (4.0, 2.0, 1.0, 1 / 2, 1 / 4, 1 / 8, 1 / 16)
+GATHER_THRESHOLDS = tuple(4.0 * 2 ** (-k / 2) for k in range(13))  # 4 down to 1/16, by sqrt(2)
 #: What moving one sample costs, in mean samples' time (the block's predicted time as drawn over its
 #: samples; a swap moves two): the block keeps the gathering that saves the most predicted time net
 #: of that price (the fewest moves on a tie), and none unless one saves more than it costs.
@@ -169,70 +169,89 @@ class BalancedWindows(Sequence):
 def _balance_block(
     windows: list[np.ndarray], lengths: np.ndarray, weights: np.ndarray, config: PlanConfig
 ) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
-    """One block: ``(windows, predicted cost of each step as drawn, as balanced)``."""
+    """One block: ``(windows, predicted cost of each step as drawn, as balanced)``.
+
+    Rounds: the step holding the costliest sample of the steps still open receives; of the
+    gatherings into it (the open samples above each threshold), the one saving the most predicted
+    time net of the moves' price is made and the receiver closes; the rounds stop when none pays.
+    """
     sizes = np.array([w.size for w in windows], dtype=np.int64)
     steps = sizes.size
     flat = np.concatenate(windows).astype(np.int64)
     position_step = np.repeat(np.arange(steps, dtype=np.int16 if steps < 2**15 else np.int64), sizes)
     order = np.lexsort((np.arange(flat.size), -weights[flat]))  # costliest first, ties by position
     ranked = _Ranked(weights[flat][order], lengths[flat][order], steps, config)
-    rank_step = position_step[order]
-    base = ranked.estimates(rank_step)
+    base = ranked.estimates(position_step[order])
     if steps < 2:
         return windows, base, base
-    receiver = int(rank_step[0])
-    mean_rank = math.fsum(ranked.weights.tolist()) / (steps * config.dp)
-    rank_of = np.empty(flat.size, dtype=np.int64)
-    rank_of[order] = np.arange(flat.size)
-    cap = _token_cap(lengths[flat], position_step, sizes, receiver, config)
-    counts = {min(int((ranked.weights > t * mean_rank).sum()), int(sizes[receiver])) for t in GATHER_THRESHOLDS}
-    base_total = math.fsum(base.tolist())
-    price = MOVE_PRICE * base_total / flat.size  # one move costs this much of the block's time
-    best = None  # (net time saved, swap, estimates)
-    for k in sorted(counts - {0}):
-        swap = _gather(order[:k], position_step, receiver, flat, lengths, cap)
-        if swap is None:
-            continue
-        incoming, partners = swap
-        new_step = rank_step.copy()
-        new_step[rank_of[incoming]] = receiver
-        new_step[rank_of[partners]] = position_step[incoming]
-        est = ranked.estimates(new_step)
-        net = base_total - math.fsum(est.tolist()) - price * 2 * incoming.size
-        if net > 0 and (best is None or net > best[0]):
-            best = (net, swap, est)
-    if best is None:
+    rank_at = np.empty(flat.size, dtype=np.int64)  # rank of the sample at each position
+    rank_at[order] = np.arange(flat.size)
+    thresholds = np.asarray(GATHER_THRESHOLDS) * (math.fsum(ranked.weights.tolist()) / (steps * config.dp))
+    price = MOVE_PRICE * math.fsum(base.tolist()) / flat.size  # one sample moved costs this much time
+    drawn_tokens = np.bincount(position_step, weights=lengths[flat], minlength=steps)
+    open_steps = np.ones(steps, dtype=bool)
+    est, total = base, math.fsum(base.tolist())
+    while open_steps.sum() > 1:
+        rank_step = np.empty(flat.size, dtype=position_step.dtype)
+        rank_step[rank_at] = position_step
+        free = np.flatnonzero(open_steps[rank_step])  # ranks in open steps, costliest first
+        receiver = int(rank_step[free[0]])
+        cap = _token_cap(drawn_tokens, int(sizes[receiver]), config)
+        counts = np.minimum(np.searchsorted(-ranked.weights[free], -thresholds, side="left"), sizes[receiver])
+        best = None  # (net time saved, incoming, partners, estimates, total)
+        for k in sorted(set(counts.tolist()) - {0}):
+            swap = _gather(free[:k], rank_at, position_step, receiver, flat, lengths, cap)
+            if swap is None:
+                continue
+            incoming, partners = swap
+            new_step = rank_step.copy()
+            new_step[rank_at[incoming]] = receiver
+            new_step[rank_at[partners]] = position_step[incoming]
+            trial = ranked.estimates(new_step)
+            trial_total = math.fsum(trial.tolist())
+            net = total - trial_total - price * 2 * incoming.size
+            if net > 0 and (best is None or net > best[0]):
+                best = (net, incoming, partners, trial, trial_total)
+        if best is None:
+            break
+        _, incoming, partners, est, total = best
+        flat[incoming], flat[partners] = flat[partners], flat[incoming]
+        rank_at[incoming], rank_at[partners] = rank_at[partners], rank_at[incoming]
+        open_steps[receiver] = False
+    if est is base:
         return windows, base, base
-    _, (incoming, partners), est = best
-    flat[incoming], flat[partners] = flat[partners], flat[incoming].copy()
     return np.split(flat, np.cumsum(sizes)[:-1]), base, est
 
 
 def _gather(
-    top: np.ndarray, position_step: np.ndarray, receiver: int, flat: np.ndarray, lengths: np.ndarray, cap: int
+    top: np.ndarray,
+    rank_at: np.ndarray,
+    position_step: np.ndarray,
+    receiver: int,
+    flat: np.ndarray,
+    lengths: np.ndarray,
+    cap: int,
 ) -> tuple[np.ndarray, np.ndarray] | None:
-    """Positions of the block's ``top`` samples outside step ``receiver`` and of the receiver's
-    samples outside ``top`` they swap with (its first ones in shuffled order); ``None`` when the
-    receiver lacks partners or would hold more than ``cap`` tokens."""
+    """Positions of the samples of ranks ``top`` outside step ``receiver`` and of the receiver's
+    other samples they swap with (its first ones in shuffled order); ``None`` when none moves, the
+    receiver lacks partners or it would hold more than ``cap`` tokens."""
     chosen = np.zeros(flat.size, dtype=bool)
     chosen[top] = True
-    incoming = np.flatnonzero(chosen & (position_step != receiver))
+    at_chosen = chosen[rank_at]  # by position
+    incoming = np.flatnonzero(at_chosen & (position_step != receiver))
     mine = np.flatnonzero(position_step == receiver)
-    partners = mine[~chosen[mine]][: incoming.size]
+    partners = mine[~at_chosen[mine]][: incoming.size]
     if not incoming.size or partners.size < incoming.size:
         return None
     tokens = int(lengths[flat[mine]].sum() + lengths[flat[incoming]].sum() - lengths[flat[partners]].sum())
     return None if tokens > cap else (incoming, partners)
 
 
-def _token_cap(
-    tokens: np.ndarray, position_step: np.ndarray, sizes: np.ndarray, receiver: int, config: PlanConfig
-) -> int:
-    """The most tokens the receiving step may hold (see :class:`BalancedWindows`)."""
+def _token_cap(drawn_tokens: np.ndarray, size: int, config: PlanConfig) -> int:
+    """The most tokens a receiving step of ``size`` samples may hold (see :class:`BalancedWindows`)."""
     if config.microbatches_per_rank:
-        fullest = int(np.bincount(position_step, weights=tokens, minlength=sizes.size).max())
-        return min(fullest, config.dp * config.microbatches_per_rank * config.group_capacity)
-    return (int(sizes[receiver]) // config.dp) * config.dp * config.group_capacity // 2
+        return min(int(drawn_tokens.max()), config.dp * config.microbatches_per_rank * config.group_capacity)
+    return (size // config.dp) * config.dp * config.group_capacity // 2
 
 
 class _Ranked:
