@@ -1,13 +1,14 @@
 """``batch_window``: costly samples gathered across neighbouring global batches, by swaps.
 
-The epoch's global batches are taken in blocks of ``batch_window + 1``. In each block the
-costliest samples (priced by ``config.cost``) may move into one step, the one that holds the
-block's costliest sample, each swapping places with a sample of that step in shuffled order. A
-block keeps the gathering that lowers its predicted time most (the sum of its steps' lower bounds
-plus the micro-batch charge), or none. Every batch keeps its size, no sample leaves its block (so
-none moves more than ``batch_window`` steps, and the epoch's last block drains itself), and each
-block is a pure function of its own batches, the lengths and the config: blocks are balanced on
-first use, so a stream plans its first step after one block.
+The epoch's global batches are taken in blocks of ``batch_window + 1``. In a block, the step
+holding the costliest sample receives the block's costliest samples (priced by ``config.cost``),
+each swapping places with one of its other samples in shuffled order; of the candidate gatherings
+(the samples above each threshold) the one saving the most predicted time (the steps' lower bounds
+plus the micro-batch charge) net of a price per moved sample is made, and the next round starts
+from the costliest sample of the steps not yet receiving, until no gathering pays. Every batch
+keeps its size, no sample leaves its block (so none moves more than ``batch_window`` steps, and the
+epoch's last block drains itself), and a block is a pure function of its batches, the lengths and
+the config, balanced on first use: a stream plans its first step after one block.
 
 See docs/planner.md, "Balancing across global batches".
 """
