@@ -243,6 +243,15 @@ class PlanConfig:
     samples_per_step: int = field(
         default=0, metadata=field_doc("global batch in samples (0: all samples in one step)", type=int, low=0)
     )
+    batch_window: int = field(
+        default=0,
+        metadata=field_doc(
+            "global batches within which costly samples may swap places to balance steps, each moving at most this "
+            "many steps (0: every step plans its global batch as drawn)",
+            type=int,
+            low=0,
+        ),
+    )
     microbatches_per_rank: int = field(
         default=0,
         metadata=field_doc(
@@ -327,7 +336,7 @@ class PlanConfig:
                 raise PlanError(
                     f"{option(name)} {getattr(self, name)} is more than {most:,} ranks, the most a plan holds"
                 )
-        for name in ("samples_per_step", "microbatches_per_rank", "seed", "epoch"):
+        for name in ("samples_per_step", "batch_window", "microbatches_per_rank", "seed", "epoch"):
             value = getattr(self, name)
             if not is_int(value) or not 0 <= value < _INT64_LIMIT:
                 raise PlanError(f"PlanConfig.{name} must be a non-negative integer below 2**63, got {value!r}")
@@ -405,6 +414,8 @@ class PlanConfig:
             out["pair_price_range"] = list(self.pair_price_range)
         if self.gpus_per_node is None:
             del out["gpus_per_node"]  # flat: plans without a topology keep their files and hashes
+        if not self.batch_window:
+            del out["batch_window"]  # likewise: plans without a window keep the hashes they always had
         return {k: (int(v) if isinstance(v, np.integer) else v) for k, v in out.items()}
 
     @classmethod

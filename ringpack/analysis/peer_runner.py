@@ -56,9 +56,9 @@ PEER_DESCRIPTIONS: dict[str, str] = {
     "assumes fixed CP groups)",
     WLB: "WLB-LLM, a real plan: workload-aware packing (least-workload micro-batch, longest document first), "
     "per-document zigzag, and outlier delay queues that move long documents into later global batches. So its "
-    "steps hold other documents than ringpack's, which trains each global batch as drawn: its step figures (imbal, "
-    "gap) are not the same work per step, while epoch time and tok/s cover the same documents in another order. Its "
-    "gap is against the lower bound of the documents it put in each step",
+    "steps hold other documents than ringpack's, which trains each global batch as drawn (without --batch-window): "
+    "its step figures (imbal, gap) are not the same work per step, while epoch time and tok/s cover the same "
+    "documents in another order. Its gap is against the lower bound of the documents it put in each step",
 }
 
 
@@ -108,9 +108,13 @@ def parse_peers(text: str) -> list[str]:
 def measure_peer(name: str, lengths: Any, config: PlanConfig) -> PeerPart:
     """Plan or schedule ``lengths`` as peer ``name`` on ``config``'s mesh, budget, cost model and global batches.
 
+    A ``config.batch_window`` is ringpack's own and not applied: a peer starts from the global
+    batches as drawn.
+
     Raises:
         ValueError: an unknown peer; :class:`~ringpack.errors.PlanError` as the peer's planner.
     """
+    config = dataclasses.replace(config, batch_window=0)
     if name == DCP:
         schedule = dcp_schedule(lengths, config)
         return PeerPart(DCP, schedule, [None] * schedule.num_steps, schedule.config)

@@ -47,6 +47,7 @@ __all__ = [
     "build_report",
     "length_summary",
     "format_table",
+    "window_line",
     "format_ranks",
     "median_idle",
     "write_report",
@@ -494,6 +495,7 @@ def format_table(doc: dict[str, Any], steps_shown: int = 0) -> str:
         mark = (" (peer)" if "description" in p else "") + (" *" if p["name"] == doc["baseline"] else "")
         rows.append([p["name"] + mark, *(cell(p["summary"]) for _, cell in _SUMMARY_COLUMNS)])
     out += ["", text_table(["plan", *(h for h, _ in _SUMMARY_COLUMNS)], rows), _SUMMARY_LEGEND]
+    out += _window_notes(doc)
     out += _peer_notes(doc)
     if steps_shown > 0:
         for p in _rows(doc):
@@ -503,6 +505,39 @@ def format_table(doc: dict[str, Any], steps_shown: int = 0) -> str:
             rows = [[cell(r) for _, cell in _STEP_COLUMNS] for r in p["steps"][:steps_shown]]
             out.append(text_table(header, rows, align="r" * len(header)))
     return "\n".join(out)
+
+
+def window_line(window: dict[str, Any]) -> str:
+    """What a plan's ``batch_window`` moved and what it bought by the steps' lower bounds, one line.
+
+    ``window``: :meth:`~ringpack.planner.batch_window.WindowMoves.summary`'s numbers.
+    """
+    w = window
+    ratio = w["predicted_seconds_without"] / w["predicted_seconds"] if w["predicted_seconds"] > 0 else 1.0
+    return (
+        f"batch window {w['batch_window']}: {w['moved']:,} samples ({w['moved_fraction']:.2%}) planned in another "
+        f"global batch than drawn, at most {w['max_distance']} and on average {w['mean_distance']:.2f} batches away; "
+        f"predicted by the steps' lower bounds: {_fmt_seconds(w['predicted_seconds'])}, "
+        f"{_fmt_count(w['tokens_per_second'])} tokens/s with it, {_fmt_seconds(w['predicted_seconds_without'])}, "
+        f"{_fmt_count(w['tokens_per_second_without'])} without ({ratio:.2f}x)"
+    )
+
+
+def _window_notes(doc: dict[str, Any]) -> list[str]:
+    """The batch window's line (:func:`window_line`) and, with a plan made without it, the two plans' tokens/s."""
+    w = doc.get("batch_window")
+    if not w:
+        return []
+    out = [window_line(w)]
+    rows = {p["name"]: p["summary"] for p in doc["plans"]}
+    if w.get("without") in rows and w.get("plan") in rows:
+        with_s, without = rows[w["plan"]], rows[w["without"]]
+        ratio = without["predicted_seconds_comm"] / with_s["predicted_seconds_comm"]
+        out.append(
+            f"{w['plan']}: {_fmt_count(with_s['tokens_per_second_comm'])} tokens/s with the window, "
+            f"{_fmt_count(without['tokens_per_second_comm'])} without (the '{w['without']}' row): {ratio:.2f}x"
+        )
+    return [textwrap.fill(line, width=_NOTE_WIDTH, subsequent_indent="    ") for line in out]
 
 
 def _peer_notes(doc: dict[str, Any]) -> list[str]:

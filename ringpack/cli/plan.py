@@ -10,13 +10,14 @@ from typing import Any
 
 import numpy as np
 
+from ringpack.analysis.report import window_line
 from ringpack.analysis.robustness import PRICE_FACTORS, imbalance_across_prices
 from ringpack.cli.config_file import add_config_file_flag, write_config, written_settings
 from ringpack.cli.flags import REQUIRED, add_lengths_flags, add_plan_flags, add_quiet_flag, flag, new_command
 from ringpack.cli.inputs import check_output_file, lengths_from_flag, plan_config_from_args, progress, samples_per_step
 from ringpack.cli.layout import add_layout_flags, choice_to_dict, layout_table, resolve_layout
 from ringpack.planner.bounds import plan_costs
-from ringpack.planner.epoch import make_plan
+from ringpack.planner.epoch import global_batches, make_plan
 from ringpack.traffic import plan_kv_traffic
 
 logger = logging.getLogger("ringpack.cli")
@@ -96,6 +97,10 @@ def run_plan(args: argparse.Namespace) -> int:
             args.write_config, {**settings, "samples_per_step": config.samples_per_step, "global_batch_tokens": 0}
         )
     summary = summarize(plan)
+    if config.batch_window:
+        tokens = int(np.sum(plan.lengths)) - sum(plan.lengths[k] for k in plan.dropped)
+        moves = global_batches(lengths, config).moves()
+        summary["batch_window"] = moves.summary(config, summary["samples"], tokens)
     summary["plan_seconds"] = round(seconds, 4)
     summary["out"] = str(args.out)
     if choice is not None:
@@ -124,6 +129,8 @@ def _print_summary(summary: dict[str, Any], config: Any, seconds: float) -> None
         f"(the best any plan can stay at every price of the range at once): gap median "
         f"{summary['robust_gap_median']:.2%}, worst {summary['robust_gap_max']:.2%}"
     )
+    if "batch_window" in summary:
+        print(window_line(summary["batch_window"]))
     print(f"K/V tokens sent across CP ranks per step (median): {summary['kv_tokens_per_step_median']:.0f}")
     prices = summary["imbalance_by_pair_price"]
     print(

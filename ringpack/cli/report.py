@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from ringpack.cli.inputs import (
 from ringpack.cli.layout import add_layout_flags, layout_table, resolve_layout
 from ringpack.data.corpus import stdlib_corpus
 from ringpack.data.shard_reader import ShardReader
+from ringpack.planner.epoch import global_batches, make_plan
 from ringpack.shard_plan import Plan
 
 
@@ -89,6 +91,10 @@ def run_report(args: argparse.Namespace) -> int:
         desc = f"planning {len(lengths):,} samples x {len(wanted)} variants"
         with progress(args, desc, "steps") as bar:
             plans = plan_strategies(lengths, config, wanted, progress=bar)
+        if config.batch_window:  # the first variant again without the window: what the window bought
+            with progress(args, f"planning {plan_label(plans[0].config)} without the window", "steps") as bar:
+                unwindowed = dataclasses.replace(plans[0].config, batch_window=0)
+                plans.append(make_plan(lengths, unwindowed, progress=bar.advance_to))
     comms = comm_models(args, model)
     names = _unique_names(plans)
     with progress(args, "costing every rank of every step", "plans", len(plans)) as bar:
@@ -97,7 +103,7 @@ def run_report(args: argparse.Namespace) -> int:
             results.append(result_of_plan(plan, comms[0], name=name))
             bar.update(1)
     rows = peer_rows(lengths, config, comms[0], peers) if peers else []
-    doc = build_report(results, lengths=lengths, baseline=args.baseline, peers=rows)
+    doc = build_report(results, lengths=lengths, baseline=args.baseline, peers=rows, extra=_window_entry(plans, names))
     step = args.step
     if step is not None and not all(0 <= step < p.num_steps for p in plans):
         raise ValueError(f"--step {step} is outside some plan's steps")
@@ -123,8 +129,33 @@ def _plan_from_manifest(path: str) -> Plan:
     return ShardReader(folder, 0, 0).plan
 
 
+def _window_entry(plans: list[Plan], names: list[str]) -> dict[str, Any]:
+    """``{"batch_window": ...}`` for the report of the first plan with a batch window: what it moved
+    (:meth:`~ringpack.planner.batch_window.WindowMoves.summary`), its name and the name of the same
+    plan made without the window, if there is one; ``{}`` when no plan has a window."""
+    windowed = [k for k, p in enumerate(plans) if p.config.batch_window]
+    if not windowed:
+        return {}
+    plan = plans[windowed[0]]
+    # a plan's lengths are its documents, which the overflow rule leaves as they are: the same batches
+    moves = global_batches(np.asarray(plan.lengths, dtype=np.int64), plan.config).moves()
+    tokens = int(np.sum(plan.lengths)) - sum(plan.lengths[k] for k in plan.dropped)
+    without = next(
+        (
+            names[k]
+            for k, p in enumerate(plans)
+            if dataclasses.replace(p.config, batch_window=plan.config.batch_window) == plan.config
+            and not p.config.batch_window
+        ),
+        None,
+    )
+    summary = moves.summary(plan.config, len(plan.lengths) - len(plan.dropped), tokens)
+    return {"batch_window": {**summary, "plan": names[windowed[0]], "without": without}}
+
+
 def _unique_names(plans: list[Plan]) -> list[str]:
-    names = [plan_label(p.config) for p in plans]
+    windowed = any(p.config.batch_window for p in plans)
+    names = [plan_label(p.config) + (" no window" if windowed and not p.config.batch_window else "") for p in plans]
     seen: dict[str, int] = {}
     out = []
     for n in names:

@@ -3,11 +3,11 @@
 The plan is a pure function of ``(lengths, config)`` (``config`` carries ``seed`` and ``epoch``),
 so every rank computes the same plan, with the same number of steps, without communicating. The
 stages: check the inputs and apply ``config.overflow`` (:func:`expand_overflow`,
-:func:`split_document_limit`); shuffle by a keyed hash and cut into global batches
-(:func:`global_batches`); pack and balance over DP ranks (:mod:`ringpack.planner.packing`,
-:mod:`ringpack.planner.solver`); split every micro-batch over the CP ranks
-(:mod:`ringpack.planner.split`); bound every step (:func:`step_lower_bound`). :func:`plan_step`
-plans one step alone.
+:func:`split_document_limit`); shuffle by a keyed hash and cut into global batches, balanced
+across a ``batch_window`` (:func:`global_batches`, :mod:`ringpack.planner.batch_window`); pack and
+balance over DP ranks (:mod:`ringpack.planner.packing`, :mod:`ringpack.planner.solver`); split every
+micro-batch over the CP ranks (:mod:`ringpack.planner.split`); bound every step
+(:func:`step_lower_bound`). :func:`plan_step` plans one step alone.
 
 Step cost, the quantity balanced and bounded: a micro-batch costs the *max* over its CP ranks of
 ``CostModel.cost(tokens, exact causal pairs, segments)``; a DP rank's step cost is the *sum* over
@@ -27,6 +27,7 @@ import numpy as np
 
 from ringpack._hints import option
 from ringpack.lengths import check_lengths
+from ringpack.planner.batch_window import BalancedWindows, WindowMoves
 from ringpack.planner.bounds import PriceProfile, price_profile, step_lower_bound
 from ringpack.planner.packing import PackingProblem, fill_empty_bins, improve, pack_first_fit, pack_greedy
 from ringpack.planner.pool import split_over_nodes
@@ -387,12 +388,21 @@ class GlobalBatches:
             are in none.
         dropped: ids of documents longer than a CP group that ``overflow="drop"`` leaves out.
         origins: ``(input sample, offset)`` of every document when ``overflow="split"`` cut some.
+
+    With ``config.batch_window`` set, ``windows`` is a
+    :class:`~ringpack.planner.batch_window.BalancedWindows`: the shuffle's batches with costly
+    samples gathered inside blocks of ``batch_window + 1``, each block computed on first use.
     """
 
     lengths: np.ndarray
-    windows: list[np.ndarray]
+    windows: Sequence[np.ndarray]
     dropped: tuple[int, ...]
     origins: tuple[tuple[int, int], ...]
+
+    def moves(self) -> WindowMoves | None:
+        """What ``config.batch_window`` moved (:meth:`BalancedWindows.moves`: computes every block),
+        ``None`` without a window."""
+        return self.windows.moves() if isinstance(self.windows, BalancedWindows) else None
 
 
 def global_batches(lengths: Any, config: PlanConfig) -> GlobalBatches:
@@ -419,7 +429,10 @@ def global_batches(lengths: Any, config: PlanConfig) -> GlobalBatches:
         )
     min_samples = config.dp * max(config.microbatches_per_rank, 1)
     _warn_one_step(order.size, config)
-    return GlobalBatches(docs, _windows(order, config.samples_per_step, min_samples), dropped, origins)
+    windows: Sequence[np.ndarray] = _windows(order, config.samples_per_step, min_samples)
+    if config.batch_window:
+        windows = BalancedWindows(windows, docs, config)
+    return GlobalBatches(docs, windows, dropped, origins)
 
 
 #: More samples than this per DP rank in the single step of ``samples_per_step=0`` is called out:

@@ -117,3 +117,16 @@ def test_a_peer_that_cannot_plan_the_data_is_left_out(caplog):
         make_wlb_plan([4] * 6, cfg, WLBConfig(outlier_fractions=()))
     rows = peer_rows([4] * 6, cfg, INSTANT, [WLB])
     assert rows == [] and "wlb left out" in caplog.text
+
+
+@pytest.mark.parametrize("peer", PEERS)
+def test_a_peer_starts_from_the_batches_as_drawn_whatever_the_window(peer):
+    heavy = CostModel(token=1.0, pair=0.01, unit="s", name="attention-heavy")
+    lengths = np.clip(np.random.default_rng(5).lognormal(5.0, 1.3, 600).astype(np.int64), 1, 4096)
+    cfg = PlanConfig(dp=4, cp=2, tokens_per_rank=2048, samples_per_step=80, cost=heavy)
+    windowed = dataclasses.replace(cfg, batch_window=3)
+    plain, moved = measure_peer(peer, lengths, cfg), measure_peer(peer, lengths, windowed)
+    assert json.dumps(moved.config, sort_keys=True) == json.dumps(plain.config, sort_keys=True)
+    a, b = plain.metrics, moved.metrics
+    for name in ("step_cost", "busy") if peer == WLB else ("samples", "loss_tokens"):
+        np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
