@@ -1,0 +1,157 @@
+"""Pool plans and the chosen layout against the peers as the cluster grows (cost and communication models).
+
+    python benchmarks/pool_vs_peers.py [--worlds 64,256,1024,4096,8192] [--out pool-vs-peers.json] [--plot gap.png]
+
+For every cluster size: the same global batches (``--steps`` of them, ``--fill`` of the cluster's
+tokens each, micro-batches per rank as the planner chooses them, log-normal lengths of median 1,536 clipped at 131,072 unless
+``--lengths``) are planned by :func:`ringpack.analysis.layout.choose_layout` (every fixed CP size
+and the pool, each under ring, all-gather and targeted exchange) and by the peers of
+:mod:`ringpack.analysis.peer_runner` (Megatron-Core dynamic CP and WLB-LLM) at CP = one node.
+Printed and written per size: tokens/s of the chosen layout, of the pool (its best exchange), of
+fixed CP = one node (ringpack), of each peer, and the chosen layout's ratio to the best peer. The
+plot draws those ratios against the cluster size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ringpack.analysis.comm_model import CommModel
+from ringpack.analysis.layout import choose_layout
+from ringpack.analysis.peer_runner import PEERS, peer_rows
+from ringpack.analysis.simulate import synthetic_lengths
+from ringpack.cost import CostModel
+from ringpack.lengths import read_lengths
+from ringpack.shard_plan import PlanConfig
+
+
+def one_world(lengths: np.ndarray, world: int, args: argparse.Namespace) -> dict:
+    """Every layout and peer on the same global batches of a ``world``-GPU cluster."""
+    cost = CostModel.preset(args.model)
+    node = args.gpus_per_node
+    per_step = int(args.fill * world * args.tokens_per_rank / lengths.mean())
+    rng = np.random.default_rng(args.seed + world)
+    batch = lengths[rng.permutation(len(lengths))[: per_step * args.steps]]
+    t0 = time.perf_counter()
+    choice = choose_layout(
+        batch,
+        world,
+        node,
+        args.tokens_per_rank,
+        cost,
+        CommModel.for_model(cost),
+        steps=args.steps,
+        samples_per_step=per_step,
+        microbatches_per_rank=args.microbatches_per_rank,
+        batch_window=args.batch_window,
+    )
+    layout_s = time.perf_counter() - t0
+    feasible = [c for c in choice.candidates if c.feasible]
+    pool = max((c for c in feasible if c.name == "pool"), key=lambda c: c.tokens_per_second)
+    fixed_node = max((c for c in feasible if c.name == f"cp={node}"), key=lambda c: c.tokens_per_second)
+    config = PlanConfig(
+        dp=world // node,
+        cp=node,
+        tokens_per_rank=args.tokens_per_rank,
+        samples_per_step=per_step,
+        microbatches_per_rank=args.microbatches_per_rank,
+        cost=cost,
+    )
+    t0 = time.perf_counter()
+    ring = CommModel.for_model(cost, mode="ring", gpus_per_node=node)
+    peers = {p.name: p.result.summary()["tokens_per_second_comm"] for p in peer_rows(batch, config, ring, PEERS)}
+    peers_s = time.perf_counter() - t0
+    best_peer = max(peers.values()) if peers else float("nan")
+    best = choice.best
+    row = {
+        "world": world,
+        "batch_window": args.batch_window,
+        "samples_per_step": per_step,
+        "steps": args.steps,
+        "chosen": {"layout": best.label, "tokens_per_second": best.tokens_per_second},
+        "pool": {"layout": pool.label, "tokens_per_second": pool.tokens_per_second},
+        "fixed_node": {"layout": fixed_node.label, "tokens_per_second": fixed_node.tokens_per_second},
+        "peers": peers,
+        "chosen_over_best_peer": best.tokens_per_second / best_peer,
+        "pool_over_best_peer": pool.tokens_per_second / best_peer,
+        "fixed_node_over_best_peer": fixed_node.tokens_per_second / best_peer,
+        "reason": choice.reason,
+        "candidates": [
+            {"layout": c.label, "tokens_per_second": c.tokens_per_second, "step_seconds": c.step_seconds}
+            for c in feasible
+        ],
+        "seconds": {"layouts": layout_s, "peers": peers_s},
+    }
+    print(
+        f"{world:>6} GPUs: chosen {best.label} {best.tokens_per_second / 1e6:.3f}M tok/s, pool {pool.label} "
+        f"{pool.tokens_per_second / 1e6:.3f}M, cp={node} {fixed_node.tokens_per_second / 1e6:.3f}M, "
+        + ", ".join(f"{k} {v / 1e6:.3f}M" for k, v in peers.items())
+        + f"; chosen / best peer {row['chosen_over_best_peer']:.3f} ({layout_s:.0f} s + {peers_s:.0f} s)",
+        flush=True,
+    )
+    return row
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    worlds = [r["world"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for key, label in (
+        ("chosen_over_best_peer", "ringpack, chosen layout"),
+        ("pool_over_best_peer", "ringpack pool"),
+        ("fixed_node_over_best_peer", "ringpack, CP = one node"),
+    ):
+        ax.plot(worlds, [r[key] for r in rows], marker="o", label=label)
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("GPUs")
+    ax.set_ylabel("tokens/s / best peer's")
+    ax.set_title("Predicted tokens/s against the best of Megatron dynamic CP and WLB-LLM")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--worlds", default="64,256,1024,4096,8192")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--tokens-per-rank", type=int, default=16384)
+    p.add_argument("--fill", type=float, default=1.0, help="global batch tokens / the cluster's tokens")
+    p.add_argument("--microbatches-per-rank", type=int, default=0, help="0: the planner chooses, per step")
+    p.add_argument("--steps", type=int, default=6, help="global batches per cluster size")
+    p.add_argument("--batch-window", type=int, default=0, help="ringpack's window across global batches")
+    p.add_argument("--samples", type=int, default=1_000_000)
+    p.add_argument("--lengths", help="a lengths file (default: log-normal draws)")
+    p.add_argument("--model", default="llama3-8b")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="pool-vs-peers.json")
+    p.add_argument("--plot", help="PNG of the ratios against the cluster size")
+    args = p.parse_args()
+    if args.lengths:
+        lengths = np.asarray(read_lengths(args.lengths), dtype=np.int64)
+    else:
+        lengths = synthetic_lengths(args.samples, "lognormal", seed=args.seed, median=1536, sigma=1.3, max_len=131072)
+    rows = [one_world(lengths, int(w), args) for w in args.worlds.split(",")]
+    doc = {"machine": platform.node(), "python": platform.python_version(), "args": vars(args), "rows": rows}
+    Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+    if args.plot:
+        plot(rows, Path(args.plot))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
