@@ -1,0 +1,66 @@
+"""Pool plans (``dp=1``, one CP group of every rank, split node by node) through the data path: the
+sampler streams the plan, balanced shards hold it, and every token reaches exactly one rank once."""
+
+from __future__ import annotations
+
+import datasets
+import numpy as np
+import pytest
+
+import ringpack
+from ringpack.cost import CostModel
+from ringpack.data import BalancedBatchSampler, PackedCollator, PackedDataset, ShardReader
+from ringpack.data.shard_writer import write_shards
+from tests.helpers.data import Coverage, batch_signature
+
+WORLD, NODE, T = 8, 4, 512
+HEAVY = CostModel(token=1.0, pair=0.01, unit="s", name="attention-heavy")
+OPTS = dict(samples_per_step=48, gpus_per_node=NODE, cost=HEAVY, seed=5)
+
+
+@pytest.fixture(scope="module")
+def samples():
+    rng = np.random.default_rng(2)
+    lens = np.clip(rng.lognormal(4.5, 1.2, 150).astype(np.int64), 1, T)
+    lens[[3, 70]] = [NODE * T + 300, 2 * T + 10]  # one bigger than a node, one split inside a node
+    return [rng.integers(0, 1000, int(k)) for k in lens]
+
+
+@pytest.fixture(scope="module")
+def lengths(samples):
+    return [len(s) for s in samples]
+
+
+def test_the_pool_plan_splits_node_by_node(lengths):
+    plan = ringpack.plan(lengths, world=WORLD, tokens_per_rank=T, **OPTS)
+    assert (plan.config.dp, plan.config.cp, plan.config.gpus_per_node) == (1, WORLD, NODE)
+    ranks_of: dict[tuple, set] = {}
+    for s, step in enumerate(plan.steps):
+        for m, mb in enumerate(step.microbatches[0]):
+            for c, shard in enumerate(mb.shards):
+                for piece in shard.pieces:
+                    ranks_of.setdefault((s, m, piece.sample), set()).add(c)
+    nodes = {key: {c // NODE for c in ranks} for key, ranks in ranks_of.items() if len(ranks) > 1}
+    assert any(len(n) > 1 for n in nodes.values()), "the sample bigger than a node spans nodes"
+    assert any(len(n) == 1 for n in nodes.values()), "a sample that fits a node is split inside one"
+
+
+def test_sampler_collator_and_shards_give_every_token_once(samples, lengths, tmp_path):
+    """The loader's batches (sampler, dataset, collator with the rank's attention schedule) equal the
+    shards', and together they hold every token exactly once."""
+    plan = ringpack.plan(lengths, world=WORLD, tokens_per_rank=T, **OPTS)
+    ds = datasets.Dataset.from_dict({"input_ids": [s.tolist() for s in samples]})
+    write_shards(ds, tmp_path / "shards", plan.config, progress=False)
+    cov = Coverage(samples)
+    for c in range(WORLD):
+        sampler = BalancedBatchSampler(lengths, 0, 1, WORLD, T, **OPTS)
+        assert sampler.plan() == plan
+        collator = PackedCollator(c, WORLD)
+        from_loader = [collator(PackedDataset(ds).__getitems__(t)) for t in sampler]
+        assert all(b["schedule"] is not None for b in from_loader), "the rank's schedule compiles"
+        reader = ShardReader(tmp_path / "shards", 0, c, dp_size=1, cp_size=WORLD, schedule=False)
+        assert reader.plan == plan
+        batches = list(reader)
+        assert [batch_signature(b) for b in batches] == [batch_signature(b) for b in from_loader]
+        cov.add_all(batches)
+    cov.check_exactly_once()
