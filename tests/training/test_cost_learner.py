@@ -248,6 +248,8 @@ def test_a_state_of_an_earlier_version_without_the_new_keys_still_loads():
 # ------------------------------------------------------------------------------ over real ranks
 
 DP, CP = 2, 2
+#: The pool layout: one CP group of all four ranks, split over two nodes of two.
+POOL = {"dp": 1, "cp": 4, "gpus_per_node": 2}
 
 
 def _lengths() -> list[int]:
@@ -255,10 +257,14 @@ def _lengths() -> list[int]:
     return np.clip((rng.pareto(1.1, 600) * 400 + 1).astype(int), 1, 12_000).tolist()
 
 
-def _sampler(dp_rank: int):
+def _sampler(dp_rank: int, layout: dict | None = None):
     from ringpack.data import BalancedBatchSampler
 
-    return BalancedBatchSampler(_lengths(), dp_rank, DP, CP, 6_000, samples_per_step=40, seed=3, cost=FLOPS)
+    layout = layout or {"dp": DP, "cp": CP}
+    extra = {k: v for k, v in layout.items() if k not in ("dp", "cp")}
+    return BalancedBatchSampler(
+        _lengths(), dp_rank, layout["dp"], layout["cp"], 6_000, samples_per_step=40, seed=3, cost=FLOPS, **extra
+    )
 
 
 def _run_steps(tickets, learner, cp_rank: int, steps: int, start_step: int = 0) -> list[str]:
@@ -277,16 +283,16 @@ def _run_steps(tickets, learner, cp_rank: int, steps: int, start_step: int = 0) 
     return seen
 
 
-def _learner_worker(rank: int, world: int) -> dict:
-    dp_rank, cp_rank = divmod(rank, CP)
-    sampler = _sampler(dp_rank)
+def _learner_worker(rank: int, world: int, layout: dict | None = None) -> dict:
+    dp_rank, cp_rank = divmod(rank, (layout or {"cp": CP})["cp"])
+    sampler = _sampler(dp_rank, layout)
     config = LearnerConfig(warmup_steps=1, first_fit_after=2, refit_every=3, min_change=0.03)
     learner = CostLearner(sampler, cp_rank, config=config)
     tickets = iter(sampler)
     _run_steps(tickets, learner, cp_rank, steps=8)
     state = sampler.state_dict()
     rest = _run_steps(tickets, learner, cp_rank, steps=1000, start_step=8)
-    resumed = _sampler(dp_rank)
+    resumed = _sampler(dp_rank, layout)
     resumed.load_state_dict(state)
     again = [f"{t.step}:{t.index}:{list(t)}" for t in resumed]
     return {
@@ -304,8 +310,15 @@ def learned():
     return run_ranks(_learner_worker, DP * CP, timeout_s=60, join_s=180, name="learner")
 
 
+@pytest.fixture(scope="module")
+def learned_pool():
+    return run_ranks(_learner_worker, 4, (POOL,), timeout_s=60, join_s=180, name="learner on the pool")
+
+
 @pytest.mark.slow
-def test_every_rank_learns_the_same_model_and_switches_at_the_same_step(learned):
+@pytest.mark.parametrize("layout", ["learned", "learned_pool"])
+def test_every_rank_learns_the_same_model_and_switches_at_the_same_step(layout, request):
+    learned = request.getfixturevalue(layout)
     first = learned[0]
     assert first["switches"], "the learner switched the planner to a fitted model"
     assert all(r["switches"] == first["switches"] and r["model"] == first["model"] for r in learned)
