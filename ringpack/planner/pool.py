@@ -18,6 +18,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from ringpack.planner.packing import PackingProblem, improve, pack_greedy
+from ringpack.planner.split.balanced import CP_BALANCE_TOLERANCE
+from ringpack.planner.split.fallbacks import split_spread
 from ringpack.planner.split.strategies import split_groups
 from ringpack.shard_plan import MicroBatch, PlanConfig, RankShard
 
@@ -100,15 +102,24 @@ def _split_parts(
 
 
 def _split_group(part: tuple, lengths: Sequence[int], config: PlanConfig) -> MicroBatch:
-    """A group of several nodes split by the plan's strategy over all its ranks, without the token guard.
+    """A group of several nodes split over all its ranks: ``balanced`` zigzags the samples costing
+    more than a node's share of the group (those that cross nodes in any split) and keeps the rest
+    whole (:func:`~ringpack.planner.split.fallbacks.split_spread`); the other strategies as they are,
+    without the token guard.
 
-    Why without: such a group holds a sample bigger than a node, whose dense pieces leave ranks
-    with few tokens, so the guard (every rank within ``1 + token_slack`` of the mean tokens) rarely
-    holds there, and the split then falls back to zigzagging the group's samples over all its ranks
-    (:mod:`~ringpack.planner.split.fallbacks`): several times the K/V, across nodes, and seconds of
-    planning per step at a thousand ranks. A rank is still held to ``tokens_per_rank``.
+    Why not the balanced split itself: near a full token budget its cost balance needs ranks with
+    few dense tokens that the others cannot make up, so it falls back to zigzagging every sample of
+    the group over all its ranks (:mod:`~ringpack.planner.split.fallbacks`): short samples then send
+    their K/V between nodes, and the ranks' attention waits on it. The big samples' zigzag chunks
+    give every rank its share of their cost and tokens, and the whole samples even out the rest.
+    A rank is still held to ``tokens_per_rank``.
     """
-    return _split_parts([part], lengths, config, part[2] * config.gpus_per_node, None)[0]
+    cp = part[2] * config.gpus_per_node
+    if config.strategy == "balanced":
+        return split_spread(
+            part[3], lengths, cp, config.tokens_per_rank, config.cost, config.gpus_per_node, CP_BALANCE_TOLERANCE
+        )
+    return _split_parts([part], lengths, config, cp, None)[0]
 
 
 # ------------------------------------------------------------------------------ samples to nodes

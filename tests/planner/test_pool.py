@@ -199,3 +199,19 @@ def test_pool_planning_memory_grows_linearly_with_the_pool():
     _, big_peak, big_pieces, big_n = _planned(256)
     assert big_peak < 8 * small_peak, (small_peak, big_peak)
     assert small_pieces <= 2 * (small_n + 64) and big_pieces <= 2 * (big_n + 256), (small_pieces, big_pieces)
+
+
+def test_near_a_full_budget_a_group_of_nodes_splits_only_the_samples_that_cross_nodes():
+    """At 99% of the tokens a group of several nodes zigzags its big samples over its ranks and keeps
+    every sample that fits a node's share whole, so only the big samples send K/V between nodes."""
+    world, tpr = 128, 16384
+    L = synthetic_lengths(20000, "lognormal", seed=2, median=1536, sigma=1.3, max_len=131072)
+    L = L[: int(0.99 * world * tpr / L.mean())]
+    plan = ringpack.plan(L, world=world, gpus_per_node=8, tokens_per_rank=tpr, samples_per_step=len(L))
+    plan.validate()
+    mb = plan.steps[0].microbatches[0][0]
+    share = COST.sample_cost(L[list(mb.samples)]).sum() / (world // 8)  # a node's share of the cost
+    crossing = {s: r for s, r in ranks_of(mb).items() if len({x // 8 for x in r}) > 1}
+    assert crossing, "expected samples over several nodes"
+    for s, ranks in crossing.items():  # only samples that need more than a rank's share cross nodes
+        assert COST.sample_cost([L[s]])[0] > share / 8 or L[s] > tpr, (s, int(L[s]), len(ranks))

@@ -15,13 +15,20 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ringpack.planner.split.baselines import zigzag_even_shards
+from ringpack.planner.split.batch import ProblemBatch
 from ringpack.planner.split.best_fit import best_fit
+from ringpack.planner.split.pieces import microbatch_from_slots
 from ringpack.planner.split.problem import RankFill, Slice, SplitProblem
 from ringpack.planner.split.suffix_cuts import cut_suffixes
+from ringpack.shard_plan import MicroBatch
 
-__all__ = ["retry_with_fallbacks"]
+if TYPE_CHECKING:
+    from ringpack.cost import CostModel
+
+__all__ = ["retry_with_fallbacks", "split_spread"]
 
 Shards = list[list[Slice]]
 
@@ -58,6 +65,44 @@ def _candidates(problem: SplitProblem) -> Iterator[tuple[Shards, float]]:
     for theta in (0.5, 0.1, 0.0):
         yield _hybrid_shards(problem, theta)
     yield zigzag_even_shards(problem.lens, problem.cp, problem.token, problem.pair, problem.segment)
+
+
+def split_spread(
+    samples: Sequence[int],
+    lengths: Sequence[int],
+    cp: int,
+    tokens_per_rank: int,
+    cost: CostModel,
+    over: float,
+    tolerance: float,
+) -> MicroBatch:
+    """One micro-batch split with the samples costing more than ``over`` ranks' ideal zigzagged over
+    every rank and the rest whole (:func:`_hybrid_shards`), whatever the balance.
+
+    For CP groups of several nodes (:mod:`~ringpack.planner.pool`): a sample bigger than a node
+    crosses nodes in any split, and its zigzag chunks give each rank its share of that sample's
+    cost and tokens, so the other samples can stay whole and send no K/V between nodes.
+
+    Args:
+        samples: the micro-batch's sample ids, in micro-batch order.
+        lengths: tokens of every sample, indexed by id (a sequence or a 1-D integer array).
+        cp: CP ranks, >= 1.
+        tokens_per_rank: token budget of every rank (never exceeded).
+        cost: the cost model the ranks are balanced by.
+        over: samples costing more than ``over`` times a rank's ideal cost are zigzagged (the
+            costliest one at least, and any longer than ``tokens_per_rank``).
+        tolerance: a rank's cost room over the ideal for the whole samples (the balanced split's
+            :data:`~ringpack.planner.split.balanced.CP_BALANCE_TOLERANCE`).
+
+    Returns:
+        The micro-batch with one shard per CP rank.
+
+    Raises:
+        ValueError: the samples hold more than ``cp * tokens_per_rank`` tokens.
+    """
+    batch = ProblemBatch.build([samples], lengths, cp, tokens_per_rank, cost, tolerance, None)
+    shards, _ = _hybrid_shards(batch.problems[0], over)
+    return microbatch_from_slots(samples, shards, lengths, batch.totals[0])
 
 
 def _balanced_shards(problem: SplitProblem, zigzag_over: float) -> tuple[Shards, float]:
