@@ -3,13 +3,14 @@
     python benchmarks/pool_vs_peers.py [--worlds 64,256,1024,4096,8192] [--out pool-vs-peers.json] [--plot gap.png]
 
 For every cluster size: the same global batches (``--steps`` of them, ``--fill`` of the cluster's
-tokens each, micro-batches per rank as the planner chooses them, log-normal lengths of median 1,536 clipped at 131,072 unless
-``--lengths``) are planned by :func:`ringpack.analysis.layout.choose_layout` (every fixed CP size
-and the pool, each under ring, all-gather and targeted exchange) and by the peers of
-:mod:`ringpack.analysis.peer_runner` (Megatron-Core dynamic CP and WLB-LLM) at CP = one node.
-Printed and written per size: tokens/s of the chosen layout, of the pool (its best exchange), of
-fixed CP = one node (ringpack), of each peer, and the chosen layout's ratio to the best peer. The
-plot draws those ratios against the cluster size.
+tokens each, micro-batches per rank as the planner chooses them, log-normal lengths of median 1,536
+clipped at 131,072 unless ``--lengths``) are planned by
+:func:`ringpack.analysis.layout.choose_layout` (every fixed CP size and the pool, each under ring,
+all-gather and targeted exchange) and by the peers of :mod:`ringpack.analysis.peer_runner`
+(Megatron-Core dynamic CP and WLB-LLM) at CP = one node. Printed and written per size: tokens/s of
+the chosen layout, of the pool (its best exchange), of fixed CP = one node (ringpack), of each
+peer, and the chosen layout's ratio to the best peer. The plot draws those ratios against the
+cluster size.
 """
 
 from __future__ import annotations
