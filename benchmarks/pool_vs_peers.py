@@ -119,8 +119,9 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("GPUs")
-    ax.set_ylabel("tokens/s / best peer's")
-    ax.set_title("Predicted tokens/s against the best of Megatron dynamic CP and WLB-LLM")
+    ax.set_ylabel("tokens/s / best peer's (Megatron DCP, WLB-LLM)")
+    window = rows[0].get("batch_window", 0)
+    ax.set_title(f"Predicted tokens/s / the best peer's (batch window {window})", fontsize=10)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -141,7 +142,11 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="pool-vs-peers.json")
     p.add_argument("--plot", help="PNG of the ratios against the cluster size")
+    p.add_argument("--replot", metavar="JSON", help="only draw --plot from an earlier --out file")
     args = p.parse_args()
+    if args.replot:
+        plot(json.loads(Path(args.replot).read_text())["rows"], Path(args.plot or "gap.png"))
+        return 0
     if args.lengths:
         lengths = np.asarray(read_lengths(args.lengths), dtype=np.int64)
     else:
