@@ -334,18 +334,7 @@ def pack_first_fit(
     """
     n = len(tokens)
     t_list = tokens.tolist()
-    packs: list[list[int]] = []
-    free: list[int] = []
-    for i in range(n):
-        ti = t_list[i]
-        for p in range(len(packs)):
-            if free[p] >= ti:
-                packs[p].append(i)
-                free[p] -= ti
-                break
-        else:
-            packs.append([i])
-            free.append(capacity - ti)
+    packs, free = _first_fit(t_list, capacity, dp * m_fixed if m_fixed else n)
     m = m_fixed if m_fixed else max(m_min, -(-len(packs) // dp))
     if len(packs) > dp * m or n < dp * m:  # too many packs, or too few samples to fill every slot
         return None, m
@@ -370,3 +359,50 @@ def pack_first_fit(
         if slots[d] < m:
             heapq.heappush(heap, (load + pack_tokens[q], d))
     return bins, m
+
+
+def _first_fit(t_list: list[int], capacity: int, limit: int) -> tuple[list[list[int]], list[int]]:
+    """Samples in order to the first pack with room, a new pack when none has: ``(packs, free room)``.
+
+    The first pack with room is found in ``O(log packs)`` through a max-tree of the packs' free
+    room (leaves in pack order; a leaf without a pack holds -1). Stops once there are more than
+    ``limit`` packs (the caller then has too many whatever the rest do).
+    """
+    packs: list[list[int]] = []
+    free: list[int] = []
+    size = 64
+    tree = [-1] * (2 * size)
+    for i, ti in enumerate(t_list):
+        if tree[1] >= ti:
+            node = 1
+            while node < size:
+                node *= 2
+                if tree[node] < ti:
+                    node += 1
+            p = node - size
+            packs[p].append(i)
+            free[p] -= ti
+        else:
+            if len(packs) >= limit:
+                packs.append([i])
+                free.append(capacity - ti)
+                break
+            p = len(packs)
+            packs.append([i])
+            free.append(capacity - ti)
+            if p == size:  # grow: the leaves double, the inner nodes are rebuilt
+                size *= 2
+                tree = [-1] * size + free + [-1] * (size - len(free))
+                for node in range(size - 1, 0, -1):
+                    tree[node] = max(tree[2 * node], tree[2 * node + 1])
+                continue
+            node = p + size
+        tree[node] = free[p]
+        node //= 2
+        while node:
+            top = max(tree[2 * node], tree[2 * node + 1])
+            if tree[node] == top:
+                break
+            tree[node] = top
+            node //= 2
+    return packs, free

@@ -286,20 +286,29 @@ def _pack_least_workload(tokens: np.ndarray, weights: np.ndarray, num_bins: int,
     Ties (equal lengths, equal loads) go to the earlier document and the lower bin, so the result
     is deterministic. With at least ``num_bins`` documents every bin gets one (the first
     ``num_bins`` documents each open an empty bin).
+
+    Documents come longest first, so a bin with room for one has room for every later one until
+    it takes one: ``open`` (a heap by ``(load, bin)``) holds exactly the bins with room for the
+    current document, and ``full`` (a heap by free room, largest first) the others, each moved
+    back to ``open`` once the documents are short enough. ``O(n log bins)``.
     """
     order = np.lexsort((np.arange(tokens.size), -tokens))
     free = [capacity] * num_bins
-    heap = [(0.0, b) for b in range(num_bins)]
+    open_bins: list[tuple[float, int]] = []
+    full = [(-capacity, b, 0.0) for b in range(num_bins)]  # (-free room, bin, load); a valid heap
     bins = np.full(tokens.size, -1, dtype=np.int64)
+    pop, push = heapq.heappop, heapq.heappush
     for i, t, w in zip(order.tolist(), tokens[order].tolist(), weights[order].tolist()):
-        popped = []
-        while heap and free[heap[0][1]] < t:
-            popped.append(heapq.heappop(heap))
-        if heap:
-            load, b = heapq.heappop(heap)
-            bins[i] = b
-            free[b] -= t
-            heapq.heappush(heap, (load + w, b))
-        for item in popped:
-            heapq.heappush(heap, item)
+        while full and -full[0][0] >= t:
+            _, b, load = pop(full)
+            push(open_bins, (load, b))
+        if not open_bins:
+            continue
+        load, b = pop(open_bins)
+        bins[i] = b
+        free[b] -= t
+        if free[b] >= t:  # later documents are no longer than this one
+            push(open_bins, (load + w, b))
+        else:
+            push(full, (-free[b], b, load + w))
     return bins
