@@ -84,6 +84,10 @@ def pack_greedy(problem: PackingProblem) -> np.ndarray | None:
     # (load, rank) pairs are distinct (one per rank), so which rank is least loaded never depends
     # on the heap's internal layout: heapreplace is pop + push in one sift.
     heap = [(0.0, d) for d in range(dp)]
+    # ranks without room for the sample at hand wait here, most free tokens first, with their
+    # load; items come heaviest first, which is longest first for any cost model that grows with
+    # length, so a rank parked here rarely has room again before it is the next to get it.
+    parked: list[tuple[int, int, float]] = []
     bins = [0] * n
     rank_free = [capacity] * dp  # most free tokens of any bin of each rank (== max(free[d]))
     most_free = capacity  # an upper bound on max(rank_free), refreshed when a sample exceeds it
@@ -95,17 +99,15 @@ def pack_greedy(problem: PackingProblem) -> np.ndarray | None:
             most_free = max(rank_free)  # rank_free only shrinks: fail fast once no bin fits
             if t > most_free:
                 return None
+        while parked and -parked[0][0] >= t:  # room again: back among the candidates
+            _, d, load = heappop(parked)
+            heappush(heap, (load, d))
+        while heap and rank_free[heap[0][1]] < t:  # the least-loaded ranks without room wait
+            load, d = heappop(heap)
+            heappush(parked, (-rank_free[d], d, load))
+        if not heap:  # no rank fits (most_free was a stale upper bound)
+            return None
         load, d = heap[0]
-        popped = None  # the lighter ranks that do not fit, when the least-loaded one does not
-        if rank_free[d] < t:
-            popped = [heappop(heap)]
-            while heap:
-                load, d = heappop(heap)
-                if rank_free[d] >= t:
-                    break
-                popped.append((load, d))
-            else:  # no rank fits (most_free was a stale upper bound)
-                return None
         fj = rank_free[d]
         free_d = free[d]
         best = free_d.index(fj)  # the bin with most free tokens, first on ties
@@ -117,12 +119,7 @@ def pack_greedy(problem: PackingProblem) -> np.ndarray | None:
         else:  # the rank's height: its load in its heaviest scenario
             scenario_loads[d] = loads_d = [x + y for x, y in zip(scenario_loads[d], row)]
             key = max(loads_d)
-        if popped is None:  # the least-loaded rank fits (the common case)
-            heapreplace(heap, (key, d))
-        else:
-            heappush(heap, (key, d))
-            for item in popped:
-                heappush(heap, item)
+        heapreplace(heap, (key, d))
     return np.array(bins, dtype=np.int64)
 
 

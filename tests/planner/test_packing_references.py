@@ -1,6 +1,6 @@
-"""The first-fit baseline and WLB's least-workload packing against the plain loops they are defined by.
+"""Greedy, first-fit and WLB least-workload packing against the plain loops that define them.
 
-Both find a bin through a heap or tree instead of scanning every bin per sample; each must place
+Each finds a bin through a heap or tree instead of scanning every bin per sample, and must place
 every sample exactly where the scan does, ties included, on random and tight inputs.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ringpack.planner.packing import pack_first_fit
+from ringpack.planner.packing import PackingProblem, pack_first_fit, pack_greedy
 from ringpack.planner.wlb import _pack_least_workload
 
 
@@ -83,4 +83,46 @@ def test_least_workload_is_the_scan(seed):
         capacity = int(rng.integers(1, 120))  # tight: documents that fit no bin get -1
         assert _pack_least_workload(tokens, weights, num_bins, capacity).tolist() == (
             least_workload_scan(tokens, weights, num_bins, capacity).tolist()
+        )
+
+
+def greedy_scan(problem: PackingProblem) -> np.ndarray | None:
+    """Heaviest first (ties: earlier), each to the rank of least ``(height, index)`` with a bin that
+    fits, into its bin with the most free tokens (first on ties); ``None`` once a sample fits nowhere."""
+    columns = problem.columns
+    order = sorted(range(len(columns)), key=lambda i: (-float(columns[i].max()), i))
+    loads = np.zeros((problem.dp, columns.shape[1]))
+    free = [[problem.capacity] * problem.m for _ in range(problem.dp)]
+    bins = np.zeros(len(columns), dtype=np.int64)
+    for i in order:
+        t = int(problem.tokens[i])
+        fits = [d for d in range(problem.dp) if max(free[d]) >= t]
+        if not fits:
+            return None
+        height = [float(loads[d, 0]) if columns.shape[1] == 1 else max(loads[d].tolist()) for d in range(problem.dp)]
+        d = min(fits, key=lambda q: (height[q], q))
+        b = free[d].index(max(free[d]))
+        free[d][b] -= t
+        bins[i] = d * problem.m + b
+        loads[d] = [x + y for x, y in zip(loads[d].tolist(), columns[i].tolist())]
+    return bins
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_greedy_is_the_scan(seed):
+    rng = np.random.default_rng(seed)
+    for trial in range(200):
+        n, dp, m = int(rng.integers(1, 80)), int(rng.integers(1, 8)), int(rng.integers(1, 4))
+        tokens = rng.integers(1, 60, n)
+        if trial % 3 == 0:  # weights that do not follow length: bins with room come and go
+            weights = rng.random(n)
+        elif trial % 3 == 1:
+            weights = np.column_stack([tokens * 1.0, tokens**1.7 / 10]) / [tokens.sum(), (tokens**1.7).sum() / 10]
+        else:
+            weights = tokens * 2.0
+        capacity = int(rng.integers(60, 60 + int(tokens.sum()) // max(dp * m, 1) + 2))  # tight and loose
+        problem = PackingProblem(weights, tokens, dp, m, capacity)
+        got, want = pack_greedy(problem), greedy_scan(problem)
+        assert (got is None and want is None) or (
+            got is not None and want is not None and got.tolist() == want.tolist()
         )
