@@ -1,16 +1,17 @@
 """``ringpack simulate``: plan an epoch for a cluster this machine is not, and predict its speed (docs/analysis.md).
 
 For a cluster shape (``dp x cp`` GPUs), a length distribution and a model, every strategy plans the
-full epoch with :func:`~ringpack.planner.make_plan`; every step is priced with the planner's cost
-code (:mod:`ringpack.analysis.metrics`) and timed under the communication model
+full epoch as :func:`~ringpack.planner.make_plan` would; every step is priced with the planner's
+cost code (:mod:`ringpack.analysis.metrics`) and timed under the communication model
 (:mod:`ringpack.analysis.comm_model`, ring and all-gather), with the peers of
 :mod:`ringpack.analysis.peer_runner` on the same chunks. Output: the report document ``ringpack
 report`` writes (predicted tokens/s, epoch time, idle fraction, K/V bytes and padding per strategy).
 
 Scale: the epoch is planned in chunks of ``chunk_steps`` global batches (the planner's shuffle
-first, so chunks are random windows of the epoch, exactly as ``make_plan`` would cut them), chunks
-run in ``jobs`` worker processes, and each worker returns only its dense per-rank arrays, so memory
-stays flat and a 1M-sample epoch is minutes on 2 cores.
+first, so chunks are random windows of the epoch, exactly as ``make_plan`` would cut them); a
+chunk's steps are packed once per packing for every strategy that uses it, zigzag and contiguous
+are measured from the packing without plan objects, and workers return only per-rank arrays, so
+memory does not grow with the CP size and a 1M-sample epoch for 8,192 GPUs takes about a minute.
 """
 
 from __future__ import annotations
@@ -19,23 +20,31 @@ import dataclasses
 import os
 import time
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from ringpack._checks import is_finite, is_int
 from ringpack._hints import option
+from ringpack._spawn import run_tasks
 from ringpack.analysis.comm_model import CommModel
-from ringpack.analysis.metrics import PlanMetrics, concat_metrics, evaluate_plan
-from ringpack.analysis.peer_runner import PeerJob, join_peer_parts, time_peer, try_measure_peer
+from ringpack.analysis.metrics import (
+    PackedSteps,
+    PlanMetrics,
+    concat_metrics,
+    evaluate_packed,
+    evaluate_plan,
+    plan_label,
+)
+from ringpack.analysis.peer_runner import join_peer_parts, time_peer, try_measure_peer
 from ringpack.analysis.report import StrategyResult, _fmt_count, _fmt_seconds, build_report, text_table, timed
 from ringpack.data.corpus import stdlib_corpus
+from ringpack.errors import PlanError
 from ringpack.lengths import check_lengths
-from ringpack.planner import make_plan
-from ringpack.planner.epoch import expand_overflow, shuffle_order
+from ringpack.planner.epoch import expand_overflow, global_batches, pack_step, shuffle_order, split_step
 from ringpack.progress import Progress
-from ringpack.shard_plan import PlanConfig
+from ringpack.shard_plan import Plan, PlanConfig
 
 __all__ = ["simulate", "synthetic_lengths", "SIM_VARIANTS", "MAX_LENGTH"]
 
@@ -108,20 +117,70 @@ def _check_draw(n: int, median: float, sigma: float, max_len: int | None) -> Non
         raise ValueError(f"max_len must be None or an integer >= 1, got {max_len!r}")
 
 
-def _plan_chunk(task: tuple[int, int, np.ndarray, Any]) -> tuple[int, int, Any, list, float]:
-    """Worker: plan one chunk of the epoch for one variant or peer; return its metrics and lower bounds.
+@dataclass(frozen=True)
+class _Task:
+    """One worker task: a chunk of the epoch planned with one packing for the variants that share it, or a peer.
 
-    A variant's task carries its :class:`PlanConfig`, a peer's a :class:`~ringpack.analysis.peer_runner.PeerJob`;
-    a peer's metrics are its :class:`~ringpack.analysis.peer_runner.PeerPart` (``None`` if it cannot plan the chunk).
+    ``rows`` are the report rows it fills: ``(row, strategy)`` of every variant with
+    ``config.packing``, or ``((row, peer),)`` for a peer.
     """
-    variant, chunk, lengths, config = task
+
+    chunk: int
+    first_step: int  # the chunk's first step in the epoch (named in errors)
+    lengths: np.ndarray
+    config: PlanConfig
+    rows: tuple[tuple[int, str], ...]
+    peer: bool = False
+
+    @property
+    def weight(self) -> float:
+        """Rough work, to start the longest tasks first: the balanced split dominates, a peer is light."""
+        if self.peer:
+            return 0.3 * self.lengths.size
+        strategies = {strategy for _, strategy in self.rows}
+        return self.lengths.size * (1.0 + 3.0 * ("balanced" in strategies) + 0.5 * len(strategies))
+
+    def describe(self) -> str:
+        what = self.rows[0][1] if self.peer else f"{self.config.packing} packing"
+        return f"planning chunk {self.chunk} ({self.lengths.size:,} samples) for {what}"
+
+
+def _plan_chunk(task: _Task) -> tuple[list[tuple[int, Any, list]], float]:
+    """Worker: one task's ``(row, metrics, lower bounds)`` per row, and its CPU seconds.
+
+    A variant's metrics are its :class:`PlanMetrics`, a peer's its
+    :class:`~ringpack.analysis.peer_runner.PeerPart` (``None`` if it cannot plan the chunk). The
+    variants of a task share one packing of every step (:func:`~ringpack.planner.epoch.pack_step`,
+    which the strategy plays no part in); ``zigzag`` and ``contiguous`` are measured from it
+    directly (:func:`~ringpack.analysis.metrics.evaluate_packed`), ``balanced`` is split by the
+    planner. Every figure is the one :func:`make_plan` and :func:`evaluate_plan` give.
+    """
     t0 = time.process_time()
-    if isinstance(config, PeerJob):
-        part = try_measure_peer(config.name, lengths, config.config)
-        return variant, chunk, part, [], time.process_time() - t0
-    plan = make_plan(lengths, config)
-    metrics = evaluate_plan(plan)
-    return variant, chunk, metrics, [s.lower_bound for s in plan.steps], time.process_time() - t0
+    if task.peer:
+        ((row, name),) = task.rows
+        return [(row, try_measure_peer(name, task.lengths, task.config), [])], time.process_time() - t0
+    config = task.config
+    try:
+        batches = global_batches(task.lengths, config)
+        docs = batches.lengths
+        steps = [(ids, *pack_step(s, ids, docs, config)) for s, ids in enumerate(batches.windows)]
+    except PlanError as exc:
+        raise PlanError(f"simulated chunk {task.chunk} (epoch steps from {task.first_step}): {exc}") from None
+    bounds = [bound for _, _, _, bound in steps]
+    packed = PackedSteps.of([(ids, bins, m) for ids, bins, m, _ in steps], docs, config.dp)
+    out = []
+    for row, strategy in task.rows:
+        cfg = dataclasses.replace(config, strategy=strategy)
+        if strategy == "balanced":
+            planned = [split_step(ids, bins, m, docs, cfg, [], bound) for ids, bins, m, bound in steps]
+            plan = Plan(cfg, tuple(docs.tolist()), tuple(planned), batches.dropped, batches.origins)
+            metrics = evaluate_plan(plan)
+        else:
+            metrics = evaluate_packed(
+                packed, strategy, cp=cfg.cp, tokens_per_rank=cfg.tokens_per_rank, model=cfg.cost, name=plan_label(cfg)
+            )
+        out.append((row, metrics, bounds))
+    return out, time.process_time() - t0
 
 
 def _chunks(order: np.ndarray, per_step: int, chunk_steps: int, min_samples: int) -> list[np.ndarray]:
@@ -176,17 +235,12 @@ def simulate(
         comms or [CommModel.for_model(config.cost, mode="ring"), CommModel.for_model(config.cost, mode="allgather")]
     )
     chunks = _epoch_chunks(lengths, config, chunk_steps)
-    tasks = []
-    for v, (strategy, packing) in enumerate(variants):
-        cfg = dataclasses.replace(config, strategy=strategy, packing=packing)
-        for c, ids in enumerate(chunks):
-            # make_plan re-shuffles within the chunk: still a uniformly random window of the epoch
-            tasks.append((v, c, lengths[ids], cfg))
-    tasks += _peer_tasks(peers, config, chunks, lengths, first=len(variants))
+    _check_budget(lengths, chunks, config, chunk_steps)
+    tasks = _tasks(lengths, chunks, config, variants, peers, chunk_steps)
     jobs = min(jobs or os.cpu_count() or 1, len(tasks))
     desc = f"planning {len(lengths):,} samples x {len(variants) + len(peers)} strategies"
     t0 = time.perf_counter()
-    parts, busy = _plan_tasks(tasks, jobs, desc if progress else None)
+    parts, busy = _plan_tasks(tasks, jobs, desc if progress else None, chunk_steps)
     wall = time.perf_counter() - t0
     results_by_mode = _timed_results(parts, variants, config, comms, len(chunks))
     peers_by_mode = _timed_peers(parts, len(peers), comms, len(chunks), first=len(variants))
@@ -213,15 +267,55 @@ def simulate(
     return doc
 
 
-def _peer_tasks(
-    peers: Sequence[str], config: PlanConfig, chunks: list[np.ndarray], lengths: np.ndarray, first: int
-) -> list[tuple[int, int, np.ndarray, Any]]:
-    """One task per peer and chunk, numbered from ``first`` (after the variants)."""
-    return [
-        (first + k, c, lengths[ids], PeerJob(name, config))
-        for k, name in enumerate(peers)
-        for c, ids in enumerate(chunks)
-    ]
+def _tasks(
+    lengths: np.ndarray,
+    chunks: list[np.ndarray],
+    config: PlanConfig,
+    variants: Sequence[tuple[str, str]],
+    peers: Sequence[str],
+    chunk_steps: int,
+) -> list[_Task]:
+    """Per chunk: one task per packing (its variants share the packing), one per peer; the heaviest first.
+
+    Rows number the variants in order, then the peers. ``make_plan`` re-shuffles within a chunk,
+    so each chunk's steps are still uniformly random windows of the epoch.
+    """
+    by_packing: dict[str, list[tuple[int, str]]] = {}
+    for row, (strategy, packing) in enumerate(variants):
+        by_packing.setdefault(packing, []).append((row, strategy))
+    tasks = []
+    for c, ids in enumerate(chunks):
+        part, first = lengths[ids], c * chunk_steps
+        for packing, rows in by_packing.items():
+            tasks.append(_Task(c, first, part, dataclasses.replace(config, packing=packing), tuple(rows)))
+        for k, name in enumerate(peers):
+            tasks.append(_Task(c, first, part, config, ((len(variants) + k, name),), peer=True))
+    return sorted(tasks, key=lambda t: -t.weight)
+
+
+def _check_budget(lengths: np.ndarray, chunks: list[np.ndarray], config: PlanConfig, chunk_steps: int) -> None:
+    """Refuse at once a step whose tokens no packing fits in a fixed ``microbatches_per_rank``.
+
+    Planning would fail on it only once its chunk is reached, minutes into a large run.
+
+    Raises:
+        PlanError: naming the step of the epoch, its samples and tokens, and what to change.
+    """
+    m = config.microbatches_per_rank
+    if not m:
+        return
+    room = config.dp * m * config.group_capacity
+    for c, ids in enumerate(chunks):
+        batches = global_batches(lengths[ids], config)
+        for s, window in enumerate(batches.windows):
+            tokens = int(batches.lengths[window].sum())
+            if tokens > room:
+                raise PlanError(
+                    f"step {c * chunk_steps + s}: {window.size} samples ({tokens:,} tokens) "
+                    f"are more than dp={config.dp} x {m} micro-batches of {config.group_capacity:,} tokens hold; "
+                    f"lower the global batch ({option('global_batch_tokens')} or {option('samples_per_step')}) or "
+                    f"raise {option('microbatches_per_rank')} or {option('tokens_per_rank')}"
+                )
 
 
 def _timed_peers(
@@ -274,32 +368,35 @@ def _epoch_chunks(lengths: np.ndarray, config: PlanConfig, chunk_steps: int) -> 
 
 
 def _plan_tasks(
-    tasks: list[tuple[int, int, np.ndarray, PlanConfig]], jobs: int, desc: str | None
-) -> tuple[dict[int, dict[int, tuple[PlanMetrics, list]]], float]:
-    """Run :func:`_plan_chunk` on every task (``jobs`` processes); ``parts[variant][chunk]`` and CPU seconds.
+    tasks: list[_Task], jobs: int, desc: str | None, chunk_steps: int
+) -> tuple[dict[int, dict[int, tuple[Any, list]]], float]:
+    """Run :func:`_plan_chunk` on every task (``jobs`` processes); ``parts[row][chunk]`` and CPU seconds.
 
-    ``desc``: the progress label (samples planned, over all variants), ``None`` for no progress.
+    ``desc``: the progress label (samples planned, over all rows), ``None`` for no progress.
+
+    Raises:
+        WorkerDied: a worker process died (killed, out of memory): one line naming its task, with
+            what to change.
     """
-    samples = {(v, c): len(lengths) for v, c, lengths, _ in tasks}
-    bar = Progress(desc or "", "samples", sum(samples.values()), enabled=desc is not None)
-    parts: dict[int, dict[int, tuple[PlanMetrics, list]]] = {v: {} for v, *_ in tasks}
+    bar = Progress(desc or "", "samples", sum(t.lengths.size * len(t.rows) for t in tasks), enabled=desc is not None)
+    parts: dict[int, dict[int, tuple[Any, list]]] = {}
     busy = 0.0
 
-    def collect(result: tuple[int, int, PlanMetrics, list, float]) -> None:
+    def collect(index: int, result: tuple[list[tuple[int, Any, list]], float]) -> None:
         nonlocal busy
-        v, c, metrics, bounds, seconds = result
-        parts[v][c] = (metrics, bounds)
+        rows, seconds = result
+        task = tasks[index]
+        for row, metrics, bounds in rows:
+            parts.setdefault(row, {})[task.chunk] = (metrics, bounds)
         busy += seconds
-        bar.update(samples[v, c])
+        bar.update(task.lengths.size * len(task.rows))
 
-    if jobs <= 1:
-        for task in tasks:
-            collect(_plan_chunk(task))
-    else:
-        with ProcessPoolExecutor(max_workers=jobs) as pool:
-            for future in as_completed([pool.submit(_plan_chunk, t) for t in tasks]):
-                collect(future.result())
-    bar.close()
+    hint = (
+        f"run with fewer {option('jobs')} (now {jobs}) or a smaller {option('chunk_steps')} (now {chunk_steps}), "
+        "or on a machine with more memory"
+    )
+    with bar:
+        run_tasks(_plan_chunk, tasks, jobs, collect, describe=_Task.describe, hint=hint, name="simulate worker")
     return parts, busy
 
 
