@@ -14,7 +14,7 @@ The figures derived from them (idle fraction, max/mean, imbalance) are defined i
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,6 +22,7 @@ import numpy as np
 from ringpack.analysis.comm_model import kv_cross_tokens
 from ringpack.cost import CostModel, piece_pairs
 from ringpack.planner.bounds import critical_path, rank_grid
+from ringpack.traffic import needed_pieces
 
 __all__ = ["PlanMetrics", "concat_metrics", "evaluate", "evaluate_plan", "zigzag_rule_padding", "plan_label"]
 
@@ -481,24 +482,73 @@ def _contiguous_grid(packed: PackedSteps, cp: int) -> list[np.ndarray]:
     return sums
 
 
+def _split_grid(packed: PackedSteps, cp: int, split: Callable[[list[list[int]]], list]) -> list[np.ndarray]:
+    """Per-cell ``[cells, C]`` tokens, pairs, segments and K/V crossing of the micro-batches ``split`` cuts.
+
+    ``split`` turns a list of micro-batches (their sample ids, in order) into their
+    :class:`~ringpack.shard_plan.MicroBatch` objects. It gets them in blocks of at most
+    :data:`BLOCK_ENTRIES` pieces (counting ``min(L, 2*cp)`` per sample, what a zigzag cuts it
+    into; at least one micro-batch), so only one block's objects exist at a time. Counted as
+    :func:`evaluate` counts a piece table.
+    """
+    sums = [np.zeros(packed.num_cells * cp, dtype=np.int64) for _ in range(4)]
+    cell, sample = packed.cell, packed.sample
+    if not cell.size:
+        return [x.reshape(-1, cp) for x in sums]
+    first = np.flatnonzero(np.r_[True, cell[1:] != cell[:-1]])
+    last = np.r_[first[1:], cell.size]
+    reach = np.cumsum(np.add.reduceat(np.minimum(packed.length, 2 * cp), first))
+    lo = 0
+    while lo < first.size:
+        done = reach[lo - 1] if lo else 0
+        hi = max(lo + 1, int(np.searchsorted(reach, done + BLOCK_ENTRIES, side="right")))
+        groups = [sample[a:b].tolist() for a, b in zip(first[lo:hi].tolist(), last[lo:hi].tolist())]
+        rows = [
+            (k, c, p.sample, p.start, p.stop)
+            for k, mb in zip(cell[first[lo:hi]].tolist(), split(groups))
+            for c, shard in enumerate(mb.shards)
+            for p in shard.pieces
+        ]
+        k, c, s, start, stop = np.asarray(rows, dtype=np.int64).reshape(-1, 5).T
+        flat, size = k * cp + c, stop - start
+        need = needed_pieces(k, c, s, start, stop)
+        for total, values in zip(
+            sums, (size, piece_pairs(start, stop), np.ones_like(size), np.where(need > 0, size, 0))
+        ):
+            np.add.at(total, flat, values)
+        lo = hi
+    return [x.reshape(-1, cp) for x in sums]
+
+
 def evaluate_packed(
-    packed: PackedSteps, strategy: str, *, cp: int, tokens_per_rank: int, model: CostModel, name: str
+    packed: PackedSteps,
+    strategy: str,
+    *,
+    cp: int,
+    tokens_per_rank: int,
+    model: CostModel,
+    name: str,
+    split: Callable[[list[list[int]]], list] | None = None,
 ) -> PlanMetrics:
-    """:func:`evaluate` of the plan splitting ``packed`` by ``strategy`` (zigzag or contiguous), without building it.
+    """:func:`evaluate` of the plan splitting ``packed`` by ``strategy``, without building the plan.
 
     The same figures, exactly, as :func:`evaluate_plan` of :func:`~ringpack.planner.make_plan`'s plan
-    for that packing, from per-sample arrays in blocks: no plan objects and no piece table, so
-    time is a few numpy passes and memory is bounded at any CP size.
+    for that packing. ``zigzag`` and ``contiguous`` come from per-sample arrays (no objects, no
+    piece table); any other strategy from ``split`` (the planner's split of a list of
+    micro-batches, :func:`~ringpack.planner.epoch.split_groups`), a block of micro-batches at a
+    time. Either way memory is bounded at any CP size.
 
     Raises:
-        ValueError: any other strategy (``balanced`` splits need the planner).
+        ValueError: a strategy other than ``zigzag`` or ``contiguous`` without ``split``.
     """
     if strategy == "zigzag":
         sums = _zigzag_grid(packed, cp, tokens_per_rank)
     elif strategy == "contiguous":
         sums = _contiguous_grid(packed, cp)
+    elif split is not None:
+        sums = _split_grid(packed, cp, split)
     else:
-        raise ValueError(f"evaluate_packed splits 'zigzag' or 'contiguous', not {strategy!r}")
+        raise ValueError(f"evaluate_packed measures {strategy!r} splits only through split=")
     grid = packed.grid
     tokens, pairs, segments, kv = (x.reshape(*grid, cp) for x in sums)
     exists = np.zeros(packed.num_cells, dtype=bool)

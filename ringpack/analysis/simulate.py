@@ -34,7 +34,6 @@ from ringpack.analysis.metrics import (
     PlanMetrics,
     concat_metrics,
     evaluate_packed,
-    evaluate_plan,
     plan_label,
 )
 from ringpack.analysis.peer_runner import join_peer_parts, time_peer, try_measure_peer
@@ -42,9 +41,9 @@ from ringpack.analysis.report import StrategyResult, _fmt_count, _fmt_seconds, b
 from ringpack.data.corpus import stdlib_corpus
 from ringpack.errors import PlanError
 from ringpack.lengths import check_lengths
-from ringpack.planner.epoch import expand_overflow, global_batches, pack_step, shuffle_order, split_step
+from ringpack.planner.epoch import expand_overflow, global_batches, pack_step, shuffle_order, split_groups
 from ringpack.progress import Progress
-from ringpack.shard_plan import Plan, PlanConfig
+from ringpack.shard_plan import PlanConfig
 
 __all__ = ["simulate", "synthetic_lengths", "SIM_VARIANTS", "MAX_LENGTH"]
 
@@ -168,17 +167,19 @@ def _plan_chunk(task: _Task) -> tuple[list[tuple[int, Any, list]], float]:
         raise PlanError(f"simulated chunk {task.chunk} (epoch steps from {task.first_step}): {exc}") from None
     bounds = [bound for _, _, _, bound in steps]
     packed = PackedSteps.of([(ids, bins, m) for ids, bins, m, _ in steps], docs, config.dp)
+    length_list: list[int] = []  # read by per-micro-batch splits only, and those never run here
     out = []
     for row, strategy in task.rows:
         cfg = dataclasses.replace(config, strategy=strategy)
-        if strategy == "balanced":
-            planned = [split_step(ids, bins, m, docs, cfg, [], bound) for ids, bins, m, bound in steps]
-            plan = Plan(cfg, tuple(docs.tolist()), tuple(planned), batches.dropped, batches.origins)
-            metrics = evaluate_plan(plan)
-        else:
-            metrics = evaluate_packed(
-                packed, strategy, cp=cfg.cp, tokens_per_rank=cfg.tokens_per_rank, model=cfg.cost, name=plan_label(cfg)
-            )
+        metrics = evaluate_packed(
+            packed,
+            strategy,
+            cp=cfg.cp,
+            tokens_per_rank=cfg.tokens_per_rank,
+            model=cfg.cost,
+            name=plan_label(cfg),
+            split=lambda groups, cfg=cfg: split_groups(groups, docs, cfg, length_list),
+        )
         out.append((row, metrics, bounds))
     return out, time.process_time() - t0
 

@@ -53,6 +53,7 @@ __all__ = [
     "split_microbatch",
     "pack_step",
     "split_step",
+    "split_groups",
     "plan_step",
 ]
 
@@ -248,16 +249,25 @@ def split_step(
     into ``dp * m`` non-empty micro-batches); ``length_list`` is ``lengths`` as a list (read by
     the per-micro-batch splits only).
     """
-    dp, cp = config.dp, config.cp
-    groups = _microbatch_groups(ids, bins, dp * m)
-    if config.strategy == "balanced":  # all micro-batches of the step at once (the same splits, faster)
-        mbs = split_balanced_many(
-            groups, lengths, cp, config.tokens_per_rank, config.cost, token_slack=config.token_slack
-        )
-    else:
-        mbs = [split_microbatch(members, length_list, config) for members in groups]
-    ranks = tuple(tuple(mbs[d * m : (d + 1) * m]) for d in range(dp))
+    mbs = split_groups(_microbatch_groups(ids, bins, config.dp * m), lengths, config, length_list)
+    ranks = tuple(tuple(mbs[d * m : (d + 1) * m]) for d in range(config.dp))
     return Step(microbatches=ranks, lower_bound=bound)
+
+
+def split_groups(
+    groups: Sequence[Sequence[int]], lengths: np.ndarray, config: PlanConfig, length_list: list[int]
+) -> list[MicroBatch]:
+    """Every micro-batch of ``groups`` (sample ids, in micro-batch order) split by ``config.strategy``.
+
+    A micro-batch's split depends on its own samples alone, so any grouping of a step's (or
+    several steps') micro-batches gives the same splits; ``balanced`` shares its work over the
+    group. ``length_list`` is ``lengths`` as a list (read by the per-micro-batch splits only).
+    """
+    if config.strategy == "balanced":
+        return split_balanced_many(
+            groups, lengths, config.cp, config.tokens_per_rank, config.cost, token_slack=config.token_slack
+        )
+    return [split_microbatch(members, length_list, config) for members in groups]
 
 
 def _microbatch_range(index: int, L: np.ndarray, config: PlanConfig) -> tuple[int, int]:

@@ -24,7 +24,7 @@ from ringpack.analysis.metrics import (
 )
 from ringpack.cost import CostModel
 from ringpack.planner import make_plan
-from ringpack.planner.epoch import global_batches, pack_step
+from ringpack.planner.epoch import global_batches, pack_step, split_groups
 from ringpack.planner.split import split_zigzag_even
 from ringpack.shard_plan import PlanConfig
 
@@ -38,6 +38,14 @@ def packed_of(lengths, cfg: PlanConfig) -> PackedSteps:
     return PackedSteps.of(steps, batches.lengths, cfg.dp)
 
 
+def measure(packed: PackedSteps, lengths, cfg: PlanConfig):
+    docs = global_batches(lengths, cfg).lengths
+    split = lambda groups: split_groups(groups, docs, cfg, docs.tolist())
+    return evaluate_packed(
+        packed, cfg.strategy, cp=cfg.cp, tokens_per_rank=cfg.tokens_per_rank, model=cfg.cost, name="x", split=split
+    )
+
+
 def assert_same(got, want) -> None:
     for field in FIELDS:
         a, b = getattr(got, field), getattr(want, field)
@@ -48,7 +56,7 @@ def assert_same(got, want) -> None:
 def cases():
     rng = np.random.default_rng(0)
     out = []
-    for trial in range(60):
+    for trial in range(45):
         cp, dp = int(rng.choice([1, 2, 3, 4, 8])), int(rng.integers(1, 5))
         n = int(rng.integers(20, 200))
         kind = trial % 3
@@ -79,16 +87,16 @@ def test_packed_metrics_are_the_plans():
             packed = packed_of(lengths, cfg)
         except ValueError:  # a fixed micro-batch count the samples cannot fill: nothing to compare
             continue
-        for strategy in ("zigzag", "contiguous"):
+        for strategy in ("zigzag", "contiguous", "balanced"):
             c = dataclasses.replace(cfg, strategy=strategy)
             want = evaluate_plan(make_plan(lengths, c))
-            got = evaluate_packed(packed, strategy, cp=c.cp, tokens_per_rank=c.tokens_per_rank, model=c.cost, name="x")
+            got = measure(packed, lengths, c)
             assert_same(got, want)
             checked += 1
         floor = np.zeros((packed.num_cells, cfg.cp), dtype=np.int64)
         np.add.at(floor, packed.cell, metrics.chunk_shares(zigzag_chunk_sizes(packed.length, cfg.cp))[0])
         fallback += int((floor.max(axis=1) > cfg.tokens_per_rank).sum())
-    assert checked >= 40 and fallback > 0, "the token-even zigzag fallback was not exercised"
+    assert checked >= 45 and fallback > 0, "the token-even zigzag fallback was not exercised"
 
 
 def test_token_even_chunks_are_split_zigzag_evens():
@@ -115,28 +123,47 @@ def test_blocks_change_no_figure(monkeypatch):
     lengths = np.random.default_rng(2).integers(1, 3000, 300)
     cfg = PlanConfig(dp=3, cp=4, tokens_per_rank=1024, samples_per_step=60, packing="first_fit", cost=FLOPS)
     packed = packed_of(lengths, cfg)
-    whole = [
-        evaluate_packed(packed, s, cp=cfg.cp, tokens_per_rank=cfg.tokens_per_rank, model=FLOPS, name="x")
-        for s in ("zigzag", "contiguous")
-    ]
-    monkeypatch.setattr(metrics, "BLOCK_ENTRIES", 7)  # one or two samples per block
-    for strategy, want in zip(("zigzag", "contiguous"), whole):
-        got = evaluate_packed(packed, strategy, cp=cfg.cp, tokens_per_rank=cfg.tokens_per_rank, model=FLOPS, name="x")
-        assert_same(got, want)
+    strategies = ("zigzag", "contiguous", "balanced")
+    whole = [measure(packed, lengths, dataclasses.replace(cfg, strategy=s)) for s in strategies]
+    monkeypatch.setattr(metrics, "BLOCK_ENTRIES", 7)  # one or two samples, one micro-batch per block
+    for strategy, want in zip(strategies, whole):
+        assert_same(measure(packed, lengths, dataclasses.replace(cfg, strategy=strategy)), want)
+
+
+def test_the_planners_split_goes_in_blocks(monkeypatch):
+    """The balanced split's objects exist one block of micro-batches at a time: each block holds at
+    most BLOCK_ENTRIES pieces as a zigzag would cut its samples, or a single micro-batch."""
+    monkeypatch.setattr(metrics, "BLOCK_ENTRIES", 600)
+    lengths = np.random.default_rng(3).integers(1, 400, 600)
+    cfg = PlanConfig(dp=4, cp=8, tokens_per_rank=512, samples_per_step=100, strategy="balanced", cost=FLOPS)
+    packed = packed_of(lengths, cfg)
+    docs = global_batches(lengths, cfg).lengths
+    blocks = []
+
+    def split(groups):
+        blocks.append([min(int(docs[s]), 2 * cfg.cp) for g in groups for s in g])
+        return split_groups(groups, docs, cfg, [])
+
+    got = evaluate_packed(packed, "balanced", cp=8, tokens_per_rank=512, model=FLOPS, name="x", split=split)
+    assert_same(got, evaluate_plan(make_plan(lengths, cfg)))
+    assert len(blocks) > 3 and sum(map(len, blocks)) == len(docs)
+    assert all(sum(b) <= 600 for b in blocks if len(b) > 1)
 
 
 @pytest.mark.parametrize("strategy", ["zigzag", "contiguous"])
 def test_memory_does_not_grow_with_the_pieces(monkeypatch, strategy):
     """512 GPUs as DP=2 x CP=256: zigzag cuts each sample into 512 pieces, yet the peak stays far
     below one column of that piece table (``8 * samples * 2 * cp`` bytes), where a plan or a table
-    would need eight such columns and more."""
+    needs eight such columns and more."""
     monkeypatch.setattr(metrics, "BLOCK_ENTRIES", 1 << 14)
     lengths = np.random.default_rng(1).integers(600, 3000, 3000)
-    cfg = PlanConfig(dp=2, cp=256, tokens_per_rank=2048, samples_per_step=1500, packing="first_fit", cost=FLOPS)
+    cfg = PlanConfig(
+        dp=2, cp=256, tokens_per_rank=2048, samples_per_step=1500, packing="first_fit", strategy=strategy, cost=FLOPS
+    )
     packed = packed_of(lengths, cfg)
     tracemalloc.start()
     try:
-        evaluate_packed(packed, strategy, cp=cfg.cp, tokens_per_rank=cfg.tokens_per_rank, model=FLOPS, name="x")
+        measure(packed, lengths, cfg)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
