@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from ringpack.analysis.comm_model import CommModel, microbatch_seconds
-from ringpack.analysis.metrics import zigzag_shares
+from ringpack.analysis.packed import zigzag_shares
 from ringpack.analysis.report import STEP_KEYS, SUMMARY_KEYS
 from ringpack.analysis.robustness import PRICE_FACTORS
 from ringpack.cost import CostModel

@@ -14,7 +14,7 @@ The figures derived from them (idle fraction, max/mean, imbalance) are defined i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,9 +22,18 @@ import numpy as np
 from ringpack.analysis.comm_model import kv_cross_tokens
 from ringpack.cost import CostModel, piece_pairs
 from ringpack.planner.bounds import critical_path, rank_grid
-from ringpack.traffic import needed_pieces
 
-__all__ = ["PlanMetrics", "concat_metrics", "evaluate", "evaluate_plan", "zigzag_rule_padding", "plan_label"]
+__all__ = [
+    "PlanMetrics",
+    "concat_metrics",
+    "evaluate",
+    "evaluate_plan",
+    "zigzag_rule_padding",
+    "plan_label",
+    "BLOCK_ENTRIES",
+    "sample_blocks",
+    "from_rank_sums",
+]
 
 
 @dataclass
@@ -255,7 +264,7 @@ def _zigzag_padding_grid(
     stays bounded at any CP size.
     """
     padding = np.zeros((int(np.prod(grid)), cp), dtype=np.int64)
-    for lo, hi in _blocks(sample_cell.size, cp):
+    for lo, hi in sample_blocks(sample_cell.size, cp):
         np.add.at(padding, sample_cell[lo:hi], zigzag_rule_padding(sample_length[lo:hi], cp))
     return padding.reshape(*grid, cp)
 
@@ -265,7 +274,7 @@ def _zigzag_padding_grid(
 BLOCK_ENTRIES = 1 << 20
 
 
-def _blocks(n: int, width: int) -> list[tuple[int, int]]:
+def sample_blocks(n: int, width: int) -> list[tuple[int, int]]:
     """``[lo, hi)`` ranges covering ``range(n)`` with at most :data:`BLOCK_ENTRIES` ``// width`` items each."""
     step = max(1, BLOCK_ENTRIES // max(width, 1))
     return [(lo, min(lo + step, n)) for lo in range(0, n, step)]
@@ -305,255 +314,29 @@ def plan_label(cfg) -> str:
     return f"{cfg.strategy}/{cfg.packing}"
 
 
-# ------------------------------------------------------------------ baseline splits without plan objects
-def zigzag_chunk_sizes(lengths: np.ndarray, g: int) -> np.ndarray:
-    """int64 ``[n, 2g]``: the chunks ``split_zigzag`` cuts each sample into (cuts at ``floor(k*L/(2g))``).
-
-    Chunk ``k`` belongs to rank ``min(k, 2g-1-k)``; empty chunks (``L < 2g``) are pieces of no rank.
-    """
-    lengths = np.asarray(lengths, dtype=np.int64)
-    cuts = (np.arange(2 * g + 1, dtype=np.int64)[None, :] * lengths[:, None]) // (2 * g)
-    return np.diff(cuts, axis=1)
-
-
-def zigzag_even_chunk_sizes(lengths: np.ndarray, turn: np.ndarray, g: int) -> np.ndarray:
-    """int64 ``[n, 2g]``: the chunks ``split_zigzag_even`` gives each sample, in ``zigzag_chunk_sizes``' layout.
-
-    ``split_zigzag_even`` deals a sample's ``L % g`` extra tokens to the ranks holding the fewest
-    tokens so far, ties by rank; every rank then holds ``h`` or ``h + 1`` tokens with the fuller
-    ones a prefix ``0 .. e-1``, so the extras go round robin: rank ``r`` gets one iff
-    ``(r - turn) % g < L % g``, where ``turn`` (int64 ``[n]``) is the sum of ``L % g`` over the
-    micro-batch's earlier samples, mod ``g``. Rank ``r``'s front half of its share is chunk ``r``,
-    its back half chunk ``2g-1-r``, so the chunks lie along the sample as zigzag's do.
-    """
-    lengths = np.asarray(lengths, dtype=np.int64)
-    base, extra = np.divmod(lengths, g)
-    r = np.arange(g, dtype=np.int64)
-    quota = base[:, None] + (((r[None, :] - np.asarray(turn, dtype=np.int64)[:, None]) % g) < extra[:, None])
-    front = quota // 2
-    return np.concatenate([front, (quota - front)[:, ::-1]], axis=1)
-
-
-def chunk_shares(sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Each rank's share of samples cut into zigzag-laid chunks: int64 ``[n, g]`` tokens, pairs, segments, kv_cross.
-
-    ``sizes`` (int64 ``[n, 2g]``) are each sample's chunks along it, chunk ``k`` on rank
-    ``min(k, 2g-1-k)``; a non-empty chunk is a piece. ``kv_cross`` counts a rank's tokens some
-    other rank needs, the rule of :func:`ringpack.traffic.needed_pieces` (another rank holds a
-    later piece of the sample) applied to this layout: a piece is needed iff a later non-empty
-    chunk of the sample is on another rank.
-    """
-    n, two = sizes.shape
-    g = two // 2
-    stop = np.cumsum(sizes, axis=1)
-    pairs = piece_pairs(stop - sizes, stop)
-    nonempty = sizes > 0
-    k = np.arange(two, dtype=np.int64)
-    owner = np.minimum(k, two - 1 - k)
-    last = two - 1 - np.argmax(nonempty[:, ::-1], axis=1)  # every sample has a token, so a last piece
-    same = owner[None, :] == owner[last][:, None]  # chunks on the rank of the last piece
-    elsewhere = nonempty & ~same
-    last_elsewhere = np.where(elsewhere.any(axis=1), two - 1 - np.argmax(elsewhere[:, ::-1], axis=1), -1)
-    needed = nonempty & (k[None, :] < np.where(same, last_elsewhere[:, None], last[:, None]))
-
-    def fold(x: np.ndarray) -> np.ndarray:
-        return x[:, :g] + x[:, ::-1][:, :g]
-
-    return fold(sizes), fold(pairs), fold(nonempty.astype(np.int64)), fold(np.where(needed, sizes, 0))
-
-
-def zigzag_shares(lengths: np.ndarray, g: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Each rank's share of samples split zigzag over ``g`` ranks (:func:`zigzag_chunk_sizes`).
-
-    Returns ``(tokens, pairs, segments, kv_cross)``, int64 ``[n, g]`` (:func:`chunk_shares`),
-    computed in blocks so temporaries stay within :data:`BLOCK_ENTRIES` entries.
-    """
-    lengths = np.asarray(lengths, dtype=np.int64)
-    out = [np.zeros((lengths.size, g), dtype=np.int64) for _ in range(4)]
-    for lo, hi in _blocks(lengths.size, 2 * g):
-        for whole, part in zip(out, chunk_shares(zigzag_chunk_sizes(lengths[lo:hi], g))):
-            whole[lo:hi] = part
-    return out[0], out[1], out[2], out[3]
-
-
-@dataclass(frozen=True)
-class PackedSteps:
-    """Where every sample of some steps sits, before any CP split: one row per sample, sorted by cell.
-
-    ``cell`` is the flat ``(step, dp rank, micro-batch)`` index of the ``(S, D, M)`` grid;
-    samples of one micro-batch are consecutive, in micro-batch order (their window order).
-    """
-
-    grid: tuple[int, int, int]
-    cell: np.ndarray  # (n,) int64, non-decreasing
-    sample: np.ndarray  # (n,) int64 ids into the lengths
-    length: np.ndarray  # (n,) int64
-
-    @classmethod
-    def of(cls, steps: Sequence[tuple[np.ndarray, np.ndarray, int]], lengths: np.ndarray, dp: int) -> PackedSteps:
-        """From ``(ids, bins, m)`` per step (:func:`ringpack.planner.epoch.pack_step`'s packing of ``ids``)."""
-        M = max((m for _, _, m in steps), default=0)
-        cells, samples = [], []
-        for s, (ids, bins, m) in enumerate(steps):
-            order = np.argsort(bins, kind="stable")  # a micro-batch's samples keep their window order
-            b = np.asarray(bins, dtype=np.int64)[order]
-            cells.append((s * dp + b // m) * M + b % m)
-            samples.append(np.asarray(ids, dtype=np.int64)[order])
-        cell = np.concatenate(cells) if cells else np.zeros(0, dtype=np.int64)
-        sample = np.concatenate(samples) if samples else np.zeros(0, dtype=np.int64)
-        return cls((len(steps), dp, M), cell, sample, np.asarray(lengths, dtype=np.int64)[sample])
-
-    @property
-    def num_cells(self) -> int:
-        return int(np.prod(self.grid))
-
-
-def _add_rows(out: Sequence[np.ndarray], cell: np.ndarray, rows: Sequence[np.ndarray]) -> None:
-    """Add per-sample ``[n, C]`` rows into per-cell ``[cells, C]`` sums (``cell`` non-decreasing)."""
-    if not cell.size:
-        return
-    starts = np.flatnonzero(np.r_[True, cell[1:] != cell[:-1]])
-    where = cell[starts]
-    for total, values in zip(out, rows):
-        total[where] += np.add.reduceat(values, starts, axis=0)
-
-
-def _zigzag_grid(packed: PackedSteps, cp: int, tokens_per_rank: int) -> list[np.ndarray]:
-    """Per-cell ``[cells, C]`` tokens, pairs, segments and K/V crossing of the ``zigzag`` strategy.
-
-    As :func:`~ringpack.planner.epoch.split_microbatch`: floor-cut zigzag, and the token-even
-    zigzag for a micro-batch where floor cuts put more than ``tokens_per_rank`` tokens on a rank.
-    """
-    sums = [np.zeros((packed.num_cells, cp), dtype=np.int64) for _ in range(4)]
-    for lo, hi in _blocks(packed.cell.size, 2 * cp):
-        _add_rows(sums, packed.cell[lo:hi], chunk_shares(zigzag_chunk_sizes(packed.length[lo:hi], cp)))
-    over = sums[0].max(axis=1) > tokens_per_rank
-    if not over.any():
-        return sums
-    for total in sums:
-        total[over] = 0
-    redo = over[packed.cell]
-    cell, length = packed.cell[redo], packed.length[redo]
-    extra = length % cp
-    first = np.r_[True, cell[1:] != cell[:-1]]
-    before = np.cumsum(extra) - extra  # extras of earlier samples, reset at every micro-batch
-    turn = (before - np.maximum.accumulate(np.where(first, before, 0))) % cp
-    for lo, hi in _blocks(cell.size, 2 * cp):
-        _add_rows(sums, cell[lo:hi], chunk_shares(zigzag_even_chunk_sizes(length[lo:hi], turn[lo:hi], cp)))
-    return sums
-
-
-def _contiguous_grid(packed: PackedSteps, cp: int) -> list[np.ndarray]:
-    """Per-cell ``[cells, C]`` tokens, pairs, segments and K/V crossing of the ``contiguous`` strategy.
-
-    As ``split_contiguous``: a micro-batch's samples end to end, cut into ``cp`` ranges at
-    ``floor(r*T/cp)``; a sample's pieces lie on consecutive ranks, each needed by the next.
-    """
-    cell, length = packed.cell, packed.length
-    sums = [np.zeros((packed.num_cells, cp), dtype=np.int64) for _ in range(4)]
-    if not cell.size:
-        return sums
-    begin = np.cumsum(length) - length  # every sample's first token, all micro-batches end to end
-    first = np.flatnonzero(np.r_[True, cell[1:] != cell[:-1]])
-    cells = cell[first]
-    base = begin[first]
-    total = np.add.reduceat(length, first)
-    r = np.arange(cp + 1, dtype=np.int64)
-    edges = base[:, None] + (r[None, :] * total[:, None]) // cp  # [mbs, cp + 1] rank boundaries
-    starts = edges[:, :-1].ravel()  # non-decreasing: flat slot = micro-batch * cp + rank
-    stops = edges[:, 1:].ravel()
-    lo = np.searchsorted(starts, begin, side="right") - 1
-    hi = np.searchsorted(starts, begin + length - 1, side="right") - 1
-    count = hi - lo + 1
-    piece_of = np.repeat(np.arange(cell.size), count)
-    slot = np.arange(piece_of.size) - np.repeat(np.cumsum(count) - count, count) + lo[piece_of]
-    start = np.maximum(starts[slot], begin[piece_of]) - begin[piece_of]
-    stop = np.minimum(stops[slot], begin[piece_of] + length[piece_of]) - begin[piece_of]
-    keep = stop > start
-    slot, start, stop, last = slot[keep], start[keep], stop[keep], (slot == hi[piece_of])[keep]
-    size = stop - start
-    per_slot = cells.size * cp
-    values = (size, piece_pairs(start, stop), np.ones_like(size), np.where(last, 0, size))
-    rows = np.repeat(cells, cp), np.tile(np.arange(cp), cells.size)
-    for out, v in zip(sums, values):
-        flat = np.zeros(per_slot, dtype=np.int64)
-        np.add.at(flat, slot, v)
-        out[rows] = flat
-    return sums
-
-
-def _split_grid(packed: PackedSteps, cp: int, split: Callable[[list[list[int]]], list]) -> list[np.ndarray]:
-    """Per-cell ``[cells, C]`` tokens, pairs, segments and K/V crossing of the micro-batches ``split`` cuts.
-
-    ``split`` turns a list of micro-batches (their sample ids, in order) into their
-    :class:`~ringpack.shard_plan.MicroBatch` objects. It gets them in blocks of at most
-    :data:`BLOCK_ENTRIES` pieces (counting ``min(L, 2*cp)`` per sample, what a zigzag cuts it
-    into; at least one micro-batch), so only one block's objects exist at a time. Counted as
-    :func:`evaluate` counts a piece table.
-    """
-    sums = [np.zeros(packed.num_cells * cp, dtype=np.int64) for _ in range(4)]
-    cell, sample = packed.cell, packed.sample
-    if not cell.size:
-        return [x.reshape(-1, cp) for x in sums]
-    first = np.flatnonzero(np.r_[True, cell[1:] != cell[:-1]])
-    last = np.r_[first[1:], cell.size]
-    reach = np.cumsum(np.add.reduceat(np.minimum(packed.length, 2 * cp), first))
-    lo = 0
-    while lo < first.size:
-        done = reach[lo - 1] if lo else 0
-        hi = max(lo + 1, int(np.searchsorted(reach, done + BLOCK_ENTRIES, side="right")))
-        groups = [sample[a:b].tolist() for a, b in zip(first[lo:hi].tolist(), last[lo:hi].tolist())]
-        rows = [
-            (k, c, p.sample, p.start, p.stop)
-            for k, mb in zip(cell[first[lo:hi]].tolist(), split(groups))
-            for c, shard in enumerate(mb.shards)
-            for p in shard.pieces
-        ]
-        k, c, s, start, stop = np.asarray(rows, dtype=np.int64).reshape(-1, 5).T
-        flat, size = k * cp + c, stop - start
-        need = needed_pieces(k, c, s, start, stop)
-        for total, values in zip(
-            sums, (size, piece_pairs(start, stop), np.ones_like(size), np.where(need > 0, size, 0))
-        ):
-            np.add.at(total, flat, values)
-        lo = hi
-    return [x.reshape(-1, cp) for x in sums]
-
-
-def evaluate_packed(
-    packed: PackedSteps,
-    strategy: str,
+def from_rank_sums(
+    sums: Sequence[np.ndarray],
+    sample_cell: np.ndarray,
+    sample_length: np.ndarray,
     *,
+    grid: tuple[int, int, int],
     cp: int,
-    tokens_per_rank: int,
     model: CostModel,
     name: str,
-    split: Callable[[list[list[int]]], list] | None = None,
 ) -> PlanMetrics:
-    """:func:`evaluate` of the plan splitting ``packed`` by ``strategy``, without building the plan.
+    """:class:`PlanMetrics` of a plan given its rank sums and where its samples are, as :func:`evaluate` builds it.
 
-    The same figures, exactly, as :func:`evaluate_plan` of :func:`~ringpack.planner.make_plan`'s plan
-    for that packing. ``zigzag`` and ``contiguous`` come from per-sample arrays (no objects, no
-    piece table); any other strategy from ``split`` (the planner's split of a list of
-    micro-batches, :func:`~ringpack.planner.epoch.split_groups`), a block of micro-batches at a
-    time. Either way memory is bounded at any CP size.
-
-    Raises:
-        ValueError: a strategy other than ``zigzag`` or ``contiguous`` without ``split``.
+    Args:
+        sums: tokens, pairs, segments and K/V-crossing tokens per rank, int64 ``[S*D*M, C]``.
+        sample_cell: int64 ``[N]``, each sample's flat ``(step, dp rank, micro-batch)`` cell.
+        sample_length: int64 ``[N]``, each sample's length.
+        grid: ``(S, D, M)``.
+        cp, model, name: the CP size, the cost model, the plan's label.
     """
-    if strategy == "zigzag":
-        sums = _zigzag_grid(packed, cp, tokens_per_rank)
-    elif strategy == "contiguous":
-        sums = _contiguous_grid(packed, cp)
-    elif split is not None:
-        sums = _split_grid(packed, cp, split)
-    else:
-        raise ValueError(f"evaluate_packed measures {strategy!r} splits only through split=")
-    grid = packed.grid
-    tokens, pairs, segments, kv = (x.reshape(*grid, cp) for x in sums)
-    exists = np.zeros(packed.num_cells, dtype=bool)
-    exists[packed.cell] = True
-    samples, loss = _per_step_samples(packed.cell, packed.length, grid)
+    tokens, pairs, segments, kv = (np.asarray(x).reshape(*grid, cp) for x in sums)
+    exists = np.zeros(int(np.prod(grid)), dtype=bool)
+    exists[sample_cell] = True
+    samples, loss = _per_step_samples(sample_cell, sample_length, grid)
     return PlanMetrics(
         name=name,
         dp=grid[1],
@@ -565,7 +348,7 @@ def evaluate_packed(
         segments=segments,
         cost=model.cost(tokens, pairs, segments),
         kv_cross_tokens=kv,
-        zigzag_padding=_zigzag_padding_grid(packed.cell, packed.length, cp, grid),
+        zigzag_padding=_zigzag_padding_grid(sample_cell, sample_length, cp, grid),
         samples=samples,
         loss_tokens=loss,
     )

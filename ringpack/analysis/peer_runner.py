@@ -23,7 +23,8 @@ from typing import Any
 
 from ringpack.analysis.comm_model import CommModel
 from ringpack.analysis.dynamic_cp import DCP, DynamicCPSchedule, concat_schedules, dcp_schedule, timed_schedule
-from ringpack.analysis.metrics import PackedSteps, concat_metrics, evaluate_packed
+from ringpack.analysis.metrics import concat_metrics
+from ringpack.analysis.packed import PackedSteps, evaluate_packed
 from ringpack.analysis.report import timed
 from ringpack.errors import PlanError
 from ringpack.planner.wlb import WLBConfig, wlb_packing
@@ -138,7 +139,7 @@ def _measure_wlb(lengths: Any, config: PlanConfig) -> PeerPart:
     cfg = dataclasses.replace(config, strategy="zigzag")
     packing = wlb_packing(lengths, cfg, wlb)
     packed = PackedSteps.of([(s.ids, s.bins, s.m) for s in packing.steps], packing.batches.lengths, cfg.dp)
-    metrics = evaluate_packed(
+    metrics, _ = evaluate_packed(
         packed, "zigzag", cp=cfg.cp, tokens_per_rank=cfg.tokens_per_rank, model=cfg.cost, name=WLB
     )
     described = {**cfg.to_dict(), "packing": WLB, "peer": WLB, "wlb": dataclasses.asdict(wlb)}

@@ -29,13 +29,8 @@ from ringpack._checks import is_finite, is_int
 from ringpack._hints import option
 from ringpack._spawn import run_tasks
 from ringpack.analysis.comm_model import CommModel
-from ringpack.analysis.metrics import (
-    PackedSteps,
-    PlanMetrics,
-    concat_metrics,
-    evaluate_packed,
-    plan_label,
-)
+from ringpack.analysis.metrics import PlanMetrics, concat_metrics, plan_label
+from ringpack.analysis.packed import PackedSteps, evaluate_packed
 from ringpack.analysis.peer_runner import join_peer_parts, time_peer, try_measure_peer
 from ringpack.analysis.report import StrategyResult, _fmt_count, _fmt_seconds, build_report, text_table, timed
 from ringpack.data.corpus import stdlib_corpus
@@ -151,7 +146,7 @@ def _plan_chunk(task: _Task) -> tuple[list[tuple[int, Any, list]], float]:
     :class:`~ringpack.analysis.peer_runner.PeerPart` (``None`` if it cannot plan the chunk). The
     variants of a task share one packing of every step (:func:`~ringpack.planner.epoch.pack_step`,
     which the strategy plays no part in); ``zigzag`` and ``contiguous`` are measured from it
-    directly (:func:`~ringpack.analysis.metrics.evaluate_packed`), ``balanced`` is split by the
+    directly (:func:`~ringpack.analysis.packed.evaluate_packed`), ``balanced`` is split by the
     planner. Every figure is the one :func:`make_plan` and :func:`evaluate_plan` give.
     """
     t0 = time.process_time()
@@ -171,7 +166,7 @@ def _plan_chunk(task: _Task) -> tuple[list[tuple[int, Any, list]], float]:
     out = []
     for row, strategy in task.rows:
         cfg = dataclasses.replace(config, strategy=strategy)
-        metrics = evaluate_packed(
+        metrics, _ = evaluate_packed(
             packed,
             strategy,
             cp=cfg.cp,

@@ -1,9 +1,9 @@
-"""Metrics of zigzag and contiguous plans measured from their packing: the plan's figures exactly, in bounded memory.
+"""A packing measured under a split without the plan: the plan's figures and piece table exactly, in bounded memory.
 
-``evaluate_packed`` skips the plan objects and the piece table; every figure must still be the
-one ``evaluate_plan`` gives for ``make_plan``'s plan (floor-cut zigzag, its token-even fallback,
-samples shorter than ``2*cp``, one CP rank), blocks must not change a figure, and memory must not
-grow with the pieces a CP size cuts samples into.
+``evaluate_packed`` skips the plan objects; every figure, the piece table and the content hash
+must still be those of ``make_plan``'s plan (floor-cut zigzag, its token-even fallback, samples
+shorter than ``2*cp``, one CP rank, the balanced split a block at a time), blocks must not change
+a figure, and memory must not grow with the pieces a CP size cuts samples into.
 """
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 
 import ringpack.analysis.metrics as metrics
-from ringpack.analysis.metrics import (
+from ringpack.analysis.metrics import evaluate_plan
+from ringpack.analysis.packed import (
     PackedSteps,
+    chunk_shares,
     evaluate_packed,
-    evaluate_plan,
     zigzag_chunk_sizes,
     zigzag_even_chunk_sizes,
 )
@@ -26,7 +27,7 @@ from ringpack.cost import CostModel
 from ringpack.planner import make_plan
 from ringpack.planner.epoch import global_batches, pack_step, split_groups
 from ringpack.planner.split import split_zigzag_even
-from ringpack.shard_plan import PlanConfig
+from ringpack.shard_plan import PlanConfig, plan_content_hash
 
 FIELDS = ("mb_exists", "tokens", "pairs", "segments", "cost", "kv_cross_tokens", "zigzag_padding", "samples")
 FLOPS = CostModel.preset("llama3-8b")
@@ -38,12 +39,20 @@ def packed_of(lengths, cfg: PlanConfig) -> PackedSteps:
     return PackedSteps.of(steps, batches.lengths, cfg.dp)
 
 
-def measure(packed: PackedSteps, lengths, cfg: PlanConfig):
+def measure(packed: PackedSteps, lengths, cfg: PlanConfig, with_table: bool = False):
     docs = global_batches(lengths, cfg).lengths
     split = lambda groups: split_groups(groups, docs, cfg, docs.tolist())
-    return evaluate_packed(
-        packed, cfg.strategy, cp=cfg.cp, tokens_per_rank=cfg.tokens_per_rank, model=cfg.cost, name="x", split=split
+    metrics, table = evaluate_packed(
+        packed,
+        cfg.strategy,
+        cp=cfg.cp,
+        tokens_per_rank=cfg.tokens_per_rank,
+        model=cfg.cost,
+        name="x",
+        split=split,
+        with_table=with_table,
     )
+    return (metrics, table) if with_table else metrics
 
 
 def assert_same(got, want) -> None:
@@ -56,7 +65,7 @@ def assert_same(got, want) -> None:
 def cases():
     rng = np.random.default_rng(0)
     out = []
-    for trial in range(45):
+    for trial in range(36):
         cp, dp = int(rng.choice([1, 2, 3, 4, 8])), int(rng.integers(1, 5))
         n = int(rng.integers(20, 200))
         kind = trial % 3
@@ -87,16 +96,20 @@ def test_packed_metrics_are_the_plans():
             packed = packed_of(lengths, cfg)
         except ValueError:  # a fixed micro-batch count the samples cannot fill: nothing to compare
             continue
+        batches = global_batches(lengths, cfg)
         for strategy in ("zigzag", "contiguous", "balanced"):
             c = dataclasses.replace(cfg, strategy=strategy)
-            want = evaluate_plan(make_plan(lengths, c))
-            got = measure(packed, lengths, c)
-            assert_same(got, want)
+            plan = make_plan(lengths, c)
+            got, table = measure(packed, lengths, c, with_table=True)
+            assert_same(got, evaluate_plan(plan))
+            assert all(np.array_equal(table[k], plan.piece_arrays[k]) for k in plan.piece_arrays), "piece table"
+            hashed = plan_content_hash(c, batches.lengths, batches.dropped, batches.origins, table)
+            assert hashed == plan.content_hash
             checked += 1
         floor = np.zeros((packed.num_cells, cfg.cp), dtype=np.int64)
-        np.add.at(floor, packed.cell, metrics.chunk_shares(zigzag_chunk_sizes(packed.length, cfg.cp))[0])
+        np.add.at(floor, packed.cell, chunk_shares(zigzag_chunk_sizes(packed.length, cfg.cp))[0])
         fallback += int((floor.max(axis=1) > cfg.tokens_per_rank).sum())
-    assert checked >= 45 and fallback > 0, "the token-even zigzag fallback was not exercised"
+    assert checked >= 36 and fallback > 0, "the token-even zigzag fallback was not exercised"
 
 
 def test_token_even_chunks_are_split_zigzag_evens():
@@ -144,7 +157,7 @@ def test_the_planners_split_goes_in_blocks(monkeypatch):
         blocks.append([min(int(docs[s]), 2 * cfg.cp) for g in groups for s in g])
         return split_groups(groups, docs, cfg, [])
 
-    got = evaluate_packed(packed, "balanced", cp=8, tokens_per_rank=512, model=FLOPS, name="x", split=split)
+    got, _ = evaluate_packed(packed, "balanced", cp=8, tokens_per_rank=512, model=FLOPS, name="x", split=split)
     assert_same(got, evaluate_plan(make_plan(lengths, cfg)))
     assert len(blocks) > 3 and sum(map(len, blocks)) == len(docs)
     assert all(sum(b) <= 600 for b in blocks if len(b) > 1)
