@@ -80,7 +80,8 @@ def pack_greedy(problem: PackingProblem) -> np.ndarray | None:
     # each rank's load in every scenario, as Python floats (only with several price scenarios:
     # a few additions per sample, far cheaper than numpy calls on rows of two or three)
     scenario_loads = [[0.0] * columns.shape[1] for _ in range(dp)]
-    free = [[capacity] * m for _ in range(dp)]
+    # each rank's bins as a heap of (-free tokens, bin): the one with most room first, then the lowest
+    rooms = [[(-capacity, b) for b in range(m)] for _ in range(dp)]
     # (load, rank) pairs are distinct (one per rank), so which rank is least loaded never depends
     # on the heap's internal layout: heapreplace is pop + push in one sift.
     heap = [(0.0, d) for d in range(dp)]
@@ -89,7 +90,7 @@ def pack_greedy(problem: PackingProblem) -> np.ndarray | None:
     # length, so a rank parked here rarely has room again before it is the next to get it.
     parked: list[tuple[int, int, float]] = []
     bins = [0] * n
-    rank_free = [capacity] * dp  # most free tokens of any bin of each rank (== max(free[d]))
+    rank_free = [capacity] * dp  # most free tokens of any bin of each rank (== -rooms[d][0][0])
     most_free = capacity  # an upper bound on max(rank_free), refreshed when a sample exceeds it
     heappop, heappush, heapreplace = heapq.heappop, heapq.heappush, heapq.heapreplace
     one_price = columns.shape[1] == 1
@@ -108,12 +109,11 @@ def pack_greedy(problem: PackingProblem) -> np.ndarray | None:
         if not heap:  # no rank fits (most_free was a stale upper bound)
             return None
         load, d = heap[0]
-        fj = rank_free[d]
-        free_d = free[d]
-        best = free_d.index(fj)  # the bin with most free tokens, first on ties
-        free_d[best] = fj - t
+        room = rooms[d]
+        fj, best = room[0]  # the bin with most free tokens, first on ties
+        heapreplace(room, (fj + t, best))
         bins[i] = d * m + best
-        rank_free[d] = max(free_d)
+        rank_free[d] = -room[0][0]
         if one_price:
             key = load + wi
         else:  # the rank's height: its load in its heaviest scenario
