@@ -36,11 +36,22 @@ from ringpack.analysis.report import StrategyResult, _fmt_count, _fmt_seconds, b
 from ringpack.data.corpus import stdlib_corpus
 from ringpack.errors import PlanError
 from ringpack.lengths import check_lengths
-from ringpack.planner.epoch import expand_overflow, global_batches, pack_step, shuffle_order, split_groups
+from ringpack.planner.epoch import (
+    as_lengths,
+    expand_overflow,
+    global_batches,
+    pack_step,
+    shuffle_order,
+    split_groups,
+)
 from ringpack.progress import Progress
-from ringpack.shard_plan import PlanConfig
+from ringpack.shard_plan import PlanConfig, plan_content_hash
 
-__all__ = ["simulate", "synthetic_lengths", "SIM_VARIANTS", "MAX_LENGTH"]
+__all__ = ["simulate", "measure_variants", "synthetic_lengths", "SIM_VARIANTS", "MAX_LENGTH"]
+
+#: :func:`measure_variants` plans fewer samples than this in process by default: they take less
+#: time than starting workers and sending them the lengths.
+PARALLEL_MIN_SAMPLES = 20_000
 
 #: Longest sample :func:`synthetic_lengths` draws: far beyond any context, exact in int64 pair counts.
 MAX_LENGTH = 1 << 40
@@ -120,11 +131,12 @@ class _Task:
     """
 
     chunk: int
-    first_step: int  # the chunk's first step in the epoch (named in errors)
+    where: str  # what the samples are, in messages ("" for all of them)
     lengths: np.ndarray
     config: PlanConfig
     rows: tuple[tuple[int, str], ...]
     peer: bool = False
+    hashes: bool = False  # also each plan's content hash (report)
 
     @property
     def weight(self) -> float:
@@ -136,13 +148,18 @@ class _Task:
 
     def describe(self) -> str:
         what = self.rows[0][1] if self.peer else f"{self.config.packing} packing"
-        return f"planning chunk {self.chunk} ({self.lengths.size:,} samples) for {what}"
+        return f"planning {self.where or 'the samples'} ({self.lengths.size:,} samples) for {what}"
+
+    @property
+    def work(self) -> int:
+        """What the progress bar counts for the task: samples, once per row."""
+        return self.lengths.size * len(self.rows)
 
 
-def _plan_chunk(task: _Task) -> tuple[list[tuple[int, Any, list]], float]:
-    """Worker: one task's ``(row, metrics, lower bounds)`` per row, and its CPU seconds.
+def _plan_chunk(task: _Task) -> tuple[list[tuple[int, Any, list, str | None]], float]:
+    """Worker: one task's ``(row, metrics, lower bounds, plan hash)`` per row, and its CPU seconds.
 
-    A variant's metrics are its :class:`PlanMetrics`, a peer's its
+    The plan hash is ``None`` unless ``task.hashes``. A variant's metrics are its :class:`PlanMetrics`, a peer's its
     :class:`~ringpack.analysis.peer_runner.PeerPart` (``None`` if it cannot plan the chunk). The
     variants of a task share one packing of every step (:func:`~ringpack.planner.epoch.pack_step`,
     which the strategy plays no part in); ``zigzag`` and ``contiguous`` are measured from it
@@ -152,21 +169,23 @@ def _plan_chunk(task: _Task) -> tuple[list[tuple[int, Any, list]], float]:
     t0 = time.process_time()
     if task.peer:
         ((row, name),) = task.rows
-        return [(row, try_measure_peer(name, task.lengths, task.config), [])], time.process_time() - t0
+        return [(row, try_measure_peer(name, task.lengths, task.config), [], None)], time.process_time() - t0
     config = task.config
     try:
         batches = global_batches(task.lengths, config)
         docs = batches.lengths
         steps = [(ids, *pack_step(s, ids, docs, config)) for s, ids in enumerate(batches.windows)]
     except PlanError as exc:
-        raise PlanError(f"simulated chunk {task.chunk} (epoch steps from {task.first_step}): {exc}") from None
+        if not task.where:
+            raise
+        raise PlanError(f"{task.where}: {exc}") from None
     bounds = [bound for _, _, _, bound in steps]
     packed = PackedSteps.of([(ids, bins, m) for ids, bins, m, _ in steps], docs, config.dp)
     length_list: list[int] = []  # read by per-micro-batch splits only, and those never run here
     out = []
     for row, strategy in task.rows:
         cfg = dataclasses.replace(config, strategy=strategy)
-        metrics, _ = evaluate_packed(
+        metrics, table = evaluate_packed(
             packed,
             strategy,
             cp=cfg.cp,
@@ -174,8 +193,10 @@ def _plan_chunk(task: _Task) -> tuple[list[tuple[int, Any, list]], float]:
             model=cfg.cost,
             name=plan_label(cfg),
             split=lambda groups, cfg=cfg: split_groups(groups, docs, cfg, length_list),
+            with_table=task.hashes,
         )
-        out.append((row, metrics, bounds))
+        digest = None if table is None else plan_content_hash(cfg, docs, batches.dropped, batches.origins, table)
+        out.append((row, metrics, bounds, digest))
     return out, time.process_time() - t0
 
 
@@ -235,8 +256,13 @@ def simulate(
     tasks = _tasks(lengths, chunks, config, variants, peers, chunk_steps)
     jobs = min(jobs or os.cpu_count() or 1, len(tasks))
     desc = f"planning {len(lengths):,} samples x {len(variants) + len(peers)} strategies"
+    hint = (
+        f"run with fewer {option('jobs')} (now {jobs}) or a smaller {option('chunk_steps')} (now {chunk_steps}), "
+        "or on a machine with more memory"
+    )
     t0 = time.perf_counter()
-    parts, busy = _plan_tasks(tasks, jobs, desc if progress else None, chunk_steps)
+    with Progress(desc, "samples", sum(t.work for t in tasks), enabled=progress) as bar:
+        parts, busy = _plan_tasks(tasks, jobs, bar, hint)
     wall = time.perf_counter() - t0
     results_by_mode = _timed_results(parts, variants, config, comms, len(chunks))
     peers_by_mode = _timed_peers(parts, len(peers), comms, len(chunks), first=len(variants))
@@ -274,18 +300,20 @@ def _tasks(
     """Per chunk: one task per packing (its variants share the packing), one per peer; the heaviest first.
 
     Rows number the variants in order, then the peers. ``make_plan`` re-shuffles within a chunk,
-    so each chunk's steps are still uniformly random windows of the epoch.
+    so each chunk's steps are still uniformly random windows of the epoch. ``chunk_steps=0``: the
+    chunks are no part of an epoch (messages do not name them).
     """
     by_packing: dict[str, list[tuple[int, str]]] = {}
     for row, (strategy, packing) in enumerate(variants):
         by_packing.setdefault(packing, []).append((row, strategy))
     tasks = []
     for c, ids in enumerate(chunks):
-        part, first = lengths[ids], c * chunk_steps
+        part = lengths[ids]
+        where = f"chunk {c} (epoch steps from {c * chunk_steps})" if chunk_steps else ""
         for packing, rows in by_packing.items():
-            tasks.append(_Task(c, first, part, dataclasses.replace(config, packing=packing), tuple(rows)))
+            tasks.append(_Task(c, where, part, dataclasses.replace(config, packing=packing), tuple(rows)))
         for k, name in enumerate(peers):
-            tasks.append(_Task(c, first, part, config, ((len(variants) + k, name),), peer=True))
+            tasks.append(_Task(c, where, part, config, ((len(variants) + k, name),), peer=True))
     return sorted(tasks, key=lambda t: -t.weight)
 
 
@@ -364,36 +392,90 @@ def _epoch_chunks(lengths: np.ndarray, config: PlanConfig, chunk_steps: int) -> 
 
 
 def _plan_tasks(
-    tasks: list[_Task], jobs: int, desc: str | None, chunk_steps: int
-) -> tuple[dict[int, dict[int, tuple[Any, list]]], float]:
+    tasks: list[_Task], jobs: int, bar: Progress, hint: str
+) -> tuple[dict[int, dict[int, tuple[Any, list, str | None]]], float]:
     """Run :func:`_plan_chunk` on every task (``jobs`` processes); ``parts[row][chunk]`` and CPU seconds.
 
-    ``desc``: the progress label (samples planned, over all rows), ``None`` for no progress.
+    ``bar`` counts :attr:`_Task.work`; ``hint`` says what to change when a worker dies.
 
     Raises:
-        WorkerDied: a worker process died (killed, out of memory): one line naming its task, with
-            what to change.
+        WorkerDied: a worker process died (killed, out of memory): one line naming its task and ``hint``.
     """
-    bar = Progress(desc or "", "samples", sum(t.lengths.size * len(t.rows) for t in tasks), enabled=desc is not None)
-    parts: dict[int, dict[int, tuple[Any, list]]] = {}
+    parts: dict[int, dict[int, tuple[Any, list, str | None]]] = {}
     busy = 0.0
 
-    def collect(index: int, result: tuple[list[tuple[int, Any, list]], float]) -> None:
+    def collect(index: int, result: tuple[list[tuple[int, Any, list, str | None]], float]) -> None:
         nonlocal busy
         rows, seconds = result
         task = tasks[index]
-        for row, metrics, bounds in rows:
-            parts.setdefault(row, {})[task.chunk] = (metrics, bounds)
+        for row, metrics, bounds, digest in rows:
+            parts.setdefault(row, {})[task.chunk] = (metrics, bounds, digest)
         busy += seconds
-        bar.update(task.lengths.size * len(task.rows))
+        bar.update(task.work)
 
-    hint = (
-        f"run with fewer {option('jobs')} (now {jobs}) or a smaller {option('chunk_steps')} (now {chunk_steps}), "
-        "or on a machine with more memory"
-    )
-    with bar:
-        run_tasks(_plan_chunk, tasks, jobs, collect, describe=_Task.describe, hint=hint, name="simulate worker")
+    run_tasks(_plan_chunk, tasks, jobs, collect, describe=_Task.describe, hint=hint, name="worker")
     return parts, busy
+
+
+def measure_variants(
+    lengths: np.ndarray,
+    config: PlanConfig,
+    variants: Sequence[tuple[str, str]],
+    comm: CommModel,
+    *,
+    names: Sequence[str] | None = None,
+    peers: Sequence[str] = (),
+    jobs: int | None = None,
+    progress: Progress | None = None,
+) -> tuple[list[StrategyResult], list[Any]]:
+    """``ringpack report``'s rows of ``lengths``: every variant's plan, exactly :func:`make_plan`'s, and the peers.
+
+    The variants that share a packing share it (one task each, in ``jobs`` worker processes);
+    each plan is measured without its objects where its split allows
+    (:func:`~ringpack.analysis.packed.evaluate_packed`), with its content hash.
+
+    Args:
+        lengths: int64 ``[N]`` sample lengths.
+        config: the plan config; each variant replaces its ``strategy`` and ``packing``.
+        variants: ``(strategy, packing)`` pairs.
+        comm: the communication model of the rows' times.
+        names: each variant's row name (default ``strategy/packing``).
+        peers: peers of :data:`ringpack.analysis.peer_runner.PEERS`; one that cannot plan the
+            data is left out with a warning.
+        jobs: worker processes (``None``: one per core, at most one per task, from
+            :data:`PARALLEL_MIN_SAMPLES` samples on; ``1``: in process).
+        progress: counts samples planned, once per row.
+
+    Returns:
+        ``(results, peer rows)``: :class:`~ringpack.analysis.report.StrategyResult` per variant
+        (``config`` and ``plan_hash`` set), :class:`~ringpack.analysis.peer_runner.Peer` per peer.
+
+    Raises:
+        PlanError: as :func:`make_plan`.
+        WorkerDied: a worker process died (killed, out of memory).
+    """
+    lengths = as_lengths(lengths)
+    # one chunk of every sample in the order given, with no steps before it: make_plan's own steps
+    whole = _tasks(lengths, [np.arange(lengths.size)], config, variants, peers, chunk_steps=0)
+    tasks = [dataclasses.replace(t, hashes=True) for t in whole]
+    if jobs is None and lengths.size < PARALLEL_MIN_SAMPLES:
+        jobs = 1
+    jobs = min(jobs or os.cpu_count() or 1, len(tasks))
+    bar = progress if progress is not None else Progress("", "samples", enabled=False)
+    bar.advance_to(0, sum(t.work for t in tasks))
+    hint = "run on a machine with more memory or plan fewer samples" + (
+        f", or run with fewer {option('jobs')} (now {jobs})" if jobs > 1 else ""
+    )
+    parts, _ = _plan_tasks(tasks, jobs, bar, hint)
+    results = []
+    for row, (strategy, packing) in enumerate(variants):
+        metrics, bounds, digest = parts[row][0]
+        if names is not None:
+            metrics = dataclasses.replace(metrics, name=names[row])
+        cfg = dataclasses.replace(config, strategy=strategy, packing=packing)
+        results.append(timed(metrics, comm, bounds, config=cfg.to_dict(), plan_hash=digest))
+    measured = [parts[len(variants) + k][0][0] for k in range(len(peers))]
+    return results, [time_peer(part, comm) for part in measured if part is not None]
 
 
 def _timed_results(
@@ -407,8 +489,8 @@ def _timed_results(
     results_by_mode: dict[str, list[StrategyResult]] = {comm.mode: [] for comm in comms}
     for v, (strategy, packing) in enumerate(variants):
         ordered = [parts[v][c] for c in range(num_chunks)]
-        metrics = concat_metrics([m for m, _ in ordered], f"{strategy}/{packing}")
-        bounds = [b for _, lb in ordered for b in lb]
+        metrics = concat_metrics([m for m, _, _ in ordered], f"{strategy}/{packing}")
+        bounds = [b for _, lb, _ in ordered for b in lb]
         cfg = dataclasses.replace(config, strategy=strategy, packing=packing).to_dict()
         for comm in comms:
             results_by_mode[comm.mode].append(timed(metrics, comm, bounds, config=cfg))

@@ -10,10 +10,11 @@ import numpy as np
 
 from ringpack.analysis.metrics import plan_label
 from ringpack.analysis.plots import default_rank_step
-from ringpack.analysis.report import build_report, format_ranks, format_table, plan_strategies, result_of_plan
-from ringpack.cli.compare import add_compare_flags, check_outputs, comm_models, emit, peer_names, peer_rows, variants
+from ringpack.analysis.report import build_report, format_ranks, format_table, result_of_plan
+from ringpack.analysis.simulate import measure_variants
+from ringpack.cli.compare import add_compare_flags, check_outputs, comm_models, emit, peer_names, variants
 from ringpack.cli.config_file import add_config_file_flag
-from ringpack.cli.flags import COUNT, EXPLORE_MESH, add_lengths_flags, flag, new_command
+from ringpack.cli.flags import COUNT, EXPLORE_MESH, add_lengths_flags, flag, integer, new_command
 from ringpack.cli.inputs import (
     check_column_has_lengths,
     cost_model,
@@ -52,6 +53,7 @@ def add_command(subparsers: Any) -> None:
         help="step whose per-GPU costs are plotted and tabled (default: the baseline's median-idle step)",
     )
     flag(p, "--steps-shown", type=COUNT, default=5, help="steps per plan in the terminal table")
+    flag(p, "--jobs", type=integer(0, 1024), default=0, help="worker processes (0: all cores)")
     add_config_file_flag(p)
     p.set_defaults(handler=run_report, command_parser=p)
 
@@ -67,31 +69,41 @@ def run_report(args: argparse.Namespace) -> int:
     if args.plans or args.manifest:
         if args.peers is not None and peers:
             raise ValueError("--peers runs other systems on lengths: give --lengths or --corpus, not plan files")
-        peers = []
         plans = [Plan.load(p) for p in args.plans] if args.plans else [_plan_from_manifest(args.manifest)]
         shapes = {(p.config.dp, p.config.cp) for p in plans}
         if len(shapes) > 1:
             raise ValueError(f"plans are for different DP x CP shapes {sorted(shapes)}; report one shape at a time")
         lengths = np.asarray(plans[0].lengths)
-        model = plans[0].config.cost
+        comms = comm_models(args, plans[0].config.cost)
+        names = _unique_names([plan_label(p.config) for p in plans])
+        with progress(args, "costing every rank of every step", "plans", len(plans)) as bar:
+            results = []
+            for plan, name in zip(plans, names):
+                results.append(result_of_plan(plan, comms[0], name=name))
+                bar.update(1)
+        rows = []
     else:
         lengths = lengths_from_flag(args.lengths, args.column) if args.lengths else _corpus_lengths()
         model = cost_model(args, tflops=True)
+        comms = comm_models(args, model)
         config = plan_config_from_args(args, samples_per_step=samples_per_step(args, lengths), cost=model)
-        desc = f"planning {len(lengths):,} samples x {len(wanted)} variants"
-        with progress(args, desc, "steps") as bar:
-            plans = plan_strategies(lengths, config, wanted, progress=bar)
-    comms = comm_models(args, model)
-    names = _unique_names(plans)
-    with progress(args, "costing every rank of every step", "plans", len(plans)) as bar:
-        results = []
-        for plan, name in zip(plans, names):
-            results.append(result_of_plan(plan, comms[0], name=name))
-            bar.update(1)
-    rows = peer_rows(lengths, config, comms[0], peers) if peers else []
+        desc = f"planning {len(lengths):,} samples x {len(wanted)} variants" + (
+            f" and {len(peers)} peers" * bool(peers)
+        )
+        with progress(args, desc, "samples") as bar:
+            results, rows = measure_variants(
+                lengths,
+                config,
+                wanted,
+                comms[0],
+                names=_unique_names([f"{s}/{p}" for s, p in wanted]),
+                peers=peers,
+                jobs=args.jobs or None,
+                progress=bar,
+            )
     doc = build_report(results, lengths=lengths, baseline=args.baseline, peers=rows)
     step = args.step
-    if step is not None and not all(0 <= step < p.num_steps for p in plans):
+    if step is not None and not all(0 <= step < r.metrics.num_steps for r in results):
         raise ValueError(f"--step {step} is outside some plan's steps")
     shown = default_rank_step(doc) if step is None else step
     table = format_table(doc, steps_shown=args.steps_shown)
@@ -115,13 +127,13 @@ def _plan_from_manifest(path: str) -> Plan:
     return ShardReader(folder, 0, 0).plan
 
 
-def _unique_names(plans: list[Plan]) -> list[str]:
-    names = [plan_label(p.config) for p in plans]
+def _unique_names(labels: list[str]) -> list[str]:
+    """The plans' labels, numbered (``#1``, ``#2``) where several plans share one."""
     seen: dict[str, int] = {}
     out = []
-    for n in names:
+    for n in labels:
         seen[n] = seen.get(n, 0) + 1
-        out.append(n if names.count(n) == 1 else f"{n}#{seen[n]}")
+        out.append(n if labels.count(n) == 1 else f"{n}#{seen[n]}")
     return out
 
 

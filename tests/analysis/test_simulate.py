@@ -127,7 +127,8 @@ def test_every_chunk_is_make_plans_plan(mb):
     seen = set()
     for task in tasks:
         rows, _ = _plan_chunk(task)
-        for row, metrics, bounds in rows:
+        for row, metrics, bounds, digest in rows:
+            assert digest is None  # simulate hashes no plan
             strategy, packing = SIM_VARIANTS[row]
             import dataclasses
 
@@ -205,8 +206,9 @@ def test_a_killed_worker_is_one_line_and_a_failed_exit(tmp_path, capsys, monkeyp
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
     line = err[0]
-    assert line.startswith("ringpack simulate: error: simulate worker process ")
-    assert "was killed by SIGKILL (most often the system running out of memory) while planning chunk 1 (" in line
+    assert line.startswith("ringpack simulate: error: worker process ")
+    killed = "was killed by SIGKILL (most often the system running out of memory)"
+    assert f"{killed} while planning chunk 1 (epoch steps from 2) (" in line
     assert line.endswith(
         "run with fewer --jobs (now 2) or a smaller --chunk-steps (now 2), or on a machine with more memory"
     )
