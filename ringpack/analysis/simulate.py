@@ -159,7 +159,8 @@ class _Task:
 def _plan_chunk(task: _Task) -> tuple[list[tuple[int, Any, list, str | None]], float]:
     """Worker: one task's ``(row, metrics, lower bounds, plan hash)`` per row, and its CPU seconds.
 
-    The plan hash is ``None`` unless ``task.hashes``. A variant's metrics are its :class:`PlanMetrics`, a peer's its
+    The plan hash is ``None`` unless ``task.hashes``. A variant's metrics are its
+    :class:`PlanMetrics`, a peer's its
     :class:`~ringpack.analysis.peer_runner.PeerPart` (``None`` if it cannot plan the chunk). The
     variants of a task share one packing of every step (:func:`~ringpack.planner.epoch.pack_step`,
     which the strategy plays no part in); ``zigzag`` and ``contiguous`` are measured from it
@@ -246,6 +247,10 @@ def simulate(
         ValueError: no global batch, no samples or a bad length (:class:`~ringpack.errors.DataError`,
             naming the sample), ``chunk_steps`` or ``jobs`` below 1, no variants, or samples
             longer than a CP group with ``overflow="error"``.
+        PlanError: a step whose tokens a fixed ``microbatches_per_rank`` cannot hold (before any
+            planning, naming the step), or a chunk the planner cannot plan (naming the chunk).
+        WorkerDied: a worker process died (killed, out of memory): one line naming its task, with
+            what to change (an ``OSError``).
     """
     lengths = _apply_overflow(_checked_lengths(lengths, config, variants, chunk_steps, jobs), config)
     comms = list(
