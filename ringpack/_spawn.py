@@ -1,36 +1,38 @@
-"""One launcher for N local processes joined by a gloo group (the demo's ring check and the CPU tests).
+"""Local worker processes: ranks joined by a gloo group (the demo's ring check, the CPU tests), and task pools.
 
-:func:`run_ranks` picks a free loopback port, starts ``world`` processes, and in each one sets the
-intra-op threads, joins the gloo group (every collective gets ``timeout_s``), calls
-``fn(rank, world, *args)`` and sends its picklable result home through a file in a temporary
-folder. The parent waits at most ``join_s`` in all; ranks still alive then are killed and reported,
-so a hang fails instead of stalling. A child's exception is re-raised in the parent naming the rank,
-with the child's traceback text; once one rank has failed, the others get ``fail_grace_s`` to finish
-(a peer blocked in a collective with a dead rank would otherwise sit out its timeout) and are then
-killed. Every failure is reported, not only the first: the rank that fails first is not always the
-one whose error explains the run.
+:func:`run_ranks` starts ``world`` processes on a free loopback port, joins them in a gloo group
+(every collective gets ``timeout_s``) and returns ``fn(rank, world, *args)`` of each; a hang or a
+failed rank fails the call naming every failed rank with its traceback (the first to fail is not
+always the one whose error explains the run), ranks left are killed after ``fail_grace_s``.
+:func:`run_tasks` runs independent tasks on a few worker processes, longest first as given,
+handing results home as they come; a task's exception is re-raised as it is, and a worker that
+dies (killed, out of memory) raises :class:`WorkerDied`, one line naming its task and what to do.
 
 Only the standard library at import time: torch is imported inside the functions, so
 ``import ringpack._spawn`` stays cheap.
 
-See docs/analysis.md, "`ringpack demo`".
+See docs/analysis.md, "`ringpack demo`" and "`ringpack simulate`".
 """
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
+import signal
 import socket
 import tempfile
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["free_port", "run_ranks"]
+__all__ = ["free_port", "run_ranks", "run_tasks", "WorkerDied"]
 
 
 def free_port() -> int:
@@ -203,3 +205,154 @@ def _collect(procs: list, launch: _Launch, killed: list[int], prefix: str) -> tu
             value = None
         results.append(value)
     return results, failures
+
+
+# ------------------------------------------------------------------------------------- task pools
+class WorkerDied(ChildProcessError):
+    """A worker process of :func:`run_tasks` ended without its task's result (killed, out of memory, crashed)."""
+
+
+def _task_worker(conn: multiprocessing.connection.Connection, fn: Callable) -> None:
+    """A pool worker: ``(index, task)`` in, ``("ok", index, fn(task))`` or ``("error", index, exc, text)`` out."""
+    while True:
+        try:
+            item = conn.recv()
+        except (EOFError, OSError):
+            return
+        if item is None:
+            return
+        index, task = item
+        try:
+            reply: tuple = ("ok", index, fn(task))
+        except BaseException as exc:  # every failure goes home, never swallowed
+            reply = ("error", index, exc, traceback.format_exc())
+        try:
+            conn.send(reply)
+        except Exception:  # a result or an exception that does not pickle
+            conn.send(("error", index, None, traceback.format_exc()))
+
+
+def _exit_text(exitcode: int | None) -> str:
+    """How a process ended, in words: a signal by name (SIGKILL is what an out-of-memory killer sends)."""
+    if exitcode is not None and exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"was killed by {name}" + (" (most often the system running out of memory)" if name == "SIGKILL" else "")
+    return "exited" if exitcode is None else f"exited with code {exitcode}"
+
+
+def run_tasks(
+    fn: Callable[[Any], Any],
+    tasks: Sequence[Any],
+    jobs: int,
+    on_result: Callable[[int, Any], None],
+    *,
+    describe: Callable[[Any], str] = lambda task: "a task",
+    hint: str = "",
+    name: str = "worker",
+) -> None:
+    """Run ``fn(task)`` for every task on ``jobs`` worker processes; ``on_result(index, result)`` in this process.
+
+    Tasks start in the order given (give the longest first, so the last to finish is short), one
+    at a time per worker; ``jobs <= 1`` runs them here, in order. ``fn`` and the tasks must be
+    picklable where processes are spawned; on Linux workers are forked, so they start in
+    milliseconds with the modules this process has loaded. Workers are stopped before this returns
+    or raises.
+
+    Args:
+        fn: the work of one task (a module-level function).
+        tasks: the tasks.
+        jobs: worker processes.
+        on_result: called with each task's index and result as it arrives.
+        describe: the task in words, for :class:`WorkerDied` (``"planning chunk 3 of zigzag"``).
+        hint: what to do when a worker dies (``"run with fewer jobs"``), appended to the message.
+        name: what a worker is called in messages.
+
+    Raises:
+        WorkerDied: a worker process ended without returning its task's result; one line naming
+            the worker, its task, how it ended and ``hint``.
+        Exception: the first exception a task raised, as the task raised it.
+    """
+    if jobs <= 1 or len(tasks) <= 1:
+        for index, task in enumerate(tasks):
+            on_result(index, fn(task))
+        return
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
+    ctx = multiprocessing.get_context(method)
+    pending = deque(range(len(tasks)))
+    workers: list[_Worker] = []
+    try:
+        for _ in range(min(jobs, len(tasks))):
+            here, there = ctx.Pipe()
+            proc = ctx.Process(target=_task_worker, args=(there, fn), daemon=True)
+            proc.start()
+            there.close()
+            workers.append(_Worker(proc, here))
+        for w in workers:
+            w.take(pending, tasks)
+        while any(w.index is not None for w in workers):
+            busy = [w for w in workers if w.index is not None]
+            multiprocessing.connection.wait([w.conn for w in busy] + [w.proc.sentinel for w in busy])
+            for w in busy:
+                reply = w.reply()
+                if reply is False:
+                    continue
+                if reply is None:
+                    raise WorkerDied(
+                        " ".join(
+                            f"{name} process {w.proc.pid} {_exit_text(w.proc.exitcode)} while "
+                            f"{describe(tasks[w.index])}; {hint}".split()
+                        ).rstrip("; ")
+                    )
+                if reply[0] == "error":
+                    _, _, exc, text = reply
+                    if exc is None:
+                        raise RuntimeError(f"{name} failed while {describe(tasks[w.index])}:\n{text}")
+                    raise exc
+                index, w.index = w.index, None
+                on_result(index, reply[2])
+                w.take(pending, tasks)
+    finally:
+        for w in workers:
+            w.stop()
+
+
+@dataclass
+class _Worker:
+    """One process of :func:`run_tasks`, its end of the pipe, and the index of the task it runs (``None``: idle)."""
+
+    proc: Any
+    conn: Any
+    index: int | None = None
+
+    def take(self, pending: deque, tasks: Sequence[Any]) -> None:
+        """Start the next pending task here, if any (a worker gone by then shows at its next reply)."""
+        if pending:
+            self.index = pending.popleft()
+            with contextlib.suppress(OSError):  # a worker that died shows in reply()
+                self.conn.send((self.index, tasks[self.index]))
+
+    def reply(self) -> tuple | None | bool:
+        """The worker's reply if one is waiting, ``False`` while it works, ``None`` if it is gone without one."""
+        try:
+            if self.conn.poll():
+                return self.conn.recv()
+        except (EOFError, OSError):
+            pass
+        else:
+            if self.proc.exitcode is None:
+                return False
+        self.proc.join(5)
+        return None
+
+    def stop(self) -> None:
+        """Tell the worker to finish, and kill it if it does not within a moment."""
+        with contextlib.suppress(OSError):
+            self.conn.send(None)
+        self.proc.join(1)
+        if self.proc.exitcode is None:
+            self.proc.kill()
+            self.proc.join()
+        self.conn.close()

@@ -540,16 +540,7 @@ class Plan:
         Fixed-width little-endian integers and sorted-key JSON make it identical across processes,
         machines and Python versions. Lower bounds are annotations, not identity, and are excluded.
         """
-        h = hashlib.sha256()
-        h.update(f"ringpack-plan-v{FORMAT_VERSION}\n".encode())
-        h.update(json.dumps(self.config.to_dict(), sort_keys=True, separators=(",", ":")).encode())
-        h.update(np.asarray(self.lengths, dtype="<i8").tobytes())
-        h.update(b"|dropped|" + np.asarray(self.dropped, dtype="<i8").tobytes())
-        h.update(b"|origins|" + np.asarray(self.origins, dtype="<i8").tobytes())
-        arrays = self.piece_arrays
-        for name in TABLE_COLUMNS:
-            h.update(f"|{name}|".encode() + arrays[name].astype("<i8").tobytes())
-        return h.hexdigest()
+        return plan_content_hash(self.config, self.lengths, self.dropped, self.origins, self.piece_arrays)
 
     # ------------------------------------------------------------ validation
     def validate(self) -> Plan:
@@ -890,6 +881,22 @@ class Plan:
             FileNotFoundError: no file at ``path``.
         """
         return cls.from_json(path) if str(path).endswith(".json") else cls.read_parquet(path)
+
+
+def plan_content_hash(
+    config: PlanConfig, lengths: Any, dropped: Any, origins: Any, arrays: dict[str, np.ndarray]
+) -> str:
+    """:attr:`Plan.content_hash` of the plan with these fields and piece table (``Plan.piece_arrays``
+    columns, rows in plan order): for tools that build the table without the plan's objects."""
+    h = hashlib.sha256()
+    h.update(f"ringpack-plan-v{FORMAT_VERSION}\n".encode())
+    h.update(json.dumps(config.to_dict(), sort_keys=True, separators=(",", ":")).encode())
+    h.update(np.asarray(lengths, dtype="<i8").tobytes())
+    h.update(b"|dropped|" + np.asarray(dropped, dtype="<i8").tobytes())
+    h.update(b"|origins|" + np.asarray(origins, dtype="<i8").tobytes())
+    for name in TABLE_COLUMNS:
+        h.update(f"|{name}|".encode() + np.asarray(arrays[name]).astype("<i8").tobytes())
+    return h.hexdigest()
 
 
 def new_rank_shard(

@@ -196,7 +196,7 @@ def test_progress_is_logged_off_a_terminal_and_silenced_by_quiet(inputs, tmp_pat
     assert run_cli([*shard, "--out", tmp_path / "shards2", "--quiet"]).err == ""
     report = ["report", "--lengths", inputs["lengths"][".npy"], *MESH, "--out", tmp_path / "r", "--no-plots"]
     err = run_cli(report).err
-    assert "x 6 variants: " in err and " steps (" in err and " plans (" in err
+    assert "x 6 variants and 2 peers: " in err and " samples (" in err
     simulate = ["simulate", "--lengths", inputs["lengths"][".npy"], "--gpus", "4", "--cp", "2", "--jobs", "1"]
     err = run_cli([*simulate, "--tokens-per-rank", "256", "--out", tmp_path / "s", "--no-plots"]).err
     assert " samples (" in err

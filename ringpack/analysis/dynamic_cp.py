@@ -26,12 +26,12 @@ from typing import Any
 import numpy as np
 
 from ringpack.analysis.comm_model import CommModel, microbatch_seconds
+from ringpack.analysis.packed import zigzag_shares
 from ringpack.analysis.report import STEP_KEYS, SUMMARY_KEYS
 from ringpack.analysis.robustness import PRICE_FACTORS
-from ringpack.cost import CostModel, piece_pairs
+from ringpack.cost import CostModel
 from ringpack.planner.epoch import global_batches
 from ringpack.shard_plan import PlanConfig
-from ringpack.traffic import needed_pieces
 
 __all__ = [
     "DCP",
@@ -76,38 +76,6 @@ def group_sizes(lengths: np.ndarray, tokens_per_rank: int, gpus: int) -> np.ndar
         raise ValueError(f"a sample of {int(lengths.max())} tokens needs more than the {gpus} GPUs of the pool")
     sizes = valid_group_sizes(gpus)  # powers of two, then the pool: the first >= needed is the rounded-up one
     return sizes[np.searchsorted(sizes, needed)]
-
-
-def zigzag_shares(lengths: np.ndarray, g: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Each rank's share of samples split zigzag over ``g`` ranks (cuts at ``floor(k*L/(2g))``, as ``split_zigzag``).
-
-    Returns ``(tokens, pairs, segments, kv_cross)``, int64 ``[n, g]``: rank ``r`` holds chunks
-    ``r`` and ``2g-1-r``; ``kv_cross`` counts its tokens another rank needs (:func:`needed_pieces`).
-    """
-    lengths = np.asarray(lengths, dtype=np.int64)
-    n = lengths.size
-    cuts = (np.arange(2 * g + 1, dtype=np.int64)[None, :] * lengths[:, None]) // (2 * g)
-    start, stop = cuts[:, :-1].ravel(), cuts[:, 1:].ravel()
-    chunk = np.tile(np.arange(2 * g, dtype=np.int64), n)
-    owner = np.minimum(chunk, 2 * g - 1 - chunk)
-    sample = np.repeat(np.arange(n, dtype=np.int64), 2 * g)
-    keep = stop > start
-    sample, owner, start, stop = sample[keep], owner[keep], start[keep], stop[keep]
-    need = needed_pieces(sample, owner, sample, start, stop) if g > 1 else np.zeros(sample.size, dtype=np.int64)
-    cell = sample * g + owner
-
-    def per_rank(values: np.ndarray) -> np.ndarray:
-        return np.bincount(cell, weights=values, minlength=n * g).astype(np.int64).reshape(n, g)
-
-    tokens = stop - start
-    pairs = np.zeros(n * g, dtype=np.int64)
-    np.add.at(pairs, cell, piece_pairs(start, stop))  # exact: bincount's float64 would round big counts
-    return (
-        per_rank(tokens),
-        pairs.reshape(n, g),
-        per_rank(np.ones_like(tokens)),
-        per_rank(np.where(need > 0, tokens, 0)),
-    )
 
 
 # -------------------------------------------------------------------------------------- schedule

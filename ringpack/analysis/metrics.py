@@ -23,7 +23,17 @@ from ringpack.analysis.comm_model import kv_cross_tokens
 from ringpack.cost import CostModel, piece_pairs
 from ringpack.planner.bounds import critical_path, rank_grid
 
-__all__ = ["PlanMetrics", "concat_metrics", "evaluate", "evaluate_plan", "zigzag_rule_padding", "plan_label"]
+__all__ = [
+    "PlanMetrics",
+    "concat_metrics",
+    "evaluate",
+    "evaluate_plan",
+    "zigzag_rule_padding",
+    "plan_label",
+    "BLOCK_ENTRIES",
+    "sample_blocks",
+    "from_rank_sums",
+]
 
 
 @dataclass
@@ -248,10 +258,26 @@ def evaluate(
 def _zigzag_padding_grid(
     sample_cell: np.ndarray, sample_length: np.ndarray, cp: int, grid: tuple[int, int, int]
 ) -> np.ndarray:
-    """(S, D, M, C): the 2*cp-rule zigzag padding of each micro-batch's samples, per CP rank."""
+    """(S, D, M, C): the 2*cp-rule zigzag padding of each micro-batch's samples, per CP rank.
+
+    Samples go through in blocks of :data:`BLOCK_ENTRIES` ``(sample, rank)`` entries, so memory
+    stays bounded at any CP size.
+    """
     padding = np.zeros((int(np.prod(grid)), cp), dtype=np.int64)
-    np.add.at(padding, sample_cell, zigzag_rule_padding(sample_length, cp))
+    for lo, hi in sample_blocks(sample_cell.size, cp):
+        np.add.at(padding, sample_cell[lo:hi], zigzag_rule_padding(sample_length[lo:hi], cp))
     return padding.reshape(*grid, cp)
+
+
+#: Entries of the largest ``(samples, ranks)`` or ``(samples, chunks)`` array a metric builds at a time:
+#: work over more samples goes in blocks, so memory is bounded whatever the CP size.
+BLOCK_ENTRIES = 1 << 20
+
+
+def sample_blocks(n: int, width: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` ranges covering ``range(n)`` with at most :data:`BLOCK_ENTRIES` ``// width`` items each."""
+    step = max(1, BLOCK_ENTRIES // max(width, 1))
+    return [(lo, min(lo + step, n)) for lo in range(0, n, step)]
 
 
 def _per_step_samples(
@@ -286,3 +312,43 @@ def evaluate_plan(plan, name: str | None = None) -> PlanMetrics:
 def plan_label(cfg) -> str:
     """``strategy/packing``, the name reports give a plan."""
     return f"{cfg.strategy}/{cfg.packing}"
+
+
+def from_rank_sums(
+    sums: Sequence[np.ndarray],
+    sample_cell: np.ndarray,
+    sample_length: np.ndarray,
+    *,
+    grid: tuple[int, int, int],
+    cp: int,
+    model: CostModel,
+    name: str,
+) -> PlanMetrics:
+    """:class:`PlanMetrics` of a plan given its rank sums and where its samples are, as :func:`evaluate` builds it.
+
+    Args:
+        sums: tokens, pairs, segments and K/V-crossing tokens per rank, int64 ``[S*D*M, C]``.
+        sample_cell: int64 ``[N]``, each sample's flat ``(step, dp rank, micro-batch)`` cell.
+        sample_length: int64 ``[N]``, each sample's length.
+        grid: ``(S, D, M)``.
+        cp, model, name: the CP size, the cost model, the plan's label.
+    """
+    tokens, pairs, segments, kv = (np.asarray(x).reshape(*grid, cp) for x in sums)
+    exists = np.zeros(int(np.prod(grid)), dtype=bool)
+    exists[sample_cell] = True
+    samples, loss = _per_step_samples(sample_cell, sample_length, grid)
+    return PlanMetrics(
+        name=name,
+        dp=grid[1],
+        cp=cp,
+        model=model,
+        mb_exists=exists.reshape(grid),
+        tokens=tokens,
+        pairs=pairs,
+        segments=segments,
+        cost=model.cost(tokens, pairs, segments),
+        kv_cross_tokens=kv,
+        zigzag_padding=_zigzag_padding_grid(sample_cell, sample_length, cp, grid),
+        samples=samples,
+        loss_tokens=loss,
+    )

@@ -23,10 +23,11 @@ from typing import Any
 
 from ringpack.analysis.comm_model import CommModel
 from ringpack.analysis.dynamic_cp import DCP, DynamicCPSchedule, concat_schedules, dcp_schedule, timed_schedule
-from ringpack.analysis.metrics import concat_metrics, evaluate
+from ringpack.analysis.metrics import concat_metrics
+from ringpack.analysis.packed import PackedSteps, evaluate_packed
 from ringpack.analysis.report import timed
 from ringpack.errors import PlanError
-from ringpack.planner.wlb import WLBConfig, wlb_packing, wlb_zigzag_table
+from ringpack.planner.wlb import WLBConfig, wlb_packing
 from ringpack.shard_plan import PlanConfig
 
 __all__ = [
@@ -141,15 +142,9 @@ def _measure_wlb(lengths: Any, config: PlanConfig) -> PeerPart:
     wlb = WLBConfig()
     cfg = dataclasses.replace(config, strategy="zigzag")
     packing = wlb_packing(lengths, cfg, wlb)
-    shape = (len(packing.steps), cfg.dp, max(step.m for step in packing.steps))
-    metrics = evaluate(
-        wlb_zigzag_table(packing, cfg),
-        packing.batches.lengths,
-        dp=cfg.dp,
-        cp=cfg.cp,
-        model=cfg.cost,
-        name=WLB,
-        shape=shape,
+    packed = PackedSteps.of([(s.ids, s.bins, s.m) for s in packing.steps], packing.batches.lengths, cfg.dp)
+    metrics, _ = evaluate_packed(
+        packed, "zigzag", cp=cfg.cp, tokens_per_rank=cfg.tokens_per_rank, model=cfg.cost, name=WLB
     )
     described = {**cfg.to_dict(), "packing": WLB, "peer": WLB, "wlb": dataclasses.asdict(wlb)}
     return PeerPart(WLB, metrics, [step.lower_bound for step in packing.steps], described)

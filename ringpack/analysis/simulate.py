@@ -1,16 +1,17 @@
 """``ringpack simulate``: plan an epoch for a cluster this machine is not, and predict its speed (docs/analysis.md).
 
 For a cluster shape (``dp x cp`` GPUs), a length distribution and a model, every strategy plans the
-full epoch with :func:`~ringpack.planner.make_plan`; every step is priced with the planner's cost
-code (:mod:`ringpack.analysis.metrics`) and timed under the communication model
+full epoch as :func:`~ringpack.planner.make_plan` would; every step is priced with the planner's
+cost code (:mod:`ringpack.analysis.metrics`) and timed under the communication model
 (:mod:`ringpack.analysis.comm_model`, ring and all-gather), with the peers of
 :mod:`ringpack.analysis.peer_runner` on the same chunks. Output: the report document ``ringpack
 report`` writes (predicted tokens/s, epoch time, idle fraction, K/V bytes and padding per strategy).
 
 Scale: the epoch is planned in chunks of ``chunk_steps`` global batches (the planner's shuffle
-first, so chunks are random windows of the epoch, exactly as ``make_plan`` would cut them), chunks
-run in ``jobs`` worker processes, and each worker returns only its dense per-rank arrays, so memory
-stays flat and a 1M-sample epoch is minutes on 2 cores.
+first, so chunks are random windows of the epoch, exactly as ``make_plan`` would cut them); a
+chunk's steps are packed once per packing for every strategy that uses it, zigzag and contiguous
+are measured from the packing without plan objects, and workers return only per-rank arrays, so
+memory does not grow with the CP size and a 1M-sample epoch for 8,192 GPUs takes about a minute.
 """
 
 from __future__ import annotations
@@ -19,25 +20,38 @@ import dataclasses
 import os
 import time
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from ringpack._checks import is_finite, is_int
 from ringpack._hints import option
+from ringpack._spawn import run_tasks
 from ringpack.analysis.comm_model import CommModel
-from ringpack.analysis.metrics import PlanMetrics, concat_metrics, evaluate_plan
-from ringpack.analysis.peer_runner import PeerJob, join_peer_parts, time_peer, try_measure_peer
+from ringpack.analysis.metrics import PlanMetrics, concat_metrics, plan_label
+from ringpack.analysis.packed import PackedSteps, evaluate_packed
+from ringpack.analysis.peer_runner import join_peer_parts, time_peer, try_measure_peer
 from ringpack.analysis.report import StrategyResult, _fmt_count, _fmt_seconds, build_report, text_table, timed
 from ringpack.data.corpus import stdlib_corpus
+from ringpack.errors import PlanError
 from ringpack.lengths import check_lengths
-from ringpack.planner import make_plan
-from ringpack.planner.epoch import expand_overflow, shuffle_order
+from ringpack.planner.epoch import (
+    as_lengths,
+    expand_overflow,
+    global_batches,
+    pack_step,
+    shuffle_order,
+    split_microbatches,
+)
 from ringpack.progress import Progress
-from ringpack.shard_plan import PlanConfig
+from ringpack.shard_plan import PlanConfig, plan_content_hash
 
-__all__ = ["simulate", "synthetic_lengths", "SIM_VARIANTS", "MAX_LENGTH"]
+__all__ = ["simulate", "measure_variants", "synthetic_lengths", "SIM_VARIANTS", "MAX_LENGTH"]
+
+#: :func:`measure_variants` plans fewer samples than this in process by default: they take less
+#: time than starting workers and sending them the lengths.
+PARALLEL_MIN_SAMPLES = 20_000
 
 #: Longest sample :func:`synthetic_lengths` draws: far beyond any context, exact in int64 pair counts.
 MAX_LENGTH = 1 << 40
@@ -108,20 +122,83 @@ def _check_draw(n: int, median: float, sigma: float, max_len: int | None) -> Non
         raise ValueError(f"max_len must be None or an integer >= 1, got {max_len!r}")
 
 
-def _plan_chunk(task: tuple[int, int, np.ndarray, Any]) -> tuple[int, int, Any, list, float]:
-    """Worker: plan one chunk of the epoch for one variant or peer; return its metrics and lower bounds.
+@dataclass(frozen=True)
+class _Task:
+    """One worker task: a chunk of the epoch planned with one packing for the variants that share it, or a peer.
 
-    A variant's task carries its :class:`PlanConfig`, a peer's a :class:`~ringpack.analysis.peer_runner.PeerJob`;
-    a peer's metrics are its :class:`~ringpack.analysis.peer_runner.PeerPart` (``None`` if it cannot plan the chunk).
+    ``rows`` are the report rows it fills: ``(row, strategy)`` of every variant with
+    ``config.packing``, or ``((row, peer),)`` for a peer.
     """
-    variant, chunk, lengths, config = task
+
+    chunk: int
+    where: str  # what the samples are, in messages ("" for all of them)
+    lengths: np.ndarray
+    config: PlanConfig
+    rows: tuple[tuple[int, str], ...]
+    peer: bool = False
+    hashes: bool = False  # also each plan's content hash (report)
+
+    @property
+    def weight(self) -> float:
+        """Rough work, to start the longest tasks first: the balanced split dominates, a peer is light."""
+        if self.peer:
+            return 0.3 * self.lengths.size
+        strategies = {strategy for _, strategy in self.rows}
+        return self.lengths.size * (1.0 + 3.0 * ("balanced" in strategies) + 0.5 * len(strategies))
+
+    def describe(self) -> str:
+        what = self.rows[0][1] if self.peer else f"{self.config.packing} packing"
+        return f"planning {self.where or 'the samples'} ({self.lengths.size:,} samples) for {what}"
+
+    @property
+    def work(self) -> int:
+        """What the progress bar counts for the task: samples, once per row."""
+        return self.lengths.size * len(self.rows)
+
+
+def _plan_chunk(task: _Task) -> tuple[list[tuple[int, Any, list, str | None]], float]:
+    """Worker: one task's ``(row, metrics, lower bounds, plan hash)`` per row, and its CPU seconds.
+
+    The plan hash is ``None`` unless ``task.hashes``. A variant's metrics are its
+    :class:`PlanMetrics`, a peer's its
+    :class:`~ringpack.analysis.peer_runner.PeerPart` (``None`` if it cannot plan the chunk). The
+    variants of a task share one packing of every step (:func:`~ringpack.planner.epoch.pack_step`,
+    which the strategy plays no part in); ``zigzag`` and ``contiguous`` are measured from it
+    directly (:func:`~ringpack.analysis.packed.evaluate_packed`), ``balanced`` is split by the
+    planner. Every figure is the one :func:`make_plan` and :func:`evaluate_plan` give.
+    """
     t0 = time.process_time()
-    if isinstance(config, PeerJob):
-        part = try_measure_peer(config.name, lengths, config.config)
-        return variant, chunk, part, [], time.process_time() - t0
-    plan = make_plan(lengths, config)
-    metrics = evaluate_plan(plan)
-    return variant, chunk, metrics, [s.lower_bound for s in plan.steps], time.process_time() - t0
+    if task.peer:
+        ((row, name),) = task.rows
+        return [(row, try_measure_peer(name, task.lengths, task.config), [], None)], time.process_time() - t0
+    config = task.config
+    try:
+        batches = global_batches(task.lengths, config)
+        docs = batches.lengths
+        steps = [(ids, *pack_step(s, ids, docs, config)) for s, ids in enumerate(batches.windows)]
+    except PlanError as exc:
+        if not task.where:
+            raise
+        raise PlanError(f"{task.where}: {exc}") from None
+    bounds = [bound for _, _, _, bound in steps]
+    packed = PackedSteps.of([(ids, bins, m) for ids, bins, m, _ in steps], docs, config.dp)
+    length_list: list[int] = []  # read by per-micro-batch splits only, and those never run here
+    out = []
+    for row, strategy in task.rows:
+        cfg = dataclasses.replace(config, strategy=strategy)
+        metrics, table = evaluate_packed(
+            packed,
+            strategy,
+            cp=cfg.cp,
+            tokens_per_rank=cfg.tokens_per_rank,
+            model=cfg.cost,
+            name=plan_label(cfg),
+            split=lambda groups, cfg=cfg: split_microbatches(groups, docs, cfg, length_list),
+            with_table=task.hashes,
+        )
+        digest = None if table is None else plan_content_hash(cfg, docs, batches.dropped, batches.origins, table)
+        out.append((row, metrics, bounds, digest))
+    return out, time.process_time() - t0
 
 
 def _chunks(order: np.ndarray, per_step: int, chunk_steps: int, min_samples: int) -> list[np.ndarray]:
@@ -170,23 +247,27 @@ def simulate(
         ValueError: no global batch, no samples or a bad length (:class:`~ringpack.errors.DataError`,
             naming the sample), ``chunk_steps`` or ``jobs`` below 1, no variants, or samples
             longer than a CP group with ``overflow="error"``.
+        PlanError: a step whose tokens a fixed ``microbatches_per_rank`` cannot hold (before any
+            planning, naming the step), or a chunk the planner cannot plan (naming the chunk).
+        WorkerDied: a worker process died (killed, out of memory): one line naming its task, with
+            what to change (an ``OSError``).
     """
     lengths = _apply_overflow(_checked_lengths(lengths, config, variants, chunk_steps, jobs), config)
     comms = list(
         comms or [CommModel.for_model(config.cost, mode="ring"), CommModel.for_model(config.cost, mode="allgather")]
     )
     chunks = _epoch_chunks(lengths, config, chunk_steps)
-    tasks = []
-    for v, (strategy, packing) in enumerate(variants):
-        cfg = dataclasses.replace(config, strategy=strategy, packing=packing)
-        for c, ids in enumerate(chunks):
-            # make_plan re-shuffles within the chunk: still a uniformly random window of the epoch
-            tasks.append((v, c, lengths[ids], cfg))
-    tasks += _peer_tasks(peers, config, chunks, lengths, first=len(variants))
+    _check_budget(lengths, chunks, config, chunk_steps)
+    tasks = _tasks(lengths, chunks, config, variants, peers, chunk_steps)
     jobs = min(jobs or os.cpu_count() or 1, len(tasks))
     desc = f"planning {len(lengths):,} samples x {len(variants) + len(peers)} strategies"
+    hint = (
+        f"run with fewer {option('jobs')} (now {jobs}) or a smaller {option('chunk_steps')} (now {chunk_steps}), "
+        "or on a machine with more memory"
+    )
     t0 = time.perf_counter()
-    parts, busy = _plan_tasks(tasks, jobs, desc if progress else None)
+    with Progress(desc, "samples", sum(t.work for t in tasks), enabled=progress) as bar:
+        parts, busy = _plan_tasks(tasks, jobs, bar, hint)
     wall = time.perf_counter() - t0
     results_by_mode = _timed_results(parts, variants, config, comms, len(chunks))
     peers_by_mode = _timed_peers(parts, len(peers), comms, len(chunks), first=len(variants))
@@ -213,15 +294,57 @@ def simulate(
     return doc
 
 
-def _peer_tasks(
-    peers: Sequence[str], config: PlanConfig, chunks: list[np.ndarray], lengths: np.ndarray, first: int
-) -> list[tuple[int, int, np.ndarray, Any]]:
-    """One task per peer and chunk, numbered from ``first`` (after the variants)."""
-    return [
-        (first + k, c, lengths[ids], PeerJob(name, config))
-        for k, name in enumerate(peers)
-        for c, ids in enumerate(chunks)
-    ]
+def _tasks(
+    lengths: np.ndarray,
+    chunks: list[np.ndarray],
+    config: PlanConfig,
+    variants: Sequence[tuple[str, str]],
+    peers: Sequence[str],
+    chunk_steps: int,
+) -> list[_Task]:
+    """Per chunk: one task per packing (its variants share the packing), one per peer; the heaviest first.
+
+    Rows number the variants in order, then the peers. ``make_plan`` re-shuffles within a chunk,
+    so each chunk's steps are still uniformly random windows of the epoch. ``chunk_steps=0``: the
+    chunks are no part of an epoch (messages do not name them).
+    """
+    by_packing: dict[str, list[tuple[int, str]]] = {}
+    for row, (strategy, packing) in enumerate(variants):
+        by_packing.setdefault(packing, []).append((row, strategy))
+    tasks = []
+    for c, ids in enumerate(chunks):
+        part = lengths[ids]
+        where = f"chunk {c} (epoch steps from {c * chunk_steps})" if chunk_steps else ""
+        for packing, rows in by_packing.items():
+            tasks.append(_Task(c, where, part, dataclasses.replace(config, packing=packing), tuple(rows)))
+        for k, name in enumerate(peers):
+            tasks.append(_Task(c, where, part, config, ((len(variants) + k, name),), peer=True))
+    return sorted(tasks, key=lambda t: -t.weight)
+
+
+def _check_budget(lengths: np.ndarray, chunks: list[np.ndarray], config: PlanConfig, chunk_steps: int) -> None:
+    """Refuse at once a step whose tokens no packing fits in a fixed ``microbatches_per_rank``.
+
+    Planning would fail on it only once its chunk is reached, minutes into a large run.
+
+    Raises:
+        PlanError: naming the step of the epoch, its samples and tokens, and what to change.
+    """
+    m = config.microbatches_per_rank
+    if not m:
+        return
+    room = config.dp * m * config.group_capacity
+    for c, ids in enumerate(chunks):
+        batches = global_batches(lengths[ids], config)
+        for s, window in enumerate(batches.windows):
+            tokens = int(batches.lengths[window].sum())
+            if tokens > room:
+                raise PlanError(
+                    f"step {c * chunk_steps + s}: {window.size} samples ({tokens:,} tokens) "
+                    f"are more than dp={config.dp} x {m} micro-batches of {config.group_capacity:,} tokens hold; "
+                    f"lower the global batch ({option('global_batch_tokens')} or {option('samples_per_step')}) or "
+                    f"raise {option('microbatches_per_rank')} or {option('tokens_per_rank')}"
+                )
 
 
 def _timed_peers(
@@ -274,33 +397,90 @@ def _epoch_chunks(lengths: np.ndarray, config: PlanConfig, chunk_steps: int) -> 
 
 
 def _plan_tasks(
-    tasks: list[tuple[int, int, np.ndarray, PlanConfig]], jobs: int, desc: str | None
-) -> tuple[dict[int, dict[int, tuple[PlanMetrics, list]]], float]:
-    """Run :func:`_plan_chunk` on every task (``jobs`` processes); ``parts[variant][chunk]`` and CPU seconds.
+    tasks: list[_Task], jobs: int, bar: Progress, hint: str
+) -> tuple[dict[int, dict[int, tuple[Any, list, str | None]]], float]:
+    """Run :func:`_plan_chunk` on every task (``jobs`` processes); ``parts[row][chunk]`` and CPU seconds.
 
-    ``desc``: the progress label (samples planned, over all variants), ``None`` for no progress.
+    ``bar`` counts :attr:`_Task.work`; ``hint`` says what to change when a worker dies.
+
+    Raises:
+        WorkerDied: a worker process died (killed, out of memory): one line naming its task and ``hint``.
     """
-    samples = {(v, c): len(lengths) for v, c, lengths, _ in tasks}
-    bar = Progress(desc or "", "samples", sum(samples.values()), enabled=desc is not None)
-    parts: dict[int, dict[int, tuple[PlanMetrics, list]]] = {v: {} for v, *_ in tasks}
+    parts: dict[int, dict[int, tuple[Any, list, str | None]]] = {}
     busy = 0.0
 
-    def collect(result: tuple[int, int, PlanMetrics, list, float]) -> None:
+    def collect(index: int, result: tuple[list[tuple[int, Any, list, str | None]], float]) -> None:
         nonlocal busy
-        v, c, metrics, bounds, seconds = result
-        parts[v][c] = (metrics, bounds)
+        rows, seconds = result
+        task = tasks[index]
+        for row, metrics, bounds, digest in rows:
+            parts.setdefault(row, {})[task.chunk] = (metrics, bounds, digest)
         busy += seconds
-        bar.update(samples[v, c])
+        bar.update(task.work)
 
-    if jobs <= 1:
-        for task in tasks:
-            collect(_plan_chunk(task))
-    else:
-        with ProcessPoolExecutor(max_workers=jobs) as pool:
-            for future in as_completed([pool.submit(_plan_chunk, t) for t in tasks]):
-                collect(future.result())
-    bar.close()
+    run_tasks(_plan_chunk, tasks, jobs, collect, describe=_Task.describe, hint=hint, name="worker")
     return parts, busy
+
+
+def measure_variants(
+    lengths: np.ndarray,
+    config: PlanConfig,
+    variants: Sequence[tuple[str, str]],
+    comm: CommModel,
+    *,
+    names: Sequence[str] | None = None,
+    peers: Sequence[str] = (),
+    jobs: int | None = None,
+    progress: Progress | None = None,
+) -> tuple[list[StrategyResult], list[Any]]:
+    """``ringpack report``'s rows of ``lengths``: every variant's plan, exactly :func:`make_plan`'s, and the peers.
+
+    The variants that share a packing share it (one task each, in ``jobs`` worker processes);
+    each plan is measured without its objects where its split allows
+    (:func:`~ringpack.analysis.packed.evaluate_packed`), with its content hash.
+
+    Args:
+        lengths: int64 ``[N]`` sample lengths.
+        config: the plan config; each variant replaces its ``strategy`` and ``packing``.
+        variants: ``(strategy, packing)`` pairs.
+        comm: the communication model of the rows' times.
+        names: each variant's row name (default ``strategy/packing``).
+        peers: peers of :data:`ringpack.analysis.peer_runner.PEERS`; one that cannot plan the
+            data is left out with a warning.
+        jobs: worker processes (``None``: one per core, at most one per task, from
+            :data:`PARALLEL_MIN_SAMPLES` samples on; ``1``: in process).
+        progress: counts samples planned, once per row.
+
+    Returns:
+        ``(results, peer rows)``: :class:`~ringpack.analysis.report.StrategyResult` per variant
+        (``config`` and ``plan_hash`` set), :class:`~ringpack.analysis.peer_runner.Peer` per peer.
+
+    Raises:
+        PlanError: as :func:`make_plan`.
+        WorkerDied: a worker process died (killed, out of memory).
+    """
+    lengths = as_lengths(lengths)
+    # one chunk of every sample in the order given, with no steps before it: make_plan's own steps
+    whole = _tasks(lengths, [np.arange(lengths.size)], config, variants, peers, chunk_steps=0)
+    tasks = [dataclasses.replace(t, hashes=True) for t in whole]
+    if jobs is None and lengths.size < PARALLEL_MIN_SAMPLES:
+        jobs = 1
+    jobs = min(jobs or os.cpu_count() or 1, len(tasks))
+    bar = progress if progress is not None else Progress("", "samples", enabled=False)
+    bar.advance_to(0, sum(t.work for t in tasks))
+    hint = "run on a machine with more memory or plan fewer samples" + (
+        f", or run with fewer {option('jobs')} (now {jobs})" if jobs > 1 else ""
+    )
+    parts, _ = _plan_tasks(tasks, jobs, bar, hint)
+    results = []
+    for row, (strategy, packing) in enumerate(variants):
+        metrics, bounds, digest = parts[row][0]
+        if names is not None:
+            metrics = dataclasses.replace(metrics, name=names[row])
+        cfg = dataclasses.replace(config, strategy=strategy, packing=packing)
+        results.append(timed(metrics, comm, bounds, config=cfg.to_dict(), plan_hash=digest))
+    measured = [parts[len(variants) + k][0][0] for k in range(len(peers))]
+    return results, [time_peer(part, comm) for part in measured if part is not None]
 
 
 def _timed_results(
@@ -314,8 +494,8 @@ def _timed_results(
     results_by_mode: dict[str, list[StrategyResult]] = {comm.mode: [] for comm in comms}
     for v, (strategy, packing) in enumerate(variants):
         ordered = [parts[v][c] for c in range(num_chunks)]
-        metrics = concat_metrics([m for m, _ in ordered], f"{strategy}/{packing}")
-        bounds = [b for _, lb in ordered for b in lb]
+        metrics = concat_metrics([m for m, _, _ in ordered], f"{strategy}/{packing}")
+        bounds = [b for _, lb, _ in ordered for b in lb]
         cfg = dataclasses.replace(config, strategy=strategy, packing=packing).to_dict()
         for comm in comms:
             results_by_mode[comm.mode].append(timed(metrics, comm, bounds, config=cfg))

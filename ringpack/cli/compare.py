@@ -73,11 +73,6 @@ def peer_names(args: argparse.Namespace) -> list[str]:
     return list(peer_systems.PEERS) if args.peers is None else peer_systems.parse_peers(args.peers)
 
 
-def peer_rows(lengths: Any, config: Any, comm: CommModel, names: Sequence[str]) -> list:
-    """The peers' report rows on ``lengths`` (:func:`ringpack.analysis.peer_runner.peer_rows`)."""
-    return peer_systems.peer_rows(lengths, config, comm, names)
-
-
 def check_outputs(args: argparse.Namespace, inputs: Sequence[str | None]) -> None:
     """Check ``--out`` (a folder) and ``--json`` (a file, or ``-`` for stdout) of report and simulate."""
     check_output_folder(args.out)

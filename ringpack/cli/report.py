@@ -11,10 +11,11 @@ import numpy as np
 
 from ringpack.analysis.metrics import plan_label
 from ringpack.analysis.plots import default_rank_step
-from ringpack.analysis.report import build_report, format_ranks, format_table, plan_strategies, result_of_plan
-from ringpack.cli.compare import add_compare_flags, check_outputs, comm_models, emit, peer_names, peer_rows, variants
+from ringpack.analysis.report import build_report, format_ranks, format_table, result_of_plan
+from ringpack.analysis.simulate import measure_variants
+from ringpack.cli.compare import add_compare_flags, check_outputs, comm_models, emit, peer_names, variants
 from ringpack.cli.config_file import add_config_file_flag
-from ringpack.cli.flags import COUNT, EXPLORE_MESH, add_lengths_flags, flag, new_command
+from ringpack.cli.flags import COUNT, EXPLORE_MESH, add_lengths_flags, flag, integer, new_command
 from ringpack.cli.inputs import (
     check_column_has_lengths,
     cost_model,
@@ -26,7 +27,7 @@ from ringpack.cli.inputs import (
 from ringpack.cli.layout import add_layout_flags, layout_table, resolve_layout
 from ringpack.data.corpus import stdlib_corpus
 from ringpack.data.shard_reader import ShardReader
-from ringpack.planner.epoch import global_batches, make_plan
+from ringpack.planner.epoch import global_batches
 from ringpack.shard_plan import Plan
 
 
@@ -56,6 +57,7 @@ def add_command(subparsers: Any) -> None:
         help="step whose per-GPU costs are plotted and tabled (default: the baseline's median-idle step)",
     )
     flag(p, "--steps-shown", type=COUNT, default=5, help="steps per plan in the terminal table")
+    flag(p, "--jobs", type=integer(0, 1024), default=0, help="worker processes (0: all cores)")
     add_config_file_flag(p)
     p.set_defaults(handler=run_report, command_parser=p)
 
@@ -71,13 +73,19 @@ def run_report(args: argparse.Namespace) -> int:
     if args.plans or args.manifest:
         if args.peers is not None and peers:
             raise ValueError("--peers runs other systems on lengths: give --lengths or --corpus, not plan files")
-        peers = []
         plans = [Plan.load(p) for p in args.plans] if args.plans else [_plan_from_manifest(args.manifest)]
         shapes = {(p.config.dp, p.config.cp) for p in plans}
         if len(shapes) > 1:
             raise ValueError(f"plans are for different DP x CP shapes {sorted(shapes)}; report one shape at a time")
         lengths = np.asarray(plans[0].lengths)
-        model = plans[0].config.cost
+        comms = comm_models(args, plans[0].config.cost)
+        names = _unique_names([plan_label(p.config) for p in plans])
+        with progress(args, "costing every rank of every step", "plans", len(plans)) as bar:
+            results = []
+            for plan, name in zip(plans, names):
+                results.append(result_of_plan(plan, comms[0], name=name))
+                bar.update(1)
+        rows = []
     else:
         lengths = lengths_from_flag(args.lengths, args.column) if args.lengths else _corpus_lengths()
         model = cost_model(args, tflops=True)
@@ -87,25 +95,41 @@ def run_report(args: argparse.Namespace) -> int:
                 args.modes = choice.best.mode
             if args.json != "-":
                 print(layout_table(choice) + "\n")
+        comms = comm_models(args, model)
         config = plan_config_from_args(args, samples_per_step=samples_per_step(args, lengths), cost=model)
-        desc = f"planning {len(lengths):,} samples x {len(wanted)} variants"
-        with progress(args, desc, "steps") as bar:
-            plans = plan_strategies(lengths, config, wanted, progress=bar)
+        desc = f"planning {len(lengths):,} samples x {len(wanted)} variants" + (
+            f" and {len(peers)} peers" * bool(peers)
+        )
+        labels = [f"{s}/{p}" for s, p in wanted]
         if config.batch_window:  # the first variant again without the window: what the window bought
-            with progress(args, f"planning {plan_label(plans[0].config)} without the window", "steps") as bar:
-                unwindowed = dataclasses.replace(plans[0].config, batch_window=0)
-                plans.append(make_plan(lengths, unwindowed, progress=bar.advance_to))
-    comms = comm_models(args, model)
-    names = _unique_names(plans)
-    with progress(args, "costing every rank of every step", "plans", len(plans)) as bar:
-        results = []
-        for plan, name in zip(plans, names):
-            results.append(result_of_plan(plan, comms[0], name=name))
-            bar.update(1)
-    rows = peer_rows(lengths, config, comms[0], peers) if peers else []
-    doc = build_report(results, lengths=lengths, baseline=args.baseline, peers=rows, extra=_window_entry(plans, names))
+            labels.append(f"{labels[0]} no window")
+        names = _unique_names(labels)
+        with progress(args, desc, "samples") as bar:
+            results, rows = measure_variants(
+                lengths,
+                config,
+                wanted,
+                comms[0],
+                names=names[: len(wanted)],
+                peers=peers,
+                jobs=args.jobs or None,
+                progress=bar,
+            )
+            if config.batch_window:
+                unwindowed, _ = measure_variants(
+                    lengths,
+                    dataclasses.replace(config, batch_window=0),
+                    wanted[:1],
+                    comms[0],
+                    names=names[len(wanted) :],
+                    jobs=args.jobs or None,
+                    progress=bar,
+                )
+                results += unwindowed
+    extra = _window_entry(lengths, config, names) if not (args.plans or args.manifest) else {}
+    doc = build_report(results, lengths=lengths, baseline=args.baseline, peers=rows, extra=extra)
     step = args.step
-    if step is not None and not all(0 <= step < p.num_steps for p in plans):
+    if step is not None and not all(0 <= step < r.metrics.num_steps for r in results):
         raise ValueError(f"--step {step} is outside some plan's steps")
     shown = default_rank_step(doc) if step is None else step
     table = format_table(doc, steps_shown=args.steps_shown)
@@ -129,38 +153,27 @@ def _plan_from_manifest(path: str) -> Plan:
     return ShardReader(folder, 0, 0).plan
 
 
-def _window_entry(plans: list[Plan], names: list[str]) -> dict[str, Any]:
-    """``{"batch_window": ...}`` for the report of the first plan with a batch window: what it moved
-    (:meth:`~ringpack.planner.batch_window.WindowMoves.summary`), its name and the name of the same
-    plan made without the window, if there is one; ``{}`` when no plan has a window."""
-    windowed = [k for k, p in enumerate(plans) if p.config.batch_window]
-    if not windowed:
+def _window_entry(lengths: np.ndarray, config: Any, names: list[str]) -> dict[str, Any]:
+    """``{"batch_window": ...}`` for a report of ``lengths`` planned with a batch window: what it
+    moved (:meth:`~ringpack.planner.batch_window.WindowMoves.summary`), the first variant's name and
+    the name of the same plan made without the window (the last row); ``{}`` without a window."""
+    if not config.batch_window:
         return {}
-    plan = plans[windowed[0]]
-    # a plan's lengths are its documents, which the overflow rule leaves as they are: the same batches
-    moves = global_batches(np.asarray(plan.lengths, dtype=np.int64), plan.config).moves()
-    tokens = int(np.sum(plan.lengths)) - sum(plan.lengths[k] for k in plan.dropped)
-    without = next(
-        (
-            names[k]
-            for k, p in enumerate(plans)
-            if dataclasses.replace(p.config, batch_window=plan.config.batch_window) == plan.config
-            and not p.config.batch_window
-        ),
-        None,
-    )
-    summary = moves.summary(plan.config, len(plan.lengths) - len(plan.dropped), tokens)
-    return {"batch_window": {**summary, "plan": names[windowed[0]], "without": without}}
+    batches = global_batches(lengths, config)
+    docs = batches.lengths
+    planned = len(docs) - len(batches.dropped)
+    tokens = int(docs.sum()) - int(sum(int(docs[k]) for k in batches.dropped))
+    summary = batches.moves().summary(config, planned, tokens)
+    return {"batch_window": {**summary, "plan": names[0], "without": names[-1]}}
 
 
-def _unique_names(plans: list[Plan]) -> list[str]:
-    windowed = any(p.config.batch_window for p in plans)
-    names = [plan_label(p.config) + (" no window" if windowed and not p.config.batch_window else "") for p in plans]
+def _unique_names(labels: list[str]) -> list[str]:
+    """The plans' labels, numbered (``#1``, ``#2``) where several plans share one."""
     seen: dict[str, int] = {}
     out = []
-    for n in names:
+    for n in labels:
         seen[n] = seen.get(n, 0) + 1
-        out.append(n if names.count(n) == 1 else f"{n}#{seen[n]}")
+        out.append(n if labels.count(n) == 1 else f"{n}#{seen[n]}")
     return out
 
 

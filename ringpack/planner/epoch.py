@@ -47,6 +47,9 @@ __all__ = [
     "split_document_limit",
     "step_lower_bound",
     "split_microbatch",
+    "pack_step",
+    "split_step",
+    "split_microbatches",
     "plan_step",
 ]
 
@@ -187,6 +190,26 @@ def _windows(order: np.ndarray, per_step: int, min_samples: int) -> list[np.ndar
 def _plan_step(index: int, ids: np.ndarray, lengths: np.ndarray, config: PlanConfig, length_list: list[int]) -> Step:
     """Step ``index`` of samples ``ids`` (one global batch): packing, the CP split of every
     micro-batch, the lower bound. ``length_list`` is ``lengths`` as a list (for the per-sample splits)."""
+    bins, m, bound = pack_step(index, ids, lengths, config)
+    return split_step(ids, bins, m, lengths, config, length_list, bound)
+
+
+def pack_step(index: int, ids: np.ndarray, lengths: np.ndarray, config: PlanConfig) -> tuple[np.ndarray, int, float]:
+    """The packing stage of step ``index``: where each of its samples ``ids`` goes, before any CP split.
+
+    Args:
+        index: the step's index (named in errors).
+        ids: int64 ``[n]``, the step's samples (its global batch, in window order).
+        lengths: int64, every sample's length (indexed by ``ids``).
+        config: the plan config (``strategy`` plays no part: every strategy shares the packing).
+
+    Returns:
+        ``(bins, m, bound)``: int64 ``[n]`` micro-batch of each sample (DP rank ``bin // m``, index
+        ``bin % m``), the micro-batches per DP rank, and the step's lower bound (:func:`step_lower_bound`).
+
+    Raises:
+        PlanError: the samples cannot fill, or do not fit, ``dp x m`` micro-batches.
+    """
     dp, cp = config.dp, config.cp
     L = lengths[ids]
     W = config.cost.sample_cost(L)
@@ -203,11 +226,40 @@ def _plan_step(index: int, ids: np.ndarray, lengths: np.ndarray, config: PlanCon
             + option("tokens_per_rank")
             + (f" or {option('microbatches_per_rank')} (0 chooses it)" if config.microbatches_per_rank else "")
         )
-    groups = _microbatch_groups(ids, bins, dp * m)
-    # balanced splits read the lengths array, the others index a list (faster per sample)
-    mbs = _split(groups, lengths if config.strategy == "balanced" else length_list, config)
-    ranks = tuple(tuple(mbs[d * m : (d + 1) * m]) for d in range(dp))
+    return bins, m, bound
+
+
+def split_step(
+    ids: np.ndarray,
+    bins: np.ndarray,
+    m: int,
+    lengths: np.ndarray,
+    config: PlanConfig,
+    length_list: list[int],
+    bound: float | None,
+) -> Step:
+    """The CP split stage: the step whose samples ``ids`` sit in micro-batches ``bins``, split by ``config.strategy``.
+
+    ``bins``, ``m`` and ``bound`` as :func:`pack_step` returns them (or any packing of ``ids``
+    into ``dp * m`` non-empty micro-batches); ``length_list`` is ``lengths`` as a list (read by
+    the per-micro-batch splits only).
+    """
+    mbs = split_microbatches(_microbatch_groups(ids, bins, config.dp * m), lengths, config, length_list)
+    ranks = tuple(tuple(mbs[d * m : (d + 1) * m]) for d in range(config.dp))
     return Step(microbatches=ranks, lower_bound=bound)
+
+
+def split_microbatches(
+    groups: Sequence[Sequence[int]], lengths: np.ndarray, config: PlanConfig, length_list: list[int]
+) -> list[MicroBatch]:
+    """Every micro-batch of ``groups`` (sample ids, in micro-batch order) split by ``config``: over
+    its nodes when the CP group spans several, else by ``config.strategy`` over the group.
+
+    A micro-batch's split depends on its own samples alone, so any grouping of a step's (or
+    several steps') micro-batches gives the same splits; ``balanced`` shares its work over the
+    group. ``length_list`` is ``lengths`` as a list (read by the per-micro-batch splits only).
+    """
+    return _split(groups, lengths if config.strategy == "balanced" else length_list, config)
 
 
 def _microbatch_range(index: int, L: np.ndarray, config: PlanConfig) -> tuple[int, int]:

@@ -80,12 +80,17 @@ def pack_greedy(problem: PackingProblem) -> np.ndarray | None:
     # each rank's load in every scenario, as Python floats (only with several price scenarios:
     # a few additions per sample, far cheaper than numpy calls on rows of two or three)
     scenario_loads = [[0.0] * columns.shape[1] for _ in range(dp)]
-    free = [[capacity] * m for _ in range(dp)]
+    # each rank's bins as a heap of (-free tokens, bin): the one with most room first, then the lowest
+    rooms = [[(-capacity, b) for b in range(m)] for _ in range(dp)]
     # (load, rank) pairs are distinct (one per rank), so which rank is least loaded never depends
     # on the heap's internal layout: heapreplace is pop + push in one sift.
     heap = [(0.0, d) for d in range(dp)]
+    # ranks without room for the sample at hand wait here, most free tokens first, with their
+    # load; items come heaviest first, which is longest first for any cost model that grows with
+    # length, so a rank parked here rarely has room again before it is the next to get it.
+    parked: list[tuple[int, int, float]] = []
     bins = [0] * n
-    rank_free = [capacity] * dp  # most free tokens of any bin of each rank (== max(free[d]))
+    rank_free = [capacity] * dp  # most free tokens of any bin of each rank (== -rooms[d][0][0])
     most_free = capacity  # an upper bound on max(rank_free), refreshed when a sample exceeds it
     heappop, heappush, heapreplace = heapq.heappop, heapq.heappush, heapq.heapreplace
     one_price = columns.shape[1] == 1
@@ -95,34 +100,26 @@ def pack_greedy(problem: PackingProblem) -> np.ndarray | None:
             most_free = max(rank_free)  # rank_free only shrinks: fail fast once no bin fits
             if t > most_free:
                 return None
+        while parked and -parked[0][0] >= t:  # room again: back among the candidates
+            _, d, load = heappop(parked)
+            heappush(heap, (load, d))
+        while heap and rank_free[heap[0][1]] < t:  # the least-loaded ranks without room wait
+            load, d = heappop(heap)
+            heappush(parked, (-rank_free[d], d, load))
+        if not heap:  # no rank fits (most_free was a stale upper bound)
+            return None
         load, d = heap[0]
-        popped = None  # the lighter ranks that do not fit, when the least-loaded one does not
-        if rank_free[d] < t:
-            popped = [heappop(heap)]
-            while heap:
-                load, d = heappop(heap)
-                if rank_free[d] >= t:
-                    break
-                popped.append((load, d))
-            else:  # no rank fits (most_free was a stale upper bound)
-                return None
-        fj = rank_free[d]
-        free_d = free[d]
-        best = free_d.index(fj)  # the bin with most free tokens, first on ties
-        free_d[best] = fj - t
+        room = rooms[d]
+        fj, best = room[0]  # the bin with most free tokens, first on ties
+        heapreplace(room, (fj + t, best))
         bins[i] = d * m + best
-        rank_free[d] = max(free_d)
+        rank_free[d] = -room[0][0]
         if one_price:
             key = load + wi
         else:  # the rank's height: its load in its heaviest scenario
             scenario_loads[d] = loads_d = [x + y for x, y in zip(scenario_loads[d], row)]
             key = max(loads_d)
-        if popped is None:  # the least-loaded rank fits (the common case)
-            heapreplace(heap, (key, d))
-        else:
-            heappush(heap, (key, d))
-            for item in popped:
-                heappush(heap, item)
+        heapreplace(heap, (key, d))
     return np.array(bins, dtype=np.int64)
 
 
@@ -334,18 +331,7 @@ def pack_first_fit(
     """
     n = len(tokens)
     t_list = tokens.tolist()
-    packs: list[list[int]] = []
-    free: list[int] = []
-    for i in range(n):
-        ti = t_list[i]
-        for p in range(len(packs)):
-            if free[p] >= ti:
-                packs[p].append(i)
-                free[p] -= ti
-                break
-        else:
-            packs.append([i])
-            free.append(capacity - ti)
+    packs, free = _first_fit(t_list, capacity, dp * m_fixed if m_fixed else n)
     m = m_fixed if m_fixed else max(m_min, -(-len(packs) // dp))
     if len(packs) > dp * m or n < dp * m:  # too many packs, or too few samples to fill every slot
         return None, m
@@ -370,3 +356,50 @@ def pack_first_fit(
         if slots[d] < m:
             heapq.heappush(heap, (load + pack_tokens[q], d))
     return bins, m
+
+
+def _first_fit(t_list: list[int], capacity: int, limit: int) -> tuple[list[list[int]], list[int]]:
+    """Samples in order to the first pack with room, a new pack when none has: ``(packs, free room)``.
+
+    The first pack with room is found in ``O(log packs)`` through a max-tree of the packs' free
+    room (leaves in pack order; a leaf without a pack holds -1). Stops once there are more than
+    ``limit`` packs (the caller then has too many whatever the rest do).
+    """
+    packs: list[list[int]] = []
+    free: list[int] = []
+    size = 64
+    tree = [-1] * (2 * size)
+    for i, ti in enumerate(t_list):
+        if tree[1] >= ti:
+            node = 1
+            while node < size:
+                node *= 2
+                if tree[node] < ti:
+                    node += 1
+            p = node - size
+            packs[p].append(i)
+            free[p] -= ti
+        else:
+            if len(packs) >= limit:
+                packs.append([i])
+                free.append(capacity - ti)
+                break
+            p = len(packs)
+            packs.append([i])
+            free.append(capacity - ti)
+            if p == size:  # grow: the leaves double, the inner nodes are rebuilt
+                size *= 2
+                tree = [-1] * size + free + [-1] * (size - len(free))
+                for node in range(size - 1, 0, -1):
+                    tree[node] = max(tree[2 * node], tree[2 * node + 1])
+                continue
+            node = p + size
+        tree[node] = free[p]
+        node //= 2
+        while node:
+            top = max(tree[2 * node], tree[2 * node + 1])
+            if tree[node] == top:
+                break
+            tree[node] = top
+            node //= 2
+    return packs, free

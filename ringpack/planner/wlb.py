@@ -14,7 +14,6 @@ differences from the paper.
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import math
 from collections import deque
@@ -24,15 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from ringpack.planner.epoch import (
-    GlobalBatches,
-    _microbatch_groups,
-    global_batches,
-    split_microbatch,
-    step_lower_bound,
-)
-from ringpack.planner.split import split_balanced_many
-from ringpack.shard_plan import TABLE_COLUMNS, MicroBatch, Plan, PlanConfig, PlanError, Step
+from ringpack.planner.epoch import GlobalBatches, _microbatch_groups, global_batches, split_step, step_lower_bound
+from ringpack.shard_plan import Plan, PlanConfig, PlanError
 
 __all__ = [
     "WLBConfig",
@@ -40,8 +32,6 @@ __all__ = [
     "WLBPacking",
     "wlb_packing",
     "make_wlb_plan",
-    "zigzag_pieces",
-    "wlb_zigzag_table",
 ]
 
 
@@ -175,75 +165,9 @@ def make_wlb_plan(lengths: Any, config: PlanConfig, wlb: WLBConfig | None = None
     packing = wlb_packing(lengths, config, wlb)
     L = packing.batches.lengths
     length_list = L.tolist()
-    steps = []
-    for step in packing.steps:
-        groups = step.groups(config.dp)
-        if config.strategy == "balanced":
-            mbs = split_balanced_many(
-                groups, L, config.cp, config.tokens_per_rank, config.cost, token_slack=config.token_slack
-            )
-        else:
-            mbs = [split_microbatch(members, length_list, config) for members in groups]
-        ranks = tuple(tuple(mbs[d * step.m : (d + 1) * step.m]) for d in range(config.dp))
-        steps.append(Step(microbatches=ranks, lower_bound=step.lower_bound))
+    steps = [split_step(s.ids, s.bins, s.m, L, config, length_list, s.lower_bound) for s in packing.steps]
     batches = packing.batches
     return Plan(config, tuple(length_list), tuple(steps), dropped=batches.dropped, origins=batches.origins)
-
-
-def zigzag_pieces(lengths: np.ndarray, g: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The non-empty zigzag chunks of samples split over ``g`` ranks, as ``split_zigzag`` cuts them.
-
-    Sample ``i`` of length ``L`` is cut at ``floor(k*L/(2g))`` into ``2g`` chunks; rank ``r`` holds
-    chunks ``r`` and ``2g-1-r``. Returns int64 ``(sample, rank, start, stop)``, one entry per
-    non-empty chunk, sample by sample, chunks in order.
-    """
-    lengths = np.asarray(lengths, dtype=np.int64)
-    cuts = (np.arange(2 * g + 1, dtype=np.int64)[None, :] * lengths[:, None]) // (2 * g)
-    start, stop = cuts[:, :-1].ravel(), cuts[:, 1:].ravel()
-    chunk = np.tile(np.arange(2 * g, dtype=np.int64), lengths.size)
-    sample = np.repeat(np.arange(lengths.size, dtype=np.int64), 2 * g)
-    keep = stop > start
-    return sample[keep], np.minimum(chunk, 2 * g - 1 - chunk)[keep], start[keep], stop[keep]
-
-
-def wlb_zigzag_table(packing: WLBPacking, config: PlanConfig) -> dict[str, np.ndarray]:
-    """The piece table (``Plan.piece_arrays`` columns) of :func:`make_wlb_plan` with ``strategy="zigzag"``.
-
-    Vectorised over every micro-batch; a micro-batch whose floor cuts put more than
-    ``tokens_per_rank`` tokens on a rank takes the planner's token-even zigzag, as
-    :func:`split_microbatch` does. Rows are grouped by micro-batch, not in the plan's canonical order.
-    """
-    L = packing.batches.lengths
-    cp, parts = config.cp, []
-    zigzag = dataclasses.replace(config, strategy="zigzag")
-    for s, step in enumerate(packing.steps):
-        order = np.argsort(step.bins, kind="stable")
-        ids, bins = step.ids[order], step.bins[order]
-        slot = np.arange(ids.size) - np.searchsorted(bins, bins)  # position in its micro-batch
-        k, rank, start, stop = zigzag_pieces(L[ids], cp)
-        cell = bins[k] * cp + rank
-        load = np.bincount(cell, weights=stop - start, minlength=config.dp * step.m * cp)
-        over = np.unique(bins[k][load[cell] > config.tokens_per_rank])
-        keep = ~np.isin(bins[k], over)
-        b = bins[k][keep]
-        columns = (np.full(b.size, s), b // step.m, b % step.m, rank[keep], slot[k][keep], ids[k][keep])
-        parts.append(np.stack([*columns, start[keep], stop[keep]]).astype(np.int64))
-        groups = step.groups(config.dp) if over.size else []
-        for b in over.tolist():
-            parts.append(_rows_of(split_microbatch(groups[b], L, zigzag), s, b // step.m, b % step.m))
-    table = np.concatenate(parts, axis=1) if parts else np.zeros((len(TABLE_COLUMNS), 0), dtype=np.int64)
-    return {name: np.ascontiguousarray(table[i]) for i, name in enumerate(TABLE_COLUMNS)}
-
-
-def _rows_of(mb: MicroBatch, step: int, dp: int, index: int) -> np.ndarray:
-    """int64 ``[8, pieces]``: the piece-table columns of one micro-batch."""
-    slot_of = {sample: k for k, sample in enumerate(mb.samples)}
-    rows = [
-        (step, dp, index, c, slot_of[p.sample], p.sample, p.start, p.stop)
-        for c, shard in enumerate(mb.shards)
-        for p in shard.pieces
-    ]
-    return np.asarray(rows, dtype=np.int64).reshape(-1, 8).T
 
 
 def _microbatches(tokens: int, config: PlanConfig) -> int:
@@ -286,20 +210,29 @@ def _pack_least_workload(tokens: np.ndarray, weights: np.ndarray, num_bins: int,
     Ties (equal lengths, equal loads) go to the earlier document and the lower bin, so the result
     is deterministic. With at least ``num_bins`` documents every bin gets one (the first
     ``num_bins`` documents each open an empty bin).
+
+    Documents come longest first, so a bin with room for one has room for every later one until
+    it takes one: ``open`` (a heap by ``(load, bin)``) holds exactly the bins with room for the
+    current document, and ``full`` (a heap by free room, largest first) the others, each moved
+    back to ``open`` once the documents are short enough. ``O(n log bins)``.
     """
     order = np.lexsort((np.arange(tokens.size), -tokens))
     free = [capacity] * num_bins
-    heap = [(0.0, b) for b in range(num_bins)]
+    open_bins: list[tuple[float, int]] = []
+    full = [(-capacity, b, 0.0) for b in range(num_bins)]  # (-free room, bin, load); a valid heap
     bins = np.full(tokens.size, -1, dtype=np.int64)
+    pop, push = heapq.heappop, heapq.heappush
     for i, t, w in zip(order.tolist(), tokens[order].tolist(), weights[order].tolist()):
-        popped = []
-        while heap and free[heap[0][1]] < t:
-            popped.append(heapq.heappop(heap))
-        if heap:
-            load, b = heapq.heappop(heap)
-            bins[i] = b
-            free[b] -= t
-            heapq.heappush(heap, (load + w, b))
-        for item in popped:
-            heapq.heappush(heap, item)
+        while full and -full[0][0] >= t:
+            _, b, load = pop(full)
+            push(open_bins, (load, b))
+        if not open_bins:
+            continue
+        load, b = pop(open_bins)
+        bins[i] = b
+        free[b] -= t
+        if free[b] >= t:  # later documents are no longer than this one
+            push(open_bins, (load + w, b))
+        else:
+            push(full, (-free[b], b, load + w))
     return bins

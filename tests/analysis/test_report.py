@@ -265,3 +265,24 @@ def test_gap_definition_names_its_bound():
 
     assert "lower bound of the step's documents" in DEFINITIONS["gap"]
     assert "bound of its own steps" in DEFINITIONS["gap"]
+
+
+@pytest.mark.parametrize("jobs", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_report_rows_are_the_plans_rows(jobs):
+    """The report of lengths packs each step once per packing and measures zigzag and contiguous
+    without plan objects; its document, plan hashes included, is the one the plans give."""
+    from ringpack.analysis.peer_runner import peer_rows
+    from ringpack.analysis.report import DEFAULT_VARIANTS, plan_strategies
+    from ringpack.analysis.simulate import measure_variants
+
+    lengths = np.random.default_rng(4).integers(1, 1500, size=300)
+    cfg = PlanConfig(
+        dp=3, cp=4, tokens_per_rank=600, samples_per_step=60, overflow="split", cost=CostModel.preset("tiny")
+    )
+    comm = CommModel.for_model(cfg.cost)
+    plans = plan_strategies(lengths, cfg, DEFAULT_VARIANTS)
+    want = build_report([result_of_plan(p, comm) for p in plans], lengths=lengths, peers=peer_rows(lengths, cfg, comm))
+    results, peers = measure_variants(lengths, cfg, DEFAULT_VARIANTS, comm, peers=("megatron-dcp", "wlb"), jobs=jobs)
+    got = build_report(results, lengths=lengths, peers=peers)
+    assert [p["hash"] for p in got["plans"]] == [p.content_hash for p in plans]
+    assert json.dumps(got, sort_keys=True) == json.dumps(want, sort_keys=True)

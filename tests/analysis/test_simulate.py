@@ -7,6 +7,7 @@ import json
 import pytest
 
 from ringpack.analysis.comm_model import CommModel
+from ringpack.analysis.simulate import _plan_chunk as real_plan_chunk
 from ringpack.analysis.simulate import simulate, synthetic_lengths
 from ringpack.cli import main
 from ringpack.cost import CostModel
@@ -98,3 +99,116 @@ def test_comm_model_rejects_bad_values():
         CommModel(mode="tree")
     with pytest.raises(ValueError):
         CommModel(bandwidth=0)
+
+
+FIELDS = ("mb_exists", "tokens", "pairs", "segments", "cost", "kv_cross_tokens", "zigzag_padding", "samples")
+
+
+def epoch_tasks(lengths, cfg, chunk_steps, peers=()):
+    from ringpack.analysis.simulate import SIM_VARIANTS, _apply_overflow, _epoch_chunks, _tasks
+
+    docs = _apply_overflow(lengths, cfg)
+    chunks = _epoch_chunks(docs, cfg, chunk_steps)
+    return docs, chunks, _tasks(docs, chunks, cfg, SIM_VARIANTS, peers, chunk_steps)
+
+
+@pytest.mark.parametrize("mb", [0, 1])
+def test_every_chunk_is_make_plans_plan(mb):
+    """A chunk's packing is shared by the variants that use it, zigzag and contiguous are measured
+    from it: every figure and bound is still the one make_plan's plan of the chunk gives."""
+    from ringpack.analysis.metrics import evaluate_plan
+    from ringpack.analysis.simulate import SIM_VARIANTS, _plan_chunk
+    from ringpack.planner import make_plan
+
+    lengths = synthetic_lengths(900, "lognormal", seed=6, median=700, sigma=1.2)
+    cfg = config(microbatches_per_rank=mb, tokens_per_rank=4096 if mb == 0 else 32768)
+    docs, chunks, tasks = epoch_tasks(lengths, cfg, 3)
+    assert len(tasks) == 2 * len(chunks)  # one per packing and chunk
+    seen = set()
+    for task in tasks:
+        rows, _ = _plan_chunk(task)
+        for row, metrics, bounds, digest in rows:
+            assert digest is None  # simulate hashes no plan
+            strategy, packing = SIM_VARIANTS[row]
+            import dataclasses
+
+            plan = make_plan(docs[chunks[task.chunk]], dataclasses.replace(cfg, strategy=strategy, packing=packing))
+            want = evaluate_plan(plan)
+            assert metrics.name == want.name and bounds == [s.lower_bound for s in plan.steps]
+            for field in FIELDS:
+                assert (getattr(metrics, field) == getattr(want, field)).all(), (row, field)
+            seen.add((row, task.chunk))
+    assert seen == {(row, c) for row in range(len(SIM_VARIANTS)) for c in range(len(chunks))}
+
+
+def test_chunk_memory_and_result_do_not_grow_with_cp(monkeypatch):
+    """The same 256 GPUs and tokens per rank as DP=128 x CP=2 and DP=4 x CP=64: zigzag cuts every
+    sample into 4 or 128 pieces, yet a chunk's peak memory and its result (what a worker sends
+    home: per-rank figures) stay the same size."""
+    import pickle
+    import tracemalloc
+
+    import ringpack.analysis.metrics as metrics
+    from ringpack.analysis.simulate import _plan_chunk
+
+    monkeypatch.setattr(metrics, "BLOCK_ENTRIES", 1 << 14)
+    lengths = synthetic_lengths(6000, "lognormal", seed=2, median=800, sigma=0.6, max_len=8192)
+    measured = {}
+    for dp, cp in ((128, 2), (4, 64)):
+        cfg = config(dp=dp, cp=cp, tokens_per_rank=4096, samples_per_step=1500, packing="first_fit")
+        _, _, tasks = epoch_tasks(lengths, cfg, 2)
+        task = next(t for t in tasks if t.config.packing == "first_fit")  # zigzag and contiguous
+        tracemalloc.start()
+        try:
+            result = _plan_chunk(task)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        measured[cp] = (peak, len(pickle.dumps(result)))
+    (peak2, size2), (peak64, size64) = measured[2], measured[64]
+    assert size64 < 1.5 * size2, measured
+    assert peak64 < 2 * peak2, measured
+
+
+def test_a_step_no_packing_fits_fails_before_planning(monkeypatch):
+    import ringpack.analysis.simulate as sim
+    from ringpack.errors import PlanError
+
+    def never(task):
+        raise AssertionError("planning started")
+
+    monkeypatch.setattr(sim, "_plan_chunk", never)
+    lengths = synthetic_lengths(800, "lognormal", seed=1, median=1000, sigma=0.5)
+    cfg = config(microbatches_per_rank=1, tokens_per_rank=1024, samples_per_step=40)  # ~40K tokens, room for 8K
+    with pytest.raises(PlanError, match=r"^step 0: 40 samples \(.* tokens\) are more than dp=4 x 1 micro-batches"):
+        simulate(lengths, cfg, chunk_steps=2, jobs=2, progress=False)
+
+
+def kill_chunk_one(task):
+    """A worker task that dies as an out-of-memory kill would, on chunk 1."""
+    import os
+    import signal
+
+    if task.chunk == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real_plan_chunk(task)
+
+
+@pytest.mark.slow
+def test_a_killed_worker_is_one_line_and_a_failed_exit(tmp_path, capsys, monkeypatch):
+    import ringpack.analysis.simulate as sim
+
+    monkeypatch.setattr(sim, "_plan_chunk", kill_chunk_one)
+    argv = ["simulate", "--gpus", "8", "--cp", "2", "--samples", "800", "--dist", "lognormal", "--median", "400"]
+    argv += ["--tokens-per-rank", "4096", "--overflow", "split", "--model", "llama-1b", "--jobs", "2"]
+    argv += ["--chunk-steps", "2", "--quiet", "--no-plots", "--out", str(tmp_path / "sim")]
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    line = err[0]
+    assert line.startswith("ringpack simulate: error: worker process ")
+    killed = "was killed by SIGKILL (most often the system running out of memory)"
+    assert f"{killed} while planning chunk 1 (epoch steps from 2) (" in line
+    assert line.endswith(
+        "run with fewer --jobs (now 2) or a smaller --chunk-steps (now 2), or on a machine with more memory"
+    )

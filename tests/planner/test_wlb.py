@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 from ringpack.analysis.metrics import evaluate_plan
+from ringpack.analysis.peer_runner import WLB, measure_peer
 from ringpack.planner import make_plan
 from ringpack.planner.epoch import expand_overflow, global_batches
-from ringpack.planner.wlb import WLBConfig, make_wlb_plan, wlb_packing, wlb_zigzag_table
+from ringpack.planner.wlb import WLBConfig, make_wlb_plan
 from ringpack.shard_plan import PlanConfig
 from tests.helpers.peers import FULL, PER_TOKEN, config
 
@@ -97,15 +98,14 @@ def test_wlb_plans_every_sample_exactly_once(kw):
     [
         ([3, 3, 3, 1], dict(dp=1, cp=2, tokens_per_rank=5, samples_per_step=0)),  # floor cuts overflow a rank
         (np.random.default_rng(3).integers(1, 900, size=120).tolist(), dict(dp=2, cp=3, tokens_per_rank=300)),
+        (np.random.default_rng(4).integers(1, 9, size=90).tolist(), dict(dp=3, cp=4, tokens_per_rank=12)),  # L < 2cp
     ],
 )
-def test_wlb_piece_table_is_the_plans(lengths, kw):
+def test_wlb_peer_figures_are_its_plans(lengths, kw):
+    """The WLB peer is measured from its packing, without building the plan: the plan's figures exactly."""
     cfg = config(strategy="zigzag", **kw)
-    plan = make_wlb_plan(lengths, cfg)
-    table = wlb_zigzag_table(wlb_packing(lengths, cfg), cfg)
-
-    def canonical(arrays):
-        order = np.lexsort([arrays[c] for c in reversed(("step", "dp", "microbatch", "cp", "slot", "start"))])
-        return {c: arrays[c][order].tolist() for c in arrays}
-
-    assert canonical(table) == canonical(plan.piece_arrays)
+    want = evaluate_plan(make_wlb_plan(lengths, cfg), name=WLB)
+    got = measure_peer(WLB, lengths, cfg).metrics
+    for field in ("mb_exists", "tokens", "pairs", "segments", "cost", "kv_cross_tokens", "zigzag_padding", "samples"):
+        assert np.array_equal(getattr(got, field), getattr(want, field)), field
+    assert got.loss_tokens.tolist() == want.loss_tokens.tolist()
