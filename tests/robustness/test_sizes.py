@@ -18,7 +18,7 @@ import ringpack
 from ringpack.cost import MAX_SAMPLE_TOKENS, CostModel, piece_pairs
 from ringpack.errors import DataError, PlanError
 from ringpack.lengths import check_lengths, lengths_from_array
-from ringpack.shard_plan import MicroBatch, Piece, Plan, PlanConfig, RankShard, Step
+from ringpack.shard_plan import MAX_CP, MAX_DP, MicroBatch, Piece, Plan, PlanConfig, RankShard, Step
 from tests.helpers.cli import assert_clean, run_cli
 
 
@@ -119,7 +119,7 @@ def test_report_and_plan_refuse_them_in_one_line(tmp_path):
     assert run.code == 1 and "--cp x --tokens-per-rank = 2 x 2147483648" in run.err, run.err
 
 
-@pytest.mark.parametrize("field, value", [("dp", 2**20 + 1), ("cp", 2**12 + 1), ("cp", 2**31)])
+@pytest.mark.parametrize("field, value", [("dp", MAX_DP + 1), ("cp", MAX_CP + 1), ("cp", 2**31)])
 def test_dp_and_cp_beyond_the_command_lines_limits_are_refused_everywhere(tmp_path, field, value):
     """The flags' limits are PlanConfig's: a plan file or Python call cannot build millions of rank shards."""
     sizes = {"dp": 1, "cp": 1, "tokens_per_rank": 1, field: value}
@@ -132,4 +132,4 @@ def test_dp_and_cp_beyond_the_command_lines_limits_are_refused_everywhere(tmp_pa
     (tmp_path / "plan.json").write_text(json.dumps(doc))
     with pytest.raises(PlanError, match=f"{field} {value} is more than"):
         Plan.load(tmp_path / "plan.json")
-    PlanConfig(**{**sizes, field: 2**20 if field == "dp" else 2**12})
+    PlanConfig(**{**sizes, field: MAX_DP if field == "dp" else MAX_CP})
