@@ -229,30 +229,11 @@ def evaluate(
     lengths = np.asarray(lengths, dtype=np.int64)
     per_rank, cell, grid = rank_grid(arrays, dp, cp, shape)
     start, stop, sample = (np.asarray(arrays[k], dtype=np.int64) for k in ("start", "stop", "sample"))
-    tokens = per_rank(stop - start)
-    pairs = per_rank(piece_pairs(start, stop))
-    segments = per_rank(None)
-    exists = np.zeros(int(np.prod(grid)), dtype=bool)
-    exists[cell] = True
+    kv = np.asarray(kv_cross_tokens(arrays, shape=grid), dtype=np.int64)
+    sums = (per_rank(stop - start), per_rank(piece_pairs(start, stop)), per_rank(None), per_rank(kv))
     # one row per (micro-batch, sample): the piece with start == 0 is unique for each sample
     first = start == 0
-    sample_cell, sample_length = cell[first], lengths[sample[first]]
-    samples, loss = _per_step_samples(sample_cell, sample_length, grid)
-    return PlanMetrics(
-        name=name,
-        dp=dp,
-        cp=cp,
-        model=model,
-        mb_exists=exists.reshape(grid),
-        tokens=tokens,
-        pairs=pairs,
-        segments=segments,
-        cost=model.cost(tokens, pairs, segments),
-        kv_cross_tokens=per_rank(np.asarray(kv_cross_tokens(arrays, shape=grid), dtype=np.int64)),
-        zigzag_padding=_zigzag_padding_grid(sample_cell, sample_length, cp, grid),
-        samples=samples,
-        loss_tokens=loss,
-    )
+    return from_rank_sums(sums, cell[first], lengths[sample[first]], grid=grid, cp=cp, model=model, name=name)
 
 
 def _zigzag_padding_grid(
