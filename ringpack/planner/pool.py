@@ -13,7 +13,7 @@ and the nodes, never with their product or with ``cp`` squared.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -212,22 +212,9 @@ def _share_weights(priced: np.ndarray, k: np.ndarray, owner: np.ndarray, nodes: 
 
 def _groups_of(bins: np.ndarray, owner: np.ndarray, k: np.ndarray, nodes: int) -> list[NodeGroup]:
     """Node groups from the node of every share: nodes holding shares of one sample are joined."""
-    parent = list(range(nodes))
-
-    def root(x: int) -> int:
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    spread = owner[k[owner] > 1]
-    for sample in np.unique(spread).tolist():
-        held = np.unique(bins[owner == sample]).tolist()
-        for node in held[1:]:
-            a, b = root(held[0]), root(node)
-            if a != b:
-                parent[max(a, b)] = min(a, b)
-    roots = np.array([root(x) for x in range(nodes)], dtype=np.int64)
+    spread = np.unique(owner[k[owner] > 1]).tolist()
+    held = (np.unique(bins[owner == sample]).tolist() for sample in spread)
+    roots = np.array(_joined(nodes, held), dtype=np.int64)
     sample_root = np.full(len(k), -1, dtype=np.int64)
     sample_root[owner] = roots[bins]  # a sample's shares all have one root now
     used = np.unique(sample_root)
@@ -238,6 +225,25 @@ def _groups_of(bins: np.ndarray, owner: np.ndarray, k: np.ndarray, nodes: int) -
         groups.append((first, int(sizes[g]), np.flatnonzero(sample_root == used[g])))
         first += int(sizes[g])
     return groups
+
+
+def _joined(n: int, links: Iterable[Sequence[int]]) -> list[int]:
+    """Each of items ``0..n-1``'s component, named by its lowest item, once the items of every list
+    in ``links`` are joined (union-find with path halving)."""
+    parent = list(range(n))
+
+    def root(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for items in links:
+        for other in items[1:]:
+            a, b = root(items[0]), root(other)
+            if a != b:
+                parent[max(a, b)] = min(a, b)
+    return [root(x) for x in range(n)]
 
 
 # -------------------------------------------------------------------------- ranks to nodes
@@ -259,36 +265,21 @@ def arrange_nodes(mb: MicroBatch, gpus_per_node: int) -> MicroBatch:
             ranks_of.setdefault(p.sample, []).append(r)
             key = (p.sample, r)
             first_start[key] = min(first_start.get(key, p.start), p.start)
-    parent = list(range(cp))
-
-    def root(x: int) -> int:
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    wide = []  # samples over more ranks than a node holds
-    for sample, ranks in ranks_of.items():
-        held = sorted(set(ranks))
-        if len(held) > G:
-            wide.append(sample)
-        elif len(held) > 1:
-            for r in held[1:]:
-                a, b = root(held[0]), root(r)
-                if a != b:
-                    parent[max(a, b)] = min(a, b)
+    held = {sample: sorted(set(ranks)) for sample, ranks in ranks_of.items()}
+    wide = [sample for sample, on in held.items() if len(on) > G]  # samples over more ranks than a node holds
+    roots = _joined(cp, (on for on in held.values() if 1 < len(on) <= G))
     # ranks in order: the wide samples' ranks by their piece's start, then every other rank
     sequence = [
         r for sample in wide for _, r in sorted((first_start[(sample, r)], r) for r in set(ranks_of[sample]))
     ] + list(range(cp))
     members: dict[int, list[int]] = {}
     for r in range(cp):
-        members.setdefault(root(r), []).append(r)
+        members.setdefault(roots[r], []).append(r)
     room = [G] * (cp // G)
     slots: list[list[int]] = [[] for _ in room]
     done = set()
     for r in sequence:
-        c = root(r)
+        c = roots[r]
         if c in done:
             continue
         done.add(c)
