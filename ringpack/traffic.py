@@ -28,6 +28,8 @@ __all__ = [
     "needed_pieces",
     "receivers",
     "exchange_tokens",
+    "proxy_index",
+    "relay_proxies",
     "kv_traffic",
     "plan_kv_traffic",
 ]
@@ -42,8 +44,9 @@ class KVTraffic:
         p2p: each needed piece counted once per rank that needs it (point-to-point sends).
         ring: what a ring relays: every rank's compacted buffer through all ``cp - 1`` other ranks,
             ``(cp - 1) * unique``. The backward sends K/V again plus dK/dV (about twice the forward).
-        p2p_inter: the part of ``p2p`` sent to ranks of another node (CP rank ``c`` on node
-            ``c // gpus_per_node``); 0 when no ``gpus_per_node`` is given.
+        p2p_inter: what the node-relayed targeted exchange sends between nodes (CP rank ``c`` on
+            node ``c // gpus_per_node``): each needed piece once per other node that needs it
+            (:func:`exchange_tokens`); 0 when no ``gpus_per_node`` is given.
     """
 
     unique: int
@@ -140,6 +143,18 @@ def receivers(
     return piece[other], rank[other]
 
 
+def proxy_index(source, count):
+    """The node-relayed exchange's one routing rule: of the ``count`` ranks of one node (ascending)
+    that need pieces of CP rank ``source`` on another node, the one at index ``source % count``
+    receives them over the link between nodes and relays them within its node.
+
+    Consecutive sources pick different ranks, so the K/V a node takes in spread over its links.
+    Works on ints and on integer arrays alike; the runtime (:mod:`ringpack.attention.exchange`)
+    and the communication model (:func:`exchange_tokens`) both route by it.
+    """
+    return source % count
+
+
 def exchange_tokens(
     group: np.ndarray,
     cp: np.ndarray,
@@ -152,6 +167,12 @@ def exchange_tokens(
 ) -> dict[str, np.ndarray]:
     """What every rank sends and receives in the targeted exchange, in tokens, within and across nodes.
 
+    Without ``gpus_per_node`` every needed piece goes straight to each rank that needs it. With it
+    the exchange is node-relayed, as the runtime runs it: a piece goes straight to the ranks of its
+    own node that need it, and once to each other node that needs it, to the rank
+    :func:`proxy_index` picks among that node's ranks needing its source's pieces, which forwards
+    it to the node's other ranks needing it.
+
     Args:
         group: int64 ``[n]``, each piece's micro-batch, in ``[0, num_groups)``.
         cp, sample, start, stop: as for :func:`needed_pieces`.
@@ -160,27 +181,57 @@ def exchange_tokens(
         gpus_per_node: CP rank ``c`` is on node ``c // gpus_per_node``; ``None``: all on one node.
 
     Returns:
-        int64 ``[num_groups, cp_size]`` arrays ``send_intra``, ``send_inter``, ``recv_intra`` and
-        ``recv_inter``: tokens of the needed pieces a rank sends to (receives from) ranks of its own
-        node and of other nodes, a piece once per rank that needs it. Without ``gpus_per_node`` the
-        ``_inter`` arrays are zero.
+        int64 ``[num_groups, cp_size]`` arrays: ``send_intra`` / ``recv_intra`` (pieces sent to /
+        received from ranks of the same node, first-hand), ``send_inter`` / ``recv_inter`` (pieces
+        crossing nodes, once per receiving node; received by the proxies) and ``relay_send`` /
+        ``relay_recv`` (pieces a proxy forwards within its node). Without ``gpus_per_node`` only the
+        ``_intra`` arrays are non-zero.
     """
     piece, to = receivers(group, cp, sample, start, stop)
     g = np.asarray(group, dtype=np.int64)[piece]
     frm = np.asarray(cp, dtype=np.int64)[piece]
     tokens = (np.asarray(stop, dtype=np.int64) - np.asarray(start, dtype=np.int64))[piece]
-    if gpus_per_node is None:
-        inter = np.zeros(len(piece), dtype=bool)
-    else:
-        inter = frm // gpus_per_node != to // gpus_per_node
     size = num_groups * cp_size
-    out = {}
-    for name, rank in (("send", frm), ("recv", to)):
-        cell = g * cp_size + rank
-        for part, mask in (("intra", ~inter), ("inter", inter)):
-            summed = np.bincount(cell[mask], weights=tokens[mask], minlength=size)
-            out[f"{name}_{part}"] = summed.astype(np.int64).reshape(num_groups, cp_size)
+
+    def per_rank(rank: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        summed = np.bincount(g[mask] * cp_size + rank[mask], weights=tokens[mask], minlength=size)
+        return summed.astype(np.int64).reshape(num_groups, cp_size)
+
+    direct = np.ones(len(piece), dtype=bool) if gpus_per_node is None else frm // gpus_per_node == to // gpus_per_node
+    out = {"send_intra": per_rank(frm, direct), "recv_intra": per_rank(to, direct)}
+    proxy = relay_proxies(g, frm, to, cp_size, gpus_per_node) if gpus_per_node is not None else to
+    # one copy of a piece per receiving node: its (piece, node) pairs' first, sent to the proxy
+    node_key = piece * (cp_size // (gpus_per_node or cp_size) + 1) + to // (gpus_per_node or cp_size)
+    first = np.zeros(len(piece), dtype=bool)
+    first[np.unique(node_key, return_index=True)[1]] = True
+    crossing = ~direct & first
+    relayed = ~direct & (to != proxy)
+    out["send_inter"], out["recv_inter"] = per_rank(frm, crossing), per_rank(proxy, crossing)
+    out["relay_send"], out["relay_recv"] = per_rank(proxy, relayed), per_rank(to, relayed)
     return out
+
+
+def relay_proxies(
+    group: np.ndarray, source: np.ndarray, dest: np.ndarray, cp_size: int, gpus_per_node: int
+) -> np.ndarray:
+    """For every (micro-batch, source rank, receiving rank) pair: the rank of the receiver's node that
+    takes the source's pieces for it (:func:`proxy_index` among the node's receivers of that source;
+    the receiver itself when it is on the source's node). Arrays ``[K]``, any order, pairs may repeat."""
+    node = dest // gpus_per_node
+    key = (group * cp_size + source) * cp_size + dest
+    uniq, back = np.unique(key, return_inverse=True)
+    u_group_src, u_dest = uniq // cp_size, uniq % cp_size
+    u_node = u_dest // gpus_per_node
+    # receivers of one (micro-batch, source, node) are consecutive in ``uniq``, ascending
+    head = np.ones(len(uniq), dtype=bool)
+    head[1:] = (u_group_src[1:] != u_group_src[:-1]) | (u_node[1:] != u_node[:-1])
+    first = np.flatnonzero(head)
+    count = np.diff(np.append(first, len(uniq)))
+    which = np.cumsum(head) - 1
+    chosen = u_dest[first + proxy_index(u_group_src[first] % cp_size, count)]
+    proxy = chosen[which][back.reshape(-1)]
+    same = source // gpus_per_node == node
+    return np.where(same, dest, proxy)
 
 
 def _traffic_arrays(group, cp_rank, sample, start, stop, cp: int, bytes_per_token: int, num_groups: int):
@@ -192,7 +243,7 @@ def _traffic_arrays(group, cp_rank, sample, start, stop, cp: int, bytes_per_toke
 
 
 def _inter_bytes(group, cp_rank, sample, start, stop, cp: int, bytes_per_token: int, num_groups: int, node: int):
-    """Per micro-batch: the ``p2p`` bytes sent to ranks of another node (nodes of ``node`` ranks)."""
+    """Per micro-batch: the bytes the node-relayed exchange sends between nodes (nodes of ``node`` ranks)."""
     sent = exchange_tokens(group, cp_rank, sample, start, stop, num_groups, cp, node)["send_inter"]
     return sent.sum(axis=1) * bytes_per_token
 
