@@ -344,6 +344,7 @@ def make_sampler(args: argparse.Namespace, lengths: Any, dp_rank: int, dp_size: 
         cp_token_slack=args.cp_token_slack,
         pair_price_range=args.pair_price_range,
         overflow=getattr(args, "overflow", "error"),
+        gpus_per_node=getattr(args, "gpus_per_node", None),
     )
 
 
@@ -420,6 +421,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--strategy", choices=STRATEGIES, default="balanced")
     p.add_argument("--packing", choices=PACKINGS, default="balanced")
     p.add_argument("--mode", choices=MODES, default="ring")
+    p.add_argument(
+        "--gpus-per-node",
+        type=int,
+        help="plan split samples node by node and relay the p2p exchange across nodes (pool plans: --cp = world)",
+    )
     p.add_argument("--backend", default="auto", help="ringpack kernel backend")
     p.add_argument("--cost-profile", help="calibrated cost profile for the planner (ringpack calibrate)")
     p.add_argument(

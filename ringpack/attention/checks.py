@@ -29,7 +29,18 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # host synchronisation, and nothing on calls that find the schedule checked. Measured on 2 gloo CPU
 # processes: the all-gather takes 0.2-0.4 ms with 8 or 9 ints alike (latency, not bytes); the host
 # checks of every call (argument types, shapes) take about 3.5 us.
-_ROW = ("fingerprint", "cp_rank", "cp_size", "mode", "kv_heads", "head_dim", "dtype", "grad", "bad_input")
+_ROW = (
+    "fingerprint",
+    "cp_rank",
+    "cp_size",
+    "mode",
+    "gpus_per_node",
+    "kv_heads",
+    "head_dim",
+    "dtype",
+    "grad",
+    "bad_input",
+)
 
 
 def check_inputs(
@@ -126,6 +137,7 @@ def verify_schedule(
             schedule.cp_rank,
             schedule.cp_size,
             MODES.index(mode),
+            schedule.gpus_per_node or 0,
             k.shape[1] if k.dim() == 3 else -1,
             k.shape[-1] if k.dim() else -1,
             DTYPES.index(k.dtype) if k.dtype in DTYPES else -1,
@@ -159,6 +171,7 @@ def _disagreement(rows: list[list[int]], me: int, problem: str | None) -> str | 
         ("fingerprint", "micro-batches (plan fingerprints)"),
         ("cp_size", "CP sizes"),
         ("mode", "modes"),
+        ("gpus_per_node", "the node size the schedules were compiled for (compile_schedule's gpus_per_node)"),
         ("kv_heads", "numbers of key/value heads"),
         ("head_dim", "head dims"),
         ("dtype", "dtypes"),
@@ -196,4 +209,6 @@ def _show(name: str, value: int) -> str:
         return str(DTYPES[value]) if 0 <= value < len(DTYPES) else "other"
     if name == "grad":
         return "with gradients" if value else "without gradients"
+    if name == "gpus_per_node":
+        return str(value) if value else "None"
     return str(value)

@@ -25,8 +25,29 @@ import torch
 from torch import Tensor
 
 from ringpack.attention.ranges import concat_ranges
+from ringpack.traffic import proxy_index
 
-__all__ = ["TargetedExchange", "compile_exchange", "exchange_ranges", "neighbourhood", "ring_distances"]
+__all__ = ["ProxyJob", "TargetedExchange", "compile_exchange", "exchange_ranges", "neighbourhood", "ring_distances"]
+
+
+@dataclass(frozen=True)
+class ProxyJob:
+    """This rank as the proxy of ``source`` (a rank of another node) for its node.
+
+    It receives ``tokens`` rows of the source's compact buffer (every row a rank of this node
+    needs, in buffer order; call that buffer ``U``), keeps ``own`` for itself and forwards the rest:
+    ``own`` lists ``(u, count, offset)``, rows ``u:u+count`` of ``U`` into rows
+    ``offset:offset+count`` of its own buffer of the source (its step ``own_index``, -1: none);
+    ``forwards`` lists ``(dest, u, count, offset)``, rows ``u:u+count`` of ``U`` to rows
+    ``offset:offset+count`` of node rank ``dest``'s buffer of the source. In backward it sums the
+    returns of the same rows and sends ``U``'s dK/dV to the source.
+    """
+
+    source: int
+    tokens: int
+    own_index: int
+    own: tuple[tuple[int, int, int], ...]
+    forwards: tuple[tuple[int, int, int, int], ...]
 
 
 @dataclass(frozen=True)
@@ -40,6 +61,14 @@ class TargetedExchange:
     A rank that only sends has one step without calls or source (distance 0), the one in which its
     sends complete; a rank with no partner has no step. Sources and destinations come in order of
     ring distance, each one's rows in buffer order.
+
+    Node-relayed (``gpus_per_node`` set, the group over several nodes): sources on another node
+    come after those of this rank's node, and their rows arrive ``via[i]``: the source itself
+    (same node), this rank (it is the source's proxy for its node: a :class:`ProxyJob` of
+    ``proxied``) or the node rank that is (``relay_in``: ``(i, via, offset, count)``, rows
+    ``offset:offset+count`` of source ``i``'s buffer, in the second stage). A destination on another
+    node is the proxy of that node (:func:`ringpack.traffic.proxy_index`) and gets every row any
+    rank of its node needs.
     """
 
     sources: tuple[int, ...]
@@ -49,11 +78,27 @@ class TargetedExchange:
     send_tokens: tuple[int, ...]
     send_ranges: tuple[tuple[int, int] | None, ...]
     send_index: tuple[Tensor | None, ...]
+    via: tuple[int, ...] = ()
+    proxied: tuple[ProxyJob, ...] = ()
+    relay_in: tuple[tuple[int, int, int, int], ...] = ()
+    gpus_per_node: int | None = None
+    rank: int = -1
 
     @property
     def partners(self) -> int:
-        """How many other ranks this rank exchanges with."""
-        return len(set(self.sources) | set(self.dests))
+        """How many other ranks this rank exchanges with (relays included)."""
+        peers = set(self.sources) | set(self.dests) | set(self.via)
+        peers |= {f[0] for job in self.proxied for f in job.forwards}
+        return len(peers - {self.rank})
+
+    def via_of(self, i: int) -> int:
+        """The rank source ``i``'s rows arrive from (the source itself unless relayed)."""
+        return self.via[i] if self.via else self.sources[i]
+
+    @property
+    def relayed(self) -> bool:
+        """Whether the exchange has a second stage (some source's rows come through a proxy)."""
+        return bool(self.proxied or self.relay_in)
 
     def map_tensors(self, fn: Callable[[Tensor], Tensor]) -> TargetedExchange:
         """A copy with ``fn`` applied to every tensor (send indices and the steps' calls)."""
@@ -185,7 +230,13 @@ def _prefix_rows(group, start, stop, first, holder, limit) -> np.ndarray:
 
 
 def compile_exchange(
-    receives: np.ndarray, sends: np.ndarray, cp_rank: int, cp: int, steps: Sequence[Any]
+    receives: np.ndarray,
+    sends: np.ndarray,
+    cp_rank: int,
+    cp: int,
+    steps: Sequence[Any],
+    gpus_per_node: int | None = None,
+    sends_of: Callable[[int], np.ndarray] | None = None,
 ) -> TargetedExchange:
     """The :class:`TargetedExchange` of rank ``cp_rank`` of ``cp``.
 
@@ -194,20 +245,53 @@ def compile_exchange(
         cp_rank: this rank.
         cp: the CP group size.
         steps: the rank's ring steps (its schedule's ``steps``, ascending distance, calls on the host).
+        gpus_per_node: CP rank ``c`` is on node ``c // gpus_per_node``: pieces cross nodes once per
+            node, through a proxy (:func:`ringpack.traffic.proxy_index`). ``None``: every piece
+            straight to each rank that needs it.
+        sends_of: with ``gpus_per_node``, the sends of any rank (its :func:`exchange_ranges`'
+            second array), asked for the sources on other nodes only.
 
     Returns:
         The exchange map, its steps' calls remapped onto the compressed receive buffers.
     """
-    sources, recv_tokens, own_steps = [], [], []
+    node = (lambda r: 0) if gpus_per_node is None else (lambda r: r // gpus_per_node)
+    mine = node(cp_rank)
+    direct, proxied_by_me, relayed = [], [], []
+    jobs, relay_in_of = [], {}
     for src, lo, count in _by_partner(receives, cp_rank, cp, sign=1):
+        if node(src) == mine:
+            direct.append((src, lo, count, src))
+            continue
+        receivers = _node_sends(sends_of(src), gpus_per_node, mine)
+        proxy = _proxy(src, receivers)
+        if proxy == cp_rank:
+            proxied_by_me.append((src, lo, count, proxy))
+            jobs.append((src, receivers))
+        else:
+            relayed.append((src, lo, count, proxy))
+            relay_in_of[src] = _segments(receivers, cp_rank)
+    sources, recv_tokens, own_steps, via = [], [], [], []
+    for src, lo, count, frm in direct + proxied_by_me + relayed:
         distance = (cp_rank - src) % cp
         i = bisect.bisect_left(steps, distance, key=lambda st: st.distance)
         assert i < len(steps) and steps[i].distance == distance, "every source has a ring step"
         sources.append(src)
         recv_tokens.append(int(count.sum()))
         own_steps.append(_remap_step(steps[i], lo, count))
+        via.append(frm)
+    index_of = {src: i for i, src in enumerate(sources)}
+    proxied = tuple(
+        _proxy_job(src, receivers, cp_rank, index_of[src]) for src, receivers in sorted(jobs, key=lambda j: j[0])
+    )
+    # stage two's receives, per proxy in the order its forwards go: by source, then by row
+    relay_in = tuple(
+        sorted(
+            ((index_of[src], frm, offset, n) for src, _, _, frm in relayed for _, offset, n in relay_in_of[src]),
+            key=lambda m: (m[1], sources[m[0]], m[2]),
+        )
+    )
     dests, send_tokens, send_ranges, send_index = [], [], [], []
-    for dst, lo, count in _by_partner(sends, cp_rank, cp, sign=-1):
+    for dst, lo, count in _send_groups(sends, cp_rank, cp, gpus_per_node, node):
         dests.append(dst)
         send_tokens.append(int(count.sum()))
         one = bool((lo[1:] == lo[:-1] + count[:-1]).all())
@@ -215,6 +299,7 @@ def compile_exchange(
         send_index.append(None if one else torch.from_numpy(concat_ranges(lo, count)))
     if dests and not sources:  # sends complete in a step of its own
         own_steps.append(replace(steps[0], distance=0, calls=()))
+    relays = bool(proxied or relay_in)
     return TargetedExchange(
         sources=tuple(sources),
         recv_tokens=tuple(recv_tokens),
@@ -223,7 +308,85 @@ def compile_exchange(
         send_tokens=tuple(send_tokens),
         send_ranges=tuple(send_ranges),
         send_index=tuple(send_index),
+        via=tuple(via) if relays else (),
+        proxied=proxied,
+        relay_in=relay_in,
+        gpus_per_node=gpus_per_node,
+        rank=cp_rank,
     )
+
+
+def _node_sends(sends: np.ndarray, gpus_per_node: int, node: int) -> np.ndarray:
+    """The rows of ``sends`` (``(dest, lo, count)``, sorted by dest then lo) to ranks of ``node``."""
+    return sends[sends[:, 0] // gpus_per_node == node]
+
+
+def _proxy(source: int, receivers: np.ndarray) -> int:
+    """The proxy of ``source`` among the ranks of ``receivers`` (its sends to one node)."""
+    ranks = np.unique(receivers[:, 0])
+    return int(ranks[proxy_index(source, len(ranks))])
+
+
+def _union(receivers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The rows any of ``receivers`` needs, as ascending disjoint ranges ``(lo, count)``."""
+    lo, hi = receivers[:, 1], receivers[:, 1] + receivers[:, 2]
+    order = np.argsort(lo, kind="stable")
+    lo, hi = lo[order], hi[order]
+    reach = np.maximum.accumulate(hi)
+    new = np.ones(len(lo), dtype=bool)
+    new[1:] = lo[1:] > reach[:-1]
+    starts = np.flatnonzero(new)
+    ends = np.append(starts[1:], len(lo)) - 1
+    return lo[starts], reach[ends] - lo[starts]
+
+
+def _segments(receivers: np.ndarray, rank: int) -> list[tuple[int, int, int]]:
+    """``(u, offset, count)`` runs of ``rank``'s rows (from ``receivers``, one node's sends of a
+    source) within the node's union ``U`` and within ``rank``'s buffer, maximal runs contiguous in both."""
+    u_lo, u_count = _union(receivers)
+    position = _compressed(u_lo, u_count)
+    rows = receivers[receivers[:, 0] == rank]
+    u = position(rows[:, 1])
+    n = rows[:, 2]
+    offset = _cumsum0(n)[:-1]
+    runs = []
+    for a, o, c in zip(u.tolist(), offset.tolist(), n.tolist()):
+        if runs and runs[-1][0] + runs[-1][2] == a and runs[-1][1] + runs[-1][2] == o:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + c)
+        elif c:
+            runs.append((a, o, c))
+    return runs
+
+
+def _proxy_job(source: int, receivers: np.ndarray, rank: int, own_index: int) -> ProxyJob:
+    """This rank's :class:`ProxyJob` for ``source`` (``receivers``: its sends to this rank's node)."""
+    _, u_count = _union(receivers)
+    forwards = [
+        (int(dest), u, n, offset)
+        for dest in np.unique(receivers[:, 0]).tolist()
+        if dest != rank
+        for u, offset, n in _segments(receivers, dest)
+    ]
+    own = tuple((u, n, offset) for u, offset, n in _segments(receivers, rank))
+    return ProxyJob(source, int(u_count.sum()), own_index, own, tuple(forwards))
+
+
+def _send_groups(sends: np.ndarray, cp_rank: int, cp: int, gpus_per_node: int | None, node):
+    """``(dest, lo, count)`` per destination of this rank's stage-one sends: each rank of its node
+    that needs rows, and each other node's proxy with every row that node needs (ascending)."""
+    out = []
+    for dst, lo, count in _by_partner(sends, cp_rank, cp, sign=-1):
+        if node(dst) == node(cp_rank):
+            out.append((dst, lo, count))
+    if gpus_per_node is None or not sends.size:
+        return out
+    for n in np.unique(sends[:, 0] // gpus_per_node).tolist():
+        if n == node(cp_rank):
+            continue
+        receivers = _node_sends(sends, gpus_per_node, n)
+        lo, count = _union(receivers)
+        out.append((_proxy(cp_rank, receivers), lo, count))
+    return out
 
 
 def _by_partner(ranges: np.ndarray, cp_rank: int, cp: int, sign: int):
@@ -238,18 +401,24 @@ def _by_partner(ranges: np.ndarray, cp_rank: int, cp: int, sign: int):
     return [(int(g[0, 0]), g[:, 1], g[:, 2]) for g in groups]
 
 
-def _remap_step(step: Any, lo: np.ndarray, count: np.ndarray) -> Any:
-    """``step`` with its calls' key rows moved from the full compact buffer onto the received rows
-    (ranges ``lo:lo+count``, ascending, concatenated)."""
+def _compressed(lo: np.ndarray, count: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
+    """The compressed index on the rows of ranges ``lo:lo+count`` (ascending, concatenated): how
+    many of their rows come before full-buffer row ``x``."""
     cum = _cumsum0(count)
 
     def received_before(x):
-        """Received rows before full-buffer row ``x`` (the compressed index of ``x``)."""
         x = np.asarray(x, dtype=np.int64)
         i = np.searchsorted(lo, x, side="right") - 1
         at = np.maximum(i, 0)
         return np.where(i < 0, 0, cum[at] + np.minimum(x - lo[at], count[at]))
 
+    return received_before
+
+
+def _remap_step(step: Any, lo: np.ndarray, count: np.ndarray) -> Any:
+    """``step`` with its calls' key rows moved from the full compact buffer onto the received rows
+    (ranges ``lo:lo+count``, ascending, concatenated)."""
+    received_before = _compressed(lo, count)
     return replace(step, calls=tuple(_remap_call(call, received_before) for call in step.calls))
 
 

@@ -29,8 +29,9 @@ from ringpack.errors import DataError
 
 __all__ = ["TargetedTransport", "TargetedTransports", "targeted_schedule"]
 
-# message tags: K, V (forward, and again in backward), then dK, dV
-_KV_TAG, _GRAD_TAG = 0, 2
+# message tags (gloo matches them; NCCL matches each pair's messages in order): each stage's
+# messages between a pair get tags base + 2k (K or dK) and base + 2k + 1 (V or dV), k counting up
+_KV_TAG, _RELAY_TAG, _GRAD_TAG, _GRAD_RELAY_TAG = 0, 1 << 20, 2 << 20, 3 << 20
 
 # global ranks of a group's ranks, looked up once per group (torch's lookup scans the group)
 _GLOBAL_RANKS: dict[dist.ProcessGroup, list[int]] = {}
@@ -77,28 +78,39 @@ def _wait(works: list) -> None:
         work.wait()
 
 
+Message = tuple[int, Sequence[Tensor]]  # (CP rank, its K and V, or dK and dV)
+
+
 class TargetedTransport:
-    """Implements :class:`~ringpack.attention.ring.KVTransport` with one batched point-to-point
-    exchange per pass and direction, over ``group`` (None: the world).
+    """Implements :class:`~ringpack.attention.ring.KVTransport` with batched point-to-point
+    exchanges over ``group`` (None: the world).
 
     ``schedule`` is the :func:`targeted_schedule` of the pass: step ``i`` reads the buffer of
-    ``exchange.sources[i]``. dK/dV travel in the K/V dtype (each destination's return is rounded
-    once); the owner sums them in float, or adopts a lone one that covers its buffer.
+    ``exchange.sources[i]``. Flat, there is one batch per pass and direction. Node-relayed
+    (:class:`~ringpack.attention.exchange.TargetedExchange`), K/V go in two stages: first to the
+    ranks of this node and to each other node's proxy, then from the proxies to the rest of their
+    node; steps of this node's sources wait for the first stage only. The dK/dV go home the same
+    way back: within nodes first (proxies sum what they forwarded), then from the proxies across
+    nodes. dK/dV travel in the K/V dtype (each hop rounds once); the owner sums them in float, or
+    adopts a lone one that covers its buffer.
     """
 
     send_capacity = None
 
     def __init__(self, schedule: Schedule, group: dist.ProcessGroup | None = None) -> None:
-        self._ex = ex = schedule.exchange
-        ranks = _global_ranks(group)
+        self._ex = schedule.exchange
+        self._ranks = _global_ranks(group)
         self._group = group
-        self._sources = list(ex.sources) if ranks is None else [ranks[s] for s in ex.sources]
-        self._dests = list(ex.dests) if ranks is None else [ranks[d] for d in ex.dests]
         self._own = schedule.buffer_tokens[schedule.cp_rank]
-        self._works: list = []
+        self._stages: list[list] = []  # works of each K/V stage, until waited
+        self._waited = 0  # K/V stages the compute stream has waited for
         self._recv: list[Tensor | None] = []
+        self._jobs: list[Tensor] | None = None  # the proxied buffers (U) while stage two may read them
         self._sent: list = []  # tensors in flight, alive until waited on
-        self._grads: list[Sequence[Tensor]] = []
+        self._grads: list[Sequence[Tensor] | None] = []
+        self._works: list = []
+
+    # ---------------------------------------------------------------- K/V
 
     def begin(self, kv: Tensor | Sequence[Tensor], grad_dtype: torch.dtype | None = None) -> None:
         k, v = kv[0], kv[1]
@@ -110,52 +122,154 @@ class TargetedTransport:
                 sends.append((k[rows[0] : rows[1]], v[rows[0] : rows[1]]))  # views
             else:
                 sends.append((k.index_select(0, index), v.index_select(0, index)))
-        self._recv = [self._empty(n, self._dtype) for n in ex.recv_tokens]
+        # a source this rank proxies arrives in its proxied buffer (``_own_rows``)
+        self._recv = [
+            self._empty(0 if ex.via_of(i) == ex.rank else n, self._dtype) for i, n in enumerate(ex.recv_tokens)
+        ]
+        self._jobs = [self._empty(job.tokens, self._dtype) for job in ex.proxied]
+        self._grads = [None] * len(ex.sources)
         self._first = (sends, mark(k))  # every buffer allocated before the mark (streams)
 
     def start(self) -> None:
         sends, after = self._first
         del self._first
-        ops = self._ops(sends, self._dests, self._recv, self._sources, _KV_TAG)  # host work behind the local kernel
-        self._works, self._sent = _post(ops, after, self._device), sends
+        ex = self._ex
+        direct = [(s, self._recv[i]) for i, s in enumerate(ex.sources) if ex.via_of(i) == s]
+        recvs = direct + [(job.source, buf) for job, buf in zip(ex.proxied, self._jobs)]
+        ops = self._ops(list(zip(ex.dests, sends)), recvs, _KV_TAG)  # host work behind the local kernel
+        self._stages = [_post(ops, after, self._device)]
+        self._sent = [sends]
+        self._waited = 0
+        if ex.relayed:
+            if self._device.type != "cuda":  # gloo does not order batches: the proxies' rows must be in
+                self._wait_stages(1)
+            relays = [
+                (dest, (buf[0][u : u + n], buf[1][u : u + n]))
+                for job, buf in zip(ex.proxied, self._jobs)
+                for dest, u, n, _ in job.forwards
+            ]
+            relayed = [(frm, self._rows(self._recv[i], o, n)) for i, frm, o, n in ex.relay_in]
+            self._stages.append(_post(self._ops(relays, relayed, _RELAY_TAG), after, self._device))
 
     def _empty(self, tokens: int, dtype: torch.dtype) -> Tensor:
         return torch.empty((2, tokens, *self._shape), dtype=dtype, device=self._device)
 
-    def _ops(self, send, to: list[int], recv, frm: list[int], tag: int) -> list[dist.P2POp]:
-        """Sends of ``send[j]`` (a K and a V tensor) to ``to[j]`` and receives into ``recv[i]`` from ``frm[i]``."""
-        ops = [
-            dist.P2POp(dist.isend, t, peer, self._group, tag + j)
-            for pair, peer in zip(send, to)
-            for j, t in enumerate(pair)
-        ]
-        ops += [
-            dist.P2POp(dist.irecv, t, peer, self._group, tag + j)
-            for pair, peer in zip(recv, frm)
-            for j, t in enumerate(pair)
-        ]
+    @staticmethod
+    def _rows(buf: Tensor | Sequence[Tensor], offset: int, n: int) -> tuple[Tensor, Tensor]:
+        """Rows ``offset:offset+n`` of a K/V (or dK/dV) pair, as views."""
+        return buf[0][offset : offset + n], buf[1][offset : offset + n]
+
+    def _peer(self, rank: int) -> int:
+        return rank if self._ranks is None else self._ranks[rank]
+
+    def _ops(self, sends: list[Message], recvs: list[Message], base: int) -> list[dist.P2POp]:
+        """One batch's operations: each message's two tensors to (from) its CP rank, tagged by its
+        place among the messages of that pair and direction."""
+        ops = []
+        for op, messages in ((dist.isend, sends), (dist.irecv, recvs)):
+            count: dict[int, int] = {}
+            for rank, pair in messages:
+                k = count[rank] = count.get(rank, -1) + 1
+                peer = self._peer(rank)
+                ops += [dist.P2POp(op, t, peer, self._group, base + 2 * k + j) for j, t in enumerate(pair)]
         return ops
 
     def buffer(self, i: int) -> Tensor:
-        if self._works or self._sent:
-            _wait(self._works)
-            self._works, self._sent = [], []  # the compute stream waited: sent rows may go
-        if i >= len(self._recv):  # the step of a rank that only sends
+        ex = self._ex
+        if i >= len(ex.sources):  # the step of a rank that only sends
+            self._wait_stages(len(self._stages))
             return self._empty(0, self._dtype)
-        buf, self._recv[i] = self._recv[i], None  # held by the engine for this step only
+        via = ex.via_of(i)
+        # the last step waits for every stage: a proxy's forwards complete within the pass
+        last = i + 1 == len(ex.steps)
+        self._wait_stages(len(self._stages) if last else 1 if via in (ex.sources[i], ex.rank) else 2)
+        if via == ex.rank:  # this rank is the source's proxy: its rows are in the proxied buffer
+            buf = self._own_rows(i)
+        else:
+            buf = self._recv[i]
+        self._recv[i] = None  # held by the engine for this step only
+        if (
+            self._jobs is not None
+            and self._waited == len(self._stages)
+            and all(ex.via_of(j) != ex.rank or self._recv[j] is None for j in range(len(ex.sources)))
+        ):
+            self._jobs = None  # stage two has read them and every own part is taken
         return buf
 
+    def _wait_stages(self, upto: int) -> None:
+        """Make the compute stream wait for the first ``upto`` K/V stages."""
+        while self._waited < min(upto, len(self._stages)):
+            _wait(self._stages[self._waited])
+            self._waited += 1
+        if self._waited == len(self._stages):
+            self._sent = []  # the compute stream waited: sent rows may go
+
+    def _own_rows(self, i: int) -> Tensor:
+        """This rank's buffer of source ``i``, which it proxies: its rows of the proxied buffer."""
+        j = next(n for n, job in enumerate(self._ex.proxied) if job.own_index == i)
+        job, whole = self._ex.proxied[j], self._jobs[j]
+        if job.own == ((0, job.tokens, 0),):
+            return whole
+        buf = self._empty(self._ex.recv_tokens[i], self._dtype)
+        for u, n, offset in job.own:
+            buf[:, offset : offset + n] = whole[:, u : u + n]
+        return buf
+
+    # ---------------------------------------------------------------- dK/dV
+
     def push_grad(self, i: int, dkv: Sequence[Tensor] | None) -> None:
-        if i < len(self._sources):
+        ex = self._ex
+        if i < len(ex.sources):
             if dkv is None:  # no query used the buffer (never in practice): its owner still waits for a return
-                dkv = self._empty(self._ex.recv_tokens[i], self._dtype).zero_()
-            self._grads.append([g.to(self._dtype).contiguous() for g in dkv])
-        if i + 1 < len(self._ex.steps):
+                dkv = self._empty(ex.recv_tokens[i], self._dtype).zero_()
+            self._grads[i] = [g.to(self._dtype).contiguous() for g in dkv]
+        if i + 1 < len(ex.steps):
             return
-        # after the last step: every return to its owner, every destination's return to this rank
-        self._recv = [self._empty(n, self._dtype) for n in self._ex.send_tokens]
-        ops = self._ops(self._grads, self._sources, self._recv, self._dests, _GRAD_TAG)
-        self._works, self._sent, self._grads = _post(ops, None, self._device), self._grads, []
+        self._return_grads()
+
+    def _return_grads(self) -> None:
+        """After the last step: every return home. Within nodes first: to this node's owners, and to
+        the proxies of relayed buffers; then each proxy's sums across nodes to their owners."""
+        ex, grads = self._ex, self._grads
+        home = [(s, grads[i]) for i, s in enumerate(ex.sources) if ex.via_of(i) == s]
+        to_proxies = [(frm, self._rows(grads[i], o, n)) for i, frm, o, n in ex.relay_in]
+        near = [j for j, d in enumerate(ex.dests) if ex.gpus_per_node is None or self._same_node(d)]
+        self._recv = [None] * len(ex.dests)
+        for j in near:
+            self._recv[j] = self._empty(ex.send_tokens[j], self._dtype)
+        forwarded = [[self._empty(n, self._dtype) for _, _, n, _ in job.forwards] for job in ex.proxied]
+        back = [(dest, buf) for job, bufs in zip(ex.proxied, forwarded) for (dest, *_), buf in zip(job.forwards, bufs)]
+        ops = self._ops(home + to_proxies, [(ex.dests[j], self._recv[j]) for j in near] + back, _GRAD_TAG)
+        works = _post(ops, None, self._device)
+        sent = [grads, forwarded]
+        far = [j for j in range(len(ex.dests)) if j not in set(near)]
+        for j in far:
+            self._recv[j] = self._empty(ex.send_tokens[j], self._dtype)
+        ops = [(ex.dests[j], self._recv[j]) for j in far]
+        sums = []
+        if ex.proxied:
+            _wait(works)  # the node's returns are in: sum them
+            sums = [self._proxy_sum(job, bufs) for job, bufs in zip(ex.proxied, forwarded)]
+            works, sent = [], [sums]
+        far_ops = self._ops([(job.source, g) for job, g in zip(ex.proxied, sums)], ops, _GRAD_RELAY_TAG)
+        self._works, self._sent = works + (_post(far_ops, None, self._device) if far_ops else []), sent
+        self._grads = []
+
+    def _same_node(self, rank: int) -> bool:
+        return rank // self._ex.gpus_per_node == self._ex.rank // self._ex.gpus_per_node
+
+    def _proxy_sum(self, job, forwarded: list[Tensor]) -> Tensor:
+        """The dK/dV of a proxied buffer: this rank's own rows plus what each forward returned, summed
+        in float and rounded once to the K/V dtype for the trip home."""
+        acc = torch.zeros((2, job.tokens, *self._shape), dtype=accum_dtype(self._dtype), device=self._device)
+        if job.own_index >= 0:
+            own = self._grads[job.own_index]
+            for u, n, offset in job.own:
+                acc[0, u : u + n] += own[0][offset : offset + n]
+                acc[1, u : u + n] += own[1][offset : offset + n]
+        for (_, u, n, _), grads in zip(job.forwards, forwarded):
+            acc[:, u : u + n] += grads
+        return acc.to(self._dtype)
 
     def finish(self) -> Tensor | None:
         _wait(self._works)

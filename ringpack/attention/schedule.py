@@ -230,7 +230,8 @@ class Schedule(_ScheduleBase):
     it across the group once per schedule (``verified`` caches that check and is never pickled).
     ``exchange`` is the rank's targeted exchange map (``mode="p2p"``,
     :class:`~ringpack.attention.exchange.TargetedExchange`): its partners, the rows it sends each,
-    and its sources' steps on the rows it receives.
+    and its sources' steps on the rows it receives; ``gpus_per_node`` the node size it was compiled
+    for (None: a flat exchange), which the group check compares.
 
     For ``torch.compile`` a schedule is an opaque *reference* object (where torch supports them):
     the graph takes it as a runtime input of one engine op and never reads its fields, so a new
@@ -248,6 +249,7 @@ class Schedule(_ScheduleBase):
     steps: tuple[RingStep, ...]
     send_range: tuple[int, int] | None = None
     exchange: TargetedExchange | None = field(default=None, compare=False, repr=False)
+    gpus_per_node: int | None = None
     verified: set = field(default_factory=set, compare=False, repr=False)
 
     @property
@@ -412,6 +414,7 @@ def compile_schedule(
     dense_threshold: int | None = DEFAULT_DENSE_THRESHOLD,
     dense_buckets: int | None = DEFAULT_DENSE_BUCKETS,
     dense_batches: bool = True,
+    gpus_per_node: int | None = None,
 ) -> Schedule:
     """Compile ``microbatch`` into the attention schedule of CP rank ``cp_rank``.
 
@@ -430,6 +433,11 @@ def compile_schedule(
         dense_buckets: the dense parts' lengths per octave, a power of two (docs/attention.md,
             "Shape buckets"); ``None`` keeps exact shapes.
         dense_batches: give runs of equal short local segments to the dense kernel as batched calls.
+        gpus_per_node: the targeted exchange (``mode="p2p"``) over nodes of this many CP ranks
+            (rank ``c`` on node ``c // gpus_per_node``, the group's ranks node by node): K/V cross
+            nodes once per node and are relayed within it (docs/attention.md, "Targeted
+            exchange"). ``None``: every piece straight to each rank that needs it. Every rank of
+            the group must give the same value (checked at run time).
 
     Returns:
         The :class:`Schedule` of CPU tensors (int64 row indices, int32 ``cu_seqlens``); move it with
@@ -439,7 +447,7 @@ def compile_schedule(
     Raises:
         PlanError: (a ``ValueError``) a ``microbatch`` that is not a :class:`MicroBatch`, a
             ``cp_rank`` that is not an integer in range, a bad ``dense_threshold``,
-            ``dense_buckets`` or ``dense_batches``, or pieces that do not tile their samples:
+            ``dense_buckets``, ``dense_batches`` or ``gpus_per_node``, or pieces that do not tile their samples:
             empty, starting below 0, out of canonical order, overlapping, leaving a gap (tokens in
             no piece), of a sample the micro-batch does not list, or a listed sample in no piece.
             Each message names the argument, or the CP rank, sample and piece.
@@ -450,6 +458,8 @@ def compile_schedule(
         raise PlanError(f"cp_rank must be an integer in [0, {cp}) (the micro-batch's rank shards), got {cp_rank!r}")
     cp_rank = int(cp_rank)
     dense = DenseOptions(dense_threshold, dense_buckets, dense_batches)
+    if gpus_per_node is not None and not (is_int(gpus_per_node) and gpus_per_node >= 1):
+        raise PlanError(f"gpus_per_node must be None or an integer >= 1, got {gpus_per_node!r}")
     table = _PieceTable.from_microbatch(microbatch)
     mine = table.rows_of(cp_rank)
     num_tokens = int((table.stop[mine] - table.start[mine]).sum())
@@ -474,7 +484,16 @@ def compile_schedule(
         send_range=_as_range(send_index),
         local=_local_call(table, mine, dense) if num_tokens else None,
         steps=steps,
-        exchange=compile_exchange(receives, sends, cp_rank, cp, steps),
+        exchange=compile_exchange(
+            receives,
+            sends,
+            cp_rank,
+            cp,
+            steps,
+            gpus_per_node=None if gpus_per_node is None else int(gpus_per_node),
+            sends_of=lambda src: exchange_ranges(table, table.rows_of(src), src)[1],
+        ),
+        gpus_per_node=None if gpus_per_node is None else int(gpus_per_node),
     )
 
 

@@ -36,6 +36,8 @@ __all__ = [
     "PackedCollator",
     "check_schedule_flag",
     "check_schedule_options",
+    "SCHEDULE_KEYWORDS",
+    "with_node_size",
     "rank_arrays",
     "to_batch",
     "IGNORE_INDEX",
@@ -183,8 +185,8 @@ def rank_arrays(
 
 
 def check_schedule_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
-    """Validated ``compile_schedule`` options, the kernel split's only
-    (:class:`~ringpack.attention.schedule.DenseOptions` by their keywords): e.g.
+    """Validated ``compile_schedule`` options: the kernel split's
+    (:class:`~ringpack.attention.schedule.DenseOptions` by their keywords) and ``gpus_per_node``: e.g.
     ``{"dense_buckets": None}`` for data whose lengths repeat (exact cuDNN shapes, see
     docs/attention.md, shape buckets).
 
@@ -192,13 +194,27 @@ def check_schedule_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
         DataError: not a mapping (or None), an unknown option, or a bad value (named).
     """
     if options is not None and not isinstance(options, Mapping):
-        raise DataError(f"schedule_options must be a dict of {list(DENSE_KEYWORDS)}, got {type(options).__name__}")
+        raise DataError(f"schedule_options must be a dict of {list(SCHEDULE_KEYWORDS)}, got {type(options).__name__}")
     options = dict(options or {})
+    node = options.get("gpus_per_node")
+    if node is not None and not (is_int(node) and node >= 1):
+        raise DataError(f"schedule_options: gpus_per_node must be None or an integer >= 1, got {node!r}")
     try:
-        DenseOptions.from_keywords(options)
+        DenseOptions.from_keywords({k: v for k, v in options.items() if k != "gpus_per_node"})
     except ValueError as exc:
-        raise DataError(f"schedule_options: {exc}") from exc
+        raise DataError(f"schedule_options: {exc} (or gpus_per_node)") from exc
     return options
+
+
+#: The ``compile_schedule`` keywords a collator or shard reader passes on: the dense split's and the node size.
+SCHEDULE_KEYWORDS = (*DENSE_KEYWORDS, "gpus_per_node")
+
+
+def with_node_size(options: Mapping[str, Any], gpus_per_node: int | None) -> Mapping[str, Any]:
+    """``options`` with the plan's ``gpus_per_node`` (the node-relayed exchange of a pool plan), if it has one."""
+    if gpus_per_node is None or options.get("gpus_per_node") is not None:
+        return options
+    return {**options, "gpus_per_node": gpus_per_node}
 
 
 def check_schedule_flag(schedule: Any, name: str = "schedule") -> None:
@@ -282,8 +298,9 @@ class PackedCollator:
         compile_schedules: ``"auto"`` or ``True``: compile each micro-batch's attention schedule
             for this rank; ``False``: leave ``batch["schedule"]`` ``None``.
         ignore_index: the label of every sample's last token.
-        schedule_options: keyword options of ``compile_schedule``, the dense split's only
-            (:data:`~ringpack.attention.schedule.DENSE_KEYWORDS`).
+        schedule_options: keyword options of ``compile_schedule`` (:data:`SCHEDULE_KEYWORDS`): the
+            dense split's, and ``gpus_per_node`` (a ticket of a plan with ``gpus_per_node`` brings
+            its own, which an explicit value here overrides).
         schedule: the old name of ``compile_schedules`` (a ``DeprecationWarning``).
 
     Called with what :class:`PackedDataset` returns for a ticket, it returns the batch dict of
@@ -343,7 +360,9 @@ class PackedCollator:
                 "batch_sampler=BalancedBatchSampler(...) to the DataLoader"
             )
         t = batch.ticket
-        return self.collate(t.microbatch, batch.tokens, ticket_meta(t), t.offsets, t.row_lengths)
+        return self.collate(
+            t.microbatch, batch.tokens, ticket_meta(t), t.offsets, t.row_lengths, gpus_per_node=t.gpus_per_node
+        )
 
     def collate(
         self,
@@ -352,8 +371,12 @@ class PackedCollator:
         meta: dict[str, Any] | None = None,
         offsets: Sequence[int] | None = None,
         row_lengths: Sequence[int] | None = None,
+        gpus_per_node: int | None = None,
     ) -> dict[str, Any]:
         """Build the batch from a micro-batch and its samples' token ids (in ``microbatch.samples`` order).
+
+        ``gpus_per_node``: the plan's node size, for the schedule's node-relayed exchange (the
+        ticket's, from the sampler); ``schedule_options`` may override it.
 
         ``offsets``/``row_lengths`` (from the ticket) locate plan documents inside longer dataset
         rows when ``overflow="split"`` cut them; by default each token array is the whole sample.
@@ -411,6 +434,5 @@ class PackedCollator:
         arrays = rank_arrays(starts, pieces, nexts, self.ignore_index)
         meta = dict(meta or {})
         meta.setdefault("step_loss_tokens", None)
-        return to_batch(
-            arrays, microbatch, self.cp_rank, meta, self.compile_schedules, self.ignore_index, self.schedule_options
-        )
+        options = with_node_size(self.schedule_options, gpus_per_node)
+        return to_batch(arrays, microbatch, self.cp_rank, meta, self.compile_schedules, self.ignore_index, options)

@@ -95,8 +95,9 @@ class MicroBatchTicket(list):
     ``epoch``, ``step``, ``index`` (its position among this DP rank's micro-batches of the step),
     ``microbatches_in_step``, ``cursor`` (1-based position among this DP rank's micro-batches of
     the epoch: the sampler state that resumes after it has ``cursor=ticket.cursor``),
-    ``step_loss_tokens`` (loss tokens of the whole global batch of the step, all DP ranks) and
-    ``plan_hash``.
+    ``step_loss_tokens`` (loss tokens of the whole global batch of the step, all DP ranks),
+    ``plan_hash`` and ``gpus_per_node`` (the plan's node size: the collator compiles the schedule's
+    node-relayed exchange for it; None for a plan without one).
     """
 
     def __init__(
@@ -113,8 +114,10 @@ class MicroBatchTicket(list):
         rows: Sequence[int] | None = None,
         offsets: Sequence[int] | None = None,
         row_lengths: Sequence[int] | None = None,
+        gpus_per_node: int | None = None,
     ) -> None:
         rows = tuple(microbatch.samples) if rows is None else tuple(int(r) for r in rows)
+        self.gpus_per_node = gpus_per_node
         super().__init__(rows)
         self.offsets = tuple(0 for _ in rows) if offsets is None else tuple(int(o) for o in offsets)
         self.row_lengths = None if row_lengths is None else tuple(int(n) for n in row_lengths)
@@ -136,6 +139,7 @@ class MicroBatchTicket(list):
             self.cursor,
             self.step_loss_tokens,
             self.plan_hash,
+            self.gpus_per_node,
         )
         return (
             _rebuild_ticket,
@@ -147,7 +151,7 @@ class MicroBatchTicket(list):
 
 
 def _rebuild_ticket(mb: tuple, meta: tuple, rows: tuple, offsets: tuple, row_lengths: tuple | None) -> MicroBatchTicket:
-    epoch, step, index, n, cursor, loss, plan_hash = meta
+    epoch, step, index, n, cursor, loss, plan_hash, gpus_per_node = meta
     return MicroBatchTicket(
         _decode_microbatch(mb),
         epoch=epoch,
@@ -160,6 +164,7 @@ def _rebuild_ticket(mb: tuple, meta: tuple, rows: tuple, offsets: tuple, row_len
         rows=rows,
         offsets=offsets,
         row_lengths=row_lengths,
+        gpus_per_node=gpus_per_node,
     )
 
 
@@ -418,6 +423,7 @@ class BalancedBatchSampler(_SamplerBase):
             cursor=position + 1,
             step_loss_tokens=step.loss_tokens,
             plan_hash=self._ticket_key(epoch),
+            gpus_per_node=self.config.gpus_per_node,
         )
 
     def _ticket_key(self, epoch: int) -> str:

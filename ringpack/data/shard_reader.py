@@ -20,7 +20,7 @@ import numpy as np
 
 from ringpack._checks import is_bool, is_int
 from ringpack._files import file_sha256, open_regular, refuse_link
-from ringpack.data.collator import check_schedule_flag, check_schedule_options, rank_arrays, to_batch
+from ringpack.data.collator import check_schedule_flag, check_schedule_options, rank_arrays, to_batch, with_node_size
 from ringpack.data.shard_format import MANIFEST, PIECE_COLUMNS, PLAN_FILE, PROGRESS, SHARD_FORMAT_VERSION, plain_name
 from ringpack.errors import DataError
 from ringpack.mesh import mesh_coordinates
@@ -263,7 +263,8 @@ class ShardReader:
             "cursor": position + 1,
             "plan_hash": self.plan_hash,
         }
-        return to_batch(arrays, mb, self.cp_rank, meta, self.schedule, options=self.schedule_options)
+        options = with_node_size(self.schedule_options, plan.config.gpus_per_node)
+        return to_batch(arrays, mb, self.cp_rank, meta, self.schedule, options=options)
 
     # -------------------------------------------------------------- state
     def state_dict(self, cursor: int | None = None) -> dict[str, Any]:

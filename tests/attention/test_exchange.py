@@ -22,7 +22,7 @@ from ringpack.attention.p2p import targeted_schedule
 from ringpack.attention.schedule import _PieceTable
 from ringpack.errors import DataError
 from ringpack.shard_plan import Piece, microbatch_from_shards
-from ringpack.traffic import kv_traffic
+from ringpack.traffic import exchange_tokens, kv_traffic
 from tests.helpers.attention import (
     Problem,
     assert_within,
@@ -100,6 +100,38 @@ def test_each_rank_sends_exactly_what_its_partners_need(name, mb, lengths):
     assert sent == kv_traffic(mb).p2p, "each needed piece once per rank that needs it"
 
 
+def _piece_columns(mb):
+    rows = [(c, p.sample, p.start, p.stop) for c, shard in enumerate(mb.shards) for p in shard.pieces]
+    c, sample, start, stop = (np.array(col, dtype=np.int64) for col in zip(*rows))
+    return np.zeros(len(c), dtype=np.int64), c, sample, start, stop
+
+
+@pytest.mark.parametrize("gpus_per_node", [1, 2, 3])
+def test_the_relayed_maps_move_what_the_traffic_model_counts(gpus_per_node):
+    """Per rank, the relayed maps' stage-one sends within and across nodes, and their forwards,
+    are the tokens :func:`ringpack.traffic.exchange_tokens` counts (one routing rule for both);
+    the plans include proxies that keep part of what they take, and forwards of several runs."""
+    partial = several = 0
+    for name, mb, _ in PLANS:
+        cp = len(mb.shards)
+        if not any(shard.pieces for shard in mb.shards):
+            continue
+        want = exchange_tokens(*_piece_columns(mb), 1, cp, gpus_per_node)
+        for r in range(cp):
+            ex = compile_schedule(mb, r, gpus_per_node=gpus_per_node).exchange
+            near = sum(n for d, n in zip(ex.dests, ex.send_tokens) if d // gpus_per_node == r // gpus_per_node)
+            far = sum(n for d, n in zip(ex.dests, ex.send_tokens) if d // gpus_per_node != r // gpus_per_node)
+            forwarded = sum(n for job in ex.proxied for _, _, n, _ in job.forwards)
+            got = (near, far, forwarded, sum(job.tokens for job in ex.proxied))
+            expected = ("send_intra", "send_inter", "relay_send", "recv_inter")
+            assert got == tuple(int(want[k][0, r]) for k in expected), (name, r, got)
+            assert sum(n for *_, n in ex.relay_in) == want["relay_recv"][0, r], (name, r)
+            partial += sum(job.own_index >= 0 and job.own != ((0, job.tokens, 0),) for job in ex.proxied)
+            runs = [(j, frm) for j, frm, _, _ in ex.relay_in]
+            several += len(runs) > len(set(runs))
+    assert gpus_per_node == 1 or (partial and several), (partial, several)
+
+
 @pytest.mark.parametrize("name,mb,lengths", PLANS, ids=IDS)
 def test_a_rank_runs_one_step_per_source_on_the_rows_it_receives(name, mb, lengths):
     for r in range(len(mb.shards)):
@@ -122,12 +154,14 @@ def test_a_rank_runs_one_step_per_source_on_the_rows_it_receives(name, mb, lengt
 
 
 @pytest.mark.parametrize("name,mb,lengths", PLANS, ids=IDS)
-@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (3, 1)])
-def test_targeted_steps_are_exact(name, mb, lengths, heads, kv_heads):
+@pytest.mark.parametrize("heads,kv_heads,gpus_per_node", [(4, 2, None), (3, 1, None), (4, 2, 2), (3, 1, 3), (2, 1, 1)])
+def test_targeted_steps_are_exact(name, mb, lengths, heads, kv_heads, gpus_per_node):
+    """Flat and node-relayed (every rank's rows followed through the maps: straight, through its
+    proxy, or its own proxied rows), against the dense reference."""
     problem = Problem.make(mb, lengths, heads, kv_heads, 8, seed=5)
     ref = dense_reference(problem)
-    for r, got in enumerate(run_all_ranks(problem, mode="p2p")):
-        assert_within(max_errors(problem, r, ref, got), TOL, f"{name} rank {r}")
+    for r, got in enumerate(run_all_ranks(problem, mode="p2p", gpus_per_node=gpus_per_node)):
+        assert_within(max_errors(problem, r, ref, got), TOL, f"{name} rank {r} gpus_per_node={gpus_per_node}")
 
 
 @pytest.mark.parametrize("threshold,buckets", [(1, 1), (2, None), (3, 8)])

@@ -539,10 +539,11 @@ if pytest is not None:
         [("torch_flash", None), ("cudnn_hybrid", 256)] + [("fa4", None)] * ("fa4" in _backends()),
     )
     @pytest.mark.parametrize("cp", [1, 2, 3, 4, 8])
-    @pytest.mark.parametrize("mode", ["ring", "p2p"])
+    @pytest.mark.parametrize("mode", ["ring", "p2p", "p2p-relayed"])
     def test_engine_bf16_on_one_gpu(cp, backend, dense_threshold, mode):
         """All CP ranks simulated on one GPU (loopback transports; ``p2p``: the targeted exchange's
-        steps and rows): bf16 within the flash bound."""
+        steps and rows; ``p2p-relayed``: those of the node-relayed exchange over nodes of 2 ranks,
+        each rank's rows followed through its proxy): bf16 within the flash bound."""
         from tests.helpers.attention import Problem, run_all_ranks
 
         dev = torch.device("cuda")
@@ -554,7 +555,15 @@ if pytest is not None:
                 mb, lengths, *({s: t.to(DTYPE) for s, t in x[n].items()} for n in ("q", "k", "v", "dout"))
             )
             for rank, got in enumerate(
-                run_all_ranks(problem, scale, backend=backend, device=dev, dense_threshold=dense_threshold, mode=mode)
+                run_all_ranks(
+                    problem,
+                    scale,
+                    backend=backend,
+                    device=dev,
+                    dense_threshold=dense_threshold,
+                    mode=mode.split("-")[0],
+                    gpus_per_node=2 if mode == "p2p-relayed" else None,
+                )
             ):
                 for t in NAMES:
                     r, f = local(ref[t], mb, rank), local(flash[t], mb, rank)

@@ -7,7 +7,8 @@ case runs forward and backward (and a forward without gradients) against the den
 posts: the bytes of its sends (which must add up to the ``p2p`` traffic of the micro-batch: each
 needed piece once per rank that needs it; the backward sends the K/V again and returns as many
 dK/dV), its batches (one per pass and direction) and its transfers (two per partner and batch:
-K and V, or dK and dV).
+K and V, or dK and dV). Node-relayed (``gpus_per_node`` 2 and 3) the same cases run again: exact, and
+sending the tokens :func:`ringpack.traffic.exchange_tokens` counts, in two batches per pass.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ringpack.attention import compile_schedule, ring_attention
-from ringpack.traffic import kv_traffic
+from ringpack.traffic import exchange_tokens, kv_traffic
 from tests.helpers.attention import (
     Problem,
     dense_reference,
@@ -47,6 +48,7 @@ GROUPS = {
 }
 HEADS = [(4, 2), (4, 1), (3, 3), (2, 1)]
 CORNER_CASES = {name for name, _, _ in targeted_microbatches()}
+NODE_SIZES = (2, 3)  # the relayed runs
 
 
 def build_cases() -> list[tuple[str, object, dict[int, int], int, int]]:
@@ -116,18 +118,27 @@ def worker(rank: int, world: int) -> list[dict]:
                 other = max_errors(problem, cp_rank, ref, _run(problem, sched, cp_rank, group, mode)[0])
                 errors.update({f"{mode}:{x}": e for x, e in other.items()})
         ex = sched.exchange
-        report.append(
-            {
-                "name": name,
-                "cp": cp,
-                "cp_rank": cp_rank,
-                "errors": errors,
+        row = {
+            "name": name,
+            "cp": cp,
+            "cp_rank": cp_rank,
+            "errors": errors,
+            "forward": forward,
+            "backward": backward,
+            "links": len(ex.sources) + len(ex.dests),  # a partner that sends and receives counts twice
+            "kv_row_bytes": kv_heads * 4 * 8,
+            "relayed": {},
+        }
+        for node in NODE_SIZES if cp > 2 else ():
+            relayed = compile_schedule(mb, cp_rank, gpus_per_node=node)
+            got, (forward, backward) = _run(problem, relayed, cp_rank, group)
+            row["relayed"][node] = {
+                "errors": max_errors(problem, cp_rank, ref, got),
                 "forward": forward,
                 "backward": backward,
-                "links": len(ex.sources) + len(ex.dests),  # a partner that sends and receives counts twice
-                "kv_row_bytes": kv_heads * 4 * 8,
+                "two_stages": relayed.exchange.relayed,
             }
-        )
+        report.append(row)
     return report
 
 
@@ -191,3 +202,34 @@ def test_one_batch_per_pass_and_direction_with_the_partners_only(spawned):
             continue
         assert [batch["ops"] for batch in forward] == [2 * links], (row["name"], row["cp_rank"], forward)
         assert [batch["ops"] for batch in backward] == [2 * links] * 2, (row["name"], row["cp_rank"], backward)
+
+
+@pytest.mark.slow
+def test_the_node_relayed_exchange_is_exact_and_sends_what_the_model_counts(spawned):
+    """With nodes of 2 and 3 ranks: every rank exact; forward sends per case the direct, crossing
+    and relayed tokens of :func:`exchange_tokens`, the backward twice that (K/V again, dK/dV home);
+    a rank with relays posts two K/V batches per pass, the others one."""
+    cases = {name: mb for name, mb, *_ in build_cases()}
+    by_case: dict[tuple[str, int], list[dict]] = {}
+    for row in spawned:
+        for node, run in row["relayed"].items():
+            assert within(run["errors"], TOL), (row["name"], node, row["cp_rank"], run["errors"])
+            by_case.setdefault((row["name"], node), []).append(row | {"run": run})
+    assert {node for _, node in by_case} == set(NODE_SIZES)
+    stages = 0
+    for (name, node), ranks in by_case.items():
+        mb = cases[name]
+        rows = [(c, p.sample, p.start, p.stop) for c, shard in enumerate(mb.shards) for p in shard.pieces]
+        c, sample, start, stop = (np.array(col, dtype=np.int64) for col in zip(*rows))
+        moved = exchange_tokens(np.zeros(len(c), dtype=np.int64), c, sample, start, stop, 1, len(mb.shards), node)
+        tokens = sum(int(moved[k].sum()) for k in ("send_intra", "send_inter", "relay_send"))
+        per_token = 2 * ranks[0]["kv_row_bytes"]
+        forward = sum(batch["sent"] for row in ranks for batch in row["run"]["forward"])
+        backward = sum(batch["sent"] for row in ranks for batch in row["run"]["backward"])
+        assert (forward, backward) == (tokens * per_token, 2 * tokens * per_token), (name, node)
+        for row in ranks:
+            run = row["run"]
+            if run["two_stages"]:
+                stages += 1
+                assert len(run["forward"]) == 2, (name, node, row["cp_rank"], run["forward"])
+    assert stages, "some rank relays"

@@ -46,8 +46,8 @@ def test_the_pool_plan_splits_node_by_node(lengths):
 
 
 def test_sampler_collator_and_shards_give_every_token_once(samples, lengths, tmp_path):
-    """The loader's batches (sampler, dataset, collator with the rank's attention schedule) equal the
-    shards', and together they hold every token exactly once."""
+    """The loader's batches (sampler, dataset, collator with the rank's attention schedule, for the
+    plan's nodes) equal the shards', and together they hold every token exactly once."""
     plan = ringpack.plan(lengths, world=WORLD, tokens_per_rank=T, **OPTS)
     ds = datasets.Dataset.from_dict({"input_ids": [s.tolist() for s in samples]})
     write_shards(ds, tmp_path / "shards", plan.config, progress=False)
@@ -58,9 +58,19 @@ def test_sampler_collator_and_shards_give_every_token_once(samples, lengths, tmp
         collator = PackedCollator(c, WORLD)
         from_loader = [collator(PackedDataset(ds).__getitems__(t)) for t in sampler]
         assert all(b["schedule"] is not None for b in from_loader), "the rank's schedule compiles"
-        reader = ShardReader(tmp_path / "shards", 0, c, dp_size=1, cp_size=WORLD, schedule=False)
+        assert {b["schedule"].gpus_per_node for b in from_loader} == {NODE}, "relayed across the plan's nodes"
+        reader = ShardReader(tmp_path / "shards", 0, c, dp_size=1, cp_size=WORLD, schedule=c < 2)
         assert reader.plan == plan
         batches = list(reader)
+        if c < 2:
+            assert {b["schedule"].gpus_per_node for b in batches} == {NODE}, "the shards' schedules relay too"
+            routes = [[_routes(b["schedule"].exchange) for b in run] for run in (batches, from_loader)]
+            assert routes[0] == routes[1] and any(r[-1] for r in routes[0]), "the same relays, some of them"
         assert [batch_signature(b) for b in batches] == [batch_signature(b) for b in from_loader]
         cov.add_all(batches)
     cov.check_exactly_once()
+
+
+def _routes(ex) -> tuple:
+    """What a relayed exchange map moves where (its fields without the tensors)."""
+    return (ex.sources, ex.via, ex.recv_tokens, ex.dests, ex.send_tokens, ex.relay_in, ex.proxied)

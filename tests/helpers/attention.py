@@ -171,6 +171,13 @@ def targeted_microbatches() -> list[tuple[str, MicroBatch, dict[int, int]]]:
         {0: 9, 1: 7, 2: 4},
         [[P(2, 0, 1)], [P(0, 0, 5), P(1, 4, 7)], [], [], [P(0, 5, 9), P(1, 0, 4)], [P(2, 1, 4)]],
     )
+    # in nodes of 2 (ranks 0-1, 2-3): rank 1's samples 0, 1, 2 go on to ranks 2 (0 and 2) and 3 (1);
+    # its proxy there is rank 3, which forwards rank 2 two runs of what it takes (rows 0-2 and 4-6)
+    add(
+        "two-runs-via-a-proxy-of-4",
+        {0: 4, 1: 5, 2: 6, 3: 2},
+        [[P(3, 0, 2)], [P(0, 0, 2), P(1, 0, 2), P(2, 0, 2)], [P(0, 2, 4), P(2, 2, 6)], [P(1, 2, 5)]],
+    )
     return cases
 
 
@@ -322,7 +329,8 @@ class LoopbackTransport:
 
 class LoopbackTargeted:
     """A transport factory for the targeted exchange without a process group: each rank's step
-    reads the rows its source's exchange map sends it, and its dK/dV go to those rows."""
+    reads the rows of its source's compact buffer that the exchange maps route to it (straight, or
+    through the source's proxy and its forwards), and its dK/dV go back to those rows."""
 
     def __init__(self, world: LoopbackWorld, schedules: list) -> None:
         self.world, self.schedules = world, schedules
@@ -332,12 +340,31 @@ class LoopbackTargeted:
 
         return targeted_schedule(schedule)
 
-    def rows(self, src: int, dst: int) -> torch.Tensor:
-        """The rows of ``src``'s compact buffer that its exchange map sends ``dst``."""
+    def sent(self, src: int, dst: int) -> torch.Tensor:
+        """The rows of ``src``'s compact buffer that its exchange map sends ``dst`` (stage one)."""
         ex = self.schedules[src].exchange
         j = ex.dests.index(dst)
         rows = ex.send_ranges[j]
         return torch.arange(*rows) if rows is not None else ex.send_index[j].cpu()
+
+    def rows(self, rank: int, i: int) -> torch.Tensor:
+        """The rows of source ``i``'s compact buffer in ``rank``'s buffer of it, following the maps."""
+        ex = self.schedules[rank].exchange
+        src, via = ex.sources[i], ex.via_of(i)
+        if via == src:
+            return self.sent(src, rank)
+        job = next(job for job in self.schedules[via].exchange.proxied if job.source == src)
+        proxied = self.sent(src, via)
+        assert len(proxied) == job.tokens, "the source sends its proxy every row the node needs"
+        parts = job.own if via == rank else [(u, n, o) for d, u, n, o in job.forwards if d == rank]
+        if via != rank:  # the forwards this rank expects are the ones its proxy sends
+            expected = [(o, n) for j, frm, o, n in ex.relay_in if j == i]
+            assert sorted(expected) == sorted((o, n) for _, n, o in parts), (rank, src, via)
+        out = torch.full((ex.recv_tokens[i],), -1, dtype=torch.int64)
+        for u, n, offset in parts:
+            out[offset : offset + n] = proxied[u : u + n]
+        assert (out >= 0).all(), "every row of the buffer arrives"
+        return out
 
     def __call__(self, schedule) -> LoopbackTargetedTransport:
         return LoopbackTargetedTransport(schedule, self)
@@ -362,7 +389,7 @@ class LoopbackTargetedTransport:
         if i >= len(self.exchange.sources):  # a rank that only sends
             return kv[self.rank][:, :0]
         src = self.exchange.sources[i]
-        buf = kv[src][:, self.factory.rows(src, self.rank).to(kv[src].device)]
+        buf = kv[src][:, self.factory.rows(self.rank, i).to(kv[src].device)]
         assert buf.shape[1] == self.exchange.recv_tokens[i], "the sender's rows are what the receiver expects"
         return buf
 
@@ -371,7 +398,7 @@ class LoopbackTargetedTransport:
             return
         src = self.exchange.sources[i]
         acc = self.factory.world.dkv[src]
-        rows = self.factory.rows(src, self.rank).to(acc.device)
+        rows = self.factory.rows(self.rank, i).to(acc.device)
         for j, grad in enumerate(dkv):
             acc[j].index_add_(0, rows, grad.to(acc.dtype))
 
@@ -388,16 +415,19 @@ def run_all_ranks(
     dense_buckets: int | None = 8,
     part_rows: int | None = None,
     mode: str = "ring",
+    gpus_per_node: int | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """Forward and backward of every CP rank of ``problem`` in this process, through the real engine
     (``part_rows``: the forward's row chunks of remote dense blocks, as without gradients;
-    ``mode="p2p"``: the targeted exchange's steps and rows)."""
+    ``mode="p2p"``: the targeted exchange's steps and rows, node-relayed with ``gpus_per_node``)."""
     from ringpack.attention import compile_schedule
     from ringpack.attention.ring import PassConfig, attention_backward, attention_forward
 
     cp = len(problem.mb.shards)
     schedules = [
-        compile_schedule(problem.mb, r, dense_threshold=dense_threshold, dense_buckets=dense_buckets).to(device)
+        compile_schedule(
+            problem.mb, r, dense_threshold=dense_threshold, dense_buckets=dense_buckets, gpus_per_node=gpus_per_node
+        ).to(device)
         for r in range(cp)
     ]
     q, k, v, dout = ([problem.local(t, r) for r in range(cp)] for t in (problem.q, problem.k, problem.v, problem.dout))
