@@ -47,8 +47,9 @@ class LayoutCandidate:
         step_seconds: mean predicted step time (compute and exposed communication, slowest rank).
         compute_seconds: mean step time of the compute alone (the cost model's critical path).
         tokens_per_second: tokens of the sampled steps over their predicted time.
-        inter_node_bytes: mean K/V bytes per step the targeted exchange sends between nodes (0
-            for a layout inside one node).
+        inter_node_bytes: mean K/V bytes per step (all layers, forward) the node-relayed targeted
+            exchange sends between nodes: each needed piece once per other node that needs it
+            (``ExchangeVolumes.send_inter``); 0 for a layout inside one node.
         note: what kept the layout out, or ``""``.
     """
 
