@@ -28,7 +28,7 @@ from ringpack.shard_plan import Plan, PlanConfig, global_batch_samples
 
 __all__ = ["LayoutCandidate", "LayoutChoice", "choose_layout", "cp_sizes", "TIE"]
 
-#: Layouts whose predicted step time is within this fraction of the fastest tie; the simplest of
+#: Layouts whose predicted tokens/s is within this fraction of the fastest's tie; the simplest of
 #: them wins (the smallest CP size, a fixed size before the pool, ring before all-gather before p2p).
 TIE = 0.005
 
@@ -246,11 +246,15 @@ def _timed(name: str, mode: str, plan: Plan, comm: CommModel) -> LayoutCandidate
 
 
 def _rank(candidates: list[LayoutCandidate]) -> list[LayoutCandidate]:
-    """Fastest first; within :data:`TIE` of the fastest, the simplest first; infeasible ones last."""
-    feasible = sorted((c for c in candidates if c.feasible), key=lambda c: c.step_seconds)
+    """Most tokens/s first; within :data:`TIE` of the fastest, the simplest first; infeasible ones last.
+
+    Tokens/s, not step time: with ``overflow="split"`` or ``"drop"`` each CP size cuts or drops other
+    samples, so the sampled steps of two layouts need not hold the same tokens.
+    """
+    feasible = sorted((c for c in candidates if c.feasible), key=lambda c: -c.tokens_per_second)
     if feasible:
-        fastest = feasible[0].step_seconds
-        tied = [c for c in feasible if c.step_seconds <= fastest * (1.0 + TIE)]
+        fastest = feasible[0].tokens_per_second
+        tied = [c for c in feasible if c.tokens_per_second * (1.0 + TIE) >= fastest]
         simplest = min(tied, key=lambda c: (c.name == "pool", c.cp, MODES.index(c.mode)))
         feasible.remove(simplest)
         feasible.insert(0, simplest)
