@@ -66,6 +66,12 @@ class LayoutCandidate:
     note: str = ""
 
     @property
+    def exposed_seconds(self) -> float:
+        """Mean step time beyond the compute: what the exchange leaves exposed (0 below rounding)."""
+        exposed = self.step_seconds - self.compute_seconds
+        return exposed if exposed > 1e-9 * self.step_seconds else 0.0
+
+    @property
     def label(self) -> str:
         """``"pool, p2p"``, ``"cp=8, ring"``."""
         return f"{self.name}, {self.mode}"
@@ -270,10 +276,9 @@ def _reason(ranked: list[LayoutCandidate]) -> str:
     rival = other_kind[0] if other_kind else (others[0] if others else None)
 
     def split(c: LayoutCandidate) -> str:
-        exposed = c.step_seconds - c.compute_seconds
-        exposed = exposed if exposed > 1e-9 * c.step_seconds else 0.0  # rounding, not communication
         return (
-            f"{c.step_seconds:.3g} s a step = {c.compute_seconds:.3g} s compute + {exposed:.3g} s exposed communication"
+            f"{c.step_seconds:.3g} s a step = {c.compute_seconds:.3g} s compute + "
+            f"{c.exposed_seconds:.3g} s exposed communication"
         )
 
     if rival is None:
