@@ -70,7 +70,7 @@ def add_command(subparsers: Any) -> None:
         "--gpus",
         type=integer_list(1),
         default=[1024],
-        help="GPUs, comma-separated for several shapes; DP = gpus / cp",
+        help="GPUs, comma-separated for several shapes; DP = gpus / cp (--cp auto: the layout chosen for each)",
     )
     g = p.add_argument_group("lengths")
     flag(g, "--samples", type=integer(1, 10**9), help=f"drawn samples in the epoch (default {DRAWN['samples']:,})")
@@ -86,8 +86,9 @@ def add_command(subparsers: Any) -> None:
     add_compare_flags(p, defaults=DEFAULTS, skip=("dp",), modes="ring,allgather", out="ringpack-simulation")
     add_cp_auto(
         p,
-        "; auto: for each --gpus, every fixed CP size and the pool timed under each exchange on the first "
-        "global batches, the comparison printed (and in --json), and the fastest simulated",
+        "; auto: the fastest layout for each --gpus, simulated (every fixed CP size and the pool timed under "
+        "each exchange on the first global batches, nodes of --gpus-per-node GPUs, 8 unless given; the "
+        "comparison printed and in --json)",
     )
     flag(p, "--jobs", type=integer(0, 1024), default=0, help="worker processes (0: all cores)")
     flag(p, "--chunk-steps", type=POSITIVE, default=8, help="global batches planned per worker task")
