@@ -99,12 +99,13 @@ def resolve_layout(args: argparse.Namespace, lengths: Any) -> LayoutChoice | Non
     return None
 
 
-def node_size(args: argparse.Namespace, world: int) -> int:
-    """``--gpus-per-node``, or :data:`DEFAULT_GPUS_PER_NODE` (at most ``world``, said on stderr)."""
+def node_size(args: argparse.Namespace, world: int, say: bool = True) -> int:
+    """``--gpus-per-node``, or :data:`DEFAULT_GPUS_PER_NODE` (at most ``world``; with ``say``, said on stderr)."""
     if args.gpus_per_node is not None:
         return args.gpus_per_node
     node = min(DEFAULT_GPUS_PER_NODE, world)
-    logger.info("--cp auto: assuming %d GPUs per node (set --gpus-per-node)", node)
+    if say:
+        logger.info("--cp auto: assuming %d GPUs per node (set --gpus-per-node)", node)
     return node
 
 

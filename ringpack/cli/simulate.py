@@ -37,11 +37,11 @@ from ringpack.cli.inputs import (
 )
 from ringpack.cli.layout import (
     AUTO,
-    DEFAULT_GPUS_PER_NODE,
     add_cp_auto,
     choice_to_dict,
     choose_for,
     layout_table,
+    node_size,
 )
 
 #: ``simulate``'s drawn lengths when their flags are not given (each flag applies to drawn lengths only;
@@ -127,7 +127,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         )
     auto = args.cp == AUTO
     for gpus in args.gpus:
-        node = args.gpus_per_node or min(DEFAULT_GPUS_PER_NODE, gpus)
+        node = node_size(args, gpus, say=False)
         if auto and gpus % node:
             raise ValueError(f"--gpus {gpus} is not a whole number of nodes of {node} GPUs (--gpus-per-node)")
         if not auto and gpus % args.cp:
