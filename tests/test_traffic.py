@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ringpack.shard_plan import Piece, microbatch_from_shards
-from ringpack.traffic import KVTraffic, exchange_tokens, kv_traffic, needed_pieces, receivers
+from ringpack.traffic import KVTraffic, exchange_tokens, kv_traffic, needed_pieces, proxy_index, receivers
 
 
 @st.composite
@@ -50,3 +50,72 @@ def test_bytes_within_and_across_nodes_by_hand():
     assert moved["recv_inter"].tolist() == [[0, 0, 20, 0]]
     flat = exchange_tokens(np.zeros(len(c), dtype=np.int64), c, sample, start, stop, 1, 4)
     assert flat["send_intra"].tolist() == [[20, 10, 0, 0]] and not flat["send_inter"].any()
+
+
+def test_relayed_volumes_by_hand():
+    """CP=8 in nodes of 4; sample 0 is [0, 10) on rank 0, [10, 20) on rank 1, [20, 30) on rank 4,
+    [30, 40) on rank 5. Rank 0's piece goes to rank 1 directly and once to node 1; rank 1's once to
+    node 1; rank 4's to rank 5 directly. On node 1 both sources' receivers are [4, 5]: source 0's
+    proxy is index 0 % 2 = 0 (rank 4), source 1's index 1 % 2 = 1 (rank 5); each relays to the other."""
+    c = np.array([0, 1, 4, 5])
+    start = np.array([0, 10, 20, 30])
+    moved = exchange_tokens(np.zeros(4, dtype=np.int64), c, np.zeros(4, dtype=np.int64), start, start + 10, 1, 8, 4)
+    rows = {k: v[0].tolist() for k, v in moved.items()}
+    assert rows == {
+        "send_intra": [10, 0, 0, 0, 10, 0, 0, 0],
+        "recv_intra": [0, 10, 0, 0, 0, 10, 0, 0],
+        "send_inter": [10, 10, 0, 0, 0, 0, 0, 0],
+        "recv_inter": [0, 0, 0, 0, 10, 10, 0, 0],
+        "relay_send": [0, 0, 0, 0, 10, 10, 0, 0],
+        "relay_recv": [0, 0, 0, 0, 10, 10, 0, 0],
+    }
+
+
+@st.composite
+def node_rows(draw):
+    """Pieces of up to 3 micro-batches over CP groups of 1 to 3 nodes of 1, 2 or 4 ranks."""
+    node = draw(st.sampled_from([1, 2, 4]))
+    cp = node * draw(st.integers(1, 3))
+    n = draw(st.integers(1, 30))
+    ints = lambda lo, hi: np.array(draw(st.lists(st.integers(lo, hi), min_size=n, max_size=n)))
+    start = ints(0, 60)
+    return node, cp, (ints(0, 2), ints(0, cp - 1), ints(0, 3), start, start + ints(1, 20))
+
+
+@settings(max_examples=200, deadline=None)
+@given(node_rows())
+def test_every_piece_crossing_nodes_arrives_once(drawn):
+    """Routed one pair at a time by the rule (of the receivers of a source on a node, ascending, the
+    one at ``proxy_index(source, count)`` takes its pieces for the node), every (piece, rank on another node
+    that needs it) pair is delivered exactly once, to the proxy over the link between nodes or by
+    its relay, and ``exchange_tokens`` counts what that routing moves."""
+    G, cp, (group, rank, sample, start, stop) = drawn
+    piece, to = receivers(group, rank, sample, start, stop)
+    tokens = stop - start
+    want = {k: np.zeros((3, cp), dtype=np.int64) for k in ("send_inter", "recv_inter", "relay_send", "relay_recv")}
+    delivered: dict[tuple[int, int], int] = {}
+    copies = set()
+    for i, r in zip(piece.tolist(), to.tolist()):
+        g, s = int(group[i]), int(rank[i])
+        if s // G == r // G:
+            continue
+        node_receivers = sorted({t for p, t in zip(piece, to) if group[p] == g and rank[p] == s and t // G == r // G})
+        proxy = int(node_receivers[proxy_index(s, len(node_receivers))])
+        assert proxy // G == r // G
+        if (i, r // G) not in copies:  # one copy of the piece to the node, at its proxy
+            copies.add((i, r // G))
+            want["send_inter"][g, s] += tokens[i]
+            want["recv_inter"][g, proxy] += tokens[i]
+            delivered[(i, proxy)] = delivered.get((i, proxy), 0) + (proxy in to[piece == i])
+        if r != proxy:
+            want["relay_send"][g, proxy] += tokens[i]
+            want["relay_recv"][g, r] += tokens[i]
+            delivered[(i, r)] = delivered.get((i, r), 0) + 1
+    crossing = {(i, r) for i, r in zip(piece.tolist(), to.tolist()) if rank[i] // G != r // G}
+    assert {k for k, v in delivered.items() if v} == crossing and set(delivered.values()) <= {0, 1}
+    moved = exchange_tokens(group, rank, sample, start, stop, 3, cp, G)
+    for k, v in want.items():
+        assert np.array_equal(moved[k], v), k
+    assert moved["send_inter"].sum() == moved["recv_inter"].sum()
+    assert moved["relay_send"].sum() == moved["relay_recv"].sum()
+    assert moved["send_intra"].sum() == moved["recv_intra"].sum()

@@ -8,9 +8,9 @@ into seconds, per layer, on two link classes: within a node (``bandwidth``, ``la
   for the largest buffer ``B`` over the ring's slowest hop, overlapped with attention step by step;
 * **all-gather**: a K/V all-gather and a dK/dV reduce-scatter, the node's buffers on its links and
   the other nodes' on the links between, not overlapped;
-* **p2p** (targeted): one exchange per layer and direction of the pieces each rank needs
-  (:func:`exchange_volumes`), overlapped with attention on the rank's own K/V; backward sends
-  K/V again, then dK/dV back.
+* **p2p** (targeted, node-relayed across nodes): per layer and direction, stage 1 (direct sends in
+  the node and one copy per other node to a proxy) and stage 2 (the proxies' relays in their node),
+  overlapped with attention on the rank's own K/V; backward then returns dK/dV the same way back.
 
 Linear layers never overlap communication; the DP all-reduce is not modelled (docs/analysis.md,
 "The communication model").
@@ -151,20 +151,35 @@ class CommModel:
 
 @dataclass(frozen=True)
 class ExchangeVolumes:
-    """What each CP rank moves in the targeted exchange and how much of its attention needs it.
+    """What each CP rank moves in the targeted exchange and how much of its attention waits for it.
 
-    Every array has the shape of the rank arrays it goes with (CP rank last). Tokens, one layer's
-    forward: ``send_intra`` / ``send_inter`` (pieces sent to ranks of its node / of other nodes,
-    once per receiver), ``recv_intra`` / ``recv_inter`` (pieces received); ``remote_pairs``: the
-    rank's causal pairs whose key is on another rank (the rest run on its own K/V, during the
-    exchange).
+    Every array has the shape of the rank arrays it goes with (CP rank last); tokens of one layer's
+    forward, as :func:`ringpack.traffic.exchange_tokens` counts them for the node-relayed exchange:
+
+    * ``send_intra`` / ``recv_intra``: pieces sent to / received from ranks of the same node, directly;
+    * ``send_inter`` / ``recv_inter``: pieces crossing nodes, once per receiving node (received by
+      that node's proxy);
+    * ``relay_send`` / ``relay_recv``: pieces a proxy forwards to / a rank gets from its node's proxy;
+    * ``remote_intra_pairs`` / ``remote_inter_pairs``: the rank's causal pairs whose key is on another
+      rank of its node / on another node (the rest run on its own K/V, during the exchange);
+      :attr:`remote_pairs` is their sum.
+
+    Flat (no ``gpus_per_node``): everything is ``_intra``, the relays and ``_inter`` arrays are 0.
     """
 
     send_intra: np.ndarray
     send_inter: np.ndarray
     recv_intra: np.ndarray
     recv_inter: np.ndarray
-    remote_pairs: np.ndarray
+    relay_send: np.ndarray
+    relay_recv: np.ndarray
+    remote_intra_pairs: np.ndarray
+    remote_inter_pairs: np.ndarray
+
+    @property
+    def remote_pairs(self) -> np.ndarray:
+        """The rank's causal pairs whose key is on another rank: ``remote_intra_pairs + remote_inter_pairs``."""
+        return self.remote_intra_pairs + self.remote_inter_pairs
 
 
 def kv_cross_tokens(arrays: Mapping[str, np.ndarray], shape: tuple[int, int, int] | None = None) -> np.ndarray:
@@ -193,10 +208,12 @@ def exchange_volumes(
         arrays: the plan's piece table (``Plan.piece_arrays`` columns).
         cp: CP ranks of a micro-batch (``C``).
         shape: ``(S, D, M)``, the grid of micro-batches.
-        gpus_per_node: nodes of that many CP ranks (``None``: one node, every byte ``_intra``).
+        gpus_per_node: nodes of that many CP ranks, node-relayed (``None``: one node, every byte
+            and pair ``_intra``).
 
     A piece's local pairs are its own causal pairs and those against the same sample's earlier
-    pieces on the same rank; the rest of its pairs are remote.
+    pieces on the same rank; its remote pairs against earlier pieces on other ranks of its node are
+    ``_intra``, the rest (earlier pieces on other nodes) ``_inter``.
     """
     step, dp, mb = (np.asarray(arrays[k], dtype=np.int64) for k in ("step", "dp", "microbatch"))
     c, sample = np.asarray(arrays["cp"], dtype=np.int64), np.asarray(arrays["sample"], dtype=np.int64)
@@ -204,25 +221,39 @@ def exchange_volumes(
     S, D, M = shape
     cell = (step * D + dp) * M + mb
     moved = exchange_tokens(cell, c, sample, start, stop, S * D * M, cp, gpus_per_node)
-    # tokens of the same sample on the same rank before each piece (same cell)
-    order = np.lexsort((start, c, sample, cell))
     length = stop - start
+    on_rank = _earlier_tokens(cell, sample, c, start, length)
+    remote = piece_pairs(start, stop) - (length * (length + 1) // 2 + length * on_rank)
+    if gpus_per_node is None:
+        intra = remote
+    else:
+        intra = length * (_earlier_tokens(cell, sample, c // gpus_per_node, start, length) - on_rank)
+    grid = (S, D, M, cp)
+
+    def per_rank(values: np.ndarray) -> np.ndarray:
+        out = np.zeros(S * D * M * cp, dtype=np.int64)
+        np.add.at(out, cell * cp + c, values)
+        return out.reshape(grid)
+
+    names = ("send_intra", "send_inter", "recv_intra", "recv_inter", "relay_send", "relay_recv")
+    return ExchangeVolumes(*(moved[k].reshape(grid) for k in names), per_rank(intra), per_rank(remote - intra))
+
+
+def _earlier_tokens(
+    cell: np.ndarray, sample: np.ndarray, holder: np.ndarray, start: np.ndarray, length: np.ndarray
+) -> np.ndarray:
+    """Per piece: tokens of its sample's earlier pieces in its micro-batch ``cell`` held by the same
+    ``holder`` (a CP rank, or a node), int64 ``[n]``."""
+    order = np.lexsort((start, holder, sample, cell))
     run = np.ones(len(order), dtype=bool)
     if len(order):
-        key = np.stack([cell[order], sample[order], c[order]])
+        key = np.stack([cell[order], sample[order], holder[order]])
         run[1:] = (key[:, 1:] != key[:, :-1]).any(axis=0)
     before = np.cumsum(length[order]) - length[order]
     base = np.maximum.accumulate(np.where(run, before, 0))
     earlier = np.empty_like(length)
     earlier[order] = before - base
-    local = length * (length + 1) // 2 + length * earlier
-    remote = np.zeros(S * D * M * cp, dtype=np.int64)
-    np.add.at(remote, cell * cp + c, piece_pairs(start, stop) - local)
-    grid = (S, D, M, cp)
-    return ExchangeVolumes(
-        *(moved[k].reshape(grid) for k in ("send_intra", "send_inter", "recv_intra", "recv_inter")),
-        remote.reshape(grid),
-    )
+    return earlier
 
 
 def microbatch_seconds(
@@ -279,20 +310,67 @@ def microbatch_seconds(
 
 
 def _p2p_attention(attn: np.ndarray, pairs: np.ndarray, volumes: ExchangeVolumes, comm: CommModel) -> np.ndarray:
-    """Attention seconds with the targeted exchange: per layer, forward ``max(local, exchange) +
-    remote``, backward ``max(local, exchange) + remote + exchange`` (K/V again, then dK/dV back)."""
+    """Attention seconds with the staged targeted exchange, per layer and direction.
+
+    Link times of a rank, each ``latency + max(sent, received) / bandwidth`` on its class (0 when
+    it moves nothing): ``intra`` (direct, NVLink), ``inter`` (to and from proxies, IB), ``relay``
+    (NVLink). Stage 1 (direct and IB sends at once) ends at ``s1 = max(intra, inter)``; stage 2
+    (the relays) starts once the node's relaying ranks are through stage 1 (a relay waits for its
+    proxy's copy): ``s2 = max(s1, s1 of the node's relaying ranks) + relay``. Attention on the
+    rank's own K/V runs from the start, on keys of its node after ``s1``, on keys of other nodes
+    after ``s2``: ``c1 = max(local, s1) + remote_intra``, ``c2 = max(c1, s2) + remote_inter``
+    (``c1`` for a rank with no key on another node). Forward: ``c2``. Backward: K/V again the same
+    way, then G1 (dK/dV back within the node: direct returns and the relays' grads to the proxy,
+    one NVLink batch) and G2 (the proxies' summed grads back over IB, once the node's relaying
+    ranks are through G1), both exposed: ``g1 = c2 + G1``, ``g2 = max(g1, g1 of the node's
+    relaying ranks) + inter`` for a rank with IB traffic, ``g1`` otherwise.
+
+    Assumed: a rank's two link classes run at once, a batch takes as long as its rank's larger
+    direction, a rank waits on the other ranks only through its node's relays, and no part of the
+    local backward overlaps G1 or G2 (conservative). Flat (no relays, nothing ``_inter``) this is
+    the one-batch exchange: forward ``max(local, exchange) + remote``, backward ``max(local,
+    exchange) + remote + exchange``.
+    """
     L = comm.layers
     b = comm.kv_bytes_per_token_layer
-    intra = np.maximum(volumes.send_intra, volumes.recv_intra) * b
-    inter = np.maximum(volumes.send_inter, volumes.recv_inter) * b
-    t_intra = np.where(intra > 0, comm.latency + intra / comm.bandwidth, 0.0)
-    t_inter = np.where(inter > 0, comm.inter_latency + inter / comm.inter_bandwidth, 0.0)
-    exchange = np.maximum(t_intra, t_inter)  # the two link classes carry their parts at once
+
+    def link(tokens: np.ndarray, bandwidth: float, latency: float) -> np.ndarray:
+        return np.where(tokens > 0, latency + tokens * b / bandwidth, 0.0)
+
+    v = volumes
+    t_intra = link(np.maximum(v.send_intra, v.recv_intra), comm.bandwidth, comm.latency)
+    t_inter = link(np.maximum(v.send_inter, v.recv_inter), comm.inter_bandwidth, comm.inter_latency)
+    t_relay = link(np.maximum(v.relay_send, v.relay_recv), comm.bandwidth, comm.latency)
+    # dK/dV back within the node: to the direct senders and, from the relays' receivers, to the proxy
+    t_g1 = link(np.maximum(v.recv_intra + v.relay_recv, v.send_intra + v.relay_send), comm.bandwidth, comm.latency)
+    relaying = t_relay > 0
+    node = comm.node_size(np.shape(attn)[-1])
+
+    def after_relays(t: np.ndarray) -> np.ndarray:
+        """``t``, or later: the latest ``t`` of the node's relaying ranks, for a rank that relays."""
+        return np.where(relaying, np.maximum(t, _node_max(np.where(relaying, t, 0.0), node)), t)
+
+    s1 = np.maximum(t_intra, t_inter)
+    s2 = after_relays(s1) + t_relay
     pairs = np.asarray(pairs, dtype=np.float64)
-    remote_share = np.divide(volumes.remote_pairs, pairs, out=np.zeros_like(pairs), where=pairs > 0)
+    share_intra = np.divide(v.remote_intra_pairs, pairs, out=np.zeros_like(pairs), where=pairs > 0)
+    share_inter = np.divide(v.remote_inter_pairs, pairs, out=np.zeros_like(pairs), where=pairs > 0)
+    across = v.remote_inter_pairs > 0
     total = np.zeros_like(attn)
-    for share, grads in ((ATTN_FORWARD_SHARE, 0.0), (1.0 - ATTN_FORWARD_SHARE, 1.0)):
+    for share, backward in ((ATTN_FORWARD_SHARE, False), (1.0 - ATTN_FORWARD_SHARE, True)):
         a = attn * share / L
-        remote = a * remote_share
-        total += L * (np.maximum(a - remote, exchange) + remote + grads * exchange)
+        remote_intra, remote_inter = a * share_intra, a * share_inter
+        c1 = np.maximum(a - remote_intra - remote_inter, s1) + remote_intra
+        end = np.where(across, np.maximum(c1, s2) + remote_inter, c1)
+        if backward:
+            end = end + t_g1
+            end = np.where(t_inter > 0, after_relays(end) + t_inter, end)
+        total += L * end
     return total
+
+
+def _node_max(x: np.ndarray, node: int) -> np.ndarray:
+    """Each rank's value replaced by the largest of its node's ranks (CP rank last, nodes of ``node``)."""
+    C = np.shape(x)[-1]
+    starts = np.arange(0, C, node)
+    return np.repeat(np.maximum.reduceat(x, starts, axis=-1), np.diff(np.append(starts, C)), axis=-1)

@@ -28,7 +28,7 @@ from ringpack.shard_plan import Plan, PlanConfig, global_batch_samples
 
 __all__ = ["LayoutCandidate", "LayoutChoice", "choose_layout", "cp_sizes", "TIE"]
 
-#: Layouts whose predicted step time is within this fraction of the fastest tie; the simplest of
+#: Layouts whose predicted tokens/s is within this fraction of the fastest's tie; the simplest of
 #: them wins (the smallest CP size, a fixed size before the pool, ring before all-gather before p2p).
 TIE = 0.005
 
@@ -47,8 +47,9 @@ class LayoutCandidate:
         step_seconds: mean predicted step time (compute and exposed communication, slowest rank).
         compute_seconds: mean step time of the compute alone (the cost model's critical path).
         tokens_per_second: tokens of the sampled steps over their predicted time.
-        inter_node_bytes: mean K/V bytes per step the targeted exchange sends between nodes (0
-            for a layout inside one node).
+        inter_node_bytes: mean K/V bytes per step (all layers, forward) the node-relayed targeted
+            exchange sends between nodes: each needed piece once per other node that needs it
+            (``ExchangeVolumes.send_inter``); 0 for a layout inside one node.
         note: what kept the layout out, or ``""``.
     """
 
@@ -63,6 +64,12 @@ class LayoutCandidate:
     tokens_per_second: float = 0.0
     inter_node_bytes: float = 0.0
     note: str = ""
+
+    @property
+    def exposed_seconds(self) -> float:
+        """Mean step time beyond the compute: what the exchange leaves exposed (0 below rounding)."""
+        exposed = self.step_seconds - self.compute_seconds
+        return exposed if exposed > 1e-9 * self.step_seconds else 0.0
 
     @property
     def label(self) -> str:
@@ -245,11 +252,15 @@ def _timed(name: str, mode: str, plan: Plan, comm: CommModel) -> LayoutCandidate
 
 
 def _rank(candidates: list[LayoutCandidate]) -> list[LayoutCandidate]:
-    """Fastest first; within :data:`TIE` of the fastest, the simplest first; infeasible ones last."""
-    feasible = sorted((c for c in candidates if c.feasible), key=lambda c: c.step_seconds)
+    """Most tokens/s first; within :data:`TIE` of the fastest, the simplest first; infeasible ones last.
+
+    Tokens/s, not step time: with ``overflow="split"`` or ``"drop"`` each CP size cuts or drops other
+    samples, so the sampled steps of two layouts need not hold the same tokens.
+    """
+    feasible = sorted((c for c in candidates if c.feasible), key=lambda c: -c.tokens_per_second)
     if feasible:
-        fastest = feasible[0].step_seconds
-        tied = [c for c in feasible if c.step_seconds <= fastest * (1.0 + TIE)]
+        fastest = feasible[0].tokens_per_second
+        tied = [c for c in feasible if c.tokens_per_second * (1.0 + TIE) >= fastest]
         simplest = min(tied, key=lambda c: (c.name == "pool", c.cp, MODES.index(c.mode)))
         feasible.remove(simplest)
         feasible.insert(0, simplest)
@@ -265,10 +276,9 @@ def _reason(ranked: list[LayoutCandidate]) -> str:
     rival = other_kind[0] if other_kind else (others[0] if others else None)
 
     def split(c: LayoutCandidate) -> str:
-        exposed = c.step_seconds - c.compute_seconds
-        exposed = exposed if exposed > 1e-9 * c.step_seconds else 0.0  # rounding, not communication
         return (
-            f"{c.step_seconds:.3g} s a step = {c.compute_seconds:.3g} s compute + {exposed:.3g} s exposed communication"
+            f"{c.step_seconds:.3g} s a step = {c.compute_seconds:.3g} s compute + "
+            f"{c.exposed_seconds:.3g} s exposed communication"
         )
 
     if rival is None:

@@ -56,6 +56,10 @@ PARALLEL_MIN_SAMPLES = 20_000
 #: Longest sample :func:`synthetic_lengths` draws: far beyond any context, exact in int64 pair counts.
 MAX_LENGTH = 1 << 40
 
+#: What :func:`~ringpack.analysis.packed.evaluate_packed` is told for a CP group over several nodes:
+#: no strategy it cuts itself, so every strategy is measured through the planner's node-by-node split.
+NODE_SPLIT = "node by node"
+
 #: What ``simulate`` compares by default: ringpack, zigzag with ringpack's DP packing, the status
 #: quo (token first-fit + zigzag) and the naive contiguous split.
 SIM_VARIANTS: tuple[tuple[str, str], ...] = (
@@ -182,13 +186,15 @@ def _plan_chunk(task: _Task) -> tuple[list[tuple[int, Any, list, str | None]], f
         raise PlanError(f"{task.where}: {exc}") from None
     bounds = [bound for _, _, _, bound in steps]
     packed = PackedSteps.of([(ids, bins, m) for ids, bins, m, _ in steps], docs, config.dp)
-    length_list: list[int] = []  # read by per-micro-batch splits only, and those never run here
+    # a group over several nodes is split node by node, which only the planner's split does
+    over_nodes = config.nodes_per_group > 1
+    length_list: list[int] = docs.tolist() if over_nodes else []  # read by per-micro-batch splits only
     out = []
     for row, strategy in task.rows:
         cfg = dataclasses.replace(config, strategy=strategy)
         metrics, table = evaluate_packed(
             packed,
-            strategy,
+            NODE_SPLIT if over_nodes else strategy,
             cp=cfg.cp,
             tokens_per_rank=cfg.tokens_per_rank,
             model=cfg.cost,

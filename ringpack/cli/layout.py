@@ -1,9 +1,9 @@
-"""``--cp auto`` and ``--world`` of ``plan`` and ``report``: the layout chosen for the cluster (docs/planner.md).
+"""``--cp auto`` and ``--world`` of ``plan``, ``report`` and ``simulate``: the layout chosen for the cluster.
 
 With ``--world N``, ``--dp`` is ``N / cp``; with ``--cp auto`` the fixed CP sizes and the pool
 (``dp=1, cp=N``, split node by node) are planned on the first global batches and timed under
 ring, all-gather and targeted exchange (:func:`~ringpack.analysis.layout.choose_layout`), and the
-fastest one is planned. See docs/planner.md, "Choosing the layout".
+fastest one is planned (``simulate``: for each ``--gpus``). See docs/planner.md, "Choosing the layout".
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any
 
 from ringpack.analysis.comm_model import CommModel
 from ringpack.analysis.layout import LayoutChoice, choose_layout
+from ringpack.cli.compare import comm_models
 from ringpack.cli.flags import CP_SIZE, POSITIVE, REQUIRED, config_fields, flag
 from ringpack.cli.inputs import cost_model, samples_per_step
 from ringpack.shard_plan import PlanConfig
@@ -35,12 +36,17 @@ def cp_or_auto(text: str) -> int | str:
     return AUTO if text.strip().lower() == AUTO else CP_SIZE(text)
 
 
+def add_cp_auto(parser: argparse.ArgumentParser, help_text: str) -> None:
+    """``auto`` as a value of ``parser``'s ``--cp``, ``help_text`` added to its help."""
+    cp = {a.dest: a for a in parser._actions}["cp"]
+    cp.type = cp_or_auto
+    cp.help = _insert(cp.help, help_text)
+
+
 def add_layout_flags(parser: argparse.ArgumentParser) -> None:
     """``--world``, and ``auto`` as a value of ``parser``'s ``--cp``; ``--dp`` stops being required."""
-    actions = {a.dest: a for a in parser._actions}
-    cp, dp = actions["cp"], actions["dp"]
-    cp.type = cp_or_auto
-    cp.help = _insert(cp.help, "; auto: the fastest layout for --world GPUs (fixed CP sizes and the pool)")
+    add_cp_auto(parser, "; auto: the fastest layout for --world GPUs (fixed CP sizes and the pool)")
+    dp = {a.dest: a for a in parser._actions}["dp"]
     if dp.fallback is REQUIRED:
         dp.fallback = None
         dp.help = dp.help.replace(" (required)", " (required unless --world is given)")
@@ -77,7 +83,10 @@ def resolve_layout(args: argparse.Namespace, lengths: Any) -> LayoutChoice | Non
             raise ValueError("--cp auto needs --world N (the cluster's GPUs) to choose the layout for")
         if "dp" in args.given:
             raise ValueError("--cp auto sets --dp itself (world / cp); leave --dp out")
-        return _choose(args, lengths)
+        choice = choose_for(args, lengths, world)
+        best = choice.best
+        args.dp, args.cp, args.gpus_per_node = best.dp, best.cp, best.gpus_per_node
+        return choice
     if world is None:
         if args.dp is None:
             args.command_parser.error("the following arguments are required: --dp (or --world)")
@@ -90,43 +99,61 @@ def resolve_layout(args: argparse.Namespace, lengths: Any) -> LayoutChoice | Non
     return None
 
 
-def _choose(args: argparse.Namespace, lengths: Any) -> LayoutChoice:
-    """:func:`choose_layout` for the flags; sets ``args.dp``, ``args.cp`` and ``args.gpus_per_node``."""
-    node = args.gpus_per_node
-    if node is None:
-        node = min(DEFAULT_GPUS_PER_NODE, args.world)
+def node_size(args: argparse.Namespace, world: int, say: bool = True) -> int:
+    """``--gpus-per-node``, or :data:`DEFAULT_GPUS_PER_NODE` (at most ``world``; with ``say``, said on stderr)."""
+    if args.gpus_per_node is not None:
+        return args.gpus_per_node
+    node = min(DEFAULT_GPUS_PER_NODE, world)
+    if say:
         logger.info("--cp auto: assuming %d GPUs per node (set --gpus-per-node)", node)
+    return node
+
+
+def choose_for(args: argparse.Namespace, lengths: Any, world: int) -> LayoutChoice:
+    """:func:`choose_layout` of ``world`` GPUs for the flags: the planning flags shared by every
+    layout, the cost model (at ``--tflops``, where the command has it) and the links (``--link``,
+    ``--bandwidth``, ``--latency-us``, ``--inter-link``, where it has them).
+
+    Raises:
+        PlanError: no layout plans the lengths, or ``world`` is not whole nodes.
+    """
+    node = node_size(args, world)
     given = vars(args)
     shared = {n: given[n] for n in config_fields(PlanConfig) if n in given and n not in _SET_PER_LAYOUT}
-    cost = cost_model(args)
-    batch = samples_per_step(args, lengths, dp=1, cp=args.world)
-    choice = choose_layout(
-        lengths,
-        args.world,
-        node,
-        args.tokens_per_rank,
-        cost,
-        CommModel.for_model(cost),
-        samples_per_step=batch or None,
-        **shared,
+    cost = cost_model(args, tflops="tflops" in given)
+    links = comm_models(args, cost)[0] if "link" in given else CommModel.for_model(cost)
+    batch = samples_per_step(args, lengths, dp=1, cp=world)
+    return choose_layout(
+        lengths, world, node, args.tokens_per_rank, cost, links, samples_per_step=batch or None, **shared
     )
-    best = choice.best
-    args.dp, args.cp, args.gpus_per_node = best.dp, best.cp, best.gpus_per_node
-    return choice
 
 
-def layout_table(choice: LayoutChoice) -> str:
-    """The choice as text: the chosen layout, its reason, and the fastest :data:`SHOWN` layouts."""
+def layout_table(choice: LayoutChoice, every: bool = False) -> str:
+    """The choice as text: the chosen layout, its reason, and the fastest :data:`SHOWN` layouts.
+
+    ``every``: every layout and exchange, with each one's exposed communication per step and, for
+    ``p2p``, the K/V (GB, forward) its node-relayed exchange sends between nodes per step
+    (``simulate``'s comparison).
+    """
     lines = [f"layout for these lengths ({choice.steps} global batches planned per layout): {choice.reason}"]
-    lines.append(f"  {'layout':<10} {'exchange':<10} {'tokens/s':>12} {'step s':>10} {'compute s':>10}")
-    for c in choice.candidates[:SHOWN]:
+    head = f"  {'layout':<10} {'exchange':<10} {'tokens/s':>12} {'step s':>10} {'compute s':>10}"
+    lines.append(head + (f" {'exposed s':>10} {'IB GB/step':>10}" if every else ""))
+    listed = set()
+    for c in choice.candidates if every else choice.candidates[:SHOWN]:
+        if not c.feasible and every and c.name in listed:
+            continue  # a layout that cannot plan the lengths, once for all its exchanges
         if not c.feasible:
-            lines.append(f"  {c.name:<10} {c.mode:<10} cannot plan: {c.note}")
+            lines.append(f"  {c.name:<10} {'any' if every else c.mode:<10} cannot plan: {c.note}")
+            listed.add(c.name)
             continue
-        lines.append(
+        row = (
             f"  {c.name:<10} {c.mode:<10} {c.tokens_per_second:>12,.0f} {c.step_seconds:>10.4g} "
             f"{c.compute_seconds:>10.4g}"
         )
+        if every:
+            sent = f"{c.inter_node_bytes / 1e9:.4g}" if c.mode == "p2p" else "-"
+            row += f" {c.exposed_seconds:>10.4g} {sent:>10}"
+        lines.append(row)
     best = choice.best
     lines.append(
         f"planning with dp={best.dp} x cp={best.cp}"
@@ -152,6 +179,8 @@ def choice_to_dict(choice: LayoutChoice) -> dict[str, Any]:
                 "tokens_per_second": c.tokens_per_second if c.feasible else None,
                 "step_seconds": c.step_seconds if c.feasible else None,
                 "compute_seconds": c.compute_seconds if c.feasible else None,
+                "exposed_comm_seconds": c.exposed_seconds if c.feasible else None,
+                "inter_node_bytes": c.inter_node_bytes if c.feasible else None,
                 "note": c.note,
             }
             for c in choice.candidates

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -34,6 +35,14 @@ from ringpack.cli.inputs import (
     progress,
     samples_per_step,
 )
+from ringpack.cli.layout import (
+    AUTO,
+    add_cp_auto,
+    choice_to_dict,
+    choose_for,
+    layout_table,
+    node_size,
+)
 
 #: ``simulate``'s drawn lengths when their flags are not given (each flag applies to drawn lengths only;
 #: ``median`` and ``sigma`` to ``--dist lognormal`` only).
@@ -50,14 +59,18 @@ def add_command(subparsers: Any) -> None:
         help="simulate an epoch at cluster scale",
         description="Plan a whole epoch for a cluster shape with every strategy and predict tokens/s and idle "
         "time from the cost model and a ring / all-gather communication model.",
-        examples=["ringpack simulate --gpus 1024,8192 --cp 8 --samples 1000000 --overflow split --out sim/"],
+        examples=[
+            "ringpack simulate --gpus 1024,8192 --cp 8 --samples 1000000 --overflow split --out sim/",
+            "ringpack simulate --gpus 1024 --cp auto --gpus-per-node 8 --tokens-per-rank 16384 --overflow split "
+            "--out sim/",
+        ],
     )
     flag(
         p,
         "--gpus",
         type=integer_list(1),
         default=[1024],
-        help="GPUs, comma-separated for several shapes; DP = gpus / cp",
+        help="GPUs, comma-separated for several shapes; DP = gpus / cp (--cp auto: the layout chosen for each)",
     )
     g = p.add_argument_group("lengths")
     flag(g, "--samples", type=integer(1, 10**9), help=f"drawn samples in the epoch (default {DRAWN['samples']:,})")
@@ -71,6 +84,12 @@ def add_command(subparsers: Any) -> None:
     flag(g, "--median", type=POSITIVE_REAL, help=f"log-normal median length in tokens (default {DRAWN['median']:g})")
     flag(g, "--sigma", type=NON_NEGATIVE_REAL, help=f"log-normal sigma (default {DRAWN['sigma']:g})")
     add_compare_flags(p, defaults=DEFAULTS, skip=("dp",), modes="ring,allgather", out="ringpack-simulation")
+    add_cp_auto(
+        p,
+        "; auto: the fastest layout for each --gpus, simulated (every fixed CP size and the pool timed under "
+        "each exchange on the first global batches, nodes of --gpus-per-node GPUs, 8 unless given; the "
+        "comparison printed and in --json)",
+    )
     flag(p, "--jobs", type=integer(0, 1024), default=0, help="worker processes (0: all cores)")
     flag(p, "--chunk-steps", type=POSITIVE, default=8, help="global batches planned per worker task")
     add_config_file_flag(p)
@@ -101,8 +120,17 @@ def run_simulate(args: argparse.Namespace) -> int:
     check_outputs(args, inputs=[args.lengths, args.config])
     model = cost_model(args, tflops=True)
     comms = comm_models(args, model)
+    if "p2p" in [c.mode for c in comms]:
+        raise ValueError(
+            "--modes p2p: simulate times the epoch under ring and allgather; the targeted exchange is timed "
+            "per layout by --cp auto's comparison (or by ringpack.analysis.layout.choose_layout)"
+        )
+    auto = args.cp == AUTO
     for gpus in args.gpus:
-        if gpus % args.cp:
+        node = node_size(args, gpus, say=False)
+        if auto and gpus % node:
+            raise ValueError(f"--gpus {gpus} is not a whole number of nodes of {node} GPUs (--gpus-per-node)")
+        if not auto and gpus % args.cp:
             raise ValueError(f"--gpus {gpus} is not a multiple of --cp {args.cp}")
     variants(args)  # validate options before any slow work
     peer_names(args)
@@ -114,8 +142,10 @@ def run_simulate(args: argparse.Namespace) -> int:
         )
     docs = []
     for gpus in args.gpus:
-        out = Path(args.out) / f"dp{gpus // args.cp}xcp{args.cp}" if len(args.gpus) > 1 else Path(args.out)
-        docs.append(_simulate_shape(args, lengths, gpus // args.cp, model, comms, out))
+        shape = _layout(args, lengths, gpus, comms) if auto else (gpus // args.cp, args.cp, args.gpus_per_node, None)
+        dp, cp = shape[:2]
+        out = Path(args.out) / f"dp{dp}xcp{cp}" if len(args.gpus) > 1 else Path(args.out)
+        docs.append(_simulate_shape(args, lengths, *shape, model, comms, out))
     if args.json == "-":
         json.dump(docs[0] if len(docs) == 1 else docs, sys.stdout, indent=1)
         print()
@@ -126,17 +156,54 @@ def run_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _layout(
+    args: argparse.Namespace, lengths: np.ndarray, gpus: int, comms: list
+) -> tuple[int, int, int | None, dict[str, Any]]:
+    """``--cp auto`` for ``gpus`` GPUs: the chosen ``(dp, cp, gpus_per_node)``, the comparison printed,
+    and what the shape's simulation needs of it (its JSON, the links between nodes).
+
+    Raises:
+        PlanError: no layout plans the lengths.
+    """
+    if args.json != "-":
+        print(f"== layouts for {gpus:,} GPUs ==", flush=True)
+    choice = choose_for(args, lengths, gpus)
+    best = choice.best
+    if args.json != "-":
+        print(layout_table(choice, every=True), flush=True)
+        if best.mode not in [c.mode for c in comms]:
+            print(f"(the simulation times the epoch under --modes {args.modes}; {best.mode} is timed above only)")
+    node = next(c.gpus_per_node for c in choice.candidates if c.name == "pool")
+    return best.dp, best.cp, best.gpus_per_node, {"layout": choice_to_dict(choice), "gpus_per_node": node}
+
+
 def _simulate_shape(
-    args: argparse.Namespace, lengths: np.ndarray, dp: int, model: Any, comms: list, out: Path
+    args: argparse.Namespace,
+    lengths: np.ndarray,
+    dp: int,
+    cp: int,
+    gpus_per_node: int | None,
+    chosen: dict[str, Any] | None,
+    model: Any,
+    comms: list,
+    out: Path,
 ) -> dict[str, Any]:
-    """Simulate one cluster shape (``dp`` x ``--cp``), write its report to ``out`` and print its tables."""
-    per_step = samples_per_step(args, lengths, dp=dp)
+    """Simulate one cluster shape (``dp`` x ``cp``), write its report to ``out`` and print its tables.
+
+    ``chosen``: the ``--cp auto`` comparison that picked the shape (added to the document as
+    ``"layout"``), and the GPUs per node it assumed, which the communication model then has too.
+    """
+    per_step = samples_per_step(args, lengths, dp=dp, cp=cp)
     if not per_step:
         raise ValueError(
             "--samples-per-step 0 puts every sample in one step, and simulate plans an epoch of many: give "
             "--samples-per-step N or --global-batch-tokens (auto: one full micro-batch per DP rank)"
         )
-    config = plan_config_from_args(args, dp=dp, samples_per_step=per_step, cost=model)
+    config = plan_config_from_args(
+        args, dp=dp, cp=cp, gpus_per_node=gpus_per_node, samples_per_step=per_step, cost=model
+    )
+    if chosen is not None:
+        comms = [dataclasses.replace(c, gpus_per_node=chosen["gpus_per_node"]) for c in comms]
     doc = simulate(
         lengths,
         config,
@@ -148,6 +215,8 @@ def _simulate_shape(
         baseline=args.baseline,
         peers=peer_names(args),
     )
+    if chosen is not None:
+        doc["layout"] = chosen["layout"]
     with progress(args, "drawing plots", "plots") as bar:
         paths = write_report(doc, out, plots=not args.no_plots, progress=bar)
     if args.json != "-":

@@ -5,8 +5,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ringpack.analysis.comm_model import CommModel, ExchangeVolumes, exchange_volumes, microbatch_seconds
-from ringpack.cost import CostModel
+import ringpack
+from ringpack.analysis.comm_model import (
+    ATTN_FORWARD_SHARE,
+    CommModel,
+    ExchangeVolumes,
+    exchange_volumes,
+    microbatch_seconds,
+)
+from ringpack.cost import CostModel, piece_pairs
+from ringpack.planner.bounds import rank_grid
 from ringpack.shard_plan import Piece, Plan, PlanConfig, Step, microbatch_from_shards
 
 #: one cost unit is one second, attention only: a rank's 35 pairs are 10 s forward, 25 s backward
@@ -41,37 +49,118 @@ def test_an_all_gather_prices_the_node_and_the_other_nodes_apart():
 
 def test_the_targeted_exchange_overlaps_local_attention_only():
     """Rank 0 sends 10 tokens within its node and 10 across, rank 1 receives the first and sends 10
-    across, rank 2 receives 20 across; 0%, 40%, 80% and 0% of their pairs are remote."""
+    across, rank 2 (the only receiver on node 1, so the proxy of both) receives 20 across; 0%, 40%
+    (keys on rank 0, same node), 80% (keys on node 0) and 0% of their pairs are remote. No relays."""
     z = np.zeros((1, 4), dtype=np.int64)
     volumes = ExchangeVolumes(
         send_intra=np.array([[10, 0, 0, 0]]),
         send_inter=np.array([[10, 10, 0, 0]]),
         recv_intra=np.array([[0, 10, 0, 0]]),
         recv_inter=np.array([[0, 0, 20, 0]]),
-        remote_pairs=np.array([[0, 14, 28, 0]]) + z,
+        relay_send=z,
+        relay_recv=z,
+        remote_intra_pairs=np.array([[0, 14, 0, 0]]),
+        remote_inter_pairs=np.array([[0, 0, 28, 0]]),
     )
-    # exchange: max(1 + 10/100, 5 + 10/10) = 6 s for ranks 0 and 1, 5 + 20/10 = 7 s for rank 2
-    # forward max(local, exchange) + remote; backward max(local, exchange) + remote + exchange
+    # stage 1: max(1 + 10/100, 5 + 10/10) = 6 s for ranks 0 and 1, 5 + 20/10 = 7 s for rank 2; no stage 2.
+    # forward max(local, stage 1) + remote; backward the same, then G1 (dK/dV back in the node,
+    # 1 + 10/100 = 1.1 s for ranks 0 and 1) and G2 (back over IB: 6 s, 6 s, 7 s), one after the other
     expected = [
-        max(10, 6) + max(25, 6) + 6,
-        (max(6, 6) + 4) + (max(15, 6) + 10 + 6),
+        max(10, 6) + (max(25, 6) + 1.1 + 6),
+        (max(6, 6) + 4) + (max(15, 6) + 10 + 1.1 + 6),
         (max(2, 7) + 8) + (max(5, 7) + 20 + 7),
         10 + 25,
     ]
     assert seconds("p2p", 2, volumes) == pytest.approx(expected)
+    assert volumes.remote_pairs.tolist() == [[0, 14, 28, 0]]
     with pytest.raises(ValueError, match="p2p communication model needs the exchange volumes"):
         seconds("p2p", 2)
 
 
-def test_exchange_volumes_of_a_plan_by_hand():
-    """Sample 0 over CP ranks 0, 1, 2: rank 1's 10 queries see 10 keys of rank 0 (100 remote
-    pairs), rank 2's see 20 (200); its piece of [20, 30) came from both nodes' ranks."""
-    shards = [[Piece(0, 0, 10)], [Piece(0, 10, 20)], [Piece(0, 20, 30)], [Piece(1, 0, 5)]]
-    mb = microbatch_from_shards([0, 1], shards, [30, 5])
-    plan = Plan(config=PlanConfig(dp=1, cp=4, tokens_per_rank=64), lengths=(30, 5), steps=(Step(((mb,),)),))
+def _relayed_plan() -> Plan:
+    """Nodes of 2 ranks: sample 0 is [0, 10) on rank 0, [10, 20) on rank 2, [20, 30) on rank 3;
+    sample 1, [0, 10) on rank 1, stays there."""
+    shards = [[Piece(0, 0, 10)], [Piece(1, 0, 10)], [Piece(0, 10, 20)], [Piece(0, 20, 30)]]
+    mb = microbatch_from_shards([0, 1], shards, [30, 10])
+    return Plan(config=PlanConfig(dp=1, cp=4, tokens_per_rank=64), lengths=(30, 10), steps=(Step(((mb,),)),))
+
+
+def test_the_relayed_exchange_by_hand():
+    """Volumes: [0, 10) crosses once to node 1, to rank 2 (proxy_index: receivers [2, 3] of source
+    0, index 0 % 2 = 0), which relays it to rank 3; [10, 20) goes from rank 2 to rank 3 directly.
+    Pairs: 55, 55, 155 (100 against keys on node 0), 255 (100 against rank 2's keys, 100 against
+    node 0's).
+
+    Times, one layer of 1 byte a token, a pair 0.07 s: forward 0.02 s a pair, backward 0.05 s.
+    Links: stage 1 of rank 0 is 5 + 10/10 = 6 s (IB), of rank 2 max(1 + 10/100, 6) = 6 s, of rank 3
+    1.1 s; relays 1.1 s on ranks 2 and 3, after node 1's stage 1 (6 s): stage 2 ends at 7.1 s.
+    Forward: rank 0 max(1.1, 6) = 6; rank 1 its 1.1 s alone; rank 2 max(1.1, 6) = 6, then max(6,
+    7.1) + 2 = 9.1; rank 3 max(1.1, 1.1) + 2 = 3.1 (node keys), then max(3.1, 7.1) + 2 = 9.1.
+    Backward: rank 0 max(2.75, 6) = 6, no G1, G2 6 s: 12; rank 1 2.75; rank 3 max(2.75, 1.1) + 5 =
+    7.75, max(7.75, 7.1) + 5 = 12.75, G1 (dK/dV of 20 tokens to rank 2) 1.2 s: 13.95; rank 2
+    max(2.75, 6) = 6, max(6, 7.1) + 5 = 12.1, G1 (those 20 tokens in) 1.2 s: 13.3, G2 once rank 3
+    is through G1: 13.95 + 6 = 19.95. Totals 18, 3.85, 29.05, 23.05.
+    """
+    plan = _relayed_plan()
     v = exchange_volumes(plan.piece_arrays, 4, (1, 1, 1), gpus_per_node=2)
-    assert v.remote_pairs.reshape(-1).tolist() == [0, 100, 200, 0]
-    assert v.recv_intra.reshape(-1).tolist() == [0, 10, 0, 0] and v.recv_inter.reshape(-1).tolist() == [0, 0, 20, 0]
+    rows = {k: getattr(v, k).reshape(-1).tolist() for k in ExchangeVolumes.__dataclass_fields__}
+    assert rows == {
+        "send_intra": [0, 0, 10, 0],
+        "send_inter": [10, 0, 0, 0],
+        "recv_intra": [0, 0, 0, 10],
+        "recv_inter": [0, 0, 10, 0],
+        "relay_send": [0, 0, 10, 0],
+        "relay_recv": [0, 0, 0, 10],
+        "remote_intra_pairs": [0, 0, 0, 100],
+        "remote_inter_pairs": [0, 0, 100, 100],
+    }
+    pairs = np.array([55, 55, 155, 255]).reshape(1, 1, 1, 4)
+    zero = np.zeros_like(pairs)
+    comm = CommModel(mode="p2p", gpus_per_node=2, **LINKS)
+    model = CostModel(token=0.0, pair=0.07, unit="s")
+    got, exposed = microbatch_seconds(zero, pairs, zero, zero, model, comm, v)
+    assert got.reshape(-1) == pytest.approx([18.0, 3.85, 29.05, 23.05])
+    assert exposed.reshape(-1) == pytest.approx([18 - 3.85, 0.0, 29.05 - 10.85, 23.05 - 17.85])
+
+
+def _one_batch_exchange(attn, pairs, v: ExchangeVolumes, comm: CommModel) -> np.ndarray:
+    """The targeted exchange as one batch per layer and direction (no nodes): forward
+    ``max(local, exchange) + remote``, backward ``max(local, exchange) + remote + exchange``."""
+    b = comm.kv_bytes_per_token_layer
+    sent = np.maximum(v.send_intra, v.recv_intra) * b
+    exchange = np.where(sent > 0, comm.latency + sent / comm.bandwidth, 0.0)
+    share = np.divide(v.remote_pairs, pairs, out=np.zeros_like(attn), where=pairs > 0)
+    total = np.zeros_like(attn)
+    for part, grads in ((ATTN_FORWARD_SHARE, 0.0), (1.0 - ATTN_FORWARD_SHARE, 1.0)):
+        a = attn * part / comm.layers
+        remote = a * share
+        total += comm.layers * (np.maximum(a - remote, exchange) + remote + grads * exchange)
+    return total
+
+
+@pytest.mark.parametrize("node", [None, 8])
+def test_flat_groups_time_exactly_as_one_batch(node):
+    """Without nodes (or a group inside one) no piece is relayed and the staged timeline is the one-batch exchange."""
+    lengths = np.random.default_rng(3).integers(50, 3000, 120)
+    plan = ringpack.plan(lengths, dp=2, cp=8, tokens_per_rank=4096, samples_per_step=40, strategy="zigzag")
+    a = plan.piece_arrays
+    M = max(len(step.microbatches[0]) for step in plan.steps)
+    shape = (plan.num_steps, 2, M)
+    per_rank, _, _ = rank_grid(a, 2, 8, shape)
+    tokens, pairs, segments = (
+        per_rank(a["stop"] - a["start"]),
+        per_rank(piece_pairs(a["start"], a["stop"])),
+        per_rank(None),
+    )
+    model = CostModel.preset("llama3-8b")
+    comm = CommModel.for_model(model, mode="p2p", gpus_per_node=node)
+    v = exchange_volumes(a, 8, shape, node)
+    assert not (v.relay_send.any() or v.send_inter.any() or v.remote_inter_pairs.any())
+    assert v.remote_intra_pairs.sum() > 0
+    got, _ = microbatch_seconds(tokens, pairs, segments, np.zeros_like(tokens), model, comm, v)
+    linear = model.seconds(model.cost(tokens, 0, segments))
+    attn = model.seconds(model.cost(0, pairs, 0))
+    assert np.array_equal(got, linear + _one_batch_exchange(attn, pairs, v, comm))
 
 
 def test_without_a_topology_the_model_reads_and_writes_as_before():

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import ringpack
-from ringpack.analysis.layout import choose_layout, cp_sizes
+from ringpack.analysis.layout import TIE, choose_layout, cp_sizes
 from ringpack.errors import PlanError
 
 
@@ -35,6 +35,21 @@ def test_one_huge_sample_takes_the_pool():
     assert choice.candidates.index(infeasible[0]) == len(choice.candidates) - len(infeasible)  # last
     plan = ringpack.plan(lengths, tokens_per_rank=8192, samples_per_step=0, **best.plan_kwargs())
     assert plan.config.gpus_per_node == 8
+
+
+def test_layouts_rank_by_tokens_per_second_when_their_steps_hold_other_tokens():
+    """With ``overflow="split"`` a smaller CP group cuts the long samples into more documents, so its
+    first global batch (the same count of documents) holds fewer tokens and takes less time: the
+    step time alone would rank it first though it moves fewer tokens a second."""
+    lengths = np.clip(np.round(np.random.default_rng(0).lognormal(np.log(800), 1.3, 1000)), 1, 16384)
+    choice = choose_layout(lengths.astype(np.int64), 16, 4, 2048, steps=1, overflow="split")
+    feasible = [c for c in choice.candidates if c.feasible]
+    top = max(c.tokens_per_second for c in feasible)
+    assert choice.best.tokens_per_second * (1 + TIE) >= top
+    rates = [c.tokens_per_second for c in feasible]
+    assert rates[1:] == sorted(rates[1:], reverse=True)  # after the winner (the tie rule may lift it), by tokens/s
+    quicker = min(feasible, key=lambda c: c.step_seconds)
+    assert quicker.tokens_per_second < top / (1 + TIE), "the case needs a quicker step with fewer tokens"
 
 
 def test_the_sizes_compared_reach_the_longest_sample_and_one_more():

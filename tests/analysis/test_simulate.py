@@ -112,16 +112,19 @@ def epoch_tasks(lengths, cfg, chunk_steps, peers=()):
     return docs, chunks, _tasks(docs, chunks, cfg, SIM_VARIANTS, peers, chunk_steps)
 
 
-@pytest.mark.parametrize("mb", [0, 1])
-def test_every_chunk_is_make_plans_plan(mb):
+@pytest.mark.parametrize("mb, node", [(0, None), (1, None), (0, 2)])
+def test_every_chunk_is_make_plans_plan(mb, node):
     """A chunk's packing is shared by the variants that use it, zigzag and contiguous are measured
-    from it: every figure and bound is still the one make_plan's plan of the chunk gives."""
+    from it (node by node, as the planner splits, for a group over several nodes): every figure and
+    bound is still the one make_plan's plan of the chunk gives."""
     from ringpack.analysis.metrics import evaluate_plan
     from ringpack.analysis.simulate import SIM_VARIANTS, _plan_chunk
     from ringpack.planner import make_plan
 
     lengths = synthetic_lengths(900, "lognormal", seed=6, median=700, sigma=1.2)
     cfg = config(microbatches_per_rank=mb, tokens_per_rank=4096 if mb == 0 else 32768)
+    if node:  # 4 nodes of 2 ranks, planned node by node
+        cfg = config(dp=2, cp=8, gpus_per_node=node, tokens_per_rank=1024, samples_per_step=60)
     docs, chunks, tasks = epoch_tasks(lengths, cfg, 3)
     assert len(tasks) == 2 * len(chunks)  # one per packing and chunk
     seen = set()

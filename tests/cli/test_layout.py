@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 
+from ringpack.analysis.comm_model import MODES
 from ringpack.analysis.layout import choose_layout
 from ringpack.cost import CostModel
 from ringpack.shard_plan import Plan
@@ -98,3 +99,52 @@ def test_cp_auto_table_and_report(short, tmp_path):
     )
     assert_clean(run)
     assert run.code == 0 and "layout for these lengths" in run.out
+
+
+def _simulate(argv, tmp_path):
+    doc = tmp_path / "sim.json"
+    base = ["simulate", *TOKENS, "--peers", "none", "--no-plots", "--jobs", "1", "--quiet"]
+    run = run_cli([*base, *argv, "--out", tmp_path / "sim", "--json", doc])
+    assert_clean(run)
+    return run, (json.loads(doc.read_text()) if run.code == 0 else None)
+
+
+def test_simulate_cp_auto_compares_every_layout_and_simulates_the_chosen_one(one_huge, tmp_path):
+    argv = ["--lengths", one_huge, "--gpus", "8", "--cp", "auto", "--gpus-per-node", "4", "--samples-per-step", "100"]
+    run, doc = _simulate(argv, tmp_path)
+    assert run.code == 0, run.err
+    assert "== layouts for 8 GPUs ==" in run.out and "exposed s" in run.out and "IB GB/step" in run.out
+    layouts = {(c["layout"], c["mode"]) for c in doc["layout"]["candidates"]}
+    assert layouts == {(name, mode) for name in ("cp=1", "cp=2", "cp=4", "pool") for mode in MODES}
+    best = doc["layout"]["candidates"][0]
+    assert (doc["dp"], doc["cp"]) == (best["dp"], best["cp"])
+    assert doc["plans"][0]["config"].get("gpus_per_node") == best["gpus_per_node"]
+    want = choose_layout(np.load(one_huge), 8, 4, 1024, CostModel.preset("llama3-8b"), samples_per_step=100).best
+    assert (best["layout"], best["mode"]) == (want.name, want.mode)
+    for c in doc["layout"]["candidates"]:
+        if c["feasible"]:
+            assert c["exposed_comm_seconds"] == pytest.approx(c["step_seconds"] - c["compute_seconds"], abs=1e-12)
+
+
+def test_simulate_cp_auto_uses_the_links_and_tflops_given(one_huge, tmp_path):
+    """The comparison times the layouts with the command's links and rate, not the defaults."""
+    argv = ["--lengths", one_huge, "--gpus", "8", "--cp", "auto", "--gpus-per-node", "4", "--samples-per-step", "100"]
+    _, fast = _simulate(argv, tmp_path)
+    _, slow = _simulate([*argv, "--inter-link", "pcie", "--tflops", "800"], tmp_path)
+    by = lambda doc: {(c["layout"], c["mode"]): c for c in doc["layout"]["candidates"] if c["feasible"]}
+    a, b = by(fast), by(slow)
+    assert b[("cp=4", "ring")]["compute_seconds"] == pytest.approx(a[("cp=4", "ring")]["compute_seconds"] / 2)
+    assert b[("pool", "ring")]["exposed_comm_seconds"] > a[("pool", "ring")]["exposed_comm_seconds"]
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["--gpus", "12", "--cp", "auto"], "--gpus 12"),
+        (["--gpus", "8", "--cp", "auto", "--gpus-per-node", "3"], "--gpus 8"),
+        (["--gpus", "8", "--cp", "2", "--modes", "ring,p2p"], "--modes p2p"),
+    ],
+)
+def test_simulate_refuses_before_planning(short, tmp_path, argv, named):
+    run, _ = _simulate(["--lengths", short, *argv], tmp_path)
+    assert run.code == 1 and named in run.err.splitlines()[-1]
