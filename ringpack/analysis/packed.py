@@ -158,11 +158,14 @@ class PackedSteps:
         sizes = np.diff(np.r_[firsts, self.cell.size])
         return np.arange(self.cell.size) - np.repeat(firsts, sizes)
 
-    def table(self, row: np.ndarray, cp: np.ndarray, start: np.ndarray, stop: np.ndarray) -> dict[str, np.ndarray]:
-        """The piece-table columns of pieces ``[start, stop)`` of samples at rows ``row`` on CP ranks ``cp``."""
+    def table(
+        self, row: np.ndarray, cp: np.ndarray, start: np.ndarray, stop: np.ndarray, slot: np.ndarray
+    ) -> dict[str, np.ndarray]:
+        """The piece-table columns of pieces ``[start, stop)`` of samples at rows ``row`` on CP ranks
+        ``cp``, each sample at place ``slot`` of its micro-batch."""
         _, D, M = self.grid
         cell = self.cell[row]
-        columns = (cell // (D * M), cell // M % D, cell % M, cp, self.slot[row], self.sample[row], start, stop)
+        columns = (cell // (D * M), cell // M % D, cell % M, cp, slot, self.sample[row], start, stop)
         return {name: np.ascontiguousarray(c, dtype=np.int64) for name, c in zip(TABLE_COLUMNS, columns)}
 
 
@@ -210,7 +213,7 @@ def _zigzag_sums(packed: PackedSteps, cp: int, tokens_per_rank: int, tables: lis
         if tables is not None:
             i, k = np.nonzero(sizes)
             stop = np.cumsum(sizes, axis=1)[i, k]
-            tables.append((rows[i], owner[k], stop - sizes[i, k], stop))
+            tables.append((rows[i], owner[k], stop - sizes[i, k], stop, packed.slot[rows[i]]))
     return sums
 
 
@@ -252,7 +255,7 @@ def _contiguous_sums(packed: PackedSteps, cp: int, tables: list | None) -> list[
         np.add.at(flat, slot, v)
         out[where] = flat
     if tables is not None:
-        tables.append((row, slot % cp, start, stop))
+        tables.append((row, slot % cp, start, stop, packed.slot[row]))
     return sums
 
 
@@ -275,12 +278,17 @@ def _split_sums(packed: PackedSteps, cp: int, split: Split, tables: list | None)
         hi = max(lo + 1, int(np.searchsorted(reach, budget, side="right")))
         groups = [sample[a:b].tolist() for a, b in zip(first[lo:hi].tolist(), last[lo:hi].tolist())]
         pieces = []
-        for a, mb in zip(first[lo:hi].tolist(), split(groups)):
-            row_of = {s: a + j for j, s in enumerate(mb.samples)}
+        for a, group, mb in zip(first[lo:hi].tolist(), groups, split(groups)):
+            # a sample's row is its place in the packing; its slot, its place in the micro-batch the
+            # split made (which may list the samples in another order, as a split over nodes does)
+            row_of = {s: a + j for j, s in enumerate(group)}
+            slot_of = {s: j for j, s in enumerate(mb.samples)}
             pieces += [
-                (row_of[p.sample], c, p.start, p.stop) for c, shard in enumerate(mb.shards) for p in shard.pieces
+                (row_of[p.sample], c, p.start, p.stop, slot_of[p.sample])
+                for c, shard in enumerate(mb.shards)
+                for p in shard.pieces
             ]
-        row, c, start, stop = np.asarray(pieces, dtype=np.int64).reshape(-1, 4).T
+        row, c, start, stop, slot = np.asarray(pieces, dtype=np.int64).reshape(-1, 5).T
         k = cell[row]
         size = stop - start
         need = needed_pieces(k, c, sample[row], start, stop)
@@ -288,7 +296,7 @@ def _split_sums(packed: PackedSteps, cp: int, split: Split, tables: list | None)
         for total, v in zip(sums, values):
             np.add.at(total, k * cp + c, v)
         if tables is not None:
-            tables.append((row, c, start, stop))
+            tables.append((row, c, start, stop, slot))
         lo = hi
     return [x.reshape(-1, cp) for x in sums]
 
@@ -337,6 +345,7 @@ def evaluate_packed(
     if tables is None:
         return metrics, None
     empty = np.zeros(0, dtype=np.int64)
-    row, rank, start, stop = (np.concatenate([empty, *parts]) for parts in zip(*tables)) if tables else (empty,) * 4
-    order = np.lexsort((start, packed.slot[row], rank, packed.cell[row]))  # plan order
-    return metrics, packed.table(row[order], rank[order], start[order], stop[order])
+    columns = (np.concatenate([empty, *parts]) for parts in zip(*tables)) if tables else (empty,) * 5
+    row, rank, start, stop, slot = columns
+    order = np.lexsort((start, slot, rank, packed.cell[row]))  # plan order
+    return metrics, packed.table(row[order], rank[order], start[order], stop[order], slot[order])

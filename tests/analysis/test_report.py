@@ -267,10 +267,11 @@ def test_gap_definition_names_its_bound():
     assert "bound of its own steps" in DEFINITIONS["gap"]
 
 
-@pytest.mark.parametrize("jobs", [1, pytest.param(2, marks=pytest.mark.slow)])
-def test_report_rows_are_the_plans_rows(jobs):
+@pytest.mark.parametrize("jobs,pool", [(1, False), (1, True), pytest.param(2, False, marks=pytest.mark.slow)])
+def test_report_rows_are_the_plans_rows(jobs, pool):
     """The report of lengths packs each step once per packing and measures zigzag and contiguous
-    without plan objects; its document, plan hashes included, is the one the plans give."""
+    without plan objects; its document, plan hashes included, is the one the plans give. Also for
+    a pool plan over nodes, whose split lists a micro-batch's samples in another order than the packing."""
     from ringpack.analysis.peer_runner import peer_rows
     from ringpack.analysis.report import DEFAULT_VARIANTS, plan_strategies
     from ringpack.analysis.simulate import measure_variants
@@ -279,6 +280,9 @@ def test_report_rows_are_the_plans_rows(jobs):
     cfg = PlanConfig(
         dp=3, cp=4, tokens_per_rank=600, samples_per_step=60, overflow="split", cost=CostModel.preset("tiny")
     )
+    if pool:
+        lengths = np.clip(np.round(np.random.default_rng(0).lognormal(np.log(400), 1.3, 600)), 1, 8000)
+        cfg = PlanConfig(dp=1, cp=16, gpus_per_node=2, tokens_per_rank=1024, samples_per_step=200)
     comm = CommModel.for_model(cfg.cost)
     plans = plan_strategies(lengths, cfg, DEFAULT_VARIANTS)
     want = build_report([result_of_plan(p, comm) for p in plans], lengths=lengths, peers=peer_rows(lengths, cfg, comm))
