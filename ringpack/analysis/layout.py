@@ -42,7 +42,8 @@ class LayoutCandidate:
             planned node by node).
         mode: the K/V exchange timed (``"ring"``, ``"allgather"``, ``"p2p"``).
         dp, cp, gpus_per_node: the :class:`~ringpack.shard_plan.PlanConfig` fields of the layout
-            (``gpus_per_node`` set for the pool only).
+            (``gpus_per_node`` set where the CP group spans several nodes: the pool, and fixed
+            sizes beyond one node, planned node by node).
         feasible: whether the layout plans these lengths; ``note`` says why not.
         step_seconds: mean predicted step time (compute and exposed communication, slowest rank).
         compute_seconds: mean step time of the compute alone (the cost model's critical path).
@@ -77,7 +78,8 @@ class LayoutCandidate:
         return f"{self.name}, {self.mode}"
 
     def plan_kwargs(self) -> dict[str, Any]:
-        """The :func:`ringpack.plan` keywords of the layout: ``dp``, ``cp`` and, for the pool, ``gpus_per_node``."""
+        """The :func:`ringpack.plan` keywords of the layout: ``dp``, ``cp`` and, for a CP group over
+        several nodes, ``gpus_per_node``."""
         out: dict[str, Any] = {"dp": self.dp, "cp": self.cp}
         if self.gpus_per_node is not None:
             out["gpus_per_node"] = self.gpus_per_node
@@ -175,7 +177,10 @@ def choose_layout(
     if samples_per_step is None:
         samples_per_step = global_batch_samples(L, "auto", dp=1, cp=world, tokens_per_rank=tokens_per_rank)
     base = {"tokens_per_rank": tokens_per_rank, "cost": cost, "samples_per_step": samples_per_step, **config}
-    layouts = [(f"cp={c}", world // c, c, None) for c in sizes] + [("pool", 1, world, gpus_per_node)]
+    # a CP group over several nodes is planned node by node, and its schedules then relay the
+    # targeted exchange across nodes, as the model times it
+    layouts = [(f"cp={c}", world // c, c, gpus_per_node if c > gpus_per_node else None) for c in sizes]
+    layouts.append(("pool", 1, world, gpus_per_node))
     candidates = []
     for name, dp, cp, node in layouts:
         planned = _plan_steps(L, PlanConfig(dp=dp, cp=cp, gpus_per_node=node, **base), steps)

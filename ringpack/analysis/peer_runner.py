@@ -165,7 +165,10 @@ def join_peer_parts(parts: Sequence[PeerPart | None]) -> PeerPart | None:
 
 
 def time_peer(part: PeerPart, comm: CommModel) -> Peer:
-    """The report row of a measured peer under ``comm``."""
+    """The report row of a measured peer under ``comm``; under ``"p2p"`` a peer is timed with the
+    ring, the exchange its system runs (none of them has a targeted one)."""
+    if comm.mode == "p2p":
+        comm = dataclasses.replace(comm, mode="ring")
     if isinstance(part.metrics, DynamicCPSchedule):
         result = timed_schedule(part.metrics, comm)
     else:

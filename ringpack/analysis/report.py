@@ -29,7 +29,7 @@ from urllib.parse import quote
 import numpy as np
 
 from ringpack.analysis import plots as plotting
-from ringpack.analysis.comm_model import CommModel, microbatch_seconds
+from ringpack.analysis.comm_model import CommModel, ExchangeVolumes, exchange_volumes, microbatch_seconds
 from ringpack.analysis.metrics import PlanMetrics, evaluate_plan
 from ringpack.analysis.plots import median_idle
 from ringpack.analysis.robustness import imbalance_across_prices
@@ -202,11 +202,22 @@ class StrategyResult:
 
 
 def timed(
-    metrics: PlanMetrics, comm: CommModel, lower_bound: Sequence[float | None] | None = None, **extra: Any
+    metrics: PlanMetrics,
+    comm: CommModel,
+    lower_bound: Sequence[float | None] | None = None,
+    volumes: ExchangeVolumes | None = None,
+    **extra: Any,
 ) -> StrategyResult:
-    """Attach communication-model times (and the planner's lower bounds) to a plan's metrics."""
+    """Attach communication-model times (and the planner's lower bounds) to a plan's metrics.
+
+    ``volumes``: the plan's :func:`~ringpack.analysis.comm_model.exchange_volumes`, which mode
+    ``"p2p"`` needs (the other modes read the metrics only).
+
+    Raises:
+        ValueError: mode ``"p2p"`` without ``volumes``.
+    """
     m = metrics
-    seconds, exposed = microbatch_seconds(m.tokens, m.pairs, m.segments, m.kv_cross_tokens, m.model, comm)
+    seconds, exposed = microbatch_seconds(m.tokens, m.pairs, m.segments, m.kv_cross_tokens, m.model, comm, volumes)
     seconds = np.where(m.mb_exists[..., None], seconds, 0.0)
     exposed = np.where(m.mb_exists[..., None], exposed, 0.0)
     step_seconds = seconds.max(axis=3).sum(axis=2).max(axis=1) if m.num_steps else np.zeros(0)
@@ -225,11 +236,13 @@ def timed(
 
 
 def result_of_plan(plan, comm: CommModel, name: str | None = None) -> StrategyResult:
-    """:func:`timed` metrics of a :class:`~ringpack.shard_plan.Plan`."""
+    """:func:`timed` metrics of a :class:`~ringpack.shard_plan.Plan` (with its exchange volumes under ``p2p``)."""
     metrics = evaluate_plan(plan, name=name)
-    return timed(
-        metrics, comm, [s.lower_bound for s in plan.steps], config=plan.config.to_dict(), plan_hash=plan.content_hash
-    )
+    volumes = None
+    if comm.mode == "p2p":
+        volumes = exchange_volumes(plan.piece_arrays, plan.config.cp, metrics.tokens.shape[:3], comm.gpus_per_node)
+    bounds = [s.lower_bound for s in plan.steps]
+    return timed(metrics, comm, bounds, volumes, config=plan.config.to_dict(), plan_hash=plan.content_hash)
 
 
 # ----------------------------------------------------------------------------------------- summary

@@ -28,7 +28,7 @@ import numpy as np
 from ringpack._checks import is_finite, is_int
 from ringpack._hints import option
 from ringpack._spawn import run_tasks
-from ringpack.analysis.comm_model import CommModel
+from ringpack.analysis.comm_model import CommModel, exchange_volumes
 from ringpack.analysis.metrics import PlanMetrics, concat_metrics, plan_label
 from ringpack.analysis.packed import PackedSteps, evaluate_packed
 from ringpack.analysis.peer_runner import join_peer_parts, time_peer, try_measure_peer
@@ -141,6 +141,7 @@ class _Task:
     rows: tuple[tuple[int, str], ...]
     peer: bool = False
     hashes: bool = False  # also each plan's content hash (report)
+    exchange: CommModel | None = None  # also each plan's targeted-exchange volumes, for this model (report)
 
     @property
     def weight(self) -> float:
@@ -160,10 +161,11 @@ class _Task:
         return self.lengths.size * len(self.rows)
 
 
-def _plan_chunk(task: _Task) -> tuple[list[tuple[int, Any, list, str | None]], float]:
-    """Worker: one task's ``(row, metrics, lower bounds, plan hash)`` per row, and its CPU seconds.
+def _plan_chunk(task: _Task) -> tuple[list[tuple[int, Any, list, str | None, Any]], float]:
+    """Worker: one task's ``(row, metrics, lower bounds, plan hash, exchange volumes)`` per row, and its CPU seconds.
 
-    The plan hash is ``None`` unless ``task.hashes``. A variant's metrics are its
+    The plan hash is ``None`` unless ``task.hashes``, the volumes
+    (:func:`~ringpack.analysis.comm_model.exchange_volumes`) unless ``task.exchange``. A variant's metrics are its
     :class:`PlanMetrics`, a peer's its
     :class:`~ringpack.analysis.peer_runner.PeerPart` (``None`` if it cannot plan the chunk). The
     variants of a task share one packing of every step (:func:`~ringpack.planner.epoch.pack_step`,
@@ -174,7 +176,7 @@ def _plan_chunk(task: _Task) -> tuple[list[tuple[int, Any, list, str | None]], f
     t0 = time.process_time()
     if task.peer:
         ((row, name),) = task.rows
-        return [(row, try_measure_peer(name, task.lengths, task.config), [], None)], time.process_time() - t0
+        return [(row, try_measure_peer(name, task.lengths, task.config), [], None, None)], time.process_time() - t0
     config = task.config
     try:
         batches = global_batches(task.lengths, config)
@@ -200,10 +202,13 @@ def _plan_chunk(task: _Task) -> tuple[list[tuple[int, Any, list, str | None]], f
             model=cfg.cost,
             name=plan_label(cfg),
             split=lambda groups, cfg=cfg: split_microbatches(groups, docs, cfg, length_list),
-            with_table=task.hashes,
+            with_table=task.hashes or task.exchange is not None,
         )
-        digest = None if table is None else plan_content_hash(cfg, docs, batches.dropped, batches.origins, table)
-        out.append((row, metrics, bounds, digest))
+        digest = None if not task.hashes else plan_content_hash(cfg, docs, batches.dropped, batches.origins, table)
+        volumes = None
+        if task.exchange is not None:
+            volumes = exchange_volumes(table, cfg.cp, packed.grid, task.exchange.gpus_per_node)
+        out.append((row, metrics, bounds, digest, volumes))
     return out, time.process_time() - t0
 
 
@@ -412,15 +417,15 @@ def _plan_tasks(
     Raises:
         WorkerDied: a worker process died (killed, out of memory): one line naming its task and ``hint``.
     """
-    parts: dict[int, dict[int, tuple[Any, list, str | None]]] = {}
+    parts: dict[int, dict[int, tuple[Any, list, str | None, Any]]] = {}
     busy = 0.0
 
-    def collect(index: int, result: tuple[list[tuple[int, Any, list, str | None]], float]) -> None:
+    def collect(index: int, result: tuple[list[tuple[int, Any, list, str | None, Any]], float]) -> None:
         nonlocal busy
         rows, seconds = result
         task = tasks[index]
-        for row, metrics, bounds, digest in rows:
-            parts.setdefault(row, {})[task.chunk] = (metrics, bounds, digest)
+        for row, metrics, bounds, digest, volumes in rows:
+            parts.setdefault(row, {})[task.chunk] = (metrics, bounds, digest, volumes)
         busy += seconds
         bar.update(task.work)
 
@@ -468,7 +473,8 @@ def measure_variants(
     lengths = as_lengths(lengths)
     # one chunk of every sample in the order given, with no steps before it: make_plan's own steps
     whole = _tasks(lengths, [np.arange(lengths.size)], config, variants, peers, chunk_steps=0)
-    tasks = [dataclasses.replace(t, hashes=True) for t in whole]
+    exchange = comm if comm.mode == "p2p" else None  # p2p is timed from each plan's exchange volumes
+    tasks = [dataclasses.replace(t, hashes=True, exchange=None if t.peer else exchange) for t in whole]
     if jobs is None and lengths.size < PARALLEL_MIN_SAMPLES:
         jobs = 1
     jobs = min(jobs or os.cpu_count() or 1, len(tasks))
@@ -480,11 +486,11 @@ def measure_variants(
     parts, _ = _plan_tasks(tasks, jobs, bar, hint)
     results = []
     for row, (strategy, packing) in enumerate(variants):
-        metrics, bounds, digest = parts[row][0]
+        metrics, bounds, digest, volumes = parts[row][0]
         if names is not None:
             metrics = dataclasses.replace(metrics, name=names[row])
         cfg = dataclasses.replace(config, strategy=strategy, packing=packing)
-        results.append(timed(metrics, comm, bounds, config=cfg.to_dict(), plan_hash=digest))
+        results.append(timed(metrics, comm, bounds, volumes=volumes, config=cfg.to_dict(), plan_hash=digest))
     measured = [parts[len(variants) + k][0][0] for k in range(len(peers))]
     return results, [time_peer(part, comm) for part in measured if part is not None]
 
@@ -500,8 +506,8 @@ def _timed_results(
     results_by_mode: dict[str, list[StrategyResult]] = {comm.mode: [] for comm in comms}
     for v, (strategy, packing) in enumerate(variants):
         ordered = [parts[v][c] for c in range(num_chunks)]
-        metrics = concat_metrics([m for m, _, _ in ordered], f"{strategy}/{packing}")
-        bounds = [b for _, lb, _ in ordered for b in lb]
+        metrics = concat_metrics([m for m, *_ in ordered], f"{strategy}/{packing}")
+        bounds = [b for _, lb, *_ in ordered for b in lb]
         cfg = dataclasses.replace(config, strategy=strategy, packing=packing).to_dict()
         for comm in comms:
             results_by_mode[comm.mode].append(timed(metrics, comm, bounds, config=cfg))

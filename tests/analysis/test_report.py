@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import datasets
@@ -267,11 +268,15 @@ def test_gap_definition_names_its_bound():
     assert "bound of its own steps" in DEFINITIONS["gap"]
 
 
-@pytest.mark.parametrize("jobs,pool", [(1, False), (1, True), pytest.param(2, False, marks=pytest.mark.slow)])
-def test_report_rows_are_the_plans_rows(jobs, pool):
+@pytest.mark.parametrize(
+    "jobs,pool,mode",
+    [(1, False, "ring"), (1, True, "ring"), (1, True, "p2p"), pytest.param(2, False, "ring", marks=pytest.mark.slow)],
+)
+def test_report_rows_are_the_plans_rows(jobs, pool, mode):
     """The report of lengths packs each step once per packing and measures zigzag and contiguous
     without plan objects; its document, plan hashes included, is the one the plans give. Also for
-    a pool plan over nodes, whose split lists a micro-batch's samples in another order than the packing."""
+    a pool plan over nodes, whose split lists a micro-batch's samples in another order than the packing,
+    and timed with its node-relayed targeted exchange (the peers with the ring they run)."""
     from ringpack.analysis.peer_runner import peer_rows
     from ringpack.analysis.report import DEFAULT_VARIANTS, plan_strategies
     from ringpack.analysis.simulate import measure_variants
@@ -283,10 +288,14 @@ def test_report_rows_are_the_plans_rows(jobs, pool):
     if pool:
         lengths = np.clip(np.round(np.random.default_rng(0).lognormal(np.log(400), 1.3, 600)), 1, 8000)
         cfg = PlanConfig(dp=1, cp=16, gpus_per_node=2, tokens_per_rank=1024, samples_per_step=200)
-    comm = CommModel.for_model(cfg.cost)
+    comm = CommModel.for_model(cfg.cost, mode=mode, gpus_per_node=cfg.gpus_per_node)
     plans = plan_strategies(lengths, cfg, DEFAULT_VARIANTS)
     want = build_report([result_of_plan(p, comm) for p in plans], lengths=lengths, peers=peer_rows(lengths, cfg, comm))
     results, peers = measure_variants(lengths, cfg, DEFAULT_VARIANTS, comm, peers=("megatron-dcp", "wlb"), jobs=jobs)
     got = build_report(results, lengths=lengths, peers=peers)
     assert [p["hash"] for p in got["plans"]] == [p.content_hash for p in plans]
     assert json.dumps(got, sort_keys=True) == json.dumps(want, sort_keys=True)
+    if mode == "p2p":  # the exchange is timed, not left out: it moves K/V between nodes
+        assert all(p["summary"]["exposed_comm_seconds"] > 0 for p in got["plans"])
+        ring = dataclasses.replace(comm, mode="ring")
+        assert [p.result.summary() for p in peers] == [p.result.summary() for p in peer_rows(lengths, cfg, ring)]

@@ -130,8 +130,8 @@ def test_every_chunk_is_make_plans_plan(mb, node):
     seen = set()
     for task in tasks:
         rows, _ = _plan_chunk(task)
-        for row, metrics, bounds, digest in rows:
-            assert digest is None  # simulate hashes no plan
+        for row, metrics, bounds, digest, volumes in rows:
+            assert digest is None and volumes is None  # simulate hashes no plan, times no p2p
             strategy, packing = SIM_VARIANTS[row]
             import dataclasses
 

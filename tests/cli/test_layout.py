@@ -148,3 +148,28 @@ def test_simulate_cp_auto_uses_the_links_and_tflops_given(one_huge, tmp_path):
 def test_simulate_refuses_before_planning(short, tmp_path, argv, named):
     run, _ = _simulate(["--lengths", short, *argv], tmp_path)
     assert run.code == 1 and named in run.err.splitlines()[-1]
+
+
+@pytest.fixture
+def heavy_tail(tmp_path):
+    """Log-normal lengths up to a 4-node group's budget in nodes of 2: a group over nodes wins, with p2p."""
+    path = tmp_path / "heavy.npy"
+    rng = np.random.default_rng(0)
+    np.save(path, np.clip(np.round(rng.lognormal(np.log(400), 1.3, 1500)), 1, 8000).astype(np.int64))
+    return path
+
+
+def test_report_cp_auto_times_the_targeted_exchange_it_chose(heavy_tail, tmp_path):
+    """When ``--cp auto`` picks the targeted exchange, report's rows are timed with it, the CP
+    group's nodes in the communication model."""
+    doc = tmp_path / "r.json"
+    run = run_cli(
+        ["report", "--lengths", heavy_tail, *TOKENS, "--cp", "auto", "--world", "16", "--gpus-per-node", "2"]
+        + ["--global-batch-tokens", "auto", "--peers", "wlb", "--no-plots", "--out", tmp_path / "r", "--json", doc]
+    )
+    assert_clean(run)
+    assert run.code == 0 and "run attention with mode='p2p'" in run.out, run.out[-2000:]
+    report = json.loads(doc.read_text())
+    comm = report["comm_model"]
+    assert comm["mode"] == "p2p" and comm["gpus_per_node"] == 2, comm
+    assert report["plans"][0]["summary"]["exposed_comm_seconds"] > 0
