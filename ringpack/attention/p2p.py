@@ -4,8 +4,9 @@ Per engine pass a rank posts one ``batch_isend_irecv`` with its partners
 (:class:`~ringpack.attention.exchange.TargetedExchange`), started once the local kernel is queued;
 in backward the K/V travel again and each rank returns the dK/dV of what it received to the owners
 in a second batch, which the owner sums. The bytes are the ``p2p`` traffic of
-:func:`ringpack.traffic.kv_traffic`. Point-to-point rather than ``all_to_all_single``: host work
-in the partners, not in the group size.
+:func:`ringpack.traffic.kv_traffic`. Node-relayed (a schedule compiled with ``gpus_per_node``),
+pieces cross nodes once per node through a proxy, in a second batch each way. Point-to-point
+rather than ``all_to_all_single``: host work in the partners, not in the group size.
 
 The engine runs :func:`targeted_schedule`; only :class:`TargetedTransport` and its factory live
 here, the loop, merge and gradient bookkeeping are the engine's (:mod:`ringpack.attention.ring`).
@@ -65,11 +66,14 @@ def targeted_schedule(schedule: Schedule) -> Schedule:
     return view
 
 
-def _post(ops: list[dist.P2POp], after, device: torch.device) -> list:
-    """Issue ``ops`` as one batch (nothing if empty), waiting for ``after`` only (:mod:`streams`)."""
+def _post(ops: list[dist.P2POp], after, device: torch.device, behind: Sequence = ()) -> list:
+    """Issue ``ops`` as one batch (nothing if empty), waiting for ``after`` only (:mod:`streams`) and,
+    on CUDA, for the works ``behind`` (the side stream waits for them, the compute stream does not)."""
     if not ops:
         return []
     with issued_after(after, device):
+        for work in behind:
+            work.wait()
         return dist.batch_isend_irecv(ops)
 
 
@@ -141,15 +145,19 @@ class TargetedTransport:
         self._sent = [sends]
         self._waited = 0
         if ex.relayed:
-            if self._device.type != "cuda":  # gloo does not order batches: the proxies' rows must be in
+            # the relays read what stage one brings the proxies: on NCCL the side stream waits for
+            # it (the compute stream does not); gloo does not order batches, the host waits
+            on_gpu = self._device.type == "cuda"
+            if not on_gpu:
                 self._wait_stages(1)
+            behind = self._stages[0] if on_gpu else ()
             relays = [
                 (dest, (buf[0][u : u + n], buf[1][u : u + n]))
                 for job, buf in zip(ex.proxied, self._jobs)
                 for dest, u, n, _ in job.forwards
             ]
             relayed = [(frm, self._rows(self._recv[i], o, n)) for i, frm, o, n in ex.relay_in]
-            self._stages.append(_post(self._ops(relays, relayed, _RELAY_TAG), after, self._device))
+            self._stages.append(_post(self._ops(relays, relayed, _RELAY_TAG), after, self._device, behind))
 
     def _empty(self, tokens: int, dtype: torch.dtype) -> Tensor:
         return torch.empty((2, tokens, *self._shape), dtype=dtype, device=self._device)
@@ -230,30 +238,33 @@ class TargetedTransport:
     def _return_grads(self) -> None:
         """After the last step: every return home. Within nodes first: to this node's owners, and to
         the proxies of relayed buffers; then each proxy's sums across nodes to their owners."""
-        ex, grads = self._ex, self._grads
-        home = [(s, grads[i]) for i, s in enumerate(ex.sources) if ex.via_of(i) == s]
-        to_proxies = [(frm, self._rows(grads[i], o, n)) for i, frm, o, n in ex.relay_in]
+        ex = self._ex
         near = [j for j, d in enumerate(ex.dests) if ex.gpus_per_node is None or self._same_node(d)]
-        self._recv = [None] * len(ex.dests)
-        for j in near:
-            self._recv[j] = self._empty(ex.send_tokens[j], self._dtype)
-        forwarded = [[self._empty(n, self._dtype) for _, _, n, _ in job.forwards] for job in ex.proxied]
-        back = [(dest, buf) for job, bufs in zip(ex.proxied, forwarded) for (dest, *_), buf in zip(job.forwards, bufs)]
-        ops = self._ops(home + to_proxies, [(ex.dests[j], self._recv[j]) for j in near] + back, _GRAD_TAG)
-        works = _post(ops, None, self._device)
-        sent = [grads, forwarded]
         far = [j for j in range(len(ex.dests)) if j not in set(near)]
-        for j in far:
-            self._recv[j] = self._empty(ex.send_tokens[j], self._dtype)
-        ops = [(ex.dests[j], self._recv[j]) for j in far]
+        self._recv = [self._empty(n, self._dtype) for n in ex.send_tokens]  # every destination's return
+        works, forwarded = self._return_within_nodes(near)
+        sent: list = [self._grads, forwarded]
         sums = []
         if ex.proxied:
             _wait(works)  # the node's returns are in: sum them
             sums = [self._proxy_sum(job, bufs) for job, bufs in zip(ex.proxied, forwarded)]
             works, sent = [], [sums]
-        far_ops = self._ops([(job.source, g) for job, g in zip(ex.proxied, sums)], ops, _GRAD_RELAY_TAG)
-        self._works, self._sent = works + (_post(far_ops, None, self._device) if far_ops else []), sent
+        to_owners = [(job.source, g) for job, g in zip(ex.proxied, sums)]
+        ops = self._ops(to_owners, [(ex.dests[j], self._recv[j]) for j in far], _GRAD_RELAY_TAG)
+        self._works, self._sent = works + (_post(ops, None, self._device) if ops else []), sent
         self._grads = []
+
+    def _return_within_nodes(self, near: list[int]) -> tuple[list, list[list[Tensor]]]:
+        """Post the returns within this node (own sources' to them, relayed ones' to their proxies,
+        and the receives of its node's destinations and of what it forwarded); the works and the
+        buffers of the forwards' returns."""
+        ex, grads = self._ex, self._grads
+        home = [(s, grads[i]) for i, s in enumerate(ex.sources) if ex.via_of(i) == s]
+        to_proxies = [(frm, self._rows(grads[i], o, n)) for i, frm, o, n in ex.relay_in]
+        forwarded = [[self._empty(n, self._dtype) for _, _, n, _ in job.forwards] for job in ex.proxied]
+        back = [(dest, buf) for job, bufs in zip(ex.proxied, forwarded) for (dest, *_), buf in zip(job.forwards, bufs)]
+        ops = self._ops(home + to_proxies, [(ex.dests[j], self._recv[j]) for j in near] + back, _GRAD_TAG)
+        return _post(ops, None, self._device), forwarded
 
     def _same_node(self, rank: int) -> bool:
         return rank // self._ex.gpus_per_node == self._ex.rank // self._ex.gpus_per_node
