@@ -5,7 +5,8 @@ multi-CPU run and wraps the model in DDP), train a tiny fp64 Llama with :class:`
 DP=2 x CP=2 for two optimizer steps: Trainer's own AdamW, constant learning rate and gradient
 clipping. The step losses (from each rank's share) and the gradients the optimizer gets must equal
 the per-sample single-process reference of ``tests/helpers/training.py`` with the same
-optimizer and clipping.
+optimizer and clipping. Then the pool layout: one CP group of all four ranks (``dp=1, cp=4``) in nodes of
+two, with the node-relayed targeted exchange.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from ringpack._spawn import run_ranks
 from tests.helpers.training import assert_same_training, build_model, example_args, load_example, reference
 
 WORLD, CP, STEPS = 4, 2, 2
+#: name -> (cp_size, K/V exchange mode, gpus_per_node)
+LAYOUTS = {"dp2 x cp2 ring": (CP, "ring", None), "pool p2p relayed": (WORLD, "p2p", 2)}
 LR, MAX_GRAD_NORM = 1e-2, 0.2  # clips the summed gradients (norm ~0.33), not a quarter of them
 
 
@@ -45,7 +48,15 @@ def training_arguments(out_dir: str, seed: int):
     )
 
 
-def worker(rank: int, world: int, out_dir: str) -> dict:
+def layout_args(name: str):
+    """The example's arguments of layout ``name`` (its CP size and nodes)."""
+    cp, _, node = LAYOUTS[name]
+    args = example_args(cp, steps=STEPS)
+    args.gpus_per_node = node
+    return args
+
+
+def worker(rank: int, world: int, out_dir: str, name: str) -> dict:
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1"
     )
@@ -56,7 +67,8 @@ def worker(rank: int, world: int, out_dir: str) -> dict:
     from ringpack.integrations.trainer import RingpackConfig, RingpackTrainer
 
     example = load_example()
-    args = example_args(CP, steps=STEPS)
+    args = layout_args(name)
+    cp, mode, node = LAYOUTS[name]
     grads, shares = [], []
 
     class RecordGradients(TrainerCallback):
@@ -69,14 +81,14 @@ def worker(rank: int, world: int, out_dir: str) -> dict:
             shares.append(float(value) / self.args.world_size)
             return value
 
+    options = dict(packing=args.packing, samples_per_step=args.samples_per_step, cost=example._cost_model(args.model))
     ringpack = RingpackConfig(
-        cp_size=CP,
+        cp_size=cp,
         tokens_per_rank=args.tokens_per_rank,
         strategy=args.strategy,
         backend=args.backend,
-        plan_options=dict(
-            packing=args.packing, samples_per_step=args.samples_per_step, cost=example._cost_model(args.model)
-        ),
+        mode=mode,
+        plan_options=options if node is None else {**options, "gpus_per_node": node},
     )
     trainer = RecordingTrainer(
         model=build_model(args.model, torch.float64, args.seed),
@@ -101,20 +113,22 @@ def worker(rank: int, world: int, out_dir: str) -> dict:
     )
 
 
-@pytest.fixture(scope="module")
-def trainer_results(tmp_path_factory):
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def trainer_results(request, tmp_path_factory):
     out_dir = str(tmp_path_factory.mktemp("hf-trainer"))
-    return run_ranks(worker, WORLD, (out_dir,), timeout_s=120.0, join_s=280.0, name="RingpackTrainer")
+    results = run_ranks(worker, WORLD, (out_dir, request.param), timeout_s=120.0, join_s=280.0, name="RingpackTrainer")
+    return request.param, results
 
 
 @pytest.mark.slow
 def test_ringpack_trainer_equals_single_process(trainer_results):
+    name, trainer_results = trainer_results
     assert [r["wrapped"] for r in trainer_results] == ["DistributedDataParallel"] * WORLD
     assert [r["unused"] for r in trainer_results] == [False] * WORLD
     assert [r["steps"] for r in trainer_results] == [STEPS] * WORLD
     losses = [sum(r["shares"][step] for r in trainer_results) for step in range(STEPS)]
     want_losses, want_grads = reference(
-        example_args(CP, steps=STEPS),
+        layout_args(name),
         WORLD,
         STEPS,
         make_optimizer=lambda params: torch.optim.AdamW(params, lr=LR, weight_decay=0.0, foreach=False),
