@@ -18,7 +18,8 @@ Linear layers never overlap communication; the DP all-reduce is not modelled (do
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -180,6 +181,18 @@ class ExchangeVolumes:
     def remote_pairs(self) -> np.ndarray:
         """The rank's causal pairs whose key is on another rank: ``remote_intra_pairs + remote_inter_pairs``."""
         return self.remote_intra_pairs + self.remote_inter_pairs
+
+    @classmethod
+    def concat(cls, parts: Sequence[ExchangeVolumes]) -> ExchangeVolumes:
+        """The steps of several ``(S, D, M, C)`` volumes one after another, the micro-batch axis
+        padded to the widest (as :func:`~ringpack.analysis.metrics.concat_metrics` pads the metrics)."""
+        M = max(p.send_intra.shape[2] for p in parts)
+
+        def stacked(name: str) -> np.ndarray:
+            arrays = [getattr(p, name) for p in parts]
+            return np.concatenate([np.pad(a, [(0, 0), (0, 0), (0, M - a.shape[2]), (0, 0)]) for a in arrays])
+
+        return cls(**{f.name: stacked(f.name) for f in dataclasses.fields(cls)})
 
 
 def kv_cross_tokens(arrays: Mapping[str, np.ndarray], shape: tuple[int, int, int] | None = None) -> np.ndarray:

@@ -28,7 +28,7 @@ import numpy as np
 from ringpack._checks import is_finite, is_int
 from ringpack._hints import option
 from ringpack._spawn import run_tasks
-from ringpack.analysis.comm_model import CommModel, exchange_volumes
+from ringpack.analysis.comm_model import CommModel, ExchangeVolumes, exchange_volumes
 from ringpack.analysis.metrics import PlanMetrics, concat_metrics, plan_label
 from ringpack.analysis.packed import PackedSteps, evaluate_packed
 from ringpack.analysis.peer_runner import join_peer_parts, time_peer, try_measure_peer
@@ -141,7 +141,7 @@ class _Task:
     rows: tuple[tuple[int, str], ...]
     peer: bool = False
     hashes: bool = False  # also each plan's content hash (report)
-    exchange: CommModel | None = None  # also each plan's targeted-exchange volumes, for this model (report)
+    exchange: CommModel | None = None  # also each plan's targeted-exchange volumes, for this model
 
     @property
     def weight(self) -> float:
@@ -242,7 +242,9 @@ def simulate(
         variants: ``(strategy, packing)`` pairs to plan.
         comms: communication models; the first is the headline (its times fill each plan's
             summary), every model's totals land in ``plan["modes"]`` (default: ring and
-            all-gather for ``config.cost``).
+            all-gather for ``config.cost``). A ``"p2p"`` model is timed from each chunk's exchange
+            volumes (:func:`~ringpack.analysis.comm_model.exchange_volumes`), the peers under it
+            with the ring they run.
         chunk_steps: global batches planned per worker task.
         jobs: worker processes (``None``: one per core, at most one per task; ``1``: in process).
         progress: show a progress bar.
@@ -270,6 +272,8 @@ def simulate(
     chunks = _epoch_chunks(lengths, config, chunk_steps)
     _check_budget(lengths, chunks, config, chunk_steps)
     tasks = _tasks(lengths, chunks, config, variants, peers, chunk_steps)
+    p2p = next((comm for comm in comms if comm.mode == "p2p"), None)  # timed from each chunk's exchange volumes
+    tasks = [t if t.peer else dataclasses.replace(t, exchange=p2p) for t in tasks]
     jobs = min(jobs or os.cpu_count() or 1, len(tasks))
     desc = f"planning {len(lengths):,} samples x {len(variants) + len(peers)} strategies"
     hint = (
@@ -508,9 +512,11 @@ def _timed_results(
         ordered = [parts[v][c] for c in range(num_chunks)]
         metrics = concat_metrics([m for m, *_ in ordered], f"{strategy}/{packing}")
         bounds = [b for _, lb, *_ in ordered for b in lb]
+        volumes = [vol for *_, vol in ordered]
+        joined = ExchangeVolumes.concat(volumes) if all(vol is not None for vol in volumes) else None
         cfg = dataclasses.replace(config, strategy=strategy, packing=packing).to_dict()
         for comm in comms:
-            results_by_mode[comm.mode].append(timed(metrics, comm, bounds, config=cfg))
+            results_by_mode[comm.mode].append(timed(metrics, comm, bounds, joined, config=cfg))
     return results_by_mode
 
 

@@ -120,11 +120,6 @@ def run_simulate(args: argparse.Namespace) -> int:
     check_outputs(args, inputs=[args.lengths, args.config])
     model = cost_model(args, tflops=True)
     comms = comm_models(args, model)
-    if "p2p" in [c.mode for c in comms]:
-        raise ValueError(
-            "--modes p2p: simulate times the epoch under ring and allgather; the targeted exchange is timed "
-            "per layout by --cp auto's comparison (or by ringpack.analysis.layout.choose_layout)"
-        )
     auto = args.cp == AUTO
     for gpus in args.gpus:
         node = node_size(args, gpus, say=False)
@@ -171,10 +166,11 @@ def _layout(
     best = choice.best
     if args.json != "-":
         print(layout_table(choice, every=True), flush=True)
-        if best.mode not in [c.mode for c in comms]:
+        if "modes" in args.given and best.mode not in [c.mode for c in comms]:
             print(f"(the simulation times the epoch under --modes {args.modes}; {best.mode} is timed above only)")
     node = next(c.gpus_per_node for c in choice.candidates if c.name == "pool")
-    return best.dp, best.cp, best.gpus_per_node, {"layout": choice_to_dict(choice), "gpus_per_node": node}
+    chosen = {"layout": choice_to_dict(choice), "gpus_per_node": node, "mode": best.mode}
+    return best.dp, best.cp, best.gpus_per_node, chosen
 
 
 def _simulate_shape(
@@ -191,7 +187,8 @@ def _simulate_shape(
     """Simulate one cluster shape (``dp`` x ``cp``), write its report to ``out`` and print its tables.
 
     ``chosen``: the ``--cp auto`` comparison that picked the shape (added to the document as
-    ``"layout"``), and the GPUs per node it assumed, which the communication model then has too.
+    ``"layout"``), the GPUs per node it assumed, which the communication model then has too, and
+    the exchange it chose, which (unless ``--modes`` is given) times the headline figures.
     """
     per_step = samples_per_step(args, lengths, dp=dp, cp=cp)
     if not per_step:
@@ -204,6 +201,9 @@ def _simulate_shape(
     )
     if chosen is not None:
         comms = [dataclasses.replace(c, gpus_per_node=chosen["gpus_per_node"]) for c in comms]
+        if "modes" not in args.given:  # the chosen exchange first: the headline
+            first = dataclasses.replace(comms[0], mode=chosen["mode"])
+            comms = [first, *(c for c in comms if c.mode != first.mode)]
     doc = simulate(
         lengths,
         config,

@@ -215,3 +215,30 @@ def test_a_killed_worker_is_one_line_and_a_failed_exit(tmp_path, capsys, monkeyp
     assert line.endswith(
         "run with fewer --jobs (now 2) or a smaller --chunk-steps (now 2), or on a machine with more memory"
     )
+
+
+def test_the_targeted_exchange_is_timed_chunk_by_chunk_as_each_plan():
+    """Under ``p2p`` (nodes of 2, a group over 4 of them, planned node by node) every variant's
+    epoch is timed from its chunks' exchange volumes: the per-step times are those of each chunk's
+    plan by :func:`result_of_plan`; the peers are timed with the ring."""
+    import dataclasses
+
+    from ringpack.analysis.comm_model import CommModel
+    from ringpack.analysis.report import result_of_plan
+    from ringpack.analysis.simulate import SIM_VARIANTS, simulate
+    from ringpack.planner import make_plan
+
+    lengths = synthetic_lengths(900, "lognormal", seed=6, median=700, sigma=1.2)
+    cfg = config(dp=2, cp=8, gpus_per_node=2, tokens_per_rank=1024, samples_per_step=60)
+    p2p = CommModel.for_model(cfg.cost, mode="p2p", gpus_per_node=2)
+    ring = dataclasses.replace(p2p, mode="ring")
+    doc = simulate(lengths, cfg, comms=[p2p, ring], chunk_steps=3, jobs=1, progress=False, peers=("wlb",))
+    docs, chunks, _ = epoch_tasks(lengths, cfg, 3)
+    for (strategy, packing), plan_doc in zip(SIM_VARIANTS, doc["plans"]):
+        variant = dataclasses.replace(cfg, strategy=strategy, packing=packing)
+        want = sum(float(result_of_plan(make_plan(docs[ids], variant), p2p).step_seconds_comm.sum()) for ids in chunks)
+        got = plan_doc["modes"]["p2p"]["predicted_seconds"]
+        assert got == pytest.approx(want, rel=1e-12), (strategy, packing)
+        assert plan_doc["modes"]["p2p"]["exposed_comm_seconds"] > 0
+    (peer,) = doc["peers"]
+    assert peer["modes"]["p2p"]["predicted_seconds"] == pytest.approx(peer["modes"]["ring"]["predicted_seconds"])

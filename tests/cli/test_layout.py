@@ -121,6 +121,8 @@ def test_simulate_cp_auto_compares_every_layout_and_simulates_the_chosen_one(one
     assert doc["plans"][0]["config"].get("gpus_per_node") == best["gpus_per_node"]
     want = choose_layout(np.load(one_huge), 8, 4, 1024, CostModel.preset("llama3-8b"), samples_per_step=100).best
     assert (best["layout"], best["mode"]) == (want.name, want.mode)
+    assert doc["comm_model"]["mode"] == best["mode"], "the chosen exchange times the headline"
+    assert set(doc["plans"][0]["modes"]) == {best["mode"], "ring", "allgather"}
     for c in doc["layout"]["candidates"]:
         if c["feasible"]:
             assert c["exposed_comm_seconds"] == pytest.approx(c["step_seconds"] - c["compute_seconds"], abs=1e-12)
@@ -142,7 +144,6 @@ def test_simulate_cp_auto_uses_the_links_and_tflops_given(one_huge, tmp_path):
     [
         (["--gpus", "12", "--cp", "auto"], "--gpus 12"),
         (["--gpus", "8", "--cp", "auto", "--gpus-per-node", "3"], "--gpus 8"),
-        (["--gpus", "8", "--cp", "2", "--modes", "ring,p2p"], "--modes p2p"),
     ],
 )
 def test_simulate_refuses_before_planning(short, tmp_path, argv, named):
@@ -173,3 +174,15 @@ def test_report_cp_auto_times_the_targeted_exchange_it_chose(heavy_tail, tmp_pat
     comm = report["comm_model"]
     assert comm["mode"] == "p2p" and comm["gpus_per_node"] == 2, comm
     assert report["plans"][0]["summary"]["exposed_comm_seconds"] > 0
+
+
+def test_simulate_cp_auto_times_the_epoch_with_the_chosen_targeted_exchange(heavy_tail, tmp_path):
+    """Where ``--cp auto`` chooses the targeted exchange, the simulated epoch's headline is timed
+    with it (nodes of the cluster's size), ring and all-gather beside it."""
+    argv = ["--lengths", heavy_tail, "--gpus", "16", "--cp", "auto", "--gpus-per-node", "2"]
+    run, doc = _simulate([*argv, "--global-batch-tokens", "auto"], tmp_path)
+    assert run.code == 0, run.err
+    best = doc["layout"]["candidates"][0]
+    assert best["mode"] == "p2p" and doc["comm_model"]["mode"] == "p2p" and doc["comm_model"]["gpus_per_node"] == 2
+    modes = doc["plans"][0]["modes"]
+    assert set(modes) == {"p2p", "ring", "allgather"} and modes["p2p"]["exposed_comm_seconds"] > 0
