@@ -233,7 +233,7 @@ def exchange_volumes(
     start, stop = np.asarray(arrays["start"], dtype=np.int64), np.asarray(arrays["stop"], dtype=np.int64)
     S, D, M = shape
     cell = (step * D + dp) * M + mb
-    moved = exchange_tokens(cell, c, sample, start, stop, S * D * M, cp, gpus_per_node)
+    moved = _moved_in_blocks(cell, c, sample, start, stop, S * D * M, cp, gpus_per_node)
     length = stop - start
     on_rank = _earlier_tokens(cell, sample, c, start, length)
     remote = piece_pairs(start, stop) - (length * (length + 1) // 2 + length * on_rank)
@@ -250,6 +250,39 @@ def exchange_volumes(
 
     names = ("send_intra", "send_inter", "recv_intra", "recv_inter", "relay_send", "relay_recv")
     return ExchangeVolumes(*(moved[k].reshape(grid) for k in names), per_rank(intra), per_rank(remote - intra))
+
+
+#: Most (piece, receiving rank) pairs :func:`exchange_volumes` holds at once (memory in the pairs;
+#: a zigzag over a large group needs every piece on almost every rank).
+PAIR_BLOCK = 1 << 22
+
+
+def _moved_in_blocks(cell, c, sample, start, stop, cells: int, cp: int, gpus_per_node: int | None) -> dict:
+    """:func:`~ringpack.traffic.exchange_tokens` of the pieces, a block of micro-batches (``cell``) at
+    a time, each block of at most :data:`PAIR_BLOCK` pairs (one micro-batch at least)."""
+    names = ("send_intra", "send_inter", "recv_intra", "recv_inter", "relay_send", "relay_recv")
+    out = {name: np.zeros((cells, cp), dtype=np.int64) for name in names}
+    if not cell.size:
+        return out
+    if (np.diff(cell) < 0).any():  # the sums do not depend on the order
+        order = np.argsort(cell, kind="stable")
+        cell, c, sample, start, stop = (x[order] for x in (cell, c, sample, start, stop))
+    pairs = np.cumsum(needed_pieces(cell, c, sample, start, stop))
+    heads = np.flatnonzero(np.r_[True, cell[1:] != cell[:-1]])
+    ends = np.r_[heads[1:], cell.size]
+    lo = 0
+    while lo < heads.size:
+        done = pairs[heads[lo] - 1] if heads[lo] else 0
+        hi = max(lo + 1, int(np.searchsorted(pairs[ends - 1], done + PAIR_BLOCK, side="right")))
+        a, b = heads[lo], ends[hi - 1]
+        first = cell[a]
+        block = cell[a:b] - first
+        width = int(block[-1]) + 1
+        got = exchange_tokens(block, c[a:b], sample[a:b], start[a:b], stop[a:b], width, cp, gpus_per_node)
+        for name in names:
+            out[name][first : first + width] = got[name]
+        lo = hi
+    return out
 
 
 def _earlier_tokens(

@@ -23,7 +23,7 @@ from ringpack.cost import CostModel, piece_pairs
 from ringpack.errors import PlanError
 from ringpack.lengths import check_lengths
 from ringpack.planner.bounds import critical_path, rank_grid
-from ringpack.planner.epoch import global_batches, plan_step
+from ringpack.planner.epoch import expand_overflow, global_batches, plan_step
 from ringpack.shard_plan import Plan, PlanConfig, global_batch_samples
 
 __all__ = ["LayoutCandidate", "LayoutChoice", "choose_layout", "cp_sizes", "TIE"]
@@ -157,8 +157,9 @@ def choose_layout(
             ``overflow``, ``seed``, ``pair_price_range``, ...; not ``dp``, ``cp``, ``gpus_per_node``).
 
     Returns:
-        :class:`LayoutChoice`. A fixed size whose CP group cannot hold the longest sample under the
-        config's ``overflow`` (``"error"`` by default) is listed as infeasible.
+        :class:`LayoutChoice`. The config's ``overflow`` (``"split"`` or ``"drop"``) applies once,
+        at the pool's capacity, so every layout plans the same documents; a fixed size whose CP
+        group cannot hold the longest of them is listed as infeasible.
 
     Raises:
         PlanError: bad lengths; ``world``, ``gpus_per_node``, ``tokens_per_rank``, ``steps`` or
@@ -167,6 +168,7 @@ def choose_layout(
     """
     L = check_lengths(lengths, error=PlanError)
     _check_shape(world, gpus_per_node, steps, config, modes)
+    L, config, cut = _pool_documents(L, world, tokens_per_rank, config)
     cost = CostModel.preset("llama3-8b") if cost is None else cost
     comm = CommModel.for_model(cost) if comm is None else comm
     if sizes is None:
@@ -187,13 +189,29 @@ def choose_layout(
         for mode in modes:
             link = dataclasses.replace(comm, mode=mode, gpus_per_node=gpus_per_node)
             if isinstance(planned, str):
-                candidates.append(LayoutCandidate(name, mode, dp, cp, node, False, note=planned))
+                candidates.append(LayoutCandidate(name, mode, dp, cp, node, False, note=planned + cut))
             else:
                 candidates.append(_timed(name, mode, planned, link))
     ranked = _rank(candidates)
     if not ranked[0].feasible:
         raise PlanError(f"no layout plans these lengths: {ranked[0].label}: {ranked[0].note}")
     return LayoutChoice(tuple(ranked), _reason(ranked), steps)
+
+
+def _pool_documents(L: np.ndarray, world: int, tokens_per_rank: int, config: dict) -> tuple[np.ndarray, dict, str]:
+    """The documents every layout plans: ``overflow="split"`` or ``"drop"`` applied once, at the
+    pool's capacity, and ``"error"`` for every layout after that (each CP size applying it at its
+    own would compare other data: a small group would win by cutting long samples apart); and
+    what to add to the note of a layout that cannot hold them."""
+    overflow = config.get("overflow", "error")
+    if overflow == "error":
+        return L, config, ""
+    capacity = PlanConfig(dp=1, cp=world, tokens_per_rank=tokens_per_rank, **config).group_capacity
+    docs = expand_overflow(L, capacity)[0] if overflow == "split" else L[capacity >= L]
+    if not docs.size:
+        raise PlanError(f"overflow='drop' drops every sample: none fits the pool's {capacity:,} tokens")
+    note = f" (overflow={overflow!r} applies at the pool's {capacity:,} tokens: every layout plans the same documents)"
+    return docs, {**config, "overflow": "error"}, note
 
 
 def _check_shape(world: Any, node: Any, steps: Any, config: dict, modes: Sequence[str]) -> None:
@@ -257,11 +275,7 @@ def _timed(name: str, mode: str, plan: Plan, comm: CommModel) -> LayoutCandidate
 
 
 def _rank(candidates: list[LayoutCandidate]) -> list[LayoutCandidate]:
-    """Most tokens/s first; within :data:`TIE` of the fastest, the simplest first; infeasible ones last.
-
-    Tokens/s, not step time: with ``overflow="split"`` or ``"drop"`` each CP size cuts or drops other
-    samples, so the sampled steps of two layouts need not hold the same tokens.
-    """
+    """Most tokens/s first; within :data:`TIE` of the fastest, the simplest first; infeasible ones last."""
     feasible = sorted((c for c in candidates if c.feasible), key=lambda c: -c.tokens_per_second)
     if feasible:
         fastest = feasible[0].tokens_per_second

@@ -166,11 +166,13 @@ def _layout(
     best = choice.best
     if args.json != "-":
         print(layout_table(choice, every=True), flush=True)
-        if "modes" in args.given and best.mode not in [c.mode for c in comms]:
-            print(f"(the simulation times the epoch under --modes {args.modes}; {best.mode} is timed above only)")
+        if best.mode not in [c.mode for c in comms]:
+            print(
+                f"(the simulation times the epoch under --modes {args.modes}; {best.mode} is timed above only: "
+                f"add it to --modes to time the epoch with it)"
+            )
     node = next(c.gpus_per_node for c in choice.candidates if c.name == "pool")
-    chosen = {"layout": choice_to_dict(choice), "gpus_per_node": node, "mode": best.mode}
-    return best.dp, best.cp, best.gpus_per_node, chosen
+    return best.dp, best.cp, best.gpus_per_node, {"layout": choice_to_dict(choice), "gpus_per_node": node}
 
 
 def _simulate_shape(
@@ -187,8 +189,7 @@ def _simulate_shape(
     """Simulate one cluster shape (``dp`` x ``cp``), write its report to ``out`` and print its tables.
 
     ``chosen``: the ``--cp auto`` comparison that picked the shape (added to the document as
-    ``"layout"``), the GPUs per node it assumed, which the communication model then has too, and
-    the exchange it chose, which (unless ``--modes`` is given) times the headline figures.
+    ``"layout"``), and the GPUs per node it assumed, which the communication model then has too.
     """
     per_step = samples_per_step(args, lengths, dp=dp, cp=cp)
     if not per_step:
@@ -201,9 +202,6 @@ def _simulate_shape(
     )
     if chosen is not None:
         comms = [dataclasses.replace(c, gpus_per_node=chosen["gpus_per_node"]) for c in comms]
-        if "modes" not in args.given:  # the chosen exchange first: the headline
-            first = dataclasses.replace(comms[0], mode=chosen["mode"])
-            comms = [first, *(c for c in comms if c.mode != first.mode)]
     doc = simulate(
         lengths,
         config,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -173,3 +175,25 @@ def test_without_a_topology_the_model_reads_and_writes_as_before():
     )
     with pytest.raises(ValueError, match="mode must be one of"):
         CommModel(mode="tree")
+
+
+def test_exchange_volumes_in_blocks_of_micro_batches_are_the_whole_table_s(monkeypatch):
+    """A plan's volumes computed a few micro-batches at a time (memory in the block's pairs) equal
+    those of the whole table at once, nodes or none."""
+    import ringpack
+    from ringpack.analysis import comm_model
+
+    rng = np.random.default_rng(3)
+    lengths = np.clip(np.round(rng.lognormal(np.log(300), 1.2, 400)), 1, 3000).astype(np.int64)
+    plan = ringpack.plan(lengths, dp=2, cp=8, tokens_per_rank=512, samples_per_step=80, gpus_per_node=2)
+    a = plan.piece_arrays
+    M = max(len(step.microbatches[0]) for step in plan.steps)
+    shape = (plan.num_steps, 2, M)
+    for node in (None, 2):
+        whole = comm_model.exchange_volumes(a, 8, shape, node)
+        monkeypatch.setattr(comm_model, "PAIR_BLOCK", 50)
+        blocked = comm_model.exchange_volumes(a, 8, shape, node)
+        monkeypatch.undo()
+        for field in dataclasses.fields(whole):
+            assert np.array_equal(getattr(whole, field.name), getattr(blocked, field.name)), (node, field.name)
+        assert whole.send_intra.any() and (node is None or whole.send_inter.any())
