@@ -197,11 +197,16 @@ def exchange_tokens(
         summed = np.bincount(g[mask] * cp_size + rank[mask], weights=tokens[mask], minlength=size)
         return summed.astype(np.int64).reshape(num_groups, cp_size)
 
-    direct = np.ones(len(piece), dtype=bool) if gpus_per_node is None else frm // gpus_per_node == to // gpus_per_node
+    if gpus_per_node is None:
+        everything = np.ones(len(piece), dtype=bool)
+        nothing = np.zeros((num_groups, cp_size), dtype=np.int64)
+        out = {"send_intra": per_rank(frm, everything), "recv_intra": per_rank(to, everything)}
+        return out | {k: nothing.copy() for k in ("send_inter", "recv_inter", "relay_send", "relay_recv")}
+    direct = frm // gpus_per_node == to // gpus_per_node
     out = {"send_intra": per_rank(frm, direct), "recv_intra": per_rank(to, direct)}
-    proxy = relay_proxies(g, frm, to, cp_size, gpus_per_node) if gpus_per_node is not None else to
+    proxy = relay_proxies(g, frm, to, cp_size, gpus_per_node)
     # one copy of a piece per receiving node: its (piece, node) pairs' first, sent to the proxy
-    node_key = piece * (cp_size // (gpus_per_node or cp_size) + 1) + to // (gpus_per_node or cp_size)
+    node_key = piece * (cp_size // gpus_per_node + 1) + to // gpus_per_node
     first = np.zeros(len(piece), dtype=bool)
     first[np.unique(node_key, return_index=True)[1]] = True
     crossing = ~direct & first

@@ -340,11 +340,11 @@ def _union(receivers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return lo[starts], reach[ends] - lo[starts]
 
 
-def _segments(receivers: np.ndarray, rank: int) -> list[tuple[int, int, int]]:
+def _segments(receivers: np.ndarray, rank: int, position: Callable | None = None) -> list[tuple[int, int, int]]:
     """``(u, offset, count)`` runs of ``rank``'s rows (from ``receivers``, one node's sends of a
-    source) within the node's union ``U`` and within ``rank``'s buffer, maximal runs contiguous in both."""
-    u_lo, u_count = _union(receivers)
-    position = _compressed(u_lo, u_count)
+    source) within the node's union ``U`` and within ``rank``'s buffer, maximal runs contiguous in
+    both. ``position``: the compressed index on ``U`` (:func:`_compressed` of :func:`_union`)."""
+    position = position or _compressed(*_union(receivers))
     rows = receivers[receivers[:, 0] == rank]
     u = position(rows[:, 1])
     n = rows[:, 2]
@@ -360,14 +360,15 @@ def _segments(receivers: np.ndarray, rank: int) -> list[tuple[int, int, int]]:
 
 def _proxy_job(source: int, receivers: np.ndarray, rank: int, own_index: int) -> ProxyJob:
     """This rank's :class:`ProxyJob` for ``source`` (``receivers``: its sends to this rank's node)."""
-    _, u_count = _union(receivers)
+    u_lo, u_count = _union(receivers)
+    position = _compressed(u_lo, u_count)
     forwards = [
         (int(dest), u, n, offset)
         for dest in np.unique(receivers[:, 0]).tolist()
         if dest != rank
-        for u, offset, n in _segments(receivers, dest)
+        for u, offset, n in _segments(receivers, dest, position)
     ]
-    own = tuple((u, n, offset) for u, offset, n in _segments(receivers, rank))
+    own = tuple((u, n, offset) for u, offset, n in _segments(receivers, rank, position))
     return ProxyJob(source, int(u_count.sum()), own_index, own, tuple(forwards))
 
 
