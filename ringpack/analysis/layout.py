@@ -23,7 +23,7 @@ from ringpack.cost import CostModel, piece_pairs
 from ringpack.errors import PlanError
 from ringpack.lengths import check_lengths
 from ringpack.planner.bounds import critical_path, rank_grid
-from ringpack.planner.epoch import expand_overflow, global_batches, plan_step
+from ringpack.planner.epoch import global_batches, overflow_documents, plan_step
 from ringpack.shard_plan import Plan, PlanConfig, global_batch_samples
 
 __all__ = ["LayoutCandidate", "LayoutChoice", "choose_layout", "cp_sizes", "TIE"]
@@ -206,8 +206,9 @@ def _pool_documents(L: np.ndarray, world: int, tokens_per_rank: int, config: dic
     overflow = config.get("overflow", "error")
     if overflow == "error":
         return L, config, ""
-    capacity = PlanConfig(dp=1, cp=world, tokens_per_rank=tokens_per_rank, **config).group_capacity
-    docs = expand_overflow(L, capacity)[0] if overflow == "split" else L[capacity >= L]
+    pool = PlanConfig(dp=1, cp=world, tokens_per_rank=tokens_per_rank, **config)
+    capacity = pool.group_capacity
+    docs = overflow_documents(L, pool)
     if not docs.size:
         raise PlanError(f"overflow='drop' drops every sample: none fits the pool's {capacity:,} tokens")
     note = f" (overflow={overflow!r} applies at the pool's {capacity:,} tokens: every layout plans the same documents)"

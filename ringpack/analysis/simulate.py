@@ -38,8 +38,8 @@ from ringpack.errors import PlanError
 from ringpack.lengths import check_lengths
 from ringpack.planner.epoch import (
     as_lengths,
-    expand_overflow,
     global_batches,
+    overflow_documents,
     pack_step,
     shuffle_order,
     split_microbatches,
@@ -265,7 +265,7 @@ def simulate(
         WorkerDied: a worker process died (killed, out of memory): one line naming its task, with
             what to change (an ``OSError``).
     """
-    lengths = _apply_overflow(_checked_lengths(lengths, config, variants, chunk_steps, jobs), config)
+    lengths = overflow_documents(_checked_lengths(lengths, config, variants, chunk_steps, jobs), config)
     comms = list(
         comms or [CommModel.for_model(config.cost, mode="ring"), CommModel.for_model(config.cost, mode="allgather")]
     )
@@ -388,21 +388,6 @@ def _checked_lengths(
     if not lengths.size:
         raise ValueError("simulate needs at least one sample")
     return lengths
-
-
-def _apply_overflow(lengths: np.ndarray, config: PlanConfig) -> np.ndarray:
-    """The epoch's samples after ``config.overflow``: over-long ones dropped, cut into documents, or an error."""
-    capacity = config.group_capacity
-    if not (lengths > capacity).any():
-        return lengths
-    if config.overflow == "error":
-        raise ValueError(
-            f"{int((lengths > capacity).sum())} samples exceed one CP group ({capacity} tokens); "
-            f"use {option('overflow', 'split')} or {option('overflow', 'drop')}"
-        )
-    if config.overflow == "drop":
-        return lengths[lengths <= capacity]
-    return expand_overflow(lengths, capacity)[0]
 
 
 def _epoch_chunks(lengths: np.ndarray, config: PlanConfig, chunk_steps: int) -> list[np.ndarray]:

@@ -559,6 +559,18 @@ def make_plan(lengths: Any, config: PlanConfig, *, progress: Callable[[int, int]
     )
 
 
+def overflow_documents(lengths: np.ndarray, config: PlanConfig) -> np.ndarray:
+    """The documents a plan of ``config`` trains: ``lengths`` (int64 ``[N]``, each >= 1) after
+    ``config.overflow`` on samples longer than one CP group holds (``"split"``: cut by
+    :func:`expand_overflow`; ``"drop"``: left out).
+
+    Raises:
+        PlanError: ``overflow="error"`` and a sample too long, naming the first.
+    """
+    docs, dropped, _ = _apply_overflow(lengths, config)
+    return np.delete(docs, dropped) if dropped else docs
+
+
 def _apply_overflow(
     lengths: np.ndarray, config: PlanConfig
 ) -> tuple[np.ndarray, tuple[int, ...], tuple[tuple[int, int], ...]]:

@@ -105,9 +105,10 @@ FIELDS = ("mb_exists", "tokens", "pairs", "segments", "cost", "kv_cross_tokens",
 
 
 def epoch_tasks(lengths, cfg, chunk_steps, peers=()):
-    from ringpack.analysis.simulate import SIM_VARIANTS, _apply_overflow, _epoch_chunks, _tasks
+    from ringpack.analysis.simulate import SIM_VARIANTS, _epoch_chunks, _tasks
+    from ringpack.planner.epoch import overflow_documents
 
-    docs = _apply_overflow(lengths, cfg)
+    docs = overflow_documents(lengths, cfg)
     chunks = _epoch_chunks(docs, cfg, chunk_steps)
     return docs, chunks, _tasks(docs, chunks, cfg, SIM_VARIANTS, peers, chunk_steps)
 
