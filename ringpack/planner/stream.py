@@ -12,6 +12,12 @@ when the stream is closed or no longer used, and at interpreter exit (joined the
 raised while planning a step is kept with that step and raised again, the same object, in the
 thread that asks for the step. A forked child plans in a thread of its own.
 
+The thread's work is derived, each time it looks, from the window itself: the lowest step of the
+window that is neither planned nor being planned. A finished plan is kept when the step's cost
+model is still the one it was planned with, and dropped otherwise, where the same rule then plans
+it again; so no interleaving of cost switches, jumps and finishing plans leaves a step of the
+window unplanned.
+
 See docs/data.md, "The sampler".
 """
 
@@ -96,10 +102,8 @@ class StepStream:
         self.counts: dict[int, int] = {}  # micro-batches per DP rank of every step planned so far
         self.digests: dict[int, str] = {}  # step_digest of every step planned so far
         self._first = 0  # the step asked for last: the window is [first, first + lookahead]
-        self._next = 0  # the next step the thread plans
         self._busy: int | None = None  # the step the thread is planning
         self._error: tuple[int, BaseException] | None = None
-        self._generation = 0  # bumped when the cost schedule changes: what was being planned is dropped
         self._closed = False
         self._thread: threading.Thread | None = None
         self._pid = os.getpid()
@@ -153,13 +157,11 @@ class StepStream:
             self._costs = new
             if first >= self.num_steps:
                 return
-            self._generation += 1
             for table in (self._steps, self.counts, self.digests):
                 for s in [s for s in table if s >= first]:
                     del table[s]
             if self._error is not None and self._error[0] >= first:
                 self._error = None
-            self._next = min(self._next, max(first, self._first))
             self._cond.notify_all()
 
     def close(self, join_s: float = 0.0) -> None:
@@ -192,17 +194,14 @@ class StepStream:
         return self._steps[s]
 
     def _move_window(self, s: int) -> None:
-        """Start the window at ``s`` (under the lock): steps before it go, the thread plans from it on."""
+        """Start the window at ``s`` (under the lock): steps outside it go, the thread plans what it lacks."""
         if s == self._first:
             return
         for old in [old for old in self._steps if not s <= old <= s + self._lookahead]:
             del self._steps[old]
         self._first = s
-        missing = (t for t in range(s, min(self._next, self.num_steps)) if t not in self._steps and t != self._busy)
-        if self._next < s or next(missing, None) is not None:
-            self._next = s  # a jump (a seek, or past a failed step): plan from s
-            if self._error is not None and self._error[0] < s:
-                self._error = None
+        if self._error is not None and self._error[0] < s:
+            self._error = None  # a jump past a failed step: it is not asked for any more
         self._cond.notify_all()
 
     def _ensure_thread(self) -> None:
@@ -232,31 +231,41 @@ class StepStream:
     def _plan_here(self, s: int) -> Step:
         """Step ``s`` planned in the caller's thread; its count and digest are kept."""
         with self._cond:
-            cost, generation = _model_at(self._costs, s), self._generation
+            cost = _model_at(self._costs, s)
         step = self._plan(s, cost)
         digest = step_digest(step)
         with self._cond:
-            if generation == self._generation:
+            if cost == _model_at(self._costs, s):
                 self.counts[s] = len(step.microbatches[0])
                 self.digests[s] = digest
         return step
 
-    def _claim(self) -> tuple[int, int, CostModel] | None:
-        """The next step for the thread to plan (under the lock): ``(step, generation, cost)``,
-        ``None`` to end the thread, ``()`` to wait (the window is full)."""
-        if self._closed or self._error is not None or self._next >= self.num_steps:
-            return None
-        if self._next > self._first + self._lookahead:
-            return ()
-        s = self._next
-        self._next, self._busy = s + 1, s
-        return s, self._generation, _model_at(self._costs, s)
+    def _claim(self) -> tuple[int, CostModel] | tuple[()] | None:
+        """The next step for the thread to plan (under the lock): ``(step, cost)``, ``()`` to wait
+        (every step of the window is planned or being planned), ``None`` to end the thread.
 
-    def _record(self, s: int, generation: int, step: Step | None, digest: str, error: BaseException | None) -> None:
-        """What planning step ``s`` gave (under the lock); dropped if the cost schedule changed meanwhile."""
+        The work is whatever the window lacks, lowest step first, so a step whose plan was
+        dropped (a cost switch, a jump) is planned again by construction. Steps at or after a
+        failed one are not planned: asking for them raises the failure.
+        """
+        if self._closed:
+            return None
+        last = min(self._first + self._lookahead, self.num_steps - 1)
+        if self._error is not None:
+            last = min(last, self._error[0] - 1)
+        for s in range(self._first, last + 1):
+            if s not in self._steps and s != self._busy:
+                self._busy = s
+                return s, _model_at(self._costs, s)
+        ends = self._error is not None or self._first + self._lookahead >= self.num_steps - 1
+        return None if ends else ()
+
+    def _record(self, s: int, cost: CostModel, step: Step | None, digest: str, error: BaseException | None) -> None:
+        """What planning step ``s`` with ``cost`` gave (under the lock); dropped if step ``s`` has
+        another model by now (a cost switch while it was planned)."""
         self._busy = None
         self._cond.notify_all()
-        if generation != self._generation or self._closed:
+        if self._closed or cost != _model_at(self._costs, s):
             return
         self.planned.append(s)
         if error is not None:
@@ -264,7 +273,7 @@ class StepStream:
         else:
             self.counts[s] = len(step.microbatches[0])
             self.digests[s] = digest
-            if s >= self._first:
+            if self._first <= s <= self._first + self._lookahead:
                 self._steps[s] = step
 
 
@@ -294,7 +303,7 @@ def _run(ref: weakref.ReferenceType[StepStream]) -> None:
                 continue
         if work is None:
             return
-        s, generation, cost = work
+        s, cost = work
         step, digest, error = None, "", None
         try:
             step = stream._plan(s, cost)
@@ -302,5 +311,5 @@ def _run(ref: weakref.ReferenceType[StepStream]) -> None:
         except BaseException as exc:  # kept, and raised in the thread that asks for step s
             error = exc
         with stream._cond:
-            stream._record(s, generation, step, digest, error)
+            stream._record(s, cost, step, digest, error)
         del stream, step
