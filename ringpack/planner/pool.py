@@ -7,7 +7,8 @@ node holding at most ``G * tokens_per_rank`` tokens), then each node's samples a
 ranks by the plan's strategy, so a split sample's pieces stay in one node. A sample bigger than a
 node (by tokens, or by cost) enters the packing as ``k`` equal shares, ``k`` the fewest nodes it
 needs, and the nodes its shares land on are split together (without the token guard), their ranks
-arranged so that the other samples split there still lie in one node. Work grows with the samples
+arranged so that the other samples split there still lie in one node, and every sample on
+consecutive nodes (ranks reordered, else the group split contiguously). Work grows with the samples
 and the nodes, never with their product or with ``cp`` squared.
 """
 
