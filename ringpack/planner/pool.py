@@ -7,7 +7,8 @@ node holding at most ``G * tokens_per_rank`` tokens), then each node's samples a
 ranks by the plan's strategy, so a split sample's pieces stay in one node. A sample bigger than a
 node (by tokens, or by cost) enters the packing as ``k`` equal shares, ``k`` the fewest nodes it
 needs, and the nodes its shares land on are split together (without the token guard), their ranks
-arranged so that the other samples split there still lie in one node. Work grows with the samples
+arranged so that the other samples split there still lie in one node, and every sample on
+consecutive nodes (ranks reordered, else the group split contiguously). Work grows with the samples
 and the nodes, never with their product or with ``cp`` squared.
 """
 
@@ -19,6 +20,7 @@ import numpy as np
 
 from ringpack.planner.packing import PackingProblem, improve, pack_greedy
 from ringpack.planner.split.balanced import CP_BALANCE_TOLERANCE
+from ringpack.planner.split.baselines import split_contiguous
 from ringpack.planner.split.fallbacks import split_spread
 from ringpack.planner.split.strategies import split_groups
 from ringpack.shard_plan import MicroBatch, PlanConfig, RankShard
@@ -75,7 +77,7 @@ def split_over_nodes(groups: Sequence[Sequence[int]], lengths: Sequence[int], co
             (single if count == 1 else multi).append((g, first, count, [members[k] for k in slots.tolist()]))
     split = _split_parts(single, lengths, config, G, config.token_slack)
     for part in multi:  # each at its own size; its ranks arranged so that small splits stay in a node
-        split.append(arrange_nodes(_split_group(part, lengths, config), G))
+        split.append(_on_consecutive_nodes(arrange_nodes(_split_group(part, lengths, config), G), part, lengths, G))
     placed: list[list[tuple[int, MicroBatch]]] = [[] for _ in groups]
     for (g, first, _, _), mb in zip(single + multi, split):
         placed[g].append((first, mb))
@@ -120,6 +122,47 @@ def _split_group(part: tuple, lengths: Sequence[int], config: PlanConfig) -> Mic
             part[3], lengths, cp, config.tokens_per_rank, config.cost, config.gpus_per_node, CP_BALANCE_TOLERANCE
         )
     return _split_parts([part], lengths, config, cp, None)[0]
+
+
+def _on_consecutive_nodes(mb: MicroBatch, part: tuple, lengths: Sequence[int], gpus_per_node: int) -> MicroBatch:
+    """``mb`` (the split of the node group ``part``) with every sample on consecutive nodes.
+
+    The group's split may leave a sample's pieces on nodes with a gap between them (a zigzagged
+    sample gets no tokens on a rank that whole samples fill, near a full budget or with few tokens
+    per rank). Its ranks are then reordered, those of the samples over the most ranks first
+    (:func:`_interval_order`); where gaps remain, the group is split contiguously (every sample on
+    consecutive ranks). ``mb`` itself when no sample has a gap.
+    """
+    if not _scattered(mb, gpus_per_node):
+        return mb
+    reordered = MicroBatch(
+        samples=mb.samples, shards=tuple(mb.shards[r] for r in _interval_order(mb)), loss_tokens=mb.loss_tokens
+    )
+    if not _scattered(reordered, gpus_per_node):
+        return reordered
+    return split_contiguous(part[3], lengths, len(mb.shards))
+
+
+def _scattered(mb: MicroBatch, gpus_per_node: int) -> bool:
+    """Whether a sample of ``mb`` has pieces on nodes with a node between them that holds none of
+    it (CP rank ``c`` on node ``c // gpus_per_node``)."""
+    nodes: dict[int, set[int]] = {}
+    for r, shard in enumerate(mb.shards):
+        for p in shard.pieces:
+            nodes.setdefault(p.sample, set()).add(r // gpus_per_node)
+    return any(max(held) - min(held) + 1 != len(held) for held in nodes.values())
+
+
+def _interval_order(mb: MicroBatch) -> list[int]:
+    """The ranks of ``mb`` ordered by which samples split over several ranks they hold: the samples
+    over the most ranks decide first, a rank holding one coming before a rank without it, so each
+    of a nested family of such samples lies on a prefix of the ranks of the samples above it."""
+    ranks_of: dict[int, set[int]] = {}
+    for r, shard in enumerate(mb.shards):
+        for p in shard.pieces:
+            ranks_of.setdefault(p.sample, set()).add(r)
+    spans = sorted((held for held in ranks_of.values() if len(held) > 1), key=lambda held: (-len(held), min(held)))
+    return sorted(range(len(mb.shards)), key=lambda r: (tuple(r not in held for held in spans), r))
 
 
 # ------------------------------------------------------------------------------ samples to nodes

@@ -20,7 +20,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import ringpack
 from ringpack.attention import compile_schedule, ring_attention
+from ringpack.shard_plan import MicroBatch
 from ringpack.traffic import exchange_tokens, kv_traffic
 from tests.helpers.attention import (
     Problem,
@@ -49,6 +51,10 @@ GROUPS = {
 HEADS = [(4, 2), (4, 1), (3, 3), (2, 1)]
 CORNER_CASES = {name for name, _, _ in targeted_microbatches()}
 NODE_SIZES = (2, 3)  # the relayed runs
+#: Pool plans of nodes of 2 GPUs whose samples that fit a node cross nodes: (name, lengths, cp,
+#: tokens per rank). "no-node-packing": the samples fit no packing into the nodes, so the micro-batch
+#: is one group of every node; "contiguous": a group whose split left a gap, split contiguously.
+POOL_PLANS = [("no-node-packing", [4, 5, 7, 6], 6, 4), ("contiguous", [7, 13, 1, 4], 8, 4)]
 
 
 def build_cases() -> list[tuple[str, object, dict[int, int], int, int]]:
@@ -63,7 +69,17 @@ def build_cases() -> list[tuple[str, object, dict[int, int], int, int]]:
             cases.append((f"random:cp{cp}:{j}", mb, lengths, *HEADS[(cp + j) % len(HEADS)]))
         mb, lengths = strategy_microbatch("zigzag", rng, cp, num_samples=3)
         cases.append((f"zigzag:cp{cp}", mb, lengths, 4, 2))
+    for name, lengths, cp, tpr in POOL_PLANS:
+        cases.append((f"pool:{name}", pool_microbatch(lengths, cp, tpr), dict(enumerate(lengths)), 4, 2))
     return cases
+
+
+def pool_microbatch(lengths: list[int], cp: int, tokens_per_rank: int) -> MicroBatch:
+    """The one micro-batch of a pool plan of ``lengths`` over ``cp`` ranks in nodes of 2."""
+    plan = ringpack.plan(
+        lengths, world=cp, gpus_per_node=2, tokens_per_rank=tokens_per_rank, samples_per_step=0, microbatches_per_rank=1
+    )
+    return plan.steps[0].microbatches[0][0]
 
 
 POSTED: list[dict] = []  # per batch: phase, bytes sent, transfers
@@ -156,6 +172,19 @@ def test_the_cases_cover_every_group_size_and_the_corner_cases():
     assert all(sorted(GROUPS[cp]) == GROUPS[cp] and len(GROUPS[cp]) == cp for cp in GROUPS)
     names = {name for name, *_ in cases}
     assert {"ranks-0-and-5-of-8", "all-to-one-of-8", "one-to-all-of-8", "no-split-of-8"} <= names
+
+
+def test_the_pool_cases_hold_samples_that_fit_a_node_and_cross_nodes():
+    """Each pool case holds a sample of at most a node's tokens on several (consecutive) nodes."""
+    for _, lengths, cp, tpr in POOL_PLANS:
+        mb = pool_microbatch(lengths, cp, tpr)
+        nodes: dict[int, set[int]] = {}
+        for c, shard in enumerate(mb.shards):
+            for piece in shard.pieces:
+                nodes.setdefault(piece.sample, set()).add(c // 2)
+        crossing = [s for s, held in nodes.items() if len(held) > 1 and lengths[s] <= 2 * tpr]
+        assert crossing, (lengths, nodes)
+        assert all(max(held) - min(held) + 1 == len(held) for held in nodes.values()), nodes
 
 
 @pytest.mark.slow

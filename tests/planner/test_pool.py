@@ -8,12 +8,14 @@ import tracemalloc
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import ringpack
 from ringpack.analysis.simulate import synthetic_lengths
 from ringpack.cost import CostModel
 from ringpack.planner import make_plan, split_microbatch
-from ringpack.planner.pool import arrange_nodes, node_need
+from ringpack.planner.pool import arrange_nodes, node_groups, node_need
 from ringpack.shard_plan import MicroBatch, Piece, PlanConfig, PlanError, microbatch_from_shards
 
 COST = CostModel.preset("llama3-8b")
@@ -215,3 +217,64 @@ def test_near_a_full_budget_a_group_of_nodes_splits_only_the_samples_that_cross_
     assert crossing, "expected samples over several nodes"
     for s, ranks in crossing.items():  # only samples that need more than a rank's share cross nodes
         assert COST.sample_cost([L[s]])[0] > share / 8 or L[s] > tpr, (s, int(L[s]), len(ranks))
+
+
+# ------------------------------------------------------------------------------- the shape
+def _nodes_of(mb: MicroBatch, node: int) -> dict[int, list[int]]:
+    """The nodes holding each sample's pieces (CP rank ``c`` on node ``c // node``)."""
+    return {s: sorted({r // node for r in ranks}) for s, ranks in ranks_of(mb).items()}
+
+
+@pytest.mark.parametrize(
+    "lengths, world",
+    [
+        ([20, 9, 3, 13, 13, 12, 13, 13, 12, 3], 8),
+        ([20, 14, 10, 16, 20, 13, 13, 11], 8),
+        ([20, 22, 12, 15, 17, 12, 5], 7),
+    ],
+)
+def test_a_sample_bigger_than_a_node_of_one_rank_takes_consecutive_nodes(lengths, world):
+    """16 tokens per rank, one rank per node: the 20-token sample (and every other) lies on consecutive nodes."""
+    plan = ringpack.plan(lengths, world=world, gpus_per_node=1, tokens_per_rank=16, samples_per_step=0)
+    plan.validate()
+    for _, _, _, mb in plan.iter_microbatches():
+        for sample, nodes in _nodes_of(mb, 1).items():
+            assert nodes == list(range(nodes[0], nodes[-1] + 1)), (sample, lengths[sample], nodes)
+
+
+@st.composite
+def pool_case(draw) -> tuple[np.ndarray, dict]:
+    """A random pool: 1 to 4 GPUs a node, 2 to 6 nodes a CP group, tiny to roomy tokens per rank,
+    lengths from a rank's tokens to three nodes' (never over the group's)."""
+    node, nodes = draw(st.integers(1, 4)), draw(st.integers(2, 6))
+    tpr = draw(st.sampled_from([1, 2, 5, 16, 64, 1024]))
+    group = node * nodes * tpr
+    longest = min(group, draw(st.sampled_from([tpr, node * tpr, 3 * node * tpr])))
+    lengths = draw(st.lists(st.integers(1, longest), min_size=1, max_size=30))
+    config = dict(
+        dp=1, cp=node * nodes, gpus_per_node=node, tokens_per_rank=tpr, samples_per_step=0,
+        strategy=draw(st.sampled_from(["balanced", "balanced", "zigzag", "contiguous"])),
+        pair_price_range=draw(st.sampled_from([None, (1.0, 1.0)])),
+        cost=draw(st.sampled_from([COST, CostModel(token=1.0, pair=0.01, unit="s", name="attention-heavy")])),
+    )  # fmt: skip
+    return np.array(lengths, dtype=np.int64), config
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pool_case())
+def test_every_sample_of_a_pool_plan_lies_on_consecutive_nodes(case):
+    """Any pool, any strategy: every sample's pieces lie on consecutive nodes, and a sample crosses
+    nodes only where some sample of its micro-batch needs several nodes or the micro-batch's samples
+    do not pack whole into its nodes (then it is one group of all of them)."""
+    lengths, kw = case
+    plan = ringpack.plan(lengths, **kw)
+    plan.validate()
+    node, nodes = kw["gpus_per_node"], kw["cp"] // kw["gpus_per_node"]
+    for _, _, _, mb in plan.iter_microbatches():
+        where = _nodes_of(mb, node)
+        for sample, held in where.items():
+            assert held == list(range(held[0], held[-1] + 1)), (sample, int(lengths[sample]), held)
+        if any(len(held) > 1 for held in where.values()):
+            L = lengths[list(mb.samples)]
+            joined = node_need(L, plan.config).max() > 1 or node_groups(L, plan.config)[0][1] == nodes
+            assert joined, ("a sample that fits a node crosses nodes", L.tolist())
