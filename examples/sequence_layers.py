@@ -12,7 +12,7 @@ not at all then runs exactly as on one device. Two such layers, written for pack
 * :func:`decayed_cumsum`: ``h[t, c] = decay[c] * h[t - 1, c] + x[t, c]``, restarting at each sample
   (a linear recurrence: a cumulative decayed sum per channel).
 
-:func:`whole_sample_layer` wraps either one for CP. docs/training.md quotes this file;
+:func:`whole_sample_layer` wraps either one for CP. docs/attention.md quotes this file;
 tests/attention/test_sequence_layers.py checks it against single-device per-sample computation,
 forward and backward, on 2 to 8 gloo processes.
 """
