@@ -99,7 +99,7 @@ def ring_attention(
             (named), a schedule without its head layout, or a call being traced by
             ``torch.compile``.
         ScheduleMismatchError: on every rank, before any transfer, when the ranks hold schedules of
-            different micro-batches or CP ranks, disagree on mode, K/V heads, head dim, dtype or
+            different micro-batches or CP ranks, disagree on mode, query or K/V heads, head dim, dtype or
             on whether this call needs gradients (only some ranks would run the backward), or
             some rank's q/k/v do not fit its schedule.
     """
