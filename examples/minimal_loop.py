@@ -46,7 +46,7 @@ for batch in loader:  # this CP rank's pieces of one micro-batch
     schedule = batch["schedule"].to(device)  # one copy, reused by every layer, forward and backward
     x = model["embed"](batch["input_ids"].to(device))  # [T, 64]: this CP rank's tokens
     q, k, v = model["qkv"](x).view(-1, 3, 4, 16).unbind(1)  # [T, heads, head_dim] each
-    out = ringpack.ring_attention(q, k, v, schedule, group=cp_group)  # mode="allgather" or "p2p" also work
+    out = ringpack.ring_attention(q, k, v, schedule, group=cp_group)  # also mode="allgather", "p2p", "ulysses"
     logits = model["head"](out.reshape(-1, 64))
     # labels are already shifted per sample; divide the loss *sum* by the global batch's loss tokens
     loss = torch.nn.functional.cross_entropy(logits, batch["labels"].to(device), reduction="sum")

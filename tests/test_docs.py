@@ -25,6 +25,7 @@ RUN_FILES = {"examples/minimal_loop.py": 2, "examples/fsdp_mesh.py": 2}  # DP=1 
 TESTED_ELSEWHERE = {
     "examples/train.py": "tests/integrations/test_train_exact.py",
     "examples/train_fsdp.py": "tests/integrations/test_fsdp_ddp_exact.py",
+    "examples/sequence_layers.py": "tests/attention/test_sequence_layers.py",
 }
 ALL_BLOCKS = [b for page in PAGES for b in blocks(page)]
 

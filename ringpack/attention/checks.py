@@ -35,6 +35,7 @@ _ROW = (
     "cp_size",
     "mode",
     "gpus_per_node",
+    "heads",
     "kv_heads",
     "head_dim",
     "dtype",
@@ -64,7 +65,13 @@ def check_inputs(
     problem = _input_problem(q, k, v, schedule)
     if schedule.cp_size > 1:
         verify_schedule(
-            schedule, group if group is not None else dist.group.WORLD, mode, k, problem, needs_grad=needs_grad
+            schedule,
+            group if group is not None else dist.group.WORLD,
+            mode,
+            k,
+            problem,
+            needs_grad=needs_grad,
+            heads=q.shape[1] if q.dim() == 3 else -1,
         )
     if problem:
         raise DataError(problem)
@@ -114,13 +121,17 @@ def verify_schedule(
     problem: str | None = None,
     *,
     needs_grad: bool = False,
+    heads: int = -1,
+    inputs: str = "q/k/v",
 ) -> None:
     """Check once per (schedule, group, mode, K/V shape) that every rank runs the same plan; raise otherwise.
 
     Collective over ``group``: every rank must call it (``ring_attention`` does). Raises
     :class:`ScheduleMismatchError` on every rank, before any point-to-point transfer. ``needs_grad``:
     whether this rank will run the call's backward; the backward moves K/V and dK/dV between ranks,
-    so either every rank of the group runs it or none.
+    so either every rank of the group runs it or none. ``heads``: the query heads (``-1``: none,
+    as for a relayout of channels); head-parallel CP splits them over the group, so ranks must agree.
+    ``inputs``: what the messages call the inputs that ``problem`` is about.
 
     A schedule object is checked on its first use only, so one schedule object must serve one
     micro-batch (the collator compiles one per micro-batch). With ``TORCH_DISTRIBUTED_DEBUG=DETAIL``
@@ -128,7 +139,7 @@ def verify_schedule(
     that also catches a rank that reuses an old schedule object for a new micro-batch, or that
     changes whether it needs gradients after the first layer.
     """
-    key = (id(group), mode, tuple(k.shape[1:]), k.dtype)
+    key = (id(group), mode, heads, tuple(k.shape[1:]), k.dtype)
     if key in schedule.verified and problem is None and dist.get_debug_level() != dist.DebugLevel.DETAIL:
         return
     row = torch.tensor(
@@ -138,6 +149,7 @@ def verify_schedule(
             schedule.cp_size,
             MODES.index(mode),
             schedule.gpus_per_node or 0,
+            heads,
             k.shape[1] if k.dim() == 3 else -1,
             k.shape[-1] if k.dim() else -1,
             DTYPES.index(k.dtype) if k.dtype in DTYPES else -1,
@@ -150,13 +162,13 @@ def verify_schedule(
     size = dist.get_world_size(group)
     table = row.new_empty(size * row.numel())
     all_gather_flat(table, row, group)
-    message = _disagreement(table.view(size, -1).tolist(), dist.get_rank(group), problem)
+    message = _disagreement(table.view(size, -1).tolist(), dist.get_rank(group), problem, inputs)
     if message:
         raise ScheduleMismatchError(message)
     schedule.verified.add(key)
 
 
-def _disagreement(rows: list[list[int]], me: int, problem: str | None) -> str | None:
+def _disagreement(rows: list[list[int]], me: int, problem: str | None, inputs: str = "q/k/v") -> str | None:
     cols = {name: [row[j] for row in rows] for j, name in enumerate(_ROW)}
     size = len(rows)
     if cols["cp_size"][me] != size:
@@ -172,6 +184,7 @@ def _disagreement(rows: list[list[int]], me: int, problem: str | None) -> str | 
         ("cp_size", "CP sizes"),
         ("mode", "modes"),
         ("gpus_per_node", "the node size the schedules were compiled for (compile_schedule's gpus_per_node)"),
+        ("heads", "numbers of query heads"),
         ("kv_heads", "numbers of key/value heads"),
         ("head_dim", "head dims"),
         ("dtype", "dtypes"),
@@ -188,7 +201,7 @@ def _disagreement(rows: list[list[int]], me: int, problem: str | None) -> str | 
     bad = [g for g in range(size) if cols["bad_input"][g]]
     if bad:
         mine = f" (this rank: {problem})" if problem else ""
-        return f"ranks {bad} got q/k/v that do not match their schedule{mine}"
+        return f"ranks {bad} got {inputs} that do not match their schedule{mine}"
     return None
 
 

@@ -9,7 +9,8 @@ key) pair of the per-sample causal mask of this rank's queries exactly once, as 
 a rank sends only the pieces another rank needs, in one compact buffer; distances nobody needs are
 skipped by every rank alike. With :class:`DenseOptions` it also marks long segments for a hybrid
 backend's dense kernel (:class:`DenseSegment`, padded to shape buckets) and keeps the rest as varlen
-calls (:attr:`KernelCall.rest`). Why that is exact, the dense split and shape buckets:
+calls (:attr:`KernelCall.rest`). Its :class:`HeadLayout` describes the micro-batch gathered
+whole on every rank, for head-parallel CP. Why that is exact, the dense split and shape buckets:
 docs/attention.md, "The schedule" and "Kernel backends".
 """
 
@@ -43,6 +44,7 @@ __all__ = [
     "DENSE_KEYWORDS",
     "DenseOptions",
     "DenseSegment",
+    "HeadLayout",
     "KernelCall",
     "RingStep",
     "Schedule",
@@ -217,6 +219,74 @@ class RingStep:
 
 
 @dataclass(frozen=True)
+class HeadLayout:
+    """Where every token of a micro-batch lands in the head-parallel (gathered) layout.
+
+    Under head-parallel (Ulysses) CP an all-to-all sends each rank's tokens, cut into ``cp`` blocks
+    of channels (heads), so that rank ``j`` holds block ``j`` of every token of the micro-batch.
+    They arrive rank by rank (rank 0's tokens in its canonical order, then rank 1's, ...); the
+    *gathered* order is the micro-batch's samples in their listed order, each whole. The layout is
+    a function of the micro-batch alone (the same on every rank) and is kept as runs of rows
+    (``O(pieces)``): :mod:`ringpack.attention.relayout` builds the token index on the device.
+
+    Attributes:
+        rank_tokens: every CP rank's token count; the all-to-all receives ``rank_tokens[s]`` rows
+            from rank ``s`` (rank-major receive order) and sends each rank this rank's own count.
+        samples: the sample ids in gathered order (the micro-batch's listed order).
+        cu_seqlens: int32 ``[len(samples) + 1]``, the samples' boundaries in gathered order.
+        max_seqlen: the longest sample's length (a Python int).
+        run_source: int64 ``[R]``, the receive-order row where each run of rows starts; runs are
+            listed in gathered order and are maximal (consecutive in both orders merged).
+        run_length: int64 ``[R]``, each run's row count.
+        attention: the one-rank :class:`~ringpack.attention.schedule.Schedule` of the gathered
+            micro-batch: one causal segment per sample (with the dense split of the schedule's
+            options, for hybrid backends), which the head-parallel attention runs.
+    """
+
+    rank_tokens: tuple[int, ...]
+    samples: tuple[int, ...]
+    cu_seqlens: Tensor
+    max_seqlen: int
+    run_source: Tensor
+    run_length: Tensor
+    attention: Schedule
+
+    @property
+    def cp_size(self) -> int:
+        return len(self.rank_tokens)
+
+    @property
+    def num_tokens(self) -> int:
+        """The micro-batch's token count: the gathered layout's rows."""
+        return sum(self.rank_tokens)
+
+    @property
+    def in_order(self) -> bool:
+        """Whether receive order already is gathered order (one run): the relayout then permutes nothing."""
+        return self.run_source.numel() <= 1
+
+    @property
+    def device(self) -> torch.device:
+        return self.cu_seqlens.device
+
+    def map_tensors(self, fn: Callable[[Tensor], Tensor]) -> HeadLayout:
+        """A copy with ``fn`` applied to every tensor (its own and its attention schedule's)."""
+        return replace(
+            self,
+            cu_seqlens=fn(self.cu_seqlens),
+            run_source=fn(self.run_source),
+            run_length=fn(self.run_length),
+            attention=self.attention._map_tensors(fn),
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"HeadLayout(tokens={self.num_tokens} over {self.cp_size} ranks, samples={len(self.samples)}, "
+            f"max_seqlen={self.max_seqlen}, runs={self.run_source.numel()})"
+        )
+
+
+@dataclass(frozen=True)
 class Schedule(_ScheduleBase):
     """Everything one CP rank needs to run attention for one micro-batch; plain tensors and ints.
 
@@ -232,6 +302,10 @@ class Schedule(_ScheduleBase):
     :class:`~ringpack.attention.exchange.TargetedExchange`): its partners, the rows it sends each,
     and its sources' steps on the rows it receives; ``gpus_per_node`` the node size it was compiled
     for (None: a flat exchange), which the group check compares.
+    ``head_layout`` is the micro-batch's head-parallel layout (``mode="ulysses"`` and
+    :func:`~ringpack.attention.sequence_to_heads`;
+    :class:`~ringpack.attention.schedule.HeadLayout`): every rank's token count, the gathered
+    samples' ``cu_seqlens`` and order.
 
     For ``torch.compile`` a schedule is an opaque *reference* object (where torch supports them):
     the graph takes it as a runtime input of one engine op and never reads its fields, so a new
@@ -250,6 +324,7 @@ class Schedule(_ScheduleBase):
     send_range: tuple[int, int] | None = None
     exchange: TargetedExchange | None = field(default=None, compare=False, repr=False)
     gpus_per_node: int | None = None
+    head_layout: HeadLayout | None = field(default=None, compare=False, repr=False)
     verified: set = field(default_factory=set, compare=False, repr=False)
 
     @property
@@ -309,6 +384,7 @@ class Schedule(_ScheduleBase):
             local=None if self.local is None else self.local._map_tensors(fn),
             steps=tuple(replace(st, calls=tuple(c._map_tensors(fn) for c in st.calls)) for st in self.steps),
             exchange=None if self.exchange is None else self.exchange.map_tensors(fn),
+            head_layout=None if self.head_layout is None else self.head_layout.map_tensors(fn),
             verified=set(),
         )
 
@@ -461,6 +537,7 @@ def compile_schedule(
     if gpus_per_node is not None and not (is_int(gpus_per_node) and gpus_per_node >= 1):
         raise PlanError(f"gpus_per_node must be None or an integer >= 1, got {gpus_per_node!r}")
     table = _PieceTable.from_microbatch(microbatch)
+    fingerprint = table.fingerprint(microbatch.samples)
     mine = table.rows_of(cp_rank)
     num_tokens = int((table.stop[mine] - table.start[mine]).sum())
     mine_needed = mine[table.needed[mine]]
@@ -478,7 +555,7 @@ def compile_schedule(
         cp_rank=cp_rank,
         cp_size=cp,
         num_tokens=num_tokens,
-        fingerprint=table.fingerprint(microbatch.samples),
+        fingerprint=fingerprint,
         buffer_tokens=table.buffer_tokens(),
         send_index=torch.from_numpy(send_index),
         send_range=_as_range(send_index),
@@ -494,7 +571,64 @@ def compile_schedule(
             sends_of=lambda src: exchange_ranges(table, table.rows_of(src), src)[1],
         ),
         gpus_per_node=None if gpus_per_node is None else int(gpus_per_node),
+        head_layout=_head_layout(table, microbatch.samples, fingerprint, dense),
     )
+
+
+def _head_layout(table: _PieceTable, samples: Sequence[int], fingerprint: int, dense: DenseOptions) -> HeadLayout:
+    """The micro-batch's head-parallel layout: receive-order runs, whole samples' bounds, and the
+    one-rank schedule of the gathered micro-batch (one causal segment per sample)."""
+    length = table.stop - table.start
+    rank_tokens = np.bincount(table.rank, weights=length, minlength=table.cp_size).astype(np.int64)
+    run_source, run_length = _gathered_runs(table.rank, table.offset, length, table.by_sample, rank_tokens)
+    sample_len = np.bincount(table.slot, weights=length, minlength=len(samples)).astype(np.int64)
+    total = int(sample_len.sum())
+    starts = np.cumsum(sample_len) - sample_len
+    attention = Schedule(
+        cp_rank=0,
+        cp_size=1,
+        num_tokens=total,
+        fingerprint=fingerprint,
+        buffer_tokens=(0,),
+        send_index=torch.zeros(0, dtype=torch.int64),
+        local=_make_call(sample_len, sample_len, starts, True, total, dense) if total else None,
+        steps=(),
+    )
+    return HeadLayout(
+        rank_tokens=tuple(int(n) for n in rank_tokens),
+        samples=tuple(int(s) for s in samples),
+        cu_seqlens=_cu(sample_len),
+        max_seqlen=int(sample_len.max()) if sample_len.size else 0,
+        run_source=torch.from_numpy(run_source),
+        run_length=torch.from_numpy(run_length),
+        attention=attention,
+    )
+
+
+def _gathered_runs(
+    rank: np.ndarray, offset: np.ndarray, length: np.ndarray, by_sample: np.ndarray, rank_tokens: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """The receive-order runs of the gathered layout, in gathered order: ``(run_source, run_length)``.
+
+    Args:
+        rank, offset, length: every piece's CP rank, first row in its rank's local buffer and
+            token count (int64 ``[P]``).
+        by_sample: the pieces in gathered order (by sample slot, then start).
+        rank_tokens: every rank's token count (int64 ``[C]``).
+
+    Returns:
+        Two int64 arrays: where each run starts in receive order, and its length; adjacent pieces
+        that are also adjacent in receive order form one run.
+    """
+    rank_start = np.cumsum(rank_tokens) - rank_tokens
+    source = (rank_start[rank] + offset)[by_sample]
+    size = length[by_sample]
+    if source.size == 0:
+        return source, size
+    joins = source[1:] == source[:-1] + size[:-1]
+    heads = np.flatnonzero(np.r_[True, ~joins])
+    run_length = np.add.reduceat(size, heads)
+    return source[heads], run_length
 
 
 def _local_call(table: _PieceTable, mine: np.ndarray, dense: DenseOptions) -> KernelCall:

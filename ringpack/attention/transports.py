@@ -3,7 +3,9 @@
 ``"ring"``: :class:`~ringpack.attention.ring.RingTransport` (point to point, double-buffered);
 ``"allgather"``: :class:`~ringpack.attention.allgather.AllGatherTransport` (one all-gather, one
 reduce-scatter); ``"p2p"``: :class:`~ringpack.attention.p2p.TargetedTransports` (each needed piece
-straight to the ranks that need it). See docs/attention.md, "Ring and all-gather".
+straight to the ranks that need it). ``"ulysses"`` moves no K/V between sequence pieces: it
+exchanges heads (:mod:`ringpack.attention.ulysses`), so it has no transport here. See
+docs/attention.md, "Ring and all-gather".
 """
 
 from __future__ import annotations
@@ -18,11 +20,11 @@ from ringpack.attention.ring import RingTransport, TransportFactory
 
 __all__ = ["MODES", "transport_factory"]
 
-MODES = ("ring", "allgather", "p2p")
+MODES = ("ring", "allgather", "p2p", "ulysses")
 
 
 def transport_factory(mode: str, group: dist.ProcessGroup | None) -> TransportFactory:
-    """What builds the K/V mover of ``mode`` (one of :data:`MODES`) over ``group`` (None: the world)
+    """What builds the K/V mover of ``mode`` (one of :data:`MODES` but ``"ulysses"``) over ``group`` (None: the world)
     for one engine pass: called with the pass's :class:`~ringpack.attention.schedule.Schedule`."""
     group = group if group is not None else dist.group.WORLD
     if mode == "p2p":

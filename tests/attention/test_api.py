@@ -50,7 +50,7 @@ def test_input_errors_are_clear():
     with pytest.raises(NotImplementedError, match="causal"):
         ring_attention(q, k, k, sched, causal=False)
     with pytest.raises(ValueError, match="mode"):
-        ring_attention(q, k, k, sched, mode="ulysses")
+        ring_attention(q, k, k, sched, mode="tree")
     with pytest.raises(ValueError, match="q has 17 tokens"):
         ring_attention(q[:-1], k[:-1], k[:-1], sched)
     with pytest.raises(ValueError, match="multiple"):
