@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from ringpack.analysis.report import format_table, write_report
-from ringpack.analysis.simulate import format_modes, simulate, synthetic_lengths
+from ringpack.analysis.simulate import format_modes, simulate, synthetic_lengths, window_chunk_steps
 from ringpack.cli.compare import add_compare_flags, check_outputs, comm_models, peer_names, variants
 from ringpack.cli.config_file import add_config_file_flag
 from ringpack.cli.flags import (
@@ -91,7 +91,14 @@ def add_command(subparsers: Any) -> None:
         "comparison printed and in --json)",
     )
     flag(p, "--jobs", type=integer(0, 1024), default=0, help="worker processes (0: all cores)")
-    flag(p, "--chunk-steps", type=POSITIVE, default=8, help="global batches planned per worker task")
+    flag(
+        p,
+        "--chunk-steps",
+        type=POSITIVE,
+        default=8,
+        help="global batches planned per worker task; with --batch-window W a multiple of W+1 (the default is "
+        "rounded up to one)",
+    )
     add_config_file_flag(p)
     p.set_defaults(handler=run_simulate, command_parser=p)
 
@@ -175,6 +182,14 @@ def _layout(
     return best.dp, best.cp, best.gpus_per_node, {"layout": choice_to_dict(choice), "gpus_per_node": node}
 
 
+def _chunk_steps(args: argparse.Namespace, config: Any) -> int:
+    """``--chunk-steps``; when not given and a batch window is set, its default rounded up to whole window
+    blocks (``batch_window + 1`` steps), which every chunk must hold (a given one that does not is refused)."""
+    if "chunk_steps" in args.given or not config.batch_window:
+        return args.chunk_steps
+    return window_chunk_steps(args.chunk_steps, config.batch_window + 1)
+
+
 def _simulate_shape(
     args: argparse.Namespace,
     lengths: np.ndarray,
@@ -207,7 +222,7 @@ def _simulate_shape(
         config,
         variants(args),
         comms,
-        chunk_steps=args.chunk_steps,
+        chunk_steps=_chunk_steps(args, config),
         jobs=args.jobs or None,
         progress=not args.quiet and args.json != "-",
         baseline=args.baseline,
