@@ -103,12 +103,6 @@ def progress(args: argparse.Namespace, desc: str, unit: str, total: int | None =
     return Progress(desc, unit, total, enabled=not quiet)
 
 
-def check_column_has_lengths(args: argparse.Namespace, instead: str) -> None:
-    """Refuse ``--column`` without ``--lengths`` (``instead``: the input used then), where it would be ignored."""
-    if args.column is not None and not args.lengths:
-        raise ValueError(f"--column {args.column} names a column of --lengths; it does not apply to {instead}")
-
-
 def lengths_from_flag(path: str, column: str | None = None, flag: str = "--lengths") -> np.ndarray:
     """Validated sample lengths (int64 ``[N]``, each >= 1) from the file or saved dataset ``flag`` names.
 

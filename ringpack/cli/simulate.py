@@ -27,8 +27,8 @@ from ringpack.cli.flags import (
     integer_list,
     new_command,
 )
+from ringpack.cli.input_kinds import check_flags_apply
 from ringpack.cli.inputs import (
-    check_column_has_lengths,
     cost_model,
     lengths_from_flag,
     plan_config_from_args,
@@ -104,25 +104,19 @@ def add_command(subparsers: Any) -> None:
 
 
 def drawn_lengths(args: argparse.Namespace) -> dict[str, Any]:
-    """``synthetic_lengths``' arguments from ``--samples``, ``--dist``, ``--median``, ``--sigma``.
+    """``synthetic_lengths``' arguments from ``--samples``, ``--dist``, ``--median``, ``--sigma``, their defaults
+    where not given (which of them apply to which lengths is :mod:`ringpack.cli.input_kinds`' to check)."""
+    return {**DRAWN, **{name: getattr(args, name) for name in DRAWN if getattr(args, name) is not None}}
 
-    Raises:
-        ValueError: one of them with ``--lengths``, or ``--median``/``--sigma`` without ``--dist lognormal``.
-    """
-    given = {name: getattr(args, name) for name in DRAWN if getattr(args, name) is not None}
-    if args.lengths and given:
-        flags = ", ".join(f"--{name}" for name in given)
-        raise ValueError(f"{flags} shape drawn lengths; they do not apply to --lengths {args.lengths}")
-    drawn = {**DRAWN, **given}
-    shape = [f"--{name}" for name in ("median", "sigma") if name in given]
-    if shape and drawn["dist"] != "lognormal":
-        raise ValueError(f"{', '.join(shape)} shape log-normal draws; they do not apply to --dist {drawn['dist']}")
-    return drawn
+
+def lengths_kind(args: argparse.Namespace) -> str:
+    """``simulate``'s kind of input (see :data:`~ringpack.cli.input_kinds.TABLE`): lengths, stdlib or lognormal."""
+    return "lengths" if args.lengths else args.dist or DRAWN["dist"]
 
 
 def run_simulate(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
-    check_column_has_lengths(args, "drawn lengths (--dist)")
+    check_flags_apply(args, "simulate", lengths_kind(args))
     drawn = drawn_lengths(args)
     check_outputs(args, inputs=[args.lengths, args.config])
     model = cost_model(args, tflops=True)
