@@ -232,11 +232,11 @@ def test_the_library_logs_instead_of_printing(inputs, tmp_path, capsys, caplog):
     assert kept == [f"{tmp_path / 'shards'}: 2 of 2 shard files already written, kept"]
 
 
-def test_shard_notes_are_warnings_on_stderr(inputs, tmp_path):
-    argv = ["shard", inputs["tokens"][".jsonl"], *MESH, "--cache-dir", inputs["cache"], "--quiet"]
-    run = run_cli([*argv, "--out", tmp_path / "shards", "--text-column", "text"])
-    assert run.code == 0
-    assert run.err.startswith("ringpack shard: warning: using the existing 'input_ids' column")
+def test_notes_are_warnings_on_stderr(inputs, tmp_path):
+    argv = ["plan", "--lengths", inputs["lengths"][".npy"], "--dp", "2", "--cp", "1", "--tokens-per-rank", "60"]
+    run = run_cli([*argv, "--overflow", "drop", "--out", tmp_path / "p.json", "--quiet"])
+    assert run.code == 0 and "dropped" not in run.out
+    assert run.err.startswith("ringpack plan: warning: dropped ") and "(--overflow drop)" in run.err, run.err
 
 
 def test_shard_ends_with_a_human_summary(inputs, tmp_path):

@@ -19,12 +19,12 @@ from typing import Any
 import numpy as np
 
 from ringpack.analysis.comm_model import MODES, CommModel, exchange_volumes, kv_cross_tokens, microbatch_seconds
-from ringpack.cost import CostModel, piece_pairs
+from ringpack.cost import MAX_SAMPLE_TOKENS, CostModel, piece_pairs
 from ringpack.errors import PlanError
 from ringpack.lengths import check_lengths
 from ringpack.planner.bounds import critical_path, rank_grid
 from ringpack.planner.epoch import global_batches, overflow_documents, plan_step
-from ringpack.shard_plan import Plan, PlanConfig, global_batch_samples
+from ringpack.shard_plan import MAX_CP, MAX_DP, Plan, PlanConfig, global_batch_samples
 
 __all__ = ["LayoutCandidate", "LayoutChoice", "choose_layout", "cp_sizes", "TIE"]
 
@@ -185,7 +185,8 @@ def choose_layout(
     layouts.append(("pool", 1, world, gpus_per_node))
     candidates = []
     for name, dp, cp, node in layouts:
-        planned = _plan_steps(L, PlanConfig(dp=dp, cp=cp, gpus_per_node=node, **base), steps)
+        beyond = _beyond_a_plan(dp, cp, tokens_per_rank)
+        planned = beyond or _plan_steps(L, PlanConfig(dp=dp, cp=cp, gpus_per_node=node, **base), steps)
         for mode in modes:
             link = dataclasses.replace(comm, mode=mode, gpus_per_node=gpus_per_node)
             if isinstance(planned, str):
@@ -194,8 +195,36 @@ def choose_layout(
                 candidates.append(_timed(name, mode, planned, link))
     ranked = _rank(candidates)
     if not ranked[0].feasible:
-        raise PlanError(f"no layout plans these lengths: {ranked[0].label}: {ranked[0].note}")
+        raise PlanError(f"no layout of {world:,} GPUs plans these lengths: {_why_none(ranked)}")
     return LayoutChoice(tuple(ranked), _reason(ranked), steps)
+
+
+def _beyond_a_plan(dp: int, cp: int, tokens_per_rank: int) -> str:
+    """Why a layout is larger than any plan holds (in the layout's terms, not a flag's), or ``""``."""
+    if cp > MAX_CP:
+        return f"one CP group of {cp:,} GPUs, more than the {MAX_CP:,} ranks a plan holds"
+    if dp > MAX_DP:
+        return f"{dp:,} DP ranks, more than the {MAX_DP:,} a plan holds"
+    if cp * tokens_per_rank > MAX_SAMPLE_TOKENS:
+        return (
+            f"{cp:,} ranks x {tokens_per_rank:,} tokens = {cp * tokens_per_rank:,} tokens per CP group, more than "
+            f"the {MAX_SAMPLE_TOKENS:,} (2**31) a plan holds"
+        )
+    return ""
+
+
+def _why_none(ranked: list[LayoutCandidate]) -> str:
+    """Every layout's reason, once per layout: the first clause of each, then each distinct rest (the
+    hints, alike for most layouts) once, at the end."""
+    heads: dict[str, str] = {}
+    rests: dict[str, None] = {}
+    for c in ranked:
+        if c.name not in heads:
+            head, _, rest = c.note.partition("; ")
+            heads[c.name] = head
+            if rest:
+                rests[rest] = None
+    return "; ".join([*(f"{name}: {head}" for name, head in heads.items()), *rests])
 
 
 def _pool_documents(L: np.ndarray, world: int, tokens_per_rank: int, config: dict) -> tuple[np.ndarray, dict, str]:
@@ -206,12 +235,15 @@ def _pool_documents(L: np.ndarray, world: int, tokens_per_rank: int, config: dic
     overflow = config.get("overflow", "error")
     if overflow == "error":
         return L, config, ""
-    pool = PlanConfig(dp=1, cp=world, tokens_per_rank=tokens_per_rank, **config)
+    # a pool beyond what a plan holds applies it at the largest CP group a plan holds
+    cp = min(world, MAX_CP, max(MAX_SAMPLE_TOKENS // tokens_per_rank, 1))
+    pool = PlanConfig(dp=1, cp=cp, tokens_per_rank=tokens_per_rank, **config)
     capacity = pool.group_capacity
+    where = "the pool's" if cp == world else "the largest CP group's"
     docs = overflow_documents(L, pool)
     if not docs.size:
-        raise PlanError(f"overflow='drop' drops every sample: none fits the pool's {capacity:,} tokens")
-    note = f" (overflow={overflow!r} applies at the pool's {capacity:,} tokens: every layout plans the same documents)"
+        raise PlanError(f"overflow='drop' drops every sample: none fits {where} {capacity:,} tokens")
+    note = f" (overflow={overflow!r} applies at {where} {capacity:,} tokens: every layout plans the same documents)"
     return docs, {**config, "overflow": "error"}, note
 
 

@@ -47,7 +47,7 @@ from ringpack.planner.epoch import (
 from ringpack.progress import Progress
 from ringpack.shard_plan import PlanConfig, plan_content_hash
 
-__all__ = ["simulate", "measure_variants", "synthetic_lengths", "SIM_VARIANTS", "MAX_LENGTH"]
+__all__ = ["simulate", "measure_variants", "synthetic_lengths", "window_chunk_steps", "SIM_VARIANTS", "MAX_LENGTH"]
 
 #: :func:`measure_variants` plans fewer samples than this in process by default: they take less
 #: time than starting workers and sending them the lengths.
@@ -245,7 +245,9 @@ def simulate(
             all-gather for ``config.cost``). A ``"p2p"`` model is timed from each chunk's exchange
             volumes (:func:`~ringpack.analysis.comm_model.exchange_volumes`), the peers under it
             with the ring they run.
-        chunk_steps: global batches planned per worker task.
+        chunk_steps: global batches planned per worker task; with ``config.batch_window``, a
+            multiple of ``batch_window + 1`` (the window moves samples within blocks of that many
+            steps, so a chunk holds whole blocks; :func:`window_chunk_steps` rounds up to one).
         jobs: worker processes (``None``: one per core, at most one per task; ``1``: in process).
         progress: show a progress bar.
         baseline: the plan the others are compared with (default: the report's).
@@ -258,7 +260,8 @@ def simulate(
 
     Raises:
         ValueError: no global batch, no samples or a bad length (:class:`~ringpack.errors.DataError`,
-            naming the sample), ``chunk_steps`` or ``jobs`` below 1, no variants, or samples
+            naming the sample), ``chunk_steps`` or ``jobs`` below 1, ``chunk_steps`` not a multiple
+            of ``batch_window + 1``, no variants, or samples
             longer than a CP group with ``overflow="error"``.
         PlanError: a step whose tokens a fixed ``microbatches_per_rank`` cannot hold (before any
             planning, naming the step), or a chunk the planner cannot plan (naming the chunk).
@@ -382,12 +385,24 @@ def _checked_lengths(
         raise ValueError("simulate needs a global batch: set samples_per_step (or --global-batch-tokens)")
     if not is_int(chunk_steps) or chunk_steps < 1 or (jobs is not None and (not is_int(jobs) or jobs < 1)):
         raise ValueError(f"chunk_steps and jobs must be integers >= 1, got {chunk_steps!r} and {jobs!r}")
+    block = config.batch_window + 1
+    if config.batch_window and chunk_steps % block:
+        raise ValueError(
+            f"{option('batch_window', config.batch_window)} moves samples within blocks of {block} global batches, "
+            f"and {option('chunk_steps', chunk_steps)} cuts the epoch into chunks that do not hold whole blocks: "
+            f"give {option('chunk_steps')} a multiple of {block} (e.g. {window_chunk_steps(chunk_steps, block)})"
+        )
     if not variants:
         raise ValueError("simulate needs at least one (strategy, packing) variant")
     lengths = check_lengths(lengths, what="simulated lengths")
     if not lengths.size:
         raise ValueError("simulate needs at least one sample")
     return lengths
+
+
+def window_chunk_steps(chunk_steps: int, block: int) -> int:
+    """The multiple of ``block`` (a batch window's ``batch_window + 1`` steps) nearest above ``chunk_steps``."""
+    return -(-chunk_steps // block) * block
 
 
 def _epoch_chunks(lengths: np.ndarray, config: PlanConfig, chunk_steps: int) -> list[np.ndarray]:

@@ -25,11 +25,12 @@ from ringpack.analysis.calibration.run import (
 )
 from ringpack.analysis.calibration.step import StepCalibrationConfig, calibrate_step, format_step_summary
 from ringpack.cli.flags import add_field_flag, add_quiet_flag, config_fields, field_default, flag, new_command, shown
+from ringpack.cli.input_kinds import check_flags_apply
 
 logger = logging.getLogger("ringpack.calibrate")
 KERNELS = config_fields(KernelCalibrationConfig)
 STEP = config_fields(StepCalibrationConfig)
-#: Destinations of the flags of one scope only (given in the other, they are refused).
+#: Destinations of the flags of one scope only (given in the other, :mod:`ringpack.cli.input_kinds` refuses them).
 KERNEL_ONLY = (*(name for name in KERNELS if name not in STEP), "refit")
 STEP_ONLY = tuple(name for name in STEP if name not in KERNELS)
 
@@ -95,12 +96,7 @@ def _add_shared_flag(parser: Any, kernels: dataclasses.Field, step: dataclasses.
 def run_calibrate(args: argparse.Namespace) -> int:
     if args.refit and not Path(args.refit).is_file():
         raise FileNotFoundError(f"--refit: no calibration report at {args.refit}")
-    other_scope = STEP_ONLY if args.scope == "kernels" else KERNEL_ONLY
-    given = ["--" + name.replace("_", "-") for name in other_scope if name in args.given]
-    if given:
-        other = "step" if args.scope == "kernels" else "kernels"
-        which = "this flag applies" if len(given) == 1 else "these flags apply"
-        raise ValueError(f"{', '.join(given)}: {which} only to --scope {other}")
+    check_flags_apply(args, "calibrate", "refit" if args.refit and args.scope == "kernels" else args.scope)
     if args.scope == "step" and "model" not in args.given:
         raise ValueError("--scope step needs --model: a preset or a transformers config file or folder")
     check_outputs(args.out, args.report, args.refit)  # before minutes of timing, not after

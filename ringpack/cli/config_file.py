@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +26,23 @@ SUFFIXES = {".toml": "TOML", ".json": "JSON", ".yaml": "YAML", ".yml": "YAML"}
 _NOT_SETTINGS = {"help", "config", "write_config", "handler", "command", "command_parser"}
 
 
+class _OneFile(argparse.Action):
+    """``--config``: one file; a second ``--config`` is refused rather than silently replacing the first."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: str | None = None) -> None:
+        earlier = getattr(namespace, self.dest, UNSET)
+        if earlier is not UNSET:
+            parser.error(f"{option_string} given twice ({earlier}, {values}); give one file")
+        setattr(namespace, self.dest, values)
+
+
 def add_config_file_flag(parser: Any) -> None:
-    """``--config FILE`` on ``parser``."""
+    """``--config FILE`` on ``parser`` (given once)."""
     flag(
         parser,
         "--config",
         metavar="FILE",
+        action=_OneFile,
         help="read flags from a .toml, .json or .yaml file (keys: the flags' names, e.g. tokens_per_rank); "
         "flags on the command line win",
     )
@@ -130,11 +142,13 @@ def _load(path: Path) -> dict[str, Any]:
     text = path.read_text(encoding="utf-8")
     try:
         if kind == "JSON":
-            data = json.loads(text)
-        elif kind == "TOML":
+            data = json.loads(text, object_pairs_hook=_unique_keys)
+        elif kind == "TOML":  # TOML itself refuses a key given twice
             data = _toml_reader().loads(text)
         else:
-            data = _yaml().safe_load(text)
+            data = _yaml().load(text, Loader=_unique_key_loader())
+    except _DuplicateKey as exc:
+        raise DataError(f"--config {path}: key {exc.key!r} is given twice; give it once") from None
     except DataError:
         raise
     except Exception as exc:  # each reader has its own error type (JSONDecodeError, TOMLDecodeError, YAMLError)
@@ -144,6 +158,41 @@ def _load(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise DataError(f"--config {path} holds a {type(data).__name__}, not a mapping of flags to values")
     return data
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: Any) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object as a dict; a key given twice raises :class:`_DuplicateKey` (``json`` keeps the last)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+def _unique_key_loader() -> Any:
+    """PyYAML's safe loader, except that a mapping holding a key twice raises :class:`_DuplicateKey`."""
+    yaml = _yaml()
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if not isinstance(key, Hashable):
+                    break  # the safe loader's own error names an unhashable key
+                if key in seen:
+                    raise _DuplicateKey(key)
+                seen.add(key)
+            return super().construct_mapping(node, deep=deep)
+
+    return UniqueKeyLoader
 
 
 def _toml_reader() -> Any:

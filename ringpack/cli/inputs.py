@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -103,12 +103,6 @@ def progress(args: argparse.Namespace, desc: str, unit: str, total: int | None =
     return Progress(desc, unit, total, enabled=not quiet)
 
 
-def check_column_has_lengths(args: argparse.Namespace, instead: str) -> None:
-    """Refuse ``--column`` without ``--lengths`` (``instead``: the input used then), where it would be ignored."""
-    if args.column is not None and not args.lengths:
-        raise ValueError(f"--column {args.column} names a column of --lengths; it does not apply to {instead}")
-
-
 def lengths_from_flag(path: str, column: str | None = None, flag: str = "--lengths") -> np.ndarray:
     """Validated sample lengths (int64 ``[N]``, each >= 1) from the file or saved dataset ``flag`` names.
 
@@ -122,12 +116,20 @@ def lengths_from_flag(path: str, column: str | None = None, flag: str = "--lengt
     return lengths
 
 
-def check_output_file(path: str, flag: str, inputs: Sequence[str | None] = ()) -> None:
+def check_output_file(
+    path: str, flag: str, inputs: Sequence[str | None] = (), outputs: Mapping[str, str | None] = {}
+) -> None:
     """Refuse, before any slow work, an output file that cannot be written or would replace an input.
 
+    ``outputs``: the command's other output files, by flag; ``path`` must be none of them.
+
     Raises:
-        ValueError: ``path`` is a directory, its folder does not exist, or it is one of ``inputs``.
+        ValueError: ``path`` is a directory, its folder does not exist, or it is one of ``inputs``
+            or ``outputs`` (naming both flags).
     """
+    for other_flag, other in outputs.items():
+        if other and os.path.realpath(path) == os.path.realpath(other):
+            raise ValueError(f"{flag} {path} is also {other_flag}; write the two to different files")
     target = Path(path)
     if target.is_dir():
         raise ValueError(f"{flag} {path} is a directory; give a file name")

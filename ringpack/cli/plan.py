@@ -80,7 +80,7 @@ def run_plan(args: argparse.Namespace) -> int:
     inputs = [args.lengths, args.cost, args.config]
     check_output_file(args.out, "--out", inputs=inputs)
     if args.write_config:
-        check_output_file(args.write_config, "--write-config", inputs=[*inputs, args.out])
+        check_output_file(args.write_config, "--write-config", inputs=inputs, outputs={"--out": args.out})
     lengths = lengths_from_flag(args.lengths, args.column)
     choice = resolve_layout(args, lengths)
     if choice is not None and not args.json:

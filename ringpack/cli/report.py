@@ -16,8 +16,8 @@ from ringpack.analysis.simulate import measure_variants
 from ringpack.cli.compare import add_compare_flags, check_outputs, comm_models, emit, peer_names, variants
 from ringpack.cli.config_file import add_config_file_flag
 from ringpack.cli.flags import COUNT, EXPLORE_MESH, add_lengths_flags, flag, integer, new_command
+from ringpack.cli.input_kinds import check_flags_apply
 from ringpack.cli.inputs import (
-    check_column_has_lengths,
     cost_model,
     lengths_from_flag,
     plan_config_from_args,
@@ -66,13 +66,12 @@ def run_report(args: argparse.Namespace) -> int:
     sources = sum(bool(x) for x in (args.plans, args.manifest, args.lengths, args.corpus))
     if sources != 1:
         raise ValueError("give exactly one input: plan files, --manifest, --lengths or --corpus stdlib")
-    check_column_has_lengths(args, "plan files" if args.plans else "--manifest" if args.manifest else "--corpus")
+    kind = "plans" if args.plans else "manifest" if args.manifest else "lengths" if args.lengths else "corpus"
+    check_flags_apply(args, "report", kind)
     check_outputs(args, inputs=[*args.plans, args.manifest, args.lengths, args.config])
     wanted = variants(args)  # validate options before any slow work
     peers = peer_names(args)
     if args.plans or args.manifest:
-        if args.peers is not None and peers:
-            raise ValueError("--peers runs other systems on lengths: give --lengths or --corpus, not plan files")
         plans = [Plan.load(p) for p in args.plans] if args.plans else [_plan_from_manifest(args.manifest)]
         shapes = {(p.config.dp, p.config.cp) for p in plans}
         if len(shapes) > 1:

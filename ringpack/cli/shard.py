@@ -12,6 +12,7 @@ from typing import Any
 
 from ringpack.cli.config_file import add_config_file_flag
 from ringpack.cli.flags import COUNT, PROCESSES, REQUIRED, add_plan_flags, add_quiet_flag, flag, integer, new_command
+from ringpack.cli.input_kinds import check_flags_apply
 from ringpack.cli.inputs import plan_config_from_args, samples_per_step
 from ringpack.data.shard_writer import check_out_dir, write_shards
 from ringpack.data.sources import SOURCES, load_source, tokenize_dataset
@@ -20,13 +21,6 @@ from ringpack.lengths import lengths_from_dataset
 logger = logging.getLogger("ringpack.cli")
 #: The regex tokenizer's id range when ``--vocab-size`` is not given.
 DEFAULT_VOCAB = 65536
-#: ``shard`` flags that only apply when the dataset is tokenized (it has no ``--column``), by destination.
-_TOKENIZING_FLAGS = (
-    ("--text-column", "text_column"),
-    ("--tokenizer", "tokenizer"),
-    ("--vocab-size", "vocab_size"),
-    ("--num-proc", "num_proc"),
-)
 
 
 def add_command(subparsers: Any) -> None:
@@ -173,21 +167,14 @@ def _datasets_progress(show: bool):
 def _token_dataset(args: argparse.Namespace, ds: Any) -> tuple[Any, dict[str, str] | None]:
     """``ds`` with its token-id column (tokenized from a text column when it has none) and how it was made.
 
-    A dataset that has the column is used as it is, with a warning naming every tokenizing flag
-    given (they do not apply to it).
+    A dataset that has the column is used as it is.
 
     Raises:
-        ValueError: ``--vocab-size`` with ``--tokenizer``, or no column to take ids from.
+        ValueError: a tokenizing flag given for a dataset that has the column (every one named),
+            ``--vocab-size`` with ``--tokenizer``, or no column to take ids from.
     """
     if args.column in ds.column_names:
-        given = [flag for flag, dest in _TOKENIZING_FLAGS if getattr(args, dest) is not None]
-        if given:
-            logger.warning(
-                "using the existing %r column of %s; %s ignored (only for tokenizing a dataset without it)",
-                args.column,
-                args.dataset,
-                "/".join(given),
-            )
+        check_flags_apply(args, "shard", "ids")
         return ds, None
     if args.tokenizer and args.vocab_size is not None:
         raise ValueError(

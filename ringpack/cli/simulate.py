@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from ringpack.analysis.report import format_table, write_report
-from ringpack.analysis.simulate import format_modes, simulate, synthetic_lengths
+from ringpack.analysis.simulate import format_modes, simulate, synthetic_lengths, window_chunk_steps
 from ringpack.cli.compare import add_compare_flags, check_outputs, comm_models, peer_names, variants
 from ringpack.cli.config_file import add_config_file_flag
 from ringpack.cli.flags import (
@@ -27,8 +27,8 @@ from ringpack.cli.flags import (
     integer_list,
     new_command,
 )
+from ringpack.cli.input_kinds import check_flags_apply
 from ringpack.cli.inputs import (
-    check_column_has_lengths,
     cost_model,
     lengths_from_flag,
     plan_config_from_args,
@@ -91,31 +91,32 @@ def add_command(subparsers: Any) -> None:
         "comparison printed and in --json)",
     )
     flag(p, "--jobs", type=integer(0, 1024), default=0, help="worker processes (0: all cores)")
-    flag(p, "--chunk-steps", type=POSITIVE, default=8, help="global batches planned per worker task")
+    flag(
+        p,
+        "--chunk-steps",
+        type=POSITIVE,
+        default=8,
+        help="global batches planned per worker task; with --batch-window W a multiple of W+1 (the default is "
+        "rounded up to one)",
+    )
     add_config_file_flag(p)
     p.set_defaults(handler=run_simulate, command_parser=p)
 
 
 def drawn_lengths(args: argparse.Namespace) -> dict[str, Any]:
-    """``synthetic_lengths``' arguments from ``--samples``, ``--dist``, ``--median``, ``--sigma``.
+    """``synthetic_lengths``' arguments from ``--samples``, ``--dist``, ``--median``, ``--sigma``, their defaults
+    where not given (which of them apply to which lengths is :mod:`ringpack.cli.input_kinds`' to check)."""
+    return {**DRAWN, **{name: getattr(args, name) for name in DRAWN if getattr(args, name) is not None}}
 
-    Raises:
-        ValueError: one of them with ``--lengths``, or ``--median``/``--sigma`` without ``--dist lognormal``.
-    """
-    given = {name: getattr(args, name) for name in DRAWN if getattr(args, name) is not None}
-    if args.lengths and given:
-        flags = ", ".join(f"--{name}" for name in given)
-        raise ValueError(f"{flags} shape drawn lengths; they do not apply to --lengths {args.lengths}")
-    drawn = {**DRAWN, **given}
-    shape = [f"--{name}" for name in ("median", "sigma") if name in given]
-    if shape and drawn["dist"] != "lognormal":
-        raise ValueError(f"{', '.join(shape)} shape log-normal draws; they do not apply to --dist {drawn['dist']}")
-    return drawn
+
+def lengths_kind(args: argparse.Namespace) -> str:
+    """``simulate``'s kind of input (see :data:`~ringpack.cli.input_kinds.TABLE`): lengths, stdlib or lognormal."""
+    return "lengths" if args.lengths else args.dist or DRAWN["dist"]
 
 
 def run_simulate(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
-    check_column_has_lengths(args, "drawn lengths (--dist)")
+    check_flags_apply(args, "simulate", lengths_kind(args))
     drawn = drawn_lengths(args)
     check_outputs(args, inputs=[args.lengths, args.config])
     model = cost_model(args, tflops=True)
@@ -175,6 +176,14 @@ def _layout(
     return best.dp, best.cp, best.gpus_per_node, {"layout": choice_to_dict(choice), "gpus_per_node": node}
 
 
+def _chunk_steps(args: argparse.Namespace, config: Any) -> int:
+    """``--chunk-steps``; when not given and a batch window is set, its default rounded up to whole window
+    blocks (``batch_window + 1`` steps), which every chunk must hold (a given one that does not is refused)."""
+    if "chunk_steps" in args.given or not config.batch_window:
+        return args.chunk_steps
+    return window_chunk_steps(args.chunk_steps, config.batch_window + 1)
+
+
 def _simulate_shape(
     args: argparse.Namespace,
     lengths: np.ndarray,
@@ -207,7 +216,7 @@ def _simulate_shape(
         config,
         variants(args),
         comms,
-        chunk_steps=args.chunk_steps,
+        chunk_steps=_chunk_steps(args, config),
         jobs=args.jobs or None,
         progress=not args.quiet and args.json != "-",
         baseline=args.baseline,

@@ -377,12 +377,16 @@ class BalancedBatchSampler(_SamplerBase):
         return self._plan_key(self.epoch, self._switches)
 
     def _plan_key(self, epoch: int, switches: Sequence[tuple[int, int, CostModel]]) -> str:
+        return _key_of(self._plan_inputs(epoch, switches))
+
+    def _plan_inputs(self, epoch: int, switches: Sequence[tuple[int, int, CostModel]]) -> dict[str, Any]:
+        """What :attr:`plan_key` hashes, as plain data: the config (with ``epoch`` and the cost model
+        at step 0), the lengths' SHA-256, and the cost-model switches inside the epoch."""
         if self._lengths_hash is None:
             self._lengths_hash = hashlib.sha256(np.ascontiguousarray(self.lengths, dtype="<i8").tobytes()).hexdigest()
         config = dataclasses.replace(self.config, epoch=epoch, cost=self._cost_at(epoch, 0, switches)).to_dict()
         inside = [[s, model.to_dict()] for e, s, model in switches if e == epoch and s > 0]
-        text = json.dumps([PLAN_KEY_FORMAT, config, self._lengths_hash, inside], sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(text.encode()).hexdigest()
+        return {"config": config, "lengths_sha256": self._lengths_hash, "cost_switches": inside}
 
     @property
     def num_steps(self) -> int:
@@ -487,6 +491,7 @@ class BalancedBatchSampler(_SamplerBase):
             "tokens_per_rank": int(self.config.tokens_per_rank),
             "num_samples": int(len(self.lengths)),
             "plan_key": self.plan_key,
+            "plan_inputs": self._plan_inputs(self.epoch, self._switches),
             "step": step,
             "step_start": int(start),
             "step_hash": digest,
@@ -527,11 +532,10 @@ class BalancedBatchSampler(_SamplerBase):
             steps = trial.check_whole_plan(epoch, cursor, _state_str(state, "plan_hash"))
         else:
             key = _state_str(state, "plan_key")
-            if key != self._plan_key(epoch, switches):
-                raise DataError(
-                    f"sampler state was made for plan {key[:12]}... of epoch {epoch}, but this sampler plans "
-                    f"{self._plan_key(epoch, switches)[:12]}... (lengths, plan options or cost models changed)"
-                )
+            theirs = _state_plan_inputs(state, key)
+            mine = self._plan_inputs(epoch, switches)
+            if key != _key_of(mine):
+                raise DataError(_plan_difference(theirs, mine, key, epoch))
             step = _state_int(state, "step", low=-1)
             start = _state_int(state, "step_start", low=0)
             digest = None if step < 0 else _state_str(state, "step_hash")
@@ -693,6 +697,80 @@ class _Trial:
             stream.close()
             raise
         return epoch_steps
+
+
+def _key_of(inputs: dict[str, Any]) -> str:
+    """The plan key of :meth:`BalancedBatchSampler._plan_inputs`' data (unchanged since states held only it)."""
+    parts = [PLAN_KEY_FORMAT, inputs["config"], inputs["lengths_sha256"], inputs["cost_switches"]]
+    text = json.dumps(parts, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _state_plan_inputs(state: dict[str, Any], key: str) -> dict[str, Any] | None:
+    """A state's ``plan_inputs``, checked against its ``plan_key``; ``None`` for a state made before it
+    was kept (only the key then: a difference can be found, not named).
+
+    Raises:
+        DataError: ``plan_inputs`` that is not what the key hashes (the state was edited or damaged).
+    """
+    inputs = state.get("plan_inputs")
+    if inputs is None:
+        return None
+    try:
+        consistent = isinstance(inputs, dict) and isinstance(inputs.get("config"), dict) and _key_of(inputs) == key
+    except (KeyError, TypeError, ValueError):
+        consistent = False
+    if not consistent:
+        raise DataError(
+            f"sampler state key 'plan_inputs' is not what its plan_key {key[:12]}... hashes (edited or damaged state)"
+        )
+    return inputs
+
+
+#: The order plan options are compared in, and each one's value when a config's dict leaves it out.
+_OPTION_DEFAULTS = {
+    f.name: (f.default if f.default is not dataclasses.MISSING else None) for f in dataclasses.fields(PlanConfig)
+}
+
+
+def _plan_difference(theirs: dict[str, Any] | None, mine: dict[str, Any], key: str, epoch: int) -> str:
+    """One line naming what the state's plan was made with that this sampler's is not."""
+    where = f"sampler state of epoch {epoch} was made"
+    if theirs is None:
+        return (
+            f"{where} for plan {key[:12]}..., but this sampler plans {_key_of(mine)[:12]}... (lengths, plan "
+            "options or cost models changed; a state of this version names which)"
+        )
+    a, b = theirs["config"], mine["config"]
+    for name in [*_OPTION_DEFAULTS, *sorted((set(a) | set(b)) - set(_OPTION_DEFAULTS))]:
+        old, new = a.get(name, _OPTION_DEFAULTS.get(name)), b.get(name, _OPTION_DEFAULTS.get(name))
+        if old == new:
+            continue
+        if name == "cost":
+            return f"{where} with another cost model: {_cost_difference(old, new)}"
+        return f"{where} with {name}={old!r}, this sampler has {name}={new!r}"
+    if theirs["lengths_sha256"] != mine["lengths_sha256"]:
+        return (
+            f"{where} for other lengths (sha256 {str(theirs['lengths_sha256'])[:12]}..., this sampler's "
+            f"{mine['lengths_sha256'][:12]}...): the same number of samples, other lengths"
+        )
+    return (
+        f"{where} with cost-model switches inside the epoch at steps "
+        f"{[s[0] for s in theirs['cost_switches']]}, this sampler's are at {[s[0] for s in mine['cost_switches']]}"
+    )
+
+
+def _cost_difference(old: Any, new: Any) -> str:
+    """The first entry in which two cost models' dicts differ, with the models' names."""
+    if not (isinstance(old, dict) and isinstance(new, dict)):
+        return f"{old!r:.100}, this sampler has {new!r:.100}"
+    for entry in sorted(set(old) | set(new)):
+        if old.get(entry) != new.get(entry):
+            return (
+                f"{old.get('name')!r} has {entry}={old.get(entry)!r}, this sampler's {new.get('name')!r} "
+                f"has {entry}={new.get(entry)!r}"
+            )
+    return "the same entries"  # unreachable: the dicts differ
 
 
 def _state_int(state: dict[str, Any], key: str, low: int | None = None) -> int:

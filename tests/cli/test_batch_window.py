@@ -96,3 +96,34 @@ def test_a_config_file_sets_the_window(inputs):
     run = run_cli(["plan", *args(inputs, "--config", toml, "--out", out, "--quiet")])
     assert run.code == 0, run.err
     assert Plan.load(out).config.batch_window == 3
+
+
+def simulate_args(inputs, out, *more):
+    return [
+        "simulate", "--lengths", inputs["root"] / "lengths.npy", "--gpus", "8", "--cp", "2", "--tokens-per-rank",
+        "2048", "--samples-per-step", "80", "--model", inputs["root"] / "heavy.json", "--strategies", "balanced",
+        "--packings", "balanced", "--peers", "none", "--jobs", "1", "--out", out, "--json", "-", "--quiet",
+        "--no-plots", *more,
+    ]  # fmt: skip
+
+
+def test_simulate_refuses_chunks_that_do_not_hold_whole_window_blocks(inputs):
+    out = inputs["root"] / "sim-refused"
+    run = run_cli(simulate_args(inputs, out, "--batch-window", "4", "--chunk-steps", "1"))
+    assert_clean(run)
+    assert run.code == 1 and "--batch-window 4" in run.err and "--chunk-steps 1" in run.err, run.err
+    assert "multiple of 5" in run.err
+
+
+def test_simulate_plans_the_window_in_whole_blocks(inputs):
+    def simulated(*more):
+        run = run_cli(simulate_args(inputs, inputs["root"] / "sim", *more))
+        assert run.code == 0, run.err
+        doc = json.loads(run.out)
+        return doc["planning"]["chunk_steps"], doc["plans"][0]["summary"]["predicted_seconds_comm"]
+
+    plain_chunk, plain = simulated()
+    chunk, windowed = simulated("--batch-window", "2")
+    assert (plain_chunk, chunk) == (8, 9), "the default chunk is rounded up to whole blocks of 3 steps"
+    assert windowed < plain, "the window lowers the predicted epoch time here"
+    assert simulated("--batch-window", "2", "--chunk-steps", "3")[0] == 3

@@ -175,3 +175,36 @@ def test_shard_report_and_simulate_read_a_config_file(lengths, tmp_path):
     report_plans = write(tmp_path / "plans.json", {"plans": [str(tmp_path / "shards" / "plan.parquet")]})
     run = run_cli(["report", "--config", report_plans, "--out", tmp_path / "r2", "--no-plots", "--quiet"])
     assert run.code == 0, run.err
+
+
+@pytest.mark.parametrize(
+    "name, text",
+    [
+        ("run.json", '{"dp": 2, "cp": 2, "dp": 4}'),
+        ("run.yaml", "dp: 2\ncp: 2\ndp: 4\n"),
+        ("run.toml", "dp = 2\ncp = 2\ndp = 4\n"),
+    ],
+)
+def test_a_key_given_twice_in_a_file_is_refused(lengths, tmp_path, name, text):
+    (tmp_path / name).write_text(text)
+    run = run_cli(["plan", "--config", tmp_path / name, "--lengths", lengths, "--out", tmp_path / "p.json"])
+    assert_clean(run)
+    assert run.code == 1 and name in run.err and not (tmp_path / "p.json").exists(), run.err
+    if name != "run.toml":  # TOML's reader words its own message
+        assert "key 'dp' is given twice" in run.err, run.err
+
+
+def test_config_given_twice_is_refused(lengths, tmp_path):
+    first = write(tmp_path / "a.json", {**SETTINGS, "seed": 1})
+    second = write(tmp_path / "b.json", {**SETTINGS, "seed": 2})
+    run = run_cli(["plan", "--config", first, "--config", second, "--lengths", lengths, "--out", tmp_path / "p.json"])
+    assert_clean(run)
+    assert run.code == 2 and "--config given twice" in run.err and "b.json" in run.err, run.err
+
+
+def test_write_config_refuses_the_plan_s_own_file(lengths, tmp_path):
+    target = tmp_path / "same.json"
+    run = run_cli(["plan", "--lengths", lengths, *FLAGS, "--out", target, "--write-config", target])
+    assert_clean(run)
+    assert run.code == 1 and "--write-config" in run.err and "is also --out" in run.err, run.err
+    assert not target.exists()

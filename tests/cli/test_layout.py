@@ -197,3 +197,24 @@ def test_simulate_cp_auto_times_the_epoch_with_the_targeted_exchange_when_asked(
     assert doc["comm_model"]["mode"] == "p2p" and doc["comm_model"]["gpus_per_node"] == 2
     modes = doc["plans"][0]["modes"]
     assert set(modes) == {"p2p", "ring"} and modes["p2p"]["exposed_comm_seconds"] > 0
+
+
+def test_cp_auto_beyond_a_plan_s_ranks_speaks_of_the_pool_not_of_a_cp_flag(short, tmp_path):
+    run, _ = _plan(["--lengths", short, *TOKENS, "--cp", "auto", "--world", "100000", "--gpus-per-node", "8"], tmp_path)
+    assert run.code == 1
+    assert "--cp 100000" not in run.err
+    assert "pool: one CP group of 100,000 GPUs, more than the 65,536 ranks a plan holds" in run.err
+
+
+def test_simulate_cp_auto_with_no_feasible_layout_gives_every_layout_s_reason(tmp_path):
+    path = tmp_path / "long.npy"
+    np.save(path, np.array([100, 200, 5_000_000]))
+    argv = ["simulate", "--lengths", path, "--gpus", "16", "--cp", "auto", "--gpus-per-node", "8",
+            "--tokens-per-rank", "4096", "--samples-per-step", "3", "--out", tmp_path / "sim", "--quiet"]  # fmt: skip
+    run = run_cli(argv)
+    assert_clean(run)
+    error = run.err.splitlines()[-1]
+    assert run.code == 1 and "no layout of 16 GPUs plans these lengths" in error, error
+    for layout, group in (("cp=1", 4096), ("cp=2", 8192), ("cp=4", 16384), ("cp=8", 32768), ("pool", 65536)):
+        assert f"{layout}: sample 2 has 5000000 tokens" in error and f"= {group})" in error, (layout, error)
+    assert error.count("--overflow split") == 1, "the hint the layouts share is said once"

@@ -112,7 +112,7 @@ def test_state_mismatches_are_clear_errors(samples):
     edited = [s.copy() for s in samples]
     edited[0] = np.concatenate([edited[0], [1]])
     changed, _, _ = make(edited)
-    with pytest.raises(DataError, match="plan"):
+    with pytest.raises(DataError, match="for other lengths"):
         changed.load_state_dict(state)
     with pytest.raises(DataError, match="cursor"):
         sampler.load_state_dict({**state, "cursor": 10**6})

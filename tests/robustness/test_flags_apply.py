@@ -110,11 +110,11 @@ def test_a_split_picks_a_split_where_there_are_splits(inputs, tmp_path):
 
 
 # ------------------------------------------------------------------------------------ tokenizing
-def test_shard_warns_of_every_tokenizing_flag_a_dataset_with_ids_ignores(inputs, tmp_path):
+def test_shard_refuses_every_tokenizing_flag_a_dataset_with_ids_does_not_use(inputs, tmp_path):
     argv = ["shard", inputs["ids"], "--out", tmp_path / "out", *MESH, "--cache-dir", inputs["cache"], "--quiet"]
     run = run_cli([*argv, "--vocab-size", 100, "--num-proc", 2])
-    assert run.code == 0, run.err
-    assert "using the existing 'input_ids' column" in run.err and "--vocab-size/--num-proc ignored" in run.err
+    one_line(run, "--vocab-size 100, --num-proc 2 do not apply to a dataset with token ids")
+    assert not (tmp_path / "out").exists()
 
 
 def test_shard_refuses_a_vocab_size_for_a_tokenizer_file(inputs, tmp_path):
