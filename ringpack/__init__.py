@@ -28,7 +28,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "plan": "ringpack.planner.api",
     "Plan": "ringpack.shard_plan",
-    "PlanConfig": "ringpack.shard_plan",
+    "PlanConfig": "ringpack.plan_config",
     "PlanError": "ringpack.errors",
     "DataError": "ringpack.errors",
     "CostModel": "ringpack.cost",
@@ -49,9 +49,10 @@ if TYPE_CHECKING:
     from ringpack.cost import CostModel  # noqa: F401
     from ringpack.data import BalancedBatchSampler, PackedCollator, PackedDataset, ShardReader  # noqa: F401
     from ringpack.errors import DataError, PlanError  # noqa: F401
+    from ringpack.plan_config import PlanConfig  # noqa: F401
     from ringpack.planner import make_plan  # noqa: F401
     from ringpack.planner.api import plan  # noqa: F401
-    from ringpack.shard_plan import Plan, PlanConfig  # noqa: F401
+    from ringpack.shard_plan import Plan  # noqa: F401
     from ringpack.training.cost_learner import CostLearner  # noqa: F401
 
 _autoregister.install()  # attn_implementation="ringpack" once transformers' models load

@@ -11,7 +11,7 @@ PUBLIC = {
     "plan": "ringpack.planner.api",
     "make_plan": "ringpack.planner.epoch",
     "Plan": "ringpack.shard_plan",
-    "PlanConfig": "ringpack.shard_plan",
+    "PlanConfig": "ringpack.plan_config",
     "PlanError": "ringpack.errors",
     "DataError": "ringpack.errors",
     "CostModel": "ringpack.cost",

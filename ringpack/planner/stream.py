@@ -10,13 +10,8 @@ bytes a step).
 The thread is a daemon that sleeps while the window is full and ends when the epoch is planned,
 when the stream is closed or no longer used, and at interpreter exit (joined there). An exception
 raised while planning a step is kept with that step and raised again, the same object, in the
-thread that asks for the step. A forked child plans in a thread of its own.
-
-The thread's work is derived, each time it looks, from the window itself: the lowest step of the
-window that is neither planned nor being planned. A finished plan is kept when the step's cost
-model is still the one it was planned with, and dropped otherwise, where the same rule then plans
-it again; so no interleaving of cost switches, jumps and finishing plans leaves a step of the
-window unplanned.
+thread that asks for the step. A forked child plans in a thread of its own. The thread's work is
+always the window's lowest step not planned yet, so no cost switch or jump leaves one unplanned.
 
 See docs/data.md, "The sampler".
 """
