@@ -23,7 +23,6 @@ from typing import Any
 import numpy as np
 
 from ringpack.analysis import plots, ringcheck
-from ringpack.analysis.comm_model import LINKS, CommModel
 from ringpack.analysis.report import (
     DEFAULT_VARIANTS,
     build_report,
@@ -32,6 +31,7 @@ from ringpack.analysis.report import (
     result_of_plan,
     write_report,
 )
+from ringpack.comm_model import LINKS, CommModel
 from ringpack.cost import CostModel
 from ringpack.data.corpus import stdlib_corpus
 from ringpack.planner import make_plan

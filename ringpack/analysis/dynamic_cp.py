@@ -25,10 +25,10 @@ from typing import Any
 
 import numpy as np
 
-from ringpack.analysis.comm_model import CommModel, microbatch_seconds
 from ringpack.analysis.packed import zigzag_shares
 from ringpack.analysis.report import STEP_KEYS, SUMMARY_KEYS
 from ringpack.analysis.robustness import PRICE_FACTORS
+from ringpack.comm_model import CommModel, microbatch_seconds
 from ringpack.cost import CostModel
 from ringpack.planner.epoch import global_batches
 from ringpack.shard_plan import PlanConfig

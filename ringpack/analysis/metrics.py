@@ -6,7 +6,7 @@ balances with, applied to :attr:`Plan.piece_arrays` columns with no Python loop 
 :class:`PlanMetrics` holds per step, DP rank, micro-batch and CP rank: a rank's cost; a
 micro-batch's time (the max over its CP ranks); a DP rank's time (the sum over its micro-batches);
 the step time (the max over DP ranks); each GPU's busy cost; the K/V crossing ranks
-(:func:`ringpack.analysis.comm_model.kv_cross_tokens`); and the padding a zigzag that needs every
+(:func:`ringpack.comm_model.kv_cross_tokens`); and the padding a zigzag that needs every
 sample to be a multiple of ``2*cp`` would add (:func:`zigzag_rule_padding`; ringpack pads nothing).
 The figures derived from them (idle fraction, max/mean, imbalance) are defined in docs/analysis.md,
 "The figures". :func:`concat_metrics` stacks the steps of several parts of one plan.
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ringpack.analysis.comm_model import kv_cross_tokens
+from ringpack.comm_model import kv_cross_tokens
 from ringpack.cost import CostModel, piece_pairs
 from ringpack.planner.bounds import critical_path, rank_grid
 

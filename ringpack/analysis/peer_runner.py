@@ -21,11 +21,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ringpack.analysis.comm_model import CommModel
 from ringpack.analysis.dynamic_cp import DCP, DynamicCPSchedule, concat_schedules, dcp_schedule, timed_schedule
 from ringpack.analysis.metrics import concat_metrics
 from ringpack.analysis.packed import PackedSteps, evaluate_packed
 from ringpack.analysis.report import timed
+from ringpack.comm_model import CommModel
 from ringpack.errors import PlanError
 from ringpack.planner.wlb import WLBConfig, wlb_packing
 from ringpack.shard_plan import PlanConfig

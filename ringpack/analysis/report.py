@@ -2,7 +2,7 @@
 
 A report compares one or more plans of the same data (one per strategy, or any plan files). Every
 figure comes from :mod:`ringpack.analysis.metrics` (the planner's cost code applied to the piece
-table) and, for times that include communication, :mod:`ringpack.analysis.comm_model`.
+table) and, for times that include communication, :mod:`ringpack.comm_model`.
 
 The JSON document (``format: "ringpack-report"``, ``version: 1``) is the source of everything else:
 the table and the plots are drawn from it, so ``ringpack report`` output can be re-plotted or
@@ -29,10 +29,10 @@ from urllib.parse import quote
 import numpy as np
 
 from ringpack.analysis import plots as plotting
-from ringpack.analysis.comm_model import CommModel, ExchangeVolumes, exchange_volumes, microbatch_seconds
 from ringpack.analysis.metrics import PlanMetrics, evaluate_plan
 from ringpack.analysis.plots import median_idle
 from ringpack.analysis.robustness import imbalance_across_prices
+from ringpack.comm_model import CommModel, ExchangeVolumes, exchange_volumes, microbatch_seconds
 from ringpack.planner import make_plan
 from ringpack.shard_plan import PACKINGS, STRATEGIES
 
@@ -210,7 +210,7 @@ def timed(
 ) -> StrategyResult:
     """Attach communication-model times (and the planner's lower bounds) to a plan's metrics.
 
-    ``volumes``: the plan's :func:`~ringpack.analysis.comm_model.exchange_volumes`, which mode
+    ``volumes``: the plan's :func:`~ringpack.comm_model.exchange_volumes`, which mode
     ``"p2p"`` needs (the other modes read the metrics only).
 
     Raises:

@@ -3,7 +3,7 @@
 For a cluster shape (``dp x cp`` GPUs), a length distribution and a model, every strategy plans the
 full epoch as :func:`~ringpack.planner.make_plan` would; every step is priced with the planner's
 cost code (:mod:`ringpack.analysis.metrics`) and timed under the communication model
-(:mod:`ringpack.analysis.comm_model`, ring and all-gather), with the peers of
+(:mod:`ringpack.comm_model`, ring and all-gather), with the peers of
 :mod:`ringpack.analysis.peer_runner` on the same chunks. Output: the report document ``ringpack
 report`` writes (predicted tokens/s, epoch time, idle fraction, K/V bytes and padding per strategy).
 
@@ -28,11 +28,11 @@ import numpy as np
 from ringpack._checks import is_finite, is_int
 from ringpack._hints import option
 from ringpack._spawn import run_tasks
-from ringpack.analysis.comm_model import CommModel, ExchangeVolumes, exchange_volumes
 from ringpack.analysis.metrics import PlanMetrics, concat_metrics, plan_label
 from ringpack.analysis.packed import PackedSteps, evaluate_packed
 from ringpack.analysis.peer_runner import join_peer_parts, time_peer, try_measure_peer
 from ringpack.analysis.report import StrategyResult, _fmt_count, _fmt_seconds, build_report, text_table, timed
+from ringpack.comm_model import CommModel, ExchangeVolumes, exchange_volumes
 from ringpack.data.corpus import stdlib_corpus
 from ringpack.errors import PlanError
 from ringpack.lengths import check_lengths
@@ -165,7 +165,7 @@ def _plan_chunk(task: _Task) -> tuple[list[tuple[int, Any, list, str | None, Any
     """Worker: one task's ``(row, metrics, lower bounds, plan hash, exchange volumes)`` per row, and its CPU seconds.
 
     The plan hash is ``None`` unless ``task.hashes``, the volumes
-    (:func:`~ringpack.analysis.comm_model.exchange_volumes`) unless ``task.exchange``. A variant's metrics are its
+    (:func:`~ringpack.comm_model.exchange_volumes`) unless ``task.exchange``. A variant's metrics are its
     :class:`PlanMetrics`, a peer's its
     :class:`~ringpack.analysis.peer_runner.PeerPart` (``None`` if it cannot plan the chunk). The
     variants of a task share one packing of every step (:func:`~ringpack.planner.epoch.pack_step`,
@@ -243,7 +243,7 @@ def simulate(
         comms: communication models; the first is the headline (its times fill each plan's
             summary), every model's totals land in ``plan["modes"]`` (default: ring and
             all-gather for ``config.cost``). A ``"p2p"`` model is timed from each chunk's exchange
-            volumes (:func:`~ringpack.analysis.comm_model.exchange_volumes`), the peers under it
+            volumes (:func:`~ringpack.comm_model.exchange_volumes`), the peers under it
             with the ring they run.
         chunk_steps: global batches planned per worker task; with ``config.batch_window``, a
             multiple of ``batch_window + 1`` (the window moves samples within blocks of that many

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 from ringpack.analysis import peer_runner as peer_systems
-from ringpack.analysis.comm_model import MODES, CommModel
 from ringpack.analysis.report import write_report
 from ringpack.cli.flags import (
     add_comm_flags,
@@ -23,6 +22,7 @@ from ringpack.cli.flags import (
     add_variant_flags,
 )
 from ringpack.cli.inputs import check_output_file, check_output_folder, progress
+from ringpack.comm_model import MODES, CommModel
 from ringpack.shard_plan import PACKINGS, STRATEGIES
 
 

@@ -17,7 +17,7 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from ringpack.analysis.comm_model import LINKS
+from ringpack.comm_model import LINKS
 from ringpack.cost import MAX_SAMPLE_TOKENS, CostModel
 from ringpack.lengths import FORMATS as LENGTHS_FORMATS
 from ringpack.shard_plan import MAX_CP, PACKINGS, STRATEGIES, PlanConfig

@@ -2,7 +2,7 @@
 
 With ``--world N``, ``--dp`` is ``N / cp``; with ``--cp auto`` the fixed CP sizes and the pool
 (``dp=1, cp=N``, split node by node) are planned on the first global batches and timed under
-ring, all-gather and targeted exchange (:func:`~ringpack.analysis.layout.choose_layout`), and the
+ring, all-gather and targeted exchange (:func:`~ringpack.planner.layout.choose_layout`), and the
 fastest one is planned (``simulate``: for each ``--gpus``). See docs/planner.md, "Choosing the layout".
 """
 
@@ -12,19 +12,15 @@ import argparse
 import logging
 from typing import Any
 
-from ringpack.analysis.comm_model import CommModel
-from ringpack.analysis.layout import LayoutChoice, choose_layout
 from ringpack.cli.compare import comm_models
 from ringpack.cli.flags import CP_SIZE, POSITIVE, REQUIRED, config_fields, flag
 from ringpack.cli.inputs import cost_model, samples_per_step
+from ringpack.comm_model import CommModel
+from ringpack.planner.layout import AUTO, DEFAULT_GPUS_PER_NODE, LayoutChoice, choose_layout
 from ringpack.shard_plan import PlanConfig
 
 logger = logging.getLogger("ringpack.cli")
 
-#: ``--cp``'s value that asks for the layout to be chosen.
-AUTO = "auto"
-#: GPUs per node assumed by ``--cp auto`` when ``--gpus-per-node`` is not given (said on stderr).
-DEFAULT_GPUS_PER_NODE = 8
 #: Layouts listed under the choice (the rest are in ``--json``).
 SHOWN = 6
 #: The :class:`PlanConfig` fields ``choose_layout`` sets per layout or takes as arguments of its own.

@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ringpack.analysis.comm_model import CommModel
 from ringpack.analysis.dynamic_cp import (
     dcp_schedule,
     group_sizes,
@@ -15,6 +14,7 @@ from ringpack.analysis.dynamic_cp import (
     zigzag_shares,
 )
 from ringpack.analysis.report import STEP_KEYS, SUMMARY_KEYS
+from ringpack.comm_model import CommModel
 from ringpack.planner.epoch import global_batches
 from ringpack.planner.split import split_zigzag
 from ringpack.shard_plan import PlanConfig

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from ringpack.analysis.comm_model import CommModel, kv_cross_tokens, microbatch_seconds
 from ringpack.analysis.metrics import concat_metrics, evaluate_plan, zigzag_rule_padding
 from ringpack.analysis.report import build_report, result_of_plan
+from ringpack.comm_model import CommModel, kv_cross_tokens, microbatch_seconds
 from ringpack.cost import CostModel
 from ringpack.planner import make_plan
 from ringpack.shard_plan import PlanConfig

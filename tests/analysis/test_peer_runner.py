@@ -8,7 +8,6 @@ import json
 import numpy as np
 import pytest
 
-from ringpack.analysis.comm_model import CommModel
 from ringpack.analysis.dynamic_cp import (
     DCP,
 )
@@ -16,6 +15,7 @@ from ringpack.analysis.peer_runner import PEERS, WLB, measure_peer, parse_peers,
 from ringpack.analysis.report import STEP_KEYS, SUMMARY_KEYS, build_report, format_table, result_of_plan
 from ringpack.analysis.simulate import simulate
 from ringpack.cli import main
+from ringpack.comm_model import CommModel
 from ringpack.cost import CostModel
 from ringpack.planner import make_plan
 from ringpack.planner.epoch import expand_overflow

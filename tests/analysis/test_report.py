@@ -9,7 +9,6 @@ import datasets
 import numpy as np
 import pytest
 
-from ringpack.analysis.comm_model import CommModel
 from ringpack.analysis.report import (
     REPORT_FORMAT,
     REPORT_VERSION,
@@ -21,6 +20,7 @@ from ringpack.analysis.report import (
     write_report,
 )
 from ringpack.cli import main
+from ringpack.comm_model import CommModel
 from ringpack.cost import CostModel
 from ringpack.planner import make_plan
 from ringpack.shard_plan import PlanConfig

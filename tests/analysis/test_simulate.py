@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from ringpack.analysis.comm_model import CommModel
 from ringpack.analysis.simulate import _plan_chunk as real_plan_chunk
 from ringpack.analysis.simulate import simulate, synthetic_lengths
 from ringpack.cli import main
+from ringpack.comm_model import CommModel
 from ringpack.cost import CostModel
 from ringpack.shard_plan import PlanConfig
 
@@ -224,9 +224,9 @@ def test_the_targeted_exchange_is_timed_chunk_by_chunk_as_each_plan():
     plan by :func:`result_of_plan`; the peers are timed with the ring."""
     import dataclasses
 
-    from ringpack.analysis.comm_model import CommModel
     from ringpack.analysis.report import result_of_plan
     from ringpack.analysis.simulate import SIM_VARIANTS, simulate
+    from ringpack.comm_model import CommModel
     from ringpack.planner import make_plan
 
     lengths = synthetic_lengths(900, "lognormal", seed=6, median=700, sigma=1.2)

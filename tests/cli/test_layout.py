@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from ringpack.analysis.comm_model import MODES
-from ringpack.analysis.layout import choose_layout
+from ringpack.comm_model import MODES
 from ringpack.cost import CostModel
+from ringpack.planner.layout import choose_layout
 from ringpack.shard_plan import Plan
 from tests.helpers.cli import assert_clean, run_cli
 

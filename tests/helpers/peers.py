@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ringpack.analysis.comm_model import CommModel
+from ringpack.comm_model import CommModel
 from ringpack.cost import CostModel
 from ringpack.shard_plan import PlanConfig
 

@@ -15,6 +15,7 @@ import ringpack
 from ringpack.analysis.simulate import synthetic_lengths
 from ringpack.cost import CostModel
 from ringpack.planner import make_plan, split_microbatch
+from ringpack.planner.layout import choose_layout
 from ringpack.planner.pool import arrange_nodes, node_groups, node_need
 from ringpack.shard_plan import MicroBatch, Piece, PlanConfig, PlanError, microbatch_from_shards
 
@@ -43,11 +44,28 @@ def test_world_is_one_cp_group_over_the_pool():
     assert (pool.config.dp, pool.config.cp) == (1, 32)
 
 
+def test_world_with_cp_is_the_cluster_as_on_the_command_line():
+    L = lognormal(300)
+    mesh = ringpack.plan(L, world=32, cp=8, tokens_per_rank=16384, samples_per_step=100)
+    same = ringpack.plan(L, dp=4, cp=8, tokens_per_rank=16384, samples_per_step=100)
+    assert mesh.content_hash == same.content_hash
+
+
+def test_cp_auto_plans_the_layout_choose_layout_ranks_first():
+    L = lognormal(400)
+    plan = ringpack.plan(L, world=16, cp="auto", gpus_per_node=8, tokens_per_rank=16384, samples_per_step=0)
+    best = choose_layout(L, 16, 8, 16384, samples_per_step=None).best
+    assert (plan.config.dp, plan.config.cp, plan.config.gpus_per_node) == (best.dp, best.cp, best.gpus_per_node)
+    assert plan.config.dp * plan.config.cp == 16
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"world": 8, "cp": 8}, "give world or cp, not both"),
+        ({"world": 8, "cp": 3}, "world=8 is not a multiple of cp=3"),
         ({"world": 8, "dp": 1}, "give world or dp, not both"),
+        ({"cp": "auto"}, "cp='auto' needs world=N"),
+        ({"world": 8, "cp": "auto", "dp": 2}, "cp='auto' sets dp itself"),
         ({"world": 0}, "world must be an integer >= 1"),
         ({"world": 2.0}, "world must be an integer >= 1"),
     ],

@@ -1,4 +1,4 @@
-"""The communication model's link classes and exchanges on hand-computed cases (ringpack/analysis/comm_model.py)."""
+"""The communication model's link classes and exchanges on hand-computed cases (ringpack/comm_model.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import ringpack
-from ringpack.analysis.comm_model import (
+from ringpack.comm_model import (
     ATTN_FORWARD_SHARE,
     CommModel,
     ExchangeVolumes,
@@ -181,7 +181,7 @@ def test_exchange_volumes_in_blocks_of_micro_batches_are_the_whole_table_s(monke
     """A plan's volumes computed a few micro-batches at a time (memory in the block's pairs) equal
     those of the whole table at once, nodes or none."""
     import ringpack
-    from ringpack.analysis import comm_model
+    from ringpack import comm_model
 
     rng = np.random.default_rng(3)
     lengths = np.clip(np.round(rng.lognormal(np.log(300), 1.2, 400)), 1, 3000).astype(np.int64)

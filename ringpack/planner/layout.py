@@ -3,7 +3,7 @@
 :func:`choose_layout` plans the first global batches of the lengths with every fixed CP size
 (powers of two, up to the nodes the longest sample needs) and with the pool (``dp=1, cp=world``,
 split node by node), times each step under ring, all-gather and targeted (``p2p``) exchange (the
-cost model's compute plus :mod:`~ringpack.analysis.comm_model`'s communication, the slowest rank),
+cost model's compute plus :mod:`~ringpack.comm_model`'s communication, the slowest rank),
 and ranks the layouts by predicted tokens/s, with a one-line reason for the winner. It lives here,
 not in the planner, because it needs the communication model.
 
@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ringpack.analysis.comm_model import MODES, CommModel, exchange_volumes, kv_cross_tokens, microbatch_seconds
+from ringpack.comm_model import MODES, CommModel, exchange_volumes, kv_cross_tokens, microbatch_seconds
 from ringpack.cost import MAX_SAMPLE_TOKENS, CostModel, piece_pairs
 from ringpack.errors import PlanError
 from ringpack.lengths import check_lengths
@@ -26,11 +26,17 @@ from ringpack.planner.bounds import critical_path, rank_grid
 from ringpack.planner.epoch import global_batches, overflow_documents, plan_step
 from ringpack.shard_plan import MAX_CP, MAX_DP, Plan, PlanConfig, global_batch_samples
 
-__all__ = ["LayoutCandidate", "LayoutChoice", "choose_layout", "cp_sizes", "TIE"]
+__all__ = ["AUTO", "DEFAULT_GPUS_PER_NODE", "LayoutCandidate", "LayoutChoice", "TIE", "choose_layout", "cp_sizes"]
 
 #: Layouts whose predicted tokens/s is within this fraction of the fastest's tie; the simplest of
 #: them wins (the smallest CP size, a fixed size before the pool, ring before all-gather before p2p).
 TIE = 0.005
+
+
+#: ``cp="auto"`` (``--cp auto``): choose the layout.
+AUTO = "auto"
+#: GPUs per node assumed where a layout choice is not told (at most the cluster's GPUs).
+DEFAULT_GPUS_PER_NODE = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,7 +153,7 @@ def choose_layout(
         cost: the cost model (default the ``llama3-8b`` FLOP model).
         comm: the links (default :meth:`CommModel.for_model` of ``cost``: NVLink within a node, IB
             across); its ``mode`` and ``gpus_per_node`` are set per candidate.
-        modes: the exchanges to time (:data:`~ringpack.analysis.comm_model.MODES`).
+        modes: the exchanges to time (:data:`~ringpack.comm_model.MODES`).
         sizes: the fixed CP sizes (default :func:`cp_sizes`); each must divide ``world``.
         steps: global batches planned and timed per layout (the first ones of the epoch).
         samples_per_step: the global batch in samples, the same for every layout (default

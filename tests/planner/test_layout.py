@@ -1,4 +1,4 @@
-"""The layout choice (ringpack/analysis/layout.py): fixed CP sizes and the pool, ranked by predicted tokens/s."""
+"""The layout choice (ringpack/planner/layout.py): fixed CP sizes and the pool, ranked by predicted tokens/s."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import ringpack
-from ringpack.analysis.layout import choose_layout, cp_sizes
 from ringpack.errors import PlanError
+from ringpack.planner.layout import choose_layout, cp_sizes
 
 
 def test_equal_short_samples_need_no_context_parallelism():
