@@ -37,10 +37,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import ringpack
-from ringpack.analysis.calibration.cases import Case
-from ringpack.analysis.calibration.timing import AttentionShape, Clock, TimingSetup, time_case
 from ringpack.analysis.robustness import imbalance_across_prices
 from ringpack.attention.kernels import resolve_backend
+from ringpack.calibration.cases import Case
+from ringpack.calibration.timing import AttentionShape, Clock, TimingSetup, time_case
 from ringpack.cost import PRESETS, CostModel, ModelShape, piece_pairs
 from ringpack.cost_fit import fit_nnls
 from ringpack.shard_plan import NO_TOKEN_GUARD, Plan

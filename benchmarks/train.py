@@ -22,7 +22,7 @@ Variants (``--variants``, comma-separated):
 
 With ``--cost-profile`` and ``--no-learn`` every variant plans with the profile throughout, and each
 rank's busy time is also predicted from the plan
-(:func:`ringpack.analysis.calibration.step.predicted_busy`) and compared with the measured one.
+(:func:`ringpack.calibration.step.predicted_busy`) and compared with the measured one.
 """
 
 from __future__ import annotations
@@ -180,7 +180,7 @@ def busy_prediction(example, run_args, cp: int, world: int, timed: list[dict]) -
     plan the variant ran. ``busy_error``: the largest relative error of a rank's total busy time over
     the timed steps; ``busy_error_step``: the largest over single (rank, step) pairs.
     """
-    from ringpack.analysis.calibration.step import predicted_busy
+    from ringpack.calibration.step import predicted_busy
     from ringpack.cost import CostModel
 
     model = CostModel.load(run_args.cost_profile)

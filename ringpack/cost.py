@@ -122,7 +122,7 @@ class CostModel:
             (kernel launches, the loss's setup). It is equal on every CP rank of a micro-batch, so
             splits ignore it, and so do plan costs, bounds and reports (rank costs); packing
             charges it when it weighs one more micro-batch per DP rank, and
-            :func:`ringpack.analysis.calibration.step.predicted_busy` adds it once per micro-batch
+            :func:`ringpack.calibration.step.predicted_busy` adds it once per micro-batch
             to predict a training loop's busy time. Measured profiles fit it; FLOP models leave it 0.
         fit_quality: how well a calibrated profile predicted held-out timings, as ``ringpack
             calibrate`` writes it (``None`` for models that were not measured): ``scope``,

@@ -1,7 +1,7 @@
 """``ringpack calibrate``: fit the cost model to measured GPU times (docs/analysis.md, docs/cost-model.md).
 
-Its flags are the fields of :class:`~ringpack.analysis.calibration.run.KernelCalibrationConfig`
-(``--scope kernels``) and :class:`~ringpack.analysis.calibration.step.StepCalibrationConfig`
+Its flags are the fields of :class:`~ringpack.calibration.run.KernelCalibrationConfig`
+(``--scope kernels``) and :class:`~ringpack.calibration.step.StepCalibrationConfig`
 (``--scope step``); a field both have is one flag, and a flag of one scope is refused in the other.
 """
 
@@ -13,7 +13,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from ringpack.analysis.calibration.run import (
+from ringpack.calibration.run import (
     KernelCalibrationConfig,
     calibrate_kernels,
     check_outputs,
@@ -23,7 +23,7 @@ from ringpack.analysis.calibration.run import (
     save_calibration,
     with_fit_quality,
 )
-from ringpack.analysis.calibration.step import StepCalibrationConfig, calibrate_step, format_step_summary
+from ringpack.calibration.step import StepCalibrationConfig, calibrate_step, format_step_summary
 from ringpack.cli.flags import add_field_flag, add_quiet_flag, config_fields, field_default, flag, new_command, shown
 from ringpack.cli.input_kinds import check_flags_apply
 

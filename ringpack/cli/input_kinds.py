@@ -17,8 +17,8 @@ import argparse
 import dataclasses
 from collections.abc import Iterable, Mapping
 
-from ringpack.analysis.calibration.run import KernelCalibrationConfig
-from ringpack.analysis.calibration.step import StepCalibrationConfig
+from ringpack.calibration.run import KernelCalibrationConfig
+from ringpack.calibration.step import StepCalibrationConfig
 from ringpack.cli.config_file import settings
 from ringpack.cli.flags import shown
 from ringpack.shard_plan import PlanConfig

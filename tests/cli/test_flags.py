@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from ringpack._hints import command_line_hints, option
-from ringpack.analysis.calibration.run import KernelCalibrationConfig
-from ringpack.analysis.calibration.step import StepCalibrationConfig
 from ringpack.analysis.demo import DemoConfig
+from ringpack.calibration.run import KernelCalibrationConfig
+from ringpack.calibration.step import StepCalibrationConfig
 from ringpack.cli import build_parser, parse
 from ringpack.cli.flags import EXPLORE_MESH, REQUIRED
 from ringpack.shard_plan import PlanConfig

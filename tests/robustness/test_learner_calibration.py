@@ -161,7 +161,7 @@ def nothing_built(monkeypatch):
     """Fail the test if a model is built or a shard timed: bad input is refused before either."""
     import transformers
 
-    from ringpack.analysis.calibration.step import ModelStepTimer
+    from ringpack.calibration.step import ModelStepTimer
 
     def built(*args, **kwargs):
         raise AssertionError("a model was built")

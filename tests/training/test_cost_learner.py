@@ -414,7 +414,6 @@ def test_sampler_switch_keeps_earlier_steps_and_refuses_steps_already_handed_out
 
 def test_the_learner_imports_from_every_documented_path():
     import ringpack
-    from ringpack.analysis.calibration.online import CostLearner as Old
     from ringpack.training import CostLearner as New
 
-    assert Old is New is ringpack.CostLearner and New.__module__ == "ringpack.training.cost_learner"
+    assert New is ringpack.CostLearner and New.__module__ == "ringpack.training.cost_learner"

@@ -1,11 +1,19 @@
-"""Calibration: time rank shards on a GPU and fit the cost model the planner loads.
-
-* :mod:`~ringpack.analysis.calibration.cases` -- the grid of rank shards timed and the held-out plans;
-* :mod:`~ringpack.analysis.calibration.timing` -- GPU clocks and the timed calls;
-* :mod:`~ringpack.analysis.calibration.features` -- what each shard costs in the model's terms;
-* :mod:`~ringpack.analysis.calibration.fit` -- the fitted models and their held-out quality (NNLS:
-  :mod:`ringpack.cost_fit`);
-* :mod:`~ringpack.analysis.calibration.run` -- ``calibrate`` and ``refit``, end to end.
+"""The old path of :mod:`ringpack.calibration` and its modules: works, with a ``DeprecationWarning``, for one release.
 
 See docs/analysis.md, "`ringpack calibrate`".
 """
+
+import sys
+import warnings
+
+from ringpack import calibration
+from ringpack.calibration import cases, features, fit, run, step, timing
+
+warnings.warn(
+    "ringpack.analysis.calibration moved to ringpack.calibration: import it from there",
+    DeprecationWarning,
+    stacklevel=2,
+)
+for _module in (cases, features, fit, run, step, timing):
+    sys.modules[f"{__name__}.{_module.__name__.rsplit('.', 1)[1]}"] = _module
+sys.modules[__name__] = calibration

@@ -1,6 +1,6 @@
 """``ringpack calibrate --scope step``: a cost profile of the whole training step, timed on one GPU.
 
-Where the kernel scope (:mod:`ringpack.analysis.calibration.run`) times attention and the GEMMs,
+Where the kernel scope (:mod:`ringpack.calibration.run`) times attention and the GEMMs,
 this scope times what a rank runs per micro-batch: a ``transformers`` causal LM's forward, summed
 next-token loss and backward (embedding, norms, RoPE, the vocabulary loss, activation
 checkpointing's recompute and the host's launches included), with ringpack attention and remote
@@ -30,12 +30,12 @@ from typing import Any
 import numpy as np
 
 from ringpack._checks import is_int
-from ringpack.analysis.calibration.cases import Case, microbatch_geometry, rank_cases
-from ringpack.analysis.calibration.features import compiled_schedule
-from ringpack.analysis.calibration.run import DRY_RUN_NOTE, backend_field, device_field
-from ringpack.analysis.calibration.timing import AttentionShape, Clock, compute_only_transport, device_name
 from ringpack.attention.kernels import resolve_backend
 from ringpack.attention.ring import ContextParallelAttention
+from ringpack.calibration.cases import Case, microbatch_geometry, rank_cases
+from ringpack.calibration.features import compiled_schedule
+from ringpack.calibration.run import DRY_RUN_NOTE, backend_field, device_field
+from ringpack.calibration.timing import AttentionShape, Clock, compute_only_transport, device_name
 from ringpack.cost import MAX_SAMPLE_TOKENS, PRESETS, CostModel, ModelShape
 from ringpack.cost_fit import ROW, FitResult, fit_problem, fit_rank_times, microbatch_features, usable_rows
 from ringpack.errors import DataError, PlanError

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from ringpack.analysis.calibration.step import (
+from ringpack.calibration.step import (
     CPU_ATTENTION_BYTES,
     DEFAULT_TOKENS_PER_RANK,
     StepCalibrationConfig,
@@ -169,7 +169,7 @@ def test_model_config_of_presets_and_config_files(tmp_path):
 
 def test_the_model_timer_runs_the_whole_model_on_split_shards():
     """The real timer on a tiny Llama: remote K/V served from memory, gradients reach every weight."""
-    from ringpack.analysis.calibration.step import ModelStepTimer
+    from ringpack.calibration.step import ModelStepTimer
 
     config = StepCalibrationConfig(
         model="tiny", backend="reference", device="cpu", tokens_per_rank=128, reps=1, warmup=0, fit_mixes=1
@@ -184,7 +184,7 @@ def test_the_model_timer_runs_the_whole_model_on_split_shards():
 
 
 def test_cli_dry_run_writes_a_profile_the_planner_loads(tmp_path, monkeypatch):
-    from ringpack.analysis.calibration.step import ModelStepTimer
+    from ringpack.calibration.step import ModelStepTimer
 
     timed = []
 
@@ -215,7 +215,7 @@ def test_cli_dry_run_writes_a_profile_the_planner_loads(tmp_path, monkeypatch):
 
 
 def test_quiet_prints_one_line_on_the_fit_and_the_profile_carries_it(tmp_path, monkeypatch, caplog):
-    import ringpack.analysis.calibration.step as step
+    import ringpack.calibration.step as step
     import ringpack.cli.calibrate as command
 
     real, level = step.calibrate_step, step.log.level
@@ -306,7 +306,7 @@ def test_cpu_budget_refuses_what_a_cpu_cannot_hold_naming_the_flag():
 
 def _no_timing(monkeypatch):
     """Make any shard timing fail the test: bad input must be refused before the model is timed."""
-    from ringpack.analysis.calibration.step import ModelStepTimer
+    from ringpack.calibration.step import ModelStepTimer
 
     def timed(self, case):
         raise AssertionError("a shard was timed")
@@ -315,7 +315,7 @@ def _no_timing(monkeypatch):
 
 
 def test_cli_dry_run_without_a_budget_times_cpu_sized_shards(tmp_path, monkeypatch):
-    from ringpack.analysis.calibration.step import ModelStepTimer
+    from ringpack.calibration.step import ModelStepTimer
 
     budgets = []
 

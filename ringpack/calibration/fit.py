@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from ringpack.analysis.calibration.cases import Case, microbatch_geometry
-from ringpack.analysis.calibration.features import (
+from ringpack.calibration.cases import Case, microbatch_geometry
+from ringpack.calibration.features import (
     BLOCKS,
     KERNEL_FEATURES,
     PROFILE_FEATURES,

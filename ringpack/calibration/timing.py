@@ -16,10 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from ringpack.analysis.calibration.cases import Case
-from ringpack.analysis.calibration.features import compiled_schedule
 from ringpack.attention.kernels import accum_dtype
 from ringpack.attention.ring import ContextParallelAttention
+from ringpack.calibration.cases import Case
+from ringpack.calibration.features import compiled_schedule
 from ringpack.cost import ModelShape
 
 TIMERS = ("gpu", "wall")

@@ -3,7 +3,7 @@
 The profile model uses the planner's own terms (tokens, causal pairs, pieces); the kernel model
 uses what the compiled schedule launches (varlen calls, tiles, the launch grid, remote rows,
 dense calls: :func:`rank_features` lists them). Both are computed on the CPU from a
-:class:`~ringpack.analysis.calibration.cases.Case`, so a stored report can be refitted without a GPU.
+:class:`~ringpack.calibration.cases.Case`, so a stored report can be refitted without a GPU.
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ from typing import Any
 
 import numpy as np
 
-from ringpack.analysis.calibration.cases import Case
 from ringpack.attention.schedule import compile_schedule
+from ringpack.calibration.cases import Case
 from ringpack.cost import piece_pairs
 
 # the profile model: what the planner's CostModel prices (tokens, pairs, pieces) plus two constants
-# that are the same for every rank of a micro-batch (see :mod:`ringpack.analysis.calibration.run`)
+# that are the same for every rank of a micro-batch (see :mod:`ringpack.calibration.run`)
 PROFILE_FEATURES = ("overhead", "ring", "tokens", "pairs", "pieces")
 # the kernel model: what the schedule's kernel launches do (a diagnostic; not expressible per piece)
 KERNEL_FEATURES = (

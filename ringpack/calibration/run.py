@@ -8,9 +8,9 @@ by non-negative least squares; and checks both on held-out micro-batches. The pr
 
 Entry points: :func:`calibrate_kernels` (from a :class:`KernelCalibrationConfig`),
 :func:`calibrate`, :func:`refit_file` (``--refit``: the fit again from a stored report, no GPU)
-and :func:`save_calibration`. The steps live in :mod:`~ringpack.analysis.calibration.cases` (grid
-and held-out shards), :mod:`~ringpack.analysis.calibration.features`,
-:mod:`~ringpack.analysis.calibration.timing` and :mod:`~ringpack.analysis.calibration.fit`.
+and :func:`save_calibration`. The steps live in :mod:`~ringpack.calibration.cases` (grid
+and held-out shards), :mod:`~ringpack.calibration.features`,
+:mod:`~ringpack.calibration.timing` and :mod:`~ringpack.calibration.fit`.
 
 See docs/analysis.md, "`ringpack calibrate`", and docs/cost-model.md, "Calibrated profiles".
 """
@@ -30,35 +30,27 @@ from typing import Any
 import numpy as np
 
 from ringpack._hints import option
-from ringpack.analysis.calibration.cases import (
-    EVAL_STRATEGIES,
+from ringpack.attention.kernels import HYBRID_BACKENDS, resolve_backend
+from ringpack.calibration.cases import (
     GRIDS,
     Case,
     cases_from_geometry,
     eval_cases,
     grid_cases,
-    rank_cases,
 )
-from ringpack.analysis.calibration.features import (
-    KERNEL_FEATURES,
+from ringpack.calibration.features import (
     EngineSettings,
-    compiled_schedule,
     planner_features,
     rank_features,
-    schedule_calls,
-    segment_pairs,
-    segment_tiles,
 )
-from ringpack.analysis.calibration.fit import (
+from ringpack.calibration.fit import (
     REPORT_VERSION,
     Calibration,
     analyse,
     fit_profile,
-    pearson,
     profile_model,
-    quality,
 )
-from ringpack.analysis.calibration.timing import (
+from ringpack.calibration.timing import (
     TIMERS,
     AttentionShape,
     Clock,
@@ -67,9 +59,7 @@ from ringpack.analysis.calibration.timing import (
     time_case,
     time_linear,
 )
-from ringpack.attention.kernels import HYBRID_BACKENDS, resolve_backend
 from ringpack.cost import PRESETS, CostModel, ModelShape
-from ringpack.cost_fit import fit_nnls, nnls
 from ringpack.errors import DataError
 from ringpack.shard_plan import field_doc
 
@@ -77,43 +67,22 @@ from ringpack.shard_plan import field_doc
 
 logger = logging.getLogger("ringpack.calibrate")
 __all__ = [
-    "AttentionShape",
-    "Case",
-    "Calibration",
     "CalibrationSettings",
+    "DRY_RUN_NOTE",
     "KernelCalibrationConfig",
-    "Clock",
-    "EVAL_STRATEGIES",
-    "EngineSettings",
-    "GRIDS",
-    "KERNEL_FEATURES",
-    "TimingSetup",
-    "analyse",
+    "backend_field",
     "calibrate",
     "calibrate_kernels",
     "check_outputs",
-    "compiled_schedule",
-    "eval_cases",
-    "fit_nnls",
-    "fit_quality",
+    "device_field",
     "flop_rate",
     "format_summary",
-    "grid_cases",
-    "nnls",
-    "pearson",
-    "planner_features",
-    "quality",
     "quality_line",
-    "rank_cases",
-    "rank_features",
     "refit",
     "refit_file",
     "report_path",
     "save_calibration",
-    "schedule_calls",
-    "segment_pairs",
-    "segment_tiles",
-    "time_case",
+    "with_fit_quality",
 ]
 
 

@@ -123,7 +123,7 @@ _GRID_SPEC: dict[str, dict[str, Any]] = {
 
 
 def grid_cases(grid: str = "full", seed: int = 0) -> list[Case]:
-    """The rank shards timed for the fit (see :mod:`ringpack.analysis.calibration.run`'s docstring)."""
+    """The rank shards timed for the fit (see :mod:`ringpack.calibration.run`'s docstring)."""
     if grid not in _GRID_SPEC:
         raise ValueError(f"unknown grid {grid!r}; choose one of {GRIDS}")
     spec = _GRID_SPEC[grid]

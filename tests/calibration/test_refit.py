@@ -15,13 +15,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ringpack.analysis.calibration import run as cal
+from ringpack.calibration import cases as case_grid
+from ringpack.calibration import features, fit, run
 from ringpack.cli import main
 from ringpack.cost import CostModel
 from ringpack.planner.split import split_zigzag
 
 DATA = Path(__file__).parent / "data"
-PROFILES = Path(__file__).resolve().parents[3] / "benchmarks" / "profiles"
+PROFILES = Path(__file__).resolve().parents[2] / "benchmarks" / "profiles"
 BACKENDS = ("torch_flash", "cudnn_hybrid")
 
 
@@ -31,8 +32,8 @@ def stored_rows(backend: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def refits() -> dict[str, cal.Calibration]:
-    return {b: cal.refit(stored_rows(b)) for b in BACKENDS}
+def refits() -> dict[str, fit.Calibration]:
+    return {b: run.refit(stored_rows(b)) for b in BACKENDS}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -80,7 +81,7 @@ def test_dense_terms_only_for_the_hybrid_backend(refits):
 def test_refit_of_a_refit_is_stable(refits):
     """A version-2 report (geometry stored) refits to the same numbers: nothing depends on regenerating shards."""
     res = refits["torch_flash"]
-    again = cal.refit(json.loads(json.dumps(res.to_dict(), default=cal._json_default)))
+    again = run.refit(json.loads(json.dumps(res.to_dict(), default=run._json_default)))
     assert again.per_layer == pytest.approx(res.per_layer, rel=1e-12)
     assert again.held_out["max_rel_err"] == pytest.approx(res.held_out["max_rel_err"], rel=1e-12)
     assert [r["label"] for r in again.eval_rows] == [r["label"] for r in res.eval_rows]
@@ -88,8 +89,8 @@ def test_refit_of_a_refit_is_stable(refits):
 
 def test_analyse_recovers_a_known_kernel_model():
     """Synthetic times from the kernel model: it is fitted exactly and held-out errors vanish."""
-    cases = cal.grid_cases("quick")
-    held = cal.eval_cases("quick", CostModel.preset("llama3-8b"))
+    cases = case_grid.grid_cases("quick")
+    held = case_grid.eval_cases("quick", CostModel.preset("llama3-8b"))
     truth = dict(
         overhead=3e-4,
         ring=4e-4,
@@ -103,8 +104,8 @@ def test_analyse_recovers_a_known_kernel_model():
         dense_calls=0.0,
         dense_tiles=0.0,
     )
-    t = [sum(truth[n] * cal.rank_features(c)[n] for n in cal.KERNEL_FEATURES) for c in cases + held]
-    res = cal.analyse(
+    t = [sum(truth[n] * features.rank_features(c)[n] for n in features.KERNEL_FEATURES) for c in cases + held]
+    res = fit.analyse(
         list(zip(cases, t[: len(cases)])),
         list(zip(held, t[len(cases) :])),
         hybrid=False,
@@ -124,9 +125,9 @@ def test_analyse_recovers_a_known_kernel_model():
 def test_launch_grid_counts_every_segment_times_the_longest():
     lengths = [3000, 40, 50, 60]
     mb = split_zigzag(list(range(4)), lengths, 2)
-    case = cal.rank_cases("z", mb, lengths, "z")[0]
-    f = cal.rank_features(case)
-    sched = cal.compiled_schedule(case)
+    case = case_grid.rank_cases("z", mb, lengths, "z")[0]
+    f = features.rank_features(case)
+    sched = features.compiled_schedule(case)
     local = sched.local
     nseg = local.cu_seqlens_q.numel() - 1
     assert nseg == 4 and local.max_seqlen_q == 1500
@@ -142,7 +143,7 @@ def test_reports_of_an_older_format_are_refused_in_one_line(tmp_path, capsys):
     report = json.loads(old.read_text())
     assert "microbatches" not in report and report.get("version", 1) == 1
     with pytest.raises(ValueError, match="version 1 cannot be refitted"):
-        cal.refit(report)
+        run.refit(report)
     assert main(["calibrate", "--refit", str(old), "--out", str(tmp_path / "p.json")]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "cannot be refitted" in err[0]
@@ -151,7 +152,7 @@ def test_reports_of_an_older_format_are_refused_in_one_line(tmp_path, capsys):
 
 def report_max_error(path) -> float:
     """The held-out max error a refit of the stored report gives (the profile's fit quality)."""
-    return cal.refit(json.loads(path.read_text())).held_out["max_rel_err"]
+    return run.refit(json.loads(path.read_text())).held_out["max_rel_err"]
 
 
 def test_cli_refit_writes_a_loadable_profile_and_never_overwrites_the_source(tmp_path, capsys):
@@ -167,7 +168,7 @@ def test_cli_refit_writes_a_loadable_profile_and_never_overwrites_the_source(tmp
     assert len(report["microbatches"]) == 1 + max(r["microbatch"] for r in report["grid_rows"] + report["eval_rows"])
     assert np.isfinite(report["kernel_model"]["held_out"]["r"])
     with pytest.raises(ValueError, match="overwrite"):
-        cal.check_outputs(tmp_path / "x.json", report=src, refit=src)
+        run.check_outputs(tmp_path / "x.json", report=src, refit=src)
     assert main(["calibrate", "--refit", str(src), "--out", str(tmp_path / "x.json"), "--report", str(src)]) == 1
     assert "must not overwrite" in capsys.readouterr().err
 
@@ -176,23 +177,23 @@ def test_hybrid_features_follow_the_dense_shape_buckets():
     """Reports record the schedule's dense buckets; features count a dense part's key tail as a varlen call."""
     import inspect
 
-    from ringpack.analysis.calibration.features import DENSE_BATCHES, DENSE_BUCKETS, DENSE_THRESHOLD, EngineSettings
     from ringpack.attention import compile_schedule
     from ringpack.attention.schedule import DEFAULT_DENSE_BUCKETS, DEFAULT_DENSE_THRESHOLD
+    from ringpack.calibration.features import DENSE_BATCHES, DENSE_BUCKETS, DENSE_THRESHOLD, EngineSettings
 
     assert DENSE_BUCKETS == DEFAULT_DENSE_BUCKETS and DENSE_THRESHOLD == DEFAULT_DENSE_THRESHOLD
     assert inspect.signature(compile_schedule).parameters["dense_batches"].default == DENSE_BATCHES
     lengths = [30000, 21000]  # split over 2 ranks: long local squares and a full remote block, none on a bucket length
     mb = split_zigzag(list(range(2)), lengths, 2)
-    case = cal.rank_cases("z", mb, lengths, "z")[1]
-    exact = cal.rank_features(case, hybrid=True, settings=EngineSettings(dense_buckets=None))
-    cut = cal.rank_features(case, hybrid=True, settings=EngineSettings(dense_buckets=DENSE_BUCKETS))
-    sched = cal.compiled_schedule(case, EngineSettings(dense_buckets=DENSE_BUCKETS))
-    tails = sum(1 for c in cal.schedule_calls(sched) for d in c.dense if d[5] < d[3])
-    padded = sum(1 for c in cal.schedule_calls(sched) for d in c.dense if d[4] > d[1])
+    case = case_grid.rank_cases("z", mb, lengths, "z")[1]
+    exact = features.rank_features(case, hybrid=True, settings=EngineSettings(dense_buckets=None))
+    cut = features.rank_features(case, hybrid=True, settings=EngineSettings(dense_buckets=DENSE_BUCKETS))
+    sched = features.compiled_schedule(case, EngineSettings(dense_buckets=DENSE_BUCKETS))
+    tails = sum(1 for c in features.schedule_calls(sched) for d in c.dense if d[5] < d[3])
+    padded = sum(1 for c in features.schedule_calls(sched) for d in c.dense if d[4] > d[1])
     assert tails > 0 and padded > 0 and cut["dense_calls"] == exact["dense_calls"]
     assert cut["dense_pairs"] != exact["dense_pairs"] and cut["calls"] == exact["calls"] + tails
-    assert cal.rank_features(case, hybrid=True) == cut  # the default is this version's buckets
+    assert features.rank_features(case, hybrid=True) == cut  # the default is this version's buckets
 
 
 @pytest.mark.parametrize("drop", ["grid_rows", "microbatches", "eval_rows"])
