@@ -6,7 +6,7 @@ For every cluster size: the same global batches (``--steps`` of them, ``--fill``
 tokens each, micro-batches per rank as the planner chooses them, log-normal lengths of median 1,536
 clipped at 131,072 unless ``--lengths``) are planned by
 :func:`ringpack.planner.layout.choose_layout` (every fixed CP size and the pool, each under ring,
-all-gather and targeted exchange) and by the peers of :mod:`ringpack.analysis.peer_runner`
+all-gather and targeted exchange) and by the peers of :mod:`ringpack.analysis.peers`
 (Megatron-Core dynamic CP and WLB-LLM) at CP = one node. Printed and written per size: tokens/s of
 the chosen layout, of the pool (its best exchange), of fixed CP = one node (ringpack), of each
 peer, and the chosen layout's ratio to the best peer. The plot draws those ratios against the
@@ -26,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ringpack.analysis.peer_runner import PEERS, peer_rows
+from ringpack.analysis.peers import PEERS, peer_rows
 from ringpack.analysis.simulate import synthetic_lengths
 from ringpack.comm_model import CommModel
 from ringpack.cost import CostModel

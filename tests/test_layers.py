@@ -61,7 +61,12 @@ LAZY = {
 #: (importer, imported) pairs allowed to break the rules. The transformers registration hook imports
 #: ringpack's transformers integration only once transformers itself loads: that module needs the
 #: optional package, so it is imported as one.
-KNOWN: set[tuple[str, str]] = {("ringpack.integrations.autoregister", "ringpack.integrations.transformers")}
+#: ``ringpack.planner.wlb`` is the old path of a peer system that moved up to analysis, kept for one
+#: release with a DeprecationWarning.
+KNOWN: set[tuple[str, str]] = {
+    ("ringpack.integrations.autoregister", "ringpack.integrations.transformers"),
+    ("ringpack.planner.wlb", "ringpack.analysis.peers.wlb"),
+}
 
 
 @dataclass(frozen=True)

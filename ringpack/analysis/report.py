@@ -89,7 +89,7 @@ DEFINITIONS: dict[str, str] = {
     "all-gather: gather + reduce-scatter, exposed)",
     "idle saved": "idle GPU-seconds of the baseline minus this plan's, over the whole plan",
     "peers": "other systems run on the same documents with the same cost and communication models "
-    "(ringpack.analysis.peer_runner), each described under the table; '-' (null in JSON) marks a figure with no "
+    "(ringpack.analysis.peers), each described under the table; '-' (null in JSON) marks a figure with no "
     "meaning for one",
 }
 
@@ -351,7 +351,7 @@ def build_report(
 ) -> dict[str, Any]:
     """The report document (JSON-able): definitions, models, length statistics, and per plan its summary and steps.
 
-    ``peers`` (:class:`ringpack.analysis.peer_runner.Peer`: ``name``, ``description`` and a ``result``
+    ``peers`` (:class:`ringpack.analysis.peers.Peer`: ``name``, ``description`` and a ``result``
     with ``summary()`` and ``step_rows(detail)``) land in ``doc["peers"]``, entries shaped like the
     plans' plus their ``description``; a figure with no meaning for a peer is ``None``. The
     baseline may be a plan or a peer.

@@ -4,7 +4,7 @@ For a cluster shape (``dp x cp`` GPUs), a length distribution and a model, every
 full epoch as :func:`~ringpack.planner.make_plan` would; every step is priced with the planner's
 cost code (:mod:`ringpack.analysis.metrics`) and timed under the communication model
 (:mod:`ringpack.comm_model`, ring and all-gather), with the peers of
-:mod:`ringpack.analysis.peer_runner` on the same chunks. Output: the report document ``ringpack
+:mod:`ringpack.analysis.peers` on the same chunks. Output: the report document ``ringpack
 report`` writes (predicted tokens/s, epoch time, idle fraction, K/V bytes and padding per strategy).
 
 Scale: the epoch is planned in chunks of ``chunk_steps`` global batches (the planner's shuffle
@@ -30,7 +30,7 @@ from ringpack._hints import option
 from ringpack._spawn import run_tasks
 from ringpack.analysis.metrics import PlanMetrics, concat_metrics, plan_label
 from ringpack.analysis.packed import PackedSteps, evaluate_packed
-from ringpack.analysis.peer_runner import join_peer_parts, time_peer, try_measure_peer
+from ringpack.analysis.peers import join_peer_parts, time_peer, try_measure_peer
 from ringpack.analysis.report import StrategyResult, _fmt_count, _fmt_seconds, build_report, text_table, timed
 from ringpack.comm_model import CommModel, ExchangeVolumes, exchange_volumes
 from ringpack.data.corpus import stdlib_corpus
@@ -167,7 +167,7 @@ def _plan_chunk(task: _Task) -> tuple[list[tuple[int, Any, list, str | None, Any
     The plan hash is ``None`` unless ``task.hashes``, the volumes
     (:func:`~ringpack.comm_model.exchange_volumes`) unless ``task.exchange``. A variant's metrics are its
     :class:`PlanMetrics`, a peer's its
-    :class:`~ringpack.analysis.peer_runner.PeerPart` (``None`` if it cannot plan the chunk). The
+    :class:`~ringpack.analysis.peers.PeerPart` (``None`` if it cannot plan the chunk). The
     variants of a task share one packing of every step (:func:`~ringpack.planner.epoch.pack_step`,
     which the strategy plays no part in); ``zigzag`` and ``contiguous`` are measured from it
     directly (:func:`~ringpack.analysis.packed.evaluate_packed`), ``balanced`` is split by the
@@ -251,7 +251,7 @@ def simulate(
         jobs: worker processes (``None``: one per core, at most one per task; ``1``: in process).
         progress: show a progress bar.
         baseline: the plan the others are compared with (default: the report's).
-        peers: other systems to run on the same chunks (:data:`ringpack.analysis.peer_runner.PEERS`),
+        peers: other systems to run on the same chunks (:data:`ringpack.analysis.peers.PEERS`),
             reported in ``doc["peers"]``; a peer's delay queues span one chunk.
 
     Returns:
@@ -460,7 +460,7 @@ def measure_variants(
         variants: ``(strategy, packing)`` pairs.
         comm: the communication model of the rows' times.
         names: each variant's row name (default ``strategy/packing``).
-        peers: peers of :data:`ringpack.analysis.peer_runner.PEERS`; one that cannot plan the
+        peers: peers of :data:`ringpack.analysis.peers.PEERS`; one that cannot plan the
             data is left out with a warning.
         jobs: worker processes (``None``: one per core, at most one per task, from
             :data:`PARALLEL_MIN_SAMPLES` samples on; ``1``: in process).
@@ -468,7 +468,7 @@ def measure_variants(
 
     Returns:
         ``(results, peer rows)``: :class:`~ringpack.analysis.report.StrategyResult` per variant
-        (``config`` and ``plan_hash`` set), :class:`~ringpack.analysis.peer_runner.Peer` per peer.
+        (``config`` and ``plan_hash`` set), :class:`~ringpack.analysis.peers.Peer` per peer.
 
     Raises:
         PlanError: as :func:`make_plan`.

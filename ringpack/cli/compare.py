@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ringpack.analysis import peer_runner as peer_systems
+from ringpack.analysis import peers as peer_systems
 from ringpack.analysis.report import write_report
 from ringpack.cli.flags import (
     add_comm_flags,

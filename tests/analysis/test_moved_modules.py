@@ -13,6 +13,9 @@ MOVED = {
     "ringpack.analysis.calibration": ("ringpack.calibration", "calibrate_kernels"),
     "ringpack.analysis.calibration.run": ("ringpack.calibration.run", "KernelCalibrationConfig"),
     "ringpack.analysis.calibration.step": ("ringpack.calibration.step", "StepCalibrationConfig"),
+    "ringpack.planner.wlb": ("ringpack.analysis.peers.wlb", "make_wlb_plan"),
+    "ringpack.analysis.dynamic_cp": ("ringpack.analysis.peers.megatron_dcp", "dcp_schedule"),
+    "ringpack.analysis.peer_runner": ("ringpack.analysis.peers", "peer_rows"),
 }
 
 

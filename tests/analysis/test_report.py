@@ -242,7 +242,7 @@ def test_markdown_report_keeps_apostrophes(tmp_path):
 
 def test_peer_rows_are_explained_under_the_table_and_in_the_pages(tmp_path):
     """A peer can win a report; the table, report.md and report.html say what its figures compare."""
-    from ringpack.analysis.peer_runner import peer_rows
+    from ringpack.analysis.peers import peer_rows
 
     plan = small_plan("zigzag", "first_fit")
     comm = CommModel.for_model(plan.config.cost)
@@ -277,7 +277,7 @@ def test_report_rows_are_the_plans_rows(jobs, pool, mode):
     without plan objects; its document, plan hashes included, is the one the plans give. Also for
     a pool plan over nodes, whose split lists a micro-batch's samples in another order than the packing,
     and timed with its node-relayed targeted exchange (the peers with the ring they run)."""
-    from ringpack.analysis.peer_runner import peer_rows
+    from ringpack.analysis.peers import peer_rows
     from ringpack.analysis.report import DEFAULT_VARIANTS, plan_strategies
     from ringpack.analysis.simulate import measure_variants
 

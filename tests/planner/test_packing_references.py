@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from ringpack.analysis.peers.wlb import _pack_least_workload
 from ringpack.planner.packing import PackingProblem, pack_first_fit, pack_greedy
-from ringpack.planner.wlb import _pack_least_workload
 
 
 def first_fit_scan(tokens: np.ndarray, capacity: int) -> list[list[int]]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ringpack.analysis.dynamic_cp import (
+from ringpack.analysis.peers.megatron_dcp import (
     dcp_schedule,
     group_sizes,
     timed_schedule,

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from ringpack.analysis.metrics import evaluate_plan
-from ringpack.analysis.peer_runner import WLB, measure_peer
+from ringpack.analysis.peers import WLB, measure_peer
+from ringpack.analysis.peers.wlb import WLBConfig, make_wlb_plan
 from ringpack.planner import make_plan
 from ringpack.planner.epoch import expand_overflow, global_batches
-from ringpack.planner.wlb import WLBConfig, make_wlb_plan
 from ringpack.shard_plan import PlanConfig
 from tests.helpers.peers import FULL, PER_TOKEN, config
 

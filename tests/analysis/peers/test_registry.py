@@ -8,10 +8,11 @@ import json
 import numpy as np
 import pytest
 
-from ringpack.analysis.dynamic_cp import (
+from ringpack.analysis.peers import PEERS, WLB, measure_peer, parse_peers, peer_rows
+from ringpack.analysis.peers.megatron_dcp import (
     DCP,
 )
-from ringpack.analysis.peer_runner import PEERS, WLB, measure_peer, parse_peers, peer_rows
+from ringpack.analysis.peers.wlb import WLBConfig, make_wlb_plan
 from ringpack.analysis.report import STEP_KEYS, SUMMARY_KEYS, build_report, format_table, result_of_plan
 from ringpack.analysis.simulate import simulate
 from ringpack.cli import main
@@ -19,7 +20,6 @@ from ringpack.comm_model import CommModel
 from ringpack.cost import CostModel
 from ringpack.planner import make_plan
 from ringpack.planner.epoch import expand_overflow
-from ringpack.planner.wlb import WLBConfig, make_wlb_plan
 from ringpack.shard_plan import PlanConfig, PlanError
 from tests.helpers import brute
 from tests.helpers.peers import INSTANT, PER_TOKEN, config
@@ -130,3 +130,34 @@ def test_a_peer_starts_from_the_batches_as_drawn_whatever_the_window(peer):
     a, b = plain.metrics, moved.metrics
     for name in ("step_cost", "busy") if peer == WLB else ("samples", "loss_tokens"):
         np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+
+
+class _Instant:
+    """A peer system of its own: every step takes no time. Registered, it shows up everywhere peers do."""
+
+    name = "instant"
+    description = "a test peer"
+
+    def measure(self, lengths, config):
+        return measure_peer(WLB, lengths, config).__class__(self.name, list(range(3)), [None] * 3, {"peer": self.name})
+
+    def join(self, parts):
+        return [m for p in parts for m in p.metrics]
+
+    def timed(self, part, comm):
+        return ("timed", len(part.metrics), comm.mode)
+
+
+def test_a_peer_is_one_registry_entry_that_parse_rows_and_joins_follow(monkeypatch):
+    from ringpack.analysis import peers
+
+    monkeypatch.setitem(peers.SYSTEMS, "instant", _Instant())
+    monkeypatch.setattr(peers, "PEERS", (*peers.PEERS, "instant"))
+    assert parse_peers("instant") == ["instant"]
+    lengths = np.random.default_rng(3).integers(1, 400, size=40)
+    (row,) = peer_rows(lengths, config(), CommModel.for_model(CostModel.preset("tiny")), names=["instant"])
+    assert (row.name, row.description, row.result) == ("instant", "a test peer", ("timed", 3, "ring"))
+    part = measure_peer("instant", lengths, config())
+    assert peers.join_peer_parts([part, part]).metrics == [0, 1, 2, 0, 1, 2]
+    with pytest.raises(ValueError, match="unknown peer 'nobody'"):
+        measure_peer("nobody", lengths, config())
