@@ -32,6 +32,7 @@ from ringpack.errors import PlanError
 __all__ = [
     "ModelShape",
     "CostModel",
+    "MAX_PRICE",
     "MAX_SAMPLE_TOKENS",
     "POOR_FIT_ERROR",
     "PRESETS",
@@ -46,6 +47,13 @@ __all__ = [
 #: and plan configs (``cp * tokens_per_rank``) above it are refused, from the Python API, plan
 #: files and the command line alike.
 MAX_SAMPLE_TOKENS = 2**31
+#: The largest price (``token``, ``pair``, ``segment``, ``microbatch``) a :class:`CostModel` takes, in
+#: any unit; ``flops_per_second`` must be at least its inverse. The planner multiplies prices by pair
+#: counts (under ``2**61`` a sample, about ``1e30`` summed over any plan), squares coefficients and
+#: sums and compares costs in float64: below this bound all of it stays finite (``1e130``, squared
+#: ``1e260``, under float64's ``1.8e308``). Real prices are far below it: a trillion-weight model
+#: costs about ``6e12`` FLOPs a token.
+MAX_PRICE = 1e100
 #: A profile whose largest held-out error is above this is a poor fit: :meth:`CostModel.load` warns.
 POOR_FIT_ERROR = 0.20
 
@@ -133,8 +141,9 @@ class CostModel:
             (:meth:`fit_problem`).
 
     Raises:
-        ValueError: a coefficient that is not a finite number >= 0, ``token`` and ``pair`` both
-            zero, ``flops_per_second`` not a finite number > 0, an unknown unit, or a
+        ValueError: a coefficient that is not a number in ``[0, MAX_PRICE]`` (:data:`MAX_PRICE`:
+            larger ones overflow the planner's float64 arithmetic), ``token`` and ``pair`` both
+            zero, ``flops_per_second`` not a finite number of at least ``1 / MAX_PRICE``, an unknown unit, or a
             ``fit_quality`` that is not a mapping of its fields (the field is named).
     """
 
@@ -152,8 +161,20 @@ class CostModel:
             value = getattr(self, field)
             if not is_finite(value) or value < 0:
                 raise ValueError(f"CostModel {self.name!r}: {field} must be a finite number >= 0, got {value!r}")
+        for field in ("token", "pair", "segment", "microbatch"):
+            value = getattr(self, field)
+            if value > MAX_PRICE:
+                raise ValueError(
+                    f"CostModel {self.name!r}: {field} {value!r} is above {MAX_PRICE:g}, the largest price whose costs "
+                    "stay finite in float64 (no real model is near: check the profile's unit and values)"
+                )
         if self.flops_per_second == 0:
             raise ValueError(f"CostModel {self.name!r}: flops_per_second must be > 0")
+        if self.flops_per_second < 1 / MAX_PRICE:
+            raise ValueError(
+                f"CostModel {self.name!r}: flops_per_second {self.flops_per_second!r} is below {1 / MAX_PRICE:g}, "
+                "whose predicted seconds would overflow float64"
+            )
         if self.token == 0 and self.pair == 0:
             raise ValueError(f"CostModel {self.name!r}: token and pair coefficients are both zero")
         if self.unit not in ("flop", "s"):

@@ -32,6 +32,7 @@ __all__ = [
     "regex_token_ids",
     "regex_tokenize",
     "token_encoder",
+    "tokenizer_vocab_size",
 ]
 
 #: The regex tokenizer's pattern.
@@ -44,6 +45,8 @@ TOKENIZERS = (
 )
 #: How a tokenizer turns a text into ids, whichever it is (help texts and docs state it).
 NO_SPECIAL_TOKENS = "no BOS, EOS or other special token is added (add_special_tokens=False)"
+#: Texts :func:`load_tokenizer` encodes to check a tokenizer: a working one gives ids for at least one.
+PROBE_TEXTS = ("the quick brown fox", "Hello, world!", "def f(x): return x + 1", "0 1 2 3 a b c")
 #: Environment variables that keep the Hugging Face libraries off the network.
 _OFFLINE = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 
@@ -94,9 +97,74 @@ def load_tokenizer(spec: str | os.PathLike) -> Any:
         FileNotFoundError: a local-looking path (``.``, ``/``, ``~`` or ``.json``) that does not exist,
             a folder with neither a ``tokenizer.json`` nor a ``tokenizer_config.json``, or a Hub name
             neither the Hub nor the local cache has (offline: the cache); the message says what to pass.
-        DataError: a file or folder its library cannot read (its reason, in one line, naming it).
+        DataError: a file or folder its library cannot read, or a tokenizer that cannot encode
+            (:func:`_check_tokenizer`: it fails on plain text, or gives no ids for any of
+            :data:`PROBE_TEXTS`); one line naming it and what is wrong.
         ValueError: the ``tokenizers`` or ``transformers`` package it needs is not installed.
     """
+    tokenizer = _read_tokenizer(spec)
+    _check_tokenizer(tokenizer, _where(spec))
+    return tokenizer
+
+
+def _where(spec: str | os.PathLike) -> str:
+    """How errors name the tokenizer of ``spec``: its file, its folder or its Hub name."""
+    path = Path(spec)
+    if path.is_dir() and (path / "tokenizer.json").is_file():
+        return f"tokenizer file {path / 'tokenizer.json'}"
+    if path.is_file():
+        return f"tokenizer file {path}"
+    return f"tokenizer folder {path}" if path.is_dir() else f"tokenizer {str(spec)!r}"
+
+
+def _check_tokenizer(tokenizer: Any, where: str) -> None:
+    """Refuse a tokenizer that cannot turn text into ids, before any data meets it.
+
+    Args:
+        tokenizer: a ``tokenizers.Tokenizer`` or a ``transformers`` tokenizer.
+        where: how the message names it (``"tokenizer file x/tokenizer.json"``).
+
+    Raises:
+        DataError: encoding :data:`PROBE_TEXTS` fails (a WordLevel model whose unknown token is not
+            in its vocabulary, ...), or gives no id for any of them (a folder holding only a
+            ``tokenizer_config.json``: a vocabulary of special tokens alone); the reason and the
+            vocabulary size, in one line.
+    """
+    unknown = getattr(getattr(tokenizer, "model", None), "unk_token", None)  # a tokenizers model's
+    if isinstance(unknown, str) and hasattr(tokenizer, "token_to_id") and tokenizer.token_to_id(unknown) is None:
+        raise DataError(
+            f"{where}: its {type(tokenizer.model).__name__} model's unknown token {unknown!r} is not in its vocabulary "
+            f"({tokenizer_vocab_size(tokenizer)} tokens), so any text it does not know fails to encode"
+        )
+    encode = token_encoder(tokenizer)
+    try:
+        ids = encode(PROBE_TEXTS)
+    except Exception as exc:  # the tokenizers library raises a bare Exception for a broken model
+        raise DataError(f"{where} cannot encode text: {_one_line(exc)}") from None
+    if not any(len(row) for row in ids):
+        raise DataError(
+            f"{where} encodes every text to no token ids (e.g. {PROBE_TEXTS[0]!r}; its vocabulary holds "
+            f"{tokenizer_vocab_size(tokenizer)} tokens): it lacks its vocabulary files (tokenizer.json, "
+            "tokenizer.model or vocab.json and merges.txt)"
+        )
+
+
+def tokenizer_vocab_size(tokenizer: Any) -> int:
+    """The number of token ids of a ``tokenizers`` or ``transformers`` tokenizer, added tokens included:
+    every id it gives is below it (a model's embedding needs at least this many rows).
+
+    Raises:
+        DataError: ``tokenizer`` is neither.
+    """
+    if hasattr(tokenizer, "get_vocab_size"):  # a `tokenizers.Tokenizer`
+        return int(tokenizer.get_vocab_size(with_added_tokens=True))
+    if callable(tokenizer) and hasattr(tokenizer, "pad_token_id"):  # a transformers tokenizer
+        return len(tokenizer)
+    raise DataError(f"tokenizer must be a tokenizers or transformers tokenizer, got {type(tokenizer).__name__}")
+
+
+def _read_tokenizer(spec: str | os.PathLike) -> Any:
+    """The tokenizer of ``spec``, unchecked (:func:`load_tokenizer`)."""
     path = Path(spec)
     if path.is_dir() and (path / "tokenizer.json").is_file():
         path = path / "tokenizer.json"

@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ringpack.cost import PRESETS, CostModel, ModelShape, piece_pairs, rank_costs, scale_to_int
+from ringpack.cost import MAX_PRICE, PRESETS, CostModel, ModelShape, piece_pairs, rank_costs, scale_to_int
+from tests.helpers.cli import assert_clean, run_cli
 from tests.helpers.plans import random_plan
 
 
@@ -107,6 +108,37 @@ def test_bad_models_are_rejected(tmp_path):
     model.save(tmp_path / "profile.json")
     assert CostModel.load(tmp_path / "profile.json") == model
     assert model.seconds(5.0) == 5.0
+
+
+@pytest.mark.parametrize("field", ["token", "pair", "segment", "microbatch"])
+def test_a_price_whose_costs_would_overflow_float64_is_refused(tmp_path, field):
+    prices = {"token": 1e-9, "pair": 1e-12, "unit": "s"}
+    CostModel(**{**prices, field: MAX_PRICE})
+    with pytest.raises(ValueError, match=f"CostModel 'custom': {field} 1e\\+154 is above 1e\\+100"):
+        CostModel(**{**prices, field: 1e154})
+    (tmp_path / "huge.json").write_text(json.dumps({**prices, field: 1e308}))
+    with pytest.raises(ValueError, match=f"cost profile {tmp_path / 'huge.json'}: .*{field} 1e\\+308 is above"):
+        CostModel.load(tmp_path / "huge.json")
+    with pytest.raises(ValueError, match="flops_per_second 1e-300 is below 1e-100"):
+        CostModel(token=1.0, pair=1.0, flops_per_second=1e-300)
+
+
+@pytest.mark.parametrize("command", ["plan", "report", "simulate"])
+@pytest.mark.parametrize("price", [1e155, 1e308])
+def test_the_commands_refuse_a_huge_price_in_one_line(tmp_path, command, price):
+    np.save(tmp_path / "lengths.npy", np.arange(1, 400) * 7)
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({"token": price, "pair": 1e-12, "unit": "s"}))
+    mesh = ["--cp", 2, "--tokens-per-rank", 2048]
+    argv = {
+        "plan": ["plan", "--dp", 2, *mesh, "--cost-profile", profile, "--out", tmp_path / "plan.json"],
+        "report": ["report", "--dp", 2, *mesh, "--cost-profile", profile, "--no-plots"],
+        "simulate": ["simulate", "--gpus", 4, *mesh, "--model", profile, "--no-plots"],
+    }[command]
+    run = run_cli([*argv, "--lengths", tmp_path / "lengths.npy"])
+    assert_clean(run)
+    assert run.code == 1 and f"cost profile {profile}: CostModel 'custom': token {price:g}" in run.err, run.err
+    assert len(run.err.splitlines()) == 1, run.err
 
 
 def test_the_per_microbatch_constant_is_stored_only_when_set(tmp_path):

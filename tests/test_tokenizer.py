@@ -18,7 +18,7 @@ from ringpack.data.shard_reader import ShardReader
 from ringpack.data.sources import tokenize_dataset
 from ringpack.errors import DataError
 from ringpack.lengths import lengths_from_dataset
-from ringpack.tokenizer import load_tokenizer, make_counter, token_encoder
+from ringpack.tokenizer import load_tokenizer, make_counter, token_encoder, tokenizer_vocab_size
 from tests.helpers.cli import assert_clean, run_cli, write_jsonl
 
 TEXTS = ["the quick brown fox", "jumps over the lazy dog", "the dog", "a fox and a dog jump", "quick quick quick"]
@@ -151,7 +151,7 @@ def test_online_a_hub_name_the_hub_cannot_serve_is_read_from_the_cache(monkeypat
     for variable in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
         monkeypatch.delenv(variable, raising=False)
     calls = []
-    cached = object()
+    cached = PreTrainedTokenizerFast(tokenizer_object=_word_level(), unk_token="[UNK]")  # load_tokenizer encodes text
 
     def from_pretrained(name, local_files_only=False):
         calls.append((name, local_files_only))
@@ -185,3 +185,36 @@ def test_a_folder_without_a_tokenizer_or_with_a_broken_one_is_named(tokenizers, 
     (broken / "vocab.json").write_text("{not json")
     with pytest.raises(DataError, match=f"tokenizer folder {broken} cannot be loaded by transformers.AutoTokenizer"):
         load_tokenizer(broken)
+
+
+def test_a_word_level_tokenizer_whose_unknown_token_is_not_in_its_vocabulary_is_refused_on_load(tmp_path):
+    data = json.loads(_word_level().to_str())
+    data["model"]["unk_token"] = "<missing>"
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps(data))
+    for spec in (path, tmp_path):
+        with pytest.raises(DataError, match=f"tokenizer file {path}: .*unknown token '<missing>' is not in its vocab"):
+            load_tokenizer(spec)
+    with pytest.raises(DataError, match="unknown token '<missing>'"):
+        make_counter(str(path))
+
+
+def test_a_folder_of_only_a_tokenizer_config_is_refused_on_load_naming_it(tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
+    with pytest.raises(DataError, match=f"tokenizer folder {tmp_path} encodes every text to no token ids") as info:
+        load_tokenizer(tmp_path)
+    assert "\n" not in str(info.value)
+    data = write_jsonl(tmp_path / "text.jsonl", [{"text": t} for t in TEXTS])
+    argv = ["shard", data, "--out", tmp_path / "out", *MESH, "--cache-dir", tmp_path / "cache", "--quiet"]
+    run = run_cli([*argv, "--tokenizer", tmp_path])
+    assert_clean(run)
+    assert run.code == 1 and "encodes every text to no token ids" in run.err and "filter empty" not in run.err, run.err
+
+
+def test_tokenizer_vocab_size_counts_added_tokens(tokenizers):
+    raw = tokenizers["raw"]
+    assert tokenizer_vocab_size(raw) == raw.get_vocab_size(with_added_tokens=True) > 0
+    assert tokenizer_vocab_size(load_tokenizer(tokenizers["saved"])) == raw.get_vocab_size(with_added_tokens=True)
+    assert tokenizer_vocab_size(load_tokenizer(tokenizers["gpt2"])) == tokenizers["bpe"].get_vocab_size()
+    with pytest.raises(DataError, match="got int"):
+        tokenizer_vocab_size(3)

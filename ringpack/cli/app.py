@@ -54,7 +54,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     Bad input (a ``ValueError``: :class:`~ringpack.errors.PlanError`, :class:`~ringpack.errors.DataError`,
     ...) and file-system errors (``OSError``: a missing file, a directory where a file is expected,
     no permission, a closed pipe) end in one line on stderr naming the file, flag, sample or key.
-    Anything else is a bug and keeps its traceback.
+    Running out of memory (``MemoryError``) is one line naming the command's input files and
+    their sizes. Anything else is a bug and keeps its traceback.
     """
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -70,6 +71,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(args.command, "output closed before it was all written (broken pipe)")
     except (ValueError, OSError) as exc:
         return _fail(args.command, exc)
+    except MemoryError as exc:  # numpy's allocation failures too: more samples than memory holds
+        return _fail(args.command, _out_of_memory(args, exc))
     except KeyboardInterrupt:
         print(f"ringpack {args.command}: interrupted", file=sys.stderr)
         return 130
@@ -115,6 +118,25 @@ def _fail(command: str, problem: Any) -> int:
     text = " ".join(str(problem).split()) or type(problem).__name__
     print(f"ringpack {command}: error: {text}", file=sys.stderr)
     return 1
+
+
+#: Where a command's input files are (the parsed setting, and how the out-of-memory line names it).
+_INPUTS = (("lengths", "--lengths"), ("manifest", "--manifest"), ("dataset", "DATASET"), ("plans", "plan file"))
+
+
+def _out_of_memory(args: argparse.Namespace, exc: MemoryError) -> str:
+    """What ran out of memory: the inputs given (each with its size on disk) and numpy's allocation, in one line."""
+    inputs = []
+    for dest, name in _INPUTS:
+        value = getattr(args, dest, None)
+        for path in value if isinstance(value, list) else [value]:
+            if isinstance(path, (str, os.PathLike)) and os.path.isfile(path):
+                inputs.append(f"{name} {path} ({os.path.getsize(path) / 2**20:,.1f} MiB)")
+            elif isinstance(path, (str, os.PathLike)) and os.path.isdir(path):
+                inputs.append(f"{name} {path} (a folder)")
+    what = ", ".join(inputs) or "its input"
+    reason = " ".join(str(exc).split()) or "an allocation failed"
+    return f"out of memory on {what}: {reason}; run with more memory (ulimit -v, a container's limit) or fewer samples"
 
 
 def _silence_stdout() -> None:

@@ -27,6 +27,7 @@ from ringpack.attention import compile_schedule
 from ringpack.attention.api import mesh_dimension
 from ringpack.attention.schedule import DENSE_KEYWORDS, DenseOptions
 from ringpack.data.sampler import MicroBatchTicket
+from ringpack.data.shard_format import TOKEN_ID_LIMIT
 from ringpack.lengths import DataError, is_dataset
 from ringpack.shard_plan import MicroBatch
 
@@ -40,6 +41,7 @@ __all__ = [
     "with_node_size",
     "rank_arrays",
     "to_batch",
+    "check_token_ids",
     "IGNORE_INDEX",
 ]
 
@@ -125,7 +127,11 @@ class PackedDataset(_DatasetBase):
             item = item[self.column]
         if hasattr(item, "detach"):
             item = item.detach().cpu().numpy()
-        return np.asarray(item, dtype=np.int64).reshape(-1)
+        try:
+            ids = np.asarray(item).reshape(-1)
+        except (TypeError, ValueError) as exc:  # ragged nesting, ...
+            raise DataError(f"row {index}: token ids must be a flat sequence of integers ({exc})") from None
+        return _integer_ids(ids, lambda k: index)
 
     def _fetch(self, indices: list[int]) -> list[np.ndarray]:
         import pyarrow as pa
@@ -138,7 +144,9 @@ class PackedDataset(_DatasetBase):
                 f"sample {indices[column.is_null().to_numpy(zero_copy_only=False).argmax()]} has a null {self.column!r}"
             )
         offsets = column.offsets.to_numpy().astype(np.int64)
-        values = column.values.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+        values = column.values.slice(offsets[0], offsets[-1] - offsets[0]).to_numpy(zero_copy_only=False)
+        offsets -= offsets[0]
+        values = _integer_ids(values, lambda k: indices[int(np.searchsorted(offsets, k, side="right")) - 1])
         return [values[offsets[k] : offsets[k + 1]] for k in range(len(indices))]
 
     def __getitems__(self, ticket: Sequence[int]) -> Any:
@@ -150,6 +158,53 @@ class PackedDataset(_DatasetBase):
         if not isinstance(ticket, MicroBatchTicket):
             return tokens  # an ordinary batch sampler: behave like a plain dataset
         return PackedSamples(ticket, tokens)
+
+
+def _integer_ids(ids: np.ndarray, row_of: Any) -> np.ndarray:
+    """``ids`` (1-D) as int64; whole floats are accepted. ``row_of(k)``: the dataset row of ``ids[k]``.
+
+    Raises:
+        DataError: a value that is no integer int64 holds (a fraction, NaN, a bool, a string, an
+            integer beyond int64), naming the row and the value.
+    """
+    if ids.dtype.kind in "iu" and not (ids.dtype == np.uint64 and ids.size and int(ids.max()) >= 2**63):
+        return ids.astype(np.int64, copy=False)
+    if ids.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if ids.dtype.kind == "f":
+        with np.errstate(invalid="ignore"):
+            bad = ~np.isfinite(ids) | (ids != np.round(ids)) | (np.abs(ids) >= 2.0**63)
+        if not bad.any():
+            return ids.astype(np.int64)
+        k = int(np.flatnonzero(bad)[0])
+    elif ids.dtype.kind == "O":  # Python objects: integers beyond int64 among them, or other things
+        k = next(i for i, v in enumerate(ids.tolist()) if not is_int(v) or not -(2**63) <= v < 2**63)
+    else:  # bools, strings, unsigned ids past int64
+        k = 0
+    value = ids[k].item() if hasattr(ids[k], "item") else ids[k]
+    raise DataError(f"row {row_of(k)}: token id {value!r} is not an integer (int64) token id")
+
+
+def check_token_ids(ids: np.ndarray, vocab_size: int | None, row: int) -> None:
+    """Refuse token ids a model cannot embed, before they reach it.
+
+    Args:
+        ids: one row's token ids (int64 ``[L]``).
+        vocab_size: the model's vocabulary size; ``None``: ids must be in the int32 range
+            (``[0, 2**31)``, what shards store).
+        row: the dataset row, for the message.
+
+    Raises:
+        DataError: a negative id, or one ``>= vocab_size`` (the row, the id and the range named).
+    """
+    if not len(ids):
+        return
+    limit = TOKEN_ID_LIMIT if vocab_size is None else vocab_size
+    if int(ids.min()) >= 0 and int(ids.max()) < limit:
+        return
+    bad = int(ids[(ids < 0) | (ids >= limit)][0])
+    what = "the int32 id range" if vocab_size is None else f"the model's vocabulary, vocab_size={vocab_size}"
+    raise DataError(f"row {row}: token id {bad} is not in [0, {limit}) ({what})")
 
 
 def _refuse_stream(dataset: Any) -> None:
@@ -302,6 +357,8 @@ class PackedCollator:
             dense split's, and ``gpus_per_node`` (a ticket of a plan with ``gpus_per_node`` brings
             its own, which an explicit value here overrides).
         schedule: the old name of ``compile_schedules`` (a ``DeprecationWarning``).
+        vocab_size: the model's vocabulary size: every token id must be in ``[0, vocab_size)``;
+            ``None``: in ``[0, 2**31)`` (:func:`check_token_ids`).
 
     Called with what :class:`PackedDataset` returns for a ticket, it returns the batch dict of
     docs/data.md (int64 ``input_ids``, ``labels``, ``position_ids`` ``[T]``; int32
@@ -311,8 +368,9 @@ class PackedCollator:
     Raises:
         DataError: bad ranks or options, ``compile_schedules`` and ``schedule`` both given; when
             called: a batch without its ticket (the dataset is not wrapped in
-            :class:`PackedDataset`), or samples whose token counts differ from the plan's (the
-            dataset changed since its lengths were taken).
+            :class:`PackedDataset`), samples whose token counts differ from the plan's (the
+            dataset changed since its lengths were taken), or a token id outside the vocabulary
+            (the dataset row named).
     """
 
     def __init__(
@@ -324,8 +382,11 @@ class PackedCollator:
         ignore_index: int = IGNORE_INDEX,
         schedule_options: Mapping[str, Any] | None = None,
         schedule: Any = _UNSET,
+        vocab_size: int | None = None,
     ) -> None:
         compile_schedules = _renamed_flag(compile_schedules, schedule)
+        if vocab_size is not None and (not is_int(vocab_size) or vocab_size < 1):
+            raise DataError(f"vocab_size must be None or a positive integer (the model's vocabulary): {vocab_size!r}")
         if not is_int(cp_size) or cp_size < 1:
             raise DataError(f"cp_size must be a positive integer, got {cp_size!r}")
         if not is_int(cp_rank) or not 0 <= cp_rank < cp_size:
@@ -340,6 +401,7 @@ class PackedCollator:
         self.compile_schedules = compile_schedules
         self.schedule_options = check_schedule_options(schedule_options)
         self.ignore_index = ignore_index
+        self.vocab_size = None if vocab_size is None else int(vocab_size)
 
     @classmethod
     def from_mesh(cls, mesh: Any, *, cp_dim: str = "cp", **options: Any) -> PackedCollator:
@@ -361,7 +423,13 @@ class PackedCollator:
             )
         t = batch.ticket
         return self.collate(
-            t.microbatch, batch.tokens, ticket_meta(t), t.offsets, t.row_lengths, gpus_per_node=t.gpus_per_node
+            t.microbatch,
+            batch.tokens,
+            ticket_meta(t),
+            t.offsets,
+            t.row_lengths,
+            gpus_per_node=t.gpus_per_node,
+            rows=list(t),
         )
 
     def collate(
@@ -372,6 +440,7 @@ class PackedCollator:
         offsets: Sequence[int] | None = None,
         row_lengths: Sequence[int] | None = None,
         gpus_per_node: int | None = None,
+        rows: Sequence[int] | None = None,
     ) -> dict[str, Any]:
         """Build the batch from a micro-batch and its samples' token ids (in ``microbatch.samples`` order).
 
@@ -383,14 +452,15 @@ class PackedCollator:
 
         Raises:
             DataError: ``microbatch`` not a MicroBatch of this CP size, ``tokens`` not one token
-                array per sample, ``offsets``/``row_lengths`` not one per sample, or a sample whose
-                tokens are not the plan's (the dataset changed, or a document runs past its row).
+                array per sample, ``offsets``/``row_lengths`` not one per sample, a sample whose
+                tokens are not the plan's (the dataset changed, or a document runs past its row),
+                or a token id outside ``[0, vocab_size)`` (:func:`check_token_ids`).
         """
         if not isinstance(microbatch, MicroBatch):
             raise DataError(f"microbatch must be a ringpack MicroBatch, got {type(microbatch).__name__}")
         if not hasattr(tokens, "__len__") or isinstance(tokens, (str, bytes)):
             raise DataError(f"tokens must be a sequence of token-id arrays, got {type(tokens).__name__}")
-        for name, values in (("offsets", offsets), ("row_lengths", row_lengths)):
+        for name, values in (("offsets", offsets), ("row_lengths", row_lengths), ("rows", rows)):
             if values is not None and (not hasattr(values, "__len__") or len(values) != len(microbatch.samples)):
                 raise DataError(
                     f"{name} must hold one integer per sample of the micro-batch ({len(microbatch.samples)})"
@@ -422,6 +492,7 @@ class PackedCollator:
                     f"which has {len(ids)} tokens"
                 )
             by_sample[sample] = ids[offsets[k] : offsets[k] + extent[sample]]
+            check_token_ids(by_sample[sample], self.vocab_size, sample if rows is None else rows[k])
         starts = np.array([p.start for p in shard.pieces], dtype=np.int64)
         pieces = [by_sample[p.sample][p.start : p.stop] for p in shard.pieces]
         nexts = np.array(

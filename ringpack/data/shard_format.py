@@ -21,12 +21,23 @@ from typing import Any
 
 from ringpack.errors import DataError
 
-__all__ = ["MANIFEST", "PIECE_COLUMNS", "PLAN_FILE", "PROGRESS", "SHARD_FORMAT_VERSION", "SHARD_NAME", "plain_name"]
+__all__ = [
+    "MANIFEST",
+    "PIECE_COLUMNS",
+    "PLAN_FILE",
+    "PROGRESS",
+    "SHARD_FORMAT_VERSION",
+    "SHARD_NAME",
+    "TOKEN_ID_LIMIT",
+    "plain_name",
+]
 
 MANIFEST = "manifest.json"
 PROGRESS = "_progress.json"
 PLAN_FILE = "plan.parquet"
 SHARD_FORMAT_VERSION = 1
+#: Token ids are stored as int32: every id must be an integer in ``[0, TOKEN_ID_LIMIT)``.
+TOKEN_ID_LIMIT = 1 << 31
 #: The integer columns of a shard file's rows, one row per piece (``input_ids`` follows them).
 PIECE_COLUMNS = ("step", "microbatch", "cp", "slot", "sample", "row", "start", "stop", "next_token")
 #: Names of the shard files the writer makes (DP rank, DP size, optional step range).

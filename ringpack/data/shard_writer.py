@@ -33,6 +33,7 @@ from ringpack.data.shard_format import (
     PROGRESS,
     SHARD_FORMAT_VERSION,
     SHARD_NAME,
+    TOKEN_ID_LIMIT,
     plain_name,
 )
 from ringpack.errors import DataError
@@ -43,8 +44,6 @@ from ringpack.shard_plan import MicroBatch, Plan, PlanConfig
 
 __all__ = ["TOKEN_ID_LIMIT", "check_out_dir", "write_shards"]
 
-#: Token ids are stored as int32: every id must be an integer in ``[0, TOKEN_ID_LIMIT)``.
-TOKEN_ID_LIMIT = 1 << 31
 logger = logging.getLogger("ringpack.data.shards")  # the documented name of the shard notes
 _WRITE_OPTIONS = dict(
     compression="zstd", compression_level=3, write_statistics=False, use_dictionary=False, version="2.6"

@@ -173,7 +173,9 @@ class RingpackTrainer(Trainer):
         DataError: (a ``ValueError``) ``ringpack`` not a :class:`RingpackConfig`, a ``mesh`` that is
             not a DeviceMesh with dimensions ``"dp"`` and ``"cp"``, a model without
             ``set_attn_implementation`` (not a transformers model); when training: a ``train_dataset``
-            that is missing or a stream, ``RingpackConfig.lengths`` with another count than its rows.
+            that is missing or a stream, ``RingpackConfig.lengths`` with another count than its rows,
+            a row holding a token id outside ``[0, vocab_size)`` of the model's input embedding
+            (the row named, before the model sees it).
         PlanError: a world that is not a multiple of ``cp_size``, or a mesh whose CP dimension is
             not the ``cp_size`` the given config names.
         ValueError: ``gradient_accumulation_steps`` other than 1, ``DataParallel`` (several devices
@@ -242,7 +244,9 @@ class RingpackTrainer(Trainer):
         loader = torch.utils.data.DataLoader(
             dataset,
             batch_sampler=self.sampler,
-            collate_fn=PackedCollator(c.cp_rank, c.cp_size, schedule_options=config.schedule_options),
+            collate_fn=PackedCollator(
+                c.cp_rank, c.cp_size, schedule_options=config.schedule_options, vocab_size=_vocab_size(self.model)
+            ),
             num_workers=workers,
             pin_memory=args.dataloader_pin_memory,
             persistent_workers=args.dataloader_persistent_workers and workers > 0,
@@ -287,6 +291,13 @@ class RingpackTrainer(Trainer):
             use_cache=False,
         ).logits
         return causal_lm_loss_sum(logits[0], batch["labels"].to(device)) / batch["step_loss_tokens"]
+
+
+def _vocab_size(model: torch.nn.Module) -> int | None:
+    """Rows of the model's input embedding (every token id must be below it); None if it has none."""
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    rows = getattr(embedding, "num_embeddings", None)
+    return rows if isinstance(rows, int) and rows > 0 else getattr(model.config, "vocab_size", None)
 
 
 def _grid_mesh(args: Any, cp_size: int) -> Any:

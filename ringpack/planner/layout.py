@@ -168,11 +168,13 @@ def choose_layout(
         group cannot hold the longest of them is listed as infeasible.
 
     Raises:
-        PlanError: bad lengths; ``world``, ``gpus_per_node``, ``tokens_per_rank``, ``steps`` or
-            ``sizes`` out of range; ``config`` naming ``dp``, ``cp`` or ``gpus_per_node``; an
-            unknown mode; or no layout that plans the lengths.
+        PlanError: bad lengths (none at all among them); ``world``, ``gpus_per_node``,
+            ``tokens_per_rank``, ``steps`` or ``sizes`` out of range; ``config`` naming ``dp``,
+            ``cp`` or ``gpus_per_node``; an unknown mode; or no layout that plans the lengths.
     """
     L = check_lengths(lengths, error=PlanError)
+    if not L.size:
+        raise PlanError("lengths: no samples, so no layout to choose (give at least one sample length)")
     _check_shape(world, gpus_per_node, steps, config, modes)
     L, config, cut = _pool_documents(L, world, tokens_per_rank, config)
     cost = CostModel.preset("llama3-8b") if cost is None else cost

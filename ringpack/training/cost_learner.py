@@ -199,6 +199,7 @@ class CostLearner:
         self._rows: list[tuple[float, ...]] = []  # this rank's usable observations
         self._void: list[tuple[float, float, float]] = []  # (step, dp, micro-batch): coupled, a bad time here
         self._warned: set[str] = set()  # what has been logged once
+        self._closing: tuple[int, int] | None = None  # (epoch, step) of the plan step of the latest batch
 
     @property
     def model(self) -> CostModel:
@@ -254,6 +255,9 @@ class CostLearner:
         if self.cp_rank >= len(mb.shards):
             raise PlanError(f"CostLearner: cp_rank {self.cp_rank}, but the micro-batch has {len(mb.shards)} CP ranks")
         feats, coupled = microbatch_features(mb)
+        epoch, step = (batch.get("epoch"), batch.get("step")) if hasattr(batch, "get") else (None, None)
+        if is_int(epoch) and is_int(step):
+            self._closing = (int(epoch), int(step))
         return (self._step, self.sampler.dp_rank, int(index), self.cp_rank, *feats[self.cp_rank], float(coupled))
 
     def end_step(self) -> FitResult | None:
@@ -262,6 +266,12 @@ class CostLearner:
         Collective over ``group`` on the steps that fit (the same steps on every rank, whatever
         the timings). Returns the fit when one was made and accepted, else ``None``. Never raises
         for the timings it was given (bad ones are dropped and counted: class docstring).
+
+        Raises:
+            PlanError: on every rank of the group, at a fit, when the ranks' latest batches (their
+                ``epoch`` and ``step``, which collator batches carry) are of different plan steps:
+                a rank called ``end_step`` more or fewer times than the others. The message names
+                each rank's step.
         """
         read = [
             (*key, stop if start is None else self._timer.seconds(start, stop))
@@ -314,11 +324,12 @@ class CostLearner:
         self._rows = [r for r in self._rows if r[0] >= oldest]
         self._void = [k for k in self._void if k[0] >= oldest]
         gathered: list[Any] = [None] * dist.get_world_size(self.group)
-        mine = (self._rows, self._void, self.sampler.planned_through())
+        mine = (self._rows, self._void, self.sampler.planned_through(), self._closing)
         dist.all_gather_object(gathered, mine, group=self.group)
-        rows = np.asarray([r for part, _, _ in gathered for r in part], dtype=np.float64).reshape(-1, len(ROW))
-        void = np.asarray([k for _, part, _ in gathered for k in part], dtype=np.float64).reshape(-1, 3)
-        planned = max(p for _, _, p in gathered)
+        _check_same_step([closing for *_, closing in gathered], self._step)
+        rows = np.asarray([r for part, *_ in gathered for r in part], dtype=np.float64).reshape(-1, len(ROW))
+        void = np.asarray([k for _, part, *_ in gathered for k in part], dtype=np.float64).reshape(-1, 3)
+        planned = max(p for _, _, p, _ in gathered)
         result = self._fit(rows[without_microbatches(rows, void)])
         # a tensor where the group's backend can broadcast it (NCCL: the rank's current GPU)
         where = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" else "cpu"
@@ -428,6 +439,24 @@ class CostLearner:
 
 #: what a usable observation is (:func:`~ringpack.cost_fit.usable_rows`), for the log
 _USABLE = f"a time must be a finite number of seconds >= {MIN_SECONDS:g}, and counts finite numbers in [0, 2**63]"
+
+
+def _check_same_step(closing: Sequence[tuple[int, int] | None], learner_step: int) -> None:
+    """Raise :class:`PlanError` (the same on every rank) unless every rank's latest batch is of one plan step.
+
+    ``closing[r]``: rank ``r``'s (epoch, step), or None for a rank whose batches carry no step.
+    """
+    ranks: dict[tuple[int, int], list[int]] = {}
+    for rank, at in enumerate(closing):
+        if at is not None:
+            ranks.setdefault(tuple(at), []).append(rank)
+    if len(ranks) <= 1:
+        return
+    where = "; ".join(f"step {step} of epoch {epoch} on rank(s) {who}" for (epoch, step), who in sorted(ranks.items()))
+    raise PlanError(
+        f"CostLearner.end_step: the ranks end different training steps at the learner's step {learner_step} "
+        f"({where}): call end_step exactly once per optimizer step on every rank, after the step's last micro-batch"
+    )
 
 
 def _describe_row(row: Sequence[float]) -> str:

@@ -305,3 +305,44 @@ def test_real_stateful_dataloader_resume(samples, workers):
     second = loader()
     second.load_state_dict(state)
     assert head + [batch_signature(b) for b in second] == full
+
+
+@pytest.mark.parametrize("bad", [-1, 1000, 2**40])
+@pytest.mark.parametrize("source", ["list", "arrow"])
+def test_a_token_id_outside_the_vocabulary_is_refused_naming_its_row(samples, bad, source):
+    rows = [np.asarray(s, dtype=np.int64) % 1000 for s in samples]
+    row = 17
+    rows[row] = rows[row].copy()
+    rows[row][len(rows[row]) // 2] = bad
+    data = rows if source == "list" else datasets.Dataset.from_dict({"input_ids": [r.tolist() for r in rows]})
+    dataset = PackedDataset(data)
+    sampler = make(samples)[0]
+    collators = [PackedCollator(cp_rank, CP, compile_schedules=False, vocab_size=1000) for cp_rank in range(CP)]
+    ticket = next(t for t in sampler if row in t)
+    with pytest.raises(DataError, match=rf"^row {row}: token id {bad} is not in \[0, 1000\) \(the model's vocab"):
+        collators[1](dataset.__getitems__(ticket))  # whichever CP rank holds its tokens
+    others = next(t for t in make(samples)[0] if row not in t)
+    assert collators[0](dataset.__getitems__(others))["input_ids"].max() < 1000
+    unbounded = PackedCollator(0, CP, compile_schedules=False)  # no vocabulary: the int32 id range
+    if bad < 0 or bad >= 2**31:
+        with pytest.raises(DataError, match=rf"row {row}: token id {bad} is not in \[0, {2**31}\) \(the int32"):
+            unbounded(dataset.__getitems__(ticket))
+    else:
+        unbounded(dataset.__getitems__(ticket))
+
+
+@pytest.mark.parametrize("value", [1.5, float("nan"), 2**70, "7"])
+def test_a_token_id_that_is_no_integer_is_refused_naming_its_row(value):
+    rows = [[1, 2, 3], [4, value, 6]]
+    with pytest.raises(DataError, match=r"^row 1: token id .* is not an integer"):
+        PackedDataset(rows)[1]
+    if not isinstance(value, str):
+        table = datasets.Dataset.from_dict({"input_ids": [[1.0, 2.0, 3.0], [4.0, float(value), 6.0]]})
+        with pytest.raises(DataError, match=r"^row 1: token id .* is not an integer"):
+            PackedDataset(table).__getitems__([0, 1])
+    assert PackedDataset([[1.0, 2.0]])[0].tolist() == [1, 2]
+
+
+def test_vocab_size_must_be_a_positive_integer():
+    with pytest.raises(DataError, match="vocab_size must be None or a positive integer"):
+        PackedCollator(0, 1, vocab_size=0)

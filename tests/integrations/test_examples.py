@@ -84,3 +84,42 @@ def test_hf_trainer_leaves_no_folder_behind_and_saves_where_asked(tmp_path):
     done = subprocess.run([sys.executable, str(script), *small, "--output-dir", "model"], **env_run)
     assert done.returncode == 0, done.stderr[-2000:]
     assert [p.name for p in tmp_path.iterdir()] == ["model"] and (tmp_path / "model" / "config.json").is_file()
+
+
+def _tokenizer_of(tmp_path, ids: int):
+    """A WordLevel tokenizer.json of ``ids`` token ids (``w0 ... w{ids-1}``), saved under ``tmp_path``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(ids)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+def test_hf_trainer_sizes_the_vocabulary_by_the_tokenizer_or_refuses(tmp_path):
+    module = load_example("hf_trainer")
+    args = module.parser().parse_args(["--dataset", str(tmp_path), "--tokenizer", str(_tokenizer_of(tmp_path, 8192))])
+    assert args.overflow == "split"
+    assert module.vocabulary(args) == 8192
+    assert module.build_model(None, torch.float32, 8192).get_input_embeddings().num_embeddings == 8192
+    with pytest.raises(SystemExit):  # ids a --dataset holds, and nothing to size the model's vocabulary by
+        module.vocabulary(module.parser().parse_args(["--dataset", str(tmp_path)]))
+
+
+@pytest.mark.slow
+def test_hf_trainer_trains_a_tokenized_dataset_with_a_long_document(tmp_path):
+    """Ids up to 8,191 from an 8,192-id tokenizer, and one document longer than a micro-batch: no error."""
+    import datasets
+
+    rng = np.random.default_rng(0)
+    rows = [rng.integers(0, 8192, int(n)).tolist() for n in rng.integers(8, 60, 23)] + [[8191] * 700]
+    datasets.Dataset.from_dict({"input_ids": rows}).save_to_disk(str(tmp_path / "data"))
+    script = ROOT / "examples" / "hf_trainer.py"
+    small = ["--max-steps", "1", "--tokens-per-rank", "256", "--samples-per-step", "8", "--dataset", "data"]
+    run = dict(cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    tokenizer = str(_tokenizer_of(tmp_path, 8192))
+    done = subprocess.run([sys.executable, str(script), *small, "--tokenizer", tokenizer], **run)
+    assert done.returncode == 0, done.stderr[-2000:]
+    done = subprocess.run([sys.executable, str(script), *small], **run)
+    assert done.returncode == 2 and "--dataset needs --tokenizer" in done.stderr, done.stderr[-2000:]

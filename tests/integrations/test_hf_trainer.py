@@ -153,8 +153,8 @@ ROWS = [list(range(2 + (7 * i) % 11)) for i in range(10)]
 ROWS[7] = list(range(20))  # the longest row: 20 tokens
 
 
-def _trainer(tmp_path, model=None, **config):
-    """A one-process RingpackTrainer over ROWS (no training run: the tests read its loader)."""
+def _trainer(tmp_path, model=None, rows=ROWS, **config):
+    """A one-process RingpackTrainer over ``rows`` (no training run: the tests read its loader)."""
     from transformers import TrainingArguments
 
     from ringpack.integrations.trainer import RingpackConfig, RingpackTrainer
@@ -162,7 +162,7 @@ def _trainer(tmp_path, model=None, **config):
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], disable_tqdm=True, max_steps=1)
     model = build_model("tiny", torch.float64, 0) if model is None else model
     config = {"tokens_per_rank": 24, "plan_options": {"samples_per_step": 5}, **config}
-    return RingpackTrainer(model=model, args=args, train_dataset=ROWS, ringpack=RingpackConfig(**config))
+    return RingpackTrainer(model=model, args=args, train_dataset=rows, ringpack=RingpackConfig(**config))
 
 
 @pytest.mark.parametrize("count", [len(ROWS) - 1, len(ROWS) + 1])
@@ -214,3 +214,17 @@ def test_a_model_without_attention_interface_is_refused(tmp_path):
 
     with pytest.raises(DataError, match="model must be a transformers model"):
         _trainer(tmp_path, model=torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("bad", [-1, "vocab", 2**40])
+def test_a_row_with_a_token_id_the_model_cannot_embed_is_refused_naming_it(tmp_path, bad):
+    from ringpack.errors import DataError
+
+    model = build_model("tiny", torch.float64, 0)
+    vocab = model.get_input_embeddings().num_embeddings
+    bad = vocab if bad == "vocab" else bad
+    rows = [list(r) for r in ROWS]
+    rows[4][1] = bad
+    trainer = _trainer(tmp_path, model=model, rows=rows)
+    with pytest.raises(DataError, match=rf"^row 4: token id {bad} is not in \[0, {vocab}\) \(the model's vocabulary"):
+        list(trainer.get_train_dataloader())

@@ -73,3 +73,10 @@ def test_the_sizes_compared_reach_the_longest_sample_and_one_more():
 def test_bad_arguments_are_one_line(kwargs, match):
     with pytest.raises(PlanError, match=match):
         choose_layout([100] * 64, tokens_per_rank=4096, **kwargs)
+
+
+@pytest.mark.parametrize("lengths", [[], np.zeros(0, dtype=np.int64)])
+def test_no_samples_is_one_line(lengths):
+    with pytest.raises(PlanError, match=r"^lengths: no samples, so no layout to choose") as info:
+        choose_layout(lengths, 8, 8, 4096)
+    assert "\n" not in str(info.value)

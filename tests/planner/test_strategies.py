@@ -367,3 +367,23 @@ def test_balanced_split_is_robust_to_a_mispriced_cost_model():
             assert costs.max() / costs.mean() < 1.02, (trial, costs)
     free = split_balanced(list(range(40)), lengths, 2, 1 << 20, flops)
     assert free == split_balanced(list(range(40)), lengths, 2, 1 << 20, flops, token_slack=None)
+
+
+@pytest.mark.parametrize(
+    "a, b, seg",
+    [(1e155, 1e-12, 0.0), (1e-300, 1e200, 1.0), (1.0, 1e-300, 0.0), (3.0, 0.0, 2.0), (0.0, 1e154, 0.0), (2.5, 0.5, 7)],
+)
+def test_suffix_start_is_the_smallest_start_within_room_whatever_the_prices(a, b, seg):
+    """Prices whose squares overflow float64 (1e155) or that differ by 1e500 still give the exact answer."""
+    from ringpack.planner.split.pieces import piece_cost, suffix_start
+
+    rng = np.random.default_rng(3)
+    for stop in [1, 2, 17, 1000, 123_457, 2**31]:
+        for start in rng.integers(0, stop, 4).tolist():
+            room = piece_cost(int(start), stop, a, b, seg)
+            got = suffix_start(stop, room, a, b, seg)
+            lo, hi = 0, stop  # brute force: binary search of the smallest start whose cost fits
+            while lo < hi:
+                mid = (lo + hi) // 2
+                lo, hi = (lo, mid) if piece_cost(mid, stop, a, b, seg) <= room else (mid + 1, hi)
+            assert got == min(lo, stop), (stop, start, got, lo)

@@ -132,6 +132,20 @@ def test_a_fit_numpy_cannot_make_keeps_the_model_and_is_logged_once(one_rank_gro
     ]
 
 
+def test_absurd_timings_never_install_a_model_that_cannot_plan(one_rank_group, caplog):
+    """Times of 1e300 s fit prices above MAX_PRICE: the fit is refused (logged once) and planning goes on."""
+    sampler = _single_rank_sampler()
+    learner = CostLearner(sampler, 0, config=LearnerConfig(warmup_steps=0, first_fit_after=1))
+    before = learner.model
+    tickets = iter(sampler)
+    with caplog.at_level(logging.WARNING, logger="ringpack.training.cost_learner"):
+        results = _train(learner, tickets, 8, lambda k, s: s * 1e300)
+    assert results == [None] * 8 and learner.model == before and not learner.history
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 1 and "no fit could be made" in messages[0] and "is above 1e+100" in messages[0], messages
+    assert sum(1 for _ in tickets) > 0, "the sampler plans the next steps"
+
+
 def test_record_refuses_what_is_not_a_time():
     sampler = _single_rank_sampler()
     learner = CostLearner(sampler, 0)
@@ -383,6 +397,34 @@ def test_ranks_agree_when_one_rank_has_bad_times():
     assert seen and not seen & void, "rank 0's time of such a micro-batch is left out too"
     model = CostModel.from_dict(first["model"])
     assert model.pair / model.token == pytest.approx(TRUTH.pair / TRUTH.token, rel=0.01)
+
+
+def _extra_end_step_worker(rank: int, world: int) -> str:
+    """DP=1 x CP=2: rank 1 calls end_step once too often, before its first step; returns what end_step raised."""
+    from ringpack.data import BalancedBatchSampler
+
+    sampler = BalancedBatchSampler(_lengths(), 0, 1, 2, 6_000, samples_per_step=40, seed=3, cost=FLOPS)
+    learner = CostLearner(sampler, rank, config=LearnerConfig(warmup_steps=1, first_fit_after=2))
+    if rank == 1:
+        learner.end_step()
+    for ticket in sampler:
+        feats, _ = microbatch_features(ticket.microbatch)
+        batch = {"microbatch": ticket.microbatch, "microbatch_index": ticket.index, "epoch": 0, "step": ticket.step}
+        learner.record(batch, float(true_seconds(feats)[rank]))
+        if ticket.index + 1 == ticket.microbatches_in_step:
+            try:
+                learner.end_step()
+            except PlanError as exc:
+                return str(exc)
+    return "end_step never raised"
+
+
+@pytest.mark.slow
+def test_ranks_whose_end_step_calls_differ_by_one_both_raise_naming_the_steps():
+    first, second = run_ranks(_extra_end_step_worker, 2, timeout_s=60, join_s=180, name="extra end_step")
+    assert first == second, (first, second)
+    assert first.startswith("CostLearner.end_step: the ranks end different training steps at the learner's step 4 ")
+    assert "(step 2 of epoch 0 on rank(s) [1]; step 3 of epoch 0 on rank(s) [0])" in first, first
 
 
 def test_rows_have_the_documented_columns():

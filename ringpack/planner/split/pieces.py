@@ -44,11 +44,11 @@ def suffix_start(stop: int, room: float, a: float, b: float, seg: float) -> int:
     q = a * stop + hb * stop * (stop + 1) + seg - room
     if q <= 0:
         return 0
-    if b > 0:
-        lin = a + 0.5 * b
-        s = math.ceil((-lin + math.sqrt(lin * lin + 2.0 * b * q)) / b)
-    else:
-        s = math.ceil(q / a)
+    # the positive root of b/2 s^2 + lin s = q, lin = a + b/2, as 2q / (lin + sqrt(lin^2 + 2bq)): no
+    # cancellation, and hypot and the split square root keep every intermediate finite whatever the
+    # prices (a square of a price above 1e154 would overflow); with b = 0 it is q / a
+    lin = a + hb
+    s = math.ceil(2.0 * q / (lin + math.hypot(lin, math.sqrt(2.0 * b) * math.sqrt(q))))
     # clamp to [0, stop - 1] (comparisons: cheaper than min/max calls in this hot function)
     if s < 0:
         s = 0
