@@ -22,6 +22,7 @@ import bisect
 import dataclasses
 import hashlib
 import json
+import warnings
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -171,15 +172,17 @@ def _rebuild_ticket(mb: tuple, meta: tuple, rows: tuple, offsets: tuple, row_len
 class BalancedBatchSampler(_SamplerBase):
     """Yield this DP rank's micro-batches (as :class:`MicroBatchTicket`), step after step.
 
+    ``BalancedBatchSampler(lengths, config, dp_rank)``: the plan config passed whole, this rank's
+    place apart (the spelling ``(lengths, dp_rank, dp_size, cp_size, tokens_per_rank, strategy,
+    seed, **plan_options)`` still works, with a ``DeprecationWarning``).
+
     Args:
         lengths: token count per sample (array-like, a ``datasets.Dataset`` with ``input_ids``,
             or a lengths file); sample ``i`` is row ``i`` of the dataset the loader reads.
-        dp_rank, dp_size, cp_size: this rank's DP coordinate and the mesh sizes.
-        tokens_per_rank: token budget of one CP rank in one micro-batch.
-        strategy: CP split (``"balanced"``, ``"zigzag"``, ``"contiguous"``).
-        seed: shuffling seed; the plan of epoch ``e`` uses ``(seed, e)``.
-        **plan_options: any other :class:`PlanConfig` field (``samples_per_step``,
-            ``microbatches_per_rank``, ``packing``, ``overflow``, ``cost``, ...).
+        config: the :class:`PlanConfig` every DP rank plans with (``dp``, ``cp``,
+            ``tokens_per_rank``, ``strategy``, ``seed``, ``samples_per_step``, ``cost``, ...); its
+            ``epoch`` is the first epoch iterated (:meth:`set_epoch` moves it).
+        dp_rank: this rank's DP coordinate, in ``[0, config.dp)``.
 
     Iterating yields one :class:`MicroBatchTicket` per micro-batch of this DP rank in the current
     epoch's plan (a ``list`` of dataset rows carrying the micro-batch's pieces on every CP rank),
@@ -189,45 +192,33 @@ class BalancedBatchSampler(_SamplerBase):
     See docs/data.md, "The sampler", for the handshake with the collator and for resume semantics.
 
     Raises:
-        DataError: a bad length (naming the sample), a ``dp_size`` that is not a positive integer,
-            ``dp_rank`` outside ``[0, dp_size)``, or ``epoch=`` (use :meth:`set_epoch`), ``dp=``,
-            ``cp=`` or ``tokens_per_rank=`` among the options.
-        PlanError: an unknown or invalid plan option (naming the field); when iterating, lengths that cannot
-            be planned (a sample longer than a CP group holds under ``overflow="error"``).
+        DataError: a bad length (naming the sample), a ``config`` that is not a :class:`PlanConfig`,
+            or ``dp_rank`` outside ``[0, config.dp)``.
+        PlanError: an invalid plan option in the old spelling (naming the field); when iterating,
+            lengths that cannot be planned (a sample longer than a CP group holds under
+            ``overflow="error"``).
     """
 
-    def __init__(
-        self,
-        lengths: Any,
-        dp_rank: int,
-        dp_size: int,
-        cp_size: int,
-        tokens_per_rank: int,
-        strategy: str = "balanced",
-        seed: int = 0,
-        **plan_options: Any,
-    ) -> None:
-        check_plan_options(plan_options, {"epoch": "sampler.set_epoch(e)", "dp": "dp_size", "cp": "cp_size"})
-        if not is_int(dp_size) or dp_size < 1:
-            raise DataError(f"dp_size must be a positive integer, got {dp_size!r}")
-        if not is_int(dp_rank) or not 0 <= dp_rank < dp_size:
-            raise DataError(f"dp_rank must be in [0, {dp_size}), got {dp_rank!r}")
+    def __init__(self, lengths: Any, config: PlanConfig | Any = None, dp_rank: Any = None, *args: Any, **kwargs: Any):
+        if config is None:  # the old spelling by keywords: dp_rank=..., dp_size=..., cp_size=...
+            config, dp_rank = _config_of_old_spelling(dp_rank, kwargs.pop("dp_size", None), args, kwargs)
+        elif not isinstance(config, PlanConfig):  # the old spelling by position: dp_rank, dp_size, ...
+            config, dp_rank = _config_of_old_spelling(config, dp_rank, args, kwargs)
+        elif args or kwargs:
+            extra = [*(repr(a) for a in args), *kwargs]
+            raise DataError(
+                f"BalancedBatchSampler(lengths, config, dp_rank) takes nothing more, got {', '.join(extra)}"
+            )
+        if not is_int(dp_rank) or not 0 <= dp_rank < config.dp:
+            raise DataError(f"dp_rank must be in [0, {config.dp}) (config.dp), got {dp_rank!r}")
+        first_epoch = config.epoch
+        self.config = dataclasses.replace(config, epoch=0)
         self.lengths = sample_lengths(lengths)
-        # Validates every option (PlanError, a ValueError, names the bad field).
-        self.config = PlanConfig(
-            dp=dp_size,
-            cp=cp_size,
-            tokens_per_rank=tokens_per_rank,
-            strategy=strategy,
-            seed=seed,
-            epoch=0,
-            **plan_options,
-        )
         self.dp_rank = int(dp_rank)
         self._base_cost = self.config.cost
         # (epoch, step, cost model): from that step on the plan uses that model (set_cost_model)
         self._switches: list[tuple[int, int, CostModel]] = []
-        self.epoch = 0
+        self.epoch = first_epoch
         self._cursor = 0  # micro-batches yielded in this epoch (by the live iterator, or restored)
         self._pending: int | None = None  # cursor the next __iter__ starts at (set by load_state_dict)
         #: steps planned ahead of the one the loader is in (a window of this many + 1 is kept)
@@ -244,8 +235,9 @@ class BalancedBatchSampler(_SamplerBase):
         """The sampler of this rank of a DeviceMesh with dimensions ``dp_dim`` and ``cp_dim``.
 
         Args:
-            lengths, tokens_per_rank, options: as for the constructor (``strategy``, ``seed`` and
-                :class:`PlanConfig` fields).
+            lengths: as for the constructor.
+            tokens_per_rank, options: the :class:`PlanConfig` fields but ``dp`` and ``cp``
+                (``strategy``, ``seed``, ``samples_per_step``, ...).
             mesh: a ``torch.distributed.DeviceMesh`` (2-D ``("dp", "cp")``, or larger with those
                 dimensions); this rank's DP coordinate and both sizes come from it.
 
@@ -254,7 +246,9 @@ class BalancedBatchSampler(_SamplerBase):
                 one of the two dimensions; and whatever the constructor raises.
         """
         c = mesh_coordinates(mesh, dp_dim, cp_dim)
-        return cls(lengths, c.dp_rank, c.dp_size, c.cp_size, tokens_per_rank, **options)
+        check_plan_options(options, {"epoch": "sampler.set_epoch(e)", "dp": "the mesh", "cp": "the mesh"})
+        config = PlanConfig(dp=c.dp_size, cp=c.cp_size, tokens_per_rank=tokens_per_rank, **options)
+        return cls(lengths, config, c.dp_rank)
 
     # ------------------------------------------------------------------ plan
     def plan(self, epoch: int | None = None) -> Plan:
@@ -808,3 +802,42 @@ def _parse_switches(switches: Any) -> list[tuple[int, int, CostModel]]:
         except ValueError as exc:
             raise DataError(f"sampler state cost_switches[{k}]: {exc}") from exc
     return restored
+
+
+def _config_of_old_spelling(dp_rank: Any, dp_size: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[PlanConfig, Any]:
+    """``(config, dp_rank)`` of ``BalancedBatchSampler(lengths, dp_rank, dp_size, cp_size, tokens_per_rank,
+    strategy="balanced", seed=0, **plan_options)``, with a ``DeprecationWarning`` naming the new spelling."""
+    names = ("cp_size", "tokens_per_rank", "strategy", "seed")
+    given = dict(zip(names, args))
+    if len(args) > len(names):
+        raise DataError(f"BalancedBatchSampler: {len(args) + 3} positional arguments, at most {len(names) + 3}")
+    dp_rank = kwargs.pop("dp_rank", dp_rank)
+    dp_size = kwargs.pop("dp_size", dp_size)
+    for name in names:
+        if name in kwargs:
+            given[name] = kwargs.pop(name)
+    missing = [
+        n
+        for n in ("dp_rank", "dp_size", "cp_size", "tokens_per_rank")
+        if (given | {"dp_rank": dp_rank, "dp_size": dp_size}).get(n) is None
+    ]
+    if missing:
+        raise DataError(f"BalancedBatchSampler(lengths, config, dp_rank): missing {', '.join(missing)}")
+    warnings.warn(
+        "BalancedBatchSampler(lengths, dp_rank, dp_size, cp_size, tokens_per_rank, ...) is deprecated: pass "
+        "BalancedBatchSampler(lengths, PlanConfig(dp=..., cp=..., tokens_per_rank=..., ...), dp_rank)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    check_plan_options(kwargs, {"epoch": "sampler.set_epoch(e)", "dp": "dp_size", "cp": "cp_size"})
+    if not is_int(dp_size) or dp_size < 1:
+        raise DataError(f"dp_size must be a positive integer, got {dp_size!r}")
+    config = PlanConfig(
+        dp=dp_size,
+        cp=given["cp_size"],
+        tokens_per_rank=given["tokens_per_rank"],
+        strategy=given.get("strategy", "balanced"),
+        seed=given.get("seed", 0),
+        **kwargs,
+    )
+    return config, dp_rank

@@ -346,3 +346,26 @@ def test_a_token_id_that_is_no_integer_is_refused_naming_its_row(value):
 def test_vocab_size_must_be_a_positive_integer():
     with pytest.raises(DataError, match="vocab_size must be None or a positive integer"):
         PackedCollator(0, 1, vocab_size=0)
+
+
+def test_the_sampler_takes_the_plan_config_whole_and_the_old_spelling_warns():
+    import warnings
+
+    from ringpack import PlanConfig
+
+    lengths = np.random.default_rng(5).integers(10, 900, 300)
+    config = PlanConfig(dp=2, cp=2, tokens_per_rank=2048, samples_per_step=40, seed=3)
+    new = BalancedBatchSampler(lengths, config, 1)
+    with pytest.warns(DeprecationWarning, match=r"pass BalancedBatchSampler\(lengths, PlanConfig\("):
+        old = BalancedBatchSampler(lengths, 1, 2, 2, 2048, seed=3, samples_per_step=40)
+    assert new.config == old.config == config and new.plan_key == old.plan_key
+    assert [list(t) for t in new] == [list(t) for t in old]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the new spelling warns of nothing
+        BalancedBatchSampler(lengths, config, 0)
+    with pytest.raises(DataError, match=r"dp_rank must be in \[0, 2\)"):
+        BalancedBatchSampler(lengths, config, 2)
+    with pytest.raises(DataError, match="takes nothing more, got 'zigzag'"):
+        BalancedBatchSampler(lengths, config, 0, "zigzag")
+    later = BalancedBatchSampler(lengths, PlanConfig(dp=2, cp=2, tokens_per_rank=2048, epoch=2), 0)
+    assert later.epoch == 2 and later.config.epoch == 0, "the config's epoch is the first one iterated"
