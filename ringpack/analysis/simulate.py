@@ -44,6 +44,7 @@ from ringpack.planner.epoch import (
     shuffle_order,
     split_microbatches,
 )
+from ringpack.planner.limits import check_split_size
 from ringpack.progress import Progress
 from ringpack.shard_plan import PlanConfig, plan_content_hash
 
@@ -384,6 +385,8 @@ def _checked_lengths(
         raise ValueError(f"chunk_steps and jobs must be integers >= 1, got {chunk_steps!r} and {jobs!r}")
     if not variants:
         raise ValueError("simulate needs at least one (strategy, packing) variant")
+    for strategy, _ in variants:
+        check_split_size(dataclasses.replace(config, strategy=strategy))
     lengths = check_lengths(lengths, what="simulated lengths")
     if not lengths.size:
         raise ValueError("simulate needs at least one sample")
@@ -459,6 +462,8 @@ def measure_variants(
         PlanError: as :func:`make_plan`.
         WorkerDied: a worker process died (killed, out of memory).
     """
+    for strategy, _ in variants:
+        check_split_size(dataclasses.replace(config, strategy=strategy))
     lengths = as_lengths(lengths)
     # one chunk of every sample in the order given, with no steps before it: make_plan's own steps
     whole = _tasks(lengths, [np.arange(lengths.size)], config, variants, peers, chunk_steps=0)
