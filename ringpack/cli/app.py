@@ -9,7 +9,9 @@ import argparse
 import contextlib
 import logging
 import os
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
@@ -54,7 +56,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     Bad input (a ``ValueError``: :class:`~ringpack.errors.PlanError`, :class:`~ringpack.errors.DataError`,
     ...) and file-system errors (``OSError``: a missing file, a directory where a file is expected,
     no permission, a closed pipe) end in one line on stderr naming the file, flag, sample or key.
-    Anything else is a bug and keeps its traceback.
+    Anything else is a bug and keeps its traceback. SIGTERM (``kill``, ``timeout``, a CI limit)
+    ends the command as Ctrl-C does: its workers stopped and temporary files removed, one line,
+    exit code 143.
     """
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -62,9 +66,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        with command_line_hints(), _log_to_stderr(args.command):
+        with command_line_hints(), _log_to_stderr(args.command), _sigterm_unwinds():
             resolve(args, args.command_parser)
             return int(args.handler(args) or 0)
+    except Terminated:
+        print(f"ringpack {args.command}: terminated (SIGTERM)", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except BrokenPipeError:  # stdout closed early, e.g. piped to `head`
         _silence_stdout()
         return _fail(args.command, "output closed before it was all written (broken pipe)")
@@ -73,6 +80,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"ringpack {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+class Terminated(BaseException):
+    """The command got SIGTERM: raised where it runs, so every ``finally`` (workers, temporary files) runs."""
+
+
+@contextlib.contextmanager
+def _sigterm_unwinds():
+    """While a command runs (in the main thread), SIGTERM raises :class:`Terminated` instead of ending at once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminated(signum: int, frame: Any) -> None:
+        raise Terminated
+
+    saved = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, saved)
 
 
 class _CommandFormatter(logging.Formatter):
