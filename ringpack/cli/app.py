@@ -57,8 +57,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ...) and file-system errors (``OSError``: a missing file, a directory where a file is expected,
     no permission, a closed pipe) end in one line on stderr naming the file, flag, sample or key.
     Anything else is a bug and keeps its traceback. SIGTERM (``kill``, ``timeout``, a CI limit)
-    ends the command as Ctrl-C does: its workers stopped and temporary files removed, one line,
-    exit code 143.
+    ends the command as Ctrl-C does once the running call returns: its workers stopped and
+    temporary files removed, one line, exit code 143; a second SIGTERM ends it at once.
     """
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -94,6 +94,7 @@ def _sigterm_unwinds():
         return
 
     def terminated(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
         raise Terminated
 
     saved = signal.signal(signal.SIGTERM, terminated)
