@@ -341,6 +341,14 @@ def _exit_text(exitcode: int | None) -> str:
     return "exited" if exitcode is None else f"exited with code {exitcode}"
 
 
+def _has_data(conn: multiprocessing.connection.Connection) -> bool:
+    """Whether something the worker sent waits unread on ``conn`` (its receiver thread reads it next)."""
+    try:
+        return conn.poll(0)
+    except (OSError, EOFError):
+        return False
+
+
 def _is_stopped(pid: int) -> bool:
     """Whether process ``pid`` is stopped (SIGSTOP, a debugger); ``False`` where ``/proc`` does not say."""
     try:
@@ -457,7 +465,9 @@ class _Pool:
             quiet = min(busy, key=lambda w: w.heard)
             wait_s = quiet.heard + self.stall_s - time.monotonic()
             if wait_s <= 0:
-                self.stalled(quiet, describe(tasks[quiet.index]))
+                if not _has_data(quiet.conn):  # (a busy machine can leave a sent beat unread a moment)
+                    self.stalled(quiet, describe(tasks[quiet.index]))
+                wait_s = 0.1
             try:
                 w, message = self.inbox.get(timeout=wait_s)
             except queue.Empty:

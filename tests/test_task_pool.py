@@ -101,11 +101,11 @@ def _gone(pid: int) -> bool:
 def test_a_stopped_worker_is_named_within_the_stall_limit():
     t0 = time.monotonic()
     with pytest.raises(WorkerStalled) as info:
-        run_tasks(stop_on_one, [0, 1, 2, 3], 2, lambda i, r: None, describe=lambda t: f"task {t}", stall_s=1.0)
-    assert time.monotonic() - t0 < 10
+        run_tasks(stop_on_one, [0, 1, 2, 3], 2, lambda i, r: None, describe=lambda t: f"task {t}", stall_s=3.0)
+    assert time.monotonic() - t0 < 15
     text = str(info.value)
     assert "\n" not in text
-    assert "sent no heartbeat for 1 s (it is stopped: SIGSTOP or a debugger) while task 1" in text
+    assert "sent no heartbeat for 3 s (it is stopped: SIGSTOP or a debugger) while task 1" in text
     assert STALL_ENV in text
     assert isinstance(info.value, WorkerDied) and isinstance(info.value, TimeoutError)
     assert not multiprocessing.active_children()  # the stopped worker was killed and reaped
@@ -113,20 +113,20 @@ def test_a_stopped_worker_is_named_within_the_stall_limit():
 
 @pytest.mark.slow
 def test_the_stall_limit_comes_from_the_environment(monkeypatch):
-    monkeypatch.setenv(STALL_ENV, "0.8")
-    with pytest.raises(WorkerStalled, match="no heartbeat for 0.8 s"):
+    monkeypatch.setenv(STALL_ENV, "2.5")
+    with pytest.raises(WorkerStalled, match="no heartbeat for 2.5 s"):
         run_tasks(stop_on_one, [1, 0], 2, lambda i, r: None)
 
 
 @pytest.mark.slow
 def test_slow_tasks_beat_the_stall_limit():
     got = {}
-    run_tasks(slow_square, [0, 1, 2], 2, got.__setitem__, stall_s=0.4)  # each task outlasts the limit, beating
+    run_tasks(slow_square, [0, 1, 2], 2, got.__setitem__, stall_s=1.5)  # each task outlasts the limit, beating
     assert got == {0: 0, 1: 1, 2: 4}
 
 
 def slow_square(x: int) -> int:
-    time.sleep(0.8)
+    time.sleep(2.5)
     return x * x
 
 

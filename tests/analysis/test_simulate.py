@@ -276,7 +276,7 @@ def test_a_stopped_worker_ends_the_run_in_one_line_naming_it(tmp_path, capsys, m
     from ringpack._spawn import STALL_ENV
 
     monkeypatch.setattr(sim, "_plan_chunk", stop_chunk_one)
-    monkeypatch.setenv(STALL_ENV, "1")
+    monkeypatch.setenv(STALL_ENV, "3")
     argv = ["simulate", "--gpus", "8", "--cp", "2", "--samples", "800", "--dist", "lognormal", "--median", "400"]
     argv += ["--tokens-per-rank", "4096", "--overflow", "split", "--model", "llama-1b", "--jobs", "2"]
     argv += ["--chunk-steps", "2", "--quiet", "--no-plots", "--out", str(tmp_path / "sim")]
@@ -284,7 +284,7 @@ def test_a_stopped_worker_ends_the_run_in_one_line_naming_it(tmp_path, capsys, m
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
     assert err[0].startswith("ringpack simulate: error: worker process ")
-    assert "sent no heartbeat for 1 s (it is stopped: SIGSTOP or a debugger) while planning chunk 1 " in err[0]
+    assert "sent no heartbeat for 3 s (it is stopped: SIGSTOP or a debugger) while planning chunk 1 " in err[0]
 
 
 def _children(pid: int) -> list[int]:
