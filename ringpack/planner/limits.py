@@ -12,6 +12,8 @@ See docs/planner.md, "CP split strategies".
 
 from __future__ import annotations
 
+import logging
+
 from ringpack._hints import option
 from ringpack.errors import PlanError
 from ringpack.shard_plan import PlanConfig
@@ -22,6 +24,9 @@ __all__ = ["MAX_BALANCED_CP", "SPLIT_SECONDS_PER_CP2", "balanced_split_seconds",
 SPLIT_SECONDS_PER_CP2 = 1.2e-5
 #: Largest CP group within one node the balanced split takes on: about 3 minutes per micro-batch.
 MAX_BALANCED_CP = 4096
+#: A split expected to take longer than this per micro-batch is announced (progress counts steps only).
+ANNOUNCE_S = 10.0
+log = logging.getLogger("ringpack.progress")
 
 
 def balanced_split_seconds(cp: int) -> float:
@@ -30,18 +35,24 @@ def balanced_split_seconds(cp: int) -> float:
 
 
 def check_split_size(config: PlanConfig) -> None:
-    """Refuse, before any work, a balanced split no machine finishes in reasonable time.
+    """Refuse, before any work, a balanced split no machine finishes in reasonable time; announce a slow one.
 
     Args:
         config: the plan config; only ``strategy="balanced"`` with a CP group in one node
-            (``nodes_per_group == 1``) is limited, to :data:`MAX_BALANCED_CP` ranks.
+            (``nodes_per_group == 1``) is limited, to :data:`MAX_BALANCED_CP` ranks; one
+            above :data:`ANNOUNCE_S` seconds per micro-batch is logged (``ringpack.progress``, INFO).
 
     Raises:
         PlanError: one line naming the CP size, the estimated time per micro-batch and what to change.
     """
-    if config.strategy != "balanced" or config.cp <= MAX_BALANCED_CP or config.nodes_per_group > 1:
+    if config.strategy != "balanced" or config.nodes_per_group > 1:
         return
-    hours = balanced_split_seconds(config.cp) / 3600
+    seconds = balanced_split_seconds(config.cp)
+    if config.cp <= MAX_BALANCED_CP:
+        if seconds > ANNOUNCE_S:
+            log.info("the balanced split over %d CP ranks takes about %.0f s per micro-batch", config.cp, seconds)
+        return
+    hours = seconds / 3600
     raise PlanError(
         f"{option('cp')} {config.cp:,} with the balanced split: its work grows with the square of the CP size, "
         f"about {hours:,.1f} hours per micro-batch over {config.cp:,} ranks (up to {MAX_BALANCED_CP:,} ranks: "

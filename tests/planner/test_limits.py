@@ -58,3 +58,12 @@ def test_plan_command_names_the_flag(tmp_path):
     assert_clean(run)
     assert run.code == 1 and "error: --cp 65,536 with the balanced split" in run.err and "--strategy zigzag" in run.err
     assert time.monotonic() - t0 < 2
+
+
+def test_a_slow_split_within_the_limit_says_how_slow(caplog):
+    with caplog.at_level("INFO", logger="ringpack.progress"):
+        check_split_size(PlanConfig(dp=1, cp=2048, tokens_per_rank=64))
+        check_split_size(PlanConfig(dp=1, cp=512, tokens_per_rank=64))
+    assert [r.getMessage() for r in caplog.records] == [
+        "the balanced split over 2048 CP ranks takes about 50 s per micro-batch"
+    ]
