@@ -144,7 +144,7 @@ import os, sys, time
 from ringpack._spawn import run_tasks
 
 def sleepy(x):
-    os.write(1, f"{os.getpid()}\n".encode())  # one write: the two workers' lines never interleave
+    os.write(1, b"%d\\n" % os.getpid())  # one write: the two workers' lines never interleave
     time.sleep(60)
     return x
 
