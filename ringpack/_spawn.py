@@ -1,15 +1,16 @@
 """Local worker processes: ranks joined by a gloo group (the demo's ring check, the CPU tests), and task pools.
 
-:func:`run_ranks` starts ``world`` processes on a free loopback port, joins them in a gloo group
-(every collective gets ``timeout_s``) and returns ``fn(rank, world, *args)`` of each; a hang or a
-failed rank fails the call naming every failed rank with its traceback (the first to fail is not
-always the one whose error explains the run), ranks left are killed after ``fail_grace_s``.
-:func:`run_tasks` runs independent tasks on a few worker processes, longest first as given,
-handing results home as they come; a task's exception is re-raised as it is, and a worker that
-dies (killed, out of memory) raises :class:`WorkerDied`, one line naming its task and what to do.
+:func:`run_ranks` runs ``fn(rank, world, *args)`` on ``world`` processes joined in a gloo group
+(every collective gets ``timeout_s``); a hang or a failed rank fails the call naming every failed
+rank with its traceback, ranks left are killed after ``fail_grace_s``. :func:`run_tasks` runs
+independent tasks on a few worker processes, longest first, handing results home as they come; a
+task's exception is re-raised as it is, a worker that dies raises :class:`WorkerDied`, one line
+naming its task and what to do. Nothing waits without an end: workers die with their parent
+(Linux ``PR_SET_PDEATHSIG``, and a parent check in their heartbeat), each closes the pipe ends
+of its siblings a fork handed it, and a busy worker silent for :data:`STALL_S` seconds (stopped,
+frozen; ``$RINGPACK_WORKER_STALL_S``) is killed and named (:class:`WorkerStalled`).
 
-Only the standard library at import time: torch is imported inside the functions, so
-``import ringpack._spawn`` stays cheap.
+Only the standard library at import time: torch is imported inside the functions.
 
 See docs/analysis.md, "`ringpack demo`" and "`ringpack simulate`".
 """
@@ -17,22 +18,37 @@ See docs/analysis.md, "`ringpack demo`" and "`ringpack simulate`".
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import math
 import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
+import queue
 import signal
 import socket
+import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-__all__ = ["free_port", "run_ranks", "run_tasks", "WorkerDied"]
+__all__ = [
+    "free_port",
+    "run_ranks",
+    "run_tasks",
+    "stall_seconds",
+    "WorkerDied",
+    "WorkerStalled",
+    "STALL_S",
+    "STALL_ENV",
+]
 
 
 def free_port() -> int:
@@ -61,6 +77,7 @@ class _Launch:
 def _child(rank: int, launch: _Launch) -> None:
     result: Any
     dist = None
+    _die_with_parent(None)  # a rank outlives neither the caller nor its forkserver
     try:
         import torch
         import torch.distributed as dist
@@ -212,24 +229,105 @@ class WorkerDied(ChildProcessError):
     """A worker process of :func:`run_tasks` ended without its task's result (killed, out of memory, crashed)."""
 
 
-def _task_worker(conn: multiprocessing.connection.Connection, fn: Callable) -> None:
-    """A pool worker: ``(index, task)`` in, ``("ok", index, fn(task))`` or ``("error", index, exc, text)`` out."""
+class WorkerStalled(WorkerDied, TimeoutError):
+    """A worker process of :func:`run_tasks` sent no heartbeat for the stall limit (stopped, frozen); it was killed."""
+
+
+#: Seconds a busy worker may go without a sign of life (a heartbeat or its result) before it is killed and named.
+STALL_S = 60.0
+#: The environment variable that replaces :data:`STALL_S` (seconds, a number > 0).
+STALL_ENV = "RINGPACK_WORKER_STALL_S"
+#: Longest pause between two heartbeats of a worker.
+BEAT_S = 5.0
+_BEAT = "beat"  # a worker's sign of life
+_GONE = object()  # what a worker's receiver posts when the worker's end of the pipe closes
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def stall_seconds(stall_s: float | None = None) -> float:
+    """The stall limit: ``stall_s`` if given, else ``$RINGPACK_WORKER_STALL_S``, else :data:`STALL_S`.
+
+    Raises:
+        ValueError: the limit is not a finite number of seconds > 0 (the variable is named).
+    """
+    text = os.environ.get(STALL_ENV) if stall_s is None else stall_s
+    if text is None:
+        return STALL_S
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        where = STALL_ENV if stall_s is None else "stall_s"
+        raise ValueError(f"{where}={text!r}: give the seconds a worker may stay silent, a number > 0")
+    return value
+
+
+def _die_with_parent(parent: int | None) -> None:
+    """Have the kernel kill this process when its parent ends, however it ends (SIGTERM, SIGKILL, a crash).
+
+    Linux only (``prctl(PR_SET_PDEATHSIG)``); elsewhere the heartbeat's parent check ends the
+    worker. ``parent``: the pid the parent had, to catch a parent that ended before the request.
+    """
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if parent is not None and os.getppid() != parent:
+        os._exit(1)
+
+
+def _beat(conn: multiprocessing.connection.Connection, lock: threading.Lock, every_s: float, parent: int) -> None:
+    """A worker's heartbeat thread: a sign of life every ``every_s``; the worker ends once its parent is gone."""
+    while True:
+        time.sleep(every_s)
+        if os.getppid() != parent:
+            os._exit(1)
+        try:
+            with lock:
+                conn.send(_BEAT)
+        except OSError:  # the parent's end is closed
+            os._exit(1)
+
+
+def _task_worker(
+    conn: multiprocessing.connection.Connection,
+    fn: Callable,
+    tasks: Sequence[Any],
+    beat_s: float,
+    parent: int,
+    inherited: Sequence[multiprocessing.connection.Connection],
+) -> None:
+    """A pool worker: a task's index in, ``("ok", index, fn(task))`` or ``("error", index, exc, text)`` out.
+
+    It closes the ends of its siblings' pipes that a fork handed it (so a sibling sees its parent
+    go), dies with its parent, and sends a heartbeat every ``beat_s`` while it works or waits.
+    """
+    for other in inherited:
+        other.close()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a handler the parent installed is the parent's
+    _die_with_parent(parent)
+    lock = threading.Lock()
+    threading.Thread(target=_beat, args=(conn, lock, beat_s, parent), daemon=True).start()
     while True:
         try:
-            item = conn.recv()
+            index = conn.recv()
         except (EOFError, OSError):
             return
-        if item is None:
+        if index is None:
             return
-        index, task = item
         try:
-            reply: tuple = ("ok", index, fn(task))
+            reply: tuple = ("ok", index, fn(tasks[index]))
         except BaseException as exc:  # every failure goes home, never swallowed
             reply = ("error", index, exc, traceback.format_exc())
         try:
-            conn.send(reply)
+            data = ForkingPickler.dumps(reply)  # outside the lock: the heartbeat goes on while a result pickles
         except Exception:  # a result or an exception that does not pickle
-            conn.send(("error", index, None, traceback.format_exc()))
+            data = ForkingPickler.dumps(("error", index, None, traceback.format_exc()))
+        try:
+            with lock:
+                conn.send_bytes(data)
+        except OSError:
+            return
 
 
 def _exit_text(exitcode: int | None) -> str:
@@ -243,6 +341,24 @@ def _exit_text(exitcode: int | None) -> str:
     return "exited" if exitcode is None else f"exited with code {exitcode}"
 
 
+def _has_data(conn: multiprocessing.connection.Connection) -> bool:
+    """Whether something the worker sent waits unread on ``conn`` (its receiver thread reads it next)."""
+    try:
+        return conn.poll(0)
+    except (OSError, EOFError):
+        return False
+
+
+def _is_stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP, a debugger); ``False`` where ``/proc`` does not say."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state in (b"T", b"t")
+
+
 def run_tasks(
     fn: Callable[[Any], Any],
     tasks: Sequence[Any],
@@ -252,14 +368,17 @@ def run_tasks(
     describe: Callable[[Any], str] = lambda task: "a task",
     hint: str = "",
     name: str = "worker",
+    stall_s: float | None = None,
 ) -> None:
     """Run ``fn(task)`` for every task on ``jobs`` worker processes; ``on_result(index, result)`` in this process.
 
     Tasks start in the order given (give the longest first, so the last to finish is short), one
     at a time per worker; ``jobs <= 1`` runs them here, in order. ``fn`` and the tasks must be
     picklable where processes are spawned; on Linux workers are forked, so they start in
-    milliseconds with the modules this process has loaded. Workers are stopped before this returns
-    or raises.
+    milliseconds with the modules and tasks this process has (a task is sent as its index).
+    Workers are stopped before this returns or raises, die with this process however it ends
+    (Linux), and send a heartbeat every few seconds: a busy worker silent for ``stall_s`` is
+    killed and named.
 
     Args:
         fn: the work of one task (a module-level function).
@@ -269,83 +388,145 @@ def run_tasks(
         describe: the task in words, for :class:`WorkerDied` (``"planning chunk 3 of zigzag"``).
         hint: what to do when a worker dies (``"run with fewer jobs"``), appended to the message.
         name: what a worker is called in messages.
+        stall_s: seconds a busy worker may stay silent (``None``: :func:`stall_seconds`).
 
     Raises:
         WorkerDied: a worker process ended without returning its task's result; one line naming
             the worker, its task, how it ended and ``hint``.
+        WorkerStalled: a busy worker sent no heartbeat for ``stall_s`` (stopped, frozen); one line
+            naming the worker and its task (a ``WorkerDied`` and a ``TimeoutError``).
         Exception: the first exception a task raised, as the task raised it.
+        ValueError: ``stall_s`` (or the variable) is not a number of seconds > 0.
     """
+    stall = stall_seconds(stall_s)
     if jobs <= 1 or len(tasks) <= 1:
         for index, task in enumerate(tasks):
             on_result(index, fn(task))
         return
-    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
-    ctx = multiprocessing.get_context(method)
-    pending = deque(range(len(tasks)))
-    workers: list[_Worker] = []
-    try:
-        for _ in range(min(jobs, len(tasks))):
-            here, there = ctx.Pipe()
-            proc = ctx.Process(target=_task_worker, args=(there, fn), daemon=True)
-            proc.start()
-            there.close()
-            workers.append(_Worker(proc, here))
-        for w in workers:
-            w.take(pending, tasks)
-        while any(w.index is not None for w in workers):
-            busy = [w for w in workers if w.index is not None]
-            multiprocessing.connection.wait([w.conn for w in busy] + [w.proc.sentinel for w in busy])
-            for w in busy:
-                reply = w.reply()
-                if reply is False:
-                    continue
-                if reply is None:
-                    raise WorkerDied(
-                        " ".join(
-                            f"{name} process {w.proc.pid} {_exit_text(w.proc.exitcode)} while "
-                            f"{describe(tasks[w.index])}; {hint}".split()
-                        ).rstrip("; ")
-                    )
-                if reply[0] == "error":
-                    _, _, exc, text = reply
-                    if exc is None:
-                        raise RuntimeError(f"{name} failed while {describe(tasks[w.index])}:\n{text}")
-                    raise exc
-                index, w.index = w.index, None
-                on_result(index, reply[2])
-                w.take(pending, tasks)
-    finally:
-        for w in workers:
+    with _Pool(fn, tasks, min(jobs, len(tasks)), stall) as pool:
+        pending = deque(range(len(tasks)))
+        for w in pool.workers:
+            w.take(pending)
+        while any(w.index is not None for w in pool.workers):
+            w, message = pool.next_message(describe, tasks)
+            if message == _BEAT or w.index is None:  # a sign of life, or a worker leaving once all tasks are out
+                continue
+            if message is _GONE:
+                w.proc.join(5)
+                raise WorkerDied(
+                    " ".join(
+                        f"{name} process {w.proc.pid} {_exit_text(w.proc.exitcode)} while "
+                        f"{describe(tasks[w.index])}; {hint}".split()
+                    ).rstrip("; ")
+                )
+            if message[0] == "error":
+                _, _, exc, text = message
+                if exc is None:
+                    raise RuntimeError(f"{name} failed while {describe(tasks[w.index])}:\n{text}")
+                raise exc
+            index, w.index = w.index, None
+            on_result(index, message[2])
+            w.take(pending)
+
+
+class _Pool:
+    """The worker processes of one :func:`run_tasks` call, and one inbox of everything they send.
+
+    Every worker is started before any receiver thread (a fork copies only the forking thread);
+    a worker forked later closes the ends of its elder siblings' pipes it inherited.
+    """
+
+    def __init__(self, fn: Callable, tasks: Sequence[Any], jobs: int, stall_s: float) -> None:
+        fork = "fork" in multiprocessing.get_all_start_methods()
+        ctx = multiprocessing.get_context("fork" if fork else None)
+        self.stall_s = stall_s
+        self.inbox: queue.Queue = queue.Queue()
+        self.workers: list[_Worker] = []
+        beat_s = min(BEAT_S, stall_s / 4)
+        try:
+            for _ in range(jobs):
+                here, there = ctx.Pipe()
+                inherited = [w.conn for w in self.workers] + [here] if fork else []
+                args = (there, fn, tasks, beat_s, os.getpid(), inherited)
+                proc = ctx.Process(target=_task_worker, args=args, daemon=True)
+                proc.start()
+                there.close()
+                self.workers.append(_Worker(proc, here))
+        except BaseException:
+            self.close()
+            raise
+        for w in self.workers:
+            w.listen(self.inbox)
+
+    def next_message(self, describe: Callable[[Any], str], tasks: Sequence[Any]) -> tuple[_Worker, Any]:
+        """The next ``(worker, message)``; a busy worker silent for the stall limit raises :class:`WorkerStalled`."""
+        while True:
+            busy = [w for w in self.workers if w.index is not None]
+            quiet = min(busy, key=lambda w: w.heard)
+            wait_s = quiet.heard + self.stall_s - time.monotonic()
+            if wait_s <= 0:
+                if not _has_data(quiet.conn):  # (a busy machine can leave a sent beat unread a moment)
+                    self.stalled(quiet, describe(tasks[quiet.index]))
+                wait_s = 0.1
+            try:
+                w, message = self.inbox.get(timeout=wait_s)
+            except queue.Empty:
+                continue
+            w.heard = time.monotonic()
+            return w, message
+
+    def stalled(self, w: _Worker, task: str) -> None:
+        """Kill the silent worker ``w`` and raise :class:`WorkerStalled` naming it and ``task``."""
+        stopped = " (it is stopped: SIGSTOP or a debugger)" if _is_stopped(w.proc.pid) else ""
+        w.proc.kill()
+        raise WorkerStalled(
+            f"worker process {w.proc.pid} sent no heartbeat for {self.stall_s:g} s{stopped} while {task}; "
+            f"it was killed ({STALL_ENV} sets how long a worker may stay silent)"
+        )
+
+    def close(self) -> None:
+        for w in self.workers:
             w.stop()
+
+    def __enter__(self) -> _Pool:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
 
 
 @dataclass
 class _Worker:
-    """One process of :func:`run_tasks`, its end of the pipe, and the index of the task it runs (``None``: idle)."""
+    """One process of :func:`run_tasks`, its end of the pipe, the task it runs (``None``: idle), when it was heard."""
 
     proc: Any
     conn: Any
     index: int | None = None
+    heard: float = 0.0
+    receiver: threading.Thread | None = None
 
-    def take(self, pending: deque, tasks: Sequence[Any]) -> None:
-        """Start the next pending task here, if any (a worker gone by then shows at its next reply)."""
+    def listen(self, inbox: queue.Queue) -> None:
+        """Post everything the worker sends to ``inbox`` as ``(self, message)``, then ``(self, _GONE)``."""
+        self.heard = time.monotonic()
+        self.receiver = threading.Thread(target=self._receive, args=(inbox,), daemon=True)
+        self.receiver.start()
+
+    def _receive(self, inbox: queue.Queue) -> None:
+        while True:
+            try:
+                message = self.conn.recv()
+            except (EOFError, OSError):
+                inbox.put((self, _GONE))
+                return
+            inbox.put((self, message))
+
+    def take(self, pending: deque) -> None:
+        """Start the next pending task here, if any (a worker gone by then shows as gone in the inbox)."""
         if pending:
             self.index = pending.popleft()
-            with contextlib.suppress(OSError):  # a worker that died shows in reply()
-                self.conn.send((self.index, tasks[self.index]))
-
-    def reply(self) -> tuple | None | bool:
-        """The worker's reply if one is waiting, ``False`` while it works, ``None`` if it is gone without one."""
-        try:
-            if self.conn.poll():
-                return self.conn.recv()
-        except (EOFError, OSError):
-            pass
-        else:
-            if self.proc.exitcode is None:
-                return False
-        self.proc.join(5)
-        return None
+            self.heard = time.monotonic()
+            with contextlib.suppress(OSError):
+                self.conn.send(self.index)
 
     def stop(self) -> None:
         """Tell the worker to finish, and kill it if it does not within a moment."""
@@ -355,4 +536,6 @@ class _Worker:
         if self.proc.exitcode is None:
             self.proc.kill()
             self.proc.join()
+        if self.receiver is not None:
+            self.receiver.join(5)
         self.conn.close()

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
-__all__ = ["LOG_INTERVAL_S", "Progress"]
+__all__ = ["LOG_INTERVAL_S", "Progress", "clock"]
 
 #: Least seconds between two progress log lines (when stderr is not a terminal).
 LOG_INTERVAL_S = 10.0
@@ -36,7 +36,7 @@ def _is_terminal(stream: Any) -> bool:
         return False
 
 
-def _clock(seconds: float) -> str:
+def clock(seconds: float) -> str:
     """``75.2`` -> ``"1m15s"``; ``4.2`` -> ``"4s"``."""
     seconds = int(round(seconds))
     hours, rest = divmod(seconds, 3600)
@@ -143,10 +143,10 @@ class Progress:
         elapsed = now - self._start
         if self.total:
             share = min(self.done / self.total, 1.0)
-            left = f", about {_clock(elapsed * (1 - share) / share)} left" if 0 < share < 1 else ""
+            left = f", about {clock(elapsed * (1 - share) / share)} left" if 0 < share < 1 else ""
             count = f"{self.done:,}/{self.total:,} {self.unit} ({share:.0%})"
         else:
             count, left = f"{self.done:,} {self.unit}", ""
-        logger.info("%s: %s, %s%s", self.desc, count, _clock(elapsed), left)
+        logger.info("%s: %s, %s%s", self.desc, count, clock(elapsed), left)
         self._last_log = now
         self._logged = True

@@ -17,6 +17,7 @@ memory does not grow with the CP size and a 1M-sample epoch for 8,192 GPUs takes
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
 from collections.abc import Sequence
@@ -44,14 +45,24 @@ from ringpack.planner.epoch import (
     shuffle_order,
     split_microbatches,
 )
-from ringpack.progress import Progress
+from ringpack.planner.limits import check_split_size
+from ringpack.progress import Progress, clock
 from ringpack.shard_plan import PlanConfig, plan_content_hash
+
+logger = logging.getLogger("ringpack.progress")
 
 __all__ = ["simulate", "measure_variants", "synthetic_lengths", "window_chunk_steps", "SIM_VARIANTS", "MAX_LENGTH"]
 
 #: :func:`measure_variants` plans fewer samples than this in process by default: they take less
 #: time than starting workers and sending them the lengths.
 PARALLEL_MIN_SAMPLES = 20_000
+
+#: CPU seconds planning and measuring one sample for one strategy takes on one core at CP 8; it
+#: grows as ``cp ** 1.5`` (the balanced split's fallbacks): docs/analysis.md's table of 1M samples
+#: for 8,192 GPUs, 66 CPU s at CP 8 and 1,570 at CP 64. What :func:`simulate` says up front.
+SECONDS_PER_SAMPLE_ROW = 8e-6
+#: A run expected to plan longer than this says so, with the estimate, before it starts.
+ANNOUNCE_S = 30.0
 
 #: Longest sample :func:`synthetic_lengths` draws: far beyond any context, exact in int64 pair counts.
 MAX_LENGTH = 1 << 40
@@ -283,6 +294,17 @@ def simulate(
         f"run with fewer {option('jobs')} (now {jobs}) or a smaller {option('chunk_steps')} (now {chunk_steps}), "
         "or on a machine with more memory"
     )
+    expected = expected_seconds(tasks, jobs)
+    if progress and expected > ANNOUNCE_S:
+        logger.info(
+            "%s in %d tasks on %d worker%s: about %s; fewer samples or more %s finish sooner",
+            desc,
+            len(tasks),
+            jobs,
+            "s" if jobs > 1 else "",
+            clock(expected),
+            option("jobs"),
+        )
     t0 = time.perf_counter()
     with Progress(desc, "samples", sum(t.work for t in tasks), enabled=progress) as bar:
         parts, busy = _plan_tasks(tasks, jobs, bar, hint)
@@ -310,6 +332,12 @@ def simulate(
     )
     _add_modes(doc, results_by_mode, peers_by_mode)
     return doc
+
+
+def expected_seconds(tasks: Sequence[_Task], jobs: int) -> float:
+    """Rough wall seconds :func:`_plan_tasks` takes: the work shared by ``jobs`` workers, at least the largest task."""
+    work = [t.work * SECONDS_PER_SAMPLE_ROW * max(1.0, t.config.cp / 8) ** 1.5 for t in tasks]
+    return max(sum(work) / max(jobs, 1), max(work, default=0.0))
 
 
 def _tasks(
@@ -394,6 +422,8 @@ def _checked_lengths(
         )
     if not variants:
         raise ValueError("simulate needs at least one (strategy, packing) variant")
+    for strategy, _ in variants:
+        check_split_size(dataclasses.replace(config, strategy=strategy))
     lengths = check_lengths(lengths, what="simulated lengths")
     if not lengths.size:
         raise ValueError("simulate needs at least one sample")
@@ -474,6 +504,8 @@ def measure_variants(
         PlanError: as :func:`make_plan`.
         WorkerDied: a worker process died (killed, out of memory).
     """
+    for strategy, _ in variants:
+        check_split_size(dataclasses.replace(config, strategy=strategy))
     lengths = as_lengths(lengths)
     # one chunk of every sample in the order given, with no steps before it: make_plan's own steps
     whole = _tasks(lengths, [np.arange(lengths.size)], config, variants, peers, chunk_steps=0)

@@ -306,6 +306,10 @@ def refit(report: dict[str, Any]) -> Calibration:
 # ------------------------------------------------------------------------------- from a config, to files
 
 
+#: The preset the kernel scope times unless ``model`` is given: on a GPU, and on the CPU (a dry run).
+GPU_MODEL, CPU_MODEL = "llama3-8b", "tiny"
+
+
 @dataclass(frozen=True, kw_only=True)
 class KernelCalibrationConfig:
     """What ``ringpack calibrate`` (the kernel scope) times: a model preset's attention and linear layers.
@@ -316,9 +320,13 @@ class KernelCalibrationConfig:
         ValueError: a model that is not a preset, or a field out of range (named).
     """
 
-    model: str = field(
-        default="llama3-8b",
-        metadata=field_doc(f"model preset timed: its heads, layers and linear layers ({', '.join(PRESETS)})", type=str),
+    model: str | None = field(
+        default=None,
+        metadata=field_doc(
+            f"model preset timed: its heads, layers and linear layers ({', '.join(PRESETS)})",
+            type=str,
+            default_text=f"{GPU_MODEL}; {CPU_MODEL} on the cpu",
+        ),
     )
     heads: int | None = field(default=None, metadata=field_doc("query heads (default: the preset's)", type=int, low=1))
     kv_heads: int | None = field(
@@ -359,6 +367,8 @@ class KernelCalibrationConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.model is None:  # a CPU dry run checks the pipeline: a small model's shapes time in minutes
+            object.__setattr__(self, "model", CPU_MODEL if self.device == "cpu" else GPU_MODEL)
         if self.model not in PRESETS:
             raise ValueError(f"{option('model')} {self.model!r} is not a preset ({', '.join(PRESETS)})")
         CalibrationSettings(mode=self.mode, timer=self.timer)  # the same checks as the settings it resolves to
@@ -495,12 +505,12 @@ def flop_rate(flops_per_second: float) -> str:
 
 
 def check_outputs(out: str | Path, report: str | Path | None = None, refit: str | Path | None = None) -> None:
-    """Refuse, before any timing or fit, a profile ``out`` / ``report`` that cannot be written (missing folders
-    are made when the outputs are written), that are one file, or that would replace ``refit``'s report.
+    """Refuse, before any timing or fit, a profile ``out`` / ``report`` that cannot be written, that are one file,
+    or that would replace ``refit``'s report.
 
     Raises:
-        ValueError: a directory, a path through a file, an unwritable file or folder, ``report``
-            equal to ``out``, or either equal to ``refit`` (the option is named).
+        ValueError: a directory, a missing folder, a path through a file, an unwritable file or
+            folder, ``report`` equal to ``out``, or either equal to ``refit`` (the option is named).
     """
     out, report = Path(out), report_path(out, report)
     for name, path in (("out", out), ("report", report)):
@@ -510,11 +520,13 @@ def check_outputs(out: str | Path, report: str | Path | None = None, refit: str 
             if not path.is_file() or not os.access(path, os.W_OK):
                 raise ValueError(f"{option(name)} {path} cannot be written (not a writable file)")
             continue
-        folder = path.parent
-        while not folder.exists():  # the nearest existing folder: the rest is made at write time
-            folder = folder.parent
-        if not folder.is_dir():
-            raise ValueError(f"{option(name)} {path}: {folder} is a file, not a folder")
+        folder = nearest = path.parent
+        while not nearest.exists():  # the nearest existing folder says why the path cannot be made
+            nearest = nearest.parent
+        if not nearest.is_dir():
+            raise ValueError(f"{option(name)} {path}: {nearest} is a file, not a folder")
+        if nearest != folder:
+            raise ValueError(f"{option(name)} {path}: folder {folder} does not exist")
         if not os.access(folder, os.W_OK | os.X_OK):
             raise ValueError(f"{option(name)} {path}: folder {folder} is not writable")
     if out.resolve() == report.resolve():

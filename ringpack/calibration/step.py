@@ -41,6 +41,7 @@ from ringpack.cost_fit import ROW, FitResult, fit_problem, fit_rank_times, micro
 from ringpack.errors import DataError, PlanError
 from ringpack.integrations.transformers import causal_lm_loss_sum
 from ringpack.planner import make_plan
+from ringpack.progress import Progress
 from ringpack.shard_plan import MAX_CP, PlanConfig, Step, field_doc
 from ringpack.training.cost_learner import LearnerConfig
 
@@ -74,6 +75,18 @@ MAX_FIT_ERROR = LearnerConfig().max_error
 #: ``tokens_per_rank`` when none is given: the run's usual budget on a GPU; on the CPU (a dry run on
 #: the reference attention, whose memory grows with the square of a rank's tokens) a small one
 DEFAULT_TOKENS_PER_RANK = {"cuda": 65536, "cpu": 1024}
+#: ``microbatches``, ``reps`` and ``warmup`` when not given: on the CPU a dry run checks the pipeline,
+#: so it times each shard once and half the micro-batches (about a sixth of the passes: minutes)
+DEFAULT_EFFORT = {
+    "cuda": {"microbatches": 2, "reps": 2, "warmup": 1},
+    "cpu": {"microbatches": 1, "reps": 1, "warmup": 0},
+}
+
+
+def _effort_text(name: str) -> str:
+    return f"{DEFAULT_EFFORT['cuda'][name]}; {DEFAULT_EFFORT['cpu'][name]} on the cpu"
+
+
 #: the most memory a CPU dry run lets one reference-attention call take (:func:`reference_attention_bytes`)
 CPU_ATTENTION_BYTES = 4 << 30
 #: the most memory a CPU dry run lets the model's float32 weights and gradients take
@@ -128,12 +141,25 @@ class StepCalibrationConfig:
     )
     fit_mixes: int = field(default=3, metadata=field_doc("length mixes timed for the fit", type=int, low=1))
     held_out_mixes: int = field(default=2, metadata=field_doc("length mixes held out of the fit", type=int, low=1))
-    microbatches: int = field(
-        default=2,
-        metadata=field_doc("micro-batches timed per plan (the first ones of its first step)", type=int, low=1),
+    microbatches: int | None = field(
+        default=None,
+        metadata=field_doc(
+            "micro-batches timed per plan (the first ones of its first step)",
+            type=int,
+            low=1,
+            default_text=_effort_text("microbatches"),
+        ),
     )
-    reps: int = field(default=2, metadata=field_doc("timed repetitions per shard, the median taken", type=int, low=1))
-    warmup: int = field(default=1, metadata=field_doc("untimed runs per shard first", type=int, low=0))
+    reps: int | None = field(
+        default=None,
+        metadata=field_doc(
+            "timed repetitions per shard, the median taken", type=int, low=1, default_text=_effort_text("reps")
+        ),
+    )
+    warmup: int | None = field(
+        default=None,
+        metadata=field_doc("untimed runs per shard first", type=int, low=0, default_text=_effort_text("warmup")),
+    )
     seed: int = field(default=0, metadata=field_doc("seed of the shards timed and of their inputs", type=int, low=0))
 
     def __post_init__(self) -> None:
@@ -144,6 +170,9 @@ class StepCalibrationConfig:
             raise PlanError(f"StepCalibrationConfig.device must be 'cuda' or 'cpu', got {self.device!r}")
         if self.tokens_per_rank is None:
             object.__setattr__(self, "tokens_per_rank", DEFAULT_TOKENS_PER_RANK[self.device])
+        for name, value in DEFAULT_EFFORT[self.device].items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
         for name in ("tokens_per_rank", "cp", "fit_mixes", "held_out_mixes", "microbatches", "reps"):
             value = getattr(self, name)
             if not is_int(value) or not 1 <= value < 2**63:
@@ -435,13 +464,20 @@ class ModelStepTimer:
 # ------------------------------------------------------------------------------------- the fit
 
 
-def calibrate_step(config: StepCalibrationConfig, time_shard: Callable[[Case], float] | None = None) -> StepCalibration:
+def calibrate_step(
+    config: StepCalibrationConfig,
+    time_shard: Callable[[Case], float] | None = None,
+    *,
+    progress: Progress | None = None,
+) -> StepCalibration:
     """Time the training step on rank shards of planned micro-batches, fit the profile, check it held out.
 
     Args:
         config: what is timed.
         time_shard: seconds of one rank shard's forward+backward (default: :class:`ModelStepTimer`
             of ``config``; tests pass a deterministic one).
+        progress: counts the shards timed, fit and held out, of a total known before the first
+            (a bar, or log lines with the time left).
 
     Returns:
         The :class:`StepCalibration`; ``profile.name`` is the model preset's (or the config's name).
@@ -461,10 +497,15 @@ def calibrate_step(config: StepCalibrationConfig, time_shard: Callable[[Case], f
     if time_shard is None and config.device == "cuda":  # first launches, autotuning and GPU clocks
         timer(step_cases(config, seeds[0], prior)[0])
     rows, geometry = [], []
-    for which, mix_seeds in (("fit", seeds), ("held-out", held_seeds)):
+    sets = [
+        (which, [c for seed in mix_seeds for c in step_cases(config, seed, prior)])
+        for which, mix_seeds in (("fit", seeds), ("held-out", held_seeds))
+    ]
+    bar = progress if progress is not None else Progress("", "shards", enabled=False)
+    bar.advance_to(0, sum(len(cases) for _, cases in sets))
+    for which, cases in sets:
         t0 = time.perf_counter()
-        cases = [c for seed in mix_seeds for c in step_cases(config, seed, prior)]
-        rows += _time_cases(cases, timer, which, geometry)
+        rows += _time_cases(cases, timer, which, geometry, bar)
         log.info("timed %d %s rank shards in %.1f s", len(cases), which, time.perf_counter() - t0)
     unusable = int((~usable_rows(_fit_rows(rows))).sum())
     if unusable:
@@ -497,7 +538,7 @@ def _check_fit(fit: FitResult | None, config: StepCalibrationConfig) -> None:
 
 
 def _time_cases(
-    cases: Sequence[Case], timer: Callable[[Case], float], which: str, geometry: list[dict[str, Any]]
+    cases: Sequence[Case], timer: Callable[[Case], float], which: str, geometry: list[dict[str, Any]], bar: Progress
 ) -> list[dict[str, Any]]:
     """One row per case; ranks of one micro-batch share its ``microbatch`` index into ``geometry``."""
     index: dict[int, int] = {}
@@ -521,6 +562,7 @@ def _time_cases(
                 seconds=float(timer(case)),
             )
         )
+        bar.update()
     return rows
 
 

@@ -9,7 +9,10 @@ import argparse
 import contextlib
 import logging
 import os
+import signal
 import sys
+import threading
+import time
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
@@ -55,7 +58,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ...) and file-system errors (``OSError``: a missing file, a directory where a file is expected,
     no permission, a closed pipe) end in one line on stderr naming the file, flag, sample or key.
     Running out of memory (``MemoryError``) is one line naming the command's input files and
-    their sizes. Anything else is a bug and keeps its traceback.
+    their sizes. Anything else is a bug and keeps its traceback. SIGTERM (``kill``, ``timeout``, a CI limit)
+    ends the command as Ctrl-C does once the running call returns: its workers stopped and
+    temporary files removed, one line, exit code 143; a command still running :data:`TERM_GRACE_S`
+    later, or a second SIGTERM, ends the process at once.
     """
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -63,9 +69,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        with command_line_hints(), _log_to_stderr(args.command):
+        with command_line_hints(), _log_to_stderr(args.command), _sigterm_unwinds(args.command):
             resolve(args, args.command_parser)
             return int(args.handler(args) or 0)
+    except Terminated:
+        print(f"ringpack {args.command}: terminated (SIGTERM)", file=sys.stderr, flush=True)
+        _told.set()
+        return 128 + signal.SIGTERM
     except BrokenPipeError:  # stdout closed early, e.g. piped to `head`
         _silence_stdout()
         return _fail(args.command, "output closed before it was all written (broken pipe)")
@@ -76,6 +86,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"ringpack {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+class Terminated(BaseException):
+    """The command got SIGTERM: raised where it runs, so every ``finally`` (workers, temporary files) runs."""
+
+
+#: Seconds a command has, after SIGTERM, to unwind before the process ends without it.
+TERM_GRACE_S = 10.0
+_told = threading.Event()  # the "terminated" line is printed
+
+
+def _end_after_grace(command: str) -> None:
+    time.sleep(TERM_GRACE_S)
+    if not _told.is_set():
+        os.write(2, f"ringpack {command}: terminated (SIGTERM)\n".encode())
+    os._exit(128 + signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def _sigterm_unwinds(command: str):
+    """While a command runs (in the main thread), SIGTERM raises :class:`Terminated` instead of ending at once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminated(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
+        # the exception can be lost (raised inside an at-fork hook or a finalizer, which swallow it) or
+        # its unwinding stall: the process then ends anyway, TERM_GRACE_S later
+        threading.Thread(target=_end_after_grace, args=(command,), daemon=True).start()
+        raise Terminated
+
+    saved = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, saved)
 
 
 class _CommandFormatter(logging.Formatter):

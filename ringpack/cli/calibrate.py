@@ -26,6 +26,7 @@ from ringpack.calibration.run import (
 from ringpack.calibration.step import StepCalibrationConfig, calibrate_step, format_step_summary
 from ringpack.cli.flags import add_field_flag, add_quiet_flag, config_fields, field_default, flag, new_command, shown
 from ringpack.cli.input_kinds import check_flags_apply
+from ringpack.cli.inputs import progress
 
 logger = logging.getLogger("ringpack.calibrate")
 KERNELS = config_fields(KernelCalibrationConfig)
@@ -86,9 +87,10 @@ def _add_shared_flag(parser: Any, kernels: dataclasses.Field, step: dataclasses.
     default, other = field_default(kernels), field_default(step)
     meta = dict(kernels.metadata, help=help_text)
     if kernels.name == "model":  # the step scope has no default model: the run names what it trains
-        meta["default_text"] = f"{default}; required with --scope step"
+        meta["default_text"] = f"{kernels.metadata['default_text']}; required with --scope step"
     elif other != default:
-        meta["default_text"] = f"{shown(default)}; {shown(other)} with --scope step"
+        other_text = step.metadata.get("default_text") or shown(other)
+        meta["default_text"] = f"{shown(default)}; with --scope step {other_text}"
     action = add_field_flag(parser, kernels, None if "default_text" in meta else default, meta)
     action.fallback = default
 
@@ -158,6 +160,7 @@ def _calibrate_step(args: argparse.Namespace) -> Any:
     if args.quiet:
         logger.setLevel(logging.WARNING)
     try:
-        return calibrate_step(config)
+        with progress(args, f"timing {config.model} rank shards", "shards") as bar:
+            return calibrate_step(config, progress=bar)
     finally:
         logger.setLevel(saved)

@@ -29,6 +29,7 @@ from ringpack._hints import option
 from ringpack.lengths import check_lengths
 from ringpack.planner.batch_window import BalancedWindows, WindowMoves
 from ringpack.planner.bounds import PriceProfile, price_profile, step_lower_bound
+from ringpack.planner.limits import check_split_size
 from ringpack.planner.packing import PackingProblem, fill_empty_bins, improve, pack_first_fit, pack_greedy
 from ringpack.planner.pool import split_over_nodes
 from ringpack.planner.solver import refine
@@ -540,12 +541,14 @@ def make_plan(lengths: Any, config: PlanConfig, *, progress: Callable[[int, int]
             ``overflow="error"``; no sample left after dropping; a global batch whose samples
             cannot fill, or do not fit, its ``dp x m`` micro-batches; ``overflow="split"`` cutting
             samples into more documents than :func:`split_document_limit` allows; a ``config``
-            that is not a PlanConfig, a ``progress`` that is not callable.
+            that is not a PlanConfig, a ``progress`` that is not callable; a balanced split over
+            more CP ranks in one node than :data:`~ringpack.planner.limits.MAX_BALANCED_CP`.
     """
     if not isinstance(config, PlanConfig):
         raise PlanError(f"config must be a PlanConfig, got {type(config).__name__}")
     if progress is not None and not callable(progress):
         raise PlanError(f"progress must be None or a callable, got {type(progress).__name__}")
+    check_split_size(config)
     batches = global_batches(lengths, config)
     lengths, windows = batches.lengths, batches.windows
     length_list = lengths.tolist()

@@ -243,3 +243,91 @@ def test_the_targeted_exchange_is_timed_chunk_by_chunk_as_each_plan():
         assert plan_doc["modes"]["p2p"]["exposed_comm_seconds"] > 0
     (peer,) = doc["peers"]
     assert peer["modes"]["p2p"]["predicted_seconds"] == pytest.approx(peer["modes"]["ring"]["predicted_seconds"])
+
+
+def test_a_long_run_says_up_front_how_long_it_will_take(monkeypatch, caplog):
+    import ringpack.analysis.simulate as sim
+
+    lengths = synthetic_lengths(400, "lognormal", seed=1, median=600, sigma=1.0)
+    monkeypatch.setattr(sim, "SECONDS_PER_SAMPLE_ROW", 1.0)  # as slow as a run of millions of samples
+    with caplog.at_level("INFO", logger="ringpack.progress"):
+        simulate(lengths, config(), chunk_steps=4, jobs=1, progress=True)
+    first = caplog.records[0].getMessage()
+    assert first.startswith("planning 402 samples x 4 strategies in 6 tasks on 1 worker: about 26m48s")  # 402 x 4 s
+    assert "fewer samples or more jobs finish sooner" in first
+    caplog.clear()
+    with caplog.at_level("INFO", logger="ringpack.progress"):
+        simulate(lengths, config(), chunk_steps=4, jobs=1, progress=False)
+    assert not caplog.records
+
+
+def stop_chunk_one(task):
+    import os
+    import signal
+
+    if task.chunk == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    return real_plan_chunk(task)
+
+
+@pytest.mark.slow
+def test_a_stopped_worker_ends_the_run_in_one_line_naming_it(tmp_path, capsys, monkeypatch):
+    import ringpack.analysis.simulate as sim
+    from ringpack._spawn import STALL_ENV
+
+    monkeypatch.setattr(sim, "_plan_chunk", stop_chunk_one)
+    monkeypatch.setenv(STALL_ENV, "3")
+    argv = ["simulate", "--gpus", "8", "--cp", "2", "--samples", "800", "--dist", "lognormal", "--median", "400"]
+    argv += ["--tokens-per-rank", "4096", "--overflow", "split", "--model", "llama-1b", "--jobs", "2"]
+    argv += ["--chunk-steps", "2", "--quiet", "--no-plots", "--out", str(tmp_path / "sim")]
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("ringpack simulate: error: worker process ")
+    assert "sent no heartbeat for 3 s (it is stopped: SIGSTOP or a debugger) while planning chunk 1 " in err[0]
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(c) for c in f.read().split()]
+    except OSError:
+        return []
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except OSError:
+        return True
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sigterm_ends_a_run_and_its_workers(tmp_path):
+    import os
+    import subprocess
+    import sys
+    import time
+
+    argv = ["simulate", "--gpus", "64", "--cp", "8", "--samples", "50000", "--jobs", "2", "--chunk-steps", "1"]
+    argv += ["--quiet", "--no-plots", "--out", str(tmp_path / "sim")]
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    run = subprocess.Popen([sys.executable, "-m", "ringpack.cli", *argv], stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 400  # imports alone take minutes on a loaded two-core machine
+        while len(_children(run.pid)) < 2 and run.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        workers = _children(run.pid)
+        assert len(workers) == 2, "the workers did not start"
+        run.terminate()
+        assert run.wait(30) == 143
+        assert run.stderr.read().strip().splitlines()[-1] == "ringpack simulate: terminated (SIGTERM)"
+        deadline = time.monotonic() + 5
+        while not all(_gone(pid) for pid in workers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(_gone(pid) for pid in workers), f"workers {workers} outlived the run"
+    finally:
+        run.kill()
+        run.wait()

@@ -299,3 +299,9 @@ def test_no_cuda_exits_2_with_a_clear_message(monkeypatch, capsys, tmp_path):
 def test_unknown_model_is_a_user_error():
     with pytest.raises(ValueError, match="not a preset"):
         run.KernelCalibrationConfig(device="cpu", model="gpt-5")
+
+
+def test_the_cpu_dry_run_times_the_tiny_model_unless_told():
+    assert run.KernelCalibrationConfig(device="cpu").model == "tiny"
+    assert run.KernelCalibrationConfig().model == "llama3-8b"
+    assert run.KernelCalibrationConfig(device="cpu", model="llama-1b").model == "llama-1b"

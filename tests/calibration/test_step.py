@@ -24,6 +24,7 @@ from ringpack.calibration.step import (
 from ringpack.cost import PRESETS, CostModel
 from ringpack.cost_fit import microbatch_features
 from ringpack.errors import DataError, PlanError
+from ringpack.progress import Progress
 from ringpack.shard_plan import Piece, Step, microbatch_from_shards
 from tests.helpers.cli import run_cli
 
@@ -195,6 +196,7 @@ def test_cli_dry_run_writes_a_profile_the_planner_loads(tmp_path, monkeypatch):
     real = ModelStepTimer.__call__
     monkeypatch.setattr(ModelStepTimer, "__call__", deterministic)
     out = tmp_path / "runs" / "step.json"
+    out.parent.mkdir()
     run = run_cli(
         ["calibrate", "--scope", "step", "--model", "tiny", "--device", "cpu", "--backend", "reference"]
         + ["--tokens-per-rank", "128", "--fit-mixes", "2", "--held-out-mixes", "1", "--microbatches", "1"]
@@ -219,7 +221,7 @@ def test_quiet_prints_one_line_on_the_fit_and_the_profile_carries_it(tmp_path, m
     import ringpack.cli.calibrate as command
 
     real, level = step.calibrate_step, step.log.level
-    monkeypatch.setattr(command, "calibrate_step", lambda config: real(config, time_shard=true_seconds))
+    monkeypatch.setattr(command, "calibrate_step", lambda config, **kw: real(config, time_shard=true_seconds, **kw))
     out = tmp_path / "step.json"
     argv = ["calibrate", "--scope", "step", "--model", "tiny", "--device", "cpu", "--backend", "reference"]
     run = run_cli(
@@ -366,6 +368,7 @@ def test_model_config_refuses_a_folder_without_a_config(tmp_path):
 def test_cli_refuses_bad_outputs_before_any_timing(tmp_path, monkeypatch):
     _no_timing(monkeypatch)
     (tmp_path / "afile").write_text("x")
+    (tmp_path / "a").mkdir()
     report = tmp_path / "old.report.json"
     report.write_text("{}")
     step = ["calibrate", "--scope", "step", "--device", "cpu", "--backend", "reference", "--model", "tiny"]
@@ -375,9 +378,32 @@ def test_cli_refuses_bad_outputs_before_any_timing(tmp_path, monkeypatch):
         (step + ["--out", tmp_path / "afile" / "p.json"], "afile is a file, not a folder"),
         (step + ["--out", tmp_path / "p.json", "--report", tmp_path / "afile" / "deep" / "r.json"], "is a file"),
         (step + ["--out", tmp_path], "is a directory"),
+        (step + ["--out", tmp_path / "nodir" / "x.json"], f"x.json: folder {tmp_path / 'nodir'} does not exist"),
         (step + ["--tokens-per-rank", "65536", "--out", tmp_path / "p.json"], "--tokens-per-rank of at most"),
         (["calibrate", "--refit", report, "--out", report], "must not overwrite the measured report"),
     ):
         run = run_cli(argv)
         assert run.code == 1 and says in run.err and len(run.err.strip().splitlines()) == 1, (argv, run.err)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "old.report.json"], "nothing written or made"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "afile", "old.report.json"], "nothing written or made"
+
+
+def test_a_cpu_dry_run_times_each_shard_once_and_fewer_micro_batches():
+    cpu, gpu = StepCalibrationConfig(device="cpu"), StepCalibrationConfig()
+    assert (cpu.microbatches, cpu.reps, cpu.warmup) == (1, 1, 0)
+    assert (gpu.microbatches, gpu.reps, gpu.warmup) == (2, 2, 1)
+    given = StepCalibrationConfig(device="cpu", microbatches=2, reps=3, warmup=1)
+    assert (given.microbatches, given.reps, given.warmup) == (2, 3, 1)
+
+
+def test_progress_counts_every_shard_timed_of_a_total_known_first():
+    seen = []
+
+    class Counter(Progress):
+        def advance_to(self, done, total=None):
+            seen.append((done, total if total is not None else self.total))
+            super().advance_to(done, total)
+
+    result = calibrate_step(StepCalibrationConfig(**SMALL), time_shard=true_seconds, progress=Counter("t", "shards"))
+    shards = len(result.rows)
+    assert seen[0] == (0, shards) and seen[-1] == (shards, shards)
+    assert [done for done, _ in seen] == list(range(shards + 1))
