@@ -784,22 +784,33 @@ def _read_pieces(mb: MicroBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray, np
 
 
 def _slots_of(samples: np.ndarray, rank: np.ndarray, sample: np.ndarray) -> np.ndarray:
-    """Each piece's sample slot (its sample's position in ``samples``), by one sort and a search.
+    """Each piece's sample slot (its sample's position in ``samples``): a lookup table over the ids
+    where they are small (dataset indices), else one sort and a search.
 
     Raises:
         PlanError: a sample listed twice, or a piece of a sample the micro-batch does not list.
     """
-    order = np.argsort(samples, kind="stable")
-    ordered = samples[order]
-    twice = np.flatnonzero(ordered[1:] == ordered[:-1])
-    if twice.size:
-        raise PlanError(f"microbatch lists sample {ordered[twice[0]]} twice")
-    at = np.minimum(np.searchsorted(ordered, sample), max(samples.size - 1, 0))
-    unknown = np.flatnonzero(ordered[at] != sample) if samples.size else np.arange(sample.size)
+    if samples.size and samples.min() >= 0 and samples.max() < max(16 * (samples.size + sample.size), 1 << 21):
+        where = np.full(int(samples.max()) + 1, -1, dtype=np.int64)
+        where[samples] = np.arange(samples.size)
+        twice = np.flatnonzero(where[samples] != np.arange(samples.size))
+        if twice.size:
+            raise PlanError(f"microbatch lists sample {samples[twice[0]]} twice")
+        slot = where[np.clip(sample, 0, where.size - 1)]
+        unknown = np.flatnonzero((slot < 0) | (samples[np.maximum(slot, 0)] != sample))
+    else:
+        order = np.argsort(samples, kind="stable")
+        ordered = samples[order]
+        twice = np.flatnonzero(ordered[1:] == ordered[:-1])
+        if twice.size:
+            raise PlanError(f"microbatch lists sample {ordered[twice[0]]} twice")
+        at = np.minimum(np.searchsorted(ordered, sample), max(samples.size - 1, 0))
+        unknown = np.flatnonzero(ordered[at] != sample) if samples.size else np.arange(sample.size)
+        slot = order[at] if samples.size else at
     if unknown.size:
         i = unknown[0]
         raise PlanError(f"cp rank {rank[i]}: piece of sample {sample[i]}, which the micro-batch does not list")
-    return order[at]
+    return slot
 
 
 def _needed(rank: np.ndarray, slot: np.ndarray, by_sample: np.ndarray) -> np.ndarray:
@@ -843,7 +854,11 @@ def _check_pieces(rank, slot, start, stop, samples) -> np.ndarray:
         raise PlanError(
             f"cp rank {rank[i]}: pieces are not in canonical order at sample {samples[slot[i]]} [{start[i]}, {stop[i]})"
         )
-    by_sample = np.lexsort((start, slot))
+    width = int(stop.max()) + 1 if stop.size else 1
+    if width * (len(samples) + 1) < 2**62:  # one int64 key sorts faster than two
+        by_sample = np.argsort(slot * width + start, kind="stable")
+    else:
+        by_sample = np.lexsort((start, slot))
     s_slot, s_start, s_stop = slot[by_sample], start[by_sample], stop[by_sample]
     same = s_slot[1:] == s_slot[:-1]
     bad = np.flatnonzero(same & (s_start[1:] < s_stop[:-1]))
