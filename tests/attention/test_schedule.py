@@ -521,6 +521,31 @@ def test_a_sample_listed_twice_is_named():
         compile_schedule(mb, 0)
 
 
+@pytest.mark.parametrize("offset", [0, 10**12], ids=["dataset indices", "large ids"])
+def test_sample_ids_of_any_size_compile_alike_and_unknown_or_repeated_ones_are_named(offset):
+    """Slots come from a lookup table over small ids and from a sort over large ones, alike."""
+    mb, _ = random_microbatch(np.random.default_rng(11), 4, num_samples=6)
+    moved = MicroBatch(
+        samples=tuple(s + offset for s in mb.samples),
+        shards=tuple(
+            RankShard(tuple(Piece(p.sample + offset, p.start, p.stop) for p in sh.pieces)) for sh in mb.shards
+        ),
+        loss_tokens=mb.loss_tokens,
+    )
+    for r in range(4):
+        a, b = compile_schedule(mb, r), compile_schedule(moved, r)
+        assert a.distances == b.distances and a.buffer_tokens == b.buffer_tokens
+        assert torch.equal(a.send_index, b.send_index) and repr(a.local) == repr(b.local)
+    stray = Piece(offset + 5000, 0, 1)
+    unknown = MicroBatch(samples=moved.samples, shards=(RankShard((stray,)), *moved.shards[1:]), loss_tokens=1)
+    rank = next(r for r, sh in enumerate(unknown.shards) if stray in sh.pieces)
+    with pytest.raises(PlanError, match=f"cp rank {rank}: piece of sample {offset + 5000}, which"):
+        compile_schedule(unknown, 0)
+    repeated = MicroBatch(samples=(*moved.samples, moved.samples[2]), shards=moved.shards, loss_tokens=1)
+    with pytest.raises(PlanError, match=f"lists sample {moved.samples[2]} twice"):
+        compile_schedule(repeated, 0)
+
+
 def test_a_compiled_microbatch_pickles_as_before():
     """The piece columns a compile caches on the micro-batch stay out of its pickles (what a
     DataLoader worker sends back with the batch)."""
