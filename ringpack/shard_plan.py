@@ -19,6 +19,8 @@ import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import chain
+from operator import attrgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -79,6 +81,7 @@ FORMAT_VERSION = 1
 TABLE_COLUMNS = ("step", "dp", "microbatch", "cp", "slot", "sample", "start", "stop")
 #: Items a repr lists before it only counts the rest (a plan's objects can hold millions).
 _SHOWN = 4
+_PIECE_FIELDS = attrgetter("sample", "start", "stop")
 
 
 def _preview(items: Sequence[Any], count: int) -> str:
@@ -131,6 +134,25 @@ class MicroBatch:
     @property
     def num_tokens(self) -> int:
         return sum(s.num_tokens for s in self.shards)
+
+    @cached_property
+    def piece_columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Every piece as int64 columns ``(cp_rank, sample, start, stop)``, rank by rank in shard order.
+
+        Read once per object (one pass over the pieces, then numpy) and kept on it: compiling the
+        schedules of several ranks, or a schedule and a batch, reads the pieces once. Not a field:
+        equality, hash, repr and pickles ignore it. The pieces' order and values are taken as they
+        are (no check that they tile their samples).
+
+        Raises:
+            TypeError: a shard that is not a :class:`RankShard`, a piece that is not a
+                :class:`Piece`, or a piece field that is not an integer (bools included).
+            OverflowError: a field outside int64.
+        """
+        return _piece_columns(self.shards)
+
+    def __getstate__(self) -> dict[str, Any]:  # pickles carry the fields only, as before the cache
+        return {f.name: self.__dict__[f.name] for f in fields(self)}
 
     def __repr__(self) -> str:
         ranks = [shard.num_tokens for shard in self.shards]
@@ -630,6 +652,27 @@ def new_rank_shard(
     shard = _new(RankShard)
     shard.__dict__["pieces"] = tuple(pieces)
     return shard
+
+
+def _piece_columns(shards: Sequence[RankShard]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """:attr:`MicroBatch.piece_columns` of ``shards``: C-level maps over the pieces, types checked per distinct type."""
+    if any(not issubclass(kind, RankShard) for kind in set(map(type, shards))):
+        raise TypeError("every shard must be a RankShard")
+    per_rank = [shard.pieces for shard in shards]
+    counts = np.fromiter(map(len, per_rank), dtype=np.int64, count=len(per_rank))
+    pieces = list(chain.from_iterable(per_rank))
+    if any(not issubclass(kind, Piece) for kind in set(map(type, pieces))):
+        raise TypeError("every piece must be a Piece")
+    values = list(map(_PIECE_FIELDS, pieces))
+    if not all(map(_is_int_type, set(map(type, chain.from_iterable(values))))):
+        raise TypeError("every piece's sample, start and stop must be integers")
+    table = np.fromiter(chain.from_iterable(values), dtype=np.int64, count=3 * len(values)).reshape(-1, 3)
+    rank = np.repeat(np.arange(len(per_rank), dtype=np.int64), counts)
+    return rank, table[:, 0].copy(), table[:, 1].copy(), table[:, 2].copy()
+
+
+def _is_int_type(kind: type) -> bool:
+    return issubclass(kind, (int, np.integer)) and not issubclass(kind, (bool, np.bool_))
 
 
 def microbatch_from_shards(

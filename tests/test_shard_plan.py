@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import pickle
 import subprocess
 import sys
 
@@ -59,6 +60,35 @@ def test_fast_shard_constructor_builds_ordinary_shards():
     assert new_rank_shard([], (1,)) == RankShard()
     with pytest.raises(dataclasses.FrozenInstanceError):
         shard.pieces = ()
+
+
+def test_piece_columns_are_read_once_and_leave_equality_hash_and_pickles_alone():
+    shards = (RankShard((Piece(4, 0, 3),)), RankShard((Piece(7, 0, 2), Piece(4, 3, 5))))
+    mb = MicroBatch(samples=(4, 7), shards=shards, loss_tokens=5)
+    before = pickle.dumps(mb)
+    rank, sample, start, stop = mb.piece_columns
+    assert rank.tolist() == [0, 1, 1] and sample.tolist() == [4, 7, 4]
+    assert start.tolist() == [0, 0, 3] and stop.tolist() == [3, 2, 5]
+    assert mb.piece_columns is mb.piece_columns
+    twin = MicroBatch(samples=mb.samples, shards=mb.shards, loss_tokens=5)
+    assert mb == twin and hash(mb) == hash(twin) and repr(mb) == repr(twin)
+    assert pickle.dumps(mb) == before and "piece_columns" not in vars(pickle.loads(before))
+
+
+@pytest.mark.parametrize(
+    "shards",
+    [
+        (RankShard((Piece(0, 0, 2.0),)),),
+        (RankShard((Piece(0, True, 2),)),),
+        (RankShard(((0, 0, 2),)),),
+        ((Piece(0, 0, 2),),),
+    ],
+    ids=["float", "bool", "tuple piece", "tuple shard"],
+)
+def test_piece_columns_refuse_what_is_not_integer_pieces(shards):
+    mb = MicroBatch(samples=(0,), shards=shards, loss_tokens=1)
+    with pytest.raises(TypeError):
+        _ = mb.piece_columns
 
 
 @given(random_plan())

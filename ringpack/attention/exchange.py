@@ -162,41 +162,71 @@ def ring_distances(table: Any, max_pairs: int = 1 << 20) -> list[int]:
     """The ring distances ``t`` at which some rank ``r`` needs keys of rank ``(r - t) mod C`` in the
     piece table's micro-batch (the same list on every rank).
 
-    From the pairs of ranks holding one sample (``r`` needs ``s`` when ``s``'s first piece of it
-    ends by ``r``'s last start), ``max_pairs`` at a time, stopping once every distance is found:
-    work in the sum over samples of their rank counts squared, memory bounded, where a samples x
-    ranks x ranks table would grow with the square of the group."""
+    The pieces tile their samples, so ``r`` needs ``s`` when ``s`` holds a piece of a sample that
+    comes before one of ``r``'s, in the sample's (start) order (``table.by_sample``,
+    ``table.sample_bounds``). Samples are visited in order of their rank span (highest minus
+    lowest rank holding them), their piece pairs a growing batch of at most ``max_pairs`` at a
+    time: a sample spanning ``w`` ranks can only add distances ``1..w`` and ``C-w..C-1``, and once
+    those are all found it and every sample of no wider span are skipped. Work is bounded by the
+    sum over samples of their piece counts squared, and is usually a small part of it; memory is
+    bounded."""
     if not table.rank.size:
         return []
-    order, first, last = _sample_rank_groups(table.rank, table.slot)
-    g_slot, g_rank = table.slot[order[first]], table.rank[order[first]]
-    first_stop, last_start = table.stop[order[first]], table.start[order[last]]
-    # group i pairs with every other group of its sample: groups lo[i]:lo[i] + count[i]
-    new_slot = _starts(g_slot)
-    sample_first = np.flatnonzero(new_slot)
-    sample_of = np.cumsum(new_slot) - 1
-    lo = sample_first[sample_of]
-    count = np.append(sample_first[1:], g_slot.size)[sample_of] - lo
-    count[count == 1] = 0  # a sample on one rank pairs with nothing
-    cum = np.cumsum(count)
-    found = np.zeros(table.cp_size, dtype=bool)
-    done = 0
-    while done < g_slot.size and not found[1:].all():
-        upto = (cum[done - 1] if done else 0) + max_pairs
-        stop = max(int(np.searchsorted(cum, upto, side="right")), done + 1)
-        i = np.repeat(np.arange(done, stop), count[done:stop])
-        j = concat_ranges(lo[done:stop], count[done:stop])
-        need = (first_stop[j] <= last_start[i]) & (i != j)
-        found[(g_rank[i[need]] - g_rank[j[need]]) % table.cp_size] = True
-        done = stop
+    rank = table.rank[table.by_sample]  # rank of each piece, samples' pieces in start order
+    first = table.sample_bounds[:-1]
+    size = np.diff(table.sample_bounds)
+    todo = np.flatnonzero(size > 1)
+    span = np.maximum.reduceat(rank, first[todo]) - np.minimum.reduceat(rank, first[todo]) if todo.size else todo
+    by_span = np.argsort(span, kind="stable")
+    todo, span = todo[by_span], span[by_span]
+    pairs = np.cumsum(np.minimum(size[todo], span + 1) ** 2)  # at most one group per rank of the span
+    cp = table.cp_size
+    found = np.zeros(cp, dtype=bool)
+    heads = todo[np.flatnonzero(_starts(span))] if todo.size else todo
+    _mark_distances(found, rank, first[heads], size[heads])  # one sample of each span first
+    at, batch = 0, 1
+    while at < todo.size and not found[1:].all():
+        width = int(span[at])
+        same_span = int(np.searchsorted(span, width, side="right"))
+        if found[1 : width + 1].all() and found[cp - width :].all():
+            at, batch = same_span, 1  # every distance this span allows is found: skip its samples
+            continue
+        done = int(pairs[at - 1]) if at else 0
+        upto = min(max(int(np.searchsorted(pairs, done + batch, side="right")), at + 1), same_span)
+        _mark_distances(found, rank, first[todo[at:upto]], size[todo[at:upto]])
+        at, batch = upto, min(4 * max(batch, int(pairs[upto - 1]) - done), max_pairs)
     return (np.flatnonzero(found[1:]) + 1).tolist()
+
+
+def _mark_distances(found: np.ndarray, rank: np.ndarray, firsts: np.ndarray, sizes: np.ndarray) -> None:
+    """Mark in ``found`` (one entry per ring distance) ``(r - s) mod C`` for the ranks ``r``, ``s``
+    holding pieces of one sample with one of ``s``'s before one of ``r``'s (sample ``k``'s pieces,
+    in start order: ``rank[firsts[k] + arange(sizes[k])]``), over each sample's (sample, rank)
+    groups: ``s``'s first piece comes before ``r``'s last."""
+    if not sizes.size:
+        return
+    at = concat_ranges(firsts, sizes)
+    sample = np.repeat(np.arange(sizes.size), sizes)
+    order = np.lexsort((at, rank[at], sample))
+    at, sample, held = at[order], sample[order], rank[at][order]
+    head = _starts(sample) | _starts(held)
+    g_first, g_last = at[head], at[np.append(head[1:], True)]
+    g_rank, g_sample = held[head], sample[head]
+    lo = np.flatnonzero(_starts(g_sample))
+    count = np.diff(np.append(lo, g_sample.size))
+    per_group = np.repeat(count, count)
+    i = np.repeat(np.arange(g_rank.size), per_group)
+    j = concat_ranges(np.repeat(lo, count), per_group)
+    need = g_first[j] < g_last[i]  # a group with itself: distance 0, not a ring step
+    found[(g_rank[i[need]] - g_rank[j[need]]) % found.size] = True
 
 
 def _sample_rank_groups(rank: np.ndarray, slot: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Pieces (non-empty, each rank's in canonical order) grouped by (sample, rank): ``order``
     sorts them so (stable: each group in start order), and group ``g`` is sorted rows
     ``first[g]..last[g]``."""
-    order = np.lexsort((rank, slot))
+    width = int(rank.max()) + 1 if rank.size else 1
+    order = np.argsort(slot * width + rank, kind="stable")  # one int64 key: faster than lexsort, as stable
     head = _starts(slot[order]) | _starts(rank[order])
     first = np.flatnonzero(head)
     return order, first, np.append(first[1:], order.size) - 1
@@ -219,13 +249,17 @@ def _cumsum0(x: np.ndarray) -> np.ndarray:
 
 def _prefix_rows(group, start, stop, first, holder, limit) -> np.ndarray:
     """Rows of the pieces of group ``holder[i]`` that end at or before ``limit[i]`` (groups' pieces
-    are consecutive from ``first[g]``, stops ascending): one vectorised search over all queries,
-    on keys ranked densely so that ``group * width + rank`` cannot overflow."""
+    are consecutive from ``first[g]``, stops ascending): one vectorised search over all queries on
+    ``group * width + stop`` keys (stops ranked densely where that could overflow)."""
     cum = _cumsum0(stop - start)
-    values = np.unique(np.concatenate((stop, limit)))
-    width = values.size + 1
-    keys = group * width + np.searchsorted(values, stop)
-    pos = np.searchsorted(keys, holder * width + np.searchsorted(values, limit), side="right")
+    width = max(int(stop.max()), int(limit.max()) if limit.size else 0) + 1
+    if (int(group[-1]) + 1) * width < 2**62:
+        pos = np.searchsorted(group * width + stop, holder * width + limit, side="right")
+    else:  # ranked densely: bounds this large would overflow the key
+        values = np.unique(np.concatenate((stop, limit)))
+        width = values.size + 1
+        keys = group * width + np.searchsorted(values, stop)
+        pos = np.searchsorted(keys, holder * width + np.searchsorted(values, limit), side="right")
     return cum[pos] - cum[first[holder]]
 
 

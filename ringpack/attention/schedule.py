@@ -30,7 +30,6 @@ from ringpack.attention.exchange import TargetedExchange, compile_exchange, exch
 from ringpack.attention.ranges import concat_ranges
 from ringpack.errors import PlanError
 from ringpack.shard_plan import MicroBatch, Piece, RankShard
-from ringpack.traffic import needed_pieces
 
 try:  # torch.compile passes a schedule to the engine's custom op as an opaque runtime input
     from torch._library.opaque_object import register_opaque_type
@@ -432,33 +431,22 @@ class _PieceTable:
 
     @classmethod
     def from_microbatch(cls, mb: MicroBatch) -> _PieceTable:
+        """The checked table of ``mb``: numpy passes over its :attr:`~MicroBatch.piece_columns`
+        (read once per micro-batch object), no Python work per piece or sample.
+
+        Raises:
+            PlanError: as :func:`compile_schedule` lists for the pieces and samples.
+        """
         cp = len(mb.shards)
-        slot_of = {sample: k for k, sample in enumerate(mb.samples)}
-        if len(slot_of) != len(mb.samples):
-            raise PlanError(f"microbatch lists a sample twice: {list(mb.samples)}")
-        rows = []
-        for r, shard in enumerate(mb.shards):
-            for p in shard.pieces:
-                if not isinstance(p, Piece):
-                    raise PlanError(f"cp rank {r}: microbatch.shards[{r}].pieces must all be Piece objects")
-                if p.sample not in slot_of:
-                    raise PlanError(f"cp rank {r}: piece of sample {p.sample}, which the micro-batch does not list")
-                rows.append((r, slot_of[p.sample], p.start, p.stop))
-        table = np.array(rows).reshape(-1, 4)
-        if table.size and table.dtype.kind not in "iu":  # floats would be truncated, None cannot be cast
-            bad = next((row for row in rows if not all(is_int(x) and abs(x) < 2**62 for x in row[2:])), rows[0])
-            raise PlanError(
-                f"cp rank {bad[0]}: piece [{bad[2]}, {bad[3]}) of sample {mb.samples[bad[1]]} "
-                "must have integer bounds below 2**62"
-            )
-        rank, slot, start, stop = (np.ascontiguousarray(table[:, j], dtype=np.int64) for j in range(4))
-        by_sample = _check_pieces(rank, slot, start, stop, mb.samples)
+        samples = _sample_ids(mb.samples)
+        rank, sample, start, stop = _read_pieces(mb)
+        slot = _slots_of(samples, rank, sample)
+        by_sample = _check_pieces(rank, slot, start, stop, samples)
         length = stop - start
         offset = _exclusive_cumsum_by(rank, length)
-
-        needed = needed_pieces(np.zeros_like(rank), rank, slot, start, stop) > 0
+        needed = _needed(rank, slot, by_sample)
         compact = np.where(needed, _exclusive_cumsum_by(rank, np.where(needed, length, 0)), -1)
-        bounds = np.searchsorted(slot[by_sample], np.arange(len(mb.samples) + 1))
+        bounds = np.searchsorted(slot[by_sample], np.arange(len(samples) + 1))
         return cls(rank, slot, start, stop, offset, needed, compact, cp, by_sample, bounds)
 
     def buffer_tokens(self) -> tuple[int, ...]:
@@ -478,7 +466,7 @@ class _PieceTable:
     def fingerprint(self, samples: Sequence[int]) -> int:
         h = hashlib.blake2b(digest_size=8, person=b"ringpack-sched")
         h.update(np.int64(self.cp_size).tobytes())
-        h.update(np.asarray(samples, dtype="<i8").tobytes())
+        h.update(_sample_ids(samples).astype("<i8").tobytes())
         for col in (self.rank, self.slot, self.start, self.stop):
             h.update(col.astype("<i8").tobytes())
         return int.from_bytes(h.digest(), "little", signed=True)
@@ -885,13 +873,99 @@ def _cut_run(run: np.ndarray, lengths: np.ndarray, max_rows: int) -> list[np.nda
 
 
 def _check_microbatch(microbatch: MicroBatch) -> None:
-    """Raise :class:`PlanError` unless ``microbatch`` is a MicroBatch of rank shards of pieces and integer samples."""
+    """Raise :class:`PlanError` unless ``microbatch`` is a MicroBatch of rank shards and integer samples
+    (types checked once per distinct type, not per item)."""
     if not isinstance(microbatch, MicroBatch):
         raise PlanError(f"microbatch must be a ringpack MicroBatch, got {type(microbatch).__name__}")
-    if not isinstance(microbatch.shards, Sequence) or not all(isinstance(s, RankShard) for s in microbatch.shards):
+    shards = microbatch.shards
+    if not isinstance(shards, Sequence) or not all(issubclass(t, RankShard) for t in set(map(type, shards))):
         raise PlanError("microbatch.shards must be a sequence of RankShard, one per CP rank")
-    if not isinstance(microbatch.samples, Sequence) or not all(is_int(x) for x in microbatch.samples):
-        raise PlanError(f"microbatch.samples must be a sequence of sample indices, got {microbatch.samples!r:.100}")
+    samples = microbatch.samples
+    if not isinstance(samples, Sequence) or not all(map(_is_int_type, set(map(type, samples)))):
+        raise PlanError(f"microbatch.samples must be a sequence of sample indices, got {samples!r:.100}")
+
+
+def _is_int_type(kind: type) -> bool:
+    """Whether values of type ``kind`` are integers to :func:`~ringpack._checks.is_int` (bools are not)."""
+    return issubclass(kind, (int, np.integer)) and not issubclass(kind, (bool, np.bool_))
+
+
+def _sample_ids(samples: Sequence[int]) -> np.ndarray:
+    """int64 ``[n]`` of ``samples`` (checked integers, :func:`_check_microbatch`)."""
+    return np.fromiter(samples, dtype=np.int64, count=len(samples))
+
+
+def _read_pieces(mb: MicroBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(rank, sample, start, stop)`` of every piece of ``mb``: its cached columns, or, for pieces
+    those refuse (not a Piece, a field not an integer), a per-piece read that names the first."""
+    try:
+        return mb.piece_columns
+    except (TypeError, ValueError, OverflowError):
+        pass
+    rows = []
+    for r, shard in enumerate(mb.shards):
+        for p in shard.pieces:
+            if not isinstance(p, Piece):
+                raise PlanError(f"cp rank {r}: microbatch.shards[{r}].pieces must all be Piece objects")
+            rows.append((r, p.sample, p.start, p.stop))
+    table = np.array(rows).reshape(-1, 4)
+    if table.size and table.dtype.kind not in "iu":  # floats would be truncated, None cannot be cast
+        bad = next((row for row in rows if not all(is_int(x) and abs(x) < 2**62 for x in row[1:])), rows[0])
+        raise PlanError(
+            f"cp rank {bad[0]}: piece [{bad[2]}, {bad[3]}) of sample {bad[1]} must have integer bounds below 2**62"
+        )
+    return tuple(np.ascontiguousarray(table[:, j], dtype=np.int64) for j in range(4))
+
+
+def _slots_of(samples: np.ndarray, rank: np.ndarray, sample: np.ndarray) -> np.ndarray:
+    """Each piece's sample slot (its sample's position in ``samples``): a lookup table over the ids
+    where they are small (dataset indices), else one sort and a search.
+
+    Raises:
+        PlanError: a sample listed twice, or a piece of a sample the micro-batch does not list.
+    """
+    if samples.size and samples.min() >= 0 and samples.max() < max(16 * (samples.size + sample.size), 1 << 21):
+        where = np.full(int(samples.max()) + 1, -1, dtype=np.int64)
+        where[samples] = np.arange(samples.size)
+        twice = np.flatnonzero(where[samples] != np.arange(samples.size))
+        if twice.size:
+            raise PlanError(f"microbatch lists sample {samples[twice[0]]} twice")
+        slot = where[np.clip(sample, 0, where.size - 1)]
+        unknown = np.flatnonzero((slot < 0) | (samples[np.maximum(slot, 0)] != sample))
+    else:
+        order = np.argsort(samples, kind="stable")
+        ordered = samples[order]
+        twice = np.flatnonzero(ordered[1:] == ordered[:-1])
+        if twice.size:
+            raise PlanError(f"microbatch lists sample {ordered[twice[0]]} twice")
+        at = np.minimum(np.searchsorted(ordered, sample), max(samples.size - 1, 0))
+        unknown = np.flatnonzero(ordered[at] != sample) if samples.size else np.arange(sample.size)
+        slot = order[at] if samples.size else at
+    if unknown.size:
+        i = unknown[0]
+        raise PlanError(f"cp rank {rank[i]}: piece of sample {sample[i]}, which the micro-batch does not list")
+    return slot
+
+
+def _needed(rank: np.ndarray, slot: np.ndarray, by_sample: np.ndarray) -> np.ndarray:
+    """bool ``[n]``: some other rank needs the piece (holds a later piece of its sample).
+
+    The pieces tile their samples (:func:`_check_pieces`), so in (sample, start) order a piece is
+    needed unless every later piece of its sample is on its own rank: unless the run of pieces of
+    one (sample, rank) it ends reaches its sample's last piece. The rule of
+    :func:`ringpack.traffic.needed_pieces`, in one pass.
+    """
+    needed = np.zeros(rank.size, dtype=bool)
+    if not rank.size:
+        return needed
+    s_slot, s_rank = slot[by_sample], rank[by_sample]
+    last_of_sample = np.r_[s_slot[1:] != s_slot[:-1], True]
+    run_end = np.r_[(s_rank[1:] != s_rank[:-1]) | last_of_sample[:-1], True]
+    # the last index of each piece's (sample, rank) run, and whether that run ends its sample
+    run_last = np.flatnonzero(run_end)
+    ends_sample = last_of_sample[run_last][np.searchsorted(run_last, np.arange(rank.size))]
+    needed[by_sample] = ~ends_sample
+    return needed
 
 
 def _check_pieces(rank, slot, start, stop, samples) -> np.ndarray:
@@ -914,7 +988,11 @@ def _check_pieces(rank, slot, start, stop, samples) -> np.ndarray:
         raise PlanError(
             f"cp rank {rank[i]}: pieces are not in canonical order at sample {samples[slot[i]]} [{start[i]}, {stop[i]})"
         )
-    by_sample = np.lexsort((start, slot))
+    width = int(stop.max()) + 1 if stop.size else 1
+    if width * (len(samples) + 1) < 2**62:  # one int64 key sorts faster than two
+        by_sample = np.argsort(slot * width + start, kind="stable")
+    else:
+        by_sample = np.lexsort((start, slot))
     s_slot, s_start, s_stop = slot[by_sample], start[by_sample], stop[by_sample]
     same = s_slot[1:] == s_slot[:-1]
     bad = np.flatnonzero(same & (s_start[1:] < s_stop[:-1]))
@@ -932,7 +1010,7 @@ def _check_pieces(rank, slot, start, stop, samples) -> np.ndarray:
             f"sample {samples[slot[i]]}: tokens [{gap_from[bad[0]]}, {start[i]}) are in no piece "
             f"(the next piece, [{start[i]}, {stop[i]}), is on cp rank {rank[i]})"
         )
-    missing = np.setdiff1d(np.arange(len(samples)), slot)
+    missing = np.flatnonzero(np.bincount(slot, minlength=len(samples)) == 0)
     if missing.size:
         raise PlanError(f"sample {samples[missing[0]]} is listed in the micro-batch but is in no piece")
     return by_sample

@@ -14,7 +14,10 @@ and the nodes, never with their product or with ``cp`` squared.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import gc
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -62,9 +65,38 @@ def split_over_nodes(groups: Sequence[Sequence[int]], lengths: Sequence[int], co
         ValueError: a group holds more than ``cp * tokens_per_rank`` tokens, or ``config`` has no
             CP group over several nodes.
     """
-    G = config.gpus_per_node
     if config.nodes_per_group < 2:
-        raise ValueError(f"split_over_nodes needs a CP group over several nodes, got cp={config.cp}, gpus_per_node={G}")
+        raise ValueError(
+            f"split_over_nodes needs a CP group over several nodes, got cp={config.cp}, "
+            f"gpus_per_node={config.gpus_per_node}"
+        )
+    with cycle_collection_paused():
+        return _split_over_nodes(groups, lengths, config)
+
+
+@contextmanager
+def cycle_collection_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector paused for the block (where it runs; as it was after).
+
+    A pool split builds a few objects per piece, tens of thousands per micro-batch, none in a
+    reference cycle and all alive until the plan is dropped. Their numbers trigger the collector's
+    full passes, which walk every object of the process (of a training process: the model's and
+    the framework's too) and cost more than the split itself; nothing they could free is made here.
+    Reference counting still frees everything as usual; only cycles made meanwhile by other
+    threads wait for the next collection.
+    """
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def _split_over_nodes(groups: Sequence[Sequence[int]], lengths: Sequence[int], config: PlanConfig) -> list[MicroBatch]:
+    G = config.gpus_per_node
     single, multi = [], []  # (micro-batch, first node, nodes, sample ids)
     for g, members in enumerate(groups):
         members = list(members)
@@ -146,11 +178,14 @@ def _on_consecutive_nodes(mb: MicroBatch, part: tuple, lengths: Sequence[int], g
 def _scattered(mb: MicroBatch, gpus_per_node: int) -> bool:
     """Whether a sample of ``mb`` has pieces on nodes with a node between them that holds none of
     it (CP rank ``c`` on node ``c // gpus_per_node``)."""
-    nodes: dict[int, set[int]] = {}
-    for r, shard in enumerate(mb.shards):
-        for p in shard.pieces:
-            nodes.setdefault(p.sample, set()).add(r // gpus_per_node)
-    return any(max(held) - min(held) + 1 != len(held) for held in nodes.values())
+    held = _held_ranks(mb, gpus_per_node)
+    if not held.head.size:
+        return False
+    node = held.rank // gpus_per_node  # ascending within each sample
+    new_node = np.r_[True, node[1:] != node[:-1]]
+    new_node[held.head] = True
+    nodes = np.add.reduceat(new_node.astype(np.int64), held.head)
+    return bool((held.last_node() - held.first_node() + 1 != nodes).any())
 
 
 def _interval_order(mb: MicroBatch) -> list[int]:
@@ -301,20 +336,17 @@ def arrange_nodes(mb: MicroBatch, gpus_per_node: int) -> MicroBatch:
     cross nodes than in the split's own order. Costs and pieces are unchanged.
     """
     G, cp = gpus_per_node, len(mb.shards)
-    ranks_of: dict[int, list[int]] = {}
-    first_start: dict[tuple[int, int], int] = {}
-    for r, shard in enumerate(mb.shards):
-        for p in shard.pieces:
-            ranks_of.setdefault(p.sample, []).append(r)
-            key = (p.sample, r)
-            first_start[key] = min(first_start.get(key, p.start), p.start)
-    held = {sample: sorted(set(ranks)) for sample, ranks in ranks_of.items()}
-    wide = [sample for sample, on in held.items() if len(on) > G]  # samples over more ranks than a node holds
-    roots = _joined(cp, (on for on in held.values() if 1 < len(on) <= G))
-    # ranks in order: the wide samples' ranks by their piece's start, then every other rank
-    sequence = [
-        r for sample in wide for _, r in sorted((first_start[(sample, r)], r) for r in set(ranks_of[sample]))
-    ] + list(range(cp))
+    held = _held_ranks(mb, G)
+    if not (held.first_node() != held.last_node()).any():  # no split sample crosses nodes: nothing to gain
+        return mb
+    wide = held.ranks > G  # samples over more ranks than a node holds
+    small = (held.ranks > 1) & ~wide
+    links = np.repeat(small, held.ranks)
+    roots = _components(cp, np.repeat(held.rank[held.head], held.ranks)[links], held.rank[links]).tolist()
+    # ranks in order: the wide samples' ranks by their piece's start (samples as they first appear), then every rank
+    rows = np.repeat(wide, held.ranks)
+    by = np.lexsort((held.rank[rows], held.first_start[rows], np.repeat(held.appears, held.ranks)[rows]))
+    sequence = held.rank[rows][by].tolist() + list(range(cp))
     members: dict[int, list[int]] = {}
     for r in range(cp):
         members.setdefault(roots[r], []).append(r)
@@ -337,13 +369,70 @@ def arrange_nodes(mb: MicroBatch, gpus_per_node: int) -> MicroBatch:
         slots[node].extend(component)
         room[node] -= len(component)
     order = [r for node in slots for r in node]
-    position = [0] * cp
-    for new, old in enumerate(order):
-        position[old] = new
-    crossing = [0, 0]  # split samples over several nodes: as planned, arranged
-    for ranks in ranks_of.values():
-        crossing[0] += len({r // G for r in ranks}) > 1
-        crossing[1] += len({position[r] // G for r in ranks}) > 1
-    if crossing[1] >= crossing[0]:
+    position = np.empty(cp, dtype=np.int64)
+    position[order] = np.arange(cp)
+    planned = int((held.first_node() != held.last_node()).sum())  # split samples over several nodes
+    arranged = held.node_spread(position)
+    if arranged >= planned:
         return mb
     return MicroBatch(samples=mb.samples, shards=tuple(mb.shards[r] for r in order), loss_tokens=mb.loss_tokens)
+
+
+@dataclass(frozen=True)
+class _HeldRanks:
+    """The (sample, rank) pairs of a micro-batch's pieces, by sample then rank: ``rank[i]`` holds
+    pieces of sample ``sample[i]``, the first starting at ``first_start[i]``; sample ``k`` (in id
+    order) has rows ``head[k]:head[k] + ranks[k]`` and first appears at piece ``appears[k]`` of
+    the rank-major piece order."""
+
+    sample: np.ndarray
+    rank: np.ndarray
+    first_start: np.ndarray
+    head: np.ndarray
+    ranks: np.ndarray
+    appears: np.ndarray
+    gpus_per_node: int
+
+    def first_node(self, position: np.ndarray | None = None) -> np.ndarray:
+        return self._nodes(position, np.minimum)
+
+    def last_node(self, position: np.ndarray | None = None) -> np.ndarray:
+        return self._nodes(position, np.maximum)
+
+    def _nodes(self, position, reduce) -> np.ndarray:
+        at = self.rank if position is None else position[self.rank]
+        return reduce.reduceat(at // self.gpus_per_node, self.head) if self.head.size else self.head
+
+    def node_spread(self, position: np.ndarray) -> int:
+        """How many samples lie on several nodes once rank ``r`` moves to ``position[r]``."""
+        return int((self.first_node(position) != self.last_node(position)).sum())
+
+
+def _held_ranks(mb: MicroBatch, gpus_per_node: int) -> _HeldRanks:
+    rank, sample, start, _ = mb.piece_columns
+    order = np.argsort(sample * max(len(mb.shards), 1) + rank, kind="stable")
+    s, r = sample[order], rank[order]
+    pair = np.flatnonzero(np.r_[True, (s[1:] != s[:-1]) | (r[1:] != r[:-1])]) if s.size else order
+    head = np.flatnonzero(np.r_[True, s[pair][1:] != s[pair][:-1]]) if pair.size else pair
+    ranks = np.diff(np.append(head, pair.size))
+    first_start = np.minimum.reduceat(start[order], pair) if pair.size else pair
+    appears = np.minimum.reduceat(order, pair[head]) if head.size else head
+    return _HeldRanks(s[pair], r[pair], first_start, head, ranks, appears, gpus_per_node)
+
+
+def _components(n: int, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Each of items ``0..n-1``'s component, named by its lowest item, once ``a[i]`` and ``b[i]``
+    are joined for every ``i``: labels lowered along the links and followed to their own labels
+    until nothing changes."""
+    label = np.arange(n, dtype=np.int64)
+    while True:
+        low = np.minimum(label[a], label[b])
+        new = label.copy()
+        np.minimum.at(new, a, low)
+        np.minimum.at(new, b, low)
+        new = new[new]
+        while not np.array_equal(new, new[new]):
+            new = new[new]
+        if np.array_equal(new, label):
+            return label
+        label = new

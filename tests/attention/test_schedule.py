@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 from ringpack.attention import compile_schedule
 from ringpack.attention.schedule import Schedule, dense_bucket, dense_bucket_up
-from ringpack.shard_plan import MicroBatch, Piece, microbatch_from_shards
+from ringpack.errors import PlanError
+from ringpack.shard_plan import MicroBatch, Piece, RankShard, microbatch_from_shards
 from tests.helpers.attention import handmade_microbatches, random_microbatch, strategy_microbatch, zigzag_case
 
 
@@ -471,6 +472,87 @@ def test_ring_distances_come_from_the_pairs_of_ranks_sharing_a_sample(seed, cp, 
     want = _ring_distances_brute(mb)
     assert ring_distances(_PieceTable.from_microbatch(mb), max_pairs=max_pairs) == want
     assert compile_schedule(mb, 0).distances == tuple(want)
+
+
+def _wide_microbatch(rng: np.random.Generator, cp: int, num_samples: int) -> MicroBatch:
+    """Samples cut into many pieces over random runs of consecutive ranks (spans up to the group),
+    the shape of pool plans: many samples of few spans, a few very wide ones."""
+    ids = rng.choice(10 * num_samples, size=num_samples, replace=False).tolist()
+    shards: list[list[Piece]] = [[] for _ in range(cp)]
+    lengths = {}
+    for s in ids:
+        width = int(rng.choice([1, 1, 2, 8, 8, cp // 2, cp]))
+        first = int(rng.integers(cp - width + 1))
+        k = int(rng.integers(1, 2 * width + 1))
+        lengths[s] = k * 3
+        for i in range(k):
+            shards[first + int(rng.integers(width))].append(Piece(s, 3 * i, 3 * i + 3))
+    return microbatch_from_shards(ids, shards, lengths)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), cp=st.sampled_from([16, 48]), max_pairs=st.sampled_from([1, 64, 1 << 20]))
+def test_ring_distances_of_wide_samples_match_every_rank_pair(seed, cp, max_pairs):
+    """Samples over runs of up to the whole group: skipping the samples whose span allows no
+    distance not yet found leaves the list of every pair's distances."""
+    from ringpack.attention.exchange import ring_distances
+    from ringpack.attention.schedule import _PieceTable
+
+    mb = _wide_microbatch(np.random.default_rng(seed), cp, num_samples=30)
+    assert ring_distances(_PieceTable.from_microbatch(mb), max_pairs=max_pairs) == _ring_distances_brute(mb)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), cp=st.integers(1, 9), n=st.integers(1, 8))
+def test_needed_pieces_of_the_table_follow_the_traffic_rule(seed, cp, n):
+    """The table's one-pass needed flags are :func:`ringpack.traffic.needed_pieces`'s."""
+    from ringpack.attention.schedule import _PieceTable
+    from ringpack.traffic import needed_pieces as traffic_needed
+
+    mb, _ = random_microbatch(np.random.default_rng(seed), cp, num_samples=n, max_pieces=8)
+    t = _PieceTable.from_microbatch(mb)
+    sample = np.asarray(mb.samples, dtype=np.int64)[t.slot]
+    assert np.array_equal(t.needed, traffic_needed(np.zeros_like(t.rank), t.rank, sample, t.start, t.stop) > 0)
+
+
+def test_a_sample_listed_twice_is_named():
+    mb = MicroBatch(samples=(5, 9, 5), shards=(RankShard((Piece(5, 0, 2), Piece(9, 0, 1))),), loss_tokens=1)
+    with pytest.raises(PlanError, match=r"^microbatch lists sample 5 twice$"):
+        compile_schedule(mb, 0)
+
+
+@pytest.mark.parametrize("offset", [0, 10**12], ids=["dataset indices", "large ids"])
+def test_sample_ids_of_any_size_compile_alike_and_unknown_or_repeated_ones_are_named(offset):
+    """Slots come from a lookup table over small ids and from a sort over large ones, alike."""
+    mb, _ = random_microbatch(np.random.default_rng(11), 4, num_samples=6)
+    moved = MicroBatch(
+        samples=tuple(s + offset for s in mb.samples),
+        shards=tuple(
+            RankShard(tuple(Piece(p.sample + offset, p.start, p.stop) for p in sh.pieces)) for sh in mb.shards
+        ),
+        loss_tokens=mb.loss_tokens,
+    )
+    for r in range(4):
+        a, b = compile_schedule(mb, r), compile_schedule(moved, r)
+        assert a.distances == b.distances and a.buffer_tokens == b.buffer_tokens
+        assert torch.equal(a.send_index, b.send_index) and repr(a.local) == repr(b.local)
+    stray = Piece(offset + 5000, 0, 1)
+    unknown = MicroBatch(samples=moved.samples, shards=(RankShard((stray,)), *moved.shards[1:]), loss_tokens=1)
+    rank = next(r for r, sh in enumerate(unknown.shards) if stray in sh.pieces)
+    with pytest.raises(PlanError, match=f"cp rank {rank}: piece of sample {offset + 5000}, which"):
+        compile_schedule(unknown, 0)
+    repeated = MicroBatch(samples=(*moved.samples, moved.samples[2]), shards=moved.shards, loss_tokens=1)
+    with pytest.raises(PlanError, match=f"lists sample {moved.samples[2]} twice"):
+        compile_schedule(repeated, 0)
+
+
+def test_a_compiled_microbatch_pickles_as_before():
+    """The piece columns a compile caches on the micro-batch stay out of its pickles (what a
+    DataLoader worker sends back with the batch)."""
+    mb, _ = random_microbatch(np.random.default_rng(3), 4)
+    before = pickle.dumps(mb)
+    compile_schedule(mb, 1)
+    assert "piece_columns" in vars(mb) and pickle.dumps(mb) == before
 
 
 def test_a_rank_compiles_remote_calls_for_its_sources_only(monkeypatch):

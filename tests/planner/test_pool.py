@@ -296,3 +296,37 @@ def test_every_sample_of_a_pool_plan_lies_on_consecutive_nodes(case):
             L = lengths[list(mb.samples)]
             joined = node_need(L, plan.config).max() > 1 or node_groups(L, plan.config)[0][1] == nodes
             assert joined, ("a sample that fits a node crosses nodes", L.tolist())
+
+
+@settings(max_examples=80, deadline=None)
+@given(n=st.integers(1, 40), links=st.lists(st.lists(st.integers(0, 39), min_size=1, max_size=5), max_size=12))
+def test_components_of_links_match_union_find(n, links):
+    """The vectorised components name every item by its component's lowest item, as union-find does."""
+    from ringpack.planner.pool import _components, _joined
+
+    links = [[x % n for x in items] for items in links]
+    a = np.array([items[0] for items in links for _ in items[1:]], dtype=np.int64)
+    b = np.array([x for items in links for x in items[1:]], dtype=np.int64)
+    assert _components(n, a, b).tolist() == _joined(n, links)
+
+
+def test_cycle_collection_is_paused_inside_and_restored_after():
+    import gc
+
+    from ringpack.planner.pool import cycle_collection_paused
+
+    was = gc.isenabled()
+    try:
+        gc.enable()
+        with cycle_collection_paused():
+            assert not gc.isenabled()
+        assert gc.isenabled()
+        with pytest.raises(KeyError), cycle_collection_paused():
+            raise KeyError("x")
+        assert gc.isenabled()
+        gc.disable()
+        with cycle_collection_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # left as it was
+    finally:
+        (gc.enable if was else gc.disable)()

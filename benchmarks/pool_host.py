@@ -1,0 +1,158 @@
+"""Host cost of pool plans, per global batch and per micro-batch (CPU, one process).
+
+    PYTHONPATH=$PWD python benchmarks/pool_host.py [--worlds 64,1024,8192] [--fill 0.95] [--out pool_host.json]
+
+Lengths: 1M log-normal samples (clipped at 131,072 tokens); one global batch of randomly drawn
+samples filling ``--fill`` of the pool's tokens (``tokens_per_rank`` 16,384, 8 GPUs per node,
+one micro-batch: the pool is one CP group). Per pool size:
+
+* ``plan``: CPU seconds of ``ringpack.plan(lens, world=N, tokens_per_rank=16384,
+  samples_per_step=len(lens), gpus_per_node=8)``, each of ``--repeats`` runs (the first one
+  warms nothing up: every run is a whole plan).
+* ``compile``: CPU milliseconds of ``compile_schedule(mb, rank, gpus_per_node=8)`` for a sample of
+  ranks: the first, middle and last, ``--ranks`` random ones and the 4 with the most exchange
+  partners (by :func:`ringpack.traffic.receivers`). ``cold``: on a micro-batch object that has not
+  been read yet (what a loader worker does with each new micro-batch: its pieces read once into
+  columns); ``warm``: the same micro-batch again (columns cached on it). Median and worst rank of
+  each, and each sampled rank's partners (relays included, from its schedule).
+* ``collate``: CPU milliseconds of ``PackedCollator.collate`` of one micro-batch for the first rank
+  and the rank with most partners, schedule compiled (cold) and not. Token arrays are views of
+  one array (no fetch cost): this times the collator's own work on a micro-batch of the whole pool.
+
+The targets: ``compile_schedule`` of one rank of an 8,192-rank pool in <= 50 ms (median and worst);
+one global batch planned in <= 1 s at 8,192 ranks and <= 150 ms at 1,024, on one core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import ringpack
+from ringpack.analysis.simulate import synthetic_lengths
+from ringpack.attention import compile_schedule
+from ringpack.data.collator import PackedCollator
+from ringpack.shard_plan import MicroBatch
+from ringpack.traffic import receivers
+
+TOKENS_PER_RANK = 16384
+GPUS_PER_NODE = 8
+
+
+def global_batch(lengths: np.ndarray, world: int, fill: float, seed: int) -> np.ndarray:
+    """Randomly drawn samples up to ``fill`` of the pool's tokens."""
+    order = np.random.default_rng(seed).permutation(len(lengths))
+    take = int(np.searchsorted(np.cumsum(lengths[order]), fill * world * TOKENS_PER_RANK, side="right"))
+    return lengths[order[:take]]
+
+
+def cpu_ms(fn) -> tuple[float, object]:
+    start = time.process_time()
+    out = fn()
+    return (time.process_time() - start) * 1000, out
+
+
+def forget_columns(mb: MicroBatch) -> None:
+    """The micro-batch as a fresh object would be: its pieces not read into columns yet."""
+    vars(mb).pop("piece_columns", None)
+
+
+def busiest_ranks(mb: MicroBatch, count: int) -> list[int]:
+    """The ``count`` ranks with the most direct exchange partners (senders and receivers)."""
+    rank, sample, start, stop = mb.piece_columns
+    piece, to = receivers(np.zeros_like(rank), rank, sample, start, stop)
+    frm = rank[piece]
+    pairs = np.unique(np.concatenate([frm * len(mb.shards) + to, to * len(mb.shards) + frm]))
+    partners = np.bincount(pairs // len(mb.shards), minlength=len(mb.shards))
+    return np.argsort(-partners, kind="stable")[:count].tolist()
+
+
+def one_pool(lengths: np.ndarray, world: int, args: argparse.Namespace) -> dict:
+    lens = global_batch(lengths, world, args.fill, args.seed)
+    plan_s = []
+    for _ in range(args.repeats):
+        ms, plan = cpu_ms(
+            lambda: ringpack.plan(
+                lens,
+                world=world,
+                tokens_per_rank=TOKENS_PER_RANK,
+                samples_per_step=len(lens),
+                gpus_per_node=GPUS_PER_NODE,
+            )
+        )
+        plan_s.append(ms / 1000)
+    mb = plan.steps[0].microbatches[0][0]
+    rng = np.random.default_rng(args.seed)
+    busy = busiest_ranks(mb, 4)
+    ranks = sorted({0, world // 2, world - 1, *rng.integers(0, world, args.ranks).tolist(), *busy})
+    per_rank = []
+    for r in ranks:
+        forget_columns(mb)
+        cold, schedule = cpu_ms(lambda: compile_schedule(mb, r, gpus_per_node=GPUS_PER_NODE))
+        warm, _ = cpu_ms(lambda: compile_schedule(mb, r, gpus_per_node=GPUS_PER_NODE))
+        per_rank.append({"rank": r, "cold_ms": cold, "warm_ms": warm, "partners": schedule.exchange.partners})
+    base = np.arange(int(lens.max()) + 1, dtype=np.int64)
+    tokens = [base[:n] for n in lens[np.asarray(mb.samples)].tolist()]  # sample ids index the batch's lengths
+    collate = []
+    for r in (0, busy[0]):
+        for compiled in (True, False):
+            collator = PackedCollator(r, world, compile_schedules=compiled)
+            forget_columns(mb)
+            ms, _ = cpu_ms(lambda: collator.collate(mb, tokens, gpus_per_node=GPUS_PER_NODE))
+            collate.append({"rank": r, "schedule": compiled, "ms": ms})
+    cold = [x["cold_ms"] for x in per_rank]
+    warm = [x["warm_ms"] for x in per_rank]
+    return {
+        "world": world,
+        "samples": len(lens),
+        "pieces": int(mb.piece_columns[0].size),
+        "plan_seconds": float(np.median(plan_s)),
+        "plan_seconds_all": plan_s,
+        "compile_cold_ms": {"median": float(np.median(cold)), "worst": float(max(cold))},
+        "compile_warm_ms": {"median": float(np.median(warm)), "worst": float(max(warm))},
+        "compile_ranks": per_rank,
+        "collate": collate,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--worlds", default="64,1024,8192", help="pool sizes (ranks), comma-separated")
+    parser.add_argument("--fill", type=float, default=0.95, help="share of the pool's tokens the global batch fills")
+    parser.add_argument("--repeats", type=int, default=3, help="plans per pool size")
+    parser.add_argument("--ranks", type=int, default=6, help="random ranks compiled besides the fixed ones")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", help="write the results as JSON here")
+    args = parser.parse_args()
+    lengths = synthetic_lengths(1_000_000, "lognormal", max_len=131072)
+    rows = []
+    print(
+        f"{'ranks':>6} {'samples':>8} {'pieces':>7} {'plan s':>7} "
+        f"{'compile cold ms (median/worst)':>31} {'warm ms':>13} {'partners max':>12} {'collate ms':>24}"
+    )
+    for world in (int(w) for w in args.worlds.split(",")):
+        row = one_pool(lengths, world, args)
+        rows.append(row)
+        cold, warm = row["compile_cold_ms"], row["compile_warm_ms"]
+        collate = " ".join(f"{x['ms']:.0f}" + ("" if x["schedule"] else "*") for x in row["collate"])
+        print(
+            f"{world:>6} {row['samples']:>8} {row['pieces']:>7} {row['plan_seconds']:>7.3f} "
+            f"{cold['median']:>15.1f} / {cold['worst']:<13.1f} {warm['median']:>5.1f} / {warm['worst']:<5.1f} "
+            f"{max(x['partners'] for x in row['compile_ranks']):>12} {collate:>24}"
+        )
+    print("collate: ranks 0 and the busiest, with the schedule and without (*)")
+    result = {"machine": platform.platform(), "processor": platform.processor(), "args": vars(args), "pools": rows}
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
