@@ -81,7 +81,6 @@ FORMAT_VERSION = 1
 TABLE_COLUMNS = ("step", "dp", "microbatch", "cp", "slot", "sample", "start", "stop")
 #: Items a repr lists before it only counts the rest (a plan's objects can hold millions).
 _SHOWN = 4
-_PIECE_FIELDS = attrgetter("sample", "start", "stop")
 
 
 def _preview(items: Sequence[Any], count: int) -> str:
@@ -655,7 +654,8 @@ def new_rank_shard(
 
 
 def _piece_columns(shards: Sequence[RankShard]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """:attr:`MicroBatch.piece_columns` of ``shards``: C-level maps over the pieces, types checked per distinct type."""
+    """:attr:`MicroBatch.piece_columns` of ``shards``: C-level maps over the pieces, one field at a
+    time (lists of ints: nothing for the cyclic collector to track), types checked per distinct type."""
     if any(not issubclass(kind, RankShard) for kind in set(map(type, shards))):
         raise TypeError("every shard must be a RankShard")
     per_rank = [shard.pieces for shard in shards]
@@ -663,12 +663,14 @@ def _piece_columns(shards: Sequence[RankShard]) -> tuple[np.ndarray, np.ndarray,
     pieces = list(chain.from_iterable(per_rank))
     if any(not issubclass(kind, Piece) for kind in set(map(type, pieces))):
         raise TypeError("every piece must be a Piece")
-    values = list(map(_PIECE_FIELDS, pieces))
-    if not all(map(_is_int_type, set(map(type, chain.from_iterable(values))))):
-        raise TypeError("every piece's sample, start and stop must be integers")
-    table = np.fromiter(chain.from_iterable(values), dtype=np.int64, count=3 * len(values)).reshape(-1, 3)
+    columns = []
+    for name in ("sample", "start", "stop"):
+        values = list(map(attrgetter(name), pieces))
+        if not all(map(_is_int_type, set(map(type, values)))):
+            raise TypeError(f"every piece's {name} must be an integer")
+        columns.append(np.fromiter(values, dtype=np.int64, count=len(values)))
     rank = np.repeat(np.arange(len(per_rank), dtype=np.int64), counts)
-    return rank, table[:, 0].copy(), table[:, 1].copy(), table[:, 2].copy()
+    return rank, columns[0], columns[1], columns[2]
 
 
 def _is_int_type(kind: type) -> bool:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
+from functools import cached_property
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -449,6 +450,11 @@ class _PieceTable:
         bounds = np.searchsorted(slot[by_sample], np.arange(len(samples) + 1))
         return cls(rank, slot, start, stop, offset, needed, compact, cp, by_sample, bounds)
 
+    @cached_property
+    def key_scale(self) -> int:
+        """More than any piece bound: ``slot * key_scale + bound`` orders pieces by (sample, bound)."""
+        return int(max(self.stop.max(), 1)) + 1 if self.stop.size else 2
+
     def buffer_tokens(self) -> tuple[int, ...]:
         sizes = np.bincount(self.rank, weights=np.where(self.needed, self.stop - self.start, 0), minlength=self.cp_size)
         return tuple(int(x) for x in sizes)
@@ -636,11 +642,11 @@ def _remote_calls(
         return ()
     buffer_len = int((table.stop[src] - table.start[src]).sum())
     # key prefix of each local piece: needed source pieces of the same sample with stop <= its start
-    scale = int(max(table.stop.max(), 1)) + 1
+    scale = table.key_scale
     keys = table.slot[src] * scale + table.stop[src]  # sorted: canonical order on the source rank
     first = np.searchsorted(keys, table.slot[mine] * scale, side="left")
     last = np.searchsorted(keys, table.slot[mine] * scale + table.start[mine], side="right")
-    bounds = np.r_[table.compact[src], buffer_len]
+    bounds = np.append(table.compact[src], buffer_len)
     has = last > first
     if not has.any():
         return ()
@@ -649,17 +655,16 @@ def _remote_calls(
     # merge consecutive local pieces of one sample that need the same key range into one segment
     idx = np.flatnonzero(has)
     slot, klo, khi = table.slot[mine][idx], k_lo[idx], k_hi[idx]
-    adjacent = np.r_[
-        False, (np.diff(idx) == 1) & (slot[1:] == slot[:-1]) & (klo[1:] == klo[:-1]) & (khi[1:] == khi[:-1])
-    ]
-    heads = np.flatnonzero(~adjacent)
-    tails = np.r_[heads[1:], idx.size] - 1
-    q_lo = table.offset[mine][idx[heads]]
-    q_hi = table.offset[mine][idx[tails]] + (table.stop - table.start)[mine][idx[tails]]
+    adjacent = (np.diff(idx) == 1) & (slot[1:] == slot[:-1]) & (klo[1:] == klo[:-1]) & (khi[1:] == khi[:-1])
+    heads = np.flatnonzero(np.concatenate(([True], ~adjacent)))
+    tails = np.append(heads[1:], idx.size) - 1
+    q_lo = table.offset[mine[idx[heads]]]
+    ends = mine[idx[tails]]
+    q_hi = table.offset[ends] + table.stop[ends] - table.start[ends]
     g_slot, g_klo, g_khi = slot[heads], klo[heads], khi[heads]
 
     # level = rank of the group among its sample's groups (nested prefixes cannot share a call)
-    new_sample = np.r_[True, g_slot[1:] != g_slot[:-1]]
+    new_sample = np.concatenate(([True], g_slot[1:] != g_slot[:-1]))
     level = np.arange(heads.size) - np.maximum.accumulate(np.where(new_sample, np.arange(heads.size), 0))
     return tuple(
         _noncausal_call(q_lo[sel], q_hi[sel], g_klo[sel], g_khi[sel], buffer_len, num_tokens, dense)
@@ -670,11 +675,11 @@ def _remote_calls(
 def _noncausal_call(q_lo, q_hi, k_lo, k_hi, buffer_len: int, num_tokens: int, dense: DenseOptions) -> KernelCall:
     """Segments (q rows [q_lo, q_hi) gathered) x (keys [k_lo, k_hi)); key gaps become zero-query segments."""
     q_len, k_len = q_hi - q_lo, k_hi - k_lo
-    gap = k_lo - np.r_[0, k_hi[:-1]]
-    tail = buffer_len - int(k_hi[-1])
-    seg_q = np.r_[np.stack([np.zeros_like(q_len), q_len], 1).ravel(), 0]
-    seg_k = np.r_[np.stack([gap, k_len], 1).ravel(), tail]
-    seg_q_start = np.r_[np.stack([np.zeros_like(q_lo), q_lo], 1).ravel(), 0]
+    gap = k_lo - np.append(0, k_hi[:-1])
+    # segment 2i: the key gap before group i (no queries), 2i + 1: group i, last: the keys after all
+    seg_q, seg_k, seg_q_start = (np.zeros(2 * q_len.size + 1, dtype=np.int64) for _ in range(3))
+    seg_q[1:-1:2], seg_q_start[1:-1:2] = q_len, q_lo
+    seg_k[0:-1:2], seg_k[1:-1:2], seg_k[-1] = gap, k_len, buffer_len - int(k_hi[-1])
     keep = (seg_q > 0) | (seg_k > 0)
     return _make_call(seg_q[keep], seg_k[keep], seg_q_start[keep], False, num_tokens, dense)
 
