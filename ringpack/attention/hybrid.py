@@ -1,19 +1,14 @@
 """Hybrid head-parallel CP: Ulysses inside each node, the targeted exchange or the ring between nodes.
 
-``mode="ulysses+p2p"`` (or ``"ulysses+ring"``) on a CP group of ``N x g`` ranks, ``g`` =
-``gpus_per_node`` consecutive ranks per node (the schedule's ``gpus_per_node``): an all-to-all
-within the node gives each of its ranks ``H / g`` query heads (and their K/V heads, replicated as
-in :mod:`ringpack.attention.ulysses`) of every token of the node, in node order
+``mode="ulysses+p2p"`` (or ``"ulysses+ring"``) on a CP group in nodes of ``g`` consecutive ranks
+(the schedule's ``gpus_per_node``): an all-to-all within the node gives each of its ranks
+``H / g`` heads of every token of the node, in node order
 (:class:`~ringpack.attention.schedule.NodeLayout`); the ranks of one local index, one per node,
-run the engine (:mod:`ringpack.attention.ring`) over the node-level micro-batch with the targeted
-exchange (or the ring) between them; the output goes home by the reverse all-to-all. Exact for
-any plan: the node-level schedule covers each causal pair of the node's tokens once, as any
-schedule does. Only K/V of pieces another node needs cross nodes, for ``H_kv / g`` heads per
-rank. See docs/attention.md, "Hybrid head-parallel attention".
-
-The in-node and cross-node groups come from the CP group and the node size
-(:func:`node_groups`): created on first use (collectively over the world) and cached, or given
-once by the caller, e.g. from a DeviceMesh with the CP dimension split in two.
+run the engine over the node-level micro-batch with that transport between them; the output goes
+home by the reverse all-to-all. Exact for any plan. :func:`head_parallel_attention` runs
+``"ulysses"`` too. The in-node and cross-node groups (:func:`node_groups`) are created on first
+use, collectively over the world, and cached, or given once by the caller (e.g. from a
+DeviceMesh). See docs/attention.md, "Hybrid head-parallel attention".
 """
 
 from __future__ import annotations

@@ -1,23 +1,16 @@
-"""Head-parallel (Ulysses) context-parallel attention: ``mode="ulysses"``.
+"""Head-parallel (Ulysses) context-parallel attention: ``mode="ulysses"`` (and the hybrids' passes).
 
 One all-to-all turns this rank's ``q``/``k``/``v`` rows into ``H / cp`` query heads (and the K/V
-heads they read) of every token of the micro-batch, whole samples in gathered order
-(:mod:`ringpack.attention.relayout`); one causal varlen pass over whole samples runs them (the
-engine's local step on the layout's one-rank schedule: one kernel call, or a hybrid backend's dense
-split, no merges); one all-to-all takes the output home. The backward mirrors it: ``dout`` to
-heads, the kernels' backward, ``dq``/``dk``/``dv`` home in one all-to-all. Exact for any plan.
+heads they read) of every token, whole samples in gathered order (:mod:`ringpack.attention.relayout`);
+one causal varlen pass over whole samples runs them (no merges); one all-to-all takes the output
+home; the backward mirrors it. GQA: when ``cp`` does not divide ``H_kv``, each K/V head is sent as
+``r = cp / gcd(H_kv, cp)`` replicas, each to one rank, their dK/dV summed on the way home.
 
-GQA: rank ``j`` takes query heads ``[j H/cp, (j+1) H/cp)``. When ``cp`` divides ``H_kv`` it takes
-K/V heads ``[j H_kv/cp, (j+1) H_kv/cp)``; otherwise each K/V head is sent as ``r = cp / gcd(H_kv,
-cp)`` replicas (``H_kv * r = lcm(H_kv, cp)`` heads, ``H_kv / gcd(H_kv, cp)`` per rank, each replica
-to one rank only), the fewest that give every rank one uniform group size; the replicas' dK/dV are
-summed on the way home. See docs/attention.md, "Head-parallel (Ulysses) attention".
-
-The same functions run the hybrid modes (:mod:`ringpack.attention.hybrid`): there the all-to-all
-is the node's (a :class:`~ringpack.attention.schedule.NodeLayout`) and the pass over the node's
-tokens is the engine's over the node-level schedule, with a transport between nodes. Under
-``torch.compile`` :func:`heads_forward_op` and :func:`heads_backward_op` run them inside the
-traced engine op (:mod:`ringpack.attention.traced`), which saves only this rank's own tensors.
+The hybrid modes (:mod:`ringpack.attention.hybrid`) run the same functions on a node's all-to-all
+(:class:`~ringpack.attention.schedule.NodeLayout`) with the engine's pass over the node-level
+schedule. Under ``torch.compile``, :func:`heads_forward_op` and :func:`heads_backward_op` run them
+inside the traced engine op, which saves only this rank's own tensors.
+See docs/attention.md, "Head-parallel (Ulysses) attention".
 """
 
 from __future__ import annotations
