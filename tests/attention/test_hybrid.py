@@ -5,7 +5,8 @@ construction, and the one-line refusals. One spawn of 8 gloo processes (``slow``
 forward and backward, against the dense reference to 1e-10 in fp64 on CP groups of 4 (two of
 them: DP 2 x CP 4), 6 and 8 ranks in nodes of 2, 3 and 4 GPUs (and, on the ranks a CP group of 6
 leaves, one node of 2 and two nodes of 1), on the adversarial plans of the Ulysses tests; the
-sub-groups are derived from the CP group, except for CP 8 in nodes of 4, whose groups are given.
+sub-groups are derived from the CP group, except for CP 8 in nodes of 4, whose groups are given
+by a DeviceMesh with the CP dimension split in two.
 """
 
 from __future__ import annotations
@@ -174,10 +175,11 @@ def worker(rank: int, world: int) -> dict:
     for (cp, g), groups in CONFIGS.items():
         ranks, my_g = next((r, n) for r, n in groups if rank in r)
         group = made.get(tuple(ranks))  # None: the world
-        if (cp, g) == (8, 4):  # given groups: nodes 0-3 and 4-7, columns (0, 4), (1, 5), ...
-            nodes = [dist.new_group(list(range(n, n + 4))) for n in (0, 4)]
-            columns = [dist.new_group([j, j + 4]) for j in range(4)]
-            node_groups(group, g, within=nodes[rank // 4], across=columns[rank % 4])
+        if (cp, g) == (8, 4):  # given groups, of a mesh with the CP dimension split: nodes 0-3 and 4-7
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("cp_node", "cp_gpu"))
+            node_groups(group, g, within=mesh["cp_gpu"], across=mesh["cp_node"])
         else:
             node_groups(group, my_g)  # derived: collective over the world, each process with its own group
         cp_rank = dist.get_rank(group)
