@@ -17,11 +17,11 @@ from torch import Tensor, nn
 
 from ringpack.attention import ring, traced
 from ringpack.attention.checks import check_inputs, shape_problem
+from ringpack.attention.hybrid import HEAD_PARALLEL_MODES, head_parallel_attention
 from ringpack.attention.kernels import BACKENDS, resolve_backend
 from ringpack.attention.ring import ContextParallelAttention
 from ringpack.attention.schedule import Schedule
 from ringpack.attention.transports import MODES, transport_factory
-from ringpack.attention.ulysses import ulysses_attention
 from ringpack.errors import DataError
 
 try:
@@ -68,8 +68,12 @@ def ring_attention(
             batch of point-to-point transfers with this rank's partners, dK/dV back the same way)
             or ``"ulysses"`` (head-parallel: one all-to-all gives each rank ``H / cp`` query heads
             and their K/V heads of every token, whole samples; one causal kernel pass; one
-            all-to-all home; ``H`` must be a multiple of the CP size; not under ``torch.compile``
-            yet).
+            all-to-all home; ``H`` must be a multiple of the CP size) or the hybrids
+            ``"ulysses+p2p"`` and ``"ulysses+ring"`` (Ulysses inside each node of the schedule's
+            ``gpus_per_node`` ranks, the targeted exchange or the ring between nodes, for
+            ``H / gpus_per_node`` heads; the CP size must be a multiple of ``gpus_per_node`` and
+            ``H`` of ``gpus_per_node``; the in-node and cross-node groups are created on first use
+            and cached, or given by :func:`~ringpack.attention.hybrid.node_groups`).
         softmax_scale: the scaling of ``QK^T`` before the softmax; default ``1 / sqrt(D)``.
         causal: must be True, the only mask there is.
         backend: the kernels. ``"auto"`` (the fastest available for ``q``'s device, dtype and
@@ -96,8 +100,9 @@ def ring_attention(
             other than float16, bfloat16, float32 or float64. Each message names the argument.
         DataError: (``mode="p2p"``) a schedule without its exchange map (not made by
             ``compile_schedule``); (``mode="ulysses"``) query heads not a multiple of the CP size
-            (named), a schedule without its head layout, or a call being traced by
-            ``torch.compile``.
+            (named) or a schedule without its head layout; (hybrid modes) a schedule compiled
+            without ``gpus_per_node``, a CP size that is not a multiple of it (both named), or
+            query heads not a multiple of it.
         ScheduleMismatchError: on every rank, before any transfer, when the ranks hold schedules of
             different micro-batches or CP ranks, disagree on mode, query or K/V heads, head dim, dtype or
             on whether this call needs gradients (only some ranks would run the backward), or
@@ -115,19 +120,14 @@ def ring_attention(
     # transfers and collectives read a tensor's storage as dense rows; kernels need dense rows too.
     q, k, v = (x if x.is_contiguous() else x.contiguous() for x in (q, k, v))
     if torch.compiler.is_compiling():  # the engine as one opaque op (transfers cannot live in a graph)
-        if mode == "ulysses":
-            raise DataError(
-                "mode='ulysses' does not run under torch.compile yet: call ring_attention outside the "
-                "compiled region (torch.compiler.disable) or use mode='ring', 'allgather' or 'p2p'"
-            )
         # bad shapes or dtypes are reported when the op runs, by the group check (every rank raises);
         # until then the backend and scale of such inputs need only be placeholders
         backend, scale = ("reference", 1.0) if shape_problem(q, k, v) else _resolve(backend, softmax_scale, q)
         return traced.ring_attention_op(q, k, v, schedule, group, mode, scale, backend, part_rows, training)
     check_inputs(q, k, v, schedule, group, mode, needs_grad=training)
     backend, scale = _resolve(backend, softmax_scale, q)
-    if mode == "ulysses":
-        return ulysses_attention(q, k, v, schedule, group, scale, backend)
+    if mode in HEAD_PARALLEL_MODES:
+        return head_parallel_attention(q, k, v, schedule, group, mode, scale, backend, part_rows)
     return ContextParallelAttention.apply(q, k, v, schedule, transport_factory(mode, group), scale, backend, part_rows)
 
 
@@ -186,7 +186,7 @@ class RingAttention(nn.Module):
     Args:
         group: the CP group, a ProcessGroup or a 1-D DeviceMesh (default: the world when a
             schedule's ``cp_size > 1``).
-        mode: ``"ring"``, ``"allgather"``, ``"p2p"`` or ``"ulysses"`` (:func:`ring_attention`).
+        mode: one of :data:`MODES` (:func:`ring_attention`).
         softmax_scale: default ``1 / sqrt(D)``.
         backend: as in :func:`ring_attention`.
 

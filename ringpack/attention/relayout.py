@@ -22,6 +22,7 @@ from ringpack.attention.schedule import HeadLayout, Schedule
 from ringpack.errors import DataError
 
 __all__ = [
+    "all_to_all",
     "blocks_to_rows",
     "gathered_index",
     "head_layout",
@@ -174,7 +175,7 @@ def blocks_to_rows(blocks: Tensor, layout: HeadLayout, group: dist.ProcessGroup 
         return blocks.reshape(local, *blocks.shape[2:])
     out = blocks.new_empty((layout.num_tokens, *blocks.shape[2:]))
     send = blocks.reshape(cp * local, *blocks.shape[2:])
-    dist.all_to_all_single(out, send, list(layout.rank_tokens), [local] * cp, group=group)
+    all_to_all(out, send, list(layout.rank_tokens), [local] * cp, group)
     return out
 
 
@@ -185,8 +186,20 @@ def rows_to_blocks(rows: Tensor, layout: HeadLayout, local: int, group: dist.Pro
     if cp == 1:
         return rows.reshape(1, local, *rows.shape[1:])
     out = rows.new_empty((cp * local, *rows.shape[1:]))
-    dist.all_to_all_single(out, rows.contiguous(), [local] * cp, list(layout.rank_tokens), group=group)
+    all_to_all(out, rows.contiguous(), [local] * cp, list(layout.rank_tokens), group)
     return out.view(cp, local, *rows.shape[1:])
+
+
+def all_to_all(out: Tensor, send: Tensor, out_splits: list[int], in_splits: list[int], group) -> None:
+    """``dist.all_to_all_single(out, send, out_splits, in_splits, group=group)``, or, where ``group``
+    brings its own exchange (an object with ``exchange_rows(out, send, out_splits, in_splits)``:
+    every rank of a group emulated in one process, as the one-GPU tests do), that exchange: the
+    relayout's only communication, pluggable so that tests run the real code path for every rank."""
+    exchange = getattr(group, "exchange_rows", None)
+    if exchange is not None:
+        exchange(out, send, out_splits, in_splits)
+    else:
+        dist.all_to_all_single(out, send, out_splits, in_splits, group=group)
 
 
 def _to_heads(x: Tensor, layout: HeadLayout, group: dist.ProcessGroup | None) -> Tensor:

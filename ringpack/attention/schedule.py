@@ -46,6 +46,7 @@ __all__ = [
     "DenseSegment",
     "HeadLayout",
     "KernelCall",
+    "NodeLayout",
     "RingStep",
     "Schedule",
     "ScheduleMismatchError",
@@ -287,6 +288,77 @@ class HeadLayout:
 
 
 @dataclass(frozen=True)
+class NodeLayout:
+    """The two levels of hybrid head-parallel CP (``mode="ulysses+p2p"`` / ``"ulysses+ring"``) for one rank.
+
+    The CP group's ranks form nodes of ``gpus_per_node`` consecutive ranks (rank ``c`` on node
+    ``c // gpus_per_node``, local index ``c % gpus_per_node``). An all-to-all inside the node gives
+    each of its ranks block ``local index`` of the heads of every token of the node, in *node
+    order*: the node's pieces sorted by (sample in the micro-batch's listed order, start), pieces
+    that continue each other merged: the node's *rank shard* of the node-level micro-batch (one
+    rank shard per node). The ranks with one local index, one per node, then run the engine over
+    that node-level micro-batch (``attention``, compiled for ``cp_size`` = the number of nodes).
+
+    It has the all-to-all interface of :class:`HeadLayout` (``rank_tokens``, ``run_source``,
+    ``run_length``, ``attention``, ``cp_size``, ``num_tokens``, ``in_order``), over the node's ranks,
+    so the relayout and the head-parallel engine run on either.
+
+    Attributes:
+        gpus_per_node: the node size (CP ranks per node).
+        node: this rank's node.
+        rank_tokens: the token count of each rank of the node; the in-node all-to-all receives
+            ``rank_tokens[s]`` rows from node rank ``s``.
+        run_source: int64 ``[R]``, the receive-order row where each run of node-order rows starts.
+        run_length: int64 ``[R]``, each run's row count.
+        attention: the node-level :class:`Schedule` of this node (``cp_rank`` = ``node``), with its
+            targeted exchange map; its ``num_tokens`` is the node's token count.
+    """
+
+    gpus_per_node: int
+    node: int
+    rank_tokens: tuple[int, ...]
+    run_source: Tensor
+    run_length: Tensor
+    attention: Schedule
+
+    @property
+    def cp_size(self) -> int:
+        """The ranks of the in-node all-to-all (``gpus_per_node``)."""
+        return len(self.rank_tokens)
+
+    @property
+    def nodes(self) -> int:
+        return self.attention.cp_size
+
+    @property
+    def num_tokens(self) -> int:
+        """The node's token count: the rows each of its ranks holds after the all-to-all."""
+        return sum(self.rank_tokens)
+
+    @property
+    def in_order(self) -> bool:
+        return self.run_source.numel() <= 1
+
+    @property
+    def device(self) -> torch.device:
+        return self.run_source.device
+
+    def map_tensors(self, fn: Callable[[Tensor], Tensor]) -> NodeLayout:
+        return replace(
+            self,
+            run_source=fn(self.run_source),
+            run_length=fn(self.run_length),
+            attention=self.attention._map_tensors(fn),
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"NodeLayout(node {self.node} of {self.nodes}, gpus_per_node={self.gpus_per_node}, "
+            f"node_tokens={self.num_tokens}, runs={self.run_source.numel()})"
+        )
+
+
+@dataclass(frozen=True)
 class Schedule(_ScheduleBase):
     """Everything one CP rank needs to run attention for one micro-batch; plain tensors and ints.
 
@@ -305,7 +377,9 @@ class Schedule(_ScheduleBase):
     ``head_layout`` is the micro-batch's head-parallel layout (``mode="ulysses"`` and
     :func:`~ringpack.attention.sequence_to_heads`;
     :class:`~ringpack.attention.schedule.HeadLayout`): every rank's token count, the gathered
-    samples' ``cu_seqlens`` and order.
+    samples' ``cu_seqlens`` and order. ``node_layout`` (schedules compiled with a ``gpus_per_node``
+    that divides the CP size) drives the hybrid modes ``"ulysses+p2p"`` and ``"ulysses+ring"``
+    (:class:`NodeLayout`).
 
     For ``torch.compile`` a schedule is an opaque *reference* object (where torch supports them):
     the graph takes it as a runtime input of one engine op and never reads its fields, so a new
@@ -325,6 +399,7 @@ class Schedule(_ScheduleBase):
     exchange: TargetedExchange | None = field(default=None, compare=False, repr=False)
     gpus_per_node: int | None = None
     head_layout: HeadLayout | None = field(default=None, compare=False, repr=False)
+    node_layout: NodeLayout | None = field(default=None, compare=False, repr=False)
     verified: set = field(default_factory=set, compare=False, repr=False)
 
     @property
@@ -385,6 +460,7 @@ class Schedule(_ScheduleBase):
             steps=tuple(replace(st, calls=tuple(c._map_tensors(fn) for c in st.calls)) for st in self.steps),
             exchange=None if self.exchange is None else self.exchange.map_tensors(fn),
             head_layout=None if self.head_layout is None else self.head_layout.map_tensors(fn),
+            node_layout=None if self.node_layout is None else self.node_layout.map_tensors(fn),
             verified=set(),
         )
 
@@ -507,7 +583,10 @@ def compile_schedule(
             (rank ``c`` on node ``c // gpus_per_node``, the group's ranks node by node): K/V cross
             nodes once per node and are relayed within it (docs/attention.md, "Targeted
             exchange"). ``None``: every piece straight to each rank that needs it. Every rank of
-            the group must give the same value (checked at run time).
+            the group must give the same value (checked at run time). When it divides the CP
+            size, the schedule also carries the hybrid modes' :class:`NodeLayout` (a node-level
+            schedule of ``cp / gpus_per_node`` ranks, compiled here: about one more compile of a
+            micro-batch with at most as many pieces).
 
     Returns:
         The :class:`Schedule` of CPU tensors (int64 row indices, int32 ``cu_seqlens``); move it with
@@ -566,6 +645,58 @@ def compile_schedule(
         ),
         gpus_per_node=None if gpus_per_node is None else int(gpus_per_node),
         head_layout=_head_layout(table, microbatch.samples, fingerprint, dense),
+        node_layout=_node_layout(table, microbatch, cp_rank, gpus_per_node, dense),
+    )
+
+
+def _node_layout(
+    table: _PieceTable, microbatch: MicroBatch, cp_rank: int, gpus_per_node: int | None, dense: DenseOptions
+) -> NodeLayout | None:
+    """This rank's :class:`NodeLayout` (None without a ``gpus_per_node`` that divides the CP size)."""
+    cp = table.cp_size
+    if gpus_per_node is None or cp % gpus_per_node:
+        return None
+    g = int(gpus_per_node)
+    node = cp_rank // g
+    length = table.stop - table.start
+    rank_tokens = np.bincount(table.rank, weights=length, minlength=cp).astype(np.int64)[node * g : (node + 1) * g]
+    lo, hi = np.searchsorted(table.rank, (node * g, (node + 1) * g))
+    rows = np.arange(lo, hi)
+    node_order = np.lexsort((table.start[rows], table.slot[rows]))
+    run_source, run_length = _gathered_runs(
+        table.rank[rows] - node * g, table.offset[rows], length[rows], node_order, rank_tokens
+    )
+    return NodeLayout(
+        gpus_per_node=g,
+        node=node,
+        rank_tokens=tuple(int(n) for n in rank_tokens),
+        run_source=torch.from_numpy(run_source),
+        run_length=torch.from_numpy(run_length),
+        attention=compile_schedule(
+            _node_microbatch(table, microbatch, g),
+            node,
+            dense_threshold=dense.threshold,
+            dense_buckets=dense.buckets,
+            dense_batches=dense.batches,
+        ),
+    )
+
+
+def _node_microbatch(table: _PieceTable, microbatch: MicroBatch, gpus_per_node: int) -> MicroBatch:
+    """The node-level micro-batch: one rank shard per node, its ranks' pieces in canonical order
+    (by sample slot, then start), pieces that continue each other merged."""
+    node = table.rank // gpus_per_node
+    order = np.lexsort((table.start, table.slot, node))
+    node, slot, start, stop = node[order], table.slot[order], table.start[order], table.stop[order]
+    joins = (node[1:] == node[:-1]) & (slot[1:] == slot[:-1]) & (start[1:] == stop[:-1])
+    heads = np.flatnonzero(np.r_[True, ~joins]) if order.size else order
+    tails = np.r_[heads[1:], order.size] - 1
+    shards: list[list[Piece]] = [[] for _ in range(table.cp_size // gpus_per_node)]
+    samples = microbatch.samples
+    for n, k, a, b in zip(node[heads].tolist(), slot[heads].tolist(), start[heads].tolist(), stop[tails].tolist()):
+        shards[n].append(Piece(samples[k], a, b))
+    return MicroBatch(
+        samples=tuple(samples), shards=tuple(RankShard(tuple(p)) for p in shards), loss_tokens=microbatch.loss_tokens
     )
 
 

@@ -5,7 +5,10 @@ While traced, :func:`~ringpack.attention.ring_attention` calls ``torch.ops.ringp
 engine's transfers and host reads. The op's inputs are ``q``, ``k``, ``v``, the schedule (an opaque
 *reference* object the graph never reads, so a new micro-batch's schedule reuses the graph) and
 constants (CP group name, mode, scale, backend). Both ops run the engine functions eager code runs,
-and check the inputs and the group's agreement when they run. Where torch has no opaque objects
+and check the inputs and the group's agreement when they run. The head-parallel modes run the
+same way; their op returns ``lse`` of this rank's tokens, and its backward sends ``q``, ``k``,
+``v``, ``out`` and ``dout`` to heads again (the graph saves only the op's own tensors), where
+eager code keeps the gathered tensors instead (:mod:`ringpack.attention.ulysses`). Where torch has no opaque objects
 (:data:`~ringpack.attention.schedule.OPAQUE_SCHEDULE` is False) the engine runs outside the graph:
 one graph break per call. See docs/integrations.md, "torch.compile".
 """
@@ -17,10 +20,12 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ringpack.attention.checks import check_inputs
+from ringpack.attention.hybrid import HEAD_PARALLEL_MODES, head_parallel_attention, head_parallel_parts
 from ringpack.attention.kernels import accum_dtype
 from ringpack.attention.ring import ContextParallelAttention, PassConfig, attention_backward, attention_forward
 from ringpack.attention.schedule import OPAQUE_SCHEDULE, Schedule
 from ringpack.attention.transports import transport_factory
+from ringpack.attention.ulysses import heads_backward_op, heads_forward_op
 
 __all__ = ["ring_attention_op"]
 
@@ -75,6 +80,8 @@ def _group(name: str) -> dist.ProcessGroup | None:
 @torch.compiler.disable
 def _outside_graph(q, k, v, schedule, group, mode, softmax_scale, backend, part_rows, needs_grad) -> Tensor:
     check_inputs(q, k, v, schedule, group, mode, needs_grad=needs_grad)
+    if mode in HEAD_PARALLEL_MODES:
+        return head_parallel_attention(q, k, v, schedule, group, mode, softmax_scale, backend, part_rows)
     make_transport = transport_factory(mode, group)
     return ContextParallelAttention.apply(q, k, v, schedule, make_transport, softmax_scale, backend, part_rows)
 
@@ -94,8 +101,12 @@ def ring_attention_forward(
     """The op's implementation: check, then the engine's forward; ``(out [T, H, D], lse [H, T])``."""
     group = _group(group_name)
     check_inputs(q, k, v, schedule, group, mode, needs_grad=needs_grad)
-    config = PassConfig(softmax_scale, backend, transport_factory(mode, group), part_rows)
-    out, lse = attention_forward(q, k, v, schedule, config)
+    if mode in HEAD_PARALLEL_MODES:
+        parts = head_parallel_parts(q, k, schedule, group, mode, softmax_scale, backend, part_rows)
+        out, lse = heads_forward_op(q, k, v, *parts)
+    else:
+        config = PassConfig(softmax_scale, backend, transport_factory(mode, group), part_rows)
+        out, lse = attention_forward(q, k, v, schedule, config)
     return out.contiguous(), lse.contiguous()  # the strides the fake implementation promises
 
 
@@ -113,8 +124,13 @@ def ring_attention_backward(
     backend: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The gradient op's implementation: the engine's backward; ``(dq, dk, dv)`` like q, k, v."""
-    config = PassConfig(softmax_scale, backend, transport_factory(mode, _group(group_name)))
-    grads = attention_backward(dout.contiguous(), q, k, v, out, lse, schedule, config)
+    group = _group(group_name)
+    if mode in HEAD_PARALLEL_MODES:
+        parts = head_parallel_parts(q, k, schedule, group, mode, softmax_scale, backend)
+        grads = heads_backward_op(dout.contiguous(), q, k, v, out, lse, *parts)
+    else:
+        config = PassConfig(softmax_scale, backend, transport_factory(mode, group))
+        grads = attention_backward(dout.contiguous(), q, k, v, out, lse, schedule, config)
     return tuple(g.contiguous() for g in grads)
 
 

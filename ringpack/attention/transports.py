@@ -4,7 +4,9 @@
 ``"allgather"``: :class:`~ringpack.attention.allgather.AllGatherTransport` (one all-gather, one
 reduce-scatter); ``"p2p"``: :class:`~ringpack.attention.p2p.TargetedTransports` (each needed piece
 straight to the ranks that need it). ``"ulysses"`` moves no K/V between sequence pieces: it
-exchanges heads (:mod:`ringpack.attention.ulysses`), so it has no transport here. See
+exchanges heads (:mod:`ringpack.attention.ulysses`), so it has no transport here; the hybrid
+modes ``"ulysses+p2p"`` and ``"ulysses+ring"`` exchange heads within nodes and use the ``p2p`` or
+``ring`` transport between them (:mod:`ringpack.attention.hybrid`). See
 docs/attention.md, "Ring and all-gather".
 """
 
@@ -20,11 +22,11 @@ from ringpack.attention.ring import RingTransport, TransportFactory
 
 __all__ = ["MODES", "transport_factory"]
 
-MODES = ("ring", "allgather", "p2p", "ulysses")
+MODES = ("ring", "allgather", "p2p", "ulysses", "ulysses+p2p", "ulysses+ring")
 
 
 def transport_factory(mode: str, group: dist.ProcessGroup | None) -> TransportFactory:
-    """What builds the K/V mover of ``mode`` (one of :data:`MODES` but ``"ulysses"``) over ``group`` (None: the world)
+    """What builds the K/V mover of ``mode`` (``"ring"``, ``"allgather"`` or ``"p2p"``) over ``group`` (None: the world)
     for one engine pass: called with the pass's :class:`~ringpack.attention.schedule.Schedule`."""
     group = group if group is not None else dist.group.WORLD
     if mode == "p2p":

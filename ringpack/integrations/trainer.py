@@ -53,7 +53,9 @@ class RingpackConfig:
         cp_size: ranks per CP group (the world must be a multiple).
         tokens_per_rank: one CP rank's token budget in one micro-batch.
         strategy: the CP split (``"balanced"``, ``"zigzag"``, ``"contiguous"``).
-        mode: ``"ring"``, ``"allgather"`` or ``"p2p"`` (:func:`~ringpack.attention.ring_attention`).
+        mode: one of :data:`~ringpack.attention.MODES` (:func:`~ringpack.attention.ring_attention`):
+            ``"ring"``, ``"allgather"``, ``"p2p"``, ``"ulysses"``, or the hybrids ``"ulysses+p2p"`` and
+            ``"ulysses+ring"`` (nodes of ``plan_options["gpus_per_node"]`` ranks).
         backend: the attention kernels (``"auto"``, ``"flash_attn"``, ``"reference"``, ...).
         column: the token-id field of dict rows.
         lengths: token count of each dataset row (default: read from the dataset).

@@ -135,15 +135,6 @@ def test_a_nan_input_fails_the_exactness_check():
     assert not within(errors, TOL) and math.isinf(errors["out"]), errors
 
 
-def test_ulysses_refuses_torch_compile_in_one_line(monkeypatch):
-    _, mb, _ = handmade_microbatches()[0]
-    q = torch.zeros(6, 2, 4, dtype=torch.float64)
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    with pytest.raises(DataError, match="mode='ulysses' does not run under torch.compile yet") as err:
-        ring_attention(q, q, q, compile_schedule(mb, 0), mode="ulysses")
-    assert "\n" not in str(err.value)
-
-
 def test_relayout_names_a_bad_input():
     _, mb, _ = handmade_microbatches()[0]
     sched = compile_schedule(mb, 0)

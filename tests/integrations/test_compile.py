@@ -60,15 +60,25 @@ def _ops_in_graphs(backend: str):
     return record, seen
 
 
-@pytest.mark.parametrize("backend", ["reference", "reference_hybrid"])
-@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
-def test_compiled_attention_equals_eager(backend, compiler):
+HEAD_PARALLEL = [
+    ("ulysses", "aot_eager", "reference"),
+    pytest.param("ulysses", "inductor", "reference_hybrid", marks=pytest.mark.slow),
+    pytest.param("ulysses+p2p", "aot_eager", "reference_hybrid", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize(
+    ("mode", "compiler", "backend"),
+    [("ring", c, b) for c in ("aot_eager", "inductor") for b in ("reference", "reference_hybrid")] + HEAD_PARALLEL,
+)
+def test_compiled_attention_equals_eager(backend, compiler, mode):
     torch._dynamo.reset()
-    attention = lambda q, k, v, s: ring_attention(q, k, v, s, backend=backend)
+    attention = lambda q, k, v, s: ring_attention(q, k, v, s, mode=mode, backend=backend)
     record, seen = _ops_in_graphs(compiler)
     compiled = torch.compile(attention, fullgraph=True, backend=record, dynamic=True)
     for index, lengths in enumerate(([7, 1, 12], [30, 3], [5, 5, 5, 2])):
-        schedule = compile_schedule(_microbatch(lengths), 0, dense_threshold=4, dense_buckets=None)
+        node = 1 if "+" in mode else None  # the hybrids: nodes of one GPU
+        schedule = compile_schedule(_microbatch(lengths), 0, dense_threshold=4, dense_buckets=None, gpus_per_node=node)
         with _no_recompiles(index):
             got = _run(compiled, schedule, 1)
         for a, b in zip(got, _run(attention, schedule, 1)):
@@ -125,19 +135,22 @@ def _run_inputs(schedule):
     return [torch.randn(schedule.num_tokens, h, 8, dtype=torch.float64) for h in (4, 2, 2)]
 
 
+CP_MODES = ("ring", "allgather", "p2p", "ulysses", "ulysses+p2p", "ulysses+ring")
+
+
 def cp_worker(rank: int, world: int) -> dict:
-    """Ring, all-gather and p2p attention over 2 gloo ranks, compiled and eager, over three micro-batches."""
+    """Every mode over 2 gloo ranks (the hybrids in nodes of 1), compiled and eager, over three micro-batches."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     results = {}
-    for mode in ("ring", "allgather", "p2p"):
+    for mode in CP_MODES:
         torch._dynamo.reset()
         attention = lambda q, k, v, s: ring_attention(q, k, v, s, mesh, mode, backend="reference")
         compiled = torch.compile(attention, fullgraph=True, backend="aot_eager", dynamic=True)
         same = []
         for index, lengths in enumerate(([9, 6], [13, 6, 3], [4, 20])):
-            schedule = compile_schedule(_microbatch(lengths, world), rank)
+            schedule = compile_schedule(_microbatch(lengths, world), rank, gpus_per_node=1 if "+" in mode else None)
             with _no_recompiles(index):
                 got = _run(compiled, schedule, rank)
             same.append(all(torch.equal(a, b) for a, b in zip(got, _run(attention, schedule, rank))))
@@ -146,7 +159,7 @@ def cp_worker(rank: int, world: int) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["ring", "allgather", "p2p"])
+@pytest.mark.parametrize("mode", CP_MODES)
 def test_compiled_context_parallel_attention_over_gloo(cp_results, mode):
     for rank, results in enumerate(cp_results):
         assert results[mode] == [True, True, True], f"rank {rank}: compiled results differ from eager"

@@ -6,7 +6,8 @@ DP=2 x CP=2 for two optimizer steps: Trainer's own AdamW, constant learning rate
 clipping. The step losses (from each rank's share) and the gradients the optimizer gets must equal
 the per-sample single-process reference of ``tests/helpers/training.py`` with the same
 optimizer and clipping. Then the pool layout: one CP group of all four ranks (``dp=1, cp=4``) in nodes of
-two, with the node-relayed targeted exchange.
+two, with the node-relayed targeted exchange; then both layouts head-parallel (``mode="ulysses"``
+at DP=2 x CP=2, the hybrid ``"ulysses+p2p"`` on the pool in nodes of two).
 """
 
 from __future__ import annotations
@@ -23,7 +24,12 @@ from tests.helpers.training import assert_same_training, build_model, example_ar
 
 WORLD, CP, STEPS = 4, 2, 2
 #: name -> (cp_size, K/V exchange mode, gpus_per_node)
-LAYOUTS = {"dp2 x cp2 ring": (CP, "ring", None), "pool p2p relayed": (WORLD, "p2p", 2)}
+LAYOUTS = {
+    "dp2 x cp2 ring": (CP, "ring", None),
+    "pool p2p relayed": (WORLD, "p2p", 2),
+    "dp2 x cp2 ulysses": (CP, "ulysses", None),
+    "pool ulysses+p2p": (WORLD, "ulysses+p2p", 2),
+}
 LR, MAX_GRAD_NORM = 1e-2, 0.2  # clips the summed gradients (norm ~0.33), not a quarter of them
 
 
@@ -228,3 +234,24 @@ def test_a_row_with_a_token_id_the_model_cannot_embed_is_refused_naming_it(tmp_p
     trainer = _trainer(tmp_path, model=model, rows=rows)
     with pytest.raises(DataError, match=rf"^row 4: token id {bad} is not in \[0, {vocab}\) \(the model's vocabulary"):
         list(trainer.get_train_dataloader())
+
+
+@pytest.mark.parametrize("mode", ["ulysses", "allgather"])
+def test_the_mode_flows_to_the_attention_with_ring_s_loss_and_gradients(tmp_path, monkeypatch, mode):
+    """One process: the first micro-batch's loss and gradients under ``mode`` equal ``mode="ring"``'s (fp64)."""
+    from ringpack.attention import api
+
+    calls = []
+    real = api.head_parallel_attention
+    monkeypatch.setattr(api, "head_parallel_attention", lambda *args: calls.append(args[5]) or real(*args))
+    results = []
+    for m in ("ring", mode):
+        trainer = _trainer(tmp_path, mode=m)
+        batch = next(iter(trainer.get_train_dataloader()))["microbatches"][0]
+        trainer.model.zero_grad()
+        loss = trainer.microbatch_loss(trainer.model, batch)
+        loss.backward()
+        results.append([loss.detach(), *(p.grad.clone() for p in trainer.model.parameters())])
+    for got, want in zip(results[1], results[0]):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert (len(calls) > 0) == (mode == "ulysses") and set(calls) <= {"ulysses"}
