@@ -26,23 +26,12 @@ SUFFIXES = {".toml": "TOML", ".json": "JSON", ".yaml": "YAML", ".yml": "YAML"}
 _NOT_SETTINGS = {"help", "config", "write_config", "handler", "command", "command_parser"}
 
 
-class _OneFile(argparse.Action):
-    """``--config``: one file; a second ``--config`` is refused rather than silently replacing the first."""
-
-    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: str | None = None) -> None:
-        earlier = getattr(namespace, self.dest, UNSET)
-        if earlier is not UNSET:
-            parser.error(f"{option_string} given twice ({earlier}, {values}); give one file")
-        setattr(namespace, self.dest, values)
-
-
 def add_config_file_flag(parser: Any) -> None:
-    """``--config FILE`` on ``parser`` (given once)."""
+    """``--config FILE`` on ``parser`` (given once, as every flag)."""
     flag(
         parser,
         "--config",
         metavar="FILE",
-        action=_OneFile,
         help="read flags from a .toml, .json or .yaml file (keys: the flags' names, e.g. tokens_per_rank); "
         "flags on the command line win",
     )

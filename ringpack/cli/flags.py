@@ -146,6 +146,8 @@ def flag(
     """
     text = default_text
     switch = options.get("action") in ("store_true", "store_false")
+    if names[0].startswith("-"):  # an option: given once (a positional is read once anyway)
+        options["action"] = _ONCE[options.get("action")]
     if text is None and not switch and default is not None and default is not False and default is not REQUIRED:
         text = shown(default)
     full = help + (" (required)" if default is REQUIRED else f" (default: {text})" if text else "")
@@ -156,22 +158,50 @@ def flag(
 
 def hidden_alias(parser: Any, name: str, of: argparse.Action) -> argparse.Action:
     """An old spelling of ``of``: the same destination and type, accepted and not shown in ``--help``."""
-    action = parser.add_argument(name, dest=of.dest, type=of.type, default=UNSET, help=argparse.SUPPRESS)
+    action = parser.add_argument(name, dest=of.dest, type=of.type, default=UNSET, action=Once, help=argparse.SUPPRESS)
     action.fallback = of.fallback
     action.alias_of = of
     return action
 
 
-class OneSpelling(argparse.Action):
-    """A flag with several spellings (``--model`` / ``--cost-profile``): refuses two of them at once."""
+def _refuse_repeat(parser: Any, namespace: Any, dest: str, option_string: str | None, shown_value: str) -> None:
+    """A flag set twice (with one spelling or two) is refused in one line: the second would silently win."""
+    seen = getattr(namespace, "_given_as", {})
+    if dest in seen:
+        first, first_value = seen[dest]
+        if first != option_string:
+            parser.error(f"{first} and {option_string} both set the same option; give one")
+        values = f" ({first_value}, {shown_value})" if shown_value else ""
+        parser.error(f"{option_string} given twice{values}; give it once")
+    namespace._given_as = {**seen, dest: (option_string, shown_value)}
+
+
+class Once(argparse._StoreAction):
+    """A flag that takes a value, given once; ``--dp 2 --dp 3`` (or two spellings of it) is a usage error."""
 
     def __call__(self, parser: Any, namespace: Any, values: Any, option_string: str | None = None) -> None:
-        seen = getattr(namespace, "_spellings", {})
-        earlier = seen.get(self.dest)
-        if earlier is not None and earlier != option_string:
-            parser.error(f"{earlier} and {option_string} both set the same option; give one")
-        namespace._spellings = {**seen, self.dest: option_string}
-        setattr(namespace, self.dest, values)
+        _refuse_repeat(parser, namespace, self.dest, option_string, str(values))
+        super().__call__(parser, namespace, values, option_string)
+
+
+class OnceTrue(argparse._StoreTrueAction):
+    """A switch (``--quiet``), given once."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: str | None = None) -> None:
+        _refuse_repeat(parser, namespace, self.dest, option_string, "")
+        super().__call__(parser, namespace, values, option_string)
+
+
+class OnceFalse(argparse._StoreFalseAction):
+    """A switch that turns something off (``--no-ring-check``), given once."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: str | None = None) -> None:
+        _refuse_repeat(parser, namespace, self.dest, option_string, "")
+        super().__call__(parser, namespace, values, option_string)
+
+
+#: The action of each ``action=`` a flag may name; every one refuses a second setting of its flag.
+_ONCE = {None: Once, "store": Once, "store_true": OnceTrue, "store_false": OnceFalse}
 
 
 def field_default(f: dataclasses.Field) -> Any:
@@ -200,8 +230,8 @@ def _field_type(name: str, meta: Mapping[str, Any]) -> dict[str, Any]:
         return {"choices": meta["choices"]} if "choices" in meta else {}
     if kind is tuple:
         return {"type": price_range, "metavar": meta.get("metavar", "LOW,HIGH")}
-    if kind is CostModel:
-        return {"action": OneSpelling}
+    if kind is CostModel:  # a preset or a profile file, under either spelling (--model, --cost-profile)
+        return {}
     raise TypeError(f"field {name}: no command-line reading for type {kind!r} (set metadata type=)")
 
 

@@ -15,7 +15,7 @@ from ringpack._hints import command_line_hints, option
 from ringpack.analysis.demo import DemoConfig
 from ringpack.calibration.run import KernelCalibrationConfig
 from ringpack.calibration.step import StepCalibrationConfig
-from ringpack.cli import build_parser, parse
+from ringpack.cli import build_parser, flags, parse
 from ringpack.cli.flags import EXPLORE_MESH, REQUIRED
 from ringpack.shard_plan import PlanConfig
 from tests.helpers.cli import assert_clean, run_cli
@@ -180,6 +180,31 @@ def test_two_spellings_of_the_cost_model_are_refused(tmp_path):
     assert_clean(run)
     assert run.code == 2 and "--model and --cost-profile" in run.err
     assert parse([*argv, "--cost-profile", "tiny"]).cost == "tiny"
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["plan", "--dp", "2", "--dp", "3"], "--dp given twice (2, 3)"),
+        (["report", "--step", "1", "--step", "1"], "--step given twice (1, 1)"),
+        (["shard", "data.jsonl", "--quiet", "--quiet"], "--quiet given twice"),
+        (["simulate", "--quiet", "--no-progress"], "--quiet and --no-progress both set"),
+        (["demo", "--no-ring-check", "--no-ring-check"], "--no-ring-check given twice"),
+        (["calibrate", "--scope", "step", "--scope", "kernels"], "--scope given twice (step, kernels)"),
+        (["report", "--solver-time-limit", "1", "--solver-time-limit-s", "2"], "--solver-time-limit and"),
+    ],
+)
+def test_a_flag_given_twice_is_refused_in_one_line_naming_it(argv, words):
+    run = run_cli(argv)
+    assert_clean(run)
+    assert run.code == 2 and words in run.err, run.err
+
+
+def test_every_option_of_every_command_refuses_a_second_setting():
+    takes_once = (flags.Once, flags.OnceTrue, flags.OnceFalse, argparse._HelpAction)
+    for name, parser in commands().items():
+        loose = [a.option_strings[0] for a in parser._actions if a.option_strings and not isinstance(a, takes_once)]
+        assert not loose, f"{name}: {loose} may be given twice"
 
 
 # ------------------------------------------------------------------------------------ the package
