@@ -237,15 +237,13 @@ def train(trainer: Trainer) -> list[float]:
     Returns the loss of every step run."""
     args = trainer.args
     losses: list[float] = []
-    left = max(args.steps - trainer.step, 0) if args.steps else 0
     log = (lambda line: print(line, flush=True)) if trainer.grid.rank == 0 and args.verbose else None
-    if not (args.steps and left == 0):
-        for batches in planned_steps(trainer.loader, left, log):
-            start, lr = time.perf_counter(), trainer.optimizer.param_groups[0]["lr"]
-            losses.append(train_step(trainer, batches))
-            _log(trainer, losses[-1], lr, time.perf_counter() - start)
-            if _due(args, trainer.step):
-                save(trainer, args.checkpoint_dir)
+    for batches in planned_steps(trainer.loader, args.steps, log, done=trainer.step):
+        start, lr = time.perf_counter(), trainer.optimizer.param_groups[0]["lr"]
+        losses.append(train_step(trainer, batches))
+        _log(trainer, losses[-1], lr, time.perf_counter() - start)
+        if _due(args, trainer.step):
+            save(trainer, args.checkpoint_dir)
     if losses and args.checkpoint_dir and not _due(args, trainer.step):
         save(trainer, args.checkpoint_dir)
     return losses

@@ -234,16 +234,20 @@ def steps_of(loader) -> Iterator[list[dict[str, Any]]]:
     assert not current, "the last step ended early"
 
 
-def planned_steps(loader, steps: int, log=None) -> Iterator[list[dict[str, Any]]]:
-    """The run's optimizer steps: the rest of the sampler's epoch (``steps=0``), or ``steps`` of them,
+def planned_steps(loader, steps: int, log=None, *, done: int = 0) -> Iterator[list[dict[str, Any]]]:
+    """The run's optimizer steps: the rest of the sampler's epoch (``steps=0``), or up to ``steps`` of them,
     continuing into the next epochs (each with its own plan) when an epoch has fewer.
 
     Args:
         loader: a DataLoader whose ``batch_sampler`` is a :class:`BalancedBatchSampler`.
-        steps: how many steps to yield; 0 for the rest of the current epoch.
+        steps: the run's steps in all (``--steps``); 0 for the rest of the current epoch.
         log: called with one line each time the run continues into another epoch.
+        done: steps the run finished before this call (a resumed run): ``steps - done`` are yielded,
+            and the log counts the run's steps, not this call's.
     """
-    sampler, done, fresh = loader.batch_sampler, 0, False
+    sampler, fresh = loader.batch_sampler, False
+    if steps and done >= steps:
+        return
     while True:
         in_epoch = 0
         for batches in steps_of(loader):

@@ -65,6 +65,15 @@ def test_steps_beyond_an_epoch_continue_into_the_next_and_say_so():
     assert len(list(train.planned_steps(_loader(20), 2))) == 2
 
 
+def test_a_resumed_run_counts_its_steps_against_the_whole_run():
+    train = load_example("train")
+    lines = []
+    steps = list(train.planned_steps(_loader(20), 6, lines.append, done=2))  # 3 steps an epoch
+    assert len(steps) == 4
+    assert lines == ["epoch 0 ended after 3 steps; continuing with epoch 1 (5 of --steps 6 done)"]
+    assert list(train.planned_steps(_loader(20), 6, done=6)) == []
+
+
 def test_a_sampler_resumed_at_its_epochs_end_continues_with_the_next_epoch():
     train = load_example("train")
     loader = _loader(20)
