@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -242,12 +242,17 @@ def _convert(action: argparse.Action, text: str, where: str) -> Any:
 
 
 # ------------------------------------------------------------------------------------------ write
-def written_settings(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
-    """The resolved settings of a run, by destination, as a config file holds them (``None`` left out)."""
+def written_settings(
+    args: argparse.Namespace, parser: argparse.ArgumentParser, leave_out: Sequence[str] = ()
+) -> dict[str, Any]:
+    """The resolved settings of a run, by destination, as a config file holds them.
+
+    Settings that are ``None`` and the destinations in ``leave_out`` are not written.
+    """
     out = {}
     for action in settings(parser):
         value = getattr(args, action.dest, None)
-        if value is None or value is UNSET:
+        if value is None or value is UNSET or action.dest in leave_out:
             continue
         out[action.dest] = list(value) if isinstance(value, tuple) else value
     return out

@@ -117,15 +117,20 @@ def lengths_from_flag(path: str, column: str | None = None, flag: str = "--lengt
 
 
 def check_output_file(
-    path: str, flag: str, inputs: Sequence[str | None] = (), outputs: Mapping[str, str | None] = {}
+    path: str,
+    flag: str,
+    inputs: Sequence[str | None] = (),
+    outputs: Mapping[str, str | None] = {},
+    suffixes: Sequence[str] = (),
 ) -> None:
     """Refuse, before any slow work, an output file that cannot be written or would replace an input.
 
     ``outputs``: the command's other output files, by flag; ``path`` must be none of them.
+    ``suffixes``: the formats the command writes (``.parquet``, ``.json``); empty: any name.
 
     Raises:
-        ValueError: ``path`` is a directory, its folder does not exist, or it is one of ``inputs``
-            or ``outputs`` (naming both flags).
+        ValueError: ``path`` ends in none of ``suffixes``, is a directory, its folder does not
+            exist, or it is one of ``inputs`` or ``outputs`` (naming both flags).
     """
     for other_flag, other in outputs.items():
         if other and os.path.realpath(path) == os.path.realpath(other):
@@ -138,6 +143,9 @@ def check_output_file(
     for other in inputs:
         if other and target.exists() and Path(other).exists() and os.path.samefile(target, other):
             raise ValueError(f"{flag} {path} is an input of this command; write the output elsewhere")
+    if suffixes and Path(path).suffix not in suffixes:
+        kinds = ", ".join(suffixes[:-1]) + " or " * (len(suffixes) > 1) + suffixes[-1]
+        raise ValueError(f"{flag} {path}: give a {kinds} file (the formats it writes)")
 
 
 def check_output_folder(path: str, flag: str = "--out") -> None:

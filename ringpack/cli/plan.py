@@ -12,7 +12,7 @@ import numpy as np
 
 from ringpack.analysis.report import window_line
 from ringpack.analysis.robustness import PRICE_FACTORS, imbalance_across_prices
-from ringpack.cli.config_file import add_config_file_flag, write_config, written_settings
+from ringpack.cli.config_file import SUFFIXES, add_config_file_flag, write_config, written_settings
 from ringpack.cli.flags import REQUIRED, add_lengths_flags, add_plan_flags, add_quiet_flag, flag, new_command
 from ringpack.cli.inputs import check_output_file, lengths_from_flag, plan_config_from_args, progress, samples_per_step
 from ringpack.cli.layout import add_layout_flags, choice_to_dict, layout_table, resolve_layout
@@ -21,6 +21,11 @@ from ringpack.planner.epoch import global_batches, make_plan
 from ringpack.traffic import plan_kv_traffic
 
 logger = logging.getLogger("ringpack.cli")
+#: The plan file formats ``--out`` writes (``Plan.save``).
+PLAN_SUFFIXES = (".parquet", ".json")
+#: Settings of where and how a run reports, not of what it plans: ``--write-config`` leaves them out,
+#: so a run from the written file writes no plan over the first one unless told where.
+NOT_WRITTEN = ("out", "json", "quiet")
 
 
 def add_command(subparsers: Any) -> None:
@@ -40,7 +45,7 @@ def add_command(subparsers: Any) -> None:
     add_lengths_flags(p, required=True)
     add_plan_flags(p)
     add_layout_flags(p)
-    flag(p, "--out", default=REQUIRED, help="output plan: .parquet (default) or .json")
+    flag(p, "--out", default=REQUIRED, help="output plan: a .parquet or .json file")
     flag(p, "--json", default=False, action="store_true", help="print the summary as JSON")
     add_quiet_flag(p)
     add_config_file_flag(p)
@@ -48,7 +53,8 @@ def add_command(subparsers: Any) -> None:
         p,
         "--write-config",
         metavar="FILE",
-        help="write the settings of this run as a --config file (.toml, .json, .yaml)",
+        help="write the planning settings of this run (not --out, --json, --quiet) as a --config file "
+        "(.toml, .json, .yaml)",
     )
     p.set_defaults(handler=run_plan, command_parser=p)
 
@@ -78,9 +84,11 @@ def summarize(plan) -> dict:
 
 def run_plan(args: argparse.Namespace) -> int:
     inputs = [args.lengths, args.cost, args.config]
-    check_output_file(args.out, "--out", inputs=inputs)
+    check_output_file(args.out, "--out", inputs=inputs, suffixes=PLAN_SUFFIXES)
     if args.write_config:
-        check_output_file(args.write_config, "--write-config", inputs=inputs, outputs={"--out": args.out})
+        check_output_file(
+            args.write_config, "--write-config", inputs=inputs, outputs={"--out": args.out}, suffixes=list(SUFFIXES)
+        )
     lengths = lengths_from_flag(args.lengths, args.column)
     choice = resolve_layout(args, lengths)
     if choice is not None and not args.json:
@@ -92,7 +100,7 @@ def run_plan(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - t0
     plan.save(args.out)
     if args.write_config:  # the batch as the plan has it, so the file makes this plan again
-        settings = written_settings(args, args.command_parser)
+        settings = written_settings(args, args.command_parser, leave_out=NOT_WRITTEN)
         write_config(
             args.write_config, {**settings, "samples_per_step": config.samples_per_step, "global_batch_tokens": 0}
         )

@@ -152,6 +152,26 @@ def test_write_config_refuses_a_path_it_cannot_use(lengths, tmp_path):
         assert run.code == 1 and words in run.err, run.err
 
 
+def test_write_config_keeps_the_planning_settings_only_so_a_rerun_overwrites_nothing(lengths, tmp_path):
+    written, first = tmp_path / "used.json", tmp_path / "a.json"
+    argv = ["plan", "--lengths", lengths, *FLAGS, "--out", first, "--json", "--quiet", "--write-config", written]
+    assert run_cli(argv).code == 0
+    keys = set(json.loads(written.read_text()))
+    assert not keys & {"out", "json", "quiet", "write_config", "config"}, keys
+    assert {"lengths", "dp", "cp", "tokens_per_rank", "samples_per_step", "cost"} <= keys
+    before = first.read_bytes()
+    run = run_cli(["plan", "--config", written])
+    assert_clean(run)
+    assert run.code == 2 and "--out" in run.err and first.read_bytes() == before, run.err
+
+
+def test_write_config_refuses_an_unknown_format_before_planning(lengths, tmp_path):
+    run = run_cli(["plan", "--lengths", lengths, *FLAGS, "--out", tmp_path / "p.json", "--write-config", "used.ini"])
+    assert_clean(run)
+    assert run.code == 1 and "--write-config used.ini" in run.err and ".yml" in run.err, run.err
+    assert not (tmp_path / "p.json").exists()
+
+
 def test_shard_report_and_simulate_read_a_config_file(lengths, tmp_path):
     ids = tmp_path / "ids.jsonl"
     ids.write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in token_rows(30)))
