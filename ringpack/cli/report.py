@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +79,7 @@ def run_report(args: argparse.Namespace) -> int:
             raise ValueError(f"plans are for different DP x CP shapes {sorted(shapes)}; report one shape at a time")
         lengths = np.asarray(plans[0].lengths)
         comms = comm_models(args, plans[0].config.cost)
-        names = _unique_names([plan_label(p.config) for p in plans])
+        names = _file_names(args.plans) if args.plans else [plan_label(plans[0].config)]
         with progress(args, "costing every rank of every step", "plans", len(plans)) as bar:
             results = []
             for plan, name in zip(plans, names):
@@ -164,6 +165,19 @@ def _window_entry(lengths: np.ndarray, config: Any, names: list[str]) -> dict[st
     tokens = int(docs.sum()) - int(sum(int(docs[k]) for k in batches.dropped))
     summary = batches.moves().summary(config, planned, tokens)
     return {"batch_window": {**summary, "plan": names[0], "without": names[-1]}}
+
+
+def _file_names(paths: list[str]) -> list[str]:
+    """Each plan file's row name: its file name, with as many of its folders as tell it from the other files
+    (``a/plan.parquet``, ``b/plan.parquet``); a file given twice is numbered (``plan.parquet#2``)."""
+    full = [Path(os.path.abspath(p)).parts for p in paths]
+
+    def name(parts: tuple[str, ...]) -> str:
+        others = [other for other in full if other != parts]
+        depth = next(d for d in range(1, len(parts) + 1) if all(o[-d:] != parts[-d:] for o in others))
+        return "/".join(parts[-depth:])
+
+    return _unique_names([name(parts) for parts in full])
 
 
 def _unique_names(labels: list[str]) -> list[str]:

@@ -74,7 +74,7 @@ def test_report_cli_from_plan_file(tmp_path, capsys):
     out = tmp_path / "rep"
     assert main(["report", str(path), "--out", str(out), "--no-plots", "--quiet"]) == 0
     printed = capsys.readouterr().out
-    assert "zigzag/first_fit" in printed and "busy time per GPU" in printed
+    assert "plan.parquet" in printed and "busy time per GPU" in printed
     doc = json.loads((out / "report.json").read_text())
     want = brute.figures(plan)
     got = doc["plans"][0]["steps"]
