@@ -6,9 +6,12 @@ import numpy as np
 import pytest
 
 from ringpack.attention import compile_schedule
+from ringpack.cli import main
 from ringpack.cost import CostModel
+from ringpack.data import ShardReader
 from ringpack.planner import make_plan
 from ringpack.shard_plan import PlanConfig
+from tests.helpers.cli import token_rows, write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -65,3 +68,16 @@ def test_schedule_repr_is_bounded(big_plan):
     assert "cp_rank=1 of 4" in text and f"tokens={schedule.num_tokens}" in text
     assert f"kernel_calls={schedule.num_kernel_calls}" in text and "device=cpu" in text
     assert len(str(schedule.steps)) < 200 * max(1, sum(len(s.calls) for s in schedule.steps))
+
+
+def test_shard_reader_repr_names_its_folder_ranks_steps_and_files(tmp_path):
+    data = write_jsonl(tmp_path / "ids.jsonl", [{"input_ids": row} for row in token_rows(30)])
+    argv = ["shard", data, "--out", tmp_path / "shards", "--dp", "2", "--cp", "2", "--tokens-per-rank", "256"]
+    assert main([str(a) for a in [*argv, "--samples-per-step", "10", "--steps-per-file", "2", "--quiet"]]) == 0
+    reader = ShardReader(tmp_path / "shards", 1, 0)
+    text = repr(reader)
+    assert len(text) < 120 + len(str(tmp_path)), text
+    assert text.startswith(f"ShardReader({str(tmp_path / 'shards')!r}, dp_rank=1 of 2, cp_rank=0 of 2, ")
+    for part in (f"steps={reader.num_steps}", f"microbatches={len(reader)}", f"files={len(reader.files)}"):
+        assert part in text, (part, text)
+    assert reader.num_steps == 3 and len(reader.files) == 2 and f"plan={reader.plan_hash[:12]}" in text

@@ -131,6 +131,13 @@ class ShardReader:
     def __len__(self) -> int:
         return sum(f["microbatches"] for f in self.files)
 
+    def __repr__(self) -> str:
+        dp, cp = self.manifest["dp"], self.manifest["cp"]
+        return (
+            f"ShardReader({str(self.path)!r}, dp_rank={self.dp_rank} of {dp}, cp_rank={self.cp_rank} of {cp}, "
+            f"steps={self.num_steps}, microbatches={len(self)}, files={len(self.files)}, plan={self.plan_hash[:12]})"
+        )
+
     def _check(self, entry: dict[str, Any]) -> Path:
         """The path of a manifest entry's file, checked: present, its sha256 (with ``verify``) and size."""
         path = refuse_link(self.path / entry["name"], "shard file")
