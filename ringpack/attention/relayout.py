@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ringpack.attention.checks import verify_schedule
-from ringpack.attention.schedule import HeadLayout, Schedule
+from ringpack.attention.schedule import MAX_HEAD_PARALLEL_RANKS, HeadLayout, Schedule
 from ringpack.errors import DataError
 
 __all__ = [
@@ -99,6 +99,11 @@ def head_layout(schedule: Schedule) -> HeadLayout:
     """
     if not isinstance(schedule, Schedule):
         raise DataError(f"schedule must be a Schedule (compile_schedule(microbatch, cp_rank)), got {type(schedule)}")
+    if schedule.head_layout is None and schedule.cp_size > MAX_HEAD_PARALLEL_RANKS:
+        raise DataError(
+            f"cp rank {schedule.cp_rank}: head-parallel CP over {schedule.cp_size} ranks needs a query head per "
+            f"rank, more than any model has (at most {MAX_HEAD_PARALLEL_RANKS} ranks); use mode='p2p' or 'ring'"
+        )
     if schedule.head_layout is None:
         raise DataError(
             f"cp rank {schedule.cp_rank}: head-parallel CP needs the schedule's head layout; "

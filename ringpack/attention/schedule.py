@@ -43,6 +43,7 @@ __all__ = [
     "DEFAULT_DENSE_THRESHOLD",
     "DENSE_KEYWORDS",
     "DenseOptions",
+    "MAX_HEAD_PARALLEL_RANKS",
     "DenseSegment",
     "HeadLayout",
     "KernelCall",
@@ -644,7 +645,9 @@ def compile_schedule(
             sends_of=lambda src: exchange_ranges(table, table.rows_of(src), src)[1],
         ),
         gpus_per_node=None if gpus_per_node is None else int(gpus_per_node),
-        head_layout=_head_layout(table, microbatch.samples, fingerprint, dense),
+        head_layout=_head_layout(table, microbatch.samples, fingerprint, dense)
+        if cp <= MAX_HEAD_PARALLEL_RANKS
+        else None,
         node_layout=_node_layout(table, microbatch, cp_rank, gpus_per_node, dense),
     )
 
@@ -698,6 +701,13 @@ def _node_microbatch(table: _PieceTable, microbatch: MicroBatch, gpus_per_node: 
     return MicroBatch(
         samples=tuple(samples), shards=tuple(RankShard(tuple(p)) for p in shards), loss_tokens=microbatch.loss_tokens
     )
+
+
+#: The largest CP group whose schedules carry a head layout: head-parallel CP splits the query
+#: heads over the group's ranks, so it needs at least one head per rank, and no model has more than
+#: this many. The layout costs time linear in the whole micro-batch's tokens, which a pool of
+#: thousands of ranks (ring or targeted exchange only) should not pay on every compile.
+MAX_HEAD_PARALLEL_RANKS = 256
 
 
 def _head_layout(table: _PieceTable, samples: Sequence[int], fingerprint: int, dense: DenseOptions) -> HeadLayout:
