@@ -200,8 +200,10 @@ class BalancedBatchSampler(_SamplerBase):
     """
 
     def __init__(self, lengths: Any, config: PlanConfig | Any = None, dp_rank: Any = None, *args: Any, **kwargs: Any):
-        if config is None:  # the old spelling by keywords: dp_rank=..., dp_size=..., cp_size=...
-            config, dp_rank = _config_of_old_spelling(dp_rank, kwargs.pop("dp_size", None), args, kwargs)
+        if config is None and not args and not kwargs:
+            raise DataError("BalancedBatchSampler(lengths, config, dp_rank): config must be a PlanConfig, got None")
+        if config is None and "dp_size" in kwargs:  # the old spelling by keywords: dp_rank=..., dp_size=...
+            config, dp_rank = _config_of_old_spelling(dp_rank, kwargs.pop("dp_size"), args, kwargs)
         elif not isinstance(config, PlanConfig):  # the old spelling by position: dp_rank, dp_size, ...
             config, dp_rank = _config_of_old_spelling(config, dp_rank, args, kwargs)
         elif args or kwargs:
@@ -816,13 +818,6 @@ def _config_of_old_spelling(dp_rank: Any, dp_size: Any, args: tuple, kwargs: dic
     for name in names:
         if name in kwargs:
             given[name] = kwargs.pop(name)
-    missing = [
-        n
-        for n in ("dp_rank", "dp_size", "cp_size", "tokens_per_rank")
-        if (given | {"dp_rank": dp_rank, "dp_size": dp_size}).get(n) is None
-    ]
-    if missing:
-        raise DataError(f"BalancedBatchSampler(lengths, config, dp_rank): missing {', '.join(missing)}")
     warnings.warn(
         "BalancedBatchSampler(lengths, dp_rank, dp_size, cp_size, tokens_per_rank, ...) is deprecated: pass "
         "BalancedBatchSampler(lengths, PlanConfig(dp=..., cp=..., tokens_per_rank=..., ...), dp_rank)",
@@ -834,8 +829,8 @@ def _config_of_old_spelling(dp_rank: Any, dp_size: Any, args: tuple, kwargs: dic
         raise DataError(f"dp_size must be a positive integer, got {dp_size!r}")
     config = PlanConfig(
         dp=dp_size,
-        cp=given["cp_size"],
-        tokens_per_rank=given["tokens_per_rank"],
+        cp=given.get("cp_size"),
+        tokens_per_rank=given.get("tokens_per_rank"),
         strategy=given.get("strategy", "balanced"),
         seed=given.get("seed", 0),
         **kwargs,
