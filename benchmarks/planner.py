@@ -201,7 +201,8 @@ def first_batch_case(cost: CostModel, samples: int = 1_000_000, per_step: int = 
     lengths = synthetic("lognormal", samples, 6)
     gc.collect()
     t0 = time.perf_counter()
-    sampler = BalancedBatchSampler(lengths, 0, 64, 8, 32768, samples_per_step=per_step, cost=cost)
+    config = PlanConfig(dp=64, cp=8, tokens_per_rank=32768, samples_per_step=per_step, cost=cost)
+    sampler = BalancedBatchSampler(lengths, config, 0)
     it = iter(sampler)
     first = next(it)
     first_s = time.perf_counter() - t0

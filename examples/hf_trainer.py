@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ringpack.attention import MODES
 from ringpack.integrations.trainer import RingpackConfig, RingpackTrainer
-from ringpack.shard_plan import OVERFLOW_POLICIES
+from ringpack.shard_plan import OVERFLOW_POLICIES, PlanConfig
 from ringpack.tokenizer import load_tokenizer, tokenizer_vocab_size
 
 #: The small Llama's vocabulary for synthetic ids (a tokenizer sets its own).
@@ -123,13 +123,16 @@ def train(args: argparse.Namespace, output_dir: str) -> int:
         use_cpu=not torch.cuda.is_available(),
         dataloader_num_workers=args.workers,
     )
-    ringpack = RingpackConfig(
-        cp_size=args.cp,
+    plan = PlanConfig(
+        dp=training_args.world_size // args.cp,
+        cp=args.cp,
         tokens_per_rank=args.tokens_per_rank,
         strategy=args.strategy,
-        mode=args.mode,
-        plan_options={"samples_per_step": args.samples_per_step, "overflow": args.overflow},
+        samples_per_step=args.samples_per_step,
+        overflow=args.overflow,
+        seed=args.seed,
     )
+    ringpack = RingpackConfig(plan=plan, mode=args.mode)
     trainer = RingpackTrainer(
         model=model,
         args=training_args,

@@ -27,9 +27,8 @@ cp_group = groups[dp_rank]
 rng = np.random.default_rng(0)
 samples = [rng.integers(0, 1000, n) for n in rng.integers(1, 1500, 256)]  # token-id sequences
 
-sampler = ringpack.BalancedBatchSampler(
-    [len(s) for s in samples], dp_rank, dp_size, cp_size, tokens_per_rank=1024, samples_per_step=64
-)
+config = ringpack.PlanConfig(dp=dp_size, cp=cp_size, tokens_per_rank=1024, samples_per_step=64)
+sampler = ringpack.BalancedBatchSampler([len(s) for s in samples], config, dp_rank)
 loader = DataLoader(
     ringpack.PackedDataset(samples),  # samples: token-id sequences, or a datasets.Dataset with input_ids
     batch_sampler=sampler,

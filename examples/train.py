@@ -53,7 +53,7 @@ from ringpack.data import BalancedBatchSampler, PackedCollator, PackedDataset, l
 from ringpack.integrations.transformers import (
     causal_lm_loss_sum,
 )  # importing it registers attn_implementation='ringpack'
-from ringpack.shard_plan import OVERFLOW_POLICIES, PACKINGS, STRATEGIES
+from ringpack.shard_plan import OVERFLOW_POLICIES, PACKINGS, STRATEGIES, PlanConfig
 from ringpack.training import CostLearner
 
 MODELS = {
@@ -334,12 +334,10 @@ def make_loader(args: argparse.Namespace, grid: Grid, samples: Any) -> torch.uti
 
 def make_sampler(args: argparse.Namespace, lengths: Any, dp_rank: int, dp_size: int, cp_size: int):
     """The sampler of DP rank ``dp_rank``: the plan options of ``args`` over ``lengths``."""
-    return BalancedBatchSampler(
-        lengths,
-        dp_rank,
-        dp_size,
-        cp_size,
-        args.tokens_per_rank,
+    config = PlanConfig(
+        dp=dp_size,
+        cp=cp_size,
+        tokens_per_rank=args.tokens_per_rank,
         strategy=args.strategy,
         packing=args.packing,
         samples_per_step=args.samples_per_step,
@@ -350,6 +348,7 @@ def make_sampler(args: argparse.Namespace, lengths: Any, dp_rank: int, dp_size: 
         overflow=getattr(args, "overflow", "error"),
         gpus_per_node=getattr(args, "gpus_per_node", None),
     )
+    return BalancedBatchSampler(lengths, config, dp_rank)
 
 
 def forward_backward(

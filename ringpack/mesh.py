@@ -43,7 +43,7 @@ def is_device_mesh(obj: Any) -> bool:
 def mesh_coordinates(mesh: Any, dp_dim: str = "dp", cp_dim: str = "cp") -> MeshCoordinates:
     """This rank's DP and CP coordinates in a DeviceMesh with dimensions ``dp_dim`` and ``cp_dim``.
 
-    ``BalancedBatchSampler(lengths, c.dp_rank, c.dp_size, c.cp_size, ...)`` and
+    ``BalancedBatchSampler(lengths, PlanConfig(dp=c.dp_size, cp=c.cp_size, ...), c.dp_rank)`` and
     ``PackedCollator(c.cp_rank, c.cp_size)`` then feed the rank its share of the plan.
 
     Raises:

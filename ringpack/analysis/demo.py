@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,24 +35,29 @@ from ringpack.analysis.report import (
 from ringpack.comm_model import LINKS, CommModel
 from ringpack.cost import CostModel
 from ringpack.data.corpus import stdlib_corpus
+from ringpack.errors import PlanError
 from ringpack.planner import make_plan
 from ringpack.progress import Progress
 from ringpack.shard_plan import PlanConfig, field_doc, global_batch_samples
 
-__all__ = ["DemoConfig", "run_demo"]
+__all__ = ["DEMO_PLAN", "DemoConfig", "run_demo"]
 
 #: Progress-bar stages besides planning: corpus, report, the four plots.
 _FIXED_STAGES = 1 + 1 + 4
 
 
-def _plan_field(name: str, default: Any) -> Any:
-    """A field that means what :class:`PlanConfig`'s field ``name`` means (its help), with the demo's default."""
-    return field(default=default, metadata=PlanConfig.__dataclass_fields__[name].metadata)
+#: The demo's plan: DP=4 x CP=4 at 32,768 tokens per rank, documents longer than a CP group split.
+DEMO_PLAN = PlanConfig(dp=4, cp=4, tokens_per_rank=32768, overflow="split")
 
 
 @dataclass(frozen=True, kw_only=True)
 class DemoConfig:
-    """What :func:`run_demo` plans and where it writes; each field's ``help`` says what it sets."""
+    """What :func:`run_demo` plans and where it writes; each field's ``help`` says what it sets.
+
+    ``plan`` is the :class:`PlanConfig` every variant is planned with, whole (its ``strategy`` and
+    ``packing`` are set per variant); where its ``samples_per_step`` is 0, ``global_batch_tokens``
+    sizes the global batch.
+    """
 
     out: str = field(default="demo-out", metadata=field_doc("folder for the report, JSON and plots", type=str))
     tokenizer: str | None = field(
@@ -62,11 +68,11 @@ class DemoConfig:
             default_text="the regex tokenizer",
         ),
     )
-    dp: int = _plan_field("dp", 4)
-    cp: int = _plan_field("cp", 4)
-    tokens_per_rank: int = _plan_field("tokens_per_rank", 32768)
-    samples_per_step: int = field(
-        default=0, metadata=field_doc("global batch in samples (0: global_batch_tokens decides)", type=int, low=0)
+    plan: PlanConfig = field(
+        default=DEMO_PLAN,
+        metadata=field_doc(
+            "the plan config of every variant (its strategy and packing set per variant)", type=PlanConfig
+        ),
     )
     global_batch_tokens: int | str = field(
         default="auto",
@@ -76,9 +82,6 @@ class DemoConfig:
             type=int,
         ),
     )
-    cost: CostModel = field(
-        default_factory=lambda: CostModel.preset("llama3-8b"), metadata=PlanConfig.__dataclass_fields__["cost"].metadata
-    )
     tflops: float = field(
         default=400.0, metadata=field_doc("achieved fwd+bwd TFLOP/s per GPU of a FLOP cost model", type=float)
     )
@@ -86,7 +89,6 @@ class DemoConfig:
         default="nvlink",
         metadata=field_doc("link preset of the CP traffic within a node", type=str, choices=tuple(sorted(LINKS))),
     )
-    seed: int = _plan_field("seed", 0)
     quick: bool = field(default=False, metadata=field_doc("a 300-file subset of the corpus (for tests)", type=bool))
     ring_check: bool = field(
         default=True,
@@ -94,20 +96,46 @@ class DemoConfig:
             "the 2-process ring runtime check (off with --no-ring-check)", type=bool, flag="--no-ring-check"
         ),
     )
+    # The old spelling: plan fields one by one (a DeprecationWarning; they replace those of ``plan``).
+    dp: InitVar[int | None] = None
+    cp: InitVar[int | None] = None
+    tokens_per_rank: InitVar[int | None] = None
+    samples_per_step: InitVar[int | None] = None
+    seed: InitVar[int | None] = None
+    cost: InitVar[CostModel | None] = None
+
+    def __post_init__(self, *old: Any) -> None:
+        if not isinstance(self.plan, PlanConfig):
+            raise PlanError(f"DemoConfig.plan must be a PlanConfig, got {type(self.plan).__name__}")
+        given = {name: value for name, value in zip(_OLD_PLAN_FIELDS, old) if value is not None}
+        if given:
+            warnings.warn(
+                f"DemoConfig({'=..., '.join(given)}=...) is deprecated: pass DemoConfig(plan=PlanConfig(...)), "
+                "e.g. dataclasses.replace(DEMO_PLAN, dp=...)",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+            object.__setattr__(self, "plan", dataclasses.replace(self.plan, **given))
 
     def cost_model(self) -> CostModel:
-        """``cost``, a FLOP model running at ``tflops``."""
-        if self.cost.unit != "flop":
-            return self.cost
-        return dataclasses.replace(self.cost, flops_per_second=self.tflops * 1e12)
+        """The plan's cost model, a FLOP model running at ``tflops``."""
+        cost = self.plan.cost
+        if cost.unit != "flop":
+            return cost
+        return dataclasses.replace(cost, flops_per_second=self.tflops * 1e12)
 
     def samples_per_step_of(self, lengths: np.ndarray) -> int:
-        """``samples_per_step``, or where it is 0 the global batch of ``global_batch_tokens`` (0: one step)."""
-        if self.samples_per_step or not self.global_batch_tokens:
-            return self.samples_per_step
+        """The plan's ``samples_per_step``, or where it is 0 the batch of ``global_batch_tokens`` (0: one step)."""
+        plan = self.plan
+        if plan.samples_per_step or not self.global_batch_tokens:
+            return plan.samples_per_step
         return global_batch_samples(
-            lengths, self.global_batch_tokens, dp=self.dp, cp=self.cp, tokens_per_rank=self.tokens_per_rank
+            lengths, self.global_batch_tokens, dp=plan.dp, cp=plan.cp, tokens_per_rank=plan.tokens_per_rank
         )
+
+
+#: DemoConfig's old init-only plan fields, in order.
+_OLD_PLAN_FIELDS = ("dp", "cp", "tokens_per_rank", "samples_per_step", "seed", "cost")
 
 
 def run_demo(config: DemoConfig = DemoConfig(), *, progress: bool = True) -> int:
@@ -132,7 +160,7 @@ def run_demo(config: DemoConfig = DemoConfig(), *, progress: bool = True) -> int
     corpus = stdlib_corpus(tokenizer=config.tokenizer)
     lengths = corpus.lengths
     if config.quick:  # a seeded subset: same pipeline, a few seconds
-        lengths = lengths[np.random.default_rng(config.seed).permutation(lengths.size)[:300]]
+        lengths = lengths[np.random.default_rng(config.plan.seed).permutation(lengths.size)[:300]]
     bar.update(1)
 
     doc = _plan_and_report(config, lengths, corpus, bar)
@@ -143,7 +171,7 @@ def run_demo(config: DemoConfig = DemoConfig(), *, progress: bool = True) -> int
     ring, ring_note = None, ""
     if check:
         bar.set_description("ring check: 2 CPU processes")
-        ring, ring_note = _ring_check(corpus.lengths, config.seed)
+        ring, ring_note = _ring_check(corpus.lengths, config.plan.seed)
         bar.update(1)
     bar.close()
 
@@ -175,15 +203,7 @@ def _plan_and_report(config: DemoConfig, lengths: np.ndarray, corpus: Any, bar: 
     """Plan ``lengths`` with every default variant and build the report document."""
 
     model = config.cost_model()
-    plan_config = PlanConfig(
-        dp=config.dp,
-        cp=config.cp,
-        tokens_per_rank=config.tokens_per_rank,
-        samples_per_step=config.samples_per_step_of(lengths),
-        seed=config.seed,
-        overflow="split",
-        cost=model,
-    )
+    plan_config = dataclasses.replace(config.plan, samples_per_step=config.samples_per_step_of(lengths), cost=model)
     comm = CommModel.for_model(model, link=config.link)
     results = []
     for strategy, packing in DEFAULT_VARIANTS:
@@ -211,8 +231,8 @@ def _print_results(config: DemoConfig, doc: dict[str, Any], corpus: Any, samples
     model = config.cost_model()
     speed = f" at {model.flops_per_second / 1e12:.0f} TFLOP/s" if model.unit == "flop" else ""
     print(
-        f"plans: {len(doc['plans'])} (CP strategy/packing), DP={config.dp} x CP={config.cp}, "
-        f"{config.tokens_per_rank:,} tokens per rank, {per_step} samples per step, cost model "
+        f"plans: {len(doc['plans'])} (CP strategy/packing), DP={config.plan.dp} x CP={config.plan.cp}, "
+        f"{config.plan.tokens_per_rank:,} tokens per rank, {per_step} samples per step, cost model "
         f"{doc['cost_model']['name']}{speed}\n"
     )
     print(format_table(doc))

@@ -14,7 +14,7 @@ points live in :mod:`ringpack.attention.kernels`, the schedule's parts in
 from ringpack.attention.api import MODES, RingAttention, ring_attention
 from ringpack.attention.kernels import BACKENDS, available_backends, warm_up_kernels
 from ringpack.attention.relayout import heads_to_sequence, sequence_to_heads
-from ringpack.attention.schedule import Schedule, ScheduleMismatchError, compile_schedule
+from ringpack.attention.schedule import Schedule, ScheduleMismatchError, ScheduleOptions, compile_schedule
 
 __all__ = [
     "BACKENDS",
@@ -22,6 +22,7 @@ __all__ = [
     "RingAttention",
     "Schedule",
     "ScheduleMismatchError",
+    "ScheduleOptions",
     "available_backends",
     "compile_schedule",
     "heads_to_sequence",

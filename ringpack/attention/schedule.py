@@ -51,6 +51,7 @@ __all__ = [
     "RingStep",
     "Schedule",
     "ScheduleMismatchError",
+    "ScheduleOptions",
     "compile_schedule",
     "dense_bucket",
     "dense_bucket_up",
@@ -75,7 +76,7 @@ class ScheduleMismatchError(ValueError):
 class DenseOptions:
     """How :func:`compile_schedule` marks work for a hybrid backend's dense kernel (other backends
     ignore the marks; docs/attention.md, "The dense split"). Its keywords are ``dense_<field>``
-    (:data:`DENSE_KEYWORDS`).
+    (:data:`DENSE_KEYWORDS`, fields of :class:`ScheduleOptions`).
 
     Attributes:
         threshold: segments of at least this many queries and keys (by area,
@@ -105,22 +106,63 @@ class DenseOptions:
         object.__setattr__(self, "buckets", None if buckets is None else int(buckets))
         object.__setattr__(self, "batches", bool(batches))
 
-    @classmethod
-    def from_keywords(cls, options: Mapping[str, Any]) -> DenseOptions:
-        """The options named by :func:`compile_schedule`'s keywords (``{"dense_buckets": None}``:
-        what ``schedule_options`` of the collator and the shard reader carry).
-
-        Raises:
-            PlanError: a key that is not one of :data:`DENSE_KEYWORDS`, or a bad value.
-        """
-        unknown = sorted(set(options) - set(DENSE_KEYWORDS), key=str)
-        if unknown:
-            raise PlanError(f"unknown schedule option(s) {unknown}; choose from {list(DENSE_KEYWORDS)}")
-        return cls(**{key.removeprefix("dense_"): value for key, value in options.items()})
-
 
 #: :func:`compile_schedule`'s keywords of the :class:`DenseOptions` fields.
 DENSE_KEYWORDS = tuple(f"dense_{f.name}" for f in fields(DenseOptions))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScheduleOptions:
+    """Everything :func:`compile_schedule` takes besides the micro-batch and the rank, as one value
+    (what :class:`~ringpack.data.PackedCollator`, :class:`~ringpack.data.ShardReader` and
+    ``RingpackConfig`` pass on). Its fields are :func:`compile_schedule`'s keywords.
+
+    Raises:
+        PlanError: a bad value; the message names the field.
+    """
+
+    dense_threshold: int | None = DEFAULT_DENSE_THRESHOLD
+    """Segments of at least this many queries and keys (by area) go to a hybrid backend's dense kernel; None: none."""
+    dense_buckets: int | None = DEFAULT_DENSE_BUCKETS
+    """The dense parts' lengths per octave, a power of two; None keeps exact shapes (data whose lengths repeat)."""
+    dense_batches: bool = True
+    """Runs of equal short local segments go to the dense kernel as batched calls."""
+    gpus_per_node: int | None = None
+    """The targeted exchange over nodes of this many CP ranks (K/V cross nodes once); None: the plan's, else flat."""
+
+    def __post_init__(self) -> None:
+        node = self.gpus_per_node
+        if node is not None and not (is_int(node) and node >= 1):
+            raise PlanError(f"gpus_per_node must be None or an integer >= 1, got {node!r}")
+        dense = DenseOptions(self.dense_threshold, self.dense_buckets, self.dense_batches)  # checks, names the field
+        object.__setattr__(self, "dense_threshold", dense.threshold)
+        object.__setattr__(self, "dense_buckets", dense.buckets)
+        object.__setattr__(self, "dense_batches", dense.batches)
+        object.__setattr__(self, "gpus_per_node", None if node is None else int(node))
+
+    @property
+    def dense(self) -> DenseOptions:
+        """The dense split these options ask for."""
+        return DenseOptions(self.dense_threshold, self.dense_buckets, self.dense_batches)
+
+    def with_node_size(self, gpus_per_node: int | None) -> ScheduleOptions:
+        """These options with the plan's node size ``gpus_per_node`` where they set none themselves."""
+        if gpus_per_node is None or self.gpus_per_node is not None:
+            return self
+        return replace(self, gpus_per_node=gpus_per_node)
+
+    @classmethod
+    def from_keywords(cls, options: Mapping[str, Any]) -> ScheduleOptions:
+        """The options named by :func:`compile_schedule`'s keywords (``{"dense_buckets": None}``).
+
+        Raises:
+            PlanError: a key that is no field, or a bad value (named).
+        """
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(set(options) - set(names), key=str)
+        if unknown:
+            raise PlanError(f"unknown schedule option(s) {unknown}; choose from {names}")
+        return cls(**options)
 
 
 class DenseSegment(NamedTuple):
@@ -562,6 +604,8 @@ def compile_schedule(
     dense_buckets: int | None = DEFAULT_DENSE_BUCKETS,
     dense_batches: bool = True,
     gpus_per_node: int | None = None,
+    *,
+    options: ScheduleOptions | None = None,
 ) -> Schedule:
     """Compile ``microbatch`` into the attention schedule of CP rank ``cp_rank``.
 
@@ -588,6 +632,7 @@ def compile_schedule(
             size, the schedule also carries the hybrid modes' :class:`NodeLayout` (a node-level
             schedule of ``cp / gpus_per_node`` ranks, compiled here: about one more compile of a
             micro-batch with at most as many pieces).
+        options: all of the above as one :class:`ScheduleOptions` (then leave the keywords out).
 
     Returns:
         The :class:`Schedule` of CPU tensors (int64 row indices, int32 ``cu_seqlens``); move it with
@@ -597,7 +642,8 @@ def compile_schedule(
     Raises:
         PlanError: (a ``ValueError``) a ``microbatch`` that is not a :class:`MicroBatch`, a
             ``cp_rank`` that is not an integer in range, a bad ``dense_threshold``,
-            ``dense_buckets``, ``dense_batches`` or ``gpus_per_node``, or pieces that do not tile their samples:
+            ``dense_buckets``, ``dense_batches`` or ``gpus_per_node``, ``options`` that are not
+            :class:`ScheduleOptions` or given with those keywords, or pieces that do not tile their samples:
             empty, starting below 0, out of canonical order, overlapping, leaving a gap (tokens in
             no piece), of a sample the micro-batch does not list, or a listed sample in no piece.
             Each message names the argument, or the CP rank, sample and piece.
@@ -607,9 +653,9 @@ def compile_schedule(
     if not is_int(cp_rank) or not 0 <= cp_rank < cp:
         raise PlanError(f"cp_rank must be an integer in [0, {cp}) (the micro-batch's rank shards), got {cp_rank!r}")
     cp_rank = int(cp_rank)
-    dense = DenseOptions(dense_threshold, dense_buckets, dense_batches)
-    if gpus_per_node is not None and not (is_int(gpus_per_node) and gpus_per_node >= 1):
-        raise PlanError(f"gpus_per_node must be None or an integer >= 1, got {gpus_per_node!r}")
+    keywords = {"dense_threshold": dense_threshold, "dense_buckets": dense_buckets, "dense_batches": dense_batches}
+    options = _options_of(options, {**keywords, "gpus_per_node": gpus_per_node})
+    dense, gpus_per_node = options.dense, options.gpus_per_node
     table = _PieceTable.from_microbatch(microbatch)
     fingerprint = table.fingerprint(microbatch.samples)
     mine = table.rows_of(cp_rank)
@@ -708,6 +754,21 @@ def _node_microbatch(table: _PieceTable, microbatch: MicroBatch, gpus_per_node: 
 #: this many. The layout costs time linear in the whole micro-batch's tokens, which a pool of
 #: thousands of ranks (ring or targeted exchange only) should not pay on every compile.
 MAX_HEAD_PARALLEL_RANKS = 256
+
+
+def _options_of(options: Any, keywords: dict[str, Any]) -> ScheduleOptions:
+    """``options``, or the :class:`ScheduleOptions` of :func:`compile_schedule`'s keywords when it is None."""
+    if options is None:
+        return ScheduleOptions(**keywords)
+    if not isinstance(options, ScheduleOptions):
+        raise PlanError(f"options must be a ScheduleOptions, got {type(options).__name__}")
+    given = [name for name, value in keywords.items() if value != getattr(_DEFAULT_OPTIONS, name)]
+    if given:
+        raise PlanError(f"compile_schedule: pass options= or the keywords {given}, not both")
+    return options
+
+
+_DEFAULT_OPTIONS = ScheduleOptions()
 
 
 def _head_layout(table: _PieceTable, samples: Sequence[int], fingerprint: int, dense: DenseOptions) -> HeadLayout:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any
 
-from ringpack.analysis.demo import DemoConfig, run_demo
+from ringpack.analysis.demo import DEMO_PLAN, DemoConfig, run_demo
 from ringpack.cli.flags import (
     add_config_flags,
     add_field_flag,
@@ -20,7 +21,7 @@ from ringpack.cli.flags import (
 from ringpack.cli.inputs import check_one_global_batch, check_output_folder, cost_model
 from ringpack.shard_plan import PlanConfig
 
-#: ``DemoConfig`` fields that are ``PlanConfig`` fields: their flags are the planner's, with the demo's defaults.
+#: ``DemoConfig.plan`` fields with flags: the planner's flags, with the defaults of ``DEMO_PLAN``.
 PLAN_FIELDS = ("dp", "cp", "tokens_per_rank", "samples_per_step", "seed", "cost")
 #: ``DemoConfig`` fields whose flags every command that has them shares.
 SHARED = ("global_batch_tokens", "tflops", "link")
@@ -36,10 +37,10 @@ def add_command(subparsers: Any) -> None:
         examples=["ringpack demo --out demo-out/", "ringpack demo --quick --no-ring-check --quiet"],
     )
     demo, plan = config_fields(DemoConfig), config_fields(PlanConfig)
-    add_config_flags(p, DemoConfig, skip=(*PLAN_FIELDS, *SHARED))
+    add_config_flags(p, DemoConfig, skip=("plan", *SHARED))
     g = p.add_argument_group("planning (PlanConfig fields)")
     for name in PLAN_FIELDS:
-        add_field_flag(g, plan[name], field_default(demo[name]))
+        add_field_flag(g, plan[name], getattr(DEMO_PLAN, name))
     add_global_batch_flag(g, field_default(demo["global_batch_tokens"]))
     add_tflops_flag(g)
     add_link_flag(g)
@@ -50,7 +51,13 @@ def add_command(subparsers: Any) -> None:
 def run_demo_command(args: argparse.Namespace) -> int:
     check_output_folder(args.out)
     batch = check_one_global_batch(args)
-    fields = {name: getattr(args, name) for name in config_fields(DemoConfig) if name != "cost"}
+    fields = {name: getattr(args, name) for name in config_fields(DemoConfig) if name != "plan"}
     if batch == "samples_per_step":  # stated in samples, 0 included (all samples in one step)
         fields["global_batch_tokens"] = 0
-    return run_demo(DemoConfig(**fields, cost=cost_model(args)), progress=not args.quiet)
+    return run_demo(DemoConfig(**fields, plan=demo_plan(args)), progress=not args.quiet)
+
+
+def demo_plan(args: argparse.Namespace) -> PlanConfig:
+    """``DEMO_PLAN`` with the values of the planning flags."""
+    flagged = {name: getattr(args, name) for name in PLAN_FIELDS if name != "cost"}
+    return dataclasses.replace(DEMO_PLAN, **flagged, cost=cost_model(args))

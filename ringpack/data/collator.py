@@ -25,7 +25,7 @@ import numpy as np
 from ringpack._checks import is_int
 from ringpack.attention import compile_schedule
 from ringpack.attention.api import mesh_dimension
-from ringpack.attention.schedule import DENSE_KEYWORDS, DenseOptions
+from ringpack.attention.schedule import ScheduleOptions
 from ringpack.data.sampler import MicroBatchTicket
 from ringpack.data.shard_format import TOKEN_ID_LIMIT
 from ringpack.lengths import DataError, is_dataset
@@ -36,9 +36,7 @@ __all__ = [
     "PackedSamples",
     "PackedCollator",
     "check_schedule_flag",
-    "check_schedule_options",
-    "SCHEDULE_KEYWORDS",
-    "with_node_size",
+    "schedule_options_of",
     "rank_arrays",
     "to_batch",
     "check_token_ids",
@@ -239,37 +237,32 @@ def rank_arrays(
     return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids, "cu_seqlens": cu.astype(np.int32)}
 
 
-def check_schedule_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
-    """Validated ``compile_schedule`` options: the kernel split's
-    (:class:`~ringpack.attention.schedule.DenseOptions` by their keywords) and ``gpus_per_node``: e.g.
-    ``{"dense_buckets": None}`` for data whose lengths repeat (exact cuDNN shapes, see
-    docs/attention.md, shape buckets).
+def schedule_options_of(options: Any, owner: str, stacklevel: int = 3) -> ScheduleOptions:
+    """``options`` as :class:`~ringpack.attention.ScheduleOptions` (None: the defaults).
+
+    A dict of its fields still works for one release, with a ``DeprecationWarning``. ``owner`` names
+    the argument in messages (``"PackedCollator"``: ``PackedCollator(schedule_options=...)``);
+    ``stacklevel`` points the warning at the caller's caller (``warnings.warn``'s).
 
     Raises:
-        DataError: not a mapping (or None), an unknown option, or a bad value (named).
+        DataError: neither ScheduleOptions, a dict nor None; a dict with an unknown key or a bad value (named).
     """
-    if options is not None and not isinstance(options, Mapping):
-        raise DataError(f"schedule_options must be a dict of {list(SCHEDULE_KEYWORDS)}, got {type(options).__name__}")
-    options = dict(options or {})
-    node = options.get("gpus_per_node")
-    if node is not None and not (is_int(node) and node >= 1):
-        raise DataError(f"schedule_options: gpus_per_node must be None or an integer >= 1, got {node!r}")
-    try:
-        DenseOptions.from_keywords({k: v for k, v in options.items() if k != "gpus_per_node"})
-    except ValueError as exc:
-        raise DataError(f"schedule_options: {exc} (or gpus_per_node)") from exc
-    return options
-
-
-#: The ``compile_schedule`` keywords a collator or shard reader passes on: the dense split's and the node size.
-SCHEDULE_KEYWORDS = (*DENSE_KEYWORDS, "gpus_per_node")
-
-
-def with_node_size(options: Mapping[str, Any], gpus_per_node: int | None) -> Mapping[str, Any]:
-    """``options`` with the plan's ``gpus_per_node`` (the node-relayed exchange of a pool plan), if it has one."""
-    if gpus_per_node is None or options.get("gpus_per_node") is not None:
+    if options is None:
+        return ScheduleOptions()
+    if isinstance(options, ScheduleOptions):
         return options
-    return {**options, "gpus_per_node": gpus_per_node}
+    if not isinstance(options, Mapping):
+        raise DataError(f"{owner}.schedule_options must be a ScheduleOptions, got {type(options).__name__}")
+    warnings.warn(
+        f"{owner}(schedule_options=dict) is deprecated: pass ringpack.attention.ScheduleOptions(...) "
+        "with the same fields; dicts will be refused",
+        DeprecationWarning,
+        stacklevel=stacklevel,
+    )
+    try:
+        return ScheduleOptions.from_keywords(options)
+    except ValueError as exc:
+        raise DataError(f"{owner}.schedule_options: {exc}") from exc
 
 
 def check_schedule_flag(schedule: Any, name: str = "schedule") -> None:
@@ -296,10 +289,10 @@ def _renamed_flag(compile_schedules: Any, schedule: Any) -> Any:
     return schedule
 
 
-def _schedule(microbatch: MicroBatch, cp_rank: int, mode: Any, options: Mapping[str, Any] | None = None) -> Any:
+def _schedule(microbatch: MicroBatch, cp_rank: int, mode: Any, options: ScheduleOptions | None = None) -> Any:
     if mode is False or mode is None:
         return None
-    return compile_schedule(microbatch, cp_rank, **(options or {}))
+    return compile_schedule(microbatch, cp_rank, options=options)
 
 
 def to_batch(
@@ -309,7 +302,7 @@ def to_batch(
     meta: dict[str, Any],
     schedule: Any,
     ignore_index: int = IGNORE_INDEX,
-    options: Mapping[str, Any] | None = None,
+    options: ScheduleOptions | None = None,
 ) -> dict[str, Any]:
     """Turn :func:`rank_arrays` output into the batch dict (torch tensors + plan metadata)."""
     import torch
@@ -353,9 +346,10 @@ class PackedCollator:
         compile_schedules: ``"auto"`` or ``True``: compile each micro-batch's attention schedule
             for this rank; ``False``: leave ``batch["schedule"]`` ``None``.
         ignore_index: the label of every sample's last token.
-        schedule_options: keyword options of ``compile_schedule`` (:data:`SCHEDULE_KEYWORDS`): the
+        schedule_options: ``compile_schedule``'s :class:`~ringpack.attention.ScheduleOptions`: the
             dense split's, and ``gpus_per_node`` (a ticket of a plan with ``gpus_per_node`` brings
-            its own, which an explicit value here overrides).
+            its own, which an explicit value here overrides); None: the defaults. A dict of its
+            fields still works for one release, with a ``DeprecationWarning``.
         schedule: the old name of ``compile_schedules`` (a ``DeprecationWarning``).
         vocab_size: the model's vocabulary size: every token id must be in ``[0, vocab_size)``;
             ``None``: in ``[0, 2**31)`` (:func:`check_token_ids`).
@@ -380,7 +374,7 @@ class PackedCollator:
         *,
         compile_schedules: Any = "auto",
         ignore_index: int = IGNORE_INDEX,
-        schedule_options: Mapping[str, Any] | None = None,
+        schedule_options: ScheduleOptions | None = None,
         schedule: Any = _UNSET,
         vocab_size: int | None = None,
     ) -> None:
@@ -399,7 +393,7 @@ class PackedCollator:
         self.cp_rank = int(cp_rank)
         self.cp_size = int(cp_size)
         self.compile_schedules = compile_schedules
-        self.schedule_options = check_schedule_options(schedule_options)
+        self.schedule_options = schedule_options_of(schedule_options, "PackedCollator")
         self.ignore_index = ignore_index
         self.vocab_size = None if vocab_size is None else int(vocab_size)
 
@@ -505,5 +499,5 @@ class PackedCollator:
         arrays = rank_arrays(starts, pieces, nexts, self.ignore_index)
         meta = dict(meta or {})
         meta.setdefault("step_loss_tokens", None)
-        options = with_node_size(self.schedule_options, gpus_per_node)
+        options = self.schedule_options.with_node_size(gpus_per_node)
         return to_batch(arrays, microbatch, self.cp_rank, meta, self.compile_schedules, self.ignore_index, options)

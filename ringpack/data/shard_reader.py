@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,8 @@ import numpy as np
 
 from ringpack._checks import is_bool, is_int
 from ringpack._files import file_sha256, open_regular, refuse_link
-from ringpack.data.collator import check_schedule_flag, check_schedule_options, rank_arrays, to_batch, with_node_size
+from ringpack.attention.schedule import ScheduleOptions
+from ringpack.data.collator import check_schedule_flag, rank_arrays, schedule_options_of, to_batch
 from ringpack.data.shard_format import MANIFEST, PIECE_COLUMNS, PLAN_FILE, PROGRESS, SHARD_FORMAT_VERSION, plain_name
 from ringpack.errors import DataError
 from ringpack.mesh import mesh_coordinates
@@ -65,7 +66,7 @@ class ShardReader:
         cp_size: int | None = None,
         verify: bool = True,
         schedule: Any = "auto",
-        schedule_options: Mapping[str, Any] | None = None,
+        schedule_options: ScheduleOptions | None = None,
     ) -> None:
         if not isinstance(path, (str, os.PathLike)):
             raise DataError(f"path must be a shard directory (a str or os.PathLike), got {type(path).__name__}")
@@ -76,7 +77,7 @@ class ShardReader:
             raise DataError(f"verify must be True or False, got {verify!r}")
         check_schedule_flag(schedule)
         self.path = Path(path)
-        self.schedule_options = check_schedule_options(schedule_options)
+        self.schedule_options = schedule_options_of(schedule_options, "ShardReader")
         manifest_path = refuse_link(self.path / MANIFEST, "manifest")
         if not manifest_path.is_file():
             hint = (
@@ -270,7 +271,7 @@ class ShardReader:
             "cursor": position + 1,
             "plan_hash": self.plan_hash,
         }
-        options = with_node_size(self.schedule_options, plan.config.gpus_per_node)
+        options = self.schedule_options.with_node_size(plan.config.gpus_per_node)
         return to_batch(arrays, mb, self.cp_rank, meta, self.schedule, options=options)
 
     # -------------------------------------------------------------- state

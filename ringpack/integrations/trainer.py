@@ -1,14 +1,14 @@
 """Hugging Face ``Trainer`` on ringpack's plan: balanced DP x CP batches and context-parallel attention.
 
-:class:`RingpackTrainer` takes the usual Trainer arguments plus ``ringpack=RingpackConfig(cp_size,
-tokens_per_rank, plan_options=...)``; launch one process per device (``torchrun`` or ``accelerate
-launch``) on a ``("dp", "cp")`` grid with CP innermost. It wires a
-:class:`~ringpack.data.BalancedBatchSampler` per DP rank and a :class:`~ringpack.data.PackedCollator`
-per CP rank (one Trainer batch is one planned optimizer step, so ``gradient_accumulation_steps``
-stays 1), ``attn_implementation="ringpack"`` with the CP group, the loss rule (each micro-batch's
-loss sum over the global batch's loss tokens, gradients summed by
-:func:`~ringpack.integrations.distributed.sum_gradients`) and a logged loss that is the global
-per-token mean.
+:class:`RingpackTrainer` takes the usual Trainer arguments plus
+``ringpack=RingpackConfig(plan=PlanConfig(dp=..., cp=..., tokens_per_rank=..., ...))``, the plan
+config whole; launch one process per device (``torchrun`` or ``accelerate launch``) on a
+``("dp", "cp")`` grid with CP innermost. It wires a :class:`~ringpack.data.BalancedBatchSampler` per
+DP rank and a :class:`~ringpack.data.PackedCollator` per CP rank (one Trainer batch is one planned
+optimizer step, so ``gradient_accumulation_steps`` stays 1), ``attn_implementation="ringpack"`` with
+the CP group, the loss rule (each micro-batch's loss sum over the global batch's loss tokens,
+gradients summed by :func:`~ringpack.integrations.distributed.sum_gradients`) and a logged loss that
+is the global per-token mean.
 
 Not wired: evaluation through ringpack attention, Trainer's data skipping on resume (the sampler
 resumes exactly), DeepSpeed and ``DataParallel``.
@@ -18,8 +18,9 @@ See docs/integrations.md, "Hugging Face Trainer".
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -29,9 +30,9 @@ from transformers import Trainer
 from transformers.utils import logging
 
 from ringpack._checks import is_int
-from ringpack.attention import BACKENDS, MODES
+from ringpack.attention import BACKENDS, MODES, ScheduleOptions
 from ringpack.data import BalancedBatchSampler, PackedCollator, PackedDataset
-from ringpack.data.collator import check_schedule_options
+from ringpack.data.collator import schedule_options_of
 from ringpack.data.sampler import check_plan_options
 from ringpack.errors import DataError, PlanError
 from ringpack.integrations.distributed import gradient_sync, sum_gradients
@@ -45,70 +46,149 @@ logger = logging.get_logger(__name__)
 __all__ = ["PlannedSteps", "RingpackConfig", "RingpackTrainer"]
 
 
-@dataclass(frozen=True)
+class _NotGiven:
+    """The default of RingpackConfig's old-spelling fields: not given (``None`` is a value they refuse)."""
+
+    def __repr__(self) -> str:
+        return "<not given>"
+
+
+_NOT_GIVEN: Any = _NotGiven()
+
+#: RingpackConfig's old spelling of the plan, taken apart: the fields and their defaults.
+_OLD_SPELLING = {"cp_size": 1, "tokens_per_rank": 4096, "strategy": "balanced", "plan_options": {}}
+
+
+@dataclass(frozen=True, kw_only=True)
 class RingpackConfig:
-    """How :class:`RingpackTrainer` plans and runs a dataset.
+    """How :class:`RingpackTrainer` plans and runs a dataset: the plan config whole, the runtime apart.
 
     Args:
-        cp_size: ranks per CP group (the world must be a multiple).
-        tokens_per_rank: one CP rank's token budget in one micro-batch.
-        strategy: the CP split (``"balanced"``, ``"zigzag"``, ``"contiguous"``).
+        plan: the :class:`~ringpack.shard_plan.PlanConfig` every rank plans with, whole
+            (``PlanConfig(dp=..., cp=..., tokens_per_rank=..., samples_per_step=..., seed=...)``):
+            ``dp x cp`` must be the world (the mesh's ``"dp"`` and ``"cp"`` sizes where a mesh is
+            given); its ``seed`` shuffles the data. ``None``: CP size 1 (or the mesh's), the world
+            as DP, 4096 tokens per rank, the seed of ``args.data_seed`` or ``args.seed``.
         mode: one of :data:`~ringpack.attention.MODES` (:func:`~ringpack.attention.ring_attention`):
             ``"ring"``, ``"allgather"``, ``"p2p"``, ``"ulysses"``, or the hybrids ``"ulysses+p2p"`` and
-            ``"ulysses+ring"`` (nodes of ``plan_options["gpus_per_node"]`` ranks).
+            ``"ulysses+ring"`` (nodes of the plan's ``gpus_per_node`` ranks).
         backend: the attention kernels (``"auto"``, ``"flash_attn"``, ``"reference"``, ...).
         column: the token-id field of dict rows.
         lengths: token count of each dataset row (default: read from the dataset).
-        plan_options: other :class:`~ringpack.shard_plan.PlanConfig` fields (``samples_per_step``,
-            ``packing``, ``cost``, ``overflow``, ...). The plan's seed is ``args.data_seed`` or
-            ``args.seed``.
-        schedule_options: ``compile_schedule`` options for the collator (``dense_threshold``, ...).
+        schedule_options: the collator's :class:`~ringpack.attention.ScheduleOptions` (a dict of
+            its fields still works for one release, with a ``DeprecationWarning``).
+        cp_size, tokens_per_rank, strategy, plan_options: the old spelling of ``plan``, taken
+            apart (the plan's DP size from the world, its seed from ``TrainingArguments``); it
+            still works for one release, with a ``DeprecationWarning``.
 
     Raises:
-        PlanError: a ``cp_size`` or ``tokens_per_rank`` that is not a positive integer, an unknown
-            ``strategy``, ``plan_options`` that are not a dict of other PlanConfig fields with valid
-            values (the fields set here or by the Trainer, such as ``cp`` or ``seed``, are refused).
+        PlanError: a ``plan`` that is not a PlanConfig, or given with the old spelling; in the old
+            spelling: a ``cp_size`` or ``tokens_per_rank`` that is not a positive integer, an
+            unknown ``strategy``, ``plan_options`` that are not a dict of other PlanConfig fields
+            with valid values (the fields set by the old spelling or the Trainer are refused).
         DataError: an unknown ``mode`` or ``backend``, a ``column`` that is not a string, bad
             ``schedule_options``.
     """
 
-    cp_size: int = 1
-    tokens_per_rank: int = 4096
-    strategy: str = "balanced"
+    plan: PlanConfig | None = None
     mode: str = "ring"
     backend: str = "auto"
     column: str = "input_ids"
     lengths: Any = None
-    plan_options: dict[str, Any] = field(default_factory=dict)
-    schedule_options: dict[str, Any] | None = None
+    schedule_options: ScheduleOptions | None = None
+    cp_size: int = _NOT_GIVEN
+    tokens_per_rank: int = _NOT_GIVEN
+    strategy: str = _NOT_GIVEN
+    plan_options: dict[str, Any] = _NOT_GIVEN
 
     def __post_init__(self) -> None:
-        for name in ("cp_size", "tokens_per_rank"):
-            value = getattr(self, name)
-            if not is_int(value) or value < 1:
-                raise PlanError(f"RingpackConfig.{name} must be a positive integer, got {value!r}")
-        if self.strategy not in STRATEGIES:
-            raise PlanError(f"RingpackConfig.strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        old = [name for name in _OLD_SPELLING if getattr(self, name) is not _NOT_GIVEN]
+        if self.plan is not None and not isinstance(self.plan, PlanConfig):
+            raise PlanError(f"RingpackConfig.plan must be a PlanConfig, got {type(self.plan).__name__}")
+        if self.plan is not None and old:
+            raise PlanError(f"RingpackConfig: give plan=PlanConfig(...) or the old {', '.join(old)}, not both")
+        if old:
+            warnings.warn(
+                f"RingpackConfig({'=..., '.join(old)}=...) is deprecated: pass RingpackConfig(plan=PlanConfig(dp=..., "
+                "cp=..., tokens_per_rank=..., strategy=..., seed=..., ...)), the plan config whole",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+            self._check_old_spelling()
         if not isinstance(self.mode, str) or self.mode not in MODES:
             raise DataError(f"RingpackConfig.mode must be one of {MODES}, got {self.mode!r}")
         if not isinstance(self.backend, str) or (self.backend != "auto" and self.backend not in BACKENDS):
             raise DataError(f"RingpackConfig.backend must be 'auto' or one of {BACKENDS}, got {self.backend!r}")
         if not isinstance(self.column, str):
             raise DataError(f"RingpackConfig.column must be the name of the token-id field, got {self.column!r}")
-        if not isinstance(self.plan_options, Mapping):
-            raise PlanError(f"RingpackConfig.plan_options must be a dict, got {type(self.plan_options).__name__}")
-        check_plan_options(self.plan_options, _SET_BY_TRAINER, "RingpackConfig.plan_options")
-        try:  # the option values, checked now rather than when training starts
-            PlanConfig(dp=1, cp=self.cp_size, tokens_per_rank=self.tokens_per_rank, **self.plan_options)
+        object.__setattr__(
+            self, "schedule_options", schedule_options_of(self.schedule_options, "RingpackConfig", stacklevel=4)
+        )
+
+    def _check_old_spelling(self) -> None:
+        """The old spelling's fields, checked now rather than when training starts."""
+        cp_size, tokens_per_rank, strategy, plan_options = self._old_fields()
+        for name, value in (("cp_size", cp_size), ("tokens_per_rank", tokens_per_rank)):
+            if not is_int(value) or value < 1:
+                raise PlanError(f"RingpackConfig.{name} must be a positive integer, got {value!r}")
+        if strategy not in STRATEGIES:
+            raise PlanError(f"RingpackConfig.strategy must be one of {STRATEGIES}, got {strategy!r}")
+        if not isinstance(plan_options, Mapping):
+            raise PlanError(f"RingpackConfig.plan_options must be a dict, got {type(plan_options).__name__}")
+        check_plan_options(plan_options, _SET_BY_TRAINER, "RingpackConfig.plan_options")
+        try:
+            PlanConfig(dp=1, cp=cp_size, tokens_per_rank=tokens_per_rank, **plan_options)
         except PlanError as exc:
             raise PlanError(f"RingpackConfig.plan_options: {exc}") from exc
-        try:
-            check_schedule_options(self.schedule_options)
-        except DataError as exc:
-            raise DataError(f"RingpackConfig.{exc}") from exc
+
+    def _old_fields(self) -> tuple[Any, ...]:
+        """``(cp_size, tokens_per_rank, strategy, plan_options)``, the defaults where not given."""
+        return tuple(
+            default if getattr(self, name) is _NOT_GIVEN else getattr(self, name)
+            for name, default in _OLD_SPELLING.items()
+        )
+
+    def _cp(self, coordinates: MeshCoordinates | None = None) -> int:
+        """The CP size this config asks for (``plan.cp``; without a plan, the mesh's or 1)."""
+        if self.plan is not None:
+            return self.plan.cp
+        if self.cp_size is _NOT_GIVEN and coordinates is not None:
+            return coordinates.cp_size
+        return self._old_fields()[0]
+
+    def plan_for(self, args: Any, coordinates: MeshCoordinates | None) -> PlanConfig:
+        """The plan config of a run with TrainingArguments ``args`` on the mesh at ``coordinates``.
+
+        Returns ``plan`` as given, or the plan of the old spelling (or of no plan): DP size from
+        the mesh or the world, seed from ``args.data_seed`` or ``args.seed``.
+
+        Raises:
+            PlanError: a plan whose ``dp x cp`` is not the world (the mesh's sizes, with a mesh), or
+                a world that is not a multiple of the CP size.
+        """
+        world = args.world_size
+        if self.plan is not None:
+            plan = self.plan
+            sizes = (world // plan.cp, plan.cp) if coordinates is None else (coordinates.dp_size, coordinates.cp_size)
+            if (plan.dp, plan.cp) != sizes or (coordinates is None and world % plan.cp):
+                where = f"a world of {world} ranks" if coordinates is None else "a mesh of dp={}, cp={}".format(*sizes)
+                raise PlanError(f"RingpackConfig.plan has dp={plan.dp}, cp={plan.cp} but the run is {where}")
+            return plan
+        cp = self._cp(coordinates)
+        if world % cp:
+            raise PlanError(f"world size {world} is not a multiple of RingpackConfig.cp_size={cp}")
+        _, tokens_per_rank, strategy, plan_options = self._old_fields()
+        return PlanConfig(
+            dp=coordinates.dp_size if coordinates is not None else world // cp,
+            cp=cp,
+            tokens_per_rank=tokens_per_rank,
+            strategy=strategy,
+            seed=args.data_seed if args.data_seed is not None else args.seed,
+            **plan_options,
+        )
 
 
-#: PlanConfig fields that RingpackConfig or the Trainer set, and what sets them.
+#: PlanConfig fields that the old spelling of RingpackConfig or the Trainer set, and what sets them.
 _SET_BY_TRAINER = {
     "dp": "the mesh (the world over cp_size)",
     "cp": "RingpackConfig.cp_size",
@@ -178,8 +258,8 @@ class RingpackTrainer(Trainer):
             that is missing or a stream, ``RingpackConfig.lengths`` with another count than its rows,
             a row holding a token id outside ``[0, vocab_size)`` of the model's input embedding
             (the row named, before the model sees it).
-        PlanError: a world that is not a multiple of ``cp_size``, or a mesh whose CP dimension is
-            not the ``cp_size`` the given config names.
+        PlanError: a world or mesh of other DP x CP sizes than ``ringpack.plan``'s (in the old
+            spelling: a world that is not a multiple of ``cp_size``, a mesh of another CP size).
         ValueError: ``gradient_accumulation_steps`` other than 1, ``DataParallel`` (several devices
             per process), or a model whose attention does not go through transformers'
             ``AttentionInterface``.
@@ -194,15 +274,17 @@ class RingpackTrainer(Trainer):
             # default without activation checkpointing) would only cost a graph traversal and a warning
             training_args.ddp_find_unused_parameters = False
         coordinates = None if mesh is None else mesh_coordinates(mesh)  # before Trainer's set-up: fail fast
-        if coordinates is not None and ringpack is not None and coordinates.cp_size != ringpack.cp_size:
+        if coordinates is not None and ringpack is not None and coordinates.cp_size != ringpack._cp(coordinates):
+            name = "plan.cp" if ringpack.plan is not None else "cp_size"
             raise PlanError(
-                f"RingpackConfig.cp_size={ringpack.cp_size} but the mesh's 'cp' dimension has "
+                f"RingpackConfig.{name}={ringpack._cp(coordinates)} but the mesh's 'cp' dimension has "
                 f"{coordinates.cp_size} ranks"
             )
         super().__init__(*args, **kwargs)
-        if ringpack is None:
-            ringpack = RingpackConfig(cp_size=coordinates.cp_size if coordinates is not None else 1)
-        self.ringpack = ringpack
+        ringpack = RingpackConfig() if ringpack is None else ringpack
+        plan = ringpack.plan_for(self.args, coordinates)
+        #: the run's config, its plan resolved (the old spelling's and the default's as a PlanConfig)
+        self.ringpack = replace(ringpack, plan=plan, **dict.fromkeys(_OLD_SPELLING, _NOT_GIVEN))
         if self.args.gradient_accumulation_steps != 1:
             raise ValueError("the plan sets each step's micro-batches: use gradient_accumulation_steps=1")
         if self.args.n_gpu > 1:
@@ -211,7 +293,7 @@ class RingpackTrainer(Trainer):
             raise DataError(
                 f"model must be a transformers model (set_attn_implementation), got {type(self.model).__name__}"
             )
-        self.mesh = mesh if mesh is not None else _grid_mesh(self.args, self.ringpack.cp_size)
+        self.mesh = mesh if mesh is not None else _grid_mesh(self.args, plan.cp)
         self.coordinates = coordinates if coordinates is not None else _coordinates(self.mesh)
         register()
         self.model.set_attn_implementation("ringpack")
@@ -226,16 +308,7 @@ class RingpackTrainer(Trainer):
             raise DataError("RingpackTrainer: training requires a train_dataset")
         config, c, args = self.ringpack, self.coordinates, self.args
         dataset = PackedDataset(self.train_dataset, config.column)
-        self.sampler = BalancedBatchSampler(
-            _lengths(dataset, config),
-            c.dp_rank,
-            c.dp_size,
-            c.cp_size,
-            config.tokens_per_rank,
-            strategy=config.strategy,
-            seed=args.data_seed if args.data_seed is not None else args.seed,
-            **config.plan_options,
-        )
+        self.sampler = BalancedBatchSampler(_lengths(dataset, config), config.plan, c.dp_rank)
         dropped = self.sampler.dropped  # overflow="drop" leaves samples out by request: say how many
         if dropped:
             logger.warning(
@@ -304,9 +377,7 @@ def _vocab_size(model: torch.nn.Module) -> int | None:
 
 def _grid_mesh(args: Any, cp_size: int) -> Any:
     """A ``("dp", "cp")`` DeviceMesh over the world (None for one process)."""
-    world = args.world_size
-    if world % cp_size:
-        raise PlanError(f"world size {world} is not a multiple of RingpackConfig.cp_size={cp_size}")
+    world = args.world_size  # a multiple of cp_size (RingpackConfig.plan_for)
     if world == 1:
         return None
     from torch.distributed.device_mesh import init_device_mesh

@@ -413,32 +413,44 @@ def test_dense_threshold_is_validated():
         compile_schedule(zigzag_case(2, [4]), 0, dense_threshold=0)
 
 
-def test_dense_options_are_compile_schedules_keywords():
-    """DenseOptions declares the dense split once: its fields are compile_schedule's dense_* keywords
-    (with their defaults), the collator's schedule_options accept exactly those, and values are
-    normalised to plain ints and bools."""
+def test_schedule_options_are_compile_schedules_keywords():
+    """ScheduleOptions declares compile_schedule's options once: its fields are the keywords (with their
+    defaults), values are normalised to plain ints and bools, a bad value names its field, and
+    options= compiles what the keywords compile."""
     import inspect
+    from dataclasses import fields
 
+    from ringpack.attention import ScheduleOptions
     from ringpack.attention.schedule import DENSE_KEYWORDS, DenseOptions
-    from ringpack.data.collator import check_schedule_options
-    from ringpack.errors import DataError, PlanError
+    from ringpack.errors import PlanError
 
     params = inspect.signature(compile_schedule).parameters
-    assert tuple(name for name in params if name.startswith("dense_")) == DENSE_KEYWORDS
-    defaults = DenseOptions()
-    assert [getattr(defaults, k.removeprefix("dense_")) for k in DENSE_KEYWORDS] == [
-        params[k].default for k in DENSE_KEYWORDS
-    ]
-    options = DenseOptions.from_keywords({"dense_threshold": np.int64(8), "dense_batches": np.bool_(False)})
-    assert options == DenseOptions(8, defaults.buckets, False)
-    assert type(options.threshold) is int and type(options.batches) is bool
+    names = [f.name for f in fields(ScheduleOptions)]
+    assert names == [name for name in params if name not in ("microbatch", "cp_rank", "options")]
+    assert tuple(name for name in names if name.startswith("dense_")) == DENSE_KEYWORDS
+    defaults = ScheduleOptions()
+    assert [getattr(defaults, name) for name in names] == [params[name].default for name in names]
+    assert defaults.dense == DenseOptions()
+    options = ScheduleOptions.from_keywords({"dense_threshold": np.int64(8), "dense_batches": np.bool_(False)})
+    assert options == ScheduleOptions(dense_threshold=8, dense_batches=False)
+    assert type(options.dense_threshold) is int and type(options.dense_batches) is bool
+    with pytest.raises(TypeError):
+        ScheduleOptions(8)  # keyword-only
     with pytest.raises(PlanError, match=r"unknown schedule option\(s\) \['threshold'\]"):
-        DenseOptions.from_keywords({"threshold": 8})
-    with pytest.raises(PlanError, match="dense_batches"):
-        DenseOptions(batches="yes")
-    assert check_schedule_options(dict.fromkeys(DENSE_KEYWORDS[:2])) == dict.fromkeys(DENSE_KEYWORDS[:2])
-    with pytest.raises(DataError, match="schedule_options: unknown"):
-        check_schedule_options({"dense_split": True})
+        ScheduleOptions.from_keywords({"threshold": 8})
+    for field, bad in (("dense_batches", "yes"), ("dense_buckets", 3), ("dense_threshold", 0), ("gpus_per_node", 0)):
+        with pytest.raises(PlanError, match=f"^{field} must be"):
+            ScheduleOptions(**{field: bad})
+    assert ScheduleOptions().with_node_size(4).gpus_per_node == 4
+    assert ScheduleOptions(gpus_per_node=2).with_node_size(4).gpus_per_node == 2
+    mb = zigzag_case(2, [40, 9])
+    low = {"dense_threshold": 2, "dense_buckets": None}
+    by_options = compile_schedule(mb, 1, options=ScheduleOptions(**low))
+    assert by_options.local.dense == compile_schedule(mb, 1, **low).local.dense and by_options.local.dense
+    with pytest.raises(PlanError, match=r"options= or the keywords \['dense_threshold'\], not both"):
+        compile_schedule(mb, 1, dense_threshold=2, options=ScheduleOptions())
+    with pytest.raises(PlanError, match="options must be a ScheduleOptions, got dict"):
+        compile_schedule(mb, 1, options=low)
 
 
 # ------------------------------------------------------------------ compile cost against the group size

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import warnings
 
 import datasets
 import numpy as np
@@ -11,7 +12,7 @@ import torch
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from ringpack.attention import compile_schedule
+from ringpack.attention import ScheduleOptions, compile_schedule
 from ringpack.data import BalancedBatchSampler, DataError, MicroBatchTicket, PackedCollator, PackedDataset
 from ringpack.shard_plan import PlanError
 from tests.helpers.data import Coverage, batch_signature, random_samples
@@ -255,21 +256,29 @@ def test_old_schedule_keyword_still_works_with_a_warning(samples):
 
 
 def test_schedule_options_reach_compile_schedule(samples):
-    """schedule_options pass compile_schedule's kernel-split options through (exact shapes, a low
-    threshold); unknown options are refused when the collator is built."""
+    """ScheduleOptions pass compile_schedule's kernel-split options through (exact shapes, a low
+    threshold) without a warning; the old dict spelling warns and compiles the same schedule;
+    unknown options are refused when the collator is built."""
     sampler, ds, _ = make(samples)
     ticket = next(iter(sampler))
-    options = {"dense_threshold": 2, "dense_buckets": None}
+    keywords = {"dense_threshold": 2, "dense_buckets": None}
 
     def dense_parts(schedule) -> list:
         return [c.dense for c in (schedule.local, *(c for st in schedule.steps for c in st.calls)) if c is not None]
 
     for rank in range(CP):
-        got = PackedCollator(rank, CP, schedule_options=options)(ds.__getitems__(ticket))["schedule"]
-        want = compile_schedule(ticket.microbatch, rank, **options)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            collator = PackedCollator(rank, CP, schedule_options=ScheduleOptions(**keywords))
+        got = collator(ds.__getitems__(ticket))["schedule"]
+        want = compile_schedule(ticket.microbatch, rank, **keywords)
         assert dense_parts(got) == dense_parts(want)
         assert any(dense_parts(got)), "threshold 2 makes dense parts in these plans"
-    with pytest.raises(DataError, match="unknown schedule option"):
+        with pytest.warns(DeprecationWarning, match="ScheduleOptions"):
+            old = PackedCollator(rank, CP, schedule_options=keywords)
+        assert old.schedule_options == collator.schedule_options
+        assert dense_parts(old(ds.__getitems__(ticket))["schedule"]) == dense_parts(got)
+    with pytest.raises(DataError, match="unknown schedule option"), pytest.warns(DeprecationWarning):
         PackedCollator(0, CP, schedule_options={"dense_bucket": 8})
 
 

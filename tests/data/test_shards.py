@@ -12,7 +12,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from ringpack._files import file_sha256
-from ringpack.attention import compile_schedule
+from ringpack.attention import ScheduleOptions, compile_schedule
 from ringpack.cli import main
 from ringpack.data import BalancedBatchSampler, DataError, PackedCollator, PackedDataset, ShardReader
 from ringpack.data import shard_writer as shards_mod
@@ -299,10 +299,14 @@ def test_tokenizer_json_with_num_proc(tmp_path, corpus):
 
 
 def test_reader_passes_schedule_options(corpus):
-    """ShardReader(schedule_options=...) compiles the same schedule as compile_schedule with those options."""
-    options = {"dense_threshold": 2, "dense_buckets": None}
-    batch = next(iter(ShardReader(corpus["out"], 0, 1, schedule=True, schedule_options=options)))
-    want = compile_schedule(batch["microbatch"], 1, **options)
+    """ShardReader(schedule_options=ScheduleOptions(...)) compiles the same schedule as compile_schedule
+    with those options; the old dict spelling warns and reads the same."""
+    keywords = {"dense_threshold": 2, "dense_buckets": None}
+    batch = next(iter(ShardReader(corpus["out"], 0, 1, schedule=True, schedule_options=ScheduleOptions(**keywords))))
+    want = compile_schedule(batch["microbatch"], 1, **keywords)
     assert batch["schedule"].local.dense == want.local.dense and batch["schedule"].local.dense
-    with pytest.raises(DataError, match="unknown schedule option"):
+    with pytest.warns(DeprecationWarning, match="ScheduleOptions"):
+        old = ShardReader(corpus["out"], 0, 1, schedule=True, schedule_options=keywords)
+    assert next(iter(old))["schedule"].local.dense == want.local.dense
+    with pytest.raises(DataError, match="unknown schedule option"), pytest.warns(DeprecationWarning):
         ShardReader(corpus["out"], 0, 1, schedule_options={"threshold": 2})

@@ -15,11 +15,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
 
 from ringpack._spawn import run_ranks
+from ringpack.plan_config import PlanConfig
 from tests.helpers.training import assert_same_training, build_model, example_args, load_example, reference
 
 WORLD, CP, STEPS = 4, 2, 2
@@ -87,15 +89,18 @@ def worker(rank: int, world: int, out_dir: str, name: str) -> dict:
             shares.append(float(value) / self.args.world_size)
             return value
 
-    options = dict(packing=args.packing, samples_per_step=args.samples_per_step, cost=example._cost_model(args.model))
-    ringpack = RingpackConfig(
-        cp_size=cp,
+    plan = PlanConfig(
+        dp=world // cp,
+        cp=cp,
         tokens_per_rank=args.tokens_per_rank,
         strategy=args.strategy,
-        backend=args.backend,
-        mode=mode,
-        plan_options=options if node is None else {**options, "gpus_per_node": node},
+        packing=args.packing,
+        samples_per_step=args.samples_per_step,
+        cost=example._cost_model(args.model),
+        seed=args.seed,
+        gpus_per_node=node,
     )
+    ringpack = RingpackConfig(plan=plan, backend=args.backend, mode=mode)
     trainer = RecordingTrainer(
         model=build_model(args.model, torch.float64, args.seed),
         args=training_arguments(out_dir, args.seed),
@@ -159,16 +164,71 @@ ROWS = [list(range(2 + (7 * i) % 11)) for i in range(10)]
 ROWS[7] = list(range(20))  # the longest row: 20 tokens
 
 
-def _trainer(tmp_path, model=None, rows=ROWS, **config):
-    """A one-process RingpackTrainer over ``rows`` (no training run: the tests read its loader)."""
+def _trainer(tmp_path, model=None, rows=ROWS, plan=None, ringpack=None, **config):
+    """A one-process RingpackTrainer over ``rows`` (no training run: the tests read its loader), with
+    ``ringpack`` or a RingpackConfig of ``plan`` and ``config``."""
     from transformers import TrainingArguments
 
     from ringpack.integrations.trainer import RingpackConfig, RingpackTrainer
 
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], disable_tqdm=True, max_steps=1)
     model = build_model("tiny", torch.float64, 0) if model is None else model
-    config = {"tokens_per_rank": 24, "plan_options": {"samples_per_step": 5}, **config}
-    return RingpackTrainer(model=model, args=args, train_dataset=rows, ringpack=RingpackConfig(**config))
+    plan = PlanConfig(dp=1, cp=1, tokens_per_rank=24, samples_per_step=5, seed=args.seed) if plan is None else plan
+    ringpack = RingpackConfig(plan=plan, **config) if ringpack is None else ringpack
+    return RingpackTrainer(model=model, args=args, train_dataset=rows, ringpack=ringpack)
+
+
+def test_the_config_takes_the_plan_config_whole_and_the_old_spelling_warns(tmp_path):
+    """RingpackConfig(plan=PlanConfig(...)) plans with that config as given, without a warning; the old
+    spelling (cp_size, tokens_per_rank, plan_options; seed from TrainingArguments) warns, naming the
+    new one, and plans the same epoch."""
+    from ringpack.integrations.trainer import RingpackConfig
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        new = _trainer(tmp_path)
+    spelled = r"RingpackConfig\(tokens_per_rank=..., plan_options=...\) is deprecated: pass .*\(plan=PlanConfig"
+    with pytest.warns(DeprecationWarning, match=spelled):
+        old = RingpackConfig(tokens_per_rank=24, plan_options={"samples_per_step": 5})
+    old = _trainer(tmp_path / "old", ringpack=old)
+    new.get_train_dataloader(), old.get_train_dataloader()
+    assert new.sampler.config == old.sampler.config and new.sampler.plan_key == old.sampler.plan_key
+    assert old.ringpack.plan == new.ringpack.plan
+    assert new.ringpack.plan == PlanConfig(dp=1, cp=1, tokens_per_rank=24, samples_per_step=5, seed=42)
+    reseeded = _trainer(tmp_path / "seed", plan=PlanConfig(dp=1, cp=1, tokens_per_rank=24, samples_per_step=5, seed=7))
+    reseeded.get_train_dataloader()
+    assert reseeded.sampler.config.seed == 7 and reseeded.sampler.plan_key != new.sampler.plan_key
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (dict(plan=PlanConfig(dp=2, cp=1, tokens_per_rank=24)), "^RingpackConfig.plan has dp=2, cp=1 but the run"),
+        (dict(plan={"dp": 1}), "^RingpackConfig.plan must be a PlanConfig, got dict$"),
+        (dict(plan=PlanConfig(dp=1, cp=1, tokens_per_rank=24), cp_size=1), "or the old cp_size, not both$"),
+    ],
+)
+def test_a_plan_config_that_does_not_fit_the_run_is_refused(tmp_path, config, message):
+    from ringpack.errors import PlanError
+    from ringpack.integrations.trainer import RingpackConfig
+
+    with pytest.raises(PlanError, match=message):
+        _trainer(tmp_path, ringpack=RingpackConfig(**config))
+
+
+def test_schedule_options_are_typed_and_a_dict_warns():
+    from ringpack.attention import ScheduleOptions
+    from ringpack.errors import DataError
+    from ringpack.integrations.trainer import RingpackConfig
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        typed = RingpackConfig(schedule_options=ScheduleOptions(dense_buckets=None))
+    assert RingpackConfig().schedule_options == ScheduleOptions()
+    with pytest.warns(DeprecationWarning, match="ScheduleOptions"):
+        assert RingpackConfig(schedule_options={"dense_buckets": None}).schedule_options == typed.schedule_options
+    with pytest.raises(DataError, match="^RingpackConfig.schedule_options must be a ScheduleOptions, got list$"):
+        RingpackConfig(schedule_options=[1])
 
 
 @pytest.mark.parametrize("count", [len(ROWS) - 1, len(ROWS) + 1])
@@ -207,7 +267,8 @@ def test_dropped_rows_are_reported(tmp_path, monkeypatch):
 
     warnings = []
     monkeypatch.setattr(trainer_module.logger, "warning", lambda *args: warnings.append(args[0] % args[1:]))
-    trainer = _trainer(tmp_path, tokens_per_rank=16, plan_options={"samples_per_step": 5, "overflow": "drop"})
+    plan = PlanConfig(dp=1, cp=1, tokens_per_rank=16, samples_per_step=5, overflow="drop")
+    trainer = _trainer(tmp_path, plan=plan)
     trainer.get_train_dataloader()
     assert trainer.sampler.dropped == (7,)  # the only row longer than 16 tokens (cp_size=1)
     assert warnings == [
