@@ -262,8 +262,31 @@ class RingStep:
     calls: tuple[KernelCall, ...]
 
 
+class _AllToAllRuns:
+    """What :class:`HeadLayout` and :class:`NodeLayout` share, the relayout's view of either: the
+    all-to-all's ranks (``rank_tokens``) and the runs that put its receive order in gathered order."""
+
+    rank_tokens: tuple[int, ...]
+    run_source: Tensor
+
+    @property
+    def cp_size(self) -> int:
+        """The ranks of the all-to-all."""
+        return len(self.rank_tokens)
+
+    @property
+    def num_tokens(self) -> int:
+        """The gathered rows each rank holds after the all-to-all."""
+        return sum(self.rank_tokens)
+
+    @property
+    def in_order(self) -> bool:
+        """Whether receive order already is gathered order (one run): the relayout then permutes nothing."""
+        return self.run_source.numel() <= 1
+
+
 @dataclass(frozen=True)
-class HeadLayout:
+class HeadLayout(_AllToAllRuns):
     """Where every token of a micro-batch lands in the head-parallel (gathered) layout.
 
     Under head-parallel (Ulysses) CP an all-to-all sends each rank's tokens, cut into ``cp`` blocks
@@ -296,20 +319,6 @@ class HeadLayout:
     attention: Schedule
 
     @property
-    def cp_size(self) -> int:
-        return len(self.rank_tokens)
-
-    @property
-    def num_tokens(self) -> int:
-        """The micro-batch's token count: the gathered layout's rows."""
-        return sum(self.rank_tokens)
-
-    @property
-    def in_order(self) -> bool:
-        """Whether receive order already is gathered order (one run): the relayout then permutes nothing."""
-        return self.run_source.numel() <= 1
-
-    @property
     def device(self) -> torch.device:
         return self.cu_seqlens.device
 
@@ -331,7 +340,7 @@ class HeadLayout:
 
 
 @dataclass(frozen=True)
-class NodeLayout:
+class NodeLayout(_AllToAllRuns):
     """The two levels of hybrid head-parallel CP (``mode="ulysses+p2p"`` / ``"ulysses+ring"``) for one rank.
 
     The CP group's ranks form nodes of ``gpus_per_node`` consecutive ranks (rank ``c`` on node
@@ -365,22 +374,8 @@ class NodeLayout:
     attention: Schedule
 
     @property
-    def cp_size(self) -> int:
-        """The ranks of the in-node all-to-all (``gpus_per_node``)."""
-        return len(self.rank_tokens)
-
-    @property
     def nodes(self) -> int:
         return self.attention.cp_size
-
-    @property
-    def num_tokens(self) -> int:
-        """The node's token count: the rows each of its ranks holds after the all-to-all."""
-        return sum(self.rank_tokens)
-
-    @property
-    def in_order(self) -> bool:
-        return self.run_source.numel() <= 1
 
     @property
     def device(self) -> torch.device:
