@@ -1,24 +1,22 @@
-"""The communication model: how long a micro-batch takes once K/V has to travel between CP ranks.
+"""The communication model: how long a micro-batch takes once K/V (or heads) travel between CP ranks.
 
-Which pieces move and what a token weighs is :mod:`ringpack.traffic`'s; this module turns bytes
-into seconds, per layer, on two link classes: within a node (``bandwidth``, ``latency``) and, with
-``gpus_per_node``, across nodes (``inter_bandwidth``, ``inter_latency``); without it, all on the first.
-
-* **ring**: ``C`` steps forward (K/V) and backward (K/V and dK/dV), each ``latency + B / bandwidth``
-  for the largest buffer ``B`` over the ring's slowest hop, overlapped with attention step by step;
-* **all-gather**: a K/V all-gather and a dK/dV reduce-scatter, the node's buffers on its links and
-  the other nodes' on the links between, not overlapped;
-* **p2p** (targeted, node-relayed across nodes): per layer and direction, stage 1 (direct sends in
-  the node and one copy per other node to a proxy) and stage 2 (the proxies' relays in their node),
-  overlapped with attention on the rank's own K/V; backward then returns dK/dV the same way back.
-
-Linear layers never overlap communication; the DP all-reduce is not modelled (docs/analysis.md,
-"The communication model").
+Which pieces move is :mod:`ringpack.traffic`'s; this module turns bytes into seconds, per layer, on
+two link classes: within a node (``bandwidth``, ``latency``) and, with ``gpus_per_node``, across
+nodes (``inter_bandwidth``, ``inter_latency``). Per mode: **ring**, ``C`` steps of the largest K/V
+buffer over the slowest hop, overlapped with attention step by step; **all-gather**, a K/V
+all-gather and a dK/dV reduce-scatter, not overlapped; **p2p**, the node-relayed targeted exchange
+in two stages, overlapped with attention on the rank's own K/V; **ulysses**, each rank attends
+``1 / C`` of the micro-batch's pairs whatever the split, behind four all-to-alls a layer
+(:func:`head_parallel_bytes`), none overlapped; the hybrids **ulysses+p2p** / **ulysses+ring**, the
+all-to-all within each node and the targeted exchange or the ring between nodes, each rank moving
+its heads' share of its node's K/V (:func:`node_exchange_inputs`). Linear layers never overlap
+communication; the DP all-reduce is not modelled (docs/analysis.md, "The communication model").
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -28,20 +26,29 @@ from ringpack.cost import PRESETS, CostModel, piece_pairs
 from ringpack.traffic import exchange_tokens, kv_bytes_per_token, needed_pieces
 
 __all__ = [
-    "CommModel",
-    "ExchangeVolumes",
+    "ATTN_FORWARD_SHARE",
+    "HEAD_PARALLEL_MODES",
     "LINKS",
     "MODES",
-    "ATTN_FORWARD_SHARE",
-    "kv_cross_tokens",
+    "SEQUENCE_MODES",
+    "CommModel",
+    "ExchangeVolumes",
+    "HeadParallelBytes",
     "exchange_volumes",
+    "head_parallel_bytes",
+    "kv_cross_tokens",
     "microbatch_seconds",
+    "node_exchange_inputs",
 ]
 
 #: Forward share of attention FLOPs in fwd+bwd (backward ~2.5x forward, as in the cost model's 3.5).
 ATTN_FORWARD_SHARE = 1.0 / 3.5
-#: The K/V exchanges the model times (the attention runtime's modes).
-MODES = ("ring", "allgather", "p2p")
+#: The sequence-split modes: every rank attends its own queries, K/V travel.
+SEQUENCE_MODES = ("ring", "allgather", "p2p")
+#: The head-parallel modes, each with what runs between nodes (``None``: the all-to-all spans the group).
+HEAD_PARALLEL_MODES: dict[str, str | None] = {"ulysses": None, "ulysses+p2p": "p2p", "ulysses+ring": "ring"}
+#: The modes the model times (the attention runtime's modes).
+MODES = (*SEQUENCE_MODES, *HEAD_PARALLEL_MODES)
 
 #: Named links: (bandwidth bytes/s per direction, latency s per message).
 LINKS: dict[str, tuple[float, float]] = {
@@ -58,14 +65,16 @@ class CommModel:
     Attributes:
         bandwidth, latency: the link between two ranks of one node (bytes/s one direction, s per
             message); every rank pair's link when ``gpus_per_node`` is ``None``.
-        mode: ``"ring"``, ``"allgather"`` or ``"p2p"`` (:data:`MODES`).
+        mode: one of :data:`MODES`.
         kv_bytes_per_token_layer, layers: K and V bytes of one token in one layer, and the layers.
         gpus_per_node: CP rank ``c`` of a micro-batch is on node ``c // gpus_per_node``; ``None``: flat.
         inter_bandwidth, inter_latency: the link between ranks of two nodes (with ``gpus_per_node``).
+        heads, kv_heads: query and K/V heads of the model (what the head-parallel modes split).
+        q_bytes_per_token_layer: bytes of one token's Q (and of its O) in one layer, all heads.
 
     Raises:
         ValueError: an unknown mode, a bandwidth <= 0, a latency < 0, ``layers < 1``, negative K/V
-            bytes or a ``gpus_per_node`` < 1.
+            or Q bytes, heads < 1, or a ``gpus_per_node`` < 1.
     """
 
     bandwidth: float = LINKS["nvlink"][0]
@@ -76,12 +85,17 @@ class CommModel:
     gpus_per_node: int | None = None
     inter_bandwidth: float = LINKS["ib"][0]
     inter_latency: float = LINKS["ib"][1]
+    heads: int = 32  # llama3-8b
+    kv_heads: int = 8
+    q_bytes_per_token_layer: float = 32 * 128 * 2
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"CommModel.mode must be one of {MODES}, got {self.mode!r}")
         if self.bandwidth <= 0 or self.latency < 0 or self.layers < 1 or self.kv_bytes_per_token_layer < 0:
             raise ValueError("CommModel needs bandwidth > 0, latency >= 0, layers >= 1, kv bytes >= 0")
+        if not (self.heads >= 1 and self.kv_heads >= 1 and self.q_bytes_per_token_layer >= 0):
+            raise ValueError("CommModel needs heads >= 1, kv_heads >= 1 and q bytes >= 0")
         if self.inter_bandwidth <= 0 or self.inter_latency < 0:
             raise ValueError("CommModel needs inter_bandwidth > 0 and inter_latency >= 0")
         if self.gpus_per_node is not None and not (isinstance(self.gpus_per_node, int) and self.gpus_per_node >= 1):
@@ -118,6 +132,9 @@ class CommModel:
             gpus_per_node=gpus_per_node,
             inter_bandwidth=inter_bw if inter_bandwidth is None else inter_bandwidth,
             inter_latency=inter_lat if inter_latency is None else inter_latency,
+            heads=shape.heads,
+            kv_heads=shape.kv_heads,
+            q_bytes_per_token_layer=shape.heads * shape.head_dim * dtype_bytes,
         )
 
     @property
@@ -129,11 +146,38 @@ class CommModel:
         """Ranks of a CP group of ``cp`` that share a node: ``min(cp, gpus_per_node)`` (``cp`` when flat)."""
         return cp if self.gpus_per_node is None else min(cp, self.gpus_per_node)
 
+    def all_to_all_size(self, cp: int) -> int:
+        """Ranks of one all-to-all of a head-parallel mode over a CP group of ``cp``: the group for
+        ``"ulysses"``, a node for the hybrids; 0 for the sequence-split modes."""
+        if self.mode not in HEAD_PARALLEL_MODES:
+            return 0
+        return cp if HEAD_PARALLEL_MODES[self.mode] is None else self.node_size(cp)
+
+    def unfit_reason(self, cp: int) -> str:
+        """Why this mode cannot run a CP group of ``cp`` ranks, in one clause, or ``""``: a
+        head-parallel all-to-all needs the query heads to be a multiple of its ranks, and a hybrid
+        whole nodes, more than one."""
+        size = self.all_to_all_size(cp)
+        if not size:
+            return ""
+        if HEAD_PARALLEL_MODES[self.mode] is not None:
+            if self.gpus_per_node is None or cp <= self.gpus_per_node:
+                return f"{self.mode} needs a CP group over several nodes (cp={cp} fits one)"
+            if cp % self.gpus_per_node:
+                return f"{self.mode} needs whole nodes: cp={cp} is not a multiple of {self.gpus_per_node}"
+        if self.heads % size:
+            return f"{self.mode} splits {self.heads} query heads over {size} ranks: not a multiple"
+        return ""
+
     def to_dict(self) -> dict[str, float | int | str]:
-        """The fields as a JSON-ready dict; the links between nodes only with ``gpus_per_node``."""
+        """The fields as a JSON-ready dict; the links between nodes only with ``gpus_per_node``, the
+        heads only for a head-parallel mode."""
         out = dict(self.__dict__)
         if self.gpus_per_node is None:
             for name in ("gpus_per_node", "inter_bandwidth", "inter_latency"):
+                del out[name]
+        if self.mode not in HEAD_PARALLEL_MODES:
+            for name in ("heads", "kv_heads", "q_bytes_per_token_layer"):
                 del out[name]
         return out
 
@@ -142,6 +186,8 @@ class CommModel:
             f"{self.mode}, {self.bandwidth / 1e9:.0f} GB/s, {self.latency * 1e6:.0f} us latency, "
             f"{self.kv_bytes_per_token_layer:.0f} B of K/V per token per layer x {self.layers} layers"
         )
+        if self.mode in HEAD_PARALLEL_MODES:
+            text += f", {self.heads} query heads, {self.kv_heads} K/V heads, {self.q_bytes_per_token_layer:.0f} B of Q"
         if self.gpus_per_node is not None:
             text += (
                 f"; across nodes of {self.gpus_per_node} GPUs {self.inter_bandwidth / 1e9:.0f} GB/s, "
@@ -306,7 +352,7 @@ def microbatch_seconds(
     tokens: np.ndarray,
     pairs: np.ndarray,
     segments: np.ndarray,
-    kv_cross: np.ndarray,
+    kv_cross: np.ndarray | None,
     model: CostModel,
     comm: CommModel,
     volumes: ExchangeVolumes | None = None,
@@ -315,23 +361,43 @@ def microbatch_seconds(
 
     Arrays have the CP rank as their last axis; ``kv_cross`` counts tokens (all layers' bytes are
     ``kv_cross * comm.kv_bytes_per_token``). ``volumes`` (:func:`exchange_volumes`) is what mode
-    ``"p2p"`` times; the other modes ignore it.
+    ``"p2p"`` times; ``"ring"`` and ``"allgather"`` time ``kv_cross``; ``"ulysses"`` neither. The
+    hybrids take both at node granularity, as :func:`node_exchange_inputs` gives them
+    (``kv_cross`` ``(..., C / gpus_per_node)`` for ``"ulysses+ring"``, node-level ``volumes`` for
+    ``"ulysses+p2p"``). Exposed communication is what the step spends beyond the compute of its mode
+    (under a head-parallel mode, a rank's attention is its all-to-all group's pairs over the group).
 
     Raises:
-        ValueError: mode ``"p2p"`` without ``volumes``.
+        ValueError: a mode without the inputs it times, or a head-parallel mode that cannot run
+            ``C`` ranks (:meth:`CommModel.unfit_reason`).
     """
     linear = model.seconds(model.cost(tokens, 0, segments))
-    attn = model.seconds(model.cost(0, pairs, 0)) if model.pair else np.zeros(np.shape(pairs))
+    if comm.mode in HEAD_PARALLEL_MODES:
+        return _head_parallel_seconds(tokens, pairs, linear, kv_cross, model, comm, volumes)
+    attn = _attention_seconds(model, pairs)
+    seconds = linear + _exchange_attention(attn, pairs, kv_cross, volumes, comm)
+    return seconds, seconds - (linear + attn)
+
+
+def _attention_seconds(model: CostModel, pairs: np.ndarray) -> np.ndarray:
+    return model.seconds(model.cost(0, pairs, 0)) if model.pair else np.zeros(np.shape(pairs))
+
+
+def _exchange_attention(
+    attn: np.ndarray, pairs: np.ndarray, kv_cross: np.ndarray | None, volumes: ExchangeVolumes | None, comm: CommModel
+) -> np.ndarray:
+    """Attention seconds of each rank ``(..., C)`` with a sequence-split mode's K/V exchange."""
     if comm.mode == "p2p":
         if volumes is None:
             raise ValueError("the p2p communication model needs the exchange volumes (exchange_volumes)")
-        seconds = linear + _p2p_attention(attn, pairs, volumes, comm)
-        return seconds, seconds - (linear + attn)
-    cp = np.shape(tokens)[-1]
+        return _p2p_attention(attn, pairs, volumes, comm)
+    if kv_cross is None:
+        raise ValueError(f"the {comm.mode} communication model needs the K/V each rank sends (kv_cross)")
+    cp = np.shape(attn)[-1]
     largest = (np.asarray(kv_cross, dtype=np.float64) * comm.kv_bytes_per_token_layer).max(axis=-1, keepdims=True)
     moves = largest > 0
     if cp == 1 or not moves.any():
-        return linear + attn, np.zeros_like(linear)
+        return attn
     L = comm.layers
     node = comm.node_size(cp)
     if comm.mode == "ring":
@@ -342,17 +408,133 @@ def microbatch_seconds(
             a_step = attn * share / L / cp
             transfer = np.where(moves, lat + factor * largest / bw, 0.0)
             total += L * (a_step + (cp - 1) * np.maximum(a_step, transfer))
-        ring = total
-    else:
-        # the node's other ranks' buffers over the node's links, the other nodes' over the links between
-        collective = (node - 1) * (comm.latency + largest / comm.bandwidth)
-        if node < cp:
-            collective = (
-                collective + (cp - node) * largest / comm.inter_bandwidth + (cp // node - 1) * comm.inter_latency
-            )
-        ring = attn + L * 2 * np.where(moves, collective, 0.0)
-    seconds = linear + ring
+        return total
+    # the node's other ranks' buffers over the node's links, the other nodes' over the links between
+    collective = (node - 1) * (comm.latency + largest / comm.bandwidth)
+    if node < cp:
+        collective = collective + (cp - node) * largest / comm.inter_bandwidth + (cp // node - 1) * comm.inter_latency
+    return attn + L * 2 * np.where(moves, collective, 0.0)
+
+
+@dataclass(frozen=True)
+class HeadParallelBytes:
+    """Bytes each rank sends and receives in one layer's forward all-to-alls of a head-parallel mode.
+
+    Arrays of the tokens' shape (CP rank last). ``qkv_send`` / ``qkv_recv``: this rank's tokens'
+    Q, K and V of the other ranks' heads out, the other tokens' Q, K and V of its heads in;
+    ``o_send`` / ``o_recv``: the outputs home. The backward mirrors both (dO travels as O came back,
+    dQ, dK, dV as Q, K, V went), so over forward and backward a rank sends what it receives.
+    """
+
+    qkv_send: np.ndarray
+    qkv_recv: np.ndarray
+    o_send: np.ndarray
+    o_recv: np.ndarray
+
+    @property
+    def per_layer(self) -> np.ndarray:
+        """Bytes a rank sends in one layer, forward and backward (the same it receives)."""
+        return self.qkv_send + self.qkv_recv + self.o_send + self.o_recv
+
+
+def head_parallel_bytes(tokens: np.ndarray, comm: CommModel, size: int) -> HeadParallelBytes:
+    """The all-to-all bytes of every rank (:class:`HeadParallelBytes`) over groups of ``size``
+    consecutive CP ranks (the last axis of ``tokens``, a multiple of ``size``).
+
+    Each token moves ``(size - 1) / size`` of its Q, K and V (its rank keeps its own heads' share) and
+    takes the same share of O home. K/V heads go replicated when ``size`` does not divide
+    ``kv_heads``: ``lcm(kv_heads, size)`` heads' worth, as the runtime sends them.
+    """
+    t = np.asarray(tokens, dtype=np.float64)
+    group = _group_sum(t, size)
+    kv = comm.kv_bytes_per_token_layer * math.lcm(comm.kv_heads, size) / comm.kv_heads
+    q = comm.q_bytes_per_token_layer
+    own, others = t * (size - 1) / size, (group - t) / size
+    return HeadParallelBytes(own * (q + kv), others * (q + kv), others * q, own * q)
+
+
+def _group_sum(x: np.ndarray, size: int) -> np.ndarray:
+    """Each rank's value replaced by the sum over its group of ``size`` consecutive ranks (last axis)."""
+    shape = np.shape(x)
+    sums = np.asarray(x).reshape(*shape[:-1], shape[-1] // size, size).sum(axis=-1)
+    return np.repeat(sums, size, axis=-1)
+
+
+def _all_to_all_seconds(send: np.ndarray, recv: np.ndarray, size: int, comm: CommModel) -> np.ndarray:
+    """One all-to-all over ``size`` consecutive ranks: each rank's larger direction over its links,
+    the share bound for other nodes (spread evenly over the partners) on the links between them."""
+    moved = np.maximum(send, recv)
+    node = comm.node_size(size)
+    if node == size:
+        return np.where(moved > 0, comm.latency + moved / comm.bandwidth, 0.0)
+    across = (size - node) / (size - 1)
+    within = comm.latency + moved * (1.0 - across) / comm.bandwidth
+    between = comm.inter_latency + moved * across / comm.inter_bandwidth
+    return np.where(moved > 0, np.maximum(within, between), 0.0)
+
+
+def _head_parallel_seconds(tokens, pairs, linear, kv_cross, model: CostModel, comm: CommModel, volumes):
+    """:func:`microbatch_seconds` of a head-parallel mode (see the module docstring)."""
+    cp = np.shape(tokens)[-1]
+    unfit = comm.unfit_reason(cp)
+    if unfit:
+        raise ValueError(unfit)
+    size = comm.all_to_all_size(cp)
+    group_pairs = _group_sum(np.asarray(pairs, dtype=np.float64), size)
+    attn = _attention_seconds(model, group_pairs / size)
+    moved = head_parallel_bytes(tokens, comm, size)
+    pair_of_all_to_alls = _all_to_all_seconds(moved.qkv_send, moved.qkv_recv, size, comm) + _all_to_all_seconds(
+        moved.o_send, moved.o_recv, size, comm
+    )
+    heads_moved = comm.layers * 2 * pair_of_all_to_alls  # the backward mirrors the forward
+    between = attn
+    inner = HEAD_PARALLEL_MODES[comm.mode]
+    if inner is not None:
+        kv_share = comm.kv_bytes_per_token_layer * math.lcm(comm.kv_heads, size) / comm.kv_heads / size
+        nodes = dataclasses.replace(
+            comm,
+            mode=inner,
+            bandwidth=comm.inter_bandwidth,
+            latency=comm.inter_latency,
+            gpus_per_node=None,
+            kv_bytes_per_token_layer=kv_share,
+        )
+        per_node = _exchange_attention(attn[..., ::size], group_pairs[..., ::size], kv_cross, volumes, nodes)
+        between = np.repeat(per_node, size, axis=-1)
+    seconds = linear + between + heads_moved
     return seconds, seconds - (linear + attn)
+
+
+def node_exchange_inputs(
+    arrays: Mapping[str, np.ndarray], cp: int, shape: tuple[int, int, int], comm: CommModel
+) -> tuple[np.ndarray | None, ExchangeVolumes | None]:
+    """A hybrid mode's exchange between nodes, for :func:`microbatch_seconds`: ``(kv_cross, volumes)``.
+
+    Args:
+        arrays: the plan's piece table (``Plan.piece_arrays`` columns).
+        cp: CP ranks of a micro-batch, whole nodes of ``comm.gpus_per_node``.
+        shape: ``(S, D, M)``, the grid of micro-batches.
+        comm: the links and mode.
+
+    Returns:
+        For ``"ulysses+ring"``: the tokens each node's K/V another node needs, ``(S, D, M, nodes)``,
+        and None; for ``"ulysses+p2p"``: None and the targeted exchange between nodes taken as ranks
+        (flat, :func:`exchange_volumes`); ``(None, None)`` for every other mode.
+    """
+    inner = HEAD_PARALLEL_MODES.get(comm.mode)
+    if inner is None or comm.unfit_reason(cp):
+        return None, None
+    node = comm.all_to_all_size(cp)
+    nodes = cp // node
+    by_node = {**arrays, "cp": np.asarray(arrays["cp"], dtype=np.int64) // node}
+    if inner == "p2p":
+        return None, exchange_volumes(by_node, nodes, shape, None)
+    S, D, M = shape
+    cell = (np.asarray(arrays["step"], dtype=np.int64) * D + np.asarray(arrays["dp"], dtype=np.int64)) * M
+    cell = cell + np.asarray(arrays["microbatch"], dtype=np.int64)
+    out = np.zeros(S * D * M * nodes, dtype=np.int64)
+    np.add.at(out, cell * nodes + by_node["cp"], kv_cross_tokens(by_node, shape=shape))
+    return out.reshape(S, D, M, nodes), None
 
 
 def _p2p_attention(attn: np.ndarray, pairs: np.ndarray, volumes: ExchangeVolumes, comm: CommModel) -> np.ndarray:

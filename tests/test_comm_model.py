@@ -13,7 +13,10 @@ from ringpack.comm_model import (
     CommModel,
     ExchangeVolumes,
     exchange_volumes,
+    head_parallel_bytes,
+    kv_cross_tokens,
     microbatch_seconds,
+    node_exchange_inputs,
 )
 from ringpack.cost import CostModel, piece_pairs
 from ringpack.planner.bounds import rank_grid
@@ -197,3 +200,89 @@ def test_exchange_volumes_in_blocks_of_micro_batches_are_the_whole_table_s(monke
         for field in dataclasses.fields(whole):
             assert np.array_equal(getattr(whole, field.name), getattr(blocked, field.name)), (node, field.name)
         assert whole.send_intra.any() and (node is None or whole.send_inter.any())
+
+
+# ------------------------------------------------------------------------------- head-parallel modes
+
+#: Q 8 bytes and K/V 4 bytes a token and layer, 4 query heads over 2 K/V heads
+HEADS = dict(LINKS, q_bytes_per_token_layer=8.0, kv_bytes_per_token_layer=4.0, heads=4, kv_heads=2)
+
+
+def test_the_all_to_all_moves_the_other_ranks_heads_of_every_token():
+    comm = CommModel(mode="ulysses", **HEADS)
+    moved = head_parallel_bytes(np.array([[3, 1]]), comm, 2)
+    # each rank keeps half of its own tokens' heads: 1.5 and 0.5 tokens' Q, K, V leave, the
+    # other rank's half of the other's tokens come in; O goes the other way
+    assert moved.qkv_send.tolist() == [[18.0, 6.0]] and moved.qkv_recv.tolist() == [[6.0, 18.0]]
+    assert moved.o_send.tolist() == [[4.0, 12.0]] and moved.o_recv.tolist() == [[12.0, 4.0]]
+    assert moved.per_layer.tolist() == [[40.0, 40.0]]
+
+
+def test_kv_heads_fewer_than_the_ranks_go_replicated():
+    comm = CommModel(mode="ulysses", **HEADS)  # 2 K/V heads over 4 ranks: each sent twice
+    moved = head_parallel_bytes(np.array([[4, 0, 0, 0]]), comm, 4)
+    assert moved.qkv_send[0, 0] == pytest.approx(3.0 * (8.0 + 2 * 4.0))
+
+
+def test_what_every_all_to_all_sends_it_receives():
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 1000, size=(5, 8))
+    moved = head_parallel_bytes(tokens, CommModel(mode="ulysses", **HEADS), 4)
+    for send, recv in ((moved.qkv_send, moved.qkv_recv), (moved.o_send, moved.o_recv)):
+        assert send.reshape(5, 2, 4).sum(-1) == pytest.approx(recv.reshape(5, 2, 4).sum(-1))
+
+
+def test_ulysses_gives_every_rank_the_same_attention_whatever_the_split():
+    comm = CommModel(mode="ulysses", **dict(HEADS, bandwidth=1e30, latency=0.0))
+    tokens = np.array([[10, 0, 0, 0]])
+    seconds, exposed = microbatch_seconds(tokens, np.array([[40, 30, 20, 10]]), ZERO, None, MODEL, comm)
+    assert seconds.tolist() == [[25.0] * 4] and exposed.tolist() == [[0.0] * 4]
+
+
+def test_ulysses_pays_four_all_to_alls_a_layer_and_hides_none():
+    comm = CommModel(mode="ulysses", **HEADS)
+    tokens = np.array([[3, 1]])
+    seconds, exposed = microbatch_seconds(tokens, np.array([[8, 2]]), np.zeros((1, 2)), None, MODEL, comm)
+    # Q/K/V: max(18, 6) bytes and O: max(4, 12), each one latency + bytes / 100; twice (backward)
+    qkv, o = 1 + 18 / 100, 1 + 12 / 100
+    assert exposed[0] == pytest.approx([2 * (qkv + o)] * 2)
+    assert seconds[0] == pytest.approx(exposed[0] + 5.0)
+
+
+def test_a_hybrid_attends_its_nodes_pairs_and_exchanges_between_nodes_only():
+    comm = CommModel(mode="ulysses+ring", gpus_per_node=2, **dict(HEADS, bandwidth=1e30, latency=0.0))
+    tokens, pairs = np.array([[1, 1, 1, 1]]), np.array([[30, 10, 4, 4]])
+    # node 0 attends 40 pairs over 2 ranks, node 1 8; nothing crosses nodes
+    seconds, _ = microbatch_seconds(tokens, pairs, np.zeros((1, 4)), np.zeros((1, 2)), MODEL, comm)
+    assert seconds[0] == pytest.approx([20.0, 20.0, 4.0, 4.0])
+    with pytest.raises(ValueError, match="kv_cross"):
+        microbatch_seconds(tokens, pairs, np.zeros((1, 4)), None, MODEL, comm)
+
+
+def test_head_parallel_modes_refuse_what_they_cannot_split():
+    assert "not a multiple" in CommModel(mode="ulysses", heads=32).unfit_reason(64)
+    assert CommModel(mode="ulysses", heads=32).unfit_reason(16) == ""
+    node = CommModel(mode="ulysses+p2p", heads=32, gpus_per_node=8)
+    assert "several nodes" in node.unfit_reason(8) and "whole nodes" in node.unfit_reason(12)
+    assert node.unfit_reason(64) == "" and node.all_to_all_size(64) == 8
+    assert CommModel(mode="ring").unfit_reason(7) == "" and CommModel(mode="ring").all_to_all_size(7) == 0
+    with pytest.raises(ValueError, match="query heads over 64"):
+        microbatch_seconds(np.ones((1, 64)), np.ones((1, 64)), np.ones((1, 64)), None, MODEL, CommModel(mode="ulysses"))
+
+
+def test_the_hybrids_node_inputs_on_a_plan():
+    lengths = [96, 40, 24]
+    cfg = PlanConfig(dp=1, cp=4, tokens_per_rank=48, gpus_per_node=2)
+    plan = ringpack.plan(lengths, **{k: getattr(cfg, k) for k in ("dp", "cp", "tokens_per_rank", "gpus_per_node")})
+    shape = (plan.num_steps, 1, max(len(s.microbatches[0]) for s in plan.steps))
+    ring = CommModel(mode="ulysses+ring", gpus_per_node=2, **HEADS)
+    cross, volumes = node_exchange_inputs(plan.piece_arrays, 4, shape, ring)
+    assert volumes is None and cross.shape == (*shape, 2)
+    # the node-level cross tokens are the rank-level rule on pieces relabelled by node
+    a = dict(plan.piece_arrays)
+    a["cp"] = np.asarray(a["cp"]) // 2
+    assert cross.sum() == kv_cross_tokens(a, shape=shape).sum()
+    p2p = dataclasses.replace(ring, mode="ulysses+p2p")
+    cross, volumes = node_exchange_inputs(plan.piece_arrays, 4, shape, p2p)
+    assert cross is None and volumes.send_intra.shape == (*shape, 2)
+    assert node_exchange_inputs(plan.piece_arrays, 4, shape, dataclasses.replace(ring, mode="p2p")) == (None, None)

@@ -2,8 +2,10 @@
 
 :func:`choose_layout` plans the first global batches of the lengths with every fixed CP size
 (powers of two, up to the nodes the longest sample needs) and with the pool (``dp=1, cp=world``,
-split node by node), times each step under ring, all-gather and targeted (``p2p``) exchange (the
-cost model's compute plus :mod:`~ringpack.comm_model`'s communication, the slowest rank),
+split node by node), times each step under every attention mode: ring, all-gather and targeted
+(``p2p``) exchange, head-parallel ``ulysses`` and the hybrids ``ulysses+p2p`` / ``ulysses+ring`` where
+the model's heads and the nodes allow them (the cost model's compute plus
+:mod:`~ringpack.comm_model`'s communication, the slowest rank),
 and ranks the layouts by predicted tokens/s, with a one-line reason for the winner. It lives here,
 not in the planner, because it needs the communication model.
 
@@ -18,7 +20,15 @@ from typing import Any
 
 import numpy as np
 
-from ringpack.comm_model import MODES, CommModel, exchange_volumes, kv_cross_tokens, microbatch_seconds
+from ringpack.comm_model import (
+    HEAD_PARALLEL_MODES,
+    MODES,
+    CommModel,
+    exchange_volumes,
+    kv_cross_tokens,
+    microbatch_seconds,
+    node_exchange_inputs,
+)
 from ringpack.cost import MAX_SAMPLE_TOKENS, CostModel, piece_pairs
 from ringpack.errors import PlanError
 from ringpack.lengths import check_lengths
@@ -52,7 +62,8 @@ class LayoutCandidate:
             sizes beyond one node, planned node by node).
         feasible: whether the layout plans these lengths; ``note`` says why not.
         step_seconds: mean predicted step time (compute and exposed communication, slowest rank).
-        compute_seconds: mean step time of the compute alone (the cost model's critical path).
+        compute_seconds: mean step time of the compute alone (the cost model's critical path; under a
+            head-parallel mode, each rank attending its all-to-all group's pairs over the group).
         tokens_per_second: tokens of the sampled steps over their predicted time.
         inter_node_bytes: mean K/V bytes per step (all layers, forward) the node-relayed targeted
             exchange sends between nodes: each needed piece once per other node that needs it
@@ -196,9 +207,13 @@ def choose_layout(
         beyond = _beyond_a_plan(dp, cp, tokens_per_rank)
         planned = beyond or _plan_steps(L, PlanConfig(dp=dp, cp=cp, gpus_per_node=node, **base), steps)
         for mode in modes:
+            if HEAD_PARALLEL_MODES.get(mode) and cp <= gpus_per_node:
+                continue  # a hybrid inside one node is ulysses
             link = dataclasses.replace(comm, mode=mode, gpus_per_node=gpus_per_node)
-            if isinstance(planned, str):
-                candidates.append(LayoutCandidate(name, mode, dp, cp, node, False, note=planned + cut))
+            unfit = link.unfit_reason(cp)
+            if isinstance(planned, str) or unfit:
+                note = planned + cut if isinstance(planned, str) else unfit
+                candidates.append(LayoutCandidate(name, mode, dp, cp, node, False, note=note))
             else:
                 candidates.append(_timed(name, mode, planned, link))
     ranked = _rank(candidates)
@@ -292,13 +307,20 @@ def _timed(name: str, mode: str, plan: Plan, comm: CommModel) -> LayoutCandidate
         per_rank(None),
     )
     cross = per_rank(np.asarray(kv_cross_tokens(a, shape=shape), dtype=np.int64))
-    volumes = exchange_volumes(a, cfg.cp, shape, comm.gpus_per_node) if comm.mode == "p2p" else None
-    seconds, _ = microbatch_seconds(tokens, pairs, segments, cross, cfg.cost, comm, volumes)
-    compute = critical_path(cfg.cost.seconds(cfg.cost.cost(tokens, pairs, segments)))[1]
+    rank_volumes = exchange_volumes(a, cfg.cp, shape, comm.gpus_per_node) if comm.mode == "p2p" else None
+    node_cross, node_volumes = node_exchange_inputs(a, cfg.cp, shape, comm)
+    if node_cross is not None or node_volumes is not None:  # a hybrid: the exchange between nodes
+        seconds, exposed = microbatch_seconds(tokens, pairs, segments, node_cross, cfg.cost, comm, node_volumes)
+    else:
+        seconds, exposed = microbatch_seconds(tokens, pairs, segments, cross, cfg.cost, comm, rank_volumes)
+    if comm.all_to_all_size(cfg.cp):  # head-parallel: a rank attends its group's pairs over the group
+        compute = critical_path(seconds - exposed)[1]
+    else:
+        compute = critical_path(cfg.cost.seconds(cfg.cost.cost(tokens, pairs, segments)))[1]
     step = critical_path(seconds)[1]
     inter = 0.0
     if comm.gpus_per_node is not None and cfg.cp > comm.gpus_per_node:
-        moved = volumes if volumes is not None else exchange_volumes(a, cfg.cp, shape, comm.gpus_per_node)
+        moved = rank_volumes if rank_volumes is not None else exchange_volumes(a, cfg.cp, shape, comm.gpus_per_node)
         inter = float(moved.send_inter.sum()) * comm.kv_bytes_per_token / plan.num_steps
     total_tokens = float(tokens.sum())
     return LayoutCandidate(
@@ -345,6 +367,7 @@ def _reason(ranked: list[LayoutCandidate]) -> str:
         return f"{best.label}: the only layout that plans these lengths ({split(best)})"
     ratio = best.tokens_per_second / rival.tokens_per_second if rival.tokens_per_second > 0 else float("inf")
     why = "the same speed, and simpler" if ratio < 1.0 + TIE else f"{ratio:.2f}x the tokens/s"
-    infeasible = [c.name for c in ranked if not c.feasible and c.mode == best.mode]
+    planned = {c.name for c in ranked if c.feasible}
+    infeasible = [name for name in dict.fromkeys(c.name for c in ranked) if name not in planned]
     cannot = f"; {', '.join(infeasible)}: cannot plan these lengths" if infeasible else ""
     return f"{best.label}: {why} of {rival.label} ({split(best)}, against {split(rival)}){cannot}"
