@@ -39,6 +39,7 @@ __all__ = [
     "kv_cross_tokens",
     "microbatch_seconds",
     "node_exchange_inputs",
+    "rank_seconds",
 ]
 
 #: Forward share of attention FLOPs in fwd+bwd (backward ~2.5x forward, as in the cost model's 3.5).
@@ -503,6 +504,42 @@ def _head_parallel_seconds(tokens, pairs, linear, kv_cross, model: CostModel, co
         between = np.repeat(per_node, size, axis=-1)
     seconds = linear + between + heads_moved
     return seconds, seconds - (linear + attn)
+
+
+def rank_seconds(
+    arrays: Mapping[str, np.ndarray], cp: int, shape: tuple[int, int, int], model: CostModel, comm: CommModel
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`microbatch_seconds` of every rank of a piece table under ``comm``'s mode: ``(seconds,
+    exposed)``, each ``(S, D, M, C)``.
+
+    Args:
+        arrays: the piece table (``step``, ``dp``, ``microbatch``, ``cp``, ``sample``, ``start``,
+            ``stop`` columns, as ``Plan.piece_arrays``).
+        cp: CP ranks of a micro-batch (``C``).
+        shape: ``(S, D, M)``, the grid of micro-batches.
+        model, comm: the cost and communication models.
+
+    Raises:
+        ValueError: as :func:`microbatch_seconds`.
+    """
+    S, D, M = shape
+    step, dp, mb = (np.asarray(arrays[k], dtype=np.int64) for k in ("step", "dp", "microbatch"))
+    start, stop = np.asarray(arrays["start"], dtype=np.int64), np.asarray(arrays["stop"], dtype=np.int64)
+    flat = ((step * D + dp) * M + mb) * cp + np.asarray(arrays["cp"], dtype=np.int64)
+
+    def per_rank(values: np.ndarray) -> np.ndarray:
+        out = np.zeros(S * D * M * cp, dtype=np.int64)
+        np.add.at(out, flat, values)
+        return out.reshape(S, D, M, cp)
+
+    tokens, pairs, segments = per_rank(stop - start), per_rank(piece_pairs(start, stop)), per_rank(np.ones_like(start))
+    cross, volumes = node_exchange_inputs(arrays, cp, shape, comm)
+    if comm.mode in SEQUENCE_MODES:
+        if comm.mode == "p2p":
+            volumes = exchange_volumes(arrays, cp, shape, comm.gpus_per_node)
+        else:
+            cross = per_rank(kv_cross_tokens(arrays, shape=shape))
+    return microbatch_seconds(tokens, pairs, segments, cross, model, comm, volumes)
 
 
 def node_exchange_inputs(

@@ -20,19 +20,11 @@ from typing import Any
 
 import numpy as np
 
-from ringpack.comm_model import (
-    HEAD_PARALLEL_MODES,
-    MODES,
-    CommModel,
-    exchange_volumes,
-    kv_cross_tokens,
-    microbatch_seconds,
-    node_exchange_inputs,
-)
-from ringpack.cost import MAX_SAMPLE_TOKENS, CostModel, piece_pairs
+from ringpack.comm_model import HEAD_PARALLEL_MODES, MODES, CommModel, exchange_volumes, rank_seconds
+from ringpack.cost import MAX_SAMPLE_TOKENS, CostModel
 from ringpack.errors import PlanError
 from ringpack.lengths import check_lengths
-from ringpack.planner.bounds import critical_path, rank_grid
+from ringpack.planner.bounds import critical_path
 from ringpack.planner.epoch import global_batches, overflow_documents, plan_step
 from ringpack.shard_plan import MAX_CP, MAX_DP, Plan, PlanConfig, global_batch_samples
 
@@ -300,29 +292,14 @@ def _timed(name: str, mode: str, plan: Plan, comm: CommModel) -> LayoutCandidate
     a = plan.piece_arrays
     M = max(len(step.microbatches[0]) for step in plan.steps)
     shape = (plan.num_steps, cfg.dp, M)
-    per_rank, _, _ = rank_grid(a, cfg.dp, cfg.cp, shape)
-    tokens, pairs, segments = (
-        per_rank(a["stop"] - a["start"]),
-        per_rank(piece_pairs(a["start"], a["stop"])),
-        per_rank(None),
-    )
-    cross = per_rank(np.asarray(kv_cross_tokens(a, shape=shape), dtype=np.int64))
-    rank_volumes = exchange_volumes(a, cfg.cp, shape, comm.gpus_per_node) if comm.mode == "p2p" else None
-    node_cross, node_volumes = node_exchange_inputs(a, cfg.cp, shape, comm)
-    if node_cross is not None or node_volumes is not None:  # a hybrid: the exchange between nodes
-        seconds, exposed = microbatch_seconds(tokens, pairs, segments, node_cross, cfg.cost, comm, node_volumes)
-    else:
-        seconds, exposed = microbatch_seconds(tokens, pairs, segments, cross, cfg.cost, comm, rank_volumes)
-    if comm.all_to_all_size(cfg.cp):  # head-parallel: a rank attends its group's pairs over the group
-        compute = critical_path(seconds - exposed)[1]
-    else:
-        compute = critical_path(cfg.cost.seconds(cfg.cost.cost(tokens, pairs, segments)))[1]
+    seconds, exposed = rank_seconds(a, cfg.cp, shape, cfg.cost, comm)
+    compute = critical_path(seconds - exposed)[1]
     step = critical_path(seconds)[1]
     inter = 0.0
     if comm.gpus_per_node is not None and cfg.cp > comm.gpus_per_node:
-        moved = rank_volumes if rank_volumes is not None else exchange_volumes(a, cfg.cp, shape, comm.gpus_per_node)
-        inter = float(moved.send_inter.sum()) * comm.kv_bytes_per_token / plan.num_steps
-    total_tokens = float(tokens.sum())
+        inter = float(exchange_volumes(a, cfg.cp, shape, comm.gpus_per_node).send_inter.sum())
+        inter *= comm.kv_bytes_per_token / plan.num_steps
+    total_tokens = float(np.sum(a["stop"] - a["start"]))
     return LayoutCandidate(
         name,
         comm.mode,
