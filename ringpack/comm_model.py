@@ -35,6 +35,7 @@ __all__ = [
     "ExchangeVolumes",
     "HeadParallelBytes",
     "exchange_volumes",
+    "fastest_modes",
     "head_parallel_bytes",
     "kv_cross_tokens",
     "microbatch_seconds",
@@ -540,6 +541,40 @@ def rank_seconds(
         else:
             cross = per_rank(kv_cross_tokens(arrays, shape=shape))
     return microbatch_seconds(tokens, pairs, segments, cross, model, comm, volumes)
+
+
+def fastest_modes(
+    arrays: Mapping[str, np.ndarray],
+    cp: int,
+    shape: tuple[int, int, int],
+    model: CostModel,
+    comm: CommModel,
+    modes: Sequence[str] = MODES,
+) -> np.ndarray:
+    """Per micro-batch of a piece table, the index into ``modes`` of the fastest (the slowest rank's
+    predicted seconds; a tie to the earlier mode), int64 ``(S, D, M)``.
+
+    Modes that cannot run a CP group of ``cp`` (:meth:`CommModel.unfit_reason`) are never picked.
+    Deterministic: every rank computes the same answer from the same micro-batch.
+
+    Raises:
+        ValueError: an unknown mode, or no mode of ``modes`` that can run ``cp`` ranks.
+    """
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes:
+        raise ValueError(f"modes must be some of {MODES}, got {list(modes)!r}")
+    times = np.full((len(modes), *shape), np.inf)
+    unfit = []
+    for i, mode in enumerate(modes):
+        link = dataclasses.replace(comm, mode=mode)
+        reason = link.unfit_reason(cp)
+        if reason:
+            unfit.append(reason)
+        else:
+            times[i] = rank_seconds(arrays, cp, shape, model, link)[0].max(axis=-1)
+    if len(unfit) == len(modes):
+        raise ValueError(f"no mode of {list(modes)} can run a CP group of {cp}: " + "; ".join(unfit))
+    return np.argmin(times, axis=0)
 
 
 def node_exchange_inputs(

@@ -13,12 +13,14 @@ points live in :mod:`ringpack.attention.kernels`, the schedule's parts in
 
 from ringpack.attention.api import MODES, RingAttention, ring_attention
 from ringpack.attention.kernels import BACKENDS, available_backends, warm_up_kernels
+from ringpack.attention.mode_choice import ModeChoice
 from ringpack.attention.relayout import heads_to_sequence, sequence_to_heads
 from ringpack.attention.schedule import Schedule, ScheduleMismatchError, ScheduleOptions, compile_schedule
 
 __all__ = [
     "BACKENDS",
     "MODES",
+    "ModeChoice",
     "RingAttention",
     "Schedule",
     "ScheduleMismatchError",

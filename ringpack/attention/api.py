@@ -19,6 +19,7 @@ from ringpack.attention import ring, traced
 from ringpack.attention.checks import check_inputs, shape_problem
 from ringpack.attention.hybrid import HEAD_PARALLEL_MODES, head_parallel_attention
 from ringpack.attention.kernels import BACKENDS, resolve_backend
+from ringpack.attention.mode_choice import AUTO, resolve_mode
 from ringpack.attention.ring import ContextParallelAttention
 from ringpack.attention.schedule import Schedule
 from ringpack.attention.transports import MODES, transport_factory
@@ -73,7 +74,11 @@ def ring_attention(
             ``gpus_per_node`` ranks, the targeted exchange or the ring between nodes, for
             ``H / gpus_per_node`` heads; the CP size must be a multiple of ``gpus_per_node`` and
             ``H`` of ``gpus_per_node``; the in-node and cross-node groups are created on first use
-            and cached, or given by :func:`~ringpack.attention.hybrid.node_groups`).
+            and cached, or given by :func:`~ringpack.attention.hybrid.node_groups`) or ``"auto"``
+            (the mode picked for this micro-batch when its schedule was compiled with
+            ``ScheduleOptions(mode_choice=ModeChoice(...))``: ``schedule.mode``; every rank picks
+            the same, and the modes switch per call without new process groups beyond the
+            hybrids' cached ones).
         softmax_scale: the scaling of ``QK^T`` before the softmax; default ``1 / sqrt(D)``.
         causal: must be True, the only mask there is.
         backend: the kernels. ``"auto"`` (the fastest available for ``q``'s device, dtype and
@@ -124,6 +129,7 @@ def ring_attention(
         # until then the backend and scale of such inputs need only be placeholders
         backend, scale = ("reference", 1.0) if shape_problem(q, k, v) else _resolve(backend, softmax_scale, q)
         return traced.ring_attention_op(q, k, v, schedule, group, mode, scale, backend, part_rows, training)
+    mode = resolve_mode(mode, schedule)
     check_inputs(q, k, v, schedule, group, mode, needs_grad=training)
     backend, scale = _resolve(backend, softmax_scale, q)
     if mode in HEAD_PARALLEL_MODES:
@@ -223,8 +229,8 @@ class RingAttention(nn.Module):
 
 
 def _check_mode(mode: str) -> None:
-    if not isinstance(mode, str) or mode not in MODES:
-        raise DataError(f"mode must be one of {MODES}, got {mode!r}")
+    if not isinstance(mode, str) or mode not in (*MODES, AUTO):
+        raise DataError(f"mode must be one of {(*MODES, AUTO)}, got {mode!r}")
 
 
 def _check_backend(backend: str) -> None:

@@ -15,9 +15,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ringpack.attention.allgather import all_gather_flat
+from ringpack.attention.mode_choice import AUTO
 from ringpack.attention.schedule import Schedule, ScheduleMismatchError
 from ringpack.attention.transports import MODES
 from ringpack.errors import DataError
+
+#: The modes as the group check sends them (``AUTO`` last: a schedule without a pick).
+_MODE_CODES = (*MODES, AUTO)
 
 __all__ = ["DTYPES", "check_inputs", "shape_problem", "verify_schedule"]
 
@@ -63,6 +67,11 @@ def check_inputs(
         ScheduleMismatchError: as :func:`~ringpack.attention.ring_attention` says, on every rank of the group.
     """
     problem = _input_problem(q, k, v, schedule)
+    if mode == AUTO and not problem:  # resolve_mode found no pick on this schedule
+        problem = (
+            "mode='auto' runs the mode picked when the schedule was compiled, and this schedule has none: "
+            "compile it with ScheduleOptions(mode_choice=ModeChoice(...))"
+        )
     if schedule.cp_size > 1:
         verify_schedule(
             schedule,
@@ -147,7 +156,7 @@ def verify_schedule(
             schedule.fingerprint,
             schedule.cp_rank,
             schedule.cp_size,
-            MODES.index(mode),
+            _MODE_CODES.index(mode),
             schedule.gpus_per_node or 0,
             heads,
             k.shape[1] if k.dim() == 3 else -1,
@@ -217,7 +226,7 @@ def _show(name: str, value: int) -> str:
     if name == "fingerprint":
         return f"{value & 0xFFFFFFFFFFFFFFFF:016x}"
     if name == "mode":
-        return MODES[value]
+        return _MODE_CODES[value]
     if name == "dtype":
         return str(DTYPES[value]) if 0 <= value < len(DTYPES) else "other"
     if name == "grad":

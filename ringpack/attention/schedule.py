@@ -28,6 +28,7 @@ from torch import Tensor
 
 from ringpack._checks import is_int
 from ringpack.attention.exchange import TargetedExchange, compile_exchange, exchange_ranges, ring_distances
+from ringpack.attention.mode_choice import ModeChoice
 from ringpack.attention.ranges import concat_ranges
 from ringpack.errors import PlanError
 from ringpack.shard_plan import MicroBatch, Piece, RankShard
@@ -129,11 +130,15 @@ class ScheduleOptions:
     """Runs of equal short local segments go to the dense kernel as batched calls."""
     gpus_per_node: int | None = None
     """The targeted exchange over nodes of this many CP ranks (K/V cross nodes once); None: the plan's, else flat."""
+    mode_choice: ModeChoice | None = None
+    """How ``mode="auto"`` picks each micro-batch's mode (stored in ``Schedule.mode``); None: no pick."""
 
     def __post_init__(self) -> None:
         node = self.gpus_per_node
         if node is not None and not (is_int(node) and node >= 1):
             raise PlanError(f"gpus_per_node must be None or an integer >= 1, got {node!r}")
+        if self.mode_choice is not None and not isinstance(self.mode_choice, ModeChoice):
+            raise PlanError(f"mode_choice must be None or a ModeChoice, got {type(self.mode_choice).__name__}")
         dense = DenseOptions(self.dense_threshold, self.dense_buckets, self.dense_batches)  # checks, names the field
         object.__setattr__(self, "dense_threshold", dense.threshold)
         object.__setattr__(self, "dense_buckets", dense.buckets)
@@ -417,7 +422,8 @@ class Schedule(_ScheduleBase):
     :class:`~ringpack.attention.schedule.HeadLayout`): every rank's token count, the gathered
     samples' ``cu_seqlens`` and order. ``node_layout`` (schedules compiled with a ``gpus_per_node``
     that divides the CP size) drives the hybrid modes ``"ulysses+p2p"`` and ``"ulysses+ring"``
-    (:class:`NodeLayout`).
+    (:class:`NodeLayout`). ``mode`` is the mode ``mode="auto"`` runs, picked at compile time by the
+    options' :class:`~ringpack.attention.mode_choice.ModeChoice` (None without one).
 
     For ``torch.compile`` a schedule is an opaque *reference* object (where torch supports them):
     the graph takes it as a runtime input of one engine op and never reads its fields, so a new
@@ -438,6 +444,7 @@ class Schedule(_ScheduleBase):
     gpus_per_node: int | None = None
     head_layout: HeadLayout | None = field(default=None, compare=False, repr=False)
     node_layout: NodeLayout | None = field(default=None, compare=False, repr=False)
+    mode: str | None = None
     verified: set = field(default_factory=set, compare=False, repr=False)
 
     @property
@@ -690,6 +697,7 @@ def compile_schedule(
         if cp <= MAX_HEAD_PARALLEL_RANKS
         else None,
         node_layout=_node_layout(table, microbatch, cp_rank, gpus_per_node, dense),
+        mode=None if options.mode_choice is None else options.mode_choice.pick(microbatch, gpus_per_node),
     )
 
 

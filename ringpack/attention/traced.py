@@ -22,6 +22,7 @@ from torch import Tensor
 from ringpack.attention.checks import check_inputs
 from ringpack.attention.hybrid import HEAD_PARALLEL_MODES, head_parallel_attention, head_parallel_parts
 from ringpack.attention.kernels import accum_dtype
+from ringpack.attention.mode_choice import resolve_mode
 from ringpack.attention.ring import ContextParallelAttention, PassConfig, attention_backward, attention_forward
 from ringpack.attention.schedule import OPAQUE_SCHEDULE, Schedule
 from ringpack.attention.transports import transport_factory
@@ -79,6 +80,7 @@ def _group(name: str) -> dist.ProcessGroup | None:
 
 @torch.compiler.disable
 def _outside_graph(q, k, v, schedule, group, mode, softmax_scale, backend, part_rows, needs_grad) -> Tensor:
+    mode = resolve_mode(mode, schedule)
     check_inputs(q, k, v, schedule, group, mode, needs_grad=needs_grad)
     if mode in HEAD_PARALLEL_MODES:
         return head_parallel_attention(q, k, v, schedule, group, mode, softmax_scale, backend, part_rows)
@@ -100,6 +102,7 @@ def ring_attention_forward(
 ) -> tuple[Tensor, Tensor]:
     """The op's implementation: check, then the engine's forward; ``(out [T, H, D], lse [H, T])``."""
     group = _group(group_name)
+    mode = resolve_mode(mode, schedule)
     check_inputs(q, k, v, schedule, group, mode, needs_grad=needs_grad)
     if mode in HEAD_PARALLEL_MODES:
         parts = head_parallel_parts(q, k, schedule, group, mode, softmax_scale, backend, part_rows)
@@ -125,6 +128,7 @@ def ring_attention_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The gradient op's implementation: the engine's backward; ``(dq, dk, dv)`` like q, k, v."""
     group = _group(group_name)
+    mode = resolve_mode(mode, schedule)
     if mode in HEAD_PARALLEL_MODES:
         parts = head_parallel_parts(q, k, schedule, group, mode, softmax_scale, backend)
         grads = heads_backward_op(dout.contiguous(), q, k, v, out, lse, *parts)
