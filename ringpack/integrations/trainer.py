@@ -30,7 +30,9 @@ from transformers import Trainer
 from transformers.utils import logging
 
 from ringpack._checks import is_int
-from ringpack.attention import BACKENDS, MODES, ScheduleOptions
+from ringpack.attention import BACKENDS, MODES, ModeChoice, ScheduleOptions
+from ringpack.comm_model import CommModel
+from ringpack.cost import CostModel
 from ringpack.data import BalancedBatchSampler, PackedCollator, PackedDataset
 from ringpack.data.collator import schedule_options_of
 from ringpack.data.sampler import check_plan_options
@@ -43,7 +45,7 @@ from ringpack.shard_plan import STRATEGIES, PlanConfig
 
 logger = logging.get_logger(__name__)
 
-__all__ = ["PlannedSteps", "RingpackConfig", "RingpackTrainer"]
+__all__ = ["PlannedSteps", "RingpackConfig", "RingpackTrainer", "model_mode_choice"]
 
 
 class _NotGiven:
@@ -71,7 +73,10 @@ class RingpackConfig:
             as DP, 4096 tokens per rank, the seed of ``args.data_seed`` or ``args.seed``.
         mode: one of :data:`~ringpack.attention.MODES` (:func:`~ringpack.attention.ring_attention`):
             ``"ring"``, ``"allgather"``, ``"p2p"``, ``"ulysses"``, or the hybrids ``"ulysses+p2p"`` and
-            ``"ulysses+ring"`` (nodes of the plan's ``gpus_per_node`` ranks).
+            ``"ulysses+ring"`` (nodes of the plan's ``gpus_per_node`` ranks), or ``"auto"``: each
+            micro-batch's fastest by the plan's cost model and the links of ``schedule_options``'
+            ``mode_choice`` (default: NVLink within a node, InfiniBand across, the model's heads and
+            layers from its config).
         backend: the attention kernels (``"auto"``, ``"flash_attn"``, ``"reference"``, ...).
         column: the token-id field of dict rows.
         lengths: token count of each dataset row (default: read from the dataset).
@@ -115,8 +120,8 @@ class RingpackConfig:
                 stacklevel=3,
             )
             self._check_old_spelling()
-        if not isinstance(self.mode, str) or self.mode not in MODES:
-            raise DataError(f"RingpackConfig.mode must be one of {MODES}, got {self.mode!r}")
+        if not isinstance(self.mode, str) or self.mode not in (*MODES, "auto"):
+            raise DataError(f"RingpackConfig.mode must be one of {(*MODES, 'auto')}, got {self.mode!r}")
         if not isinstance(self.backend, str) or (self.backend != "auto" and self.backend not in BACKENDS):
             raise DataError(f"RingpackConfig.backend must be 'auto' or one of {BACKENDS}, got {self.backend!r}")
         if not isinstance(self.column, str):
@@ -320,7 +325,7 @@ class RingpackTrainer(Trainer):
             dataset,
             batch_sampler=self.sampler,
             collate_fn=PackedCollator(
-                c.cp_rank, c.cp_size, schedule_options=config.schedule_options, vocab_size=_vocab_size(self.model)
+                c.cp_rank, c.cp_size, schedule_options=self._schedule_options(), vocab_size=_vocab_size(self.model)
             ),
             num_workers=workers,
             pin_memory=args.dataloader_pin_memory,
@@ -328,6 +333,14 @@ class RingpackTrainer(Trainer):
             prefetch_factor=args.dataloader_prefetch_factor if workers > 0 else None,
         )
         return PlannedSteps(loader, self.sampler)
+
+    def _schedule_options(self) -> ScheduleOptions:
+        """The collator's schedule options; under ``mode="auto"`` with a pick priced by the plan's cost
+        model and, unless the options give one, links for the model's shape (:func:`model_mode_choice`)."""
+        options = self.ringpack.schedule_options
+        if self.ringpack.mode != "auto" or options.mode_choice is not None:
+            return options
+        return replace(options, mode_choice=model_mode_choice(self.model, self.ringpack.plan.cost))
 
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> Any:
         """Forward and backward of one planned step; returns ``world x`` this rank's share of its loss."""
@@ -366,6 +379,31 @@ class RingpackTrainer(Trainer):
             use_cache=False,
         ).logits
         return causal_lm_loss_sum(logits[0], batch["labels"].to(device)) / batch["step_loss_tokens"]
+
+
+def model_mode_choice(model: torch.nn.Module, cost: CostModel) -> ModeChoice:
+    """How ``mode="auto"`` prices a Hugging Face model's modes: ``cost`` for the compute, NVLink within a
+    node and InfiniBand across (:data:`~ringpack.comm_model.LINKS`), and the model config's heads,
+    K/V heads, head dim and layers in its parameters' dtype.
+
+    Raises:
+        DataError: a model config without ``num_attention_heads`` or ``num_hidden_layers``.
+    """
+    config = model.config
+    heads, layers = getattr(config, "num_attention_heads", None), getattr(config, "num_hidden_layers", None)
+    if not (is_int(heads) and is_int(layers)):
+        raise DataError(f"mode='auto': {type(model).__name__}'s config names no num_attention_heads/num_hidden_layers")
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    dtype_bytes = next(model.parameters()).element_size()
+    comm = CommModel(
+        heads=heads,
+        kv_heads=kv_heads,
+        layers=layers,
+        q_bytes_per_token_layer=heads * head_dim * dtype_bytes,
+        kv_bytes_per_token_layer=2 * kv_heads * head_dim * dtype_bytes,
+    )
+    return ModeChoice(cost=cost, comm=comm)
 
 
 def _vocab_size(model: torch.nn.Module) -> int | None:

@@ -31,6 +31,7 @@ LAYOUTS = {
     "pool p2p relayed": (WORLD, "p2p", 2),
     "dp2 x cp2 ulysses": (CP, "ulysses", None),
     "pool ulysses+p2p": (WORLD, "ulysses+p2p", 2),
+    "pool auto": (WORLD, "auto", 2),  # each micro-batch its own mode, priced for the tiny model
 }
 LR, MAX_GRAD_NORM = 1e-2, 0.2  # clips the summed gradients (norm ~0.33), not a quarter of them
 
