@@ -1,16 +1,18 @@
 """Pool plans and the chosen layout against the peers as the cluster grows (cost and communication models).
 
-    python benchmarks/pool_vs_peers.py [--worlds 64,256,1024,4096,8192] [--out pool-vs-peers.json] [--plot gap.png]
+    python benchmarks/pool_vs_peers.py [--worlds 64,256,1024,4096,8192] [--source lognormal|stdlib]
+        [--out pool-vs-peers.json] [--plot gap.png]
 
 For every cluster size: the same global batches (``--steps`` of them, ``--fill`` of the cluster's
 tokens each, micro-batches per rank as the planner chooses them, log-normal lengths of median 1,536
 clipped at 131,072 unless ``--lengths``) are planned by
-:func:`ringpack.planner.layout.choose_layout` (every fixed CP size and the pool, each under ring,
-all-gather and targeted exchange) and by the peers of :mod:`ringpack.analysis.peers`
-(Megatron-Core dynamic CP and WLB-LLM) at CP = one node. Printed and written per size: tokens/s of
-the chosen layout, of the pool (its best exchange), of fixed CP = one node (ringpack), of each
-peer, and the chosen layout's ratio to the best peer. The plot draws those ratios against the
-cluster size.
+:func:`ringpack.planner.layout.choose_layout` (every fixed CP size and the pool, each under every
+attention mode the model's heads allow: ring, all-gather, targeted exchange, ulysses and the
+hybrids) and by the peers of :mod:`ringpack.analysis.peers` (Megatron-Core dynamic CP and WLB-LLM)
+at CP = one node. ``--source stdlib`` draws the lengths from the shipped standard-library corpus
+instead. Printed and written per size: tokens/s of the chosen layout, of the pool (its best mode),
+of fixed CP = one node (ringpack), of the best layout under each mode, of each peer, and the chosen
+layout's ratio to the best peer. The plot draws those ratios against the cluster size.
 """
 
 from __future__ import annotations
@@ -73,6 +75,9 @@ def one_world(lengths: np.ndarray, world: int, args: argparse.Namespace) -> dict
     peers_s = time.perf_counter() - t0
     best_peer = max(peers.values()) if peers else float("nan")
     best = choice.best
+    by_mode = {}
+    for c in feasible:  # fastest first: the first of each mode is its best layout
+        by_mode.setdefault(c.mode, {"layout": c.name, "tokens_per_second": c.tokens_per_second})
     row = {
         "world": world,
         "batch_window": args.batch_window,
@@ -81,6 +86,7 @@ def one_world(lengths: np.ndarray, world: int, args: argparse.Namespace) -> dict
         "chosen": {"layout": best.label, "tokens_per_second": best.tokens_per_second},
         "pool": {"layout": pool.label, "tokens_per_second": pool.tokens_per_second},
         "fixed_node": {"layout": fixed_node.label, "tokens_per_second": fixed_node.tokens_per_second},
+        "by_mode": by_mode,
         "peers": peers,
         "chosen_over_best_peer": best.tokens_per_second / best_peer,
         "pool_over_best_peer": pool.tokens_per_second / best_peer,
@@ -99,6 +105,8 @@ def one_world(lengths: np.ndarray, world: int, args: argparse.Namespace) -> dict
         + f"; chosen / best peer {row['chosen_over_best_peer']:.3f} ({layout_s:.0f} s + {peers_s:.0f} s)",
         flush=True,
     )
+    modes = (f"{m} {v['layout']} {v['tokens_per_second'] / 1e6:.3f}M" for m, v in by_mode.items())
+    print("        by mode: " + ", ".join(modes), flush=True)
     return row
 
 
@@ -137,7 +145,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=6, help="global batches per cluster size")
     p.add_argument("--batch-window", type=int, default=0, help="ringpack's window across global batches")
     p.add_argument("--samples", type=int, default=1_000_000)
-    p.add_argument("--lengths", help="a lengths file (default: log-normal draws)")
+    p.add_argument("--lengths", help="a lengths file (default: draws of --source)")
+    p.add_argument("--source", default="lognormal", choices=("lognormal", "stdlib"), help="the drawn lengths")
     p.add_argument("--model", default="llama3-8b")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="pool-vs-peers.json")
@@ -150,7 +159,7 @@ def main() -> int:
     if args.lengths:
         lengths = np.asarray(read_lengths(args.lengths), dtype=np.int64)
     else:
-        lengths = synthetic_lengths(args.samples, "lognormal", seed=args.seed, median=1536, sigma=1.3, max_len=131072)
+        lengths = synthetic_lengths(args.samples, args.source, seed=args.seed, median=1536, sigma=1.3, max_len=131072)
     rows = [one_world(lengths, int(w), args) for w in args.worlds.split(",")]
     doc = {"machine": platform.node(), "python": platform.python_version(), "args": vars(args), "rows": rows}
     Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
