@@ -60,7 +60,8 @@ def one_world(lengths: np.ndarray, world: int, args: argparse.Namespace) -> dict
     layout_s = time.perf_counter() - t0
     feasible = [c for c in choice.candidates if c.feasible]
     pool = max((c for c in feasible if c.name == "pool"), key=lambda c: c.tokens_per_second)
-    fixed_node = max((c for c in feasible if c.name == f"cp={node}"), key=lambda c: c.tokens_per_second)
+    one_node = f"cp={node}" if world > node else "pool"  # a cluster of one node: its pool is CP = the node
+    fixed_node = max((c for c in feasible if c.name == one_node), key=lambda c: c.tokens_per_second)
     config = PlanConfig(
         dp=world // node,
         cp=node,
