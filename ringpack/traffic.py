@@ -27,6 +27,7 @@ __all__ = [
     "kv_bytes_per_token",
     "needed_pieces",
     "receivers",
+    "exchange_partners",
     "exchange_tokens",
     "proxy_index",
     "relay_proxies",
@@ -237,6 +238,40 @@ def relay_proxies(
     proxy = chosen[which][back.reshape(-1)]
     same = source // gpus_per_node == node
     return np.where(same, dest, proxy)
+
+
+def exchange_partners(
+    group: np.ndarray,
+    cp: np.ndarray,
+    sample: np.ndarray,
+    start: np.ndarray,
+    stop: np.ndarray,
+    num_groups: int,
+    cp_size: int,
+    gpus_per_node: int | None = None,
+) -> np.ndarray:
+    """How many other ranks each rank exchanges with in the targeted exchange (relays included), as
+    the runtime's ``TargetedExchange.partners`` counts them: int64 ``[num_groups, cp_size]``.
+
+    A rank's partners are the ranks it sends to or receives from: the source and each receiver
+    directly within a node (or flat); across nodes the source and the receiving node's proxy
+    (:func:`relay_proxies`), and the proxy and each other receiver of its node. Arguments as for
+    :func:`exchange_tokens`.
+    """
+    piece, to = receivers(group, cp, sample, start, stop)
+    g = np.asarray(group, dtype=np.int64)[piece]
+    frm = np.asarray(cp, dtype=np.int64)[piece]
+    if gpus_per_node is None:
+        a, b, gg = frm, to, g
+    else:
+        proxy = relay_proxies(g, frm, to, cp_size, gpus_per_node)
+        hop = to != proxy  # relayed: the proxy forwards to the receiver
+        a, b, gg = np.concatenate([frm, proxy[hop]]), np.concatenate([proxy, to[hop]]), np.concatenate([g, g[hop]])
+    # every link counts once for each of its two ends
+    ends = np.concatenate([(gg * cp_size + a) * cp_size + b, (gg * cp_size + b) * cp_size + a])
+    links = np.unique(ends)
+    counts = np.bincount(links // cp_size, minlength=num_groups * cp_size)
+    return counts.astype(np.int64).reshape(num_groups, cp_size)
 
 
 def _traffic_arrays(group, cp_rank, sample, start, stop, cp: int, bytes_per_token: int, num_groups: int):

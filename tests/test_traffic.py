@@ -7,7 +7,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ringpack.shard_plan import Piece, microbatch_from_shards
-from ringpack.traffic import KVTraffic, exchange_tokens, kv_traffic, needed_pieces, proxy_index, receivers
+from ringpack.traffic import (
+    KVTraffic,
+    exchange_partners,
+    exchange_tokens,
+    kv_traffic,
+    needed_pieces,
+    proxy_index,
+    receivers,
+)
 
 
 @st.composite
@@ -119,3 +127,24 @@ def test_every_piece_crossing_nodes_arrives_once(drawn):
     assert moved["send_inter"].sum() == moved["recv_inter"].sum()
     assert moved["relay_send"].sum() == moved["relay_recv"].sum()
     assert moved["send_intra"].sum() == moved["recv_intra"].sum()
+
+
+def test_partners_are_what_the_compiled_exchange_talks_to():
+    """Counted from the piece table alone, each rank's partners equal its compiled schedule's
+    (``TargetedExchange.partners``), flat and node-relayed, on random and hand-made micro-batches."""
+    from ringpack.attention import compile_schedule
+    from tests.helpers.attention import random_microbatch, targeted_microbatches
+
+    rng = np.random.default_rng(5)
+    cases = [(mb, len(mb.shards)) for _, mb, _ in targeted_microbatches()]
+    cases += [(random_microbatch(rng, cp, num_samples=int(rng.integers(1, 9)))[0], cp) for cp in (4, 6, 8) * 4]
+    for mb, cp in cases:
+        ranks, sample, start, stop = mb.piece_columns
+        group = np.zeros_like(ranks)
+        for node in (None, 2, 3):
+            if node is not None and cp % node:
+                continue
+            got = exchange_partners(group, ranks, sample, start, stop, 1, cp, node)[0]
+            want = [compile_schedule(mb, r, gpus_per_node=node).exchange.partners for r in range(cp)]
+            assert got.tolist() == want, (cp, node)
+    assert exchange_partners(*(np.zeros(0, dtype=np.int64),) * 5, 2, 4).tolist() == [[0] * 4] * 2

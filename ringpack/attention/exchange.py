@@ -86,8 +86,12 @@ class TargetedExchange:
 
     @property
     def partners(self) -> int:
-        """How many other ranks this rank exchanges with (relays included)."""
-        peers = set(self.sources) | set(self.dests) | set(self.via)
+        """How many other ranks this rank sends to or receives from (its point-to-point peers): the
+        ranks its rows arrive from (a relayed source's proxy, not the source), its destinations and
+        the ranks it relays to."""
+        # a row arrives from its source when this rank is the source's proxy, else from ``via``
+        arrive = {src if self.via_of(i) == self.rank else self.via_of(i) for i, src in enumerate(self.sources)}
+        peers = arrive | set(self.dests)
         peers |= {f[0] for job in self.proxied for f in job.forwards}
         return len(peers - {self.rank})
 
