@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch import Tensor
 
+from ringpack.attention.engine import PassConfig
 from ringpack.attention.relayout import head_layout
-from ringpack.attention.ring import PassConfig
 from ringpack.attention.schedule import HeadLayout, NodeLayout, Schedule
 from ringpack.attention.transports import transport_factory
 from ringpack.attention.ulysses import HeadSplit, UlyssesAttention

@@ -20,9 +20,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ringpack.attention.checks import check_inputs
+from ringpack.attention.engine import ContextParallelAttention, PassConfig, attention_backward, attention_forward
 from ringpack.attention.hybrid import HEAD_PARALLEL_MODES, head_parallel_attention, head_parallel_parts
 from ringpack.attention.kernels import accum_dtype
-from ringpack.attention.ring import ContextParallelAttention, PassConfig, attention_backward, attention_forward
 from ringpack.attention.schedule import OPAQUE_SCHEDULE, Schedule
 from ringpack.attention.transports import transport_factory
 from ringpack.attention.ulysses import heads_backward_op, heads_forward_op

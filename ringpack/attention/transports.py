@@ -17,8 +17,9 @@ import functools
 import torch.distributed as dist
 
 from ringpack.attention.allgather import AllGatherTransport
+from ringpack.attention.kv_transport import TransportFactory
 from ringpack.attention.p2p import TargetedTransports
-from ringpack.attention.ring import RingTransport, TransportFactory
+from ringpack.attention.ring import RingTransport
 
 __all__ = ["MODES", "transport_factory"]
 

@@ -100,17 +100,17 @@ CHUNKED = {"grad": 0, "no_grad": 0}  # remote dense blocks run in several row ch
 
 def _count_chunks() -> None:
     """Count, in this worker process, the remote blocks the engine cuts into row chunks."""
-    from ringpack.attention import ring
+    from ringpack.attention import engine
 
-    ring.FORWARD_ONLY_PART_ROWS = 2  # tiny, so the small test blocks are cut
-    chunks = ring._row_chunks
+    engine.FORWARD_ONLY_PART_ROWS = 2  # tiny, so the small test blocks are cut
+    chunks = engine._row_chunks
 
     def counted(segment, causal, part_rows):
         pieces = chunks(segment, causal, part_rows)
         CHUNKED["grad" if torch.is_grad_enabled() else "no_grad"] += len(pieces) > 1
         return pieces
 
-    ring._row_chunks = counted
+    engine._row_chunks = counted
 
 
 def _forwards_with_the_dense_split(problem: Problem, mb, rank: int, group, mode: str, ref: dict) -> dict[str, float]:

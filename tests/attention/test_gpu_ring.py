@@ -131,7 +131,7 @@ def split_coverage(schedule) -> torch.Tensor:
     dense parts with a key split, dense parts padded over the following local rows, dense parts
     padded past the end of the local rows (copies), batched dense calls, remote dense segments that
     the forward without gradients cuts into row chunks]."""
-    from ringpack.attention import ring
+    from ringpack.attention import engine
 
     calls = [c for c in (schedule.local, *(c for st in schedule.steps for c in st.calls)) if c is not None]
     local = len(schedule.local.dense) if schedule.local is not None else 0
@@ -140,7 +140,9 @@ def split_coverage(schedule) -> torch.Tensor:
     padded_view = sum(d[1] < d[4] and d[0] + d[4] <= schedule.num_tokens for d in dense)
     padded_copy = sum(d[0] + d[4] > schedule.num_tokens for d in dense)
     batched = sum(d.batch > 1 for d in dense)
-    chunked = sum(len(ring._row_chunks(d, c.causal, ring.FORWARD_ONLY_PART_ROWS)) > 1 for c in calls for d in c.dense)
+    chunked = sum(
+        len(engine._row_chunks(d, c.causal, engine.FORWARD_ONLY_PART_ROWS)) > 1 for c in calls for d in c.dense
+    )
     return torch.tensor(
         [
             local,
@@ -392,9 +394,9 @@ def main() -> int:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(backend, timeout=timedelta(seconds=120))
-    from ringpack.attention import ring
+    from ringpack.attention import engine
 
-    ring.FORWARD_ONLY_PART_ROWS = (
+    engine.FORWARD_ONLY_PART_ROWS = (
         8 if os.environ.get("RINGPACK_TINY") else 128
     )  # the test plans' remote blocks are cut into row chunks
     try:
