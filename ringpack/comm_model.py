@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ringpack.cost import PRESETS, CostModel, piece_pairs
+from ringpack.modes import SEQUENCE_MODES, check_mode
 from ringpack.traffic import exchange_tokens, kv_bytes_per_token, needed_pieces
 
 __all__ = [
@@ -40,8 +41,8 @@ __all__ = [
 
 #: Forward share of attention FLOPs in fwd+bwd (backward ~2.5x forward, as in the cost model's 3.5).
 ATTN_FORWARD_SHARE = 1.0 / 3.5
-#: The K/V exchanges the model times (the attention runtime's modes).
-MODES = ("ring", "allgather", "p2p")
+#: The K/V exchanges the model times: the sequence-split modes of the mode table (:mod:`ringpack.modes`).
+MODES = SEQUENCE_MODES
 
 #: Named links: (bandwidth bytes/s per direction, latency s per message).
 LINKS: dict[str, tuple[float, float]] = {
@@ -78,8 +79,7 @@ class CommModel:
     inter_latency: float = LINKS["ib"][1]
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"CommModel.mode must be one of {MODES}, got {self.mode!r}")
+        check_mode(self.mode, MODES, what="CommModel.mode")
         if self.bandwidth <= 0 or self.latency < 0 or self.layers < 1 or self.kv_bytes_per_token_layer < 0:
             raise ValueError("CommModel needs bandwidth > 0, latency >= 0, layers >= 1, kv bytes >= 0")
         if self.inter_bandwidth <= 0 or self.inter_latency < 0:
@@ -318,7 +318,8 @@ def microbatch_seconds(
     ``"p2p"`` times; the other modes ignore it.
 
     Raises:
-        ValueError: mode ``"p2p"`` without ``volumes``.
+        ValueError: mode ``"p2p"`` without ``volumes``; a mode of :data:`MODES` without a formula
+            here (when K/V move).
     """
     linear = model.seconds(model.cost(tokens, 0, segments))
     attn = model.seconds(model.cost(0, pairs, 0)) if model.pair else np.zeros(np.shape(pairs))
@@ -343,7 +344,7 @@ def microbatch_seconds(
             transfer = np.where(moves, lat + factor * largest / bw, 0.0)
             total += L * (a_step + (cp - 1) * np.maximum(a_step, transfer))
         ring = total
-    else:
+    elif comm.mode == "allgather":
         # the node's other ranks' buffers over the node's links, the other nodes' over the links between
         collective = (node - 1) * (comm.latency + largest / comm.bandwidth)
         if node < cp:
@@ -351,6 +352,8 @@ def microbatch_seconds(
                 collective + (cp - node) * largest / comm.inter_bandwidth + (cp // node - 1) * comm.inter_latency
             )
         ring = attn + L * 2 * np.where(moves, collective, 0.0)
+    else:  # a sequence mode of the table without a formula here
+        raise ValueError(f"the communication model has no price for mode {comm.mode!r}")
     seconds = linear + ring
     return seconds, seconds - (linear + attn)
 

@@ -1,7 +1,7 @@
 """Public entry points: :func:`ring_attention` (shaped like ``flash_attn_varlen_func``) and :class:`RingAttention`.
 
-They check their arguments, pick the backend and scale, and run the engine
-(:mod:`ringpack.attention.engine`) eagerly or, under ``torch.compile``, as one custom op
+They check their arguments, pick the backend and scale, and run the mode
+(:mod:`ringpack.attention.dispatch`) eagerly or, under ``torch.compile``, as one custom op
 (:mod:`ringpack.attention.traced`); the group check of :mod:`ringpack.attention.checks` runs first
 either way. See docs/attention.md.
 """
@@ -17,12 +17,11 @@ from torch import Tensor, nn
 
 from ringpack.attention import engine, traced
 from ringpack.attention.checks import check_inputs, shape_problem
-from ringpack.attention.engine import ContextParallelAttention
-from ringpack.attention.hybrid import HEAD_PARALLEL_MODES, head_parallel_attention
+from ringpack.attention.dispatch import run_mode
 from ringpack.attention.kernels import BACKENDS, resolve_backend
 from ringpack.attention.schedule import Schedule
-from ringpack.attention.transports import MODES, transport_factory
 from ringpack.errors import DataError
+from ringpack.modes import MODES, check_mode
 
 try:
     from torch.distributed.device_mesh import DeviceMesh
@@ -126,9 +125,7 @@ def ring_attention(
         return traced.ring_attention_op(q, k, v, schedule, group, mode, scale, backend, part_rows, training)
     check_inputs(q, k, v, schedule, group, mode, needs_grad=training)
     backend, scale = _resolve(backend, softmax_scale, q)
-    if mode in HEAD_PARALLEL_MODES:
-        return head_parallel_attention(q, k, v, schedule, group, mode, scale, backend, part_rows)
-    return ContextParallelAttention.apply(q, k, v, schedule, transport_factory(mode, group), scale, backend, part_rows)
+    return run_mode(q, k, v, schedule, group, mode, scale, backend, part_rows)
 
 
 def process_group(group: dist.ProcessGroup | DeviceMesh | None) -> dist.ProcessGroup | None:
@@ -223,8 +220,7 @@ class RingAttention(nn.Module):
 
 
 def _check_mode(mode: str) -> None:
-    if not isinstance(mode, str) or mode not in MODES:
-        raise DataError(f"mode must be one of {MODES}, got {mode!r}")
+    check_mode(mode, error=DataError)
 
 
 def _check_backend(backend: str) -> None:

@@ -16,8 +16,8 @@ from torch import Tensor
 
 from ringpack.attention.allgather import all_gather_flat
 from ringpack.attention.schedule import Schedule, ScheduleMismatchError
-from ringpack.attention.transports import MODES
 from ringpack.errors import DataError
+from ringpack.modes import MODES
 
 __all__ = ["DTYPES", "check_inputs", "shape_problem", "verify_schedule"]
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from ringpack.attention import ScheduleMismatchError, compile_schedule, ring_attention
 from ringpack.attention.schedule import Schedule
+from ringpack.modes import SEQUENCE_MODES
 from ringpack.shard_plan import Piece, microbatch_from_shards
 from tests.helpers.attention import (
     Problem,
@@ -35,7 +36,7 @@ from tests.helpers.attention import (
 
 TOL = 1e-10
 GROUPS = {1: [2], 2: [1, 3], 3: [1, 2, 3], 4: [0, 1, 2, 3]}
-MODES = ("ring", "allgather", "p2p")
+MODES = SEQUENCE_MODES
 
 
 def build_cases(have_planner: bool) -> list[tuple[str, int, object, dict, int, int]]:

@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ringpack.attention import compile_schedule, ring_attention
+from ringpack.modes import SEQUENCE_MODES
 from ringpack.planner.split import split_contiguous, split_zigzag
 from ringpack.shard_plan import Piece, microbatch_from_shards
 
@@ -277,7 +278,7 @@ def run_distributed_check(
         sched = compile_schedule(mb, rank, **compile_kw)
         coverage += split_coverage(sched)
         sched = sched.to(device)
-        for mode, layout in ((m, lay) for m in ("ring", "allgather", "p2p") for lay in layouts):
+        for mode, layout in ((m, lay) for m in SEQUENCE_MODES for lay in layouts):
             got = run_rank(x, mb, rank, sched, mode, layout, backend)
             table.add(name, mode, layout, group_errors(got, ref, flash, mb, rank, device))
     coverage = coverage.to(device)

@@ -193,8 +193,8 @@ def run_head_parallel(
     with threaded exchanges in place of process groups. Returns each rank's out/dq/dk/dv."""
     from ringpack.attention import compile_schedule
     from ringpack.attention.engine import PassConfig
-    from ringpack.attention.hybrid import HYBRID_MODES
     from ringpack.attention.ulysses import HeadSplit, UlyssesAttention, heads_backward_op, heads_forward_op
+    from ringpack.modes import HYBRID_MODES
 
     cp = len(problem.mb.shards)
     g = cp if mode == "ulysses" else gpus_per_node
