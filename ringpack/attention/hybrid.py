@@ -7,9 +7,9 @@
 run the engine over the node-level micro-batch with that transport between them; the output goes
 home by the reverse all-to-all. Exact for any plan. :func:`head_parallel_attention` runs
 ``"ulysses"`` too. A hybrid is a row of the mode table (:mod:`ringpack.modes`) naming the
-sequence mode it runs between nodes. The in-node and cross-node groups (:func:`node_groups`) are created on first
-use, collectively over the world, and cached, or given once by the caller (e.g. from a
-DeviceMesh). See docs/attention.md, "Hybrid head-parallel attention".
+sequence mode it runs between nodes. The in-node and cross-node groups (:func:`node_groups`) are
+created on first use, collectively over the world, and cached, or given once by the caller (e.g.
+from a DeviceMesh). See docs/attention.md, "Hybrid head-parallel attention".
 """
 
 from __future__ import annotations
