@@ -276,7 +276,7 @@ def main() -> int:
         "--forward-part-rows",
         default="default",
         help="the forward without gradients: remote dense blocks in row chunks of at most this many rows "
-        "(ring.FORWARD_ONLY_PART_ROWS; 'none': whole blocks)",
+        "(engine.FORWARD_ONLY_PART_ROWS; 'none': whole blocks)",
     )
     parser.add_argument(
         "--layers",
@@ -291,10 +291,10 @@ def main() -> int:
         parser.error("--layers must be at least 1")
 
     rank, world, device = init_distributed()
-    from ringpack.attention import compile_schedule, ring, ring_attention
+    from ringpack.attention import compile_schedule, engine, ring_attention
 
     if args.forward_part_rows != "default":
-        ring.FORWARD_ONLY_PART_ROWS = None if args.forward_part_rows == "none" else int(args.forward_part_rows)
+        engine.FORWARD_ONLY_PART_ROWS = None if args.forward_part_rows == "none" else int(args.forward_part_rows)
 
     rows = []
     started = time.time()
@@ -309,7 +309,7 @@ def main() -> int:
                 date=time.strftime("%Y-%m-%d"),
                 argv=sys.argv,
                 layers=args.layers,
-                forward_part_rows=ring.FORWARD_ONLY_PART_ROWS,
+                forward_part_rows=engine.FORWARD_ONLY_PART_ROWS,
                 elapsed_s=round(time.time() - started, 1),
             )
             Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))

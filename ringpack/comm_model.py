@@ -23,6 +23,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ringpack.cost import PRESETS, CostModel, piece_pairs
+from ringpack.modes import HEAD_PARALLEL_MODES as TABLE_HEAD_PARALLEL
+from ringpack.modes import MODE_TABLE, SEQUENCE_MODES, check_mode
+from ringpack.modes import MODES as TABLE_MODES
 from ringpack.traffic import exchange_tokens, kv_bytes_per_token, needed_pieces
 
 __all__ = [
@@ -45,12 +48,11 @@ __all__ = [
 
 #: Forward share of attention FLOPs in fwd+bwd (backward ~2.5x forward, as in the cost model's 3.5).
 ATTN_FORWARD_SHARE = 1.0 / 3.5
-#: The sequence-split modes: every rank attends its own queries, K/V travel.
-SEQUENCE_MODES = ("ring", "allgather", "p2p")
-#: The head-parallel modes, each with what runs between nodes (``None``: the all-to-all spans the group).
-HEAD_PARALLEL_MODES: dict[str, str | None] = {"ulysses": None, "ulysses+p2p": "p2p", "ulysses+ring": "ring"}
-#: The modes the model times (the attention runtime's modes).
-MODES = (*SEQUENCE_MODES, *HEAD_PARALLEL_MODES)
+#: The modes the model times: every mode of the table (:mod:`ringpack.modes`).
+MODES = TABLE_MODES
+#: The head-parallel modes, each with the sequence mode it runs between nodes (``None``: the
+#: all-to-all spans the CP group).
+HEAD_PARALLEL_MODES: dict[str, str | None] = {name: MODE_TABLE[name].across_nodes for name in TABLE_HEAD_PARALLEL}
 
 #: Named links: (bandwidth bytes/s per direction, latency s per message).
 LINKS: dict[str, tuple[float, float]] = {
@@ -92,8 +94,7 @@ class CommModel:
     q_bytes_per_token_layer: float = 32 * 128 * 2
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"CommModel.mode must be one of {MODES}, got {self.mode!r}")
+        check_mode(self.mode, MODES, what="CommModel.mode")
         if self.bandwidth <= 0 or self.latency < 0 or self.layers < 1 or self.kv_bytes_per_token_layer < 0:
             raise ValueError("CommModel needs bandwidth > 0, latency >= 0, layers >= 1, kv bytes >= 0")
         if not (self.heads >= 1 and self.kv_heads >= 1 and self.q_bytes_per_token_layer >= 0):
@@ -370,8 +371,9 @@ def microbatch_seconds(
     (under a head-parallel mode, a rank's attention is its all-to-all group's pairs over the group).
 
     Raises:
-        ValueError: a mode without the inputs it times, or a head-parallel mode that cannot run
-            ``C`` ranks (:meth:`CommModel.unfit_reason`).
+        ValueError: a mode without the inputs it times, a head-parallel mode that cannot run
+            ``C`` ranks (:meth:`CommModel.unfit_reason`), or a mode of :data:`MODES` without a
+            formula here.
     """
     linear = model.seconds(model.cost(tokens, 0, segments))
     if comm.mode in HEAD_PARALLEL_MODES:
@@ -411,6 +413,8 @@ def _exchange_attention(
             transfer = np.where(moves, lat + factor * largest / bw, 0.0)
             total += L * (a_step + (cp - 1) * np.maximum(a_step, transfer))
         return total
+    if comm.mode != "allgather":  # a sequence mode of the table without a formula here
+        raise ValueError(f"the communication model has no price for mode {comm.mode!r}")
     # the node's other ranks' buffers over the node's links, the other nodes' over the links between
     collective = (node - 1) * (comm.latency + largest / comm.bandwidth)
     if node < cp:

@@ -32,9 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from ringpack._spawn import free_port
 from ringpack.attention import compile_schedule
+from ringpack.attention.engine import pack_kv
 from ringpack.attention.exchange import compile_exchange, exchange_ranges, neighbourhood
 from ringpack.attention.p2p import TargetedTransport, targeted_schedule
-from ringpack.attention.ring import RingTransport, pack_kv
+from ringpack.attention.ring import RingTransport
 from ringpack.attention.schedule import _PieceTable
 from ringpack.shard_plan import Piece, microbatch_from_shards
 

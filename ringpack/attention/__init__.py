@@ -5,8 +5,8 @@ Per layer: ``out = ring_attention(q, k, v, schedule, group=cp_group, mode="ring"
 Sequence-mixing layers (convolutions, recurrences) run on whole samples between
 ``sequence_to_heads(x, schedule, group)`` and ``heads_to_sequence(y, schedule, group)``.
 
-This package imports only torch, numpy and ringpack's plan and traffic modules (no ortools,
-datasets or pyarrow), so it runs on GPU machines with a bare PyTorch install. Kernel-level entry
+This package imports only torch, numpy and ringpack's plan, traffic and mode-table modules (no
+ortools, datasets or pyarrow), so it runs on GPU machines with a bare PyTorch install. Kernel-level entry
 points live in :mod:`ringpack.attention.kernels`, the schedule's parts in
 :mod:`ringpack.attention.schedule`.
 """

@@ -3,7 +3,7 @@
 :class:`AllGatherTransport` gathers the compact K/V buffers of the whole CP group in one collective
 (started before the local kernel, so the two overlap; buffers padded to the group's largest, as
 collectives need equal sizes) and returns dK/dV to their owners with one reduce-scatter. The kernel
-calls, the merge and the gradient bookkeeping are the ring's (:mod:`ringpack.attention.ring`). See
+calls, the merge and the gradient bookkeeping are the engine's (:mod:`ringpack.attention.engine`). See
 docs/attention.md, "Ring and all-gather".
 """
 
@@ -36,7 +36,7 @@ def reduce_scatter_flat(out: Tensor, inp: Tensor, group: dist.ProcessGroup | Non
 
 
 class AllGatherTransport:
-    """Implements :class:`~ringpack.attention.ring.KVTransport` with all-gather + reduce-scatter."""
+    """Implements :class:`~ringpack.attention.kv_transport.KVTransport` with all-gather + reduce-scatter."""
 
     def __init__(self, schedule: Schedule, group: dist.ProcessGroup | None = None) -> None:
         c, r = schedule.cp_size, schedule.cp_rank

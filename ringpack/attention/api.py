@@ -1,7 +1,7 @@
 """Public entry points: :func:`ring_attention` (shaped like ``flash_attn_varlen_func``) and :class:`RingAttention`.
 
-They check their arguments, pick the backend and scale, and run the engine
-(:mod:`ringpack.attention.ring`) eagerly or, under ``torch.compile``, as one custom op
+They check their arguments, pick the backend and scale, and run the mode
+(:mod:`ringpack.attention.dispatch`) eagerly or, under ``torch.compile``, as one custom op
 (:mod:`ringpack.attention.traced`); the group check of :mod:`ringpack.attention.checks` runs first
 either way. See docs/attention.md.
 """
@@ -15,15 +15,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ringpack.attention import ring, traced
+from ringpack.attention import engine, traced
 from ringpack.attention.checks import check_inputs, shape_problem
-from ringpack.attention.hybrid import HEAD_PARALLEL_MODES, head_parallel_attention
+from ringpack.attention.dispatch import run_mode
 from ringpack.attention.kernels import BACKENDS, resolve_backend
 from ringpack.attention.mode_choice import AUTO, resolve_mode
-from ringpack.attention.ring import ContextParallelAttention
 from ringpack.attention.schedule import Schedule
-from ringpack.attention.transports import MODES, transport_factory
 from ringpack.errors import DataError
+from ringpack.modes import MODES, check_mode
 
 try:
     from torch.distributed.device_mesh import DeviceMesh
@@ -120,7 +119,7 @@ def ring_attention(
     group = process_group(group)
     # without gradients, remote blocks go in row chunks: the forward then holds small partial results
     training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    part_rows = None if training else ring.FORWARD_ONLY_PART_ROWS
+    part_rows = None if training else engine.FORWARD_ONLY_PART_ROWS
     # Strided views are copied once: K/V rows travel as views of k and v, and point-to-point
     # transfers and collectives read a tensor's storage as dense rows; kernels need dense rows too.
     q, k, v = (x if x.is_contiguous() else x.contiguous() for x in (q, k, v))
@@ -132,9 +131,7 @@ def ring_attention(
     mode = resolve_mode(mode, schedule)
     check_inputs(q, k, v, schedule, group, mode, needs_grad=training)
     backend, scale = _resolve(backend, softmax_scale, q)
-    if mode in HEAD_PARALLEL_MODES:
-        return head_parallel_attention(q, k, v, schedule, group, mode, scale, backend, part_rows)
-    return ContextParallelAttention.apply(q, k, v, schedule, transport_factory(mode, group), scale, backend, part_rows)
+    return run_mode(q, k, v, schedule, group, mode, scale, backend, part_rows)
 
 
 def process_group(group: dist.ProcessGroup | DeviceMesh | None) -> dist.ProcessGroup | None:
@@ -229,8 +226,8 @@ class RingAttention(nn.Module):
 
 
 def _check_mode(mode: str) -> None:
-    if not isinstance(mode, str) or mode not in (*MODES, AUTO):
-        raise DataError(f"mode must be one of {(*MODES, AUTO)}, got {mode!r}")
+    if mode != AUTO:
+        check_mode(mode, (*MODES, AUTO), error=DataError)
 
 
 def _check_backend(backend: str) -> None:

@@ -17,8 +17,8 @@ from torch import Tensor
 from ringpack.attention.allgather import all_gather_flat
 from ringpack.attention.mode_choice import AUTO
 from ringpack.attention.schedule import Schedule, ScheduleMismatchError
-from ringpack.attention.transports import MODES
 from ringpack.errors import DataError
+from ringpack.modes import MODES
 
 #: The modes as the group check sends them (``AUTO`` last: a schedule without a pick).
 _MODE_CODES = (*MODES, AUTO)

@@ -6,9 +6,10 @@
 (:class:`~ringpack.attention.schedule.NodeLayout`); the ranks of one local index, one per node,
 run the engine over the node-level micro-batch with that transport between them; the output goes
 home by the reverse all-to-all. Exact for any plan. :func:`head_parallel_attention` runs
-``"ulysses"`` too. The in-node and cross-node groups (:func:`node_groups`) are created on first
-use, collectively over the world, and cached, or given once by the caller (e.g. from a
-DeviceMesh). See docs/attention.md, "Hybrid head-parallel attention".
+``"ulysses"`` too. A hybrid is a row of the mode table (:mod:`ringpack.modes`) naming the
+sequence mode it runs between nodes. The in-node and cross-node groups (:func:`node_groups`) are
+created on first use, collectively over the world, and cached, or given once by the caller (e.g.
+from a DeviceMesh). See docs/attention.md, "Hybrid head-parallel attention".
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch import Tensor
 
+from ringpack.attention.engine import PassConfig
 from ringpack.attention.relayout import head_layout
-from ringpack.attention.ring import PassConfig
 from ringpack.attention.schedule import HeadLayout, NodeLayout, Schedule
 from ringpack.attention.transports import transport_factory
 from ringpack.attention.ulysses import HeadSplit, UlyssesAttention
 from ringpack.errors import DataError
+from ringpack.modes import HEAD_PARALLEL_MODES, HYBRID_MODES, MODE_TABLE
 
 try:
     from torch.distributed.device_mesh import DeviceMesh
@@ -39,12 +41,6 @@ __all__ = [
     "node_groups",
     "node_layout",
 ]
-
-#: The hybrid modes and the transport each runs between nodes.
-HYBRID_MODES = {"ulysses+p2p": "p2p", "ulysses+ring": "ring"}
-
-#: The modes that split heads over (some of) the CP group: :func:`head_parallel_attention` runs them.
-HEAD_PARALLEL_MODES = ("ulysses", *HYBRID_MODES)
 
 
 @dataclass(frozen=True)
@@ -188,7 +184,7 @@ def head_parallel_parts(
     Args:
         q: ``(T, H, D)``; k: ``(T, H_kv, D)`` (their head counts are what is split).
         schedule: this rank's schedule; group: the CP group (None: the world).
-        mode: one of :data:`HEAD_PARALLEL_MODES`.
+        mode: one of :data:`~ringpack.modes.HEAD_PARALLEL_MODES`.
         scale, backend: the softmax scale and a resolved backend.
         part_rows: the forward's row chunks without gradients (see ``attention_forward``).
 
@@ -196,14 +192,15 @@ def head_parallel_parts(
         DataError: query heads not a multiple of the all-to-all's ranks (named), a schedule without
             its head layout, or (hybrid) as :func:`node_layout`.
     """
-    if mode == "ulysses":
+    across_nodes = MODE_TABLE[mode].across_nodes
+    if across_nodes is None:  # Ulysses over the whole group
         layout = head_layout(schedule)
         split = HeadSplit(heads=q.shape[1], kv_heads=k.shape[1], cp=layout.cp_size)
         return layout, split, group, PassConfig(scale, backend, None, part_rows)
     layout = node_layout(schedule, mode)
     split = HeadSplit(heads=q.shape[1], kv_heads=k.shape[1], cp=layout.gpus_per_node, mode=mode)
     groups = node_groups(group, layout.gpus_per_node) if schedule.cp_size > 1 else NodeGroups(None, None)
-    make_transport = transport_factory(HYBRID_MODES[mode], groups.across) if layout.nodes > 1 else None
+    make_transport = transport_factory(across_nodes, groups.across) if layout.nodes > 1 else None
     return layout, split, groups.within, PassConfig(scale, backend, make_transport, part_rows)
 
 

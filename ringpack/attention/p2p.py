@@ -9,7 +9,7 @@ pieces cross nodes once per node through a proxy, in a second batch each way. Po
 rather than ``all_to_all_single``: host work in the partners, not in the group size.
 
 The engine runs :func:`targeted_schedule`; only :class:`TargetedTransport` and its factory live
-here, the loop, merge and gradient bookkeeping are the engine's (:mod:`ringpack.attention.ring`).
+here, the loop, merge and gradient bookkeeping are the engine's (:mod:`ringpack.attention.engine`).
 
 See docs/attention.md, "Targeted exchange".
 """
@@ -86,7 +86,7 @@ Message = tuple[int, Sequence[Tensor]]  # (CP rank, its K and V, or dK and dV)
 
 
 class TargetedTransport:
-    """Implements :class:`~ringpack.attention.ring.KVTransport` with batched point-to-point
+    """Implements :class:`~ringpack.attention.kv_transport.KVTransport` with batched point-to-point
     exchanges over ``group`` (None: the world).
 
     ``schedule`` is the :func:`targeted_schedule` of the pass: step ``i`` reads the buffer of

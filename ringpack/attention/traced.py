@@ -20,13 +20,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ringpack.attention.checks import check_inputs
-from ringpack.attention.hybrid import HEAD_PARALLEL_MODES, head_parallel_attention, head_parallel_parts
+from ringpack.attention.dispatch import mode_backward, mode_forward, run_mode
 from ringpack.attention.kernels import accum_dtype
 from ringpack.attention.mode_choice import resolve_mode
-from ringpack.attention.ring import ContextParallelAttention, PassConfig, attention_backward, attention_forward
 from ringpack.attention.schedule import OPAQUE_SCHEDULE, Schedule
-from ringpack.attention.transports import transport_factory
-from ringpack.attention.ulysses import heads_backward_op, heads_forward_op
 
 __all__ = ["ring_attention_op"]
 
@@ -82,10 +79,7 @@ def _group(name: str) -> dist.ProcessGroup | None:
 def _outside_graph(q, k, v, schedule, group, mode, softmax_scale, backend, part_rows, needs_grad) -> Tensor:
     mode = resolve_mode(mode, schedule)
     check_inputs(q, k, v, schedule, group, mode, needs_grad=needs_grad)
-    if mode in HEAD_PARALLEL_MODES:
-        return head_parallel_attention(q, k, v, schedule, group, mode, softmax_scale, backend, part_rows)
-    make_transport = transport_factory(mode, group)
-    return ContextParallelAttention.apply(q, k, v, schedule, make_transport, softmax_scale, backend, part_rows)
+    return run_mode(q, k, v, schedule, group, mode, softmax_scale, backend, part_rows)
 
 
 def ring_attention_forward(
@@ -104,12 +98,7 @@ def ring_attention_forward(
     group = _group(group_name)
     mode = resolve_mode(mode, schedule)
     check_inputs(q, k, v, schedule, group, mode, needs_grad=needs_grad)
-    if mode in HEAD_PARALLEL_MODES:
-        parts = head_parallel_parts(q, k, schedule, group, mode, softmax_scale, backend, part_rows)
-        out, lse = heads_forward_op(q, k, v, *parts)
-    else:
-        config = PassConfig(softmax_scale, backend, transport_factory(mode, group), part_rows)
-        out, lse = attention_forward(q, k, v, schedule, config)
+    out, lse = mode_forward(q, k, v, schedule, group, mode, softmax_scale, backend, part_rows)
     return out.contiguous(), lse.contiguous()  # the strides the fake implementation promises
 
 
@@ -129,12 +118,7 @@ def ring_attention_backward(
     """The gradient op's implementation: the engine's backward; ``(dq, dk, dv)`` like q, k, v."""
     group = _group(group_name)
     mode = resolve_mode(mode, schedule)
-    if mode in HEAD_PARALLEL_MODES:
-        parts = head_parallel_parts(q, k, schedule, group, mode, softmax_scale, backend)
-        grads = heads_backward_op(dout.contiguous(), q, k, v, out, lse, *parts)
-    else:
-        config = PassConfig(softmax_scale, backend, transport_factory(mode, group))
-        grads = attention_backward(dout.contiguous(), q, k, v, out, lse, schedule, config)
+    grads = mode_backward(dout.contiguous(), q, k, v, out, lse, schedule, group, mode, softmax_scale, backend)
     return tuple(g.contiguous() for g in grads)
 
 

@@ -1,34 +1,45 @@
-"""The K/V movers by mode name: what builds one engine pass's transport over a CP group.
+"""The K/V mover of each sequence-split mode of the table (:mod:`ringpack.modes`), by name.
 
-``"ring"``: :class:`~ringpack.attention.ring.RingTransport` (point to point, double-buffered);
+:data:`TRANSPORTS` maps each of :data:`~ringpack.modes.SEQUENCE_MODES` to what builds its
+:class:`~ringpack.attention.kv_transport.TransportFactory` over a CP group: ``"ring"``:
+:class:`~ringpack.attention.ring.RingTransport` (point to point, double-buffered);
 ``"allgather"``: :class:`~ringpack.attention.allgather.AllGatherTransport` (one all-gather, one
 reduce-scatter); ``"p2p"``: :class:`~ringpack.attention.p2p.TargetedTransports` (each needed piece
-straight to the ranks that need it). ``"ulysses"`` moves no K/V between sequence pieces: it
-exchanges heads (:mod:`ringpack.attention.ulysses`), so it has no transport here; the hybrid
-modes ``"ulysses+p2p"`` and ``"ulysses+ring"`` exchange heads within nodes and use the ``p2p`` or
-``ring`` transport between them (:mod:`ringpack.attention.hybrid`). See
-docs/attention.md, "Ring and all-gather".
+straight to the ranks that need it). The head-parallel modes move heads instead
+(:mod:`ringpack.attention.ulysses`); a hybrid's row names the sequence mode it runs between nodes,
+whose transport comes from here too. A new sequence mode is its transport module, its row in the
+table and its line here. See docs/attention.md, "Modes".
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch.distributed as dist
 
 from ringpack.attention.allgather import AllGatherTransport
+from ringpack.attention.kv_transport import TransportFactory
 from ringpack.attention.p2p import TargetedTransports
-from ringpack.attention.ring import RingTransport, TransportFactory
+from ringpack.attention.ring import RingTransport
+from ringpack.modes import MODES
 
-__all__ = ["MODES", "transport_factory"]
+__all__ = ["MODES", "TRANSPORTS", "transport_factory"]
 
-MODES = ("ring", "allgather", "p2p", "ulysses", "ulysses+p2p", "ulysses+ring")
+#: Each sequence mode's builder of a transport factory over a CP group (never None: the world).
+TRANSPORTS: dict[str, Callable[[dist.ProcessGroup], TransportFactory]] = {
+    "ring": lambda group: functools.partial(RingTransport, group=group),
+    "allgather": lambda group: functools.partial(AllGatherTransport, group=group),
+    "p2p": TargetedTransports,
+}
 
 
 def transport_factory(mode: str, group: dist.ProcessGroup | None) -> TransportFactory:
-    """What builds the K/V mover of ``mode`` (``"ring"``, ``"allgather"`` or ``"p2p"``) over ``group`` (None: the world)
-    for one engine pass: called with the pass's :class:`~ringpack.attention.schedule.Schedule`."""
-    group = group if group is not None else dist.group.WORLD
-    if mode == "p2p":
-        return TargetedTransports(group)
-    return functools.partial(RingTransport if mode == "ring" else AllGatherTransport, group=group)
+    """What builds the K/V mover of the sequence ``mode`` (one of :data:`TRANSPORTS`) over ``group``
+    (None: the world) for one engine pass: called with the pass's
+    :class:`~ringpack.attention.schedule.Schedule`.
+
+    Raises:
+        KeyError: ``mode`` is not a sequence mode (callers check the mode against the table first).
+    """
+    return TRANSPORTS[mode](group if group is not None else dist.group.WORLD)

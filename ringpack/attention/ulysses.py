@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ringpack.attention.engine import PassConfig, attention_backward, attention_forward
 from ringpack.attention.kernels import accum_dtype
 from ringpack.attention.relayout import (
     blocks_to_rows,
@@ -30,7 +31,6 @@ from ringpack.attention.relayout import (
     to_gathered,
     to_received,
 )
-from ringpack.attention.ring import PassConfig, attention_backward, attention_forward
 from ringpack.attention.schedule import HeadLayout, NodeLayout
 from ringpack.errors import DataError
 

@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 
 from ringpack._checks import is_int
+from ringpack.attention.engine import ContextParallelAttention
 from ringpack.attention.kernels import resolve_backend
-from ringpack.attention.ring import ContextParallelAttention
 from ringpack.calibration.cases import Case, microbatch_geometry, rank_cases
 from ringpack.calibration.features import compiled_schedule
 from ringpack.calibration.run import DRY_RUN_NOTE, backend_field, device_field

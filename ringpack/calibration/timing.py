@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from ringpack.attention.engine import ContextParallelAttention
 from ringpack.attention.kernels import accum_dtype
-from ringpack.attention.ring import ContextParallelAttention
 from ringpack.calibration.cases import Case
 from ringpack.calibration.features import compiled_schedule
 from ringpack.cost import ModelShape
@@ -43,7 +43,7 @@ class AttentionShape:
 
 
 class _ComputeOnlyTransport:
-    """A :class:`~ringpack.attention.ring.KVTransport` without communication: remote K/V come from memory."""
+    """A :class:`~ringpack.attention.kv_transport.KVTransport` without communication: remote K/V come from memory."""
 
     send_capacity = None
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from ringpack.attention import ScheduleMismatchError, compile_schedule, ring_attention
 from ringpack.attention.schedule import Schedule
+from ringpack.modes import SEQUENCE_MODES
 from ringpack.shard_plan import Piece, microbatch_from_shards
 from tests.helpers.attention import (
     Problem,
@@ -35,7 +36,7 @@ from tests.helpers.attention import (
 
 TOL = 1e-10
 GROUPS = {1: [2], 2: [1, 3], 3: [1, 2, 3], 4: [0, 1, 2, 3]}
-MODES = ("ring", "allgather", "p2p")
+MODES = SEQUENCE_MODES
 
 
 def build_cases(have_planner: bool) -> list[tuple[str, int, object, dict, int, int]]:
@@ -100,17 +101,17 @@ CHUNKED = {"grad": 0, "no_grad": 0}  # remote dense blocks run in several row ch
 
 def _count_chunks() -> None:
     """Count, in this worker process, the remote blocks the engine cuts into row chunks."""
-    from ringpack.attention import ring
+    from ringpack.attention import engine
 
-    ring.FORWARD_ONLY_PART_ROWS = 2  # tiny, so the small test blocks are cut
-    chunks = ring._row_chunks
+    engine.FORWARD_ONLY_PART_ROWS = 2  # tiny, so the small test blocks are cut
+    chunks = engine._row_chunks
 
     def counted(segment, causal, part_rows):
         pieces = chunks(segment, causal, part_rows)
         CHUNKED["grad" if torch.is_grad_enabled() else "no_grad"] += len(pieces) > 1
         return pieces
 
-    ring._row_chunks = counted
+    engine._row_chunks = counted
 
 
 def _forwards_with_the_dense_split(problem: Problem, mb, rank: int, group, mode: str, ref: dict) -> dict[str, float]:

@@ -178,7 +178,7 @@ def test_forward_row_chunks_of_remote_blocks_are_exact(part_rows):
     """Without gradients, remote dense blocks run in row chunks (the last one padded; keys split or
     not); the output is the unchunked one, and the plan does cut blocks into several chunks."""
     from ringpack.attention import compile_schedule
-    from ringpack.attention.ring import _row_chunks
+    from ringpack.attention.engine import _row_chunks
 
     lengths = [20, 3, 12, 27, 40]
     mb = zigzag_case(2, lengths)
@@ -280,7 +280,7 @@ def test_backward_holds_the_largest_dense_segment_back_to_hide_the_dkv_transfer(
     """_overlap_split moves the largest local dense segment after the remote steps; the two halves
     cover the local call's parts exactly once, and the engine stays exact with them (fp64)."""
     from ringpack.attention import compile_schedule
-    from ringpack.attention.ring import PassConfig, _overlap_split
+    from ringpack.attention.engine import PassConfig, _overlap_split
     from tests.helpers.attention import zigzag_case
 
     mb = zigzag_case(2, [40, 3, 1, 17])
@@ -312,7 +312,7 @@ def test_send_rows_are_a_slice_when_contiguous():
 def test_first_transfer_hook_runs_once_after_the_first_local_kernel():
     """_after_first calls the hook (the engine's first transfer) right after the first part is
     produced, before the rest are computed, and exactly once; with no parts, at the end."""
-    from ringpack.attention.ring import _after_first
+    from ringpack.attention.engine import _after_first
 
     events = []
 
@@ -344,7 +344,7 @@ def test_first_transfer_order_with_and_without_gradients(monkeypatch, grad, loca
     right after that kernel is queued; without gradients, where the local result is copied from
     several parts, both wait until the first part is folded in (its buffers are not held beside it)."""
     from ringpack.attention import compile_schedule, kernels
-    from ringpack.attention.ring import PassConfig, attention_forward
+    from ringpack.attention.engine import PassConfig, attention_forward
     from tests.helpers.attention import LoopbackTransport, LoopbackWorld
 
     events = []

@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ringpack.attention import compile_schedule, ring_attention
+from ringpack.modes import SEQUENCE_MODES
 from ringpack.planner.split import split_contiguous, split_zigzag
 from ringpack.shard_plan import Piece, microbatch_from_shards
 
@@ -131,7 +132,7 @@ def split_coverage(schedule) -> torch.Tensor:
     dense parts with a key split, dense parts padded over the following local rows, dense parts
     padded past the end of the local rows (copies), batched dense calls, remote dense segments that
     the forward without gradients cuts into row chunks]."""
-    from ringpack.attention import ring
+    from ringpack.attention import engine
 
     calls = [c for c in (schedule.local, *(c for st in schedule.steps for c in st.calls)) if c is not None]
     local = len(schedule.local.dense) if schedule.local is not None else 0
@@ -140,7 +141,9 @@ def split_coverage(schedule) -> torch.Tensor:
     padded_view = sum(d[1] < d[4] and d[0] + d[4] <= schedule.num_tokens for d in dense)
     padded_copy = sum(d[0] + d[4] > schedule.num_tokens for d in dense)
     batched = sum(d.batch > 1 for d in dense)
-    chunked = sum(len(ring._row_chunks(d, c.causal, ring.FORWARD_ONLY_PART_ROWS)) > 1 for c in calls for d in c.dense)
+    chunked = sum(
+        len(engine._row_chunks(d, c.causal, engine.FORWARD_ONLY_PART_ROWS)) > 1 for c in calls for d in c.dense
+    )
     return torch.tensor(
         [
             local,
@@ -275,7 +278,7 @@ def run_distributed_check(
         sched = compile_schedule(mb, rank, **compile_kw)
         coverage += split_coverage(sched)
         sched = sched.to(device)
-        for mode, layout in ((m, lay) for m in ("ring", "allgather", "p2p") for lay in layouts):
+        for mode, layout in ((m, lay) for m in SEQUENCE_MODES for lay in layouts):
             got = run_rank(x, mb, rank, sched, mode, layout, backend)
             table.add(name, mode, layout, group_errors(got, ref, flash, mb, rank, device))
     coverage = coverage.to(device)
@@ -392,9 +395,9 @@ def main() -> int:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(backend, timeout=timedelta(seconds=120))
-    from ringpack.attention import ring
+    from ringpack.attention import engine
 
-    ring.FORWARD_ONLY_PART_ROWS = (
+    engine.FORWARD_ONLY_PART_ROWS = (
         8 if os.environ.get("RINGPACK_TINY") else 128
     )  # the test plans' remote blocks are cut into row chunks
     try:

@@ -22,6 +22,7 @@ from ringpack.attention import compile_schedule, ring_attention
 from ringpack.attention.hybrid import node_groups
 from ringpack.attention.relayout import gathered_index
 from ringpack.errors import DataError
+from ringpack.modes import HYBRID_MODES
 from tests.attention.test_ulysses import build_cases
 from tests.helpers.attention import (
     Problem,
@@ -35,7 +36,7 @@ from tests.helpers.attention import (
 )
 
 TOL = 1e-10
-MODES = ("ulysses+p2p", "ulysses+ring")
+MODES = tuple(HYBRID_MODES)
 
 # ------------------------------------------------------------------------------------ the layout
 

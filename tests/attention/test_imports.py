@@ -4,6 +4,7 @@ import ast
 from pathlib import Path
 
 import ringpack.attention
+from ringpack.attention import engine, kv_transport, ring
 
 PACKAGE = Path(ringpack.attention.__file__).parent
 MODULES = {path.stem: path for path in PACKAGE.glob("*.py") if path.stem != "__init__"}
@@ -55,3 +56,18 @@ def test_attention_modules_import_no_circle():
 
     circles = sorted(stem for stem in graph if reaches(stem, stem, {stem}))
     assert circles == []
+
+
+def test_the_engine_imports_no_transport():
+    """Transports only move bytes for the engine: the engine reaches them through its pass config alone."""
+    imported = {name for _, name in _ringpack_imports(ast.parse(MODULES["engine"].read_text()))}
+    transports = {f"ringpack.attention.{stem}" for stem in ("ring", "allgather", "p2p", "transports")}
+    assert "ringpack.attention.kv_transport" in imported and not imported & transports
+
+
+def test_the_engine_and_the_protocol_keep_their_former_address():
+    """``ringpack.attention.ring`` held the engine and the transport protocol: their names still import from there."""
+    for name in engine.__all__:
+        assert getattr(ring, name) is getattr(engine, name), name
+    for name in kv_transport.__all__:
+        assert getattr(ring, name) is getattr(kv_transport, name), name

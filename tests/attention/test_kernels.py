@@ -279,7 +279,7 @@ def test_cudnn_ragged_path_is_refused(monkeypatch, value, refused):
 @pytest.mark.parametrize("src_dtype", [torch.bfloat16, torch.float32])
 def test_add_rows_rounds_once(rows, src_dtype):
     """dst[rows] += src for every row form, summed in float and rounded to dst's dtype once."""
-    from ringpack.attention.ring import _add_rows
+    from ringpack.attention.engine import _add_rows
 
     gen = torch.Generator().manual_seed(3)
     dst = torch.randn(5, 2, 3, generator=gen).to(torch.bfloat16)

@@ -145,7 +145,7 @@ def test_forward_without_gradients_holds_no_block_sized_partials_and_no_buffer_b
       receive buffer is allocated before it (the transfer overlaps its kernel); without, after it
       is folded in, so the peak is the local step's own.
     """
-    from ringpack.attention.ring import PassConfig, _local_forward, attention_forward
+    from ringpack.attention.engine import PassConfig, _local_forward, attention_forward
     from tests.helpers.attention import LoopbackTransport, LoopbackWorld
 
     class Receiving(LoopbackTransport):

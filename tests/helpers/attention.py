@@ -290,8 +290,8 @@ class LoopbackWorld:
     """All CP ranks in one process: hands each rank the others' compact K/V, collects their dK/dV."""
 
     def __init__(self, schedules: list, k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
+        from ringpack.attention.engine import pack_kv
         from ringpack.attention.kernels import accum_dtype
-        from ringpack.attention.ring import pack_kv
 
         self.kv = [pack_kv(k[r], v[r], s.send_index) for r, s in enumerate(schedules)]
         self.dkv = [torch.zeros(buf.shape, dtype=accum_dtype(buf.dtype), device=buf.device) for buf in self.kv]
@@ -301,7 +301,7 @@ class LoopbackWorld:
 
 
 class LoopbackTransport:
-    """A KVTransport without a process group (see ringpack.attention.ring.KVTransport)."""
+    """A KVTransport without a process group (see ringpack.attention.kv_transport.KVTransport)."""
 
     send_capacity = None
 
@@ -421,7 +421,7 @@ def run_all_ranks(
     (``part_rows``: the forward's row chunks of remote dense blocks, as without gradients;
     ``mode="p2p"``: the targeted exchange's steps and rows, node-relayed with ``gpus_per_node``)."""
     from ringpack.attention import compile_schedule
-    from ringpack.attention.ring import PassConfig, attention_backward, attention_forward
+    from ringpack.attention.engine import PassConfig, attention_backward, attention_forward
 
     cp = len(problem.mb.shards)
     schedules = [

@@ -4,7 +4,7 @@
 CP rank of a micro-batch through the runtime's own code (the autograd function's forward and
 backward, or the traced op's pair), each rank in a thread: the all-to-alls go through
 :class:`ThreadedGroup` (the relayout's pluggable exchange), the K/V between nodes through
-:class:`ThreadedTransports` (a :class:`~ringpack.attention.ring.KVTransport` over memory). The
+:class:`ThreadedTransports` (a :class:`~ringpack.attention.kv_transport.KVTransport` over memory). The
 autograd engine is not used: it runs a device's backward passes on one thread, where ranks waiting
 for each other would deadlock. Every wait has a timeout, so a bug fails instead of hanging.
 Imports only torch and ringpack.attention (it runs on GPU machines without ortools or datasets).
@@ -109,7 +109,7 @@ class ThreadedTransports:
 
 
 class ThreadedTransport:
-    """One pass of one rank: :class:`~ringpack.attention.ring.KVTransport` over :class:`ThreadedTransports`."""
+    """One pass of one rank: :class:`~ringpack.attention.kv_transport.KVTransport` over :class:`ThreadedTransports`."""
 
     send_capacity = None
 
@@ -192,9 +192,9 @@ def run_head_parallel(
     traced op's ``heads_forward_op``/``heads_backward_op``) on the parts ``ring_attention`` builds,
     with threaded exchanges in place of process groups. Returns each rank's out/dq/dk/dv."""
     from ringpack.attention import compile_schedule
-    from ringpack.attention.hybrid import HYBRID_MODES
-    from ringpack.attention.ring import PassConfig
+    from ringpack.attention.engine import PassConfig
     from ringpack.attention.ulysses import HeadSplit, UlyssesAttention, heads_backward_op, heads_forward_op
+    from ringpack.modes import HYBRID_MODES
 
     cp = len(problem.mb.shards)
     g = cp if mode == "ulysses" else gpus_per_node

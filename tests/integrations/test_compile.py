@@ -13,6 +13,7 @@ import torch
 
 from ringpack._spawn import run_ranks
 from ringpack.attention import compile_schedule, ring_attention, traced
+from ringpack.modes import MODES
 from ringpack.shard_plan import Piece, microbatch_from_shards
 
 pytestmark = pytest.mark.skipif(not traced.OPAQUE_SCHEDULE, reason="this torch has no opaque objects for custom ops")
@@ -135,7 +136,7 @@ def _run_inputs(schedule):
     return [torch.randn(schedule.num_tokens, h, 8, dtype=torch.float64) for h in (4, 2, 2)]
 
 
-CP_MODES = ("ring", "allgather", "p2p", "ulysses", "ulysses+p2p", "ulysses+ring")
+CP_MODES = MODES
 
 
 def cp_worker(rank: int, world: int) -> dict:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from ringpack._spawn import run_ranks
+from ringpack.modes import SEQUENCE_MODES
 
 WORLD, DP, CP = 4, 2, 2
 
@@ -69,7 +70,7 @@ def worker(rank: int, world: int) -> dict:
     microbatch = split_zigzag([0, 1, 2], [11, 5, 8], CP) if coords.dp_rank == 0 else split_zigzag([0, 1], [9, 14], CP)
     schedule = compile_schedule(microbatch, coords.cp_rank)
     results = {"coords": (coords.dp_rank, coords.dp_size, coords.cp_rank, coords.cp_size)}
-    for mode in ("ring", "allgather", "p2p"):
+    for mode in SEQUENCE_MODES:
         forms = {
             "process group": lambda q, k, v: ring_attention(q, k, v, schedule, pg, mode, backend="reference"),
             "mesh['cp']": lambda q, k, v: ring_attention(q, k, v, schedule, mesh["cp"], mode, backend="reference"),
@@ -138,7 +139,7 @@ def mesh_results():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["ring", "allgather", "p2p"])
+@pytest.mark.parametrize("mode", SEQUENCE_MODES)
 def test_mesh_cp_dimension_equals_process_group(mesh_results, mode):
     for rank, results in enumerate(mesh_results):
         want = results[mode]["process group"]
