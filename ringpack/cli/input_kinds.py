@@ -17,8 +17,7 @@ import argparse
 import dataclasses
 from collections.abc import Iterable, Mapping
 
-from ringpack.calibration.run import KernelCalibrationConfig
-from ringpack.calibration.step import StepCalibrationConfig
+from ringpack.calibration.config import KernelCalibrationConfig, StepCalibrationConfig
 from ringpack.cli.config_file import settings
 from ringpack.cli.flags import shown
 from ringpack.shard_plan import PlanConfig
