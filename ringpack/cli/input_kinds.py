@@ -95,7 +95,7 @@ _SIMULATE = _rows(
     (["median", "sigma"], ["lognormal"]),
     (
         [n for n in _PLANNING if n not in ("dp", "strategy", "packing")]
-        + ["gpus", "strategies", "packings", "baseline", "peers", "tflops", "link", "inter_link", "bandwidth"]
+        + ["world", "strategies", "packings", "baseline", "peers", "tflops", "link", "inter_link", "bandwidth"]
         + ["latency_us", "modes", "out", "json", "no_plots", "quiet", "jobs", "chunk_steps"],
         _SIMULATE_KINDS,
     ),

@@ -67,7 +67,7 @@ def test_one_global_batch_at_a_time(lengths, tmp_path):
 
 
 def test_simulate_states_its_batch_and_refuses_an_epoch_in_one_step(lengths, tmp_path):
-    argv = ["simulate", "--lengths", lengths, "--gpus", "4", "--cp", "2", "--tokens-per-rank", "4096", "--jobs", "1"]
+    argv = ["simulate", "--lengths", lengths, "--world", "4", "--cp", "2", "--tokens-per-rank", "4096", "--jobs", "1"]
     run = run_cli([*argv, "--samples-per-step", "0", "--out", tmp_path / "s", "--no-plots", "--quiet"])
     assert_clean(run)
     assert run.code == 1 and "--samples-per-step 0" in run.err and "--global-batch-tokens" in run.err
