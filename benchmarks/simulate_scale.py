@@ -83,7 +83,7 @@ def cases(data: Path, quick: bool, cp64: bool) -> list[tuple[str, list[str]]]:
     big = str(draw(data / f"lengths_{n_big}.npy", n_big, seed=1))
     mid = str(draw(data / f"lengths_{n_mid}.npy", n_mid, seed=2))
     report = ["report", "--lengths", mid, "--dp", "8", "--cp", "4", "--tokens-per-rank", "32768", "--overflow", "split"]
-    shape = ["simulate", "--lengths", big, "--gpus", "8192", "--tokens-per-rank", "16384", "--overflow", "split"]
+    shape = ["simulate", "--lengths", big, "--world", "8192", "--tokens-per-rank", "16384", "--overflow", "split"]
     rows = [
         (f"report {n_mid:,}, DP=8 x CP=4", [*report, "--out", "report"]),
         # one micro-batch per DP rank: the steps whose tokens exceed it are refused before planning

@@ -18,9 +18,9 @@ imported (:mod:`ringpack.integrations.autoregister`), without importing transfor
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from ringpack._lazy import lazy_face
 from ringpack.integrations import autoregister as _autoregister
 
 __version__ = "0.1.0"
@@ -57,15 +57,4 @@ if TYPE_CHECKING:
 
 _autoregister.install()  # attn_implementation="ringpack" once transformers' models load
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'ringpack' has no attribute {name!r}")
-    value = getattr(import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_face(__name__, _EXPORTS)

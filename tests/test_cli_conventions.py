@@ -76,7 +76,7 @@ def test_plan_report_and_simulate_read_every_format(inputs, source, tmp_path):
     run = run_cli(["report", "--lengths", path, *MESH, "--out", tmp_path / "r", "--no-plots", "--quiet", "--json", "-"])
     assert run.code == 0, run.err
     assert all(p["summary"]["tokens"] == LENGTHS.sum() for p in json.loads(run.out)["plans"])
-    argv = ["simulate", "--lengths", path, "--gpus", "4", "--cp", "2", "--tokens-per-rank", "256", "--jobs", "1"]
+    argv = ["simulate", "--lengths", path, "--world", "4", "--cp", "2", "--tokens-per-rank", "256", "--jobs", "1"]
     run = run_cli([*argv, "--out", tmp_path / "s", "--no-plots", "--quiet", "--json", "-"])
     assert run.code == 0, run.err
     assert json.loads(run.out)["lengths"]["samples"] == len(LENGTHS)
@@ -159,7 +159,7 @@ def test_hints_name_flags_on_the_command_line_and_keywords_in_python(tmp_path):
     runs = {
         "plan": ["plan", "--lengths", path, *MESH, "--out", tmp_path / "p.json"],
         "report": ["report", "--lengths", path, *MESH, "--out", tmp_path / "r", "--no-plots", "--quiet"],
-        "simulate": ["simulate", "--lengths", path, "--gpus", "4", "--cp", "2", "--tokens-per-rank", "256"],
+        "simulate": ["simulate", "--lengths", path, "--world", "4", "--cp", "2", "--tokens-per-rank", "256"],
     }
     for command, argv in runs.items():
         run = run_cli(argv + (["--out", tmp_path / "s", "--no-plots", "--quiet"] if command == "simulate" else []))
@@ -197,7 +197,7 @@ def test_progress_is_logged_off_a_terminal_and_silenced_by_quiet(inputs, tmp_pat
     report = ["report", "--lengths", inputs["lengths"][".npy"], *MESH, "--out", tmp_path / "r", "--no-plots"]
     err = run_cli(report).err
     assert "x 6 variants and 2 peers: " in err and " samples (" in err
-    simulate = ["simulate", "--lengths", inputs["lengths"][".npy"], "--gpus", "4", "--cp", "2", "--jobs", "1"]
+    simulate = ["simulate", "--lengths", inputs["lengths"][".npy"], "--world", "4", "--cp", "2", "--jobs", "1"]
     err = run_cli([*simulate, "--tokens-per-rank", "256", "--out", tmp_path / "s", "--no-plots"]).err
     assert " samples (" in err
 

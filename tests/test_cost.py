@@ -133,7 +133,7 @@ def test_the_commands_refuse_a_huge_price_in_one_line(tmp_path, command, price):
     argv = {
         "plan": ["plan", "--dp", 2, *mesh, "--cost-profile", profile, "--out", tmp_path / "plan.json"],
         "report": ["report", "--dp", 2, *mesh, "--cost-profile", profile, "--no-plots"],
-        "simulate": ["simulate", "--gpus", 4, *mesh, "--model", profile, "--no-plots"],
+        "simulate": ["simulate", "--world", 4, *mesh, "--model", profile, "--no-plots"],
     }[command]
     run = run_cli([*argv, "--lengths", tmp_path / "lengths.npy"])
     assert_clean(run)

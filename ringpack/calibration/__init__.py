@@ -2,7 +2,8 @@
 
 The face: :func:`calibrate_kernels` and :class:`KernelCalibrationConfig` (the kernel scope),
 :func:`calibrate_step` and :class:`StepCalibrationConfig` (the step scope), :func:`refit_file`
-(a saved calibration fitted again). The parts: :mod:`~ringpack.calibration.cases` (the shards
+(a saved calibration fitted again). The parts: :mod:`~ringpack.calibration.config` (both
+scopes' configs, importable without torch), :mod:`~ringpack.calibration.cases` (the shards
 timed, the held-out plans), :mod:`~ringpack.calibration.timing` (clocks, timed calls),
 :mod:`~ringpack.calibration.features` (a shard in the model's terms),
 :mod:`~ringpack.calibration.fit` (fits and held-out quality), :mod:`~ringpack.calibration.run`
@@ -14,31 +15,22 @@ See docs/analysis.md, "`ringpack calibrate`".
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ringpack._lazy import lazy_face
 
 _FACE = {
-    "KernelCalibrationConfig": "ringpack.calibration.run",
+    "KernelCalibrationConfig": "ringpack.calibration.config",
     "calibrate_kernels": "ringpack.calibration.run",
     "refit_file": "ringpack.calibration.run",
-    "StepCalibrationConfig": "ringpack.calibration.step",
+    "StepCalibrationConfig": "ringpack.calibration.config",
     "calibrate_step": "ringpack.calibration.step",
 }
 __all__ = list(_FACE)
 
 if TYPE_CHECKING:
-    from ringpack.calibration.run import KernelCalibrationConfig, calibrate_kernels, refit_file  # noqa: F401
-    from ringpack.calibration.step import StepCalibrationConfig, calibrate_step  # noqa: F401
+    from ringpack.calibration.config import KernelCalibrationConfig, StepCalibrationConfig  # noqa: F401
+    from ringpack.calibration.run import calibrate_kernels, refit_file  # noqa: F401
+    from ringpack.calibration.step import calibrate_step  # noqa: F401
 
-
-def __getattr__(name: str) -> Any:
-    module = _FACE.get(name)
-    if module is None:
-        raise AttributeError(f"module 'ringpack.calibration' has no attribute {name!r}")
-    value = getattr(import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_FACE))
+__getattr__, __dir__ = lazy_face(__name__, _FACE)

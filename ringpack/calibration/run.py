@@ -23,7 +23,6 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,11 +31,17 @@ import numpy as np
 from ringpack._hints import option
 from ringpack.attention.kernels import HYBRID_BACKENDS, resolve_backend
 from ringpack.calibration.cases import (
-    GRIDS,
     Case,
     cases_from_geometry,
     eval_cases,
     grid_cases,
+)
+from ringpack.calibration.config import (
+    AttentionShape,
+    CalibrationSettings,
+    KernelCalibrationConfig,
+    backend_field,
+    device_field,
 )
 from ringpack.calibration.features import (
     EngineSettings,
@@ -51,8 +56,6 @@ from ringpack.calibration.fit import (
     profile_model,
 )
 from ringpack.calibration.timing import (
-    TIMERS,
-    AttentionShape,
     Clock,
     TimingSetup,
     device_name,
@@ -61,7 +64,6 @@ from ringpack.calibration.timing import (
 )
 from ringpack.cost import PRESETS, CostModel, ModelShape
 from ringpack.errors import DataError
-from ringpack.shard_plan import field_doc
 
 # the public surface of calibration, re-exported here
 
@@ -84,71 +86,6 @@ __all__ = [
     "save_calibration",
     "with_fit_quality",
 ]
-
-
-def backend_field() -> Any:
-    """The ``backend`` field of both calibration configs: the attention kernels timed."""
-    return field(
-        default="auto",
-        metadata=field_doc(
-            "attention kernel backend timed: auto (what training picks), or one of ringpack.attention.BACKENDS",
-            type=str,
-        ),
-    )
-
-
-def device_field() -> Any:
-    """The ``device`` field of both calibration configs."""
-    return field(
-        default="cuda",
-        metadata=field_doc("cuda, or cpu for a dry run with the reference backend", type=str, choices=("cuda", "cpu")),
-    )
-
-
-@dataclass(frozen=True)
-class CalibrationSettings:
-    """What :func:`calibrate` times and how.
-
-    Attributes:
-        layers: attention layers the profile covers (its coefficients are ``layers`` x one layer's).
-        mode: ``"linear"`` adds the timed per-token cost of the model's linear layers to the
-            profile's token term; ``"attention"`` makes an attention-only profile.
-        backend: the attention kernel backend timed (``"auto"``: what training picks).
-        device: ``"cuda"``, or ``"cpu"`` for a dry run with the reference backend.
-        dtype: the inputs' torch dtype (``None``: bfloat16 on a GPU, float32 on the CPU).
-        grid: the shape grid (:data:`GRIDS`).
-        reps, warmup: timed and untimed repetitions per shard (the median is taken).
-        seed: the inputs' and the grid's random seed.
-        name: the profile's name (the communication model looks the K/V shape up by it).
-        timer: ``"gpu"`` queues each shard's repetitions behind a GPU sleep, so the host's launch
-            time is hidden and the GPU's execution is measured (what a training step that keeps
-            the GPU busy sees); ``"wall"`` times from the first launch, host overhead included.
-        clock: the :class:`Clock` that times every repetition, in place of the one ``device`` and
-            ``timer`` pick (CUDA events, or ``perf_counter`` on the CPU); a deterministic clock
-            makes a dry run reproducible.
-
-    Raises:
-        ValueError: an unknown ``mode`` or ``timer``.
-    """
-
-    layers: int = 1
-    mode: str = "linear"
-    backend: str = "auto"
-    device: str = "cuda"
-    dtype: Any = None
-    grid: str = "full"
-    reps: int = 5
-    warmup: int = 1
-    seed: int = 0
-    name: str = "calibrated"
-    timer: str = "gpu"
-    clock: Clock | None = None
-
-    def __post_init__(self) -> None:
-        if self.mode not in ("linear", "attention"):
-            raise ValueError(f"mode must be 'linear' or 'attention', got {self.mode!r}")
-        if self.timer not in TIMERS:
-            raise ValueError(f"timer must be one of {TIMERS}, got {self.timer!r}")
 
 
 def _no_linear() -> dict[str, Any]:
@@ -304,101 +241,6 @@ def refit(report: dict[str, Any]) -> Calibration:
 
 
 # ------------------------------------------------------------------------------- from a config, to files
-
-
-#: The preset the kernel scope times unless ``model`` is given: on a GPU, and on the CPU (a dry run).
-GPU_MODEL, CPU_MODEL = "llama3-8b", "tiny"
-
-
-@dataclass(frozen=True, kw_only=True)
-class KernelCalibrationConfig:
-    """What ``ringpack calibrate`` (the kernel scope) times: a model preset's attention and linear layers.
-
-    Each field's ``help`` says what it sets; :func:`calibrate_kernels` resolves the ``None`` ones.
-
-    Raises:
-        ValueError: a model that is not a preset, or a field out of range (named).
-    """
-
-    model: str | None = field(
-        default=None,
-        metadata=field_doc(
-            f"model preset timed: its heads, layers and linear layers ({', '.join(PRESETS)})",
-            type=str,
-            default_text=f"{GPU_MODEL}; {CPU_MODEL} on the cpu",
-        ),
-    )
-    heads: int | None = field(default=None, metadata=field_doc("query heads (default: the preset's)", type=int, low=1))
-    kv_heads: int | None = field(
-        default=None, metadata=field_doc("key/value heads (default: the preset's)", type=int, low=1)
-    )
-    head_dim: int | None = field(default=None, metadata=field_doc("head dim (default: the preset's)", type=int, low=1))
-    layers: int | None = field(
-        default=None, metadata=field_doc("layers the profile covers (default: the preset's)", type=int, low=1)
-    )
-    mode: str = field(
-        default="linear",
-        metadata=field_doc(
-            "linear: also time the linear layers' GEMMs per token; attention: an attention-only profile",
-            type=str,
-            choices=("linear", "attention"),
-        ),
-    )
-    backend: str = backend_field()
-    device: str = device_field()
-    grid: str | None = field(
-        default=None,
-        metadata=field_doc(
-            "shape grid", type=str, choices=GRIDS, default_text="full; quick with quick; tiny on the cpu"
-        ),
-    )
-    quick: bool = field(default=False, metadata=field_doc("a smaller grid (about a third of the time)", type=bool))
-    reps: int = field(default=5, metadata=field_doc("timed repetitions per shard, the median taken", type=int, low=1))
-    warmup: int = field(default=1, metadata=field_doc("untimed runs per shard first", type=int, low=0))
-    seed: int = field(default=0, metadata=field_doc("seed of the shards timed and of their inputs", type=int, low=0))
-    timer: str = field(
-        default="gpu",
-        metadata=field_doc(
-            "gpu: each shard's GPU execution, host launch time hidden; wall: from the first launch, host overhead "
-            "included",
-            type=str,
-            choices=TIMERS,
-        ),
-    )
-
-    def __post_init__(self) -> None:
-        if self.model is None:  # a CPU dry run checks the pipeline: a small model's shapes time in minutes
-            object.__setattr__(self, "model", CPU_MODEL if self.device == "cpu" else GPU_MODEL)
-        if self.model not in PRESETS:
-            raise ValueError(f"{option('model')} {self.model!r} is not a preset ({', '.join(PRESETS)})")
-        CalibrationSettings(mode=self.mode, timer=self.timer)  # the same checks as the settings it resolves to
-
-    def attention_shape(self) -> AttentionShape:
-        """The heads timed: the preset's, with ``heads`` / ``kv_heads`` / ``head_dim`` where given."""
-        preset = PRESETS[self.model]
-        return AttentionShape(
-            self.heads or preset.heads, self.kv_heads or preset.kv_heads, self.head_dim or preset.head_dim
-        )
-
-    def settings(self, clock: Clock | None = None) -> CalibrationSettings:
-        """The :class:`CalibrationSettings` of this config (the profile named for the preset and any changed heads)."""
-        preset, shape = PRESETS[self.model], self.attention_shape()
-        same = (shape.heads, shape.kv_heads, shape.head_dim) == (preset.heads, preset.kv_heads, preset.head_dim)
-        name = preset.name if same else f"{preset.name}-h{shape.heads}kv{shape.kv_heads}d{shape.head_dim}"
-        grid = self.grid or ("tiny" if self.device == "cpu" else "quick" if self.quick else "full")
-        return CalibrationSettings(
-            layers=self.layers or preset.layers,
-            mode=self.mode,
-            backend=self.backend,
-            device=self.device,
-            grid=grid,
-            reps=self.reps,
-            warmup=self.warmup,
-            seed=self.seed,
-            name=name,
-            timer=self.timer,
-            clock=clock,
-        )
 
 
 def calibrate_kernels(

@@ -29,20 +29,20 @@ from typing import Any
 
 import numpy as np
 
-from ringpack._checks import is_int
 from ringpack.attention.engine import ContextParallelAttention
 from ringpack.attention.kernels import resolve_backend
 from ringpack.calibration.cases import Case, microbatch_geometry, rank_cases
+from ringpack.calibration.config import DEFAULT_TOKENS_PER_RANK, StepCalibrationConfig
 from ringpack.calibration.features import compiled_schedule
-from ringpack.calibration.run import DRY_RUN_NOTE, backend_field, device_field
+from ringpack.calibration.run import DRY_RUN_NOTE
 from ringpack.calibration.timing import AttentionShape, Clock, compute_only_transport, device_name
-from ringpack.cost import MAX_SAMPLE_TOKENS, PRESETS, CostModel, ModelShape
+from ringpack.cost import PRESETS, CostModel, ModelShape
 from ringpack.cost_fit import ROW, FitResult, fit_problem, fit_rank_times, microbatch_features, usable_rows
 from ringpack.errors import DataError, PlanError
 from ringpack.integrations.transformers import causal_lm_loss_sum
 from ringpack.planner import make_plan
 from ringpack.progress import Progress
-from ringpack.shard_plan import MAX_CP, PlanConfig, Step, field_doc
+from ringpack.shard_plan import PlanConfig, Step
 from ringpack.training.cost_learner import LearnerConfig
 
 __all__ = [
@@ -72,119 +72,10 @@ _HELD_OUT_SEED = 1000
 MAX_FIT_ERROR = LearnerConfig().max_error
 
 
-#: ``tokens_per_rank`` when none is given: the run's usual budget on a GPU; on the CPU (a dry run on
-#: the reference attention, whose memory grows with the square of a rank's tokens) a small one
-DEFAULT_TOKENS_PER_RANK = {"cuda": 65536, "cpu": 1024}
-#: ``microbatches``, ``reps`` and ``warmup`` when not given: on the CPU a dry run checks the pipeline,
-#: so it times each shard once and half the micro-batches (about a sixth of the passes: minutes)
-DEFAULT_EFFORT = {
-    "cuda": {"microbatches": 2, "reps": 2, "warmup": 1},
-    "cpu": {"microbatches": 1, "reps": 1, "warmup": 0},
-}
-
-
-def _effort_text(name: str) -> str:
-    return f"{DEFAULT_EFFORT['cuda'][name]}; {DEFAULT_EFFORT['cpu'][name]} on the cpu"
-
-
 #: the most memory a CPU dry run lets one reference-attention call take (:func:`reference_attention_bytes`)
 CPU_ATTENTION_BYTES = 4 << 30
 #: the most memory a CPU dry run lets the model's float32 weights and gradients take
 CPU_MODEL_BYTES = 16 << 30
-
-
-@dataclass(frozen=True, kw_only=True)
-class StepCalibrationConfig:
-    """What :func:`calibrate_step` times (``ringpack calibrate --scope step``); each field's ``help`` says what it sets.
-
-    Raises:
-        PlanError: a field of the wrong kind or out of range (the message names it).
-    """
-
-    model: str = field(
-        default="llama-1b",
-        metadata=field_doc(
-            "a preset of ringpack.cost.PRESETS (its Llama) or a transformers config (config.json or its folder)",
-            type=str,
-        ),
-    )
-    backend: str = backend_field()
-    device: str = device_field()
-    dtype: str | None = field(
-        default=None,
-        metadata=field_doc(
-            "dtype of the model and inputs",
-            type=str,
-            choices=("bf16", "fp32"),
-            default_text="bf16 on a GPU, fp32 on the cpu",
-        ),
-    )
-    grad_ckpt: bool = field(
-        default=False, metadata=field_doc("time with activation checkpointing (as training runs)", type=bool)
-    )
-    tokens_per_rank: int | None = field(
-        default=None,
-        metadata=field_doc(
-            "token budget of a CP rank in the plans timed (use the run's)",
-            type=int,
-            low=1,
-            high=MAX_SAMPLE_TOKENS,
-            default_text=f"{DEFAULT_TOKENS_PER_RANK['cuda']}; {DEFAULT_TOKENS_PER_RANK['cpu']} on the cpu",
-        ),
-    )
-    cp: int = field(
-        default=2,
-        metadata=field_doc("CP size of the split shards timed (1: whole samples only)", type=int, low=1, high=MAX_CP),
-    )
-    max_len: int = field(
-        default=0, metadata=field_doc("longest sample of the length mixes (0: the token budget)", type=int, low=0)
-    )
-    fit_mixes: int = field(default=3, metadata=field_doc("length mixes timed for the fit", type=int, low=1))
-    held_out_mixes: int = field(default=2, metadata=field_doc("length mixes held out of the fit", type=int, low=1))
-    microbatches: int | None = field(
-        default=None,
-        metadata=field_doc(
-            "micro-batches timed per plan (the first ones of its first step)",
-            type=int,
-            low=1,
-            default_text=_effort_text("microbatches"),
-        ),
-    )
-    reps: int | None = field(
-        default=None,
-        metadata=field_doc(
-            "timed repetitions per shard, the median taken", type=int, low=1, default_text=_effort_text("reps")
-        ),
-    )
-    warmup: int | None = field(
-        default=None,
-        metadata=field_doc("untimed runs per shard first", type=int, low=0, default_text=_effort_text("warmup")),
-    )
-    seed: int = field(default=0, metadata=field_doc("seed of the shards timed and of their inputs", type=int, low=0))
-
-    def __post_init__(self) -> None:
-        for name in ("model", "backend", "device"):
-            if not isinstance(getattr(self, name), str) or not getattr(self, name):
-                raise PlanError(f"StepCalibrationConfig.{name} must be a non-empty string, got {getattr(self, name)!r}")
-        if self.device not in DEFAULT_TOKENS_PER_RANK:
-            raise PlanError(f"StepCalibrationConfig.device must be 'cuda' or 'cpu', got {self.device!r}")
-        if self.tokens_per_rank is None:
-            object.__setattr__(self, "tokens_per_rank", DEFAULT_TOKENS_PER_RANK[self.device])
-        for name, value in DEFAULT_EFFORT[self.device].items():
-            if getattr(self, name) is None:
-                object.__setattr__(self, name, value)
-        for name in ("tokens_per_rank", "cp", "fit_mixes", "held_out_mixes", "microbatches", "reps"):
-            value = getattr(self, name)
-            if not is_int(value) or not 1 <= value < 2**63:
-                raise PlanError(f"StepCalibrationConfig.{name} must be a whole number >= 1, got {value!r}")
-        for name in ("max_len", "warmup", "seed"):
-            value = getattr(self, name)
-            if not is_int(value) or not 0 <= value < 2**63:
-                raise PlanError(f"StepCalibrationConfig.{name} must be a whole number >= 0, got {value!r}")
-        if self.dtype not in (None, "bf16", "fp32"):
-            raise PlanError(f"StepCalibrationConfig.dtype must be 'bf16' or 'fp32', got {self.dtype!r}")
-        if not isinstance(self.grad_ckpt, bool):
-            raise PlanError(f"StepCalibrationConfig.grad_ckpt must be True or False, got {self.grad_ckpt!r}")
 
 
 def reference_attention_bytes(tokens: int, heads: int) -> int:

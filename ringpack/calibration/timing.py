@@ -19,27 +19,9 @@ import numpy as np
 from ringpack.attention.engine import ContextParallelAttention
 from ringpack.attention.kernels import accum_dtype
 from ringpack.calibration.cases import Case
+from ringpack.calibration.config import AttentionShape
 from ringpack.calibration.features import compiled_schedule
 from ringpack.cost import ModelShape
-
-TIMERS = ("gpu", "wall")
-
-
-@dataclass(frozen=True)
-class AttentionShape:
-    """Heads of one attention layer: ``heads`` query heads, ``kv_heads`` key/value heads of ``head_dim``."""
-
-    heads: int
-    kv_heads: int
-    head_dim: int
-
-    def __post_init__(self) -> None:
-        if min(self.heads, self.kv_heads, self.head_dim) < 1 or self.heads % self.kv_heads:
-            raise ValueError(f"attention shape {self}: need positive sizes and heads a multiple of kv_heads")
-
-    def flops_per_pair(self) -> float:
-        """Forward+backward FLOPs of one (query, key) pair over all heads (docs/cost-model.md)."""
-        return 4.0 * self.head_dim * self.heads * 3.5
 
 
 class _ComputeOnlyTransport:

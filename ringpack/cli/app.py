@@ -1,5 +1,9 @@
 """The ``ringpack`` parser and :func:`main`: one line on stderr and a non-zero exit for bad input.
 
+:data:`COMMANDS` names the module of each command; :func:`main` imports only the module of the
+command it runs (every module, for ``ringpack --help`` or a command it does not know), and building
+a command's parser imports no torch, so ``--help`` and ``--version`` answer at once.
+
 See docs/planner.md, "`ringpack plan`".
 """
 
@@ -13,13 +17,26 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
+from importlib import import_module
 from typing import Any, NoReturn
 
 from ringpack import __version__
 from ringpack._hints import command_line_hints
-from ringpack.cli import calibrate, demo, plan, report, shard, simulate
 from ringpack.cli.config_file import resolve
+
+#: Each command -> the module whose ``add_command(subparsers)`` adds its parser, in the order of
+#: ``ringpack --help``. The command's ``handler`` is a function of that module, or the
+#: ``"module:function"`` path of one where running needs imports that building the parser must not
+#: pay for (torch, for the timing of ``calibrate`` and the ring check of ``demo``).
+COMMANDS = {
+    "plan": "ringpack.cli.plan",
+    "shard": "ringpack.cli.shard",
+    "report": "ringpack.cli.report",
+    "simulate": "ringpack.cli.simulate",
+    "calibrate": "ringpack.cli.calibrate",
+    "demo": "ringpack.cli.demo",
+}
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -30,22 +47,48 @@ class OneLineErrorParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``ringpack`` parser with every subcommand (``plan shard report simulate calibrate demo``)."""
+def build_parser(commands: Iterable[str] = COMMANDS) -> argparse.ArgumentParser:
+    """The ``ringpack`` parser with the subcommands ``commands`` (default: all of :data:`COMMANDS`).
+
+    Only the modules of ``commands`` are imported; ``--version`` works with any of them.
+
+    Raises:
+        KeyError: a name that is not a command of :data:`COMMANDS`.
+    """
     parser = OneLineErrorParser(
         prog="ringpack",
         description="Cost-balanced packing and DP x CP sharding of variable-length samples, and its analysis.",
     )
     parser.add_argument("--version", action="version", version=f"ringpack {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for command in (plan, shard, report, simulate, calibrate, demo):
-        command.add_command(subparsers)
+    for name in commands:
+        import_module(COMMANDS[name]).add_command(subparsers)
     return parser
+
+
+def parser_for(argv: Sequence[str]) -> argparse.ArgumentParser:
+    """The parser :func:`main` parses ``argv`` with: the named command's alone, else every command's.
+
+    The command is the first argument that is not an option (``ringpack`` itself takes no option
+    with a value); ``ringpack``, ``ringpack --help`` and a command that does not exist get the
+    parser of every command, which lists them or says which exist.
+    """
+    name = next((arg for arg in argv if not arg.startswith("-")), None)
+    return build_parser([name] if name in COMMANDS else COMMANDS)
+
+
+def handler_of(args: argparse.Namespace) -> Callable[[argparse.Namespace], Any]:
+    """The function that runs the parsed command: its ``handler``, imported first where it is a path."""
+    handler = args.handler
+    if isinstance(handler, str):
+        module, _, name = handler.partition(":")
+        handler = getattr(import_module(module), name)
+    return handler
 
 
 def parse(argv: Sequence[str]) -> argparse.Namespace:
     """``argv`` parsed as :func:`main` parses it: every setting not given filled from ``--config`` or its default."""
-    args = build_parser().parse_args(argv)
+    args = parser_for(argv).parse_args(argv)
     if getattr(args, "command_parser", None) is not None:
         resolve(args, args.command_parser)
     return args
@@ -63,7 +106,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     temporary files removed, one line, exit code 143; a command still running :data:`TERM_GRACE_S`
     later, or a second SIGTERM, ends the process at once.
     """
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = parser_for(argv)
     args = parser.parse_args(argv)
     if not getattr(args, "handler", None):
         parser.print_help()
@@ -71,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with command_line_hints(), _log_to_stderr(args.command), _sigterm_unwinds(args.command):
             resolve(args, args.command_parser)
-            return int(args.handler(args) or 0)
+            return int(handler_of(args)(args) or 0)
     except Terminated:
         print(f"ringpack {args.command}: terminated (SIGTERM)", file=sys.stderr, flush=True)
         _told.set()

@@ -1,12 +1,14 @@
-"""``ringpack demo`` (= ``make demo``): the standard-library corpus through every strategy (docs/analysis.md)."""
+"""``ringpack demo`` (= ``make demo``): the standard-library corpus through every strategy (docs/analysis.md).
+
+This module builds the parser (no torch); :mod:`~ringpack.cli.demo_run` runs the demo, whose ring
+check needs torch.
+"""
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 from typing import Any
 
-from ringpack.analysis.demo import DEMO_PLAN, DemoConfig, run_demo
+from ringpack.analysis.demo_config import DEMO_PLAN, DemoConfig
 from ringpack.cli.flags import (
     add_config_flags,
     add_field_flag,
@@ -18,7 +20,6 @@ from ringpack.cli.flags import (
     field_default,
     new_command,
 )
-from ringpack.cli.inputs import check_one_global_batch, check_output_folder, cost_model
 from ringpack.shard_plan import PlanConfig
 
 #: ``DemoConfig.plan`` fields with flags: the planner's flags, with the defaults of ``DEMO_PLAN``.
@@ -45,19 +46,4 @@ def add_command(subparsers: Any) -> None:
     add_tflops_flag(g)
     add_link_flag(g)
     add_quiet_flag(p)
-    p.set_defaults(handler=run_demo_command, command_parser=p)
-
-
-def run_demo_command(args: argparse.Namespace) -> int:
-    check_output_folder(args.out)
-    batch = check_one_global_batch(args)
-    fields = {name: getattr(args, name) for name in config_fields(DemoConfig) if name != "plan"}
-    if batch == "samples_per_step":  # stated in samples, 0 included (all samples in one step)
-        fields["global_batch_tokens"] = 0
-    return run_demo(DemoConfig(**fields, plan=demo_plan(args)), progress=not args.quiet)
-
-
-def demo_plan(args: argparse.Namespace) -> PlanConfig:
-    """``DEMO_PLAN`` with the values of the planning flags."""
-    flagged = {name: getattr(args, name) for name in PLAN_FIELDS if name != "cost"}
-    return dataclasses.replace(DEMO_PLAN, **flagged, cost=cost_model(args))
+    p.set_defaults(handler="ringpack.cli.demo_run:run_demo_command", command_parser=p)

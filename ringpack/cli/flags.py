@@ -156,10 +156,10 @@ def flag(
     return action
 
 
-def hidden_alias(parser: Any, name: str, of: argparse.Action) -> argparse.Action:
-    """An old spelling of ``of``: the same destination and type, accepted and not shown in ``--help``."""
+def hidden_alias(parser: Any, name: str, of: argparse.Action, deprecated: bool = False) -> argparse.Action:
+    """An old spelling of ``of``, not shown in ``--help``; a ``deprecated`` one says to use ``of`` when used."""
     action = parser.add_argument(name, dest=of.dest, type=of.type, default=UNSET, action=Once, help=argparse.SUPPRESS)
-    action.fallback = of.fallback
+    action.fallback, action.deprecated = of.fallback, deprecated
     action.alias_of = of
     return action
 
@@ -181,6 +181,9 @@ class Once(argparse._StoreAction):
 
     def __call__(self, parser: Any, namespace: Any, values: Any, option_string: str | None = None) -> None:
         _refuse_repeat(parser, namespace, self.dest, option_string, str(values))
+        if getattr(self, "deprecated", False):  # one line on stderr, before any output of the command
+            instead = self.alias_of.option_strings[0]
+            parser._print_message(f"{parser.prog}: warning: {option_string} is deprecated; use {instead}\n")
         super().__call__(parser, namespace, values, option_string)
 
 

@@ -17,8 +17,7 @@ import argparse
 import dataclasses
 from collections.abc import Iterable, Mapping
 
-from ringpack.calibration.run import KernelCalibrationConfig
-from ringpack.calibration.step import StepCalibrationConfig
+from ringpack.calibration.config import KernelCalibrationConfig, StepCalibrationConfig
 from ringpack.cli.config_file import settings
 from ringpack.cli.flags import shown
 from ringpack.shard_plan import PlanConfig
@@ -96,7 +95,7 @@ _SIMULATE = _rows(
     (["median", "sigma"], ["lognormal"]),
     (
         [n for n in _PLANNING if n not in ("dp", "strategy", "packing")]
-        + ["gpus", "strategies", "packings", "baseline", "peers", "tflops", "link", "inter_link", "bandwidth"]
+        + ["world", "strategies", "packings", "baseline", "peers", "tflops", "link", "inter_link", "bandwidth"]
         + ["latency_us", "modes", "out", "json", "no_plots", "quiet", "jobs", "chunk_steps"],
         _SIMULATE_KINDS,
     ),

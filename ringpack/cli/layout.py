@@ -3,7 +3,7 @@
 With ``--world N``, ``--dp`` is ``N / cp``; with ``--cp auto`` the fixed CP sizes and the pool
 (``dp=1, cp=N``, split node by node) are planned on the first global batches and timed under
 ring, all-gather and targeted exchange (:func:`~ringpack.planner.layout.choose_layout`), and the
-fastest one is planned (``simulate``: for each ``--gpus``). See docs/planner.md, "Choosing the layout".
+fastest one is planned (``simulate``: for each ``--world``). See docs/planner.md, "Choosing the layout".
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from ringpack import data
 from ringpack.analysis.metrics import plan_label
 from ringpack.analysis.plots import default_rank_step
 from ringpack.analysis.report import build_report, format_ranks, format_table, result_of_plan
@@ -27,7 +28,6 @@ from ringpack.cli.inputs import (
 )
 from ringpack.cli.layout import add_layout_flags, layout_table, resolve_layout
 from ringpack.data.corpus import stdlib_corpus
-from ringpack.data.shard_reader import ShardReader
 from ringpack.planner.epoch import global_batches
 from ringpack.shard_plan import Plan
 
@@ -150,7 +150,7 @@ def _plan_from_manifest(path: str) -> Plan:
     folder = Path(path)
     if folder.is_file():
         folder = folder.parent
-    return ShardReader(folder, 0, 0).plan
+    return data.ShardReader(folder, 0, 0).plan  # the reader (torch) loads with the first manifest
 
 
 def _window_entry(lengths: np.ndarray, config: Any, names: list[str]) -> dict[str, Any]:

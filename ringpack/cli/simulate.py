@@ -23,6 +23,7 @@ from ringpack.cli.flags import (
     POSITIVE_REAL,
     add_lengths_flags,
     flag,
+    hidden_alias,
     integer,
     integer_list,
     new_command,
@@ -47,7 +48,7 @@ from ringpack.cli.layout import (
 #: ``simulate``'s drawn lengths when their flags are not given (each flag applies to drawn lengths only;
 #: ``median`` and ``sigma`` to ``--dist lognormal`` only).
 DRAWN = {"samples": 1_000_000, "dist": "stdlib", "median": 2048.0, "sigma": 1.3}
-#: ``simulate``'s defaults: the exploring mesh (``dp`` comes from ``--gpus``) and a batch of one full
+#: ``simulate``'s defaults: the exploring mesh (``dp`` comes from ``--world``) and a batch of one full
 #: micro-batch per DP rank, since an epoch in one step is no epoch to simulate.
 DEFAULTS = {"cp": EXPLORE_MESH["cp"], "tokens_per_rank": EXPLORE_MESH["tokens_per_rank"], "global_batch_tokens": "auto"}
 
@@ -60,18 +61,20 @@ def add_command(subparsers: Any) -> None:
         description="Plan a whole epoch for a cluster shape with every strategy and predict tokens/s and idle "
         "time from the cost model and a ring / all-gather communication model.",
         examples=[
-            "ringpack simulate --gpus 1024,8192 --cp 8 --samples 1000000 --overflow split --out sim/",
-            "ringpack simulate --gpus 1024 --cp auto --gpus-per-node 8 --tokens-per-rank 16384 --overflow split "
+            "ringpack simulate --world 1024,8192 --cp 8 --samples 1000000 --overflow split --out sim/",
+            "ringpack simulate --world 1024 --cp auto --gpus-per-node 8 --tokens-per-rank 16384 --overflow split "
             "--out sim/",
         ],
     )
-    flag(
+    world = flag(
         p,
-        "--gpus",
+        "--world",
         type=integer_list(1),
         default=[1024],
-        help="GPUs, comma-separated for several shapes; DP = gpus / cp (--cp auto: the layout chosen for each)",
+        help="GPUs of the cluster, comma-separated for several shapes; DP = world / cp (--cp auto: the layout "
+        "chosen for each)",
     )
+    hidden_alias(p, "--gpus", world, deprecated=True)
     g = p.add_argument_group("lengths")
     flag(g, "--samples", type=integer(1, 10**9), help=f"drawn samples in the epoch (default {DRAWN['samples']:,})")
     add_lengths_flags(g, required=False, what="; simulated instead of drawn lengths")
@@ -86,7 +89,7 @@ def add_command(subparsers: Any) -> None:
     add_compare_flags(p, defaults=DEFAULTS, skip=("dp",), modes="ring,allgather", out="ringpack-simulation")
     add_cp_auto(
         p,
-        "; auto: the fastest layout for each --gpus, simulated (every fixed CP size and the pool timed under "
+        "; auto: the fastest layout for each --world, simulated (every fixed CP size and the pool timed under "
         "each exchange on the first global batches, nodes of --gpus-per-node GPUs, 8 unless given; the "
         "comparison printed and in --json)",
     )
@@ -122,12 +125,12 @@ def run_simulate(args: argparse.Namespace) -> int:
     model = cost_model(args, tflops=True)
     comms = comm_models(args, model)
     auto = args.cp == AUTO
-    for gpus in args.gpus:
+    for gpus in args.world:
         node = node_size(args, gpus, say=False)
         if auto and gpus % node:
-            raise ValueError(f"--gpus {gpus} is not a whole number of nodes of {node} GPUs (--gpus-per-node)")
+            raise ValueError(f"--world {gpus} is not a whole number of nodes of {node} GPUs (--gpus-per-node)")
         if not auto and gpus % args.cp:
-            raise ValueError(f"--gpus {gpus} is not a multiple of --cp {args.cp}")
+            raise ValueError(f"--world {gpus} is not a multiple of --cp {args.cp}")
     variants(args)  # validate options before any slow work
     peer_names(args)
     if args.lengths:
@@ -137,10 +140,10 @@ def run_simulate(args: argparse.Namespace) -> int:
             drawn["samples"], drawn["dist"], seed=args.seed, median=drawn["median"], sigma=drawn["sigma"]
         )
     docs = []
-    for gpus in args.gpus:
+    for gpus in args.world:
         shape = _layout(args, lengths, gpus, comms) if auto else (gpus // args.cp, args.cp, args.gpus_per_node, None)
         dp, cp = shape[:2]
-        out = Path(args.out) / f"dp{dp}xcp{cp}" if len(args.gpus) > 1 else Path(args.out)
+        out = Path(args.out) / f"dp{dp}xcp{cp}" if len(args.world) > 1 else Path(args.out)
         docs.append(_simulate_shape(args, lengths, *shape, model, comms, out))
     if args.json == "-":
         json.dump(docs[0] if len(docs) == 1 else docs, sys.stdout, indent=1)

@@ -27,7 +27,7 @@ from ringpack.attention import compile_schedule
 from ringpack.attention.api import mesh_dimension
 from ringpack.attention.schedule import ScheduleOptions
 from ringpack.data.sampler import MicroBatchTicket
-from ringpack.data.shard_format import TOKEN_ID_LIMIT
+from ringpack.data.shard_format import IGNORE_INDEX, TOKEN_ID_LIMIT
 from ringpack.lengths import DataError, is_dataset
 from ringpack.shard_plan import MicroBatch
 
@@ -42,8 +42,6 @@ __all__ = [
     "check_token_ids",
     "IGNORE_INDEX",
 ]
-
-IGNORE_INDEX = -100
 
 try:
     from torch.utils.data import Dataset as _DatasetBase

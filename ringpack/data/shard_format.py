@@ -22,6 +22,7 @@ from typing import Any
 from ringpack.errors import DataError
 
 __all__ = [
+    "IGNORE_INDEX",
     "MANIFEST",
     "PIECE_COLUMNS",
     "PLAN_FILE",
@@ -38,6 +39,8 @@ PLAN_FILE = "plan.parquet"
 SHARD_FORMAT_VERSION = 1
 #: Token ids are stored as int32: every id must be an integer in ``[0, TOKEN_ID_LIMIT)``.
 TOKEN_ID_LIMIT = 1 << 31
+#: The label of a position with no next token (a piece that ends its sample): the loss skips it.
+IGNORE_INDEX = -100
 #: The integer columns of a shard file's rows, one row per piece (``input_ids`` follows them).
 PIECE_COLUMNS = ("step", "microbatch", "cp", "slot", "sample", "row", "start", "stop", "next_token")
 #: Names of the shard files the writer makes (DP rank, DP size, optional step range).

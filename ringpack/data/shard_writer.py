@@ -25,8 +25,8 @@ import numpy as np
 
 from ringpack._files import atomic_write, file_sha256, open_regular, temp_target
 from ringpack._hints import option
-from ringpack.data.collator import IGNORE_INDEX
 from ringpack.data.shard_format import (
+    IGNORE_INDEX,
     MANIFEST,
     PIECE_COLUMNS,
     PLAN_FILE,

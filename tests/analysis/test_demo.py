@@ -8,7 +8,7 @@ import warnings
 import numpy as np
 import pytest
 
-import ringpack.cli.demo
+import ringpack.cli.demo_run
 import ringpack.progress
 from ringpack.analysis.demo import DEMO_PLAN, DemoConfig
 from ringpack.cli import main
@@ -50,7 +50,7 @@ def test_the_demo_config_holds_the_plan_config_whole_and_the_old_spelling_warns(
 
 def test_the_demo_flags_build_its_plan_config(monkeypatch, tmp_path):
     seen = []
-    monkeypatch.setattr(ringpack.cli.demo, "run_demo", lambda config, progress: seen.append(config) or 0)
+    monkeypatch.setattr(ringpack.cli.demo_run, "run_demo", lambda config, progress: seen.append(config) or 0)
     argv = ["demo", "--dp", "2", "--cp", "8", "--tokens-per-rank", "4096", "--seed", "5", "--model", "tiny"]
     assert main([*argv, "--samples-per-step", "16", "--out", str(tmp_path / "d")]) == 0
     want = dataclasses.replace(

@@ -61,7 +61,7 @@ def test_simulate_cli(tmp_path, capsys):
         main(
             [
                 "simulate",
-                "--gpus",
+                "--world",
                 "8,16",
                 "--cp",
                 "2",
@@ -203,7 +203,7 @@ def test_a_killed_worker_is_one_line_and_a_failed_exit(tmp_path, capsys, monkeyp
     import ringpack.analysis.simulate as sim
 
     monkeypatch.setattr(sim, "_plan_chunk", kill_chunk_one)
-    argv = ["simulate", "--gpus", "8", "--cp", "2", "--samples", "800", "--dist", "lognormal", "--median", "400"]
+    argv = ["simulate", "--world", "8", "--cp", "2", "--samples", "800", "--dist", "lognormal", "--median", "400"]
     argv += ["--tokens-per-rank", "4096", "--overflow", "split", "--model", "llama-1b", "--jobs", "2"]
     argv += ["--chunk-steps", "2", "--quiet", "--no-plots", "--out", str(tmp_path / "sim")]
     assert main(argv) == 1
@@ -277,7 +277,7 @@ def test_a_stopped_worker_ends_the_run_in_one_line_naming_it(tmp_path, capsys, m
 
     monkeypatch.setattr(sim, "_plan_chunk", stop_chunk_one)
     monkeypatch.setenv(STALL_ENV, "3")
-    argv = ["simulate", "--gpus", "8", "--cp", "2", "--samples", "800", "--dist", "lognormal", "--median", "400"]
+    argv = ["simulate", "--world", "8", "--cp", "2", "--samples", "800", "--dist", "lognormal", "--median", "400"]
     argv += ["--tokens-per-rank", "4096", "--overflow", "split", "--model", "llama-1b", "--jobs", "2"]
     argv += ["--chunk-steps", "2", "--quiet", "--no-plots", "--out", str(tmp_path / "sim")]
     assert main(argv) == 1
@@ -311,7 +311,7 @@ def test_sigterm_ends_a_run_and_its_workers(tmp_path):
     import sys
     import time
 
-    argv = ["simulate", "--gpus", "64", "--cp", "8", "--samples", "50000", "--jobs", "2", "--chunk-steps", "1"]
+    argv = ["simulate", "--world", "64", "--cp", "8", "--samples", "50000", "--jobs", "2", "--chunk-steps", "1"]
     argv += ["--quiet", "--no-plots", "--out", str(tmp_path / "sim")]
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     run = subprocess.Popen([sys.executable, "-m", "ringpack.cli", *argv], stderr=subprocess.PIPE, text=True, env=env)

@@ -218,7 +218,7 @@ def test_cli_dry_run_writes_a_profile_the_planner_loads(tmp_path, monkeypatch):
 
 def test_quiet_prints_one_line_on_the_fit_and_the_profile_carries_it(tmp_path, monkeypatch, caplog):
     import ringpack.calibration.step as step
-    import ringpack.cli.calibrate as command
+    import ringpack.cli.calibrate_run as command
 
     real, level = step.calibrate_step, step.log.level
     monkeypatch.setattr(command, "calibrate_step", lambda config, **kw: real(config, time_shard=true_seconds, **kw))

@@ -100,7 +100,7 @@ def test_a_config_file_sets_the_window(inputs):
 
 def simulate_args(inputs, out, *more):
     return [
-        "simulate", "--lengths", inputs["root"] / "lengths.npy", "--gpus", "8", "--cp", "2", "--tokens-per-rank",
+        "simulate", "--lengths", inputs["root"] / "lengths.npy", "--world", "8", "--cp", "2", "--tokens-per-rank",
         "2048", "--samples-per-step", "80", "--model", inputs["root"] / "heavy.json", "--strategies", "balanced",
         "--packings", "balanced", "--peers", "none", "--jobs", "1", "--out", out, "--json", "-", "--quiet",
         "--no-plots", *more,

@@ -187,7 +187,7 @@ def test_shard_report_and_simulate_read_a_config_file(lengths, tmp_path):
     run = run_cli(["report", "--config", report, "--out", tmp_path / "r", "--json", "-", "--peers", "none"])
     assert run.code == 0, run.err
     assert {p["config"]["samples_per_step"] for p in json.loads(run.out)["plans"]} == {30}
-    sim = {"samples": 200, "dist": "lognormal", "median": 400, "gpus": [4, 8], "cp": 2, "tokens_per_rank": 4096}
+    sim = {"samples": 200, "dist": "lognormal", "median": 400, "world": [4, 8], "cp": 2, "tokens_per_rank": 4096}
     config = write(tmp_path / "sim.json", {**sim, "overflow": "split", "jobs": 1, "no_plots": True, "quiet": True})
     run = run_cli(["simulate", "--config", config, "--out", tmp_path / "s", "--strategies", "balanced"])
     assert run.code == 0, run.err

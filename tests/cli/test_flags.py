@@ -117,7 +117,8 @@ def test_demo_config_fields_are_the_demo_flags():
 #: the lengths are planned for, a tokenizer shard applies only to a dataset without token ids.
 OWN_MEANING = {"--out", "--json", "--lengths", "--tokenizer"}
 #: The per-command defaults the docs list: plan and shard write what training loads, so the mesh
-#: must be given there; simulate and the demo plan epochs of many steps; simulate compares modes.
+#: must be given there; simulate and the demo plan epochs of many steps; simulate compares modes
+#: and takes several clusters (no --dp, so its --world says what DP becomes itself).
 COMMAND_DEFAULTS = {
     ("plan", "--dp"): None,  # or --world
     ("plan", "--cp"): REQUIRED,
@@ -128,6 +129,7 @@ COMMAND_DEFAULTS = {
     ("simulate", "--global-batch-tokens"): "auto",
     ("demo", "--global-batch-tokens"): "auto",
     ("simulate", "--modes"): "ring,allgather",
+    ("simulate", "--world"): [1024],
     ("shard", "--column"): "input_ids",
 }
 
@@ -232,3 +234,20 @@ def test_python_m_ringpack_and_the_entry_point_agree():
     for module in ("ringpack", "ringpack.cli"):
         out = subprocess.run([sys.executable, "-m", module, "plan", "--help"], capture_output=True, text=True)
         assert out.returncode == 0 and "--solver-time-limit-s" in out.stdout, out.stderr
+
+
+# ---------------------------------------------------------------------------- one word for the GPUs
+def test_world_is_the_cluster_s_gpus_on_every_command_that_takes_them():
+    for name in ("plan", "report", "simulate"):
+        world = next(a for a in commands()[name]._actions if a.dest == "world")  # the shown flag, aliases after it
+        assert world.option_strings == ["--world"] and "GPUs of the cluster" in world.help, name
+    assert not any(
+        "--gpus" in a.option_strings for c in commands().values() for a in c._actions if a.help != "==SUPPRESS=="
+    )
+
+
+def test_the_old_gpus_flag_of_simulate_still_works_and_says_once_to_use_world(capsys):
+    assert parse(["simulate", "--gpus", "8,16"]).world == [8, 16] == parse(["simulate", "--world", "8,16"]).world
+    assert capsys.readouterr().err == "ringpack simulate: warning: --gpus is deprecated; use --world\n"
+    run = run_cli(["simulate", "--gpus", "8", "--world", "8"])
+    assert run.code == 2 and "--gpus and --world both set the same option; give one" in run.err

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-import ringpack.cli.demo
+import ringpack.cli.demo_run
 from ringpack.analysis.demo import DemoConfig
 from ringpack.shard_plan import global_batch_samples
 from tests.helpers.cli import assert_clean, run_cli, token_rows
@@ -67,7 +67,7 @@ def test_one_global_batch_at_a_time(lengths, tmp_path):
 
 
 def test_simulate_states_its_batch_and_refuses_an_epoch_in_one_step(lengths, tmp_path):
-    argv = ["simulate", "--lengths", lengths, "--gpus", "4", "--cp", "2", "--tokens-per-rank", "4096", "--jobs", "1"]
+    argv = ["simulate", "--lengths", lengths, "--world", "4", "--cp", "2", "--tokens-per-rank", "4096", "--jobs", "1"]
     run = run_cli([*argv, "--samples-per-step", "0", "--out", tmp_path / "s", "--no-plots", "--quiet"])
     assert_clean(run)
     assert run.code == 1 and "--samples-per-step 0" in run.err and "--global-batch-tokens" in run.err
@@ -79,7 +79,7 @@ def test_simulate_states_its_batch_and_refuses_an_epoch_in_one_step(lengths, tmp
 
 def test_the_demo_reads_its_batch_as_every_command_does(monkeypatch, tmp_path):
     seen = []
-    monkeypatch.setattr(ringpack.cli.demo, "run_demo", lambda config, progress: seen.append(config) or 0)
+    monkeypatch.setattr(ringpack.cli.demo_run, "run_demo", lambda config, progress: seen.append(config) or 0)
     for extra in ([], ["--samples-per-step", "0"], ["--samples-per-step", "9"], ["--global-batch-tokens", "5000"]):
         assert run_cli(["demo", "--out", tmp_path / "d", *extra]).code == 0
     per_step = [config.samples_per_step_of(LENGTHS) for config in seen]

@@ -143,8 +143,8 @@ def test_simulate_cp_auto_uses_the_links_and_tflops_given(one_huge, tmp_path):
 @pytest.mark.parametrize(
     "argv, named",
     [
-        (["--gpus", "12", "--cp", "auto"], "--gpus 12"),
-        (["--gpus", "8", "--cp", "auto", "--gpus-per-node", "3"], "--gpus 8"),
+        (["--world", "12", "--cp", "auto"], "--world 12"),
+        (["--world", "8", "--cp", "auto", "--gpus-per-node", "3"], "--world 8"),
     ],
 )
 def test_simulate_refuses_before_planning(short, tmp_path, argv, named):
@@ -183,7 +183,7 @@ def test_simulate_cp_auto_times_the_epoch_with_the_targeted_exchange_when_asked(
     argv = [
         "--lengths",
         heavy_tail,
-        "--gpus",
+        "--world",
         "16",
         "--cp",
         "auto",

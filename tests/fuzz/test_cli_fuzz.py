@@ -219,7 +219,7 @@ def test_report(inputs, data):
 def test_simulate(inputs, data):
     lengths = inputs["lengths"]
     flags = {
-        "--gpus": pick(["4", "4,8", "8"], ["3", "0", "a", "", "4,,8", "-4"]),
+        "--world": pick(["4", "4,8", "8"], ["3", "0", "a", "", "4,,8", "-4"]),
         "--dist": pick(["stdlib", "lognormal"], ["uniform"]),
         "--median": pick(["400", "20", "3000"], ["-1", "0", "nan", "inf", "1e30"]),
         "--sigma": pick(["0", "0.5", "1.3"], ["-1", "nan", "60", "1e300"]),
@@ -238,7 +238,7 @@ def test_simulate(inputs, data):
     out = fresh(inputs, "sim")
     extra = options(data, flags, most=5)
     argv = ["simulate", "--samples", samples, "--cp", cp, "--tokens-per-rank", "2048", "--out", out, *extra]
-    fixed = (("--gpus", "4"), ("--jobs", "1"), ("--dist", "lognormal"))  # lognormal: no corpus to load
+    fixed = (("--world", "4"), ("--jobs", "1"), ("--dist", "lognormal"))  # lognormal: no corpus to load
     defaults = [part for flag, value in fixed if flag not in extra for part in (flag, value)]
     run = run_cli([*argv, "--no-plots", "--quiet", *defaults])
     assert_clean(run)

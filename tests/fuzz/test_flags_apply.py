@@ -67,7 +67,7 @@ def test_report_and_simulate_refuse_a_column_without_lengths(inputs, tmp_path):
     quiet = ["--no-plots", "--quiet"]
     one_line(run_cli(["report", plan, "--column", "n", "--out", tmp_path / "r", *quiet]), "--column n", "plan files")
     one_line(run_cli(["report", "--corpus", "stdlib", "--column", "n", "--out", tmp_path / "r", *quiet]), "--corpus")
-    run = run_cli(["simulate", "--column", "n", "--gpus", 8, "--cp", 2, "--out", tmp_path / "s", *quiet])
+    run = run_cli(["simulate", "--column", "n", "--world", 8, "--cp", 2, "--out", tmp_path / "s", *quiet])
     one_line(run, "--column n", "drawn lengths")
 
 
@@ -79,12 +79,12 @@ def test_report_and_simulate_refuse_a_column_without_lengths(inputs, tmp_path):
     ],
 )
 def test_simulate_refuses_drawing_flags_with_lengths(inputs, tmp_path, flags, words):
-    argv = ["simulate", "--lengths", inputs["root"] / "lengths.npy", "--gpus", 8, "--cp", 2, *flags]
+    argv = ["simulate", "--lengths", inputs["root"] / "lengths.npy", "--world", 8, "--cp", 2, *flags]
     one_line(run_cli([*argv, "--out", tmp_path / "s", "--no-plots", "--quiet"]), *words)
 
 
 def test_simulate_refuses_log_normal_shape_for_the_corpus(tmp_path):
-    run = run_cli(["simulate", "--sigma", 2, "--gpus", 8, "--cp", 2, "--out", tmp_path / "s", "--no-plots", "--quiet"])
+    run = run_cli(["simulate", "--sigma", 2, "--world", 8, "--cp", 2, "--out", tmp_path / "s", "--no-plots", "--quiet"])
     one_line(run, "--sigma", "--dist stdlib")
 
 
