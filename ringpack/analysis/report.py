@@ -29,6 +29,7 @@ from urllib.parse import quote
 import numpy as np
 
 from ringpack.analysis import plots as plotting
+from ringpack.analysis.advice import advice_lines
 from ringpack.analysis.metrics import PlanMetrics, evaluate_plan
 from ringpack.analysis.plots import median_idle
 from ringpack.analysis.robustness import imbalance_across_prices
@@ -500,9 +501,15 @@ _SUMMARY_LEGEND = (
 _NOTE_WIDTH = 110
 
 
-def format_table(doc: dict[str, Any], steps_shown: int = 0) -> str:
-    """The terminal view: one summary row per plan, then (``steps_shown > 0``) the first steps of each plan."""
-    out = _table_heading(doc)
+def format_table(doc: dict[str, Any], steps_shown: int = 0, advice: bool = True) -> str:
+    """The terminal view: one summary row per plan, then (``steps_shown > 0``) the first steps of each plan.
+
+    With ``advice`` and a document that has ``"advice"`` (:func:`~ringpack.analysis.advice.advise`),
+    its headline is the first line and its remedies follow the summary table.
+    """
+    advice_doc = doc.get("advice") if advice else None
+    out = [advice_doc["headline"], ""] if advice_doc else []
+    out += _table_heading(doc)
     rows = []
     for p in _rows(doc):
         mark = (" (peer)" if "description" in p else "") + (" *" if p["name"] == doc["baseline"] else "")
@@ -510,6 +517,8 @@ def format_table(doc: dict[str, Any], steps_shown: int = 0) -> str:
     out += ["", text_table(["plan", *(h for h, _ in _SUMMARY_COLUMNS)], rows), _SUMMARY_LEGEND]
     out += _window_notes(doc)
     out += _peer_notes(doc)
+    if advice_doc:
+        out += ["", "== what would help ==", *advice_lines(advice_doc)[2:]]
     if steps_shown > 0:
         for p in _rows(doc):
             out.append("")
@@ -678,9 +687,11 @@ def render_html(doc: dict[str, Any], figures: dict[str, Path]) -> str:
         f"<title>{html.escape(doc['title'])}</title>",
         "<style>body{font-family:system-ui,sans-serif;max-width:1200px;margin:2em auto;padding:0 1em;color:#222}"
         "pre{background:#f6f6f6;padding:1em;overflow-x:auto;font-size:13px}img{max-width:100%;border:1px solid #ddd}"
-        "figcaption{color:#555;margin:.3em 0 2em}dt{font-weight:600;margin-top:.5em}</style></head><body>",
+        "figcaption{color:#555;margin:.3em 0 2em}dt{font-weight:600;margin-top:.5em}"
+        "td,th{padding:.2em .8em;text-align:right}td:first-child,th:first-child{text-align:left}</style></head><body>",
         f"<h1>{html.escape(doc['title'])}</h1>",
-        f"<pre>{html.escape(format_table(doc, steps_shown=0))}</pre>",
+        *_advice_html(doc.get("advice")),
+        f"<pre>{html.escape(format_table(doc, steps_shown=0, advice=False))}</pre>",
     ]
     for key, path in figures.items():
         data = base64.b64encode(path.read_bytes()).decode()
@@ -693,6 +704,36 @@ def render_html(doc: dict[str, Any], figures: dict[str, Path]) -> str:
         parts.append(f"<dt>{html.escape(k)}</dt><dd>{html.escape(v)}</dd>")
     parts.append("</dl></body></html>")
     return "\n".join(parts)
+
+
+def _advice_html(advice: dict[str, Any] | None) -> list[str]:
+    """The "what would help" section: the headline, a table of the remedies, the causes and the basis."""
+    if not advice:
+        return []
+    e = html.escape
+    cur = advice["current"]
+    rows = [("(current)", cur["tokens_per_second"], cur["idle_fraction"], 1.0, "")]
+    rows += [
+        (r["flag"], r["tokens_per_second"], r["idle_fraction"], r["gain"], r.get("note", ""))
+        for r in advice["remedies"]
+    ]
+    cells = []
+    for flag, tps, idle, gain, note in rows:
+        figures = (
+            f"<td>{_fmt_count(tps)}</td><td>{100 * idle:.1f}%</td><td>{gain:.2f}x</td>"
+            if gain is not None
+            else f"<td colspan='3'>cannot plan: {e(note)}</td>"
+        )
+        cells.append(f"<tr><td><code>{e(flag)}</code></td>{figures}</tr>")
+    return [
+        "<section id='advice'><h2>What would help</h2>",
+        f"<p><strong>{e(advice['headline'])}</strong></p>",
+        "<table><tr><th>remedy</th><th>tok/s</th><th>idle+comm</th><th>gain</th></tr>",
+        *cells,
+        "</table><ul>",
+        *(f"<li>{e(c['text'])}</li>" for c in advice["causes"]),
+        f"</ul><p>The {e(advice['plan'])} plan; {e(advice['basis'])}.</p></section>",
+    ]
 
 
 # ------------------------------------------------------------------------------------- planning
