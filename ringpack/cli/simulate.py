@@ -204,9 +204,12 @@ def _with_chosen_mode(args: argparse.Namespace, comms: list, chosen: dict[str, A
     given without the chosen exchange keeps its order, the chosen one timed after them."""
     comms = [dataclasses.replace(c, gpus_per_node=chosen["gpus_per_node"]) for c in comms]
     mode = chosen["mode"]
-    same = [c for c in comms if c.mode == mode] or [dataclasses.replace(comms[0], mode=mode)]
-    others = [c for c in comms if c.mode != mode]
-    return [*others, *same] if "modes" in args.given else [*same, *others]
+    if any(c.mode == mode for c in comms):
+        if "modes" in args.given:
+            return comms
+        return sorted(comms, key=lambda c: c.mode != mode)  # stable: the chosen first, the rest in order
+    chosen_comm = dataclasses.replace(comms[0], mode=mode)
+    return [*comms, chosen_comm] if "modes" in args.given else [chosen_comm, *comms]
 
 
 def _simulate_shape(
