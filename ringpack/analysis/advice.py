@@ -1,22 +1,12 @@
-"""What would help: ringpack's plan re-planned with each remedy, ranked by the tokens/s it predicts.
+"""What would help: a plan re-planned with each remedy, ranked by the tokens/s it predicts.
 
-``ringpack report`` adds the result as ``doc["advice"]`` and shows it first. Each remedy is one
-change of flags, planned on the same samples as the current setting:
-
-* ``--batch-window 2``: samples may move up to two global batches, so the costliest samples of
-  neighbouring steps spread over DP ranks instead of each one stalling its own step;
-* a CP group twice as large on the same GPUs (``--cp 2C --dp D/2``, or ``--cp auto --world``):
-  the longest samples split over more ranks;
-* more samples per step (``--tokens-per-rank 2T``, and twice the global batch where it is given
-  in samples): more, smaller pieces to balance with.
-
-And the cause, measured on the current plan's steps: the share of steps whose longest sample alone
-bounds the step (its cost on its CP group exceeds the step's mean GPU work), samples per DP rank
-per step, and how full the micro-batches are against the token budget.
-
-Large inputs are re-planned on a sample: the first :data:`ADVICE_STEPS` global batches of the
-epoch's shuffled order (at most :data:`ADVICE_SAMPLES` samples), the same samples for every remedy;
-the document's ``basis`` says which.
+``ringpack report`` adds the result as ``doc["advice"]`` and shows it first. The remedies, each a
+change of flags planned on the same samples as the current setting: ``--batch-window 2`` (samples
+move up to two global batches), a CP group twice as large on the same GPUs, and twice the samples
+per micro-batch (``--tokens-per-rank 2T``). The causes, measured on the current setting's global
+batches: the share of steps their longest sample alone bounds, samples per DP rank per step, and
+how full the micro-batches are. A large input is re-planned on the first :data:`ADVICE_STEPS`
+global batches of the shuffled epoch (at most :data:`ADVICE_SAMPLES` samples), as ``basis`` says.
 
 See docs/analysis.md, "What would help".
 """
@@ -28,12 +18,14 @@ from typing import Any
 
 import numpy as np
 
+from ringpack.analysis.report import _fmt_count as _count
+from ringpack.analysis.simulate import measure_variants
 from ringpack.comm_model import CommModel
 from ringpack.errors import PlanError
 from ringpack.planner.epoch import global_batches, shuffle_order
 from ringpack.shard_plan import PlanConfig
 
-__all__ = ["ADVICE_STEPS", "ADVICE_SAMPLES", "advise", "advice_lines", "LONGEST_BOUND"]
+__all__ = ["ADVICE_STEPS", "ADVICE_SAMPLES", "advise", "LONGEST_BOUND"]
 
 #: Global batches re-planned per remedy (a multiple of 3: whole blocks of ``--batch-window 2``).
 ADVICE_STEPS = 12
@@ -66,8 +58,6 @@ def advise(lengths: Any, config: PlanConfig, comm: CommModel, *, jobs: int | Non
         a ``note``. ``causes``: ``{"name", "value", "applies", "text"}`` each. ``headline``: one
         line naming the winning flag and its gain, or saying none helps.
     """
-    from ringpack.analysis.simulate import measure_variants  # simulate imports report, which imports this
-
     L, basis = _sample(np.asarray(lengths, dtype=np.int64), config)
     variant = [(config.strategy, config.packing)]
 
@@ -195,27 +185,3 @@ def _headline(current: dict[str, Any], remedies: list[dict[str, Any]], causes: l
         f"({_count(best['tokens_per_second'])} against {_count(current['tokens_per_second'])}; idle "
         f"{current['idle_fraction']:.0%} -> {best['idle_fraction']:.0%}){why}"
     )
-
-
-def _count(x: float) -> str:
-    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(x) >= scale:
-            return f"{x / scale:.2f}{unit}"
-    return f"{x:.0f}"
-
-
-def advice_lines(advice: dict[str, Any]) -> list[str]:
-    """The advice as text: the headline, one row per remedy (flag, tokens/s, idle, gain), the causes, the basis."""
-    from ringpack.analysis.report import text_table
-
-    cur = advice["current"]
-    rows = [["(current)", _count(cur["tokens_per_second"]), f"{cur['idle_fraction']:.1%}", "1.00x"]]
-    for r in advice["remedies"]:
-        if r["gain"] is None:
-            rows.append([r["flag"], "-", "-", f"cannot plan: {r.get('note', '')}"])
-        else:
-            rows.append([r["flag"], _count(r["tokens_per_second"]), f"{r['idle_fraction']:.1%}", f"{r['gain']:.2f}x"])
-    out = [advice["headline"], "", text_table(["remedy", "tok/s", "idle+comm", "gain"], rows)]
-    out += [f"- {c['text']}" for c in advice["causes"]]
-    out.append(f"(the {advice['plan']} plan; {advice['basis']}; gain = tokens/s over the current setting's)")
-    return out

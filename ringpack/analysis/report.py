@@ -29,7 +29,6 @@ from urllib.parse import quote
 import numpy as np
 
 from ringpack.analysis import plots as plotting
-from ringpack.analysis.advice import advice_lines
 from ringpack.analysis.metrics import PlanMetrics, evaluate_plan
 from ringpack.analysis.plots import median_idle
 from ringpack.analysis.robustness import imbalance_across_prices
@@ -50,6 +49,7 @@ __all__ = [
     "format_table",
     "window_line",
     "format_ranks",
+    "advice_lines",
     "median_idle",
     "write_report",
     "plan_strategies",
@@ -543,6 +543,24 @@ def window_line(window: dict[str, Any]) -> str:
         f"{_fmt_count(w['tokens_per_second'])} tokens/s with it, {_fmt_seconds(w['predicted_seconds_without'])}, "
         f"{_fmt_count(w['tokens_per_second_without'])} without ({ratio:.2f}x)"
     )
+
+
+def advice_lines(advice: dict[str, Any]) -> list[str]:
+    """``doc["advice"]`` (:func:`~ringpack.analysis.advice.advise`) as text: the headline, one row per
+    remedy (flag, tokens/s, idle, gain), the causes, the basis."""
+    cur = advice["current"]
+    rows = [["(current)", _fmt_count(cur["tokens_per_second"]), f"{cur['idle_fraction']:.1%}", "1.00x"]]
+    for r in advice["remedies"]:
+        if r["gain"] is None:
+            rows.append([r["flag"], "-", "-", f"cannot plan: {r.get('note', '')}"])
+        else:
+            rows.append(
+                [r["flag"], _fmt_count(r["tokens_per_second"]), f"{r['idle_fraction']:.1%}", f"{r['gain']:.2f}x"]
+            )
+    out = [advice["headline"], "", text_table(["remedy", "tok/s", "idle+comm", "gain"], rows)]
+    out += [f"- {c['text']}" for c in advice["causes"]]
+    out.append(f"(the {advice['plan']} plan; {advice['basis']}; gain = tokens/s over the current setting's)")
+    return out
 
 
 def _window_notes(doc: dict[str, Any]) -> list[str]:

@@ -6,7 +6,8 @@ split node by node), times each step under ring, all-gather and targeted (``p2p`
 cost model's compute plus :mod:`~ringpack.comm_model`'s communication, the slowest rank),
 and ranks the layouts by predicted tokens/s, with a one-line reason for the winner. A layout whose
 proven lower bound on the compute alone already leaves it slower than a layout timed before it is
-stopped there, unplanned: layouts are planned in order of that bound, most promising first. It
+stopped there, unplanned (the most promising fixed size and the pool are always timed): layouts are
+planned in order of that bound, most promising first. It
 lives here, not in the planner, because it needs the communication model.
 
 See docs/planner.md, "Choosing the layout".
@@ -221,11 +222,13 @@ def choose_layout(
     order = sorted(range(len(sized)), key=lambda k: -np.nan_to_num(sized[k][6], nan=-1.0))
     by_layout: dict[int, list[LayoutCandidate]] = {}
     fastest = 0.0
+    kinds: set[bool] = set()  # the most promising fixed size and the pool are always timed: the reason's rivals
     for done, k in enumerate(order, 1):
         name, dp, cp, node, cfg, batches, ceiling = sized[k]
+        kind = name == "pool"
         if isinstance(batches, str):
             by_layout[k] = [LayoutCandidate(name, m, dp, cp, node, False, note=batches + cut) for m in modes]
-        elif ceiling * (1.0 + TIE) < fastest:
+        elif ceiling * (1.0 + TIE) < fastest and kind in kinds:
             note = f"stopped: at most {ceiling:,.0f} tokens/s by the lower bound, below the fastest's {fastest:,.0f}"
             by_layout[k] = [
                 LayoutCandidate(name, m, dp, cp, node, True, note=note, stopped=True, bound_tokens_per_second=ceiling)
@@ -233,6 +236,8 @@ def choose_layout(
             ]
         else:
             planned = _plan_steps(batches, cfg, steps)
+            if not isinstance(planned, str):
+                kinds.add(kind)
             by_layout[k] = []
             for mode in modes:
                 link = dataclasses.replace(comm, mode=mode, gpus_per_node=gpus_per_node)
