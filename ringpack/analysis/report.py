@@ -49,6 +49,7 @@ __all__ = [
     "format_table",
     "window_line",
     "format_ranks",
+    "advice_lines",
     "median_idle",
     "write_report",
     "plan_strategies",
@@ -500,9 +501,15 @@ _SUMMARY_LEGEND = (
 _NOTE_WIDTH = 110
 
 
-def format_table(doc: dict[str, Any], steps_shown: int = 0) -> str:
-    """The terminal view: one summary row per plan, then (``steps_shown > 0``) the first steps of each plan."""
-    out = _table_heading(doc)
+def format_table(doc: dict[str, Any], steps_shown: int = 0, advice: bool = True) -> str:
+    """The terminal view: one summary row per plan, then (``steps_shown > 0``) the first steps of each plan.
+
+    With ``advice`` and a document that has ``"advice"`` (:func:`~ringpack.analysis.advice.advise`),
+    its headline is the first line and its remedies follow the summary table.
+    """
+    advice_doc = doc.get("advice") if advice else None
+    out = [advice_doc["headline"], ""] if advice_doc else []
+    out += _table_heading(doc)
     rows = []
     for p in _rows(doc):
         mark = (" (peer)" if "description" in p else "") + (" *" if p["name"] == doc["baseline"] else "")
@@ -510,6 +517,8 @@ def format_table(doc: dict[str, Any], steps_shown: int = 0) -> str:
     out += ["", text_table(["plan", *(h for h, _ in _SUMMARY_COLUMNS)], rows), _SUMMARY_LEGEND]
     out += _window_notes(doc)
     out += _peer_notes(doc)
+    if advice_doc:
+        out += ["", "== what would help ==", *advice_lines(advice_doc)[2:]]
     if steps_shown > 0:
         for p in _rows(doc):
             out.append("")
@@ -534,6 +543,24 @@ def window_line(window: dict[str, Any]) -> str:
         f"{_fmt_count(w['tokens_per_second'])} tokens/s with it, {_fmt_seconds(w['predicted_seconds_without'])}, "
         f"{_fmt_count(w['tokens_per_second_without'])} without ({ratio:.2f}x)"
     )
+
+
+def advice_lines(advice: dict[str, Any]) -> list[str]:
+    """``doc["advice"]`` (:func:`~ringpack.analysis.advice.advise`) as text: the headline, one row per
+    remedy (flag, tokens/s, idle, gain), the causes, the basis."""
+    cur = advice["current"]
+    rows = [["(current)", _fmt_count(cur["tokens_per_second"]), f"{cur['idle_fraction']:.1%}", "1.00x"]]
+    for r in advice["remedies"]:
+        if r["gain"] is None:
+            rows.append([r["flag"], "-", "-", f"cannot plan: {r.get('note', '')}"])
+        else:
+            rows.append(
+                [r["flag"], _fmt_count(r["tokens_per_second"]), f"{r['idle_fraction']:.1%}", f"{r['gain']:.2f}x"]
+            )
+    out = [advice["headline"], "", text_table(["remedy", "tok/s", "idle+comm", "gain"], rows)]
+    out += [f"- {c['text']}" for c in advice["causes"]]
+    out.append(f"(the {advice['plan']} plan; {advice['basis']}; gain = tokens/s over the current setting's)")
+    return out
 
 
 def _window_notes(doc: dict[str, Any]) -> list[str]:
@@ -678,9 +705,11 @@ def render_html(doc: dict[str, Any], figures: dict[str, Path]) -> str:
         f"<title>{html.escape(doc['title'])}</title>",
         "<style>body{font-family:system-ui,sans-serif;max-width:1200px;margin:2em auto;padding:0 1em;color:#222}"
         "pre{background:#f6f6f6;padding:1em;overflow-x:auto;font-size:13px}img{max-width:100%;border:1px solid #ddd}"
-        "figcaption{color:#555;margin:.3em 0 2em}dt{font-weight:600;margin-top:.5em}</style></head><body>",
+        "figcaption{color:#555;margin:.3em 0 2em}dt{font-weight:600;margin-top:.5em}"
+        "td,th{padding:.2em .8em;text-align:right}td:first-child,th:first-child{text-align:left}</style></head><body>",
         f"<h1>{html.escape(doc['title'])}</h1>",
-        f"<pre>{html.escape(format_table(doc, steps_shown=0))}</pre>",
+        *_advice_html(doc.get("advice")),
+        f"<pre>{html.escape(format_table(doc, steps_shown=0, advice=False))}</pre>",
     ]
     for key, path in figures.items():
         data = base64.b64encode(path.read_bytes()).decode()
@@ -693,6 +722,36 @@ def render_html(doc: dict[str, Any], figures: dict[str, Path]) -> str:
         parts.append(f"<dt>{html.escape(k)}</dt><dd>{html.escape(v)}</dd>")
     parts.append("</dl></body></html>")
     return "\n".join(parts)
+
+
+def _advice_html(advice: dict[str, Any] | None) -> list[str]:
+    """The "what would help" section: the headline, a table of the remedies, the causes and the basis."""
+    if not advice:
+        return []
+    e = html.escape
+    cur = advice["current"]
+    rows = [("(current)", cur["tokens_per_second"], cur["idle_fraction"], 1.0, "")]
+    rows += [
+        (r["flag"], r["tokens_per_second"], r["idle_fraction"], r["gain"], r.get("note", ""))
+        for r in advice["remedies"]
+    ]
+    cells = []
+    for flag, tps, idle, gain, note in rows:
+        figures = (
+            f"<td>{_fmt_count(tps)}</td><td>{100 * idle:.1f}%</td><td>{gain:.2f}x</td>"
+            if gain is not None
+            else f"<td colspan='3'>cannot plan: {e(note)}</td>"
+        )
+        cells.append(f"<tr><td><code>{e(flag)}</code></td>{figures}</tr>")
+    return [
+        "<section id='advice'><h2>What would help</h2>",
+        f"<p><strong>{e(advice['headline'])}</strong></p>",
+        "<table><tr><th>remedy</th><th>tok/s</th><th>idle+comm</th><th>gain</th></tr>",
+        *cells,
+        "</table><ul>",
+        *(f"<li>{e(c['text'])}</li>" for c in advice["causes"]),
+        f"</ul><p>The {e(advice['plan'])} plan; {e(advice['basis'])}.</p></section>",
+    ]
 
 
 # ------------------------------------------------------------------------------------- planning

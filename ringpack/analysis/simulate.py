@@ -243,6 +243,7 @@ def simulate(
     progress: bool = True,
     baseline: str | None = None,
     peers: Sequence[str] = (),
+    sample_steps: int = 0,
 ) -> dict[str, Any]:
     """Plan an epoch of ``lengths`` for every variant of ``config`` and return the report document.
 
@@ -264,10 +265,16 @@ def simulate(
         baseline: the plan the others are compared with (default: the report's).
         peers: other systems to run on the same chunks (:data:`ringpack.analysis.peers.PEERS`),
             reported in ``doc["peers"]``; a peer's delay queues span one chunk.
+        sample_steps: ``0`` plans the whole epoch; ``N > 0`` plans about ``N`` of its global
+            batches, whole chunks drawn at random (:func:`sample_chunks`: the same ones for the same
+            lengths, config and ``chunk_steps``), and the epoch's times are estimated from them.
 
     Returns:
         The report document (:func:`~ringpack.analysis.report.build_report`, ``detail=False``)
-        with ``format: "ringpack-simulation"`` and a ``planning`` entry (wall and CPU seconds).
+        with ``format: "ringpack-simulation"``, a ``planning`` entry (wall and CPU seconds) and a
+        ``sample`` entry: the global batches planned of the epoch's, the share of its tokens they
+        hold, and whether the epoch's times are an estimate from them (``plan["modes"][mode]
+        ["epoch_seconds"]`` is the planned steps' time over that share).
 
     Raises:
         ValueError: no global batch, no samples or a bad length (:class:`~ringpack.errors.DataError`,
@@ -283,13 +290,17 @@ def simulate(
     comms = list(
         comms or [CommModel.for_model(config.cost, mode="ring"), CommModel.for_model(config.cost, mode="allgather")]
     )
-    chunks = _epoch_chunks(lengths, config, chunk_steps)
-    _check_budget(lengths, chunks, config, chunk_steps)
-    tasks = _tasks(lengths, chunks, config, variants, peers, chunk_steps)
+    every = _epoch_chunks(lengths, config, chunk_steps)
+    _check_budget(lengths, every, config, chunk_steps)
+    partial = every[-1].size != config.samples_per_step * chunk_steps
+    picked = sample_chunks(len(every), chunk_steps, sample_steps, config.seed, config.epoch, last_partial=partial)
+    chunks = [every[c] for c in picked]
+    tasks = _tasks(lengths, chunks, config, variants, peers, chunk_steps, numbers=picked)
     p2p = next((comm for comm in comms if comm.mode == "p2p"), None)  # timed from each chunk's exchange volumes
     tasks = [t if t.peer else dataclasses.replace(t, exchange=p2p) for t in tasks]
     jobs = min(jobs or os.cpu_count() or 1, len(tasks))
-    desc = f"planning {len(lengths):,} samples x {len(variants) + len(peers)} strategies"
+    planned = int(sum(c.size for c in chunks))
+    desc = f"planning {planned:,} samples x {len(variants) + len(peers)} strategies"
     hint = (
         f"run with fewer {option('jobs')} (now {jobs}) or a smaller {option('chunk_steps')} (now {chunk_steps}), "
         "or on a machine with more memory"
@@ -311,6 +322,7 @@ def simulate(
     wall = time.perf_counter() - t0
     results_by_mode = _timed_results(parts, variants, config, comms, len(chunks))
     peers_by_mode = _timed_peers(parts, len(peers), comms, len(chunks), first=len(variants))
+    sample = _sample_entry(lengths, every, picked, results_by_mode[comms[0].mode][0].metrics.num_steps, config)
     doc = build_report(
         results_by_mode[comms[0].mode],
         peers=peers_by_mode[comms[0].mode],
@@ -318,8 +330,14 @@ def simulate(
         baseline=baseline,
         detail=False,
         title=f"ringpack simulation: DP={config.dp} x CP={config.cp} ({config.dp * config.cp:,} GPUs), "
-        f"{len(lengths):,} samples",
+        f"{len(lengths):,} samples"
+        + (
+            f" (estimate from {sample['global_batches']} of {sample['epoch_global_batches']} global batches)"
+            if sample["estimate"]
+            else ""
+        ),
         extra={
+            "sample": sample,
             "format": "ringpack-simulation",
             "planning": {
                 "wall_seconds": wall,
@@ -332,6 +350,63 @@ def simulate(
     )
     _add_modes(doc, results_by_mode, peers_by_mode)
     return doc
+
+
+def sample_chunks(
+    num_chunks: int, chunk_steps: int, sample_steps: int, seed: int, epoch: int, last_partial: bool = False
+) -> list[int]:
+    """The chunks :func:`simulate` plans: all of them for ``sample_steps=0`` (or when the sample
+    would be the whole epoch), else ``ceil(sample_steps / chunk_steps)`` of them drawn at random.
+
+    The draw is :func:`~ringpack.planner.epoch.shuffle_order` of the chunk count keyed with
+    ``seed`` and ``epoch``: the same chunks on every run and platform. The epoch's order is shuffled
+    already, so every chunk holds random global batches; drawing chunks across the epoch keeps the
+    sample from leaning on its first steps. ``last_partial``: the last chunk holds other than
+    ``chunk_steps`` global batches (the epoch's tail), and is drawn only when the others are too few.
+    Returns the chunk numbers in increasing order.
+    """
+    if sample_steps < 0:
+        raise ValueError(f"sample_steps must be >= 0, got {sample_steps!r}")
+    wanted = -(-sample_steps // chunk_steps) if sample_steps else num_chunks
+    if wanted >= num_chunks:
+        return list(range(num_chunks))
+    pool = num_chunks - 1 if last_partial and wanted < num_chunks - 1 else num_chunks
+    return sorted(int(c) for c in shuffle_order(pool, seed, epoch)[:wanted])
+
+
+def _sample_entry(
+    lengths: np.ndarray, chunks: list[np.ndarray], picked: list[int], planned_steps: int, config: PlanConfig
+) -> dict[str, Any]:
+    """``doc["sample"]``: the global batches planned of the epoch's and the share of its tokens they hold."""
+    tokens = int(lengths.sum())
+    planned_tokens = int(sum(int(lengths[chunks[c]].sum()) for c in picked))
+    per_step = config.samples_per_step
+    epoch_steps = sum(len(c) // per_step + (len(c) % per_step > 0) for c in chunks) if per_step else 1
+    estimate = len(picked) < len(chunks)
+    return {
+        "estimate": estimate,
+        "global_batches": planned_steps,
+        "epoch_global_batches": planned_steps if not estimate else epoch_steps,
+        "chunks": len(picked),
+        "epoch_chunks": len(chunks),
+        "samples": int(sum(chunks[c].size for c in picked)),
+        "tokens_fraction": planned_tokens / tokens if tokens else 1.0,
+        "basis": (
+            f"{planned_steps} of about {epoch_steps} global batches planned ({len(picked)} of {len(chunks)} chunks "
+            f"drawn at random with seed {config.seed}); epoch times are the planned steps' times over the "
+            f"{planned_tokens / tokens:.1%} of the epoch's tokens they hold: an estimate"
+            if estimate
+            else f"every global batch of the epoch planned ({planned_steps})"
+        ),
+    }
+
+
+def sample_line(doc: dict[str, Any]) -> str:
+    """One line on what was planned: the whole epoch, or the sample the epoch's times are estimated from."""
+    sample = doc.get("sample")
+    if not sample:
+        return ""
+    return ("estimate: " if sample["estimate"] else "") + sample["basis"]
 
 
 def expected_seconds(tasks: Sequence[_Task], jobs: int) -> float:
@@ -347,12 +422,14 @@ def _tasks(
     variants: Sequence[tuple[str, str]],
     peers: Sequence[str],
     chunk_steps: int,
+    numbers: Sequence[int] | None = None,
 ) -> list[_Task]:
     """Per chunk: one task per packing (its variants share the packing), one per peer; the heaviest first.
 
     Rows number the variants in order, then the peers. ``make_plan`` re-shuffles within a chunk,
     so each chunk's steps are still uniformly random windows of the epoch. ``chunk_steps=0``: the
-    chunks are no part of an epoch (messages do not name them).
+    chunks are no part of an epoch (messages do not name them). ``numbers``: each chunk's number in
+    the epoch, for messages (default its position).
     """
     by_packing: dict[str, list[tuple[int, str]]] = {}
     for row, (strategy, packing) in enumerate(variants):
@@ -360,7 +437,8 @@ def _tasks(
     tasks = []
     for c, ids in enumerate(chunks):
         part = lengths[ids]
-        where = f"chunk {c} (epoch steps from {c * chunk_steps})" if chunk_steps else ""
+        n = c if numbers is None else numbers[c]
+        where = f"chunk {n} (epoch steps from {n * chunk_steps})" if chunk_steps else ""
         for packing, rows in by_packing.items():
             tasks.append(_Task(c, where, part, dataclasses.replace(config, packing=packing), tuple(rows)))
         for k, name in enumerate(peers):
@@ -555,7 +633,9 @@ def _timed_results(
 def _add_modes(
     doc: dict[str, Any], results_by_mode: dict[str, list[StrategyResult]], peers_by_mode: dict[str, list]
 ) -> None:
-    """Each plan's and peer's headline figures under every communication mode, as ``plan["modes"][mode]``."""
+    """Each plan's and peer's headline figures under every communication mode, as ``plan["modes"][mode]``;
+    ``epoch_seconds`` is the whole epoch's time (the planned steps' over their share of its tokens)."""
+    share = doc.get("sample", {}).get("tokens_fraction", 1.0) or 1.0
     for mode, results in results_by_mode.items():
         other = build_report(results, baseline=doc["baseline"], detail=False, peers=peers_by_mode.get(mode, ()))
         for plan, again in zip([*doc["plans"], *doc["peers"]], [*other["plans"], *other["peers"]]):
@@ -563,6 +643,7 @@ def _add_modes(
             plan.setdefault("modes", {})[mode] = {
                 "comm_model": other["comm_model"]["description"],
                 "predicted_seconds": s["predicted_seconds_comm"],
+                "epoch_seconds": s["predicted_seconds_comm"] / share,
                 "tokens_per_second": s["tokens_per_second_comm"],
                 "idle_fraction": s["idle_fraction_comm"],
                 "exposed_comm_seconds": s["exposed_comm_seconds"],
@@ -571,11 +652,17 @@ def _add_modes(
 
 
 def format_modes(doc: dict[str, Any]) -> str:
-    """Per strategy and communication mode: predicted tokens/s, epoch time and idle share."""
+    """Per strategy and communication mode: predicted tokens/s, epoch time and idle share.
+
+    The headline mode (the document's communication model) comes first; an epoch estimated from a
+    sample of its global batches is marked ``epoch (est.)``.
+    """
     modes = list(doc["plans"][0].get("modes", {}))
+    estimate = doc.get("sample", {}).get("estimate", False)
     header = ["plan"]
     for mode in modes:
-        header += [f"{mode} tok/s", f"{mode} epoch", f"{mode} idle", f"{mode} speedup"]
+        epoch = "epoch (est.)" if estimate else "epoch"
+        header += [f"{mode} tok/s", f"{mode} {epoch}", f"{mode} idle", f"{mode} speedup"]
     rows = []
     for p in [*doc["plans"], *doc.get("peers", [])]:
         row = [p["name"] + (" (peer)" if "description" in p else "") + (" *" if p["name"] == doc["baseline"] else "")]
@@ -584,7 +671,7 @@ def format_modes(doc: dict[str, Any]) -> str:
             sp = m["speedup_vs_baseline"]
             row += [
                 _fmt_count(m["tokens_per_second"]),
-                _fmt_seconds(m["predicted_seconds"]),
+                _fmt_seconds(m.get("epoch_seconds", m["predicted_seconds"])),
                 f"{100 * m['idle_fraction']:.1f}%",
                 "-" if sp is None else f"{sp:.2f}x",
             ]
@@ -592,4 +679,4 @@ def format_modes(doc: dict[str, Any]) -> str:
     return text_table(header, rows)
 
 
-__all__ += ["format_modes"]
+__all__ += ["format_modes", "sample_chunks", "sample_line"]

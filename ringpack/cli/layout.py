@@ -105,13 +105,15 @@ def node_size(args: argparse.Namespace, world: int, say: bool = True) -> int:
     return node
 
 
-def choose_for(args: argparse.Namespace, lengths: Any, world: int) -> LayoutChoice:
+def choose_for(args: argparse.Namespace, lengths: Any, world: int, progress: Any = None) -> LayoutChoice:
     """:func:`choose_layout` of ``world`` GPUs for the flags: the planning flags shared by every
     layout, the cost model (at ``--tflops``, where the command has it) and the links (``--link``,
     ``--bandwidth``, ``--latency-us``, ``--inter-link``, where it has them).
 
     Raises:
         PlanError: no layout plans the lengths, or ``world`` is not whole nodes.
+
+    ``progress``: :func:`choose_layout`'s ``(done, total)`` callback, per layout.
     """
     node = node_size(args, world)
     given = vars(args)
@@ -120,7 +122,15 @@ def choose_for(args: argparse.Namespace, lengths: Any, world: int) -> LayoutChoi
     links = comm_models(args, cost)[0] if "link" in given else CommModel.for_model(cost)
     batch = samples_per_step(args, lengths, dp=1, cp=world)
     return choose_layout(
-        lengths, world, node, args.tokens_per_rank, cost, links, samples_per_step=batch or None, **shared
+        lengths,
+        world,
+        node,
+        args.tokens_per_rank,
+        cost,
+        links,
+        samples_per_step=batch or None,
+        progress=progress,
+        **shared,
     )
 
 
@@ -136,11 +146,16 @@ def layout_table(choice: LayoutChoice, every: bool = False) -> str:
     lines.append(head + (f" {'exposed s':>10} {'IB GB/step':>10}" if every else ""))
     listed = set()
     for c in choice.candidates if every else choice.candidates[:SHOWN]:
-        if not c.feasible and every and c.name in listed:
+        if (not c.feasible or c.stopped) and every and c.name in listed:
             continue  # a layout that cannot plan the lengths, once for all its exchanges
         if not c.feasible:
             lines.append(f"  {c.name:<10} {'any' if every else c.mode:<10} cannot plan: {c.note}")
             listed.add(c.name)
+            continue
+        if c.stopped:
+            if c.name not in listed:
+                lines.append(f"  {c.name:<10} {'any':<10} {c.note}")
+                listed.add(c.name)
             continue
         row = (
             f"  {c.name:<10} {c.mode:<10} {c.tokens_per_second:>12,.0f} {c.step_seconds:>10.4g} "
@@ -172,11 +187,13 @@ def choice_to_dict(choice: LayoutChoice) -> dict[str, Any]:
                 "cp": c.cp,
                 "gpus_per_node": c.gpus_per_node,
                 "feasible": c.feasible,
-                "tokens_per_second": c.tokens_per_second if c.feasible else None,
-                "step_seconds": c.step_seconds if c.feasible else None,
-                "compute_seconds": c.compute_seconds if c.feasible else None,
-                "exposed_comm_seconds": c.exposed_seconds if c.feasible else None,
-                "inter_node_bytes": c.inter_node_bytes if c.feasible else None,
+                "stopped": c.stopped,
+                "tokens_per_second": c.tokens_per_second if c.timed else None,
+                "bound_tokens_per_second": c.bound_tokens_per_second if c.feasible else None,
+                "step_seconds": c.step_seconds if c.timed else None,
+                "compute_seconds": c.compute_seconds if c.timed else None,
+                "exposed_comm_seconds": c.exposed_seconds if c.timed else None,
+                "inter_node_bytes": c.inter_node_bytes if c.timed else None,
                 "note": c.note,
             }
             for c in choice.candidates

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from ringpack import data
+from ringpack.analysis.advice import advise
 from ringpack.analysis.metrics import plan_label
 from ringpack.analysis.plots import default_rank_step
 from ringpack.analysis.report import build_report, format_ranks, format_table, result_of_plan
@@ -30,6 +31,9 @@ from ringpack.cli.layout import add_layout_flags, layout_table, resolve_layout
 from ringpack.data.corpus import stdlib_corpus
 from ringpack.planner.epoch import global_batches
 from ringpack.shard_plan import Plan
+
+#: The plan the advice re-plans for lengths: ringpack's own split and packing.
+BALANCED = {"strategy": "balanced", "packing": "balanced"}
 
 
 def add_command(subparsers: Any) -> None:
@@ -127,6 +131,9 @@ def run_report(args: argparse.Namespace) -> int:
                 )
                 results += unwindowed
     extra = _window_entry(lengths, config, names) if not (args.plans or args.manifest) else {}
+    with progress(args, "re-planning a sample with each remedy", "remedies"):
+        base = plans[0].config if args.plans or args.manifest else dataclasses.replace(config, **BALANCED)
+        extra["advice"] = advise(lengths, base, comms[0], jobs=args.jobs or None)
     doc = build_report(results, lengths=lengths, baseline=args.baseline, peers=rows, extra=extra)
     step = args.step
     if step is not None and not all(0 <= step < r.metrics.num_steps for r in results):

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from ringpack.analysis.report import format_table, write_report
-from ringpack.analysis.simulate import format_modes, simulate, synthetic_lengths, window_chunk_steps
+from ringpack.analysis.simulate import format_modes, sample_line, simulate, synthetic_lengths, window_chunk_steps
 from ringpack.cli.compare import add_compare_flags, check_outputs, comm_models, peer_names, variants
 from ringpack.cli.config_file import add_config_file_flag
 from ringpack.cli.flags import (
@@ -51,6 +51,9 @@ DRAWN = {"samples": 1_000_000, "dist": "stdlib", "median": 2048.0, "sigma": 1.3}
 #: ``simulate``'s defaults: the exploring mesh (``dp`` comes from ``--world``) and a batch of one full
 #: micro-batch per DP rank, since an epoch in one step is no epoch to simulate.
 DEFAULTS = {"cp": EXPLORE_MESH["cp"], "tokens_per_rank": EXPLORE_MESH["tokens_per_rank"], "global_batch_tokens": "auto"}
+#: Global batches ``--cp auto`` plans of the chosen layout's epoch unless ``--sample-steps`` is given: one
+#: chunk of the default ``--chunk-steps`` (docs/analysis.md gives how far such an estimate strays).
+AUTO_SAMPLE_STEPS = 8
 
 
 def add_command(subparsers: Any) -> None:
@@ -101,6 +104,13 @@ def add_command(subparsers: Any) -> None:
         default=8,
         help="global batches planned per worker task; with --batch-window W a multiple of W+1 (the default is "
         "rounded up to one)",
+    )
+    flag(
+        p,
+        "--sample-steps",
+        type=integer(0, 10**9),
+        help="plan about N global batches of the epoch, whole chunks drawn at random, and estimate the epoch "
+        f"from them (0: every global batch; default {AUTO_SAMPLE_STEPS} with --cp auto, else 0)",
     )
     add_config_file_flag(p)
     p.set_defaults(handler=run_simulate, command_parser=p)
@@ -166,17 +176,14 @@ def _layout(
     """
     if args.json != "-":
         print(f"== layouts for {gpus:,} GPUs ==", flush=True)
-    choice = choose_for(args, lengths, gpus)
+    with progress(args, f"comparing layouts for {gpus:,} GPUs", "layouts") as bar:
+        choice = choose_for(args, lengths, gpus, progress=bar.advance_to)
     best = choice.best
     if args.json != "-":
         print(layout_table(choice, every=True), flush=True)
-        if best.mode not in [c.mode for c in comms]:
-            print(
-                f"(the simulation times the epoch under --modes {args.modes}; {best.mode} is timed above only: "
-                f"add it to --modes to time the epoch with it)"
-            )
     node = next(c.gpus_per_node for c in choice.candidates if c.name == "pool")
-    return best.dp, best.cp, best.gpus_per_node, {"layout": choice_to_dict(choice), "gpus_per_node": node}
+    chosen = {"layout": choice_to_dict(choice), "gpus_per_node": node, "mode": best.mode}
+    return best.dp, best.cp, best.gpus_per_node, chosen
 
 
 def _chunk_steps(args: argparse.Namespace, config: Any) -> int:
@@ -185,6 +192,27 @@ def _chunk_steps(args: argparse.Namespace, config: Any) -> int:
     if "chunk_steps" in args.given or not config.batch_window:
         return args.chunk_steps
     return window_chunk_steps(args.chunk_steps, config.batch_window + 1)
+
+
+def _sample_steps(args: argparse.Namespace, auto: bool) -> int:
+    """``--sample-steps``, or its default: :data:`AUTO_SAMPLE_STEPS` for ``--cp auto``, else the whole epoch."""
+    if args.sample_steps is not None:
+        return args.sample_steps
+    return AUTO_SAMPLE_STEPS if auto else 0
+
+
+def _with_chosen_mode(args: argparse.Namespace, comms: list, chosen: dict[str, Any]) -> list:
+    """The communication models of a ``--cp auto`` shape: the chosen exchange first (the headline),
+    then the other ``--modes``, all with the links between nodes of the comparison. ``--modes``
+    given without the chosen exchange keeps its order, the chosen one timed after them."""
+    comms = [dataclasses.replace(c, gpus_per_node=chosen["gpus_per_node"]) for c in comms]
+    mode = chosen["mode"]
+    if any(c.mode == mode for c in comms):
+        if "modes" in args.given:
+            return comms
+        return sorted(comms, key=lambda c: c.mode != mode)  # stable: the chosen first, the rest in order
+    chosen_comm = dataclasses.replace(comms[0], mode=mode)
+    return [*comms, chosen_comm] if "modes" in args.given else [chosen_comm, *comms]
 
 
 def _simulate_shape(
@@ -213,7 +241,7 @@ def _simulate_shape(
         args, dp=dp, cp=cp, gpus_per_node=gpus_per_node, samples_per_step=per_step, cost=model
     )
     if chosen is not None:
-        comms = [dataclasses.replace(c, gpus_per_node=chosen["gpus_per_node"]) for c in comms]
+        comms = _with_chosen_mode(args, comms, chosen)
     doc = simulate(
         lengths,
         config,
@@ -224,6 +252,7 @@ def _simulate_shape(
         progress=not args.quiet and args.json != "-",
         baseline=args.baseline,
         peers=peer_names(args),
+        sample_steps=_sample_steps(args, chosen is not None),
     )
     if chosen is not None:
         doc["layout"] = chosen["layout"]
@@ -231,6 +260,8 @@ def _simulate_shape(
         paths = write_report(doc, out, plots=not args.no_plots, progress=bar)
     if args.json != "-":
         print(f"\n== {doc['title']} ==")
+        print(sample_line(doc))
+        print(f"headline exchange: {doc['comm_model']['mode']}" + (" (the layout choice's)" if chosen else ""))
         print(format_table(doc))
         print()
         print(format_modes(doc))

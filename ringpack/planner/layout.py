@@ -5,9 +5,11 @@
 split node by node), times each step under every attention mode: ring, all-gather and targeted
 (``p2p``) exchange, head-parallel ``ulysses`` and the hybrids ``ulysses+p2p`` / ``ulysses+ring`` where
 the model's heads and the nodes allow them (the cost model's compute plus
-:mod:`~ringpack.comm_model`'s communication, the slowest rank),
-and ranks the layouts by predicted tokens/s, with a one-line reason for the winner. It lives here,
-not in the planner, because it needs the communication model.
+:mod:`~ringpack.comm_model`'s communication, the slowest rank), and ranks the layouts by predicted
+tokens/s, with a one-line reason for the winner. A layout whose proven lower bound on the compute
+alone already leaves it slower than a layout timed before it is stopped there, unplanned (the most
+promising fixed size and the pool are always timed): layouts are planned in order of that bound,
+most promising first. It lives here, not in the planner, because it needs the communication model.
 
 See docs/planner.md, "Choosing the layout".
 """
@@ -15,7 +17,7 @@ See docs/planner.md, "Choosing the layout".
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -24,8 +26,8 @@ from ringpack.comm_model import HEAD_PARALLEL_MODES, MODES, CommModel, exchange_
 from ringpack.cost import MAX_SAMPLE_TOKENS, CostModel
 from ringpack.errors import PlanError
 from ringpack.lengths import check_lengths
-from ringpack.planner.bounds import critical_path
-from ringpack.planner.epoch import global_batches, overflow_documents, plan_step
+from ringpack.planner.bounds import critical_path, step_lower_bound
+from ringpack.planner.epoch import GlobalBatches, global_batches, overflow_documents, plan_step
 from ringpack.shard_plan import MAX_CP, MAX_DP, Plan, PlanConfig, global_batch_samples
 
 __all__ = ["AUTO", "DEFAULT_GPUS_PER_NODE", "LayoutCandidate", "LayoutChoice", "TIE", "choose_layout", "cp_sizes"]
@@ -60,7 +62,13 @@ class LayoutCandidate:
         inter_node_bytes: mean K/V bytes per step (all layers, forward) the node-relayed targeted
             exchange sends between nodes: each needed piece once per other node that needs it
             (``ExchangeVolumes.send_inter``); 0 for a layout inside one node.
-        note: what kept the layout out, or ``""``.
+        note: what kept the layout out (or stopped it), or ``""``.
+        stopped: the layout plans these lengths, but the lower bound of its compute on the sampled
+            steps (``bound_tokens_per_second``) already leaves it slower than a layout timed before
+            it, so it was not planned: no figures but the bound.
+        bound_tokens_per_second: the most tokens/s any plan of the layout could make on the sampled
+            steps (their tokens over the planner's lower bounds of their compute); ``nan`` where
+            not computed.
     """
 
     name: str
@@ -74,6 +82,13 @@ class LayoutCandidate:
     tokens_per_second: float = 0.0
     inter_node_bytes: float = 0.0
     note: str = ""
+    stopped: bool = False
+    bound_tokens_per_second: float = float("nan")
+
+    @property
+    def timed(self) -> bool:
+        """Whether the layout was planned and timed (feasible and not stopped)."""
+        return self.feasible and not self.stopped
 
     @property
     def exposed_seconds(self) -> float:
@@ -144,6 +159,7 @@ def choose_layout(
     sizes: Sequence[int] | None = None,
     steps: int = 3,
     samples_per_step: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
     **config: Any,
 ) -> LayoutChoice:
     """Rank the fixed CP sizes and the pool, under each exchange, by predicted tokens/s on ``lengths``.
@@ -162,6 +178,7 @@ def choose_layout(
         samples_per_step: the global batch in samples, the same for every layout (default
             :func:`~ringpack.shard_plan.global_batch_samples` ``"auto"`` of the pool: ``world x
             tokens_per_rank`` tokens of mean-length samples).
+        progress: called as ``progress(done, total)`` after each layout is planned or stopped.
         **config: other :class:`~ringpack.shard_plan.PlanConfig` fields for every plan (``strategy``,
             ``overflow``, ``seed``, ``pair_price_range``, ...; not ``dp``, ``cp``, ``gpus_per_node``).
 
@@ -194,20 +211,58 @@ def choose_layout(
     # targeted exchange across nodes, as the model times it
     layouts = [(f"cp={c}", world // c, c, gpus_per_node if c > gpus_per_node else None) for c in sizes]
     layouts.append(("pool", 1, world, gpus_per_node))
-    candidates = []
+    # every layout's batches and the bound of its compute first (no planning), then the layouts
+    # planned most promising first, each stopped once its bound cannot reach the fastest timed
+    shared: dict[Any, GlobalBatches] = {}
+    sized = []
     for name, dp, cp, node in layouts:
         beyond = _beyond_a_plan(dp, cp, tokens_per_rank)
-        planned = beyond or _plan_steps(L, PlanConfig(dp=dp, cp=cp, gpus_per_node=node, **base), steps)
-        for mode in modes:
-            if HEAD_PARALLEL_MODES.get(mode) and cp <= gpus_per_node:
-                continue  # a hybrid inside one node is ulysses
-            link = dataclasses.replace(comm, mode=mode, gpus_per_node=gpus_per_node)
-            unfit = link.unfit_reason(cp)
-            if isinstance(planned, str) or unfit:
-                note = planned + cut if isinstance(planned, str) else unfit
-                candidates.append(LayoutCandidate(name, mode, dp, cp, node, False, note=note))
-            else:
-                candidates.append(_timed(name, mode, planned, link))
+        cfg = PlanConfig(dp=dp, cp=cp, gpus_per_node=node, **base) if not beyond else None
+        batches = beyond or _batches(L, cfg, shared)
+        ceiling = float("nan") if isinstance(batches, str) else _bound_tokens_per_second(batches, cfg, steps)
+        sized.append((name, dp, cp, node, cfg, batches, ceiling))
+    order = sorted(range(len(sized)), key=lambda k: -np.nan_to_num(sized[k][6], nan=-1.0))
+    by_layout: dict[int, list[LayoutCandidate]] = {}
+    fastest = 0.0
+    kinds: set[bool] = set()  # the most promising fixed size and the pool are always timed: the reason's rivals
+    for done, k in enumerate(order, 1):
+        name, dp, cp, node, cfg, batches, ceiling = sized[k]
+        kind = name == "pool"
+        # a hybrid inside one node is ulysses; a mode the heads or nodes cannot run is listed, unplanned
+        links = {
+            m: dataclasses.replace(comm, mode=m, gpus_per_node=gpus_per_node)
+            for m in modes
+            if not (HEAD_PARALLEL_MODES.get(m) and cp <= gpus_per_node)
+        }
+        unfit = {m: link.unfit_reason(cp) for m, link in links.items()}
+        if isinstance(batches, str):
+            by_layout[k] = [LayoutCandidate(name, m, dp, cp, node, False, note=batches + cut) for m in links]
+        elif ceiling * (1.0 + TIE) < fastest and kind in kinds:
+            note = f"stopped: at most {ceiling:,.0f} tokens/s by the lower bound, below the fastest's {fastest:,.0f}"
+            by_layout[k] = [
+                LayoutCandidate(name, m, dp, cp, node, False, note=unfit[m])
+                if unfit[m]
+                else LayoutCandidate(
+                    name, m, dp, cp, node, True, note=note, stopped=True, bound_tokens_per_second=ceiling
+                )
+                for m in links
+            ]
+        else:
+            planned = _plan_steps(batches, cfg, steps)
+            if not isinstance(planned, str):
+                kinds.add(kind)
+            by_layout[k] = []
+            for mode, link in links.items():
+                if isinstance(planned, str) or unfit[mode]:
+                    note = planned + cut if isinstance(planned, str) else unfit[mode]
+                    by_layout[k].append(LayoutCandidate(name, mode, dp, cp, node, False, note=note))
+                else:
+                    timed = dataclasses.replace(_timed(name, mode, planned, link), bound_tokens_per_second=ceiling)
+                    by_layout[k].append(timed)
+                    fastest = max(fastest, timed.tokens_per_second)
+        if progress is not None:
+            progress(done, len(order))
+    candidates = [c for k in range(len(sized)) for c in by_layout[k]]
     ranked = _rank(candidates)
     if not ranked[0].feasible:
         raise PlanError(f"no layout of {world:,} GPUs plans these lengths: {_why_none(ranked)}")
@@ -276,10 +331,40 @@ def _check_shape(world: Any, node: Any, steps: Any, config: dict, modes: Sequenc
         raise PlanError(f"modes must be some of {MODES}, got {list(modes)!r}")
 
 
-def _plan_steps(L: np.ndarray, config: PlanConfig, steps: int) -> Plan | str:
-    """The first ``steps`` steps of ``config``'s plan of ``L`` as a plan, or why it cannot be planned."""
+def _batches(L: np.ndarray, config: PlanConfig, shared: dict[Any, GlobalBatches]) -> GlobalBatches | str:
+    """``config``'s global batches of ``L``, or why it cannot cut them. Layouts whose batches are
+    cut alike (no batch window, the same fewest samples a batch keeps) share one cut: the shuffle
+    depends on neither ``dp`` nor ``cp``, and every layout plans the documents as they are
+    (``overflow="error"``, :func:`_pool_documents`), so a group that holds the longest keeps them all
+    and one that does not is refused by :func:`global_batches` itself."""
+    key = None if config.batch_window else ("cut", config.dp * max(config.microbatches_per_rank, 1))
+    fits = config.overflow == "error" and int(L.max()) <= config.group_capacity
+    if key is not None and fits and key in shared:
+        return shared[key]
     try:
         batches = global_batches(L, config)
+    except PlanError as exc:
+        return str(exc)
+    if key is not None and fits:
+        shared[key] = batches
+    return batches
+
+
+def _bound_tokens_per_second(batches: GlobalBatches, config: PlanConfig, steps: int) -> float:
+    """The most tokens/s any plan of ``config`` makes on the first ``steps`` batches: their tokens over
+    the sum of the planner's lower bounds of each step's compute (:func:`step_lower_bound`)."""
+    tokens, seconds = 0, 0.0
+    for ids in list(batches.windows[: min(steps, len(batches.windows))]):
+        L = batches.lengths[ids]
+        bound = step_lower_bound(config.cost.sample_cost(L), L, config.dp, config.cp, config.cost)
+        tokens += int(L.sum())
+        seconds += float(config.cost.seconds(bound))
+    return tokens / seconds if seconds > 0 else float("inf")
+
+
+def _plan_steps(batches: GlobalBatches, config: PlanConfig, steps: int) -> Plan | str:
+    """The first ``steps`` steps of ``config``'s plan of ``batches`` as a plan, or why it cannot be planned."""
+    try:
         planned = tuple(plan_step(batches, s, config) for s in range(min(steps, len(batches.windows))))
     except PlanError as exc:
         return str(exc)
@@ -315,22 +400,24 @@ def _timed(name: str, mode: str, plan: Plan, comm: CommModel) -> LayoutCandidate
 
 
 def _rank(candidates: list[LayoutCandidate]) -> list[LayoutCandidate]:
-    """Most tokens/s first; within :data:`TIE` of the fastest, the simplest first; infeasible ones last."""
-    feasible = sorted((c for c in candidates if c.feasible), key=lambda c: -c.tokens_per_second)
+    """Most tokens/s first; within :data:`TIE` of the fastest, the simplest first; then the stopped ones
+    (highest bound first); infeasible ones last."""
+    feasible = sorted((c for c in candidates if c.timed), key=lambda c: -c.tokens_per_second)
     if feasible:
         fastest = feasible[0].tokens_per_second
         tied = [c for c in feasible if c.tokens_per_second * (1.0 + TIE) >= fastest]
         simplest = min(tied, key=lambda c: (c.name == "pool", c.cp, MODES.index(c.mode)))
         feasible.remove(simplest)
         feasible.insert(0, simplest)
-    return feasible + [c for c in candidates if not c.feasible]
+    stopped = sorted((c for c in candidates if c.stopped), key=lambda c: -c.bound_tokens_per_second)
+    return feasible + stopped + [c for c in candidates if not c.feasible]
 
 
 def _reason(ranked: list[LayoutCandidate]) -> str:
     """One line on why the winner won: its tokens/s against the best layout of the other kind (or
     the runner-up), and where each one's step time goes."""
     best = ranked[0]
-    others = [c for c in ranked[1:] if c.feasible]
+    others = [c for c in ranked[1:] if c.timed]
     other_kind = [c for c in others if (c.name == "pool") != (best.name == "pool")]
     rival = other_kind[0] if other_kind else (others[0] if others else None)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from ringpack.analysis.simulate import _plan_chunk as real_plan_chunk
@@ -12,6 +13,7 @@ from ringpack.cli import main
 from ringpack.comm_model import CommModel
 from ringpack.cost import CostModel
 from ringpack.shard_plan import PlanConfig
+from tests.helpers.cli import assert_clean, run_cli
 
 
 def config(**kw):
@@ -331,3 +333,40 @@ def test_sigterm_ends_a_run_and_its_workers(tmp_path):
     finally:
         run.kill()
         run.wait()
+
+
+def test_a_sampled_epoch_plans_the_same_chunks_every_time_and_says_it_is_an_estimate():
+    lengths = synthetic_lengths(3000, "lognormal", seed=3, median=600, sigma=1.0)
+    cfg = config()
+    first = simulate(lengths, cfg, chunk_steps=4, jobs=1, progress=False, sample_steps=8, peers=())
+    again = simulate(lengths, cfg, chunk_steps=4, jobs=1, progress=False, sample_steps=8, peers=())
+    sample = first["sample"]
+    assert sample == again["sample"] and sample["estimate"] and sample["chunks"] == 2
+    assert sample["global_batches"] == 8 < sample["epoch_global_batches"]
+    assert "an estimate" in sample["basis"] and "estimate from 8 of" in first["title"]
+    for p, q in zip(first["plans"], again["plans"]):
+        assert p["summary"] == q["summary"]
+        for mode in p["modes"].values():
+            assert mode["epoch_seconds"] == pytest.approx(mode["predicted_seconds"] / sample["tokens_fraction"])
+    whole = simulate(lengths, cfg, chunk_steps=4, jobs=1, progress=False, peers=())
+    assert not whole["sample"]["estimate"] and whole["sample"]["tokens_fraction"] == 1.0
+
+
+def test_cp_auto_times_the_epoch_with_the_exchange_it_chose(tmp_path):
+    """The simulated epoch's headline mode is the layout choice's, by default, and the table says so."""
+    path = tmp_path / "heavy.npy"
+    rng = np.random.default_rng(0)
+    np.save(path, np.clip(np.round(rng.lognormal(np.log(400), 1.3, 1500)), 1, 8000).astype(np.int64))
+    out = tmp_path / "sim.json"
+    argv = ["simulate", "--lengths", path, "--gpus", "16", "--cp", "auto", "--gpus-per-node", "2",
+            "--tokens-per-rank", "1024", "--model", "llama3-8b", "--global-batch-tokens", "auto", "--peers", "none",
+            "--no-plots", "--jobs", "1", "--quiet", "--out", tmp_path / "sim", "--json", out]  # fmt: skip
+    run = run_cli(argv)
+    assert_clean(run)
+    assert run.code == 0, run.err
+    doc = json.loads(out.read_text())
+    chosen = doc["layout"]["candidates"][0]["mode"]
+    assert doc["comm_model"]["mode"] == chosen
+    assert list(doc["plans"][0]["modes"])[0] == chosen
+    assert f"headline exchange: {chosen} (the layout choice's)" in run.out
+    assert doc["sample"]["global_batches"] <= 8 and ("estimate:" in run.out) == doc["sample"]["estimate"]

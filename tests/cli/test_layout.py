@@ -125,7 +125,7 @@ def test_simulate_cp_auto_compares_every_layout_and_simulates_the_chosen_one(one
     want = choose_layout(np.load(one_huge), 8, 4, 1024, CostModel.preset("llama3-8b"), samples_per_step=100).best
     assert (best["layout"], best["mode"]) == (want.name, want.mode)
     for c in doc["layout"]["candidates"]:
-        if c["feasible"]:
+        if c["feasible"] and not c["stopped"]:
             assert c["exposed_comm_seconds"] == pytest.approx(c["step_seconds"] - c["compute_seconds"], abs=1e-12)
 
 
@@ -178,8 +178,8 @@ def test_report_cp_auto_times_the_targeted_exchange_it_chose(heavy_tail, tmp_pat
 
 
 def test_simulate_cp_auto_times_the_epoch_with_the_targeted_exchange_when_asked(heavy_tail, tmp_path):
-    """Where ``--cp auto`` chooses the targeted exchange, ``--modes p2p,...`` times the simulated
-    epoch with it (nodes of the cluster's size); without it the command says how."""
+    """Where ``--cp auto`` chooses the targeted exchange, the simulated epoch is timed with it (nodes of
+    the cluster's size): first by default, after the modes of a ``--modes`` that leaves it out."""
     argv = [
         "--lengths",
         heavy_tail,
@@ -193,8 +193,12 @@ def test_simulate_cp_auto_times_the_epoch_with_the_targeted_exchange_when_asked(
         "auto",
     ]
     run, doc = _simulate(argv, tmp_path)
-    assert run.code == 0 and "add it to --modes" in run.out, run.err
-    assert doc["layout"]["candidates"][0]["mode"] == "p2p" and doc["comm_model"]["mode"] == "ring"
+    assert run.code == 0, run.err
+    assert doc["layout"]["candidates"][0]["mode"] == "p2p" and doc["comm_model"]["mode"] == "p2p"
+    assert list(doc["plans"][0]["modes"]) == ["p2p", "ring", "allgather"]
+    run, doc = _simulate([*argv, "--modes", "ring"], tmp_path)
+    assert run.code == 0, run.err
+    assert doc["comm_model"]["mode"] == "ring" and list(doc["plans"][0]["modes"]) == ["ring", "p2p"]
     run, doc = _simulate([*argv, "--modes", "p2p,ring"], tmp_path)
     assert run.code == 0, run.err
     assert doc["comm_model"]["mode"] == "p2p" and doc["comm_model"]["gpus_per_node"] == 2
