@@ -606,6 +606,7 @@ def compile_schedule(
     dense_buckets: int | None = DEFAULT_DENSE_BUCKETS,
     dense_batches: bool = True,
     gpus_per_node: int | None = None,
+    mode_choice: ModeChoice | None = None,
     *,
     options: ScheduleOptions | None = None,
 ) -> Schedule:
@@ -634,6 +635,9 @@ def compile_schedule(
             size, the schedule also carries the hybrid modes' :class:`NodeLayout` (a node-level
             schedule of ``cp / gpus_per_node`` ranks, compiled here: about one more compile of a
             micro-batch with at most as many pieces).
+        mode_choice: how ``mode="auto"`` picks this micro-batch's mode
+            (:class:`~ringpack.attention.ModeChoice`), stored in ``Schedule.mode``; None: no pick.
+            Every rank of the group must give the same (the group check compares the modes run).
         options: all of the above as one :class:`ScheduleOptions` (then leave the keywords out).
 
     Returns:
@@ -644,7 +648,8 @@ def compile_schedule(
     Raises:
         PlanError: (a ``ValueError``) a ``microbatch`` that is not a :class:`MicroBatch`, a
             ``cp_rank`` that is not an integer in range, a bad ``dense_threshold``,
-            ``dense_buckets``, ``dense_batches`` or ``gpus_per_node``, ``options`` that are not
+            ``dense_buckets``, ``dense_batches``, ``gpus_per_node`` or ``mode_choice``, no mode of the
+            ``mode_choice`` that can run the group, ``options`` that are not
             :class:`ScheduleOptions` or given with those keywords, or pieces that do not tile their samples:
             empty, starting below 0, out of canonical order, overlapping, leaving a gap (tokens in
             no piece), of a sample the micro-batch does not list, or a listed sample in no piece.
@@ -656,7 +661,7 @@ def compile_schedule(
         raise PlanError(f"cp_rank must be an integer in [0, {cp}) (the micro-batch's rank shards), got {cp_rank!r}")
     cp_rank = int(cp_rank)
     keywords = {"dense_threshold": dense_threshold, "dense_buckets": dense_buckets, "dense_batches": dense_batches}
-    options = _options_of(options, {**keywords, "gpus_per_node": gpus_per_node})
+    options = _options_of(options, {**keywords, "gpus_per_node": gpus_per_node, "mode_choice": mode_choice})
     dense, gpus_per_node = options.dense, options.gpus_per_node
     table = _PieceTable.from_microbatch(microbatch)
     fingerprint = table.fingerprint(microbatch.samples)

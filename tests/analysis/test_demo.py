@@ -16,6 +16,7 @@ from ringpack.cost import CostModel
 from ringpack.errors import PlanError
 
 
+@pytest.mark.slow
 def test_demo_progress_in_a_log_is_plain_lines(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(ringpack.progress, "LOG_INTERVAL_S", 0.0)  # every count logs: the test sees the lines
     assert main(["demo", "--quick", "--no-ring-check", "--out", str(tmp_path / "demo")]) == 0
@@ -26,6 +27,7 @@ def test_demo_progress_in_a_log_is_plain_lines(tmp_path, capsys, monkeypatch):
     assert any("stages (" in line for line in lines) and "12/12 stages (100%)" in lines[-1]
 
 
+@pytest.mark.slow
 def test_quiet_demo_prints_no_progress(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(ringpack.progress, "LOG_INTERVAL_S", 0.0)
     assert main(["demo", "--quick", "--no-ring-check", "--quiet", "--out", str(tmp_path / "demo")]) == 0

@@ -184,6 +184,7 @@ def test_the_model_timer_runs_the_whole_model_on_split_shards():
     assert timer.model.model.embed_tokens.weight.grad.abs().sum() > 0
 
 
+@pytest.mark.slow
 def test_cli_dry_run_writes_a_profile_the_planner_loads(tmp_path, monkeypatch):
     from ringpack.calibration.step import ModelStepTimer
 

@@ -132,6 +132,7 @@ def test_the_first_ticket_plans_only_the_window(long_lengths, monkeypatch):
     assert sorted(planned) == list(range(sampler.lookahead_steps + 1)), planned
 
 
+@pytest.mark.slow
 def test_resume_at_every_position_is_exact(long_lengths):
     full = _signature(_sampler(long_lengths, 1))
     for k in range(len(full) + 1):
@@ -180,6 +181,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_every_process_streams_the_same_plan():
     runs = [
         subprocess.run([sys.executable, "-c", SNIPPET], capture_output=True, text=True, cwd=ROOT, check=True)

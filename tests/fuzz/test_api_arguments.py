@@ -25,7 +25,7 @@ from ringpack.attention import RingAttention, compile_schedule, ring_attention
 from ringpack.cost import CostModel
 from ringpack.errors import DataError, PlanError
 from ringpack.integrations import distributed, transformers
-from ringpack.integrations.trainer import PlannedSteps, RingpackConfig, RingpackTrainer
+from ringpack.integrations.trainer import PlannedSteps, RingpackConfig, RingpackTrainer, model_mode_choice
 from ringpack.planner import make_plan
 from ringpack.shard_plan import MicroBatch, Piece, Plan, PlanConfig, RankShard, microbatch_from_shards
 
@@ -411,6 +411,12 @@ CASES = [
     Case("RingpackConfig mode", lambda: RingpackConfig(mode="tree"), DataError, ("mode", "tree")),
     Case("RingpackConfig backend", lambda: RingpackConfig(backend="fast"), DataError, ("backend", "fast")),
     Case("RingpackConfig column", lambda: RingpackConfig(column=None), DataError, ("column",)),
+    Case(
+        "model_mode_choice no heads",
+        lambda: model_mode_choice(_Headless(), CostModel.preset("tiny")),
+        DataError,
+        ("mode='auto'", "num_attention_heads"),
+    ),
     Case("RingpackConfig plan_options None", lambda: RingpackConfig(plan_options=None), PlanError, ("plan_options",)),
     Case(
         "RingpackConfig plan_options cp",
@@ -467,6 +473,14 @@ def _outcome(call: Callable[[], object]) -> tuple[str, str]:
 def test_a_bad_argument_is_refused_naming_it(case: Case, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # "shards" does not exist there: the reader's arguments are checked first
     _check(case.name, *_outcome(case.call), case.error, case.words)
+
+
+class _Headless(torch.nn.Linear):
+    """A model whose config names no attention heads."""
+
+    def __init__(self) -> None:
+        super().__init__(2, 2)
+        self.config = type("Config", (), {"hidden_size": 8})()
 
 
 def test_the_table_covers_the_public_api():
@@ -545,6 +559,7 @@ def mesh_report():
     return {name: (error, message) for name, error, message in report}
 
 
+@pytest.mark.slow
 def test_meshes_of_the_wrong_dimensions_are_refused_naming_them(mesh_report):
     assert set(mesh_report) == set(MESH_CASES) | {"well-formed meshes"}
     for name, (want, words) in MESH_CASES.items():
