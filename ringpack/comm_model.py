@@ -35,13 +35,16 @@ __all__ = [
     "MODES",
     "SEQUENCE_MODES",
     "CommModel",
+    "ExchangeInputs",
     "ExchangeVolumes",
     "HeadParallelBytes",
+    "exchange_inputs",
     "exchange_volumes",
     "fastest_modes",
     "head_parallel_bytes",
     "kv_cross_tokens",
     "microbatch_seconds",
+    "needs_piece_table",
     "node_exchange_inputs",
     "rank_seconds",
 ]
@@ -579,6 +582,46 @@ def fastest_modes(
     if len(unfit) == len(modes):
         raise ValueError(f"no mode of {list(modes)} can run a CP group of {cp}: " + "; ".join(unfit))
     return np.argmin(times, axis=0)
+
+
+def needs_piece_table(comm: CommModel) -> bool:
+    """Whether ``comm``'s mode is timed from a plan's piece table (:func:`exchange_inputs`), not
+    from per-rank figures alone: the targeted exchange and the hybrids."""
+    return comm.mode == "p2p" or HEAD_PARALLEL_MODES.get(comm.mode) is not None
+
+
+@dataclass(frozen=True)
+class ExchangeInputs:
+    """What :func:`microbatch_seconds` needs from a piece table beyond the per-rank figures:
+    ``kv_cross`` (``"ulysses+ring"``: per node, ``(S, D, M, nodes)``) and ``volumes`` (``"p2p"``:
+    per rank; ``"ulysses+p2p"``: per node), either None where the mode does not read it."""
+
+    kv_cross: np.ndarray | None = None
+    volumes: ExchangeVolumes | None = None
+
+    @classmethod
+    def concat(cls, parts: Sequence[ExchangeInputs]) -> ExchangeInputs:
+        """The steps of several chunks' inputs one after another, the micro-batch axis padded to the
+        widest (as :meth:`ExchangeVolumes.concat`)."""
+        cross = [p.kv_cross for p in parts]
+        volumes = [p.volumes for p in parts]
+        joined = None
+        if all(c is not None for c in cross) and cross:
+            M = max(c.shape[2] for c in cross)
+            joined = np.concatenate([np.pad(c, [(0, 0), (0, 0), (0, M - c.shape[2]), (0, 0)]) for c in cross])
+        both = all(v is not None for v in volumes) and volumes
+        return cls(joined, ExchangeVolumes.concat(volumes) if both else None)
+
+
+def exchange_inputs(
+    arrays: Mapping[str, np.ndarray], cp: int, shape: tuple[int, int, int], comm: CommModel
+) -> ExchangeInputs:
+    """``comm``'s :class:`ExchangeInputs` of a piece table: the targeted exchange's volumes
+    (:func:`exchange_volumes`) for ``"p2p"``, the node-level inputs (:func:`node_exchange_inputs`)
+    for the hybrids, nothing for the other modes. Arguments as for :func:`rank_seconds`."""
+    if comm.mode == "p2p":
+        return ExchangeInputs(volumes=exchange_volumes(arrays, cp, shape, comm.gpus_per_node))
+    return ExchangeInputs(*node_exchange_inputs(arrays, cp, shape, comm))
 
 
 def node_exchange_inputs(

@@ -32,7 +32,7 @@ from ringpack.analysis import plots as plotting
 from ringpack.analysis.metrics import PlanMetrics, evaluate_plan
 from ringpack.analysis.plots import median_idle
 from ringpack.analysis.robustness import imbalance_across_prices
-from ringpack.comm_model import CommModel, ExchangeVolumes, exchange_volumes, microbatch_seconds
+from ringpack.comm_model import HEAD_PARALLEL_MODES, CommModel, ExchangeInputs, exchange_inputs, microbatch_seconds
 from ringpack.planner import make_plan
 from ringpack.shard_plan import PACKINGS, STRATEGIES
 
@@ -206,19 +206,22 @@ def timed(
     metrics: PlanMetrics,
     comm: CommModel,
     lower_bound: Sequence[float | None] | None = None,
-    volumes: ExchangeVolumes | None = None,
+    inputs: ExchangeInputs | None = None,
     **extra: Any,
 ) -> StrategyResult:
     """Attach communication-model times (and the planner's lower bounds) to a plan's metrics.
 
-    ``volumes``: the plan's :func:`~ringpack.comm_model.exchange_volumes`, which mode
-    ``"p2p"`` needs (the other modes read the metrics only).
+    ``inputs``: the plan's :func:`~ringpack.comm_model.exchange_inputs` under ``comm``, which the
+    targeted exchange and the hybrid modes need (the other modes read the metrics only).
 
     Raises:
-        ValueError: mode ``"p2p"`` without ``volumes``.
+        ValueError: such a mode without ``inputs``, or a head-parallel mode the CP size or the
+            model's heads cannot run.
     """
     m = metrics
-    seconds, exposed = microbatch_seconds(m.tokens, m.pairs, m.segments, m.kv_cross_tokens, m.model, comm, volumes)
+    inputs = inputs if inputs is not None else ExchangeInputs()
+    cross = inputs.kv_cross if HEAD_PARALLEL_MODES.get(comm.mode) else m.kv_cross_tokens
+    seconds, exposed = microbatch_seconds(m.tokens, m.pairs, m.segments, cross, m.model, comm, inputs.volumes)
     seconds = np.where(m.mb_exists[..., None], seconds, 0.0)
     exposed = np.where(m.mb_exists[..., None], exposed, 0.0)
     step_seconds = seconds.max(axis=3).sum(axis=2).max(axis=1) if m.num_steps else np.zeros(0)
@@ -237,13 +240,12 @@ def timed(
 
 
 def result_of_plan(plan, comm: CommModel, name: str | None = None) -> StrategyResult:
-    """:func:`timed` metrics of a :class:`~ringpack.shard_plan.Plan` (with its exchange volumes under ``p2p``)."""
+    """:func:`timed` metrics of a :class:`~ringpack.shard_plan.Plan`, with its exchange inputs where
+    ``comm`` needs them."""
     metrics = evaluate_plan(plan, name=name)
-    volumes = None
-    if comm.mode == "p2p":
-        volumes = exchange_volumes(plan.piece_arrays, plan.config.cp, metrics.tokens.shape[:3], comm.gpus_per_node)
+    inputs = exchange_inputs(plan.piece_arrays, plan.config.cp, metrics.tokens.shape[:3], comm)
     bounds = [s.lower_bound for s in plan.steps]
-    return timed(metrics, comm, bounds, volumes, config=plan.config.to_dict(), plan_hash=plan.content_hash)
+    return timed(metrics, comm, bounds, inputs, config=plan.config.to_dict(), plan_hash=plan.content_hash)
 
 
 # ----------------------------------------------------------------------------------------- summary

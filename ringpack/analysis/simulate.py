@@ -33,7 +33,7 @@ from ringpack.analysis.metrics import PlanMetrics, concat_metrics, plan_label
 from ringpack.analysis.packed import PackedSteps, evaluate_packed
 from ringpack.analysis.peers import join_peer_parts, time_peer, try_measure_peer
 from ringpack.analysis.report import StrategyResult, _fmt_count, _fmt_seconds, build_report, text_table, timed
-from ringpack.comm_model import CommModel, ExchangeVolumes, exchange_volumes
+from ringpack.comm_model import CommModel, ExchangeInputs, exchange_inputs, needs_piece_table
 from ringpack.data.corpus import stdlib_corpus
 from ringpack.errors import PlanError
 from ringpack.lengths import check_lengths
@@ -152,7 +152,7 @@ class _Task:
     rows: tuple[tuple[int, str], ...]
     peer: bool = False
     hashes: bool = False  # also each plan's content hash (report)
-    exchange: CommModel | None = None  # also each plan's targeted-exchange volumes, for this model
+    exchanges: tuple[CommModel, ...] = ()  # also each plan's exchange inputs for these models (by mode)
 
     @property
     def weight(self) -> float:
@@ -173,10 +173,10 @@ class _Task:
 
 
 def _plan_chunk(task: _Task) -> tuple[list[tuple[int, Any, list, str | None, Any]], float]:
-    """Worker: one task's ``(row, metrics, lower bounds, plan hash, exchange volumes)`` per row, and its CPU seconds.
+    """Worker: one task's ``(row, metrics, lower bounds, plan hash, exchange inputs)`` per row, and its CPU seconds.
 
-    The plan hash is ``None`` unless ``task.hashes``, the volumes
-    (:func:`~ringpack.comm_model.exchange_volumes`) unless ``task.exchange``. A variant's metrics are its
+    The plan hash is ``None`` unless ``task.hashes``; the exchange inputs are a dict, by mode, of
+    :func:`~ringpack.comm_model.exchange_inputs` under each of ``task.exchanges``. A variant's metrics are its
     :class:`PlanMetrics`, a peer's its
     :class:`~ringpack.analysis.peers.PeerPart` (``None`` if it cannot plan the chunk). The
     variants of a task share one packing of every step (:func:`~ringpack.planner.epoch.pack_step`,
@@ -213,13 +213,11 @@ def _plan_chunk(task: _Task) -> tuple[list[tuple[int, Any, list, str | None, Any
             model=cfg.cost,
             name=plan_label(cfg),
             split=lambda groups, cfg=cfg: split_microbatches(groups, docs, cfg, length_list),
-            with_table=task.hashes or task.exchange is not None,
+            with_table=task.hashes or bool(task.exchanges),
         )
         digest = None if not task.hashes else plan_content_hash(cfg, docs, batches.dropped, batches.origins, table)
-        volumes = None
-        if task.exchange is not None:
-            volumes = exchange_volumes(table, cfg.cp, packed.grid, task.exchange.gpus_per_node)
-        out.append((row, metrics, bounds, digest, volumes))
+        inputs = {comm.mode: exchange_inputs(table, cfg.cp, packed.grid, comm) for comm in task.exchanges}
+        out.append((row, metrics, bounds, digest, inputs))
     return out, time.process_time() - t0
 
 
@@ -254,8 +252,8 @@ def simulate(
         variants: ``(strategy, packing)`` pairs to plan.
         comms: communication models; the first is the headline (its times fill each plan's
             summary), every model's totals land in ``plan["modes"]`` (default: ring and
-            all-gather for ``config.cost``). A ``"p2p"`` model is timed from each chunk's exchange
-            volumes (:func:`~ringpack.comm_model.exchange_volumes`), the peers under it
+            all-gather for ``config.cost``). A ``"p2p"`` or hybrid model is timed from each chunk's
+            exchange inputs (:func:`~ringpack.comm_model.exchange_inputs`), the peers under it
             with the ring they run.
         chunk_steps: global batches planned per worker task; with ``config.batch_window``, a
             multiple of ``batch_window + 1`` (the window moves samples within blocks of that many
@@ -296,8 +294,9 @@ def simulate(
     picked = sample_chunks(len(every), chunk_steps, sample_steps, config.seed, config.epoch, last_partial=partial)
     chunks = [every[c] for c in picked]
     tasks = _tasks(lengths, chunks, config, variants, peers, chunk_steps, numbers=picked)
-    p2p = next((comm for comm in comms if comm.mode == "p2p"), None)  # timed from each chunk's exchange volumes
-    tasks = [t if t.peer else dataclasses.replace(t, exchange=p2p) for t in tasks]
+    # the targeted exchange and the hybrids are timed from each chunk's piece table
+    exchanges = tuple(comm for comm in comms if needs_piece_table(comm))
+    tasks = [t if t.peer else dataclasses.replace(t, exchanges=exchanges) for t in tasks]
     jobs = min(jobs or os.cpu_count() or 1, len(tasks))
     planned = int(sum(c.size for c in chunks))
     desc = f"planning {planned:,} samples x {len(variants) + len(peers)} strategies"
@@ -536,8 +535,8 @@ def _plan_tasks(
         nonlocal busy
         rows, seconds = result
         task = tasks[index]
-        for row, metrics, bounds, digest, volumes in rows:
-            parts.setdefault(row, {})[task.chunk] = (metrics, bounds, digest, volumes)
+        for row, metrics, bounds, digest, inputs in rows:
+            parts.setdefault(row, {})[task.chunk] = (metrics, bounds, digest, inputs)
         busy += seconds
         bar.update(task.work)
 
@@ -587,8 +586,8 @@ def measure_variants(
     lengths = as_lengths(lengths)
     # one chunk of every sample in the order given, with no steps before it: make_plan's own steps
     whole = _tasks(lengths, [np.arange(lengths.size)], config, variants, peers, chunk_steps=0)
-    exchange = comm if comm.mode == "p2p" else None  # p2p is timed from each plan's exchange volumes
-    tasks = [dataclasses.replace(t, hashes=True, exchange=None if t.peer else exchange) for t in whole]
+    exchanges = (comm,) if needs_piece_table(comm) else ()  # timed from each plan's piece table
+    tasks = [dataclasses.replace(t, hashes=True, exchanges=() if t.peer else exchanges) for t in whole]
     if jobs is None and lengths.size < PARALLEL_MIN_SAMPLES:
         jobs = 1
     jobs = min(jobs or os.cpu_count() or 1, len(tasks))
@@ -600,11 +599,11 @@ def measure_variants(
     parts, _ = _plan_tasks(tasks, jobs, bar, hint)
     results = []
     for row, (strategy, packing) in enumerate(variants):
-        metrics, bounds, digest, volumes = parts[row][0]
+        metrics, bounds, digest, inputs = parts[row][0]
         if names is not None:
             metrics = dataclasses.replace(metrics, name=names[row])
         cfg = dataclasses.replace(config, strategy=strategy, packing=packing)
-        results.append(timed(metrics, comm, bounds, volumes=volumes, config=cfg.to_dict(), plan_hash=digest))
+        results.append(timed(metrics, comm, bounds, inputs.get(comm.mode), config=cfg.to_dict(), plan_hash=digest))
     measured = [parts[len(variants) + k][0][0] for k in range(len(peers))]
     return results, [time_peer(part, comm) for part in measured if part is not None]
 
@@ -622,10 +621,10 @@ def _timed_results(
         ordered = [parts[v][c] for c in range(num_chunks)]
         metrics = concat_metrics([m for m, *_ in ordered], f"{strategy}/{packing}")
         bounds = [b for _, lb, *_ in ordered for b in lb]
-        volumes = [vol for *_, vol in ordered]
-        joined = ExchangeVolumes.concat(volumes) if all(vol is not None for vol in volumes) else None
         cfg = dataclasses.replace(config, strategy=strategy, packing=packing).to_dict()
         for comm in comms:
+            chunks = [inputs.get(comm.mode) for *_, inputs in ordered]
+            joined = ExchangeInputs.concat(chunks) if all(c is not None for c in chunks) else None
             results_by_mode[comm.mode].append(timed(metrics, comm, bounds, joined, config=cfg))
     return results_by_mode
 

@@ -22,7 +22,7 @@ from ringpack.cli.flags import (
     add_variant_flags,
 )
 from ringpack.cli.inputs import check_output_file, check_output_folder, progress
-from ringpack.comm_model import SEQUENCE_MODES, CommModel
+from ringpack.comm_model import MODES, CommModel
 from ringpack.shard_plan import PACKINGS, STRATEGIES
 
 
@@ -56,7 +56,7 @@ def variants(args: argparse.Namespace) -> list[tuple[str, str]]:
 def comm_models(args: argparse.Namespace, model) -> list[CommModel]:
     """One communication model per ``--modes`` entry, from ``--link``, ``--bandwidth`` and ``--latency-us``
     within a node and, with ``--gpus-per-node``, ``--inter-link`` between nodes."""
-    modes = _list(args.modes, SEQUENCE_MODES, "modes")
+    modes = _list(args.modes, MODES, "modes")
     bw = None if args.bandwidth is None else args.bandwidth * 1e9
     lat = None if args.latency_us is None else args.latency_us * 1e-6
     node = getattr(args, "gpus_per_node", None)

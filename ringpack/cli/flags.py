@@ -363,7 +363,8 @@ def add_comm_flags(parser: Any, modes: str) -> None:
         g,
         "--modes",
         default=modes,
-        help="attention modes (ring, allgather, p2p: targeted), comma-separated; the first is the headline",
+        help="attention modes (ring, allgather, p2p: targeted, ulysses, ulysses+p2p, ulysses+ring), comma-separated; "
+        "the first is the headline",
     )
 
 

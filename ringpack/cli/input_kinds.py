@@ -96,7 +96,7 @@ _SIMULATE = _rows(
     (
         [n for n in _PLANNING if n not in ("dp", "strategy", "packing")]
         + ["world", "strategies", "packings", "baseline", "peers", "tflops", "link", "inter_link", "bandwidth"]
-        + ["latency_us", "modes", "out", "json", "no_plots", "quiet", "jobs", "chunk_steps"],
+        + ["latency_us", "modes", "out", "json", "no_plots", "quiet", "jobs", "chunk_steps", "sample_steps"],
         _SIMULATE_KINDS,
     ),
 )

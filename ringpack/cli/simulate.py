@@ -44,6 +44,7 @@ from ringpack.cli.layout import (
     layout_table,
     node_size,
 )
+from ringpack.shard_plan import STRATEGIES
 
 #: ``simulate``'s drawn lengths when their flags are not given (each flag applies to drawn lengths only;
 #: ``median`` and ``sigma`` to ``--dist lognormal`` only).
@@ -54,6 +55,10 @@ DEFAULTS = {"cp": EXPLORE_MESH["cp"], "tokens_per_rank": EXPLORE_MESH["tokens_pe
 #: Global batches ``--cp auto`` plans of the chosen layout's epoch unless ``--sample-steps`` is given: one
 #: chunk of the default ``--chunk-steps`` (docs/analysis.md gives how far such an estimate strays).
 AUTO_SAMPLE_STEPS = 8
+#: Nodes a CP group may span before the zigzag and contiguous baselines are left out unless asked
+#: for: split node by node over many nodes they cut every sample into pieces on every node it
+#: touches, and a pool of hundreds of nodes holds tens of gigabytes of them.
+MAX_BASELINE_NODES = 8
 
 
 def add_command(subparsers: Any) -> None:
@@ -186,6 +191,24 @@ def _layout(
     return best.dp, best.cp, best.gpus_per_node, chosen
 
 
+def _variants(args: argparse.Namespace, config: Any) -> list[tuple[str, str]]:
+    """The ``(strategy, packing)`` pairs to plan: ``--strategies`` x ``--packings``; for a CP group
+    over more than :data:`MAX_BASELINE_NODES` nodes, unless ``--strategies`` was given, ringpack's
+    own strategy alone (said in one line), the peers being the comparison there."""
+    pairs = variants(args)
+    if config.nodes_per_group <= MAX_BASELINE_NODES or args.strategies != ",".join(STRATEGIES):
+        return pairs
+    kept = [pair for pair in pairs if pair[0] == "balanced"]
+    if len(kept) < len(pairs) and not args.quiet:
+        print(
+            f"a CP group over {config.nodes_per_group} nodes: the zigzag and contiguous baselines are left out "
+            f"(split node by node over more than {MAX_BASELINE_NODES} nodes they do not fit in memory at scale); "
+            "give --strategies to plan them",
+            file=sys.stderr,
+        )
+    return kept
+
+
 def _chunk_steps(args: argparse.Namespace, config: Any) -> int:
     """``--chunk-steps``; when not given and a batch window is set, its default rounded up to whole window
     blocks (``batch_window + 1`` steps), which every chunk must hold (a given one that does not is refused)."""
@@ -245,7 +268,7 @@ def _simulate_shape(
     doc = simulate(
         lengths,
         config,
-        variants(args),
+        _variants(args, config),
         comms,
         chunk_steps=_chunk_steps(args, config),
         jobs=args.jobs or None,

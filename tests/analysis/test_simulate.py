@@ -133,8 +133,8 @@ def test_every_chunk_is_make_plans_plan(mb, node):
     seen = set()
     for task in tasks:
         rows, _ = _plan_chunk(task)
-        for row, metrics, bounds, digest, volumes in rows:
-            assert digest is None and volumes is None  # simulate hashes no plan, times no p2p
+        for row, metrics, bounds, digest, inputs in rows:
+            assert digest is None and inputs == {}  # simulate hashes no plan, needs no piece table here
             strategy, packing = SIM_VARIANTS[row]
             import dataclasses
 
@@ -245,6 +245,35 @@ def test_the_targeted_exchange_is_timed_chunk_by_chunk_as_each_plan():
         assert plan_doc["modes"]["p2p"]["exposed_comm_seconds"] > 0
     (peer,) = doc["peers"]
     assert peer["modes"]["p2p"]["predicted_seconds"] == pytest.approx(peer["modes"]["ring"]["predicted_seconds"])
+
+
+@pytest.mark.parametrize("mode", ["ulysses", "ulysses+p2p", "ulysses+ring"])
+def test_the_head_parallel_modes_are_timed_as_each_chunks_plan(mode):
+    """Under a head-parallel mode (nodes of 2, a group over 4 of them) every variant's epoch equals
+    the communication model's per-rank times of each chunk's plan (:func:`rank_seconds`, from the
+    piece table alone); the peers are timed with the ring."""
+    import dataclasses
+
+    from ringpack.analysis.simulate import SIM_VARIANTS, simulate
+    from ringpack.comm_model import CommModel, rank_seconds
+    from ringpack.planner import make_plan
+
+    lengths = synthetic_lengths(700, "lognormal", seed=7, median=700, sigma=1.2)
+    cfg = config(dp=2, cp=8, gpus_per_node=2, tokens_per_rank=1024, samples_per_step=60)
+    comm = CommModel.for_model(cfg.cost, mode=mode, gpus_per_node=2)
+    ring = dataclasses.replace(comm, mode="ring")
+    doc = simulate(lengths, cfg, comms=[comm, ring], chunk_steps=3, jobs=1, progress=False, peers=("wlb",))
+    docs, chunks, _ = epoch_tasks(lengths, cfg, 3)
+    for (strategy, packing), plan_doc in zip(SIM_VARIANTS, doc["plans"]):
+        want = 0.0
+        for ids in chunks:
+            plan = make_plan(docs[ids], dataclasses.replace(cfg, strategy=strategy, packing=packing))
+            shape = (plan.num_steps, cfg.dp, max(len(s.microbatches[0]) for s in plan.steps))
+            seconds, _ = rank_seconds(plan.piece_arrays, cfg.cp, shape, cfg.cost, comm)
+            want += float(seconds.max(axis=3).sum(axis=2).max(axis=1).sum())
+        assert plan_doc["modes"][mode]["predicted_seconds"] == pytest.approx(want, rel=1e-12), (strategy, packing)
+    (peer,) = doc["peers"]
+    assert peer["modes"][mode]["predicted_seconds"] == pytest.approx(peer["modes"]["ring"]["predicted_seconds"])
 
 
 def test_a_long_run_says_up_front_how_long_it_will_take(monkeypatch, caplog):
@@ -358,7 +387,7 @@ def test_cp_auto_times_the_epoch_with_the_exchange_it_chose(tmp_path):
     rng = np.random.default_rng(0)
     np.save(path, np.clip(np.round(rng.lognormal(np.log(400), 1.3, 1500)), 1, 8000).astype(np.int64))
     out = tmp_path / "sim.json"
-    argv = ["simulate", "--lengths", path, "--gpus", "16", "--cp", "auto", "--gpus-per-node", "2",
+    argv = ["simulate", "--lengths", path, "--world", "16", "--cp", "auto", "--gpus-per-node", "2",
             "--tokens-per-rank", "1024", "--model", "llama3-8b", "--global-batch-tokens", "auto", "--peers", "none",
             "--no-plots", "--jobs", "1", "--quiet", "--out", tmp_path / "sim", "--json", out]  # fmt: skip
     run = run_cli(argv)

@@ -21,7 +21,7 @@ from typing import Any
 
 from ringpack.analysis.peers import megatron_dcp, wlb
 from ringpack.analysis.peers.base import Peer, PeerPart, PeerSystem
-from ringpack.comm_model import CommModel
+from ringpack.comm_model import HEAD_PARALLEL_MODES, CommModel
 from ringpack.errors import PlanError
 from ringpack.shard_plan import PlanConfig
 
@@ -115,9 +115,10 @@ def join_peer_parts(parts: Sequence[PeerPart | None]) -> PeerPart | None:
 
 
 def time_peer(part: PeerPart, comm: CommModel) -> Peer:
-    """The report row of a measured peer under ``comm``; under ``"p2p"`` a peer is timed with the
-    ring, the exchange its system runs (none of them has a targeted one)."""
-    if comm.mode == "p2p":
+    """The report row of a measured peer under ``comm``; under ``"p2p"`` and the head-parallel modes
+    a peer is timed with the ring, the exchange its system runs (the peers model sequence-split CP
+    only, none with a targeted exchange)."""
+    if comm.mode == "p2p" or comm.mode in HEAD_PARALLEL_MODES:
         comm = dataclasses.replace(comm, mode="ring")
     system = _system(part.name)
     return Peer(part.name, system.description, system.timed(part, comm))
