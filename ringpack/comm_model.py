@@ -26,13 +26,14 @@ from ringpack.cost import PRESETS, CostModel, piece_pairs
 from ringpack.modes import HEAD_PARALLEL_MODES as TABLE_HEAD_PARALLEL
 from ringpack.modes import MODE_TABLE, SEQUENCE_MODES, check_mode
 from ringpack.modes import MODES as TABLE_MODES
-from ringpack.traffic import exchange_tokens, kv_bytes_per_token, needed_pieces
+from ringpack.traffic import exchange_links, exchange_tokens, kv_bytes_per_token, needed_pieces
 
 __all__ = [
     "ATTN_FORWARD_SHARE",
     "HEAD_PARALLEL_MODES",
     "LINKS",
     "MODES",
+    "PARTNER_BUFFER_BYTES",
     "SEQUENCE_MODES",
     "CommModel",
     "ExchangeInputs",
@@ -46,6 +47,7 @@ __all__ = [
     "microbatch_seconds",
     "needs_piece_table",
     "node_exchange_inputs",
+    "rank_partners",
     "rank_seconds",
 ]
 
@@ -57,6 +59,12 @@ MODES = TABLE_MODES
 #: all-to-all spans the CP group).
 HEAD_PARALLEL_MODES: dict[str, str | None] = {name: MODE_TABLE[name].across_nodes for name in TABLE_HEAD_PARALLEL}
 
+#: GPU memory NCCL keeps for each point-to-point partner of a rank: its connection buffers, about
+#: 12 MiB per channel (``NCCL_BUFFSIZE``'s 4 MiB for the simple protocol plus the low-latency ones;
+#: Megatron-LM measured 63 partners x 32 channels x 12 MiB = 23.6 GiB for an all-to-all over 64 ranks),
+#: on 2 channels per partner (``NCCL_NCHANNELS_PER_NET_PEER``'s default). An estimate: set
+#: ``CommModel.partner_buffer_bytes`` from your NCCL logs.
+PARTNER_BUFFER_BYTES = 2 * 12 * 2**20
 #: Named links: (bandwidth bytes/s per direction, latency s per message).
 LINKS: dict[str, tuple[float, float]] = {
     "nvlink": (300e9, 10e-6),  # NVLink 4 (H100/H200) point-to-point, achieved
@@ -78,6 +86,8 @@ class CommModel:
         inter_bandwidth, inter_latency: the link between ranks of two nodes (with ``gpus_per_node``).
         heads, kv_heads: query and K/V heads of the model (what the head-parallel modes split).
         q_bytes_per_token_layer: bytes of one token's Q (and of its O) in one layer, all heads.
+        partner_buffer_bytes: GPU memory NCCL holds for each rank this rank exchanges with point to
+            point (:data:`PARTNER_BUFFER_BYTES`; read yours from ``NCCL_DEBUG=INFO``).
 
     Raises:
         ValueError: an unknown mode, a bandwidth <= 0, a latency < 0, ``layers < 1``, negative K/V
@@ -95,6 +105,7 @@ class CommModel:
     heads: int = 32  # llama3-8b
     kv_heads: int = 8
     q_bytes_per_token_layer: float = 32 * 128 * 2
+    partner_buffer_bytes: float = PARTNER_BUFFER_BYTES
 
     def __post_init__(self) -> None:
         check_mode(self.mode, MODES, what="CommModel.mode")
@@ -185,6 +196,8 @@ class CommModel:
         if self.mode not in HEAD_PARALLEL_MODES:
             for name in ("heads", "kv_heads", "q_bytes_per_token_layer"):
                 del out[name]
+        if self.partner_buffer_bytes == PARTNER_BUFFER_BYTES:
+            del out["partner_buffer_bytes"]
         return out
 
     def describe(self) -> str:
@@ -622,6 +635,51 @@ def exchange_inputs(
     if comm.mode == "p2p":
         return ExchangeInputs(volumes=exchange_volumes(arrays, cp, shape, comm.gpus_per_node))
     return ExchangeInputs(*node_exchange_inputs(arrays, cp, shape, comm))
+
+
+def rank_partners(
+    arrays: Mapping[str, np.ndarray], cp: int, shape: tuple[int, int, int], comm: CommModel
+) -> np.ndarray:
+    """How many other ranks each rank exchanges with under ``comm``'s mode over all the micro-batches
+    of a piece table, int64 ``(D, C)`` (DP rank, CP rank).
+
+    NCCL keeps a rank's connection buffers to every rank it has exchanged with, so over a run a
+    rank holds ``partners * comm.partner_buffer_bytes`` of them, the union over its
+    micro-batches. ``"ring"`` and ``"allgather"``: the ring's 2 neighbours; ``"p2p"``: the targeted
+    exchange's partners, relays included (:func:`ringpack.traffic.exchange_links`); ``"ulysses"``:
+    the rest of the group; the hybrids: the rest of the node plus, between nodes, the ring's 2 or the
+    node-level targeted exchange's partners. 0 on a CP group of one rank. Arguments as for
+    :func:`rank_seconds`.
+    """
+    D = shape[1]
+    if cp == 1:
+        return np.zeros((D, cp), dtype=np.int64)
+    size = comm.all_to_all_size(cp)
+    between = HEAD_PARALLEL_MODES.get(comm.mode)
+    if comm.mode in ("ring", "allgather"):
+        return np.full((D, cp), min(2, cp - 1), dtype=np.int64)
+    if comm.mode == "p2p":
+        return _partners_over_steps(arrays, cp, shape, comm.gpus_per_node)
+    if between is None:  # ulysses: every other rank of the group
+        return np.full((D, cp), cp - 1, dtype=np.int64)
+    nodes = cp // size
+    if between == "ring":
+        across = np.full((D, nodes), min(2, nodes - 1), dtype=np.int64)
+    else:
+        by_node = {**arrays, "cp": np.asarray(arrays["cp"], dtype=np.int64) // size}
+        across = _partners_over_steps(by_node, nodes, shape, None)
+    return size - 1 + np.repeat(across, size, axis=-1)
+
+
+def _partners_over_steps(arrays: Mapping[str, np.ndarray], cp: int, shape: tuple[int, int, int], node: int | None):
+    """:func:`~ringpack.traffic.exchange_links` of every micro-batch, the distinct peers of each
+    ``(DP rank, CP rank)`` over all of them, int64 ``(D, C)``."""
+    _, D, M = shape
+    step, dp, mb = (np.asarray(arrays[k], dtype=np.int64) for k in ("step", "dp", "microbatch"))
+    columns = (np.asarray(arrays[k], dtype=np.int64) for k in ("cp", "sample", "start", "stop"))
+    cell, rank, partner = exchange_links((step * D + dp) * M + mb, *columns, cp, node)
+    links = np.unique((cell // M % D * cp + rank) * cp + partner)
+    return np.bincount(links // cp, minlength=D * cp).astype(np.int64).reshape(D, cp)
 
 
 def node_exchange_inputs(

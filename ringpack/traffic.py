@@ -27,6 +27,7 @@ __all__ = [
     "kv_bytes_per_token",
     "needed_pieces",
     "receivers",
+    "exchange_links",
     "exchange_partners",
     "exchange_tokens",
     "proxy_index",
@@ -240,18 +241,17 @@ def relay_proxies(
     return np.where(same, dest, proxy)
 
 
-def exchange_partners(
+def exchange_links(
     group: np.ndarray,
     cp: np.ndarray,
     sample: np.ndarray,
     start: np.ndarray,
     stop: np.ndarray,
-    num_groups: int,
     cp_size: int,
     gpus_per_node: int | None = None,
-) -> np.ndarray:
-    """How many other ranks each rank exchanges with in the targeted exchange (relays included), as
-    the runtime's ``TargetedExchange.partners`` counts them: int64 ``[num_groups, cp_size]``.
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every point-to-point link of the targeted exchange, once from each end: ``(group, rank, partner)``,
+    int64 ``[K]``, unique triples, sorted.
 
     A rank's partners are the ranks it sends to or receives from: the source and each receiver
     directly within a node (or flat); across nodes the source and the receiving node's proxy
@@ -267,10 +267,25 @@ def exchange_partners(
         proxy = relay_proxies(g, frm, to, cp_size, gpus_per_node)
         hop = to != proxy  # relayed: the proxy forwards to the receiver
         a, b, gg = np.concatenate([frm, proxy[hop]]), np.concatenate([proxy, to[hop]]), np.concatenate([g, g[hop]])
-    # every link counts once for each of its two ends
-    ends = np.concatenate([(gg * cp_size + a) * cp_size + b, (gg * cp_size + b) * cp_size + a])
-    links = np.unique(ends)
-    counts = np.bincount(links // cp_size, minlength=num_groups * cp_size)
+    ends = np.unique(np.concatenate([(gg * cp_size + a) * cp_size + b, (gg * cp_size + b) * cp_size + a]))
+    return ends // (cp_size * cp_size), ends // cp_size % cp_size, ends % cp_size
+
+
+def exchange_partners(
+    group: np.ndarray,
+    cp: np.ndarray,
+    sample: np.ndarray,
+    start: np.ndarray,
+    stop: np.ndarray,
+    num_groups: int,
+    cp_size: int,
+    gpus_per_node: int | None = None,
+) -> np.ndarray:
+    """How many other ranks each rank exchanges with in the targeted exchange (relays included), as
+    the runtime's ``TargetedExchange.partners`` counts them: int64 ``[num_groups, cp_size]``
+    (:func:`exchange_links` counted per rank; arguments as for :func:`exchange_tokens`)."""
+    g, rank, _ = exchange_links(group, cp, sample, start, stop, cp_size, gpus_per_node)
+    counts = np.bincount(g * cp_size + rank, minlength=num_groups * cp_size)
     return counts.astype(np.int64).reshape(num_groups, cp_size)
 
 

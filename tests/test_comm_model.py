@@ -286,3 +286,32 @@ def test_the_hybrids_node_inputs_on_a_plan():
     cross, volumes = node_exchange_inputs(plan.piece_arrays, 4, shape, p2p)
     assert cross is None and volumes.send_intra.shape == (*shape, 2)
     assert node_exchange_inputs(plan.piece_arrays, 4, shape, dataclasses.replace(ring, mode="p2p")) == (None, None)
+
+
+def test_peers_are_the_union_of_each_ranks_compiled_exchanges_over_its_microbatches():
+    """Per (DP rank, CP rank), the targeted exchange's NCCL peers over all the plan's micro-batches are
+    the union of the peers of its compiled schedules; the other modes' are fixed by their shape."""
+    from ringpack.attention import compile_schedule
+    from ringpack.comm_model import rank_partners
+
+    rng = np.random.default_rng(3)
+    lengths = rng.integers(20, 400, 120).tolist()
+    plan = ringpack.plan(lengths, dp=2, cp=8, tokens_per_rank=256, gpus_per_node=2, samples_per_step=60)
+    shape = (plan.num_steps, 2, max(len(s.microbatches[0]) for s in plan.steps))
+    p2p = CommModel(mode="p2p", gpus_per_node=2)
+    got = rank_partners(plan.piece_arrays, 8, shape, p2p)
+    want = np.zeros((2, 8), dtype=np.int64)
+    for d in range(2):
+        for c in range(8):
+            peers = set()
+            for step in plan.steps:
+                for mb in step.microbatches[d]:
+                    peers |= compile_schedule(mb, c, gpus_per_node=2).exchange.partner_ranks
+            want[d, c] = len(peers)
+    assert got.tolist() == want.tolist() and want.max() > 2
+    for mode, expected in (("ring", 2), ("allgather", 2), ("ulysses", 7), ("ulysses+ring", 1 + 2)):
+        comm = dataclasses.replace(p2p, mode=mode)
+        assert (rank_partners(plan.piece_arrays, 8, shape, comm) == expected).all(), mode
+    hybrid = rank_partners(plan.piece_arrays, 8, shape, dataclasses.replace(p2p, mode="ulysses+p2p"))
+    assert (hybrid >= 1).all() and (hybrid <= 1 + 3).all()
+    assert rank_partners(plan.piece_arrays, 1, shape, CommModel()).shape == (2, 1)

@@ -85,15 +85,20 @@ class TargetedExchange:
     rank: int = -1
 
     @property
-    def partners(self) -> int:
-        """How many other ranks this rank sends to or receives from (its point-to-point peers): the
-        ranks its rows arrive from (a relayed source's proxy, not the source), its destinations and
-        the ranks it relays to."""
+    def partner_ranks(self) -> frozenset[int]:
+        """The other ranks this rank sends to or receives from (its point-to-point partners): the ranks
+        its rows arrive from (a relayed source's proxy, not the source), its destinations and the
+        ranks it relays to."""
         # a row arrives from its source when this rank is the source's proxy, else from ``via``
         arrive = {src if self.via_of(i) == self.rank else self.via_of(i) for i, src in enumerate(self.sources)}
-        peers = arrive | set(self.dests)
-        peers |= {f[0] for job in self.proxied for f in job.forwards}
-        return len(peers - {self.rank})
+        ranks = arrive | set(self.dests)
+        ranks |= {f[0] for job in self.proxied for f in job.forwards}
+        return frozenset(ranks - {self.rank})
+
+    @property
+    def partners(self) -> int:
+        """How many :attr:`partner_ranks` this rank has."""
+        return len(self.partner_ranks)
 
     def via_of(self, i: int) -> int:
         """The rank source ``i``'s rows arrive from (the source itself unless relayed)."""

@@ -44,7 +44,7 @@ __all__ = [
 
 
 class _P2P:
-    """Point-to-point exchange with peers named by their offset in the CP group (group ranks -> global ranks)."""
+    """Point-to-point exchange with partners named by their offset in the CP group (group ranks -> global ranks)."""
 
     def __init__(self, schedule: Schedule, group: dist.ProcessGroup | None) -> None:
         c, r = schedule.cp_size, schedule.cp_rank

@@ -137,13 +137,14 @@ def choose_for(args: argparse.Namespace, lengths: Any, world: int, progress: Any
 def layout_table(choice: LayoutChoice, every: bool = False) -> str:
     """The choice as text: the chosen layout, its reason, and the fastest :data:`SHOWN` layouts.
 
-    ``every``: every layout and exchange, with each one's exposed communication per step and, for
-    ``p2p``, the K/V (GB, forward) its node-relayed exchange sends between nodes per step
+    ``every``: every layout and exchange, with each one's exposed communication per step, for
+    ``p2p`` the K/V (GB, forward) its node-relayed exchange sends between nodes per step, the
+    point-to-point partners of a GPU (median/max) and the buffer memory of the GPU with the most
     (``simulate``'s comparison).
     """
     lines = [f"layout for these lengths ({choice.steps} global batches planned per layout): {choice.reason}"]
     head = f"  {'layout':<10} {'exchange':<10} {'tokens/s':>12} {'step s':>10} {'compute s':>10}"
-    lines.append(head + (f" {'exposed s':>10} {'IB GB/step':>10}" if every else ""))
+    lines.append(head + (f" {'exposed s':>10} {'IB GB/step':>10} {'partners':>9} {'NCCL GiB':>8}" if every else ""))
     listed = set()
     for c in choice.candidates if every else choice.candidates[:SHOWN]:
         if (not c.feasible or c.stopped) and every and c.name in listed:
@@ -163,7 +164,8 @@ def layout_table(choice: LayoutChoice, every: bool = False) -> str:
         )
         if every:
             sent = f"{c.inter_node_bytes / 1e9:.4g}" if c.mode == "p2p" else "-"
-            row += f" {c.exposed_seconds:>10.4g} {sent:>10}"
+            partners = f"{c.partners_median:.0f}/{c.partners_max}"
+            row += f" {c.exposed_seconds:>10.4g} {sent:>10} {partners:>9} {c.partner_memory_bytes / 2**30:>8.2f}"
         lines.append(row)
     best = choice.best
     lines.append(
@@ -194,6 +196,9 @@ def choice_to_dict(choice: LayoutChoice) -> dict[str, Any]:
                 "compute_seconds": c.compute_seconds if c.timed else None,
                 "exposed_comm_seconds": c.exposed_seconds if c.timed else None,
                 "inter_node_bytes": c.inter_node_bytes if c.timed else None,
+                "partners_median": c.partners_median if c.timed else None,
+                "partners_max": c.partners_max if c.timed else None,
+                "partner_memory_bytes": c.partner_memory_bytes if c.timed else None,
                 "note": c.note,
             }
             for c in choice.candidates

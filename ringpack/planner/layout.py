@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from ringpack.comm_model import HEAD_PARALLEL_MODES, MODES, CommModel, exchange_volumes, rank_seconds
+from ringpack.comm_model import HEAD_PARALLEL_MODES, MODES, CommModel, exchange_volumes, rank_partners, rank_seconds
 from ringpack.cost import MAX_SAMPLE_TOKENS, CostModel
 from ringpack.errors import PlanError
 from ringpack.lengths import check_lengths
@@ -62,6 +62,11 @@ class LayoutCandidate:
         inter_node_bytes: mean K/V bytes per step (all layers, forward) the node-relayed targeted
             exchange sends between nodes: each needed piece once per other node that needs it
             (``ExchangeVolumes.send_inter``); 0 for a layout inside one node.
+        partners_median, partners_max: the ranks a GPU exchanges with point to point over the sampled
+            steps, median and largest over GPUs (:func:`~ringpack.comm_model.rank_partners`: NCCL keeps a
+            connection's buffers once made, so this is the union over the micro-batches).
+        partner_memory_bytes: the GPU memory those connections hold on the GPU with the most,
+            ``partners_max * comm.partner_buffer_bytes`` (an estimate of NCCL's buffers).
         note: what kept the layout out (or stopped it), or ``""``.
         stopped: the layout plans these lengths, but the lower bound of its compute on the sampled
             steps (``bound_tokens_per_second``) already leaves it slower than a layout timed before
@@ -81,6 +86,9 @@ class LayoutCandidate:
     compute_seconds: float = float("nan")
     tokens_per_second: float = 0.0
     inter_node_bytes: float = 0.0
+    partners_median: float = float("nan")
+    partners_max: int = 0
+    partner_memory_bytes: float = 0.0
     note: str = ""
     stopped: bool = False
     bound_tokens_per_second: float = float("nan")
@@ -160,6 +168,7 @@ def choose_layout(
     steps: int = 3,
     samples_per_step: int | None = None,
     progress: Callable[[int, int], None] | None = None,
+    partner_memory_budget: float | None = None,
     **config: Any,
 ) -> LayoutChoice:
     """Rank the fixed CP sizes and the pool, under each exchange, by predicted tokens/s on ``lengths``.
@@ -179,6 +188,9 @@ def choose_layout(
             :func:`~ringpack.shard_plan.global_batch_samples` ``"auto"`` of the pool: ``world x
             tokens_per_rank`` tokens of mean-length samples).
         progress: called as ``progress(done, total)`` after each layout is planned or stopped.
+        partner_memory_budget: bytes of GPU memory NCCL's point-to-point connections may take per GPU
+            (:attr:`LayoutCandidate.partner_memory_bytes`); a layout and mode over it is listed as
+            infeasible, naming its partners and their memory. None: no budget.
         **config: other :class:`~ringpack.shard_plan.PlanConfig` fields for every plan (``strategy``,
             ``overflow``, ``seed``, ``pair_price_range``, ...; not ``dp``, ``cp``, ``gpus_per_node``).
 
@@ -258,8 +270,10 @@ def choose_layout(
                     by_layout[k].append(LayoutCandidate(name, mode, dp, cp, node, False, note=note))
                 else:
                     timed = dataclasses.replace(_timed(name, mode, planned, link), bound_tokens_per_second=ceiling)
+                    timed = _within_budget(timed, partner_memory_budget)
                     by_layout[k].append(timed)
-                    fastest = max(fastest, timed.tokens_per_second)
+                    if timed.feasible:
+                        fastest = max(fastest, timed.tokens_per_second)
         if progress is not None:
             progress(done, len(order))
     candidates = [c for k in range(len(sized)) for c in by_layout[k]]
@@ -385,6 +399,7 @@ def _timed(name: str, mode: str, plan: Plan, comm: CommModel) -> LayoutCandidate
         inter = float(exchange_volumes(a, cfg.cp, shape, comm.gpus_per_node).send_inter.sum())
         inter *= comm.kv_bytes_per_token / plan.num_steps
     total_tokens = float(np.sum(a["stop"] - a["start"]))
+    partners = rank_partners(a, cfg.cp, shape, comm)
     return LayoutCandidate(
         name,
         comm.mode,
@@ -396,7 +411,21 @@ def _timed(name: str, mode: str, plan: Plan, comm: CommModel) -> LayoutCandidate
         compute_seconds=float(compute.mean()),
         tokens_per_second=total_tokens / float(step.sum()) if step.sum() > 0 else 0.0,
         inter_node_bytes=inter,
+        partners_median=float(np.median(partners)),
+        partners_max=int(partners.max()),
+        partner_memory_bytes=float(partners.max()) * comm.partner_buffer_bytes,
     )
+
+
+def _within_budget(candidate: LayoutCandidate, budget: float | None) -> LayoutCandidate:
+    """``candidate``, or it made infeasible when its NCCL partners' buffers exceed ``budget`` bytes per GPU."""
+    if budget is None or candidate.partner_memory_bytes <= budget:
+        return candidate
+    note = (
+        f"NCCL buffers for {candidate.partners_max} partners on one GPU take about "
+        f"{candidate.partner_memory_bytes / 2**30:.2f} GiB, over the budget of {budget / 2**30:.2f} GiB"
+    )
+    return dataclasses.replace(candidate, feasible=False, note=note)
 
 
 def _rank(candidates: list[LayoutCandidate]) -> list[LayoutCandidate]:

@@ -80,3 +80,22 @@ def test_no_samples_is_one_line(lengths):
     with pytest.raises(PlanError, match=r"^lengths: no samples, so no layout to choose") as info:
         choose_layout(lengths, 8, 8, 4096)
     assert "\n" not in str(info.value)
+
+
+def test_a_partner_memory_budget_keeps_layouts_whose_nccl_buffers_exceed_it_out():
+    from ringpack.comm_model import PARTNER_BUFFER_BYTES
+
+    lengths = np.concatenate([[120_000], np.random.default_rng(0).integers(200, 800, 200)])
+    kwargs = dict(world=32, gpus_per_node=8, tokens_per_rank=8192, steps=1, samples_per_step=0)
+    free = choose_layout(lengths, **kwargs)
+    pool_p2p = next(c for c in free.candidates if c.label == "pool, p2p")
+    assert pool_p2p.partners_max > 2 and pool_p2p.partner_memory_bytes == pool_p2p.partners_max * PARTNER_BUFFER_BYTES
+    ring = next(c for c in free.candidates if c.label == "pool, ring")
+    assert (ring.partners_median, ring.partners_max) == (2.0, 2)
+    budget = 2 * PARTNER_BUFFER_BYTES  # the ring's two neighbours and no more
+    tight = choose_layout(lengths, partner_memory_budget=budget, **kwargs)
+    over = {c.label: c for c in tight.candidates if "NCCL buffers" in c.note}
+    assert "pool, p2p" in over and "pool, ulysses" not in {c.label for c in tight.candidates if c.feasible}
+    assert f"NCCL buffers for {pool_p2p.partners_max} partners" in over["pool, p2p"].note
+    assert all(c.partner_memory_bytes <= budget for c in tight.candidates if c.feasible and not c.stopped)
+    assert tight.best.partners_max <= 2
