@@ -47,12 +47,13 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ringpack.attention import MODES, warm_up_kernels
+from ringpack.attention import MODES, ScheduleOptions, warm_up_kernels
 from ringpack.cost import PRESETS, CostModel, ModelShape
 from ringpack.data import BalancedBatchSampler, PackedCollator, PackedDataset, lengths_from_dataset
 from ringpack.integrations.transformers import (
     causal_lm_loss_sum,
 )  # importing it registers attn_implementation='ringpack'
+from ringpack.modes import HYBRID_MODES
 from ringpack.shard_plan import OVERFLOW_POLICIES, PACKINGS, STRATEGIES, PlanConfig
 from ringpack.training import CostLearner
 
@@ -327,7 +328,10 @@ def make_loader(args: argparse.Namespace, grid: Grid, samples: Any) -> torch.uti
     return torch.utils.data.DataLoader(
         PackedDataset(samples, column=column),
         batch_sampler=sampler,
-        collate_fn=PackedCollator(grid.cp_rank, grid.cp_size),
+        # the hybrid modes run on the node layout, compiled only when asked for
+        collate_fn=PackedCollator(
+            grid.cp_rank, grid.cp_size, schedule_options=ScheduleOptions(hybrid_layout=args.mode in HYBRID_MODES)
+        ),
         num_workers=args.workers,
     )
 

@@ -151,17 +151,22 @@ def node_layout(schedule: Schedule, mode: str) -> NodeLayout:
     """``schedule.node_layout`` for the hybrid ``mode``.
 
     Raises:
-        DataError: a schedule compiled without ``gpus_per_node``, or with one that does not divide
-            its CP size (named).
+        DataError: a schedule compiled without ``gpus_per_node``, with one that does not divide
+            its CP size (named), or without ``hybrid_layout``.
     """
     if schedule.node_layout is not None:
         return schedule.node_layout
     if schedule.gpus_per_node is None:
         raise DataError(
-            f"cp rank {schedule.cp_rank}: mode={mode!r} needs the node size: "
-            "compile the schedule with compile_schedule(microbatch, cp_rank, gpus_per_node=...)"
+            f"cp rank {schedule.cp_rank}: mode={mode!r} needs the node size: compile the schedule with "
+            "compile_schedule(microbatch, cp_rank, gpus_per_node=..., hybrid_layout=True)"
         )
-    raise DataError(_not_in_nodes(schedule.cp_size, schedule.gpus_per_node))
+    if schedule.cp_size % schedule.gpus_per_node:
+        raise DataError(_not_in_nodes(schedule.cp_size, schedule.gpus_per_node))
+    raise DataError(
+        f"cp rank {schedule.cp_rank}: mode={mode!r} runs on the node layout, which this schedule was compiled "
+        "without: compile it with ScheduleOptions(hybrid_layout=True) (compile_schedule(..., hybrid_layout=True))"
+    )
 
 
 def head_parallel_parts(

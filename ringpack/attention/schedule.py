@@ -31,6 +31,7 @@ from ringpack.attention.exchange import TargetedExchange, compile_exchange, exch
 from ringpack.attention.mode_choice import ModeChoice
 from ringpack.attention.ranges import concat_ranges
 from ringpack.errors import PlanError
+from ringpack.modes import HYBRID_MODES
 from ringpack.shard_plan import MicroBatch, Piece, RankShard
 
 try:  # torch.compile passes a schedule to the engine's custom op as an opaque runtime input
@@ -132,6 +133,10 @@ class ScheduleOptions:
     """The targeted exchange over nodes of this many CP ranks (K/V cross nodes once); None: the plan's, else flat."""
     mode_choice: ModeChoice | None = None
     """How ``mode="auto"`` picks each micro-batch's mode (stored in ``Schedule.mode``); None: no pick."""
+    hybrid_layout: bool = False
+    """Also compile the hybrid modes' node layout (``Schedule.node_layout``, with a ``gpus_per_node``
+    that divides the CP size): about one more compile of the whole micro-batch per rank, so only
+    for ``"ulysses+p2p"`` / ``"ulysses+ring"`` (a ``mode_choice`` that picks one builds it anyway)."""
 
     def __post_init__(self) -> None:
         node = self.gpus_per_node
@@ -139,6 +144,8 @@ class ScheduleOptions:
             raise PlanError(f"gpus_per_node must be None or an integer >= 1, got {node!r}")
         if self.mode_choice is not None and not isinstance(self.mode_choice, ModeChoice):
             raise PlanError(f"mode_choice must be None or a ModeChoice, got {type(self.mode_choice).__name__}")
+        if not isinstance(self.hybrid_layout, bool):
+            raise PlanError(f"hybrid_layout must be True or False, got {self.hybrid_layout!r}")
         dense = DenseOptions(self.dense_threshold, self.dense_buckets, self.dense_batches)  # checks, names the field
         object.__setattr__(self, "dense_threshold", dense.threshold)
         object.__setattr__(self, "dense_buckets", dense.buckets)
@@ -421,8 +428,8 @@ class Schedule(_ScheduleBase):
     :func:`~ringpack.attention.sequence_to_heads`;
     :class:`~ringpack.attention.schedule.HeadLayout`): every rank's token count, the gathered
     samples' ``cu_seqlens`` and order. ``node_layout`` (schedules compiled with a ``gpus_per_node``
-    that divides the CP size) drives the hybrid modes ``"ulysses+p2p"`` and ``"ulysses+ring"``
-    (:class:`NodeLayout`). ``mode`` is the mode ``mode="auto"`` runs, picked at compile time by the
+    that divides the CP size and ``hybrid_layout``) drives the hybrid modes ``"ulysses+p2p"`` and
+    ``"ulysses+ring"`` (:class:`NodeLayout`). ``mode`` is the mode ``mode="auto"`` runs, picked at compile time by the
     options' :class:`~ringpack.attention.mode_choice.ModeChoice` (None without one).
 
     For ``torch.compile`` a schedule is an opaque *reference* object (where torch supports them):
@@ -607,6 +614,7 @@ def compile_schedule(
     dense_batches: bool = True,
     gpus_per_node: int | None = None,
     mode_choice: ModeChoice | None = None,
+    hybrid_layout: bool = False,
     *,
     options: ScheduleOptions | None = None,
 ) -> Schedule:
@@ -631,13 +639,14 @@ def compile_schedule(
             (rank ``c`` on node ``c // gpus_per_node``, the group's ranks node by node): K/V cross
             nodes once per node and are relayed within it (docs/attention.md, "Targeted
             exchange"). ``None``: every piece straight to each rank that needs it. Every rank of
-            the group must give the same value (checked at run time). When it divides the CP
-            size, the schedule also carries the hybrid modes' :class:`NodeLayout` (a node-level
-            schedule of ``cp / gpus_per_node`` ranks, compiled here: about one more compile of a
-            micro-batch with at most as many pieces).
+            the group must give the same value (checked at run time).
         mode_choice: how ``mode="auto"`` picks this micro-batch's mode
             (:class:`~ringpack.attention.ModeChoice`), stored in ``Schedule.mode``; None: no pick.
             Every rank of the group must give the same (the group check compares the modes run).
+        hybrid_layout: also compile the hybrid modes' :class:`NodeLayout` when ``gpus_per_node``
+            divides the CP size (a node-level schedule of ``cp / gpus_per_node`` ranks: about one
+            more compile of the whole micro-batch, which on a pool of a thousand ranks costs 20x
+            the rank's own schedule); a ``mode_choice`` that picks a hybrid builds it anyway.
         options: all of the above as one :class:`ScheduleOptions` (then leave the keywords out).
 
     Returns:
@@ -661,7 +670,8 @@ def compile_schedule(
         raise PlanError(f"cp_rank must be an integer in [0, {cp}) (the micro-batch's rank shards), got {cp_rank!r}")
     cp_rank = int(cp_rank)
     keywords = {"dense_threshold": dense_threshold, "dense_buckets": dense_buckets, "dense_batches": dense_batches}
-    options = _options_of(options, {**keywords, "gpus_per_node": gpus_per_node, "mode_choice": mode_choice})
+    given = {"gpus_per_node": gpus_per_node, "mode_choice": mode_choice, "hybrid_layout": hybrid_layout}
+    options = _options_of(options, {**keywords, **given})
     dense, gpus_per_node = options.dense, options.gpus_per_node
     table = _PieceTable.from_microbatch(microbatch)
     fingerprint = table.fingerprint(microbatch.samples)
@@ -678,6 +688,8 @@ def compile_schedule(
         )
         for t, src in ((t, (cp_rank - t) % cp) for t in table.distances())
     )
+    mode = None if options.mode_choice is None else options.mode_choice.pick(microbatch, gpus_per_node)
+    hybrid = options.hybrid_layout or mode in HYBRID_MODES
     return Schedule(
         cp_rank=cp_rank,
         cp_size=cp,
@@ -701,8 +713,8 @@ def compile_schedule(
         head_layout=_head_layout(table, microbatch.samples, fingerprint, dense)
         if cp <= MAX_HEAD_PARALLEL_RANKS
         else None,
-        node_layout=_node_layout(table, microbatch, cp_rank, gpus_per_node, dense),
-        mode=None if options.mode_choice is None else options.mode_choice.pick(microbatch, gpus_per_node),
+        node_layout=_node_layout(table, microbatch, cp_rank, gpus_per_node, dense) if hybrid else None,
+        mode=mode,
     )
 
 

@@ -41,6 +41,7 @@ from ringpack.integrations.distributed import gradient_sync, sum_gradients
 from ringpack.integrations.transformers import causal_lm_loss_sum, register
 from ringpack.lengths import sample_lengths
 from ringpack.mesh import MeshCoordinates, mesh_coordinates
+from ringpack.modes import HYBRID_MODES
 from ringpack.shard_plan import STRATEGIES, PlanConfig
 
 logger = logging.get_logger(__name__)
@@ -335,9 +336,12 @@ class RingpackTrainer(Trainer):
         return PlannedSteps(loader, self.sampler)
 
     def _schedule_options(self) -> ScheduleOptions:
-        """The collator's schedule options; under ``mode="auto"`` with a pick priced by the plan's cost
-        model and, unless the options give one, links for the model's shape (:func:`model_mode_choice`)."""
+        """The collator's schedule options: with the node layout for a hybrid mode; under ``mode="auto"``
+        with a pick priced by the plan's cost model and, unless the options give one, links for the
+        model's shape (:func:`model_mode_choice`)."""
         options = self.ringpack.schedule_options
+        if self.ringpack.mode in HYBRID_MODES:
+            return replace(options, hybrid_layout=True)
         if self.ringpack.mode != "auto" or options.mode_choice is not None:
             return options
         return replace(options, mode_choice=model_mode_choice(self.model, self.ringpack.plan.cost))

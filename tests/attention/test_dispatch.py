@@ -37,7 +37,8 @@ def _run(mode: str) -> list[torch.Tensor]:
     lengths = [7, 12, 5]
     pieces = [Piece(s, 0, n) for s, n in enumerate(lengths)]
     mb = microbatch_from_shards(list(range(len(lengths))), [pieces], dict(enumerate(lengths)))
-    schedule = compile_schedule(mb, 0, gpus_per_node=1 if MODE_TABLE[mode].across_nodes else None)
+    hybrid = MODE_TABLE[mode].across_nodes is not None
+    schedule = compile_schedule(mb, 0, gpus_per_node=1 if hybrid else None, hybrid_layout=hybrid)
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(sum(lengths), h, 8, dtype=torch.float64, generator=gen) for h in (4, 2, 2))
     q, k, v = (x.requires_grad_() for x in (q, k, v))

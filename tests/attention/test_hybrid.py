@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ringpack.attention import compile_schedule, ring_attention
-from ringpack.attention.hybrid import node_groups
+from ringpack.attention.hybrid import node_groups, node_layout
 from ringpack.attention.relayout import gathered_index
 from ringpack.errors import DataError
 from ringpack.modes import HYBRID_MODES
@@ -62,10 +62,10 @@ def test_the_node_layout_matches_a_token_by_token_construction():
         cp = len(mb.shards)
         for g in (1, 2, 3, 4):
             if cp % g:
-                assert compile_schedule(mb, 0, gpus_per_node=g).node_layout is None
+                assert compile_schedule(mb, 0, gpus_per_node=g, hybrid_layout=True).node_layout is None
                 continue
             for rank in range(cp):
-                layout = compile_schedule(mb, rank, gpus_per_node=g).node_layout
+                layout = compile_schedule(mb, rank, gpus_per_node=g, hybrid_layout=True).node_layout
                 node = rank // g
                 received = [
                     (p.sample, t)
@@ -85,14 +85,14 @@ def test_the_node_layout_matches_a_token_by_token_construction():
 
 def test_the_node_level_microbatch_merges_pieces_that_continue_each_other():
     _, mb, _ = next(c for c in handmade_microbatches() if c[0] == "length-1-pieces")  # [0,1) [2,3) | [1,2) [3,4)
-    layout = compile_schedule(mb, 1, gpus_per_node=2).node_layout
+    layout = compile_schedule(mb, 1, gpus_per_node=2, hybrid_layout=True).node_layout
     assert layout.attention.local.cu_seqlens_q.tolist() == [0, 4], "one node: the sample whole, one causal segment"
     assert gathered_index(layout).tolist() == [0, 2, 1, 3]
 
 
 def test_the_layout_travels_with_the_schedule():
     _, mb, _ = next(c for c in targeted_microbatches() if c[0] == "ranks-0-and-5-of-8")
-    sched = compile_schedule(mb, 5, gpus_per_node=2)
+    sched = compile_schedule(mb, 5, gpus_per_node=2, hybrid_layout=True)
     moved = sched.to("cpu")
     assert moved.node_layout.rank_tokens == sched.node_layout.rank_tokens
     assert torch.equal(moved.node_layout.run_source, sched.node_layout.run_source)
@@ -104,10 +104,23 @@ def test_a_cp_size_that_is_no_multiple_of_the_node_is_refused_in_one_line(mode):
     _, mb, _ = handmade_microbatches()[0]  # CP 1
     q = torch.zeros(mb.shards[0].num_tokens, 2, 4, dtype=torch.float64)
     with pytest.raises(DataError, match=r"CP size 1, gpus_per_node 2") as err:
-        ring_attention(q, q, q, compile_schedule(mb, 0, gpus_per_node=2), mode=mode, backend="reference")
+        sched = compile_schedule(mb, 0, gpus_per_node=2, hybrid_layout=True)
+        ring_attention(q, q, q, sched, mode=mode, backend="reference")
     assert "\n" not in str(err.value)
     with pytest.raises(DataError, match=r"cp rank 0: mode='ulysses\+\w+' needs the node size: compile the schedule"):
         ring_attention(q, q, q, compile_schedule(mb, 0), mode=mode, backend="reference")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_node_layout_is_compiled_only_when_asked_for(mode):
+    """A schedule carries the node layout only with ``hybrid_layout`` (a sequence-mode run on a large
+    pool does not pay for it); a hybrid mode without it is refused in one line saying what to pass."""
+    _, mb, _ = next(c for c in targeted_microbatches() if len(c[1].shards) % 2 == 0)
+    assert compile_schedule(mb, 0, gpus_per_node=2).node_layout is None
+    assert compile_schedule(mb, 0, gpus_per_node=2, hybrid_layout=True).node_layout is not None
+    with pytest.raises(DataError, match=r"runs on the node layout.*ScheduleOptions\(hybrid_layout=True\)") as err:
+        node_layout(compile_schedule(mb, 0, gpus_per_node=2), mode)
+    assert "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -116,7 +129,8 @@ def test_one_node_of_one_gpu_is_plain_attention(mode):
     problem = Problem.make(mb, lengths, 4, 2, 8, seed=3)
     ref = dense_reference(problem)
     q, k, v = (problem.local(x, 0).requires_grad_() for x in (problem.q, problem.k, problem.v))
-    out = ring_attention(q, k, v, compile_schedule(mb, 0, gpus_per_node=1), mode=mode, backend="reference")
+    sched = compile_schedule(mb, 0, gpus_per_node=1, hybrid_layout=True)
+    out = ring_attention(q, k, v, sched, mode=mode, backend="reference")
     out.backward(problem.local(problem.dout, 0))
     errors = max_errors(problem, 0, ref, {"out": out, "dq": q.grad, "dk": k.grad, "dv": v.grad})
     assert within(errors, TOL), errors
@@ -154,7 +168,7 @@ def _errors(problem: Problem, sched, rank: int, group, mode: str, ref) -> dict[s
 def _refusal(group, cp_rank: int) -> str:
     """The message every rank of a CP group of 4 in nodes of 2 gets for 3 query heads (then a healthy call)."""
     _, mb, lengths = next(c for c in handmade_microbatches() if c[0] == "skip-rank")
-    sched = compile_schedule(mb, cp_rank, gpus_per_node=2)
+    sched = compile_schedule(mb, cp_rank, gpus_per_node=2, hybrid_layout=True)
     problem = Problem.make(mb, lengths, 3, 1, 4, seed=1)
     q, k = problem.local(problem.q, cp_rank), problem.local(problem.k, cp_rank)
     try:
@@ -185,7 +199,7 @@ def worker(rank: int, world: int) -> dict:
             node_groups(group, my_g)  # derived: collective over the world, each process with its own group
         cp_rank = dist.get_rank(group)
         for name, mb, lengths, heads, kv_heads in hybrid_cases(len(ranks), my_g):
-            sched = compile_schedule(mb, cp_rank, gpus_per_node=my_g)
+            sched = compile_schedule(mb, cp_rank, gpus_per_node=my_g, hybrid_layout=True)
             problem = Problem.make(mb, lengths, heads, kv_heads, 4, seed=zlib.crc32(name.encode()) % 10_000)
             ref = dense_reference(problem)
             for mode in MODES:

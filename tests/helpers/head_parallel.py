@@ -198,7 +198,7 @@ def run_head_parallel(
 
     cp = len(problem.mb.shards)
     g = cp if mode == "ulysses" else gpus_per_node
-    options = dict(dense_threshold=dense_threshold, dense_buckets=dense_buckets)
+    options = dict(dense_threshold=dense_threshold, dense_buckets=dense_buckets, hybrid_layout=mode in HYBRID_MODES)
     schedules = [compile_schedule(problem.mb, r, gpus_per_node=gpus_per_node, **options).to(device) for r in range(cp)]
     layouts = [s.head_layout if mode == "ulysses" else s.node_layout for s in schedules]
     nodes = [ThreadedExchange(g) for _ in range(cp // g)]

@@ -79,7 +79,8 @@ def test_compiled_attention_equals_eager(backend, compiler, mode):
     compiled = torch.compile(attention, fullgraph=True, backend=record, dynamic=True)
     for index, lengths in enumerate(([7, 1, 12], [30, 3], [5, 5, 5, 2])):
         node = 1 if "+" in mode else None  # the hybrids: nodes of one GPU
-        schedule = compile_schedule(_microbatch(lengths), 0, dense_threshold=4, dense_buckets=None, gpus_per_node=node)
+        options = dict(dense_threshold=4, dense_buckets=None, gpus_per_node=node, hybrid_layout="+" in mode)
+        schedule = compile_schedule(_microbatch(lengths), 0, **options)
         with _no_recompiles(index):
             got = _run(compiled, schedule, 1)
         for a, b in zip(got, _run(attention, schedule, 1)):
@@ -151,7 +152,9 @@ def cp_worker(rank: int, world: int) -> dict:
         compiled = torch.compile(attention, fullgraph=True, backend="aot_eager", dynamic=True)
         same = []
         for index, lengths in enumerate(([9, 6], [13, 6, 3], [4, 20])):
-            schedule = compile_schedule(_microbatch(lengths, world), rank, gpus_per_node=1 if "+" in mode else None)
+            schedule = compile_schedule(
+                _microbatch(lengths, world), rank, gpus_per_node=1 if "+" in mode else None, hybrid_layout="+" in mode
+            )
             with _no_recompiles(index):
                 got = _run(compiled, schedule, rank)
             same.append(all(torch.equal(a, b) for a, b in zip(got, _run(attention, schedule, rank))))
