@@ -35,7 +35,7 @@ from ringpack.cost import CostModel
 from ringpack.errors import PlanError
 from ringpack.lengths import DataError, sample_lengths
 from ringpack.mesh import mesh_coordinates
-from ringpack.planner.stream import LOOKAHEAD_STEPS, PLANNERS, RankStep, StepStream
+from ringpack.planner.stream import LOOKAHEAD_STEPS, PLANNERS, PackedMicroBatch, RankStep, StepStream
 from ringpack.shard_plan import MicroBatch, Piece, Plan, PlanConfig, RankShard, Step
 
 __all__ = ["BalancedBatchSampler", "MicroBatchTicket", "STATE_VERSION", "check_plan_options"]
@@ -68,6 +68,10 @@ def check_plan_options(options: dict[str, Any], set_by: dict[str, str], where: s
             raise PlanError(f"unknown {where} {key!r}; PlanConfig fields are {sorted(fields - set(set_by))}")
 
 
+def _pack_data(packed: PackedMicroBatch) -> tuple:
+    return (packed.samples, packed.pieces, packed.bounds, packed.loss_tokens)
+
+
 def _encode_microbatch(mb: MicroBatch) -> tuple:
     return (
         mb.samples,
@@ -76,7 +80,10 @@ def _encode_microbatch(mb: MicroBatch) -> tuple:
     )
 
 
-def _decode_microbatch(data: tuple) -> MicroBatch:
+def _decode_microbatch(data: tuple) -> MicroBatch | PackedMicroBatch:
+    """A micro-batch of :func:`_encode_microbatch`, or packed (left packed) of :func:`_pack_data`."""
+    if len(data) == 4:
+        return PackedMicroBatch(*data)
     samples, shards, loss_tokens = data
     return MicroBatch(
         samples=tuple(samples),
@@ -104,7 +111,7 @@ class MicroBatchTicket(list):
 
     def __init__(
         self,
-        microbatch: MicroBatch,
+        microbatch: MicroBatch | PackedMicroBatch,
         *,
         epoch: int,
         step: int,
@@ -118,12 +125,15 @@ class MicroBatchTicket(list):
         row_lengths: Sequence[int] | None = None,
         gpus_per_node: int | None = None,
     ) -> None:
-        rows = tuple(microbatch.samples) if rows is None else tuple(int(r) for r in rows)
+        rows = tuple(int(r) for r in microbatch.samples) if rows is None else tuple(int(r) for r in rows)
         self.gpus_per_node = gpus_per_node
         super().__init__(rows)
         self.offsets = tuple(0 for _ in rows) if offsets is None else tuple(int(o) for o in offsets)
         self.row_lengths = None if row_lengths is None else tuple(int(n) for n in row_lengths)
-        self.microbatch = microbatch
+        # a packed micro-batch (as the planner process sends it) is unpacked on first use: in the
+        # DataLoader worker that collates it, not in the process that hands it out
+        self._microbatch = microbatch if isinstance(microbatch, MicroBatch) else None
+        self._packed = None if isinstance(microbatch, MicroBatch) else microbatch
         self.epoch = epoch
         self.step = step
         self.index = index
@@ -131,6 +141,13 @@ class MicroBatchTicket(list):
         self.cursor = cursor
         self.step_loss_tokens = step_loss_tokens
         self.plan_hash = plan_hash
+
+    @property
+    def microbatch(self) -> MicroBatch:
+        """The micro-batch: its samples and every CP rank's pieces."""
+        if self._microbatch is None:
+            self._microbatch = self._packed.unpack()
+        return self._microbatch
 
     def __reduce__(self) -> tuple:
         meta = (
@@ -145,7 +162,13 @@ class MicroBatchTicket(list):
         )
         return (
             _rebuild_ticket,
-            (_encode_microbatch(self.microbatch), meta, tuple(self), self.offsets, self.row_lengths),
+            (
+                _encode_microbatch(self._microbatch) if self._packed is None else _pack_data(self._packed),
+                meta,
+                tuple(self),
+                self.offsets,
+                self.row_lengths,
+            ),
         )
 
     def __repr__(self) -> str:
@@ -431,7 +454,7 @@ class BalancedBatchSampler(_SamplerBase):
         return self._ticket(step.microbatches[self.dp_rank], step.loss_tokens, s, i, position, epoch)
 
     def _ticket(
-        self, mbs: Sequence[MicroBatch], loss_tokens: int, s: int, i: int, position: int, epoch: int
+        self, mbs: Sequence[MicroBatch | PackedMicroBatch], loss_tokens: int, s: int, i: int, position: int, epoch: int
     ) -> MicroBatchTicket:
         doc_row, doc_offset = self._doc_map()
         samples = np.asarray(mbs[i].samples, dtype=np.int64)
@@ -478,9 +501,9 @@ class BalancedBatchSampler(_SamplerBase):
         s, i, _ = steps.locate(position)
         while s < steps.stream.num_steps:
             part = steps.get(s)  # planned ahead in the background; a planning error is raised here
-            count = len(part.microbatches)
+            count = len(part.parts)
             while i < count:
-                ticket = self._ticket(part.microbatches, part.loss_tokens, s, i, position, epoch)
+                ticket = self._ticket(part.parts, part.loss_tokens, s, i, position, epoch)
                 position += 1
                 self._cursor = position
                 yield ticket

@@ -12,12 +12,13 @@ cost switch or jump leaves one unplanned. It sleeps while the window is full and
 epoch is planned, when the stream is closed or no longer used, and at interpreter exit (joined
 there). With ``planner="thread"`` it plans each step itself, holding the interpreter lock while it
 works; with ``planner="process"`` a planner process forked by that thread plans, and the thread
-only sends ``(step, cost model)`` and receives the step (one DP rank's micro-batches, count and
-digest, with ``rank`` set), so a Python-heavy training loop keeps the interpreter. The process
-dies with the thread that forked it (``PR_SET_PDEATHSIG``, and a parent check in its heartbeat);
-a process that dies or stops answering is :class:`PlannerDied` for the step it was planning,
-raised where that step is asked for. ``planner="auto"`` takes the process on Linux for global
-batches of :data:`PROCESS_FROM_SAMPLES` samples or more, the thread otherwise.
+only sends ``(step, cost model)`` and receives the step (with ``rank`` set, one DP rank's
+micro-batches as int64 arrays, the count and the digest), so a Python-heavy training loop keeps
+the interpreter. The process dies with the thread that forked it (``PR_SET_PDEATHSIG``, and a
+parent check in its heartbeat); a process that dies or stops answering is :class:`PlannerDied`
+for the step it was planning, raised where that step is asked for. ``planner="auto"`` takes the
+process on Linux for global batches of :data:`PROCESS_FROM_SAMPLES` samples or more, the thread
+otherwise.
 
 An exception raised while planning a step is kept with that step and raised again in the thread
 that asks for the step (the same object with the thread; an equal copy from the process). A
@@ -52,11 +53,12 @@ from ringpack._spawn import _BEAT, BEAT_S, STALL_ENV, _beat, _die_with_parent, _
 from ringpack.cost import CostModel
 from ringpack.errors import PlanError
 from ringpack.planner.epoch import GlobalBatches, global_batches, plan_step
-from ringpack.shard_plan import MicroBatch, PlanConfig, Step
+from ringpack.shard_plan import MicroBatch, Piece, PlanConfig, RankShard, Step
 
 __all__ = [
     "StepStream",
     "RankStep",
+    "PackedMicroBatch",
     "PlannerDied",
     "step_digest",
     "LOOKAHEAD_STEPS",
@@ -92,14 +94,48 @@ class PlannerDied(PlanError):
     answering before it sent a step; the message, one line, names the process, how it ended and the step."""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
+class PackedMicroBatch:
+    """A :class:`MicroBatch` as int64 arrays: a few bytes to pickle, and unpacked only where used.
+
+    Attributes:
+        samples: ``[n]``, the micro-batch's samples in canonical order.
+        pieces: ``[P, 3]``, ``(sample, start, stop)`` of every piece, CP rank after CP rank.
+        bounds: ``[cp + 1]``: CP rank ``r``'s pieces are ``pieces[bounds[r]:bounds[r + 1]]``.
+        loss_tokens: as the micro-batch's.
+    """
+
+    samples: np.ndarray
+    pieces: np.ndarray
+    bounds: np.ndarray
+    loss_tokens: int
+
+    @classmethod
+    def of(cls, mb: MicroBatch) -> PackedMicroBatch:
+        """``mb`` packed."""
+        rows = [(p.sample, p.start, p.stop) for shard in mb.shards for p in shard.pieces]
+        bounds = np.zeros(len(mb.shards) + 1, dtype=np.int64)
+        np.cumsum([len(shard.pieces) for shard in mb.shards], out=bounds[1:])
+        pieces = np.asarray(rows, dtype=np.int64).reshape(-1, 3)
+        return cls(np.asarray(mb.samples, dtype=np.int64), pieces, bounds, int(mb.loss_tokens))
+
+    def unpack(self) -> MicroBatch:
+        """The :class:`MicroBatch` (equal to the one packed)."""
+        pieces = [Piece(*row) for row in self.pieces.tolist()]
+        b = self.bounds.tolist()
+        shards = tuple(RankShard(tuple(pieces[b[r] : b[r + 1]])) for r in range(len(b) - 1))
+        return MicroBatch(samples=tuple(self.samples.tolist()), shards=shards, loss_tokens=self.loss_tokens)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class RankStep:
     """What one DP rank needs of a step: its micro-batches and the step's totals.
 
     Attributes:
         index: the step.
         rank: the DP rank.
-        microbatches: ``step.microbatches[rank]``.
+        parts: ``step.microbatches[rank]``, each a :class:`MicroBatch` or, as the planner process
+            sends them, a :class:`PackedMicroBatch` (:attr:`microbatches` unpacks them).
         count: micro-batches per DP rank (equal on every DP rank).
         loss_tokens: ``step.loss_tokens``: loss tokens of the whole global batch, every DP rank.
         digest: :func:`step_digest` of the whole step.
@@ -107,16 +143,23 @@ class RankStep:
 
     index: int
     rank: int
-    microbatches: tuple[MicroBatch, ...]
+    parts: tuple[MicroBatch | PackedMicroBatch, ...]
     count: int
     loss_tokens: int
     digest: str
 
+    @property
+    def microbatches(self) -> tuple[MicroBatch, ...]:
+        """``step.microbatches[rank]`` (packed parts unpacked, on every call)."""
+        return tuple(p.unpack() if isinstance(p, PackedMicroBatch) else p for p in self.parts)
+
     @classmethod
-    def of(cls, step: Step, index: int, rank: int, digest: str) -> RankStep:
-        """DP rank ``rank``'s part of ``step`` (step ``index``, whose :func:`step_digest` is ``digest``)."""
+    def of(cls, step: Step, index: int, rank: int, digest: str, pack: bool = False) -> RankStep:
+        """DP rank ``rank``'s part of ``step`` (step ``index``, whose :func:`step_digest` is
+        ``digest``), its micro-batches packed with ``pack``."""
         mbs = step.microbatches[rank]
-        return cls(index, rank, mbs, len(step.microbatches[0]), step.loss_tokens, digest)
+        parts = tuple(PackedMicroBatch.of(mb) for mb in mbs) if pack else mbs
+        return cls(index, rank, parts, len(step.microbatches[0]), step.loss_tokens, digest)
 
 
 def step_digest(step: Step) -> str:
@@ -589,7 +632,8 @@ def _planner_main(
                 length_list = batches.lengths.tolist()
             step = plan_step(batches, s, step_config, length_list)
             digest = step_digest(step)
-            reply: tuple = ("ok", s, step if rank is None else RankStep.of(step, s, rank, digest), digest)
+            part = step if rank is None else RankStep.of(step, s, rank, digest, pack=True)
+            reply: tuple = ("ok", s, part, digest)
         except BaseException as exc:  # every failure goes home, never swallowed
             reply = ("error", s, exc, traceback.format_exc())
         try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
 import signal
 import threading
 import time
@@ -17,7 +18,7 @@ import pytest
 from torch.utils.data import DataLoader
 
 from ringpack.data import BalancedBatchSampler, DataError, PackedCollator, PackedDataset
-from ringpack.planner.stream import PlannerDied
+from ringpack.planner.stream import PackedMicroBatch, PlannerDied
 from ringpack.shard_plan import PlanConfig, PlanError
 from tests.helpers.data import batch_signature, random_samples
 
@@ -65,6 +66,17 @@ def test_the_planner_option_is_checked_and_kept(samples):
     assert sampler.planner == "thread"
     assert sampler._steps_of(0).stream.planner == "thread" and sampler._steps_of(0).stream.rank == 1
     assert BalancedBatchSampler(lengths_of(samples), CONFIG, 0).planner == "auto"
+
+
+def test_a_ticket_of_a_packed_microbatch_unpacks_on_first_use_and_pickles_packed(samples):
+    sampler = BalancedBatchSampler(lengths_of(samples), CONFIG, 1, planner="thread")
+    step = sampler.plan().steps[0]
+    mb = step.microbatches[1][0]
+    ticket = sampler._ticket((PackedMicroBatch.of(mb),), step.loss_tokens, 0, 0, 0, 0)
+    copy = pickle.loads(pickle.dumps(ticket))
+    assert b"ringpack.planner" not in pickle.dumps(ticket), "plain data: arrays and integers"
+    assert copy._microbatch is None and copy.microbatch == mb == ticket.microbatch
+    assert list(copy) == list(ticket) == list(mb.samples) and signature([copy]) == signature([ticket])
 
 
 @pytest.mark.slow

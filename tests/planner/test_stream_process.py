@@ -24,7 +24,14 @@ import ringpack.planner.stream as stream_module
 from ringpack.errors import PlanError
 from ringpack.planner import make_plan
 from ringpack.planner.epoch import global_batches, plan_step
-from ringpack.planner.stream import PROCESS_FROM_SAMPLES, PlannerDied, RankStep, StepStream, step_digest
+from ringpack.planner.stream import (
+    PROCESS_FROM_SAMPLES,
+    PackedMicroBatch,
+    PlannerDied,
+    RankStep,
+    StepStream,
+    step_digest,
+)
 from ringpack.shard_plan import PlanConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -110,8 +117,12 @@ def test_a_rank_part_is_the_ranks_microbatches_of_the_step():
     for s in (0, 1):
         part = stream.get_rank(s)
         step = whole.steps[s]
-        assert part == RankStep(s, 2, step.microbatches[2], len(step.microbatches[0]), step.loss_tokens,
-                                step_digest(step))  # fmt: skip
+        assert (part.index, part.rank, part.count) == (s, 2, len(step.microbatches[0]))
+        assert part.microbatches == step.microbatches[2] and part.parts == step.microbatches[2], "unpacked"
+        assert (part.loss_tokens, part.digest) == (step.loss_tokens, step_digest(step))
+        packed = RankStep.of(step, s, 2, part.digest, pack=True)
+        assert all(isinstance(p, PackedMicroBatch) for p in packed.parts)
+        assert packed.microbatches == step.microbatches[2], "packed and unpacked: the same micro-batches"
     stream.close(join_s=5)
 
 
@@ -239,3 +250,23 @@ def test_the_planner_process_dies_with_its_parent():
         parent.kill()
         parent.wait(30)
     assert gone(pid), "the planner process outlived its parent"
+
+
+@pytest.mark.slow
+def test_the_interpreter_exits_cleanly_while_a_planner_process_plans_ahead():
+    snippet = (
+        "import numpy as np\n"
+        "from ringpack.planner.stream import StepStream\n"
+        "from ringpack.shard_plan import PlanConfig\n"
+        "L = np.random.default_rng(0).integers(1, 4000, 4000)\n"
+        "s = StepStream(L, PlanConfig(dp=4, cp=4, tokens_per_rank=2048, samples_per_step=200), lookahead=8,\n"
+        "               planner='process')\n"
+        "s.get(0)\n"
+        "print(s.process_pid, flush=True)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = subprocess.run(
+        [sys.executable, "-c", snippet], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120
+    )
+    assert run.returncode == 0 and run.stderr == "", run.stderr
+    assert gone(int(run.stdout)), "the planner process outlived the interpreter"
