@@ -4,15 +4,14 @@ Each item is a :class:`MicroBatchTicket`: a ``list`` of sample indices in canoni
 also carries the micro-batch's plan and where it sits (epoch, step, index, cursor, the step's loss
 tokens, the plan hash). :class:`~ringpack.data.collator.PackedDataset` hands it with the token ids
 to :class:`~ringpack.data.collator.PackedCollator`, so workers never re-plan; a ticket pickles as
-plain integers.
+plain integers and arrays.
 
 The epoch's plan is a pure function of ``(lengths, config, seed, epoch)``, planned
-``lookahead_steps`` ahead in the background (:class:`~ringpack.planner.stream.StepStream`): by a
-planner process of this rank, or by a thread of this process (``planner=``); every DP rank plans
-alike without communicating. ``state_dict()`` / ``load_state_dict()``
-resume exactly: ``cursor`` counts the micro-batches yielded (the ``StatefulDataLoader``
-convention), ``load_state_dict`` seeks and never replays, and with a plain ``DataLoader``
-``state_dict(cursor=batch["cursor"])`` resumes right after that batch.
+``lookahead_steps`` ahead (:class:`~ringpack.planner.stream.StepStream`) by a planner process of
+this rank or a thread (``planner=``); every DP rank plans alike without communicating.
+``state_dict()`` / ``load_state_dict()`` resume exactly: ``cursor`` counts the micro-batches
+yielded (the ``StatefulDataLoader`` convention), ``load_state_dict`` seeks and never replays, and
+with a plain ``DataLoader`` ``state_dict(cursor=batch["cursor"])`` resumes right after that batch.
 
 See docs/data.md, "The sampler".
 """

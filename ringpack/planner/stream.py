@@ -1,27 +1,15 @@
 """Steps of one epoch's plan, planned a few steps ahead of their consumer, in a planner process or a thread.
 
 :class:`StepStream` plans step ``s`` exactly as :func:`~ringpack.planner.epoch.make_plan` plans
-``steps[s]`` (the same global batches, the same function), with the cost model in force at that
-step, so a streamed epoch equals the whole-epoch plan step for step on every rank, with no
-communication. Only a window of steps is kept: the one asked for last and up to ``lookahead``
-after it; of every step planned besides, its micro-batches per DP rank and a digest stay (a few
-bytes a step).
-
-A background thread decides what to plan: always the window's lowest step not planned yet, so no
-cost switch or jump leaves one unplanned. It sleeps while the window is full and ends when the
-epoch is planned, when the stream is closed or no longer used, and at interpreter exit (joined
-there). With ``planner="thread"`` it plans each step itself, holding the interpreter lock while it
-works; with ``planner="process"`` a planner process forked by that thread plans, and the thread
-only sends ``(step, cost model)`` and receives the step (with ``rank`` set, one DP rank's
-micro-batches as int64 arrays, the count and the digest), so a Python-heavy training loop keeps
-the interpreter. The process dies with the thread that forked it (``PR_SET_PDEATHSIG``, and a
-parent check in its heartbeat); a process that dies or stops answering is :class:`PlannerDied`
-for the step it was planning, raised where that step is asked for. ``planner="auto"`` takes the
-process on Linux for global batches of :data:`PROCESS_FROM_SAMPLES` samples or more, the thread
-otherwise.
-
-An exception raised while planning a step is kept with that step and raised again in the thread
-that asks for the step (the same object with the thread; an equal copy from the process). A
+``steps[s]``, with the cost model in force at that step, so a streamed epoch equals the whole-epoch
+plan on every rank, with no communication. Only a window of steps is kept (the one asked for last
+and ``lookahead`` after it), and each planned step's count and digest. A background thread plans
+whatever the window lacks, lowest step first, so no cost switch or jump leaves a step unplanned;
+it sleeps while the window is full and ends with the epoch, the stream, or the interpreter. With
+``planner="process"`` it has a forked planner process plan each step and send back one DP rank's
+micro-batches as arrays, so a Python-heavy training loop keeps the interpreter lock; the process
+dies with its thread and its parent, and one that dies or stalls is :class:`PlannerDied`, raised
+for its step. An exception planning a step is raised again where that step is asked for; a
 forked child plans in a thread (and process) of its own.
 
 See docs/data.md, "The sampler".
