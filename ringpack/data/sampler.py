@@ -4,14 +4,14 @@ Each item is a :class:`MicroBatchTicket`: a ``list`` of sample indices in canoni
 also carries the micro-batch's plan and where it sits (epoch, step, index, cursor, the step's loss
 tokens, the plan hash). :class:`~ringpack.data.collator.PackedDataset` hands it with the token ids
 to :class:`~ringpack.data.collator.PackedCollator`, so workers never re-plan; a ticket pickles as
-plain integers.
+plain integers and arrays.
 
-The epoch's plan is a pure function of ``(lengths, config, seed, epoch)``, planned in the main
-process by a background thread (:class:`~ringpack.planner.stream.StepStream`), ``lookahead_steps``
-ahead; every DP rank plans alike without communicating. ``state_dict()`` / ``load_state_dict()``
-resume exactly: ``cursor`` counts the micro-batches yielded (the ``StatefulDataLoader``
-convention), ``load_state_dict`` seeks and never replays, and with a plain ``DataLoader``
-``state_dict(cursor=batch["cursor"])`` resumes right after that batch.
+The epoch's plan is a pure function of ``(lengths, config, seed, epoch)``, planned
+``lookahead_steps`` ahead (:class:`~ringpack.planner.stream.StepStream`) by a planner process of
+this rank or a thread (``planner=``); every DP rank plans alike without communicating.
+``state_dict()`` / ``load_state_dict()`` resume exactly: ``cursor`` counts the micro-batches
+yielded (the ``StatefulDataLoader`` convention), ``load_state_dict`` seeks and never replays, and
+with a plain ``DataLoader`` ``state_dict(cursor=batch["cursor"])`` resumes right after that batch.
 
 See docs/data.md, "The sampler".
 """
@@ -34,7 +34,7 @@ from ringpack.cost import CostModel
 from ringpack.errors import PlanError
 from ringpack.lengths import DataError, sample_lengths
 from ringpack.mesh import mesh_coordinates
-from ringpack.planner.stream import LOOKAHEAD_STEPS, StepStream
+from ringpack.planner.stream import LOOKAHEAD_STEPS, PLANNERS, PackedMicroBatch, RankStep, StepStream
 from ringpack.shard_plan import MicroBatch, Piece, Plan, PlanConfig, RankShard, Step
 
 __all__ = ["BalancedBatchSampler", "MicroBatchTicket", "STATE_VERSION", "check_plan_options"]
@@ -67,6 +67,10 @@ def check_plan_options(options: dict[str, Any], set_by: dict[str, str], where: s
             raise PlanError(f"unknown {where} {key!r}; PlanConfig fields are {sorted(fields - set(set_by))}")
 
 
+def _pack_data(packed: PackedMicroBatch) -> tuple:
+    return (packed.samples, packed.pieces, packed.bounds, packed.loss_tokens)
+
+
 def _encode_microbatch(mb: MicroBatch) -> tuple:
     return (
         mb.samples,
@@ -75,7 +79,10 @@ def _encode_microbatch(mb: MicroBatch) -> tuple:
     )
 
 
-def _decode_microbatch(data: tuple) -> MicroBatch:
+def _decode_microbatch(data: tuple) -> MicroBatch | PackedMicroBatch:
+    """A micro-batch of :func:`_encode_microbatch`, or packed (left packed) of :func:`_pack_data`."""
+    if len(data) == 4:
+        return PackedMicroBatch(*data)
     samples, shards, loss_tokens = data
     return MicroBatch(
         samples=tuple(samples),
@@ -103,7 +110,7 @@ class MicroBatchTicket(list):
 
     def __init__(
         self,
-        microbatch: MicroBatch,
+        microbatch: MicroBatch | PackedMicroBatch,
         *,
         epoch: int,
         step: int,
@@ -117,12 +124,15 @@ class MicroBatchTicket(list):
         row_lengths: Sequence[int] | None = None,
         gpus_per_node: int | None = None,
     ) -> None:
-        rows = tuple(microbatch.samples) if rows is None else tuple(int(r) for r in rows)
+        rows = tuple(int(r) for r in microbatch.samples) if rows is None else tuple(int(r) for r in rows)
         self.gpus_per_node = gpus_per_node
         super().__init__(rows)
         self.offsets = tuple(0 for _ in rows) if offsets is None else tuple(int(o) for o in offsets)
         self.row_lengths = None if row_lengths is None else tuple(int(n) for n in row_lengths)
-        self.microbatch = microbatch
+        # a packed micro-batch (as the planner process sends it) is unpacked on first use: in the
+        # DataLoader worker that collates it, not in the process that hands it out
+        self._microbatch = microbatch if isinstance(microbatch, MicroBatch) else None
+        self._packed = None if isinstance(microbatch, MicroBatch) else microbatch
         self.epoch = epoch
         self.step = step
         self.index = index
@@ -130,6 +140,13 @@ class MicroBatchTicket(list):
         self.cursor = cursor
         self.step_loss_tokens = step_loss_tokens
         self.plan_hash = plan_hash
+
+    @property
+    def microbatch(self) -> MicroBatch:
+        """The micro-batch: its samples and every CP rank's pieces."""
+        if self._microbatch is None:
+            self._microbatch = self._packed.unpack()
+        return self._microbatch
 
     def __reduce__(self) -> tuple:
         meta = (
@@ -144,7 +161,13 @@ class MicroBatchTicket(list):
         )
         return (
             _rebuild_ticket,
-            (_encode_microbatch(self.microbatch), meta, tuple(self), self.offsets, self.row_lengths),
+            (
+                _encode_microbatch(self._microbatch) if self._packed is None else _pack_data(self._packed),
+                meta,
+                tuple(self),
+                self.offsets,
+                self.row_lengths,
+            ),
         )
 
     def __repr__(self) -> str:
@@ -183,23 +206,35 @@ class BalancedBatchSampler(_SamplerBase):
             ``tokens_per_rank``, ``strategy``, ``seed``, ``samples_per_step``, ``cost``, ...); its
             ``epoch`` is the first epoch iterated (:meth:`set_epoch` moves it).
         dp_rank: this rank's DP coordinate, in ``[0, config.dp)``.
+        planner: keyword only: where steps are planned ahead, ``"process"`` (a planner process of
+            this rank, forked, sending back this rank's micro-batches: the training loop keeps
+            the interpreter), ``"thread"`` (a thread of this process) or ``"auto"`` (the default:
+            the process on Linux for global batches of
+            :data:`~ringpack.planner.stream.PROCESS_FROM_SAMPLES` samples or more, else the
+            thread). Also the attribute ``planner``, read when an epoch's stream starts.
 
     Iterating yields one :class:`MicroBatchTicket` per micro-batch of this DP rank in the current
     epoch's plan (a ``list`` of dataset rows carrying the micro-batch's pieces on every CP rank),
-    planned a few steps ahead in a background thread; an error planning a step is raised when
-    iteration reaches it. ``len(sampler)`` is this rank's micro-batches in the current epoch (equal
+    planned a few steps ahead in the background; an error planning a step is raised when
+    iteration reaches it, and so is a planner process that died or stopped answering
+    (:class:`~ringpack.planner.stream.PlannerDied`, a ``PlanError``: one line naming the process,
+    how it ended and the step). ``len(sampler)`` is this rank's micro-batches in the current epoch (equal
     on every DP rank; without ``microbatches_per_rank`` it plans the steps not planned yet).
     See docs/data.md, "The sampler", for the handshake with the collator and for resume semantics.
 
     Raises:
         DataError: a bad length (naming the sample), a ``config`` that is not a :class:`PlanConfig`,
-            or ``dp_rank`` outside ``[0, config.dp)``.
+            ``dp_rank`` outside ``[0, config.dp)``, or ``planner`` not one of ``"auto"``,
+            ``"thread"``, ``"process"``.
         PlanError: an invalid plan option in the old spelling (naming the field); when iterating,
             lengths that cannot be planned (a sample longer than a CP group holds under
             ``overflow="error"``).
     """
 
     def __init__(self, lengths: Any, config: PlanConfig | Any = None, dp_rank: Any = None, *args: Any, **kwargs: Any):
+        planner = kwargs.pop("planner", "auto")
+        if planner not in PLANNERS:
+            raise DataError(f"planner must be one of {list(PLANNERS)}, got {planner!r}")
         if config is None and not args and not kwargs:
             raise DataError("BalancedBatchSampler(lengths, config, dp_rank): config must be a PlanConfig, got None")
         if config is None and "dp_size" in kwargs:  # the old spelling by keywords: dp_rank=..., dp_size=...
@@ -225,6 +260,8 @@ class BalancedBatchSampler(_SamplerBase):
         self._pending: int | None = None  # cursor the next __iter__ starts at (set by load_state_dict)
         #: steps planned ahead of the one the loader is in (a window of this many + 1 is kept)
         self.lookahead_steps = LOOKAHEAD_STEPS
+        #: where steps are planned ahead: "auto", "process" or "thread" (read when an epoch's stream starts)
+        self.planner = planner
         self._epochs: dict[int, _EpochSteps] = {}  # the current epoch's (and at most one more)
         self._whole: tuple[int, int, Plan] | None = None  # (epoch, switches, plan) of plan()
         self._docs: tuple[np.ndarray, np.ndarray] | None = None  # (row, offset) of each plan sample
@@ -239,7 +276,8 @@ class BalancedBatchSampler(_SamplerBase):
         Args:
             lengths: as for the constructor.
             tokens_per_rank, options: the :class:`PlanConfig` fields but ``dp`` and ``cp``
-                (``strategy``, ``seed``, ``samples_per_step``, ...).
+                (``strategy``, ``seed``, ``samples_per_step``, ...), and ``planner`` (as for the
+                constructor).
             mesh: a ``torch.distributed.DeviceMesh`` (2-D ``("dp", "cp")``, or larger with those
                 dimensions); this rank's DP coordinate and both sizes come from it.
 
@@ -248,9 +286,10 @@ class BalancedBatchSampler(_SamplerBase):
                 one of the two dimensions; and whatever the constructor raises.
         """
         c = mesh_coordinates(mesh, dp_dim, cp_dim)
+        planner = options.pop("planner", "auto")
         check_plan_options(options, {"epoch": "sampler.set_epoch(e)", "dp": "the mesh", "cp": "the mesh"})
         config = PlanConfig(dp=c.dp_size, cp=c.cp_size, tokens_per_rank=tokens_per_rank, **options)
-        return cls(lengths, config, c.dp_rank)
+        return cls(lengths, config, c.dp_rank, planner=planner)
 
     # ------------------------------------------------------------------ plan
     def plan(self, epoch: int | None = None) -> Plan:
@@ -287,9 +326,15 @@ class BalancedBatchSampler(_SamplerBase):
             for old in [e for e in self._epochs if e != self.epoch]:
                 self._epochs.pop(old).close()
             config = dataclasses.replace(self.config, epoch=epoch, cost=self._cost_at(epoch, 0))
-            steps = self._epochs[epoch] = _EpochSteps(
-                self, StepStream(self.lengths, config, self._schedule(epoch), self.lookahead_steps)
+            stream = StepStream(
+                self.lengths,
+                config,
+                self._schedule(epoch),
+                self.lookahead_steps,
+                planner=self.planner,
+                rank=self.dp_rank,
             )
+            steps = self._epochs[epoch] = _EpochSteps(self, stream)
         return steps
 
     def _schedule(self, epoch: int, switches: Sequence[tuple[int, int, CostModel]] | None = None) -> list:
@@ -404,10 +449,12 @@ class BalancedBatchSampler(_SamplerBase):
         epoch = self.epoch if epoch is None else epoch
         steps = self._steps_of(epoch)
         s, i, _ = steps.locate(position)
-        return self._ticket(steps.peek(s), s, i, position, epoch)
+        step = steps.peek(s)
+        return self._ticket(step.microbatches[self.dp_rank], step.loss_tokens, s, i, position, epoch)
 
-    def _ticket(self, step: Step, s: int, i: int, position: int, epoch: int) -> MicroBatchTicket:
-        mbs = step.microbatches[self.dp_rank]
+    def _ticket(
+        self, mbs: Sequence[MicroBatch | PackedMicroBatch], loss_tokens: int, s: int, i: int, position: int, epoch: int
+    ) -> MicroBatchTicket:
         doc_row, doc_offset = self._doc_map()
         samples = np.asarray(mbs[i].samples, dtype=np.int64)
         rows = doc_row[samples]
@@ -421,7 +468,7 @@ class BalancedBatchSampler(_SamplerBase):
             index=i,
             microbatches_in_step=len(mbs),
             cursor=position + 1,
-            step_loss_tokens=step.loss_tokens,
+            step_loss_tokens=loss_tokens,
             plan_hash=self._ticket_key(epoch),
             gpus_per_node=self.config.gpus_per_node,
         )
@@ -452,10 +499,10 @@ class BalancedBatchSampler(_SamplerBase):
         steps = self._steps_of(epoch)
         s, i, _ = steps.locate(position)
         while s < steps.stream.num_steps:
-            step = steps.get(s)  # planned ahead in the background; a planning error is raised here
-            count = len(step.microbatches[self.dp_rank])
+            part = steps.get(s)  # planned ahead in the background; a planning error is raised here
+            count = len(part.parts)
             while i < count:
-                ticket = self._ticket(step, s, i, position, epoch)
+                ticket = self._ticket(part.parts, part.loss_tokens, s, i, position, epoch)
                 position += 1
                 self._cursor = position
                 yield ticket
@@ -571,8 +618,9 @@ class _EpochSteps:
         if self._lo != 0:
             self._lo, self._starts = 0, [0]
 
-    def get(self, s: int) -> Step:
-        return self.stream.get(s)
+    def get(self, s: int) -> RankStep:
+        """This rank's part of step ``s``, planned ahead (the window moves to ``s``)."""
+        return self.stream.get_rank(s)
 
     def peek(self, s: int) -> Step:
         return self.stream.peek(s)
@@ -637,7 +685,9 @@ class _Trial:
         sampler = self.sampler
         schedule = sampler._schedule(epoch, self.switches)
         config = dataclasses.replace(sampler.config, epoch=epoch, cost=schedule[0][1])
-        return StepStream(sampler.lengths, config, schedule, sampler.lookahead_steps)
+        return StepStream(
+            sampler.lengths, config, schedule, sampler.lookahead_steps, planner=sampler.planner, rank=sampler.dp_rank
+        )
 
     def check_step(self, epoch: int, cursor: int, step: int, start: int, digest: str | None) -> _EpochSteps:
         """The state's step (holding micro-batch ``cursor - 1``) planned again and compared."""
@@ -651,7 +701,7 @@ class _Trial:
                 raise DataError(
                     f"sampler state key 'step': step {step} outside [0, {stream.num_steps}) of epoch {epoch}"
                 )
-            stream.get(step)  # the thread plans on from here
+            stream.get_rank(step)  # the planner plans on from here
             count = stream.count(step)
             if not start < cursor <= start + count:
                 raise DataError(
