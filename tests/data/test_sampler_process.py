@@ -10,7 +10,6 @@ import dataclasses
 import os
 import pickle
 import signal
-import threading
 import time
 
 import numpy as np
@@ -20,6 +19,7 @@ from torch.utils.data import DataLoader
 from ringpack.data import BalancedBatchSampler, DataError, PackedCollator, PackedDataset
 from ringpack.planner.stream import PackedMicroBatch, PlannerDied
 from ringpack.shard_plan import PlanConfig, PlanError
+from tests.helpers import deadline
 from tests.helpers.data import batch_signature, random_samples
 
 CONFIG = PlanConfig(dp=2, cp=2, tokens_per_rank=256, samples_per_step=40, seed=2)
@@ -42,21 +42,8 @@ def signature(tickets) -> list:
 
 
 def within(fn, deadline_s: float = DEADLINE_S):
-    out: dict = {}
-
-    def run() -> None:
-        try:
-            out["value"] = fn()
-        except BaseException as exc:  # handed to the test below
-            out["error"] = exc
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(deadline_s)
-    assert not t.is_alive(), f"still waiting after {deadline_s:.0f} s: the loop hung"
-    if "error" in out:
-        raise out["error"]
-    return out["value"]
+    """``fn()`` within the test's deadline (:func:`tests.helpers.deadline.within`)."""
+    return deadline.within(fn, deadline_s)
 
 
 def test_the_planner_option_is_checked_and_kept(samples):

@@ -13,7 +13,6 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from ringpack.planner.stream import (
     step_digest,
 )
 from ringpack.shard_plan import PlanConfig
+from tests.helpers import deadline
 
 ROOT = Path(__file__).resolve().parents[2]
 DEADLINE_S = 60.0
@@ -54,22 +54,8 @@ BASE = PlanConfig(**CONFIGS["robust default"])
 
 
 def within(fn, deadline_s: float = DEADLINE_S):
-    """``fn()`` in a thread; its result, or what it raised; fails the test if it runs past the deadline."""
-    out: dict = {}
-
-    def run() -> None:
-        try:
-            out["value"] = fn()
-        except BaseException as exc:  # handed to the test below
-            out["error"] = exc
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(deadline_s)
-    assert not t.is_alive(), f"still waiting after {deadline_s:.0f} s: the consumer hung"
-    if "error" in out:
-        raise out["error"]
-    return out["value"]
+    """``fn()`` within the test's deadline (:func:`tests.helpers.deadline.within`)."""
+    return deadline.within(fn, deadline_s)
 
 
 def gone(pid: int, timeout_s: float = 10.0) -> bool:
