@@ -108,11 +108,16 @@ class PackedMicroBatch:
         return cls(np.asarray(mb.samples, dtype=np.int64), pieces, bounds, int(mb.loss_tokens))
 
     def unpack(self) -> MicroBatch:
-        """The :class:`MicroBatch` (equal to the one packed)."""
+        """The :class:`MicroBatch` (equal to the one packed), its :attr:`~MicroBatch.piece_columns`
+        already read from the arrays (what compiling a schedule of it reads first)."""
         pieces = [Piece(*row) for row in self.pieces.tolist()]
         b = self.bounds.tolist()
         shards = tuple(RankShard(tuple(pieces[b[r] : b[r + 1]])) for r in range(len(b) - 1))
-        return MicroBatch(samples=tuple(self.samples.tolist()), shards=shards, loss_tokens=self.loss_tokens)
+        mb = MicroBatch(samples=tuple(self.samples.tolist()), shards=shards, loss_tokens=self.loss_tokens)
+        ranks = np.repeat(np.arange(len(b) - 1, dtype=np.int64), np.diff(self.bounds))
+        columns = (ranks, *(np.ascontiguousarray(self.pieces[:, k]) for k in range(3)))
+        mb.__dict__["piece_columns"] = columns  # the cached property's slot
+        return mb
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

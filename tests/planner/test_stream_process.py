@@ -31,7 +31,7 @@ from ringpack.planner.stream import (
     StepStream,
     step_digest,
 )
-from ringpack.shard_plan import PlanConfig
+from ringpack.shard_plan import PlanConfig, _piece_columns
 from tests.helpers import deadline
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -109,6 +109,9 @@ def test_a_rank_part_is_the_ranks_microbatches_of_the_step():
         packed = RankStep.of(step, s, 2, part.digest, pack=True)
         assert all(isinstance(p, PackedMicroBatch) for p in packed.parts)
         assert packed.microbatches == step.microbatches[2], "packed and unpacked: the same micro-batches"
+        for got, want in zip(packed.microbatches, step.microbatches[2]):  # the columns come with them
+            read = _piece_columns(want.shards)
+            assert all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(got.piece_columns, read))
     stream.close(join_s=5)
 
 
