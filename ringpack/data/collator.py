@@ -235,6 +235,16 @@ def rank_arrays(
     return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids, "cu_seqlens": cu.astype(np.int32)}
 
 
+def _extents(microbatch: MicroBatch) -> dict[int, int]:
+    """Each sample's length in the plan: the stop of its last piece, over every CP rank's pieces."""
+    _, sample, _, stop = microbatch.piece_columns
+    if not sample.size:
+        return {}
+    order = np.lexsort((stop, sample))
+    last = np.r_[sample[order][1:] != sample[order][:-1], True]
+    return dict(zip(sample[order][last].tolist(), stop[order][last].tolist()))
+
+
 def schedule_options_of(options: Any, owner: str, stacklevel: int = 3) -> ScheduleOptions:
     """``options`` as :class:`~ringpack.attention.ScheduleOptions` (None: the defaults).
 
@@ -422,6 +432,7 @@ class PackedCollator:
             t.row_lengths,
             gpus_per_node=t.gpus_per_node,
             rows=list(t),
+            positions=getattr(t, "positions", None),
         )
 
     def collate(
@@ -433,11 +444,16 @@ class PackedCollator:
         row_lengths: Sequence[int] | None = None,
         gpus_per_node: int | None = None,
         rows: Sequence[int] | None = None,
+        positions: Sequence[int] | None = None,
     ) -> dict[str, Any]:
         """Build the batch from a micro-batch and its samples' token ids (in ``microbatch.samples`` order).
 
         ``gpus_per_node``: the plan's node size, for the schedule's node-relayed exchange (the
         ticket's, from the sampler); ``schedule_options`` may override it.
+
+        ``positions``: ``tokens`` (and ``offsets``, ``row_lengths``, ``rows``) are those of
+        ``microbatch.samples[k]`` for ``k`` in ``positions`` only, which must include every sample
+        this CP rank holds pieces of (a sampler given ``cp_rank``: :attr:`MicroBatchTicket.positions`).
 
         ``offsets``/``row_lengths`` (from the ticket) locate plan documents inside longer dataset
         rows when ``overflow="split"`` cut them; by default each token array is the whole sample.
@@ -446,31 +462,34 @@ class PackedCollator:
             DataError: ``microbatch`` not a MicroBatch of this CP size, ``tokens`` not one token
                 array per sample, ``offsets``/``row_lengths`` not one per sample, a sample whose
                 tokens are not the plan's (the dataset changed, or a document runs past its row),
-                or a token id outside ``[0, vocab_size)`` (:func:`check_token_ids`).
+                a token id outside ``[0, vocab_size)`` (:func:`check_token_ids`), or ``positions``
+                without a sample this CP rank holds pieces of (the sampler's ``cp_rank`` is another).
         """
         if not isinstance(microbatch, MicroBatch):
             raise DataError(f"microbatch must be a ringpack MicroBatch, got {type(microbatch).__name__}")
         if not hasattr(tokens, "__len__") or isinstance(tokens, (str, bytes)):
             raise DataError(f"tokens must be a sequence of token-id arrays, got {type(tokens).__name__}")
-        for name, values in (("offsets", offsets), ("row_lengths", row_lengths), ("rows", rows)):
-            if values is not None and (not hasattr(values, "__len__") or len(values) != len(microbatch.samples)):
-                raise DataError(
-                    f"{name} must hold one integer per sample of the micro-batch ({len(microbatch.samples)})"
-                )
         if len(microbatch.shards) != self.cp_size:
             raise DataError(
                 f"micro-batch has {len(microbatch.shards)} CP shards but the collator is for cp_size={self.cp_size}"
             )
-        if len(tokens) != len(microbatch.samples):
-            raise DataError(f"micro-batch lists {len(microbatch.samples)} samples, got {len(tokens)} token arrays")
+        given = list(microbatch.samples) if positions is None else [microbatch.samples[k] for k in positions]
+        for name, values in (("offsets", offsets), ("row_lengths", row_lengths), ("rows", rows)):
+            if values is not None and (not hasattr(values, "__len__") or len(values) != len(given)):
+                raise DataError(f"{name} must hold one integer per sample of the micro-batch ({len(given)})")
+        if len(tokens) != len(given):
+            raise DataError(f"micro-batch lists {len(given)} samples, got {len(tokens)} token arrays")
         shard = microbatch.shards[self.cp_rank]
-        extent: dict[int, int] = {}  # each plan sample's length: the stop of its last piece
-        for other in microbatch.shards:
-            for p in other.pieces:
-                extent[p.sample] = max(extent.get(p.sample, 0), p.stop)
+        missing = {p.sample for p in shard.pieces} - set(given) if positions is not None else set()
+        if missing:
+            raise DataError(
+                f"cp rank {self.cp_rank}: the ticket has no rows of sample {min(missing)}, which this rank holds "
+                "pieces of: give the sampler and the collator the same cp_rank"
+            )
+        extent = _extents(microbatch)  # each plan sample's length: the stop of its last piece
         offsets = [0] * len(tokens) if offsets is None else offsets
         by_sample = {}
-        for k, (sample, ids) in enumerate(zip(microbatch.samples, tokens)):
+        for k, (sample, ids) in enumerate(zip(given, tokens)):
             ids = np.asarray(ids, dtype=np.int64).reshape(-1)
             want = extent.get(sample, -1) if row_lengths is None else row_lengths[k]
             if len(ids) != want:

@@ -105,7 +105,10 @@ class MicroBatchTicket(list):
     the epoch: the sampler state that resumes after it has ``cursor=ticket.cursor``),
     ``step_loss_tokens`` (loss tokens of the whole global batch of the step, all DP ranks),
     ``plan_hash`` and ``gpus_per_node`` (the plan's node size: the collator compiles the schedule's
-    node-relayed exchange for it; None for a plan without one).
+    node-relayed exchange for it; None for a plan without one), and ``positions``: None when the
+    list holds a row for every sample of the micro-batch, else the indices into
+    ``microbatch.samples`` of the samples it holds rows for, those one CP rank's pieces come from
+    (a sampler given ``cp_rank``), with ``offsets`` and ``row_lengths`` theirs.
     """
 
     def __init__(
@@ -123,9 +126,11 @@ class MicroBatchTicket(list):
         offsets: Sequence[int] | None = None,
         row_lengths: Sequence[int] | None = None,
         gpus_per_node: int | None = None,
+        positions: Sequence[int] | None = None,
     ) -> None:
         rows = tuple(int(r) for r in microbatch.samples) if rows is None else tuple(int(r) for r in rows)
         self.gpus_per_node = gpus_per_node
+        self.positions = None if positions is None else tuple(int(k) for k in positions)
         super().__init__(rows)
         self.offsets = tuple(0 for _ in rows) if offsets is None else tuple(int(o) for o in offsets)
         self.row_lengths = None if row_lengths is None else tuple(int(n) for n in row_lengths)
@@ -158,6 +163,7 @@ class MicroBatchTicket(list):
             self.step_loss_tokens,
             self.plan_hash,
             self.gpus_per_node,
+            self.positions,
         )
         return (
             _rebuild_ticket,
@@ -175,7 +181,7 @@ class MicroBatchTicket(list):
 
 
 def _rebuild_ticket(mb: tuple, meta: tuple, rows: tuple, offsets: tuple, row_lengths: tuple | None) -> MicroBatchTicket:
-    epoch, step, index, n, cursor, loss, plan_hash, gpus_per_node = meta
+    epoch, step, index, n, cursor, loss, plan_hash, gpus_per_node, positions = meta
     return MicroBatchTicket(
         _decode_microbatch(mb),
         epoch=epoch,
@@ -189,7 +195,18 @@ def _rebuild_ticket(mb: tuple, meta: tuple, rows: tuple, offsets: tuple, row_len
         offsets=offsets,
         row_lengths=row_lengths,
         gpus_per_node=gpus_per_node,
+        positions=positions,
     )
+
+
+def _positions_of(mb: MicroBatch | PackedMicroBatch, cp_rank: int) -> np.ndarray:
+    """Indices into ``mb.samples`` of the samples CP rank ``cp_rank`` holds pieces of, ascending."""
+    samples = np.asarray(mb.samples, dtype=np.int64)
+    if isinstance(mb, PackedMicroBatch):
+        mine = mb.pieces[mb.bounds[cp_rank] : mb.bounds[cp_rank + 1], 0]
+    else:
+        mine = np.fromiter((p.sample for p in mb.shards[cp_rank].pieces), dtype=np.int64)
+    return np.flatnonzero(np.isin(samples, mine))
 
 
 class BalancedBatchSampler(_SamplerBase):
@@ -212,6 +229,11 @@ class BalancedBatchSampler(_SamplerBase):
             the process on Linux for global batches of
             :data:`~ringpack.planner.stream.PROCESS_FROM_SAMPLES` samples or more, else the
             thread). Also the attribute ``planner``, read when an epoch's stream starts.
+        cp_rank: keyword only: this rank's CP coordinate, in ``[0, config.cp)``, for tickets that
+            list only the rows its pieces come from (:attr:`MicroBatchTicket.positions`), so its
+            loader reads those samples, not the whole micro-batch's (on a pool of thousands of
+            ranks, the whole global batch); give the collator the same CP rank. None (the
+            default): every sample's row.
 
     Iterating yields one :class:`MicroBatchTicket` per micro-batch of this DP rank in the current
     epoch's plan (a ``list`` of dataset rows carrying the micro-batch's pieces on every CP rank),
@@ -224,8 +246,8 @@ class BalancedBatchSampler(_SamplerBase):
 
     Raises:
         DataError: a bad length (naming the sample), a ``config`` that is not a :class:`PlanConfig`,
-            ``dp_rank`` outside ``[0, config.dp)``, or ``planner`` not one of ``"auto"``,
-            ``"thread"``, ``"process"``.
+            ``dp_rank`` outside ``[0, config.dp)``, a ``cp_rank`` outside ``[0, config.cp)``, or
+            ``planner`` not one of ``"auto"``, ``"thread"``, ``"process"``.
         PlanError: an invalid plan option in the old spelling (naming the field); when iterating,
             lengths that cannot be planned (a sample longer than a CP group holds under
             ``overflow="error"``).
@@ -233,6 +255,7 @@ class BalancedBatchSampler(_SamplerBase):
 
     def __init__(self, lengths: Any, config: PlanConfig | Any = None, dp_rank: Any = None, *args: Any, **kwargs: Any):
         planner = kwargs.pop("planner", "auto")
+        cp_rank = kwargs.pop("cp_rank", None)
         if planner not in PLANNERS:
             raise DataError(f"planner must be one of {list(PLANNERS)}, got {planner!r}")
         if config is None and not args and not kwargs:
@@ -248,10 +271,14 @@ class BalancedBatchSampler(_SamplerBase):
             )
         if not is_int(dp_rank) or not 0 <= dp_rank < config.dp:
             raise DataError(f"dp_rank must be in [0, {config.dp}) (config.dp), got {dp_rank!r}")
+        if cp_rank is not None and (not is_int(cp_rank) or not 0 <= cp_rank < config.cp):
+            raise DataError(f"cp_rank must be None or in [0, {config.cp}) (config.cp), got {cp_rank!r}")
         first_epoch = config.epoch
         self.config = dataclasses.replace(config, epoch=0)
         self.lengths = sample_lengths(lengths)
         self.dp_rank = int(dp_rank)
+        #: the CP rank whose pieces' rows the tickets list (None: every sample's)
+        self.cp_rank = None if cp_rank is None else int(cp_rank)
         self._base_cost = self.config.cost
         # (epoch, step, cost model): from that step on the plan uses that model (set_cost_model)
         self._switches: list[tuple[int, int, CostModel]] = []
@@ -457,9 +484,13 @@ class BalancedBatchSampler(_SamplerBase):
     ) -> MicroBatchTicket:
         doc_row, doc_offset = self._doc_map()
         samples = np.asarray(mbs[i].samples, dtype=np.int64)
+        positions = None if self.cp_rank is None else _positions_of(mbs[i], self.cp_rank)
+        if positions is not None:
+            samples = samples[positions]
         rows = doc_row[samples]
         return MicroBatchTicket(
             mbs[i],
+            positions=None if positions is None else positions.tolist(),
             rows=rows.tolist(),
             offsets=doc_offset[samples].tolist(),
             row_lengths=self.lengths[rows].tolist(),

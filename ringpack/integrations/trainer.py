@@ -314,7 +314,8 @@ class RingpackTrainer(Trainer):
             raise DataError("RingpackTrainer: training requires a train_dataset")
         config, c, args = self.ringpack, self.coordinates, self.args
         dataset = PackedDataset(self.train_dataset, config.column)
-        self.sampler = BalancedBatchSampler(_lengths(dataset, config), config.plan, c.dp_rank)
+        # tickets list only the rows this CP rank's pieces come from: its loader reads no other sample
+        self.sampler = BalancedBatchSampler(_lengths(dataset, config), config.plan, c.dp_rank, cp_rank=c.cp_rank)
         dropped = self.sampler.dropped  # overflow="drop" leaves samples out by request: say how many
         if dropped:
             logger.warning(

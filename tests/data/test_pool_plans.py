@@ -74,3 +74,43 @@ def test_sampler_collator_and_shards_give_every_token_once(samples, lengths, tmp
 def _routes(ex) -> tuple:
     """What a relayed exchange map moves where (its fields without the tensors)."""
     return (ex.sources, ex.via, ex.recv_tokens, ex.dests, ex.send_tokens, ex.relay_in, ex.proxied)
+
+
+@pytest.mark.parametrize("planner", ["thread", pytest.param("process", marks=pytest.mark.slow)])
+def test_a_cp_ranks_tickets_list_only_the_rows_its_pieces_come_from(samples, lengths, planner):
+    """With ``cp_rank``, a ticket lists the rows of the samples that rank holds pieces of (its loader
+    reads no other), and the rank's batches are those of the whole micro-batch's rows, bit for bit;
+    a collator of another CP rank refuses such a ticket in one line."""
+    import pickle
+
+    from ringpack.errors import DataError
+
+    ds = datasets.Dataset.from_dict({"input_ids": [s.tolist() for s in samples]})
+    config = ringpack.plan(lengths, world=WORLD, tokens_per_rank=T, **OPTS).config
+    whole = list(BalancedBatchSampler(lengths, config, 0, planner="thread"))
+    fewer = 0
+    for c in range(WORLD):
+        sampler = BalancedBatchSampler(lengths, config, 0, cp_rank=c, planner=planner)
+        tickets = list(sampler)
+        assert [t.cursor for t in tickets] == [t.cursor for t in whole]
+        collator = PackedCollator(c, WORLD)
+        for mine, every in zip(tickets, whole):
+            own = {p.sample for p in every.microbatch.shards[c].pieces}
+            assert [every.microbatch.samples[k] for k in mine.positions] == [
+                s for s in every.microbatch.samples if s in own
+            ]
+            assert list(mine) == [every[k] for k in mine.positions]
+            fewer += len(mine) < len(every)
+            got = collator(PackedDataset(ds).__getitems__(mine))
+            want = collator(PackedDataset(ds).__getitems__(every))
+            assert batch_signature(got) == batch_signature(want)
+            copy = pickle.loads(pickle.dumps(mine))
+            assert copy.positions == mine.positions and list(copy) == list(mine)
+    assert fewer > 0, "some rank reads fewer rows than the micro-batch holds"
+    ticket = next(t for t in BalancedBatchSampler(lengths, config, 0, cp_rank=0) if len(t) < len(t.microbatch.samples))
+    other = next(c for c in range(1, WORLD) if {p.sample for p in ticket.microbatch.shards[c].pieces} - set(ticket))
+    with pytest.raises(DataError, match=rf"^cp rank {other}: the ticket has no rows of sample \d+") as err:
+        PackedCollator(other, WORLD)(PackedDataset(ds).__getitems__(ticket))
+    assert "\n" not in str(err.value)
+    with pytest.raises(DataError, match=r"cp_rank must be None or in \[0, 8\)"):
+        BalancedBatchSampler(lengths, config, 0, cp_rank=WORLD)

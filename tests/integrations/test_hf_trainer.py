@@ -301,11 +301,11 @@ def test_a_row_with_a_token_id_the_model_cannot_embed_is_refused_naming_it(tmp_p
 @pytest.mark.parametrize("mode", ["ulysses", "allgather"])
 def test_the_mode_flows_to_the_attention_with_ring_s_loss_and_gradients(tmp_path, monkeypatch, mode):
     """One process: the first micro-batch's loss and gradients under ``mode`` equal ``mode="ring"``'s (fp64)."""
-    from ringpack.attention import api
+    from ringpack.attention import dispatch
 
     calls = []
-    real = api.head_parallel_attention
-    monkeypatch.setattr(api, "head_parallel_attention", lambda *args: calls.append(args[5]) or real(*args))
+    real = dispatch.head_parallel_attention
+    monkeypatch.setattr(dispatch, "head_parallel_attention", lambda *args: calls.append(args[5]) or real(*args))
     results = []
     for m in ("ring", mode):
         trainer = _trainer(tmp_path, mode=m)
