@@ -17,7 +17,9 @@ one micro-batch: the pool is one CP group). Per pool size:
   each, and each sampled rank's partners (relays included, from its schedule).
 * ``collate``: CPU milliseconds of ``PackedCollator.collate`` of one micro-batch for the first rank
   and the rank with most partners, schedule compiled (cold) and not. Token arrays are views of
-  one array (no fetch cost): this times the collator's own work on a micro-batch of the whole pool.
+  one array (no fetch cost): this times the collator's own work on a micro-batch of the whole pool,
+  with every sample's tokens and (``o``) with only the samples the rank's pieces come from, as a
+  sampler given ``cp_rank`` lists them.
 
 The targets: ``compile_schedule`` of one rank of an 8,192-rank pool in <= 50 ms (median and worst);
 one global batch planned in <= 1 s at 8,192 ranks and <= 150 ms at 1,024, on one core.
@@ -40,6 +42,7 @@ import ringpack
 from ringpack.analysis.simulate import synthetic_lengths
 from ringpack.attention import compile_schedule
 from ringpack.data.collator import PackedCollator
+from ringpack.data.sampler import _positions_of
 from ringpack.shard_plan import MicroBatch
 from ringpack.traffic import receivers
 
@@ -108,6 +111,12 @@ def one_pool(lengths: np.ndarray, world: int, args: argparse.Namespace) -> dict:
             forget_columns(mb)
             ms, _ = cpu_ms(lambda: collator.collate(mb, tokens, gpus_per_node=GPUS_PER_NODE))
             collate.append({"rank": r, "schedule": compiled, "ms": ms})
+            # the ticket of a sampler given the rank's cp_rank: only the samples its pieces come from
+            own = _positions_of(mb, r).tolist()
+            mine = [tokens[k] for k in own]
+            forget_columns(mb)
+            ms, _ = cpu_ms(lambda: collator.collate(mb, mine, gpus_per_node=GPUS_PER_NODE, positions=own))
+            collate.append({"rank": r, "schedule": compiled, "ms": ms, "own_rows": len(own)})
     cold = [x["cold_ms"] for x in per_rank]
     warm = [x["warm_ms"] for x in per_rank]
     return {
@@ -142,13 +151,15 @@ def main() -> None:
         row = one_pool(lengths, world, args)
         rows.append(row)
         cold, warm = row["compile_cold_ms"], row["compile_warm_ms"]
-        collate = " ".join(f"{x['ms']:.0f}" + ("" if x["schedule"] else "*") for x in row["collate"])
+        collate = " ".join(
+            f"{x['ms']:.0f}" + ("" if x["schedule"] else "*") + ("o" if "own_rows" in x else "") for x in row["collate"]
+        )
         print(
             f"{world:>6} {row['samples']:>8} {row['pieces']:>7} {row['plan_seconds']:>7.3f} "
             f"{cold['median']:>15.1f} / {cold['worst']:<13.1f} {warm['median']:>5.1f} / {warm['worst']:<5.1f} "
             f"{max(x['partners'] for x in row['compile_ranks']):>12} {collate:>24}"
         )
-    print("collate: ranks 0 and the busiest, with the schedule and without (*)")
+    print("collate: ranks 0 and the busiest, with the schedule and without (*), all rows and own rows (o)")
     result = {"machine": platform.platform(), "processor": platform.processor(), "args": vars(args), "pools": rows}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
