@@ -42,7 +42,7 @@ import ringpack
 from ringpack.analysis.simulate import synthetic_lengths
 from ringpack.attention import compile_schedule
 from ringpack.data.collator import PackedCollator
-from ringpack.data.sampler import _positions_of
+from ringpack.data.sampler import rank_positions
 from ringpack.shard_plan import MicroBatch
 from ringpack.traffic import receivers
 
@@ -112,7 +112,7 @@ def one_pool(lengths: np.ndarray, world: int, args: argparse.Namespace) -> dict:
             ms, _ = cpu_ms(lambda: collator.collate(mb, tokens, gpus_per_node=GPUS_PER_NODE))
             collate.append({"rank": r, "schedule": compiled, "ms": ms})
             # the ticket of a sampler given the rank's cp_rank: only the samples its pieces come from
-            own = _positions_of(mb, r).tolist()
+            own = rank_positions(mb, r).tolist()
             mine = [tokens[k] for k in own]
             forget_columns(mb)
             ms, _ = cpu_ms(lambda: collator.collate(mb, mine, gpus_per_node=GPUS_PER_NODE, positions=own))

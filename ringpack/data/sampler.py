@@ -37,7 +37,7 @@ from ringpack.mesh import mesh_coordinates
 from ringpack.planner.stream import LOOKAHEAD_STEPS, PLANNERS, PackedMicroBatch, RankStep, StepStream
 from ringpack.shard_plan import MicroBatch, Piece, Plan, PlanConfig, RankShard, Step
 
-__all__ = ["BalancedBatchSampler", "MicroBatchTicket", "STATE_VERSION", "check_plan_options"]
+__all__ = ["BalancedBatchSampler", "MicroBatchTicket", "STATE_VERSION", "check_plan_options", "rank_positions"]
 
 #: Version 2: a state names the step its cursor is in and that step's digest (checked by planning
 #: it again), not the whole plan's hash; version-1 states still load.
@@ -199,8 +199,9 @@ def _rebuild_ticket(mb: tuple, meta: tuple, rows: tuple, offsets: tuple, row_len
     )
 
 
-def _positions_of(mb: MicroBatch | PackedMicroBatch, cp_rank: int) -> np.ndarray:
-    """Indices into ``mb.samples`` of the samples CP rank ``cp_rank`` holds pieces of, ascending."""
+def rank_positions(mb: MicroBatch | PackedMicroBatch, cp_rank: int) -> np.ndarray:
+    """Indices into ``mb.samples`` of the samples CP rank ``cp_rank`` holds pieces of, ascending
+    (int64; what a sampler given ``cp_rank`` lists in :attr:`MicroBatchTicket.positions`)."""
     samples = np.asarray(mb.samples, dtype=np.int64)
     if isinstance(mb, PackedMicroBatch):
         mine = mb.pieces[mb.bounds[cp_rank] : mb.bounds[cp_rank + 1], 0]
@@ -484,7 +485,7 @@ class BalancedBatchSampler(_SamplerBase):
     ) -> MicroBatchTicket:
         doc_row, doc_offset = self._doc_map()
         samples = np.asarray(mbs[i].samples, dtype=np.int64)
-        positions = None if self.cp_rank is None else _positions_of(mbs[i], self.cp_rank)
+        positions = None if self.cp_rank is None else rank_positions(mbs[i], self.cp_rank)
         if positions is not None:
             samples = samples[positions]
         rows = doc_row[samples]
