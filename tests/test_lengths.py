@@ -62,7 +62,7 @@ def test_sliced_and_chunked_list_arrays():
 def test_errors_name_file_and_column(files):
     with pytest.raises(ValueError, match=r"t.parquet: no column 'nope'"):
         read_lengths(files / "t.parquet", "nope")
-    with pytest.raises(ValueError, match=r"t.feather, column 'text' has type string"):
+    with pytest.raises(ValueError, match=r"t.feather, column 'text' holds text, not lengths: count its tokens"):
         read_lengths(files / "t.feather", "text")
     with pytest.raises(FileNotFoundError, match="missing.parquet"):
         read_lengths(files / "missing.parquet")
