@@ -31,11 +31,12 @@ from ringpack.cli.flags import (
 from ringpack.cli.input_kinds import check_flags_apply
 from ringpack.cli.inputs import (
     cost_model,
-    lengths_from_flag,
+    lengths_from_args,
     plan_config_from_args,
     progress,
     samples_per_step,
 )
+from ringpack.cli.inputs import lengths_kind as input_lengths_kind
 from ringpack.cli.layout import (
     AUTO,
     add_cp_auto,
@@ -128,8 +129,8 @@ def drawn_lengths(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def lengths_kind(args: argparse.Namespace) -> str:
-    """``simulate``'s kind of input (see :data:`~ringpack.cli.input_kinds.TABLE`): lengths, stdlib or lognormal."""
-    return "lengths" if args.lengths else args.dist or DRAWN["dist"]
+    """``simulate``'s kind of input (:data:`~ringpack.cli.input_kinds.TABLE`): lengths, text, stdlib or lognormal."""
+    return input_lengths_kind(args) if args.lengths else args.dist or DRAWN["dist"]
 
 
 def run_simulate(args: argparse.Namespace) -> int:
@@ -149,7 +150,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     variants(args)  # validate options before any slow work
     peer_names(args)
     if args.lengths:
-        lengths = lengths_from_flag(args.lengths, args.column)
+        lengths = lengths_from_args(args)
     else:
         lengths = synthetic_lengths(
             drawn["samples"], drawn["dist"], seed=args.seed, median=drawn["median"], sigma=drawn["sigma"]
