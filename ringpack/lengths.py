@@ -218,7 +218,7 @@ def _as_int64(values: Any, what: str, error: type[ValueError]) -> np.ndarray:
         if isinstance(value, str):  # the text itself stays out of the message
             raise error(f"{what}: sample {i} holds text, not a length; count its tokens with {option('text_column')}")
         if not isinstance(value, (int, float, bool, type(None))):
-            raise error(f"{what}: sample {i} holds a {type(value).__name__}, not a length")
+            raise error(f"{what}: sample {i} holds a {type(value).__name__} value, not a length")
         raise error(f"{what}: sample {i} has length {value!r:.60}; lengths must be integers of int64's range")
     return arr.astype(np.int64)
 
@@ -621,7 +621,8 @@ def _read_texts(path: Path, column: str, batch_size: int) -> Texts:
         texts = [r[column] for r in records]
         bad = next((k for k, t in enumerate(texts) if t is not None and not isinstance(t, str)), None)
         if bad is not None:
-            raise DataError(f"{path}, column {column!r}: record {bad} holds a {type(texts[bad]).__name__}, not text")
+            kind = type(texts[bad]).__name__
+            raise DataError(f"{path}, column {column!r}: record {bad} holds a {kind} value, not text")
         return len(texts), (texts[start : start + batch_size] for start in range(0, len(texts), batch_size))
     if suffix == ".csv":
         try:
