@@ -19,8 +19,6 @@ from typing import Any
 
 from ringpack.comm_model import LINKS
 from ringpack.cost import MAX_SAMPLE_TOKENS, CostModel
-from ringpack.lengths import DEFAULT_TEXT_COLUMN, TEXT_FORMATS
-from ringpack.lengths import FORMATS as LENGTHS_FORMATS
 from ringpack.shard_plan import MAX_CP, PACKINGS, STRATEGIES, PlanConfig
 
 
@@ -40,19 +38,6 @@ REQUIRED: Any = _Marker("REQUIRED")
 MAX_COUNT = 1 << 62
 #: Largest tokens per rank a flag accepts (``PlanConfig`` refuses more than this per CP group).
 MAX_TOKENS = MAX_SAMPLE_TOKENS
-#: ``--lengths`` of every command that plans lengths.
-LENGTHS_HELP = (
-    f"sample lengths: {LENGTHS_FORMATS}; with --text-column or --tokenizer, texts ({TEXT_FORMATS}) "
-    "whose tokens are counted"
-)
-COLUMN_HELP = (
-    "column of lengths or token-id lists (default: a file's only column, else the first there is of "
-    "length, lengths, num_tokens, n_tokens, input_ids, tokens; a saved dataset's input_ids or tokens first)"
-)
-#: The regex tokenizer's id range when ``--vocab-size`` is not given.
-DEFAULT_VOCAB = 65536
-#: Where the length cache is (``--no-length-cache``'s help).
-LENGTH_CACHE_DIR = "$RINGPACK_CACHE/lengths, else ~/.cache/ringpack/lengths"
 #: The mesh of the commands that explore plans without writing one for training (report, simulate,
 #: demo); ``plan`` and ``shard`` write what a training run loads, so there the sizes must be given.
 EXPLORE_MESH = {"dp": 4, "cp": 4, "tokens_per_rank": 32768}
@@ -294,49 +279,6 @@ def config_fields(config: type) -> dict[str, dataclasses.Field]:
 
 
 # ---------------------------------------------------------------------------------- shared flags
-def add_lengths_flags(parser: Any, *, required: bool, what: str = "") -> None:
-    """``--lengths`` and ``--column``, then the text flags (:func:`add_text_flags`): the same sources and
-    help on every command that plans lengths."""
-    flag(parser, "--lengths", default=REQUIRED if required else None, metavar="PATH", help=LENGTHS_HELP + what)
-    flag(parser, "--column", help=COLUMN_HELP + "; not with --text-column")
-    add_text_flags(parser, counted="count the tokens of this text column of --lengths", cache="read")
-
-
-def add_text_flags(parser: Any, *, counted: str, cache: str, tail: str = "") -> None:
-    """``--text-column``, ``--tokenizer``, ``--vocab-size``, ``--no-length-cache``: texts and their tokenizer,
-    the same on ``shard`` (which tokenizes) and the commands that plan lengths (which count tokens).
-
-    Args:
-        counted: what the command does with the text column (the start of ``--text-column``'s help).
-        cache: what the command does with the length cache (``"read"``: reads and writes it; else
-            writes it only).
-        tail: appended to every help (``shard``: when the flags apply).
-    """
-    flag(parser, "--text-column", help=f"{counted} (default: {DEFAULT_TEXT_COLUMN})" + tail)
-    flag(
-        parser,
-        "--tokenizer",
-        help="Hugging Face tokenizer.json (or its folder), a save_pretrained folder or a Hub name; "
-        "default: the regex tokenizer" + tail,
-    )
-    flag(
-        parser,
-        "--vocab-size",
-        type=integer(1, 1 << 31),
-        help=f"id range of the regex tokenizer's hashed ids (default: {DEFAULT_VOCAB}; not with --tokenizer; "
-        "token counts do not depend on it)" + tail,
-    )
-    reads = "count tokens again instead of reading the length cache, and store nothing in it"
-    writes = "store no token counts in the length cache"
-    flag(
-        parser,
-        "--no-length-cache",
-        default=False,
-        action="store_true",
-        help=f"{reads if cache == 'read' else writes} ({LENGTH_CACHE_DIR})" + tail,
-    )
-
-
 def add_plan_flags(parser: Any, *, defaults: Mapping[str, Any] = {}, skip: Iterable[str] = ()) -> None:
     """The planner's flags, one per :class:`~ringpack.shard_plan.PlanConfig` field, then ``--global-batch-tokens``.
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -18,13 +17,9 @@ import numpy as np
 from ringpack.cli.flags import config_fields
 from ringpack.cost import PRESETS, CostModel
 from ringpack.errors import DataError
-from ringpack.lengths import DEFAULT_TEXT_COLUMN, lengths_from_file, text_lengths
+from ringpack.lengths import lengths_from_file
 from ringpack.progress import Progress
 from ringpack.shard_plan import PlanConfig, global_batch_samples
-
-logger = logging.getLogger("ringpack.cli")
-#: The flags that say a command counts the tokens of a text column (:func:`counts_text`).
-TEXT_FLAGS = ("text_column", "tokenizer", "vocab_size")
 
 
 def cost_model_from_arg(value: str, flag: str = "--model"):
@@ -118,62 +113,6 @@ def lengths_from_flag(path: str, column: str | None = None, flag: str = "--lengt
     lengths = lengths_from_file(path, column)
     if not lengths.size:
         raise DataError(f"{flag} {path} holds no samples")
-    return lengths
-
-
-def counts_text(args: argparse.Namespace) -> bool:
-    """Whether ``--lengths`` holds texts whose tokens are counted (``--text-column``, ``--tokenizer`` or
-    ``--vocab-size`` given)."""
-    return any(getattr(args, name, None) is not None for name in TEXT_FLAGS)
-
-
-def lengths_kind(args: argparse.Namespace) -> str:
-    """The kind of ``--lengths`` (:data:`~ringpack.cli.input_kinds.TABLE`): ``"text"`` or ``"lengths"``."""
-    return "text" if counts_text(args) else "lengths"
-
-
-def text_column(args: argparse.Namespace) -> str:
-    """The text column of ``--text-column``, else ``text`` (as ``ringpack shard`` tokenizes)."""
-    return args.text_column or DEFAULT_TEXT_COLUMN
-
-
-def check_text_flags(args: argparse.Namespace) -> None:
-    """Refuse ``--vocab-size`` with ``--tokenizer`` (``ValueError``): a real tokenizer has its own ids."""
-    if args.tokenizer and args.vocab_size is not None:
-        raise ValueError(
-            "--vocab-size sets the id range of the regex tokenizer's hashed ids; "
-            f"--tokenizer {args.tokenizer} has its own vocabulary (leave --vocab-size out)"
-        )
-
-
-def lengths_from_args(args: argparse.Namespace, flag: str = "--lengths") -> np.ndarray:
-    """The sample lengths of ``--lengths``: read as they are, or the token counts of its text column.
-
-    With the text flags (:func:`counts_text`) the tokens of :func:`text_column` are counted by
-    ``--tokenizer`` (default: the regex tokenizer), or read from the length cache unless
-    ``--no-length-cache``; a line on stderr says when they came from the cache.
-
-    Raises:
-        DataError: an unreadable file, a bad length or row (named, never quoted), or no samples.
-        FileNotFoundError: no file at ``--lengths`` or ``--tokenizer``.
-        ValueError: ``--vocab-size`` with ``--tokenizer``.
-    """
-    if not counts_text(args):
-        return lengths_from_flag(args.lengths, args.column, flag)
-    check_text_flags(args)
-    column = text_column(args)
-    with progress(args, f"counting tokens of column {column!r}", "rows") as bar:
-        lengths, cached = text_lengths(
-            args.lengths, column, args.tokenizer, cache=not args.no_length_cache, progress=bar.advance_to
-        )
-    if not lengths.size:
-        raise DataError(f"{flag} {args.lengths} holds no samples")
-    if cached and not getattr(args, "quiet", False):
-        logger.info(
-            "token counts of column %r of %s from the length cache (--no-length-cache counts them again)",
-            column,
-            args.lengths,
-        )
     return lengths
 
 

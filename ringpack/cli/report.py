@@ -18,17 +18,16 @@ from ringpack.analysis.report import build_report, format_ranks, format_table, r
 from ringpack.analysis.simulate import measure_variants
 from ringpack.cli.compare import add_compare_flags, check_outputs, comm_models, emit, peer_names, variants
 from ringpack.cli.config_file import add_config_file_flag
-from ringpack.cli.flags import COUNT, EXPLORE_MESH, add_lengths_flags, flag, integer, new_command
+from ringpack.cli.flags import COUNT, EXPLORE_MESH, flag, integer, new_command
 from ringpack.cli.input_kinds import check_flags_apply
 from ringpack.cli.inputs import (
     cost_model,
-    lengths_from_args,
-    lengths_kind,
     plan_config_from_args,
     progress,
     samples_per_step,
 )
 from ringpack.cli.layout import add_layout_flags, layout_table, resolve_layout
+from ringpack.cli.lengths_input import add_lengths_flags, lengths_from_args, lengths_kind
 from ringpack.data.corpus import stdlib_corpus
 from ringpack.planner.epoch import global_batches
 from ringpack.shard_plan import Plan

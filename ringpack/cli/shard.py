@@ -14,17 +14,16 @@ from ringpack import length_cache
 from ringpack.cli.config_file import add_config_file_flag
 from ringpack.cli.flags import (
     COUNT,
-    DEFAULT_VOCAB,
     PROCESSES,
     REQUIRED,
     add_plan_flags,
     add_quiet_flag,
-    add_text_flags,
     flag,
     new_command,
 )
 from ringpack.cli.input_kinds import check_flags_apply
-from ringpack.cli.inputs import check_text_flags, plan_config_from_args, samples_per_step
+from ringpack.cli.inputs import plan_config_from_args, samples_per_step
+from ringpack.cli.lengths_input import DEFAULT_VOCAB, add_text_flags, check_text_flags
 from ringpack.data.shard_writer import check_out_dir, write_shards
 from ringpack.data.sources import SOURCES, load_source, tokenize_dataset
 from ringpack.errors import DataError
@@ -56,7 +55,7 @@ def add_command(subparsers: Any) -> None:
     flag(p, "--split", help="split of a saved DatasetDict or a Hub dataset (default: train; files have none)")
     flag(p, "--column", default="input_ids", help="token-id column")
     tokenizing = "; only when the dataset has no token-id column"
-    add_text_flags(p, counted="tokenize this text column", cache="write", tail=tokenizing)
+    add_text_flags(p)
     flag(p, "--num-proc", type=PROCESSES, help="processes for tokenizing" + tokenizing)
     flag(
         p,

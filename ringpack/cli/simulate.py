@@ -21,7 +21,6 @@ from ringpack.cli.flags import (
     NON_NEGATIVE_REAL,
     POSITIVE,
     POSITIVE_REAL,
-    add_lengths_flags,
     flag,
     hidden_alias,
     integer,
@@ -31,12 +30,10 @@ from ringpack.cli.flags import (
 from ringpack.cli.input_kinds import check_flags_apply
 from ringpack.cli.inputs import (
     cost_model,
-    lengths_from_args,
     plan_config_from_args,
     progress,
     samples_per_step,
 )
-from ringpack.cli.inputs import lengths_kind as input_lengths_kind
 from ringpack.cli.layout import (
     AUTO,
     add_cp_auto,
@@ -45,6 +42,8 @@ from ringpack.cli.layout import (
     layout_table,
     node_size,
 )
+from ringpack.cli.lengths_input import add_lengths_flags, lengths_from_args
+from ringpack.cli.lengths_input import lengths_kind as input_lengths_kind
 from ringpack.shard_plan import STRATEGIES
 
 #: ``simulate``'s drawn lengths when their flags are not given (each flag applies to drawn lengths only;
