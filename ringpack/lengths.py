@@ -478,7 +478,7 @@ def _dataset_column(names: list[str] | None, column: str | None) -> str:
     hint = ""
     if "text" in names:
         hint = (
-            " (tokenize the text first: `ringpack shard --text-column text` does)"
+            " (count the tokens of its text with --text-column text)"
             if on_command_line()
             else " (pass text_column= and a tokenizer to count tokens of a text column)"
         )
@@ -580,10 +580,12 @@ def _read_texts(path: Path, column: str, batch_size: int) -> Texts:
     The values read are never quoted in an error: only the file, the column and the row.
     """
     if path.is_dir():
-        import datasets
-
         if not any((path / marker).is_file() for marker in SAVED_DATASET_MARKERS):
             raise DataError(f"{path} is a folder but not a saved `datasets` folder (no state.json)")
+        try:
+            import datasets
+        except ImportError:
+            raise DataError(f"{path} is a saved `datasets` folder; reading it needs `pip install datasets`") from None
         try:
             ds = datasets.load_from_disk(str(path))
         except Exception as exc:  # datasets raises many types for a damaged folder

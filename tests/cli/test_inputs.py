@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -232,3 +233,18 @@ def test_vocab_size_with_a_tokenizer_is_refused(texts, tmp_path):
     run = run_cli([*argv, "--out", tmp_path / "p.json"])
     assert_clean(run)
     assert run.code == 1 and "--vocab-size sets the id range of the regex tokenizer" in run.err
+
+
+def test_a_saved_text_dataset_is_counted_and_without_datasets_refused_in_one_line(texts, tmp_path, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_dict({"text": texts["kept"]}).save_to_disk(str(saved))
+    argv = ["plan", "--lengths", saved, *MESH, "--out", tmp_path / "p.json"]
+    run = run_cli(argv)
+    assert run.code == 1 and "count the tokens of its text with --text-column text" in run.err, run.err
+    assert run_cli([*argv, "--text-column", "text"]).code == 0
+    assert Plan.load(tmp_path / "p.json").lengths == tuple(regex_token_count(t) for t in texts["kept"])
+    monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` raises ImportError
+    run = run_cli([*argv, "--text-column", "text", "--no-length-cache"])
+    assert_clean(run)
+    assert run.code == 1 and "pip install datasets" in run.err and str(saved) in run.err
