@@ -141,8 +141,10 @@ TEXTS = ["def f(x): return x", "a b", "x = [1, 2]", "one", None, "the end."]
 
 
 @pytest.fixture
-def text_files(tmp_path):
-    """The same texts in every format sample_lengths counts, and a saved dataset of them."""
+def text_files(tmp_path, monkeypatch):
+    """The same texts in every format sample_lengths counts, and a saved dataset of them; ``datasets``
+    (which reads the CSV file) caches under ``tmp_path``."""
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf"))
     table = pa.table({"text": TEXTS, "n": list(range(len(TEXTS)))})
     pq.write_table(table, tmp_path / "t.parquet")
     feather.write_feather(table, tmp_path / "t.feather")
