@@ -6,9 +6,11 @@ error is a :class:`~ringpack.errors.DataError` naming the file, column or sample
 files and saved ``datasets`` folders; :func:`lengths_from_dataset` a ``datasets.Dataset`` or
 ``IterableDataset`` (a token-id list column from its Arrow offsets without touching the values, an
 integer length column, or a text column counted by a tokenizer of :mod:`ringpack.tokenizer` in a
-batched ``map``); :func:`lengths_from_array` anything array-like. A column is picked the same way
-everywhere (:data:`DEFAULT_COLUMNS`, :data:`DATASET_COLUMNS`, :data:`TOKEN_COLUMNS`), and
-:func:`check_lengths` holds every length to ``[1, MAX_SAMPLE_TOKENS]``. ``datasets`` objects are
+batched ``map``); :func:`text_lengths` the token counts of a text column of a file, counted once
+and then read from the length cache (:mod:`ringpack.length_cache`); :func:`lengths_from_array`
+anything array-like. A column is picked the same way everywhere (:data:`DEFAULT_COLUMNS`,
+:data:`DATASET_COLUMNS`, :data:`TOKEN_COLUMNS`), and :func:`check_lengths` holds every length to
+``[1, MAX_SAMPLE_TOKENS]``; an error never quotes a text. ``datasets`` objects are
 recognised by duck typing, so this module loads without ``datasets``.
 """
 
@@ -16,12 +18,13 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ringpack import length_cache
 from ringpack._hints import on_command_line, option
 from ringpack.cost import MAX_SAMPLE_TOKENS
 from ringpack.errors import DataError
@@ -31,6 +34,7 @@ __all__ = [
     "DATASET_COLUMNS",
     "DEFAULT_COLUMNS",
     "FORMATS",
+    "TEXT_FORMATS",
     "TOKEN_COLUMNS",
     "DataError",
     "check_lengths",
@@ -42,6 +46,7 @@ __all__ = [
     "read_arrow_table",
     "read_lengths",
     "sample_lengths",
+    "text_lengths",
 ]
 
 DEFAULT_COLUMNS = ("length", "lengths", "num_tokens", "n_tokens", "input_ids", "tokens")
@@ -51,6 +56,10 @@ TOKEN_COLUMNS = ("input_ids", "tokens")
 DATASET_COLUMNS = TOKEN_COLUMNS + tuple(c for c in DEFAULT_COLUMNS if c not in TOKEN_COLUMNS)
 #: The lengths sources a path may name (help texts and errors quote it).
 FORMATS = "a saved `datasets` folder, .parquet, .arrow/.feather, .json/.jsonl or .npy"
+#: The sources a text column's tokens are counted from (help texts and errors quote it).
+TEXT_FORMATS = "a saved `datasets` folder, .parquet, .arrow/.feather, .json/.jsonl or .csv"
+#: The text column counted when none is named (``ringpack shard``'s too).
+DEFAULT_TEXT_COLUMN = "text"
 #: Files in a folder written by ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk``.
 SAVED_DATASET_MARKERS = ("state.json", "dataset_info.json")
 SAVED_DATASET_DICT_MARKER = "dataset_dict.json"
@@ -109,6 +118,8 @@ def lengths_from_arrow(array: Any, where: str = "column", lists_only: bool = Fal
         return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
     if lists_only:
         raise DataError(f"{where} holds {typ}, not a list of token ids")
+    if _is_text_type(typ):
+        raise DataError(f"{where} holds text, not lengths: count its tokens with {option('text_column')}")
     raise DataError(f"{where} has type {typ}: need integer lengths or a list column of token ids (tokenize text first)")
 
 
@@ -162,7 +173,12 @@ def _values_from_records(records: list, keys: tuple, path: Path) -> np.ndarray:
             if missing is not None:
                 raise DataError(f"{path}: record {missing} lacks column {key!r}")
             return _ints([r[key] for r in records], f"{path}, column {key!r}")
-    raise DataError(f"{path}: records have no column {' or '.join(repr(k) for k in keys)}")
+    names = list(records[0]) if records else []
+    texts = [name for name in names if isinstance(records[0][name], str)]
+    hint = f"; count the tokens of a text column with {option('text_column', texts[0])}" if texts else ""
+    raise DataError(
+        f"{path}: records have no column {' or '.join(repr(k) for k in keys)} (columns: {', '.join(names)}){hint}"
+    )
 
 
 def _ints(values: Any, where: str) -> np.ndarray:
@@ -199,6 +215,10 @@ def _as_int64(values: Any, what: str, error: type[ValueError]) -> np.ndarray:
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
         value = arr[i].item() if isinstance(arr[i], np.generic) else arr[i]
+        if isinstance(value, str):  # the text itself stays out of the message
+            raise error(f"{what}: sample {i} holds text, not a length; count its tokens with {option('text_column')}")
+        if not isinstance(value, (int, float, bool, type(None))):
+            raise error(f"{what}: sample {i} holds a {type(value).__name__} value, not a length")
         raise error(f"{what}: sample {i} has length {value!r:.60}; lengths must be integers of int64's range")
     return arr.astype(np.int64)
 
@@ -458,7 +478,7 @@ def _dataset_column(names: list[str] | None, column: str | None) -> str:
     hint = ""
     if "text" in names:
         hint = (
-            " (tokenize the text first: `ringpack shard --text-column text` does)"
+            " (count the tokens of its text with --text-column text)"
             if on_command_line()
             else " (pass text_column= and a tokenizer to count tokens of a text column)"
         )
@@ -523,30 +543,214 @@ def _lengths_from_iterable(
     )
 
 
-def sample_lengths(source: Any, column: str | None = None, **kwargs: Any) -> np.ndarray:
+# ------------------------------------------------------------------------- text: token counts
+
+
+def _is_text_type(typ: Any) -> bool:
+    import pyarrow as pa
+
+    return pa.types.is_string(typ) or pa.types.is_large_string(typ) or str(typ) == "string_view"
+
+
+#: Rows of a text column and its texts, a batch (list of strings and ``None``) at a time.
+Texts = tuple[int, Iterable[list[Any]]]
+
+
+def _arrow_texts(column: Any, where: str, batch_size: int) -> Texts:
+    """The texts of an Arrow (chunked) text column; anything but text is refused by its type alone."""
+    if not _is_text_type(column.type) and str(column.type) != "null":
+        raise DataError(f"{where} holds {column.type}, not text")
+    return len(column), (column.slice(start, batch_size).to_pylist() for start in range(0, len(column), batch_size))
+
+
+def _dataset_texts(ds: Any, column: str, where: str, batch_size: int) -> Texts:
+    """Batches of texts of a ``datasets.Dataset``'s column, in its row order."""
+    if column not in ds.column_names:
+        raise DataError(f"{where}: no column {column!r} (columns: {', '.join(ds.column_names)})")
+    table = _arrow_table(ds).column(column)
+    idx = _indices(ds)
+    if idx is not None:
+        table = table.take(idx)
+    return _arrow_texts(table, f"{where}, column {column!r}", batch_size)
+
+
+def _read_texts(path: Path, column: str, batch_size: int) -> Texts:
+    """The texts of ``column`` of a file or saved dataset (:data:`TEXT_FORMATS`), in row order.
+
+    The values read are never quoted in an error: only the file, the column and the row.
+    """
+    if path.is_dir():
+        if not any((path / marker).is_file() for marker in SAVED_DATASET_MARKERS):
+            raise DataError(f"{path} is a folder but not a saved `datasets` folder (no state.json)")
+        try:
+            import datasets
+        except ImportError:
+            raise DataError(f"{path} is a saved `datasets` folder; reading it needs `pip install datasets`") from None
+        try:
+            ds = datasets.load_from_disk(str(path))
+        except Exception as exc:  # datasets raises many types for a damaged folder
+            raise DataError(f"cannot load the saved dataset {path}: {type(exc).__name__}: {exc}") from exc
+        if isinstance(ds, datasets.DatasetDict):
+            raise DataError(f"{path} holds the splits {sorted(ds)} of a DatasetDict; give one split's folder")
+        return _dataset_texts(ds, column, str(path), batch_size)
+    suffix = path.suffix.lower()
+    if suffix in (".parquet", ".pq"):
+        import pyarrow.parquet as pq
+
+        try:
+            parquet = pq.ParquetFile(path)
+            schema = parquet.schema_arrow
+        except Exception as exc:  # pyarrow raises several types for unreadable files
+            raise DataError(f"cannot read Parquet file {path}: {exc}") from exc
+        _pick_column(schema.names, column, path)
+        typ = schema.field(column).type
+        if not _is_text_type(typ):
+            raise DataError(f"{path}, column {column!r} holds {typ}, not text")
+        batches = parquet.iter_batches(batch_size=batch_size, columns=[column])
+        return parquet.metadata.num_rows, (b.column(0).to_pylist() for b in batches)
+    if suffix in (".arrow", ".feather", ".ipc"):
+        table = read_arrow_table(path)
+        _pick_column(table.column_names, column, path)
+        return _arrow_texts(table.column(column), f"{path}, column {column!r}", batch_size)
+    if suffix in (".json", ".jsonl"):
+        records = _parse_json(path)
+        if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
+            raise DataError(f"{path}: want records (JSON objects, one per row) with a text column {column!r}")
+        missing = next((k for k, r in enumerate(records) if column not in r), None)
+        if missing is not None:
+            names = ", ".join(map(str, records[missing]))
+            raise DataError(f"{path}: record {missing} has no column {column!r} (its columns: {names})")
+        texts = [r[column] for r in records]
+        bad = next((k for k, t in enumerate(texts) if t is not None and not isinstance(t, str)), None)
+        if bad is not None:
+            kind = type(texts[bad]).__name__
+            raise DataError(f"{path}, column {column!r}: record {bad} holds a {kind} value, not text")
+        return len(texts), (texts[start : start + batch_size] for start in range(0, len(texts), batch_size))
+    if suffix == ".csv":
+        try:
+            import datasets
+        except ImportError:
+            raise DataError(f"{path}: reading a CSV file needs `pip install datasets`") from None
+        try:
+            ds = datasets.load_dataset("csv", data_files=[str(path)], split="train")
+        except Exception as exc:  # datasets wraps the parser's errors in its own types
+            raise DataError(f"cannot read CSV file {path}: {type(exc).__name__}") from exc
+        return _dataset_texts(ds, column, str(path), batch_size)
+    raise DataError(f"{path}: cannot count tokens of a {suffix or 'suffix-less'} file (use {TEXT_FORMATS})")
+
+
+def text_lengths(
+    path: str | os.PathLike,
+    text_column: str = DEFAULT_TEXT_COLUMN,
+    tokenizer: Any = None,
+    *,
+    cache: bool | str | os.PathLike = True,
+    batch_size: int = 1000,
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[np.ndarray, bool]:
+    """Token counts of every row of a text column of a file, from the length cache when it holds them.
+
+    The counts are those ``ringpack shard`` writes for the same file, column and tokenizer: a
+    missing text (null) counts as an empty one, and no special token is added.
+
+    Args:
+        path: a file or saved dataset folder (:data:`TEXT_FORMATS`).
+        text_column: the column of texts.
+        tokenizer: ``None`` / ``"regex"`` (the regex tokenizer), what
+            :func:`ringpack.tokenizer.load_tokenizer` reads (a ``tokenizer.json`` file or folder, a
+            ``save_pretrained`` folder, a Hub name), a tokenizer object, or a function from a list
+            of texts to their counts.
+        cache: ``True``: read and write the length cache (:mod:`ringpack.length_cache`) in its
+            default folder; a path: in that folder; ``False``: count, and store nothing. A
+            tokenizer that cannot be identified (a Hub name, a function) is never cached.
+        batch_size: texts counted at a time.
+        progress: called as ``progress(rows_done, rows)`` after each batch counted.
+
+    Returns:
+        ``(lengths, cached)``: int64 ``[N]``, every entry ``>= 1``, in row order; ``cached`` says
+        they came from the cache (the tokenizer did not run).
+
+    Raises:
+        FileNotFoundError: no file at ``path``, or a tokenizer path that does not exist.
+        DataError: an unreadable file, an unknown format, a missing column (naming the columns
+            there are), a value that is not text (naming the row and its type, never its value),
+            a row with no token, or a tokenizer that cannot be read.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"text file {path} does not exist")
+    what = f"token counts of {path}, column {text_column!r}"
+    key = length_cache.entry_key(path, text_column, tokenizer) if cache is not False else None
+    root = None if isinstance(cache, bool) else cache
+    stored = length_cache.load(key, root)
+    if stored is not None:
+        try:
+            return check_lengths(stored, what=what), True
+        except DataError:  # an entry that passed its checksum yet holds no lengths: counted again
+            pass
+    count = make_counter(tokenizer)  # a tokenizer that cannot be read is refused before the data is
+    total, batches = _read_texts(path, text_column, batch_size)
+    counts: list[np.ndarray] = []
+    done = 0
+    for texts in batches:
+        counts.append(np.asarray(count([t or "" for t in texts]), dtype=np.int64))
+        done += len(texts)
+        if progress is not None:
+            progress(done, total)
+    lengths = check_lengths(np.concatenate(counts) if counts else np.zeros(0, dtype=np.int64), what=what)
+    length_cache.store(key, lengths, root)
+    return lengths, False
+
+
+def sample_lengths(
+    source: Any,
+    column: str | None = None,
+    *,
+    text_column: str | None = None,
+    tokenizer: Any = None,
+    cache: bool | str | os.PathLike = True,
+    **kwargs: Any,
+) -> np.ndarray:
     """Validated lengths from any supported source, dispatched on its type.
 
     Args:
         source: a ``datasets.Dataset``/``IterableDataset`` (:func:`lengths_from_dataset`), a file
-            path (:func:`lengths_from_file`), or an array-like of lengths (list, numpy, torch).
-        column: the dataset or file column to read (``None``: the default for the source).
-        **kwargs: options of :func:`lengths_from_dataset` (``length_column``, ``text_column``,
-            ``tokenizer``, ``num_proc``, ``batch_size``); datasets only.
+            path (:func:`lengths_from_file`; with ``text_column`` or ``tokenizer``,
+            :func:`text_lengths`), or an array-like of lengths (list, numpy, torch).
+        column: the dataset or file column of lengths or token ids (``None``: the default for the
+            source); not with a file's ``text_column``.
+        text_column: count the tokens of this text column with ``tokenizer``. For a file,
+            ``tokenizer`` alone counts the column ``"text"``.
+        tokenizer: what :func:`text_lengths` takes (``None``: the regex tokenizer).
+        cache: files only: the length cache of :func:`text_lengths` (``False``: off, a path: its
+            folder); datasets and arrays are never cached.
+        **kwargs: options of :func:`lengths_from_dataset` (``length_column``, ``num_proc``,
+            ``batch_size``); datasets only, but ``batch_size`` for a file's texts too.
 
     Returns:
         int64 array ``[N]``, every entry ``>= 1``, one per sample in source order.
 
     Raises:
-        DataError: a bad length (naming the sample), a missing column, or ``kwargs`` given for a
-            file or array.
+        DataError: a bad length (naming the sample), a missing column, ``column`` with a file's
+            ``text_column``, or options given for a source they do not apply to.
         FileNotFoundError: a path that does not exist.
     """
     if is_dataset(source):
-        return lengths_from_dataset(source, column, **kwargs)
+        return lengths_from_dataset(source, column, text_column=text_column, tokenizer=tokenizer, **kwargs)
     if isinstance(source, (str, os.PathLike)):
-        if kwargs:
-            raise DataError(f"options {sorted(kwargs)} apply to datasets, not files")
-        return lengths_from_file(source, column=column)
-    if kwargs:
-        raise DataError(f"options {sorted(kwargs)} apply to datasets, not arrays")
+        if text_column is None and tokenizer is None:
+            if kwargs:
+                raise DataError(f"options {sorted(kwargs)} apply to datasets, not files")
+            return lengths_from_file(source, column=column)
+        if set(kwargs) - {"batch_size"}:
+            raise DataError(f"options {sorted(set(kwargs) - {'batch_size'})} apply to datasets, not files")
+        text_column = DEFAULT_TEXT_COLUMN if text_column is None else text_column
+        if column is not None:
+            raise DataError(
+                f"column={column!r} names a column of lengths or token ids; text_column={text_column!r} "
+                "counts tokens of text instead: give one"
+            )
+        return text_lengths(source, text_column, tokenizer, cache=cache, **kwargs)[0]
+    if kwargs or text_column is not None or tokenizer is not None:
+        raise DataError("options of datasets and text files do not apply to arrays of lengths")
     return lengths_from_array(source)

@@ -62,7 +62,7 @@ def test_sliced_and_chunked_list_arrays():
 def test_errors_name_file_and_column(files):
     with pytest.raises(ValueError, match=r"t.parquet: no column 'nope'"):
         read_lengths(files / "t.parquet", "nope")
-    with pytest.raises(ValueError, match=r"t.feather, column 'text' has type string"):
+    with pytest.raises(ValueError, match=r"t.feather, column 'text' holds text, not lengths: count its tokens"):
         read_lengths(files / "t.feather", "text")
     with pytest.raises(FileNotFoundError, match="missing.parquet"):
         read_lengths(files / "missing.parquet")
@@ -134,3 +134,62 @@ def test_bad_inputs_are_clear_errors():
         sample_lengths([3, -2])
     with pytest.raises(DataError, match="1-D"):
         sample_lengths([[1, 2]])
+
+
+# ------------------------------------------------------------------------------- text files
+TEXTS = ["def f(x): return x", "a b", "x = [1, 2]", "one", None, "the end."]
+
+
+@pytest.fixture
+def text_files(tmp_path, monkeypatch):
+    """The same texts in every format sample_lengths counts, and a saved dataset of them; ``datasets``
+    (which reads the CSV file) caches under ``tmp_path``."""
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf"))
+    table = pa.table({"text": TEXTS, "n": list(range(len(TEXTS)))})
+    pq.write_table(table, tmp_path / "t.parquet")
+    feather.write_feather(table, tmp_path / "t.feather")
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps({"text": t, "n": k}) + "\n" for k, t in enumerate(TEXTS)))
+    (tmp_path / "t.json").write_text(json.dumps([{"text": t} for t in TEXTS]))
+    (tmp_path / "t.csv").write_text("text,n\n" + "".join(f'"{t or ""}",{k}\n' for k, t in enumerate(TEXTS)))
+    datasets.Dataset(table).save_to_disk(str(tmp_path / "saved"))
+    return tmp_path
+
+
+def test_sample_lengths_counts_a_text_file_as_a_dataset_of_it(text_files, tmp_path):
+    texts = [t for t in TEXTS if t]
+    expected = lengths_from_dataset(datasets.Dataset.from_dict({"text": texts}), text_column="text", tokenizer=None)
+    kept = pa.table({"text": texts})
+    pq.write_table(kept, tmp_path / "kept.parquet")
+    assert sample_lengths(tmp_path / "kept.parquet", text_column="text").tolist() == expected.tolist()
+    for name in ("t.parquet", "t.feather", "t.jsonl", "t.json", "t.csv", "saved"):  # a null text has no token
+        with pytest.raises(DataError, match=f"{name}, column 'text'.*sample 4 has length 0"):
+            sample_lengths(text_files / name, text_column="text", cache=False)
+    counts = sample_lengths(text_files / "t.jsonl", text_column="text", tokenizer=lambda batch: [7] * len(batch))
+    assert counts.tolist() == [7] * len(TEXTS)
+
+
+def test_sample_lengths_of_a_file_refuses_a_lengths_column_with_a_text_column(text_files):
+    with pytest.raises(DataError, match="give one"):
+        sample_lengths(text_files / "t.parquet", "n", text_column="text")
+    with pytest.raises(DataError, match=r"apply to datasets, not files"):
+        sample_lengths(text_files / "t.parquet", text_column="text", num_proc=2)
+    with pytest.raises(DataError, match=r"t.parquet, column 'n' holds int64, not text"):
+        sample_lengths(text_files / "t.parquet", text_column="n")
+    with pytest.raises(DataError, match=r"t.jsonl: record 0 has no column 'body' \(its columns: text, n\)"):
+        sample_lengths(text_files / "t.jsonl", text_column="body")
+
+
+def test_sample_lengths_of_a_text_file_uses_the_length_cache(tmp_path, monkeypatch):
+    import ringpack.lengths
+
+    calls = []
+    real = ringpack.lengths.make_counter
+    monkeypatch.setattr(ringpack.lengths, "make_counter", lambda t: lambda b: calls.append(len(b)) or real(t)(b))
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS if t))
+    first = sample_lengths(path, text_column="text", cache=tmp_path / "cache")
+    assert calls and len(list((tmp_path / "cache").iterdir())) == 1
+    calls.clear()
+    assert sample_lengths(path, tokenizer="regex", cache=tmp_path / "cache").tolist() == first.tolist()
+    assert calls == []
+    assert sample_lengths(path, text_column="text", cache=False).tolist() == first.tolist() and calls

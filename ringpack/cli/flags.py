@@ -19,7 +19,6 @@ from typing import Any
 
 from ringpack.comm_model import LINKS
 from ringpack.cost import MAX_SAMPLE_TOKENS, CostModel
-from ringpack.lengths import FORMATS as LENGTHS_FORMATS
 from ringpack.shard_plan import MAX_CP, PACKINGS, STRATEGIES, PlanConfig
 
 
@@ -39,12 +38,6 @@ REQUIRED: Any = _Marker("REQUIRED")
 MAX_COUNT = 1 << 62
 #: Largest tokens per rank a flag accepts (``PlanConfig`` refuses more than this per CP group).
 MAX_TOKENS = MAX_SAMPLE_TOKENS
-#: ``--lengths`` of every command that plans lengths.
-LENGTHS_HELP = f"sample lengths: {LENGTHS_FORMATS}"
-COLUMN_HELP = (
-    "column of lengths or token-id lists (default: a file's only column, else the first there is of "
-    "length, lengths, num_tokens, n_tokens, input_ids, tokens; a saved dataset's input_ids or tokens first)"
-)
 #: The mesh of the commands that explore plans without writing one for training (report, simulate,
 #: demo); ``plan`` and ``shard`` write what a training run loads, so there the sizes must be given.
 EXPLORE_MESH = {"dp": 4, "cp": 4, "tokens_per_rank": 32768}
@@ -286,12 +279,6 @@ def config_fields(config: type) -> dict[str, dataclasses.Field]:
 
 
 # ---------------------------------------------------------------------------------- shared flags
-def add_lengths_flags(parser: Any, *, required: bool, what: str = "") -> None:
-    """``--lengths`` and ``--column``: the same sources and help on every command that plans lengths."""
-    flag(parser, "--lengths", default=REQUIRED if required else None, metavar="PATH", help=LENGTHS_HELP + what)
-    flag(parser, "--column", help=COLUMN_HELP)
-
-
 def add_plan_flags(parser: Any, *, defaults: Mapping[str, Any] = {}, skip: Iterable[str] = ()) -> None:
     """The planner's flags, one per :class:`~ringpack.shard_plan.PlanConfig` field, then ``--global-batch-tokens``.
 

@@ -37,11 +37,22 @@ class InputKind:
 
 
 #: Commands with one kind of input, which use every flag they have.
-ONE_KIND = {"plan": "sample lengths", "demo": "the standard-library corpus"}
+ONE_KIND = {"demo": "the standard-library corpus"}
 
 _PLANNING = tuple(f.name for f in dataclasses.fields(PlanConfig)) + ("global_batch_tokens",)
 _KERNEL_FIELDS = {f.name for f in dataclasses.fields(KernelCalibrationConfig)}
 _STEP_FIELDS = {f.name for f in dataclasses.fields(StepCalibrationConfig)}
+
+
+#: The flags of a text ``--lengths`` (plan, report, simulate): its column and tokenizer, the length cache.
+_TEXT = ["text_column", "tokenizer", "vocab_size", "no_length_cache"]
+#: The kinds of ``--lengths``: lengths as they are, or texts whose tokens are counted.
+_LENGTHS_KINDS = {
+    "lengths": InputKind(
+        name="--lengths of lengths", why="the length cache holds token counts of texts (--text-column, --tokenizer)"
+    ),
+    "text": InputKind(name="--lengths of texts", why="its lengths are the token counts of --text-column"),
+}
 
 
 def _rows(*groups: tuple[Iterable[str], Iterable[str]]) -> dict[str, frozenset[str]]:
@@ -60,14 +71,16 @@ _REPORT_KINDS = {
     "manifest": InputKind(
         name="--manifest", why="its plan is reported as planned, and nothing is planned or run again"
     ),
-    "lengths": InputKind(name="--lengths", why="give one input"),
+    **_LENGTHS_KINDS,
     "corpus": InputKind(name="--corpus stdlib", why="the corpus is lengths already, not a file with columns"),
 }
-_REPORT_LENGTHS = ("lengths", "corpus")
+_REPORT_LENGTHS = ("lengths", "text", "corpus")
 _REPORT = _rows(
     (["plans"], ["plans"]),
     (["manifest"], ["manifest"]),
-    (["lengths", "column"], ["lengths"]),
+    (["lengths"], ["lengths", "text"]),
+    (["column"], ["lengths"]),
+    (_TEXT, ["text"]),
     (["corpus"], ["corpus"]),
     (  # planning: only where the report plans lengths itself
         [n for n in _PLANNING if n not in ("strategy", "packing", "gpus_per_node")]
@@ -82,15 +95,26 @@ _REPORT = _rows(
 )
 
 _SIMULATE_KINDS = {
-    "lengths": InputKind(name="--lengths", why="they shape drawn lengths"),
+    "lengths": InputKind(
+        name="--lengths of lengths",
+        why="--samples, --dist, --median and --sigma shape drawn lengths, and the length cache holds token counts "
+        "of texts (--text-column, --tokenizer)",
+    ),
+    "text": InputKind(
+        name="--lengths of texts",
+        why="--samples, --dist, --median and --sigma shape drawn lengths, and its lengths are the token counts of "
+        "--text-column",
+    ),
     "stdlib": InputKind(
         name="drawn lengths (--dist stdlib)",
-        why="--column reads --lengths, --median and --sigma shape --dist lognormal",
+        why="--column and the text flags read --lengths, --median and --sigma shape --dist lognormal",
     ),
-    "lognormal": InputKind(name="drawn lengths (--dist lognormal)", why="--column names a column of --lengths"),
+    "lognormal": InputKind(name="drawn lengths (--dist lognormal)", why="--column and the text flags read --lengths"),
 }
 _SIMULATE = _rows(
-    (["lengths", "column"], ["lengths"]),
+    (["lengths"], ["lengths", "text"]),
+    (["column"], ["lengths"]),
+    (_TEXT, ["text"]),
     (["samples", "dist"], ["stdlib", "lognormal"]),
     (["median", "sigma"], ["lognormal"]),
     (
@@ -106,7 +130,7 @@ _SHARD_KINDS = {
     "text": InputKind(name="a text dataset", why="every flag applies"),
 }
 _SHARD = _rows(
-    (["text_column", "tokenizer", "vocab_size", "num_proc"], ["text"]),
+    (["text_column", "tokenizer", "vocab_size", "num_proc", "no_length_cache"], ["text"]),
     (
         ["dataset", "out", *_PLANNING, "split", "column", "steps_per_file", "cache_dir", "overwrite", "json", "quiet"],
         _SHARD_KINDS,
@@ -126,9 +150,20 @@ _CALIBRATE = _rows(
     (["out", "report", "scope", "quiet"], _CALIBRATE_KINDS),
 )
 
+_PLAN = _rows(
+    (["lengths"], _LENGTHS_KINDS),
+    (["column"], ["lengths"]),
+    (_TEXT, ["text"]),
+    (
+        [*_PLANNING, "world", "out", "json", "quiet"],
+        _LENGTHS_KINDS,
+    ),
+)
+
 #: ``{command: (its kinds of input by key, {setting: keys of the kinds that use it})}``; every setting
 #: of each command is a row (commands of :data:`ONE_KIND` use every setting).
 TABLE: dict[str, tuple[Mapping[str, InputKind], Mapping[str, frozenset[str]]]] = {
+    "plan": (_LENGTHS_KINDS, _PLAN),
     "report": (_REPORT_KINDS, _REPORT),
     "simulate": (_SIMULATE_KINDS, _SIMULATE),
     "shard": (_SHARD_KINDS, _SHARD),

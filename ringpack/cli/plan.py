@@ -13,9 +13,16 @@ import numpy as np
 from ringpack.analysis.report import window_line
 from ringpack.analysis.robustness import PRICE_FACTORS, imbalance_across_prices
 from ringpack.cli.config_file import SUFFIXES, add_config_file_flag, write_config, written_settings
-from ringpack.cli.flags import REQUIRED, add_lengths_flags, add_plan_flags, add_quiet_flag, flag, new_command
-from ringpack.cli.inputs import check_output_file, lengths_from_flag, plan_config_from_args, progress, samples_per_step
+from ringpack.cli.flags import REQUIRED, add_plan_flags, add_quiet_flag, flag, new_command
+from ringpack.cli.input_kinds import check_flags_apply
+from ringpack.cli.inputs import (
+    check_output_file,
+    plan_config_from_args,
+    progress,
+    samples_per_step,
+)
 from ringpack.cli.layout import add_layout_flags, choice_to_dict, layout_table, resolve_layout
+from ringpack.cli.lengths_input import add_lengths_flags, lengths_from_args, lengths_kind
 from ringpack.planner.bounds import plan_costs
 from ringpack.planner.epoch import global_batches, make_plan
 from ringpack.traffic import plan_kv_traffic
@@ -24,8 +31,9 @@ logger = logging.getLogger("ringpack.cli")
 #: The plan file formats ``--out`` writes (``Plan.save``).
 PLAN_SUFFIXES = (".parquet", ".json")
 #: Settings of where and how a run reports, not of what it plans: ``--write-config`` leaves them out,
-#: so a run from the written file writes no plan over the first one unless told where.
-NOT_WRITTEN = ("out", "json", "quiet")
+#: so a run from the written file writes no plan over the first one unless told where; whether the
+#: length cache was read changes no length either.
+NOT_WRITTEN = ("out", "json", "quiet", "no_length_cache")
 
 
 def add_command(subparsers: Any) -> None:
@@ -83,13 +91,14 @@ def summarize(plan) -> dict:
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    check_flags_apply(args, "plan", lengths_kind(args))
     inputs = [args.lengths, args.cost, args.config]
     check_output_file(args.out, "--out", inputs=inputs, suffixes=PLAN_SUFFIXES)
     if args.write_config:
         check_output_file(
             args.write_config, "--write-config", inputs=inputs, outputs={"--out": args.out}, suffixes=list(SUFFIXES)
         )
-    lengths = lengths_from_flag(args.lengths, args.column)
+    lengths = lengths_from_args(args)
     choice = resolve_layout(args, lengths)
     if choice is not None and not args.json:
         print(layout_table(choice))

@@ -18,16 +18,16 @@ from ringpack.analysis.report import build_report, format_ranks, format_table, r
 from ringpack.analysis.simulate import measure_variants
 from ringpack.cli.compare import add_compare_flags, check_outputs, comm_models, emit, peer_names, variants
 from ringpack.cli.config_file import add_config_file_flag
-from ringpack.cli.flags import COUNT, EXPLORE_MESH, add_lengths_flags, flag, integer, new_command
+from ringpack.cli.flags import COUNT, EXPLORE_MESH, flag, integer, new_command
 from ringpack.cli.input_kinds import check_flags_apply
 from ringpack.cli.inputs import (
     cost_model,
-    lengths_from_flag,
     plan_config_from_args,
     progress,
     samples_per_step,
 )
 from ringpack.cli.layout import add_layout_flags, layout_table, resolve_layout
+from ringpack.cli.lengths_input import add_lengths_flags, lengths_from_args, lengths_kind
 from ringpack.data.corpus import stdlib_corpus
 from ringpack.planner.epoch import global_batches
 from ringpack.shard_plan import Plan
@@ -71,7 +71,7 @@ def run_report(args: argparse.Namespace) -> int:
     sources = sum(bool(x) for x in (args.plans, args.manifest, args.lengths, args.corpus))
     if sources != 1:
         raise ValueError("give exactly one input: plan files, --manifest, --lengths or --corpus stdlib")
-    kind = "plans" if args.plans else "manifest" if args.manifest else "lengths" if args.lengths else "corpus"
+    kind = "plans" if args.plans else "manifest" if args.manifest else lengths_kind(args) if args.lengths else "corpus"
     check_flags_apply(args, "report", kind)
     check_outputs(args, inputs=[*args.plans, args.manifest, args.lengths, args.config])
     wanted = variants(args)  # validate options before any slow work
@@ -91,7 +91,7 @@ def run_report(args: argparse.Namespace) -> int:
                 bar.update(1)
         rows = []
     else:
-        lengths = lengths_from_flag(args.lengths, args.column) if args.lengths else _corpus_lengths()
+        lengths = lengths_from_args(args) if args.lengths else _corpus_lengths()
         model = cost_model(args, tflops=True)
         choice = resolve_layout(args, lengths)
         if choice is not None:

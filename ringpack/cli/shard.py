@@ -10,17 +10,26 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ringpack import length_cache
 from ringpack.cli.config_file import add_config_file_flag
-from ringpack.cli.flags import COUNT, PROCESSES, REQUIRED, add_plan_flags, add_quiet_flag, flag, integer, new_command
+from ringpack.cli.flags import (
+    COUNT,
+    PROCESSES,
+    REQUIRED,
+    add_plan_flags,
+    add_quiet_flag,
+    flag,
+    new_command,
+)
 from ringpack.cli.input_kinds import check_flags_apply
 from ringpack.cli.inputs import plan_config_from_args, samples_per_step
+from ringpack.cli.lengths_input import DEFAULT_VOCAB, add_text_flags, check_text_flags
 from ringpack.data.shard_writer import check_out_dir, write_shards
 from ringpack.data.sources import SOURCES, load_source, tokenize_dataset
-from ringpack.lengths import lengths_from_dataset
+from ringpack.errors import DataError
+from ringpack.lengths import DEFAULT_TEXT_COLUMN, lengths_from_dataset
 
 logger = logging.getLogger("ringpack.cli")
-#: The regex tokenizer's id range when ``--vocab-size`` is not given.
-DEFAULT_VOCAB = 65536
 
 
 def add_command(subparsers: Any) -> None:
@@ -46,19 +55,7 @@ def add_command(subparsers: Any) -> None:
     flag(p, "--split", help="split of a saved DatasetDict or a Hub dataset (default: train; files have none)")
     flag(p, "--column", default="input_ids", help="token-id column")
     tokenizing = "; only when the dataset has no token-id column"
-    flag(p, "--text-column", help="tokenize this text column (default: text)" + tokenizing)
-    flag(
-        p,
-        "--tokenizer",
-        help="Hugging Face tokenizer.json (or its folder); default: the regex tokenizer with hashed ids" + tokenizing,
-    )
-    flag(
-        p,
-        "--vocab-size",
-        type=integer(1, 1 << 31),
-        help=f"id range of the regex tokenizer's hashed ids (default: {DEFAULT_VOCAB}; not with --tokenizer)"
-        + tokenizing,
-    )
+    add_text_flags(p)
     flag(p, "--num-proc", type=PROCESSES, help="processes for tokenizing" + tokenizing)
     flag(
         p,
@@ -176,20 +173,37 @@ def _token_dataset(args: argparse.Namespace, ds: Any) -> tuple[Any, dict[str, st
     if args.column in ds.column_names:
         check_flags_apply(args, "shard", "ids")
         return ds, None
-    if args.tokenizer and args.vocab_size is not None:
-        raise ValueError(
-            "--vocab-size sets the id range of the regex tokenizer's hashed ids; "
-            f"--tokenizer {args.tokenizer} has its own vocabulary (leave --vocab-size out)"
-        )
-    text = args.text_column or ("text" if "text" in ds.column_names else None)
+    check_text_flags(args)
+    text = args.text_column or (DEFAULT_TEXT_COLUMN if DEFAULT_TEXT_COLUMN in ds.column_names else None)
     if text is None:
         raise ValueError(
             f"{args.dataset} has no column {args.column!r} and no text column to tokenize "
             f"(columns: {list(ds.column_names)}); pass --text-column"
         )
+    if text not in ds.column_names:
+        raise DataError(f"{args.dataset} has no column {text!r} to tokenize (columns: {list(ds.column_names)})")
     if not args.quiet:
         logger.info("tokenizing column %r of %s rows", text, f"{len(ds):,}")
     vocab_size = DEFAULT_VOCAB if args.vocab_size is None else args.vocab_size
     ds = tokenize_dataset(ds, text, args.tokenizer, column=args.column, vocab_size=vocab_size, num_proc=args.num_proc)
+    if not args.no_length_cache:
+        _store_counts(args, ds, text)
     tokenizer = Path(args.tokenizer).name if args.tokenizer else f"regex-blake2b-mod-{vocab_size}"
     return ds, {"text_column": text, "tokenizer": tokenizer}
+
+
+def _store_counts(args: argparse.Namespace, ds: Any, text: str) -> None:
+    """The token counts of a file or saved dataset just tokenized, into the length cache, where
+    ``plan``, ``report`` and ``simulate --lengths DATASET --text-column`` find them.
+
+    A folder of files or a split is no source those commands read, so nothing is stored for one;
+    nor when a count is not a sample length (shard refuses it later, naming the sample).
+    """
+    source = Path(args.dataset)
+    if args.split is not None or not (source.is_file() or (source / "state.json").is_file()):
+        return
+    try:
+        lengths = lengths_from_dataset(ds, args.column)
+    except DataError:
+        return
+    length_cache.store(length_cache.entry_key(source, text, args.tokenizer), lengths)

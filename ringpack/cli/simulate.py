@@ -21,7 +21,6 @@ from ringpack.cli.flags import (
     NON_NEGATIVE_REAL,
     POSITIVE,
     POSITIVE_REAL,
-    add_lengths_flags,
     flag,
     hidden_alias,
     integer,
@@ -31,7 +30,6 @@ from ringpack.cli.flags import (
 from ringpack.cli.input_kinds import check_flags_apply
 from ringpack.cli.inputs import (
     cost_model,
-    lengths_from_flag,
     plan_config_from_args,
     progress,
     samples_per_step,
@@ -44,6 +42,8 @@ from ringpack.cli.layout import (
     layout_table,
     node_size,
 )
+from ringpack.cli.lengths_input import add_lengths_flags, lengths_from_args
+from ringpack.cli.lengths_input import lengths_kind as input_lengths_kind
 from ringpack.shard_plan import STRATEGIES
 
 #: ``simulate``'s drawn lengths when their flags are not given (each flag applies to drawn lengths only;
@@ -128,8 +128,8 @@ def drawn_lengths(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def lengths_kind(args: argparse.Namespace) -> str:
-    """``simulate``'s kind of input (see :data:`~ringpack.cli.input_kinds.TABLE`): lengths, stdlib or lognormal."""
-    return "lengths" if args.lengths else args.dist or DRAWN["dist"]
+    """``simulate``'s kind of input (:data:`~ringpack.cli.input_kinds.TABLE`): lengths, text, stdlib or lognormal."""
+    return input_lengths_kind(args) if args.lengths else args.dist or DRAWN["dist"]
 
 
 def run_simulate(args: argparse.Namespace) -> int:
@@ -149,7 +149,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     variants(args)  # validate options before any slow work
     peer_names(args)
     if args.lengths:
-        lengths = lengths_from_flag(args.lengths, args.column)
+        lengths = lengths_from_args(args)
     else:
         lengths = synthetic_lengths(
             drawn["samples"], drawn["dist"], seed=args.seed, median=drawn["median"], sigma=drawn["sigma"]

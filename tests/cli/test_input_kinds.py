@@ -15,7 +15,14 @@ from tests.helpers.cli import assert_clean, run_cli, token_rows, write_jsonl
 
 #: Flags whose presence decides the kind of input: giving one to another kind changes the kind
 #: (or is refused as a second input), so they are not walked as unused flags of a kind.
-SELECTORS = {"report": {"plans", "manifest", "lengths", "corpus"}, "simulate": {"lengths"}, "calibrate": {"refit"}}
+#: The text flags make --lengths a text file, so they select its kind too.
+TEXT = {"text_column", "tokenizer", "vocab_size"}
+SELECTORS = {
+    "plan": TEXT,
+    "report": {"plans", "manifest", "lengths", "corpus", *TEXT},
+    "simulate": {"lengths", *TEXT},
+    "calibrate": {"refit"},
+}
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +38,7 @@ def inputs(tmp_path_factory):
         "root": root,
         "plan": plan,
         "ids": write_jsonl(root / "ids.jsonl", [{"input_ids": r} for r in rows]),
+        "text": write_jsonl(root / "text.jsonl", [{"text": " ".join(map(str, r))} for r in rows]),
         "mesh": mesh,
     }
 
@@ -38,12 +46,17 @@ def inputs(tmp_path_factory):
 def base_argv(command: str, kind: str, inputs) -> list:
     """A command line of ``command`` with an input of ``kind``, refused only for the flag added to it."""
     root, out = inputs["root"], inputs["root"] / "out"
+    text = [inputs["text"], "--text-column", "text"]
     return {
+        ("plan", "lengths"): ["plan", "--lengths", root / "lengths.npy", *inputs["mesh"], "--out", root / "p.json"],
+        ("plan", "text"): ["plan", "--lengths", *text, *inputs["mesh"], "--out", root / "p.json"],
         ("report", "plans"): ["report", inputs["plan"], "--out", out],
         ("report", "manifest"): ["report", "--manifest", root / "no-shards", "--out", out],
         ("report", "lengths"): ["report", "--lengths", root / "lengths.npy", "--out", out],
+        ("report", "text"): ["report", "--lengths", *text, "--out", out],
         ("report", "corpus"): ["report", "--corpus", "stdlib", "--out", out],
         ("simulate", "lengths"): ["simulate", "--lengths", root / "lengths.npy", "--out", out],
+        ("simulate", "text"): ["simulate", "--lengths", *text, "--out", out],
         ("simulate", "stdlib"): ["simulate", "--out", out],
         ("simulate", "lognormal"): ["simulate", "--dist", "lognormal", "--out", out],
         ("shard", "ids"): ["shard", inputs["ids"], *inputs["mesh"], "--out", out],
