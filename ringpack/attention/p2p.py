@@ -167,7 +167,8 @@ class TargetedTransport:
         """Rows ``offset:offset+n`` of a K/V (or dK/dV) pair, as views."""
         return buf[0][offset : offset + n], buf[1][offset : offset + n]
 
-    def _peer(self, rank: int) -> int:
+    def _global_rank(self, rank: int) -> int:
+        """The global rank of CP rank ``rank`` (what point-to-point operations name)."""
         return rank if self._ranks is None else self._ranks[rank]
 
     def _ops(self, sends: list[Message], recvs: list[Message], base: int) -> list[dist.P2POp]:
@@ -178,8 +179,8 @@ class TargetedTransport:
             count: dict[int, int] = {}
             for rank, pair in messages:
                 k = count[rank] = count.get(rank, -1) + 1
-                peer = self._peer(rank)
-                ops += [dist.P2POp(op, t, peer, self._group, base + 2 * k + j) for j, t in enumerate(pair)]
+                to = self._global_rank(rank)
+                ops += [dist.P2POp(op, t, to, self._group, base + 2 * k + j) for j, t in enumerate(pair)]
         return ops
 
     def buffer(self, i: int) -> Tensor:
