@@ -37,7 +37,7 @@ def cfg(**kw):
         ([5, -2], "sample 1 has length -2"),
         ([5, 2.5], "sample 1 has length 2.5"),
         ([[1, 2], [3, 4]], "1-D"),
-        (["a", "b"], "integers"),
+        (["a", "b"], "sample 0 holds text, not a length"),
     ],
 )
 def test_bad_lengths_raise(lengths, match):
