@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ringpack import length_cache
+from ringpack._hints import option
 from ringpack.cli.config_file import add_config_file_flag
 from ringpack.cli.flags import (
     COUNT,
@@ -26,8 +27,10 @@ from ringpack.cli.inputs import plan_config_from_args, samples_per_step
 from ringpack.cli.lengths_input import DEFAULT_VOCAB, add_text_flags, check_text_flags
 from ringpack.data.shard_writer import check_out_dir, write_shards
 from ringpack.data.sources import SOURCES, load_source, tokenize_dataset
-from ringpack.errors import DataError
+from ringpack.errors import DataError, PlanError
 from ringpack.lengths import DEFAULT_TEXT_COLUMN, lengths_from_dataset
+from ringpack.plan_config import PlanConfig
+from ringpack.progress import Progress
 
 logger = logging.getLogger("ringpack.cli")
 
@@ -81,9 +84,13 @@ def run_shard(args: argparse.Namespace) -> int:
         loaded = load_source(args.dataset, split=args.split, cache_dir=args.cache_dir)
         if len(loaded) == 0:
             raise ValueError(f"dataset {args.dataset} holds no rows")
-        ds, tokenized = _token_dataset(args, loaded)
+        ds, tokenized = _token_dataset(args, loaded, config)
+    lengths = lengths_from_dataset(ds, args.column)
+    too_long = (lengths > config.group_capacity).nonzero()[0]
+    if config.overflow == "error" and too_long.size:  # a token-id column, or ids from the cache: before planning
+        raise _too_long(args, config, int(too_long[0]), int(lengths[too_long[0]]))
     if args.global_batch_tokens:
-        per_step = samples_per_step(args, lengths_from_dataset(ds, args.column))
+        per_step = samples_per_step(args, lengths)
         config = plan_config_from_args(args, samples_per_step=per_step)
     source = {
         "dataset": str(args.dataset),
@@ -161,14 +168,48 @@ def _datasets_progress(show: bool):
             datasets.enable_progress_bars()
 
 
-def _token_dataset(args: argparse.Namespace, ds: Any) -> tuple[Any, dict[str, str] | None]:
+def _too_long(args: argparse.Namespace, config: PlanConfig, row: int, length: int) -> PlanError:
+    """The refusal of sample ``row`` of the dataset, ``length`` tokens, more than one CP group holds."""
+    capacity = config.group_capacity
+    return PlanError(
+        f"sample {row} of {args.dataset} has {length} tokens, more than one CP group holds "
+        f"(cp={config.cp} x tokens_per_rank={config.tokens_per_rank} = {capacity}). "
+        f"Raise {option('tokens_per_rank')} or {option('cp')}, or use "
+        f"{option('overflow', 'drop')} or {option('overflow', 'split')}"
+    )
+
+
+class _Tokenizing:
+    """Counts rows as ``tokenize_dataset`` encodes them; under ``--overflow error`` refuses the first too long.
+
+    The refusal comes as soon as the sample is measured, so the rows after it are never tokenized.
+    """
+
+    def __init__(self, args: argparse.Namespace, config: PlanConfig, bar: Progress) -> None:
+        self.args, self.config, self.bar = args, config, bar
+        self.rows = 0
+        self.capacity = config.group_capacity if config.overflow == "error" else None
+
+    def __call__(self, ids: list[list[int]]) -> None:
+        if self.capacity is not None:
+            for k, row_ids in enumerate(ids):
+                if len(row_ids) > self.capacity:
+                    raise _too_long(self.args, self.config, self.rows + k, len(row_ids))
+        self.rows += len(ids)
+        self.bar.update(len(ids))
+
+
+def _token_dataset(args: argparse.Namespace, ds: Any, config: PlanConfig) -> tuple[Any, dict[str, str] | None]:
     """``ds`` with its token-id column (tokenized from a text column when it has none) and how it was made.
 
-    A dataset that has the column is used as it is.
+    A dataset that has the column is used as it is. Tokenizing counts rows (a bar on a terminal,
+    a ``ringpack.progress`` line every 10 s otherwise, nothing with ``--quiet``) and, under
+    ``--overflow error``, stops at the first sample longer than ``config`` lets a CP group hold.
 
     Raises:
         ValueError: a tokenizing flag given for a dataset that has the column (every one named),
             ``--vocab-size`` with ``--tokenizer``, or no column to take ids from.
+        PlanError: a sample too long for ``config`` under ``--overflow error`` (named, with its file).
     """
     if args.column in ds.column_names:
         check_flags_apply(args, "shard", "ids")
@@ -185,7 +226,19 @@ def _token_dataset(args: argparse.Namespace, ds: Any) -> tuple[Any, dict[str, st
     if not args.quiet:
         logger.info("tokenizing column %r of %s rows", text, f"{len(ds):,}")
     vocab_size = DEFAULT_VOCAB if args.vocab_size is None else args.vocab_size
-    ds = tokenize_dataset(ds, text, args.tokenizer, column=args.column, vocab_size=vocab_size, num_proc=args.num_proc)
+    in_process = (args.num_proc or 1) <= 1
+    # in this process the count is ours, so the datasets bar (which would be a second one) is off
+    own_count = contextlib.ExitStack() if not in_process else _datasets_progress(False)
+    with own_count, Progress("tokenizing", "samples", len(ds), enabled=not args.quiet and in_process) as bar:
+        ds = tokenize_dataset(
+            ds,
+            text,
+            args.tokenizer,
+            column=args.column,
+            vocab_size=vocab_size,
+            num_proc=args.num_proc,
+            on_encoded=_Tokenizing(args, config, bar),
+        )
     if not args.no_length_cache:
         _store_counts(args, ds, text)
     tokenizer = Path(args.tokenizer).name if args.tokenizer else f"regex-blake2b-mod-{vocab_size}"

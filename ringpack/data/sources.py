@@ -11,7 +11,7 @@ refused, never ignored.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -28,23 +28,51 @@ class _TokenizeMap:
     """Picklable batched ``map`` function: texts -> ``input_ids`` (regex-hash ids, or a tokenizer's, no special tokens).
 
     ``loaded``: the tokenizer already read from ``tokenizer`` (not pickled: each worker reads its own).
+    ``on_encoded``: called with the ids of every :data:`_REPORT_ROWS` texts as soon as they are
+    encoded, in this process only. Neither is pickled, so neither changes the ``map`` fingerprint
+    (the cache key): the ids do not depend on them.
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, column: str, loaded: Any = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        column: str,
+        loaded: Any = None,
+        on_encoded: Callable[[list[list[int]]], None] | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.column = column
         self._encode = None if loaded is None else token_encoder(loaded)
+        self.on_encoded = on_encoded
 
     def __getstate__(self) -> dict:
         return {"tokenizer": self.tokenizer, "vocab_size": self.vocab_size, "column": self.column, "_encode": None}
 
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, on_encoded=None)
+
     def __call__(self, texts: list[str]) -> dict[str, list[list[int]]]:
+        if self.on_encoded is None:
+            return {self.column: self._ids(texts)}
+        ids: list[list[int]] = []
+        for start in range(0, len(texts), _REPORT_ROWS):  # small runs: a long text is measured soon after it is read
+            part = self._ids(texts[start : start + _REPORT_ROWS])
+            self.on_encoded(part)
+            ids.extend(part)
+        return {self.column: ids}
+
+    def _ids(self, texts: list[str]) -> list[list[int]]:
         if self.tokenizer in (None, "regex"):
-            return {self.column: [regex_token_ids(t, self.vocab_size) for t in texts]}
+            return [regex_token_ids(t, self.vocab_size) for t in texts]
         if self._encode is None:
             self._encode = token_encoder(load_tokenizer(self.tokenizer))
-        return {self.column: self._encode([t or "" for t in texts])}
+        return self._encode([t or "" for t in texts])
+
+
+#: Texts encoded between two ``on_encoded`` calls of :func:`tokenize_dataset`.
+_REPORT_ROWS = 16
 
 
 def tokenize_dataset(
@@ -56,6 +84,7 @@ def tokenize_dataset(
     vocab_size: int = 65536,
     num_proc: int | None = None,
     batch_size: int = 256,
+    on_encoded: Callable[[list[list[int]]], None] | None = None,
 ) -> Any:
     """Add a token-id column to a ``datasets.Dataset`` from ``text_column`` (batched ``map``, ``num_proc``).
 
@@ -68,6 +97,10 @@ def tokenize_dataset(
             any work. No BOS, EOS or other special token is added: the ids are each text's alone.
         column: the token-id column to add.
         vocab_size, num_proc, batch_size: the regex ids' range, the ``map``'s processes and batch size.
+        on_encoded: called with the token ids of each run of up to 16 rows, in row order, as soon
+            as they are encoded (to count progress, or to refuse a sample by its length: what it
+            raises ends the tokenizing). Only in this process: with ``num_proc`` above 1 the
+            workers encode without it. Not called for rows ``datasets`` takes from its cache.
 
     Returns:
         The dataset with ``column``.
@@ -80,7 +113,7 @@ def tokenize_dataset(
         raise DataError(f"dataset has no column {text_column!r}; its columns are {list(ds.column_names)}")
     loaded = None if tokenizer in (None, "regex") else load_tokenizer(tokenizer)
     return ds.map(
-        _TokenizeMap(tokenizer, vocab_size, column, loaded),
+        _TokenizeMap(tokenizer, vocab_size, column, loaded, on_encoded if (num_proc or 1) <= 1 else None),
         input_columns=[text_column],
         batched=True,
         batch_size=batch_size,
