@@ -106,7 +106,8 @@ def _save(fig, path: Path) -> Path:
     from matplotlib.layout_engine import TightLayoutEngine
 
     TightLayoutEngine().execute(fig)
-    fig.savefig(path, dpi=DPI)
+    # zlib level 3 instead of PIL's 6: about half the encoding time for files about 3% larger
+    fig.savefig(path, dpi=DPI, pil_kwargs={"compress_level": 3})
     return path
 
 
@@ -215,7 +216,7 @@ def plot_rank_costs(doc: dict[str, Any], path: Path, step: int | None = None) ->
     for ax in axes[:, 0]:
         ax.set_ylabel(f"busy time ({unit})")
     for ax in list(axes.flat)[n:]:
-        ax.set_visible(False)
+        ax.remove()  # an empty grid cell: not laid out or drawn
     ax0 = axes.flat[0]
     ax0.set_ylim(0, top / scale * 1.12)
     steps = min(len(p["steps"]) for p in plans)
