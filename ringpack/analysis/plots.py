@@ -114,6 +114,7 @@ def _save(fig, path: Path) -> Path:
 # ---------------------------------------------------------------------------------------- lengths
 @_styled
 def plot_lengths(doc: dict[str, Any], path: Path) -> Path:
+    """Histogram of ``doc["lengths"]`` (log-log) with one rank's and one CP group's budget, as a PNG at ``path``."""
     hist = doc["lengths"]["histogram"]
     edges, counts = np.asarray(hist["edges"], dtype=float), np.asarray(hist["counts"])
     stats = doc["lengths"]
@@ -166,6 +167,10 @@ def default_rank_step(doc: dict[str, Any]) -> int:
 
 @_styled
 def plot_rank_costs(doc: dict[str, Any], path: Path, step: int | None = None) -> Path | None:
+    """Per-GPU busy time in one step (default :func:`default_rank_step`), one panel per plan, as a PNG at ``path``.
+
+    Returns None, writing nothing, when no plan has per-GPU costs (``rank_busy``).
+    """
     plans = [p for p in doc["plans"] if p["steps"] and p["steps"][0].get("rank_busy") is not None]
     if not plans:
         return None
@@ -304,6 +309,7 @@ def plot_imbalance(doc: dict[str, Any], path: Path) -> Path:
 # ------------------------------------------------------------------------------------- idle saved
 @_styled
 def plot_idle_saved(doc: dict[str, Any], path: Path) -> Path:
+    """Busy and idle GPU time over all steps and predicted throughput, per plan, as a PNG at ``path``."""
     colors = _colors(doc)
     names = [p["name"] for p in doc["plans"]]
     summaries = [p["summary"] for p in doc["plans"]]
