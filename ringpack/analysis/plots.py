@@ -8,6 +8,7 @@ See docs/analysis.md, "The figures".
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -32,23 +33,41 @@ def median_idle(plan: dict[str, Any]) -> float:
     return float(np.median(idle)) if idle else 0.0
 
 
-def _plt():
-    import matplotlib
+#: Style of every figure, in force only while one is drawn: the caller's matplotlib settings stay as they are.
+_STYLE = {
+    "font.size": 10,
+    "axes.titlesize": 11,
+    "axes.labelsize": 10,
+    "figure.titlesize": 12,
+    "axes.spines.top": False,
+    "axes.spines.right": False,
+}
 
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
 
-    plt.rcParams.update(
-        {
-            "font.size": 10,
-            "axes.titlesize": 11,
-            "axes.labelsize": 10,
-            "figure.titlesize": 12,
-            "axes.spines.top": False,
-            "axes.spines.right": False,
-        }
-    )
-    return plt
+def _styled(plot):
+    """Run a plot function under :data:`_STYLE`; matplotlib is imported on the first plot, not with the module."""
+
+    @functools.wraps(plot)
+    def wrapper(*args, **kwargs):
+        import matplotlib
+
+        with matplotlib.rc_context(_STYLE):
+            return plot(*args, **kwargs)
+
+    return wrapper
+
+
+def _figure(nrows: int = 1, ncols: int = 1, *, figsize: tuple[float, float], **subplots: Any):
+    """A figure on the Agg canvas and its axes, without pyplot (no GUI backend, no global figure list).
+
+    The figure has the saved file's dpi, so the text sizes measured for the layout are those drawn.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=figsize, dpi=DPI)
+    FigureCanvasAgg(fig)
+    return fig, fig.subplots(nrows, ncols, **subplots)
 
 
 def _colors(doc: dict[str, Any]) -> dict[str, Any]:
@@ -78,20 +97,28 @@ def _config(doc: dict[str, Any]) -> dict[str, Any]:
 
 
 def _save(fig, path: Path) -> Path:
-    fig.savefig(path, dpi=DPI, bbox_inches="tight")
-    import matplotlib.pyplot as plt
+    """Lay ``fig`` out once and draw it once into ``path``.
 
-    plt.close(fig)
+    The layout moves the axes so that titles, tick labels and the legends below the axes fit inside
+    the figure. The figure keeps no layout engine, so saving does not lay it out again, and the file
+    is the figure as sized (``bbox_inches="tight"`` would draw the whole figure twice).
+    """
+    from matplotlib.layout_engine import TightLayoutEngine
+
+    TightLayoutEngine().execute(fig)
+    # zlib level 3 instead of PIL's 6: about half the encoding time for files about 3% larger
+    fig.savefig(path, dpi=DPI, pil_kwargs={"compress_level": 3})
     return path
 
 
 # ---------------------------------------------------------------------------------------- lengths
+@_styled
 def plot_lengths(doc: dict[str, Any], path: Path) -> Path:
-    plt = _plt()
+    """Histogram of ``doc["lengths"]`` (log-log) with one rank's and one CP group's budget, as a PNG at ``path``."""
     hist = doc["lengths"]["histogram"]
     edges, counts = np.asarray(hist["edges"], dtype=float), np.asarray(hist["counts"])
     stats = doc["lengths"]
-    fig, ax = plt.subplots(figsize=(8, 4.2))
+    fig, ax = _figure(figsize=(8, 4.2))
     ax.bar(edges[:-1], counts, width=np.diff(edges), align="edge", color="#4c72b0", edgecolor="white", linewidth=0.5)
     ax.set_xscale("log")
     ax.set_yscale("symlog", linthresh=1)
@@ -138,11 +165,15 @@ def default_rank_step(doc: dict[str, Any]) -> int:
     return int(np.argmin(distance))
 
 
+@_styled
 def plot_rank_costs(doc: dict[str, Any], path: Path, step: int | None = None) -> Path | None:
+    """Per-GPU busy time in one step (default :func:`default_rank_step`), one panel per plan, as a PNG at ``path``.
+
+    Returns None, writing nothing, when no plan has per-GPU costs (``rank_busy``).
+    """
     plans = [p for p in doc["plans"] if p["steps"] and p["steps"][0].get("rank_busy") is not None]
     if not plans:
         return None
-    plt = _plt()
     step = default_rank_step(doc) if step is None else step
     colors = _colors(doc)
     to_s = _seconds_per_cost(doc)
@@ -153,7 +184,9 @@ def plot_rank_costs(doc: dict[str, Any], path: Path, step: int | None = None) ->
     ncols = min(3, n)
     nrows = -(-n // ncols)
     dp, cp = doc["dp"], doc["cp"]
-    fig, axes = plt.subplots(nrows, ncols, figsize=(4.3 * ncols, 3.4 * nrows), sharey=True, squeeze=False)
+    from matplotlib.collections import PolyCollection
+
+    fig, axes = _figure(nrows, ncols, figsize=(4.3 * ncols, 3.4 * nrows), sharey=True, squeeze=False)
     x = np.arange(dp * cp)
     gpu_gap = x + np.repeat(np.arange(dp), cp) * 0.6  # a small gap between DP ranks
     for ax, p in zip(axes.flat, plans):
@@ -162,9 +195,17 @@ def plot_rank_costs(doc: dict[str, Any], path: Path, step: int | None = None) ->
         step_time = row["step_seconds"] / scale
         shades = np.tile(np.linspace(1.0, 0.55, cp), dp) if cp > 1 else np.ones(dp)
         base = np.asarray(colors[p["name"]])[:3]
-        ax.bar(
-            gpu_gap, busy, width=0.9, color=[tuple(base * s + (1 - s)) for s in shades], edgecolor=base, linewidth=0.4
+        # One collection of bars per plan: its cost does not grow with the GPU count as one patch per bar would.
+        left, right = gpu_gap - 0.45, gpu_gap + 0.45
+        bars = np.stack([np.c_[left, 0 * busy], np.c_[left, busy], np.c_[right, busy], np.c_[right, 0 * busy]], axis=1)
+        ax.add_collection(
+            PolyCollection(
+                bars, facecolors=base * shades[:, None] + (1 - shades[:, None]), edgecolors=base, linewidths=0.4
+            ),
+            autolim=False,
         )
+        margin = 0.05 * (right[-1] - left[0])  # the x margins ax.bar leaves
+        ax.set_xlim(left[0] - margin, right[-1] + margin)
         ax.axhline(step_time, color="black", ls="--", lw=1)
         ax.text(gpu_gap[-1] + 0.5, step_time, " step", va="bottom", ha="right", fontsize=8)
         ax.set_title(
@@ -180,7 +221,7 @@ def plot_rank_costs(doc: dict[str, Any], path: Path, step: int | None = None) ->
     for ax in axes[:, 0]:
         ax.set_ylabel(f"busy time ({unit})")
     for ax in list(axes.flat)[n:]:
-        ax.set_visible(False)
+        ax.remove()  # an empty grid cell: not laid out or drawn
     ax0 = axes.flat[0]
     ax0.set_ylim(0, top / scale * 1.12)
     steps = min(len(p["steps"]) for p in plans)
@@ -188,7 +229,6 @@ def plot_rank_costs(doc: dict[str, Any], path: Path, step: int | None = None) ->
         f"Per-GPU busy time in step {step} of 0-{steps - 1} (compute, predicted); "
         "dashed: step time, the gap above a bar is idle"
     )
-    fig.tight_layout()
     return _save(fig, path)
 
 
@@ -217,12 +257,12 @@ def overlapping_lines(doc: dict[str, Any]) -> dict[str, str]:
     return same
 
 
+@_styled
 def plot_imbalance(doc: dict[str, Any], path: Path) -> Path:
     """Imbalance and idle share per step, one line per plan: each plan its colour and marker, the
     baseline dashed; a plan whose line covers another's says so in the legend."""
-    plt = _plt()
     colors = _colors(doc)
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    fig, (ax1, ax2) = _figure(2, 1, figsize=(9, 6), sharex=True)
     max_steps = max(len(p["steps"]) for p in doc["plans"])
     every = max(1, -(-max_steps // 40))  # at most about 40 markers per line
     same = overlapping_lines(doc)
@@ -263,13 +303,13 @@ def plot_imbalance(doc: dict[str, Any], path: Path) -> Path:
         f"Imbalance over steps per plan (DP={doc['dp']} x CP={doc['cp']}; compute only; "
         f"dashed: baseline {doc['baseline']})"
     )
-    fig.tight_layout()
     return _save(fig, path)
 
 
 # ------------------------------------------------------------------------------------- idle saved
+@_styled
 def plot_idle_saved(doc: dict[str, Any], path: Path) -> Path:
-    plt = _plt()
+    """Busy and idle GPU time over all steps and predicted throughput, per plan, as a PNG at ``path``."""
     colors = _colors(doc)
     names = [p["name"] for p in doc["plans"]]
     summaries = [p["summary"] for p in doc["plans"]]
@@ -278,7 +318,7 @@ def plot_idle_saved(doc: dict[str, Any], path: Path) -> Path:
     busy = total - idle
     unit, scale = _time_unit(float(total.max()) if total.size else 1.0)
     base = next(s for p, s in zip(doc["plans"], summaries) if p["name"] == doc["baseline"])
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 0.55 * len(names) + 2.2), gridspec_kw={"width_ratios": [1.4, 1]})
+    fig, (ax1, ax2) = _figure(1, 2, figsize=(12, 0.55 * len(names) + 2.2), gridspec_kw={"width_ratios": [1.4, 1]})
     y = np.arange(len(names))[::-1]
     from matplotlib.patches import Patch
 
@@ -318,7 +358,6 @@ def plot_idle_saved(doc: dict[str, Any], path: Path) -> Path:
     ax2.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, fontsize=8, frameon=False)
     ax2.set_title(f"Throughput ({doc['comm_model']['mode']} comm model)")
     fig.suptitle(f"Idle time saved vs the baseline ({doc['baseline']}), DP={doc['dp']} x CP={doc['cp']}")
-    fig.tight_layout()
     return _save(fig, path)
 
 
