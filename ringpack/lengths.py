@@ -274,8 +274,18 @@ def _read_saved_dataset(path: Path, column: str | None) -> np.ndarray:
         raise DataError(
             f"{path} holds the splits {splits} of a DatasetDict; give one split's folder, e.g. {path}/train"
         )
+    return lengths_from_dataset(_load_saved_dataset(path, f"; give {FORMATS}"), column)
+
+
+def _load_saved_dataset(path: Path, hint: str = "") -> Any:
+    """The ``datasets.Dataset`` saved in folder ``path`` (``Dataset.save_to_disk``).
+
+    Raises:
+        DataError: a folder without a saved dataset (``hint`` ends the message), ``datasets`` not
+            installed, a damaged folder, or a DatasetDict (one line each, naming the folder).
+    """
     if not any((path / marker).is_file() for marker in SAVED_DATASET_MARKERS):
-        raise DataError(f"{path} is a folder but not a saved `datasets` folder (no state.json); give {FORMATS}")
+        raise DataError(f"{path} is a folder but not a saved `datasets` folder (no state.json){hint}")
     try:
         import datasets
     except ImportError:
@@ -286,7 +296,7 @@ def _read_saved_dataset(path: Path, column: str | None) -> np.ndarray:
         raise DataError(f"cannot load the saved dataset {path}: {type(exc).__name__}: {exc}") from exc
     if isinstance(ds, datasets.DatasetDict):  # a folder whose dataset_dict.json is missing
         raise DataError(f"{path} holds the splits {sorted(ds)} of a DatasetDict; give one split's folder")
-    return lengths_from_dataset(ds, column)
+    return ds
 
 
 def _no_columns(path: Path, column: str | None, what: str) -> None:
@@ -580,19 +590,7 @@ def _read_texts(path: Path, column: str, batch_size: int) -> Texts:
     The values read are never quoted in an error: only the file, the column and the row.
     """
     if path.is_dir():
-        if not any((path / marker).is_file() for marker in SAVED_DATASET_MARKERS):
-            raise DataError(f"{path} is a folder but not a saved `datasets` folder (no state.json)")
-        try:
-            import datasets
-        except ImportError:
-            raise DataError(f"{path} is a saved `datasets` folder; reading it needs `pip install datasets`") from None
-        try:
-            ds = datasets.load_from_disk(str(path))
-        except Exception as exc:  # datasets raises many types for a damaged folder
-            raise DataError(f"cannot load the saved dataset {path}: {type(exc).__name__}: {exc}") from exc
-        if isinstance(ds, datasets.DatasetDict):
-            raise DataError(f"{path} holds the splits {sorted(ds)} of a DatasetDict; give one split's folder")
-        return _dataset_texts(ds, column, str(path), batch_size)
+        return _dataset_texts(_load_saved_dataset(path), column, str(path), batch_size)
     suffix = path.suffix.lower()
     if suffix in (".parquet", ".pq"):
         import pyarrow.parquet as pq
