@@ -528,7 +528,12 @@ def _head_parallel_seconds(tokens, pairs, linear, kv_cross, model: CostModel, co
 
 
 def rank_seconds(
-    arrays: Mapping[str, np.ndarray], cp: int, shape: tuple[int, int, int], model: CostModel, comm: CommModel
+    arrays: Mapping[str, np.ndarray],
+    cp: int,
+    shape: tuple[int, int, int],
+    model: CostModel,
+    comm: CommModel,
+    inputs: ExchangeInputs | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """:func:`microbatch_seconds` of every rank of a piece table under ``comm``'s mode: ``(seconds,
     exposed)``, each ``(S, D, M, C)``.
@@ -539,6 +544,8 @@ def rank_seconds(
         cp: CP ranks of a micro-batch (``C``).
         shape: ``(S, D, M)``, the grid of micro-batches.
         model, comm: the cost and communication models.
+        inputs: the table's :func:`exchange_inputs` under ``comm``, when the caller has them
+            (default: computed here).
 
     Raises:
         ValueError: as :func:`microbatch_seconds`.
@@ -554,13 +561,11 @@ def rank_seconds(
         return out.reshape(S, D, M, cp)
 
     tokens, pairs, segments = per_rank(stop - start), per_rank(piece_pairs(start, stop)), per_rank(np.ones_like(start))
-    cross, volumes = node_exchange_inputs(arrays, cp, shape, comm)
-    if comm.mode in SEQUENCE_MODES:
-        if comm.mode == "p2p":
-            volumes = exchange_volumes(arrays, cp, shape, comm.gpus_per_node)
-        else:
-            cross = per_rank(kv_cross_tokens(arrays, shape=shape))
-    return microbatch_seconds(tokens, pairs, segments, cross, model, comm, volumes)
+    inputs = exchange_inputs(arrays, cp, shape, comm) if inputs is None else inputs
+    cross = inputs.kv_cross
+    if comm.mode in ("ring", "allgather"):  # per rank, from the per-rank figures
+        cross = per_rank(kv_cross_tokens(arrays, shape=shape))
+    return microbatch_seconds(tokens, pairs, segments, cross, model, comm, inputs.volumes)
 
 
 def fastest_modes(

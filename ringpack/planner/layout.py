@@ -22,7 +22,15 @@ from typing import Any
 
 import numpy as np
 
-from ringpack.comm_model import HEAD_PARALLEL_MODES, MODES, CommModel, exchange_volumes, rank_partners, rank_seconds
+from ringpack.comm_model import (
+    HEAD_PARALLEL_MODES,
+    MODES,
+    CommModel,
+    exchange_inputs,
+    exchange_volumes,
+    rank_partners,
+    rank_seconds,
+)
 from ringpack.cost import MAX_SAMPLE_TOKENS, CostModel
 from ringpack.errors import PlanError
 from ringpack.lengths import check_lengths
@@ -391,12 +399,15 @@ def _timed(name: str, mode: str, plan: Plan, comm: CommModel) -> LayoutCandidate
     a = plan.piece_arrays
     M = max(len(step.microbatches[0]) for step in plan.steps)
     shape = (plan.num_steps, cfg.dp, M)
-    seconds, exposed = rank_seconds(a, cfg.cp, shape, cfg.cost, comm)
+    inputs = exchange_inputs(a, cfg.cp, shape, comm)
+    seconds, exposed = rank_seconds(a, cfg.cp, shape, cfg.cost, comm, inputs)
     compute = critical_path(seconds - exposed)[1]
     step = critical_path(seconds)[1]
     inter = 0.0
     if comm.gpus_per_node is not None and cfg.cp > comm.gpus_per_node:
-        inter = float(exchange_volumes(a, cfg.cp, shape, comm.gpus_per_node).send_inter.sum())
+        # the targeted exchange's volumes: those just timed under p2p, counted apart for the other modes
+        moved = inputs.volumes if comm.mode == "p2p" else exchange_volumes(a, cfg.cp, shape, comm.gpus_per_node)
+        inter = float(moved.send_inter.sum())
         inter *= comm.kv_bytes_per_token / plan.num_steps
     total_tokens = float(np.sum(a["stop"] - a["start"]))
     partners = rank_partners(a, cfg.cp, shape, comm)
