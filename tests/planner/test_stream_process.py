@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -33,14 +32,9 @@ from ringpack.planner.stream import (
 )
 from ringpack.shard_plan import PlanConfig, _piece_columns
 from tests.helpers import deadline
+from tests.planner.test_stream import ROOT, lengths
 
-ROOT = Path(__file__).resolve().parents[2]
 DEADLINE_S = 60.0
-
-
-def lengths(n: int = 1200, seed: int = 0) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    return np.clip(rng.lognormal(6.5, 1.2, n).astype(np.int64), 1, 6000)
 
 
 CONFIGS = {
