@@ -290,6 +290,18 @@ def add_plan_flags(parser: Any, *, defaults: Mapping[str, Any] = {}, skip: Itera
     add_global_batch_flag(g, defaults.get("global_batch_tokens", 0))
 
 
+def add_advice_flag(parser: Any) -> None:
+    """``--no-advice`` on plan, report and simulate: skip the "what would help" re-planning."""
+    flag(
+        parser,
+        "--no-advice",
+        default=False,
+        action="store_true",
+        help="skip re-planning a sample of the steps with each remedy (--batch-window 2, a larger CP group, "
+        "more samples per micro-batch) for the 'what would help' line",
+    )
+
+
 def add_quiet_flag(parser: Any) -> None:
     """``--quiet`` / ``--no-progress`` on every long-running command: results and errors still print."""
     flag(

@@ -89,7 +89,7 @@ _REPORT = _rows(
     ),
     (  # the communication model, the output: every report
         ["gpus_per_node", "baseline", "link", "inter_link", "bandwidth", "latency_us", "modes"]
-        + ["out", "json", "no_plots", "quiet", "step", "steps_shown"],
+        + ["out", "json", "no_plots", "quiet", "step", "steps_shown", "no_advice"],
         _REPORT_KINDS,
     ),
 )
@@ -120,7 +120,8 @@ _SIMULATE = _rows(
     (
         [n for n in _PLANNING if n not in ("dp", "strategy", "packing")]
         + ["world", "strategies", "packings", "baseline", "peers", "tflops", "link", "inter_link", "bandwidth"]
-        + ["latency_us", "modes", "out", "json", "no_plots", "quiet", "jobs", "chunk_steps", "sample_steps"],
+        + ["latency_us", "modes", "out", "json", "no_plots", "quiet", "jobs", "chunk_steps", "sample_steps"]
+        + ["no_advice"],
         _SIMULATE_KINDS,
     ),
 )
@@ -155,7 +156,7 @@ _PLAN = _rows(
     (["column"], ["lengths"]),
     (_TEXT, ["text"]),
     (
-        [*_PLANNING, "world", "out", "json", "quiet"],
+        [*_PLANNING, "world", "out", "json", "quiet", "no_advice"],
         _LENGTHS_KINDS,
     ),
 )

@@ -10,10 +10,11 @@ from typing import Any
 
 import numpy as np
 
+from ringpack.analysis.advice import advise
 from ringpack.analysis.report import window_line
 from ringpack.analysis.robustness import PRICE_FACTORS, imbalance_across_prices
 from ringpack.cli.config_file import SUFFIXES, add_config_file_flag, write_config, written_settings
-from ringpack.cli.flags import REQUIRED, add_plan_flags, add_quiet_flag, flag, new_command
+from ringpack.cli.flags import REQUIRED, add_advice_flag, add_plan_flags, add_quiet_flag, flag, new_command
 from ringpack.cli.input_kinds import check_flags_apply
 from ringpack.cli.inputs import (
     check_output_file,
@@ -23,6 +24,7 @@ from ringpack.cli.inputs import (
 )
 from ringpack.cli.layout import add_layout_flags, choice_to_dict, layout_table, resolve_layout
 from ringpack.cli.lengths_input import add_lengths_flags, lengths_from_args, lengths_kind
+from ringpack.comm_model import CommModel
 from ringpack.planner.bounds import plan_costs
 from ringpack.planner.epoch import global_batches, make_plan
 from ringpack.traffic import plan_kv_traffic
@@ -33,7 +35,7 @@ PLAN_SUFFIXES = (".parquet", ".json")
 #: Settings of where and how a run reports, not of what it plans: ``--write-config`` leaves them out,
 #: so a run from the written file writes no plan over the first one unless told where; whether the
 #: length cache was read changes no length either.
-NOT_WRITTEN = ("out", "json", "quiet", "no_length_cache")
+NOT_WRITTEN = ("out", "json", "quiet", "no_length_cache", "no_advice")
 
 
 def add_command(subparsers: Any) -> None:
@@ -55,6 +57,7 @@ def add_command(subparsers: Any) -> None:
     add_layout_flags(p)
     flag(p, "--out", default=REQUIRED, help="output plan: a .parquet or .json file")
     flag(p, "--json", default=False, action="store_true", help="print the summary as JSON")
+    add_advice_flag(p)
     add_quiet_flag(p)
     add_config_file_flag(p)
     flag(
@@ -122,6 +125,9 @@ def run_plan(args: argparse.Namespace) -> int:
     summary["out"] = str(args.out)
     if choice is not None:
         summary["layout"] = choice_to_dict(choice)
+    if not args.no_advice:
+        with progress(args, "re-planning a sample with each remedy", "remedies"):
+            summary["advice"] = advise(lengths, config, _comm_model(config, choice))
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
@@ -129,6 +135,13 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.write_config:
         print(f"wrote {args.write_config} (rerun with --config {args.write_config})")
     return 0
+
+
+def _comm_model(config: Any, choice: Any) -> CommModel:
+    """The communication model the advice times remedies with: the chosen layout's mode under
+    ``--cp auto``, else the ring, with the model's K/V bytes and the plan's nodes."""
+    mode = choice.best.mode if choice is not None else "ring"
+    return CommModel.for_model(config.cost, mode=mode, gpus_per_node=config.gpus_per_node)
 
 
 def _print_summary(summary: dict[str, Any], config: Any, seconds: float) -> None:
@@ -160,3 +173,5 @@ def _print_summary(summary: dict[str, Any], config: Any, seconds: float) -> None
             "dropped %d samples longer than %d tokens (--overflow drop)", summary["dropped"], config.group_capacity
         )
     print(f"wrote {summary['out']} (hash {summary['hash'][:16]})")
+    if "advice" in summary:
+        print(summary["advice"]["headline"] + " (ringpack report lists every remedy)")

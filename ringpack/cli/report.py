@@ -18,7 +18,7 @@ from ringpack.analysis.report import build_report, format_ranks, format_table, r
 from ringpack.analysis.simulate import measure_variants
 from ringpack.cli.compare import add_compare_flags, check_outputs, comm_models, emit, peer_names, variants
 from ringpack.cli.config_file import add_config_file_flag
-from ringpack.cli.flags import COUNT, EXPLORE_MESH, flag, integer, new_command
+from ringpack.cli.flags import COUNT, EXPLORE_MESH, add_advice_flag, flag, integer, new_command
 from ringpack.cli.input_kinds import check_flags_apply
 from ringpack.cli.inputs import (
     cost_model,
@@ -63,6 +63,7 @@ def add_command(subparsers: Any) -> None:
     )
     flag(p, "--steps-shown", type=COUNT, default=5, help="steps per plan in the terminal table")
     flag(p, "--jobs", type=integer(0, 1024), default=0, help="worker processes (0: all cores)")
+    add_advice_flag(p)
     add_config_file_flag(p)
     p.set_defaults(handler=run_report, command_parser=p)
 
@@ -131,9 +132,10 @@ def run_report(args: argparse.Namespace) -> int:
                 )
                 results += unwindowed
     extra = _window_entry(lengths, config, names) if not (args.plans or args.manifest) else {}
-    with progress(args, "re-planning a sample with each remedy", "remedies"):
-        base = plans[0].config if args.plans or args.manifest else dataclasses.replace(config, **BALANCED)
-        extra["advice"] = advise(lengths, base, comms[0], jobs=args.jobs or None)
+    if not args.no_advice:
+        with progress(args, "re-planning a sample with each remedy", "remedies"):
+            base = plans[0].config if args.plans or args.manifest else dataclasses.replace(config, **BALANCED)
+            extra["advice"] = advise(lengths, base, comms[0], jobs=args.jobs or None)
     doc = build_report(results, lengths=lengths, baseline=args.baseline, peers=rows, extra=extra)
     step = args.step
     if step is not None and not all(0 <= step < r.metrics.num_steps for r in results):

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from ringpack.analysis.advice import advise
 from ringpack.analysis.report import format_table, write_report
 from ringpack.analysis.simulate import format_modes, sample_line, simulate, synthetic_lengths, window_chunk_steps
 from ringpack.cli.compare import add_compare_flags, check_outputs, comm_models, peer_names, variants
@@ -21,6 +22,7 @@ from ringpack.cli.flags import (
     NON_NEGATIVE_REAL,
     POSITIVE,
     POSITIVE_REAL,
+    add_advice_flag,
     flag,
     hidden_alias,
     integer,
@@ -117,6 +119,7 @@ def add_command(subparsers: Any) -> None:
         help="plan about N global batches of the epoch, whole chunks drawn at random, and estimate the epoch "
         f"from them (0: every global batch; default {AUTO_SAMPLE_STEPS} with --cp auto, else 0)",
     )
+    add_advice_flag(p)
     add_config_file_flag(p)
     p.set_defaults(handler=run_simulate, command_parser=p)
 
@@ -279,6 +282,10 @@ def _simulate_shape(
     )
     if chosen is not None:
         doc["layout"] = chosen["layout"]
+    if not args.no_advice:
+        with progress(args, "re-planning a sample with each remedy", "remedies"):
+            own = dataclasses.replace(config, strategy="balanced", packing="balanced")
+            doc["advice"] = advise(lengths, own, comms[0], jobs=args.jobs or None)
     with progress(args, "drawing plots", "plots") as bar:
         paths = write_report(doc, out, plots=not args.no_plots, progress=bar)
     if args.json != "-":

@@ -1,4 +1,4 @@
-"""``ringpack report``'s "what would help": each remedy re-planned, ranked by gain, in the terminal, JSON and HTML."""
+"""The "what would help" advice: each remedy re-planned, ranked by gain, in report, plan and simulate."""
 
 from __future__ import annotations
 
@@ -65,3 +65,33 @@ def test_report_shows_the_advice_first_and_in_json_and_html(tmp_path):
     page = (tmp_path / "r" / "report.html").read_text()
     assert "<h2>What would help</h2>" in page and f"<code>{best['flag']}</code>" in page
     assert page.index("What would help") < page.index("<pre>"), "the advice comes before the tables"
+
+
+def _lengths_file(tmp_path) -> list:
+    path = tmp_path / "l.npy"
+    np.save(path, one_long_per_step())
+    return ["--lengths", path, "--cp", "1", "--tokens-per-rank", "8192", "--model", "llama-1b"]
+
+
+def test_plan_ends_with_the_winning_flag_and_no_advice_skips_it(tmp_path):
+    argv = ["plan", *_lengths_file(tmp_path), "--dp", "4", "--samples-per-step", "60", "--quiet"]
+    run = run_cli([*argv, "--out", tmp_path / "p.parquet", "--json"])
+    assert_clean(run)
+    advice = json.loads(run.out)["advice"]
+    assert advice["remedies"][0]["gain"] > 1.0, advice
+    shown = run_cli([*argv, "--out", tmp_path / "p.parquet"])
+    assert shown.out.splitlines()[-1].startswith(advice["headline"]), shown.out
+    skipped = run_cli([*argv, "--out", tmp_path / "p.parquet", "--no-advice"])
+    assert "what would help" not in skipped.out, skipped.out
+
+
+@pytest.mark.slow
+def test_simulate_puts_the_advice_first_in_its_table_and_json(tmp_path):
+    doc = tmp_path / "s.json"
+    argv = ["simulate", *_lengths_file(tmp_path), "--world", "4", "--samples-per-step", "60", "--peers", "none"]
+    run = run_cli([*argv, "--no-plots", "--quiet", "--jobs", "1", "--out", tmp_path / "s", "--json", doc])
+    assert_clean(run)
+    advice = json.loads(doc.read_text())["advice"]
+    assert advice["remedies"][0]["gain"] > 1.0, advice
+    table = run.out.split("headline exchange:", 1)[1].splitlines()
+    assert table[1] == advice["headline"], run.out
