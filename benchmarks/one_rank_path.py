@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attention import case_lengths
 
 from ringpack.attention import compile_schedule, ring_attention
-from ringpack.shard_plan import MicroBatch, Piece, RankShard
+from ringpack.shard_plan import MicroBatch, Piece, microbatch_from_shards
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 SLEEP_CYCLES_PER_MS = 1_500_000
@@ -52,8 +52,8 @@ def micro_batches(seed: int) -> dict[str, list[int]]:
 
 
 def one_rank(lengths: list[int]) -> MicroBatch:
-    pieces = tuple(Piece(i, 0, n) for i, n in enumerate(lengths))
-    return MicroBatch(samples=tuple(range(len(lengths))), shards=(RankShard(pieces),))
+    pieces = [Piece(i, 0, n) for i, n in enumerate(lengths)]
+    return microbatch_from_shards(range(len(lengths)), [pieces], lengths)
 
 
 def bare_fa4(q, k, v, lengths):
