@@ -12,6 +12,9 @@ Imports only torch and ringpack.attention (it runs on GPU machines without ortoo
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
 import threading
 from collections import Counter
 from types import SimpleNamespace
@@ -223,8 +226,42 @@ def run_head_parallel(
             dq, dk, dv, *_ = UlyssesAttention.backward(ctx, dout[r])
         results[r] = {"out": out, "dq": dq, "dk": dk, "dv": dv}
 
-    run_threads(rank_main, cp, [node.barrier for node in nodes])
+    with _one_kernel_call_at_a_time() if torch.device(device).type == "cuda" else contextlib.nullcontext():
+        run_threads(rank_main, cp, [node.barrier for node in nodes])
     return results
+
+
+#: The engine's kernel entry points that :func:`_one_kernel_call_at_a_time` serialises.
+KERNEL_ENTRY_POINTS = ("varlen_attn_fwd", "varlen_attn_bwd", "dense_attn_fwd_parts", "dense_attn_bwd_parts")
+
+
+@contextlib.contextmanager
+def _one_kernel_call_at_a_time():
+    """Rank threads call the engine's kernels one at a time. A real rank is a process; threads of one
+    process would otherwise build flash-attn-4's JIT kernels (and cuDNN graphs) concurrently on first
+    use, which those libraries do not support. Launches stay asynchronous: only the host side of a
+    call holds the lock, never a wait on another rank."""
+    from ringpack.attention import engine
+
+    lock = threading.Lock()
+    saved = {name: getattr(engine, name) for name in KERNEL_ENTRY_POINTS}
+
+    def serialised(fn):
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            with lock:
+                out = fn(*args, **kwargs)
+                return list(out) if inspect.isgenerator(out) else out
+
+        return call
+
+    for name, fn in saved.items():
+        setattr(engine, name, serialised(fn))
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(engine, name, fn)
 
 
 def run_threads(fn, count: int, barriers: list[threading.Barrier]) -> None:
