@@ -34,6 +34,7 @@ __all__ = [
     "LINKS",
     "MODES",
     "PARTNER_BUFFER_BYTES",
+    "RELAYOUT_BANDWIDTH",
     "SEQUENCE_MODES",
     "CommModel",
     "ExchangeInputs",
@@ -43,6 +44,7 @@ __all__ = [
     "exchange_volumes",
     "fastest_modes",
     "head_parallel_bytes",
+    "relayout_bytes",
     "kv_cross_tokens",
     "microbatch_seconds",
     "needs_piece_table",
@@ -65,6 +67,12 @@ HEAD_PARALLEL_MODES: dict[str, str | None] = {name: MODE_TABLE[name].across_node
 #: on 2 channels per partner (``NCCL_NCHANNELS_PER_NET_PEER``'s default). An estimate: set
 #: ``CommModel.partner_buffer_bytes`` from your NCCL logs.
 PARTNER_BUFFER_BYTES = 2 * 12 * 2**20
+#: Device-memory bytes/s the head-parallel relayouts achieve: around every all-to-all a rank packs its
+#: heads into per-rank blocks before it and puts the received rows in gathered order after it (and the
+#: reverse on the way home), each a read and a write of the rows. Measured on one H100 (bf16, 32 query /
+#: 8 K/V heads, head_dim 128, ``benchmarks/ulysses_rank.py``): about 120 ns per local token per layer,
+#: forward and backward, for 240 KB moved, the stand-in all-to-all's copy included.
+RELAYOUT_BANDWIDTH = 2.0e12
 #: Named links: (bandwidth bytes/s per direction, latency s per message).
 LINKS: dict[str, tuple[float, float]] = {
     "nvlink": (300e9, 10e-6),  # NVLink 4 (H100/H200) point-to-point, achieved
@@ -88,6 +96,8 @@ class CommModel:
         q_bytes_per_token_layer: bytes of one token's Q (and of its O) in one layer, all heads.
         partner_buffer_bytes: GPU memory NCCL holds for each rank this rank exchanges with point to
             point (:data:`PARTNER_BUFFER_BYTES`; read yours from ``NCCL_DEBUG=INFO``).
+        relayout_bandwidth: device-memory bytes/s of the head-parallel modes' copies around each
+            all-to-all (:data:`RELAYOUT_BANDWIDTH`; :func:`relayout_bytes`).
 
     Raises:
         ValueError: an unknown mode, a bandwidth <= 0, a latency < 0, ``layers < 1``, negative K/V
@@ -106,6 +116,7 @@ class CommModel:
     kv_heads: int = 8
     q_bytes_per_token_layer: float = 32 * 128 * 2
     partner_buffer_bytes: float = PARTNER_BUFFER_BYTES
+    relayout_bandwidth: float = RELAYOUT_BANDWIDTH
 
     def __post_init__(self) -> None:
         check_mode(self.mode, MODES, what="CommModel.mode")
@@ -115,6 +126,8 @@ class CommModel:
             raise ValueError("CommModel needs heads >= 1, kv_heads >= 1 and q bytes >= 0")
         if self.inter_bandwidth <= 0 or self.inter_latency < 0:
             raise ValueError("CommModel needs inter_bandwidth > 0 and inter_latency >= 0")
+        if not self.relayout_bandwidth > 0:
+            raise ValueError(f"CommModel needs relayout_bandwidth > 0, got {self.relayout_bandwidth!r}")
         if self.gpus_per_node is not None and not (isinstance(self.gpus_per_node, int) and self.gpus_per_node >= 1):
             raise ValueError(f"CommModel.gpus_per_node must be None or an integer >= 1, got {self.gpus_per_node!r}")
 
@@ -194,8 +207,10 @@ class CommModel:
             for name in ("gpus_per_node", "inter_bandwidth", "inter_latency"):
                 del out[name]
         if self.mode not in HEAD_PARALLEL_MODES:
-            for name in ("heads", "kv_heads", "q_bytes_per_token_layer"):
+            for name in ("heads", "kv_heads", "q_bytes_per_token_layer", "relayout_bandwidth"):
                 del out[name]
+        elif self.relayout_bandwidth == RELAYOUT_BANDWIDTH:
+            del out["relayout_bandwidth"]
         if self.partner_buffer_bytes == PARTNER_BUFFER_BYTES:
             del out["partner_buffer_bytes"]
         return out
@@ -475,6 +490,21 @@ def head_parallel_bytes(tokens: np.ndarray, comm: CommModel, size: int) -> HeadP
     return HeadParallelBytes(own * (q + kv), others * (q + kv), others * q, own * q)
 
 
+def relayout_bytes(tokens: np.ndarray, comm: CommModel, size: int) -> np.ndarray:
+    """Device-memory bytes every rank's head-parallel relayouts read and write per micro-batch, all
+    layers, forward and backward, over groups of ``size`` consecutive CP ranks (``tokens``' last axis).
+
+    Per layer and pass, a rank packs its own rows' Q, K and V (K/V replicated as sent) into blocks and
+    puts its heads' share of the group's rows in gathered order, then the reverse for O (dO, and dQ,
+    dK, dV on the way back): each a read and a write, of ``tokens`` rows before and after the
+    all-to-all and of ``group / size`` rows at the gathered side. The all-to-all itself is the link's.
+    """
+    t = np.asarray(tokens, dtype=np.float64)
+    kv = comm.kv_bytes_per_token_layer * math.lcm(comm.kv_heads, size) / comm.kv_heads
+    rows = t + _group_sum(t, size) / size
+    return comm.layers * 2 * 2 * rows * (comm.q_bytes_per_token_layer + kv + comm.q_bytes_per_token_layer)
+
+
 def _group_sum(x: np.ndarray, size: int) -> np.ndarray:
     """Each rank's value replaced by the sum over its group of ``size`` consecutive ranks (last axis)."""
     shape = np.shape(x)
@@ -509,6 +539,7 @@ def _head_parallel_seconds(tokens, pairs, linear, kv_cross, model: CostModel, co
         moved.o_send, moved.o_recv, size, comm
     )
     heads_moved = comm.layers * 2 * pair_of_all_to_alls  # the backward mirrors the forward
+    heads_moved = heads_moved + relayout_bytes(tokens, comm, size) / comm.relayout_bandwidth
     between = attn
     inner = HEAD_PARALLEL_MODES[comm.mode]
     if inner is not None:

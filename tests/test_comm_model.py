@@ -14,6 +14,7 @@ from ringpack.comm_model import (
     ExchangeVolumes,
     exchange_volumes,
     head_parallel_bytes,
+    relayout_bytes,
     kv_cross_tokens,
     microbatch_seconds,
     node_exchange_inputs,
@@ -233,7 +234,7 @@ def test_what_every_all_to_all_sends_it_receives():
 
 
 def test_ulysses_gives_every_rank_the_same_attention_whatever_the_split():
-    comm = CommModel(mode="ulysses", **dict(HEADS, bandwidth=1e30, latency=0.0))
+    comm = CommModel(mode="ulysses", **dict(HEADS, bandwidth=1e30, latency=0.0, relayout_bandwidth=1e30))
     tokens = np.array([[10, 0, 0, 0]])
     seconds, exposed = microbatch_seconds(tokens, np.array([[40, 30, 20, 10]]), ZERO, None, MODEL, comm)
     assert seconds.tolist() == [[25.0] * 4] and exposed.tolist() == [[0.0] * 4]
@@ -247,6 +248,20 @@ def test_ulysses_pays_four_all_to_alls_a_layer_and_hides_none():
     qkv, o = 1 + 18 / 100, 1 + 12 / 100
     assert exposed[0] == pytest.approx([2 * (qkv + o)] * 2)
     assert seconds[0] == pytest.approx(exposed[0] + 5.0)
+
+
+def test_the_relayouts_read_and_write_every_row_before_and_after_each_all_to_all():
+    comm = CommModel(mode="ulysses", **HEADS)
+    # rank 0: its 3 rows packed and 4 / 2 gathered rows; Q + K/V + O = 8 + 4 + 8 bytes a row;
+    # a read and a write, forward and backward
+    assert relayout_bytes(np.array([[3, 1]]), comm, 2).tolist() == [[(3 + 2) * 20 * 4, (1 + 2) * 20 * 4]]
+    # K/V sent twice over 4 ranks (2 K/V heads): 8 bytes of them a row
+    assert relayout_bytes(np.array([[4, 0, 0, 0]]), comm, 4)[0, 1] == pytest.approx(1 * (8 + 8 + 8) * 4)
+    slow = dataclasses.replace(comm, relayout_bandwidth=1.0, bandwidth=1e30, latency=0.0)
+    _, exposed = microbatch_seconds(np.array([[3, 1]]), np.array([[8, 2]]), np.zeros((1, 2)), None, MODEL, slow)
+    assert exposed[0] == pytest.approx([400.0, 240.0])
+    with pytest.raises(ValueError, match="relayout_bandwidth"):
+        CommModel(relayout_bandwidth=0.0)
 
 
 def test_a_hybrid_attends_its_nodes_pairs_and_exchanges_between_nodes_only():
