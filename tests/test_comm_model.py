@@ -14,10 +14,10 @@ from ringpack.comm_model import (
     ExchangeVolumes,
     exchange_volumes,
     head_parallel_bytes,
-    relayout_bytes,
     kv_cross_tokens,
     microbatch_seconds,
     node_exchange_inputs,
+    relayout_bytes,
 )
 from ringpack.cost import CostModel, piece_pairs
 from ringpack.planner.bounds import rank_grid
