@@ -113,8 +113,9 @@ def kernels(run, grad) -> list[dict]:
     return sorted(rows, key=lambda r: -r["us"])
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def timing_parser(description: str) -> argparse.ArgumentParser:
+    """The flags this benchmark and ``ulysses_rank.py`` share: output, backends, cases, timing."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
     parser.add_argument("--backends", default="auto,fa4")
     parser.add_argument("--cases", default="")
@@ -122,6 +123,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--hold-ms", type=float, default=20.0)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = timing_parser(__doc__)
     parser.add_argument("--profile", default="", help="comma-separated cases to profile")
     args = parser.parse_args(argv)
     torch.manual_seed(0)

@@ -23,7 +23,6 @@ after ``--warmup``; ``vs_bare`` is bare / row.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -33,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from one_rank_path import HEAD_DIM, HEADS, KV_HEADS, bare_fa4, gpu_ms, micro_batches
+from one_rank_path import HEAD_DIM, HEADS, KV_HEADS, bare_fa4, gpu_ms, micro_batches, timing_parser
 
 from ringpack.attention import compile_schedule, ring_attention
 from ringpack.attention.engine import PassConfig
@@ -102,15 +101,8 @@ def gathered(layout, split: HeadSplit):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True)
+    parser = timing_parser(__doc__)
     parser.add_argument("--cps", default="2,4,8")
-    parser.add_argument("--backends", default="auto,fa4")
-    parser.add_argument("--cases", default="")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--hold-ms", type=float, default=20.0)
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     cases = micro_batches(args.seed)
