@@ -26,7 +26,14 @@ from ringpack.cost import PRESETS, CostModel, piece_pairs
 from ringpack.modes import HEAD_PARALLEL_MODES as TABLE_HEAD_PARALLEL
 from ringpack.modes import MODE_TABLE, SEQUENCE_MODES, check_mode
 from ringpack.modes import MODES as TABLE_MODES
-from ringpack.traffic import exchange_links, exchange_tokens, kv_bytes_per_token, needed_pieces
+from ringpack.traffic import (
+    exchange_links,
+    exchange_partners,
+    exchange_tokens,
+    kv_bytes_per_token,
+    needed_pieces,
+    over_partner_budget,
+)
 
 __all__ = [
     "ATTN_FORWARD_SHARE",
@@ -46,7 +53,9 @@ __all__ = [
     "kv_cross_tokens",
     "microbatch_seconds",
     "needs_piece_table",
+    "microbatch_partners",
     "node_exchange_inputs",
+    "partner_fallback",
     "rank_partners",
     "rank_seconds",
 ]
@@ -88,6 +97,9 @@ class CommModel:
         q_bytes_per_token_layer: bytes of one token's Q (and of its O) in one layer, all heads.
         partner_buffer_bytes: GPU memory NCCL holds for each rank this rank exchanges with point to
             point (:data:`PARTNER_BUFFER_BYTES`; read yours from ``NCCL_DEBUG=INFO``).
+        max_partners: the plan's partner budget (``PlanConfig.max_partners``; 0: none): under
+            ``"p2p"`` a micro-batch whose targeted exchange would give a rank more partners runs
+            the ring, and is timed and counted as the ring (:func:`partner_fallback`).
 
     Raises:
         ValueError: an unknown mode, a bandwidth <= 0, a latency < 0, ``layers < 1``, negative K/V
@@ -106,6 +118,7 @@ class CommModel:
     kv_heads: int = 8
     q_bytes_per_token_layer: float = 32 * 128 * 2
     partner_buffer_bytes: float = PARTNER_BUFFER_BYTES
+    max_partners: int = 0
 
     def __post_init__(self) -> None:
         check_mode(self.mode, MODES, what="CommModel.mode")
@@ -115,6 +128,8 @@ class CommModel:
             raise ValueError("CommModel needs heads >= 1, kv_heads >= 1 and q bytes >= 0")
         if self.inter_bandwidth <= 0 or self.inter_latency < 0:
             raise ValueError("CommModel needs inter_bandwidth > 0 and inter_latency >= 0")
+        if not (isinstance(self.max_partners, int) and self.max_partners >= 0):
+            raise ValueError(f"CommModel.max_partners must be an integer >= 0, got {self.max_partners!r}")
         if self.gpus_per_node is not None and not (isinstance(self.gpus_per_node, int) and self.gpus_per_node >= 1):
             raise ValueError(f"CommModel.gpus_per_node must be None or an integer >= 1, got {self.gpus_per_node!r}")
 
@@ -198,6 +213,8 @@ class CommModel:
                 del out[name]
         if self.partner_buffer_bytes == PARTNER_BUFFER_BYTES:
             del out["partner_buffer_bytes"]
+        if not self.max_partners:
+            del out["max_partners"]
         return out
 
     def describe(self) -> str:
@@ -565,7 +582,52 @@ def rank_seconds(
     cross = inputs.kv_cross
     if comm.mode in ("ring", "allgather"):  # per rank, from the per-rank figures
         cross = per_rank(kv_cross_tokens(arrays, shape=shape))
-    return microbatch_seconds(tokens, pairs, segments, cross, model, comm, inputs.volumes)
+    seconds, exposed = microbatch_seconds(tokens, pairs, segments, cross, model, comm, inputs.volumes)
+    fallback = partner_fallback(arrays, cp, shape, comm)
+    if fallback.any():  # over the partner budget: these micro-batches run the ring
+        ring = dataclasses.replace(comm, mode="ring")
+        cross = per_rank(kv_cross_tokens(arrays, shape=shape))
+        ring_seconds, ring_exposed = microbatch_seconds(tokens, pairs, segments, cross, model, ring)
+        seconds = np.where(fallback[..., None], ring_seconds, seconds)
+        exposed = np.where(fallback[..., None], ring_exposed, exposed)
+    return seconds, exposed
+
+
+def partner_fallback(
+    arrays: Mapping[str, np.ndarray], cp: int, shape: tuple[int, int, int], comm: CommModel
+) -> np.ndarray:
+    """Which micro-batches of a piece table run the ring instead of ``comm``'s ``"p2p"``: those whose
+    targeted exchange would give a rank more than ``comm.max_partners`` partners
+    (:func:`~ringpack.traffic.over_partner_budget`, the runtime's rule), bool ``(S, D, M)``; all
+    False under another mode or without a budget. Arguments as for :func:`rank_seconds`."""
+    if comm.mode != "p2p" or not comm.max_partners or cp - 1 <= comm.max_partners:
+        return np.zeros(shape, dtype=bool)
+    S, D, M = shape
+    cell, columns = _cells(arrays, shape)
+    return over_partner_budget(cell, *columns, S * D * M, cp, comm.gpus_per_node, comm.max_partners).reshape(shape)
+
+
+def _cells(arrays: Mapping[str, np.ndarray], shape: tuple[int, int, int]) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Each piece's micro-batch as one index ``(step * D + dp) * M + microbatch``, and its ``cp``,
+    ``sample``, ``start`` and ``stop`` columns (int64)."""
+    _, D, M = shape
+    step, dp, mb = (np.asarray(arrays[k], dtype=np.int64) for k in ("step", "dp", "microbatch"))
+    return (step * D + dp) * M + mb, [np.asarray(arrays[k], dtype=np.int64) for k in ("cp", "sample", "start", "stop")]
+
+
+def microbatch_partners(
+    arrays: Mapping[str, np.ndarray], cp: int, shape: tuple[int, int, int], comm: CommModel
+) -> np.ndarray:
+    """How many other ranks each rank exchanges with in each micro-batch under ``comm``'s mode, int64
+    ``(S, D, M, C)``: what the partner budget bounds under ``"p2p"`` (a micro-batch over it counts
+    the ring's 2). The other modes as :func:`rank_partners` counts them, per micro-batch. Arguments
+    as for :func:`rank_seconds`."""
+    S, D, M = shape
+    if comm.mode != "p2p":
+        return np.broadcast_to(rank_partners(arrays, cp, shape, comm)[None, :, None, :], (S, D, M, cp)).copy()
+    cell, columns = _cells(arrays, shape)
+    counts = exchange_partners(cell, *columns, S * D * M, cp, comm.gpus_per_node).reshape(S, D, M, cp)
+    return np.where(partner_fallback(arrays, cp, shape, comm)[..., None], min(2, cp - 1), counts)
 
 
 def fastest_modes(
@@ -664,7 +726,7 @@ def rank_partners(
     if comm.mode in ("ring", "allgather"):
         return np.full((D, cp), min(2, cp - 1), dtype=np.int64)
     if comm.mode == "p2p":
-        return _partners_over_steps(arrays, cp, shape, comm.gpus_per_node)
+        return _partners_over_steps(arrays, cp, shape, comm.gpus_per_node, partner_fallback(arrays, cp, shape, comm))
     if between is None:  # ulysses: every other rank of the group
         return np.full((D, cp), cp - 1, dtype=np.int64)
     nodes = cp // size
@@ -676,14 +738,29 @@ def rank_partners(
     return size - 1 + np.repeat(across, size, axis=-1)
 
 
-def _partners_over_steps(arrays: Mapping[str, np.ndarray], cp: int, shape: tuple[int, int, int], node: int | None):
-    """:func:`~ringpack.traffic.exchange_links` of every micro-batch, the distinct peers of each
-    ``(DP rank, CP rank)`` over all of them, int64 ``(D, C)``."""
+def _partners_over_steps(
+    arrays: Mapping[str, np.ndarray],
+    cp: int,
+    shape: tuple[int, int, int],
+    node: int | None,
+    ring: np.ndarray | None = None,
+):
+    """:func:`~ringpack.traffic.exchange_links` of every micro-batch, the distinct partners of each
+    ``(DP rank, CP rank)`` over all of them, int64 ``(D, C)``; the micro-batches marked in ``ring``
+    (bool ``(S, D, M)``) count the ring's neighbours instead."""
     _, D, M = shape
-    step, dp, mb = (np.asarray(arrays[k], dtype=np.int64) for k in ("step", "dp", "microbatch"))
-    columns = (np.asarray(arrays[k], dtype=np.int64) for k in ("cp", "sample", "start", "stop"))
-    cell, rank, partner = exchange_links((step * D + dp) * M + mb, *columns, cp, node)
-    links = np.unique((cell // M % D * cp + rank) * cp + partner)
+    cell, columns = _cells(arrays, shape)
+    if ring is not None and ring.any():
+        keep = ~ring.reshape(-1)[cell]
+        cell, columns = cell[keep], [c[keep] for c in columns]
+    cell, rank, partner = exchange_links(cell, *columns, cp, node)
+    links = (cell // M % D * cp + rank) * cp + partner
+    if ring is not None and ring.any():
+        dp = np.unique(np.flatnonzero(ring.reshape(-1)) // M % D)
+        ranks = np.arange(cp, dtype=np.int64)
+        rows = (dp[:, None] * cp + ranks) * cp
+        links = np.concatenate([links, (rows + (ranks + 1) % cp).ravel(), (rows + (ranks - 1) % cp).ravel()])
+    links = np.unique(links)
     return np.bincount(links // cp, minlength=D * cp).astype(np.int64).reshape(D, cp)
 
 

@@ -29,6 +29,8 @@ __all__ = [
     "receivers",
     "exchange_links",
     "exchange_partners",
+    "partner_budget_problem",
+    "over_partner_budget",
     "exchange_tokens",
     "proxy_index",
     "relay_proxies",
@@ -101,11 +103,8 @@ def _holders(group, cp, sample, start, stop) -> _Holders:
     start = np.asarray(start, dtype=np.int64)
     stop = np.asarray(stop, dtype=np.int64)
     # dense id of (group, sample) and of (group, sample, rank)
-    _, gx = np.unique(np.stack([group, sample]), axis=1, return_inverse=True)
-    gx = gx.reshape(-1)
-    keys = np.stack([gx, cp])
-    uniq, gxr = np.unique(keys, axis=1, return_inverse=True)
-    gxr = gxr.reshape(-1)
+    gx = _pair_ids(group, sample)[1]
+    uniq, gxr = _pair_ids(gx, cp)
     # latest start of each (group, sample, rank)
     rank_max = np.full(uniq.shape[1], -1, dtype=np.int64)
     np.maximum.at(rank_max, gxr, start)
@@ -119,6 +118,21 @@ def _holders(group, cp, sample, start, stop) -> _Holders:
     lo = np.searchsorted(composite, gx * span + stop, side="left")
     own = (rank_max[gxr] >= stop).astype(np.int64)
     return _Holders(lo, hi, own, uniq[1][order])
+
+
+def _pair_ids(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(np.stack([a, b]), axis=1, return_inverse=True)`` of two int64 arrays (the distinct
+    pairs ``[2, U]`` in lexicographic order, and each pair's index among them), through one int64
+    key per pair where the ranges allow (a sort of integers, not of pairs)."""
+    if not len(a):
+        return np.zeros((2, 0), dtype=np.int64), np.zeros(0, dtype=np.int64)
+    a_lo, b_lo = int(a.min()), int(b.min())
+    width = int(b.max()) - b_lo + 1
+    if (int(a.max()) - a_lo + 1) * width >= 2**62:
+        uniq, inverse = np.unique(np.stack([a, b]), axis=1, return_inverse=True)
+        return uniq, inverse.reshape(-1)
+    keys, inverse = np.unique((a - a_lo) * width + (b - b_lo), return_inverse=True)
+    return np.stack([keys // width + a_lo, keys % width + b_lo]), inverse.reshape(-1)
 
 
 def receivers(
@@ -267,7 +281,8 @@ def exchange_links(
         proxy = relay_proxies(g, frm, to, cp_size, gpus_per_node)
         hop = to != proxy  # relayed: the proxy forwards to the receiver
         a, b, gg = np.concatenate([frm, proxy[hop]]), np.concatenate([proxy, to[hop]]), np.concatenate([g, g[hop]])
-    ends = np.unique(np.concatenate([(gg * cp_size + a) * cp_size + b, (gg * cp_size + b) * cp_size + a]))
+    ends = np.sort(np.concatenate([(gg * cp_size + a) * cp_size + b, (gg * cp_size + b) * cp_size + a]))
+    ends = ends[np.r_[True, ends[1:] != ends[:-1]]] if len(ends) else ends  # unique, by a sort (faster than hashing)
     return ends // (cp_size * cp_size), ends // cp_size % cp_size, ends % cp_size
 
 
@@ -287,6 +302,48 @@ def exchange_partners(
     g, rank, _ = exchange_links(group, cp, sample, start, stop, cp_size, gpus_per_node)
     counts = np.bincount(g * cp_size + rank, minlength=num_groups * cp_size)
     return counts.astype(np.int64).reshape(num_groups, cp_size)
+
+
+def over_partner_budget(
+    group: np.ndarray,
+    cp: np.ndarray,
+    sample: np.ndarray,
+    start: np.ndarray,
+    stop: np.ndarray,
+    num_groups: int,
+    cp_size: int,
+    gpus_per_node: int | None,
+    max_partners: int,
+) -> np.ndarray:
+    """The partner budget's one rule: which micro-batches' targeted exchange would give some rank more
+    than ``max_partners`` partners (:func:`exchange_partners`, relays included). Those run the ring
+    instead (2 partners a rank), under ``mode="p2p"`` in the runtime and in the communication model.
+
+    Args:
+        group, cp, sample, start, stop, num_groups, cp_size, gpus_per_node: as for :func:`exchange_partners`.
+        max_partners: the budget; 0: none (nothing is over).
+
+    Returns:
+        bool ``[num_groups]``. All False without pieces, without a budget or when ``cp_size - 1 <=
+        max_partners`` (no rank can have more partners than the group's other ranks).
+    """
+    if not max_partners or cp_size - 1 <= max_partners or not len(start):
+        return np.zeros(num_groups, dtype=bool)
+    partners = exchange_partners(group, cp, sample, start, stop, num_groups, cp_size, gpus_per_node)
+    return partners.max(axis=1) > max_partners
+
+
+def partner_budget_problem(partners: np.ndarray, max_partners: int) -> str | None:
+    """Why ranks with ``partners`` (int ``[cp_size]``, each rank's count) break the budget ``max_partners``
+    (0: none), naming the first rank over it; None when none is."""
+    over = np.flatnonzero(np.asarray(partners) > max_partners) if max_partners else ()
+    if not len(over):
+        return None
+    rank = int(over[0])
+    return (
+        f"CP rank {rank} exchanges with {int(partners[rank])} partners, over max_partners={max_partners} "
+        "(the targeted exchange of this micro-batch must run the ring instead)"
+    )
 
 
 def _traffic_arrays(group, cp_rank, sample, start, stop, cp: int, bytes_per_token: int, num_groups: int):

@@ -48,13 +48,19 @@ _EMPTY = RankShard()
 NodeGroup = tuple[int, int, np.ndarray]
 
 
-def split_over_nodes(groups: Sequence[Sequence[int]], lengths: Sequence[int], config: PlanConfig) -> list[MicroBatch]:
+def split_over_nodes(
+    groups: Sequence[Sequence[int]], lengths: Sequence[int], config: PlanConfig, *, tight: bool = False
+) -> list[MicroBatch]:
     """Every micro-batch of ``groups`` split over the nodes of its CP group, then inside its node groups.
 
     Args:
         groups: the micro-batches' sample ids, each in micro-batch order.
         lengths: tokens of every sample, indexed by id (a sequence or a 1-D integer array).
         config: a plan config whose CP group spans nodes (``config.nodes_per_group > 1``).
+        tight: split each group of several nodes contiguously (its samples in order, every one on
+            the fewest consecutive ranks its tokens need) instead of by the strategy: fewer
+            partners in the targeted exchange, for less balance (the partner budget's tighter
+            split, :mod:`ringpack.planner.partners`).
 
     Returns:
         One :class:`MicroBatch` per group with ``config.cp`` rank shards: each node group's samples
@@ -71,7 +77,7 @@ def split_over_nodes(groups: Sequence[Sequence[int]], lengths: Sequence[int], co
             f"gpus_per_node={config.gpus_per_node}"
         )
     with cycle_collection_paused():
-        return _split_over_nodes(groups, lengths, config)
+        return _split_over_nodes(groups, lengths, config, tight)
 
 
 @contextmanager
@@ -95,7 +101,9 @@ def cycle_collection_paused() -> Iterator[None]:
         gc.enable()
 
 
-def _split_over_nodes(groups: Sequence[Sequence[int]], lengths: Sequence[int], config: PlanConfig) -> list[MicroBatch]:
+def _split_over_nodes(
+    groups: Sequence[Sequence[int]], lengths: Sequence[int], config: PlanConfig, tight: bool
+) -> list[MicroBatch]:
     G = config.gpus_per_node
     single, multi = [], []  # (micro-batch, first node, nodes, sample ids)
     for g, members in enumerate(groups):
@@ -109,7 +117,10 @@ def _split_over_nodes(groups: Sequence[Sequence[int]], lengths: Sequence[int], c
             (single if count == 1 else multi).append((g, first, count, [members[k] for k in slots.tolist()]))
     split = _split_parts(single, lengths, config, G, config.token_slack)
     for part in multi:  # each at its own size; its ranks arranged so that small splits stay in a node
-        split.append(_on_consecutive_nodes(arrange_nodes(_split_group(part, lengths, config), G), part, lengths, G))
+        if tight:
+            split.append(split_contiguous(part[3], lengths, part[2] * G))
+        else:
+            split.append(_on_consecutive_nodes(arrange_nodes(_split_group(part, lengths, config), G), part, lengths, G))
     placed: list[list[tuple[int, MicroBatch]]] = [[] for _ in groups]
     for (g, first, _, _), mb in zip(single + multi, split):
         placed[g].append((first, mb))
