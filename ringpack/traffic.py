@@ -333,16 +333,14 @@ def over_partner_budget(
     return partners.max(axis=1) > max_partners
 
 
-def partner_budget_problem(partners: np.ndarray, max_partners: int) -> str | None:
-    """Why ranks with ``partners`` (int ``[cp_size]``, each rank's count) break the budget ``max_partners``
-    (0: none), naming the first rank over it; None when none is."""
-    over = np.flatnonzero(np.asarray(partners) > max_partners) if max_partners else ()
-    if not len(over):
+def partner_budget_problem(rank: int, partners: int, max_partners: int) -> str | None:
+    """Why CP rank ``rank`` exchanging with ``partners`` other ranks breaks the budget ``max_partners``
+    (0: none), in one line; None when it does not."""
+    if not max_partners or partners <= max_partners:
         return None
-    rank = int(over[0])
     return (
-        f"CP rank {rank} exchanges with {int(partners[rank])} partners, over max_partners={max_partners} "
-        "(the targeted exchange of this micro-batch must run the ring instead)"
+        f"CP rank {rank} exchanges with {partners} partners, over max_partners={max_partners}: a micro-batch "
+        "over the budget runs the ring (compile its schedule with ScheduleOptions(max_partners=...))"
     )
 
 
