@@ -32,7 +32,7 @@ from ringpack.traffic import (
     exchange_tokens,
     kv_bytes_per_token,
     needed_pieces,
-    over_partner_budget,
+    partners_over_budget,
 )
 
 __all__ = [
@@ -58,6 +58,7 @@ __all__ = [
     "partner_fallback",
     "rank_partners",
     "rank_seconds",
+    "ring_fallback",
 ]
 
 #: Forward share of attention FLOPs in fwd+bwd (backward ~2.5x forward, as in the cost model's 3.5).
@@ -583,14 +584,30 @@ def rank_seconds(
     if comm.mode in ("ring", "allgather"):  # per rank, from the per-rank figures
         cross = per_rank(kv_cross_tokens(arrays, shape=shape))
     seconds, exposed = microbatch_seconds(tokens, pairs, segments, cross, model, comm, inputs.volumes)
-    fallback = partner_fallback(arrays, cp, shape, comm)
-    if fallback.any():  # over the partner budget: these micro-batches run the ring
-        ring = dataclasses.replace(comm, mode="ring")
-        cross = per_rank(kv_cross_tokens(arrays, shape=shape))
-        ring_seconds, ring_exposed = microbatch_seconds(tokens, pairs, segments, cross, model, ring)
-        seconds = np.where(fallback[..., None], ring_seconds, seconds)
-        exposed = np.where(fallback[..., None], ring_exposed, exposed)
-    return seconds, exposed
+    if inputs.fallback is None or not inputs.fallback.any():
+        return seconds, exposed
+    cross = per_rank(kv_cross_tokens(arrays, shape=shape))
+    return ring_fallback(seconds, exposed, inputs.fallback, tokens, pairs, segments, cross, model, comm)
+
+
+def ring_fallback(
+    seconds: np.ndarray,
+    exposed: np.ndarray,
+    fallback: np.ndarray,
+    tokens: np.ndarray,
+    pairs: np.ndarray,
+    segments: np.ndarray,
+    kv_cross: np.ndarray,
+    model: CostModel,
+    comm: CommModel,
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(seconds, exposed)`` of :func:`microbatch_seconds` with the micro-batches marked in
+    ``fallback`` (bool ``(S, D, M)``, :func:`partner_fallback`) timed as the ring they run; the
+    per-rank figures ``(S, D, M, C)`` (``kv_cross``: the tokens of each rank another rank needs)."""
+    ring = dataclasses.replace(comm, mode="ring")
+    ring_seconds, ring_exposed = microbatch_seconds(tokens, pairs, segments, kv_cross, model, ring)
+    mark = np.asarray(fallback, dtype=bool)[..., None]
+    return np.where(mark, ring_seconds, seconds), np.where(mark, ring_exposed, exposed)
 
 
 def partner_fallback(
@@ -602,9 +619,16 @@ def partner_fallback(
     False under another mode or without a budget. Arguments as for :func:`rank_seconds`."""
     if comm.mode != "p2p" or not comm.max_partners or cp - 1 <= comm.max_partners:
         return np.zeros(shape, dtype=bool)
+    return partners_over_budget(_p2p_partners(arrays, cp, shape, comm), comm.max_partners)
+
+
+def _p2p_partners(
+    arrays: Mapping[str, np.ndarray], cp: int, shape: tuple[int, int, int], comm: CommModel
+) -> np.ndarray:
+    """Each rank's targeted-exchange partners in each micro-batch, no budget: int64 ``(S, D, M, C)``."""
     S, D, M = shape
     cell, columns = _cells(arrays, shape)
-    return over_partner_budget(cell, *columns, S * D * M, cp, comm.gpus_per_node, comm.max_partners).reshape(shape)
+    return exchange_partners(cell, *columns, S * D * M, cp, comm.gpus_per_node).reshape(S, D, M, cp)
 
 
 def _cells(arrays: Mapping[str, np.ndarray], shape: tuple[int, int, int]) -> tuple[np.ndarray, list[np.ndarray]]:
@@ -625,9 +649,8 @@ def microbatch_partners(
     S, D, M = shape
     if comm.mode != "p2p":
         return np.broadcast_to(rank_partners(arrays, cp, shape, comm)[None, :, None, :], (S, D, M, cp)).copy()
-    cell, columns = _cells(arrays, shape)
-    counts = exchange_partners(cell, *columns, S * D * M, cp, comm.gpus_per_node).reshape(S, D, M, cp)
-    return np.where(partner_fallback(arrays, cp, shape, comm)[..., None], min(2, cp - 1), counts)
+    counts = _p2p_partners(arrays, cp, shape, comm)
+    return np.where(partners_over_budget(counts, comm.max_partners)[..., None], min(2, cp - 1), counts)
 
 
 def fastest_modes(
@@ -674,10 +697,15 @@ def needs_piece_table(comm: CommModel) -> bool:
 class ExchangeInputs:
     """What :func:`microbatch_seconds` needs from a piece table beyond the per-rank figures:
     ``kv_cross`` (``"ulysses+ring"``: per node, ``(S, D, M, nodes)``) and ``volumes`` (``"p2p"``:
-    per rank; ``"ulysses+p2p"``: per node), either None where the mode does not read it."""
+    per rank; ``"ulysses+p2p"``: per node), either None where the mode does not read it. Under
+    ``"p2p"`` also ``partners`` (each rank's partners per micro-batch, int64 ``(S, D, M, C)``, the
+    ring's 2 where it runs the ring) and ``fallback`` (bool ``(S, D, M)``: the micro-batches over the
+    partner budget, timed as the ring, :func:`partner_fallback`)."""
 
     kv_cross: np.ndarray | None = None
     volumes: ExchangeVolumes | None = None
+    fallback: np.ndarray | None = None
+    partners: np.ndarray | None = None
 
     @classmethod
     def concat(cls, parts: Sequence[ExchangeInputs]) -> ExchangeInputs:
@@ -690,7 +718,23 @@ class ExchangeInputs:
             M = max(c.shape[2] for c in cross)
             joined = np.concatenate([np.pad(c, [(0, 0), (0, 0), (0, M - c.shape[2]), (0, 0)]) for c in cross])
         both = all(v is not None for v in volumes) and volumes
-        return cls(joined, ExchangeVolumes.concat(volumes) if both else None)
+        M = max((p.partners.shape[2] for p in parts if p.partners is not None), default=0)
+
+        def padded(name: str, fill) -> np.ndarray | None:
+            arrays = [getattr(p, name) for p in parts]
+            if not arrays or any(a is None for a in arrays):
+                return None
+            pad = [(0, 0), (0, 0)]
+            return np.concatenate(
+                [np.pad(a, [*pad, (0, M - a.shape[2])] + [(0, 0)] * (a.ndim - 3), constant_values=fill) for a in arrays]
+            )
+
+        return cls(
+            joined,
+            ExchangeVolumes.concat(volumes) if both else None,
+            padded("fallback", False),
+            padded("partners", 0),
+        )
 
 
 def exchange_inputs(
@@ -700,7 +744,11 @@ def exchange_inputs(
     (:func:`exchange_volumes`) for ``"p2p"``, the node-level inputs (:func:`node_exchange_inputs`)
     for the hybrids, nothing for the other modes. Arguments as for :func:`rank_seconds`."""
     if comm.mode == "p2p":
-        return ExchangeInputs(volumes=exchange_volumes(arrays, cp, shape, comm.gpus_per_node))
+        raw = _p2p_partners(arrays, cp, shape, comm)
+        fallback = partners_over_budget(raw, comm.max_partners)
+        partners = np.where(fallback[..., None], min(2, cp - 1), raw)
+        volumes = exchange_volumes(arrays, cp, shape, comm.gpus_per_node)
+        return ExchangeInputs(volumes=volumes, fallback=fallback, partners=partners)
     return ExchangeInputs(*node_exchange_inputs(arrays, cp, shape, comm))
 
 

@@ -31,6 +31,7 @@ __all__ = [
     "exchange_partners",
     "partner_budget_problem",
     "over_partner_budget",
+    "partners_over_budget",
     "exchange_tokens",
     "proxy_index",
     "relay_proxies",
@@ -330,7 +331,16 @@ def over_partner_budget(
     if not max_partners or cp_size - 1 <= max_partners or not len(start):
         return np.zeros(num_groups, dtype=bool)
     partners = exchange_partners(group, cp, sample, start, stop, num_groups, cp_size, gpus_per_node)
-    return partners.max(axis=1) > max_partners
+    return partners_over_budget(partners, max_partners)
+
+
+def partners_over_budget(partners: np.ndarray, max_partners: int) -> np.ndarray:
+    """:func:`over_partner_budget` from the counts: ``partners`` int ``[..., cp_size]``
+    (:func:`exchange_partners`), bool ``[...]``."""
+    partners = np.asarray(partners)
+    if not max_partners or partners.shape[-1] - 1 <= max_partners:
+        return np.zeros(partners.shape[:-1], dtype=bool)
+    return partners.max(axis=-1) > max_partners
 
 
 def partner_budget_problem(rank: int, partners: int, max_partners: int) -> str | None:

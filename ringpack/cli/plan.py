@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from ringpack.analysis.partners import compile_milliseconds, partner_line, plan_partners
 from ringpack.analysis.report import window_line
 from ringpack.analysis.robustness import PRICE_FACTORS, imbalance_across_prices
 from ringpack.cli.config_file import SUFFIXES, add_config_file_flag, write_config, written_settings
@@ -118,6 +119,13 @@ def run_plan(args: argparse.Namespace) -> int:
         tokens = int(np.sum(plan.lengths)) - sum(plan.lengths[k] for k in plan.dropped)
         moves = global_batches(lengths, config).moves()
         summary["batch_window"] = moves.summary(config, summary["samples"], tokens)
+    if config.cp > 1:
+        summary["partners"] = plan_partners(plan)
+        largest = max(
+            (mb for step in plan.steps for rank in step.microbatches for mb in rank),
+            key=lambda mb: sum(len(shard.pieces) for shard in mb.shards),
+        )
+        summary["compile_ms"] = round(compile_milliseconds(largest, config.gpus_per_node, config.max_partners), 2)
     summary["plan_seconds"] = round(seconds, 4)
     summary["out"] = str(args.out)
     if choice is not None:
@@ -149,6 +157,9 @@ def _print_summary(summary: dict[str, Any], config: Any, seconds: float) -> None
     if "batch_window" in summary:
         print(window_line(summary["batch_window"]))
     print(f"K/V tokens sent across CP ranks per step (median): {summary['kv_tokens_per_step_median']:.0f}")
+    if "partners" in summary:
+        print(partner_line(summary["partners"]))
+        print(f"host time to compile one rank's schedule of the largest micro-batch: {summary['compile_ms']:.1f} ms")
     prices = summary["imbalance_by_pair_price"]
     print(
         "plan time / balanced time if a pair really costs x the model's price: "

@@ -21,6 +21,7 @@ from ringpack.cli.flags import (
     NON_NEGATIVE_REAL,
     POSITIVE,
     POSITIVE_REAL,
+    add_partner_memory_flag,
     flag,
     hidden_alias,
     integer,
@@ -83,6 +84,7 @@ def add_command(subparsers: Any) -> None:
         "chosen for each)",
     )
     hidden_alias(p, "--gpus", world, deprecated=True)
+    add_partner_memory_flag(p)
     g = p.add_argument_group("lengths")
     flag(g, "--samples", type=integer(1, 10**9), help=f"drawn samples in the epoch (default {DRAWN['samples']:,})")
     add_lengths_flags(g, required=False, what="; simulated instead of drawn lengths")
