@@ -35,8 +35,8 @@ from ringpack.analysis.simulate import synthetic_lengths
 from ringpack.comm_model import CommModel
 from ringpack.cost import CostModel
 from ringpack.lengths import read_lengths
-from ringpack.planner.layout import choose_layout
 from ringpack.plan_config import DEFAULT_MAX_PARTNERS
+from ringpack.planner.layout import choose_layout
 from ringpack.shard_plan import PlanConfig
 
 
