@@ -3,8 +3,10 @@
 A rank's partners are the ranks it sends K/V to or receives K/V from point to point in one
 micro-batch's targeted exchange, relays included (:func:`~ringpack.traffic.exchange_partners`);
 NCCL holds buffers for each. After the CP split, a micro-batch whose exchange gives some rank more
-partners than the budget is split tighter (:func:`hold_partner_budget`: each sample's pieces on
-fewer, consecutive ranks); where that is still over the budget the first split stays, and
+partners than the budget is split tighter, each sample's pieces on fewer, consecutive ranks: a pool
+split's groups of several nodes over it are split contiguously
+(:func:`~ringpack.planner.pool.split_over_nodes`), then a micro-batch still over it as a whole
+(:func:`hold_partner_budget`); where that is still over the budget the first split stays, and
 the micro-batch runs the ring under ``mode="p2p"`` (2 partners a rank), by the one rule
 :func:`~ringpack.traffic.over_partner_budget` that the runtime and the communication model apply
 too. See docs/planner.md, "The partner budget".
@@ -16,7 +18,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ringpack.planner.pool import split_over_nodes
 from ringpack.planner.split.baselines import split_contiguous
 from ringpack.shard_plan import MicroBatch, PlanConfig
 from ringpack.traffic import over_partner_budget
@@ -41,28 +42,20 @@ def hold_partner_budget(
     groups: Sequence[Sequence[int]], mbs: list[MicroBatch], lengths: Sequence[int], config: PlanConfig
 ) -> list[MicroBatch]:
     """``mbs`` (the CP splits of the micro-batches ``groups``, sample ids in micro-batch order) with
-    each one over the partner budget split tighter where that brings it within the budget; the
-    others as they are (the same objects).
-
-    The tighter splits, tried in order: for a CP group over several nodes, the pool split with its
-    groups of several nodes split contiguously (:func:`~ringpack.planner.pool.split_over_nodes`,
-    ``tight=True``; the node packing and the one-node splits unchanged); then the whole
-    micro-batch split contiguously. Each holds every rank within its token budget. A micro-batch
-    still over the budget keeps its first split (and runs the ring). Deterministic: a
-    micro-batch's outcome depends on its own samples alone.
+    each one over the partner budget split contiguously (every sample on the fewest consecutive
+    ranks its tokens need, every rank within one token of the mean) where that brings it within
+    the budget; the others as they are (the same objects). A micro-batch still over the budget
+    keeps its first split (and runs the ring). A pool split has already split its groups of several
+    nodes over the budget contiguously (:func:`~ringpack.planner.pool.split_over_nodes`); what is
+    left over it here is a flat split, or a pool whose one-node groups alone exceed the budget.
+    Deterministic: a micro-batch's outcome depends on its own samples alone.
     """
     over = np.flatnonzero(microbatches_over_budget(mbs, config)).tolist()
+    if not over:
+        return mbs
+    tight = [split_contiguous(list(groups[i]), lengths, config.cp) for i in over]
     out = list(mbs)
-    tighter = [lambda ids: split_contiguous(ids, lengths, config.cp)]
-    if config.nodes_per_group > 1:
-        tighter.insert(0, lambda ids: split_over_nodes([ids], lengths, config, tight=True)[0])
-    for split in tighter:
-        if not over:
-            break
-        tight = [split(list(groups[i])) for i in over]
-        still = microbatches_over_budget(tight, config)
-        for i, mb, bad in zip(over, tight, still.tolist()):
-            if not bad:
-                out[i] = mb
-        over = [i for i, bad in zip(over, still.tolist()) if bad]
+    for i, mb, bad in zip(over, tight, microbatches_over_budget(tight, config).tolist()):
+        if not bad:
+            out[i] = mb
     return out
