@@ -88,13 +88,14 @@ NO_TOKEN_GUARD = 1e9
 
 #: The default partner budget (:attr:`PlanConfig.max_partners`): the most ranks one rank exchanges
 #: with point to point in one micro-batch's targeted exchange, relays included. NCCL holds buffers
-#: for every partner, ``NCCL_BUFFSIZE`` (4 MiB) per channel and direction for the simple protocol
-#: plus the low-latency protocols' (about 12 MiB a channel in all), on 2 channels per partner by
-#: default: about 24 MiB a partner (:data:`~ringpack.comm_model.PARTNER_BUFFER_BYTES`), so 16
-#: partners hold about 384 MiB of a GPU, against the 23.6 GiB Megatron-LM measured for an all-to-all
-#: over 64 ranks. Pool plans of 1M log-normal lengths measured at most 13 partners a rank from 64 to
-#: 8,192 ranks (BENCHMARKS.md), so the default binds only on micro-batches beyond what was measured.
-DEFAULT_MAX_PARTNERS = 16
+#: for every partner: ``NCCL_BUFFSIZE`` (4 MiB) per channel and direction for the simple protocol
+#: plus the low-latency protocols', about 12 MiB a channel, on 2 channels per partner by default,
+#: so about 24 MiB a partner (:data:`~ringpack.comm_model.PARTNER_BUFFER_BYTES`). 64 partners hold
+#: about 1.5 GiB, 2% of an 80 GB GPU (Megatron-LM measured 23.6 GiB for an all-to-all over 64 ranks
+#: on 32 channels). Pool plans of 1M log-normal lengths at a full token budget reached at most 64
+#: partners in a micro-batch from 64 to 4,096 GPUs (64 at 1,024), and a tighter budget there costs
+#: the pool's throughput (BENCHMARKS.md, "Pool plans and the chosen layout against the peers").
+DEFAULT_MAX_PARTNERS = 64
 
 
 def _price_range(value: Any) -> tuple[float, float]:

@@ -38,7 +38,7 @@ def raw_partners(plan) -> np.ndarray:
 
 
 def test_the_default_budget_and_its_spelling():
-    assert PlanConfig(dp=1, cp=8, tokens_per_rank=64).max_partners == DEFAULT_MAX_PARTNERS == 16
+    assert PlanConfig(dp=1, cp=8, tokens_per_rank=64).max_partners == DEFAULT_MAX_PARTNERS == 64
     # the default stays out of plan files and hashes; another budget is recorded
     assert "max_partners" not in PlanConfig(dp=1, cp=8, tokens_per_rank=64).to_dict()
     assert PlanConfig(dp=1, cp=8, tokens_per_rank=64, max_partners=0).to_dict()["max_partners"] == 0
