@@ -328,10 +328,37 @@ def over_partner_budget(
         bool ``[num_groups]``. All False without pieces, without a budget or when ``cp_size - 1 <=
         max_partners`` (no rank can have more partners than the group's other ranks).
     """
+    over = np.zeros(num_groups, dtype=bool)
     if not max_partners or cp_size - 1 <= max_partners or not len(start):
-        return np.zeros(num_groups, dtype=bool)
-    partners = exchange_partners(group, cp, sample, start, stop, num_groups, cp_size, gpus_per_node)
-    return partners_over_budget(partners, max_partners)
+        return over
+    group = np.asarray(group, dtype=np.int64)
+    cp, sample = np.asarray(cp, dtype=np.int64), np.asarray(sample, dtype=np.int64)
+    # only micro-batches whose cheap bound exceeds the budget are counted exactly
+    unsure = _partner_bound(group, cp, sample, num_groups, cp_size, gpus_per_node).max(axis=1) > max_partners
+    if not unsure.any():
+        return over
+    keep = unsure[group]
+    _, dense = np.unique(group[keep], return_inverse=True)
+    columns = (cp[keep], sample[keep], np.asarray(start)[keep], np.asarray(stop)[keep])
+    partners = exchange_partners(dense.reshape(-1), *columns, int(unsure.sum()), cp_size, gpus_per_node)
+    over[np.flatnonzero(unsure)] = partners_over_budget(partners, max_partners)
+    return over
+
+
+def _partner_bound(
+    group: np.ndarray, cp: np.ndarray, sample: np.ndarray, num_groups: int, cp_size: int, gpus_per_node: int | None
+) -> np.ndarray:
+    """An upper bound of :func:`exchange_partners`, int64 ``[num_groups, cp_size]``, from the pieces'
+    holders alone: a rank's partners hold a sample it holds (every direct link, every source and
+    proxy across nodes shares a sample with it), besides the ranks of its node it relays to or
+    through; so at most the other holders of its samples, summed, plus ``gpus_per_node - 1``."""
+    gs = _pair_ids(group, sample)[1]  # (micro-batch, sample)
+    held, where = np.unique(gs * cp_size + cp, return_index=True)  # each (micro-batch, sample, rank) once
+    holders = np.bincount(held // cp_size, minlength=int(gs.max()) + 1)
+    cell = group[where] * cp_size + held % cp_size
+    bound = np.bincount(cell, weights=holders[held // cp_size] - 1, minlength=num_groups * cp_size)
+    relays = 0 if gpus_per_node is None else min(gpus_per_node, cp_size) - 1
+    return bound.astype(np.int64).reshape(num_groups, cp_size) + relays
 
 
 def partners_over_budget(partners: np.ndarray, max_partners: int) -> np.ndarray:
