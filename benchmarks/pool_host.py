@@ -44,6 +44,7 @@ from ringpack.analysis.simulate import synthetic_lengths
 from ringpack.attention import compile_schedule
 from ringpack.data.collator import PackedCollator
 from ringpack.data.sampler import rank_positions
+from ringpack.plan_config import DEFAULT_MAX_PARTNERS
 from ringpack.shard_plan import MicroBatch
 from ringpack.traffic import receivers
 
@@ -90,6 +91,7 @@ def one_pool(lengths: np.ndarray, world: int, args: argparse.Namespace) -> dict:
                 tokens_per_rank=TOKENS_PER_RANK,
                 samples_per_step=len(lens),
                 gpus_per_node=GPUS_PER_NODE,
+                max_partners=args.max_partners,
             )
         )
         plan_s.append(ms / 1000)
@@ -144,6 +146,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="plans per pool size")
     parser.add_argument("--ranks", type=int, default=6, help="random ranks compiled besides the fixed ones")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--max-partners", type=int, default=DEFAULT_MAX_PARTNERS, help="the plan's partner budget (0: none)"
+    )
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
     lengths = synthetic_lengths(1_000_000, "lognormal", max_len=131072)
