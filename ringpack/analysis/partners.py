@@ -4,23 +4,21 @@ What ``ringpack plan`` prints and the layout table lists beside tokens/s: under 
 (``p2p``), each GPU's partners in one micro-batch (median and max over every rank of every
 micro-batch: what the partner budget bounds), the micro-batches over the budget (they run the
 ring), the partners a GPU gathers over the plan (NCCL keeps a connection once made) and the buffer
-memory those take (:func:`plan_partners`), and the host time of compiling one micro-batch's
-schedule (:func:`compile_milliseconds`). See docs/planner.md, "The partner budget".
+memory those take (:func:`plan_partners`); the host time of compiling one micro-batch's schedule is
+:func:`~ringpack.analysis.host_time.compile_milliseconds`. See docs/planner.md, "The partner budget".
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Any
 
 import numpy as np
 
-from ringpack.attention import ScheduleOptions, compile_schedule
 from ringpack.comm_model import CommModel, microbatch_partners, partner_fallback, rank_partners
-from ringpack.shard_plan import MicroBatch, Plan
+from ringpack.shard_plan import Plan
 
-__all__ = ["compile_milliseconds", "partner_line", "plan_partners"]
+__all__ = ["partner_line", "plan_partners"]
 
 
 def plan_partners(plan: Plan, comm: CommModel | None = None) -> dict[str, Any]:
@@ -72,23 +70,3 @@ def partner_line(p: dict[str, Any]) -> str:
         f"{p['ring_fallback']} of {p['microbatches']} micro-batches over the budget run the ring; "
         f"over the plan a GPU's partners reach {p['per_gpu_max']} ({p['nccl_bytes_run'] / 2**30:.2f} GiB kept)"
     )
-
-
-def compile_milliseconds(microbatch: MicroBatch, gpus_per_node: int | None, max_partners: int, ranks: int = 3) -> float:
-    """The host time of compiling ``microbatch``'s schedule for one rank, in ms: the slowest of
-    ``ranks`` ranks (the first, the middle and the one with the most pieces), each compiled once
-    on a fresh copy of the micro-batch (its piece columns read anew, as a loader worker would).
-
-    A measurement of this machine, not a prediction; it varies with the machine's load.
-    """
-    cp = len(microbatch.shards)
-    busiest = int(np.argmax([len(shard.pieces) for shard in microbatch.shards]))
-    chosen = list(dict.fromkeys([0, cp // 2, busiest]))[:ranks]
-    options = ScheduleOptions(gpus_per_node=gpus_per_node, max_partners=max_partners)
-    worst = 0.0
-    for rank in chosen:
-        fresh = MicroBatch(samples=microbatch.samples, shards=microbatch.shards, loss_tokens=microbatch.loss_tokens)
-        start = time.perf_counter()
-        compile_schedule(fresh, rank, options=options)
-        worst = max(worst, time.perf_counter() - start)
-    return worst * 1e3

@@ -12,9 +12,17 @@ import argparse
 import logging
 from typing import Any
 
-from ringpack.analysis.partners import compile_milliseconds
+from ringpack import analysis
 from ringpack.cli.compare import comm_models
-from ringpack.cli.flags import CP_SIZE, POSITIVE, REQUIRED, add_partner_memory_flag, config_fields, flag
+from ringpack.cli.flags import (
+    CP_SIZE,
+    POSITIVE,
+    REQUIRED,
+    add_host_time_flag,
+    add_partner_memory_flag,
+    config_fields,
+    flag,
+)
 from ringpack.cli.inputs import cost_model, samples_per_step
 from ringpack.comm_model import CommModel
 from ringpack.planner.layout import AUTO, DEFAULT_GPUS_PER_NODE, LayoutChoice, choose_layout
@@ -54,6 +62,7 @@ def add_layout_flags(parser: argparse.ArgumentParser) -> None:
         help="GPUs of the cluster: --dp becomes world / cp; with --cp auto the layout is chosen for them",
     )
     add_partner_memory_flag(parser)
+    add_host_time_flag(parser)
 
 
 def _insert(help_text: str, more: str) -> str:
@@ -138,14 +147,15 @@ def choose_for(args: argparse.Namespace, lengths: Any, world: int, progress: Any
     )
 
 
-def layout_table(choice: LayoutChoice, every: bool = False) -> str:
+def layout_table(choice: LayoutChoice, every: bool = False, host_time: bool = False) -> str:
     """The choice as text: the chosen layout, its reason, and the fastest :data:`SHOWN` layouts.
 
     Every timed row also has a GPU's point-to-point partners in one micro-batch (median/max: what
     the partner budget bounds; ``rF`` where ``F`` sampled micro-batches run the ring, over the
     budget), the partners a GPU gathers over the sampled steps and the NCCL buffers those keep
-    (GiB), and the host time of compiling one rank's schedule of the layout's largest sampled
-    micro-batch (ms, measured here: :func:`~ringpack.analysis.partners.compile_milliseconds`).
+    (GiB); with ``host_time``, the host time of compiling one rank's schedule of the layout's largest
+    sampled micro-batch (ms, measured here: :func:`~ringpack.analysis.host_time.compile_milliseconds`,
+    which imports torch).
     ``every``: every layout and exchange, with each one's exposed communication per step and, for
     ``p2p``, the K/V (GB, forward) its node-relayed exchange sends between nodes per step
     (``simulate``'s comparison).
@@ -153,7 +163,7 @@ def layout_table(choice: LayoutChoice, every: bool = False) -> str:
     lines = [f"layout for these lengths ({choice.steps} global batches planned per layout): {choice.reason}"]
     head = f"  {'layout':<10} {'exchange':<10} {'tokens/s':>12} {'step s':>10} {'compute s':>10}"
     head += f" {'exposed s':>10} {'IB GB/step':>10}" if every else ""
-    lines.append(head + f" {'partners':>10} {'kept':>5} {'NCCL GiB':>8} {'host ms':>8}")
+    lines.append(head + f" {'partners':>10} {'kept':>5} {'NCCL GiB':>8}" + (f" {'host ms':>8}" if host_time else ""))
     listed = set()
     host: dict[str, float] = {}
     for c in choice.candidates if every else choice.candidates[:SHOWN]:
@@ -175,14 +185,13 @@ def layout_table(choice: LayoutChoice, every: bool = False) -> str:
         if every:
             sent = f"{c.inter_node_bytes / 1e9:.4g}" if c.mode == "p2p" else "-"
             row += f" {c.exposed_seconds:>10.4g} {sent:>10}"
-        if c.name not in host and c.microbatch is not None:
-            host[c.name] = compile_milliseconds(c.microbatch, c.gpus_per_node, c.max_partners)
         partners = f"{c.microbatch_partners_median:.0f}/{c.microbatch_partners_max}"
         partners += f" r{c.ring_fallback}" if c.ring_fallback else ""
-        row += (
-            f" {partners:>10} {c.partners_max:>5} {c.partner_memory_bytes / 2**30:>8.2f} "
-            f"{host.get(c.name, float('nan')):>8.1f}"
-        )
+        row += f" {partners:>10} {c.partners_max:>5} {c.partner_memory_bytes / 2**30:>8.2f}"
+        if host_time:
+            if c.name not in host and c.microbatch is not None:
+                host[c.name] = analysis.compile_milliseconds(c.microbatch, c.gpus_per_node, c.max_partners)
+            row += f" {host.get(c.name, float('nan')):>8.1f}"
         lines.append(row)
     best = choice.best
     lines.append(

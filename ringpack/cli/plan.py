@@ -10,7 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from ringpack.analysis.partners import compile_milliseconds, partner_line, plan_partners
+from ringpack import analysis
+from ringpack.analysis.partners import partner_line, plan_partners
 from ringpack.analysis.report import window_line
 from ringpack.analysis.robustness import PRICE_FACTORS, imbalance_across_prices
 from ringpack.cli.config_file import SUFFIXES, add_config_file_flag, write_config, written_settings
@@ -102,7 +103,7 @@ def run_plan(args: argparse.Namespace) -> int:
     lengths = lengths_from_args(args)
     choice = resolve_layout(args, lengths)
     if choice is not None and not args.json:
-        print(layout_table(choice))
+        print(layout_table(choice, host_time=args.host_time))
     config = plan_config_from_args(args, samples_per_step=samples_per_step(args, lengths))
     t0 = time.perf_counter()
     with progress(args, f"planning {len(lengths):,} samples", "steps") as bar:
@@ -121,11 +122,14 @@ def run_plan(args: argparse.Namespace) -> int:
         summary["batch_window"] = moves.summary(config, summary["samples"], tokens)
     if config.cp > 1:
         summary["partners"] = plan_partners(plan)
+    if config.cp > 1 and args.host_time:
         largest = max(
             (mb for step in plan.steps for rank in step.microbatches for mb in rank),
             key=lambda mb: sum(len(shard.pieces) for shard in mb.shards),
         )
-        summary["compile_ms"] = round(compile_milliseconds(largest, config.gpus_per_node, config.max_partners), 2)
+        summary["compile_ms"] = round(
+            analysis.compile_milliseconds(largest, config.gpus_per_node, config.max_partners), 2
+        )
     summary["plan_seconds"] = round(seconds, 4)
     summary["out"] = str(args.out)
     if choice is not None:
@@ -159,6 +163,7 @@ def _print_summary(summary: dict[str, Any], config: Any, seconds: float) -> None
     print(f"K/V tokens sent across CP ranks per step (median): {summary['kv_tokens_per_step_median']:.0f}")
     if "partners" in summary:
         print(partner_line(summary["partners"]))
+    if "compile_ms" in summary:
         print(f"host time to compile one rank's schedule of the largest micro-batch: {summary['compile_ms']:.1f} ms")
     prices = summary["imbalance_by_pair_price"]
     print(
