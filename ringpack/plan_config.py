@@ -93,7 +93,7 @@ NO_TOKEN_GUARD = 1e9
 #: so about 24 MiB a partner (:data:`~ringpack.comm_model.PARTNER_BUFFER_BYTES`). 64 partners hold
 #: about 1.5 GiB, 2% of an 80 GB GPU (Megatron-LM measured 23.6 GiB for an all-to-all over 64 ranks
 #: on 32 channels). Pool plans of 1M log-normal lengths at a full token budget reached at most 64
-#: partners in a micro-batch from 64 to 4,096 GPUs (64 at 1,024), and a tighter budget there costs
+#: partners in a micro-batch from 64 to 8,192 GPUs (64 at 1,024), and a tighter budget there costs
 #: the pool's throughput (BENCHMARKS.md, "Pool plans and the chosen layout against the peers").
 DEFAULT_MAX_PARTNERS = 64
 
