@@ -9,7 +9,8 @@ one micro-batch: the pool is one CP group). Per pool size:
 * ``plan``: CPU seconds of ``ringpack.plan(lens, world=N, tokens_per_rank=16384,
   samples_per_step=len(lens), gpus_per_node=8)``, each of ``--repeats`` runs (the first one
   warms nothing up: every run is a whole plan).
-* ``compile``: CPU milliseconds of ``compile_schedule(mb, rank, gpus_per_node=8)`` for a sample of
+* ``compile``: CPU milliseconds of ``compile_schedule(mb, rank, gpus_per_node=8, max_partners=...)``
+  (the plan's partner budget, which the schedule checks over the whole micro-batch) for a sample of
   ranks: the first, middle and last, ``--ranks`` random ones and the 4 with the most exchange
   partners (by :func:`ringpack.traffic.receivers`). ``cold``: on a micro-batch object that has not
   been read yet (what a loader worker does with each new micro-batch: its pieces read once into
@@ -43,6 +44,7 @@ from ringpack.analysis.simulate import synthetic_lengths
 from ringpack.attention import compile_schedule
 from ringpack.data.collator import PackedCollator
 from ringpack.data.sampler import rank_positions
+from ringpack.plan_config import DEFAULT_MAX_PARTNERS
 from ringpack.shard_plan import MicroBatch
 from ringpack.traffic import receivers
 
@@ -89,19 +91,22 @@ def one_pool(lengths: np.ndarray, world: int, args: argparse.Namespace) -> dict:
                 tokens_per_rank=TOKENS_PER_RANK,
                 samples_per_step=len(lens),
                 gpus_per_node=GPUS_PER_NODE,
+                max_partners=args.max_partners,
             )
         )
         plan_s.append(ms / 1000)
     mb = plan.steps[0].microbatches[0][0]
+    budget = plan.config.max_partners  # the schedules check it, as the collator's do
     rng = np.random.default_rng(args.seed)
     busy = busiest_ranks(mb, 4)
     ranks = sorted({0, world // 2, world - 1, *rng.integers(0, world, args.ranks).tolist(), *busy})
     per_rank = []
     for r in ranks:
         forget_columns(mb)
-        cold, schedule = cpu_ms(lambda: compile_schedule(mb, r, gpus_per_node=GPUS_PER_NODE))
-        warm, _ = cpu_ms(lambda: compile_schedule(mb, r, gpus_per_node=GPUS_PER_NODE))
-        per_rank.append({"rank": r, "cold_ms": cold, "warm_ms": warm, "partners": schedule.exchange.partners})
+        cold, schedule = cpu_ms(lambda: compile_schedule(mb, r, gpus_per_node=GPUS_PER_NODE, max_partners=budget))
+        warm, _ = cpu_ms(lambda: compile_schedule(mb, r, gpus_per_node=GPUS_PER_NODE, max_partners=budget))
+        partners = 2 if schedule.partner_fallback else schedule.exchange.partners  # the ring's, over the budget
+        per_rank.append({"rank": r, "cold_ms": cold, "warm_ms": warm, "partners": partners})
     base = np.arange(int(lens.max()) + 1, dtype=np.int64)
     tokens = [base[:n] for n in lens[np.asarray(mb.samples)].tolist()]  # sample ids index the batch's lengths
     collate = []
@@ -109,13 +114,15 @@ def one_pool(lengths: np.ndarray, world: int, args: argparse.Namespace) -> dict:
         for compiled in (True, False):
             collator = PackedCollator(r, world, compile_schedules=compiled)
             forget_columns(mb)
-            ms, _ = cpu_ms(lambda: collator.collate(mb, tokens, gpus_per_node=GPUS_PER_NODE))
+            ms, _ = cpu_ms(lambda: collator.collate(mb, tokens, gpus_per_node=GPUS_PER_NODE, max_partners=budget))
             collate.append({"rank": r, "schedule": compiled, "ms": ms})
             # the ticket of a sampler given the rank's cp_rank: only the samples its pieces come from
             own = rank_positions(mb, r).tolist()
             mine = [tokens[k] for k in own]
             forget_columns(mb)
-            ms, _ = cpu_ms(lambda: collator.collate(mb, mine, gpus_per_node=GPUS_PER_NODE, positions=own))
+            ms, _ = cpu_ms(
+                lambda: collator.collate(mb, mine, gpus_per_node=GPUS_PER_NODE, positions=own, max_partners=budget)
+            )
             collate.append({"rank": r, "schedule": compiled, "ms": ms, "own_rows": len(own)})
     cold = [x["cold_ms"] for x in per_rank]
     warm = [x["warm_ms"] for x in per_rank]
@@ -139,6 +146,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="plans per pool size")
     parser.add_argument("--ranks", type=int, default=6, help="random ranks compiled besides the fixed ones")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--max-partners", type=int, default=DEFAULT_MAX_PARTNERS, help="the plan's partner budget (0: none)"
+    )
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
     lengths = synthetic_lengths(1_000_000, "lognormal", max_len=131072)

@@ -1,7 +1,7 @@
 """Pool plans and the chosen layout against the peers as the cluster grows (cost and communication models).
 
     python benchmarks/pool_vs_peers.py [--worlds 64,256,1024,4096,8192] [--source lognormal|stdlib]
-        [--out pool-vs-peers.json] [--plot gap.png]
+        [--max-partners 16] [--out pool-vs-peers.json] [--plot gap.png]
 
 For every cluster size: the same global batches (``--steps`` of them, ``--fill`` of the cluster's
 tokens each, micro-batches per rank as the planner chooses them, log-normal lengths of median 1,536
@@ -12,7 +12,9 @@ hybrids) and by the peers of :mod:`ringpack.analysis.peers` (Megatron-Core dynam
 at CP = one node. ``--source stdlib`` draws the lengths from the shipped standard-library corpus
 instead. Printed and written per size: tokens/s of the chosen layout, of the pool (its best mode),
 of fixed CP = one node (ringpack), of the best layout under each mode, of each peer, and the chosen
-layout's ratio to the best peer. The plot draws those ratios against the cluster size.
+layout's ratio to the best peer, and the pool's targeted exchange's partners under the plans' partner
+budget (``--max-partners``, the default budget unless given): per micro-batch, the micro-batches
+that run the ring over it, and kept over the steps. The plot draws the ratios against the cluster size.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from ringpack.analysis.simulate import synthetic_lengths
 from ringpack.comm_model import CommModel
 from ringpack.cost import CostModel
 from ringpack.lengths import read_lengths
+from ringpack.plan_config import DEFAULT_MAX_PARTNERS
 from ringpack.planner.layout import choose_layout
 from ringpack.shard_plan import PlanConfig
 
@@ -56,12 +59,14 @@ def one_world(lengths: np.ndarray, world: int, args: argparse.Namespace) -> dict
         samples_per_step=per_step,
         microbatches_per_rank=args.microbatches_per_rank,
         batch_window=args.batch_window,
+        max_partners=args.max_partners,
     )
     layout_s = time.perf_counter() - t0
     feasible = [c for c in choice.candidates if c.feasible]
     pool = max((c for c in feasible if c.name == "pool"), key=lambda c: c.tokens_per_second)
     one_node = f"cp={node}" if world > node else "pool"  # a cluster of one node: its pool is CP = the node
     fixed_node = max((c for c in feasible if c.name == one_node), key=lambda c: c.tokens_per_second)
+    pool_p2p = next(c for c in feasible if c.name == "pool" and c.mode == "p2p")
     config = PlanConfig(
         dp=world // node,
         cp=node,
@@ -84,8 +89,10 @@ def one_world(lengths: np.ndarray, world: int, args: argparse.Namespace) -> dict
         "batch_window": args.batch_window,
         "samples_per_step": per_step,
         "steps": args.steps,
-        "chosen": {"layout": best.label, "tokens_per_second": best.tokens_per_second},
-        "pool": {"layout": pool.label, "tokens_per_second": pool.tokens_per_second},
+        "max_partners": args.max_partners,
+        "chosen": {"layout": best.label, "tokens_per_second": best.tokens_per_second, **partners_of(best)},
+        "pool": {"layout": pool.label, "tokens_per_second": pool.tokens_per_second, **partners_of(pool)},
+        "pool_p2p": partners_of(pool_p2p),
         "fixed_node": {"layout": fixed_node.label, "tokens_per_second": fixed_node.tokens_per_second},
         "by_mode": by_mode,
         "peers": peers,
@@ -108,7 +115,27 @@ def one_world(lengths: np.ndarray, world: int, args: argparse.Namespace) -> dict
     )
     modes = (f"{m} {v['layout']} {v['tokens_per_second'] / 1e6:.3f}M" for m, v in by_mode.items())
     print("        by mode: " + ", ".join(modes), flush=True)
+    q = row["pool_p2p"]
+    print(
+        f"        pool p2p (max_partners {args.max_partners}): {pool_p2p.tokens_per_second / 1e6:.3f}M tok/s, "
+        f"partners per micro-batch median {q['microbatch_partners_median']:.0f} max {q['microbatch_partners_max']}, "
+        f"{q['ring_fallback']} micro-batches run the ring, kept over the steps {q['partners_kept_max']} "
+        f"({q['nccl_gib_kept']:.2f} GiB)",
+        flush=True,
+    )
     return row
+
+
+def partners_of(c) -> dict:
+    """A timed layout's partners: per micro-batch (what the budget bounds) and kept over the steps."""
+    return {
+        "tokens_per_second": c.tokens_per_second,
+        "microbatch_partners_median": c.microbatch_partners_median,
+        "microbatch_partners_max": c.microbatch_partners_max,
+        "ring_fallback": c.ring_fallback,
+        "partners_kept_max": c.partners_max,
+        "nccl_gib_kept": c.partner_memory_bytes / 2**30,
+    }
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -145,6 +172,7 @@ def main() -> int:
     p.add_argument("--microbatches-per-rank", type=int, default=0, help="0: the planner chooses, per step")
     p.add_argument("--steps", type=int, default=6, help="global batches per cluster size")
     p.add_argument("--batch-window", type=int, default=0, help="ringpack's window across global batches")
+    p.add_argument("--max-partners", type=int, default=DEFAULT_MAX_PARTNERS, help="the plans' partner budget (0: none)")
     p.add_argument("--samples", type=int, default=1_000_000)
     p.add_argument("--lengths", help="a lengths file (default: draws of --source)")
     p.add_argument("--source", default="lognormal", choices=("lognormal", "stdlib"), help="the drawn lengths")

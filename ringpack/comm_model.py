@@ -26,7 +26,14 @@ from ringpack.cost import PRESETS, CostModel, piece_pairs
 from ringpack.modes import HEAD_PARALLEL_MODES as TABLE_HEAD_PARALLEL
 from ringpack.modes import MODE_TABLE, SEQUENCE_MODES, check_mode
 from ringpack.modes import MODES as TABLE_MODES
-from ringpack.traffic import exchange_links, exchange_tokens, kv_bytes_per_token, needed_pieces
+from ringpack.traffic import (
+    exchange_links,
+    exchange_partners,
+    exchange_tokens,
+    kv_bytes_per_token,
+    needed_pieces,
+    partners_over_budget,
+)
 
 __all__ = [
     "ATTN_FORWARD_SHARE",
@@ -48,9 +55,12 @@ __all__ = [
     "kv_cross_tokens",
     "microbatch_seconds",
     "needs_piece_table",
+    "microbatch_partners",
     "node_exchange_inputs",
+    "partner_fallback",
     "rank_partners",
     "rank_seconds",
+    "ring_fallback",
 ]
 
 #: Forward share of attention FLOPs in fwd+bwd (backward ~2.5x forward, as in the cost model's 3.5).
@@ -98,6 +108,9 @@ class CommModel:
             point (:data:`PARTNER_BUFFER_BYTES`; read yours from ``NCCL_DEBUG=INFO``).
         relayout_bandwidth: device-memory bytes/s of the head-parallel modes' copies around each
             all-to-all (:data:`RELAYOUT_BANDWIDTH`; :func:`relayout_bytes`).
+        max_partners: the plan's partner budget (``PlanConfig.max_partners``; 0: none): under
+            ``"p2p"`` a micro-batch whose targeted exchange would give a rank more partners runs
+            the ring, and is timed and counted as the ring (:func:`partner_fallback`).
 
     Raises:
         ValueError: an unknown mode, a bandwidth <= 0, a latency < 0, ``layers < 1``, negative K/V
@@ -117,6 +130,7 @@ class CommModel:
     q_bytes_per_token_layer: float = 32 * 128 * 2
     partner_buffer_bytes: float = PARTNER_BUFFER_BYTES
     relayout_bandwidth: float = RELAYOUT_BANDWIDTH
+    max_partners: int = 0
 
     def __post_init__(self) -> None:
         check_mode(self.mode, MODES, what="CommModel.mode")
@@ -128,6 +142,8 @@ class CommModel:
             raise ValueError("CommModel needs inter_bandwidth > 0 and inter_latency >= 0")
         if not self.relayout_bandwidth > 0:
             raise ValueError(f"CommModel needs relayout_bandwidth > 0, got {self.relayout_bandwidth!r}")
+        if not (isinstance(self.max_partners, int) and self.max_partners >= 0):
+            raise ValueError(f"CommModel.max_partners must be an integer >= 0, got {self.max_partners!r}")
         if self.gpus_per_node is not None and not (isinstance(self.gpus_per_node, int) and self.gpus_per_node >= 1):
             raise ValueError(f"CommModel.gpus_per_node must be None or an integer >= 1, got {self.gpus_per_node!r}")
 
@@ -213,6 +229,8 @@ class CommModel:
             del out["relayout_bandwidth"]
         if self.partner_buffer_bytes == PARTNER_BUFFER_BYTES:
             del out["partner_buffer_bytes"]
+        if not self.max_partners:
+            del out["max_partners"]
         return out
 
     def describe(self) -> str:
@@ -596,7 +614,74 @@ def rank_seconds(
     cross = inputs.kv_cross
     if comm.mode in ("ring", "allgather"):  # per rank, from the per-rank figures
         cross = per_rank(kv_cross_tokens(arrays, shape=shape))
-    return microbatch_seconds(tokens, pairs, segments, cross, model, comm, inputs.volumes)
+    seconds, exposed = microbatch_seconds(tokens, pairs, segments, cross, model, comm, inputs.volumes)
+    if inputs.fallback is None or not inputs.fallback.any():
+        return seconds, exposed
+    cross = per_rank(kv_cross_tokens(arrays, shape=shape))
+    return ring_fallback(seconds, exposed, inputs.fallback, tokens, pairs, segments, cross, model, comm)
+
+
+def ring_fallback(
+    seconds: np.ndarray,
+    exposed: np.ndarray,
+    fallback: np.ndarray,
+    tokens: np.ndarray,
+    pairs: np.ndarray,
+    segments: np.ndarray,
+    kv_cross: np.ndarray,
+    model: CostModel,
+    comm: CommModel,
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(seconds, exposed)`` of :func:`microbatch_seconds` with the micro-batches marked in
+    ``fallback`` (bool ``(S, D, M)``, :func:`partner_fallback`) timed as the ring they run; the
+    per-rank figures ``(S, D, M, C)`` (``kv_cross``: the tokens of each rank another rank needs)."""
+    ring = dataclasses.replace(comm, mode="ring")
+    ring_seconds, ring_exposed = microbatch_seconds(tokens, pairs, segments, kv_cross, model, ring)
+    mark = np.asarray(fallback, dtype=bool)[..., None]
+    return np.where(mark, ring_seconds, seconds), np.where(mark, ring_exposed, exposed)
+
+
+def partner_fallback(
+    arrays: Mapping[str, np.ndarray], cp: int, shape: tuple[int, int, int], comm: CommModel
+) -> np.ndarray:
+    """Which micro-batches of a piece table run the ring instead of ``comm``'s ``"p2p"``: those whose
+    targeted exchange would give a rank more than ``comm.max_partners`` partners
+    (:func:`~ringpack.traffic.over_partner_budget`, the runtime's rule), bool ``(S, D, M)``; all
+    False under another mode or without a budget. Arguments as for :func:`rank_seconds`."""
+    if comm.mode != "p2p" or not comm.max_partners or cp - 1 <= comm.max_partners:
+        return np.zeros(shape, dtype=bool)
+    return partners_over_budget(_p2p_partners(arrays, cp, shape, comm), comm.max_partners)
+
+
+def _p2p_partners(
+    arrays: Mapping[str, np.ndarray], cp: int, shape: tuple[int, int, int], comm: CommModel
+) -> np.ndarray:
+    """Each rank's targeted-exchange partners in each micro-batch, no budget: int64 ``(S, D, M, C)``."""
+    S, D, M = shape
+    cell, columns = _cells(arrays, shape)
+    return exchange_partners(cell, *columns, S * D * M, cp, comm.gpus_per_node).reshape(S, D, M, cp)
+
+
+def _cells(arrays: Mapping[str, np.ndarray], shape: tuple[int, int, int]) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Each piece's micro-batch as one index ``(step * D + dp) * M + microbatch``, and its ``cp``,
+    ``sample``, ``start`` and ``stop`` columns (int64)."""
+    _, D, M = shape
+    step, dp, mb = (np.asarray(arrays[k], dtype=np.int64) for k in ("step", "dp", "microbatch"))
+    return (step * D + dp) * M + mb, [np.asarray(arrays[k], dtype=np.int64) for k in ("cp", "sample", "start", "stop")]
+
+
+def microbatch_partners(
+    arrays: Mapping[str, np.ndarray], cp: int, shape: tuple[int, int, int], comm: CommModel
+) -> np.ndarray:
+    """How many other ranks each rank exchanges with in each micro-batch under ``comm``'s mode, int64
+    ``(S, D, M, C)``: what the partner budget bounds under ``"p2p"`` (a micro-batch over it counts
+    the ring's 2). The other modes as :func:`rank_partners` counts them, per micro-batch. Arguments
+    as for :func:`rank_seconds`."""
+    S, D, M = shape
+    if comm.mode != "p2p":
+        return np.broadcast_to(rank_partners(arrays, cp, shape, comm)[None, :, None, :], (S, D, M, cp)).copy()
+    counts = _p2p_partners(arrays, cp, shape, comm)
+    return np.where(partners_over_budget(counts, comm.max_partners)[..., None], min(2, cp - 1), counts)
 
 
 def fastest_modes(
@@ -643,10 +728,15 @@ def needs_piece_table(comm: CommModel) -> bool:
 class ExchangeInputs:
     """What :func:`microbatch_seconds` needs from a piece table beyond the per-rank figures:
     ``kv_cross`` (``"ulysses+ring"``: per node, ``(S, D, M, nodes)``) and ``volumes`` (``"p2p"``:
-    per rank; ``"ulysses+p2p"``: per node), either None where the mode does not read it."""
+    per rank; ``"ulysses+p2p"``: per node), either None where the mode does not read it. Under
+    ``"p2p"`` also ``partners`` (each rank's partners per micro-batch, int64 ``(S, D, M, C)``, the
+    ring's 2 where it runs the ring) and ``fallback`` (bool ``(S, D, M)``: the micro-batches over the
+    partner budget, timed as the ring, :func:`partner_fallback`)."""
 
     kv_cross: np.ndarray | None = None
     volumes: ExchangeVolumes | None = None
+    fallback: np.ndarray | None = None
+    partners: np.ndarray | None = None
 
     @classmethod
     def concat(cls, parts: Sequence[ExchangeInputs]) -> ExchangeInputs:
@@ -659,7 +749,23 @@ class ExchangeInputs:
             M = max(c.shape[2] for c in cross)
             joined = np.concatenate([np.pad(c, [(0, 0), (0, 0), (0, M - c.shape[2]), (0, 0)]) for c in cross])
         both = all(v is not None for v in volumes) and volumes
-        return cls(joined, ExchangeVolumes.concat(volumes) if both else None)
+        M = max((p.partners.shape[2] for p in parts if p.partners is not None), default=0)
+
+        def padded(name: str, fill) -> np.ndarray | None:
+            arrays = [getattr(p, name) for p in parts]
+            if not arrays or any(a is None for a in arrays):
+                return None
+            pad = [(0, 0), (0, 0)]
+            return np.concatenate(
+                [np.pad(a, [*pad, (0, M - a.shape[2])] + [(0, 0)] * (a.ndim - 3), constant_values=fill) for a in arrays]
+            )
+
+        return cls(
+            joined,
+            ExchangeVolumes.concat(volumes) if both else None,
+            padded("fallback", False),
+            padded("partners", 0),
+        )
 
 
 def exchange_inputs(
@@ -669,7 +775,11 @@ def exchange_inputs(
     (:func:`exchange_volumes`) for ``"p2p"``, the node-level inputs (:func:`node_exchange_inputs`)
     for the hybrids, nothing for the other modes. Arguments as for :func:`rank_seconds`."""
     if comm.mode == "p2p":
-        return ExchangeInputs(volumes=exchange_volumes(arrays, cp, shape, comm.gpus_per_node))
+        raw = _p2p_partners(arrays, cp, shape, comm)
+        fallback = partners_over_budget(raw, comm.max_partners)
+        partners = np.where(fallback[..., None], min(2, cp - 1), raw)
+        volumes = exchange_volumes(arrays, cp, shape, comm.gpus_per_node)
+        return ExchangeInputs(volumes=volumes, fallback=fallback, partners=partners)
     return ExchangeInputs(*node_exchange_inputs(arrays, cp, shape, comm))
 
 
@@ -695,7 +805,7 @@ def rank_partners(
     if comm.mode in ("ring", "allgather"):
         return np.full((D, cp), min(2, cp - 1), dtype=np.int64)
     if comm.mode == "p2p":
-        return _partners_over_steps(arrays, cp, shape, comm.gpus_per_node)
+        return _partners_over_steps(arrays, cp, shape, comm.gpus_per_node, partner_fallback(arrays, cp, shape, comm))
     if between is None:  # ulysses: every other rank of the group
         return np.full((D, cp), cp - 1, dtype=np.int64)
     nodes = cp // size
@@ -707,14 +817,29 @@ def rank_partners(
     return size - 1 + np.repeat(across, size, axis=-1)
 
 
-def _partners_over_steps(arrays: Mapping[str, np.ndarray], cp: int, shape: tuple[int, int, int], node: int | None):
-    """:func:`~ringpack.traffic.exchange_links` of every micro-batch, the distinct peers of each
-    ``(DP rank, CP rank)`` over all of them, int64 ``(D, C)``."""
+def _partners_over_steps(
+    arrays: Mapping[str, np.ndarray],
+    cp: int,
+    shape: tuple[int, int, int],
+    node: int | None,
+    ring: np.ndarray | None = None,
+):
+    """:func:`~ringpack.traffic.exchange_links` of every micro-batch, the distinct partners of each
+    ``(DP rank, CP rank)`` over all of them, int64 ``(D, C)``; the micro-batches marked in ``ring``
+    (bool ``(S, D, M)``) count the ring's neighbours instead."""
     _, D, M = shape
-    step, dp, mb = (np.asarray(arrays[k], dtype=np.int64) for k in ("step", "dp", "microbatch"))
-    columns = (np.asarray(arrays[k], dtype=np.int64) for k in ("cp", "sample", "start", "stop"))
-    cell, rank, partner = exchange_links((step * D + dp) * M + mb, *columns, cp, node)
-    links = np.unique((cell // M % D * cp + rank) * cp + partner)
+    cell, columns = _cells(arrays, shape)
+    if ring is not None and ring.any():
+        keep = ~ring.reshape(-1)[cell]
+        cell, columns = cell[keep], [c[keep] for c in columns]
+    cell, rank, partner = exchange_links(cell, *columns, cp, node)
+    links = (cell // M % D * cp + rank) * cp + partner
+    if ring is not None and ring.any():
+        dp = np.unique(np.flatnonzero(ring.reshape(-1)) // M % D)
+        ranks = np.arange(cp, dtype=np.int64)
+        rows = (dp[:, None] * cp + ranks) * cp
+        links = np.concatenate([links, (rows + (ranks + 1) % cp).ravel(), (rows + (ranks - 1) % cp).ravel()])
+    links = np.unique(links)
     return np.bincount(links // cp, minlength=D * cp).astype(np.int64).reshape(D, cp)
 
 

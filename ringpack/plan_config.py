@@ -22,6 +22,7 @@ from ringpack.cost import MAX_SAMPLE_TOKENS, CostModel
 from ringpack.errors import PlanError
 
 __all__ = [
+    "DEFAULT_MAX_PARTNERS",
     "FLOP_PRICE_RANGE",
     "MAX_CP",
     "MAX_DP",
@@ -83,6 +84,18 @@ ROBUST_TOKEN_SLACK = 0.01
 #: A ``cp_token_slack`` that turns the token guard off: the token budget alone bounds a rank, and the
 #: ``balanced`` split trades tokens for pairs as the cost model says.
 NO_TOKEN_GUARD = 1e9
+
+
+#: The default partner budget (:attr:`PlanConfig.max_partners`): the most ranks one rank exchanges
+#: with point to point in one micro-batch's targeted exchange, relays included. NCCL holds buffers
+#: for every partner: ``NCCL_BUFFSIZE`` (4 MiB) per channel and direction for the simple protocol
+#: plus the low-latency protocols', about 12 MiB a channel, on 2 channels per partner by default,
+#: so about 24 MiB a partner (:data:`~ringpack.comm_model.PARTNER_BUFFER_BYTES`). 64 partners hold
+#: about 1.5 GiB, 2% of an 80 GB GPU (Megatron-LM measured 23.6 GiB for an all-to-all over 64 ranks
+#: on 32 channels). Pool plans of 1M log-normal lengths at a full token budget reached at most 64
+#: partners in a micro-batch from 64 to 8,192 GPUs (64 at 1,024), and a tighter budget there costs
+#: the pool's throughput (BENCHMARKS.md, "Pool plans and the chosen layout against the peers").
+DEFAULT_MAX_PARTNERS = 64
 
 
 def _price_range(value: Any) -> tuple[float, float]:
@@ -239,6 +252,17 @@ class PlanConfig:
         ),
     )
 
+    max_partners: int = field(
+        default=DEFAULT_MAX_PARTNERS,
+        metadata=field_doc(
+            "partner budget: the most ranks a rank exchanges with point to point in one micro-batch's targeted "
+            "exchange, relays included; a micro-batch over it is split tighter, else runs the ring (0: no budget)",
+            type=int,
+            low=0,
+            high=MAX_CP,
+        ),
+    )
+
     def __post_init__(self) -> None:
         for name in ("dp", "cp", "tokens_per_rank"):
             value = getattr(self, name)
@@ -273,6 +297,12 @@ class PlanConfig:
             raise PlanError(
                 f"PlanConfig.cp_token_slack must be None or a finite number >= 0, got {self.cp_token_slack!r}"
             )
+        if not is_int(self.max_partners) or not (self.max_partners == 0 or 2 <= self.max_partners <= MAX_CP):
+            raise PlanError(
+                f"{option('max_partners')} must be 0 (no budget) or an integer in [2, {MAX_CP:,}] (the ring a "
+                f"micro-batch over the budget falls back to needs 2 partners), got {self.max_partners!r}"
+            )
+        object.__setattr__(self, "max_partners", int(self.max_partners))
         if not isinstance(self.cost, CostModel):
             raise PlanError(f"PlanConfig.cost must be a CostModel, got {type(self.cost).__name__}")
         if self.pair_price_range is not None:
@@ -329,6 +359,8 @@ class PlanConfig:
             del out["gpus_per_node"]  # flat: plans without a topology keep their files and hashes
         if not self.batch_window:
             del out["batch_window"]  # likewise: plans without a window keep the hashes they always had
+        if self.max_partners == DEFAULT_MAX_PARTNERS:
+            del out["max_partners"]  # likewise: plans under the default budget keep their files and hashes
         return {k: (int(v) if isinstance(v, np.integer) else v) for k, v in out.items()}
 
     @classmethod

@@ -29,6 +29,9 @@ __all__ = [
     "receivers",
     "exchange_links",
     "exchange_partners",
+    "partner_budget_problem",
+    "over_partner_budget",
+    "partners_over_budget",
     "exchange_tokens",
     "proxy_index",
     "relay_proxies",
@@ -101,11 +104,8 @@ def _holders(group, cp, sample, start, stop) -> _Holders:
     start = np.asarray(start, dtype=np.int64)
     stop = np.asarray(stop, dtype=np.int64)
     # dense id of (group, sample) and of (group, sample, rank)
-    _, gx = np.unique(np.stack([group, sample]), axis=1, return_inverse=True)
-    gx = gx.reshape(-1)
-    keys = np.stack([gx, cp])
-    uniq, gxr = np.unique(keys, axis=1, return_inverse=True)
-    gxr = gxr.reshape(-1)
+    gx = _pair_ids(group, sample)[1]
+    uniq, gxr = _pair_ids(gx, cp)
     # latest start of each (group, sample, rank)
     rank_max = np.full(uniq.shape[1], -1, dtype=np.int64)
     np.maximum.at(rank_max, gxr, start)
@@ -119,6 +119,21 @@ def _holders(group, cp, sample, start, stop) -> _Holders:
     lo = np.searchsorted(composite, gx * span + stop, side="left")
     own = (rank_max[gxr] >= stop).astype(np.int64)
     return _Holders(lo, hi, own, uniq[1][order])
+
+
+def _pair_ids(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(np.stack([a, b]), axis=1, return_inverse=True)`` of two int64 arrays (the distinct
+    pairs ``[2, U]`` in lexicographic order, and each pair's index among them), through one int64
+    key per pair where the ranges allow (a sort of integers, not of pairs)."""
+    if not len(a):
+        return np.zeros((2, 0), dtype=np.int64), np.zeros(0, dtype=np.int64)
+    a_lo, b_lo = int(a.min()), int(b.min())
+    width = int(b.max()) - b_lo + 1
+    if (int(a.max()) - a_lo + 1) * width >= 2**62:
+        uniq, inverse = np.unique(np.stack([a, b]), axis=1, return_inverse=True)
+        return uniq, inverse.reshape(-1)
+    keys, inverse = np.unique((a - a_lo) * width + (b - b_lo), return_inverse=True)
+    return np.stack([keys // width + a_lo, keys % width + b_lo]), inverse.reshape(-1)
 
 
 def receivers(
@@ -267,7 +282,8 @@ def exchange_links(
         proxy = relay_proxies(g, frm, to, cp_size, gpus_per_node)
         hop = to != proxy  # relayed: the proxy forwards to the receiver
         a, b, gg = np.concatenate([frm, proxy[hop]]), np.concatenate([proxy, to[hop]]), np.concatenate([g, g[hop]])
-    ends = np.unique(np.concatenate([(gg * cp_size + a) * cp_size + b, (gg * cp_size + b) * cp_size + a]))
+    ends = np.sort(np.concatenate([(gg * cp_size + a) * cp_size + b, (gg * cp_size + b) * cp_size + a]))
+    ends = ends[np.r_[True, ends[1:] != ends[:-1]]] if len(ends) else ends  # unique, by a sort (faster than hashing)
     return ends // (cp_size * cp_size), ends // cp_size % cp_size, ends % cp_size
 
 
@@ -287,6 +303,82 @@ def exchange_partners(
     g, rank, _ = exchange_links(group, cp, sample, start, stop, cp_size, gpus_per_node)
     counts = np.bincount(g * cp_size + rank, minlength=num_groups * cp_size)
     return counts.astype(np.int64).reshape(num_groups, cp_size)
+
+
+def over_partner_budget(
+    group: np.ndarray,
+    cp: np.ndarray,
+    sample: np.ndarray,
+    start: np.ndarray,
+    stop: np.ndarray,
+    num_groups: int,
+    cp_size: int,
+    gpus_per_node: int | None,
+    max_partners: int,
+) -> np.ndarray:
+    """The partner budget's one rule: which micro-batches' targeted exchange would give some rank more
+    than ``max_partners`` partners (:func:`exchange_partners`, relays included). Those run the ring
+    instead (2 partners a rank), under ``mode="p2p"`` in the runtime and in the communication model.
+
+    Args:
+        group, cp, sample, start, stop, num_groups, cp_size, gpus_per_node: as for :func:`exchange_partners`.
+        max_partners: the budget; 0: none (nothing is over).
+
+    Returns:
+        bool ``[num_groups]``. All False without pieces, without a budget or when ``cp_size - 1 <=
+        max_partners`` (no rank can have more partners than the group's other ranks).
+    """
+    over = np.zeros(num_groups, dtype=bool)
+    if not max_partners or cp_size - 1 <= max_partners or not len(start):
+        return over
+    group = np.asarray(group, dtype=np.int64)
+    cp, sample = np.asarray(cp, dtype=np.int64), np.asarray(sample, dtype=np.int64)
+    # only micro-batches whose cheap bound exceeds the budget are counted exactly
+    unsure = _partner_bound(group, cp, sample, num_groups, cp_size, gpus_per_node).max(axis=1) > max_partners
+    if not unsure.any():
+        return over
+    keep = unsure[group]
+    _, dense = np.unique(group[keep], return_inverse=True)
+    columns = (cp[keep], sample[keep], np.asarray(start)[keep], np.asarray(stop)[keep])
+    partners = exchange_partners(dense.reshape(-1), *columns, int(unsure.sum()), cp_size, gpus_per_node)
+    over[np.flatnonzero(unsure)] = partners_over_budget(partners, max_partners)
+    return over
+
+
+def _partner_bound(
+    group: np.ndarray, cp: np.ndarray, sample: np.ndarray, num_groups: int, cp_size: int, gpus_per_node: int | None
+) -> np.ndarray:
+    """An upper bound of :func:`exchange_partners`, int64 ``[num_groups, cp_size]``, from the pieces'
+    holders alone: a rank's partners hold a sample it holds (every direct link, every source and
+    proxy across nodes shares a sample with it), besides the ranks of its node it relays to or
+    through; so at most the other holders of its samples, summed, plus ``gpus_per_node - 1``."""
+    gs = _pair_ids(group, sample)[1]  # (micro-batch, sample)
+    held, where = np.unique(gs * cp_size + cp, return_index=True)  # each (micro-batch, sample, rank) once
+    holders = np.bincount(held // cp_size, minlength=int(gs.max()) + 1)
+    cell = group[where] * cp_size + held % cp_size
+    bound = np.bincount(cell, weights=holders[held // cp_size] - 1, minlength=num_groups * cp_size)
+    relays = 0 if gpus_per_node is None else min(gpus_per_node, cp_size) - 1
+    return bound.astype(np.int64).reshape(num_groups, cp_size) + relays
+
+
+def partners_over_budget(partners: np.ndarray, max_partners: int) -> np.ndarray:
+    """:func:`over_partner_budget` from the counts: ``partners`` int ``[..., cp_size]``
+    (:func:`exchange_partners`), bool ``[...]``."""
+    partners = np.asarray(partners)
+    if not max_partners or partners.shape[-1] - 1 <= max_partners:
+        return np.zeros(partners.shape[:-1], dtype=bool)
+    return partners.max(axis=-1) > max_partners
+
+
+def partner_budget_problem(rank: int, partners: int, max_partners: int) -> str | None:
+    """Why CP rank ``rank`` exchanging with ``partners`` other ranks breaks the budget ``max_partners``
+    (0: none), in one line; None when it does not."""
+    if not max_partners or partners <= max_partners:
+        return None
+    return (
+        f"CP rank {rank} exchanges with {partners} partners, over max_partners={max_partners}: a micro-batch "
+        "over the budget runs the ring (compile its schedule with ScheduleOptions(max_partners=...))"
+    )
 
 
 def _traffic_arrays(group, cp_rank, sample, start, stop, cp: int, bytes_per_token: int, num_groups: int):

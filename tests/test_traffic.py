@@ -148,3 +148,27 @@ def test_partners_are_what_the_compiled_exchange_talks_to():
             want = [compile_schedule(mb, r, gpus_per_node=node).exchange.partners for r in range(cp)]
             assert got.tolist() == want, (cp, node)
     assert exchange_partners(*(np.zeros(0, dtype=np.int64),) * 5, 2, 4).tolist() == [[0] * 4] * 2
+
+
+def test_the_partner_budget_rule_counts_exactly_behind_its_cheap_bound():
+    """``over_partner_budget`` is ``exchange_partners``' max over the budget, flat and node-relayed,
+    whether or not its bound (the holders of a rank's samples, plus its node) lets it skip the count."""
+    from ringpack.traffic import _partner_bound, over_partner_budget
+
+    rng = np.random.default_rng(11)
+    skipped = counted = 0
+    for _ in range(60):
+        cp, n, groups = int(rng.integers(3, 13)), int(rng.integers(1, 40)), int(rng.integers(1, 4))
+        group, rank, sample = rng.integers(0, groups, n), rng.integers(0, cp, n), rng.integers(0, 6, n)
+        start = rng.integers(0, 60, n)
+        stop = start + rng.integers(1, 20, n)
+        for node in (None, *(k for k in (1, 2, 3, 4) if not (cp % k and k % cp))):
+            exact = exchange_partners(group, rank, sample, start, stop, groups, cp, node)
+            bound = _partner_bound(group, rank, sample, groups, cp, node)
+            assert (bound >= exact).all(), (cp, node)
+            for budget in (2, 3, 5):
+                got = over_partner_budget(group, rank, sample, start, stop, groups, cp, node, budget)
+                assert got.tolist() == ((exact.max(axis=1) > budget) & (cp - 1 > budget)).tolist(), (cp, node)
+                skipped += int((bound.max(axis=1) <= budget).any())
+                counted += int((bound.max(axis=1) > budget).any())
+    assert skipped and counted

@@ -32,7 +32,14 @@ from ringpack.analysis import plots as plotting
 from ringpack.analysis.metrics import PlanMetrics, evaluate_plan
 from ringpack.analysis.plots import median_idle
 from ringpack.analysis.robustness import imbalance_across_prices
-from ringpack.comm_model import HEAD_PARALLEL_MODES, CommModel, ExchangeInputs, exchange_inputs, microbatch_seconds
+from ringpack.comm_model import (
+    HEAD_PARALLEL_MODES,
+    CommModel,
+    ExchangeInputs,
+    exchange_inputs,
+    microbatch_seconds,
+    ring_fallback,
+)
 from ringpack.planner import make_plan
 from ringpack.shard_plan import PACKINGS, STRATEGIES
 
@@ -125,6 +132,10 @@ SUMMARY_KEYS = (
     "speedup_vs_baseline",
     "imbalance_by_pair_price",
     "imbalance_price_worst",
+    "partners_median",
+    "partners_max",
+    "partner_memory_bytes",
+    "ring_fallback_microbatches",
 )
 STEP_KEYS = (
     "step",
@@ -162,6 +173,8 @@ class StrategyResult:
     exposed_comm_seconds: np.ndarray  # (S,) summed over GPUs
     config: dict[str, Any] | None = None
     plan_hash: str | None = None
+    partners: np.ndarray | None = None  # (S, D, M, C) per micro-batch, None where not counted
+    ring_fallback: int = 0  # micro-batches over the partner budget, run as the ring
 
     @property
     def name(self) -> str:
@@ -222,8 +235,13 @@ def timed(
     inputs = inputs if inputs is not None else ExchangeInputs()
     cross = inputs.kv_cross if HEAD_PARALLEL_MODES.get(comm.mode) else m.kv_cross_tokens
     seconds, exposed = microbatch_seconds(m.tokens, m.pairs, m.segments, cross, m.model, comm, inputs.volumes)
+    if inputs.fallback is not None and inputs.fallback.any():  # over the partner budget: the ring runs
+        args = (m.tokens, m.pairs, m.segments, m.kv_cross_tokens, m.model, comm)
+        seconds, exposed = ring_fallback(seconds, exposed, inputs.fallback, *args)
     seconds = np.where(m.mb_exists[..., None], seconds, 0.0)
     exposed = np.where(m.mb_exists[..., None], exposed, 0.0)
+    extra.setdefault("partners", _partners_of(m, comm, inputs))
+    extra.setdefault("ring_fallback", int(inputs.fallback.sum()) if inputs.fallback is not None else 0)
     step_seconds = seconds.max(axis=3).sum(axis=2).max(axis=1) if m.num_steps else np.zeros(0)
     if lower_bound is None:
         lb = np.full(m.num_steps, np.nan)
@@ -239,10 +257,21 @@ def timed(
     )
 
 
+def _partners_of(m: PlanMetrics, comm: CommModel, inputs: ExchangeInputs) -> np.ndarray | None:
+    """Each rank's point-to-point partners per micro-batch under ``comm``'s mode, ``(S, D, M, C)``:
+    the targeted exchange's from ``inputs`` (the ring's 2 where it falls back), the ring's 2 for the
+    ring and the all-gather, the rest of the group for ``ulysses``; None for the hybrids."""
+    if comm.mode == "p2p":
+        return inputs.partners
+    count = {"ring": min(2, m.cp - 1), "allgather": min(2, m.cp - 1), "ulysses": m.cp - 1}.get(comm.mode)
+    return None if count is None else np.full(m.tokens.shape, count, dtype=np.int64)
+
+
 def result_of_plan(plan, comm: CommModel, name: str | None = None) -> StrategyResult:
     """:func:`timed` metrics of a :class:`~ringpack.shard_plan.Plan`, with its exchange inputs where
     ``comm`` needs them."""
     metrics = evaluate_plan(plan, name=name)
+    comm = dataclasses.replace(comm, max_partners=plan.config.max_partners)
     inputs = exchange_inputs(plan.piece_arrays, plan.config.cp, metrics.tokens.shape[:3], comm)
     bounds = [s.lower_bound for s in plan.steps]
     return timed(metrics, comm, bounds, inputs, config=plan.config.to_dict(), plan_hash=plan.content_hash)
@@ -300,7 +329,22 @@ def summarise(result: StrategyResult) -> dict[str, Any]:
         imbalance_by_pair_price={str(f): v for f, v in imbalance_across_prices(m).items()},
     )
     out["imbalance_price_worst"] = max(out["imbalance_by_pair_price"].values())
+    out.update(partner_summary(result.partners, m.mb_exists, result.comm.partner_buffer_bytes))
+    out["ring_fallback_microbatches"] = result.ring_fallback
     return {k: out[k] for k in SUMMARY_KEYS}
+
+
+def partner_summary(partners: np.ndarray | None, exists: np.ndarray, buffer_bytes: float) -> dict[str, Any]:
+    """``partners_median`` / ``partners_max`` (over every rank of every micro-batch that exists) and
+    the NCCL buffer memory the most imply (``partner_memory_bytes``); None where not counted."""
+    if partners is None or not exists.any():
+        return {"partners_median": None, "partners_max": None, "partner_memory_bytes": None}
+    held = partners[exists]
+    return {
+        "partners_median": float(np.median(held)),
+        "partners_max": int(held.max()),
+        "partner_memory_bytes": float(held.max()) * buffer_bytes,
+    }
 
 
 def step_rows(result: StrategyResult, detail: bool = True) -> list[dict[str, Any]]:
@@ -472,6 +516,11 @@ _SUMMARY_COLUMNS: tuple[tuple[str, Callable[[dict[str, Any]], str]], ...] = (
     ("tok/s", lambda s: _fmt_count(s["tokens_per_second_comm"])),
     ("speedup", _optional(lambda x: f"{x:.2f}x", "speedup_vs_baseline")),
     ("K/V moved", lambda s: _fmt_bytes(s["kv_bytes"])),
+    ("partners", lambda s: "-" if s.get("partners_max") is None else f"{s['partners_median']:.0f}/{s['partners_max']}"),
+    (
+        "NCCL GiB",
+        lambda s: "-" if s.get("partner_memory_bytes") is None else f"{s['partner_memory_bytes'] / 2**30:.2f}",
+    ),
     ("pad", lambda s: str(s["padding_tokens"])),
     ("2cp-pad", lambda s: _fmt_count(s["zigzag_rule_padding_tokens"])),
 )
@@ -494,6 +543,8 @@ _SUMMARY_LEGEND = (
     "(* baseline; imbal = step time / mean GPU busy, averaged over steps; x.25-2 = the worst whole-plan "
     "imbalance if a pair truly costs 0.25x to 2x the model's price; idle = share of GPU time waiting "
     "on the slowest rank; gap = above the planner's lower bound; +comm = with the communication model; "
+    "partners = point-to-point partners of a GPU in one micro-batch, median/max (within the partner budget: "
+    "micro-batches over it run the ring); NCCL GiB = the buffers the most imply, about 24 MiB a partner; "
     "pad = padding the plan needs; 2cp-pad = padding a zigzag with the 2*CP rule would add; (peer) = another "
     "system on the same data and models, described below, '-' where a figure has no meaning for it)"
 )

@@ -288,6 +288,8 @@ def simulate(
     comms = list(
         comms or [CommModel.for_model(config.cost, mode="ring"), CommModel.for_model(config.cost, mode="allgather")]
     )
+    # the plans' partner budget: a micro-batch over it runs (and is timed as) the ring under p2p
+    comms = [dataclasses.replace(c, max_partners=config.max_partners) for c in comms]
     every = _epoch_chunks(lengths, config, chunk_steps)
     _check_budget(lengths, every, config, chunk_steps)
     partial = every[-1].size != config.samples_per_step * chunk_steps
@@ -586,7 +588,8 @@ def measure_variants(
     lengths = as_lengths(lengths)
     # one chunk of every sample in the order given, with no steps before it: make_plan's own steps
     whole = _tasks(lengths, [np.arange(lengths.size)], config, variants, peers, chunk_steps=0)
-    exchanges = (comm,) if needs_piece_table(comm) else ()  # timed from each plan's piece table
+    planned = dataclasses.replace(comm, max_partners=config.max_partners)  # the plans' partner budget
+    exchanges = (planned,) if needs_piece_table(comm) else ()  # timed from each plan's piece table
     tasks = [dataclasses.replace(t, hashes=True, exchanges=() if t.peer else exchanges) for t in whole]
     if jobs is None and lengths.size < PARALLEL_MIN_SAMPLES:
         jobs = 1
@@ -603,7 +606,7 @@ def measure_variants(
         if names is not None:
             metrics = dataclasses.replace(metrics, name=names[row])
         cfg = dataclasses.replace(config, strategy=strategy, packing=packing)
-        results.append(timed(metrics, comm, bounds, inputs.get(comm.mode), config=cfg.to_dict(), plan_hash=digest))
+        results.append(timed(metrics, planned, bounds, inputs.get(comm.mode), config=cfg.to_dict(), plan_hash=digest))
     measured = [parts[len(variants) + k][0][0] for k in range(len(peers))]
     return results, [time_peer(part, comm) for part in measured if part is not None]
 

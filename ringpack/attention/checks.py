@@ -19,6 +19,7 @@ from ringpack.attention.mode_choice import AUTO
 from ringpack.attention.schedule import Schedule, ScheduleMismatchError
 from ringpack.errors import DataError
 from ringpack.modes import MODES
+from ringpack.traffic import partner_budget_problem
 
 #: The modes as the group check sends them (``AUTO`` last: a schedule without a pick).
 _MODE_CODES = (*MODES, AUTO)
@@ -39,6 +40,7 @@ _ROW = (
     "cp_size",
     "mode",
     "gpus_per_node",
+    "max_partners",
     "heads",
     "kv_heads",
     "head_dim",
@@ -67,6 +69,8 @@ def check_inputs(
         ScheduleMismatchError: as :func:`~ringpack.attention.ring_attention` says, on every rank of the group.
     """
     problem = _input_problem(q, k, v, schedule)
+    if mode == "p2p" and not problem and schedule.exchange is not None:
+        problem = partner_budget_problem(schedule.cp_rank, schedule.exchange.partners, schedule.max_partners)
     if mode == AUTO and not problem:  # resolve_mode found no pick on this schedule
         problem = (
             "mode='auto' runs the mode picked when the schedule was compiled, and this schedule has none: "
@@ -158,6 +162,7 @@ def verify_schedule(
             schedule.cp_size,
             _MODE_CODES.index(mode),
             schedule.gpus_per_node or 0,
+            schedule.max_partners,
             heads,
             k.shape[1] if k.dim() == 3 else -1,
             k.shape[-1] if k.dim() else -1,
@@ -193,6 +198,7 @@ def _disagreement(rows: list[list[int]], me: int, problem: str | None, inputs: s
         ("cp_size", "CP sizes"),
         ("mode", "modes"),
         ("gpus_per_node", "the node size the schedules were compiled for (compile_schedule's gpus_per_node)"),
+        ("max_partners", "the partner budget the schedules were compiled for (ScheduleOptions.max_partners)"),
         ("heads", "numbers of query heads"),
         ("kv_heads", "numbers of key/value heads"),
         ("head_dim", "head dims"),

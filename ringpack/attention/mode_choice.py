@@ -3,7 +3,8 @@
 :class:`ModeChoice` prices every candidate mode on the micro-batch with the cost and communication
 models (:func:`~ringpack.comm_model.fastest_modes`: the slowest rank's predicted seconds) and picks
 the fastest; :func:`~ringpack.attention.compile_schedule` stores the pick in ``Schedule.mode``, which
-:func:`~ringpack.attention.ring_attention` runs. Every rank of a CP group compiles the same
+:func:`~ringpack.attention.ring_attention` runs (``"p2p"`` as the ring on a micro-batch over the
+partner budget). Every rank of a CP group compiles the same
 micro-batch with the same options, so every rank picks the same mode (the group check compares it).
 See docs/attention.md, "Choosing the mode per micro-batch".
 """
@@ -55,14 +56,16 @@ class ModeChoice:
         if not isinstance(self.comm, CommModel):
             raise PlanError(f"ModeChoice.comm must be a CommModel, got {type(self.comm).__name__}")
 
-    def pick(self, microbatch: MicroBatch, gpus_per_node: int | None = None) -> str:
-        """The fastest of :attr:`modes` for ``microbatch`` over nodes of ``gpus_per_node`` CP ranks.
+    def pick(self, microbatch: MicroBatch, gpus_per_node: int | None = None, max_partners: int = 0) -> str:
+        """The fastest of :attr:`modes` for ``microbatch`` over nodes of ``gpus_per_node`` CP ranks
+        (``"p2p"`` timed as the ring where its exchange exceeds the partner budget ``max_partners``,
+        as it then runs).
 
         Raises:
             PlanError: no candidate can run the micro-batch's CP size (each mode's reason named).
         """
         cp = len(microbatch.shards)
-        comm = dataclasses.replace(self.comm, gpus_per_node=gpus_per_node)
+        comm = dataclasses.replace(self.comm, gpus_per_node=gpus_per_node, max_partners=max_partners)
         ranks, sample, start, stop = microbatch.piece_columns
         zeros = np.zeros_like(ranks)
         table = {"step": zeros, "dp": zeros, "microbatch": zeros, "cp": ranks, "sample": sample}
@@ -80,7 +83,8 @@ AUTO = "auto"
 
 def resolve_mode(mode: str, schedule) -> str:
     """The mode a call runs: ``mode`` itself, or for :data:`AUTO` the schedule's pick (``AUTO`` again
-    when it has none, which the group check then refuses on every rank)."""
-    if mode != AUTO or schedule.mode is None:
-        return mode
-    return schedule.mode
+    when it has none, which the group check then refuses on every rank); ``"p2p"`` on a schedule over
+    its partner budget (``schedule.partner_fallback``) runs ``"ring"``."""
+    if mode == AUTO and schedule.mode is not None:
+        mode = schedule.mode
+    return "ring" if mode == "p2p" and getattr(schedule, "partner_fallback", False) else mode

@@ -33,6 +33,7 @@ from ringpack.attention.ranges import concat_ranges
 from ringpack.errors import PlanError
 from ringpack.modes import HYBRID_MODES
 from ringpack.shard_plan import MicroBatch, Piece, RankShard
+from ringpack.traffic import over_partner_budget
 
 try:  # torch.compile passes a schedule to the engine's custom op as an opaque runtime input
     from torch._library.opaque_object import register_opaque_type
@@ -137,6 +138,10 @@ class ScheduleOptions:
     """Also compile the hybrid modes' node layout (``Schedule.node_layout``, with a ``gpus_per_node``
     that divides the CP size): about one more compile of the whole micro-batch per rank, so only
     for ``"ulysses+p2p"`` / ``"ulysses+ring"`` (a ``mode_choice`` that picks one builds it anyway)."""
+    max_partners: int = 0
+    """The partner budget (the plan's ``max_partners``; 0: none): a micro-batch whose targeted exchange
+    would give some rank more partners (:func:`~ringpack.traffic.over_partner_budget`) runs the ring
+    under ``mode="p2p"`` (``Schedule.partner_fallback``) and compiles no exchange map."""
 
     def __post_init__(self) -> None:
         node = self.gpus_per_node
@@ -144,6 +149,9 @@ class ScheduleOptions:
             raise PlanError(f"gpus_per_node must be None or an integer >= 1, got {node!r}")
         if self.mode_choice is not None and not isinstance(self.mode_choice, ModeChoice):
             raise PlanError(f"mode_choice must be None or a ModeChoice, got {type(self.mode_choice).__name__}")
+        if not (is_int(self.max_partners) and (self.max_partners == 0 or self.max_partners >= 2)):
+            raise PlanError(f"max_partners must be 0 (no budget) or an integer >= 2, got {self.max_partners!r}")
+        object.__setattr__(self, "max_partners", int(self.max_partners))
         if not isinstance(self.hybrid_layout, bool):
             raise PlanError(f"hybrid_layout must be True or False, got {self.hybrid_layout!r}")
         dense = DenseOptions(self.dense_threshold, self.dense_buckets, self.dense_batches)  # checks, names the field
@@ -157,11 +165,15 @@ class ScheduleOptions:
         """The dense split these options ask for."""
         return DenseOptions(self.dense_threshold, self.dense_buckets, self.dense_batches)
 
-    def with_node_size(self, gpus_per_node: int | None) -> ScheduleOptions:
-        """These options with the plan's node size ``gpus_per_node`` where they set none themselves."""
-        if gpus_per_node is None or self.gpus_per_node is not None:
-            return self
-        return replace(self, gpus_per_node=gpus_per_node)
+    def with_node_size(self, gpus_per_node: int | None, max_partners: int = 0) -> ScheduleOptions:
+        """These options with the plan's node size ``gpus_per_node`` and partner budget ``max_partners``
+        where they set none themselves."""
+        out = self
+        if gpus_per_node is not None and self.gpus_per_node is None:
+            out = replace(out, gpus_per_node=gpus_per_node)
+        if max_partners and not self.max_partners:
+            out = replace(out, max_partners=max_partners)
+        return out
 
     @classmethod
     def from_keywords(cls, options: Mapping[str, Any]) -> ScheduleOptions:
@@ -431,6 +443,9 @@ class Schedule(_ScheduleBase):
     that divides the CP size and ``hybrid_layout``) drives the hybrid modes ``"ulysses+p2p"`` and
     ``"ulysses+ring"`` (:class:`NodeLayout`). ``mode`` is the mode ``mode="auto"`` runs, picked at compile time by the
     options' :class:`~ringpack.attention.mode_choice.ModeChoice` (None without one).
+    ``max_partners`` is the partner budget it was compiled for (0: none); ``partner_fallback`` marks
+    a micro-batch whose targeted exchange would exceed it: ``mode="p2p"`` then runs the ring, every
+    rank alike, and the schedule holds no exchange map.
 
     For ``torch.compile`` a schedule is an opaque *reference* object (where torch supports them):
     the graph takes it as a runtime input of one engine op and never reads its fields, so a new
@@ -452,6 +467,8 @@ class Schedule(_ScheduleBase):
     head_layout: HeadLayout | None = field(default=None, compare=False, repr=False)
     node_layout: NodeLayout | None = field(default=None, compare=False, repr=False)
     mode: str | None = None
+    max_partners: int = 0
+    partner_fallback: bool = False
     verified: set = field(default_factory=set, compare=False, repr=False)
 
     @property
@@ -615,6 +632,7 @@ def compile_schedule(
     gpus_per_node: int | None = None,
     mode_choice: ModeChoice | None = None,
     hybrid_layout: bool = False,
+    max_partners: int = 0,
     *,
     options: ScheduleOptions | None = None,
 ) -> Schedule:
@@ -647,6 +665,12 @@ def compile_schedule(
             divides the CP size (a node-level schedule of ``cp / gpus_per_node`` ranks: about one
             more compile of the whole micro-batch, which on a pool of a thousand ranks costs 20x
             the rank's own schedule); a ``mode_choice`` that picks a hybrid builds it anyway.
+        max_partners: the partner budget (the plan's ``max_partners``; 0: none). When the
+            micro-batch's targeted exchange would give some rank more partners
+            (:func:`~ringpack.traffic.over_partner_budget`, read from the whole micro-batch, so every
+            rank decides alike), the schedule is marked ``partner_fallback``: ``mode="p2p"`` runs
+            the ring on it, and no exchange map is compiled. Every rank must give the same value
+            (checked at run time).
         options: all of the above as one :class:`ScheduleOptions` (then leave the keywords out).
 
     Returns:
@@ -671,6 +695,7 @@ def compile_schedule(
     cp_rank = int(cp_rank)
     keywords = {"dense_threshold": dense_threshold, "dense_buckets": dense_buckets, "dense_batches": dense_batches}
     given = {"gpus_per_node": gpus_per_node, "mode_choice": mode_choice, "hybrid_layout": hybrid_layout}
+    given["max_partners"] = max_partners
     options = _options_of(options, {**keywords, **given})
     dense, gpus_per_node = options.dense, options.gpus_per_node
     table = _PieceTable.from_microbatch(microbatch)
@@ -688,7 +713,22 @@ def compile_schedule(
         )
         for t, src in ((t, (cp_rank - t) % cp) for t in table.distances())
     )
-    mode = None if options.mode_choice is None else options.mode_choice.pick(microbatch, gpus_per_node)
+    fallback = bool(
+        over_partner_budget(
+            np.zeros(len(table.rank), dtype=np.int64),
+            table.rank,
+            table.slot,
+            table.start,
+            table.stop,
+            1,
+            cp,
+            gpus_per_node,
+            options.max_partners,
+        )[0]
+    )
+    mode = None
+    if options.mode_choice is not None:
+        mode = options.mode_choice.pick(microbatch, gpus_per_node, options.max_partners)
     hybrid = options.hybrid_layout or mode in HYBRID_MODES
     return Schedule(
         cp_rank=cp_rank,
@@ -700,7 +740,9 @@ def compile_schedule(
         send_range=_as_range(send_index),
         local=_local_call(table, mine, dense) if num_tokens else None,
         steps=steps,
-        exchange=compile_exchange(
+        exchange=None
+        if fallback
+        else compile_exchange(
             receives,
             sends,
             cp_rank,
@@ -715,6 +757,8 @@ def compile_schedule(
         else None,
         node_layout=_node_layout(table, microbatch, cp_rank, gpus_per_node, dense) if hybrid else None,
         mode=mode,
+        max_partners=options.max_partners,
+        partner_fallback=fallback,
     )
 
 

@@ -84,7 +84,7 @@ _REPORT = _rows(
     (["corpus"], ["corpus"]),
     (  # planning: only where the report plans lengths itself
         [n for n in _PLANNING if n not in ("strategy", "packing", "gpus_per_node")]
-        + ["world", "strategies", "packings", "peers", "tflops", "jobs"],
+        + ["world", "partner_memory_gib", "host_time", "strategies", "packings", "peers", "tflops", "jobs"],
         _REPORT_LENGTHS,
     ),
     (  # the communication model, the output: every report
@@ -119,7 +119,19 @@ _SIMULATE = _rows(
     (["median", "sigma"], ["lognormal"]),
     (
         [n for n in _PLANNING if n not in ("dp", "strategy", "packing")]
-        + ["world", "strategies", "packings", "baseline", "peers", "tflops", "link", "inter_link", "bandwidth"]
+        + [
+            "world",
+            "partner_memory_gib",
+            "host_time",
+            "strategies",
+            "packings",
+            "baseline",
+            "peers",
+            "tflops",
+            "link",
+            "inter_link",
+            "bandwidth",
+        ]
         + ["latency_us", "modes", "out", "json", "no_plots", "quiet", "jobs", "chunk_steps", "sample_steps"]
         + ["no_advice"],
         _SIMULATE_KINDS,
@@ -156,7 +168,7 @@ _PLAN = _rows(
     (["column"], ["lengths"]),
     (_TEXT, ["text"]),
     (
-        [*_PLANNING, "world", "out", "json", "quiet", "no_advice"],
+        [*_PLANNING, "world", "partner_memory_gib", "host_time", "out", "json", "quiet", "no_advice"],
         _LENGTHS_KINDS,
     ),
 )

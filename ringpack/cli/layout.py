@@ -12,8 +12,17 @@ import argparse
 import logging
 from typing import Any
 
+from ringpack import analysis
 from ringpack.cli.compare import comm_models
-from ringpack.cli.flags import CP_SIZE, POSITIVE, REQUIRED, config_fields, flag
+from ringpack.cli.flags import (
+    CP_SIZE,
+    POSITIVE,
+    REQUIRED,
+    add_host_time_flag,
+    add_partner_memory_flag,
+    config_fields,
+    flag,
+)
 from ringpack.cli.inputs import cost_model, samples_per_step
 from ringpack.comm_model import CommModel
 from ringpack.planner.layout import AUTO, DEFAULT_GPUS_PER_NODE, LayoutChoice, choose_layout
@@ -52,6 +61,8 @@ def add_layout_flags(parser: argparse.ArgumentParser) -> None:
         type=POSITIVE,
         help="GPUs of the cluster: --dp becomes world / cp; with --cp auto the layout is chosen for them",
     )
+    add_partner_memory_flag(parser)
+    add_host_time_flag(parser)
 
 
 def _insert(help_text: str, more: str) -> str:
@@ -121,6 +132,7 @@ def choose_for(args: argparse.Namespace, lengths: Any, world: int, progress: Any
     cost = cost_model(args, tflops="tflops" in given)
     links = comm_models(args, cost)[0] if "link" in given else CommModel.for_model(cost)
     batch = samples_per_step(args, lengths, dp=1, cp=world)
+    memory = getattr(args, "partner_memory_gib", None)
     return choose_layout(
         lengths,
         world,
@@ -130,22 +142,30 @@ def choose_for(args: argparse.Namespace, lengths: Any, world: int, progress: Any
         links,
         samples_per_step=batch or None,
         progress=progress,
+        partner_memory_budget=None if memory is None else memory * 2**30,
         **shared,
     )
 
 
-def layout_table(choice: LayoutChoice, every: bool = False) -> str:
+def layout_table(choice: LayoutChoice, every: bool = False, host_time: bool = False) -> str:
     """The choice as text: the chosen layout, its reason, and the fastest :data:`SHOWN` layouts.
 
-    ``every``: every layout and exchange, with each one's exposed communication per step, for
-    ``p2p`` the K/V (GB, forward) its node-relayed exchange sends between nodes per step, the
-    point-to-point partners of a GPU (median/max) and the buffer memory of the GPU with the most
+    Every timed row also has a GPU's point-to-point partners in one micro-batch (median/max: what
+    the partner budget bounds; ``rF`` where ``F`` sampled micro-batches run the ring, over the
+    budget), the partners a GPU gathers over the sampled steps and the NCCL buffers those keep
+    (GiB); with ``host_time``, the host time of compiling one rank's schedule of the layout's largest
+    sampled micro-batch (ms, measured here: :func:`~ringpack.analysis.host_time.compile_milliseconds`,
+    which imports torch).
+    ``every``: every layout and exchange, with each one's exposed communication per step and, for
+    ``p2p``, the K/V (GB, forward) its node-relayed exchange sends between nodes per step
     (``simulate``'s comparison).
     """
     lines = [f"layout for these lengths ({choice.steps} global batches planned per layout): {choice.reason}"]
     head = f"  {'layout':<10} {'exchange':<10} {'tokens/s':>12} {'step s':>10} {'compute s':>10}"
-    lines.append(head + (f" {'exposed s':>10} {'IB GB/step':>10} {'partners':>9} {'NCCL GiB':>8}" if every else ""))
+    head += f" {'exposed s':>10} {'IB GB/step':>10}" if every else ""
+    lines.append(head + f" {'partners':>10} {'kept':>5} {'NCCL GiB':>8}" + (f" {'host ms':>8}" if host_time else ""))
     listed = set()
+    host: dict[str, float] = {}
     for c in choice.candidates if every else choice.candidates[:SHOWN]:
         if (not c.feasible or c.stopped) and every and c.name in listed:
             continue  # a layout that cannot plan the lengths, once for all its exchanges
@@ -164,8 +184,14 @@ def layout_table(choice: LayoutChoice, every: bool = False) -> str:
         )
         if every:
             sent = f"{c.inter_node_bytes / 1e9:.4g}" if c.mode == "p2p" else "-"
-            partners = f"{c.partners_median:.0f}/{c.partners_max}"
-            row += f" {c.exposed_seconds:>10.4g} {sent:>10} {partners:>9} {c.partner_memory_bytes / 2**30:>8.2f}"
+            row += f" {c.exposed_seconds:>10.4g} {sent:>10}"
+        partners = f"{c.microbatch_partners_median:.0f}/{c.microbatch_partners_max}"
+        partners += f" r{c.ring_fallback}" if c.ring_fallback else ""
+        row += f" {partners:>10} {c.partners_max:>5} {c.partner_memory_bytes / 2**30:>8.2f}"
+        if host_time:
+            if c.name not in host and c.microbatch is not None:
+                host[c.name] = analysis.compile_milliseconds(c.microbatch, c.gpus_per_node, c.max_partners)
+            row += f" {host.get(c.name, float('nan')):>8.1f}"
         lines.append(row)
     best = choice.best
     lines.append(
@@ -199,6 +225,9 @@ def choice_to_dict(choice: LayoutChoice) -> dict[str, Any]:
                 "partners_median": c.partners_median if c.timed else None,
                 "partners_max": c.partners_max if c.timed else None,
                 "partner_memory_bytes": c.partner_memory_bytes if c.timed else None,
+                "microbatch_partners_median": c.microbatch_partners_median if c.timed else None,
+                "microbatch_partners_max": c.microbatch_partners_max if c.timed else None,
+                "ring_fallback_microbatches": c.ring_fallback if c.timed else None,
                 "note": c.note,
             }
             for c in choice.candidates

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import time
@@ -10,7 +11,9 @@ from typing import Any
 
 import numpy as np
 
+from ringpack import analysis
 from ringpack.analysis.advice import advise
+from ringpack.analysis.partners import partner_line, plan_partners
 from ringpack.analysis.report import window_line
 from ringpack.analysis.robustness import PRICE_FACTORS, imbalance_across_prices
 from ringpack.cli.config_file import SUFFIXES, add_config_file_flag, write_config, written_settings
@@ -104,7 +107,7 @@ def run_plan(args: argparse.Namespace) -> int:
     lengths = lengths_from_args(args)
     choice = resolve_layout(args, lengths)
     if choice is not None and not args.json:
-        print(layout_table(choice))
+        print(layout_table(choice, host_time=args.host_time))
     config = plan_config_from_args(args, samples_per_step=samples_per_step(args, lengths))
     t0 = time.perf_counter()
     with progress(args, f"planning {len(lengths):,} samples", "steps") as bar:
@@ -121,6 +124,16 @@ def run_plan(args: argparse.Namespace) -> int:
         tokens = int(np.sum(plan.lengths)) - sum(plan.lengths[k] for k in plan.dropped)
         moves = global_batches(lengths, config).moves()
         summary["batch_window"] = moves.summary(config, summary["samples"], tokens)
+    if config.cp > 1:
+        summary["partners"] = plan_partners(plan)
+    if config.cp > 1 and args.host_time:
+        largest = max(
+            (mb for step in plan.steps for rank in step.microbatches for mb in rank),
+            key=lambda mb: sum(len(shard.pieces) for shard in mb.shards),
+        )
+        summary["compile_ms"] = round(
+            analysis.compile_milliseconds(largest, config.gpus_per_node, config.max_partners), 2
+        )
     summary["plan_seconds"] = round(seconds, 4)
     summary["out"] = str(args.out)
     if choice is not None:
@@ -139,9 +152,10 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def _comm_model(config: Any, choice: Any) -> CommModel:
     """The communication model the advice times remedies with: the chosen layout's mode under
-    ``--cp auto``, else the ring, with the model's K/V bytes and the plan's nodes."""
+    ``--cp auto``, else the ring, with the model's K/V bytes, the plan's nodes and partner budget."""
     mode = choice.best.mode if choice is not None else "ring"
-    return CommModel.for_model(config.cost, mode=mode, gpus_per_node=config.gpus_per_node)
+    comm = CommModel.for_model(config.cost, mode=mode, gpus_per_node=config.gpus_per_node)
+    return dataclasses.replace(comm, max_partners=config.max_partners)
 
 
 def _print_summary(summary: dict[str, Any], config: Any, seconds: float) -> None:
@@ -162,6 +176,10 @@ def _print_summary(summary: dict[str, Any], config: Any, seconds: float) -> None
     if "batch_window" in summary:
         print(window_line(summary["batch_window"]))
     print(f"K/V tokens sent across CP ranks per step (median): {summary['kv_tokens_per_step_median']:.0f}")
+    if "partners" in summary:
+        print(partner_line(summary["partners"]))
+    if "compile_ms" in summary:
+        print(f"host time to compile one rank's schedule of the largest micro-batch: {summary['compile_ms']:.1f} ms")
     prices = summary["imbalance_by_pair_price"]
     print(
         "plan time / balanced time if a pair really costs x the model's price: "

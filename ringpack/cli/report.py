@@ -99,7 +99,7 @@ def run_report(args: argparse.Namespace) -> int:
             if "modes" not in args.given:  # the chosen exchange is the headline
                 args.modes = choice.best.mode
             if args.json != "-":
-                print(layout_table(choice) + "\n")
+                print(layout_table(choice, host_time=args.host_time) + "\n")
         comms = comm_models(args, model)
         config = plan_config_from_args(args, samples_per_step=samples_per_step(args, lengths), cost=model)
         desc = f"planning {len(lengths):,} samples x {len(wanted)} variants" + (

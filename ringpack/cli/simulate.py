@@ -23,6 +23,8 @@ from ringpack.cli.flags import (
     POSITIVE,
     POSITIVE_REAL,
     add_advice_flag,
+    add_host_time_flag,
+    add_partner_memory_flag,
     flag,
     hidden_alias,
     integer,
@@ -85,6 +87,8 @@ def add_command(subparsers: Any) -> None:
         "chosen for each)",
     )
     hidden_alias(p, "--gpus", world, deprecated=True)
+    add_partner_memory_flag(p)
+    add_host_time_flag(p)
     g = p.add_argument_group("lengths")
     flag(g, "--samples", type=integer(1, 10**9), help=f"drawn samples in the epoch (default {DRAWN['samples']:,})")
     add_lengths_flags(g, required=False, what="; simulated instead of drawn lengths")
@@ -188,7 +192,7 @@ def _layout(
         choice = choose_for(args, lengths, gpus, progress=bar.advance_to)
     best = choice.best
     if args.json != "-":
-        print(layout_table(choice, every=True), flush=True)
+        print(layout_table(choice, every=True, host_time=args.host_time), flush=True)
     node = next(c.gpus_per_node for c in choice.candidates if c.name == "pool")
     chosen = {"layout": choice_to_dict(choice), "gpus_per_node": node, "mode": best.mode}
     return best.dp, best.cp, best.gpus_per_node, chosen

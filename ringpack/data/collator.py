@@ -431,6 +431,7 @@ class PackedCollator:
             t.offsets,
             t.row_lengths,
             gpus_per_node=t.gpus_per_node,
+            max_partners=getattr(t, "max_partners", 0),
             rows=list(t),
             positions=getattr(t, "positions", None),
         )
@@ -445,11 +446,13 @@ class PackedCollator:
         gpus_per_node: int | None = None,
         rows: Sequence[int] | None = None,
         positions: Sequence[int] | None = None,
+        max_partners: int = 0,
     ) -> dict[str, Any]:
         """Build the batch from a micro-batch and its samples' token ids (in ``microbatch.samples`` order).
 
         ``gpus_per_node``: the plan's node size, for the schedule's node-relayed exchange (the
-        ticket's, from the sampler); ``schedule_options`` may override it.
+        ticket's, from the sampler); ``max_partners``: the plan's partner budget (the ticket's; 0:
+        none); ``schedule_options`` may override either.
 
         ``positions``: ``tokens`` (and ``offsets``, ``row_lengths``, ``rows``) are those of
         ``microbatch.samples[k]`` for ``k`` in ``positions`` only, which must include every sample
@@ -516,5 +519,5 @@ class PackedCollator:
         arrays = rank_arrays(starts, pieces, nexts, self.ignore_index)
         meta = dict(meta or {})
         meta.setdefault("step_loss_tokens", None)
-        options = self.schedule_options.with_node_size(gpus_per_node)
+        options = self.schedule_options.with_node_size(gpus_per_node, max_partners)
         return to_batch(arrays, microbatch, self.cp_rank, meta, self.compile_schedules, self.ignore_index, options)

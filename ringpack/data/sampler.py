@@ -105,7 +105,8 @@ class MicroBatchTicket(list):
     the epoch: the sampler state that resumes after it has ``cursor=ticket.cursor``),
     ``step_loss_tokens`` (loss tokens of the whole global batch of the step, all DP ranks),
     ``plan_hash`` and ``gpus_per_node`` (the plan's node size: the collator compiles the schedule's
-    node-relayed exchange for it; None for a plan without one), and ``positions``: None when the
+    node-relayed exchange for it; None for a plan without one), ``max_partners`` (the plan's
+    partner budget, which the collator compiles the schedule for; 0: none), and ``positions``: None when the
     list holds a row for every sample of the micro-batch, else the indices into
     ``microbatch.samples`` of the samples it holds rows for, those one CP rank's pieces come from
     (a sampler given ``cp_rank``), with ``offsets`` and ``row_lengths`` theirs.
@@ -127,9 +128,11 @@ class MicroBatchTicket(list):
         row_lengths: Sequence[int] | None = None,
         gpus_per_node: int | None = None,
         positions: Sequence[int] | None = None,
+        max_partners: int = 0,
     ) -> None:
         rows = tuple(int(r) for r in microbatch.samples) if rows is None else tuple(int(r) for r in rows)
         self.gpus_per_node = gpus_per_node
+        self.max_partners = int(max_partners)
         self.positions = None if positions is None else tuple(int(k) for k in positions)
         super().__init__(rows)
         self.offsets = tuple(0 for _ in rows) if offsets is None else tuple(int(o) for o in offsets)
@@ -164,6 +167,7 @@ class MicroBatchTicket(list):
             self.plan_hash,
             self.gpus_per_node,
             self.positions,
+            self.max_partners,
         )
         return (
             _rebuild_ticket,
@@ -181,7 +185,7 @@ class MicroBatchTicket(list):
 
 
 def _rebuild_ticket(mb: tuple, meta: tuple, rows: tuple, offsets: tuple, row_lengths: tuple | None) -> MicroBatchTicket:
-    epoch, step, index, n, cursor, loss, plan_hash, gpus_per_node, positions = meta
+    epoch, step, index, n, cursor, loss, plan_hash, gpus_per_node, positions, max_partners = meta
     return MicroBatchTicket(
         _decode_microbatch(mb),
         epoch=epoch,
@@ -196,6 +200,7 @@ def _rebuild_ticket(mb: tuple, meta: tuple, rows: tuple, offsets: tuple, row_len
         row_lengths=row_lengths,
         gpus_per_node=gpus_per_node,
         positions=positions,
+        max_partners=max_partners,
     )
 
 
@@ -503,6 +508,7 @@ class BalancedBatchSampler(_SamplerBase):
             step_loss_tokens=loss_tokens,
             plan_hash=self._ticket_key(epoch),
             gpus_per_node=self.config.gpus_per_node,
+            max_partners=self.config.max_partners,
         )
 
     def _ticket_key(self, epoch: int) -> str:

@@ -271,7 +271,7 @@ class ShardReader:
             "cursor": position + 1,
             "plan_hash": self.plan_hash,
         }
-        options = self.schedule_options.with_node_size(plan.config.gpus_per_node)
+        options = self.schedule_options.with_node_size(plan.config.gpus_per_node, plan.config.max_partners)
         return to_batch(arrays, mb, self.cp_rank, meta, self.schedule, options=options)
 
     # -------------------------------------------------------------- state

@@ -31,6 +31,7 @@ from ringpack.planner.batch_window import BalancedWindows, WindowMoves
 from ringpack.planner.bounds import PriceProfile, price_profile, step_lower_bound
 from ringpack.planner.limits import check_split_size
 from ringpack.planner.packing import PackingProblem, fill_empty_bins, improve, pack_first_fit, pack_greedy
+from ringpack.planner.partners import hold_partner_budget
 from ringpack.planner.pool import split_over_nodes
 from ringpack.planner.solver import refine
 from ringpack.planner.split.strategies import split_groups
@@ -167,12 +168,15 @@ def split_microbatch(samples: Sequence[int], lengths: Sequence[int], config: Pla
 
 
 def _split(groups: Sequence[Sequence[int]], lengths: Sequence[int], config: PlanConfig) -> list[MicroBatch]:
-    """Every micro-batch of ``groups`` split by ``config``: over its nodes, or over the CP group."""
+    """Every micro-batch of ``groups`` split by ``config``: over its nodes, or over the CP group, then
+    held to the partner budget (:func:`~ringpack.planner.partners.hold_partner_budget`)."""
     if config.nodes_per_group > 1:
-        return split_over_nodes(groups, lengths, config)
-    return split_groups(
-        groups, lengths, config.cp, config.tokens_per_rank, config.cost, config.strategy, config.token_slack
-    )
+        mbs = split_over_nodes(groups, lengths, config)
+    else:
+        mbs = split_groups(
+            groups, lengths, config.cp, config.tokens_per_rank, config.cost, config.strategy, config.token_slack
+        )
+    return hold_partner_budget(groups, mbs, lengths, config)
 
 
 # ------------------------------------------------------------------------------------------ steps

@@ -28,6 +28,7 @@ from ringpack.comm_model import (
     CommModel,
     exchange_inputs,
     exchange_volumes,
+    microbatch_partners,
     rank_partners,
     rank_seconds,
 )
@@ -36,7 +37,7 @@ from ringpack.errors import PlanError
 from ringpack.lengths import check_lengths
 from ringpack.planner.bounds import critical_path, step_lower_bound
 from ringpack.planner.epoch import GlobalBatches, global_batches, overflow_documents, plan_step
-from ringpack.shard_plan import MAX_CP, MAX_DP, Plan, PlanConfig, global_batch_samples
+from ringpack.shard_plan import MAX_CP, MAX_DP, MicroBatch, Plan, PlanConfig, global_batch_samples
 
 __all__ = ["AUTO", "DEFAULT_GPUS_PER_NODE", "LayoutCandidate", "LayoutChoice", "TIE", "choose_layout", "cp_sizes"]
 
@@ -75,6 +76,13 @@ class LayoutCandidate:
             connection's buffers once made, so this is the union over the micro-batches).
         partner_memory_bytes: the GPU memory those connections hold on the GPU with the most,
             ``partners_max * comm.partner_buffer_bytes`` (an estimate of NCCL's buffers).
+        microbatch_partners_median, microbatch_partners_max: a GPU's partners in one micro-batch,
+            median and largest over every rank of every sampled micro-batch: what the plan's
+            partner budget (``max_partners``) bounds (:func:`~ringpack.comm_model.microbatch_partners`).
+        ring_fallback: sampled micro-batches over the partner budget, timed as the ring (``"p2p"``).
+        max_partners: the plans' partner budget (``PlanConfig.max_partners``, 0: none).
+        microbatch: the sampled micro-batch with the most pieces (None where not planned), whose
+            schedule's host time a report may measure.
         note: what kept the layout out (or stopped it), or ``""``.
         stopped: the layout plans these lengths, but the lower bound of its compute on the sampled
             steps (``bound_tokens_per_second``) already leaves it slower than a layout timed before
@@ -97,6 +105,11 @@ class LayoutCandidate:
     partners_median: float = float("nan")
     partners_max: int = 0
     partner_memory_bytes: float = 0.0
+    microbatch_partners_median: float = float("nan")
+    microbatch_partners_max: int = 0
+    ring_fallback: int = 0
+    max_partners: int = 0
+    microbatch: MicroBatch | None = dataclasses.field(default=None, repr=False, compare=False)
     note: str = ""
     stopped: bool = False
     bound_tokens_per_second: float = float("nan")
@@ -396,6 +409,7 @@ def _plan_steps(batches: GlobalBatches, config: PlanConfig, steps: int) -> Plan 
 def _timed(name: str, mode: str, plan: Plan, comm: CommModel) -> LayoutCandidate:
     """A planned layout timed under ``comm``: per rank compute and exposed communication, the critical path."""
     cfg = plan.config
+    comm = dataclasses.replace(comm, max_partners=cfg.max_partners)  # the plan's budget: p2p over it runs the ring
     a = plan.piece_arrays
     M = max(len(step.microbatches[0]) for step in plan.steps)
     shape = (plan.num_steps, cfg.dp, M)
@@ -411,6 +425,12 @@ def _timed(name: str, mode: str, plan: Plan, comm: CommModel) -> LayoutCandidate
         inter *= comm.kv_bytes_per_token / plan.num_steps
     total_tokens = float(np.sum(a["stop"] - a["start"]))
     partners = rank_partners(a, cfg.cp, shape, comm)
+    exists = np.zeros(shape, dtype=bool)
+    for s, st in enumerate(plan.steps):
+        for d, mbs in enumerate(st.microbatches):
+            exists[s, d, : len(mbs)] = True
+    per_mb = (inputs.partners if inputs.partners is not None else microbatch_partners(a, cfg.cp, shape, comm))[exists]
+    mbs = [mb for st in plan.steps for rank in st.microbatches for mb in rank]
     return LayoutCandidate(
         name,
         comm.mode,
@@ -425,6 +445,11 @@ def _timed(name: str, mode: str, plan: Plan, comm: CommModel) -> LayoutCandidate
         partners_median=float(np.median(partners)),
         partners_max=int(partners.max()),
         partner_memory_bytes=float(partners.max()) * comm.partner_buffer_bytes,
+        microbatch_partners_median=float(np.median(per_mb)),
+        microbatch_partners_max=int(per_mb.max()),
+        ring_fallback=int(inputs.fallback.sum()) if inputs.fallback is not None else 0,
+        max_partners=cfg.max_partners,
+        microbatch=max(mbs, key=lambda mb: sum(len(shard.pieces) for shard in mb.shards)),
     )
 
 

@@ -8,8 +8,9 @@ ranks by the plan's strategy, so a split sample's pieces stay in one node. A sam
 node (by tokens, or by cost) enters the packing as ``k`` equal shares, ``k`` the fewest nodes it
 needs, and the nodes its shares land on are split together (without the token guard), their ranks
 arranged so that the other samples split there still lie in one node, and every sample on
-consecutive nodes (ranks reordered, else the group split contiguously). Work grows with the samples
-and the nodes, never with their product or with ``cp`` squared.
+consecutive nodes (ranks reordered, else the group split contiguously), and a group whose targeted
+exchange would give a rank more partners than ``max_partners`` split contiguously (the partner
+budget). Work grows with the samples and the nodes, never with their product or with ``cp`` squared.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from ringpack.planner.split.baselines import split_contiguous
 from ringpack.planner.split.fallbacks import split_spread
 from ringpack.planner.split.strategies import split_groups
 from ringpack.shard_plan import MicroBatch, PlanConfig, RankShard
+from ringpack.traffic import over_partner_budget
 
 __all__ = ["split_over_nodes", "node_groups", "node_need", "arrange_nodes", "NODE_TOLERANCE", "TIGHT_FILL"]
 
@@ -109,7 +111,8 @@ def _split_over_nodes(groups: Sequence[Sequence[int]], lengths: Sequence[int], c
             (single if count == 1 else multi).append((g, first, count, [members[k] for k in slots.tolist()]))
     split = _split_parts(single, lengths, config, G, config.token_slack)
     for part in multi:  # each at its own size; its ranks arranged so that small splits stay in a node
-        split.append(_on_consecutive_nodes(arrange_nodes(_split_group(part, lengths, config), G), part, lengths, G))
+        mb = _on_consecutive_nodes(arrange_nodes(_split_group(part, lengths, config), G), part, lengths, G)
+        split.append(_within_partner_budget(mb, part, lengths, config))
     placed: list[list[tuple[int, MicroBatch]]] = [[] for _ in groups]
     for (g, first, _, _), mb in zip(single + multi, split):
         placed[g].append((first, mb))
@@ -173,6 +176,31 @@ def _on_consecutive_nodes(mb: MicroBatch, part: tuple, lengths: Sequence[int], g
     if not _scattered(reordered, gpus_per_node):
         return reordered
     return split_contiguous(part[3], lengths, len(mb.shards))
+
+
+def _within_partner_budget(mb: MicroBatch, part: tuple, lengths: Sequence[int], config: PlanConfig) -> MicroBatch:
+    """``mb`` (the split of the node group ``part``), or the group split contiguously (its samples in
+    order, each on the fewest consecutive ranks its tokens need) where ``mb``'s targeted exchange
+    gives a rank more partners than ``config.max_partners`` and the contiguous split's does not: the
+    partner budget's tighter split, for less balance (:mod:`ringpack.planner.partners`). A group's
+    partners are its own: its samples' pieces, their receivers and the proxies among them all lie
+    on its nodes."""
+    cp = len(mb.shards)
+    if not config.max_partners or cp - 1 <= config.max_partners or not _over_budget(mb, config):
+        return mb
+    tight = split_contiguous(part[3], lengths, cp)
+    return mb if _over_budget(tight, config) else tight
+
+
+def _over_budget(mb: MicroBatch, config: PlanConfig) -> bool:
+    """Whether ``mb``'s targeted exchange (nodes of ``config.gpus_per_node``) gives a rank more than
+    ``config.max_partners`` partners."""
+    rank, sample, start, stop = mb.piece_columns
+    group = np.zeros(len(rank), dtype=np.int64)
+    cp = len(mb.shards)
+    return bool(
+        over_partner_budget(group, rank, sample, start, stop, 1, cp, config.gpus_per_node, config.max_partners)[0]
+    )
 
 
 def _scattered(mb: MicroBatch, gpus_per_node: int) -> bool:

@@ -72,7 +72,7 @@ VALUES = {"column": "n", "median": "100", "sigma": "1", "samples": "10", "bandwi
           "vocab_size": "100", "num_proc": "1", "report": "r.json", "baseline": "zigzag/balanced", "peers": "none",
           "json": "-", "cp_token_slack": "0.1", "pair_price_range": "0.5,2", "model": "tiny", "cost": "tiny",
           "tokens_per_rank": "1024", "heads": "4", "kv_heads": "2", "head_dim": "64", "layers": "2",
-          "microbatches": "2"}  # fmt: skip
+          "microbatches": "2", "partner_memory_gib": "2"}  # fmt: skip
 
 
 def flag_argv(action) -> list[str]:

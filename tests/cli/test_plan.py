@@ -32,3 +32,14 @@ def test_out_writes_the_format_its_suffix_names(lengths, tmp_path, name):
     head = (tmp_path / name).read_bytes()[:4]
     assert head == b"PAR1" if name.endswith(".parquet") else head.lstrip()[:1] == b"{"
     assert Plan.load(tmp_path / name).num_steps > 0
+
+
+def test_the_partner_budget_is_a_flag_its_line_printed_and_a_bad_one_refused_in_one_line(lengths, tmp_path):
+    out = tmp_path / "plan.json"
+    run = run_cli(["plan", "--lengths", lengths, *FLAGS, "--max-partners", "8", "--host-time", "--out", out, "--quiet"])
+    assert run.code == 0 and Plan.load(out).config.max_partners == 8
+    assert "max_partners 8: partners per GPU and micro-batch median 1, max 1" in run.out, run.out
+    assert "host time to compile one rank's schedule" in run.out
+    bad = run_cli(["plan", "--lengths", lengths, *FLAGS, "--max-partners", "1", "--out", out, "--quiet"])
+    assert_clean(bad)
+    assert bad.code != 0 and "--max-partners" in bad.err and len(bad.err.strip().splitlines()) == 1, bad.err

@@ -342,6 +342,10 @@ class ScheduleResult:
             "speedup_vs_baseline": 1.0,
             "imbalance_by_pair_price": by_price,
             "imbalance_price_worst": max(by_price.values()),
+            "partners_median": None,
+            "partners_max": None,
+            "partner_memory_bytes": None,
+            "ring_fallback_microbatches": 0,
         }
         return {k: out[k] for k in SUMMARY_KEYS}
 
