@@ -13,13 +13,12 @@ import logging
 from typing import Any
 
 from ringpack import analysis
+from ringpack.cli.analysis_flags import add_host_time_flag, add_partner_memory_flag
 from ringpack.cli.compare import comm_models
 from ringpack.cli.flags import (
     CP_SIZE,
     POSITIVE,
     REQUIRED,
-    add_host_time_flag,
-    add_partner_memory_flag,
     config_fields,
     flag,
 )

@@ -16,8 +16,9 @@ from ringpack.analysis.advice import advise
 from ringpack.analysis.partners import partner_line, plan_partners
 from ringpack.analysis.report import window_line
 from ringpack.analysis.robustness import PRICE_FACTORS, imbalance_across_prices
+from ringpack.cli.analysis_flags import add_advice_flag
 from ringpack.cli.config_file import SUFFIXES, add_config_file_flag, write_config, written_settings
-from ringpack.cli.flags import REQUIRED, add_advice_flag, add_plan_flags, add_quiet_flag, flag, new_command
+from ringpack.cli.flags import REQUIRED, add_plan_flags, add_quiet_flag, flag, new_command
 from ringpack.cli.input_kinds import check_flags_apply
 from ringpack.cli.inputs import (
     check_output_file,

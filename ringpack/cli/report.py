@@ -16,9 +16,10 @@ from ringpack.analysis.metrics import plan_label
 from ringpack.analysis.plots import default_rank_step
 from ringpack.analysis.report import build_report, format_ranks, format_table, result_of_plan
 from ringpack.analysis.simulate import measure_variants
+from ringpack.cli.analysis_flags import add_advice_flag
 from ringpack.cli.compare import add_compare_flags, check_outputs, comm_models, emit, peer_names, variants
 from ringpack.cli.config_file import add_config_file_flag
-from ringpack.cli.flags import COUNT, EXPLORE_MESH, add_advice_flag, flag, integer, new_command
+from ringpack.cli.flags import COUNT, EXPLORE_MESH, flag, integer, new_command
 from ringpack.cli.input_kinds import check_flags_apply
 from ringpack.cli.inputs import (
     cost_model,

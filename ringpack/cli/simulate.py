@@ -15,6 +15,7 @@ import numpy as np
 from ringpack.analysis.advice import advise
 from ringpack.analysis.report import format_table, write_report
 from ringpack.analysis.simulate import format_modes, sample_line, simulate, synthetic_lengths, window_chunk_steps
+from ringpack.cli.analysis_flags import add_advice_flag, add_host_time_flag, add_partner_memory_flag
 from ringpack.cli.compare import add_compare_flags, check_outputs, comm_models, peer_names, variants
 from ringpack.cli.config_file import add_config_file_flag
 from ringpack.cli.flags import (
@@ -22,9 +23,6 @@ from ringpack.cli.flags import (
     NON_NEGATIVE_REAL,
     POSITIVE,
     POSITIVE_REAL,
-    add_advice_flag,
-    add_host_time_flag,
-    add_partner_memory_flag,
     flag,
     hidden_alias,
     integer,
