@@ -14,7 +14,7 @@ sends and receives in the targeted exchange, within its node and across nodes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -31,6 +31,8 @@ __all__ = [
     "exchange_partners",
     "partner_budget_problem",
     "over_partner_budget",
+    "microbatch_over_budget",
+    "remember_over_budget",
     "partners_over_budget",
     "exchange_tokens",
     "proxy_index",
@@ -359,6 +361,36 @@ def _partner_bound(
     bound = np.bincount(cell, weights=holders[held // cp_size] - 1, minlength=num_groups * cp_size)
     relays = 0 if gpus_per_node is None else min(gpus_per_node, cp_size) - 1
     return bound.astype(np.int64).reshape(num_groups, cp_size) + relays
+
+
+#: Where a micro-batch object keeps the partner-budget outcomes already decided for it, by
+#: ``(gpus_per_node, max_partners)``: the planner decides them once (in its own process), they travel
+#: with the micro-batch, and compiling a rank's schedule then reads one instead of counting every
+#: rank's partners again.
+OVER_BUDGET_SLOT = "_over_partner_budget"
+
+
+def microbatch_over_budget(mb: Any, gpus_per_node: int | None, max_partners: int) -> bool:
+    """:func:`over_partner_budget` of one micro-batch (a :class:`~ringpack.shard_plan.MicroBatch`),
+    remembered on it (:data:`OVER_BUDGET_SLOT`): counted from its pieces the first time only."""
+    cp = len(mb.shards)
+    if not max_partners or cp - 1 <= max_partners:
+        return False
+    key = (gpus_per_node, int(max_partners))
+    memo = mb.__dict__.get(OVER_BUDGET_SLOT, {})
+    if key not in memo:
+        rank, sample, start, stop = mb.piece_columns
+        group = np.zeros(len(rank), dtype=np.int64)
+        over = over_partner_budget(group, rank, sample, start, stop, 1, cp, gpus_per_node, max_partners)
+        remember_over_budget(mb, gpus_per_node, max_partners, bool(over[0]))
+    return mb.__dict__[OVER_BUDGET_SLOT][key]
+
+
+def remember_over_budget(mb: Any, gpus_per_node: int | None, max_partners: int, over: bool) -> None:
+    """Keep on ``mb`` whether its targeted exchange is over the budget ``max_partners`` over nodes of
+    ``gpus_per_node`` ranks (what :func:`microbatch_over_budget` then returns)."""
+    memo = mb.__dict__.setdefault(OVER_BUDGET_SLOT, {})
+    memo[(gpus_per_node, int(max_partners))] = bool(over)
 
 
 def partners_over_budget(partners: np.ndarray, max_partners: int) -> np.ndarray:

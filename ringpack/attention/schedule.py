@@ -33,7 +33,7 @@ from ringpack.attention.ranges import concat_ranges
 from ringpack.errors import PlanError
 from ringpack.modes import HYBRID_MODES
 from ringpack.shard_plan import MicroBatch, Piece, RankShard
-from ringpack.traffic import over_partner_budget
+from ringpack.traffic import microbatch_over_budget
 
 try:  # torch.compile passes a schedule to the engine's custom op as an opaque runtime input
     from torch._library.opaque_object import register_opaque_type
@@ -667,8 +667,9 @@ def compile_schedule(
             the rank's own schedule); a ``mode_choice`` that picks a hybrid builds it anyway.
         max_partners: the partner budget (the plan's ``max_partners``; 0: none). When the
             micro-batch's targeted exchange would give some rank more partners
-            (:func:`~ringpack.traffic.over_partner_budget`, read from the whole micro-batch, so every
-            rank decides alike), the schedule is marked ``partner_fallback``: ``mode="p2p"`` runs
+            (:func:`~ringpack.traffic.microbatch_over_budget`: the whole micro-batch's rule, so every
+            rank decides alike; decided once per micro-batch, by the planner where it planned it,
+            else on first use), the schedule is marked ``partner_fallback``: ``mode="p2p"`` runs
             the ring on it, and no exchange map is compiled. Every rank must give the same value
             (checked at run time).
         options: all of the above as one :class:`ScheduleOptions` (then leave the keywords out).
@@ -713,19 +714,7 @@ def compile_schedule(
         )
         for t, src in ((t, (cp_rank - t) % cp) for t in table.distances())
     )
-    fallback = bool(
-        over_partner_budget(
-            np.zeros(len(table.rank), dtype=np.int64),
-            table.rank,
-            table.slot,
-            table.start,
-            table.stop,
-            1,
-            cp,
-            gpus_per_node,
-            options.max_partners,
-        )[0]
-    )
+    fallback = microbatch_over_budget(microbatch, gpus_per_node, options.max_partners)
     mode = None
     if options.mode_choice is not None:
         mode = options.mode_choice.pick(microbatch, gpus_per_node, options.max_partners)

@@ -20,22 +20,26 @@ import numpy as np
 
 from ringpack.planner.split.baselines import split_contiguous
 from ringpack.shard_plan import MicroBatch, PlanConfig
-from ringpack.traffic import over_partner_budget
+from ringpack.traffic import over_partner_budget, remember_over_budget
 
 __all__ = ["hold_partner_budget", "microbatches_over_budget"]
 
 
 def microbatches_over_budget(mbs: Sequence[MicroBatch], config: PlanConfig) -> np.ndarray:
     """bool ``[len(mbs)]``: which micro-batches' targeted exchange (over nodes of ``config.gpus_per_node``)
-    gives some rank more than ``config.max_partners`` partners."""
+    gives some rank more than ``config.max_partners`` partners; each outcome is also kept on its
+    micro-batch (:func:`~ringpack.traffic.remember_over_budget`), for its schedules to read."""
     if not mbs or not config.max_partners or config.cp - 1 <= config.max_partners:
         return np.zeros(len(mbs), dtype=bool)
     columns = [mb.piece_columns for mb in mbs]
     group = np.repeat(np.arange(len(mbs), dtype=np.int64), [len(c[0]) for c in columns])
     rank, sample, start, stop = (np.concatenate([c[k] for c in columns]) for k in range(4))
-    return over_partner_budget(
+    over = over_partner_budget(
         group, rank, sample, start, stop, len(mbs), config.cp, config.gpus_per_node, config.max_partners
     )
+    for mb, flag in zip(mbs, over.tolist()):
+        remember_over_budget(mb, config.gpus_per_node, config.max_partners, flag)
+    return over
 
 
 def hold_partner_budget(

@@ -42,6 +42,7 @@ from ringpack.cost import CostModel
 from ringpack.errors import PlanError
 from ringpack.planner.epoch import GlobalBatches, global_batches, plan_step
 from ringpack.shard_plan import MicroBatch, Piece, PlanConfig, RankShard, Step
+from ringpack.traffic import OVER_BUDGET_SLOT, remember_over_budget
 
 __all__ = [
     "StepStream",
@@ -91,12 +92,15 @@ class PackedMicroBatch:
         pieces: ``[P, 3]``, ``(sample, start, stop)`` of every piece, CP rank after CP rank.
         bounds: ``[cp + 1]``: CP rank ``r``'s pieces are ``pieces[bounds[r]:bounds[r + 1]]``.
         loss_tokens: as the micro-batch's.
+        over_budget: the partner-budget outcomes the planner decided for it
+            (:data:`~ringpack.traffic.OVER_BUDGET_SLOT`), kept on the unpacked micro-batch.
     """
 
     samples: np.ndarray
     pieces: np.ndarray
     bounds: np.ndarray
     loss_tokens: int
+    over_budget: tuple[tuple[int | None, int, bool], ...] = ()
 
     @classmethod
     def of(cls, mb: MicroBatch) -> PackedMicroBatch:
@@ -105,7 +109,8 @@ class PackedMicroBatch:
         bounds = np.zeros(len(mb.shards) + 1, dtype=np.int64)
         np.cumsum([len(shard.pieces) for shard in mb.shards], out=bounds[1:])
         pieces = np.asarray(rows, dtype=np.int64).reshape(-1, 3)
-        return cls(np.asarray(mb.samples, dtype=np.int64), pieces, bounds, int(mb.loss_tokens))
+        decided = tuple((node, budget, over) for (node, budget), over in vars(mb).get(OVER_BUDGET_SLOT, {}).items())
+        return cls(np.asarray(mb.samples, dtype=np.int64), pieces, bounds, int(mb.loss_tokens), decided)
 
     def unpack(self) -> MicroBatch:
         """The :class:`MicroBatch` (equal to the one packed), its :attr:`~MicroBatch.piece_columns`
@@ -117,6 +122,8 @@ class PackedMicroBatch:
         ranks = np.repeat(np.arange(len(b) - 1, dtype=np.int64), np.diff(self.bounds))
         columns = (ranks, *(np.ascontiguousarray(self.pieces[:, k]) for k in range(3)))
         mb.__dict__["piece_columns"] = columns  # the cached property's slot
+        for node, budget, over in self.over_budget:
+            remember_over_budget(mb, node, budget, over)
         return mb
 
 

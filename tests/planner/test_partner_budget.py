@@ -14,8 +14,15 @@ from ringpack.attention.mode_choice import resolve_mode
 from ringpack.comm_model import CommModel, microbatch_partners, partner_fallback, rank_partners, rank_seconds
 from ringpack.plan_config import DEFAULT_MAX_PARTNERS
 from ringpack.planner.partners import microbatches_over_budget
+from ringpack.planner.stream import PackedMicroBatch
 from ringpack.shard_plan import PlanConfig, PlanError
-from ringpack.traffic import exchange_partners, partner_budget_problem
+from ringpack.traffic import (
+    OVER_BUDGET_SLOT,
+    exchange_partners,
+    microbatch_over_budget,
+    partner_budget_problem,
+    remember_over_budget,
+)
 
 WORLD, NODE, T = 32, 8, 8192
 LENGTHS = synthetic_lengths(600, "lognormal", seed=0, median=1500, sigma=1.3, max_len=65536)
@@ -148,3 +155,24 @@ def test_the_refusal_names_the_rank_its_partners_and_the_budget():
     assert partner_budget_problem(3, 16, 16) is None and partner_budget_problem(3, 40, 0) is None
     line = partner_budget_problem(3, 17, 16)
     assert "CP rank 3" in line and "17 partners" in line and "max_partners=16" in line and "\n" not in line
+
+
+def test_the_planners_outcome_travels_with_the_microbatch_and_schedules_read_it():
+    budget = int(raw_partners(pool_plan(0)).max()) - 1
+    plan = pool_plan(budget)
+    mbs = [mb for step in plan.steps for rank in step.microbatches for mb in rank]
+    counted = microbatches_over_budget([PackedMicroBatch.of(mb).unpack() for mb in mbs], plan.config)
+    # the planner decided every micro-batch once, and its outcome equals a fresh count
+    decided = [vars(mb)[OVER_BUDGET_SLOT][(NODE, budget)] for mb in mbs]
+    assert decided == counted.tolist()
+    # packed for another process, the outcome goes along; the schedule reads it, counting nothing
+    mb = mbs[0]
+    moved = PackedMicroBatch.of(mb).unpack()
+    assert vars(moved)[OVER_BUDGET_SLOT] == vars(mb)[OVER_BUDGET_SLOT]
+    remember_over_budget(moved, NODE, budget, not decided[0])
+    options = ScheduleOptions(gpus_per_node=NODE, max_partners=budget)
+    assert compile_schedule(moved, 0, options=options).partner_fallback is (not decided[0])
+    # a budget the planner did not decide for is counted on first use, then remembered
+    fresh = PackedMicroBatch.of(mb).unpack()
+    wider = microbatch_over_budget(fresh, NODE, budget + 1)
+    assert vars(fresh)[OVER_BUDGET_SLOT][(NODE, budget + 1)] is wider
