@@ -10,12 +10,14 @@ one micro-batch: the pool is one CP group). Per pool size:
   samples_per_step=len(lens), gpus_per_node=8)``, each of ``--repeats`` runs (the first one
   warms nothing up: every run is a whole plan).
 * ``compile``: CPU milliseconds of ``compile_schedule(mb, rank, gpus_per_node=8, max_partners=...)``
-  (the plan's partner budget, which the schedule checks over the whole micro-batch) for a sample of
+  (the plan's partner budget, decided by the planner for each micro-batch) for a sample of
   ranks: the first, middle and last, ``--ranks`` random ones and the 4 with the most exchange
   partners (by :func:`ringpack.traffic.receivers`). ``cold``: on a micro-batch object that has not
   been read yet (what a loader worker does with each new micro-batch: its pieces read once into
-  columns); ``warm``: the same micro-batch again (columns cached on it). Median and worst rank of
-  each, and each sampled rank's partners (relays included, from its schedule).
+  columns); ``warm``: the same micro-batch again (columns cached on it); ``delivered``: a fresh
+  copy as the planner process delivers it (``PackedMicroBatch`` unpacked: its columns and the
+  planner's partner-budget outcome come along). Median and worst rank of each, and each sampled
+  rank's partners (relays included, from its schedule).
 * ``collate``: CPU milliseconds of ``PackedCollator.collate`` of one micro-batch for the first rank
   and the rank with most partners, schedule compiled (cold) and not. Token arrays are views of
   one array (no fetch cost): this times the collator's own work on a micro-batch of the whole pool,
@@ -45,6 +47,7 @@ from ringpack.attention import compile_schedule
 from ringpack.data.collator import PackedCollator
 from ringpack.data.sampler import rank_positions
 from ringpack.plan_config import DEFAULT_MAX_PARTNERS
+from ringpack.planner.stream import PackedMicroBatch
 from ringpack.shard_plan import MicroBatch
 from ringpack.traffic import receivers
 
@@ -105,8 +108,10 @@ def one_pool(lengths: np.ndarray, world: int, args: argparse.Namespace) -> dict:
         forget_columns(mb)
         cold, schedule = cpu_ms(lambda: compile_schedule(mb, r, gpus_per_node=GPUS_PER_NODE, max_partners=budget))
         warm, _ = cpu_ms(lambda: compile_schedule(mb, r, gpus_per_node=GPUS_PER_NODE, max_partners=budget))
+        fresh = PackedMicroBatch.of(mb).unpack()  # as a loader gets it from the planner process
+        delivered, _ = cpu_ms(lambda: compile_schedule(fresh, r, gpus_per_node=GPUS_PER_NODE, max_partners=budget))
         partners = 2 if schedule.partner_fallback else schedule.exchange.partners  # the ring's, over the budget
-        per_rank.append({"rank": r, "cold_ms": cold, "warm_ms": warm, "partners": partners})
+        per_rank.append({"rank": r, "cold_ms": cold, "warm_ms": warm, "delivered_ms": delivered, "partners": partners})
     base = np.arange(int(lens.max()) + 1, dtype=np.int64)
     tokens = [base[:n] for n in lens[np.asarray(mb.samples)].tolist()]  # sample ids index the batch's lengths
     collate = []
@@ -126,6 +131,7 @@ def one_pool(lengths: np.ndarray, world: int, args: argparse.Namespace) -> dict:
             collate.append({"rank": r, "schedule": compiled, "ms": ms, "own_rows": len(own)})
     cold = [x["cold_ms"] for x in per_rank]
     warm = [x["warm_ms"] for x in per_rank]
+    delivered = [x["delivered_ms"] for x in per_rank]
     return {
         "world": world,
         "samples": len(lens),
@@ -134,6 +140,7 @@ def one_pool(lengths: np.ndarray, world: int, args: argparse.Namespace) -> dict:
         "plan_seconds_all": plan_s,
         "compile_cold_ms": {"median": float(np.median(cold)), "worst": float(max(cold))},
         "compile_warm_ms": {"median": float(np.median(warm)), "worst": float(max(warm))},
+        "compile_delivered_ms": {"median": float(np.median(delivered)), "worst": float(max(delivered))},
         "compile_ranks": per_rank,
         "collate": collate,
     }
@@ -155,18 +162,20 @@ def main() -> None:
     rows = []
     print(
         f"{'ranks':>6} {'samples':>8} {'pieces':>7} {'plan s':>7} "
-        f"{'compile cold ms (median/worst)':>31} {'warm ms':>13} {'partners max':>12} {'collate ms':>24}"
+        f"{'compile cold ms (median/worst)':>31} {'warm ms':>13} {'delivered ms':>13} {'partners max':>12} "
+        f"{'collate ms':>24}"
     )
     for world in (int(w) for w in args.worlds.split(",")):
         row = one_pool(lengths, world, args)
         rows.append(row)
-        cold, warm = row["compile_cold_ms"], row["compile_warm_ms"]
+        cold, warm, delivered = row["compile_cold_ms"], row["compile_warm_ms"], row["compile_delivered_ms"]
         collate = " ".join(
             f"{x['ms']:.0f}" + ("" if x["schedule"] else "*") + ("o" if "own_rows" in x else "") for x in row["collate"]
         )
         print(
             f"{world:>6} {row['samples']:>8} {row['pieces']:>7} {row['plan_seconds']:>7.3f} "
             f"{cold['median']:>15.1f} / {cold['worst']:<13.1f} {warm['median']:>5.1f} / {warm['worst']:<5.1f} "
+            f"{delivered['median']:>5.1f} / {delivered['worst']:<5.1f} "
             f"{max(x['partners'] for x in row['compile_ranks']):>12} {collate:>24}"
         )
     print("collate: ranks 0 and the busiest, with the schedule and without (*), all rows and own rows (o)")

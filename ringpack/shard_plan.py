@@ -150,6 +150,18 @@ class MicroBatch:
         """
         return _piece_columns(self.shards)
 
+    @cached_property
+    def fingerprint(self) -> int:
+        """A signed 64-bit hash of the micro-batch's CP size, samples and pieces (every rank's), what
+        each rank's schedule carries so ranks can check they run the same one. Computed once per
+        object, like :attr:`piece_columns` (a planner process computes it and sends it along)."""
+        h = hashlib.blake2b(digest_size=8, person=b"ringpack-mbatch")
+        h.update(np.int64(len(self.shards)).tobytes())
+        h.update(np.asarray(self.samples, dtype="<i8").tobytes())
+        for column in self.piece_columns:
+            h.update(column.astype("<i8", copy=False).tobytes())
+        return int.from_bytes(h.digest(), "little", signed=True)
+
     def __getstate__(self) -> dict[str, Any]:  # pickles carry the fields only, as before the cache
         return {f.name: self.__dict__[f.name] for f in fields(self)}
 

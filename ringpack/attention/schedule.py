@@ -16,7 +16,6 @@ docs/attention.md, "The schedule" and "Kernel backends".
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
@@ -602,7 +601,7 @@ class _PieceTable:
 
     def buffer_tokens(self) -> tuple[int, ...]:
         sizes = np.bincount(self.rank, weights=np.where(self.needed, self.stop - self.start, 0), minlength=self.cp_size)
-        return tuple(int(x) for x in sizes)
+        return tuple(sizes.astype(np.int64).tolist())
 
     def rows_of(self, rank: int) -> np.ndarray:
         """The rows of ``rank``'s pieces (rows are in rank order: a search, not a scan)."""
@@ -613,14 +612,6 @@ class _PieceTable:
         """The ring distances ``t`` at which some rank ``r`` needs keys of rank ``(r - t) mod C``
         (every rank computes the same list, so all skip the same distances): :func:`ring_distances`."""
         return ring_distances(self)
-
-    def fingerprint(self, samples: Sequence[int]) -> int:
-        h = hashlib.blake2b(digest_size=8, person=b"ringpack-sched")
-        h.update(np.int64(self.cp_size).tobytes())
-        h.update(_sample_ids(samples).astype("<i8").tobytes())
-        for col in (self.rank, self.slot, self.start, self.stop):
-            h.update(col.astype("<i8").tobytes())
-        return int.from_bytes(h.digest(), "little", signed=True)
 
 
 def compile_schedule(
@@ -700,7 +691,7 @@ def compile_schedule(
     options = _options_of(options, {**keywords, **given})
     dense, gpus_per_node = options.dense, options.gpus_per_node
     table = _PieceTable.from_microbatch(microbatch)
-    fingerprint = table.fingerprint(microbatch.samples)
+    fingerprint = microbatch.fingerprint
     mine = table.rows_of(cp_rank)
     num_tokens = int((table.stop[mine] - table.start[mine]).sum())
     mine_needed = mine[table.needed[mine]]

@@ -94,6 +94,8 @@ class PackedMicroBatch:
         loss_tokens: as the micro-batch's.
         over_budget: the partner-budget outcomes the planner decided for it
             (:data:`~ringpack.traffic.OVER_BUDGET_SLOT`), kept on the unpacked micro-batch.
+        fingerprint: its :attr:`~MicroBatch.fingerprint`, computed in the planner's process and
+            kept on the unpacked micro-batch (every schedule of it carries it).
     """
 
     samples: np.ndarray
@@ -101,6 +103,7 @@ class PackedMicroBatch:
     bounds: np.ndarray
     loss_tokens: int
     over_budget: tuple[tuple[int | None, int, bool], ...] = ()
+    fingerprint: int | None = None
 
     @classmethod
     def of(cls, mb: MicroBatch) -> PackedMicroBatch:
@@ -110,7 +113,8 @@ class PackedMicroBatch:
         np.cumsum([len(shard.pieces) for shard in mb.shards], out=bounds[1:])
         pieces = np.asarray(rows, dtype=np.int64).reshape(-1, 3)
         decided = tuple((node, budget, over) for (node, budget), over in vars(mb).get(OVER_BUDGET_SLOT, {}).items())
-        return cls(np.asarray(mb.samples, dtype=np.int64), pieces, bounds, int(mb.loss_tokens), decided)
+        samples = np.asarray(mb.samples, dtype=np.int64)
+        return cls(samples, pieces, bounds, int(mb.loss_tokens), decided, mb.fingerprint)
 
     def unpack(self) -> MicroBatch:
         """The :class:`MicroBatch` (equal to the one packed), its :attr:`~MicroBatch.piece_columns`
@@ -124,6 +128,8 @@ class PackedMicroBatch:
         mb.__dict__["piece_columns"] = columns  # the cached property's slot
         for node, budget, over in self.over_budget:
             remember_over_budget(mb, node, budget, over)
+        if self.fingerprint is not None:
+            mb.__dict__["fingerprint"] = self.fingerprint  # the cached property's slot
         return mb
 
 

@@ -176,3 +176,10 @@ def test_the_planners_outcome_travels_with_the_microbatch_and_schedules_read_it(
     fresh = PackedMicroBatch.of(mb).unpack()
     wider = microbatch_over_budget(fresh, NODE, budget + 1)
     assert vars(fresh)[OVER_BUDGET_SLOT][(NODE, budget + 1)] is wider
+
+
+def test_a_delivered_microbatch_keeps_its_fingerprint_and_schedules_carry_it():
+    mb = pool_plan(0).steps[0].microbatches[0][0]
+    moved = PackedMicroBatch.of(mb).unpack()
+    assert "fingerprint" in vars(moved) and moved.fingerprint == mb.fingerprint
+    assert compile_schedule(moved, 3, gpus_per_node=NODE).fingerprint == mb.fingerprint
