@@ -49,7 +49,7 @@ __all__ = [
     "bad_token_id",
     "check_out_dir",
     "checked_token_ids",
-    "dataset_fingerprint",
+    "DatasetFingerprint",
     "plan_for_shards",
     "sample_digests",
     "shard_layout",
@@ -95,16 +95,16 @@ def check_out_dir(out: str | os.PathLike, inputs: Iterable[str | os.PathLike | N
 
 
 def _content_fingerprint(ds: Any, column: str, lengths: np.ndarray, progress: Progress) -> str:
-    """The dataset fingerprint of ``ds`` (:func:`dataset_fingerprint`: identity of the input for resume checks).
+    """The fingerprint of ``ds`` (:class:`DatasetFingerprint`: identity of the input for resume checks).
 
     Every id is checked on the way (:func:`_token_ids`): a :class:`DataError` names the first
     sample whose ids are not integers in ``[0, TOKEN_ID_LIMIT)``. ``progress`` counts samples.
     """
-    digests = []
+    fingerprint = DatasetFingerprint()
     for _, ids, row_lengths in _id_chunks(ds, column, lengths):
-        digests.append(sample_digests(ids, row_lengths))
+        fingerprint.add(sample_digests(ids, row_lengths))
         progress.update(len(row_lengths))
-    return dataset_fingerprint(lengths, digests)
+    return fingerprint.hexdigest(lengths)
 
 
 def _id_chunks(ds: Any, column: str, lengths: np.ndarray, rows: int = 65536) -> Iterable[tuple[int, Any, Any]]:
@@ -141,13 +141,22 @@ def sample_digests(ids: np.ndarray, row_lengths: np.ndarray) -> bytes:
     return bytes(out)
 
 
-def dataset_fingerprint(lengths: np.ndarray, digests: Iterable[bytes]) -> str:
-    """SHA-256 of every sample's length and row digest (:func:`sample_digests`), in dataset order."""
-    h = hashlib.sha256(b"ringpack-tokens-v2|")
-    h.update(np.asarray(lengths, dtype="<i8").tobytes())
-    for part in digests:
-        h.update(part)
-    return h.hexdigest()
+class DatasetFingerprint:
+    """The dataset fingerprint: SHA-256 of every sample's row digest (:func:`sample_digests`) in dataset order,
+    then of every length (int64). Digests are added as they come (:meth:`add`), so none need be kept."""
+
+    def __init__(self) -> None:
+        self._hash = hashlib.sha256(b"ringpack-tokens-v2|")
+
+    def add(self, digests: bytes) -> None:
+        """The digests of the next samples, in dataset order."""
+        self._hash.update(digests)
+
+    def hexdigest(self, lengths: np.ndarray) -> str:
+        """The fingerprint, once every sample's digest was added; ``lengths`` are every sample's."""
+        h = self._hash.copy()
+        h.update(np.asarray(lengths, dtype="<i8").tobytes())
+        return h.hexdigest()
 
 
 def _token_ids(values: Any, row_lengths: np.ndarray, first_row: int, column: str) -> np.ndarray:
