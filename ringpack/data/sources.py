@@ -11,6 +11,7 @@ refused, never ignored.
 from __future__ import annotations
 
 import functools
+import json
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -206,8 +207,6 @@ def source_files(source: str | os.PathLike, split: str | None = None) -> SourceF
 
 def _saved_files(path: Path, split: str | None) -> SourceFiles:
     """The Arrow files of a folder ``save_to_disk`` wrote (a ``DatasetDict``'s: of ``split``), in row order."""
-    import json
-
     dict_file = path / "dataset_dict.json"
     if dict_file.is_file():
         split = "train" if split is None else split
