@@ -20,6 +20,7 @@ functions only: it is the optional extra ``ringpack[ray]``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -206,13 +207,24 @@ def _in_order(ray: Any, task: Any, blocks: list[InputBlock], spec: TokenSpec, wi
         pending.append((block, task.remote(block, spec)))
         if len(pending) >= window:
             break
-    while pending:
-        block, ref = pending.pop(0)
-        result = _get(ray, ref, f"reading {block.describe()}")
-        nxt = next(todo, None)
-        if nxt is not None:
-            pending.append((nxt, task.remote(nxt, spec)))
-        yield result
+    try:
+        while pending:
+            block, ref = pending[0]
+            result = _get(ray, ref, f"reading {block.describe()}")
+            pending.pop(0)
+            nxt = next(todo, None)
+            if nxt is not None:
+                pending.append((nxt, task.remote(nxt, spec)))
+            yield result
+    finally:
+        _cancel(ray, [ref for _, ref in pending])
+
+
+def _cancel(ray: Any, refs: list[Any], force: bool = False) -> None:
+    """Stop the tasks of ``refs`` (a run that ends early leaves none behind); those already done are untouched."""
+    for ref in refs:
+        with contextlib.suppress(Exception):  # a task that finished or whose worker is gone
+            ray.cancel(ref, force=force)
 
 
 def _get(ray: Any, ref: Any, what: str) -> Any:
@@ -295,13 +307,17 @@ def _write_groups(
     running = {
         write.remote(str(out), plan_ref, group, [refs[g] for refs in pieces]): group for g, group in enumerate(groups)
     }
-    while running:
-        (ref,), _ = ray.wait(list(running), num_returns=1)
-        group = running.pop(ref)
-        names = ", ".join(f.name for f in group[:3]) + (", ..." if len(group) > 3 else "")
-        sha256 = _get(ray, ref, f"writing {names}")
-        for file in group:
-            yield file, sha256[file.name]
+    try:
+        while running:
+            (ref,), _ = ray.wait(list(running), num_returns=1)
+            group = running.pop(ref)
+            names = ", ".join(f.name for f in group[:3]) + (", ..." if len(group) > 3 else "")
+            sha256 = _get(ray, ref, f"writing {names}")
+            for file in group:
+                yield file, sha256[file.name]
+    finally:  # the driver stops (an error, an interrupt): no task writes on behind its back
+        _cancel(ray, list(running), force=True)
+        _cancel(ray, [ref for refs in pieces for ref in refs])
 
 
 def _destinations(plan: Plan, groups: list[list[ShardFile]]) -> tuple[np.ndarray, np.ndarray]:
