@@ -127,7 +127,7 @@ def _run_on_ray(args: argparse.Namespace, config: PlanConfig) -> int:
     files = source_files(args.dataset, args.split)
     if files is None:
         raise DataError(f"{args.dataset}: --engine ray reads local files and saved datasets only, not Hub names")
-    first = list_blocks(files, options.block_bytes)[:1]
+    first = list_blocks(files._replace(files=files.files[:1]), options.block_bytes)[:1]  # its columns
     text = _text_column(args, block_columns(first[0]) if first else [])
     tokenized = None if text is None else _tokenized_from(args, text)
     spec = TokenSpec(column=args.column, text_column=text, tokenizer=args.tokenizer, vocab_size=_vocab_size(args))

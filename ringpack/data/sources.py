@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import secrets
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -136,7 +137,22 @@ def tokenize_dataset(
         batch_size=batch_size,
         num_proc=num_proc,
         desc="tokenizing",
+        cache_file_name=_temporary_cache_file(ds),
     )
+
+
+def _temporary_cache_file(ds: Any) -> str | None:
+    """Where the token ids of a dataset held in memory go (``None``: ``datasets``' cache beside its files).
+
+    ``map`` keeps the result of a dataset without cache files (an Arrow IPC file, a dataset built
+    in memory) in memory too: every token id at once. A file in ``datasets``' temporary folder
+    (removed when the process ends) is memory-mapped instead, so only the pages read are held.
+    """
+    if ds.cache_files:
+        return None
+    from datasets.fingerprint import get_temporary_cache_files_directory
+
+    return os.path.join(get_temporary_cache_files_directory(), f"ringpack-tokens-{secrets.token_hex(8)}.arrow")
 
 
 #: Data file suffixes :func:`load_source` reads, and the ``datasets`` loader of each.

@@ -91,3 +91,18 @@ def test_a_bad_block_is_named(tmp_path):
     empty.write_text("")
     with pytest.raises(DataError, match="dataset file .*empty.jsonl is empty"):
         list_blocks(source_files(empty))
+
+
+def test_tokenizing_a_dataset_held_in_memory_writes_the_ids_to_a_mapped_file(tmp_path):
+    """An Arrow IPC file loads as a dataset without cache files; its token ids go to a memory-mapped file, not RAM."""
+    path = write_kind("feather", tmp_path)
+    loaded = load_source(path)
+    assert not loaded.cache_files
+    tokenized = tokenize_dataset(loaded, "text")
+    assert tokenized.cache_files and type(tokenized.data).__name__ == "MemoryMappedTable"
+    assert (
+        tokenized["input_ids"]
+        == tokenize_dataset(load_source(write_kind("jsonl", tmp_path), cache_dir=str(tmp_path / "hf")), "text")[
+            "input_ids"
+        ]
+    )
