@@ -133,6 +133,8 @@ def run_case(case: str, data: str, corpus: dict, work: Path) -> dict:
             tokens = sum(int(np.diff(t.column(0).combine_chunks().offsets.to_numpy()).sum()) for t in tables)
         result["seconds"] = time.perf_counter() - start
     elif case == "local":
+        import datasets  # noqa: F401  (imported before the clock starts, as ray and pyarrow are)
+
         from ringpack.data.shard_writer import write_shards
         from ringpack.data.sources import load_source, tokenize_dataset
 
