@@ -83,7 +83,7 @@ class BlockIds:
 
 
 def list_blocks(source: SourceFiles, block_bytes: int = DEFAULT_BLOCK_BYTES) -> list[InputBlock]:
-    """The blocks of ``source``'s files, in row order.
+    """The blocks of ``source``'s files, in row order (each named by its file's absolute path).
 
     Raises:
         DataError: an empty or unreadable file (named), a saved dataset with an indices mapping.
@@ -93,7 +93,7 @@ def list_blocks(source: SourceFiles, block_bytes: int = DEFAULT_BLOCK_BYTES) -> 
         if os.path.getsize(path) == 0:
             raise DataError(f"dataset file {path} is empty")
         for kind, part in _file_parts(source, path, max(1, int(block_bytes))):
-            blocks.append(InputBlock(len(blocks), str(path), kind, part))
+            blocks.append(InputBlock(len(blocks), os.path.abspath(path), kind, part))  # the same on every node
     return blocks
 
 

@@ -305,7 +305,8 @@ def _write_groups(
     write = ray.remote(_write_group).options(max_retries=options.max_retries)
     plan_ref = ray.put(plan)
     running = {
-        write.remote(str(out), plan_ref, group, [refs[g] for refs in pieces]): group for g, group in enumerate(groups)
+        write.remote(str(out.absolute()), plan_ref, group, [refs[g] for refs in pieces]): group
+        for g, group in enumerate(groups)
     }
     try:
         while running:
