@@ -107,18 +107,29 @@ def _content_fingerprint(ds: Any, column: str, lengths: np.ndarray, progress: Pr
     return fingerprint.hexdigest(lengths)
 
 
+#: Token ids :func:`_id_chunks` reads at a time (64 MiB as int64), however long the rows.
+CHUNK_TOKENS = 1 << 23
+
+
 def _id_chunks(ds: Any, column: str, lengths: np.ndarray, rows: int = 65536) -> Iterable[tuple[int, Any, Any]]:
-    """``(first_row, ids, row_lengths)`` of each run of ``rows`` rows of ``ds``, ids checked (:func:`_token_ids`)."""
+    """``(first_row, ids, row_lengths)`` of runs of at most ``rows`` rows and about :data:`CHUNK_TOKENS` ids
+    (a row longer than that alone), the ids checked (:func:`_token_ids`)."""
     import pyarrow as pa
 
     arrow = ds.with_format("arrow")
-    for start in range(0, len(ds), rows):
-        col = arrow[start : start + rows].column(column)
+    ends = np.cumsum(lengths, dtype=np.int64)
+    start = 0
+    while start < len(ds):
+        before = int(ends[start - 1]) if start else 0
+        stop = int(np.searchsorted(ends, before + CHUNK_TOKENS, side="right"))
+        stop = min(max(stop, start + 1), start + rows, len(ds))
+        col = arrow[start:stop].column(column)
         col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
         if not (pa.types.is_list(col.type) or pa.types.is_large_list(col.type)):
             raise DataError(f"column {column!r} holds {col.type}, not lists of token ids")
-        row_lengths = lengths[start : start + len(col)]
+        row_lengths = lengths[start:stop]
         yield start, _token_ids(col.flatten(), row_lengths, start, column), row_lengths
+        start = stop
 
 
 def sample_digests(ids: np.ndarray, row_lengths: np.ndarray) -> bytes:

@@ -106,3 +106,25 @@ def test_tokenizing_a_dataset_held_in_memory_writes_the_ids_to_a_mapped_file(tmp
             "input_ids"
         ]
     )
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 7, 1 << 23])
+def test_the_local_engine_reads_ids_in_bounded_chunks_with_the_same_fingerprint(chunk_tokens, monkeypatch):
+    """However few ids the local engine reads at a time, the fingerprint is the one of blocks of any size."""
+    import datasets
+
+    from ringpack.data import shard_writer
+    from ringpack.data.shard_writer import DatasetFingerprint
+    from ringpack.progress import Progress
+
+    monkeypatch.setattr(shard_writer, "CHUNK_TOKENS", chunk_tokens)
+    ds = datasets.Dataset.from_dict({"input_ids": ROWS})
+    lengths = np.array([len(r) for r in ROWS])
+    with Progress("checking", "samples", enabled=False) as bar:
+        got = shard_writer._content_fingerprint(ds, "input_ids", lengths, bar)
+    want = DatasetFingerprint()
+    want.add(sample_digests(np.concatenate([np.asarray(r) for r in ROWS]), lengths))
+    assert got == want.hexdigest(lengths)
+    bad = datasets.Dataset.from_dict({"input_ids": [*ROWS[:20], [1, 2**31]]})
+    with Progress("checking", "samples", enabled=False) as bar, pytest.raises(DataError, match="sample 20: token id"):
+        shard_writer._content_fingerprint(bad, "input_ids", np.append(lengths[:20], 2), bar)
