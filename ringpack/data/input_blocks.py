@@ -13,6 +13,7 @@ ids are the ones ``load_source`` and ``tokenize_dataset`` give, whatever the blo
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import os
 from dataclasses import dataclass
@@ -192,6 +193,25 @@ def block_columns(block: InputBlock) -> list[str]:
     return list(read_block(block).column_names)
 
 
+#: Texts encoded at a time: their ids are Python lists until they are packed into arrays.
+_TEXTS_AT_ONCE = 1024
+
+
+def _tokenized(texts: Any, spec: TokenSpec) -> Any:
+    """The token ids of a column of texts as an Arrow list array, encoded :data:`_TEXTS_AT_ONCE` at a time."""
+    import pyarrow as pa
+
+    lengths, values = [], []
+    for start in range(0, len(texts), _TEXTS_AT_ONCE):
+        ids = encode_texts(texts.slice(start, _TEXTS_AT_ONCE).to_pylist(), spec.tokenizer, spec.vocab_size)
+        lengths.append(np.fromiter(map(len, ids), dtype=np.int64, count=len(ids)))
+        values.append(np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=int(lengths[-1].sum())))
+    offsets = np.zeros(len(texts) + 1, dtype=np.int64)
+    np.cumsum(np.concatenate(lengths) if lengths else np.zeros(0, np.int64), out=offsets[1:])
+    flat = np.concatenate(values) if values else np.zeros(0, np.int64)
+    return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(flat))
+
+
 def block_token_ids(block: InputBlock, spec: TokenSpec) -> BlockIds:
     """The token ids of every row of ``block``: its ``spec.column`` as it is, or ``spec.text_column`` tokenized.
 
@@ -209,8 +229,7 @@ def block_token_ids(block: InputBlock, spec: TokenSpec) -> BlockIds:
         raise DataError(f"{block.describe()} has no column {name!r} (columns: {table.column_names})")
     col = table.column(name)
     if spec.text_column is not None:
-        ids = encode_texts(col.to_pylist(), spec.tokenizer, spec.vocab_size)
-        col = pa.array(ids, type=pa.list_(pa.int64()))
+        col = _tokenized(col, spec)
     col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
     if pa.types.is_null(col.type):
         col = pa.array([None] * len(col), type=pa.list_(pa.int64()))
