@@ -217,3 +217,19 @@ def test_bad_input_names_the_file_and_row(cluster, tmp_path):
     assert_clean(run)
     assert f"cannot read {tmp_path / 'data' / 'b.jsonl'} (block 1: bytes 0-" in run.err
     assert not any((tmp_path / name / "manifest.json").exists() for name in ("o1", "o2", "o3"))
+
+
+@pytest.mark.slow
+def test_ray_tokenizes_with_a_tokenizer_json_as_the_local_engine(cluster, corpus, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(["def", "return", "self", "(", ")", ":", "import", "="])}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    argv = ["shard", corpus["data"], *MESH, "--tokenizer", tmp_path / "tokenizer.json", "--quiet"]
+    assert run_cli([*argv, "--out", tmp_path / "local", "--cache-dir", tmp_path / "hf"]).code == 0
+    run = run_cli([*argv, "--out", tmp_path / "ray", "--engine", "ray", "--json"])
+    assert_clean(run)
+    assert run.code == 0 and json.loads(run.out)["files"] == 2
+    assert digests(tmp_path / "ray") == digests(tmp_path / "local")
