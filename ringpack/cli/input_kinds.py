@@ -145,7 +145,10 @@ _SHARD_KINDS = {
 _SHARD = _rows(
     (["text_column", "tokenizer", "vocab_size", "num_proc", "no_length_cache"], ["text"]),
     (
-        ["dataset", "out", *_PLANNING, "split", "column", "steps_per_file", "cache_dir", "overwrite", "json", "quiet"],
+        [
+            *("dataset", "out", *_PLANNING, "split", "column", "steps_per_file", "cache_dir", "overwrite", "json"),
+            *("quiet", "engine", "ray_address"),
+        ],
         _SHARD_KINDS,
     ),
 )

@@ -25,12 +25,15 @@ from ringpack.cli.flags import (
 from ringpack.cli.input_kinds import check_flags_apply
 from ringpack.cli.inputs import plan_config_from_args, samples_per_step
 from ringpack.cli.lengths_input import DEFAULT_VOCAB, add_text_flags, check_text_flags
+from ringpack.data import ray_shards
+from ringpack.data.input_blocks import TokenSpec, block_columns, list_blocks
 from ringpack.data.shard_writer import check_out_dir, write_shards
-from ringpack.data.sources import SOURCES, load_source, tokenize_dataset
+from ringpack.data.sources import SOURCES, load_source, source_files, tokenize_dataset
 from ringpack.errors import DataError, PlanError
 from ringpack.lengths import DEFAULT_TEXT_COLUMN, lengths_from_dataset
 from ringpack.plan_config import PlanConfig
 from ringpack.progress import Progress
+from ringpack.tokenizer import load_tokenizer
 
 logger = logging.getLogger("ringpack.cli")
 
@@ -59,7 +62,7 @@ def add_command(subparsers: Any) -> None:
     flag(p, "--column", default="input_ids", help="token-id column")
     tokenizing = "; only when the dataset has no token-id column"
     add_text_flags(p)
-    flag(p, "--num-proc", type=PROCESSES, help="processes for tokenizing" + tokenizing)
+    flag(p, "--num-proc", type=PROCESSES, help="processes for tokenizing (--engine local)" + tokenizing)
     flag(
         p,
         "--steps-per-file",
@@ -67,7 +70,15 @@ def add_command(subparsers: Any) -> None:
         default=0,
         help="split each DP rank's file every N steps (0: one file per DP rank)",
     )
-    flag(p, "--cache-dir", help="datasets cache directory")
+    flag(p, "--cache-dir", help="datasets cache directory (--engine local)")
+    flag(
+        p,
+        "--engine",
+        default="local",
+        choices=ENGINES,
+        help="local: this process (and --num-proc); ray: a Ray cluster, the same files (pip install 'ringpack[ray]')",
+    )
+    flag(p, "--ray-address", help="the Ray cluster of --engine ray (default: RAY_ADDRESS, else a local one)")
     flag(
         p, "--overwrite", default=False, action="store_true", help="replace shards of another plan or dataset in --out"
     )
@@ -77,27 +88,25 @@ def add_command(subparsers: Any) -> None:
     p.set_defaults(handler=run_shard, command_parser=p)
 
 
+#: The engines of ``--engine`` (docs/data.md, "Sharding on a cluster").
+ENGINES = ("local", "ray")
+#: The flags only one engine uses.
+_ENGINE_FLAGS = {"num_proc": "local", "cache_dir": "local", "ray_address": "ray"}
+
+
 def run_shard(args: argparse.Namespace) -> int:
     check_out_dir(args.out, [args.dataset])
     config = plan_config_from_args(args)  # the flags checked before the dataset is loaded
+    _check_engine_flags(args)
+    if args.engine == "ray":
+        return _run_on_ray(args, config)
     with _datasets_progress(not args.quiet):
         loaded = load_source(args.dataset, split=args.split, cache_dir=args.cache_dir)
         if len(loaded) == 0:
             raise ValueError(f"dataset {args.dataset} holds no rows")
         ds, tokenized = _token_dataset(args, loaded, config)
-    lengths = lengths_from_dataset(ds, args.column)
-    too_long = (lengths > config.group_capacity).nonzero()[0]
-    if config.overflow == "error" and too_long.size:  # a token-id column, or ids from the cache: before planning
-        raise _too_long(args, config, int(too_long[0]), int(lengths[too_long[0]]))
-    if args.global_batch_tokens:
-        per_step = samples_per_step(args, lengths)
-        config = plan_config_from_args(args, samples_per_step=per_step)
-    source = {
-        "dataset": str(args.dataset),
-        "split": args.split,
-        "column": args.column,
-        "tokenized_from": tokenized,
-    }
+    lengths = _measured_lengths(args, config, lengths_from_dataset(ds, args.column), tokenized)
+    config = _config_for(args, config, lengths)
     manifest = write_shards(
         ds,
         args.out,
@@ -106,8 +115,74 @@ def run_shard(args: argparse.Namespace) -> int:
         steps_per_file=args.steps_per_file,
         progress=not args.quiet,
         overwrite=args.overwrite,
-        source=source,
+        source=_source_record(args, tokenized),
     )
+    return _summarize(args, manifest)
+
+
+def _run_on_ray(args: argparse.Namespace, config: PlanConfig) -> int:
+    """``--engine ray``: the same steps on a Ray cluster (:mod:`ringpack.data.ray_shards`)."""
+    options = ray_shards.RayOptions(address=args.ray_address)
+    ray_shards.import_ray()  # before any work: says how to install it
+    files = source_files(args.dataset, args.split)
+    if files is None:
+        raise DataError(f"{args.dataset}: --engine ray reads local files and saved datasets only, not Hub names")
+    first = list_blocks(files._replace(files=files.files[:1]), options.block_bytes)[:1]  # its columns
+    text = _text_column(args, block_columns(first[0]) if first else [])
+    tokenized = None if text is None else _tokenized_from(args, text)
+    spec = TokenSpec(column=args.column, text_column=text, tokenizer=args.tokenizer, vocab_size=_vocab_size(args))
+    if text is not None and args.tokenizer:
+        load_tokenizer(args.tokenizer)  # a bad one is refused before the cluster starts
+    with ray_shards.ray_cluster(args.ray_address):
+        measured = ray_shards.measure(args.dataset, spec, split=args.split, options=options, progress=not args.quiet)
+        lengths = _measured_lengths(args, config, measured.lengths, tokenized)
+        manifest = ray_shards.write_measured(
+            measured,
+            args.out,
+            _config_for(args, config, lengths),
+            steps_per_file=args.steps_per_file,
+            overwrite=args.overwrite,
+            source=_source_record(args, tokenized),
+            options=options,
+            progress=not args.quiet,
+        )
+    return _summarize(args, manifest)
+
+
+def _check_engine_flags(args: argparse.Namespace) -> None:
+    """Refuse a flag the chosen ``--engine`` does not use (``ValueError`` naming it)."""
+    given = set(getattr(args, "given", ()))
+    for name, engine in _ENGINE_FLAGS.items():
+        if name in given and args.engine != engine:
+            flag_name = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag_name} applies to --engine {engine} only, not --engine {args.engine}; leave it out")
+
+
+def _measured_lengths(
+    args: argparse.Namespace, config: PlanConfig, lengths: Any, tokenized: dict[str, str] | None
+) -> Any:
+    """``lengths``, kept in the length cache when they are a text's counts, after the over-long check."""
+    if tokenized is not None and not args.no_length_cache:
+        _store_counts(args, lengths, tokenized["text_column"])
+    too_long = (lengths > config.group_capacity).nonzero()[0]
+    if config.overflow == "error" and too_long.size:  # a token-id column, or ids from the cache: before planning
+        raise _too_long(args, config, int(too_long[0]), int(lengths[too_long[0]]))
+    return lengths
+
+
+def _config_for(args: argparse.Namespace, config: PlanConfig, lengths: Any) -> PlanConfig:
+    """``config``, its samples per step from ``--global-batch-tokens`` and the lengths when given."""
+    if args.global_batch_tokens:
+        return plan_config_from_args(args, samples_per_step=samples_per_step(args, lengths))
+    return config
+
+
+def _source_record(args: argparse.Namespace, tokenized: dict[str, str] | None) -> dict[str, Any]:
+    """The manifest's ``source`` (the same whichever engine wrote the shards)."""
+    return {"dataset": str(args.dataset), "split": args.split, "column": args.column, "tokenized_from": tokenized}
+
+
+def _summarize(args: argparse.Namespace, manifest: dict[str, Any]) -> int:
     summary = {
         "out": str(args.out),
         "plan_hash": manifest["plan_hash"],
@@ -211,21 +286,11 @@ def _token_dataset(args: argparse.Namespace, ds: Any, config: PlanConfig) -> tup
             ``--vocab-size`` with ``--tokenizer``, or no column to take ids from.
         PlanError: a sample too long for ``config`` under ``--overflow error`` (named, with its file).
     """
-    if args.column in ds.column_names:
-        check_flags_apply(args, "shard", "ids")
-        return ds, None
-    check_text_flags(args)
-    text = args.text_column or (DEFAULT_TEXT_COLUMN if DEFAULT_TEXT_COLUMN in ds.column_names else None)
+    text = _text_column(args, list(ds.column_names))
     if text is None:
-        raise ValueError(
-            f"{args.dataset} has no column {args.column!r} and no text column to tokenize "
-            f"(columns: {list(ds.column_names)}); pass --text-column"
-        )
-    if text not in ds.column_names:
-        raise DataError(f"{args.dataset} has no column {text!r} to tokenize (columns: {list(ds.column_names)})")
+        return ds, None
     if not args.quiet:
         logger.info("tokenizing column %r of %s rows", text, f"{len(ds):,}")
-    vocab_size = DEFAULT_VOCAB if args.vocab_size is None else args.vocab_size
     in_process = (args.num_proc or 1) <= 1
     # in this process the count is ours, so the datasets bar (which would be a second one) is off
     own_count = contextlib.ExitStack() if not in_process else _datasets_progress(False)
@@ -235,28 +300,52 @@ def _token_dataset(args: argparse.Namespace, ds: Any, config: PlanConfig) -> tup
             text,
             args.tokenizer,
             column=args.column,
-            vocab_size=vocab_size,
+            vocab_size=_vocab_size(args),
             num_proc=args.num_proc,
             on_encoded=_Tokenizing(args, config, bar),
         )
-    if not args.no_length_cache:
-        _store_counts(args, ds, text)
-    tokenizer = Path(args.tokenizer).name if args.tokenizer else f"regex-blake2b-mod-{vocab_size}"
-    return ds, {"text_column": text, "tokenizer": tokenizer}
+    return ds, _tokenized_from(args, text)
 
 
-def _store_counts(args: argparse.Namespace, ds: Any, text: str) -> None:
+def _text_column(args: argparse.Namespace, columns: list[str]) -> str | None:
+    """The text column to tokenize (``None``: the dataset has its token-id column), the flags checked against it.
+
+    Raises:
+        ValueError: a tokenizing flag given for a dataset that has the column (every one named),
+            ``--vocab-size`` with ``--tokenizer``, or no column to take ids from.
+    """
+    if args.column in columns:
+        check_flags_apply(args, "shard", "ids")
+        return None
+    check_text_flags(args)
+    text = args.text_column or (DEFAULT_TEXT_COLUMN if DEFAULT_TEXT_COLUMN in columns else None)
+    if text is None:
+        raise ValueError(
+            f"{args.dataset} has no column {args.column!r} and no text column to tokenize "
+            f"(columns: {list(columns)}); pass --text-column"
+        )
+    if text not in columns:
+        raise DataError(f"{args.dataset} has no column {text!r} to tokenize (columns: {list(columns)})")
+    return text
+
+
+def _vocab_size(args: argparse.Namespace) -> int:
+    return DEFAULT_VOCAB if args.vocab_size is None else args.vocab_size
+
+
+def _tokenized_from(args: argparse.Namespace, text: str) -> dict[str, str]:
+    """How the ids were made, as the manifest's ``source.tokenized_from`` records it."""
+    tokenizer = Path(args.tokenizer).name if args.tokenizer else f"regex-blake2b-mod-{_vocab_size(args)}"
+    return {"text_column": text, "tokenizer": tokenizer}
+
+
+def _store_counts(args: argparse.Namespace, lengths: Any, text: str) -> None:
     """The token counts of a file or saved dataset just tokenized, into the length cache, where
     ``plan``, ``report`` and ``simulate --lengths DATASET --text-column`` find them.
 
-    A folder of files or a split is no source those commands read, so nothing is stored for one;
-    nor when a count is not a sample length (shard refuses it later, naming the sample).
+    A folder of files or a split is no source those commands read, so nothing is stored for one.
     """
     source = Path(args.dataset)
     if args.split is not None or not (source.is_file() or (source / "state.json").is_file()):
-        return
-    try:
-        lengths = lengths_from_dataset(ds, args.column)
-    except DataError:
         return
     length_cache.store(length_cache.entry_key(source, text, args.tokenizer), lengths)

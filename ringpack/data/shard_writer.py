@@ -42,7 +42,20 @@ from ringpack.planner import make_plan
 from ringpack.progress import Progress
 from ringpack.shard_plan import MicroBatch, Plan, PlanConfig
 
-__all__ = ["TOKEN_ID_LIMIT", "check_out_dir", "write_shards"]
+__all__ = [
+    "TOKEN_ID_LIMIT",
+    "ShardFile",
+    "ShardRun",
+    "bad_token_id",
+    "check_out_dir",
+    "checked_token_ids",
+    "DatasetFingerprint",
+    "plan_for_shards",
+    "sample_digests",
+    "shard_layout",
+    "write_shard_file",
+    "write_shards",
+]
 
 logger = logging.getLogger("ringpack.data.shards")  # the documented name of the shard notes
 _WRITE_OPTIONS = dict(
@@ -82,33 +95,99 @@ def check_out_dir(out: str | os.PathLike, inputs: Iterable[str | os.PathLike | N
 
 
 def _content_fingerprint(ds: Any, column: str, lengths: np.ndarray, progress: Progress) -> str:
-    """SHA-256 of the token ids in dataset order (identity of the input for resume checks).
+    """The fingerprint of ``ds`` (:class:`DatasetFingerprint`: identity of the input for resume checks).
 
     Every id is checked on the way (:func:`_token_ids`): a :class:`DataError` names the first
     sample whose ids are not integers in ``[0, TOKEN_ID_LIMIT)``. ``progress`` counts samples.
     """
+    fingerprint = DatasetFingerprint()
+    for _, ids, row_lengths in _id_chunks(ds, column, lengths):
+        fingerprint.add(sample_digests(ids, row_lengths))
+        progress.update(len(row_lengths))
+    return fingerprint.hexdigest(lengths)
+
+
+#: Token ids :func:`_id_chunks` reads at a time (64 MiB as int64), however long the rows.
+CHUNK_TOKENS = 1 << 23
+
+
+def _id_chunks(ds: Any, column: str, lengths: np.ndarray, rows: int = 65536) -> Iterable[tuple[int, Any, Any]]:
+    """``(first_row, ids, row_lengths)`` of runs of at most ``rows`` rows and about :data:`CHUNK_TOKENS` ids
+    (a row longer than that alone), the ids checked (:func:`_token_ids`)."""
     import pyarrow as pa
 
-    h = hashlib.sha256(b"ringpack-tokens-v1|")
-    h.update(np.asarray(lengths, dtype="<i8").tobytes())
     arrow = ds.with_format("arrow")
-    for start in range(0, len(ds), 65536):
-        col = arrow[start : start + 65536].column(column)
+    ends = np.cumsum(lengths, dtype=np.int64)
+    start = 0
+    while start < len(ds):
+        before = int(ends[start - 1]) if start else 0
+        stop = int(np.searchsorted(ends, before + CHUNK_TOKENS, side="right"))
+        stop = min(max(stop, start + 1), start + rows, len(ds))
+        col = arrow[start:stop].column(column)
         col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
         if not (pa.types.is_list(col.type) or pa.types.is_large_list(col.type)):
             raise DataError(f"column {column!r} holds {col.type}, not lists of token ids")
-        values = _token_ids(col.flatten(), lengths[start : start + len(col)], start, column)
-        h.update(values.astype("<i8").tobytes())
-        progress.update(len(col))
-    return h.hexdigest()
+        row_lengths = lengths[start:stop]
+        yield start, _token_ids(col.flatten(), row_lengths, start, column), row_lengths
+        start = stop
+
+
+def sample_digests(ids: np.ndarray, row_lengths: np.ndarray) -> bytes:
+    """The 16-byte BLAKE2b digest of each row's token ids (as little-endian int32), concatenated.
+
+    Args:
+        ids: the rows' token ids, flat (checked to be in ``[0, TOKEN_ID_LIMIT)``).
+        row_lengths: each row's number of ids (they sum to ``len(ids)``).
+
+    Returns:
+        ``16 * len(row_lengths)`` bytes. A digest depends on its row alone, so the digests of a
+        dataset are the same however its rows are split into blocks (the engines of docs/data.md).
+    """
+    data = memoryview(np.ascontiguousarray(ids, dtype="<i4")).cast("B")
+    out = bytearray()
+    start = 0
+    for end in (np.cumsum(row_lengths, dtype=np.int64) * 4).tolist():
+        out += hashlib.blake2b(data[start:end], digest_size=16).digest()
+        start = end
+    return bytes(out)
+
+
+class DatasetFingerprint:
+    """The dataset fingerprint: SHA-256 of every sample's row digest (:func:`sample_digests`) in dataset order,
+    then of every length (int64). Digests are added as they come (:meth:`add`), so none need be kept."""
+
+    def __init__(self) -> None:
+        self._hash = hashlib.sha256(b"ringpack-tokens-v2|")
+
+    def add(self, digests: bytes) -> None:
+        """The digests of the next samples, in dataset order."""
+        self._hash.update(digests)
+
+    def hexdigest(self, lengths: np.ndarray) -> str:
+        """The fingerprint, once every sample's digest was added; ``lengths`` are every sample's."""
+        h = self._hash.copy()
+        h.update(np.asarray(lengths, dtype="<i8").tobytes())
+        return h.hexdigest()
 
 
 def _token_ids(values: Any, row_lengths: np.ndarray, first_row: int, column: str) -> np.ndarray:
     """The flat token ids of rows ``first_row...`` as int64, each checked to be an integer in ``[0, TOKEN_ID_LIMIT)``.
 
     ``values`` is the Arrow array of the rows' ids, ``row_lengths`` each row's count. Whole floats
-    are accepted; a :class:`DataError` names the first sample holding a null, a fraction, a
-    negative id or one beyond int32.
+    are accepted; a :class:`DataError` (:func:`bad_token_id`) names the first sample holding a
+    null, a fraction, a negative id or one beyond int32.
+    """
+    ids, bad = checked_token_ids(values, row_lengths, column)
+    if bad is not None:
+        raise bad_token_id(column, first_row + bad[0], bad[1])
+    return ids
+
+
+def checked_token_ids(values: Any, row_lengths: np.ndarray, column: str) -> tuple[np.ndarray, tuple[int, Any] | None]:
+    """The flat token ids of some rows as int64, and ``(row, value)`` of the first bad id (``None``: all good).
+
+    ``row`` counts from the first of these rows; a bad id is a null, a fraction, a negative id or
+    one beyond int32. Raises :class:`DataError` when ``values`` are neither integers nor floats.
     """
     import pyarrow as pa
 
@@ -120,19 +199,23 @@ def _token_ids(values: Any, row_lengths: np.ndarray, first_row: int, column: str
         if ids.dtype.kind == "f":
             bad |= ~np.isfinite(ids) | (ids != np.round(ids))
     if not bad.any():
-        return ids.astype(np.int64)
+        return ids.astype(np.int64), None
     k = int(np.flatnonzero(bad)[0])
-    sample = first_row + int(np.searchsorted(np.cumsum(row_lengths), k, side="right"))
-    value = ids[k].item()
-    raise DataError(
+    row = int(np.searchsorted(np.cumsum(row_lengths), k, side="right"))
+    return ids, (row, ids[k].item())
+
+
+def bad_token_id(column: str, sample: int, value: Any) -> DataError:
+    """The error for token id ``value`` of sample ``sample`` (not an integer in ``[0, TOKEN_ID_LIMIT)``)."""
+    return DataError(
         f"column {column!r}, sample {sample}: token id {'null' if value != value else value!r} is not an integer "
         f"in [0, {TOKEN_ID_LIMIT}) (ids are stored as int32)"
     )
 
 
 @dataclass(frozen=True)
-class _ShardFile:
-    """One output file: DP rank ``dp_rank``'s micro-batches of steps ``[lo, hi)``."""
+class ShardFile:
+    """One shard file: DP rank ``dp_rank``'s micro-batches of steps ``[lo, hi)``."""
 
     name: str
     dp_rank: int
@@ -140,13 +223,13 @@ class _ShardFile:
     hi: int
 
 
-def _layout(plan: Plan, steps_per_file: int) -> list[_ShardFile]:
+def shard_layout(plan: Plan, steps_per_file: int) -> list[ShardFile]:
     """The output files in write order: per DP rank, one file or one per ``steps_per_file`` steps."""
     dp, n = plan.config.dp, plan.num_steps
     if steps_per_file <= 0:
-        return [_ShardFile(f"dp{d:05d}-of-{dp:05d}.parquet", d, 0, n) for d in range(dp)]
+        return [ShardFile(f"dp{d:05d}-of-{dp:05d}.parquet", d, 0, n) for d in range(dp)]
     return [
-        _ShardFile(f"dp{d:05d}-of-{dp:05d}-steps-{lo:06d}-{hi - 1:06d}.parquet", d, lo, hi)
+        ShardFile(f"dp{d:05d}-of-{dp:05d}-steps-{lo:06d}-{hi - 1:06d}.parquet", d, lo, hi)
         for d in range(dp)
         for lo, hi in ((lo, min(lo + steps_per_file, n)) for lo in range(0, n, steps_per_file))
     ]
@@ -228,55 +311,97 @@ def write_shards(
     out = Path(out_dir)
     check_out_dir(out, _dataset_files(dataset))
     lengths = lengths_from_dataset(dataset, column)
-    with Progress("planning", "steps", enabled=show) as bar:
-        plan = make_plan(lengths, config, progress=bar.advance_to)
+    plan = plan_for_shards(lengths, config, show)
     with Progress("checking token ids", "samples", len(lengths), enabled=show) as bar:
         fingerprint = _content_fingerprint(dataset, column, lengths, bar)
-    layout = _layout(plan, steps_per_file)
-    identity = {
-        "format": "ringpack-shards",
-        "version": SHARD_FORMAT_VERSION,
-        "plan_hash": plan.content_hash,
-        "dataset_fingerprint": fingerprint,
-        "column": column,
-        "files": [f.name for f in layout],
-    }
-    out.mkdir(parents=True, exist_ok=True)
-    done, owned = _claim(out, identity, overwrite)
-    verified = {
-        f.name: done[f.name]
-        for f in layout
-        if f.name in done and _regular(out / f.name) and file_sha256(out / f.name) == done[f.name]
-    }
-    progress_state = {**identity, "files_written": dict(verified), "owned": owned}
-    _write_json(out / PROGRESS, progress_state)  # before anything is removed or written: it names what is ours
-    _remove_stale(out, owned, keep={*identity["files"], PLAN_FILE, PROGRESS})
-
-    total_mb = sum(len(step.microbatches[d]) for d in range(config.dp) for step in plan.steps)
-    if verified:
-        logger.info("%s: %d of %d shard files already written, kept", out, len(verified), len(layout))
-    with Progress(f"writing shards to {out}", "micro-batches", total_mb, enabled=show) as bar:
-        records = _write_files(_ShardWriter(out, plan, dataset, column), layout, progress_state, bar)
-    manifest = _manifest(identity, plan, lengths, _write_plan_file(out, plan), records, source)
-    _write_json(out / MANIFEST, manifest)
-    (out / PROGRESS).unlink(missing_ok=True)
-    return manifest
+    run = ShardRun.start(out, plan, fingerprint, column, steps_per_file, overwrite)
+    rows = _DatasetRows(dataset, column)
+    with Progress(f"writing shards to {out}", "micro-batches", run.total_microbatches, enabled=show) as bar:
+        for file in run.layout:
+            if file.name in run.finished:
+                bar.update(run.microbatches(file))
+            else:
+                run.record_finished(file.name, write_shard_file(out, plan, file, rows, bar))
+    return run.finish(lengths, source)
 
 
-def _write_files(
-    writer: _ShardWriter, layout: list[_ShardFile], progress_state: dict[str, Any], bar: Any
-) -> list[dict[str, Any]]:
-    """Write the files of ``layout`` not yet finished, each recorded in the progress record; their manifest entries."""
-    finished = progress_state["files_written"]
-    records = []
-    for file in layout:
-        if file.name not in finished:
-            finished[file.name] = writer.write(file, bar)
-            _write_json(writer.out / PROGRESS, progress_state)
-        else:
-            bar.update(writer.microbatches(file))
-        records.append(writer.record(file, finished[file.name]))
-    return records
+def plan_for_shards(lengths: np.ndarray, config: PlanConfig, show: bool) -> Plan:
+    """The plan of ``lengths`` under ``config``, the steps counted (``show``)."""
+    with Progress("planning", "steps", enabled=show) as bar:
+        return make_plan(lengths, config, progress=bar.advance_to)
+
+
+class ShardRun:
+    """The bookkeeping of one run writing a plan's shard files into ``out``, whichever engine writes them.
+
+    :meth:`start` claims the directory (resume, stale files, the progress record), the engine
+    writes every file of :attr:`layout` not in :attr:`finished` with :func:`write_shard_file` and
+    reports it with :meth:`record_finished`, and :meth:`finish` writes ``plan.parquet`` and
+    ``manifest.json`` last.
+    """
+
+    def __init__(self, out: Path, plan: Plan, identity: dict[str, Any], layout: list[ShardFile], state: dict) -> None:
+        self.out, self.plan, self.identity, self.layout, self._state = out, plan, identity, layout, state
+
+    @classmethod
+    def start(
+        cls, out: Path, plan: Plan, fingerprint: str, column: str, steps_per_file: int, overwrite: bool
+    ) -> ShardRun:
+        """Claim ``out`` for ``plan``'s files (rules: :func:`write_shards`); files already written are kept.
+
+        Raises:
+            DataError: as :func:`write_shards` (another plan or dataset, a file in the way, a record not ringpack's).
+        """
+        layout = shard_layout(plan, steps_per_file)
+        identity = {
+            "format": "ringpack-shards",
+            "version": SHARD_FORMAT_VERSION,
+            "plan_hash": plan.content_hash,
+            "dataset_fingerprint": fingerprint,
+            "column": column,
+            "files": [f.name for f in layout],
+        }
+        out.mkdir(parents=True, exist_ok=True)
+        done, owned = _claim(out, identity, overwrite)
+        verified = {
+            f.name: done[f.name]
+            for f in layout
+            if f.name in done and _regular(out / f.name) and file_sha256(out / f.name) == done[f.name]
+        }
+        state = {**identity, "files_written": dict(verified), "owned": owned}
+        _write_json(out / PROGRESS, state)  # before anything is removed or written: it names what is ours
+        _remove_stale(out, owned, keep={*identity["files"], PLAN_FILE, PROGRESS})
+        if verified:
+            logger.info("%s: %d of %d shard files already written, kept", out, len(verified), len(layout))
+        return cls(out, plan, identity, layout, state)
+
+    @property
+    def finished(self) -> dict[str, str]:
+        """sha256 of each file written so far (kept from an earlier run or written by this one), by name."""
+        return self._state["files_written"]
+
+    @property
+    def total_microbatches(self) -> int:
+        return sum(self.microbatches(f) for f in self.layout)
+
+    def microbatches(self, file: ShardFile) -> int:
+        return sum(len(self.plan.steps[s].microbatches[file.dp_rank]) for s in range(file.lo, file.hi))
+
+    def record_finished(self, name: str, sha256: str) -> None:
+        """Note file ``name`` (written and renamed into place) in the progress record."""
+        self.finished[name] = sha256
+        _write_json(self.out / PROGRESS, self._state)
+
+    def finish(self, lengths: np.ndarray, source: dict[str, Any] | None) -> dict[str, Any]:
+        """Write ``plan.parquet`` and ``manifest.json`` once every file is written; the manifest."""
+        missing = [f.name for f in self.layout if f.name not in self.finished]
+        if missing:
+            raise RuntimeError(f"{self.out}: {len(missing)} shard files not written, e.g. {missing[0]}")
+        records = [_file_record(self.out, self.plan, f, self.finished[f.name]) for f in self.layout]
+        manifest = _manifest(self.identity, self.plan, lengths, _write_plan_file(self.out, self.plan), records, source)
+        _write_json(self.out / MANIFEST, manifest)
+        (self.out / PROGRESS).unlink(missing_ok=True)
+        return manifest
 
 
 def _dataset_files(dataset: Any) -> list[str]:
@@ -423,69 +548,69 @@ def _remove_stale(out: Path, owned: list[str], keep: set[str]) -> None:
             entry.unlink()
 
 
-class _ShardWriter:
-    """Writes the shard files of one plan of one dataset into ``out``."""
+class _DatasetRows:
+    """The token ids of rows of a ``datasets.Dataset`` (:func:`write_shard_file`'s ``rows``)."""
 
-    def __init__(self, out: Path, plan: Plan, dataset: Any, column: str) -> None:
-        self.out = out
-        self.plan = plan
+    def __init__(self, dataset: Any, column: str) -> None:
         self.arrow = dataset.with_format("arrow")
         self.column = column
-        self.doc_row, self.doc_offset = plan.origin_arrays()
 
-    def microbatches(self, file: _ShardFile) -> int:
-        return sum(len(self.plan.steps[s].microbatches[file.dp_rank]) for s in range(file.lo, file.hi))
-
-    def write(self, file: _ShardFile, bar: Any) -> str:
-        """Write ``file`` under a fresh temporary name, fsync and rename it into place; its sha256."""
-        import pyarrow.parquet as pq
-
-        meta = {
-            "plan_hash": self.plan.content_hash,
-            "dp_rank": file.dp_rank,
-            "steps": [file.lo, file.hi],
-            "version": SHARD_FORMAT_VERSION,
-        }
-        schema = _schema(meta)
-        with atomic_write(self.out / file.name) as f, pq.ParquetWriter(f, schema, **_WRITE_OPTIONS) as writer:
-            for s in range(file.lo, file.hi):
-                for i, mb in enumerate(self.plan.steps[s].microbatches[file.dp_rank]):
-                    tokens, rows = self._sample_tokens(mb)
-                    writer.write_table(_microbatch_table(mb, tokens, rows, schema, step=s, index=i))
-                    bar.update(1)
-        return file_sha256(self.out / file.name)
-
-    def _sample_tokens(self, mb: MicroBatch) -> tuple[dict[int, np.ndarray], dict[int, int]]:
-        """Token ids and dataset row of each plan sample of ``mb`` (documents cut from rows by ``origins``)."""
-        samples = np.asarray(mb.samples, dtype=np.int64)
-        rows = self.doc_row[samples]
+    def __call__(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         col = self.arrow[rows.tolist()].column(self.column).combine_chunks()
-        offs = col.offsets.to_numpy().astype(np.int64)
-        vals = col.values.to_numpy(zero_copy_only=False)
-        tokens = {}
-        for k, sample in enumerate(mb.samples):
-            a = offs[k] + self.doc_offset[sample]
-            tokens[sample] = vals[a : a + self.plan.lengths[sample]]
-        return tokens, dict(zip(mb.samples, rows.tolist()))
+        return col.offsets.to_numpy().astype(np.int64), col.values.to_numpy(zero_copy_only=False)
 
-    def record(self, file: _ShardFile, sha256: str) -> dict[str, Any]:
-        """The manifest entry of a written ``file``."""
-        import pyarrow.parquet as pq
 
-        path = self.out / file.name
-        md = pq.ParquetFile(str(path)).metadata
-        mbs = [mb for s in range(file.lo, file.hi) for mb in self.plan.steps[s].microbatches[file.dp_rank]]
-        return {
-            "name": file.name,
-            "dp_rank": file.dp_rank,
-            "steps": [file.lo, file.hi],
-            "microbatches": len(mbs),
-            "row_groups": md.num_row_groups,
-            "rows": md.num_rows,
-            "tokens": int(sum(mb.num_tokens for mb in mbs)),
-            "bytes": path.stat().st_size,
-            "sha256": sha256,
-        }
+def write_shard_file(out: Path, plan: Plan, file: ShardFile, rows: Any, bar: Any = None) -> str:
+    """Write shard ``file`` of ``plan`` into ``out``: a fresh temporary name, fsync, rename into place; its sha256.
+
+    Args:
+        out: the shard directory.
+        plan: the plan the file is of.
+        file: which DP rank and steps (:func:`shard_layout`).
+        rows: ``rows(dataset_rows) -> (offsets, ids)``: the token ids of the given dataset rows
+            (int64 array ``[k]``), flat, row ``i``'s at ``ids[offsets[i]:offsets[i + 1]]``. Only
+            the rows of the micro-batch being written are asked for at a time.
+        bar: counts micro-batches written (``bar.update(1)``); ``None``: nothing is counted.
+
+    The bytes depend only on ``plan``, ``file`` and the rows' ids: every engine writes the same file.
+    """
+    import pyarrow.parquet as pq
+
+    meta = {"plan_hash": plan.content_hash, "dp_rank": file.dp_rank, "steps": [file.lo, file.hi]}
+    schema = _schema({**meta, "version": SHARD_FORMAT_VERSION})
+    doc_row, doc_offset = plan.origin_arrays()
+    with atomic_write(out / file.name) as f, pq.ParquetWriter(f, schema, **_WRITE_OPTIONS) as writer:
+        for s in range(file.lo, file.hi):
+            for i, mb in enumerate(plan.steps[s].microbatches[file.dp_rank]):
+                samples = np.asarray(mb.samples, dtype=np.int64)
+                offsets, ids = rows(doc_row[samples])
+                starts = offsets[:-1] + doc_offset[samples]
+                tokens = {x: ids[a : a + plan.lengths[x]] for x, a in zip(mb.samples, starts.tolist())}
+                row_of = dict(zip(mb.samples, doc_row[samples].tolist()))
+                writer.write_table(_microbatch_table(mb, tokens, row_of, schema, step=s, index=i))
+                if bar is not None:
+                    bar.update(1)
+    return file_sha256(out / file.name)
+
+
+def _file_record(out: Path, plan: Plan, file: ShardFile, sha256: str) -> dict[str, Any]:
+    """The manifest entry of a written ``file``."""
+    import pyarrow.parquet as pq
+
+    path = out / file.name
+    md = pq.ParquetFile(str(path)).metadata
+    mbs = [mb for s in range(file.lo, file.hi) for mb in plan.steps[s].microbatches[file.dp_rank]]
+    return {
+        "name": file.name,
+        "dp_rank": file.dp_rank,
+        "steps": [file.lo, file.hi],
+        "microbatches": len(mbs),
+        "row_groups": md.num_row_groups,
+        "rows": md.num_rows,
+        "tokens": int(sum(mb.num_tokens for mb in mbs)),
+        "bytes": path.stat().st_size,
+        "sha256": sha256,
+    }
 
 
 def _write_plan_file(out: Path, plan: Plan) -> dict[str, Any]:

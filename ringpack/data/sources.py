@@ -10,18 +10,22 @@ refused, never ignored.
 
 from __future__ import annotations
 
+import functools
+import json
 import os
+import secrets
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from ringpack._hints import on_command_line, option
+from ringpack.data.shard_format import plain_name
 from ringpack.errors import DataError
 from ringpack.lengths import read_arrow_table
 from ringpack.tokenizer import load_tokenizer, regex_token_ids, token_encoder
 
-__all__ = ["SOURCES", "load_source", "tokenize_dataset"]
+__all__ = ["SOURCES", "SourceFiles", "encode_texts", "load_source", "source_files", "tokenize_dataset"]
 
 
 class _TokenizeMap:
@@ -75,6 +79,20 @@ class _TokenizeMap:
 _REPORT_ROWS = 16
 
 
+def encode_texts(texts: list[str | None], tokenizer: Any = None, vocab_size: int = 65536) -> list[list[int]]:
+    """The token ids :func:`tokenize_dataset` gives ``texts`` (no special tokens; a missing text has none).
+
+    ``tokenizer`` is ``None`` / ``"regex"`` or a path or name :func:`ringpack.tokenizer.load_tokenizer`
+    reads; it is read once per process and kept.
+    """
+    return _encoder(None if tokenizer is None else str(tokenizer), vocab_size)._ids(texts)
+
+
+@functools.lru_cache(maxsize=4)
+def _encoder(tokenizer: str | None, vocab_size: int) -> _TokenizeMap:
+    return _TokenizeMap(tokenizer, vocab_size, "ids")
+
+
 def tokenize_dataset(
     ds: Any,
     text_column: str,
@@ -119,7 +137,22 @@ def tokenize_dataset(
         batch_size=batch_size,
         num_proc=num_proc,
         desc="tokenizing",
+        cache_file_name=_temporary_cache_file(ds),
     )
+
+
+def _temporary_cache_file(ds: Any) -> str | None:
+    """Where the token ids of a dataset held in memory go (``None``: ``datasets``' cache beside its files).
+
+    ``map`` keeps the result of a dataset without cache files (an Arrow IPC file, a dataset built
+    in memory) in memory too: every token id at once. A file in ``datasets``' temporary folder
+    (removed when the process ends) is memory-mapped instead, so only the pages read are held.
+    """
+    if ds.cache_files:
+        return None
+    from datasets.fingerprint import get_temporary_cache_files_directory
+
+    return os.path.join(get_temporary_cache_files_directory(), f"ringpack-tokens-{secrets.token_hex(8)}.arrow")
 
 
 #: Data file suffixes :func:`load_source` reads, and the ``datasets`` loader of each.
@@ -138,6 +171,78 @@ SOURCES = (
     "a saved `datasets` folder, .parquet, .arrow/.feather, .json/.jsonl or .csv file, a folder of such files, "
     "or a Hub dataset name"
 )
+
+
+class SourceFiles(NamedTuple):
+    """The files of a local dataset source, in the order their rows are the dataset's (:func:`source_files`)."""
+
+    kind: str
+    """``"parquet"``, ``"json"``, ``"arrow"``, ``"csv"``, or ``"saved"`` (a ``save_to_disk`` folder's Arrow files)."""
+    files: list[Path]
+    """The data files, in row order."""
+    root: Path
+    """The file, the folder of files, or the saved ``Dataset`` folder (a ``DatasetDict``'s split folder)."""
+
+
+def source_files(source: str | os.PathLike, split: str | None = None) -> SourceFiles | None:
+    """The kind and files of a local source (``None``: no such path, a Hub name), as :func:`load_source` reads it.
+
+    Raises:
+        DataError: as :func:`load_source` for a local path (a ``.npy`` file, an unknown file type,
+            a folder of mixed or no data files, a missing split, a ``split`` that does not apply).
+        FileNotFoundError: a local-looking path that does not exist (or any name while offline).
+    """
+    path = Path(source)
+    if path.is_file() and path.suffix.lower() == ".npy":
+        where = "`ringpack plan --lengths`" if on_command_line() else "ringpack.plan(path, ...)"
+        raise DataError(f"{path} is a .npy file of lengths, not token ids or text: plan it with {where}")
+    if path.is_dir():
+        if any((path / marker).exists() for marker in ("dataset_info.json", "state.json", "dataset_dict.json")):
+            return _saved_files(path, split)
+        files = sorted(p for p in path.rglob("*") if p.suffix.lower() in _EXTENSIONS and not p.name.startswith("."))
+        kinds = {_EXTENSIONS[p.suffix.lower()] for p in files}
+        if len(kinds) != 1:
+            raise DataError(
+                f"{path}: want a saved datasets directory or files of one kind ({', '.join(_EXTENSIONS)}), "
+                f"found {sorted(kinds) or 'none'}"
+            )
+        kind = kinds.pop()
+        _does_not_apply("split", split, path, f"a folder of {kind} files, which has no splits")
+        return SourceFiles(kind, files, path)
+    if path.is_file():
+        if path.suffix.lower() not in _EXTENSIONS:
+            raise DataError(f"{path}: unknown file type {path.suffix!r}; want {SOURCES}")
+        kind = _EXTENSIONS[path.suffix.lower()]
+        _does_not_apply("split", split, path, f"a {kind} file, which has no splits")
+        return SourceFiles(kind, [path], path)
+    looks_local = str(source).startswith((".", "/", "~")) or path.suffix.lower() in _EXTENSIONS
+    if looks_local or os.environ.get("HF_DATASETS_OFFLINE") == "1":
+        raise FileNotFoundError(f"no dataset at {source} (and Hub names are not tried offline)")
+    return None
+
+
+def _saved_files(path: Path, split: str | None) -> SourceFiles:
+    """The Arrow files of a folder ``save_to_disk`` wrote (a ``DatasetDict``'s: of ``split``), in row order."""
+    dict_file = path / "dataset_dict.json"
+    if dict_file.is_file():
+        split = "train" if split is None else split
+        try:
+            splits = list(json.loads(dict_file.read_text())["splits"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise DataError(f"cannot load dataset {path}: {dict_file} is not a DatasetDict record ({exc})") from None
+        if split not in splits:
+            raise DataError(f"{path} holds splits {sorted(splits)}, not {split!r} (choose one with {option('split')})")
+        path = path / split
+    else:
+        _does_not_apply("split", split, path, "a saved Dataset, which has no splits")
+    try:
+        state = json.loads((path / "state.json").read_text())
+        files = [path / plain_name(f["filename"], str(path / "state.json")) for f in state["_data_files"]]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise DataError(f"cannot load dataset {path}: no readable state.json ({exc})") from None
+    if state.get("_indices_data_files"):
+        raise DataError(f"{path} holds an indices mapping; save it again with save_to_disk (which flattens it)")
+    return SourceFiles("saved", files, path)
 
 
 def load_source(source: str | os.PathLike, split: str | None = None, cache_dir: str | None = None) -> Any:
@@ -160,45 +265,14 @@ def load_source(source: str | os.PathLike, split: str | None = None, cache_dir: 
     """
     import datasets
 
-    path = Path(source)
-    if path.is_file() and path.suffix.lower() == ".npy":
-        where = "`ringpack plan --lengths`" if on_command_line() else "ringpack.plan(path, ...)"
-        raise DataError(f"{path} is a .npy file of lengths, not token ids or text: plan it with {where}")
-    if path.is_dir():
-        if any((path / marker).exists() for marker in ("dataset_info.json", "state.json", "dataset_dict.json")):
-            with _loading(path):
-                ds = datasets.load_from_disk(str(path))
-            if isinstance(ds, datasets.DatasetDict):
-                split = "train" if split is None else split
-                if split not in ds:
-                    raise DataError(
-                        f"{path} holds splits {sorted(ds)}, not {split!r} (choose one with {option('split')})"
-                    )
-                ds = ds[split]
-            else:
-                _does_not_apply("split", split, path, "a saved Dataset, which has no splits")
-            return ds
-        files = sorted(p for p in path.rglob("*") if p.suffix.lower() in _EXTENSIONS and not p.name.startswith("."))
-        kinds = {_EXTENSIONS[p.suffix.lower()] for p in files}
-        if len(kinds) != 1:
-            raise DataError(
-                f"{path}: want a saved datasets directory or files of one kind ({', '.join(_EXTENSIONS)}), "
-                f"found {sorted(kinds) or 'none'}"
-            )
-        kind = kinds.pop()
-        _does_not_apply("split", split, path, f"a folder of {kind} files, which has no splits")
-        return _load_files(kind, [str(p) for p in files], cache_dir)
-    if path.is_file():
-        if path.suffix.lower() not in _EXTENSIONS:
-            raise DataError(f"{path}: unknown file type {path.suffix!r}; want {SOURCES}")
-        kind = _EXTENSIONS[path.suffix.lower()]
-        _does_not_apply("split", split, path, f"a {kind} file, which has no splits")
-        return _load_files(kind, [str(path)], cache_dir)
-    looks_local = str(source).startswith((".", "/", "~")) or path.suffix.lower() in _EXTENSIONS
-    if looks_local or os.environ.get("HF_DATASETS_OFFLINE") == "1":
-        raise FileNotFoundError(f"no dataset at {source} (and Hub names are not tried offline)")
-    with _loading(source):
-        return datasets.load_dataset(str(source), split="train" if split is None else split, cache_dir=cache_dir)
+    local = source_files(source, split)
+    if local is None:
+        with _loading(source):
+            return datasets.load_dataset(str(source), split="train" if split is None else split, cache_dir=cache_dir)
+    if local.kind == "saved":
+        with _loading(local.root):
+            return datasets.load_from_disk(str(local.root))
+    return _load_files(local.kind, [str(p) for p in local.files], cache_dir)
 
 
 def _does_not_apply(name: str, value: Any, source: Path, what: str) -> None:
