@@ -1,5 +1,5 @@
-"""The flags plan, report and simulate add beside the planner's: what the analysis reports and checks
-(the advice, the layout choice's NCCL memory budget, schedule compile times)."""
+"""The flags plan, report and simulate add beside the planner's: the advice, the layout choice's NCCL
+memory budget and schedule compile times (docs/analysis.md)."""
 
 from __future__ import annotations
 

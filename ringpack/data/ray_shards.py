@@ -1,17 +1,12 @@
 """Balanced shards written on a Ray cluster (``ringpack shard --engine ray``): the local engine's files, byte for byte.
 
-Three stages (docs/data.md, "Sharding on a cluster"):
-
-1. :func:`measure`: Ray tasks read, tokenize and check the source's blocks
-   (:mod:`~ringpack.data.input_blocks`) in parallel and send back each row's length and the
-   digest of its ids (:func:`~ringpack.data.shard_writer.sample_digests`), never the ids;
-2. :func:`write_measured` plans on the driver from the lengths alone
-   (:func:`~ringpack.data.shard_writer.plan_for_shards`) and claims the output directory as the
-   local engine does (:class:`~ringpack.data.shard_writer.ShardRun`: resume, stale files);
-3. a task per block reads it again and hands each row to the task writing the files that need it
-   (through Ray's object store), and each writing task writes its files with the local engine's
-   :func:`~ringpack.data.shard_writer.write_shard_file`; the driver writes ``plan.parquet`` and
-   ``manifest.json`` last.
+Three stages (docs/data.md, "Sharding on a cluster"): :func:`measure` (Ray tasks read, tokenize and
+check the source's blocks, :mod:`~ringpack.data.input_blocks`, and send back each row's length and
+the digest of its ids, never the ids); :func:`write_measured` (plans on the driver from the lengths
+alone and claims the output directory as the local engine does, :class:`~ringpack.data.shard_writer.ShardRun`);
+then a task per block reads it again and hands each row to the task writing the files that need it,
+each writing task using the local engine's :func:`~ringpack.data.shard_writer.write_shard_file`; the
+driver writes ``plan.parquet`` and ``manifest.json`` last.
 
 Rows are numbered in the order the local engine reads them, so the plan, the files and the manifest
 are the local engine's whatever the block size and the number of workers. Ray is imported inside
