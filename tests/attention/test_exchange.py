@@ -164,7 +164,10 @@ def test_targeted_steps_are_exact(name, mb, lengths, heads, kv_heads, gpus_per_n
         assert_within(max_errors(problem, r, ref, got), TOL, f"{name} rank {r} gpus_per_node={gpus_per_node}")
 
 
-@pytest.mark.parametrize("threshold,buckets", [(1, 1), (2, None), (3, 8)])
+@pytest.mark.parametrize(
+    "threshold,buckets",
+    [(1, 1), pytest.param(2, None, marks=pytest.mark.slow), pytest.param(3, 8, marks=pytest.mark.slow)],
+)
 def test_targeted_steps_are_exact_with_the_dense_split(threshold, buckets):
     """Remapped remote calls keep their dense segments (keys moved onto the received rows) and
     their rest calls; reference_hybrid runs both halves in fp64."""

@@ -266,6 +266,7 @@ def test_the_robust_bound_holds_for_every_packing():
     assert above_one > 5, "the bound is above the per-price bounds where one plan cannot meet them all"
 
 
+@pytest.mark.slow  # seconds of plans over the whole price range
 def test_the_price_points_hold_the_worst_ratio_over_the_range():
     rng = np.random.default_rng(4)
     grid = np.linspace(0.25, 2.0, 701)

@@ -81,6 +81,7 @@ def _consume(seed: int, batches, plans, failures: list[str]) -> None:
     stream.close(join_s=1.0)
 
 
+@pytest.mark.slow  # seconds of many threaded streams: the stress run belongs to the slow suite
 def test_many_streams_with_a_cost_switch_at_every_step_finish_in_time(expected):
     batches, plans = expected
     failures: list[str] = []

@@ -59,6 +59,7 @@ def test_report_document_carries_the_peers():
     assert "megatron-dcp (peer)" in table and "wlb (peer)" in table
 
 
+@pytest.mark.slow  # a whole report from lengths, every strategy and peer
 def test_report_cli_adds_peers_from_lengths(tmp_path, capsys):
     path = tmp_path / "lengths.npy"
     np.save(path, LENGTHS)
