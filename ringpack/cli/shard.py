@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from ringpack.cli.lengths_input import DEFAULT_VOCAB, add_text_flags, check_text
 from ringpack.data import ray_shards
 from ringpack.data.input_blocks import TokenSpec, block_columns, list_blocks
 from ringpack.data.shard_writer import check_out_dir, write_shards
-from ringpack.data.sources import SOURCES, load_source, source_files, tokenize_dataset
+from ringpack.data.sources import SOURCES, SampleTooLong, load_source, source_files, tokenize_dataset
 from ringpack.errors import DataError, PlanError
 from ringpack.lengths import DEFAULT_TEXT_COLUMN, lengths_from_dataset
 from ringpack.plan_config import PlanConfig
@@ -36,6 +37,11 @@ from ringpack.progress import Progress
 from ringpack.tokenizer import load_tokenizer
 
 logger = logging.getLogger("ringpack.cli")
+#: ``--num-proc`` by default: a process per core (at most :data:`MAX_AUTO_PROCESSES`) for a text
+#: dataset of this many rows or more, where forking pays (1,096 documents of 1.7M tokens with a BPE
+#: ``tokenizer.json``: 9.4 s in one process, 5.9 s in two, on 2 cores); fewer rows tokenize in this one.
+AUTO_PROCESS_ROWS = 1000
+MAX_AUTO_PROCESSES = 8
 
 
 def add_command(subparsers: Any) -> None:
@@ -62,7 +68,13 @@ def add_command(subparsers: Any) -> None:
     flag(p, "--column", default="input_ids", help="token-id column")
     tokenizing = "; only when the dataset has no token-id column"
     add_text_flags(p)
-    flag(p, "--num-proc", type=PROCESSES, help="processes for tokenizing (--engine local)" + tokenizing)
+    flag(
+        p,
+        "--num-proc",
+        type=PROCESSES,
+        help=f"processes for tokenizing (--engine local; default: one per core, up to {MAX_AUTO_PROCESSES}, from "
+        f"{AUTO_PROCESS_ROWS:,} rows on, else 1; 1 shows this command's own progress)" + tokenizing,
+    )
     flag(
         p,
         "--steps-per-file",
@@ -254,24 +266,14 @@ def _too_long(args: argparse.Namespace, config: PlanConfig, row: int, length: in
     )
 
 
-class _Tokenizing:
-    """Counts rows as ``tokenize_dataset`` encodes them; under ``--overflow error`` refuses the first too long.
-
-    The refusal comes as soon as the sample is measured, so the rows after it are never tokenized.
-    """
-
-    def __init__(self, args: argparse.Namespace, config: PlanConfig, bar: Progress) -> None:
-        self.args, self.config, self.bar = args, config, bar
-        self.rows = 0
-        self.capacity = config.group_capacity if config.overflow == "error" else None
-
-    def __call__(self, ids: list[list[int]]) -> None:
-        if self.capacity is not None:
-            for k, row_ids in enumerate(ids):
-                if len(row_ids) > self.capacity:
-                    raise _too_long(self.args, self.config, self.rows + k, len(row_ids))
-        self.rows += len(ids)
-        self.bar.update(len(ids))
+def tokenizing_processes(num_proc: int | None, rows: int) -> int:
+    """``--num-proc``, or its default for a text dataset of ``rows`` rows (:data:`AUTO_PROCESS_ROWS`)."""
+    if num_proc is not None:
+        return num_proc
+    if rows < AUTO_PROCESS_ROWS:
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cores, MAX_AUTO_PROCESSES))
 
 
 def _token_dataset(args: argparse.Namespace, ds: Any, config: PlanConfig) -> tuple[Any, dict[str, str] | None]:
@@ -291,19 +293,25 @@ def _token_dataset(args: argparse.Namespace, ds: Any, config: PlanConfig) -> tup
         return ds, None
     if not args.quiet:
         logger.info("tokenizing column %r of %s rows", text, f"{len(ds):,}")
-    in_process = (args.num_proc or 1) <= 1
-    # in this process the count is ours, so the datasets bar (which would be a second one) is off
-    own_count = contextlib.ExitStack() if not in_process else _datasets_progress(False)
+    processes = tokenizing_processes(args.num_proc, len(ds))
+    in_process = processes <= 1
+    # in this process the count is ours, so the datasets bar (which would be a second one) is off;
+    # in worker processes datasets' own bar counts (with its estimate), and --quiet turns it off
+    own_count = _datasets_progress(False) if in_process or args.quiet else contextlib.ExitStack()
     with own_count, Progress("tokenizing", "samples", len(ds), enabled=not args.quiet and in_process) as bar:
-        ds = tokenize_dataset(
-            ds,
-            text,
-            args.tokenizer,
-            column=args.column,
-            vocab_size=_vocab_size(args),
-            num_proc=args.num_proc,
-            on_encoded=_Tokenizing(args, config, bar),
-        )
+        try:
+            ds = tokenize_dataset(
+                ds,
+                text,
+                args.tokenizer,
+                column=args.column,
+                vocab_size=_vocab_size(args),
+                num_proc=processes if processes > 1 else None,
+                on_encoded=lambda ids: bar.update(len(ids)),
+                max_tokens=config.group_capacity if config.overflow == "error" else None,
+            )
+        except SampleTooLong as exc:  # refused as soon as it was encoded, in whichever process
+            raise _too_long(args, config, exc.row, exc.length) from None
     return ds, _tokenized_from(args, text)
 
 

@@ -25,7 +25,27 @@ from ringpack.errors import DataError
 from ringpack.lengths import read_arrow_table
 from ringpack.tokenizer import load_tokenizer, regex_token_ids, token_encoder
 
-__all__ = ["SOURCES", "SourceFiles", "encode_texts", "load_source", "source_files", "tokenize_dataset"]
+__all__ = [
+    "SOURCES",
+    "SampleTooLong",
+    "SourceFiles",
+    "encode_texts",
+    "load_source",
+    "source_files",
+    "tokenize_dataset",
+]
+
+
+class SampleTooLong(DataError):
+    """Row ``row`` of the dataset encoded to ``length`` token ids, more than ``tokenize_dataset``'s
+    ``max_tokens``: raised as soon as it is encoded, in whichever process encodes it."""
+
+    def __init__(self, row: int, length: int) -> None:
+        super().__init__(row, length)
+        self.row, self.length = int(row), int(length)
+
+    def __str__(self) -> str:
+        return f"row {self.row} has {self.length} tokens"
 
 
 class _TokenizeMap:
@@ -44,28 +64,41 @@ class _TokenizeMap:
         column: str,
         loaded: Any = None,
         on_encoded: Callable[[list[list[int]]], None] | None = None,
+        max_tokens: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.column = column
         self._encode = None if loaded is None else token_encoder(loaded)
         self.on_encoded = on_encoded
+        self.max_tokens = max_tokens
 
     def __getstate__(self) -> dict:
-        return {"tokenizer": self.tokenizer, "vocab_size": self.vocab_size, "column": self.column, "_encode": None}
+        state = {"tokenizer": self.tokenizer, "vocab_size": self.vocab_size, "column": self.column, "_encode": None}
+        return state if self.max_tokens is None else {**state, "max_tokens": self.max_tokens}
 
     def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state, on_encoded=None)
+        self.__dict__.update({"max_tokens": None, **state}, on_encoded=None)
 
-    def __call__(self, texts: list[str]) -> dict[str, list[list[int]]]:
-        if self.on_encoded is None:
+    def __call__(self, texts: list[str], rows: list[int] | None = None) -> dict[str, list[list[int]]]:
+        if self.on_encoded is None and self.max_tokens is None:
             return {self.column: self._ids(texts)}
         ids: list[list[int]] = []
         for start in range(0, len(texts), _REPORT_ROWS):  # small runs: a long text is measured soon after it is read
             part = self._ids(texts[start : start + _REPORT_ROWS])
-            self.on_encoded(part)
+            self._check(part, rows[start:] if rows is not None else None)
+            if self.on_encoded is not None:
+                self.on_encoded(part)
             ids.extend(part)
         return {self.column: ids}
+
+    def _check(self, part: list[list[int]], rows: list[int] | None) -> None:
+        """Raise :class:`SampleTooLong` for the first of ``part`` (rows ``rows``) over ``max_tokens``."""
+        if self.max_tokens is None:
+            return
+        for k, row_ids in enumerate(part):
+            if len(row_ids) > self.max_tokens:
+                raise SampleTooLong(rows[k] if rows is not None else k, len(row_ids))
 
     def _ids(self, texts: list[str]) -> list[list[int]]:
         if self.tokenizer in (None, "regex"):
@@ -103,6 +136,7 @@ def tokenize_dataset(
     num_proc: int | None = None,
     batch_size: int = 256,
     on_encoded: Callable[[list[list[int]]], None] | None = None,
+    max_tokens: int | None = None,
 ) -> Any:
     """Add a token-id column to a ``datasets.Dataset`` from ``text_column`` (batched ``map``, ``num_proc``).
 
@@ -119,20 +153,27 @@ def tokenize_dataset(
             as they are encoded (to count progress, or to refuse a sample by its length: what it
             raises ends the tokenizing). Only in this process: with ``num_proc`` above 1 the
             workers encode without it. Not called for rows ``datasets`` takes from its cache.
+        max_tokens: refuse a text that encodes to more ids than this, as soon as it is encoded (in
+            runs of 16 rows), in every process; ``None``: no limit.
 
     Returns:
         The dataset with ``column``.
 
     Raises:
+        SampleTooLong: (a ``DataError``) a row over ``max_tokens``, with its row index and length.
         DataError: no ``text_column``; a tokenizer file or folder that cannot be read (named).
         FileNotFoundError: a tokenizer that is nowhere (the message says what to pass).
     """
     if text_column not in ds.column_names:
         raise DataError(f"dataset has no column {text_column!r}; its columns are {list(ds.column_names)}")
     loaded = None if tokenizer in (None, "regex") else load_tokenizer(tokenizer)
+    encode = _TokenizeMap(
+        tokenizer, vocab_size, column, loaded, on_encoded if (num_proc or 1) <= 1 else None, max_tokens
+    )
     return ds.map(
-        _TokenizeMap(tokenizer, vocab_size, column, loaded, on_encoded if (num_proc or 1) <= 1 else None),
+        encode,
         input_columns=[text_column],
+        with_indices=max_tokens is not None,
         batched=True,
         batch_size=batch_size,
         num_proc=num_proc,

@@ -8,6 +8,7 @@ import json
 import pytest
 
 import ringpack.progress
+from ringpack.cli.shard import AUTO_PROCESS_ROWS, MAX_AUTO_PROCESSES, tokenizing_processes
 from ringpack.data import sources
 from tests.helpers.cli import assert_clean, run_cli
 
@@ -62,7 +63,7 @@ def test_ids_from_the_cache_are_refused_before_planning(tmp_path, monkeypatch):
         raise AssertionError("planned a dataset holding a sample too long")
 
     monkeypatch.setattr("ringpack.data.shard_writer.make_plan", no_planning)
-    run = run_cli([*argv, "--out", tmp_path / "error"])  # the map's result comes from the datasets cache
+    run = run_cli([*argv, "--out", tmp_path / "error"])  # refused before any planning
     assert run.code == 1 and f"sample 5 of {data} has 3000 tokens, more than one CP group holds" in run.err
 
 
@@ -80,3 +81,23 @@ def test_tokenizing_is_counted_in_a_log_with_the_time_left_and_quiet_prints_none
     assert run_cli([*argv, "--out", tmp_path / "b", "--cache-dir", tmp_path / "hf-b", "--quiet"]).err == ""
     monkeypatch.setattr(ringpack.progress, "LOG_INTERVAL_S", 3600.0)  # short work logs no count
     assert "tokenizing: " not in run_cli([*argv, "--out", tmp_path / "c", "--cache-dir", tmp_path / "hf-c"]).err
+
+
+@pytest.mark.slow  # forks tokenizing processes
+def test_worker_processes_refuse_a_too_long_sample_as_the_one_process_does(tmp_path):
+    rows = AUTO_PROCESS_ROWS + 200  # the default --num-proc then forks a process per core
+    data = tmp_path / "docs.jsonl"
+    with data.open("w") as f:
+        for i in range(rows):
+            f.write(json.dumps({"text": "word " * 3000 if i == 1100 else f"short text number {i} " * 5}) + "\n")
+    argv = ["shard", data, *MESH, "--cache-dir", tmp_path / "hf", "--quiet"]
+    for processes in ([], ["--num-proc", "2"]):
+        run = run_cli([*argv, *processes, "--out", tmp_path / f"out{len(processes)}"])
+        assert_clean(run)
+        assert run.code == 1 and f"sample 1100 of {data} has 3000 tokens" in run.err.splitlines()[-1], run.err
+
+
+def test_the_default_processes_follow_the_rows_and_cores(monkeypatch):
+    assert tokenizing_processes(3, 10) == 3 and tokenizing_processes(None, AUTO_PROCESS_ROWS - 1) == 1
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    assert tokenizing_processes(None, AUTO_PROCESS_ROWS) == MAX_AUTO_PROCESSES
