@@ -28,23 +28,7 @@ def test_without_ray_the_engine_says_how_to_install_it(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
     data = tmp_path / "d.jsonl"
     data.write_text('{"input_ids": [1, 2, 3]}\n')
-    run = run_cli(
-        [
-            "shard",
-            data,
-            "--out",
-            tmp_path / "out",
-            "--dp",
-            "1",
-            "--cp",
-            "1",
-            "--tokens-per-rank",
-            "8",
-            "--engine",
-            "ray",
-            "--quiet",
-        ]
-    )
+    run = _shard_one_rank(data, tmp_path, "--engine", "ray")
     assert_clean(run)
     assert run.code == 1 and run.err.strip().endswith("pip install 'ringpack[ray]'")
     assert not (tmp_path / "out").exists()
@@ -60,24 +44,15 @@ def test_without_ray_the_engine_says_how_to_install_it(tmp_path, monkeypatch):
 def test_a_flag_of_the_other_engine_is_refused(flags, named, tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text('{"text": "a b c"}\n')
-    run = run_cli(
-        [
-            "shard",
-            data,
-            "--out",
-            tmp_path / "out",
-            "--dp",
-            "1",
-            "--cp",
-            "1",
-            "--tokens-per-rank",
-            "8",
-            *flags,
-            "--quiet",
-        ]
-    )
+    run = _shard_one_rank(data, tmp_path, *flags)
     assert_clean(run)
     assert run.code == 1 and named in run.err
+
+
+def _shard_one_rank(data, tmp_path, *flags):
+    """``ringpack shard DATA`` on one rank of 8 tokens, into ``tmp_path / "out"``, with ``flags``."""
+    mesh = ["--dp", "1", "--cp", "1", "--tokens-per-rank", "8"]
+    return run_cli(["shard", data, "--out", tmp_path / "out", *mesh, *flags, "--quiet"])
 
 
 @pytest.fixture(scope="module")
