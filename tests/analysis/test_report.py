@@ -85,6 +85,7 @@ def test_report_cli_from_plan_file(tmp_path, capsys):
     assert (out / "report.html").is_file() and (out / "report.md").is_file()
 
 
+@pytest.mark.slow  # seconds: every strategy planned
 def test_report_cli_from_lengths_plans_every_strategy(tmp_path, capsys):
     path = tmp_path / "lengths.npy"
     np.save(path, LENGTHS)

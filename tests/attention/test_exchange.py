@@ -166,7 +166,7 @@ def test_targeted_steps_are_exact(name, mb, lengths, heads, kv_heads, gpus_per_n
 
 @pytest.mark.parametrize(
     "threshold,buckets",
-    [(1, 1), pytest.param(2, None, marks=pytest.mark.slow), pytest.param(3, 8, marks=pytest.mark.slow)],
+    [pytest.param(*case, marks=pytest.mark.slow) for case in ((1, 1), (2, None), (3, 8))],
 )
 def test_targeted_steps_are_exact_with_the_dense_split(threshold, buckets):
     """Remapped remote calls keep their dense segments (keys moved onto the received rows) and

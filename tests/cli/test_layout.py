@@ -161,6 +161,7 @@ def heavy_tail(tmp_path):
     return path
 
 
+@pytest.mark.slow  # seconds: a report over every layout
 def test_report_cp_auto_times_the_targeted_exchange_it_chose(heavy_tail, tmp_path):
     """When ``--cp auto`` picks the targeted exchange, report's rows are timed with it, the CP
     group's nodes in the communication model."""
@@ -177,6 +178,7 @@ def test_report_cp_auto_times_the_targeted_exchange_it_chose(heavy_tail, tmp_pat
     assert report["plans"][0]["summary"]["exposed_comm_seconds"] > 0
 
 
+@pytest.mark.slow  # seconds: a simulation over every layout
 def test_simulate_cp_auto_times_the_epoch_with_the_targeted_exchange_when_asked(heavy_tail, tmp_path):
     """Where ``--cp auto`` chooses the targeted exchange, the simulated epoch is timed with it (nodes of
     the cluster's size): first by default, after the modes of a ``--modes`` that leaves it out."""

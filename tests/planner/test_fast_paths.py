@@ -209,6 +209,7 @@ def two_pass_packing(L: np.ndarray, config: PlanConfig, m: int) -> np.ndarray | 
     return improve(joint, fill_empty_bins(joint, pack_greedy(joint)), 1.0)
 
 
+@pytest.mark.slow  # seconds of plans, both packings
 def test_the_robust_packing_is_at_least_as_good_as_the_two_pass_one():
     rng = np.random.default_rng(0)
     ratios = []
@@ -249,6 +250,7 @@ def all_packings_best(L: np.ndarray, dp: int, cp: int, cost: CostModel, prices, 
     return best
 
 
+@pytest.mark.slow  # seconds of plans for every packing
 def test_the_robust_bound_holds_for_every_packing():
     rng = np.random.default_rng(3)
     above_one = 0
