@@ -163,10 +163,29 @@ def _sigterm_unwinds(command: str):
         raise Terminated
 
     saved = signal.signal(signal.SIGTERM, terminated)
+    _HANDLERS.add(terminated)
     try:
         yield
     finally:
+        _HANDLERS.discard(terminated)
         signal.signal(signal.SIGTERM, saved)
+
+
+#: The SIGTERM handlers :func:`_sigterm_unwinds` installed and that are still in place.
+_HANDLERS: set = set()
+
+
+def _default_sigterm_in_child() -> None:
+    """A process forked while a command runs (``datasets``' tokenizing workers, say) ends on SIGTERM
+    at once, as a process should: the command's handler unwinds the command, and a worker stuck in a
+    lock a thread of the parent held at the fork could never run it, so stopping its pool would wait
+    for it forever."""
+    if signal.getsignal(signal.SIGTERM) in _HANDLERS:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_default_sigterm_in_child)
 
 
 class _CommandFormatter(logging.Formatter):

@@ -4,6 +4,10 @@ tokenizing counts its rows in a log (with an estimate of the time left) unless `
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -90,14 +94,33 @@ def test_worker_processes_refuse_a_too_long_sample_as_the_one_process_does(tmp_p
     with data.open("w") as f:
         for i in range(rows):
             f.write(json.dumps({"text": "word " * 3000 if i == 1100 else f"short text number {i} " * 5}) + "\n")
-    argv = ["shard", data, *MESH, "--cache-dir", tmp_path / "hf", "--quiet"]
+    # as a user runs it: a fresh process, whose tokenizing workers fork from a process without test threads
+    argv = [sys.executable, "-m", "ringpack", "shard", data, *MESH, "--cache-dir", tmp_path / "hf", "--quiet"]
     for processes in ([], ["--num-proc", "2"]):
-        run = run_cli([*argv, *processes, "--out", tmp_path / f"out{len(processes)}"])
-        assert_clean(run)
-        assert run.code == 1 and f"sample 1100 of {data} has 3000 tokens" in run.err.splitlines()[-1], run.err
+        argv_run = [str(a) for a in (*argv, *processes, "--out", tmp_path / f"out{len(processes)}")]
+        run = subprocess.run(argv_run, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert run.returncode == 1, run.stderr
+        assert f"sample 1100 of {data} has 3000 tokens" in run.stderr.splitlines()[-1], run.stderr
 
 
 def test_the_default_processes_follow_the_rows_and_cores(monkeypatch):
     assert tokenizing_processes(3, 10) == 3 and tokenizing_processes(None, AUTO_PROCESS_ROWS - 1) == 1
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(64)), raising=False)
     assert tokenizing_processes(None, AUTO_PROCESS_ROWS) == MAX_AUTO_PROCESSES
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_process_forked_while_a_command_runs_ends_on_sigterm_at_once():
+    from ringpack.cli.app import _sigterm_unwinds
+
+    with _sigterm_unwinds("shard"):
+        assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL  # the command unwinds on SIGTERM
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child reports its handler and leaves at once
+            os.write(write, b"default" if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL else b"command")
+            os._exit(0)
+        os.close(write)
+        seen = os.read(read, 16)
+        os.waitpid(pid, 0)
+    assert seen == b"default"
