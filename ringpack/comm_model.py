@@ -502,7 +502,7 @@ def head_parallel_bytes(tokens: np.ndarray, comm: CommModel, size: int) -> HeadP
     """
     t = np.asarray(tokens, dtype=np.float64)
     group = _group_sum(t, size)
-    kv = comm.kv_bytes_per_token_layer * math.lcm(comm.kv_heads, size) / comm.kv_heads
+    kv = _sent_kv_bytes(comm, size)
     q = comm.q_bytes_per_token_layer
     own, others = t * (size - 1) / size, (group - t) / size
     return HeadParallelBytes(own * (q + kv), others * (q + kv), others * q, own * q)
@@ -518,9 +518,15 @@ def relayout_bytes(tokens: np.ndarray, comm: CommModel, size: int) -> np.ndarray
     all-to-all and of ``group / size`` rows at the gathered side. The all-to-all itself is the link's.
     """
     t = np.asarray(tokens, dtype=np.float64)
-    kv = comm.kv_bytes_per_token_layer * math.lcm(comm.kv_heads, size) / comm.kv_heads
     rows = t + _group_sum(t, size) / size
-    return comm.layers * 2 * 2 * rows * (comm.q_bytes_per_token_layer + kv + comm.q_bytes_per_token_layer)
+    q_and_o = 2 * comm.q_bytes_per_token_layer
+    return comm.layers * 2 * 2 * rows * (q_and_o + _sent_kv_bytes(comm, size))
+
+
+def _sent_kv_bytes(comm: CommModel, size: int) -> float:
+    """K and V bytes of one token and layer as a head-parallel all-to-all over ``size`` ranks sends
+    them: ``lcm(kv_heads, size)`` heads' worth, the runtime's replicas when ``size`` does not divide them."""
+    return comm.kv_bytes_per_token_layer * math.lcm(comm.kv_heads, size) / comm.kv_heads
 
 
 def _group_sum(x: np.ndarray, size: int) -> np.ndarray:
@@ -561,7 +567,7 @@ def _head_parallel_seconds(tokens, pairs, linear, kv_cross, model: CostModel, co
     between = attn
     inner = HEAD_PARALLEL_MODES[comm.mode]
     if inner is not None:
-        kv_share = comm.kv_bytes_per_token_layer * math.lcm(comm.kv_heads, size) / comm.kv_heads / size
+        kv_share = _sent_kv_bytes(comm, size) / size
         nodes = dataclasses.replace(
             comm,
             mode=inner,

@@ -25,7 +25,10 @@ from ringpack.errors import PlanError
 from ringpack.planner.epoch import global_batches, shuffle_order
 from ringpack.shard_plan import PlanConfig
 
-__all__ = ["ADVICE_STEPS", "ADVICE_SAMPLES", "advise", "LONGEST_BOUND"]
+__all__ = ["ADVICE_STEPS", "ADVICE_SAMPLES", "OWN_PLAN", "advise", "LONGEST_BOUND"]
+
+#: The plan a report or simulation of lengths re-plans with each remedy: ringpack's own split and packing.
+OWN_PLAN = {"strategy": "balanced", "packing": "balanced"}
 
 #: Global batches re-planned per remedy (a multiple of 3: whole blocks of ``--batch-window 2``).
 ADVICE_STEPS = 12

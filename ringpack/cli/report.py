@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from ringpack import data
-from ringpack.analysis.advice import advise
+from ringpack.analysis.advice import OWN_PLAN, advise
 from ringpack.analysis.metrics import plan_label
 from ringpack.analysis.plots import default_rank_step
 from ringpack.analysis.report import build_report, format_ranks, format_table, result_of_plan
@@ -32,9 +32,6 @@ from ringpack.cli.lengths_input import add_lengths_flags, lengths_from_args, len
 from ringpack.data.corpus import stdlib_corpus
 from ringpack.planner.epoch import global_batches
 from ringpack.shard_plan import Plan
-
-#: The plan the advice re-plans for lengths: ringpack's own split and packing.
-BALANCED = {"strategy": "balanced", "packing": "balanced"}
 
 
 def add_command(subparsers: Any) -> None:
@@ -135,7 +132,7 @@ def run_report(args: argparse.Namespace) -> int:
     extra = _window_entry(lengths, config, names) if not (args.plans or args.manifest) else {}
     if not args.no_advice:
         with progress(args, "re-planning a sample with each remedy", "remedies"):
-            base = plans[0].config if args.plans or args.manifest else dataclasses.replace(config, **BALANCED)
+            base = plans[0].config if args.plans or args.manifest else dataclasses.replace(config, **OWN_PLAN)
             extra["advice"] = advise(lengths, base, comms[0], jobs=args.jobs or None)
     doc = build_report(results, lengths=lengths, baseline=args.baseline, peers=rows, extra=extra)
     step = args.step

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ringpack.analysis.advice import advise
+from ringpack.analysis.advice import OWN_PLAN, advise
 from ringpack.analysis.report import format_table, write_report
 from ringpack.analysis.simulate import format_modes, sample_line, simulate, synthetic_lengths, window_chunk_steps
 from ringpack.cli.analysis_flags import add_advice_flag, add_host_time_flag, add_partner_memory_flag
@@ -286,7 +286,7 @@ def _simulate_shape(
         doc["layout"] = chosen["layout"]
     if not args.no_advice:
         with progress(args, "re-planning a sample with each remedy", "remedies"):
-            own = dataclasses.replace(config, strategy="balanced", packing="balanced")
+            own = dataclasses.replace(config, **OWN_PLAN)
             doc["advice"] = advise(lengths, own, comms[0], jobs=args.jobs or None)
     with progress(args, "drawing plots", "plots") as bar:
         paths = write_report(doc, out, plots=not args.no_plots, progress=bar)
