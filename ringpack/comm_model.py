@@ -697,12 +697,14 @@ def fastest_modes(
     model: CostModel,
     comm: CommModel,
     modes: Sequence[str] = MODES,
+    fallback: np.ndarray | None = None,
 ) -> np.ndarray:
     """Per micro-batch of a piece table, the index into ``modes`` of the fastest (the slowest rank's
     predicted seconds; a tie to the earlier mode), int64 ``(S, D, M)``.
 
     Modes that cannot run a CP group of ``cp`` (:meth:`CommModel.unfit_reason`) are never picked.
-    Deterministic: every rank computes the same answer from the same micro-batch.
+    Deterministic: every rank computes the same answer from the same micro-batch. ``fallback``: the
+    micro-batches over the partner budget, where already decided (:func:`exchange_inputs`).
 
     Raises:
         ValueError: an unknown mode, or no mode of ``modes`` that can run ``cp`` ranks.
@@ -718,7 +720,8 @@ def fastest_modes(
         if reason:
             unfit.append(reason)
         else:
-            times[i] = rank_seconds(arrays, cp, shape, model, link)[0].max(axis=-1)
+            inputs = exchange_inputs(arrays, cp, shape, link, fallback) if mode == "p2p" else None
+            times[i] = rank_seconds(arrays, cp, shape, model, link, inputs)[0].max(axis=-1)
     if len(unfit) == len(modes):
         raise ValueError(f"no mode of {list(modes)} can run a CP group of {cp}: " + "; ".join(unfit))
     return np.argmin(times, axis=0)
@@ -775,17 +778,26 @@ class ExchangeInputs:
 
 
 def exchange_inputs(
-    arrays: Mapping[str, np.ndarray], cp: int, shape: tuple[int, int, int], comm: CommModel
+    arrays: Mapping[str, np.ndarray],
+    cp: int,
+    shape: tuple[int, int, int],
+    comm: CommModel,
+    fallback: np.ndarray | None = None,
 ) -> ExchangeInputs:
     """``comm``'s :class:`ExchangeInputs` of a piece table: the targeted exchange's volumes
     (:func:`exchange_volumes`) for ``"p2p"``, the node-level inputs (:func:`node_exchange_inputs`)
-    for the hybrids, nothing for the other modes. Arguments as for :func:`rank_seconds`."""
+    for the hybrids, nothing for the other modes. Arguments as for :func:`rank_seconds`;
+    ``fallback`` (bool ``(S, D, M)``): under ``"p2p"``, the micro-batches over the partner budget
+    where the caller already knows them (the planner decided them), so the partners are not counted
+    again and ``partners`` is left None; None: counted here."""
     if comm.mode == "p2p":
-        raw = _p2p_partners(arrays, cp, shape, comm)
-        fallback = partners_over_budget(raw, comm.max_partners)
-        partners = np.where(fallback[..., None], min(2, cp - 1), raw)
+        partners = None
+        if fallback is None:
+            raw = _p2p_partners(arrays, cp, shape, comm)
+            fallback = partners_over_budget(raw, comm.max_partners)
+            partners = np.where(fallback[..., None], min(2, cp - 1), raw)
         volumes = exchange_volumes(arrays, cp, shape, comm.gpus_per_node)
-        return ExchangeInputs(volumes=volumes, fallback=fallback, partners=partners)
+        return ExchangeInputs(volumes=volumes, fallback=np.asarray(fallback, dtype=bool), partners=partners)
     return ExchangeInputs(*node_exchange_inputs(arrays, cp, shape, comm))
 
 

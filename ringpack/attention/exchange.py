@@ -27,7 +27,15 @@ from torch import Tensor
 from ringpack.attention.ranges import concat_ranges
 from ringpack.traffic import proxy_index
 
-__all__ = ["ProxyJob", "TargetedExchange", "compile_exchange", "exchange_ranges", "neighbourhood", "ring_distances"]
+__all__ = [
+    "ProxyJob",
+    "TargetedExchange",
+    "compile_exchange",
+    "exchange_ranges",
+    "neighbourhood",
+    "ring_distances",
+    "sends_of_ranks",
+]
 
 
 @dataclass(frozen=True)
@@ -119,13 +127,12 @@ class TargetedExchange:
 
 
 def neighbourhood(table: Any, mine: np.ndarray) -> np.ndarray:
-    """Rows of the piece table holding the samples of rows ``mine`` (one rank's pieces, canonical
-    order): every piece of each, in (sample, start) order, through ``table.by_sample`` and
-    ``table.sample_bounds``. Its size is the rank's pieces plus their samples' pieces elsewhere."""
-    slots = table.slot[mine]
-    if not slots.size:
+    """Rows of the piece table holding the samples of rows ``mine`` (any ranks' pieces): every
+    piece of each, in (sample, start) order, through ``table.by_sample`` and
+    ``table.sample_bounds``. Its size is those pieces plus their samples' pieces elsewhere."""
+    if not mine.size:
         return np.zeros(0, dtype=np.int64)
-    own = slots[_starts(slots)]  # canonical order: slots ascend
+    own = np.unique(table.slot[mine])
     lo = table.sample_bounds[own]
     return table.by_sample[concat_ranges(lo, table.sample_bounds[own + 1] - lo)]
 
@@ -139,32 +146,75 @@ def exchange_ranges(table: Any, mine: np.ndarray, cp_rank: int) -> tuple[np.ndar
         ``lo:lo+count`` of the holder's compact send buffer (the partner's for a receive, this
         rank's for a send), one per shared sample and partner, sorted by partner then ``lo``.
     """
-    rows = neighbourhood(table, mine)
+    receives, sends = _ranges_of(table, mine, np.array([cp_rank], dtype=np.int64))
+    return receives[:, 1:], sends[:, 1:]
+
+
+def sends_of_ranks(table: Any, ranks: Sequence[int], to: tuple[int, int] | None = None) -> dict[int, np.ndarray]:
+    """The sends of each of ``ranks`` (the second array of its :func:`exchange_ranges`), computed
+    together in one pass over their joint neighbourhood; ``to=(lo, hi)`` keeps only the sends to
+    ranks ``lo..hi-1`` (one node's), which bounds the work by the ranks' samples times those ranks
+    rather than times every rank the samples span."""
+    targets = np.unique(np.asarray(ranks, dtype=np.int64))
+    lo, hi = np.searchsorted(table.rank, targets), np.searchsorted(table.rank, targets + 1)
+    _, sends = _ranges_of(table, concat_ranges(lo, hi - lo), targets, to)
+    bounds = np.append(np.searchsorted(sends[:, 0], targets), len(sends))
+    return {int(r): sends[bounds[i] : bounds[i + 1], 1:] for i, r in enumerate(targets.tolist())}
+
+
+def _ranges_of(
+    table: Any, rows_of_targets: np.ndarray, targets: np.ndarray, partners: tuple[int, int] | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(receives, sends)`` of every rank of ``targets`` (ascending; their pieces: table rows
+    ``rows_of_targets``) with partners among ranks ``partners = (lo, hi)`` (``None``: any), int64
+    ``[n, 4]`` arrays of ``(target, partner, lo, count)`` sorted by target, partner, then ``lo``.
+
+    Every (sample, rank) group of a target is paired with each other group of its sample whose rank
+    is a partner: the target receives the other group's pieces ending by its own last start, and
+    sends its own pieces ending by the other's last start."""
+    empty = np.zeros((0, 4), dtype=np.int64)
+    rows = neighbourhood(table, rows_of_targets)
     if not rows.size:
-        return np.zeros((0, 3), dtype=np.int64), np.zeros((0, 3), dtype=np.int64)
+        return empty, empty
     cols = ("rank", "slot", "start", "stop", "compact")
     rank, slot, start, stop, compact = (getattr(table, c)[rows] for c in cols)
     order, first, last = _sample_rank_groups(rank, slot)
     rank, slot, start, stop, compact = (x[order] for x in (rank, slot, start, stop, compact))
     group = np.repeat(np.arange(first.size), last - first + 1)
     g_slot, g_rank, g_last_start = slot[first], rank[first], start[last]
-    own = np.flatnonzero(g_rank == cp_rank)
-    own_of = own[np.searchsorted(g_slot[own], g_slot)]  # this rank's group of each group's sample
-    other = np.flatnonzero(g_rank != cp_rank)
-    # receive: the other group's pieces ending by this rank's last start; send: own pieces ending by theirs
-    holder = np.concatenate((other, own_of[other]))
-    limit = np.concatenate((g_last_start[own_of[other]], g_last_start[other]))
+    pair_own, pair_other = _group_pairs(g_slot, g_rank, targets, partners or (0, table.cp_size))
+    # receive: the other group's pieces ending by the target's last start; send: own pieces ending by theirs
+    holder = np.concatenate((pair_other, pair_own))
+    limit = np.concatenate((g_last_start[pair_own], g_last_start[pair_other]))
     count = _prefix_rows(group, start, stop, first, holder, limit)
     lo = compact[first[holder]]
-    partner = np.tile(g_rank[other], 2)
+    target = np.tile(g_rank[pair_own], 2)
+    partner = np.tile(g_rank[pair_other], 2)
     out = []
-    for part in (slice(0, other.size), slice(other.size, None)):
-        p, a, n = partner[part], lo[part], count[part]
+    for part in (slice(0, pair_own.size), slice(pair_own.size, None)):
+        t, p, a, n = target[part], partner[part], lo[part], count[part]
         keep = n > 0
-        p, a, n = p[keep], a[keep], n[keep]
-        by = np.lexsort((a, p))
-        out.append(np.stack([p[by], a[by], n[by]], axis=1).reshape(-1, 3))
+        t, p, a, n = t[keep], p[keep], a[keep], n[keep]
+        by = np.lexsort((a, p, t))
+        out.append(np.stack([t[by], p[by], a[by], n[by]], axis=1).reshape(-1, 4))
     return out[0], out[1]
+
+
+def _group_pairs(
+    g_slot: np.ndarray, g_rank: np.ndarray, targets: np.ndarray, partners: tuple[int, int]
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(own, other)``: every pair of (sample, rank) groups of one sample (groups sorted by sample,
+    then rank) where ``own``'s rank is a target and ``other``'s another rank in ``partners``."""
+    width = max(int(g_rank.max()) + 1, partners[1])
+    sample = np.cumsum(_starts(g_slot)) - 1
+    key = sample * width + g_rank  # ascending
+    own = np.flatnonzero(np.isin(g_rank, targets))
+    lo = np.searchsorted(key, sample[own] * width + partners[0])
+    hi = np.searchsorted(key, sample[own] * width + partners[1])
+    pair_own = np.repeat(own, hi - lo)
+    pair_other = concat_ranges(lo, hi - lo)
+    keep = pair_other != pair_own
+    return pair_own[keep], pair_other[keep]
 
 
 def ring_distances(table: Any, max_pairs: int = 1 << 20) -> list[int]:

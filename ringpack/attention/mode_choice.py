@@ -20,6 +20,7 @@ from ringpack.comm_model import MODES, CommModel, fastest_modes
 from ringpack.cost import CostModel
 from ringpack.errors import PlanError
 from ringpack.shard_plan import MicroBatch
+from ringpack.traffic import microbatch_over_budget
 
 __all__ = ["AUTO", "ModeChoice", "resolve_mode"]
 
@@ -59,7 +60,8 @@ class ModeChoice:
     def pick(self, microbatch: MicroBatch, gpus_per_node: int | None = None, max_partners: int = 0) -> str:
         """The fastest of :attr:`modes` for ``microbatch`` over nodes of ``gpus_per_node`` CP ranks
         (``"p2p"`` timed as the ring where its exchange exceeds the partner budget ``max_partners``,
-        as it then runs).
+        as it then runs: the decision remembered on the micro-batch, the planner's where it planned it,
+        :func:`~ringpack.traffic.microbatch_over_budget`).
 
         Raises:
             PlanError: no candidate can run the micro-batch's CP size (each mode's reason named).
@@ -70,8 +72,9 @@ class ModeChoice:
         zeros = np.zeros_like(ranks)
         table = {"step": zeros, "dp": zeros, "microbatch": zeros, "cp": ranks, "sample": sample}
         table.update(start=start, stop=stop)
+        over = microbatch_over_budget(microbatch, gpus_per_node, max_partners)  # decided once per micro-batch
         try:
-            best = fastest_modes(table, cp, (1, 1, 1), self.cost, comm, self.modes)
+            best = fastest_modes(table, cp, (1, 1, 1), self.cost, comm, self.modes, np.full((1, 1, 1), over))
         except ValueError as exc:
             raise PlanError(f"mode='auto': {exc}") from exc
         return self.modes[int(best.reshape(-1)[0])]

@@ -26,7 +26,13 @@ import torch
 from torch import Tensor
 
 from ringpack._checks import is_int
-from ringpack.attention.exchange import TargetedExchange, compile_exchange, exchange_ranges, ring_distances
+from ringpack.attention.exchange import (
+    TargetedExchange,
+    compile_exchange,
+    exchange_ranges,
+    ring_distances,
+    sends_of_ranks,
+)
 from ringpack.attention.mode_choice import ModeChoice
 from ringpack.attention.ranges import concat_ranges
 from ringpack.errors import PlanError
@@ -720,17 +726,7 @@ def compile_schedule(
         send_range=_as_range(send_index),
         local=_local_call(table, mine, dense) if num_tokens else None,
         steps=steps,
-        exchange=None
-        if fallback
-        else compile_exchange(
-            receives,
-            sends,
-            cp_rank,
-            cp,
-            steps,
-            gpus_per_node=None if gpus_per_node is None else int(gpus_per_node),
-            sends_of=lambda src: exchange_ranges(table, table.rows_of(src), src)[1],
-        ),
+        exchange=None if fallback else _exchange(table, cp_rank, receives, sends, steps, gpus_per_node),
         gpus_per_node=None if gpus_per_node is None else int(gpus_per_node),
         head_layout=_head_layout(table, microbatch.samples, fingerprint, dense)
         if cp <= MAX_HEAD_PARALLEL_RANKS
@@ -739,6 +735,28 @@ def compile_schedule(
         mode=mode,
         max_partners=options.max_partners,
         partner_fallback=fallback,
+    )
+
+
+def _exchange(
+    table: _PieceTable,
+    cp_rank: int,
+    receives: np.ndarray,
+    sends: np.ndarray,
+    steps: tuple[RingStep, ...],
+    gpus_per_node: int | None,
+) -> TargetedExchange:
+    """The rank's :func:`compile_exchange`; its node's relay needs the sends of its sources on other
+    nodes to this node, computed in one pass."""
+    gpus = None if gpus_per_node is None else int(gpus_per_node)
+    far = np.zeros(0, dtype=np.int64)
+    if gpus is not None and receives.size:
+        sources = np.unique(receives[:, 0])
+        far = sources[sources // gpus != cp_rank // gpus]
+    node = cp_rank // gpus if gpus is not None else 0
+    sends_of = sends_of_ranks(table, far, to=(node * (gpus or 0), (node + 1) * (gpus or 0)))
+    return compile_exchange(
+        receives, sends, cp_rank, table.cp_size, steps, gpus_per_node=gpus, sends_of=sends_of.__getitem__
     )
 
 

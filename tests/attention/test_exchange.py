@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from ringpack.attention import compile_schedule, ring_attention
-from ringpack.attention.exchange import neighbourhood
+from ringpack.attention.exchange import exchange_ranges, neighbourhood, sends_of_ranks
 from ringpack.attention.p2p import targeted_schedule
 from ringpack.attention.schedule import _PieceTable
 from ringpack.errors import DataError
@@ -252,3 +252,21 @@ def test_the_exchange_map_moves_and_pickles_with_its_schedule():
         assert [None if t is None else t.tolist() for t in new.send_index] == [
             None if t is None else t.tolist() for t in ex.send_index
         ]
+
+
+@pytest.mark.parametrize("name,mb,lengths", PLANS, ids=IDS)
+def test_the_sends_of_many_ranks_at_once_are_each_ranks_own(name, mb, lengths):
+    """``sends_of_ranks`` (one pass, what a node's relay reads) gives each rank the sends its own
+    ``exchange_ranges`` gives, whole and restricted to one node's ranks."""
+    table = _PieceTable.from_microbatch(mb)
+    cp = len(mb.shards)
+    own = {r: exchange_ranges(table, table.rows_of(r), r)[1] for r in range(cp)}
+    ranks = list(range(0, cp, 2)) + [cp - 1]
+    together = sends_of_ranks(table, ranks)
+    assert sorted(together) == sorted(set(ranks))
+    for r, sends in together.items():
+        np.testing.assert_array_equal(sends, own[r])
+    for lo, hi in ((0, 2), (1, cp)):
+        kept = sends_of_ranks(table, ranks, to=(lo, hi))
+        for r, sends in kept.items():
+            np.testing.assert_array_equal(sends, own[r][(own[r][:, 0] >= lo) & (own[r][:, 0] < hi)])

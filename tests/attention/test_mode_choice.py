@@ -160,3 +160,24 @@ def test_auto_switches_modes_per_microbatch_exactly():
     assert chosen["tail-fast"] == "ulysses" and chosen["whole-slow"] == "ring", chosen
     assert chosen["tail-hybrid"] == "ulysses+p2p", chosen
     assert len(set(chosen.values())) >= 3, chosen
+
+
+def test_the_pick_reads_the_remembered_partner_budget_decision(monkeypatch):
+    """Under a partner budget, ``pick`` prices p2p from the micro-batch's remembered decision (the
+    planner's, or the schedule's first count) and never counts every rank's partners again."""
+    import ringpack.comm_model as comm_model
+    import ringpack.traffic as traffic
+
+    mb, _ = tail_on_last_rank(8)
+    choice = ModeChoice(cost=MODEL, comm=SLOW, modes=("ring", "p2p"))
+    expected = choice.pick(mb, gpus_per_node=2, max_partners=2)  # counts once, remembers it on mb
+
+    def counted(*args, **kwargs):
+        raise AssertionError("partners counted again")
+
+    monkeypatch.setattr(comm_model, "_p2p_partners", counted)
+    monkeypatch.setattr(traffic, "over_partner_budget", counted)
+    assert choice.pick(mb, gpus_per_node=2, max_partners=2) == expected
+    fresh, _ = tail_on_last_rank(8)
+    with pytest.raises(AssertionError, match="partners counted again"):
+        choice.pick(fresh, gpus_per_node=2, max_partners=2)
