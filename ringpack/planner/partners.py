@@ -20,7 +20,7 @@ import numpy as np
 
 from ringpack.planner.split.baselines import split_contiguous
 from ringpack.shard_plan import MicroBatch, PlanConfig
-from ringpack.traffic import over_partner_budget, remember_over_budget
+from ringpack.traffic import OVER_BUDGET_SLOT, over_partner_budget, remember_over_budget
 
 __all__ = ["hold_partner_budget", "microbatches_over_budget"]
 
@@ -28,17 +28,26 @@ __all__ = ["hold_partner_budget", "microbatches_over_budget"]
 def microbatches_over_budget(mbs: Sequence[MicroBatch], config: PlanConfig) -> np.ndarray:
     """bool ``[len(mbs)]``: which micro-batches' targeted exchange (over nodes of ``config.gpus_per_node``)
     gives some rank more than ``config.max_partners`` partners; each outcome is also kept on its
-    micro-batch (:func:`~ringpack.traffic.remember_over_budget`), for its schedules to read."""
+    micro-batch (:func:`~ringpack.traffic.remember_over_budget`), for its schedules to read. A
+    micro-batch whose outcome is kept already (the pool split decides it from its node groups) is
+    not counted again."""
     if not mbs or not config.max_partners or config.cp - 1 <= config.max_partners:
         return np.zeros(len(mbs), dtype=bool)
-    columns = [mb.piece_columns for mb in mbs]
-    group = np.repeat(np.arange(len(mbs), dtype=np.int64), [len(c[0]) for c in columns])
+    key = (config.gpus_per_node, int(config.max_partners))
+    known = [mb.__dict__.get(OVER_BUDGET_SLOT, {}).get(key) for mb in mbs]
+    todo = [i for i, flag in enumerate(known) if flag is None]
+    over = np.array([bool(flag) for flag in known], dtype=bool)
+    if not todo:
+        return over
+    columns = [mbs[i].piece_columns for i in todo]
+    group = np.repeat(np.arange(len(todo), dtype=np.int64), [len(c[0]) for c in columns])
     rank, sample, start, stop = (np.concatenate([c[k] for c in columns]) for k in range(4))
-    over = over_partner_budget(
-        group, rank, sample, start, stop, len(mbs), config.cp, config.gpus_per_node, config.max_partners
+    counted = over_partner_budget(
+        group, rank, sample, start, stop, len(todo), config.cp, config.gpus_per_node, config.max_partners
     )
-    for mb, flag in zip(mbs, over.tolist()):
-        remember_over_budget(mb, config.gpus_per_node, config.max_partners, flag)
+    for i, flag in zip(todo, counted.tolist()):
+        remember_over_budget(mbs[i], config.gpus_per_node, config.max_partners, flag)
+        over[i] = flag
     return over
 
 

@@ -28,7 +28,7 @@ from ringpack.planner.split.baselines import split_contiguous
 from ringpack.planner.split.fallbacks import split_spread
 from ringpack.planner.split.strategies import split_groups
 from ringpack.shard_plan import MicroBatch, PlanConfig, RankShard
-from ringpack.traffic import over_partner_budget
+from ringpack.traffic import over_partner_budget, remember_over_budget
 
 __all__ = ["split_over_nodes", "node_groups", "node_need", "arrange_nodes", "NODE_TOLERANCE", "TIGHT_FILL"]
 
@@ -110,14 +110,17 @@ def _split_over_nodes(groups: Sequence[Sequence[int]], lengths: Sequence[int], c
         for first, count, slots in node_groups(L, config):
             (single if count == 1 else multi).append((g, first, count, [members[k] for k in slots.tolist()]))
     split = _split_parts(single, lengths, config, G, config.token_slack)
+    over = [False] * len(groups)
     for part in multi:  # each at its own size; its ranks arranged so that small splits stay in a node
         mb = _on_consecutive_nodes(arrange_nodes(_split_group(part, lengths, config), G), part, lengths, G)
-        split.append(_within_partner_budget(mb, part, lengths, config))
+        mb, part_over = _within_partner_budget(mb, part, lengths, config)
+        split.append(mb)
+        over[part[0]] |= part_over
     placed: list[list[tuple[int, MicroBatch]]] = [[] for _ in groups]
     for (g, first, _, _), mb in zip(single + multi, split):
         placed[g].append((first, mb))
     out = []
-    for parts in placed:
+    for g, parts in enumerate(placed):
         parts.sort(key=lambda item: item[0])
         shards = [_EMPTY] * config.cp
         samples: list[int] = []
@@ -127,6 +130,8 @@ def _split_over_nodes(groups: Sequence[Sequence[int]], lengths: Sequence[int], c
             samples.extend(mb.samples)
             loss += mb.loss_tokens
         out.append(MicroBatch(samples=tuple(samples), shards=tuple(shards), loss_tokens=loss))
+        if config.max_partners and config.max_partners >= G - 1:  # a one-node group is within any such budget
+            remember_over_budget(out[-1], G, config.max_partners, over[g])
     return out
 
 
@@ -178,28 +183,36 @@ def _on_consecutive_nodes(mb: MicroBatch, part: tuple, lengths: Sequence[int], g
     return split_contiguous(part[3], lengths, len(mb.shards))
 
 
-def _within_partner_budget(mb: MicroBatch, part: tuple, lengths: Sequence[int], config: PlanConfig) -> MicroBatch:
+def _within_partner_budget(
+    mb: MicroBatch, part: tuple, lengths: Sequence[int], config: PlanConfig
+) -> tuple[MicroBatch, bool]:
     """``mb`` (the split of the node group ``part``), or the group split contiguously (its samples in
     order, each on the fewest consecutive ranks its tokens need) where ``mb``'s targeted exchange
     gives a rank more partners than ``config.max_partners`` and the contiguous split's does not: the
-    partner budget's tighter split, for less balance (:mod:`ringpack.planner.partners`). A group's
-    partners are its own: its samples' pieces, their receivers and the proxies among them all lie
-    on its nodes."""
+    partner budget's tighter split, for less balance (:mod:`ringpack.planner.partners`); and whether
+    the split returned is still over the budget.
+
+    A group's partners are its own: its samples' pieces, their receivers and the proxies among them
+    all lie on its nodes. They are counted at the group's place in the whole micro-batch (the
+    proxies depend on the ranks' numbers), so the whole micro-batch is over the budget exactly
+    where one of its groups is, when a one-node group cannot be."""
     cp = len(mb.shards)
-    if not config.max_partners or cp - 1 <= config.max_partners or not _over_budget(mb, config):
-        return mb
+    if not config.max_partners or cp - 1 <= config.max_partners or not _over_budget(mb, part, config):
+        return mb, False
     tight = split_contiguous(part[3], lengths, cp)
-    return mb if _over_budget(tight, config) else tight
+    return (mb, True) if _over_budget(tight, part, config) else (tight, False)
 
 
-def _over_budget(mb: MicroBatch, config: PlanConfig) -> bool:
-    """Whether ``mb``'s targeted exchange (nodes of ``config.gpus_per_node``) gives a rank more than
-    ``config.max_partners`` partners."""
+def _over_budget(mb: MicroBatch, part: tuple, config: PlanConfig) -> bool:
+    """Whether ``mb``'s targeted exchange (nodes of ``config.gpus_per_node``), placed on the nodes of
+    the node group ``part`` in the plan's CP group, gives a rank more than ``config.max_partners`` partners."""
     rank, sample, start, stop = mb.piece_columns
     group = np.zeros(len(rank), dtype=np.int64)
-    cp = len(mb.shards)
+    first = part[1] * config.gpus_per_node
     return bool(
-        over_partner_budget(group, rank, sample, start, stop, 1, cp, config.gpus_per_node, config.max_partners)[0]
+        over_partner_budget(
+            group, rank + first, sample, start, stop, 1, config.cp, config.gpus_per_node, config.max_partners
+        )[0]
     )
 
 

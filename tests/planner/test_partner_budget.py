@@ -161,10 +161,9 @@ def test_the_planners_outcome_travels_with_the_microbatch_and_schedules_read_it(
     budget = int(raw_partners(pool_plan(0)).max()) - 1
     plan = pool_plan(budget)
     mbs = [mb for step in plan.steps for rank in step.microbatches for mb in rank]
-    counted = microbatches_over_budget([PackedMicroBatch.of(mb).unpack() for mb in mbs], plan.config)
     # the planner decided every micro-batch once, and its outcome equals a fresh count
     decided = [vars(mb)[OVER_BUDGET_SLOT][(NODE, budget)] for mb in mbs]
-    assert decided == counted.tolist()
+    assert decided == [fresh_count(mb, budget) for mb in mbs]
     # packed for another process, the outcome goes along; the schedule reads it, counting nothing
     mb = mbs[0]
     moved = PackedMicroBatch.of(mb).unpack()
@@ -176,6 +175,34 @@ def test_the_planners_outcome_travels_with_the_microbatch_and_schedules_read_it(
     fresh = PackedMicroBatch.of(mb).unpack()
     wider = microbatch_over_budget(fresh, NODE, budget + 1)
     assert vars(fresh)[OVER_BUDGET_SLOT][(NODE, budget + 1)] is wider
+
+
+def fresh_count(mb, budget: int) -> bool:
+    """Whether some rank of ``mb`` has more than ``budget`` partners, counted from its pieces."""
+    rank, sample, start, stop = mb.piece_columns
+    return bool(exchange_partners(np.zeros_like(rank), rank, sample, start, stop, 1, WORLD, NODE).max() > budget)
+
+
+@pytest.mark.parametrize(
+    "world,node,budget,seed",
+    # (24, 4, 3, 1): a group counted with its own rank numbers would pick other proxies and miss it
+    [(24, 4, 3, 1), (24, 4, 5, 2), (32, 8, 7, 0), (32, 8, 7, 2), (32, 8, 10, 1), (48, 8, 9, 3)],
+)
+def test_the_pool_splits_decision_from_its_node_groups_is_the_whole_microbatchs_count(world, node, budget, seed):
+    """The pool split decides each micro-batch from its node groups (counted where they sit in the
+    group: the proxies depend on the ranks' numbers); that equals counting the whole micro-batch."""
+    lengths = synthetic_lengths(600, "lognormal", seed=seed, median=1500, sigma=1.4, max_len=65536)
+    plan = ringpack.plan(
+        lengths, world=world, gpus_per_node=node, tokens_per_rank=T, samples_per_step=200, max_partners=budget
+    )
+    mbs = [mb for step in plan.steps for rank in step.microbatches for mb in rank]
+    decided = [vars(mb)[OVER_BUDGET_SLOT][(node, budget)] for mb in mbs]
+    counted = []
+    for mb in mbs:
+        rank, sample, start, stop = mb.piece_columns
+        partners = exchange_partners(np.zeros_like(rank), rank, sample, start, stop, 1, world, node)
+        counted.append(bool(partners.max() > budget))
+    assert decided == counted
 
 
 def test_a_delivered_microbatch_keeps_its_fingerprint_and_schedules_carry_it():
