@@ -11,7 +11,11 @@ a ``BalancedBatchSampler`` with ``planner="thread"`` and ``planner="process"``. 
 once the sampler has handed out its first micro-batch (the first step's planning is start-up, not
 the loop's), so what the loop loses is the planner working beside it. The three ways alternate,
 ``--repeats`` times, and each way's median is kept; the slowdown is against the median without a
-sampler.
+sampler. Wall time needs a quiet machine with a core free for the planner; two CPU figures do
+not: the loop thread's own CPU seconds, and the CPU seconds of the process's other threads while
+the loop ran (``beside it``, as a share of the loop's CPU without a sampler): the most the
+sampler's work in this process (a thread planning, or one receiving the planner process's arrays)
+can have held the interpreter lock, which is what the loop can lose to it on a free core.
 
 Cases, on ``--samples`` log-normal lengths (median 1,536, sigma 1.3, at most 131,072 tokens):
 ``mesh`` is DP=64 x CP=8, 32,768 tokens per rank, 8,192 samples per global batch; ``pool`` is
@@ -26,6 +30,7 @@ import argparse
 import gc
 import json
 import os
+import resource
 import statistics
 import time
 
@@ -63,18 +68,29 @@ def ops_per_second(x: torch.Tensor) -> float:
     return best
 
 
-def run_once(mode: str, lengths, config: PlanConfig, steps: int, ops: int, x: torch.Tensor) -> tuple[float, float]:
-    """``(seconds, seconds waiting for the sampler)`` of ``steps`` steps of ``ops`` small ops each,
-    with ``mode``'s sampler."""
+def process_cpu() -> float:
+    """CPU seconds of every thread of this process so far (not of its child processes)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def run_once(mode: str, lengths, config: PlanConfig, steps: int, ops: int, x: torch.Tensor) -> dict[str, float]:
+    """``steps`` steps of ``ops`` small ops each with ``mode``'s sampler: ``seconds`` (wall),
+    ``waited`` (seconds waiting for the sampler), ``loop_cpu`` (the loop thread's CPU seconds) and
+    ``beside_cpu`` (CPU seconds of this process's other threads meanwhile: the sampler's work on
+    this interpreter, an upper bound of the time it can hold the interpreter lock)."""
     if mode == "none":
-        t0 = time.perf_counter()
+        t0, c0, p0 = time.perf_counter(), time.thread_time(), process_cpu()
         for _ in range(steps * ops):
             x * 2 + 1
-        return time.perf_counter() - t0, 0.0
+        loop_cpu = time.thread_time() - c0
+        return {"seconds": time.perf_counter() - t0, "waited": 0.0, "loop_cpu": loop_cpu,
+                "beside_cpu": process_cpu() - p0 - loop_cpu}  # fmt: skip
     sampler = BalancedBatchSampler(lengths, config, 0, planner=mode)
     tickets = iter(sampler)
     ticket = next(tickets)  # start-up: the first step planned
-    waited, t0 = 0.0, time.perf_counter()
+    waited = 0.0
+    t0, c0, p0 = time.perf_counter(), time.thread_time(), process_cpu()
     while True:
         for _ in range(ops // ticket.microbatches_in_step):
             x * 2 + 1
@@ -83,10 +99,10 @@ def run_once(mode: str, lengths, config: PlanConfig, steps: int, ops: int, x: to
         waited += time.perf_counter() - t1
         if ticket.step >= steps:
             break
-    seconds = time.perf_counter() - t0
+    seconds, loop_cpu, all_cpu = time.perf_counter() - t0, time.thread_time() - c0, process_cpu() - p0
     del tickets, sampler  # the sampler's planner (thread or process) ends with it
     gc.collect()
-    return seconds, waited
+    return {"seconds": seconds, "waited": waited, "loop_cpu": loop_cpu, "beside_cpu": all_cpu - loop_cpu}
 
 
 def main() -> None:
@@ -108,19 +124,23 @@ def main() -> None:
     for name, config in configs(lengths, args.cases.split(",")).items():
         step_s = args.pool_step_s if name == "pool" else args.step_s
         ops = int(rate * step_s)
-        seconds: dict[str, list[float]] = {m: [] for m in MODES}
-        waits: dict[str, list[float]] = {m: [] for m in MODES}
+        runs: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}
         for _ in range(args.repeats):
             for mode in MODES:
-                took, waited = run_once(mode, lengths, config, args.steps, ops, x)
-                seconds[mode].append(took)
-                waits[mode].append(waited)
+                runs[mode].append(run_once(mode, lengths, config, args.steps, ops, x))
+        seconds = {m: [r["seconds"] for r in runs[m]] for m in MODES}
+        waits = {m: [r["waited"] for r in runs[m]] for m in MODES}
         base = statistics.median(seconds["none"])
+        base_cpu = statistics.median(r["loop_cpu"] for r in runs["none"])
         row = {
             m: {"seconds": seconds[m], "median_s": statistics.median(seconds[m]), "waited_s": waits[m]} for m in MODES
         }
         for m in MODES:
             row[m]["slowdown_pct"] = 100 * (row[m]["median_s"] / base - 1)
+            row[m]["loop_cpu_s"] = [r["loop_cpu"] for r in runs[m]]
+            row[m]["loop_cpu_slowdown_pct"] = 100 * (statistics.median(row[m]["loop_cpu_s"]) / base_cpu - 1)
+            row[m]["beside_cpu_s"] = [r["beside_cpu"] for r in runs[m]]
+            row[m]["beside_cpu_pct"] = 100 * statistics.median(row[m]["beside_cpu_s"]) / base_cpu
         row["samples_per_step"], row["dp"], row["cp"], row["step_s"] = (
             config.samples_per_step,
             config.dp,
@@ -134,11 +154,12 @@ def main() -> None:
             f"{args.steps} steps of {step_s:g} s alone"
         )
         for m in MODES:
-            runs = ", ".join(f"{s:.2f}" for s in seconds[m])
+            runs_s = ", ".join(f"{s:.2f}" for s in seconds[m])
             waited = ", ".join(f"{s:.2f}" for s in waits[m])
             print(
                 f"  {m:8s} median {row[m]['median_s']:7.2f} s  slowdown {row[m]['slowdown_pct']:+6.1f}%  "
-                f"(runs {runs}; waiting for the sampler {waited})"
+                f"loop CPU {row[m]['loop_cpu_slowdown_pct']:+6.1f}%  beside it {row[m]['beside_cpu_pct']:5.1f}%  "
+                f"(runs {runs_s}; waiting for the sampler {waited})"
             )
         print(f"  load {row['load_after']:.1f}")
     if args.out:
