@@ -146,18 +146,21 @@ def _run_on_ray(args: argparse.Namespace, config: PlanConfig) -> int:
     if text is not None and args.tokenizer:
         load_tokenizer(args.tokenizer)  # a bad one is refused before the cluster starts
     with ray_shards.ray_cluster(args.ray_address):
-        measured = ray_shards.measure(args.dataset, spec, split=args.split, options=options, progress=not args.quiet)
-        lengths = _measured_lengths(args, config, measured.lengths, tokenized)
-        manifest = ray_shards.write_measured(
-            measured,
-            args.out,
-            _config_for(args, config, lengths),
-            steps_per_file=args.steps_per_file,
-            overwrite=args.overwrite,
-            source=_source_record(args, tokenized),
-            options=options,
-            progress=not args.quiet,
+        measured = ray_shards.measure(
+            args.dataset, spec, out_dir=args.out, split=args.split, options=options, progress=not args.quiet
         )
+        with measured:  # the spilled ids are removed however this ends
+            lengths = _measured_lengths(args, config, measured.lengths, tokenized)
+            manifest = ray_shards.write_measured(
+                measured,
+                args.out,
+                _config_for(args, config, lengths),
+                steps_per_file=args.steps_per_file,
+                overwrite=args.overwrite,
+                source=_source_record(args, tokenized),
+                options=options,
+                progress=not args.quiet,
+            )
     return _summarize(args, manifest)
 
 
