@@ -3,7 +3,7 @@
 Three stages (docs/data.md, "Sharding on a cluster"): :func:`measure` (a Ray task per block of the
 source, :mod:`~ringpack.data.input_blocks`, reads, tokenizes and checks it, writes its ids into the
 shard directory's spill folder, :mod:`~ringpack.data.id_spill`, and sends back each row's length
-and the digest of its ids, never the ids);
+and the digest of its ids, never the ids; a sample over ``max_tokens`` is refused there and then);
 :func:`write_measured` (plans on the driver from the lengths alone and claims the output directory
 as the local engine does, :class:`~ringpack.data.shard_writer.ShardRun`); then writing tasks each
 write a run of the files with the local engine's :func:`~ringpack.data.shard_writer.write_shard_file`,
@@ -42,7 +42,7 @@ from ringpack.data.shard_writer import (
     sample_digests,
     write_shard_file,
 )
-from ringpack.data.sources import SourceFiles, source_files
+from ringpack.data.sources import SampleTooLong, SourceFiles, source_files
 from ringpack.errors import DataError
 from ringpack.lengths import check_lengths
 from ringpack.progress import Progress
@@ -154,6 +154,7 @@ def measure(
     *,
     out_dir: str | os.PathLike,
     split: str | None = None,
+    max_tokens: int | None = None,
     options: RayOptions = RayOptions(),
     progress: bool = True,
 ) -> Measured:
@@ -169,6 +170,8 @@ def measure(
         out_dir: the shard directory the ids are spilled into (created when missing; checked as
             :func:`write_measured` checks it), on a file system every node can write.
         split: the split of a saved ``DatasetDict``.
+        max_tokens: refuse a sample of more ids than this as soon as its block measures it
+            (``None``: no limit).
         options: block size, retries and tasks in flight.
         progress: count the blocks read.
 
@@ -177,6 +180,8 @@ def measure(
         On an error the spilled ids are removed.
 
     Raises:
+        SampleTooLong: the first sample over ``max_tokens`` in dataset order (its dataset row,
+            length, and file and row).
         DataError: a Hub name (not read by this engine), an output directory the local engine
             refuses, an unreadable file or block, a missing column, a sample without tokens (the
             sample and its file and row named, as the local engine names it), a task that failed
@@ -191,7 +196,7 @@ def measure(
     blocks = list_blocks(files, options.block_bytes)
     spill = SpillFolder(Path(out_dir))
     try:
-        measured = _measure_blocks(ray, files, spec, blocks, spill, options, progress)
+        measured = _measure_blocks(ray, files, spec, blocks, spill, max_tokens, options, progress)
     except BaseException:
         spill.remove()
         raise
@@ -204,6 +209,7 @@ def _measure_blocks(
     spec: TokenSpec,
     blocks: list[InputBlock],
     spill: SpillFolder,
+    max_tokens: int | None,
     options: RayOptions,
     progress: bool,
 ) -> Measured:
@@ -214,9 +220,12 @@ def _measure_blocks(
     counts = [0]
     bad: tuple[int, Any] | None = None
     window = options.window or 4 * _cpus(ray)
-    args = [(spill.block_path(b.index), spill.token) for b in blocks]
+    args = [(spill.block_path(b.index), spill.token, max_tokens) for b in blocks]
     with Progress("reading and measuring on Ray", "blocks", len(blocks), enabled=progress) as bar:
-        for result in _in_order(ray, task, blocks, spec, args, window):
+        for k, result in enumerate(_in_order(ray, task, blocks, spec, args, window)):
+            if isinstance(result, SampleTooLong):
+                where = _where(blocks, counts, k, result.row)
+                raise SampleTooLong(counts[-1] + result.row, result.length, where)
             if isinstance(result, str):
                 raise DataError(result)
             part, digests, bad_local = result
@@ -300,11 +309,13 @@ def _get(ray: Any, ref: Any, what: str) -> Any:
         raise DataError(f"{what} failed on Ray ({type(exc).__name__}): {reason}") from None
 
 
-def _measure_block(block: InputBlock, spec: TokenSpec, spill_path: str, token: str) -> Any:
+def _measure_block(block: InputBlock, spec: TokenSpec, spill_path: str, token: str, max_tokens: int | None) -> Any:
     """Stage 1 of one block (a Ray task): its ids written to ``spill_path``, and ``(lengths, digests, bad id)``;
-    or the message of what is wrong with it."""
+    or the :class:`SampleTooLong` of its first row over ``max_tokens``, or the message of what is wrong with it."""
     try:
-        ids = block_token_ids(block, spec)
+        ids = block_token_ids(block, spec, max_tokens)
+    except SampleTooLong as exc:
+        return exc
     except DataError as exc:
         return str(exc)
     if ids.bad is not None:  # the run is refused after planning: nothing of this block is written
@@ -436,10 +447,15 @@ def write_shards_ray(
 
     Raises:
         ValueError: Ray is not installed (how to install it named).
+        SampleTooLong: with ``config.overflow == "error"``, the first sample longer than one CP
+            group holds, as soon as its block is measured (its file and row named).
         DataError, PlanError: as :func:`measure`, :func:`write_measured`.
     """
+    max_tokens = config.group_capacity if config.overflow == "error" else None
     with ray_cluster(options.address):
-        measured = measure(source, spec, out_dir=out_dir, split=split, options=options, progress=progress)
+        measured = measure(
+            source, spec, out_dir=out_dir, split=split, max_tokens=max_tokens, options=options, progress=progress
+        )
         return write_measured(
             measured,
             out_dir,

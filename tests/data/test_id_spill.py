@@ -1,13 +1,17 @@
 """Spilled token ids (the Ray engine's stage 1 to stage 3): any rows read back as written, in any order, from
-the blocks' files; a file of another run refused; the folder's cleanup removes only ringpack's files. No Ray
-needed."""
+the blocks' files; a file of another run refused; the folder's cleanup removes only ringpack's files; a too-long
+row refused as soon as its block measures it. No Ray needed."""
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
 
 from ringpack.data.id_spill import SPILL_FOLDER, SpilledRows, SpillFolder, write_block_ids
+from ringpack.data.input_blocks import TokenSpec, block_token_ids, list_blocks
+from ringpack.data.sources import SampleTooLong, source_files
 from ringpack.errors import DataError
 
 
@@ -69,3 +73,15 @@ def test_cleanup_removes_ringpack_files_only(tmp_path, caplog):
     (tmp_path / "kept" / SPILL_FOLDER).write_text("a file")
     with pytest.raises(DataError, match="is in the way"):
         SpillFolder(tmp_path / "kept")
+
+
+@pytest.mark.parametrize("spec", [TokenSpec(), TokenSpec(text_column="text")])
+def test_a_block_refuses_a_row_over_max_tokens_as_soon_as_it_is_measured(tmp_path, spec):
+    path = tmp_path / "d.jsonl"
+    records = [{"input_ids": [1] * n, "text": " ".join(["w"] * n)} for n in (3, 9, 4, 12)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    (block,) = list_blocks(source_files(path))
+    with pytest.raises(SampleTooLong) as refused:
+        block_token_ids(block, spec, max_tokens=8)
+    assert (refused.value.row, refused.value.length) == (1, 9)
+    assert len(block_token_ids(block, spec, max_tokens=12).lengths) == 4

@@ -1,7 +1,7 @@
 """``ringpack shard --engine ray`` on a local Ray cluster: byte for byte the local engine's files whatever the
 block size and the number of writing tasks, each block tokenized once and its ids spilled until the files are
 written, resumable after the driver dies (spilled ids left behind rewritten), a worker that dies retried, bad
-input named by file and row. Without Ray installed, the engine says how to get it in
+input and a too-long sample named by file and row. Without Ray installed, the engine says how to get it in
 one line."""
 
 from __future__ import annotations
@@ -241,3 +241,35 @@ def test_bad_input_names_the_file_and_row(cluster, tmp_path):
     assert f"cannot read {tmp_path / 'data' / 'b.jsonl'} (block 1: bytes 0-" in run.err
     assert not any((tmp_path / name / "manifest.json").exists() for name in ("o1", "o2", "o3"))
     assert not any((tmp_path / name).exists() for name in ("o1", "o2", "o3")), "spilled ids removed, folders too"
+
+
+@pytest.mark.slow
+def test_a_too_long_sample_is_refused_as_it_is_measured_naming_file_and_row(cluster, tmp_path):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "a.jsonl").write_text("".join(json.dumps({"text": f"short {i}"}) + "\n" for i in range(3)))
+    (tmp_path / "data" / "b.jsonl").write_text(json.dumps({"text": "x"}) + "\n" + json.dumps({"text": "w " * 50}))
+    argv = ["shard", tmp_path / "data", "--dp", "1", "--cp", "2", "--tokens-per-rank", "8", "--quiet"]
+    local = run_cli([*argv, "--out", tmp_path / "local", "--cache-dir", tmp_path / "hf"])
+    ray = run_cli([*argv, "--out", tmp_path / "ray", "--engine", "ray"])
+    assert_clean(ray)
+    assert local.code == ray.code == 1
+    message = local.err.splitlines()[-1]
+    assert f"sample 4 of {tmp_path / 'data'} has 50 tokens, more than one CP group holds (cp=2" in message
+    assert ray.err.splitlines()[-1] == f"{message} [row 1 of {tmp_path / 'data' / 'b.jsonl'}]"
+    assert not (tmp_path / "ray").exists()
+
+
+@pytest.mark.slow
+def test_ray_tokenizes_with_a_tokenizer_json_as_the_local_engine(cluster, corpus, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(["def", "return", "self", "(", ")", ":", "import", "="])}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    argv = ["shard", corpus["data"], *MESH, "--tokenizer", tmp_path / "tokenizer.json", "--quiet"]
+    assert run_cli([*argv, "--out", tmp_path / "local", "--cache-dir", tmp_path / "hf"]).code == 0
+    run = run_cli([*argv, "--out", tmp_path / "ray", "--engine", "ray", "--json"])
+    assert_clean(run)
+    assert run.code == 0 and json.loads(run.out)["files"] == 2
+    assert digests(tmp_path / "ray") == digests(tmp_path / "local")
