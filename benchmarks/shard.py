@@ -106,8 +106,8 @@ class PeakWorkers:
                     self.peak = max(self.peak, proc.info["memory_info"].rss)
 
 
-def run_case(case: str, data: str, corpus: dict, work: Path) -> dict:
-    """One case in this process: seconds, tokens, peak memory."""
+def run_case(case: str, data: str, corpus: dict, work: Path, write_tasks: int | None = None) -> dict:
+    """One case in this process: seconds, tokens, peak memory (``write_tasks``: the Ray engine's writing tasks)."""
     from ringpack.data.input_blocks import TokenSpec
     from ringpack.shard_plan import PlanConfig
 
@@ -157,8 +157,9 @@ def run_case(case: str, data: str, corpus: dict, work: Path) -> dict:
         spec = TokenSpec(text_column="text", tokenizer=corpus["tokenizer"]) if text else TokenSpec()
         with PeakWorkers() as workers:
             start = time.perf_counter()
+            options = RayOptions(write_tasks=write_tasks)
             manifest = write_shards_ray(
-                source, out, config, spec=spec, steps_per_file=STEPS_PER_FILE, progress=False, options=RayOptions()
+                source, out, config, spec=spec, steps_per_file=STEPS_PER_FILE, progress=False, options=options
             )
             result["seconds"] = time.perf_counter() - start
         ray.shutdown()
@@ -185,13 +186,14 @@ def main() -> None:
     parser.add_argument("--work", default="/tmp/ringpack-shard-bench", help="scratch folder (replaced)")
     parser.add_argument("--data", default="ids,text", help="corpora to run: ids, text")
     parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--write-tasks", type=int, help="the Ray engine's writing tasks (default: two per CPU)")
     parser.add_argument("--out", help="write the results as JSON")
     parser.add_argument("--case", help=argparse.SUPPRESS)  # one case, in a child process
     args = parser.parse_args()
     work = Path(args.work)
     if args.case:
         corpus = json.loads((work / "corpus.json").read_text())
-        print(json.dumps(run_case(args.case, args.data, corpus, work)))
+        print(json.dumps(run_case(args.case, args.data, corpus, work, args.write_tasks)))
         return
     shutil.rmtree(work, ignore_errors=True)
     start = time.perf_counter()
@@ -203,6 +205,7 @@ def main() -> None:
         rows = []
         for case in args.cases.split(","):
             argv = [sys.executable, __file__, "--case", case, "--data", data, "--work", str(work)]
+            argv += ["--write-tasks", str(args.write_tasks)] if args.write_tasks else []
             child = subprocess.run(argv, capture_output=True, text=True)
             if child.returncode:
                 sys.exit(f"{case} on {data} failed:\n{child.stderr[-3000:]}")
@@ -223,7 +226,8 @@ def main() -> None:
     }
     print(f"byte-identical shards across engines: {same}", file=sys.stderr)
     if args.out:
-        Path(args.out).write_text(json.dumps({"config": CONFIG, "results": results, "identical": same}, indent=1))
+        record = {"config": CONFIG, "write_tasks": args.write_tasks, "results": results, "identical": same}
+        Path(args.out).write_text(json.dumps(record, indent=1))
 
 
 if __name__ == "__main__":

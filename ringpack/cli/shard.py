@@ -145,19 +145,32 @@ def _run_on_ray(args: argparse.Namespace, config: PlanConfig) -> int:
     spec = TokenSpec(column=args.column, text_column=text, tokenizer=args.tokenizer, vocab_size=_vocab_size(args))
     if text is not None and args.tokenizer:
         load_tokenizer(args.tokenizer)  # a bad one is refused before the cluster starts
+    max_tokens = config.group_capacity if config.overflow == "error" else None
     with ray_shards.ray_cluster(args.ray_address):
-        measured = ray_shards.measure(args.dataset, spec, split=args.split, options=options, progress=not args.quiet)
-        lengths = _measured_lengths(args, config, measured.lengths, tokenized)
-        manifest = ray_shards.write_measured(
-            measured,
-            args.out,
-            _config_for(args, config, lengths),
-            steps_per_file=args.steps_per_file,
-            overwrite=args.overwrite,
-            source=_source_record(args, tokenized),
-            options=options,
-            progress=not args.quiet,
-        )
+        try:
+            measured = ray_shards.measure(
+                args.dataset,
+                spec,
+                out_dir=args.out,
+                split=args.split,
+                max_tokens=max_tokens,
+                options=options,
+                progress=not args.quiet,
+            )
+        except SampleTooLong as exc:  # refused as soon as its block was measured
+            raise _too_long(args, config, exc.row, exc.length, exc.where) from None
+        with measured:  # the spilled ids are removed however this ends
+            lengths = _measured_lengths(args, config, measured.lengths, tokenized)
+            manifest = ray_shards.write_measured(
+                measured,
+                args.out,
+                _config_for(args, config, lengths),
+                steps_per_file=args.steps_per_file,
+                overwrite=args.overwrite,
+                source=_source_record(args, tokenized),
+                options=options,
+                progress=not args.quiet,
+            )
     return _summarize(args, manifest)
 
 
@@ -255,14 +268,15 @@ def _datasets_progress(show: bool):
             datasets.enable_progress_bars()
 
 
-def _too_long(args: argparse.Namespace, config: PlanConfig, row: int, length: int) -> PlanError:
-    """The refusal of sample ``row`` of the dataset, ``length`` tokens, more than one CP group holds."""
+def _too_long(args: argparse.Namespace, config: PlanConfig, row: int, length: int, where: str = "") -> PlanError:
+    """The refusal of sample ``row`` of the dataset, ``length`` tokens, more than one CP group holds
+    (``where``: its file and row there, when known)."""
     capacity = config.group_capacity
     return PlanError(
         f"sample {row} of {args.dataset} has {length} tokens, more than one CP group holds "
         f"(cp={config.cp} x tokens_per_rank={config.tokens_per_rank} = {capacity}). "
         f"Raise {option('tokens_per_rank')} or {option('cp')}, or use "
-        f"{option('overflow', 'drop')} or {option('overflow', 'split')}"
+        f"{option('overflow', 'drop')} or {option('overflow', 'split')}" + (f" [{where}]" if where else "")
     )
 
 

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from ringpack.data.shard_writer import checked_token_ids
-from ringpack.data.sources import SourceFiles, encode_texts
+from ringpack.data.sources import SampleTooLong, SourceFiles, encode_texts
 from ringpack.errors import DataError
 from ringpack.lengths import lengths_from_arrow, read_arrow_table
 
@@ -197,14 +197,16 @@ def block_columns(block: InputBlock) -> list[str]:
 _TEXTS_AT_ONCE = 1024
 
 
-def _tokenized(texts: Any, spec: TokenSpec) -> Any:
-    """The token ids of a column of texts as an Arrow list array, encoded :data:`_TEXTS_AT_ONCE` at a time."""
+def _tokenized(texts: Any, spec: TokenSpec, max_tokens: int | None) -> Any:
+    """The token ids of a column of texts as an Arrow list array, encoded :data:`_TEXTS_AT_ONCE` at a time
+    (:class:`SampleTooLong` for the first text over ``max_tokens``, as soon as its run is encoded)."""
     import pyarrow as pa
 
     lengths, values = [], []
     for start in range(0, len(texts), _TEXTS_AT_ONCE):
         ids = encode_texts(texts.slice(start, _TEXTS_AT_ONCE).to_pylist(), spec.tokenizer, spec.vocab_size)
         lengths.append(np.fromiter(map(len, ids), dtype=np.int64, count=len(ids)))
+        _check_max(lengths[-1], max_tokens, start)
         values.append(np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=int(lengths[-1].sum())))
     offsets = np.zeros(len(texts) + 1, dtype=np.int64)
     np.cumsum(np.concatenate(lengths) if lengths else np.zeros(0, np.int64), out=offsets[1:])
@@ -212,10 +214,25 @@ def _tokenized(texts: Any, spec: TokenSpec) -> Any:
     return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(flat))
 
 
-def block_token_ids(block: InputBlock, spec: TokenSpec) -> BlockIds:
+def _check_max(lengths: np.ndarray, max_tokens: int | None, first: int) -> None:
+    """:class:`SampleTooLong` for the first of ``lengths`` (rows ``first...`` of a block) over ``max_tokens``."""
+    if max_tokens is None:
+        return
+    over = np.flatnonzero(lengths > max_tokens)
+    if over.size:
+        raise SampleTooLong(first + int(over[0]), int(lengths[over[0]]))
+
+
+def block_token_ids(block: InputBlock, spec: TokenSpec, max_tokens: int | None = None) -> BlockIds:
     """The token ids of every row of ``block``: its ``spec.column`` as it is, or ``spec.text_column`` tokenized.
 
+    Args:
+        block: the block.
+        spec: the token-id column, or the text column and tokenizer.
+        max_tokens: refuse a row of more ids than this as soon as it is measured (``None``: no limit).
+
     Raises:
+        SampleTooLong: the first row over ``max_tokens`` (its row in the block, and its length).
         DataError: the block cannot be read, lacks the column, or its column holds no lists of ids
             (naming the block).
     """
@@ -229,12 +246,13 @@ def block_token_ids(block: InputBlock, spec: TokenSpec) -> BlockIds:
         raise DataError(f"{block.describe()} has no column {name!r} (columns: {table.column_names})")
     col = table.column(name)
     if spec.text_column is not None:
-        col = _tokenized(col, spec)
+        col = _tokenized(col, spec, max_tokens)
     col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
     if pa.types.is_null(col.type):
         col = pa.array([None] * len(col), type=pa.list_(pa.int64()))
     where = f"{block.describe()}, column {spec.column!r}"
     lengths = lengths_from_arrow(col, where, lists_only=True)
+    _check_max(lengths, max_tokens, 0)
     values = col.flatten()
     if pa.types.is_null(values.type):
         values = values.cast(pa.int64())

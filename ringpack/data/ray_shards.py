@@ -1,16 +1,17 @@
 """Balanced shards written on a Ray cluster (``ringpack shard --engine ray``): the local engine's files, byte for byte.
 
-Three stages (docs/data.md, "Sharding on a cluster"): :func:`measure` (Ray tasks read, tokenize and
-check the source's blocks, :mod:`~ringpack.data.input_blocks`, and send back each row's length and
-the digest of its ids, never the ids); :func:`write_measured` (plans on the driver from the lengths
-alone and claims the output directory as the local engine does, :class:`~ringpack.data.shard_writer.ShardRun`);
-then a task per block reads it again and hands each row to the task writing the files that need it,
-each writing task using the local engine's :func:`~ringpack.data.shard_writer.write_shard_file`; the
-driver writes ``plan.parquet`` and ``manifest.json`` last.
-
-Rows are numbered in the order the local engine reads them, so the plan, the files and the manifest
-are the local engine's whatever the block size and the number of workers. Ray is imported inside
-functions only: it is the optional extra ``ringpack[ray]``.
+Three stages (docs/data.md, "Sharding on a cluster"): :func:`measure` (a Ray task per block of the
+source, :mod:`~ringpack.data.input_blocks`, reads, tokenizes and checks it, writes its ids into the
+shard directory's spill folder, :mod:`~ringpack.data.id_spill`, and sends back each row's length
+and the digest of its ids, never the ids; a sample over ``max_tokens`` is refused there and then);
+:func:`write_measured` (plans on the driver from the lengths alone and claims the output directory
+as the local engine does, :class:`~ringpack.data.shard_writer.ShardRun`); then writing tasks each
+write a run of the files with the local engine's :func:`~ringpack.data.shard_writer.write_shard_file`,
+reading each micro-batch's rows from the spilled ids, so no text is tokenized twice and a task holds
+one micro-batch's ids. The driver writes ``plan.parquet`` and ``manifest.json`` last, then removes
+the spilled ids. Rows are numbered in the order the local engine reads them, so the plan, the files
+and the manifest are the local engine's whatever the block size and the number of workers. Ray is
+imported inside functions only: it is the optional extra ``ringpack[ray]``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from ringpack.cost import MAX_SAMPLE_TOKENS
+from ringpack.data.id_spill import SpilledRows, SpillFolder, write_block_ids
 from ringpack.data.input_blocks import DEFAULT_BLOCK_BYTES, InputBlock, TokenSpec, block_token_ids, list_blocks
 from ringpack.data.shard_writer import (
     DatasetFingerprint,
@@ -35,11 +37,12 @@ from ringpack.data.shard_writer import (
     ShardRun,
     bad_token_id,
     check_out_dir,
+    check_records,
     plan_for_shards,
     sample_digests,
     write_shard_file,
 )
-from ringpack.data.sources import SourceFiles, source_files
+from ringpack.data.sources import SampleTooLong, SourceFiles, source_files
 from ringpack.errors import DataError
 from ringpack.lengths import check_lengths
 from ringpack.progress import Progress
@@ -104,7 +107,9 @@ def ray_cluster(address: str | None = None) -> Iterator[Any]:
 
 @dataclass(frozen=True, eq=False)
 class Measured:
-    """Stage 1 of a source: its blocks, each row's length, the dataset fingerprint (:func:`measure`)."""
+    """Stage 1 of a source: its blocks, each row's length, the dataset fingerprint (:func:`measure`), and the
+    folder its token ids were spilled to. As a context manager, the spilled ids are removed when the block
+    ends (:meth:`discard`); :func:`write_measured` removes them too, once it is done."""
 
     source: SourceFiles
     spec: TokenSpec
@@ -116,54 +121,111 @@ class Measured:
     fingerprint: str
     bad_id: tuple[int, Any] | None = field(default=None)
     """``(row, value)``: the first token id that is not an integer in ``[0, 2**31)`` (refused after planning)."""
+    spill: SpillFolder | None = field(default=None)
+    """Where each block's ids were written (``None`` once discarded)."""
 
     def where(self, row: int) -> str:
         """Row ``row`` of the dataset as its file and row there: ``row 3 of data/b.jsonl``."""
         k = int(np.searchsorted(self.first_rows, row, side="right")) - 1
-        path = self.blocks[k].path
-        first_of_file = next(i for i in range(k + 1) if self.blocks[i].path == path)
-        return f"row {row - int(self.first_rows[first_of_file])} of {path}"
+        return _where(self.blocks, self.first_rows.tolist(), k, row - int(self.first_rows[k]))
+
+    def discard(self) -> None:
+        """Remove the spilled ids (and the shard directory, when measuring created it and it stayed empty)."""
+        if self.spill is not None:
+            self.spill.remove()
+
+    def __enter__(self) -> Measured:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.discard()
+
+
+def _where(blocks: list[InputBlock], first_rows: list[int], k: int, row: int) -> str:
+    """Row ``row`` of block ``k`` as its file and row there (``first_rows``: the rows before each block, to ``k``)."""
+    path = blocks[k].path
+    first_of_file = next(i for i in range(k + 1) if blocks[i].path == path)
+    return f"row {first_rows[k] + row - first_rows[first_of_file]} of {path}"
 
 
 def measure(
     source: str | os.PathLike,
     spec: TokenSpec,
     *,
+    out_dir: str | os.PathLike,
     split: str | None = None,
+    max_tokens: int | None = None,
     options: RayOptions = RayOptions(),
     progress: bool = True,
 ) -> Measured:
     """Stage 1 on the connected Ray cluster: read, tokenize and measure every row of ``source`` in parallel.
 
+    Each task writes its block's token ids into the spill folder of ``out_dir``
+    (:class:`~ringpack.data.id_spill.SpillFolder`), where :func:`write_measured` reads them.
+
     Args:
         source: a local file, folder of files or saved ``datasets`` folder
             (:func:`~ringpack.data.sources.source_files`), on a file system every node sees.
         spec: the token-id column, or the text column and tokenizer.
+        out_dir: the shard directory the ids are spilled into (created when missing; checked as
+            :func:`write_measured` checks it), on a file system every node can write.
         split: the split of a saved ``DatasetDict``.
+        max_tokens: refuse a sample of more ids than this as soon as its block measures it
+            (``None``: no limit).
         options: block size, retries and tasks in flight.
         progress: count the blocks read.
 
     Returns:
-        The blocks, lengths (the driver holds these, never token ids) and fingerprint.
+        The blocks, lengths (the driver holds these, never token ids), fingerprint and spill folder.
+        On an error the spilled ids are removed.
 
     Raises:
-        DataError: a Hub name (not read by this engine), an unreadable file or block, a missing
-            column, a sample without tokens (the sample and its file and row named, as the local
-            engine names it), a task that failed after its retries (its block named).
+        SampleTooLong: the first sample over ``max_tokens`` in dataset order (its dataset row,
+            length, and file and row).
+        DataError: a Hub name (not read by this engine), an output directory the local engine
+            refuses, an unreadable file or block, a missing column, a sample without tokens (the
+            sample and its file and row named, as the local engine names it), a task that failed
+            after its retries (its block named).
     """
     ray = import_ray()
     files = source_files(source, split)
     if files is None:
         raise DataError(f"{source}: the Ray engine reads local files and saved datasets only, not Hub names")
+    check_out_dir(out_dir, [files.root])
+    check_records(out_dir)
     blocks = list_blocks(files, options.block_bytes)
+    spill = SpillFolder(Path(out_dir))
+    try:
+        measured = _measure_blocks(ray, files, spec, blocks, spill, max_tokens, options, progress)
+    except BaseException:
+        spill.remove()
+        raise
+    return measured
+
+
+def _measure_blocks(
+    ray: Any,
+    files: SourceFiles,
+    spec: TokenSpec,
+    blocks: list[InputBlock],
+    spill: SpillFolder,
+    max_tokens: int | None,
+    options: RayOptions,
+    progress: bool,
+) -> Measured:
+    """:func:`measure`'s tasks, their results taken in block order."""
     task = ray.remote(_measure_block).options(max_retries=options.max_retries)
     fingerprint = DatasetFingerprint()
     lengths: list[np.ndarray] = []
     counts = [0]
     bad: tuple[int, Any] | None = None
     window = options.window or 4 * _cpus(ray)
+    args = [(spill.block_path(b.index), spill.token, max_tokens) for b in blocks]
     with Progress("reading and measuring on Ray", "blocks", len(blocks), enabled=progress) as bar:
-        for result in _in_order(ray, task, blocks, spec, window):
+        for k, result in enumerate(_in_order(ray, task, blocks, spec, args, window)):
+            if isinstance(result, SampleTooLong):
+                where = _where(blocks, counts, k, result.row)
+                raise SampleTooLong(counts[-1] + result.row, result.length, where)
             if isinstance(result, str):
                 raise DataError(result)
             part, digests, bad_local = result
@@ -174,9 +236,9 @@ def measure(
             counts.append(counts[-1] + len(part))
             bar.update(1)
     all_lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
-    measured = Measured(files, spec, blocks, np.asarray(counts, np.int64), all_lengths, "", bad)
+    measured = Measured(files, spec, blocks, np.asarray(counts, np.int64), all_lengths, "", bad, spill)
     if not len(all_lengths):
-        raise DataError(f"dataset {source} holds no rows")
+        raise DataError(f"dataset {files.root} holds no rows")
     _check_lengths(measured)
     return dataclasses.replace(measured, fingerprint=fingerprint.hexdigest(all_lengths))
 
@@ -194,12 +256,18 @@ def _cpus(ray: Any) -> int:
     return max(1, int(ray.cluster_resources().get("CPU", 1)))
 
 
-def _in_order(ray: Any, task: Any, blocks: list[InputBlock], spec: TokenSpec, window: int) -> Iterator[Any]:
-    """Each block's result of ``task``, in block order, with at most ``window`` tasks in flight."""
+def _in_order(
+    ray: Any, task: Any, blocks: list[InputBlock], spec: TokenSpec, args: list[tuple], window: int
+) -> Iterator[Any]:
+    """Each block's result of ``task(block, spec, *args[k])``, in block order, with at most ``window`` in flight.
+
+    A run that stops early ends the tasks still running and waits (a few seconds at most) until they
+    are gone, so none writes a spill file after the folder is removed.
+    """
     pending: list[tuple[InputBlock, Any]] = []
     todo = iter(blocks)
     for block in todo:
-        pending.append((block, task.remote(block, spec)))
+        pending.append((block, task.remote(block, spec, *args[block.index])))
         if len(pending) >= window:
             break
     try:
@@ -209,10 +277,17 @@ def _in_order(ray: Any, task: Any, blocks: list[InputBlock], spec: TokenSpec, wi
             pending.pop(0)
             nxt = next(todo, None)
             if nxt is not None:
-                pending.append((nxt, task.remote(nxt, spec)))
+                pending.append((nxt, task.remote(nxt, spec, *args[nxt.index])))
             yield result
     finally:
-        _cancel(ray, [ref for _, ref in pending])
+        refs = [ref for _, ref in pending]
+        _cancel(ray, refs, force=True)
+        with contextlib.suppress(Exception):
+            ray.wait(refs, num_returns=len(refs), timeout=_CANCEL_WAIT_S)
+
+
+#: How long a run that stops early waits for its cancelled reading tasks to end.
+_CANCEL_WAIT_S = 10.0
 
 
 def _cancel(ray: Any, refs: list[Any], force: bool = False) -> None:
@@ -234,14 +309,19 @@ def _get(ray: Any, ref: Any, what: str) -> Any:
         raise DataError(f"{what} failed on Ray ({type(exc).__name__}): {reason}") from None
 
 
-def _measure_block(block: InputBlock, spec: TokenSpec) -> Any:
-    """Stage 1 of one block (a Ray task): ``(lengths, digests, bad id)``, or the message of what is wrong with it."""
+def _measure_block(block: InputBlock, spec: TokenSpec, spill_path: str, token: str, max_tokens: int | None) -> Any:
+    """Stage 1 of one block (a Ray task): its ids written to ``spill_path``, and ``(lengths, digests, bad id)``;
+    or the :class:`SampleTooLong` of its first row over ``max_tokens``, or the message of what is wrong with it."""
     try:
-        ids = block_token_ids(block, spec)
+        ids = block_token_ids(block, spec, max_tokens)
+    except SampleTooLong as exc:
+        return exc
     except DataError as exc:
         return str(exc)
-    digests = sample_digests(ids.ids, ids.lengths) if ids.bad is None else b""
-    return ids.lengths, digests, ids.bad
+    if ids.bad is not None:  # the run is refused after planning: nothing of this block is written
+        return ids.lengths, b"", ids.bad
+    write_block_ids(spill_path, token, ids.lengths, ids.ids)
+    return ids.lengths, sample_digests(ids.ids, ids.lengths), None
 
 
 def write_measured(
@@ -258,12 +338,34 @@ def write_measured(
     """Stages 2 and 3 on the connected Ray cluster: plan ``measured`` and write its shards into ``out_dir``.
 
     Args, returns and raises as :func:`~ringpack.data.shard_writer.write_shards` (``source`` is
-    recorded in the manifest as given); ``out_dir`` must be on a file system every node sees. The
-    result is byte-identical to the local engine's, and an interrupted run resumes as it does.
-    A bad token id is refused after planning, naming the sample and its file and row.
+    recorded in the manifest as given); ``out_dir`` is the one ``measured`` spilled its ids into
+    (:func:`measure`). The result is byte-identical to the local engine's, and an interrupted run
+    resumes as it does. A bad token id is refused after planning, naming the sample and its file
+    and row. The spilled ids are removed when this returns or raises.
+
+    Raises:
+        ValueError: ``measured`` was not measured into ``out_dir``, or was discarded.
     """
+    if measured.spill is None or not measured.spill.path.is_dir() or measured.spill.out != Path(out_dir):
+        raise ValueError(f"write_measured needs ids measured into {out_dir}: measure(..., out_dir={str(out_dir)!r})")
+    try:
+        return _plan_and_write(measured, Path(out_dir), config, steps_per_file, overwrite, source, options, progress)
+    finally:
+        measured.discard()
+
+
+def _plan_and_write(
+    measured: Measured,
+    out: Path,
+    config: PlanConfig,
+    steps_per_file: int,
+    overwrite: bool,
+    source: dict[str, Any] | None,
+    options: RayOptions,
+    progress: bool,
+) -> dict[str, Any]:
+    """Stages 2 and 3 of :func:`write_measured`."""
     ray = import_ray()
-    out = Path(out_dir)
     check_out_dir(out, [measured.source.root])
     plan = plan_for_shards(measured.lengths, config, progress)
     if measured.bad_id is not None:
@@ -286,23 +388,13 @@ def write_measured(
 def _write_groups(
     ray: Any, measured: Measured, plan: Plan, out: Path, groups: list[list[ShardFile]], options: RayOptions
 ) -> Iterator[tuple[ShardFile, str]]:
-    """Stage 3: split every block's rows among the ``groups`` of files, write each group in a task; as they finish."""
-    rows, group_of = _destinations(plan, groups)
-    split = ray.remote(_split_block).options(num_returns=len(groups), max_retries=options.max_retries)
-    pieces: list[list[Any]] = []
-    for k, block in enumerate(measured.blocks):
-        lo, hi = int(measured.first_rows[k]), int(measured.first_rows[k + 1])
-        a, b = np.searchsorted(rows, [lo, hi])
-        if a == b:
-            continue
-        refs = split.remote(block, measured.spec, rows[a:b] - lo, group_of[a:b], lo, hi - lo, len(groups))
-        pieces.append(refs if len(groups) > 1 else [refs])
+    """Stage 3: write each of the ``groups`` of files in a task reading the spilled ids; as they finish."""
+    assert measured.spill is not None
+    paths = [measured.spill.block_path(block.index) for block in measured.blocks]
+    spilled = ray.put((paths, measured.first_rows, measured.spill.token))
     write = ray.remote(_write_group).options(max_retries=options.max_retries)
     plan_ref = ray.put(plan)
-    running = {
-        write.remote(str(out.absolute()), plan_ref, group, [refs[g] for refs in pieces]): group
-        for g, group in enumerate(groups)
-    }
+    running = {write.remote(str(out.absolute()), plan_ref, group, spilled): group for group in groups}
     try:
         while running:
             (ref,), _ = ray.wait(list(running), num_returns=1)
@@ -313,67 +405,15 @@ def _write_groups(
                 yield file, sha256[file.name]
     finally:  # the driver stops (an error, an interrupt): no task writes on behind its back
         _cancel(ray, list(running), force=True)
-        _cancel(ray, [ref for refs in pieces for ref in refs])
 
 
-def _destinations(plan: Plan, groups: list[list[ShardFile]]) -> tuple[np.ndarray, np.ndarray]:
-    """Every ``(dataset row, group)`` pair where the group's files hold a piece of the row, sorted by row."""
-    doc_row, _ = plan.origin_arrays()
-    keys = []
-    for g, files in enumerate(groups):
-        for f in files:
-            for s in range(f.lo, f.hi):
-                for mb in plan.steps[s].microbatches[f.dp_rank]:
-                    keys.append(doc_row[np.asarray(mb.samples, dtype=np.int64)] * len(groups) + g)
-    key = np.unique(np.concatenate(keys)) if keys else np.zeros(0, np.int64)
-    return key // len(groups), key % len(groups)
+def _write_group(out: str, plan: Plan, files: list[ShardFile], spilled: tuple) -> dict[str, str]:
+    """Stage 3's write of a group of files (a Ray task): each file's sha256, by name.
 
-
-def take_rows(offsets: np.ndarray, ids: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The ids of ``rows`` of flat ``ids`` (row ``i``'s at ``ids[offsets[i]:offsets[i + 1]]``): ``(offsets, ids)``."""
-    starts, ends = offsets[rows], offsets[rows + 1]
-    sizes = ends - starts
-    new = np.zeros(len(rows) + 1, dtype=np.int64)
-    np.cumsum(sizes, out=new[1:])
-    index = np.arange(new[-1], dtype=np.int64) + np.repeat(starts - new[:-1], sizes)
-    return new, ids[index]
-
-
-def _split_block(
-    block: InputBlock, spec: TokenSpec, rows: np.ndarray, groups: np.ndarray, first_row: int, count: int, n: int
-) -> Any:
-    """Stage 3's read of one block (a Ray task): per group, ``(dataset rows, offsets, ids)`` of the rows it needs."""
-    ids = block_token_ids(block, spec)
-    if len(ids.lengths) != count or ids.bad is not None:
-        raise DataError(f"{block.describe()} changed while it was sharded ({len(ids.lengths)} rows, were {count})")
-    offsets = np.zeros(count + 1, dtype=np.int64)
-    np.cumsum(ids.lengths, out=offsets[1:])
-    parts = []
-    for g in range(n):
-        mine = rows[groups == g]
-        parts.append((mine + first_row, *take_rows(offsets, ids.ids, mine)))
-    return parts if n > 1 else parts[0]
-
-
-class _GatheredRows:
-    """The token ids of the dataset rows a writing task was sent (:func:`write_shard_file`'s ``rows``)."""
-
-    def __init__(self, parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
-        self.rows = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, np.int64)
-        sizes = np.concatenate([np.diff(p[1]) for p in parts]) if parts else np.zeros(0, np.int64)
-        self.offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
-        np.cumsum(sizes, out=self.offsets[1:])
-        self.ids = np.concatenate([p[2] for p in parts]) if parts else np.zeros(0, np.int32)
-
-    def __call__(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return take_rows(self.offsets, self.ids, np.searchsorted(self.rows, rows))
-
-
-def _write_group(out: str, plan: Plan, files: list[ShardFile], piece_refs: list[Any]) -> dict[str, str]:
-    """Stage 3's write of a group of files (a Ray task): each file's sha256, by name."""
-    import ray
-
-    rows = _GatheredRows(ray.get(piece_refs))
+    ``spilled``: the block files, the row each block starts at and the run's token
+    (:class:`~ringpack.data.id_spill.SpilledRows`); each micro-batch's rows are read as it is written.
+    """
+    rows = SpilledRows(*spilled)
     return {f.name: write_shard_file(Path(out), plan, f, rows) for f in files}
 
 
@@ -407,10 +447,15 @@ def write_shards_ray(
 
     Raises:
         ValueError: Ray is not installed (how to install it named).
+        SampleTooLong: with ``config.overflow == "error"``, the first sample longer than one CP
+            group holds, as soon as its block is measured (its file and row named).
         DataError, PlanError: as :func:`measure`, :func:`write_measured`.
     """
+    max_tokens = config.group_capacity if config.overflow == "error" else None
     with ray_cluster(options.address):
-        measured = measure(source, spec, split=split, options=options, progress=progress)
+        measured = measure(
+            source, spec, out_dir=out_dir, split=split, max_tokens=max_tokens, options=options, progress=progress
+        )
         return write_measured(
             measured,
             out_dir,

@@ -48,6 +48,7 @@ __all__ = [
     "ShardRun",
     "bad_token_id",
     "check_out_dir",
+    "check_records",
     "checked_token_ids",
     "DatasetFingerprint",
     "plan_for_shards",
@@ -92,6 +93,19 @@ def check_out_dir(out: str | os.PathLike, inputs: Iterable[str | os.PathLike | N
             raise DataError(f"output directory {out} holds {item}, an input of this run; write the shards elsewhere")
         if source.is_dir() and source in root.parents:
             raise DataError(f"output directory {out} lies inside the input folder {item}; write the shards elsewhere")
+
+
+def check_records(out: str | os.PathLike) -> None:
+    """Refuse an output directory holding a ``manifest.json`` or ``_progress.json`` that is not a ringpack record.
+
+    What :meth:`ShardRun.start` refuses first, for an engine that writes into ``out`` before it
+    plans (a directory that does not exist yet passes).
+
+    Raises:
+        DataError: naming the record (ringpack never removes or replaces it).
+    """
+    if Path(out).is_dir():
+        _records(Path(out))
 
 
 def _content_fingerprint(ds: Any, column: str, lengths: np.ndarray, progress: Progress) -> str:

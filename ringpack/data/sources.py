@@ -38,14 +38,15 @@ __all__ = [
 
 class SampleTooLong(DataError):
     """Row ``row`` of the dataset encoded to ``length`` token ids, more than ``tokenize_dataset``'s
-    ``max_tokens``: raised as soon as it is encoded, in whichever process encodes it."""
+    ``max_tokens``: raised as soon as it is encoded, in whichever process encodes it. ``where``: the
+    row's file and row there, when a reader knows them (``"row 1 of data/b.jsonl"``), else ``""``."""
 
-    def __init__(self, row: int, length: int) -> None:
-        super().__init__(row, length)
-        self.row, self.length = int(row), int(length)
+    def __init__(self, row: int, length: int, where: str = "") -> None:
+        super().__init__(row, length, where)
+        self.row, self.length, self.where = int(row), int(length), where
 
     def __str__(self) -> str:
-        return f"row {self.row} has {self.length} tokens"
+        return f"row {self.row} has {self.length} tokens" + (f" [{self.where}]" if self.where else "")
 
 
 class _TokenizeMap:
