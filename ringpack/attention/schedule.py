@@ -749,12 +749,11 @@ def _exchange(
     """The rank's :func:`compile_exchange`; its node's relay needs the sends of its sources on other
     nodes to this node, computed in one pass."""
     gpus = None if gpus_per_node is None else int(gpus_per_node)
-    far = np.zeros(0, dtype=np.int64)
+    sends_of: dict[int, np.ndarray] = {}  # asked for only with a node size
     if gpus is not None and receives.size:
-        sources = np.unique(receives[:, 0])
-        far = sources[sources // gpus != cp_rank // gpus]
-    node = cp_rank // gpus if gpus is not None else 0
-    sends_of = sends_of_ranks(table, far, to=(node * (gpus or 0), (node + 1) * (gpus or 0)))
+        node, sources = cp_rank // gpus, np.unique(receives[:, 0])
+        far = sources[sources // gpus != node]
+        sends_of = sends_of_ranks(table, far, to=(node * gpus, (node + 1) * gpus))
     return compile_exchange(
         receives, sends, cp_rank, table.cp_size, steps, gpus_per_node=gpus, sends_of=sends_of.__getitem__
     )
