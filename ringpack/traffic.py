@@ -33,6 +33,7 @@ __all__ = [
     "over_partner_budget",
     "microbatch_over_budget",
     "remember_over_budget",
+    "remembered_over_budget",
     "partners_over_budget",
     "exchange_tokens",
     "proxy_index",
@@ -376,14 +377,19 @@ def microbatch_over_budget(mb: Any, gpus_per_node: int | None, max_partners: int
     cp = len(mb.shards)
     if not max_partners or cp - 1 <= max_partners:
         return False
-    key = (gpus_per_node, int(max_partners))
-    memo = mb.__dict__.get(OVER_BUDGET_SLOT, {})
-    if key not in memo:
-        rank, sample, start, stop = mb.piece_columns
-        group = np.zeros(len(rank), dtype=np.int64)
-        over = over_partner_budget(group, rank, sample, start, stop, 1, cp, gpus_per_node, max_partners)
-        remember_over_budget(mb, gpus_per_node, max_partners, bool(over[0]))
-    return mb.__dict__[OVER_BUDGET_SLOT][key]
+    known = remembered_over_budget(mb, gpus_per_node, max_partners)
+    if known is not None:
+        return known
+    rank, sample, start, stop = mb.piece_columns
+    group = np.zeros(len(rank), dtype=np.int64)
+    over = bool(over_partner_budget(group, rank, sample, start, stop, 1, cp, gpus_per_node, max_partners)[0])
+    remember_over_budget(mb, gpus_per_node, max_partners, over)
+    return over
+
+
+def remembered_over_budget(mb: Any, gpus_per_node: int | None, max_partners: int) -> bool | None:
+    """The outcome :func:`remember_over_budget` kept on ``mb`` for this budget and node size; None: none kept."""
+    return mb.__dict__.get(OVER_BUDGET_SLOT, {}).get((gpus_per_node, int(max_partners)))
 
 
 def remember_over_budget(mb: Any, gpus_per_node: int | None, max_partners: int, over: bool) -> None:

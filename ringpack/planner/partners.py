@@ -20,7 +20,7 @@ import numpy as np
 
 from ringpack.planner.split.baselines import split_contiguous
 from ringpack.shard_plan import MicroBatch, PlanConfig
-from ringpack.traffic import OVER_BUDGET_SLOT, over_partner_budget, remember_over_budget
+from ringpack.traffic import over_partner_budget, remember_over_budget, remembered_over_budget
 
 __all__ = ["hold_partner_budget", "microbatches_over_budget"]
 
@@ -33,8 +33,7 @@ def microbatches_over_budget(mbs: Sequence[MicroBatch], config: PlanConfig) -> n
     not counted again."""
     if not mbs or not config.max_partners or config.cp - 1 <= config.max_partners:
         return np.zeros(len(mbs), dtype=bool)
-    key = (config.gpus_per_node, int(config.max_partners))
-    known = [mb.__dict__.get(OVER_BUDGET_SLOT, {}).get(key) for mb in mbs]
+    known = [remembered_over_budget(mb, config.gpus_per_node, config.max_partners) for mb in mbs]
     todo = [i for i, flag in enumerate(known) if flag is None]
     over = np.array([bool(flag) for flag in known], dtype=bool)
     if not todo:
