@@ -342,6 +342,12 @@ class PlanConfig:
         return self.cp * self.tokens_per_rank
 
     @property
+    def sample_token_limit(self) -> int | None:
+        """The most tokens a sample may have: :attr:`group_capacity` under ``overflow="error"`` (a longer
+        one is refused), else None (a longer one is split or dropped)."""
+        return self.group_capacity if self.overflow == "error" else None
+
+    @property
     def nodes_per_group(self) -> int:
         """Nodes a CP group spans: ``cp / gpus_per_node`` when it spans several, else 1 (flat, or inside one node)."""
         if self.gpus_per_node is None or self.cp <= self.gpus_per_node:

@@ -145,7 +145,6 @@ def _run_on_ray(args: argparse.Namespace, config: PlanConfig) -> int:
     spec = TokenSpec(column=args.column, text_column=text, tokenizer=args.tokenizer, vocab_size=_vocab_size(args))
     if text is not None and args.tokenizer:
         load_tokenizer(args.tokenizer)  # a bad one is refused before the cluster starts
-    max_tokens = config.group_capacity if config.overflow == "error" else None
     with ray_shards.ray_cluster(args.ray_address):
         try:
             measured = ray_shards.measure(
@@ -153,7 +152,7 @@ def _run_on_ray(args: argparse.Namespace, config: PlanConfig) -> int:
                 spec,
                 out_dir=args.out,
                 split=args.split,
-                max_tokens=max_tokens,
+                max_tokens=config.sample_token_limit,
                 options=options,
                 progress=not args.quiet,
             )
@@ -322,7 +321,7 @@ def _token_dataset(args: argparse.Namespace, ds: Any, config: PlanConfig) -> tup
                 vocab_size=_vocab_size(args),
                 num_proc=processes if processes > 1 else None,
                 on_encoded=lambda ids: bar.update(len(ids)),
-                max_tokens=config.group_capacity if config.overflow == "error" else None,
+                max_tokens=config.sample_token_limit,
             )
         except SampleTooLong as exc:  # refused as soon as it was encoded, in whichever process
             raise _too_long(args, config, exc.row, exc.length) from None

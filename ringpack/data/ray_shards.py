@@ -451,10 +451,15 @@ def write_shards_ray(
             group holds, as soon as its block is measured (its file and row named).
         DataError, PlanError: as :func:`measure`, :func:`write_measured`.
     """
-    max_tokens = config.group_capacity if config.overflow == "error" else None
     with ray_cluster(options.address):
         measured = measure(
-            source, spec, out_dir=out_dir, split=split, max_tokens=max_tokens, options=options, progress=progress
+            source,
+            spec,
+            out_dir=out_dir,
+            split=split,
+            max_tokens=config.sample_token_limit,
+            options=options,
+            progress=progress,
         )
         return write_measured(
             measured,
