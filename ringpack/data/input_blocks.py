@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from ringpack.data.shard_writer import checked_token_ids
-from ringpack.data.sources import SampleTooLong, SourceFiles, encode_texts
+from ringpack.data.sources import SourceFiles, encode_texts, refuse_too_long
 from ringpack.errors import DataError
 from ringpack.lengths import lengths_from_arrow, read_arrow_table
 
@@ -206,21 +206,12 @@ def _tokenized(texts: Any, spec: TokenSpec, max_tokens: int | None) -> Any:
     for start in range(0, len(texts), _TEXTS_AT_ONCE):
         ids = encode_texts(texts.slice(start, _TEXTS_AT_ONCE).to_pylist(), spec.tokenizer, spec.vocab_size)
         lengths.append(np.fromiter(map(len, ids), dtype=np.int64, count=len(ids)))
-        _check_max(lengths[-1], max_tokens, start)
+        refuse_too_long(lengths[-1], max_tokens, first=start)
         values.append(np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=int(lengths[-1].sum())))
     offsets = np.zeros(len(texts) + 1, dtype=np.int64)
     np.cumsum(np.concatenate(lengths) if lengths else np.zeros(0, np.int64), out=offsets[1:])
     flat = np.concatenate(values) if values else np.zeros(0, np.int64)
     return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(flat))
-
-
-def _check_max(lengths: np.ndarray, max_tokens: int | None, first: int) -> None:
-    """:class:`SampleTooLong` for the first of ``lengths`` (rows ``first...`` of a block) over ``max_tokens``."""
-    if max_tokens is None:
-        return
-    over = np.flatnonzero(lengths > max_tokens)
-    if over.size:
-        raise SampleTooLong(first + int(over[0]), int(lengths[over[0]]))
 
 
 def block_token_ids(block: InputBlock, spec: TokenSpec, max_tokens: int | None = None) -> BlockIds:
@@ -252,7 +243,7 @@ def block_token_ids(block: InputBlock, spec: TokenSpec, max_tokens: int | None =
         col = pa.array([None] * len(col), type=pa.list_(pa.int64()))
     where = f"{block.describe()}, column {spec.column!r}"
     lengths = lengths_from_arrow(col, where, lists_only=True)
-    _check_max(lengths, max_tokens, 0)
+    refuse_too_long(lengths, max_tokens)
     values = col.flatten()
     if pa.types.is_null(values.type):
         values = values.cast(pa.int64())

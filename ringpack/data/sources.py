@@ -14,10 +14,12 @@ import functools
 import json
 import os
 import secrets
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
+
+import numpy as np
 
 from ringpack._hints import on_command_line, option
 from ringpack.data.shard_format import plain_name
@@ -28,6 +30,7 @@ from ringpack.tokenizer import load_tokenizer, regex_token_ids, token_encoder
 __all__ = [
     "SOURCES",
     "SampleTooLong",
+    "refuse_too_long",
     "SourceFiles",
     "encode_texts",
     "load_source",
@@ -47,6 +50,20 @@ class SampleTooLong(DataError):
 
     def __str__(self) -> str:
         return f"row {self.row} has {self.length} tokens" + (f" [{self.where}]" if self.where else "")
+
+
+def refuse_too_long(
+    lengths: Iterable[int] | np.ndarray, max_tokens: int | None, rows: Sequence[int] | None = None, first: int = 0
+) -> None:
+    """Raise :class:`SampleTooLong` for the first of ``lengths`` over ``max_tokens`` (``None``: no limit),
+    named as its row ``rows[k]``, or ``first + k`` without ``rows``."""
+    if max_tokens is None:
+        return
+    lengths = lengths if isinstance(lengths, np.ndarray) else np.fromiter(lengths, dtype=np.int64)
+    over = np.flatnonzero(lengths > max_tokens)
+    if over.size:
+        k = int(over[0])
+        raise SampleTooLong(rows[k] if rows is not None else first + k, int(lengths[k]))
 
 
 class _TokenizeMap:
@@ -95,11 +112,7 @@ class _TokenizeMap:
 
     def _check(self, part: list[list[int]], rows: list[int] | None) -> None:
         """Raise :class:`SampleTooLong` for the first of ``part`` (rows ``rows``) over ``max_tokens``."""
-        if self.max_tokens is None:
-            return
-        for k, row_ids in enumerate(part):
-            if len(row_ids) > self.max_tokens:
-                raise SampleTooLong(rows[k] if rows is not None else k, len(row_ids))
+        refuse_too_long(map(len, part), self.max_tokens, rows)
 
     def _ids(self, texts: list[str]) -> list[list[int]]:
         if self.tokenizer in (None, "regex"):
