@@ -280,18 +280,26 @@ def _in_order(
                 pending.append((nxt, task.remote(nxt, spec, *args[nxt.index])))
             yield result
     finally:
-        refs = [ref for _, ref in pending]
-        _cancel(ray, refs, force=True)
-        with contextlib.suppress(Exception):
-            ray.wait(refs, num_returns=len(refs), timeout=_CANCEL_WAIT_S)
+        _stop(ray, [ref for _, ref in pending])
 
 
-#: How long a run that stops early waits for its cancelled reading tasks to end.
+#: How long a run that stops early waits for its interrupted tasks to end before killing their workers.
 _CANCEL_WAIT_S = 10.0
 
 
+def _stop(ray: Any, refs: list[Any]) -> None:
+    """End the tasks of ``refs`` (a run that stops early leaves none behind), those already done untouched:
+    each is interrupted (a ``KeyboardInterrupt`` in the task) and waited for; only those still running
+    after :data:`_CANCEL_WAIT_S` have their worker killed. Killing first races with tasks finishing at
+    that moment, which can crash Ray's own bookkeeping of retried tasks in the driver."""
+    _cancel(ray, refs)
+    with contextlib.suppress(Exception):
+        _, running = ray.wait(refs, num_returns=len(refs), timeout=_CANCEL_WAIT_S)
+        _cancel(ray, running, force=True)
+
+
 def _cancel(ray: Any, refs: list[Any], force: bool = False) -> None:
-    """Stop the tasks of ``refs`` (a run that ends early leaves none behind); those already done are untouched."""
+    """Cancel the tasks of ``refs`` (``force``: kill their workers); those already done are untouched."""
     for ref in refs:
         with contextlib.suppress(Exception):  # a task that finished or whose worker is gone
             ray.cancel(ref, force=force)
@@ -404,7 +412,7 @@ def _write_groups(
             for file in group:
                 yield file, sha256[file.name]
     finally:  # the driver stops (an error, an interrupt): no task writes on behind its back
-        _cancel(ray, list(running), force=True)
+        _stop(ray, list(running))
 
 
 def _write_group(out: str, plan: Plan, files: list[ShardFile], spilled: tuple) -> dict[str, str]:
