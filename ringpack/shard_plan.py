@@ -118,20 +118,75 @@ class RankShard:
         return f"RankShard(tokens={self.num_tokens}, pieces={pieces})"
 
 
+class ColumnShards(Sequence[RankShard]):
+    """A micro-batch's rank shards read from its pieces as int64 arrays, each :class:`RankShard`
+    built on first access and kept: a loader that needs one rank's shard of a micro-batch spanning
+    thousands of ranks builds that one, not every rank's pieces as objects.
+
+    Equal (and hashing alike) to the tuple of the same shards; :attr:`MicroBatch.piece_columns` of a
+    micro-batch holding one reads the arrays, not objects.
+
+    Args:
+        pieces: int64 ``[P, 3]``, ``(sample, start, stop)`` of every piece, CP rank after CP rank.
+        bounds: int64 ``[cp + 1]``, non-decreasing from 0 to ``P``: rank ``r``'s pieces are
+            ``pieces[bounds[r]:bounds[r + 1]]``.
+    """
+
+    __slots__ = ("_pieces", "_bounds", "_built")
+
+    def __init__(self, pieces: np.ndarray, bounds: np.ndarray) -> None:
+        self._pieces = np.asarray(pieces, dtype=np.int64).reshape(-1, 3)
+        self._bounds = np.asarray(bounds, dtype=np.int64)
+        self._built: dict[int, RankShard] = {}
+
+    def __len__(self) -> int:
+        return self._bounds.size - 1
+
+    def __getitem__(self, index):  # int -> RankShard, slice -> tuple
+        if isinstance(index, slice):
+            return tuple(self[r] for r in range(len(self))[index])
+        r = range(len(self))[index]  # IndexError / TypeError as a tuple's
+        shard = self._built.get(r)
+        if shard is None:
+            rows = self._pieces[self._bounds[r] : self._bounds[r + 1]].tolist()
+            shard = self._built[r] = RankShard(tuple(Piece(*row) for row in rows))
+        return shard
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, (tuple, ColumnShards)):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"ColumnShards(cp={len(self)}, pieces={len(self._pieces)})"
+
+    def columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``(cp_rank, sample, start, stop)`` of every piece (:attr:`MicroBatch.piece_columns`)."""
+        rank = np.repeat(np.arange(len(self), dtype=np.int64), np.diff(self._bounds))
+        return (rank, *(np.ascontiguousarray(self._pieces[:, k]) for k in range(3)))
+
+
 @dataclass(frozen=True)
 class MicroBatch:
     """Samples one CP group runs in one forward/backward; ``shards[r]`` is CP rank ``r``'s share.
 
     ``samples`` fixes the canonical order: pieces on every rank are sorted by their sample's
-    position here, then by ``start``.
+    position here, then by ``start``. ``shards`` is a tuple, or the :class:`ColumnShards` of a
+    micro-batch read from arrays (as a planner process delivers it), equal to that tuple.
     """
 
     samples: tuple[int, ...]
-    shards: tuple[RankShard, ...]
+    shards: tuple[RankShard, ...] | ColumnShards
     loss_tokens: int
 
     @property
     def num_tokens(self) -> int:
+        if isinstance(self.shards, ColumnShards):
+            _, _, start, stop = self.piece_columns
+            return int((stop - start).sum())
         return sum(s.num_tokens for s in self.shards)
 
     @cached_property
@@ -148,6 +203,8 @@ class MicroBatch:
                 :class:`Piece`, or a piece field that is not an integer (bools included).
             OverflowError: a field outside int64.
         """
+        if isinstance(self.shards, ColumnShards):
+            return self.shards.columns()
         return _piece_columns(self.shards)
 
     @cached_property
@@ -166,7 +223,11 @@ class MicroBatch:
         return {f.name: self.__dict__[f.name] for f in fields(self)}
 
     def __repr__(self) -> str:
-        ranks = [shard.num_tokens for shard in self.shards]
+        if isinstance(self.shards, ColumnShards):
+            rank, _, start, stop = self.piece_columns
+            ranks = np.bincount(rank, weights=stop - start, minlength=len(self.shards)).astype(np.int64).tolist()
+        else:
+            ranks = [shard.num_tokens for shard in self.shards]
         spread = f"{min(ranks)}..{max(ranks)}" if ranks else "-"
         return (
             f"MicroBatch(samples={_preview(self.samples[: _SHOWN + 1], len(self.samples))}, "

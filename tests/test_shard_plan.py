@@ -8,10 +8,12 @@ import pickle
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from hypothesis import given
 
 from ringpack.shard_plan import (
+    ColumnShards,
     MicroBatch,
     Piece,
     Plan,
@@ -73,6 +75,34 @@ def test_piece_columns_are_read_once_and_leave_equality_hash_and_pickles_alone()
     twin = MicroBatch(samples=mb.samples, shards=mb.shards, loss_tokens=5)
     assert mb == twin and hash(mb) == hash(twin) and repr(mb) == repr(twin)
     assert pickle.dumps(mb) == before and "piece_columns" not in vars(pickle.loads(before))
+
+
+def column_shards_of(shards: tuple[RankShard, ...]) -> ColumnShards:
+    rows = [(p.sample, p.start, p.stop) for shard in shards for p in shard.pieces]
+    bounds = np.cumsum([0, *(len(shard.pieces) for shard in shards)])
+    return ColumnShards(np.asarray(rows, dtype=np.int64).reshape(-1, 3), bounds)
+
+
+def test_column_shards_build_each_rank_on_first_read_and_equal_the_tuple():
+    shards = (RankShard((Piece(4, 0, 3),)), RankShard(), RankShard((Piece(7, 0, 2), Piece(4, 3, 5))))
+    lazy = column_shards_of(shards)
+    assert len(lazy) == 3 and not lazy._built, "nothing built before a read"
+    assert lazy[2] == shards[2] and lazy[2] is lazy[2] and set(lazy._built) == {2}, "one rank built, then kept"
+    assert lazy[-1] is lazy[2] and lazy[1] == RankShard() and lazy[0:2] == shards[0:2]
+    with pytest.raises(IndexError):
+        _ = lazy[3]
+    with pytest.raises(TypeError):
+        _ = lazy["0"]
+    assert lazy == shards and shards == lazy and hash(lazy) == hash(shards) and lazy != shards[:2]
+    assert lazy != column_shards_of((RankShard((Piece(4, 0, 3),)), RankShard(), RankShard((Piece(7, 0, 2),))))
+    tuple_mb = MicroBatch(samples=(4, 7), shards=shards, loss_tokens=5)
+    mb = MicroBatch(samples=(4, 7), shards=column_shards_of(shards), loss_tokens=5)
+    assert mb == tuple_mb and hash(mb) == hash(tuple_mb) and repr(mb) == repr(tuple_mb)
+    assert mb.num_tokens == tuple_mb.num_tokens == 7 and mb.fingerprint == tuple_mb.fingerprint
+    for got, want in zip(mb.piece_columns, tuple_mb.piece_columns):
+        assert got.dtype == np.int64 and got.tolist() == want.tolist()
+    assert pickle.loads(pickle.dumps(mb)) == tuple_mb
+    assert MicroBatch(samples=(4, 7), shards=column_shards_of(shards[:2] + (RankShard(),)), loss_tokens=5) != mb
 
 
 @pytest.mark.parametrize(

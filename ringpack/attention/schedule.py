@@ -37,7 +37,7 @@ from ringpack.attention.mode_choice import ModeChoice
 from ringpack.attention.ranges import concat_ranges
 from ringpack.errors import PlanError
 from ringpack.modes import HYBRID_MODES
-from ringpack.shard_plan import MicroBatch, Piece, RankShard
+from ringpack.shard_plan import ColumnShards, MicroBatch, Piece, RankShard
 from ringpack.traffic import microbatch_over_budget
 
 try:  # torch.compile passes a schedule to the engine's custom op as an opaque runtime input
@@ -1146,7 +1146,9 @@ def _check_microbatch(microbatch: MicroBatch) -> None:
     if not isinstance(microbatch, MicroBatch):
         raise PlanError(f"microbatch must be a ringpack MicroBatch, got {type(microbatch).__name__}")
     shards = microbatch.shards
-    if not isinstance(shards, Sequence) or not all(issubclass(t, RankShard) for t in set(map(type, shards))):
+    if isinstance(shards, ColumnShards):
+        pass  # RankShards by construction, built only where read
+    elif not isinstance(shards, Sequence) or not all(issubclass(t, RankShard) for t in set(map(type, shards))):
         raise PlanError("microbatch.shards must be a sequence of RankShard, one per CP rank")
     samples = microbatch.samples
     if not isinstance(samples, Sequence) or not all(map(_is_int_type, set(map(type, samples)))):

@@ -41,7 +41,7 @@ from ringpack._spawn import _BEAT, BEAT_S, STALL_ENV, _beat, _die_with_parent, _
 from ringpack.cost import CostModel
 from ringpack.errors import PlanError
 from ringpack.planner.epoch import GlobalBatches, global_batches, plan_step
-from ringpack.shard_plan import MicroBatch, Piece, PlanConfig, RankShard, Step
+from ringpack.shard_plan import ColumnShards, MicroBatch, PlanConfig, Step
 from ringpack.traffic import OVER_BUDGET_SLOT, remember_over_budget
 
 __all__ = [
@@ -117,15 +117,13 @@ class PackedMicroBatch:
         return cls(samples, pieces, bounds, int(mb.loss_tokens), decided, mb.fingerprint)
 
     def unpack(self) -> MicroBatch:
-        """The :class:`MicroBatch` (equal to the one packed), its :attr:`~MicroBatch.piece_columns`
-        already read from the arrays (what compiling a schedule of it reads first)."""
-        pieces = [Piece(*row) for row in self.pieces.tolist()]
-        b = self.bounds.tolist()
-        shards = tuple(RankShard(tuple(pieces[b[r] : b[r + 1]])) for r in range(len(b) - 1))
+        """The :class:`MicroBatch` (equal to the one packed) on the arrays: its shards are
+        :class:`~ringpack.shard_plan.ColumnShards`, each rank's built on first use, and its
+        :attr:`~MicroBatch.piece_columns` read from the arrays. O(samples) Python work, not
+        O(pieces): a loader compiling one rank's schedule of a pool-wide micro-batch builds that
+        rank's pieces only."""
+        shards = ColumnShards(self.pieces, self.bounds)
         mb = MicroBatch(samples=tuple(self.samples.tolist()), shards=shards, loss_tokens=self.loss_tokens)
-        ranks = np.repeat(np.arange(len(b) - 1, dtype=np.int64), np.diff(self.bounds))
-        columns = (ranks, *(np.ascontiguousarray(self.pieces[:, k]) for k in range(3)))
-        mb.__dict__["piece_columns"] = columns  # the cached property's slot
         for node, budget, over in self.over_budget:
             remember_over_budget(mb, node, budget, over)
         if self.fingerprint is not None:

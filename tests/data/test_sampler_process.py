@@ -66,6 +66,19 @@ def test_a_ticket_of_a_packed_microbatch_unpacks_on_first_use_and_pickles_packed
     assert list(copy) == list(ticket) == list(mb.samples) and signature([copy]) == signature([ticket])
 
 
+def test_collating_a_delivered_microbatch_builds_only_its_ranks_pieces(samples):
+    sampler = BalancedBatchSampler(lengths_of(samples), CONFIG, 0, planner="thread")
+    step = sampler.plan().steps[0]
+    mb = step.microbatches[0][0]
+    ticket = pickle.loads(pickle.dumps(sampler._ticket((PackedMicroBatch.of(mb),), step.loss_tokens, 0, 0, 0, 0)))
+    expected = PackedCollator(1, CONFIG.cp).collate(mb, [samples[k] for k in mb.samples])
+    batch = PackedCollator(1, CONFIG.cp).collate(ticket.microbatch, [samples[k] for k in mb.samples])
+    assert set(ticket.microbatch.shards._built) == {1}, "rank 1's pieces built as objects, no other rank's"
+    assert batch.keys() == expected.keys() and batch["schedule"].fingerprint == expected["schedule"].fingerprint
+    for key in ("input_ids", "position_ids", "cu_seqlens"):
+        assert batch[key].tolist() == expected[key].tolist(), key
+
+
 @pytest.mark.slow
 def test_process_tickets_equal_thread_tickets_on_every_rank(samples):
     for d in range(CONFIG.dp):
