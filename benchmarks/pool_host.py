@@ -13,25 +13,31 @@ one micro-batch: the pool is one CP group). Per pool size:
   (the plan's partner budget, decided by the planner for each micro-batch) for a sample of
   ranks: the first, middle and last, ``--ranks`` random ones and the 4 with the most exchange
   partners (by :func:`ringpack.traffic.receivers`). ``cold``: on a micro-batch object that has not
-  been read yet (what a loader worker does with each new micro-batch: its pieces read once into
-  columns); ``warm``: the same micro-batch again (columns cached on it); ``delivered``: a fresh
-  copy as the planner process delivers it (``PackedMicroBatch`` unpacked: its columns and the
-  planner's partner-budget outcome come along). Median and worst rank of each, and each sampled
-  rank's partners (relays included, from its schedule).
-* ``collate``: CPU milliseconds of ``PackedCollator.collate`` of one micro-batch for the first rank
-  and the rank with most partners, schedule compiled (cold) and not. Token arrays are views of
+  been read yet (its pieces read into columns and its piece table built, as a loader does with a
+  micro-batch the planner did not send: a thread planner's); ``warm``: the same micro-batch again
+  (columns and table kept on it); ``delivered``: what a loader worker does with a micro-batch the
+  planner process sent: unpickle the ``PackedMicroBatch`` (pickled once, in ``planner ms``: with
+  its piece table, partner-budget outcome and fingerprint), unpack it and compile, all timed.
+  Median and worst rank of each, and each sampled rank's partners (relays included, from its
+  schedule).
+* ``collate``: CPU milliseconds of ``PackedCollator.collate`` of one delivered micro-batch (unpickled
+  and unpacked, as above: timed) for the first rank and the rank with most partners, schedule
+  compiled and not. Token arrays are views of
   one array (no fetch cost): this times the collator's own work on a micro-batch of the whole pool,
   with every sample's tokens and (``o``) with only the samples the rank's pieces come from, as a
   sampler given ``cp_rank`` lists them.
 
 The targets: ``compile_schedule`` of one rank of an 8,192-rank pool in <= 50 ms (median and worst);
 one global batch planned in <= 1 s at 8,192 ranks and <= 150 ms at 1,024, on one core.
+``planner ms`` / ``sent MB``: the planner process's work to pack one micro-batch (its piece table
+built) and the pickle's size.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import pickle
 import platform
 import sys
 import time
@@ -46,6 +52,7 @@ from ringpack.analysis.simulate import synthetic_lengths
 from ringpack.attention import compile_schedule
 from ringpack.data.collator import PackedCollator
 from ringpack.data.sampler import rank_positions
+from ringpack.piece_table import TABLE_SLOT
 from ringpack.plan_config import DEFAULT_MAX_PARTNERS
 from ringpack.planner.stream import PackedMicroBatch
 from ringpack.shard_plan import MicroBatch
@@ -69,8 +76,9 @@ def cpu_ms(fn) -> tuple[float, object]:
 
 
 def forget_columns(mb: MicroBatch) -> None:
-    """The micro-batch as a fresh object would be: its pieces not read into columns yet."""
+    """The micro-batch as a fresh object would be: its pieces not read into columns, no piece table."""
     vars(mb).pop("piece_columns", None)
+    vars(mb).pop(TABLE_SLOT, None)
 
 
 def busiest_ranks(mb: MicroBatch, count: int) -> list[int]:
@@ -104,12 +112,14 @@ def one_pool(lengths: np.ndarray, world: int, args: argparse.Namespace) -> dict:
     busy = busiest_ranks(mb, 4)
     ranks = sorted({0, world // 2, world - 1, *rng.integers(0, world, args.ranks).tolist(), *busy})
     per_rank = []
+    planner_ms, sent = cpu_ms(lambda: pickle.dumps(PackedMicroBatch.of(mb)))  # what the planner process sends
     for r in ranks:
         forget_columns(mb)
         cold, schedule = cpu_ms(lambda: compile_schedule(mb, r, gpus_per_node=GPUS_PER_NODE, max_partners=budget))
         warm, _ = cpu_ms(lambda: compile_schedule(mb, r, gpus_per_node=GPUS_PER_NODE, max_partners=budget))
-        fresh = PackedMicroBatch.of(mb).unpack()  # as a loader gets it from the planner process
-        delivered, _ = cpu_ms(lambda: compile_schedule(fresh, r, gpus_per_node=GPUS_PER_NODE, max_partners=budget))
+        delivered, _ = cpu_ms(
+            lambda: compile_schedule(pickle.loads(sent).unpack(), r, gpus_per_node=GPUS_PER_NODE, max_partners=budget)
+        )
         partners = 2 if schedule.partner_fallback else schedule.exchange.partners  # the ring's, over the budget
         per_rank.append({"rank": r, "cold_ms": cold, "warm_ms": warm, "delivered_ms": delivered, "partners": partners})
     base = np.arange(int(lens.max()) + 1, dtype=np.int64)
@@ -118,15 +128,19 @@ def one_pool(lengths: np.ndarray, world: int, args: argparse.Namespace) -> dict:
     for r in (0, busy[0]):
         for compiled in (True, False):
             collator = PackedCollator(r, world, compile_schedules=compiled)
-            forget_columns(mb)
-            ms, _ = cpu_ms(lambda: collator.collate(mb, tokens, gpus_per_node=GPUS_PER_NODE, max_partners=budget))
+            ms, _ = cpu_ms(
+                lambda: collator.collate(
+                    pickle.loads(sent).unpack(), tokens, gpus_per_node=GPUS_PER_NODE, max_partners=budget
+                )
+            )
             collate.append({"rank": r, "schedule": compiled, "ms": ms})
             # the ticket of a sampler given the rank's cp_rank: only the samples its pieces come from
             own = rank_positions(mb, r).tolist()
             mine = [tokens[k] for k in own]
-            forget_columns(mb)
             ms, _ = cpu_ms(
-                lambda: collator.collate(mb, mine, gpus_per_node=GPUS_PER_NODE, positions=own, max_partners=budget)
+                lambda: collator.collate(
+                    pickle.loads(sent).unpack(), mine, gpus_per_node=GPUS_PER_NODE, positions=own, max_partners=budget
+                )
             )
             collate.append({"rank": r, "schedule": compiled, "ms": ms, "own_rows": len(own)})
     cold = [x["cold_ms"] for x in per_rank]
@@ -141,6 +155,8 @@ def one_pool(lengths: np.ndarray, world: int, args: argparse.Namespace) -> dict:
         "compile_cold_ms": {"median": float(np.median(cold)), "worst": float(max(cold))},
         "compile_warm_ms": {"median": float(np.median(warm)), "worst": float(max(warm))},
         "compile_delivered_ms": {"median": float(np.median(delivered)), "worst": float(max(delivered))},
+        "planner_pack_ms": planner_ms,
+        "sent_bytes": len(sent),
         "compile_ranks": per_rank,
         "collate": collate,
     }
@@ -163,7 +179,7 @@ def main() -> None:
     print(
         f"{'ranks':>6} {'samples':>8} {'pieces':>7} {'plan s':>7} "
         f"{'compile cold ms (median/worst)':>31} {'warm ms':>13} {'delivered ms':>13} {'partners max':>12} "
-        f"{'collate ms':>24}"
+        f"{'collate ms':>24} {'planner ms':>10} {'sent MB':>7}"
     )
     for world in (int(w) for w in args.worlds.split(",")):
         row = one_pool(lengths, world, args)
@@ -176,7 +192,8 @@ def main() -> None:
             f"{world:>6} {row['samples']:>8} {row['pieces']:>7} {row['plan_seconds']:>7.3f} "
             f"{cold['median']:>15.1f} / {cold['worst']:<13.1f} {warm['median']:>5.1f} / {warm['worst']:<5.1f} "
             f"{delivered['median']:>5.1f} / {delivered['worst']:<5.1f} "
-            f"{max(x['partners'] for x in row['compile_ranks']):>12} {collate:>24}"
+            f"{max(x['partners'] for x in row['compile_ranks']):>12} {collate:>24} "
+            f"{row['planner_pack_ms']:>10.1f} {row['sent_bytes'] / 1e6:>7.2f}"
         )
     print("collate: ranks 0 and the busiest, with the schedule and without (*), all rows and own rows (o)")
     result = {"machine": platform.platform(), "processor": platform.processor(), "args": vars(args), "pools": rows}

@@ -36,7 +36,7 @@ from ringpack.attention.engine import pack_kv
 from ringpack.attention.exchange import compile_exchange, exchange_ranges, neighbourhood
 from ringpack.attention.p2p import TargetedTransport, targeted_schedule
 from ringpack.attention.ring import RingTransport
-from ringpack.attention.schedule import _PieceTable
+from ringpack.piece_table import PieceTable
 from ringpack.shard_plan import Piece, microbatch_from_shards
 
 RANK = 3
@@ -91,7 +91,7 @@ def compile_rows(sizes: list[int], partners: int, repeat: int) -> list[dict]:
     rows = []
     for cp in sizes:
         mb = microbatch(cp, partners)
-        table = _PieceTable.from_microbatch(mb)
+        table = PieceTable.from_microbatch(mb)
         mine = np.flatnonzero(table.rank == RANK)
         steps = compile_schedule(mb, RANK).steps
 

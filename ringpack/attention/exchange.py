@@ -7,8 +7,8 @@ buffer; both sides derive every range from the micro-batch alone, so they agree 
 order without telling each other. The schedule's remote calls are remapped onto the compressed
 received rows (zero-query segments shrink, empty ones go), so the engine runs the same kernels on
 fewer rows. :func:`exchange_ranges` and :func:`compile_exchange` take time in the rank's pieces
-and partners, not in the CP group size (:func:`neighbourhood`); :func:`ring_distances` gives the
-distances the ring visits.
+and partners, not in the CP group size (:func:`neighbourhood`); they read the micro-batch's
+:class:`~ringpack.piece_table.PieceTable`.
 
 See docs/attention.md, "Targeted exchange".
 """
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ringpack.attention.ranges import concat_ranges
+from ringpack.ranges import concat_ranges, run_starts
 from ringpack.traffic import proxy_index
 
 __all__ = [
@@ -33,7 +33,6 @@ __all__ = [
     "compile_exchange",
     "exchange_ranges",
     "neighbourhood",
-    "ring_distances",
     "sends_of_ranks",
 ]
 
@@ -206,7 +205,7 @@ def _group_pairs(
     """``(own, other)``: every pair of (sample, rank) groups of one sample (groups sorted by sample,
     then rank) where ``own``'s rank is a target and ``other``'s another rank in ``partners``."""
     width = max(int(g_rank.max()) + 1, partners[1])
-    sample = np.cumsum(_starts(g_slot)) - 1
+    sample = np.cumsum(run_starts(g_slot)) - 1
     key = sample * width + g_rank  # ascending
     own = np.flatnonzero(np.isin(g_rank, targets))
     lo = np.searchsorted(key, sample[own] * width + partners[0])
@@ -217,86 +216,15 @@ def _group_pairs(
     return pair_own[keep], pair_other[keep]
 
 
-def ring_distances(table: Any, max_pairs: int = 1 << 20) -> list[int]:
-    """The ring distances ``t`` at which some rank ``r`` needs keys of rank ``(r - t) mod C`` in the
-    piece table's micro-batch (the same list on every rank).
-
-    The pieces tile their samples, so ``r`` needs ``s`` when ``s`` holds a piece of a sample that
-    comes before one of ``r``'s, in the sample's (start) order (``table.by_sample``,
-    ``table.sample_bounds``). Samples are visited in order of their rank span (highest minus
-    lowest rank holding them), their piece pairs a growing batch of at most ``max_pairs`` at a
-    time: a sample spanning ``w`` ranks can only add distances ``1..w`` and ``C-w..C-1``, and once
-    those are all found it and every sample of no wider span are skipped. Work is bounded by the
-    sum over samples of their piece counts squared, and is usually a small part of it; memory is
-    bounded."""
-    if not table.rank.size:
-        return []
-    rank = table.rank[table.by_sample]  # rank of each piece, samples' pieces in start order
-    first = table.sample_bounds[:-1]
-    size = np.diff(table.sample_bounds)
-    todo = np.flatnonzero(size > 1)
-    span = np.maximum.reduceat(rank, first[todo]) - np.minimum.reduceat(rank, first[todo]) if todo.size else todo
-    by_span = np.argsort(span, kind="stable")
-    todo, span = todo[by_span], span[by_span]
-    pairs = np.cumsum(np.minimum(size[todo], span + 1) ** 2)  # at most one group per rank of the span
-    cp = table.cp_size
-    found = np.zeros(cp, dtype=bool)
-    heads = todo[np.flatnonzero(_starts(span))] if todo.size else todo
-    _mark_distances(found, rank, first[heads], size[heads])  # one sample of each span first
-    at, batch = 0, 1
-    while at < todo.size and not found[1:].all():
-        width = int(span[at])
-        same_span = int(np.searchsorted(span, width, side="right"))
-        if found[1 : width + 1].all() and found[cp - width :].all():
-            at, batch = same_span, 1  # every distance this span allows is found: skip its samples
-            continue
-        done = int(pairs[at - 1]) if at else 0
-        upto = min(max(int(np.searchsorted(pairs, done + batch, side="right")), at + 1), same_span)
-        _mark_distances(found, rank, first[todo[at:upto]], size[todo[at:upto]])
-        at, batch = upto, min(4 * max(batch, int(pairs[upto - 1]) - done), max_pairs)
-    return (np.flatnonzero(found[1:]) + 1).tolist()
-
-
-def _mark_distances(found: np.ndarray, rank: np.ndarray, firsts: np.ndarray, sizes: np.ndarray) -> None:
-    """Mark in ``found`` (one entry per ring distance) ``(r - s) mod C`` for the ranks ``r``, ``s``
-    holding pieces of one sample with one of ``s``'s before one of ``r``'s (sample ``k``'s pieces,
-    in start order: ``rank[firsts[k] + arange(sizes[k])]``), over each sample's (sample, rank)
-    groups: ``s``'s first piece comes before ``r``'s last."""
-    if not sizes.size:
-        return
-    at = concat_ranges(firsts, sizes)
-    sample = np.repeat(np.arange(sizes.size), sizes)
-    order = np.lexsort((at, rank[at], sample))
-    at, sample, held = at[order], sample[order], rank[at][order]
-    head = _starts(sample) | _starts(held)
-    g_first, g_last = at[head], at[np.append(head[1:], True)]
-    g_rank, g_sample = held[head], sample[head]
-    lo = np.flatnonzero(_starts(g_sample))
-    count = np.diff(np.append(lo, g_sample.size))
-    per_group = np.repeat(count, count)
-    i = np.repeat(np.arange(g_rank.size), per_group)
-    j = concat_ranges(np.repeat(lo, count), per_group)
-    need = g_first[j] < g_last[i]  # a group with itself: distance 0, not a ring step
-    found[(g_rank[i[need]] - g_rank[j[need]]) % found.size] = True
-
-
 def _sample_rank_groups(rank: np.ndarray, slot: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Pieces (non-empty, each rank's in canonical order) grouped by (sample, rank): ``order``
     sorts them so (stable: each group in start order), and group ``g`` is sorted rows
     ``first[g]..last[g]``."""
     width = int(rank.max()) + 1 if rank.size else 1
     order = np.argsort(slot * width + rank, kind="stable")  # one int64 key: faster than lexsort, as stable
-    head = _starts(slot[order]) | _starts(rank[order])
+    head = run_starts(slot[order]) | run_starts(rank[order])
     first = np.flatnonzero(head)
     return order, first, np.append(first[1:], order.size) - 1
-
-
-def _starts(x: np.ndarray) -> np.ndarray:
-    """Where a run of equal values of ``x`` (non-empty) begins."""
-    head = np.empty(x.size, dtype=bool)
-    head[0] = True
-    np.not_equal(x[1:], x[:-1], out=head[1:])
-    return head
 
 
 def _cumsum0(x: np.ndarray) -> np.ndarray:

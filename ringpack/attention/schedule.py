@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
-from functools import cached_property
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -30,13 +29,13 @@ from ringpack.attention.exchange import (
     TargetedExchange,
     compile_exchange,
     exchange_ranges,
-    ring_distances,
     sends_of_ranks,
 )
 from ringpack.attention.mode_choice import ModeChoice
-from ringpack.attention.ranges import concat_ranges
 from ringpack.errors import PlanError
 from ringpack.modes import HYBRID_MODES
+from ringpack.piece_table import PieceTable, piece_table
+from ringpack.ranges import concat_ranges
 from ringpack.shard_plan import ColumnShards, MicroBatch, Piece, RankShard
 from ringpack.traffic import microbatch_over_budget
 
@@ -565,61 +564,6 @@ OPAQUE_SCHEDULE = _register_opaque(Schedule)
 # ------------------------------------------------------------------------------------ compilation
 
 
-@dataclass(frozen=True)
-class _PieceTable:
-    """All pieces of a micro-batch as int64 columns, rows in (rank, canonical) order."""
-
-    rank: np.ndarray
-    slot: np.ndarray
-    start: np.ndarray
-    stop: np.ndarray
-    offset: np.ndarray  # first row of the piece in its rank's local buffer
-    needed: np.ndarray  # bool: some other rank holds a later piece of the same sample
-    compact: np.ndarray  # first row in its rank's compact send buffer (-1 if not needed)
-    cp_size: int
-    by_sample: np.ndarray  # rows in (sample, start) order
-    sample_bounds: np.ndarray  # sample slot k's pieces: by_sample[sample_bounds[k]:sample_bounds[k + 1]]
-
-    @classmethod
-    def from_microbatch(cls, mb: MicroBatch) -> _PieceTable:
-        """The checked table of ``mb``: numpy passes over its :attr:`~MicroBatch.piece_columns`
-        (read once per micro-batch object), no Python work per piece or sample.
-
-        Raises:
-            PlanError: as :func:`compile_schedule` lists for the pieces and samples.
-        """
-        cp = len(mb.shards)
-        samples = _sample_ids(mb.samples)
-        rank, sample, start, stop = _read_pieces(mb)
-        slot = _slots_of(samples, rank, sample)
-        by_sample = _check_pieces(rank, slot, start, stop, samples)
-        length = stop - start
-        offset = _exclusive_cumsum_by(rank, length)
-        needed = _needed(rank, slot, by_sample)
-        compact = np.where(needed, _exclusive_cumsum_by(rank, np.where(needed, length, 0)), -1)
-        bounds = np.searchsorted(slot[by_sample], np.arange(len(samples) + 1))
-        return cls(rank, slot, start, stop, offset, needed, compact, cp, by_sample, bounds)
-
-    @cached_property
-    def key_scale(self) -> int:
-        """More than any piece bound: ``slot * key_scale + bound`` orders pieces by (sample, bound)."""
-        return int(max(self.stop.max(), 1)) + 1 if self.stop.size else 2
-
-    def buffer_tokens(self) -> tuple[int, ...]:
-        sizes = np.bincount(self.rank, weights=np.where(self.needed, self.stop - self.start, 0), minlength=self.cp_size)
-        return tuple(sizes.astype(np.int64).tolist())
-
-    def rows_of(self, rank: int) -> np.ndarray:
-        """The rows of ``rank``'s pieces (rows are in rank order: a search, not a scan)."""
-        lo, hi = np.searchsorted(self.rank, (rank, rank + 1))
-        return np.arange(lo, hi)
-
-    def distances(self) -> list[int]:
-        """The ring distances ``t`` at which some rank ``r`` needs keys of rank ``(r - t) mod C``
-        (every rank computes the same list, so all skip the same distances): :func:`ring_distances`."""
-        return ring_distances(self)
-
-
 def compile_schedule(
     microbatch: MicroBatch,
     cp_rank: int,
@@ -696,7 +640,7 @@ def compile_schedule(
     given["max_partners"] = max_partners
     options = _options_of(options, {**keywords, **given})
     dense, gpus_per_node = options.dense, options.gpus_per_node
-    table = _PieceTable.from_microbatch(microbatch)
+    table = piece_table(microbatch)
     fingerprint = microbatch.fingerprint
     mine = table.rows_of(cp_rank)
     num_tokens = int((table.stop[mine] - table.start[mine]).sum())
@@ -709,7 +653,7 @@ def compile_schedule(
             distance=t,
             calls=_remote_calls(table, mine, table.rows_of(src), num_tokens, dense) if src in sources else (),
         )
-        for t, src in ((t, (cp_rank - t) % cp) for t in table.distances())
+        for t, src in ((t, (cp_rank - t) % cp) for t in table.distances)
     )
     fallback = microbatch_over_budget(microbatch, gpus_per_node, options.max_partners)
     mode = None
@@ -721,7 +665,7 @@ def compile_schedule(
         cp_size=cp,
         num_tokens=num_tokens,
         fingerprint=fingerprint,
-        buffer_tokens=table.buffer_tokens(),
+        buffer_tokens=table.buffer_tokens,
         send_index=torch.from_numpy(send_index),
         send_range=_as_range(send_index),
         local=_local_call(table, mine, dense) if num_tokens else None,
@@ -739,7 +683,7 @@ def compile_schedule(
 
 
 def _exchange(
-    table: _PieceTable,
+    table: PieceTable,
     cp_rank: int,
     receives: np.ndarray,
     sends: np.ndarray,
@@ -760,7 +704,7 @@ def _exchange(
 
 
 def _node_layout(
-    table: _PieceTable, microbatch: MicroBatch, cp_rank: int, gpus_per_node: int | None, dense: DenseOptions
+    table: PieceTable, microbatch: MicroBatch, cp_rank: int, gpus_per_node: int | None, dense: DenseOptions
 ) -> NodeLayout | None:
     """This rank's :class:`NodeLayout` (None without a ``gpus_per_node`` that divides the CP size)."""
     cp = table.cp_size
@@ -792,7 +736,7 @@ def _node_layout(
     )
 
 
-def _node_microbatch(table: _PieceTable, microbatch: MicroBatch, gpus_per_node: int) -> MicroBatch:
+def _node_microbatch(table: PieceTable, microbatch: MicroBatch, gpus_per_node: int) -> MicroBatch:
     """The node-level micro-batch: one rank shard per node, its ranks' pieces in canonical order
     (by sample slot, then start), pieces that continue each other merged."""
     node = table.rank // gpus_per_node
@@ -832,7 +776,7 @@ def _options_of(options: Any, keywords: dict[str, Any]) -> ScheduleOptions:
 _DEFAULT_OPTIONS = ScheduleOptions()
 
 
-def _head_layout(table: _PieceTable, samples: Sequence[int], fingerprint: int, dense: DenseOptions) -> HeadLayout:
+def _head_layout(table: PieceTable, samples: Sequence[int], fingerprint: int, dense: DenseOptions) -> HeadLayout:
     """The micro-batch's head-parallel layout: receive-order runs, whole samples' bounds, and the
     one-rank schedule of the gathered micro-batch (one causal segment per sample)."""
     length = table.stop - table.start
@@ -888,7 +832,7 @@ def _gathered_runs(
     return source[heads], run_length
 
 
-def _local_call(table: _PieceTable, mine: np.ndarray, dense: DenseOptions) -> KernelCall:
+def _local_call(table: PieceTable, mine: np.ndarray, dense: DenseOptions) -> KernelCall:
     """One causal segment per run of same-sample local pieces (exact: docs/attention.md, "The schedule")."""
     slot, length = table.slot[mine], table.stop[mine] - table.start[mine]
     run_id = np.cumsum(np.r_[True, slot[1:] != slot[:-1]]) - 1
@@ -897,7 +841,7 @@ def _local_call(table: _PieceTable, mine: np.ndarray, dense: DenseOptions) -> Ke
 
 
 def _remote_calls(
-    table: _PieceTable, mine: np.ndarray, theirs: np.ndarray, num_tokens: int, dense: DenseOptions
+    table: PieceTable, mine: np.ndarray, theirs: np.ndarray, num_tokens: int, dense: DenseOptions
 ) -> tuple[KernelCall, ...]:
     """Non-causal calls of this rank's queries against source rank's compact buffer (usually one call)."""
     src = theirs[table.needed[theirs]]
@@ -1158,140 +1102,6 @@ def _check_microbatch(microbatch: MicroBatch) -> None:
 def _is_int_type(kind: type) -> bool:
     """Whether values of type ``kind`` are integers to :func:`~ringpack._checks.is_int` (bools are not)."""
     return issubclass(kind, (int, np.integer)) and not issubclass(kind, (bool, np.bool_))
-
-
-def _sample_ids(samples: Sequence[int]) -> np.ndarray:
-    """int64 ``[n]`` of ``samples`` (checked integers, :func:`_check_microbatch`)."""
-    return np.fromiter(samples, dtype=np.int64, count=len(samples))
-
-
-def _read_pieces(mb: MicroBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """``(rank, sample, start, stop)`` of every piece of ``mb``: its cached columns, or, for pieces
-    those refuse (not a Piece, a field not an integer), a per-piece read that names the first."""
-    try:
-        return mb.piece_columns
-    except (TypeError, ValueError, OverflowError):
-        pass
-    rows = []
-    for r, shard in enumerate(mb.shards):
-        for p in shard.pieces:
-            if not isinstance(p, Piece):
-                raise PlanError(f"cp rank {r}: microbatch.shards[{r}].pieces must all be Piece objects")
-            rows.append((r, p.sample, p.start, p.stop))
-    table = np.array(rows).reshape(-1, 4)
-    if table.size and table.dtype.kind not in "iu":  # floats would be truncated, None cannot be cast
-        bad = next((row for row in rows if not all(is_int(x) and abs(x) < 2**62 for x in row[1:])), rows[0])
-        raise PlanError(
-            f"cp rank {bad[0]}: piece [{bad[2]}, {bad[3]}) of sample {bad[1]} must have integer bounds below 2**62"
-        )
-    return tuple(np.ascontiguousarray(table[:, j], dtype=np.int64) for j in range(4))
-
-
-def _slots_of(samples: np.ndarray, rank: np.ndarray, sample: np.ndarray) -> np.ndarray:
-    """Each piece's sample slot (its sample's position in ``samples``): a lookup table over the ids
-    where they are small (dataset indices), else one sort and a search.
-
-    Raises:
-        PlanError: a sample listed twice, or a piece of a sample the micro-batch does not list.
-    """
-    if samples.size and samples.min() >= 0 and samples.max() < max(16 * (samples.size + sample.size), 1 << 21):
-        where = np.full(int(samples.max()) + 1, -1, dtype=np.int64)
-        where[samples] = np.arange(samples.size)
-        twice = np.flatnonzero(where[samples] != np.arange(samples.size))
-        if twice.size:
-            raise PlanError(f"microbatch lists sample {samples[twice[0]]} twice")
-        slot = where[np.clip(sample, 0, where.size - 1)]
-        unknown = np.flatnonzero((slot < 0) | (samples[np.maximum(slot, 0)] != sample))
-    else:
-        order = np.argsort(samples, kind="stable")
-        ordered = samples[order]
-        twice = np.flatnonzero(ordered[1:] == ordered[:-1])
-        if twice.size:
-            raise PlanError(f"microbatch lists sample {ordered[twice[0]]} twice")
-        at = np.minimum(np.searchsorted(ordered, sample), max(samples.size - 1, 0))
-        unknown = np.flatnonzero(ordered[at] != sample) if samples.size else np.arange(sample.size)
-        slot = order[at] if samples.size else at
-    if unknown.size:
-        i = unknown[0]
-        raise PlanError(f"cp rank {rank[i]}: piece of sample {sample[i]}, which the micro-batch does not list")
-    return slot
-
-
-def _needed(rank: np.ndarray, slot: np.ndarray, by_sample: np.ndarray) -> np.ndarray:
-    """bool ``[n]``: some other rank needs the piece (holds a later piece of its sample).
-
-    The pieces tile their samples (:func:`_check_pieces`), so in (sample, start) order a piece is
-    needed unless every later piece of its sample is on its own rank: unless the run of pieces of
-    one (sample, rank) it ends reaches its sample's last piece. The rule of
-    :func:`ringpack.traffic.needed_pieces`, in one pass.
-    """
-    needed = np.zeros(rank.size, dtype=bool)
-    if not rank.size:
-        return needed
-    s_slot, s_rank = slot[by_sample], rank[by_sample]
-    last_of_sample = np.r_[s_slot[1:] != s_slot[:-1], True]
-    run_end = np.r_[(s_rank[1:] != s_rank[:-1]) | last_of_sample[:-1], True]
-    # the last index of each piece's (sample, rank) run, and whether that run ends its sample
-    run_last = np.flatnonzero(run_end)
-    ends_sample = last_of_sample[run_last][np.searchsorted(run_last, np.arange(rank.size))]
-    needed[by_sample] = ~ends_sample
-    return needed
-
-
-def _check_pieces(rank, slot, start, stop, samples) -> np.ndarray:
-    """Raise :class:`PlanError` unless the pieces tile each listed sample's tokens ``[0, n)``: none
-    empty or negative, canonical order per rank, no overlap, no gap, every sample in some piece.
-    Returns the pieces' order by (sample, start)."""
-    bad = np.flatnonzero(start < 0)
-    if bad.size:
-        i = bad[0]
-        raise PlanError(f"cp rank {rank[i]}: piece [{start[i]}, {stop[i]}) of sample {samples[slot[i]]} starts below 0")
-    bad = np.flatnonzero(start >= stop)
-    if bad.size:
-        i = bad[0]
-        raise PlanError(f"cp rank {rank[i]}: empty piece [{start[i]}, {stop[i]}) of sample {samples[slot[i]]}")
-    same_rank = rank[1:] == rank[:-1]
-    order = (slot[1:] > slot[:-1]) | ((slot[1:] == slot[:-1]) & (start[1:] > start[:-1]))
-    bad = np.flatnonzero(same_rank & ~order)
-    if bad.size:
-        i = bad[0] + 1
-        raise PlanError(
-            f"cp rank {rank[i]}: pieces are not in canonical order at sample {samples[slot[i]]} [{start[i]}, {stop[i]})"
-        )
-    width = int(stop.max()) + 1 if stop.size else 1
-    if width * (len(samples) + 1) < 2**62:  # one int64 key sorts faster than two
-        by_sample = np.argsort(slot * width + start, kind="stable")
-    else:
-        by_sample = np.lexsort((start, slot))
-    s_slot, s_start, s_stop = slot[by_sample], start[by_sample], stop[by_sample]
-    same = s_slot[1:] == s_slot[:-1]
-    bad = np.flatnonzero(same & (s_start[1:] < s_stop[:-1]))
-    if bad.size:
-        i = by_sample[bad[0] + 1]
-        raise PlanError(
-            f"sample {samples[slot[i]]}: piece [{start[i]}, {stop[i]}) on cp rank {rank[i]} overlaps another piece"
-        )
-    first = np.r_[True, ~same] if s_slot.size else np.zeros(0, dtype=bool)
-    gap_from = np.where(first, 0, np.r_[0, s_stop[:-1]])  # where each piece should start
-    bad = np.flatnonzero(s_start != gap_from)
-    if bad.size:
-        i = by_sample[bad[0]]
-        raise PlanError(
-            f"sample {samples[slot[i]]}: tokens [{gap_from[bad[0]]}, {start[i]}) are in no piece "
-            f"(the next piece, [{start[i]}, {stop[i]}), is on cp rank {rank[i]})"
-        )
-    missing = np.flatnonzero(np.bincount(slot, minlength=len(samples)) == 0)
-    if missing.size:
-        raise PlanError(f"sample {samples[missing[0]]} is listed in the micro-batch but is in no piece")
-    return by_sample
-
-
-def _exclusive_cumsum_by(group: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """Exclusive running sum of ``values`` restarting whenever ``group`` changes (rows sorted by group)."""
-    total = np.cumsum(values) - values
-    starts = np.r_[True, group[1:] != group[:-1]] if group.size else np.zeros(0, dtype=bool)
-    base = np.maximum.accumulate(np.where(starts, np.arange(group.size), 0)) if group.size else group
-    return total - total[base]
 
 
 def _cu(lengths: np.ndarray) -> Tensor:

@@ -68,7 +68,7 @@ def check_plan_options(options: dict[str, Any], set_by: dict[str, str], where: s
 
 
 def _pack_data(packed: PackedMicroBatch) -> tuple:
-    return (packed.samples, packed.pieces, packed.bounds, packed.loss_tokens)
+    return packed.fields()
 
 
 def _encode_microbatch(mb: MicroBatch) -> tuple:
@@ -81,7 +81,7 @@ def _encode_microbatch(mb: MicroBatch) -> tuple:
 
 def _decode_microbatch(data: tuple) -> MicroBatch | PackedMicroBatch:
     """A micro-batch of :func:`_encode_microbatch`, or packed (left packed) of :func:`_pack_data`."""
-    if len(data) == 4:
+    if len(data) != 3:
         return PackedMicroBatch(*data)
     samples, shards, loss_tokens = data
     return MicroBatch(

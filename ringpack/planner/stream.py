@@ -40,6 +40,7 @@ import numpy as np
 from ringpack._spawn import _BEAT, BEAT_S, STALL_ENV, _beat, _die_with_parent, _exit_text, _is_stopped, stall_seconds
 from ringpack.cost import CostModel
 from ringpack.errors import PlanError
+from ringpack.piece_table import PieceTable, piece_table, remember_piece_table
 from ringpack.planner.epoch import GlobalBatches, global_batches, plan_step
 from ringpack.shard_plan import ColumnShards, MicroBatch, PlanConfig, Step
 from ringpack.traffic import OVER_BUDGET_SLOT, remember_over_budget
@@ -96,6 +97,9 @@ class PackedMicroBatch:
             (:data:`~ringpack.traffic.OVER_BUDGET_SLOT`), kept on the unpacked micro-batch.
         fingerprint: its :attr:`~MicroBatch.fingerprint`, computed in the planner's process and
             kept on the unpacked micro-batch (every schedule of it carries it).
+        table: its :class:`~ringpack.piece_table.PieceTable` with the derived parts, built in the
+            planner's process and kept on the unpacked micro-batch: compiling a rank's schedule
+            of it then reads no other rank's pieces.
     """
 
     samples: np.ndarray
@@ -104,17 +108,22 @@ class PackedMicroBatch:
     loss_tokens: int
     over_budget: tuple[tuple[int | None, int, bool], ...] = ()
     fingerprint: int | None = None
+    table: PieceTable | None = None
 
     @classmethod
     def of(cls, mb: MicroBatch) -> PackedMicroBatch:
         """``mb`` packed."""
-        rows = [(p.sample, p.start, p.stop) for shard in mb.shards for p in shard.pieces]
-        bounds = np.zeros(len(mb.shards) + 1, dtype=np.int64)
-        np.cumsum([len(shard.pieces) for shard in mb.shards], out=bounds[1:])
-        pieces = np.asarray(rows, dtype=np.int64).reshape(-1, 3)
+        rank, sample, start, stop = mb.piece_columns
+        bounds = np.searchsorted(rank, np.arange(len(mb.shards) + 1))  # rows are rank by rank
+        pieces = np.stack((sample, start, stop), axis=1)
         decided = tuple((node, budget, over) for (node, budget), over in vars(mb).get(OVER_BUDGET_SLOT, {}).items())
         samples = np.asarray(mb.samples, dtype=np.int64)
-        return cls(samples, pieces, bounds, int(mb.loss_tokens), decided, mb.fingerprint)
+        table = piece_table(mb).with_derived()
+        return cls(samples, pieces, bounds, int(mb.loss_tokens), decided, mb.fingerprint, table)
+
+    def fields(self) -> tuple:
+        """The fields in order, plain values (``PackedMicroBatch(*packed.fields())`` equals it)."""
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
 
     def unpack(self) -> MicroBatch:
         """The :class:`MicroBatch` (equal to the one packed) on the arrays: its shards are
@@ -128,6 +137,8 @@ class PackedMicroBatch:
             remember_over_budget(mb, node, budget, over)
         if self.fingerprint is not None:
             mb.__dict__["fingerprint"] = self.fingerprint  # the cached property's slot
+        if self.table is not None:
+            remember_piece_table(mb, self.table)
         return mb
 
 

@@ -19,8 +19,8 @@ import torch
 from ringpack.attention import compile_schedule, ring_attention
 from ringpack.attention.exchange import exchange_ranges, neighbourhood, sends_of_ranks
 from ringpack.attention.p2p import targeted_schedule
-from ringpack.attention.schedule import _PieceTable
 from ringpack.errors import DataError
+from ringpack.piece_table import PieceTable
 from ringpack.shard_plan import Piece, microbatch_from_shards
 from ringpack.traffic import exchange_tokens, kv_traffic
 from tests.helpers.attention import (
@@ -208,7 +208,7 @@ def test_the_exchange_map_of_a_rank_does_not_grow_with_the_group():
     found = {}
     for cp in (8, 64):
         mb = _embedded(cp)
-        table = _PieceTable.from_microbatch(mb)
+        table = PieceTable.from_microbatch(mb)
         mine = np.flatnonzero(table.rank == 3)
         rows = neighbourhood(table, mine)
         pieces = sorted(
@@ -258,7 +258,7 @@ def test_the_exchange_map_moves_and_pickles_with_its_schedule():
 def test_the_sends_of_many_ranks_at_once_are_each_ranks_own(name, mb, lengths):
     """``sends_of_ranks`` (one pass, what a node's relay reads) gives each rank the sends its own
     ``exchange_ranges`` gives, whole and restricted to one node's ranks."""
-    table = _PieceTable.from_microbatch(mb)
+    table = PieceTable.from_microbatch(mb)
     cp = len(mb.shards)
     own = {r: exchange_ranges(table, table.rows_of(r), r)[1] for r in range(cp)}
     ranks = list(range(0, cp, 2)) + [cp - 1]

@@ -477,12 +477,11 @@ def _ring_distances_brute(mb: MicroBatch) -> list[int]:
 )
 def test_ring_distances_come_from_the_pairs_of_ranks_sharing_a_sample(seed, cp, n, max_pairs):
     """The distances every rank skips to, from each sample's rank pairs in chunks of any size."""
-    from ringpack.attention.exchange import ring_distances
-    from ringpack.attention.schedule import _PieceTable
+    from ringpack.piece_table import PieceTable, ring_distances
 
     mb, _ = random_microbatch(np.random.default_rng(seed), cp, num_samples=n, max_pieces=8)
     want = _ring_distances_brute(mb)
-    assert ring_distances(_PieceTable.from_microbatch(mb), max_pairs=max_pairs) == want
+    assert ring_distances(PieceTable.from_microbatch(mb), max_pairs=max_pairs) == want
     assert compile_schedule(mb, 0).distances == tuple(want)
 
 
@@ -507,22 +506,21 @@ def _wide_microbatch(rng: np.random.Generator, cp: int, num_samples: int) -> Mic
 def test_ring_distances_of_wide_samples_match_every_rank_pair(seed, cp, max_pairs):
     """Samples over runs of up to the whole group: skipping the samples whose span allows no
     distance not yet found leaves the list of every pair's distances."""
-    from ringpack.attention.exchange import ring_distances
-    from ringpack.attention.schedule import _PieceTable
+    from ringpack.piece_table import PieceTable, ring_distances
 
     mb = _wide_microbatch(np.random.default_rng(seed), cp, num_samples=30)
-    assert ring_distances(_PieceTable.from_microbatch(mb), max_pairs=max_pairs) == _ring_distances_brute(mb)
+    assert ring_distances(PieceTable.from_microbatch(mb), max_pairs=max_pairs) == _ring_distances_brute(mb)
 
 
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), cp=st.integers(1, 9), n=st.integers(1, 8))
 def test_needed_pieces_of_the_table_follow_the_traffic_rule(seed, cp, n):
     """The table's one-pass needed flags are :func:`ringpack.traffic.needed_pieces`'s."""
-    from ringpack.attention.schedule import _PieceTable
+    from ringpack.piece_table import PieceTable
     from ringpack.traffic import needed_pieces as traffic_needed
 
     mb, _ = random_microbatch(np.random.default_rng(seed), cp, num_samples=n, max_pieces=8)
-    t = _PieceTable.from_microbatch(mb)
+    t = PieceTable.from_microbatch(mb)
     sample = np.asarray(mb.samples, dtype=np.int64)[t.slot]
     assert np.array_equal(t.needed, traffic_needed(np.zeros_like(t.rank), t.rank, sample, t.start, t.stop) > 0)
 

@@ -17,6 +17,7 @@ import pytest
 from torch.utils.data import DataLoader
 
 from ringpack.data import BalancedBatchSampler, DataError, PackedCollator, PackedDataset
+from ringpack.piece_table import TABLE_SLOT, piece_table
 from ringpack.planner.stream import PackedMicroBatch, PlannerDied
 from ringpack.shard_plan import PlanConfig, PlanError
 from tests.helpers import deadline
@@ -64,6 +65,9 @@ def test_a_ticket_of_a_packed_microbatch_unpacks_on_first_use_and_pickles_packed
     assert b"ringpack.planner" not in pickle.dumps(ticket), "plain data: arrays and integers"
     assert copy._microbatch is None and copy.microbatch == mb == ticket.microbatch
     assert list(copy) == list(ticket) == list(mb.samples) and signature([copy]) == signature([ticket])
+    # what the planner process computed travels to the worker: fingerprint, piece table
+    assert "fingerprint" in vars(copy.microbatch) and TABLE_SLOT in vars(copy.microbatch)
+    assert piece_table(copy.microbatch).distances == piece_table(mb).distances
 
 
 def test_collating_a_delivered_microbatch_builds_only_its_ranks_pieces(samples):
