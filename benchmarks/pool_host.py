@@ -18,8 +18,9 @@ one micro-batch: the pool is one CP group). Per pool size:
   (columns and table kept on it); ``delivered``: what a loader worker does with a micro-batch the
   planner process sent: unpickle the ``PackedMicroBatch`` (pickled once, in ``planner ms``: with
   its piece table, partner-budget outcome and fingerprint), unpack it and compile, all timed.
-  Median and worst rank of each, and each sampled rank's partners (relays included, from its
-  schedule).
+  Each rank's figure is the median of ``--compile-repeats`` compiles (3: one stall of the machine
+  does not make a rank's figure); the table gives the median and worst rank of each, and the most
+  partners of a sampled rank (relays included, from its schedule).
 * ``collate``: CPU milliseconds of ``PackedCollator.collate`` of one delivered micro-batch (unpickled
   and unpacked, as above: timed) for the first rank and the rank with most partners, schedule
   compiled and not. Token arrays are views of
@@ -75,6 +76,17 @@ def cpu_ms(fn) -> tuple[float, object]:
     return (time.process_time() - start) * 1000, out
 
 
+def median_cpu_ms(fn, repeats: int, before=lambda: None) -> tuple[float, object]:
+    """The median of ``repeats`` :func:`cpu_ms` of ``fn`` (``before()`` untimed ahead of each), and
+    the last result."""
+    times = []
+    for _ in range(repeats):
+        before()
+        ms, out = cpu_ms(fn)
+        times.append(ms)
+    return float(np.median(times)), out
+
+
 def forget_columns(mb: MicroBatch) -> None:
     """The micro-batch as a fresh object would be: its pieces not read into columns, no piece table."""
     vars(mb).pop("piece_columns", None)
@@ -113,13 +125,12 @@ def one_pool(lengths: np.ndarray, world: int, args: argparse.Namespace) -> dict:
     ranks = sorted({0, world // 2, world - 1, *rng.integers(0, world, args.ranks).tolist(), *busy})
     per_rank = []
     planner_ms, sent = cpu_ms(lambda: pickle.dumps(PackedMicroBatch.of(mb)))  # what the planner process sends
+    reps = args.compile_repeats
     for r in ranks:
-        forget_columns(mb)
-        cold, schedule = cpu_ms(lambda: compile_schedule(mb, r, gpus_per_node=GPUS_PER_NODE, max_partners=budget))
-        warm, _ = cpu_ms(lambda: compile_schedule(mb, r, gpus_per_node=GPUS_PER_NODE, max_partners=budget))
-        delivered, _ = cpu_ms(
-            lambda: compile_schedule(pickle.loads(sent).unpack(), r, gpus_per_node=GPUS_PER_NODE, max_partners=budget)
-        )
+        compile_rank = lambda m: compile_schedule(m, r, gpus_per_node=GPUS_PER_NODE, max_partners=budget)
+        cold, schedule = median_cpu_ms(lambda: compile_rank(mb), reps, before=lambda: forget_columns(mb))
+        warm, _ = median_cpu_ms(lambda: compile_rank(mb), reps)
+        delivered, _ = median_cpu_ms(lambda: compile_rank(pickle.loads(sent).unpack()), reps)
         partners = 2 if schedule.partner_fallback else schedule.exchange.partners  # the ring's, over the budget
         per_rank.append({"rank": r, "cold_ms": cold, "warm_ms": warm, "delivered_ms": delivered, "partners": partners})
     base = np.arange(int(lens.max()) + 1, dtype=np.int64)
@@ -168,6 +179,9 @@ def main() -> None:
     parser.add_argument("--fill", type=float, default=0.95, help="share of the pool's tokens the global batch fills")
     parser.add_argument("--repeats", type=int, default=3, help="plans per pool size")
     parser.add_argument("--ranks", type=int, default=6, help="random ranks compiled besides the fixed ones")
+    parser.add_argument(
+        "--compile-repeats", type=int, default=3, help="compiles per rank and kind, their median reported"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--max-partners", type=int, default=DEFAULT_MAX_PARTNERS, help="the plan's partner budget (0: none)"

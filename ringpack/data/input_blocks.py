@@ -2,7 +2,7 @@
 
 A distributed engine (``ringpack shard --engine ray``, docs/data.md "Sharding on a cluster") reads a
 source in parallel: :func:`list_blocks` cuts the files :func:`~ringpack.data.sources.source_files`
-lists (the order ``load_source`` reads them in) into :class:`InputBlock` s, a Parquet row group, a
+lists (the order ``load_source`` reads them in) into :class:`InputBlock` s, a run of Parquet row groups, a
 byte range of whole JSON lines, a row range of an Arrow file, or a whole CSV or JSON-array file;
 :func:`block_token_ids` gives the token ids of a block's rows, tokenized with the tokenizers of
 :func:`~ringpack.data.sources.tokenize_dataset`. Row ``k`` of the dataset is row ``k - first`` of
@@ -38,7 +38,7 @@ __all__ = [
     "read_block",
 ]
 
-#: About how many bytes of input one block holds (a Parquet row group is one block whatever its size).
+#: About how many bytes of input one block holds (Parquet: a run of whole row groups, one at least).
 DEFAULT_BLOCK_BYTES = 64 << 20
 
 
@@ -58,7 +58,7 @@ class TokenSpec:
 
 @dataclass(frozen=True)
 class InputBlock:
-    """One block of a source: ``kind`` ``"parquet"`` (``part`` = ``(row group, 0)``), ``"jsonl"`` (byte range),
+    """One block of a source: ``kind`` ``"parquet"`` (``part``: a range of row groups), ``"jsonl"`` (byte range),
     ``"arrow"`` (row range), ``"json-array"`` or ``"csv"`` (the whole file, ``part`` = ``(0, 0)``)."""
 
     index: int
@@ -68,8 +68,8 @@ class InputBlock:
 
     def describe(self) -> str:
         """How messages name the block: ``data.jsonl (block 3: bytes 0-1048576)``."""
-        unit = {"parquet": "row group", "jsonl": "bytes", "arrow": "rows"}.get(self.kind)
-        where = "" if unit is None else f": {unit} {self.part[0]}" + ("" if unit == "row group" else f"-{self.part[1]}")
+        unit = {"parquet": "row groups", "jsonl": "bytes", "arrow": "rows"}.get(self.kind)
+        where = "" if unit is None else f": {unit} {self.part[0]}-{self.part[1]}"
         return f"{self.path} (block {self.index}{where})"
 
 
@@ -100,7 +100,7 @@ def list_blocks(source: SourceFiles, block_bytes: int = DEFAULT_BLOCK_BYTES) -> 
 
 def _file_parts(source: SourceFiles, path: Path, block_bytes: int) -> list[tuple[str, tuple[int, int]]]:
     if source.kind == "parquet":
-        return [("parquet", (g, 0)) for g in range(_parquet(path).metadata.num_row_groups)]
+        return [("parquet", part) for part in _row_group_runs(_parquet(path).metadata, block_bytes)]
     if source.kind in ("arrow", "saved"):
         if source.kind == "saved" and json.loads((source.root / "state.json").read_text()).get("_indices_data_files"):
             raise DataError(f"{source.root} holds an indices mapping: save it again with save_to_disk (it flattens)")
@@ -114,6 +114,21 @@ def _file_parts(source: SourceFiles, path: Path, block_bytes: int) -> list[tuple
         if head.startswith(b"["):
             return [("json-array", (0, 0))]
         return [("jsonl", part) for part in _line_ranges(f, os.path.getsize(path), block_bytes)]
+
+
+def _row_group_runs(metadata: Any, block_bytes: int) -> list[tuple[int, int]]:
+    """Runs ``[lo, hi)`` of consecutive row groups of about ``block_bytes`` (uncompressed) each, at
+    least one group per run: small row groups are read together, so a task's work outweighs its cost."""
+    runs, lo, size = [], 0, 0
+    for g in range(metadata.num_row_groups):
+        group_bytes = metadata.row_group(g).total_byte_size
+        if g > lo and size + group_bytes > block_bytes:
+            runs.append((lo, g))
+            lo, size = g, 0
+        size += group_bytes
+    if metadata.num_row_groups:
+        runs.append((lo, metadata.num_row_groups))
+    return runs or [(0, 0)]
 
 
 def _line_ranges(f: Any, size: int, block_bytes: int) -> list[tuple[int, int]]:
@@ -163,7 +178,7 @@ def _read(block: InputBlock, columns: list[str] | None) -> Any:
     if block.kind == "parquet":
         present = _parquet(block.path).schema_arrow.names
         wanted = [c for c in columns if c in present] if columns else None
-        return _parquet(block.path).read_row_group(block.part[0], columns=wanted)
+        return _parquet(block.path).read_row_groups(list(range(*block.part)), columns=wanted)
     if block.kind == "arrow":
         lo, hi = block.part
         return read_arrow_table(Path(block.path)).slice(lo, hi - lo)

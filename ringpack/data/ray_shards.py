@@ -63,7 +63,7 @@ class RayOptions:
     """The cluster to connect to (``"auto"``, ``"ray://head:10001"``, ...); ``None``: the one this process is
     connected to, else ``RAY_ADDRESS``, else a local cluster started for the run and stopped after it."""
     block_bytes: int = DEFAULT_BLOCK_BYTES
-    """About how many input bytes one read task takes (a Parquet row group is one block whatever its size)."""
+    """About how many input bytes one read task takes (Parquet: a run of whole row groups, one at least)."""
     write_tasks: int | None = None
     """How many tasks write the shard files (``None``: two per CPU of the cluster, at most one per file)."""
     max_retries: int = 3
