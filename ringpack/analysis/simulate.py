@@ -276,7 +276,7 @@ def simulate(
 
     Raises:
         ValueError: no global batch, no samples or a bad length (:class:`~ringpack.errors.DataError`,
-            naming the sample), ``chunk_steps`` or ``jobs`` below 1, ``chunk_steps`` not a multiple
+            naming the sample), every sample dropped by ``overflow="drop"``, ``chunk_steps`` or ``jobs`` below 1, ``chunk_steps`` not a multiple
             of ``batch_window + 1``, no variants, or samples
             longer than a CP group with ``overflow="error"``.
         PlanError: a step whose tokens a fixed ``microbatches_per_rank`` cannot hold (before any
@@ -284,7 +284,14 @@ def simulate(
         WorkerDied: a worker process died (killed, out of memory): one line naming its task, with
             what to change (an ``OSError``).
     """
-    lengths = overflow_documents(_checked_lengths(lengths, config, variants, chunk_steps, jobs), config)
+    given = _checked_lengths(lengths, config, variants, chunk_steps, jobs)
+    lengths = overflow_documents(given, config)
+    if not lengths.size:  # overflow="drop" left nothing
+        raise ValueError(
+            f"all {given.size} samples are longer than a CP group holds (cp * tokens_per_rank = "
+            f"{config.group_capacity} tokens) and overflow='drop' leaves them out: nothing to simulate "
+            "(split them with overflow='split', or give a larger cp or tokens_per_rank)"
+        )
     comms = list(
         comms or [CommModel.for_model(config.cost, mode="ring"), CommModel.for_model(config.cost, mode="allgather")]
     )

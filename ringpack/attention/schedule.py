@@ -1105,4 +1105,7 @@ def _is_int_type(kind: type) -> bool:
 
 
 def _cu(lengths: np.ndarray) -> Tensor:
-    return torch.from_numpy(np.r_[0, np.cumsum(lengths)].astype(np.int32))
+    """int32 ``[n + 1]``: ``0`` then the running sums of ``lengths``."""
+    cu = np.zeros(len(lengths) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=cu[1:])
+    return torch.from_numpy(cu)

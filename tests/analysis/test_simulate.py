@@ -96,6 +96,14 @@ def test_simulate_cli(tmp_path, capsys):
         assert doc["gpus"] in (8, 16)
 
 
+def test_an_epoch_whose_samples_are_all_dropped_is_one_line():
+    cfg = config(overflow="drop")
+    with pytest.raises(ValueError, match=r"^all 3 samples are longer than a CP group holds .* 8192 tokens.*drop"):
+        simulate(np.array([9000, 10000, 8193]), cfg, jobs=1, progress=False)
+    kept = simulate(np.array([9000, 100, 8193, 50]), config(overflow="drop", dp=1), jobs=1, progress=False)
+    assert kept["plans"] and all(p["summary"]["tokens"] == 150 for p in kept["plans"]), "the rest is simulated"
+
+
 def test_comm_model_rejects_bad_values():
     with pytest.raises(ValueError):
         CommModel(mode="tree")
