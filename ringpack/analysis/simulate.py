@@ -276,9 +276,9 @@ def simulate(
 
     Raises:
         ValueError: no global batch, no samples or a bad length (:class:`~ringpack.errors.DataError`,
-            naming the sample), every sample dropped by ``overflow="drop"``, ``chunk_steps`` or ``jobs`` below 1, ``chunk_steps`` not a multiple
-            of ``batch_window + 1``, no variants, or samples
-            longer than a CP group with ``overflow="error"``.
+            naming the sample), every sample dropped by ``overflow="drop"``, ``chunk_steps`` or
+            ``jobs`` below 1, ``chunk_steps`` not a multiple of ``batch_window + 1``, no variants,
+            or samples longer than a CP group with ``overflow="error"``.
         PlanError: a step whose tokens a fixed ``microbatches_per_rank`` cannot hold (before any
             planning, naming the step), or a chunk the planner cannot plan (naming the chunk).
         WorkerDied: a worker process died (killed, out of memory): one line naming its task, with
