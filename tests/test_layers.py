@@ -4,7 +4,8 @@ Every module of ``ringpack/`` is parsed with ``ast``; every import counts, wheth
 under ``if TYPE_CHECKING:``, in a ``try`` or inside a function. The layers, bottom to top:
 
 0. the ground floor, ``ringpack/*.py``: the plan contract, the cost model and its fit, lengths,
-   tokens, errors, traffic, files, checks, mesh coordinates, progress;
+   tokens, errors, traffic, a micro-batch's piece table, row ranges, files, checks, mesh
+   coordinates, progress;
 1. ``ringpack.planner``;  2. ``ringpack.attention``;  3. ``ringpack.data``;  4. ``ringpack.training``;
 5. ``ringpack.integrations``;  6. ``ringpack.analysis``;
 7. the command line (``ringpack.cli``, ``ringpack.__main__``) and the package root ``ringpack``,

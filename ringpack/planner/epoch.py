@@ -341,6 +341,9 @@ def _pack(
 
     ``fallback``: called for a feasible packing to search from when greedy packing places no answer.
     """
+    if problem.num_bins == 1:  # one CP group for the whole step (a pool): it holds every sample, or none fits
+        fits = int(np.sum(problem.tokens)) <= problem.capacity
+        return np.zeros(len(problem.tokens), dtype=np.int64) if fits else None
     bins = pack_greedy(problem)
     if bins is None and fallback is not None:
         bins = fallback()
