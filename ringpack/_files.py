@@ -42,12 +42,15 @@ def _create_temp(path: Path) -> tuple[int, Path]:
 
 
 @contextmanager
-def atomic_write(path: str | os.PathLike) -> Iterator[BinaryIO]:
-    """Write ``path`` atomically: yields a binary file; on a clean exit it is fsynced and renamed onto ``path``.
+def atomic_write(path: str | os.PathLike, durable: bool = True) -> Iterator[BinaryIO]:
+    """Write ``path`` atomically: yields a binary file; on a clean exit it is fsynced (``durable``) and
+    renamed onto ``path``.
 
     Args:
         path: the target file; its directory must exist. An existing target (or a symbolic link
             there) is replaced, never written through.
+        durable: fsync before the rename, so the file survives a crash of the machine. False for
+            scratch files a run never reads after a crash (renamed whole all the same).
 
     Raises:
         OSError: the directory is missing or not writable, or the target is a directory. On any
@@ -61,7 +64,8 @@ def atomic_write(path: str | os.PathLike) -> Iterator[BinaryIO]:
         with os.fdopen(fd, "wb") as f:
             yield f
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.replace(tmp, target)
     except BaseException:
         tmp.unlink(missing_ok=True)

@@ -223,3 +223,16 @@ def test_temporaries_are_exclusive(tmp_path, monkeypatch):
         raise RuntimeError("crash")
     assert (tmp_path / "out.json").read_bytes() == b"new"
     assert sorted(p.name for p in tmp_path.iterdir()) == [".out.json.aaaaaaaaaaaaaaaa.tmp", "out.json", "victim.bin"]
+
+
+def test_only_durable_writes_are_fsynced(tmp_path, monkeypatch):
+    """Shard files are fsynced before the rename; scratch files (``durable=False``) are renamed whole
+    without it."""
+    synced = []
+    monkeypatch.setattr(_files.os, "fsync", lambda fd: synced.append(fd))
+    for name, durable in (("shard.parquet", True), ("block.arrow", False)):
+        with _files.atomic_write(tmp_path / name, durable=durable) as f:
+            f.write(name.encode())
+        assert (tmp_path / name).read_bytes() == name.encode()
+    assert len(synced) == 1, "one fsync: the durable file's"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["block.arrow", "shard.parquet"], "no temporaries left"
