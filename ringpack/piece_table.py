@@ -117,7 +117,7 @@ class PieceTable:
 
 
 def _sample_ids(samples: Sequence[int]) -> np.ndarray:
-    """int64 ``[n]`` of ``samples`` (checked integers, :func:`_check_microbatch`)."""
+    """int64 ``[n]`` of ``samples`` (integers: ``compile_schedule`` checks their types first)."""
     return np.fromiter(samples, dtype=np.int64, count=len(samples))
 
 
