@@ -207,11 +207,10 @@ def _rebuild_ticket(mb: tuple, meta: tuple, rows: tuple, offsets: tuple, row_len
 def rank_positions(mb: MicroBatch | PackedMicroBatch, cp_rank: int) -> np.ndarray:
     """Indices into ``mb.samples`` of the samples CP rank ``cp_rank`` holds pieces of, ascending
     (int64; what a sampler given ``cp_rank`` lists in :attr:`MicroBatchTicket.positions`)."""
+    if isinstance(mb, PackedMicroBatch):  # the slot of each piece is its sample's index
+        return np.unique(mb.table.slot[mb.table.rows_of(cp_rank)])
     samples = np.asarray(mb.samples, dtype=np.int64)
-    if isinstance(mb, PackedMicroBatch):
-        mine = mb.pieces[mb.bounds[cp_rank] : mb.bounds[cp_rank + 1], 0]
-    else:
-        mine = np.fromiter((p.sample for p in mb.shards[cp_rank].pieces), dtype=np.int64)
+    mine = np.fromiter((p.sample for p in mb.shards[cp_rank].pieces), dtype=np.int64)
     return np.flatnonzero(np.isin(samples, mine))
 
 

@@ -90,36 +90,32 @@ class PackedMicroBatch:
 
     Attributes:
         samples: ``[n]``, the micro-batch's samples in canonical order.
-        pieces: ``[P, 3]``, ``(sample, start, stop)`` of every piece, CP rank after CP rank.
-        bounds: ``[cp + 1]``: CP rank ``r``'s pieces are ``pieces[bounds[r]:bounds[r + 1]]``.
+        table: its checked :class:`~ringpack.piece_table.PieceTable` with the derived parts, built
+            in the planner's process: the pieces themselves (CP rank after CP rank), and what
+            compiling a rank's schedule reads of the others, kept on the unpacked micro-batch.
         loss_tokens: as the micro-batch's.
         over_budget: the partner-budget outcomes the planner decided for it
             (:data:`~ringpack.traffic.OVER_BUDGET_SLOT`), kept on the unpacked micro-batch.
         fingerprint: its :attr:`~MicroBatch.fingerprint`, computed in the planner's process and
             kept on the unpacked micro-batch (every schedule of it carries it).
-        table: its :class:`~ringpack.piece_table.PieceTable` with the derived parts, built in the
-            planner's process and kept on the unpacked micro-batch: compiling a rank's schedule
-            of it then reads no other rank's pieces.
     """
 
     samples: np.ndarray
-    pieces: np.ndarray
-    bounds: np.ndarray
+    table: PieceTable
     loss_tokens: int
     over_budget: tuple[tuple[int | None, int, bool], ...] = ()
     fingerprint: int | None = None
-    table: PieceTable | None = None
 
     @classmethod
     def of(cls, mb: MicroBatch) -> PackedMicroBatch:
-        """``mb`` packed."""
-        rank, sample, start, stop = mb.piece_columns
-        bounds = np.searchsorted(rank, np.arange(len(mb.shards) + 1))  # rows are rank by rank
-        pieces = np.stack((sample, start, stop), axis=1)
+        """``mb`` packed.
+
+        Raises:
+            PlanError: pieces that do not tile ``mb``'s samples (:meth:`PieceTable.from_microbatch`).
+        """
         decided = tuple((node, budget, over) for (node, budget), over in vars(mb).get(OVER_BUDGET_SLOT, {}).items())
         samples = np.asarray(mb.samples, dtype=np.int64)
-        table = piece_table(mb).with_derived()
-        return cls(samples, pieces, bounds, int(mb.loss_tokens), decided, mb.fingerprint, table)
+        return cls(samples, piece_table(mb).with_derived(), int(mb.loss_tokens), decided, mb.fingerprint)
 
     def fields(self) -> tuple:
         """The fields in order, plain values (``PackedMicroBatch(*packed.fields())`` equals it)."""
@@ -131,14 +127,17 @@ class PackedMicroBatch:
         :attr:`~MicroBatch.piece_columns` read from the arrays. O(samples) Python work, not
         O(pieces): a loader compiling one rank's schedule of a pool-wide micro-batch builds that
         rank's pieces only."""
-        shards = ColumnShards(self.pieces, self.bounds)
-        mb = MicroBatch(samples=tuple(self.samples.tolist()), shards=shards, loss_tokens=self.loss_tokens)
+        t = self.table
+        pieces = np.stack((self.samples[t.slot], t.start, t.stop), axis=1)
+        bounds = np.searchsorted(t.rank, np.arange(t.cp_size + 1))  # rows are rank by rank
+        mb = MicroBatch(
+            samples=tuple(self.samples.tolist()), shards=ColumnShards(pieces, bounds), loss_tokens=self.loss_tokens
+        )
+        remember_piece_table(mb, t)
         for node, budget, over in self.over_budget:
             remember_over_budget(mb, node, budget, over)
         if self.fingerprint is not None:
             mb.__dict__["fingerprint"] = self.fingerprint  # the cached property's slot
-        if self.table is not None:
-            remember_piece_table(mb, self.table)
         return mb
 
 
