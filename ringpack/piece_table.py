@@ -52,7 +52,7 @@ class PieceTable:
     """All pieces of a micro-batch as int64 columns (``[P]`` each, ``needed`` bool), rows in
     (rank, canonical) order, and what the schedules of its ranks read of the whole micro-batch.
 
-    The derived parts (:attr:`distances`, :attr:`buffer_tokens`, :attr:`key_scale`) are computed
+    The derived parts (:attr:`distances`, :attr:`buffer_tokens`) are computed
     on first read and kept; :meth:`with_derived` computes them all, so a pickle of the table
     carries them.
     """
@@ -89,11 +89,6 @@ class PieceTable:
         return cls(rank, slot, start, stop, offset, needed, compact, cp, by_sample, bounds)
 
     @cached_property
-    def key_scale(self) -> int:
-        """More than any piece bound: ``slot * key_scale + bound`` orders pieces by (sample, bound)."""
-        return int(max(self.stop.max(), 1)) + 1 if self.stop.size else 2
-
-    @cached_property
     def buffer_tokens(self) -> tuple[int, ...]:
         """Tokens of each rank's compact send buffer (its needed pieces), ``cp_size`` entries."""
         sizes = np.bincount(self.rank, weights=np.where(self.needed, self.stop - self.start, 0), minlength=self.cp_size)
@@ -107,7 +102,7 @@ class PieceTable:
 
     def with_derived(self) -> PieceTable:
         """The table, its derived parts computed (what a planner process sends along)."""
-        _ = self.key_scale, self.buffer_tokens, self.distances
+        _ = self.buffer_tokens, self.distances
         return self
 
     def rows_of(self, rank: int) -> np.ndarray:

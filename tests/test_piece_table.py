@@ -79,6 +79,6 @@ def test_the_shipped_table_equals_a_fresh_one(pool_microbatch):
     fresh = PieceTable.from_microbatch(MicroBatch(pool_microbatch.samples, pool_microbatch.shards, 0))
     for name in ("rank", "slot", "start", "stop", "offset", "needed", "compact", "by_sample", "sample_bounds"):
         assert np.array_equal(getattr(shipped, name), getattr(fresh, name)), name
-    derived = ("distances", "buffer_tokens", "key_scale")
+    derived = ("distances", "buffer_tokens")
     assert all(name in vars(shipped) for name in derived), "derived parts travel with the table"
     assert [getattr(shipped, n) for n in derived] == [getattr(fresh, n) for n in derived]

@@ -1,10 +1,10 @@
 """The targeted exchange map of one CP rank: which rows of its compact K/V buffer go to which rank,
-which rows it receives, and its remote kernel calls re-indexed onto what it receives.
+which rows it receives, and its remote kernel calls on what it receives.
 
 Rank ``r`` needs a prefix of rank ``s``'s pieces of each shared sample
 (:func:`ringpack.traffic.needed_pieces`), hence one contiguous range of ``s``'s compact send
 buffer; both sides derive every range from the micro-batch alone, so they agree on sizes and row
-order without telling each other. The schedule's remote calls are remapped onto the compressed
+order without telling each other. The schedule compiles its remote calls a second time on the
 received rows (zero-query segments shrink, empty ones go), so the engine runs the same kernels on
 fewer rows. :func:`exchange_ranges` and :func:`compile_exchange` take time in the rank's pieces
 and partners, not in the CP group size (:func:`neighbourhood`); they read the micro-batch's
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ringpack.ranges import concat_ranges, run_starts
+from ringpack.ranges import concat_ranges, cumsum0, prefix_rows, run_starts
 from ringpack.traffic import proxy_index
 
 __all__ = [
@@ -185,7 +185,7 @@ def _ranges_of(
     # receive: the other group's pieces ending by the target's last start; send: own pieces ending by theirs
     holder = np.concatenate((pair_other, pair_own))
     limit = np.concatenate((g_last_start[pair_own], g_last_start[pair_other]))
-    count = _prefix_rows(group, start, stop, first, holder, limit)
+    count = prefix_rows(group, start, stop, first, holder, limit)
     lo = compact[first[holder]]
     target = np.tile(g_rank[pair_own], 2)
     partner = np.tile(g_rank[pair_other], 2)
@@ -227,29 +227,6 @@ def _sample_rank_groups(rank: np.ndarray, slot: np.ndarray) -> tuple[np.ndarray,
     return order, first, np.append(first[1:], order.size) - 1
 
 
-def _cumsum0(x: np.ndarray) -> np.ndarray:
-    """``[0, x[0], x[0] + x[1], ...]``."""
-    out = np.zeros(x.size + 1, dtype=np.int64)
-    np.cumsum(x, out=out[1:])
-    return out
-
-
-def _prefix_rows(group, start, stop, first, holder, limit) -> np.ndarray:
-    """Rows of the pieces of group ``holder[i]`` that end at or before ``limit[i]`` (groups' pieces
-    are consecutive from ``first[g]``, stops ascending): one vectorised search over all queries on
-    ``group * width + stop`` keys (stops ranked densely where that could overflow)."""
-    cum = _cumsum0(stop - start)
-    width = max(int(stop.max()), int(limit.max()) if limit.size else 0) + 1
-    if (int(group[-1]) + 1) * width < 2**62:
-        pos = np.searchsorted(group * width + stop, holder * width + limit, side="right")
-    else:  # ranked densely: bounds this large would overflow the key
-        values = np.unique(np.concatenate((stop, limit)))
-        width = values.size + 1
-        keys = group * width + np.searchsorted(values, stop)
-        pos = np.searchsorted(keys, holder * width + np.searchsorted(values, limit), side="right")
-    return cum[pos] - cum[first[holder]]
-
-
 def compile_exchange(
     receives: np.ndarray,
     sends: np.ndarray,
@@ -265,7 +242,9 @@ def compile_exchange(
         receives, sends: the rank's :func:`exchange_ranges`.
         cp_rank: this rank.
         cp: the CP group size.
-        steps: the rank's ring steps (its schedule's ``steps``, ascending distance, calls on the host).
+        steps: the rank's ring steps (ascending distance, calls on the host), their calls reading
+            the rows received from the step's source (its ranges of ``receives``, concatenated)
+            rather than its whole compact buffer.
         gpus_per_node: CP rank ``c`` is on node ``c // gpus_per_node``: pieces cross nodes once per
             node, through a proxy (:func:`ringpack.traffic.proxy_index`). ``None``: every piece
             straight to each rank that needs it.
@@ -273,7 +252,7 @@ def compile_exchange(
             second array), asked for the sources on other nodes only.
 
     Returns:
-        The exchange map, its steps' calls remapped onto the compressed receive buffers.
+        The exchange map; its steps are those of ``steps`` with a source, in receive order.
     """
     node = (lambda r: 0) if gpus_per_node is None else (lambda r: r // gpus_per_node)
     mine = node(cp_rank)
@@ -292,13 +271,13 @@ def compile_exchange(
             relayed.append((src, lo, count, proxy))
             relay_in_of[src] = _segments(receivers, cp_rank)
     sources, recv_tokens, own_steps, via = [], [], [], []
-    for src, lo, count, frm in direct + proxied_by_me + relayed:
+    for src, _, count, frm in direct + proxied_by_me + relayed:
         distance = (cp_rank - src) % cp
         i = bisect.bisect_left(steps, distance, key=lambda st: st.distance)
         assert i < len(steps) and steps[i].distance == distance, "every source has a ring step"
         sources.append(src)
         recv_tokens.append(int(count.sum()))
-        own_steps.append(_remap_step(steps[i], lo, count))
+        own_steps.append(steps[i])
         via.append(frm)
     index_of = {src: i for i, src in enumerate(sources)}
     proxied = tuple(
@@ -369,7 +348,7 @@ def _segments(receivers: np.ndarray, rank: int, position: Callable | None = None
     rows = receivers[receivers[:, 0] == rank]
     u = position(rows[:, 1])
     n = rows[:, 2]
-    offset = _cumsum0(n)[:-1]
+    offset = cumsum0(n)[:-1]
     runs = []
     for a, o, c in zip(u.tolist(), offset.tolist(), n.tolist()):
         if runs and runs[-1][0] + runs[-1][2] == a and runs[-1][1] + runs[-1][2] == o:
@@ -426,7 +405,7 @@ def _by_partner(ranges: np.ndarray, cp_rank: int, cp: int, sign: int):
 def _compressed(lo: np.ndarray, count: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
     """The compressed index on the rows of ranges ``lo:lo+count`` (ascending, concatenated): how
     many of their rows come before full-buffer row ``x``."""
-    cum = _cumsum0(count)
+    cum = cumsum0(count)
 
     def received_before(x):
         x = np.asarray(x, dtype=np.int64)
@@ -435,37 +414,3 @@ def _compressed(lo: np.ndarray, count: np.ndarray) -> Callable[[np.ndarray], np.
         return np.where(i < 0, 0, cum[at] + np.minimum(x - lo[at], count[at]))
 
     return received_before
-
-
-def _remap_step(step: Any, lo: np.ndarray, count: np.ndarray) -> Any:
-    """``step`` with its calls' key rows moved from the full compact buffer onto the received rows
-    (ranges ``lo:lo+count``, ascending, concatenated)."""
-    received_before = _compressed(lo, count)
-    return replace(step, calls=tuple(_remap_call(call, received_before) for call in step.calls))
-
-
-def _remap_call(call: Any, received_before: Callable[[np.ndarray], np.ndarray]) -> Any:
-    """A remote call (and its dense parts and rest calls) on the compressed buffer; segments left
-    with neither queries nor keys are dropped."""
-    assert call.k_range is None, "remote calls read their whole buffer"
-    cu_q = call.cu_seqlens_q.numpy().astype(np.int64)
-    old_k = call.cu_seqlens_k.numpy().astype(np.int64)
-    cu_k = received_before(old_k)
-    seg_q, seg_k = np.diff(cu_q), np.diff(cu_k)
-    assert (seg_k == np.diff(old_k))[seg_q > 0].all(), "a call reads only received rows"
-    kept = np.append(0, np.flatnonzero((seg_q > 0) | (seg_k > 0)) + 1)
-    return replace(
-        call,
-        cu_seqlens_q=torch.from_numpy(cu_q[kept].astype(np.int32)),
-        cu_seqlens_k=torch.from_numpy(cu_k[kept].astype(np.int32)),
-        max_seqlen_k=int(seg_k.max()),
-        dense=tuple(_remap_dense(d, received_before) for d in call.dense),
-        rest=tuple(_remap_call(r, received_before) for r in call.rest),
-    )
-
-
-def _remap_dense(segment: Any, received_before: Callable[[np.ndarray], np.ndarray]) -> Any:
-    """A dense segment of a remote call with its keys' first row on the compressed buffer."""
-    k_start, k_stop = received_before(np.array((segment.k_start, segment.k_start + segment.k_len))).tolist()
-    assert k_stop - k_start == segment.k_len, "a dense segment reads only received rows"
-    return segment._replace(k_start=k_start)

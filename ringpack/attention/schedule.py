@@ -35,7 +35,7 @@ from ringpack.attention.mode_choice import ModeChoice
 from ringpack.errors import PlanError
 from ringpack.modes import HYBRID_MODES
 from ringpack.piece_table import PieceTable, piece_table
-from ringpack.ranges import concat_ranges
+from ringpack.ranges import concat_ranges, cumsum0, prefix_rows, run_starts
 from ringpack.shard_plan import ColumnShards, MicroBatch, Piece, RankShard
 from ringpack.traffic import microbatch_over_budget
 
@@ -647,15 +647,11 @@ def compile_schedule(
     mine_needed = mine[table.needed[mine]]
     send_index = concat_ranges(table.offset[mine_needed], table.stop[mine_needed] - table.start[mine_needed])
     receives, sends = exchange_ranges(table, mine, cp_rank)  # from this rank's samples only
-    sources = set(receives[:, 0].tolist())
-    steps = tuple(
-        RingStep(
-            distance=t,
-            calls=_remote_calls(table, mine, table.rows_of(src), num_tokens, dense) if src in sources else (),
-        )
-        for t, src in ((t, (cp_rank - t) % cp) for t in table.distances)
-    )
     fallback = microbatch_over_budget(microbatch, gpus_per_node, options.max_partners)
+    on_buffer, on_received = _remote_calls(table, mine, receives, num_tokens, dense, received=not fallback)
+    sources = [(t, (cp_rank - t) % cp) for t in table.distances]
+    steps = tuple(RingStep(distance=t, calls=on_buffer.get(src, ())) for t, src in sources)
+    received_steps = tuple(RingStep(distance=t, calls=on_received.get(src, ())) for t, src in sources)
     mode = None
     if options.mode_choice is not None:
         mode = options.mode_choice.pick(microbatch, gpus_per_node, options.max_partners)
@@ -670,7 +666,7 @@ def compile_schedule(
         send_range=_as_range(send_index),
         local=_local_call(table, mine, dense) if num_tokens else None,
         steps=steps,
-        exchange=None if fallback else _exchange(table, cp_rank, receives, sends, steps, gpus_per_node),
+        exchange=None if fallback else _exchange(table, cp_rank, receives, sends, received_steps, gpus_per_node),
         gpus_per_node=None if gpus_per_node is None else int(gpus_per_node),
         head_layout=_head_layout(table, microbatch.samples, fingerprint, dense)
         if cp <= MAX_HEAD_PARALLEL_RANKS
@@ -841,54 +837,131 @@ def _local_call(table: PieceTable, mine: np.ndarray, dense: DenseOptions) -> Ker
 
 
 def _remote_calls(
-    table: PieceTable, mine: np.ndarray, theirs: np.ndarray, num_tokens: int, dense: DenseOptions
-) -> tuple[KernelCall, ...]:
-    """Non-causal calls of this rank's queries against source rank's compact buffer (usually one call)."""
-    src = theirs[table.needed[theirs]]
-    if src.size == 0 or mine.size == 0:
-        return ()
-    buffer_len = int((table.stop[src] - table.start[src]).sum())
-    # key prefix of each local piece: needed source pieces of the same sample with stop <= its start
-    scale = table.key_scale
-    keys = table.slot[src] * scale + table.stop[src]  # sorted: canonical order on the source rank
-    first = np.searchsorted(keys, table.slot[mine] * scale, side="left")
-    last = np.searchsorted(keys, table.slot[mine] * scale + table.start[mine], side="right")
-    bounds = np.append(table.compact[src], buffer_len)
-    has = last > first
-    if not has.any():
-        return ()
-    k_lo, k_hi = bounds[first], bounds[last]
+    table: PieceTable, mine: np.ndarray, receives: np.ndarray, num_tokens: int, dense: DenseOptions, received: bool
+) -> tuple[dict[int, tuple[KernelCall, ...]], dict[int, tuple[KernelCall, ...]]]:
+    """The non-causal calls of this rank's queries (table rows ``mine``) against the keys of each of
+    its sources (the partners of ``receives``, its :func:`exchange_ranges`), all sources in one
+    vectorised pass, usually one call per source.
 
-    # merge consecutive local pieces of one sample that need the same key range into one segment
-    idx = np.flatnonzero(has)
-    slot, klo, khi = table.slot[mine][idx], k_lo[idx], k_hi[idx]
-    adjacent = (np.diff(idx) == 1) & (slot[1:] == slot[:-1]) & (klo[1:] == klo[:-1]) & (khi[1:] == khi[:-1])
-    heads = np.flatnonzero(np.concatenate(([True], ~adjacent)))
-    tails = np.append(heads[1:], idx.size) - 1
-    q_lo = table.offset[mine[idx[heads]]]
-    ends = mine[idx[tails]]
-    q_hi = table.offset[ends] + table.stop[ends] - table.start[ends]
-    g_slot, g_klo, g_khi = slot[heads], klo[heads], khi[heads]
+    Returns:
+        ``(on_buffer, on_received)``, each source rank -> its calls. ``on_buffer``: keys read from the
+        source's whole compact send buffer (ring steps). ``on_received``: from the rows received
+        from it, its ranges of ``receives`` concatenated (the targeted exchange); empty unless
+        ``received``.
+    """
+    if not mine.size or not receives.size:
+        return {}, {}
+    src, level, q_lo, q_hi, k_lo, k_hi = _key_groups(table, mine, np.unique(receives[:, 0]))
+    if not src.size:
+        return {}, {}
+    head = run_starts(src) | run_starts(level)  # one call per (source, level)
+    call_of_group, call_src = np.cumsum(head) - 1, src[head]
+    buffer_len = np.asarray(table.buffer_tokens, dtype=np.int64)[call_src]
+    on_buffer = _noncausal_calls(call_of_group, q_lo, q_hi, k_lo, k_hi, buffer_len, num_tokens, dense)
+    on_received = []
+    if received:
+        r_lo, r_hi = (_received_before(receives, src, k) for k in (k_lo, k_hi))
+        assert (r_hi - r_lo == k_hi - k_lo).all(), "a call reads only received rows"
+        cum, partner = cumsum0(receives[:, 2]), receives[:, 0]
+        r_len = cum[np.searchsorted(partner, call_src + 1)] - cum[np.searchsorted(partner, call_src)]
+        on_received = _noncausal_calls(call_of_group, q_lo, q_hi, r_lo, r_hi, r_len, num_tokens, dense)
+    return _calls_by_source(call_src, on_buffer), _calls_by_source(call_src, on_received)
 
-    # level = rank of the group among its sample's groups (nested prefixes cannot share a call)
-    new_sample = np.concatenate(([True], g_slot[1:] != g_slot[:-1]))
-    level = np.arange(heads.size) - np.maximum.accumulate(np.where(new_sample, np.arange(heads.size), 0))
-    return tuple(
-        _noncausal_call(q_lo[sel], q_hi[sel], g_klo[sel], g_khi[sel], buffer_len, num_tokens, dense)
-        for sel in (level == lv for lv in range(int(level.max()) + 1))
+
+def _calls_by_source(call_src: np.ndarray, calls: list[KernelCall]) -> dict[int, tuple[KernelCall, ...]]:
+    """``calls`` (each of source ``call_src[i]``, sources ascending) grouped by source; none: empty."""
+    if not calls:
+        return {}
+    bounds = np.flatnonzero(run_starts(call_src)).tolist() + [call_src.size]
+    return {int(call_src[a]): tuple(calls[a:b]) for a, b in zip(bounds, bounds[1:])}
+
+
+def _key_groups(table: PieceTable, mine: np.ndarray, sources: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The query-key groups of this rank's remote calls: each maximal run of its consecutive pieces
+    (table rows ``mine``) of one sample that needs the same key prefix on one source, the key
+    prefix being the source's needed pieces of that sample ending by the run's pieces' start.
+
+    Args:
+        sources: the source ranks, ascending.
+
+    Returns:
+        ``(source, level, q_lo, q_hi, k_lo, k_hi)``, int64 ``[G]``: the group's source, its level
+        (its rank among its sample's groups on that source: nested prefixes cannot share a call),
+        local query rows ``q_lo:q_hi`` and key rows ``k_lo:k_hi`` of the source's compact buffer;
+        sorted by source, level, then query rows.
+    """
+    lo, hi = np.searchsorted(table.rank, sources), np.searchsorted(table.rank, sources + 1)
+    rows, src = concat_ranges(lo, hi - lo), np.repeat(sources, hi - lo)
+    my_slot = table.slot[mine]
+    keep = table.needed[rows] & np.isin(table.slot[rows], my_slot)
+    rows, src = rows[keep], src[keep]
+    if not rows.size:
+        return tuple(np.zeros(0, dtype=np.int64) for _ in range(6))
+    # the source's needed pieces of one sample form a group; each local piece asks each source's group
+    head = run_starts(src) | run_starts(table.slot[rows])
+    first = np.flatnonzero(head)
+    n_slots = table.sample_bounds.size  # more than any slot
+    group_key = src[first] * n_slots + table.slot[rows[first]]
+    ask_src, ask_piece = np.repeat(sources, mine.size), np.tile(np.arange(mine.size), sources.size)
+    wanted = ask_src * n_slots + my_slot[ask_piece]
+    group = np.minimum(np.searchsorted(group_key, wanted), first.size - 1)
+    found = group_key[group] == wanted
+    ask_src, ask_piece, group = ask_src[found], ask_piece[found], group[found]
+    count = prefix_rows(
+        np.cumsum(head) - 1, table.start[rows], table.stop[rows], first, group, table.start[mine][ask_piece]
     )
+    has = count > 0
+    ask_src, ask_piece, count = ask_src[has], ask_piece[has], count[has]
+    k_lo = table.compact[rows[first[group[has]]]]
+    k_hi = k_lo + count
+    # merge consecutive local pieces of one sample that need the same keys of one source
+    slot = my_slot[ask_piece]
+    same = (np.diff(ask_src) == 0) & (np.diff(ask_piece) == 1) & (np.diff(slot) == 0)
+    same &= (np.diff(k_lo) == 0) & (np.diff(k_hi) == 0)
+    heads = np.flatnonzero(np.r_[True, ~same])
+    tails = np.r_[heads[1:], ask_piece.size] - 1
+    q_lo = table.offset[mine[ask_piece[heads]]]
+    ends = mine[ask_piece[tails]]
+    q_hi = table.offset[ends] + table.stop[ends] - table.start[ends]
+    src, slot, k_lo, k_hi = ask_src[heads], slot[heads], k_lo[heads], k_hi[heads]
+    index = np.arange(heads.size)
+    new_sample = run_starts(src) | run_starts(slot)
+    level = index - np.maximum.accumulate(np.where(new_sample, index, 0))
+    order = np.lexsort((level, src))
+    return src[order], level[order], q_lo[order], q_hi[order], k_lo[order], k_hi[order]
 
 
-def _noncausal_call(q_lo, q_hi, k_lo, k_hi, buffer_len: int, num_tokens: int, dense: DenseOptions) -> KernelCall:
-    """Segments (q rows [q_lo, q_hi) gathered) x (keys [k_lo, k_hi)); key gaps become zero-query segments."""
-    q_len, k_len = q_hi - q_lo, k_hi - k_lo
-    gap = k_lo - np.append(0, k_hi[:-1])
-    # segment 2i: the key gap before group i (no queries), 2i + 1: group i, last: the keys after all
-    seg_q, seg_k, seg_q_start = (np.zeros(2 * q_len.size + 1, dtype=np.int64) for _ in range(3))
-    seg_q[1:-1:2], seg_q_start[1:-1:2] = q_len, q_lo
-    seg_k[0:-1:2], seg_k[1:-1:2], seg_k[-1] = gap, k_len, buffer_len - int(k_hi[-1])
+def _received_before(receives: np.ndarray, source: np.ndarray, row: np.ndarray) -> np.ndarray:
+    """How many of the rows rank ``source[i]`` sends this rank (its ranges of ``receives``: ``(partner,
+    lo, count)`` sorted by partner then ``lo``) come before row ``row[i]`` of its compact buffer."""
+    partner, lo, count = receives[:, 0], receives[:, 1], receives[:, 2]
+    width = int(max((lo + count).max(), row.max())) + 1  # buffers are int32-indexed: no overflow
+    at = np.searchsorted(partner * width + lo, source * width + row, side="right") - 1
+    inside = np.maximum(at, 0)
+    cum = cumsum0(count)
+    before = cum[inside] - cum[np.searchsorted(partner, source)] + np.minimum(row - lo[inside], count[inside])
+    return np.where((at >= 0) & (partner[inside] == source), before, 0)
+
+
+def _noncausal_calls(
+    call_of_group, q_lo, q_hi, k_lo, k_hi, buffer_len, num_tokens: int, dense: DenseOptions
+) -> list[KernelCall]:
+    """One non-causal call per call id (``call_of_group``: ascending from 0, every id used) of its
+    groups: query rows ``[q_lo, q_hi)`` gathered x keys ``[k_lo, k_hi)`` (ascending within a call) of
+    a buffer of ``buffer_len[call]`` rows; key gaps become zero-query segments."""
+    groups, calls = q_lo.size, buffer_len.size
+    first = np.flatnonzero(run_starts(call_of_group))
+    last = np.r_[first[1:], groups] - 1
+    # call c's segments: the key gap before each group, the group; after its last group, the keys left
+    at = 2 * np.arange(groups) + call_of_group + 1
+    tail = 2 * (last + 1) + np.arange(calls)
+    seg_q, seg_k, seg_q_start = (np.zeros(2 * groups + calls, dtype=np.int64) for _ in range(3))
+    seg_q[at], seg_q_start[at], seg_k[at] = q_hi - q_lo, q_lo, k_hi - k_lo
+    seg_k[at - 1] = k_lo - np.where(run_starts(call_of_group), 0, np.r_[0, k_hi[:-1]])
+    seg_k[tail] = buffer_len - k_hi[last]
+    seg_call = np.repeat(np.arange(calls), 2 * (last - first + 1) + 1)
     keep = (seg_q > 0) | (seg_k > 0)
-    return _make_call(seg_q[keep], seg_k[keep], seg_q_start[keep], False, num_tokens, dense)
+    return _make_calls(seg_q[keep], seg_k[keep], seg_q_start[keep], seg_call[keep], False, num_tokens, dense)
 
 
 def _as_range(index: np.ndarray) -> tuple[int, int] | None:
@@ -900,13 +973,26 @@ def _as_range(index: np.ndarray) -> tuple[int, int] | None:
 
 def _query_rows(seg_q_start, seg_q, num_tokens: int) -> dict:
     """A call's ``q_index``/``q_range``: neither for all local rows in order, a range when contiguous, else an index."""
+    one = np.zeros(len(seg_q), dtype=np.int64)
+    return _query_rows_of_calls(seg_q_start, seg_q, one, np.array([0, len(seg_q)]), num_tokens)[0]
+
+
+def _query_rows_of_calls(seg_q_start, seg_q, seg_call, bounds, num_tokens: int) -> list[dict]:
+    """:func:`_query_rows` of each call (its segments ``bounds[c]:bounds[c + 1]``, ``seg_call`` their calls)."""
     q_index = concat_ranges(seg_q_start, seg_q)
-    q_range = _as_range(q_index)
-    if q_range is not None and q_index.size == num_tokens:
-        return dict(q_index=None)
-    if q_range is not None:
-        return dict(q_index=None, q_range=q_range)
-    return dict(q_index=torch.from_numpy(q_index))
+    ends = cumsum0(np.bincount(seg_call, weights=seg_q, minlength=bounds.size - 1).astype(np.int64))
+    breaks = cumsum0(np.diff(q_index) != 1)  # breaks[i]: steps other than +1 among rows 0..i
+    out = []
+    for a, b in zip(ends[:-1].tolist(), ends[1:].tolist()):
+        if b > a and breaks[b - 1] == breaks[a]:
+            out.append(
+                dict(q_index=None)
+                if b - a == num_tokens
+                else dict(q_index=None, q_range=(int(q_index[a]), int(q_index[b - 1]) + 1))
+            )
+        else:
+            out.append(dict(q_index=torch.from_numpy(q_index[a:b].copy())))
+    return out
 
 
 def is_dense_segment(len_q, len_k, dense_threshold: int):
@@ -948,17 +1034,44 @@ def _bucket_step(length: np.ndarray, buckets: int) -> np.ndarray:
 def _make_call(seg_q, seg_k, seg_q_start, causal: bool, num_tokens: int, dense: DenseOptions) -> KernelCall:
     """The call of segments ``seg_q[b]`` queries (local rows ``seg_q_start[b]`` on) x ``seg_k[b]`` keys,
     plus its dense split (none when ``dense.threshold`` is None)."""
-    call = KernelCall(
-        cu_seqlens_q=_cu(seg_q),
-        cu_seqlens_k=_cu(seg_k),
-        max_seqlen_q=int(seg_q.max()),
-        max_seqlen_k=int(seg_k.max()),
-        causal=causal,
-        **_query_rows(seg_q_start, seg_q, num_tokens),
-    )
+    one = np.zeros(len(seg_q), dtype=np.int64)
+    return _make_calls(seg_q, seg_k, seg_q_start, one, causal, num_tokens, dense)[0]
+
+
+def _make_calls(
+    seg_q, seg_k, seg_q_start, seg_call, causal: bool, num_tokens: int, dense: DenseOptions
+) -> list[KernelCall]:
+    """:func:`_make_call` of many calls at once: segment ``b`` belongs to call ``seg_call[b]``
+    (ascending from 0, every call with at least one segment)."""
+    bounds = np.r_[np.flatnonzero(run_starts(seg_call)), seg_call.size]
+    cu_q, cu_k = _cu_of_calls(seg_q, seg_call, bounds), _cu_of_calls(seg_k, seg_call, bounds)
+    max_q, max_k = np.maximum.reduceat(seg_q, bounds[:-1]).tolist(), np.maximum.reduceat(seg_k, bounds[:-1]).tolist()
+    rows = _query_rows_of_calls(seg_q_start, seg_q, seg_call, bounds, num_tokens)
+    calls = [
+        KernelCall(
+            cu_seqlens_q=torch.from_numpy(cu_q[a + c : b + c + 1].copy()),
+            cu_seqlens_k=torch.from_numpy(cu_k[a + c : b + c + 1].copy()),
+            max_seqlen_q=max_q[c],
+            max_seqlen_k=max_k[c],
+            causal=causal,
+            **rows[c],
+        )
+        for c, (a, b) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist()))
+    ]
     if dense.threshold is None:
-        return call
+        return calls
     long = is_dense_segment(seg_q, seg_k, dense.threshold)
+    split = np.ones(len(calls), dtype=bool) if causal and dense.batches else np.add.reduceat(long, bounds[:-1]) > 0
+    for c in np.flatnonzero(split).tolist():
+        part = slice(int(bounds[c]), int(bounds[c + 1]))
+        calls[c] = _dense_split(calls[c], seg_q[part], seg_k[part], seg_q_start[part], long[part].copy(), dense)
+    return calls
+
+
+def _dense_split(call: KernelCall, seg_q, seg_k, seg_q_start, long, dense: DenseOptions) -> KernelCall:
+    """``call`` (segments ``seg_q``, ``seg_k``, ``seg_q_start``) with its dense parts: the ``long``
+    segments, and (causal) batches of equal short ones; unchanged when it has neither."""
+    causal = call.causal
     batches = _equal_batches(seg_q, ~long, dense.threshold) if causal and dense.batches else []
     if not long.any() and not batches:
         return call
@@ -1109,3 +1222,13 @@ def _cu(lengths: np.ndarray) -> Tensor:
     cu = np.zeros(len(lengths) + 1, dtype=np.int32)
     np.cumsum(lengths, out=cu[1:])
     return torch.from_numpy(cu)
+
+
+def _cu_of_calls(lengths: np.ndarray, seg_call: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    """The int32 ``cu_seqlens`` of every call at once: call ``c``'s (its segments
+    ``bounds[c]:bounds[c + 1]``) are entries ``bounds[c] + c`` to ``bounds[c + 1] + c`` inclusive."""
+    running = np.cumsum(lengths)
+    before = cumsum0(lengths)[bounds[:-1]]  # running sum ahead of each call's first segment
+    out = np.zeros(lengths.size + bounds.size - 1, dtype=np.int32)
+    out[np.arange(lengths.size) + seg_call + 1] = running - before[seg_call]
+    return out

@@ -2,7 +2,7 @@
 
 What each rank sends and receives is checked against a brute force over the pieces (every needed
 piece once per rank that needs it, in the holder's buffer order, summing to the ``p2p`` traffic);
-the engine on the remapped steps against the dense reference through a loopback transport that
+the engine on the steps compiled on the received rows against the dense reference through a loopback transport that
 hands each rank exactly the rows its sources' maps send (fp64, 1e-10). The process-group
 transport is tested in ``test_targeted_distributed.py``.
 """
@@ -204,7 +204,7 @@ def _embedded(cp: int):
 
 def test_the_exchange_map_of_a_rank_does_not_grow_with_the_group():
     """Rank 3 of 8 and of 64, with the same pieces and partners: the map reads the same pieces
-    (its own and its samples' elsewhere), remaps the same steps and comes out the same."""
+    (its own and its samples' elsewhere), compiles the same steps and comes out the same."""
     found = {}
     for cp in (8, 64):
         mb = _embedded(cp)

@@ -577,15 +577,15 @@ def test_a_rank_compiles_remote_calls_for_its_sources_only(monkeypatch):
         shards[r].append(Piece(r, 0, 3))
         shards[(3 * r + 1) % cp].append(Piece(r, 3, 6))
     mb = microbatch_from_shards(list(range(cp)), shards, lengths)
-    calls = []
-    remote_calls = schedule_module._remote_calls
+    asked = []
+    key_groups = schedule_module._key_groups
 
-    def counted(table, mine, theirs, *args):
-        calls.append(theirs.size)
-        return remote_calls(table, mine, theirs, *args)
+    def counted(table, mine, sources):
+        asked.append(sources.tolist())
+        return key_groups(table, mine, sources)
 
-    monkeypatch.setattr(schedule_module, "_remote_calls", counted)
+    monkeypatch.setattr(schedule_module, "_key_groups", counted)
     sched = compile_schedule(mb, 5)
     assert len(sched.steps) == 32 and sum(bool(step.calls) for step in sched.steps) == 1
-    assert calls == [2], "one source, its two pieces read"
+    assert asked == [[44]], "one source asked for its keys"
     assert sched.exchange.sources == (44,) and sched.exchange.dests == ((3 * 5 + 1) % cp,)
