@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, TextIO
@@ -75,6 +76,7 @@ class Progress:
         self._start = self._last_log = time.monotonic()
         self._logged = False
         self._bar = None
+        self._lock = threading.Lock()  # counted from several threads (shard files written in parallel)
         stream = stream if stream is not None else sys.stderr
         if enabled and _is_terminal(stream):
             from tqdm.auto import tqdm
@@ -90,11 +92,16 @@ class Progress:
 
     # ------------------------------------------------------------------------------- counting
     def update(self, n: int = 1) -> None:
-        """``n`` more units done."""
-        self.advance_to(self.done + n)
+        """``n`` more units done (safe from several threads)."""
+        with self._lock:
+            self._advance_to(self.done + n)
 
     def advance_to(self, done: int, total: int | None = None) -> None:
         """``done`` units of ``total`` (``None``: the total stays) are done."""
+        with self._lock:
+            self._advance_to(done, total)
+
+    def _advance_to(self, done: int, total: int | None = None) -> None:
         if not self.enabled:
             return
         if total is not None and total != self.total:

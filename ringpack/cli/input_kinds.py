@@ -146,7 +146,8 @@ _SHARD = _rows(
     (["text_column", "tokenizer", "vocab_size", "num_proc", "no_length_cache"], ["text"]),
     (
         [
-            *("dataset", "out", *_PLANNING, "split", "column", "steps_per_file", "cache_dir", "overwrite", "json"),
+            *("dataset", "out", *_PLANNING, "split", "column", "steps_per_file", "write_threads", "cache_dir"),
+            *("overwrite", "json"),
             *("quiet", "engine", "ray_address"),
         ],
         _SHARD_KINDS,

@@ -28,7 +28,7 @@ from ringpack.cli.inputs import plan_config_from_args, samples_per_step
 from ringpack.cli.lengths_input import DEFAULT_VOCAB, add_text_flags, check_text_flags
 from ringpack.data import ray_shards
 from ringpack.data.input_blocks import TokenSpec, block_columns, list_blocks
-from ringpack.data.shard_writer import check_out_dir, write_shards
+from ringpack.data.shard_writer import DEFAULT_WRITE_THREADS, check_out_dir, write_shards
 from ringpack.data.sources import SOURCES, SampleTooLong, load_source, source_files, tokenize_dataset
 from ringpack.errors import DataError, PlanError
 from ringpack.lengths import DEFAULT_TEXT_COLUMN, lengths_from_dataset
@@ -82,6 +82,14 @@ def add_command(subparsers: Any) -> None:
         default=0,
         help="split each DP rank's file every N steps (0: one file per DP rank)",
     )
+    flag(
+        p,
+        "--write-threads",
+        type=COUNT,
+        default=0,
+        help="shard files written at once (--engine local; 0: one per core, up to "
+        f"{DEFAULT_WRITE_THREADS}; the files are the same whatever the number)",
+    )
     flag(p, "--cache-dir", help="datasets cache directory (--engine local)")
     flag(
         p,
@@ -103,7 +111,7 @@ def add_command(subparsers: Any) -> None:
 #: The engines of ``--engine`` (docs/data.md, "Sharding on a cluster").
 ENGINES = ("local", "ray")
 #: The flags only one engine uses.
-_ENGINE_FLAGS = {"num_proc": "local", "cache_dir": "local", "ray_address": "ray"}
+_ENGINE_FLAGS = {"num_proc": "local", "cache_dir": "local", "write_threads": "local", "ray_address": "ray"}
 
 
 def run_shard(args: argparse.Namespace) -> int:
@@ -128,6 +136,7 @@ def run_shard(args: argparse.Namespace) -> int:
         progress=not args.quiet,
         overwrite=args.overwrite,
         source=_source_record(args, tokenized),
+        write_threads=args.write_threads,
     )
     return _summarize(args, manifest)
 

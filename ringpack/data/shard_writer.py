@@ -16,13 +16,15 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ringpack._checks import is_int
 from ringpack._files import atomic_write, file_sha256, open_regular, temp_target
 from ringpack._hints import option
 from ringpack.data.shard_format import (
@@ -43,6 +45,7 @@ from ringpack.progress import Progress
 from ringpack.shard_plan import MicroBatch, Plan, PlanConfig
 
 __all__ = [
+    "DEFAULT_WRITE_THREADS",
     "TOKEN_ID_LIMIT",
     "ShardFile",
     "ShardRun",
@@ -292,6 +295,7 @@ def write_shards(
     progress: bool | None = None,
     overwrite: bool = False,
     source: dict[str, Any] | None = None,
+    write_threads: int = 0,
 ) -> dict[str, Any]:
     """Plan ``dataset`` and write its balanced shards (the layout of :mod:`~ringpack.data.shard_format`).
 
@@ -307,6 +311,9 @@ def write_shards(
             log lines); ``None`` is ``True``, ``False`` shows nothing.
         overwrite: replace the shards of another plan or dataset found in ``out_dir``.
         source: where the data came from, recorded in the manifest as given.
+        write_threads: shard files written at once, each by a thread (Parquet's encoding and
+            compression run outside the interpreter lock); ``0``: :data:`DEFAULT_WRITE_THREADS`
+            capped by the CPU count. The files' bytes do not depend on it.
 
     Returns:
         The manifest, also written to ``out_dir/manifest.json`` (plan hash, dataset fingerprint,
@@ -322,6 +329,8 @@ def write_shards(
     An interrupted run of the same inputs resumes: files whose checksum matches are kept.
     """
     show = progress is not False
+    if not is_int(write_threads) or write_threads < 0:
+        raise ValueError(f"write_threads must be an integer >= 0 (0: automatic), got {write_threads!r}")
     out = Path(out_dir)
     check_out_dir(out, _dataset_files(dataset))
     lengths = lengths_from_dataset(dataset, column)
@@ -331,12 +340,31 @@ def write_shards(
     run = ShardRun.start(out, plan, fingerprint, column, steps_per_file, overwrite)
     rows = _DatasetRows(dataset, column)
     with Progress(f"writing shards to {out}", "micro-batches", run.total_microbatches, enabled=show) as bar:
-        for file in run.layout:
-            if file.name in run.finished:
-                bar.update(run.microbatches(file))
-            else:
-                run.record_finished(file.name, write_shard_file(out, plan, file, rows, bar))
+        todo = [file for file in run.layout if file.name not in run.finished]
+        bar.update(run.total_microbatches - sum(run.microbatches(file) for file in todo))
+        threads = write_threads or min(DEFAULT_WRITE_THREADS, os.cpu_count() or 1)
+        _write_files(todo, lambda file: write_shard_file(out, plan, file, rows, bar), run.record_finished, threads)
     return run.finish(lengths, source)
+
+
+#: Shard files :func:`write_shards` writes at once by default (fewer on a machine with fewer CPUs).
+DEFAULT_WRITE_THREADS = 4
+
+
+def _write_files(
+    files: list[ShardFile], write: Callable[[ShardFile], str], record: Callable[[str, str], None], threads: int
+) -> None:
+    """``write(file)`` of every file on ``threads`` threads, ``record(name, sha256)`` in this thread as
+    each one ends. On an error (or an interrupt) files not started are left, those being written
+    are finished (each renamed into place whole, so a re-run keeps them), and the error is raised."""
+    with ThreadPoolExecutor(threads, thread_name_prefix="ringpack-shard") as pool:
+        names = {pool.submit(write, file): file.name for file in files}
+        try:
+            for done in as_completed(names):
+                record(names[done], done.result())
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
 
 
 def plan_for_shards(lengths: np.ndarray, config: PlanConfig, show: bool) -> Plan:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -117,7 +118,7 @@ def test_rerun_is_byte_identical_and_resumes_after_crash(corpus, tmp_path, monke
 
     monkeypatch.setattr(shards_mod, "_microbatch_table", dying)
     with pytest.raises(KeyboardInterrupt):
-        write_shards(corpus["ds"], out, config, progress=False)
+        write_shards(corpus["ds"], out, config, progress=False, write_threads=1)
     monkeypatch.setattr(shards_mod, "_microbatch_table", real)
     assert not (out / "manifest.json").exists()
     assert (out / "dp00000-of-00002.parquet").exists() and not (out / "dp00001-of-00002.parquet").exists()
@@ -130,9 +131,49 @@ def test_rerun_is_byte_identical_and_resumes_after_crash(corpus, tmp_path, monke
         config,
         progress=False,
         source=json.loads((corpus["out"] / "manifest.json").read_text())["source"],
+        write_threads=3,
     )
     assert file_sha256(out / "dp00000-of-00002.parquet") == first
     assert {p.name: file_sha256(p) for p in out.iterdir()} == ref
+
+
+def test_files_written_in_parallel_are_the_same_and_a_failure_leaves_whole_files(corpus, tmp_path, monkeypatch):
+    """Three writing threads over many small files: the files equal one thread's; a file that fails
+    stops the files not started, the others finish whole, no manifest is written, and a re-run
+    completes the same files."""
+    config = PlanConfig(dp=DP, cp=CP, tokens_per_rank=T, **OPTS)
+    one = tmp_path / "one-thread"
+    write_shards(corpus["ds"], one, config, progress=False, steps_per_file=1, write_threads=1)
+    ref = {p.name: file_sha256(p) for p in one.iterdir()}
+    assert len(ref) > 8
+
+    out = tmp_path / "three-threads"
+    real = shards_mod.write_shard_file
+
+    def failing(out_dir, plan, file, rows, bar=None):
+        if file.name == "dp00000-of-00002-steps-000000-000000.parquet":  # the first file, at once
+            raise OSError("disk full (simulated)")
+        time.sleep(0.2)  # the others take a while: the error comes while they are being written
+        return real(out_dir, plan, file, rows, bar)
+
+    monkeypatch.setattr(shards_mod, "write_shard_file", failing)
+    with pytest.raises(OSError, match="disk full"):
+        write_shards(corpus["ds"], out, config, progress=False, steps_per_file=1, write_threads=3)
+    monkeypatch.setattr(shards_mod, "write_shard_file", real)
+    assert not (out / "manifest.json").exists()
+    written = {p.name: file_sha256(p) for p in out.iterdir() if p.name.endswith(".parquet")}
+    assert written and all(ref[name] == sha for name, sha in written.items()), "every file left is whole"
+    assert len(written) <= 3, "the files not started when the error came were left"
+    write_shards(corpus["ds"], out, config, progress=False, steps_per_file=1, write_threads=3)
+    assert {p.name: file_sha256(p) for p in out.iterdir()} == ref
+
+
+def test_write_threads_must_be_a_count(corpus, tmp_path):
+    config = PlanConfig(dp=DP, cp=CP, tokens_per_rank=T, **OPTS)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="write_threads"):
+            write_shards(corpus["ds"], tmp_path / "out", config, progress=False, write_threads=bad)
+    assert not (tmp_path / "out").exists()
 
 
 def test_corrupt_and_truncated_files_name_the_file(corpus, tmp_path):
