@@ -143,17 +143,18 @@ def test_strategy_plans_are_exact_with_the_dense_split(strategy, cp):
     buckets=st.sampled_from([None, 1, 2, 8]),
 )
 def test_random_plans_are_exact_with_the_dense_split(seed, cp, n, gqa, threshold, buckets):
-    from ringpack.attention import kernels, schedule
+    from ringpack.attention import kernel_calls, kernels
 
     kernels.TAIL_CHUNK_ROWS, saved = (
         1 + seed % 3,
         kernels.TAIL_CHUNK_ROWS,
     )  # key tails' backward cut into small segments
-    schedule.LOCAL_RUN_ROWS, saved_rows = 1 + seed % 7, schedule.LOCAL_RUN_ROWS  # the local rest cut into several calls
+    saved_rows = kernel_calls.LOCAL_RUN_ROWS
+    kernel_calls.LOCAL_RUN_ROWS = 1 + seed % 7  # the local rest cut into several calls
     try:
         _random_plan_with_the_dense_split(seed, cp, n, gqa, threshold, buckets)
     finally:
-        kernels.TAIL_CHUNK_ROWS, schedule.LOCAL_RUN_ROWS = saved, saved_rows
+        kernels.TAIL_CHUNK_ROWS, kernel_calls.LOCAL_RUN_ROWS = saved, saved_rows
 
 
 def _random_plan_with_the_dense_split(seed, cp, n, gqa, threshold, buckets):

@@ -19,7 +19,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ringpack.attention import compile_schedule, kernels, ring, schedule
+from ringpack.attention import compile_schedule, kernel_calls, kernels, ring
 from ringpack.shard_plan import MicroBatch, Piece, microbatch_from_shards
 
 HEADS, KV_HEADS, DIM = 4, 1, 16
@@ -93,7 +93,7 @@ def _inputs(num_tokens: int):
 
 @pytest.mark.parametrize("run_rows", [64, 8192])
 def test_forward_holds_one_part_beside_the_result(stub_kernels, monkeypatch, run_rows):
-    monkeypatch.setattr(schedule, "LOCAL_RUN_ROWS", run_rows)
+    monkeypatch.setattr(kernel_calls, "LOCAL_RUN_ROWS", run_rows)
     sched = compile_schedule(_one_rank(LENGTHS), 0, dense_threshold=64, dense_buckets=2)
     local = sched.local
     assert len(local.dense) >= 2 and len(local.rest) >= 2, "the plan must have several parts"
@@ -109,7 +109,7 @@ def test_forward_holds_one_part_beside_the_result(stub_kernels, monkeypatch, run
 
 
 def test_backward_holds_one_part_beside_the_gradients(stub_kernels, monkeypatch):
-    monkeypatch.setattr(schedule, "LOCAL_RUN_ROWS", 64)
+    monkeypatch.setattr(kernel_calls, "LOCAL_RUN_ROWS", 64)
     sched = compile_schedule(_one_rank(LENGTHS), 0, dense_threshold=64, dense_buckets=2)
     q, k, v = _inputs(sched.num_tokens)
     out, lse = ring.attention_forward(q, k, v, sched, ring.PassConfig(0.5, "reference_hybrid"))

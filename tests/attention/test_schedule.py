@@ -362,16 +362,16 @@ def _check_rest_calls(call, run_rows: int | None) -> None:
     run_rows=st.sampled_from([1, 5, 16, 8192]),
 )
 def test_dense_split_partitions_every_call(seed, cp, n, threshold, buckets, run_rows):
-    from ringpack.attention import schedule
+    from ringpack.attention import kernel_calls
 
-    schedule.LOCAL_RUN_ROWS, saved = (
+    kernel_calls.LOCAL_RUN_ROWS, saved = (
         run_rows,
-        schedule.LOCAL_RUN_ROWS,
+        kernel_calls.LOCAL_RUN_ROWS,
     )  # the local rest cut into calls of at most this many rows
     try:
         _dense_split_partitions_every_call(seed, cp, n, threshold, buckets, run_rows)
     finally:
-        schedule.LOCAL_RUN_ROWS = saved
+        kernel_calls.LOCAL_RUN_ROWS = saved
 
 
 def _dense_split_partitions_every_call(seed, cp, n, threshold, buckets, run_rows):
