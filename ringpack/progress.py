@@ -76,7 +76,7 @@ class Progress:
         self._start = self._last_log = time.monotonic()
         self._logged = False
         self._bar = None
-        self._lock = threading.Lock()  # counted from several threads (shard files written in parallel)
+        self._lock = threading.RLock()  # counted from several threads (shard files written in parallel)
         stream = stream if stream is not None else sys.stderr
         if enabled and _is_terminal(stream):
             from tqdm.auto import tqdm
@@ -94,25 +94,22 @@ class Progress:
     def update(self, n: int = 1) -> None:
         """``n`` more units done (safe from several threads)."""
         with self._lock:
-            self._advance_to(self.done + n)
+            self.advance_to(self.done + n)
 
     def advance_to(self, done: int, total: int | None = None) -> None:
         """``done`` units of ``total`` (``None``: the total stays) are done."""
-        with self._lock:
-            self._advance_to(done, total)
-
-    def _advance_to(self, done: int, total: int | None = None) -> None:
         if not self.enabled:
             return
-        if total is not None and total != self.total:
-            self.total = total
+        with self._lock:
+            if total is not None and total != self.total:
+                self.total = total
+                if self._bar is not None:
+                    self._bar.total, self._bar.bar_format = total, _BAR_FORMAT
+            step, self.done = done - self.done, done
             if self._bar is not None:
-                self._bar.total, self._bar.bar_format = total, _BAR_FORMAT
-        step, self.done = done - self.done, done
-        if self._bar is not None:
-            self._bar.update(step)
-        elif time.monotonic() - self._last_log >= LOG_INTERVAL_S:
-            self._log()
+                self._bar.update(step)
+            elif time.monotonic() - self._last_log >= LOG_INTERVAL_S:
+                self._log()
 
     def part(self, index: int, parts: int) -> Callable[[int, int], None]:
         """A ``(done, total)`` callback for part ``index`` of ``parts`` equal parts of this work.
