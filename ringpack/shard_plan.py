@@ -590,7 +590,7 @@ class Plan:
             [pa.field(name, pa.int64()) for name in TABLE_COLUMNS],
             metadata=metadata,
         )
-        return pa.table({name: arrays[name] for name in TABLE_COLUMNS}, schema=schema)
+        return pa.Table.from_arrays([_int64_array(arrays[name]) for name in TABLE_COLUMNS], schema=schema)
 
     @classmethod
     def from_table(cls, table: pa.Table) -> Plan:
@@ -945,3 +945,13 @@ def _steps_from_columns(
     if built != len(grouped):
         raise PlanError(f"{len(grouped) - built} micro-batches of the piece table do not follow 0, 1, 2, ... per rank")
     return tuple(steps)
+
+
+def _int64_array(values: np.ndarray) -> Any:
+    """``values`` as an Arrow int64 array, sharing their memory. Not ``pa.array``: it asks pandas
+    whether the input is one of its types, which imports pandas (0.7 s) in a process that has not
+    (a Ray driver writing ``plan.parquet``)."""
+    import pyarrow as pa
+
+    values = np.ascontiguousarray(values, dtype=np.int64)
+    return pa.Array.from_buffers(pa.int64(), len(values), [None, pa.py_buffer(values)])
