@@ -426,9 +426,7 @@ def _cut_run(run: np.ndarray, lengths: np.ndarray, max_rows: int) -> list[np.nda
 
 def cu_seqlens(lengths: np.ndarray) -> Tensor:
     """int32 ``[n + 1]``: ``0`` then the running sums of ``lengths``."""
-    cu = np.zeros(len(lengths) + 1, dtype=np.int32)
-    np.cumsum(lengths, out=cu[1:])
-    return torch.from_numpy(cu)
+    return torch.from_numpy(cumsum0(np.asarray(lengths)).astype(np.int32))
 
 
 def _cu_of_calls(lengths: np.ndarray, seg_call: np.ndarray, bounds: np.ndarray) -> np.ndarray:

@@ -29,6 +29,7 @@ from ringpack.attention.schedule import ScheduleOptions
 from ringpack.data.sampler import MicroBatchTicket
 from ringpack.data.shard_format import IGNORE_INDEX, TOKEN_ID_LIMIT
 from ringpack.lengths import DataError, is_dataset
+from ringpack.ranges import cumsum0
 from ringpack.shard_plan import MicroBatch
 
 __all__ = [
@@ -221,8 +222,7 @@ def rank_arrays(
     the piece ends its sample.
     """
     lens = np.fromiter((len(t) for t in piece_tokens), dtype=np.int64, count=len(piece_tokens))
-    cu = np.zeros(len(lens) + 1, dtype=np.int64)
-    np.cumsum(lens, out=cu[1:])
+    cu = cumsum0(lens)
     total = int(cu[-1])
     input_ids = (
         np.concatenate(piece_tokens).astype(np.int64, copy=False) if piece_tokens else np.zeros(0, dtype=np.int64)

@@ -24,6 +24,7 @@ import numpy as np
 
 from ringpack._files import atomic_write, temp_target
 from ringpack.errors import DataError
+from ringpack.ranges import cumsum0
 
 __all__ = ["SPILL_FOLDER", "SpillFolder", "SpilledRows", "write_block_ids"]
 
@@ -88,8 +89,7 @@ def write_block_ids(path: str, token: str, lengths: np.ndarray, ids: np.ndarray)
     """
     import pyarrow as pa
 
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
+    offsets = cumsum0(np.asarray(lengths, dtype=np.int64))
     column = pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(np.asarray(ids, dtype=np.int32)))
     schema = pa.schema([pa.field("ids", column.type)], metadata={_METADATA_KEY: token.encode()})
     batch = pa.record_batch([column], schema=schema)
@@ -125,9 +125,7 @@ class SpilledRows:
             for i, piece in zip(mine, self._read(b, [int(rows[i]) - self.first_rows[b] for i in mine])):
                 pieces[i] = piece
         sizes = np.fromiter((len(p) for p in pieces), dtype=np.int64, count=len(pieces))
-        offsets = np.zeros(len(pieces) + 1, dtype=np.int64)
-        np.cumsum(sizes, out=offsets[1:])
-        return offsets, np.concatenate(pieces) if pieces else np.zeros(0, np.int32)
+        return cumsum0(sizes), np.concatenate(pieces) if pieces else np.zeros(0, np.int32)
 
     def _read(self, block: int, local: list[int]) -> list[np.ndarray]:
         """The ids of rows ``local`` of block ``block``."""

@@ -26,6 +26,7 @@ from ringpack.data.shard_writer import checked_token_ids
 from ringpack.data.sources import SourceFiles, encode_texts, refuse_too_long
 from ringpack.errors import DataError
 from ringpack.lengths import lengths_from_arrow, read_arrow_table
+from ringpack.ranges import cumsum0
 
 __all__ = [
     "DEFAULT_BLOCK_BYTES",
@@ -223,8 +224,7 @@ def _tokenized(texts: Any, spec: TokenSpec, max_tokens: int | None) -> Any:
         lengths.append(np.fromiter(map(len, ids), dtype=np.int64, count=len(ids)))
         refuse_too_long(lengths[-1], max_tokens, first=start)
         values.append(np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=int(lengths[-1].sum())))
-    offsets = np.zeros(len(texts) + 1, dtype=np.int64)
-    np.cumsum(np.concatenate(lengths) if lengths else np.zeros(0, np.int64), out=offsets[1:])
+    offsets = cumsum0(np.concatenate(lengths) if lengths else np.zeros(0, np.int64))
     flat = np.concatenate(values) if values else np.zeros(0, np.int64)
     return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(flat))
 

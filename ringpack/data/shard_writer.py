@@ -42,6 +42,7 @@ from ringpack.errors import DataError
 from ringpack.lengths import lengths_from_dataset
 from ringpack.planner import make_plan
 from ringpack.progress import Progress
+from ringpack.ranges import cumsum0
 from ringpack.shard_plan import MicroBatch, Plan, PlanConfig
 
 __all__ = [
@@ -277,8 +278,7 @@ def _microbatch_table(
             cols["next_token"].append(int(ids[p.stop]) if p.stop < len(ids) else IGNORE_INDEX)
             pieces.append(ids[p.start : p.stop])
     lens = np.fromiter((len(x) for x in pieces), dtype=np.int32, count=len(pieces))
-    offsets = np.zeros(len(pieces) + 1, dtype=np.int32)
-    np.cumsum(lens, out=offsets[1:])
+    offsets = cumsum0(lens).astype(np.int32)
     values = np.concatenate(pieces).astype(np.int32)
     arrays = [pa.array(np.asarray(cols[name], dtype=np.int64)) for name in PIECE_COLUMNS]
     arrays.append(pa.ListArray.from_arrays(pa.array(offsets), pa.array(values)))

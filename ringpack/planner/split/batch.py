@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ringpack.planner.split.problem import SplitProblem
+from ringpack.ranges import cumsum0
 
 if TYPE_CHECKING:
     from ringpack.cost import CostModel
@@ -90,8 +91,7 @@ class ProblemBatch:
         """
         G = len(groups)
         sizes = np.fromiter((len(g) for g in groups), dtype=np.int64, count=G)
-        starts = np.zeros(G + 1, dtype=np.int64)
-        np.cumsum(sizes, out=starts[1:])
+        starts = cumsum0(sizes)
         bounds = starts.tolist()
         lens_of, flat = _gather_lengths(groups, lengths, bounds)
         totals = [sum(lens) for lens in lens_of]
